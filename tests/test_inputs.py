@@ -1,0 +1,63 @@
+"""Prompt files: every bad line is reported with its file, line and field, before anything runs."""
+
+import pytest
+
+from toolkit.inputs import InputError, check_unique_ids, read_prompt_at, scan_dataset
+
+
+def scan(tmp_path, data: bytes, name="ds"):
+    p = tmp_path / f"{name}.jsonl"
+    p.write_bytes(data)
+    return p, list(scan_dataset(p, name))
+
+
+def test_both_forms_and_default_ids(tmp_path):
+    p, prompts = scan(tmp_path, b'{"prompt": "hi"}\n\n{"id": 7, "messages": [{"role": "user", "content": "yo"}], "tools": [{"type": "function"}]}\n')
+    assert [x.id for x in prompts] == ["ds:1", "7"]
+    assert prompts[0].messages == [{"role": "user", "content": "hi"}]
+    assert prompts[1].line == 3 and prompts[1].tools == [{"type": "function"}]
+    again = read_prompt_at(p, "ds", 3, prompts[1].offset, prompts[1].length)
+    assert again.messages == prompts[1].messages and again.id == "7"
+
+
+@pytest.mark.parametrize(
+    "line, field, words",
+    [
+        (b'{"prompt": "ok"', None, "malformed JSON"),
+        (b'\xff\xfe{"prompt": "x"}', None, "not valid UTF-8"),
+        (b'["prompt"]', None, "expected a JSON object"),
+        (b'{"id": "x"}', "messages", "missing"),
+        (b'{"prompt": 3}', "prompt", "must be a string"),
+        (b'{"messages": []}', "messages", "non-empty list"),
+        (b'{"messages": [{"content": "x"}]}', "messages[0].role", "missing or not a string"),
+        (b'{"messages": [{"role": "user"}]}', "messages[0].content", "missing"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content", "must be a string"),
+        (b'{"messages": ["hi"]}', "messages[0]", "must be an object"),
+        (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "messages", "both"),
+        (b'{"id": [1], "prompt": "x"}', "id", "string or an integer"),
+        (b'{"prompt": "x", "tools": "calc"}', "tools", "list of tool objects"),
+    ],
+)
+def test_bad_lines(tmp_path, line, field, words):
+    with pytest.raises(InputError) as e:
+        scan(tmp_path, b'{"prompt": "fine"}\n' + line + b"\n")
+    err = e.value
+    assert err.line == 2 and err.field == field
+    assert f"ds.jsonl:2:" in str(err) and words in str(err)
+    assert "then run again" in str(err) or "UTF-8" in str(err)
+
+
+def test_empty_dataset(tmp_path):
+    with pytest.raises(InputError, match="has no prompts"):
+        scan(tmp_path, b"\n\n")
+
+
+def test_duplicate_ids_within_and_across(tmp_path):
+    pa, a = scan(tmp_path, b'{"id": "x", "prompt": "1"}\n{"id": "y", "prompt": "2"}\n', "a")
+    pb, b = scan(tmp_path, b'{"id": "z", "prompt": "1"}\n{"id": "x", "prompt": "2"}\n', "b")
+    with pytest.raises(InputError) as e:
+        check_unique_ids(a + b, {"a": str(pa), "b": str(pb)})
+    assert e.value.line == 2 and str(pb) in str(e.value) and f"{pa}:1" in str(e.value)
+    _, c = scan(tmp_path, b'{"id": "q", "prompt": "1"}\n{"id": "q", "prompt": "2"}\n', "c")
+    with pytest.raises(InputError, match="duplicate id 'q'"):
+        check_unique_ids(c, {"c": "c.jsonl"})

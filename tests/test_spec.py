@@ -1,0 +1,94 @@
+"""Job specs: every mistake is caught at load time with the file and the key named."""
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.spec import SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+BASE = """
+name = "t"
+output_dir = "out"
+[model]
+path = "tok"
+[sampling]
+max_new_tokens = 64
+[[datasets]]
+name = "a"
+path = "a.jsonl"
+"""
+
+
+def write(tmp_path, text, *, files=True):
+    if files:
+        (tmp_path / "tok").mkdir(exist_ok=True)
+        (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return p
+
+
+def test_demo_job_loads_with_resolved_paths():
+    spec = load_spec(REPO / "jobs" / "demo.toml")
+    assert spec.engine.kind == "stub"
+    assert Path(spec.model.path).is_absolute() and Path(spec.model.path).is_dir()
+    assert all(Path(d.path).is_file() for d in spec.datasets)
+    assert spec.sampling_for("chat")["max_new_tokens"] == 768
+    assert spec.sampling_for("math")["max_new_tokens"] == 1024
+
+
+def test_minimal_spec_gets_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, BASE))
+    assert spec.sharding.shards == 1 and spec.engine.kind == "sglang"
+    assert spec.output_dir == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (("max_new_tokens = 64", "temperature = 0.6"), "needs `max_new_tokens`"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\nseed = 1"), "unknown sampling key(s) 'seed'"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\ntop_pp = 1"), "SGLang's sampling_params accepts only"),
+        (("max_new_tokens = 64", "max_new_tokens = 0"), "positive integer"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\nn = 2"), "`n` must be 1"),
+        (('name = "t"', 'name = "t"\nbogus = 1'), "unknown field `bogus`"),
+        (('path = "tok"', 'path = "tok"\ntrust_remote = true'), "unknown field `trust_remote`"),
+        (('path = "a.jsonl"', 'path = "missing.jsonl"'), "missing.jsonl does not exist"),
+        (('path = "tok"', 'path = "nope/"'), "tokenizer path"),
+        (('path = "tok"', 'path = "tok"\nchat_template = "t.jinja"'), "chat_template file"),
+        (("max_new_tokens = 64", "max_new_tokens = \"many\""), "positive integer"),
+    ],
+)
+def test_bad_specs_are_named(tmp_path, edit, expected):
+    old, new = edit
+    p = write(tmp_path, BASE.replace(old, new, 1))
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert str(p) in str(e.value)
+    assert expected in str(e.value)
+
+
+def test_dataset_sampling_override_checked(tmp_path):
+    p = write(tmp_path, BASE + 'sampling = { seed = 3 }\n')
+    with pytest.raises(SpecError, match=r"\[\[datasets\]\] #1 \('a'\) sampling: unknown sampling key"):
+        load_spec(p)
+
+
+def test_duplicate_dataset_names(tmp_path):
+    p = write(tmp_path, BASE + '[[datasets]]\nname = "a"\npath = "a.jsonl"\n')
+    with pytest.raises(SpecError, match="used twice"):
+        load_spec(p)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="invalid TOML"):
+        load_spec(write(tmp_path, "name = \n"))
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "none.toml")
+
+
+def test_external_engine_needs_url(tmp_path):
+    with pytest.raises(SpecError, match="needs `url`"):
+        load_spec(write(tmp_path, BASE + '[engine]\nkind = "external"\n'))

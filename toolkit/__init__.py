@@ -1,0 +1,32 @@
+"""toolkit: turn a reasoning model served by SGLang into a training dataset, through raw token ids, on Slurm.
+
+Reader API: `read_run(run_dir)` and `read_shard(path)` iterate `Record`s (see toolkit.records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from .records import Record, unpack_ids
+from .shardfile import read_shard
+
+__all__ = ["Record", "read_run", "read_shard", "unpack_ids"]
+
+
+def read_run(run_dir: str | Path) -> Iterator[Record]:
+    """Every record of a run: the merged dataset if it exists, else each shard file in shard order.
+
+    Shard files may hold a record twice (a task that ran twice); the merged dataset never does.
+    """
+    from .plan import RunDir, load_run
+
+    rd, plan = load_run(run_dir)
+    merged = rd.merged_dir / "records.zst"
+    if merged.exists():
+        yield from read_shard(merged)
+        return
+    for s in plan.shards:
+        path = rd.shard_file(s.index)
+        if path.exists():
+            yield from read_shard(path)

@@ -1,0 +1,329 @@
+"""Tokenizer and chat template: what the model sees.
+
+Owns loading a model's tokenizer the way the model itself is loaded, resolving the token ids that records are split
+on (think start/end, tool-call section, eos), and rendering prompts to the exact `input_ids` sent to the engine.
+transformers is imported inside the functions that need it, so importing this module stays cheap.
+
+The functions take duck-typed arguments: `model` is anything with the attributes of the job's [model] table
+(path, tokenizer_path, trust_remote_code, chat_template, chat_template_kwargs, think_start, think_end,
+tool_call_start); `prompt` is anything with id, dataset, line, messages and tools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+# Tool-call section delimiters of known families: Kimi-K2, Qwen3, DeepSeek.
+TOOL_SECTIONS: dict[str, str] = {
+    "<|tool_calls_section_begin|>": "<|tool_calls_section_end|>",
+    "<tool_call>": "</tool_call>",
+    "<｜tool▁calls▁begin｜>": "<｜tool▁calls▁end｜>",
+}
+
+# Arguments of apply_chat_template that the toolkit sets itself; chat_template_kwargs must not override them.
+RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
+
+PROBE_MESSAGES = [{"role": "user", "content": "Hello."}]
+BATCH_SIZE = 256
+
+
+class ChatError(Exception):
+    """A tokenizer, chat template or prompt cannot be used; the message says which and what to do."""
+
+
+class TokenInfo(msgspec.Struct, frozen=True):
+    """Token ids of one tokenizer that the toolkit relies on."""
+
+    think_start_id: int
+    think_end_id: int
+    eos_ids: list[int]  # tokenizer eos, then config.json / generation_config.json eos_token_id, no duplicates
+    tool_call_start_id: int | None
+    tool_call_end_id: int | None
+    vocab_size: int  # len(tokenizer): every id the tokenizer can produce, added tokens included
+    opens_reasoning: bool  # the generation prompt of a probe conversation ends inside reasoning
+    blank_ids: list[int] = []  # ids that decode to whitespace only; skipped when looking at a prompt's last token
+
+
+def load_tokenizer(model: Any) -> Any:
+    """Load the tokenizer of `model` (tokenizer_path or path), with [model] chat_template applied if set."""
+    field = "tokenizer_path" if model.tokenizer_path else "path"
+    path = Path(model.tokenizer_path or model.path)
+    if not path.is_dir():
+        raise ChatError(
+            f"tokenizer folder {path} does not exist ([model] {field}); "
+            "point it at a local folder holding the model's tokenizer files"
+        )
+    _check_kwargs(model)
+    template = None
+    if model.chat_template:
+        try:
+            template = Path(model.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ChatError(
+                f"chat template file {model.chat_template} cannot be read ({exc.strerror or exc}); "
+                "fix [model] chat_template, or remove it to use the tokenizer's own template"
+            ) from None
+
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
+        )
+    except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError, ImportError)
+        hint = "" if model.trust_remote_code else "; if the folder ships its own tokenizer code, set [model] trust_remote_code = true"
+        raise ChatError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}{hint}") from exc
+    if template is not None:
+        tok.chat_template = template
+    if not getattr(tok, "chat_template", None):
+        raise ChatError(
+            f"the tokenizer in {path} has no chat template; set [model] chat_template to a .jinja file "
+            "(templates/chat/ has examples)"
+        )
+    logger.info("loaded tokenizer %s from %s (%d ids)", type(tok).__name__, path, len(tok))
+    return tok
+
+
+def token_info(tok: Any, model: Any) -> TokenInfo:
+    """Resolve and check the think, tool-call and eos token ids of `tok`; probe whether prompts open reasoning."""
+    think_start_id = _required_single(tok, model.think_start, "think_start")
+    think_end_id = _required_single(tok, model.think_end, "think_end")
+    if think_start_id == think_end_id:
+        raise ChatError(
+            f"[model] think_start {model.think_start!r} and think_end {model.think_end!r} are the same token "
+            f"{think_start_id}; set them to the model's reasoning start and end tokens"
+        )
+    tool_start_id, tool_end_id = _tool_call_ids(tok, model)
+    blank_ids = _blank_ids(tok)
+    try:
+        probe = _render_one(tok, model, PROBE_MESSAGES, None)
+    except Exception as exc:
+        raise ChatError(f"the chat template fails on a one-message probe conversation: {type(exc).__name__}: {exc}") from exc
+    info = TokenInfo(
+        think_start_id=think_start_id,
+        think_end_id=think_end_id,
+        eos_ids=_eos_ids(tok, model),
+        tool_call_start_id=tool_start_id,
+        tool_call_end_id=tool_end_id,
+        vocab_size=len(tok),
+        opens_reasoning=False,
+        blank_ids=blank_ids,
+    )
+    info = msgspec.structs.replace(info, opens_reasoning=opens_reasoning(probe, info))
+    logger.info(
+        "think %d/%d, eos %s, tool call %s/%s, prompts %s reasoning",
+        info.think_start_id,
+        info.think_end_id,
+        info.eos_ids,
+        info.tool_call_start_id,
+        info.tool_call_end_id,
+        "open" if info.opens_reasoning else "do not open",
+    )
+    return info
+
+
+def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
+    """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
+    blank = set(info.blank_ids)
+    for token in reversed(input_ids):
+        if token not in blank:
+            return token == info.think_start_id
+    return False
+
+
+def render(tok: Any, model: Any, prompt: Any) -> list[int]:
+    """The input_ids of one prompt: its messages and tools through the chat template, with the generation prompt."""
+    try:
+        return _render_one(tok, model, prompt.messages, prompt.tools)
+    except Exception as exc:
+        raise _prompt_error(prompt, exc) from exc
+
+
+def render_many(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE) -> list[list[int]]:
+    """render() for many prompts, in order, with the same result, several times faster.
+
+    Consecutive prompts with equal tools are rendered in one apply_chat_template call, so their text is encoded
+    in one batch. When a batch fails, its prompts are rendered one by one to name the failing prompt.
+    """
+    out: list[list[int]] = []
+    batch: list[Any] = []
+    for prompt in prompts:
+        if batch and (len(batch) >= batch_size or prompt.tools != batch[0].tools):
+            out.extend(_render_batch(tok, model, batch))
+            batch = []
+        batch.append(prompt)
+    if batch:
+        out.extend(_render_batch(tok, model, batch))
+    return out
+
+
+def _render_batch(tok: Any, model: Any, batch: list[Any]) -> list[list[int]]:
+    if len(batch) == 1:
+        return [render(tok, model, batch[0])]
+    try:
+        result = tok.apply_chat_template(
+            [p.messages for p in batch],
+            tools=batch[0].tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **model.chat_template_kwargs,
+        )
+        rows = _ids(result)
+    except Exception:
+        return [render(tok, model, p) for p in batch]  # raises for the first failing prompt
+    if len(rows) != len(batch) or not all(isinstance(row, list) for row in rows):
+        return [render(tok, model, p) for p in batch]
+    return rows
+
+
+def _render_one(tok: Any, model: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    result = tok.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **model.chat_template_kwargs,
+    )
+    ids = _ids(result)
+    if ids and not isinstance(ids[0], int):
+        raise TypeError(f"apply_chat_template returned {type(ids[0]).__name__} items instead of token ids")
+    return ids
+
+
+def _ids(result: Any) -> list:
+    """Plain list from apply_chat_template output: a list, or a dict/BatchEncoding holding input_ids."""
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    if not isinstance(result, list):
+        result = list(result)
+    if result and isinstance(result[0], (list, tuple)):
+        return [row if type(row) is list and (not row or type(row[0]) is int) else [int(i) for i in row] for row in result]
+    if result and type(result[0]) is not int:
+        return [int(i) for i in result]
+    return result
+
+
+def _prompt_error(prompt: Any, exc: Exception) -> ChatError:
+    return ChatError(
+        f"{prompt.dataset} line {prompt.line} (id {prompt.id!r}): the chat template failed: "
+        f"{type(exc).__name__}: {exc}; fix this prompt's messages/tools or the [model] chat template"
+    )
+
+
+def _check_kwargs(model: Any) -> None:
+    clash = sorted(RESERVED_KWARGS.intersection(model.chat_template_kwargs))
+    if clash:
+        raise ChatError(
+            f"[model] chat_template_kwargs sets {', '.join(clash)}, which the toolkit sets itself; remove "
+            f"{'it' if len(clash) == 1 else 'them'} from chat_template_kwargs"
+        )
+
+
+def _single_id(tok: Any, text: str) -> tuple[int | None, list[int]]:
+    """The id of `text` if it is exactly one token (by vocabulary and by encoding), and what it encodes to."""
+    encoded = list(tok.encode(text, add_special_tokens=False))
+    vocab_id = tok.convert_tokens_to_ids(text)
+    unk = getattr(tok, "unk_token_id", None)
+    if isinstance(vocab_id, int) and vocab_id != unk and encoded == [vocab_id]:
+        return vocab_id, encoded
+    return None, encoded
+
+
+def _required_single(tok: Any, text: str, key: str) -> int:
+    token_id, encoded = _single_id(tok, text)
+    if token_id is None:
+        pieces = tok.convert_ids_to_tokens(encoded)
+        raise ChatError(
+            f"[model] {key} = {text!r} is not a single token of this tokenizer: it encodes to {len(encoded)} ids "
+            f"{encoded} ({pieces}); set {key} in the [model] table to the model's own token "
+            "(one entry of its vocabulary)"
+        )
+    return token_id
+
+
+def _tool_call_ids(tok: Any, model: Any) -> tuple[int | None, int | None]:
+    if model.tool_call_start:
+        start_id = _required_single(tok, model.tool_call_start, "tool_call_start")
+        end = TOOL_SECTIONS.get(model.tool_call_start) or _guess_end(model.tool_call_start)
+        return start_id, (_single_id(tok, end)[0] if end else None)
+    for start, end in TOOL_SECTIONS.items():
+        start_id, _ = _single_id(tok, start)
+        if start_id is not None:
+            return start_id, _single_id(tok, end)[0]
+    return None, None
+
+
+def _guess_end(start: str) -> str | None:
+    """The closing counterpart of a tool-call start token: <x> -> </x>, ..._begin... -> ..._end..."""
+    if "begin" in start:
+        head, _, tail = start.rpartition("begin")
+        return head + "end" + tail
+    if start.startswith("<") and not start.startswith("</"):
+        return "</" + start[1:]
+    return None
+
+
+def _eos_ids(tok: Any, model: Any) -> list[int]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool) and v not in ids:
+                ids.append(v)
+
+    add(tok.eos_token_id)
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model.path) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ChatError(f"{path} cannot be read as JSON ({exc}); fix or remove the file") from None
+        if not isinstance(data, dict):
+            raise ChatError(f"{path} is not a JSON object; fix or remove the file")
+        add(data.get("eos_token_id"))
+        if isinstance(data.get("text_config"), dict):  # multimodal models keep the language model's config here
+            add(data["text_config"].get("eos_token_id"))
+    if not ids:
+        raise ChatError(
+            f"no eos token id found: the tokenizer has no eos_token and {model.path} has no eos_token_id in "
+            "config.json or generation_config.json; add eos_token_id to generation_config.json"
+        )
+    return ids
+
+
+def _blank_ids(tok: Any) -> list[int]:
+    texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False)
+    return [i for i, text in enumerate(texts) if text and text.isspace()]

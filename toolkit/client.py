@@ -1,0 +1,268 @@
+"""The async client of SGLang's native `/generate`: raw input_ids in, the exact output_ids out.
+
+A small HTTP/1.1 client over asyncio streams with keep-alive connections: the server is on the same node,
+requests are large JSON arrays of ints, and per-token CPU is what limits a worker, so there is no proxy
+handling (loopback never goes through a proxy), no redirects and no cookies — only what SGLang's API needs.
+Responses are decoded with msgspec straight into typed Structs; unknown `meta_info` keys are ignored.
+Retries with backoff cover connection errors and 5xx only; a 4xx is the request's own fault and is
+returned to the caller as a `RequestRejected`, never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+__all__ = [
+    "GenerateResult",
+    "HttpClient",
+    "RequestRejected",
+    "ServerError",
+    "Unreachable",
+    "generate",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Unreachable(Exception):
+    """No HTTP answer: connection refused/reset, or the request timed out."""
+
+
+class ServerError(Exception):
+    """A 5xx answer (retryable)."""
+
+    def __init__(self, status: int, body: bytes):
+        self.status, self.body = status, body
+        super().__init__(f"HTTP {status}: {_message(body)}")
+
+
+class RequestRejected(Exception):
+    """A 4xx answer: the server refused this request (e.g. prompt over the context length)."""
+
+    def __init__(self, status: int, body: bytes):
+        self.status, self.body = status, body
+        super().__init__(f"HTTP {status}: {_message(body)}")
+
+
+def _message(body: bytes) -> str:
+    """The human part of SGLang's error bodies, whatever their form (§5.5 of the protocol notes)."""
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body[:500].decode("utf-8", "replace").strip()
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if isinstance(err, str):
+            return err
+        if "message" in obj:
+            return str(obj["message"])
+    return str(obj)[:500]
+
+
+class HttpClient:
+    """Keep-alive HTTP/1.1 connections to one server (`http://host:port`)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, max_connections: int = 64):
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"engine url must look like http://host:port, got {url!r}")
+        self.host, self.port = u.hostname, u.port or 80
+        self.base_path = u.path.rstrip("/")
+        self._auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._slots = asyncio.Semaphore(max_connections)
+
+    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout: float) -> tuple[int, bytes]:
+        async with self._slots:
+            try:
+                return await asyncio.wait_for(self._request(method, path, body), timeout)
+            except asyncio.TimeoutError:
+                raise Unreachable(f"{method} {path}: no answer within {timeout:g} s") from None
+
+    async def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        head = (
+            f"{method} {self.base_path}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body) if body else 0}\r\n"
+        ).encode() + self._auth + b"\r\n"
+        # A pooled connection may have been closed by the server meanwhile: retry once on a fresh one.
+        for fresh in (False, True):
+            conn = None if fresh or not self._idle else self._idle.pop()
+            try:
+                if conn is None:
+                    conn = await asyncio.open_connection(self.host, self.port, limit=1 << 24)
+                reader, writer = conn
+                writer.write(head + body if body else head)
+                status, keep, data = await self._read_response(reader)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+                if conn is not None:
+                    conn[1].close()
+                if fresh or conn is None:
+                    raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from None
+                continue
+            except BaseException:
+                if conn is not None:  # cancelled mid-request: the connection's state is unknown
+                    conn[1].close()
+                raise
+            if keep:
+                self._idle.append(conn)
+            else:
+                writer.close()
+            return status, data
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP response: {lines[0][:80]!r}")
+        status = int(parts[1])
+        length, chunked, keep = None, False, parts[0] == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+            elif name == b"connection":
+                keep = value.strip().lower() != b"close"
+        if chunked:
+            chunks = []
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                chunks.append(await reader.readexactly(size))
+                await reader.readexactly(2)
+            data = b"".join(chunks)
+        elif length is not None:
+            data = await reader.readexactly(length)
+        else:
+            data, keep = await reader.read(), False
+        return status, keep, data
+
+    async def get(self, path: str, *, timeout: float) -> tuple[int, bytes]:
+        return await self.request("GET", path, timeout=timeout)
+
+    def close(self) -> None:
+        for _, w in self._idle:
+            w.close()
+        self._idle.clear()
+
+
+class MetaInfo(msgspec.Struct):
+    id: str | None = None
+    finish_reason: Any = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int = 0
+    e2e_latency: float | None = None
+
+
+class GenerateResponse(msgspec.Struct):
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class GenerateResult(msgspec.Struct):
+    output_ids: list[int]
+    finish: str | None
+    matched: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    latency_s: float
+    attempts: int
+
+
+class _Request(msgspec.Struct, omit_defaults=True):
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    rid: str | None = None
+
+
+_req_encoder = msgspec.json.Encoder()
+_resp_decoder = msgspec.json.Decoder(GenerateResponse)
+
+
+class BadResponse(Exception):
+    """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
+
+
+def parse_response(body: bytes, n_prompt: int) -> GenerateResponse:
+    try:
+        resp = _resp_decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
+    m = resp.meta_info
+    if m.completion_tokens is not None and m.completion_tokens != len(resp.output_ids):
+        raise BadResponse(
+            f"len(output_ids) = {len(resp.output_ids)} but meta_info.completion_tokens = {m.completion_tokens}"
+        )
+    return resp
+
+
+async def generate(
+    http: HttpClient,
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    *,
+    rid: str | None = None,
+    timeout: float,
+    retries: int,
+    backoff_s: float = 1.0,
+    backoff_max_s: float = 60.0,
+    engine_alive=None,
+) -> GenerateResult:
+    """POST one prompt to /generate and return its checked result.
+
+    Retries connection errors, timeouts and 5xx up to `retries` times with jittered exponential backoff;
+    raises RequestRejected on 4xx, and the last error when retries run out. `engine_alive`, when given, is
+    called before each retry: once the engine is gone, retrying is pointless and the error is raised at once.
+    """
+    body = _req_encoder.encode(_Request(input_ids, sampling_params, rid))
+    loop = asyncio.get_running_loop()
+    attempt = 0
+    while True:
+        attempt += 1
+        t0 = loop.time()
+        try:
+            status, data = await http.request("POST", "/generate", body, timeout=timeout)
+            if status == 200:
+                resp = parse_response(data, len(input_ids))
+                m = resp.meta_info
+                fr = m.finish_reason if isinstance(m.finish_reason, dict) else {}
+                return GenerateResult(
+                    output_ids=resp.output_ids,
+                    finish=fr.get("type"),
+                    matched=fr.get("matched"),
+                    prompt_tokens=m.prompt_tokens if m.prompt_tokens is not None else len(input_ids),
+                    completion_tokens=len(resp.output_ids),
+                    cached_tokens=m.cached_tokens or 0,
+                    latency_s=round(loop.time() - t0, 4),
+                    attempts=attempt,
+                )
+            if status >= 500:
+                raise ServerError(status, data)
+            raise RequestRejected(status, data)
+        except (Unreachable, ServerError) as e:
+            if attempt > retries or (engine_alive is not None and not engine_alive()):
+                e.attempts = attempt  # type: ignore[attr-defined]
+                raise
+            delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+            log.debug("retrying after %s (attempt %d, %.1f s)", e, attempt, delay)
+            await asyncio.sleep(delay)
+        except (RequestRejected, BadResponse) as e:
+            e.attempts = attempt  # type: ignore[attr-defined]
+            raise

@@ -1,0 +1,196 @@
+"""The engine lifecycle every server kind shares: launch, wait until really ready, probe, stop.
+
+An engine is started in its own process group (so nothing it spawns outlives it), on 127.0.0.1 and a free
+port the toolkit chose and checked, with a per-task random API key, its output going to the shard's server
+log. Readiness is `/ready` (SGLang >= 0.5.23) or `/health_generate` returning 200 — never an open port or
+`/v1/models`, which answer before warm-up ends — followed by one real 1-token `/generate`. The wait is
+bounded and fails fast, with the server log's tail, when the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+import msgspec
+
+from ..client import HttpClient, Unreachable, parse_response
+
+__all__ = ["Engine", "EngineError", "free_port", "log_tail"]
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class EngineError(Exception):
+    """The engine could not be started, never became ready, or died."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nothing listens on right now (checked by binding it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+            tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
+    except FileNotFoundError:
+        return "(no server log)"
+    return "\n".join(tail) or "(server log is empty)"
+
+
+class Engine:
+    """Base of the server kinds. Subclasses say how to launch (`argv`); `external` launches nothing."""
+
+    kind = "base"
+    is_model = True  # False for the stub: it speaks SGLang's protocol but is not a model
+
+    def __init__(self, spec, server_log: Path, *, probe_ids: list[int]):
+        self.spec = spec
+        self.engine = spec.engine
+        self.server_log = Path(server_log)
+        self.probe_ids = probe_ids
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.api_key: str | None = None
+        self.url = ""
+        self.version: str | None = None
+        self.starts = 0
+
+    # -- launching ---------------------------------------------------------------------------------
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def command_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.engine.env)
+        # The server calls itself on loopback during warm-up: a cluster's HTTP proxy must not be in the way.
+        no_proxy = ",".join(x for x in (env.get("NO_PROXY") or env.get("no_proxy"), "127.0.0.1", "localhost") if x)
+        env["NO_PROXY"] = env["no_proxy"] = no_proxy
+        return env
+
+    def start(self) -> None:
+        """Launch the server process (in its own process group); returns at once."""
+        self.port = free_port()
+        self.api_key = secrets.token_hex(16)
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        argv = self.argv()
+        self.server_log.parent.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        with open(self.server_log, "ab") as out:
+            out.write(f"\n===== toolkit: engine start #{self.starts}: {_redact(argv, self.api_key)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self.command_env(), start_new_session=True,
+            )
+        log.info("engine %s started: pid %d, %s, log %s", self.kind, self.proc.pid, self.url, self.server_log)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self) -> None:
+        """SIGTERM the process group, wait `shutdown_timeout_s`, then SIGKILL the group: nothing left running."""
+        proc = self.proc
+        if proc is None:
+            return
+        pgid = proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(self.engine.shutdown_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("engine did not exit %g s after SIGTERM: killing its process group", self.engine.shutdown_timeout_s)
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # also reaches children that outlived the leader
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.info("engine stopped (exit code %s)", proc.returncode)
+        self.proc = None
+
+    # -- readiness ---------------------------------------------------------------------------------
+    async def wait_ready(self, http: HttpClient, *, poll_s: float = 1.0) -> None:
+        """Poll until the server is really ready, then probe it with a 1-token /generate."""
+        deadline = time.monotonic() + self.engine.ready_timeout_s
+        path = "/ready"
+        last = "no answer yet"
+        t0 = time.monotonic()
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(
+                    f"engine exited with code {self.proc.returncode} before it was ready "
+                    f"(after {time.monotonic() - t0:.0f} s). Last lines of {self.server_log}:\n{log_tail(self.server_log)}"
+                )
+            try:
+                status, _ = await http.get(path, timeout=30.0)
+                if status == 200:
+                    break
+                if status == 404 and path == "/ready":  # SGLang < 0.5.23 has no /ready
+                    path = "/health_generate"
+                    continue
+                last = f"{path} answered {status}"
+            except Unreachable as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"engine not ready after {self.engine.ready_timeout_s:g} s (last: {last}); raise "
+                    f"[engine] ready_timeout_s if weights load slowly. Last lines of {self.server_log}:\n"
+                    f"{log_tail(self.server_log)}"
+                )
+            await asyncio.sleep(poll_s)
+        await self._log_server_info(http)
+        await self.probe(http)
+        log.info("engine ready after %.1f s (readiness from %s, probe ok)", time.monotonic() - t0, path)
+
+    async def _log_server_info(self, http: HttpClient) -> None:
+        try:
+            status, body = await http.get("/server_info", timeout=30.0)
+            info = msgspec.json.decode(body) if status == 200 else {}
+        except (Unreachable, msgspec.DecodeError):
+            info = {}
+        self.version = str(info.get("version")) if isinstance(info, dict) and info.get("version") else None
+        log.info("engine server version: %s", self.version or "unknown (no /server_info)")
+
+    async def probe(self, http: HttpClient) -> None:
+        body = msgspec.json.encode({"input_ids": self.probe_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        try:
+            status, data = await http.request("POST", "/generate", body, timeout=300.0)
+        except Unreachable as e:
+            raise EngineError(f"engine reported ready but the probe /generate failed: {e}") from None
+        if status != 200:
+            raise EngineError(f"engine reported ready but the probe /generate answered {status}: {data[:300]!r}")
+        resp = parse_response(data, len(self.probe_ids))
+        if len(resp.output_ids) != 1:
+            raise EngineError(f"probe asked for 1 token and got {len(resp.output_ids)}")
+
+
+def _redact(argv: list[str], secret: str | None) -> str:
+    return " ".join("***" if secret and a == secret else a for a in argv)

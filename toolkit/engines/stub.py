@@ -1,0 +1,49 @@
+"""The `stub` engine: the toolkit's stand-in for SGLang's protocol (engines/stub_server), launched like a server.
+
+It is a test double of the protocol, not a model: outputs are synthetic, built from the job's tokenizer.
+It runs the demo job and the test suite on CPU nodes, and every log line it writes says what it is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .base import LOOPBACK, Engine
+
+__all__ = ["StubEngine"]
+
+
+class StubEngine(Engine):
+    kind = "stub"
+    is_model = False
+
+    def __init__(self, *args, shard: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shard = shard
+
+    def argv(self) -> list[str]:
+        m, s = self.spec.model, self.engine.stub
+        argv = [
+            sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", m.path,
+            "--host", LOOPBACK, "--port", str(self.port), "--api-key", self.api_key or "",
+            "--think-start", m.think_start, "--think-end", m.think_end,
+            "--context-length", str(s.context_length), "--version", s.version,
+            "--tp-size", str(self.engine.tp_size), "--dp-size", str(self.engine.dp_size),
+        ]
+        if m.tokenizer_path:
+            argv += ["--tokenizer-path", m.tokenizer_path]
+        if m.trust_remote_code:
+            argv.append("--trust-remote-code")
+        for flag, value in (
+            ("--load-delay", s.load_delay_s), ("--warmup-delay", s.warmup_delay_s), ("--token-delay", s.token_delay_s),
+            ("--fixed-output-tokens", s.fixed_output_tokens), ("--crash-after", s.crash_after),
+            ("--hang-after", s.hang_after), ("--fail-5xx", s.fail_5xx), ("--exit-at-start", s.exit_at_start),
+        ):
+            if value:
+                argv += [flag, str(value)]
+        if s.exit_at_start_if_exists:
+            argv += ["--exit-at-start-if-exists", s.exit_at_start_if_exists.replace("{shard}", str(self.shard))]
+        for flag, on in (("--hang", s.hang), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start)):
+            if on:
+                argv.append(flag)
+        return argv + list(s.extra_args) + list(self.engine.extra_args)

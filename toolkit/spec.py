@@ -1,0 +1,273 @@
+"""Job specs: the TOML file a user writes, decoded into typed Structs and validated at load time.
+
+A job spec says which model to serve, how to start the engine, how to sample, which prompt files to
+generate for and how many shards to cut them into. Everything is checked here, before any GPU time is
+spent: unknown keys, wrong types, sampling keys SGLang would reject, missing paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "SAMPLING_KEYS",
+    "JobSpec",
+    "SpecError",
+    "load_spec",
+]
+
+# Every key SGLang's /generate `sampling_params` accepts (0.5.23 contract, sampling/sampling_params.py).
+# Anything else is a hard 400 on the server, so it is an error here, before a node is allocated.
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+        "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+        "no_stop_trim", "n", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "min_new_tokens", "sampling_seed", "logit_bias", "json_schema", "regex", "ebnf",
+        "structural_tag", "stream_interval", "custom_params",
+    }
+)
+
+
+class SpecError(Exception):
+    """A job spec that cannot be run. The message names the file and the key."""
+
+
+class _Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config table: unknown keys are errors, not silently ignored."""
+
+
+class ModelSpec(_Config):
+    path: str
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+    tool_call_start: str | None = None
+
+
+class StubSpec(_Config):
+    """Options of the `stub` engine: a stand-in for SGLang's protocol, not a model (see engines/stub_server)."""
+
+    load_delay_s: float = 0.0
+    warmup_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fixed_output_tokens: int | None = None
+    context_length: int = 32768
+    crash_after: int | None = None
+    hang: bool = False
+    hang_after: int | None = None
+    fail_5xx: str | None = None
+    exit_at_start: int | None = None
+    exit_at_start_if_exists: str | None = None
+    no_think_end: bool = False
+    double_think_start: bool = False
+    version: str = "0.5.23"
+    extra_args: list[str] = []
+
+
+class EngineSpec(_Config):
+    kind: Literal["sglang", "stub", "external"] = "sglang"
+    tp_size: int = 1
+    dp_size: int = 1
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    ready_timeout_s: float = 3600.0
+    max_restarts: int = 3
+    shutdown_timeout_s: float = 60.0
+    url: str | None = None
+    api_key: str | None = None
+    command: list[str] | None = None
+    stub: StubSpec = msgspec.field(default_factory=StubSpec)
+
+
+class ClientSpec(_Config):
+    concurrency: int = 64
+    request_timeout_s: float = 3600.0
+    retries: int = 5
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+
+class DatasetSpec(_Config):
+    name: str
+    path: str
+    sampling: dict[str, Any] = {}
+
+
+class ShardingSpec(_Config):
+    shards: int = 1
+    flush_records: int = 64
+    flush_seconds: float = 10.0
+
+
+class SlurmSpec(_Config):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"
+    gpus_per_node: int = 8
+    cpus_per_task: int = 16
+    mem: str | None = None
+    array_parallelism: int | None = None
+    setup: list[str] = []
+    signal_delay_s: int = 300
+    merge_time: str = "02:00:00"
+    merge_cpus: int = 2
+    merge_mem: str | None = None
+    extra: dict[str, str] = {}
+
+
+class AuditSpec(_Config):
+    """Thresholds the audit enforces; breaking one fails the run's final job."""
+
+    min_think_end_share: float = 0.9
+    max_empty_reasoning_share: float = 0.05
+    max_empty_content_share: float = 0.2
+    max_double_think_start_share: float = 0.01
+    max_length_share: float = 0.2
+    max_failed_share: float = 0.01
+    reprompt_sample: int = 64
+
+
+class JobSpec(_Config):
+    name: str
+    output_dir: str
+    model: ModelSpec
+    sampling: dict[str, Any]
+    datasets: list[DatasetSpec]
+    engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
+    client: ClientSpec = msgspec.field(default_factory=ClientSpec)
+    sharding: ShardingSpec = msgspec.field(default_factory=ShardingSpec)
+    slurm: SlurmSpec = msgspec.field(default_factory=SlurmSpec)
+    audit: AuditSpec = msgspec.field(default_factory=AuditSpec)
+
+    def sampling_for(self, dataset: str) -> dict[str, Any]:
+        """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per dataset."""
+        for d in self.datasets:
+            if d.name == dataset:
+                return {**self.sampling, **d.sampling}
+        raise KeyError(dataset)
+
+
+def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_level: bool) -> None:
+    unknown = sorted(set(params) - SAMPLING_KEYS)
+    if unknown:
+        raise SpecError(
+            f"{source}: {where}: unknown sampling key(s) {', '.join(map(repr, unknown))}; "
+            f"SGLang's sampling_params accepts only: {', '.join(sorted(SAMPLING_KEYS))}"
+            + (" (there is no `seed`: use `sampling_seed`, honoured only with --enable-deterministic-inference)"
+               if "seed" in unknown else "")
+        )
+    if top_level and "max_new_tokens" not in params:
+        raise SpecError(
+            f"{source}: [sampling] needs `max_new_tokens`: SGLang's /generate silently defaults to 128, "
+            "which truncates every reasoning trace. Set it to the longest output you want (e.g. 32768)."
+        )
+    mnt = params.get("max_new_tokens")
+    if "max_new_tokens" in params and (not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1):
+        raise SpecError(f"{source}: {where}: `max_new_tokens` must be a positive integer, got {mnt!r}")
+    if params.get("n", 1) != 1:
+        raise SpecError(f"{source}: {where}: `n` must be 1 (one output per prompt); repeat prompts with new ids instead")
+    if params.get("ignore_eos"):
+        raise SpecError(f"{source}: {where}: `ignore_eos = true` would make every output run to max_new_tokens")
+
+
+def _resolve(base: Path, p: str | None) -> str | None:
+    if p is None:
+        return None
+    q = Path(os.path.expandvars(os.path.expanduser(p)))
+    return str(q if q.is_absolute() else (base / q).resolve())
+
+
+def _error_path(err: msgspec.ValidationError) -> str:
+    return str(err)
+
+
+def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
+    """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
+    source = Path(path)
+    try:
+        raw = source.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"{source}: job spec not found; see jobs/ for examples or templates/job.toml to start from") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{source}: not UTF-8 text ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{source}: invalid TOML: {e}") from None
+    try:
+        spec = msgspec.convert(data, JobSpec)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        if "Object contains unknown field" in msg:
+            msg += " (check the spelling; templates/job.toml lists every key)"
+        raise SpecError(f"{source}: {msg}") from None
+    return _validate(spec, source, check_paths=check_paths)
+
+
+def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
+    base = source.resolve().parent
+    if not spec.name or "/" in spec.name:
+        raise SpecError(f"{source}: `name` must be a non-empty name without '/', got {spec.name!r}")
+    _check_sampling(spec.sampling, "[sampling]", str(source), top_level=True)
+    if not spec.datasets:
+        raise SpecError(f"{source}: no [[datasets]]: add at least one prompt file")
+    seen: set[str] = set()
+    for i, d in enumerate(spec.datasets):
+        where = f"[[datasets]] #{i + 1} ({d.name!r})"
+        if d.name in seen:
+            raise SpecError(f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique")
+        seen.add(d.name)
+        _check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
+        d.path = _resolve(base, d.path)
+        if check_paths and not Path(d.path).is_file():
+            raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
+    if spec.sharding.shards < 1:
+        raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
+    if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:
+        raise SpecError(f"{source}: [sharding] flush_records must be >= 1 and flush_seconds > 0")
+    c = spec.client
+    if c.concurrency < 1 or c.retries < 0 or c.request_timeout_s <= 0:
+        raise SpecError(f"{source}: [client] needs concurrency >= 1, retries >= 0, request_timeout_s > 0")
+    e = spec.engine
+    if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
+        raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
+    if e.kind == "external" and not e.url:
+        raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
+    if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
+        raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
+    m = spec.model
+    # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
+    m.path = _resolve(base, m.path) if _looks_local(m.path, base) else m.path
+    if m.tokenizer_path is not None:
+        m.tokenizer_path = _resolve(base, m.tokenizer_path) if _looks_local(m.tokenizer_path, base) else m.tokenizer_path
+    m.chat_template = _resolve(base, m.chat_template)
+    if check_paths and m.chat_template and not Path(m.chat_template).is_file():
+        raise SpecError(f"{source}: [model] chat_template file {m.chat_template} does not exist")
+    tok = m.tokenizer_path or m.path
+    if check_paths and e.kind != "external" and _looks_local(tok, base) and not Path(tok).exists():
+        raise SpecError(
+            f"{source}: [model] tokenizer path {tok} does not exist "
+            f"(set `tokenizer_path` if the tokenizer lives apart from the weights)"
+        )
+    spec.output_dir = _resolve(base, spec.output_dir)
+    return spec
+
+
+def _looks_local(p: str, base: Path) -> bool:
+    """False only for a Hugging Face hub id (`org/name`) that is not also a local folder."""
+    return (base / p).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", p) or p.startswith(".")
+
+
+def encode_spec(spec: JobSpec) -> bytes:
+    return msgspec.json.encode(spec)

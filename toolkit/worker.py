@@ -1,0 +1,368 @@
+"""The shard worker: what one Slurm array task does — engine → chat → client → records → shard file.
+
+`run_shard(run_dir, shard)` resumes the shard's file (every id already written is skipped, whatever order it
+was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
+them through `/generate` with bounded concurrency, and appends checked records in fsynced batches. An engine
+that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
+(nothing written is lost, in-flight prompts are generated again next time). A finished shard gets its `done`
+manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from . import chat
+from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unreachable, generate
+from .engines import EngineError, make_engine
+from .inputs import read_prompt_at
+from .plan import PromptRef, RunDir, RunPlan, check_plan_inputs, load_refs, load_run
+from .progress import Progress, slurm_context, write_progress
+from .records import OK, Record, failed_record, pack_ids, split_output
+from .shardfile import ShardWriter, read_done, write_done
+
+__all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
+
+log = logging.getLogger(__name__)
+
+DONE, STOPPED = "done", "stopped"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class ShardFailed(Exception):
+    """The shard cannot finish in this task (engine never ready, died too often, unreachable)."""
+
+
+class _EngineDied(Exception):
+    pass
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Feed:
+    """Rendered prompts in planned order, filled by the render thread; prompts to redo come first."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.redo: deque = deque()
+        self.finished = False
+        self.first = asyncio.get_running_loop().create_future()
+        self._event = asyncio.Event()
+
+    def put(self, item) -> None:
+        if item is None:
+            self.finished = True
+        else:
+            self.items.append(item)
+            if not self.first.done() and item[2] is not None:
+                self.first.set_result(item[2])
+        if self.finished and not self.first.done():
+            self.first.set_result(None)
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.first.done():
+            self.first.set_exception(exc)
+        self.finished = True
+        self._event.set()
+
+    async def get(self):
+        while True:
+            if self.redo:
+                return self.redo.popleft()
+            if self.items:
+                return self.items.popleft()
+            if self.finished:
+                return None
+            self._event.clear()
+            await self._event.wait()
+
+
+def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
+    """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
+    try:
+        tok = chat.load_tokenizer(plan.spec.model)
+        info = chat.token_info(tok, plan.spec.model)
+        state["info"] = info
+        log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
+                 info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
+        for pos, ref in todo:
+            if state.get("stop"):
+                break
+            ds = plan.datasets[ref.dataset]
+            prompt = read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            try:
+                ids, err = chat.render(tok, plan.spec.model, prompt), None
+            except chat.ChatError as e:
+                ids, err = None, f"chat template: {e}"
+            loop.call_soon_threadsafe(feed.put, (pos, ref, ids, err))
+        loop.call_soon_threadsafe(feed.put, None)
+    except BaseException as e:  # surfaced in the event loop, not lost in a thread
+        loop.call_soon_threadsafe(feed.fail, e)
+
+
+class _Shard:
+    """State of one shard run inside one task."""
+
+    def __init__(self, rd: RunDir, plan: RunPlan, shard: int):
+        self.rd, self.plan, self.shard = rd, plan, shard
+        self.spec = plan.spec
+        self.sp = plan.shards[shard]
+        self.writer = ShardWriter(
+            rd.shard_file(shard), plan.fingerprint, shard,
+            flush_records=self.spec.sharding.flush_records, flush_seconds=self.spec.sharding.flush_seconds,
+        )
+        self.progress = Progress(shard=shard, total=self.sp.count, host=socket.gethostname(), pid=os.getpid(),
+                                 engine=self.spec.engine.kind, started=time.time(), **slurm_context())
+        self.tokens = 0
+        self.t_gen = 0.0
+
+    def save_progress(self, state: str | None = None) -> None:
+        p = self.progress
+        if state:
+            p.state = state
+        p.done = self.writer.written + len(self.writer._pending)
+        p.output_tokens = self.tokens
+        p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
+        write_progress(self.rd.progress_file(self.shard), p)
+
+    def add(self, record: Record) -> None:
+        if record.status != OK:
+            self.progress.failed += 1
+            log.warning("prompt %s (%s) failed: %s", record.id, record.dataset, record.error)
+        self.tokens += record.n_output
+        self.writer.add(record)
+
+
+async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> None:
+    spec = sh.spec
+    c = spec.client
+    while True:
+        item = await feed.get()
+        if item is None:
+            return
+        pos, ref, ids, err = item
+        ds = sh.plan.datasets[ref.dataset].name
+        if err is not None:
+            sh.add(failed_record(ref.id, ds, pos, [], err, 0))
+            continue
+        try:
+            attempts = 0
+            while True:
+                res = await generate(
+                    http, ids, spec.sampling_for(ds), timeout=c.request_timeout_s, retries=c.retries,
+                    backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
+                )
+                attempts += res.attempts
+                if res.finish != "abort" or attempts > c.retries:
+                    break
+                log.warning("prompt %s aborted by the server (%s); retrying", ref.id, res.matched)
+            res.attempts = attempts
+        except RequestRejected as e:
+            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", 1)))
+            continue
+        except (Unreachable, ServerError, BadResponse) as e:
+            if not engine.alive():
+                feed.redo.append(item)
+                raise _EngineDied(str(e)) from None
+            if isinstance(e, Unreachable) and "no answer within" not in str(e):
+                feed.redo.append(item)
+                raise ShardFailed(f"engine at {engine.url} unreachable after {c.retries} retries: {e}") from None
+            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", c.retries + 1)))
+            continue
+        except asyncio.CancelledError:
+            feed.redo.append(item)
+            raise
+        out = res.output_ids
+        reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
+        sh.add(Record(
+            id=ref.id, dataset=ds, index=pos, status=OK if res.finish != "abort" else "failed",
+            prompt_ids=pack_ids(ids), output_ids=pack_ids(out), reasoning_end=reasoning_end,
+            tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
+            prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
+            cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
+            error=None if res.finish != "abort" else "aborted by the server",
+        ))
+
+
+async def _watch(sh: _Shard, engine) -> None:
+    """Flush due batches, refresh progress, and notice an engine that died."""
+    last = 0.0
+    while True:
+        await asyncio.sleep(0.25)
+        if sh.writer.due():
+            sh.writer.flush()
+        if time.monotonic() - last > 2.0:
+            last = time.monotonic()
+            sh.save_progress()
+        if not engine.alive():
+            raise _EngineDied(f"engine exited with code {engine.exit_code()}")
+
+
+async def _race(stop: asyncio.Event, *aws) -> None:
+    """Run `aws` until the first finishes (raising its error); a stop request cancels them all."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            raise _Stop()
+        for t in done:
+            t.result()
+        # The consumers finishing is the normal end; the watcher never finishes on its own.
+    finally:
+        for t in [*tasks, stopper]:
+            t.cancel()
+        await asyncio.gather(*tasks, stopper, return_exceptions=True)
+
+
+async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
+    spec = sh.spec
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (log.warning("got %s: stopping after writing what is done", signal.Signals(s).name), stop.set()))
+    feed = _Feed()
+    state: dict = {}
+    engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
+    if not engine.is_model:
+        log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
+    renderer = threading.Thread(target=_render_thread, args=(loop, feed, sh.plan, todo, state), daemon=True, name="render")
+    sh.save_progress("loading")
+    engine.start()
+    renderer.start()
+    ready_once = False
+    try:
+        while True:
+            http = HttpClient(engine.url, api_key=engine.api_key, max_connections=spec.client.concurrency)
+            try:
+                await _race(stop, engine.wait_ready(http))
+                probe = await _race_value(stop, feed.first)
+                if probe is not None:
+                    engine.probe_ids = probe
+                    await engine.probe(http)
+                ready_once = True
+                if not sh.t_gen:
+                    sh.t_gen = time.monotonic()
+                sh.save_progress("generating")
+                log.info("generating %d prompts with concurrency %d", len(todo), spec.client.concurrency)
+                consumers = [_consume(sh, feed, http, engine, state["info"]) for _ in range(spec.client.concurrency)]
+                await _race(stop, _all(consumers), _watch(sh, engine))
+                return DONE
+            except (_EngineDied, EngineError) as e:
+                if not ready_once or isinstance(e, EngineError) and engine.alive():
+                    raise ShardFailed(str(e)) from None
+                sh.writer.flush()
+                sh.progress.engine_restarts += 1
+                if sh.progress.engine_restarts > spec.engine.max_restarts:
+                    from .engines.base import log_tail
+
+                    raise ShardFailed(
+                        f"engine died {sh.progress.engine_restarts} times (limit engine.max_restarts = "
+                        f"{spec.engine.max_restarts}); last: {e}. Last lines of {engine.server_log}:\n{log_tail(engine.server_log)}"
+                    ) from None
+                log.error("engine died mid-shard (%s): restart %d of %d", e, sh.progress.engine_restarts, spec.engine.max_restarts)
+                sh.save_progress("loading")
+                engine.stop()
+                engine.start()
+            finally:
+                http.close()
+    except _Stop:
+        return STOPPED
+    finally:
+        state["stop"] = True
+        sh.writer.flush()
+        engine.stop()
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
+    await _race(stop, asyncio.shield(fut))
+    return fut.result()
+
+
+async def _all(aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _attach_log(path: Path) -> logging.Handler:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger("toolkit").addHandler(h)
+    return h
+
+
+def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
+    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed."""
+    rd, plan = load_run(run_dir)
+    if not 0 <= shard < len(plan.shards):
+        raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
+    handler = _attach_log(rd.log_file(shard))
+    logger = logging.getLogger("toolkit")
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    sh = _Shard(rd, plan, shard)
+    try:
+        ctx = sh.progress
+        log.info("shard %d of run %s (%s): %d prompts; host %s, GPUs %s, job %s, array %s_%s, requeues %d",
+                 shard, plan.name, plan.fingerprint, sh.sp.count, ctx.host, ctx.gpus, ctx.job_id,
+                 ctx.array_job_id, ctx.array_task_id, ctx.restart_count)
+        done_manifest = read_done(rd.done_file(shard))
+        if done_manifest is not None and done_manifest.fingerprint == plan.fingerprint:
+            log.info("shard %d is already complete (%d records): nothing to do", shard, done_manifest.records)
+            return DONE
+        check_plan_inputs(plan)
+        done_ids = sh.writer.open()
+        try:
+            refs = load_refs(rd)[sh.sp.first : sh.sp.first + sh.sp.count]
+            unknown = set(done_ids) - {r.id for r in refs}
+            if unknown:
+                raise ShardFailed(f"{rd.shard_file(shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
+            todo = [(sh.sp.first + i, r) for i, r in enumerate(refs) if r.id not in done_ids]
+            log.info("%d of %d prompts already recorded; %d to generate", len(done_ids), sh.sp.count, len(todo))
+            result = DONE
+            if todo:
+                try:
+                    result = asyncio.run(_run(sh, todo))
+                except ShardFailed as e:
+                    sh.progress.error = str(e)
+                    sh.save_progress("failed")
+                    log.error("shard %d failed: %s", shard, e)
+                    raise
+            sh.writer.flush()
+        finally:
+            sh.writer.close()
+        if result == STOPPED:
+            sh.save_progress("stopped")
+            log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
+                     shard, sh.writer.written, sh.sp.count)
+            return STOPPED
+        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint)
+        if m.records != sh.sp.count:
+            raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
+        sh.save_progress("done")
+        log.info("shard %d complete: %d records (%d failed), %d output tokens", shard, m.records, m.failed, m.output_tokens)
+        return DONE
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(old_level)
