@@ -341,7 +341,8 @@ def test_toy_tokenizer_is_deterministic_and_small(toy_tokenizer, tmp_path):
     first = toy_tokenizer("deepseek")
     again = build_tokenizer(tmp_path / "again", "deepseek")
     names = sorted(p.name for p in first.iterdir())
-    assert names == ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert names == sorted(p.name for p in again.iterdir())
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(names)
     for name in names:
         assert (first / name).read_bytes() == (again / name).read_bytes(), name
     assert sum((first / n).stat().st_size for n in names) < 1_000_000
@@ -373,9 +374,18 @@ def test_toy_tokenizer_cli_and_vocab_size(tmp_path, capsys):
 
 
 def test_demo_tokenizer_is_the_kimi_toy(toy_tokenizer):
+    from transformers import AutoTokenizer
+
     demo = ROOT / "jobs" / "demo" / "tokenizer"
     fresh = toy_tokenizer("kimi")
-    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
-        assert json.loads((demo / name).read_text()) == json.loads((fresh / name).read_text()), (
-            f"{demo / name} is stale; regenerate it with python -m toolkit.toy_tokenizer --family kimi {demo}"
-        )
+    stale = f"{demo} is stale; regenerate it with python -m toolkit.toy_tokenizer --family kimi {demo}"
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((demo / name).read_text()) == json.loads((fresh / name).read_text()), stale
+    old, new = AutoTokenizer.from_pretrained(demo), AutoTokenizer.from_pretrained(fresh)
+    assert old.get_vocab() == new.get_vocab(), stale
+    assert old.chat_template == new.chat_template, stale
+    assert (old.bos_token, old.eos_token) == (new.bos_token, new.eos_token) == ("[BOS]", "<|im_end|>")
+    flags = {t.content: t.special for t in old.added_tokens_decoder.values()}
+    assert flags == {t.content: t.special for t in new.added_tokens_decoder.values()}, stale
+    text = "A <think>b</think> c\n\n  d<|im_end|>"
+    assert old.encode(text, add_special_tokens=False) == new.encode(text, add_special_tokens=False), stale

@@ -325,5 +325,17 @@ def _eos_ids(tok: Any, model: Any) -> list[int]:
 
 
 def _blank_ids(tok: Any) -> list[int]:
-    texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False)
-    return [i for i, text in enumerate(texts) if text and text.isspace()]
+    """Ids whose text is whitespace only (newlines, spaces), found by decoding the whole vocabulary once."""
+    ids = range(len(tok))
+    try:
+        texts = tok.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    except Exception:  # vocabularies with holes (unused ids) fail as a batch; decode one by one
+        texts = [_decode_or_empty(tok, i) for i in ids]
+    return [i for i, text in zip(ids, texts) if text and text.isspace()]
+
+
+def _decode_or_empty(tok: Any, token_id: int) -> str:
+    try:
+        return tok.decode([token_id], skip_special_tokens=False)
+    except Exception:
+        return ""

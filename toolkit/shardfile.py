@@ -34,6 +34,7 @@ __all__ = [
     "ShardWriter",
     "iter_frames",
     "read_done",
+    "read_frame_at",
     "read_shard",
     "write_done",
 ]
@@ -137,6 +138,34 @@ def iter_frames(path: str | Path, *, tail: list | None = None) -> Iterator[Frame
             if tail is not None:
                 tail.append((start, why))
             return
+
+
+def read_frame_at(path: str | Path, offset: int) -> Frame:
+    """The batch frame whose descriptor starts at byte `offset` (a `Frame.offset`), decompressed.
+
+    Random access for readers that come back to a frame `iter_frames` showed them; damage raises CorruptShard.
+    """
+    path = Path(path)
+    desc_size = _SKIP.size + _BATCH.size
+    with open(path, "rb") as f:
+        f.seek(offset)
+        desc = f.read(desc_size)
+        if len(desc) < desc_size:
+            raise CorruptShard(path, offset, "incomplete batch descriptor")
+        magic, size = _SKIP.unpack_from(desc)
+        tag, clen, count, crc = _BATCH.unpack_from(desc, _SKIP.size)
+        if magic != _BATCH_MAGIC or size != _BATCH.size or tag != _BATCH_TAG:
+            raise CorruptShard(path, offset, "bad batch descriptor")
+        comp = f.read(clen)
+    if len(comp) < clen:
+        raise CorruptShard(path, offset, f"incomplete data frame ({len(comp)} of {clen} bytes)")
+    if zlib.crc32(comp) != crc:
+        raise CorruptShard(path, offset, "checksum mismatch")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(comp)
+    except zstandard.ZstdError as e:
+        raise CorruptShard(path, offset, f"zstd error: {e}") from None
+    return Frame(offset, offset + desc_size + clen, count, raw)
 
 
 def _valid_frame_after(data: bytes) -> bool:

@@ -29,6 +29,7 @@ class StubEngine(Engine):
             "--think-start", m.think_start, "--think-end", m.think_end,
             "--context-length", str(s.context_length), "--version", s.version,
             "--tp-size", str(self.engine.tp_size), "--dp-size", str(self.engine.dp_size),
+            "--drain-poll", "0.2",  # SGLang polls every 5 s while draining; the stub need not make tests wait
         ]
         if m.tokenizer_path:
             argv += ["--tokenizer-path", m.tokenizer_path]

@@ -1,0 +1,156 @@
+"""Worker cost per output token, against the stub engine in instant mode, and a naive client for comparison.
+
+Outputs are 4,096 tokens (like real reasoning traces) whose ids come from encoding real English text
+(pydoc_data.topics) with the demo job's tokenizer. The stub runs as a separate process (an `external` engine
+for the worker), so the CPU time measured is the worker's alone, all of its work included: reading the plan
+and prompts, loading the tokenizer, rendering, HTTP, decoding, checking, splitting, encoding, compressing,
+fsyncing. The naive client posts the same prompts with aiohttp, parses with stdlib json and writes JSONL+gzip.
+
+    python benchmarks/bench_worker.py [--prompts 2000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
+OUTPUT_TOKENS = 4096
+
+NAIVE = r'''
+import asyncio, gzip, json, sys
+import aiohttp
+from transformers import AutoTokenizer
+
+async def main(url, key, prompts_path, out_path, concurrency):
+    tok = AutoTokenizer.from_pretrained(sys.argv[6])
+    prompts = [json.loads(l) for l in open(prompts_path)]
+    sem = asyncio.Semaphore(concurrency)
+    out = gzip.open(out_path, "wt")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+        async def one(p):
+            ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            async with sem:
+                async with s.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8192}}) as r:
+                    body = json.loads(await r.text())
+            out.write(json.dumps({"id": p["id"], "prompt_ids": ids, **body}) + "\n")
+        await asyncio.gather(*(one(p) for p in prompts))
+    out.close()
+
+asyncio.run(main(*sys.argv[1:5], int(sys.argv[5])))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stub(key: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(TOKENIZER), "--host", "127.0.0.1",
+         "--port", str(port), "--api-key", key, "--fixed-output-tokens", str(OUTPUT_TOKENS), "--context-length", "32768"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health_generate", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("stub did not become ready")
+
+
+def child_cpu(argv: list[str], env=None) -> float:
+    """CPU seconds (user + system) of one child process run to completion."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+    import pydoc_data.topics
+
+    words = " ".join(pydoc_data.topics.topics.values()).split()
+    work = Path(tempfile.mkdtemp(prefix="bench-worker-"))
+    key = "benchkey"
+    stub, url = start_stub(key)
+    try:
+        prompts = work / "prompts.jsonl"
+        with open(prompts, "w") as f:
+            for i in range(args.prompts):
+                f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[i * 13 : i * 13 + 40])}) + "\n")
+        tokens = args.prompts * OUTPUT_TOKENS
+        rows = {"toolkit": [], "naive": []}
+        sizes = {}
+        for rep in range(args.repeat):
+            run = work / f"run{rep}"
+            job = work / f"job{rep}.toml"
+            job.write_text(f'''
+name = "bench"
+output_dir = "{run}"
+[model]
+path = "{TOKENIZER}"
+[engine]
+kind = "external"
+url = "{url}"
+api_key = "{key}"
+[client]
+concurrency = {args.concurrency}
+[sampling]
+max_new_tokens = 8192
+[sharding]
+shards = 1
+[[datasets]]
+name = "bench"
+path = "{prompts}"
+''')
+            subprocess.run([sys.executable, "-m", "toolkit", "run", str(job), "--no-merge"], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # plans; generates once (warm-up)
+            shutil.rmtree(run / "shards")
+            (run / "shards").mkdir()
+            cpu = child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"])
+            sizes["toolkit"] = (run / "shards" / "00000.zst").stat().st_size
+            rows["toolkit"].append(cpu)
+            out = work / f"naive{rep}.jsonl.gz"
+            cpu = child_cpu([sys.executable, "-c", NAIVE, url, key, str(prompts), str(out), str(args.concurrency), str(TOKENIZER)])
+            sizes["naive"] = out.stat().st_size
+            rows["naive"].append(cpu)
+        t, n = statistics.median(rows["toolkit"]), statistics.median(rows["naive"])
+        print(f"{args.prompts} prompts x {OUTPUT_TOKENS} output tokens = {tokens:,} tokens, {args.repeat} runs (medians)")
+        print(f"  toolkit worker : {t:6.2f} CPU s  {t / tokens * 1e9:7.1f} ns/token  {sizes['toolkit'] / tokens:5.2f} B/token on disk")
+        print(f"  naive client   : {n:6.2f} CPU s  {n / tokens * 1e9:7.1f} ns/token  {sizes['naive'] / tokens:5.2f} B/token on disk")
+        print(f"  ratios         : {n / t:5.1f}x less CPU per token, {sizes['naive'] / sizes['toolkit']:4.1f}x fewer bytes")
+        print(f"  all runs (CPU s): toolkit {[round(x, 2) for x in rows['toolkit']]}  naive {[round(x, 2) for x in rows['naive']]}")
+    finally:
+        os.killpg(stub.pid, 9)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

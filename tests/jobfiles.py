@@ -1,0 +1,69 @@
+"""Builders of small job specs and prompt files for tests (real files, real tokenizers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pydoc_data.topics
+
+_WORDS = " ".join(pydoc_data.topics.topics.values()).split()
+
+
+def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0, tools_every: int = 0) -> Path:
+    """`n` prompts of real English words; every `long_every`-th one is long (to exceed a small context)."""
+    tools = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
+              "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+    with open(path, "w") as f:
+        for i in range(n):
+            words = _WORDS[i * 7 : i * 7 + 12 + (i % 5) * 3]
+            if long_every and i % long_every == long_every - 1:
+                words = _WORDS[:3000]
+            line: dict[str, Any] = {"id": f"{prefix}{i:04d}", "messages": [{"role": "user", "content": " ".join(words)}]}
+            if tools_every and i % tools_every == 0:
+                line["tools"] = tools
+            f.write(json.dumps(line) + "\n")
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return str(value)
+
+
+def make_job(tmp: Path, tokenizer: Path, *, n: int = 12, shards: int = 1, name: str = "t",
+             prompts: Path | None = None, **tables: dict[str, Any]) -> Path:
+    """A job spec in `tmp` using the stub engine; `tables` override or add keys per table, e.g.
+    `engine={"max_restarts": 1}, stub={"crash_after": 5}, sampling={"max_new_tokens": 64}`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    prompts = prompts or write_prompts(tmp / "prompts.jsonl", n)
+    t: dict[str, dict[str, Any]] = {
+        "model": {"path": str(tokenizer)},
+        "engine": {"kind": "stub", "ready_timeout_s": 60, "max_restarts": 2, "shutdown_timeout_s": 10},
+        "stub": {},
+        "sampling": {"max_new_tokens": 256},
+        "client": {"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05, "backoff_max_s": 0.2},
+        "sharding": {"shards": shards, "flush_records": 3, "flush_seconds": 0.5},
+    }
+    for table, keys in tables.items():
+        t.setdefault(table, {}).update(keys)
+    lines = [f'name = "{name}"', f'output_dir = "{tmp / "run"}"']
+    for table in ("model", "engine", "sampling", "client", "sharding", "audit", "slurm"):
+        if table in t:
+            lines.append(f"[{table}]")
+            lines += [f"{k} = {_toml(v)}" for k, v in t[table].items()]
+    if t["stub"]:
+        lines.append("[engine.stub]")
+        lines += [f"{k} = {_toml(v)}" for k, v in t["stub"].items()]
+    lines += ["[[datasets]]", 'name = "d"', f'path = "{prompts}"']
+    job = tmp / "job.toml"
+    job.write_text("\n".join(lines) + "\n")
+    return job

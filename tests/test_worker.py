@@ -1,0 +1,296 @@
+"""The shard worker against the stub engine: exact ids, right splits, resume after any crash, engine faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from toolkit.cli import prepare_run
+from toolkit.plan import PlanError, load_run
+from toolkit.progress import read_progress
+from toolkit.records import unpack_ids
+from toolkit.shardfile import read_done, read_shard
+from toolkit.worker import DONE, ShardFailed, run_shard
+
+from jobfiles import make_job, write_prompts
+
+
+def records(run: Path, shard: int = 0):
+    return list(read_shard(Path(run) / "shards" / f"{shard:05d}.zst"))
+
+
+def comparable(r) -> bytes:
+    """A record's bytes with the one measured field (wall-clock latency) zeroed."""
+    return msgspec.msgpack.encode(msgspec.structs.replace(r, latency_s=0.0))
+
+
+def start_stub(tokenizer: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    from toolkit.engines.base import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer), "--host", "127.0.0.1",
+         "--port", str(port), "--context-length", "32768", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health_generate", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("stub never became ready")
+
+
+def post_generate(url: str, ids: list[int], params: dict) -> dict:
+    req = urllib.request.Request(url + "/generate", data=json.dumps({"input_ids": ids, "sampling_params": params}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=10, sampling={"max_new_tokens": 200})
+    rd, plan = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    recs = records(rd.root)
+    assert sorted(r.id for r in recs) == [f"p{i:04d}" for i in range(10)]
+    stub, url = start_stub(kimi)
+    try:
+        for r in recs:
+            body = post_generate(url, unpack_ids(r.prompt_ids), {"max_new_tokens": 200})
+            assert unpack_ids(r.output_ids) == body["output_ids"]
+            assert r.completion_tokens == body["meta_info"]["completion_tokens"] == r.n_output
+            assert r.finish == body["meta_info"]["finish_reason"]["type"]
+    finally:
+        os.killpg(stub.pid, signal.SIGKILL)
+    done = read_done(rd.done_file(0))
+    assert done is not None and done.records == 10 and done.fingerprint == plan.fingerprint
+    progress = read_progress(rd.progress_file(0))
+    assert progress.state == "done" and progress.done == 10 and progress.engine == "stub"
+    log = rd.log_file(0).read_text()
+    assert "STUB" in log and "NOT a model" in log
+    assert "stub-engine, not a model" in rd.server_log_file(0).read_text()
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
+def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
+    from toolkit import chat
+    from toolkit.spec import load_spec
+
+    tok_dir = toy_tokenizer(family)
+    job = make_job(tmp_path, tok_dir, n=16, sampling={"max_new_tokens": 400})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    spec = load_spec(job)
+    tok = chat.load_tokenizer(spec.model)
+    info = chat.token_info(tok, spec.model)
+    opened = family != "qwen3"
+    assert info.opens_reasoning is opened
+    recs = records(rd.root)
+    stopped = [r for r in recs if r.finish == "stop"]
+    assert stopped, "the stub should finish most outputs with a stop token"
+    tool_seen = False
+    for r in recs:
+        out, prompt = unpack_ids(r.output_ids), unpack_ids(r.prompt_ids)
+        assert (prompt[-1] == info.think_start_id) is opened or prompt[-1] in info.blank_ids
+        # The model emits <think> itself only when the template did not open it.
+        assert (out[0] == info.think_start_id) is (not opened)
+        if r.reasoning_end is not None:
+            assert out[r.reasoning_end] == info.think_end_id
+            assert info.think_end_id not in out[: r.reasoning_end]
+        else:
+            assert info.think_end_id not in out
+        if r.finish == "stop":
+            assert out[-1] == r.matched_stop and r.matched_stop in info.eos_ids
+        if r.tool_call_at is not None:
+            tool_seen = True
+            assert out[r.tool_call_at] == info.tool_call_start_id
+            assert r.reasoning_end is not None and r.tool_call_at > r.reasoning_end
+    assert sum(r.reasoning_end is not None for r in stopped) == len(stopped)
+    assert tool_seen, "some outputs should carry a tool-call section"
+
+
+def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
+    """kill -9 of the worker at 20+ random moments, then a restart: every prompt once, records byte-identical."""
+    n = 40
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n)
+    stub, url = start_stub(kimi, "--token-delay", "0.0015")
+    try:
+        common = dict(engine={"kind": "external", "url": url}, client={"concurrency": 4, "request_timeout_s": 30},
+                      sampling={"max_new_tokens": 300}, sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
+        ref_rd, _ = prepare_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
+        assert run_shard(ref_rd.root, 0) == DONE
+        expected = {r.id: comparable(r) for r in records(ref_rd.root)}
+        assert len(expected) == n
+
+        rd, _ = prepare_run(make_job(tmp_path / "killed", kimi, prompts=prompts, **common))
+        rng = random.Random(20261202)
+        kills = 0
+        progress_seen = []
+        while kills < 20 and not rd.done_file(0).exists():
+            proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(0.3, 4.5))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+            proc.wait()
+            if rd.shard_file(0).exists():
+                progress_seen.append(sum(1 for _ in read_shard(rd.shard_file(0))))
+        if kills < 20:  # the shard finished before 20 kills: restart from scratch to get the rest of the kills in
+            pytest.fail(f"only {kills} kills landed before the shard completed; slow the stub down")
+        assert run_shard(rd.root, 0) == DONE
+        got = records(rd.root)
+        assert len(got) == n and len({r.id for r in got}) == n
+        assert {r.id: comparable(r) for r in got} == expected
+        assert any(0 < p < n for p in progress_seen), "kills should land mid-shard"
+    finally:
+        os.killpg(stub.pid, signal.SIGKILL)
+
+
+def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
+    rd, _ = prepare_run(job)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not rd.shard_file(0).exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert children, "the stub engine should be running under the worker"
+    assert all(running(int(pid)) for pid in children)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(running(int(pid)) for pid in children):
+        time.sleep(0.1)
+    assert not any(running(int(pid)) for pid in children), "the engine must die with its worker"
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 10}, engine={"max_restarts": 3})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    got = records(rd.root)
+    assert sorted(r.id for r in got) == [f"p{i:04d}" for i in range(24)]
+    assert all(r.status == "ok" for r in got)
+    assert read_progress(rd.progress_file(0)).engine_restarts == 2
+    assert "engine died mid-shard" in rd.log_file(0).read_text()
+
+
+def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 3}, engine={"max_restarts": 1})
+    rd, _ = prepare_run(job)
+    with pytest.raises(ShardFailed) as e:
+        run_shard(rd.root, 0)
+    assert "engine died 2 times" in str(e.value) and "max_restarts = 1" in str(e.value)
+    assert "stub-engine" in str(e.value)  # the server log's tail
+    p = read_progress(rd.progress_file(0))
+    assert p.state == "failed" and "engine died" in p.error
+    kept = records(rd.root)
+    assert 2 <= len(kept) < 24 and len({r.id for r in kept}) == len(kept)
+
+
+def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4, stub={"hang": True}, engine={"ready_timeout_s": 4})
+    rd, _ = prepare_run(job)
+    t0 = time.monotonic()
+    with pytest.raises(ShardFailed) as e:
+        run_shard(rd.root, 0)
+    assert time.monotonic() - t0 < 30
+    assert "not ready after 4 s" in str(e.value) and "ready_timeout_s" in str(e.value)
+    assert "stub-engine" in str(e.value)
+
+
+def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4, stub={"exit_at_start": 3}, engine={"ready_timeout_s": 600})
+    rd, _ = prepare_run(job)
+    t0 = time.monotonic()
+    with pytest.raises(ShardFailed, match="exited with code 3 before it was ready"):
+        run_shard(rd.root, 0)
+    assert time.monotonic() - t0 < 30
+
+
+def test_5xx_bursts_are_retried(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "1:5"}, client={"retries": 6, "concurrency": 2})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    got = records(rd.root)
+    assert len(got) == 12 and all(r.status == "ok" for r in got)
+    assert sum(r.attempts for r in got) == 12 + 5
+
+
+def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
+    job = make_job(tmp_path, kimi, prompts=prompts, stub={"context_length": 1024}, sampling={"max_new_tokens": 100})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    got = {r.id: r for r in records(rd.root)}
+    failed = sorted(i for i, r in got.items() if r.status == "failed")
+    assert failed == ["p0003", "p0007", "p0011"]
+    assert "HTTP 400" in got["p0003"].error and "context length" in got["p0003"].error
+    assert got["p0003"].n_prompt > 1000 and got["p0003"].output_ids == b""
+    assert read_done(rd.done_file(0)).failed == 3
+
+
+def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 300})
+    rd, _ = prepare_run(job)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (rd.shard_file(0).exists() and len(records(rd.root)) >= 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 3, proc.stderr.read()
+    p = read_progress(rd.progress_file(0))
+    assert p.state == "stopped" and 3 <= p.done < 30
+    assert not rd.done_file(0).exists()
+    assert run_shard(rd.root, 0) == DONE
+    got = records(rd.root)
+    assert len(got) == 30 and len({r.id for r in got}) == 30
+
+
+def test_run_dir_with_another_fingerprint_is_refused(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4)
+    prepare_run(job)
+    job.write_text(job.read_text().replace("max_new_tokens = 256", "max_new_tokens = 128"))
+    with pytest.raises(PlanError, match=r"differs in: sampling.*--new-run"):
+        prepare_run(job)
+    rd, plan = prepare_run(job, new_run=True)
+    assert rd.root != tmp_path / "run" and load_run(rd.root)[1].fingerprint == plan.fingerprint
+
+
+def test_more_shards_than_prompts_is_refused(tmp_path, kimi):
+    with pytest.raises(PlanError, match="3 shards for 2 prompts"):
+        prepare_run(make_job(tmp_path, kimi, n=2, shards=3))
