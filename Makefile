@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: demo install install-test test slurm-up slurm-down bench
+.PHONY: demo install install-test test bench
 
 install:
 	$(PIP) install -q -e .
@@ -18,7 +18,7 @@ install-test:
 	bash tests/install-browser.sh
 
 test: install-test
-	bash -c 'eval "$$(bash slurm/start.sh)" && trap "bash slurm/stop.sh" EXIT && $(PYTHON) -m pytest -q'
+	env=$$(bash slurm/start.sh) && eval "$$env" && $(PYTHON) -m pytest -q; rc=$$?; bash slurm/stop.sh; exit $$rc
 
 bench:
 	$(PYTHON) benchmarks/bench_worker.py

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 
 from toolkit import chat
+from toolkit.chat import ChatError
 from toolkit.toy_tokenizer import build_tokenizer
 from toolkit.toy_tokenizer import main as toy_tokenizer_cli
-from toolkit.chat import ChatError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,8 @@ class Prompt(msgspec.Struct):
 
 
 def prompt(text: str = "What is 2 + 2?", *, id: str = "p1", line: int = 1, tools=None, messages=None) -> Prompt:
-    return Prompt(id=id, dataset="demo.jsonl", line=line, messages=messages or [{"role": "user", "content": text}], tools=tools)
+    messages = messages or [{"role": "user", "content": text}]
+    return Prompt(id=id, dataset="demo.jsonl", line=line, messages=messages, tools=tools)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,22 @@ def test_exact_generation_prompt_tails(loaded):
     model, tok, info = loaded("qwen3", chat_template_kwargs={"enable_thinking": False})
     assert tok.decode(ids := chat.render(tok, model, prompt())).endswith("<think>\n\n</think>\n\n")
     assert [i for i in ids if i not in info.blank_ids][-1] == info.think_end_id
+
+
+def test_earlier_assistant_turns_have_empty_think(loaded):
+    history = [
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven.", "reasoning_content": "Small primes: 2, 3, 5, 7."},
+        {"role": "user", "content": "Another?"},
+    ]
+    for family, turn in (
+        ("kimi", "<|im_assistant|>assistant<|im_middle|><think></think>Seven.<|im_end|>"),
+        ("qwen3", "<|im_start|>assistant\nSeven.<|im_end|>"),
+        ("deepseek", "<｜Assistant｜>Seven.<｜end▁of▁sentence｜>"),
+    ):
+        model, tok, _ = loaded(family)
+        text = tok.decode(chat.render(tok, model, prompt(messages=history)))
+        assert turn in text and "Small primes" not in text, family
 
 
 def test_opens_reasoning_skips_only_blank_tokens(loaded):
@@ -275,7 +292,7 @@ def test_tokenizer_without_chat_template(toy_tokenizer, tmp_path):
     config = json.loads(config_path.read_text())
     del config["chat_template"]
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ChatError, match=rf"the tokenizer in {folder} has no chat template; set \[model\] chat_template"):
+    with pytest.raises(ChatError, match=rf"tokenizer in {folder} has no chat template; set \[model\] chat_template"):
         chat.load_tokenizer(Model(path=str(folder)))
 
 
@@ -309,7 +326,7 @@ def test_same_think_start_and_end_is_an_error(loaded):
 def test_template_raising_names_the_prompt(loaded):
     model, tok, _ = loaded("qwen3")
     bad = prompt(id="x-17", line=17, messages=[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
-    with pytest.raises(ChatError, match=r"demo.jsonl line 17 \(id 'x-17'\): the chat template failed: .*system message"):
+    with pytest.raises(ChatError, match=r"demo.jsonl line 17 \(id 'x-17'\): the chat template failed: .*system"):
         chat.render(tok, model, bad)
 
 

@@ -97,7 +97,7 @@ def load_tokenizer(model: Any) -> Any:
             str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
         )
     except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError, ImportError)
-        hint = "" if model.trust_remote_code else "; if the folder ships its own tokenizer code, set [model] trust_remote_code = true"
+        hint = "" if model.trust_remote_code else "; if the folder ships its own tokenizer code, set trust_remote_code"
         raise ChatError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}{hint}") from exc
     if template is not None:
         tok.chat_template = template
@@ -124,7 +124,10 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
     try:
         probe = _render_one(tok, model, PROBE_MESSAGES, None)
     except Exception as exc:
-        raise ChatError(f"the chat template fails on a one-message probe conversation: {type(exc).__name__}: {exc}") from exc
+        raise ChatError(
+            f"the chat template fails on a one-message probe conversation: {type(exc).__name__}: {exc}; "
+            "fix the template or [model] chat_template_kwargs"
+        ) from exc
     info = TokenInfo(
         think_start_id=think_start_id,
         think_end_id=think_end_id,
@@ -132,10 +135,9 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
         tool_call_start_id=tool_start_id,
         tool_call_end_id=tool_end_id,
         vocab_size=len(tok),
-        opens_reasoning=False,
+        opens_reasoning=_ends_with(probe, think_start_id, blank_ids),
         blank_ids=blank_ids,
     )
-    info = msgspec.structs.replace(info, opens_reasoning=opens_reasoning(probe, info))
     logger.info(
         "think %d/%d, eos %s, tool call %s/%s, prompts %s reasoning",
         info.think_start_id,
@@ -150,10 +152,13 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
 
 def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
     """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
-    blank = set(info.blank_ids)
+    return _ends_with(input_ids, info.think_start_id, info.blank_ids)
+
+
+def _ends_with(input_ids: Sequence[int], token_id: int, blank_ids: list[int]) -> bool:
     for token in reversed(input_ids):
-        if token not in blank:
-            return token == info.think_start_id
+        if token not in blank_ids:
+            return token == token_id
     return False
 
 
@@ -166,21 +171,31 @@ def render(tok: Any, model: Any, prompt: Any) -> list[int]:
 
 
 def render_many(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE) -> list[list[int]]:
-    """render() for many prompts, in order, with the same result, several times faster.
+    """render() for many prompts: the same ids, in the same order, faster.
 
-    Consecutive prompts with equal tools are rendered in one apply_chat_template call, so their text is encoded
-    in one batch. When a batch fails, its prompts are rendered one by one to name the failing prompt.
+    Prompts with equal tools are rendered together, `batch_size` per apply_chat_template call, so their text is
+    encoded in one parallel batch. When a batch fails, its prompts are rendered one by one to name the failing one.
     """
-    out: list[list[int]] = []
-    batch: list[Any] = []
-    for prompt in prompts:
-        if batch and (len(batch) >= batch_size or prompt.tools != batch[0].tools):
-            out.extend(_render_batch(tok, model, batch))
-            batch = []
-        batch.append(prompt)
-    if batch:
-        out.extend(_render_batch(tok, model, batch))
+    prompts = list(prompts)
+    groups: dict[Any, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        groups.setdefault(_tools_key(prompt.tools), []).append(index)
+    out: list[list[int]] = [[] for _ in prompts]
+    for indices in groups.values():
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            for index, ids in zip(chunk, _render_batch(tok, model, [prompts[i] for i in chunk])):
+                out[index] = ids
     return out
+
+
+def _tools_key(tools: Any) -> Any:
+    if tools is None:
+        return None
+    try:
+        return msgspec.json.encode(tools)
+    except (TypeError, msgspec.EncodeError):
+        return ("unencodable", id(tools))
 
 
 def _render_batch(tok: Any, model: Any, batch: list[Any]) -> list[list[int]]:
@@ -195,11 +210,11 @@ def _render_batch(tok: Any, model: Any, batch: list[Any]) -> list[list[int]]:
             return_dict=False,
             **model.chat_template_kwargs,
         )
-        rows = _ids(result)
+        rows = [_as_ids(row) for row in _unwrap(result)]
+        if len(rows) != len(batch):
+            raise ValueError(f"{len(rows)} results for {len(batch)} conversations")
     except Exception:
         return [render(tok, model, p) for p in batch]  # raises for the first failing prompt
-    if len(rows) != len(batch) or not all(isinstance(row, list) for row in rows):
-        return [render(tok, model, p) for p in batch]
     return rows
 
 
@@ -212,25 +227,21 @@ def _render_one(tok: Any, model: Any, messages: list[dict], tools: list[dict] | 
         return_dict=False,
         **model.chat_template_kwargs,
     )
-    ids = _ids(result)
-    if ids and not isinstance(ids[0], int):
-        raise TypeError(f"apply_chat_template returned {type(ids[0]).__name__} items instead of token ids")
-    return ids
+    return _as_ids(_unwrap(result))
 
 
-def _ids(result: Any) -> list:
-    """Plain list from apply_chat_template output: a list, or a dict/BatchEncoding holding input_ids."""
+def _unwrap(result: Any) -> Any:
+    """input_ids of apply_chat_template output, which is a list, or a dict/BatchEncoding holding input_ids."""
     if isinstance(result, Mapping):
         result = result["input_ids"]
-    if hasattr(result, "tolist"):
-        result = result.tolist()
-    if not isinstance(result, list):
-        result = list(result)
-    if result and isinstance(result[0], (list, tuple)):
-        return [row if type(row) is list and (not row or type(row[0]) is int) else [int(i) for i in row] for row in result]
-    if result and type(result[0]) is not int:
-        return [int(i) for i in result]
-    return result
+    return result.tolist() if hasattr(result, "tolist") else result
+
+
+def _as_ids(value: Any) -> list[int]:
+    """A plain list of ints (raises TypeError for anything that is not a flat sequence of integers)."""
+    if type(value) is list and (not value or type(value[0]) is int):
+        return value
+    return [int(i) for i in value]
 
 
 def _prompt_error(prompt: Any, exc: Exception) -> ChatError:

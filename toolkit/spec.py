@@ -130,6 +130,7 @@ class AuditSpec(_Config):
     """Thresholds the audit enforces; breaking one fails the run's final job."""
 
     min_think_end_share: float = 0.9
+    max_stop_without_think_end_share: float = 0.01
     max_empty_reasoning_share: float = 0.05
     max_empty_content_share: float = 0.2
     max_double_think_start_share: float = 0.01

@@ -96,16 +96,25 @@ def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, Promp
         state["info"] = info
         log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
                  info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
-        for pos, ref in todo:
+        for start in range(0, len(todo), chat.BATCH_SIZE):
             if state.get("stop"):
                 break
-            ds = plan.datasets[ref.dataset]
-            prompt = read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            batch = todo[start : start + chat.BATCH_SIZE]
+            prompts = []
+            for pos, ref in batch:
+                ds = plan.datasets[ref.dataset]
+                prompts.append(read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length))
             try:
-                ids, err = chat.render(tok, plan.spec.model, prompt), None
-            except chat.ChatError as e:
-                ids, err = None, f"chat template: {e}"
-            loop.call_soon_threadsafe(feed.put, (pos, ref, ids, err))
+                rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
+            except chat.ChatError:  # find which prompts fail; the others still go out
+                rendered = []
+                for prompt in prompts:
+                    try:
+                        rendered.append((chat.render(tok, plan.spec.model, prompt), None))
+                    except chat.ChatError as e:
+                        rendered.append((None, f"chat template: {e}"))
+            for (pos, ref), (ids, err) in zip(batch, rendered):
+                loop.call_soon_threadsafe(feed.put, (pos, ref, ids, err))
         loop.call_soon_threadsafe(feed.put, None)
     except BaseException as e:  # surfaced in the event loop, not lost in a thread
         loop.call_soon_threadsafe(feed.fail, e)
@@ -230,8 +239,15 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
     spec = sh.spec
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        name = signal.Signals(sig).name
+        log.warning("got %s: stopping; what is done is written, prompts in flight are generated again next time", name)
+        sh.progress.stop_signal = name
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (log.warning("got %s: stopping after writing what is done", signal.Signals(s).name), stop.set()))
+        loop.add_signal_handler(sig, on_signal, sig)
     feed = _Feed()
     state: dict = {}
     engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
@@ -311,7 +327,10 @@ def _attach_log(path: Path) -> logging.Handler:
 
 
 def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
-    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed."""
+    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
+
+    After STOPPED, the progress file's `stop_signal` names the signal that stopped it.
+    """
     rd, plan = load_run(run_dir)
     if not 0 <= shard < len(plan.shards):
         raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
@@ -339,6 +358,7 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
                 raise ShardFailed(f"{rd.shard_file(shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
             todo = [(sh.sp.first + i, r) for i, r in enumerate(refs) if r.id not in done_ids]
             log.info("%d of %d prompts already recorded; %d to generate", len(done_ids), sh.sp.count, len(todo))
+            sh.progress.resumed = len(done_ids)
             result = DONE
             if todo:
                 try:

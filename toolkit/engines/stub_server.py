@@ -113,12 +113,17 @@ IGNORED_SGLANG_FLAGS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        sys.stderr.write(f"{LOG_PREFIX} error: {message}\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m toolkit.engines.stub_server",
         description="Stand-in SGLang server (a protocol test double, not a model).",
     )
-    a = p.add_argument
     g = p.add_argument_group("SGLang flags the stub models")
     g.add_argument("--model-path", "--model", dest="model_path", required=True)
     g.add_argument("--tokenizer-path")
@@ -281,7 +286,8 @@ class StubModel:
         self._newline_only: dict[int, bool] = {}
         self._segment_text: dict[tuple[tuple[int, ...], bool], str] = {}
         self._fast_decode = self._pick_decoder()
-        self.fast_text = self.cuts is not None and self._check_fast_text(cfg)
+        cleanup = getattr(tok, "clean_up_tokenization_spaces", False)  # rewrites text across token boundaries
+        self.fast_text = self.cuts is not None and not cleanup and self._check_fast_text(cfg)
 
     def _encode_corpus(self, text: str, control: set) -> None:
         """Token ids of the help text, and where each token starts in it (for slicing text instead of decoding)."""
@@ -381,7 +387,10 @@ class StubModel:
     def is_newline_only(self, token_id: int) -> bool:
         known = self._newline_only.get(token_id)
         if known is None:
-            text = self.tokenizer.decode([token_id])
+            try:
+                text = self.tokenizer.decode([token_id])
+            except Exception:  # noqa: BLE001 - prompt ids are not range-checked (neither are they in SGLang)
+                text = ""
             known = self._newline_only[token_id] = bool(text) and not text.strip("\r\n")
         return known
 
@@ -537,7 +546,7 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     segments += [(-1, tool), (-1, [model.eos_id])]
     segments = [seg for seg in segments if seg[1]]
     written = sum(len(ids) for _, ids in segments)
-    while written > total:  # a tiny fixed length keeps the end of the plan (think-end, EOS)
+    while fixed is not None and written > total:  # a tiny fixed length keeps the plan's end (think-end, EOS)
         start, ids = segments[0]
         drop = min(written - total, len(ids))
         segments[0] = (start + drop if start >= 0 else -1, ids[drop:])
@@ -1742,8 +1751,7 @@ async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
         listener = await loop.create_server(lambda: Connection(server), cfg.host, cfg.port, reuse_address=True,
                                             backlog=1024)
     except OSError as e:
-        logger.error("[Errno %s] error while attempting to bind on address (%r, %d): %s",
-                     e.errno, cfg.host, cfg.port, e.strerror)
+        logger.error("%s", e)  # e.g. [Errno 98] error while attempting to bind on address (...): address in use
         return 1
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

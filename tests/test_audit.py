@@ -1,0 +1,243 @@
+"""Audit: the seed's bug fails loudly, a healthy run passes, each planted fault fails its own check, the reports."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from toolkit.audit import AuditReport, audit_run
+from toolkit.cli import main as cli_main
+from toolkit.merge import merge_and_audit
+from toolkit.records import Record, pack_ids, unpack_ids
+
+import runs
+from jobfiles import make_job
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def report(s: runs.Synth) -> AuditReport:
+    return msgspec.json.decode((s.rd.merged_dir / "audit.json").read_bytes(), type=AuditReport)
+
+
+def failing(r: AuditReport) -> set[str]:
+    return {c.name for c in r.checks if not c.passed}
+
+
+def check(r: AuditReport, name: str):
+    return next(c for c in r.checks if c.name == name)
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_the_seed_bug_fails_the_audit_with_the_reasoning_message(tmp_path, kimi, capsys):
+    """Outputs that stop normally without any think-end: the reasoning would sit in the content, silently."""
+    s = runs.plan_run(tmp_path, kimi)
+    runs.write_run(s, runs.no_think_end)
+    assert merge_and_audit(s.root) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the terminal table wraps long messages
+    r = report(s)
+    assert not r.passed and failing(r) == {"think_end_share", "stop_without_think_end"}
+    c = check(r, "stop_without_think_end")
+    assert c.value == 1.0 and c.limit == 0.01
+    te = s.info.think_end_id
+    for words in (f"18 of 18 outputs that ended with a stop token have no think-end id {te} ('</think>')",
+                  "the reasoning sits in the content", "The chat template opens reasoning",
+                  "chat_template_kwargs", "[model] think_end", "server flags", "stop_token_ids"):
+        assert words in c.message, words
+    assert "audit of run synthetic-kimi" in out and ": FAILED" in out and "FAIL stop_without_think_end" in out
+    assert "the reasoning sits in the content" in out
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3"])
+def test_a_healthy_run_passes_with_exact_statistics(tmp_path, toy_tokenizer, family, capsys):
+    s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"math": 12, "chat": 9}, shards=3)
+    written = runs.write_run(s, failed=[])
+    assert merge_and_audit(s.root) == 0
+    r = report(s)
+    assert r.passed and failing(r) == set() and (r.planned, r.present, r.ok, r.missing) == (21, 21, 21, 0)
+    assert ": PASSED" in capsys.readouterr().out
+    # The template opens reasoning for kimi; qwen3's model writes <think> itself (excluded from the reasoning).
+    assert r.tokens.template_opens_reasoning == (family == "kimi")
+    assert r.overall.reasoning.opened_by_template == (21 if family == "kimi" else 0)
+    for d in r.datasets:
+        recs = [x for x in written.values() if x.dataset == d.name]
+        out_len = np.array([x.n_output for x in recs])
+        assert d.ok == len(recs) and d.output_tokens == out_len.sum() and d.output_len.max == out_len.max()
+        assert d.output_len.p50 == int(np.percentile(out_len, 50, method="inverted_cdf"))
+        assert d.prompt_tokens == sum(x.n_prompt for x in recs)
+        head = 0 if family == "kimi" else 1
+        assert d.reasoning_len.total == sum(x.reasoning_end - head for x in recs)
+        assert d.content_len.total == sum(x.n_output - x.reasoning_end - 2 for x in recs)  # think-end and eos excluded
+        assert d.finish == {"stop": len(recs)} and d.reasoning.think_end == len(recs)
+        assert sum(d.histograms["output"].counts) == len(recs)
+    assert [x.records for x in r.shards] == [sp.count for sp in s.plan.shards]
+    assert r.reprompt.sampled == 21 and r.reprompt.mismatched == 0
+
+
+def test_thinking_off_prompts_are_not_held_to_reasoning_checks(tmp_path, kimi):
+    s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}})
+    runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos))
+    assert merge_and_audit(s.root) == 0
+    r = report(s).overall.reasoning
+    assert r.closed_by_template == 18 and r.expected == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# one planted fault -> its check fails, and only it
+# ---------------------------------------------------------------------------------------------------
+def _content_truncated(s, pos, rng):
+    return runs.Out([*s.text(rng, 60), s.info.think_end_id, *s.text(rng, 40)], "length", None)
+
+
+def _double_start(s, pos, rng):
+    return runs.Out([s.info.think_start_id, *s.text(rng, 60), s.info.think_end_id, *s.text(rng, 20), s.eos], "stop", s.eos)
+
+
+def _empty_content(s, pos, rng):
+    return runs.Out([*s.text(rng, 60), s.info.think_end_id, s.eos], "stop", s.eos)
+
+
+def _empty_reasoning(s, pos, rng):
+    return runs.Out([s.info.think_end_id, *s.text(rng, 30), s.eos], "stop", s.eos)
+
+
+def _edit_at(pos: int, **changes):
+    return lambda r: msgspec.structs.replace(r, **changes) if r.index == pos else r
+
+
+def _other_prompt(r: Record) -> Record:
+    ids = unpack_ids(r.prompt_ids)
+    ids[len(ids) // 2] = (ids[len(ids) // 2] + 1) % 3000
+    return msgspec.structs.replace(r, prompt_ids=pack_ids(ids))
+
+
+def _stop_not_last(r: Record) -> Record:
+    return msgspec.structs.replace(r, output_ids=r.output_ids[:-4], completion_tokens=r.completion_tokens - 1) if r.index == 3 else r
+
+
+FAULTS = {
+    # name: (outputs, edit, failed positions, the only failing check, words of its message)
+    "truncation": (runs.mix(runs.healthy(), **{f"p{p}": _content_truncated for p in range(1, 18, 2)}), None, (),
+                   "length_share", "raise max_new_tokens"),
+    "double_think_start": (_double_start, None, (), "double_think_start", "opens it again"),
+    "empty_content": (_empty_content, None, (), "empty_content", "the answer after the think-end"),
+    "empty_reasoning": (_empty_reasoning, None, (), "empty_reasoning", "closes reasoning at once"),
+    "completion_tokens": (None, lambda r: _edit_at(4, completion_tokens=r.completion_tokens + 1)(r), (),
+                          "token_counts", "completion_tokens != len(output_ids)"),
+    "stop_not_last": (None, _stop_not_last, (), "stop_tokens", "matched id is not the last output id"),
+    "prompt_changed": (None, _other_prompt, (), "prompt_rerender", "render to other ids than those stored"),
+    "split": (None, lambda r: _edit_at(5, reasoning_end=(r.reasoning_end or 0) + 1)(r), (), "reasoning_split",
+              "not the first think-end"),
+    "vocab": (None, lambda r: _edit_at(6, output_ids=pack_ids([70000]) + r.output_ids,
+                                       completion_tokens=r.completion_tokens + 1, reasoning_end=(r.reasoning_end or 0) + 1)(r),
+              (), "vocabulary", "outside the tokenizer"),
+    "failures": (None, None, (2, 9), "failed_share", "2 of 18 prompts failed"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_fault_fails_its_own_check(tmp_path, kimi, fault):
+    outputs, edit, failed, name, words = FAULTS[fault]
+    s = runs.plan_run(tmp_path, kimi)
+    runs.write_run(s, outputs, edit=edit, failed=failed)
+    assert merge_and_audit(s.root) == 1
+    r = report(s)
+    assert failing(r) == {name}
+    assert words in check(r, name).message
+    if fault == "truncation":  # per dataset: the truncated records are all in one dataset
+        by = {d.name: d.length_share for d in r.datasets}
+        assert max(by.values()) > 0.2 and "dataset" in check(r, name).message
+    if fault == "failures":
+        assert (s.rd.merged_dir / "failed_ids.txt").read_text().split() == [s.refs[2].id, s.refs[9].id]
+        assert r.overall.errors == {"server error N: boom": 2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command, the report files, the browser
+# ---------------------------------------------------------------------------------------------------
+def test_audit_command_reads_the_merged_dataset(tmp_path, kimi, capsys):
+    s = runs.plan_run(tmp_path, kimi)
+    runs.write_run(s)
+    assert cli_main(["audit", str(s.root)]) == 2  # nothing merged yet
+    assert f"toolkit merge {s.root}" in capsys.readouterr().err
+    assert cli_main(["merge", str(s.root), "--no-audit"]) == 0
+    assert cli_main(["audit", str(s.root)]) == 0
+    first = report(s)
+    assert first.passed and json.loads((s.rd.merged_dir / "audit.json").read_text())["passed"] is True
+    # The merged file changed after the merge: the audit says so.
+    merged = s.rd.merged_dir / "records.zst"
+    merged.write_bytes(merged.read_bytes() + b"\0")
+    assert cli_main(["audit", str(s.root)]) == 1
+    assert "merged_file" in failing(audit_run(s.root))
+
+
+def _png_rows(path: Path) -> tuple[int, int, np.ndarray]:
+    """Width, height and the filtered scanlines of a PNG (8-bit RGB or RGBA), read with zlib alone."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat = 8, b""
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
+        if kind == b"IHDR":
+            width, height, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and ctype in (2, 6)
+            channels = 3 if ctype == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, width * channels + 1)
+    return width, height, rows[:, 1:]
+
+
+def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    assert Path(chromium).exists(), "install Chromium: tests/install-browser.sh (apt-get install chromium)"
+    s = runs.plan_run(tmp_path, kimi, shards=3)
+    runs.write_run(s, runs.mix(runs.healthy(), p4=runs.no_think_end), failed=[7])
+    merge_and_audit(s.root)
+    page = s.rd.merged_dir / "audit.html"
+    assert b"http://" not in page.read_bytes().replace(b"http://www.w3.org/2000/svg", b"")  # self-contained
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=60).stdout
+    # Tables are built by the page's script: present in the DOM only if it ran.
+    shards = dom.split('<table id="shards">')[1].split("</table>")[0]
+    assert shards.count("<tr") == 1 + 3 and "<td>6</td>" in shards
+    checks = dom.split('<table id="checks">')[1].split("</table>")[0]
+    assert checks.count('<tr class="bad">') == 2 and "stop_without_think_end" in checks  # 1 of 17: over 1 %
+    assert dom.count("<svg") == 9  # output / reasoning / content histograms for math, chat and all
+    png = tmp_path / "audit.png"
+    subprocess.run([chromium, *flags, f"--screenshot={png}", "--window-size=1200,1600", page.as_uri()],
+                   capture_output=True, timeout=60, check=True)
+    width, height, rows = _png_rows(png)
+    assert (width, height) == (1200, 1600)
+    # A blank page filters to constant scanlines (all 0 after a Sub/Up/Paeth filter, all 255 unfiltered).
+    varied = (rows.min(axis=1) != rows.max(axis=1)).mean()
+    assert varied > 0.3, f"only {varied:.0%} of the screenshot's rows hold anything"
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: the stub engine plays the seed's bug
+# ---------------------------------------------------------------------------------------------------
+def test_toolkit_run_with_a_stub_that_never_closes_reasoning_fails_the_audit(tmp_path, kimi, capsys):
+    job = make_job(tmp_path, kimi, n=8, shards=2, model={"path": str(kimi), "chat_template_kwargs": {"thinking": True}},
+                   stub={"no_think_end": True}, sampling={"max_new_tokens": 96})
+    assert cli_main(["run", str(job)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL stop_without_think_end" in out and "the reasoning sits in the content" in out
+    audit = json.loads((tmp_path / "run" / "merged" / "audit.json").read_text())
+    assert audit["passed"] is False and audit["ok"] == 8 and audit["missing"] == 0

@@ -1,0 +1,591 @@
+"""The stand-in SGLang server, as a real process spoken to over real HTTP.
+
+Checks the wire contract the toolkit relies on: start-up states, validation errors (status and exact body),
+response shape, stop-token and finish-reason rules, determinism across processes, think/tool tokens per
+tokenizer family, the 0.5.9 profile, auth, streaming, batches, aborts, fault injection and SIGTERM drain.
+All the servers of this file are launched at once (they share the start-up cost) on loopback ports.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "[stub-engine, not a model]"
+CONTEXT = 8192
+MAX_REQ_INPUT_LEN = CONTEXT - 1 - 5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(port: int, method: str, path: str, body=None, *, headers=None, timeout: float = 10.0):
+    """One HTTP request on a fresh connection: (status, lower-cased headers, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+class Stub:
+    """One stub server process with its log file."""
+
+    def __init__(self, name: str, tokenizer: Path, args: list[str], log_dir: Path):
+        self.name, self.port = name, free_port()
+        self.log = log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer),
+                "--host", "127.0.0.1", "--port", str(self.port), *args]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def log_text(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+    def wait_listening(self, deadline_s: float = 60.0) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"{self.name} exited early:\n{self.log_text()}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise AssertionError(f"{self.name} never listened:\n{self.log_text()}")
+
+    def wait_ready(self, deadline_s: float = 60.0) -> "Stub":
+        self.wait_listening(deadline_s)
+        end = time.monotonic() + deadline_s
+        while self.get("/health")[0] != 200:
+            assert time.monotonic() < end and self.proc.poll() is None, self.log_text()
+            time.sleep(0.02)
+        return self
+
+    def get(self, path: str, **kw):
+        return call(self.port, "GET", path, **kw)
+
+    def post(self, path: str, body=None, **kw):
+        return call(self.port, "POST", path, body, **kw)
+
+    def generate(self, body: dict, **kw):
+        status, headers, data = self.post("/generate", body, **kw)
+        assert status == 200, (status, data)
+        return json.loads(data)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+FLEET = {
+    # name: (tokenizer family, extra flags)
+    "qwen3": ("qwen3", ["--enable-metrics", "--tp-size", "4", "--mem-fraction-static", "0.8",
+                        "--some-future-flag", "3"]),
+    "qwen3_auth": ("qwen3", ["--api-key", "sekret"]),
+    "kimi": ("kimi", []),
+    "kimi_seed_bugs": ("kimi", ["--no-think-end", "--double-think-start"]),
+    "v059": ("qwen3", ["--version", "0.5.9", "--skip-tokenizer-init"]),
+    "faults": ("qwen3", ["--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6"]),
+    "slow": ("qwen3", ["--token-delay", "0.01", "--fixed-output-tokens", "40"]),
+    "warmup_fails": ("qwen3", ["--warmup-delay", "0.3", "--warmup-fails"]),
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(toy_tokenizer, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("stub-logs")
+    stubs = {name: Stub(name, toy_tokenizer(family), [*flags, "--drain-poll", "0.2"], log_dir)
+             for name, (family, flags) in FLEET.items()}
+    yield stubs
+    for stub in stubs.values():
+        stub.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizers(toy_tokenizer):
+    return {family: AutoTokenizer.from_pretrained(toy_tokenizer(family)) for family in ("qwen3", "kimi")}
+
+
+@pytest.fixture(scope="module")
+def qwen3(fleet):
+    return fleet["qwen3"].wait_ready()
+
+
+def chat_ids(tok, text: str, **kwargs) -> list[int]:
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                     tokenize=False, **kwargs)
+    return tok.encode(prompt, add_special_tokens=False)
+
+
+def tid(tok, token: str) -> int:
+    (i,) = tok.encode(token, add_special_tokens=False)
+    return i
+
+
+# ------------------------------------------------------------------------------------------------
+# lifecycle
+# ------------------------------------------------------------------------------------------------
+
+
+def test_start_up_states_then_idle_sigterm_exits_zero(fleet, toy_tokenizer, tmp_path):
+    # (`fleet` only to start the other servers now: their start-up overlaps this test's waiting)
+    stub = Stub("lifecycle", toy_tokenizer("qwen3"),
+                ["--load-delay", "1.5", "--warmup-delay", "1.0", "--drain-poll", "0.2"], tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while "Load weight begin" not in stub.log_text():
+            assert time.monotonic() < deadline and stub.proc.poll() is None, stub.log_text()
+            time.sleep(0.02)
+        with pytest.raises(ConnectionRefusedError):  # weights "loading": the port is closed
+            socket.create_connection(("127.0.0.1", stub.port), timeout=1)
+        stub.wait_listening()
+        # warm-up: health and ready say 503 with an empty body, the informational endpoints already answer
+        for path in ("/health", "/health_generate", "/ready"):
+            assert stub.get(path)[0::2] == (503, b"")
+        status, headers, body = stub.get("/model_info")
+        assert status == 200 and headers["content-type"] == "application/json"
+        assert json.loads(body)["served_model_name"]
+        info = json.loads(stub.get("/server_info")[2])
+        assert info["version"] == "0.5.23" and info["context_length"] == CONTEXT
+        assert info["max_req_input_len"] == MAX_REQ_INPUT_LEN and info["max_total_num_tokens"] >= CONTEXT
+        assert stub.get("/get_server_info")[0] == 200 and stub.get("/get_model_info")[0] == 200
+        models = json.loads(stub.get("/v1/models")[2])
+        assert models["data"][0]["max_model_len"] == CONTEXT and models["data"][0]["owned_by"] == "sglang"
+        assert stub.get("/health")[0] == 503  # still warming up after all that
+        stub.wait_ready(10)
+        for path in ("/health", "/health_generate", "/ready"):
+            assert stub.get(path)[0::2] == (200, b"")
+        stub.proc.send_signal(signal.SIGTERM)
+        assert stub.proc.wait(5) == 0
+        log = stub.log_text()
+        for marker in ("Load weight begin", "Load weight end", "The server is fired up and ready to roll!"):
+            assert marker in log
+        lines = log.splitlines()
+        assert lines and all(line.startswith(PREFIX) for line in lines), log
+    finally:
+        stub.stop()
+
+
+def test_exit_at_start_modes(toy_tokenizer, tmp_path):
+    marker = tmp_path / "poison"
+    marker.write_text("x")
+    a = Stub("exit7", toy_tokenizer("qwen3"), ["--exit-at-start", "7"], tmp_path)
+    b = Stub("exit_if", toy_tokenizer("qwen3"), ["--exit-at-start-if-exists", str(marker)], tmp_path)
+    assert a.proc.wait(20) == 7
+    assert b.proc.wait(20) == 1
+    assert str(marker) in b.log_text() and all(line.startswith(PREFIX) for line in b.log_text().splitlines())
+
+
+def test_warmup_failure_kills_the_server(fleet):
+    stub = fleet["warmup_fails"]
+    assert stub.proc.wait(60) != 0
+    log = stub.log_text()
+    assert "Uvicorn running on" in log and "warmup error" in log and "The server is fired up" not in log
+
+
+def test_unknown_flags_are_logged_and_server_info_reports_the_setup(qwen3):
+    info = json.loads(qwen3.get("/server_info")[2])
+    assert info["tp_size"] == 4 and info["version"] == "0.5.23" and info["status"] == "ready"
+    assert info["mem_fraction_static"] == "0.8"
+    assert "--some-future-flag 3" in qwen3.log_text()
+
+
+def test_keep_alive_connection_serves_many_requests(qwen3):
+    conn = http.client.HTTPConnection("127.0.0.1", qwen3.port, timeout=10)
+    conn.connect()
+    sock = conn.sock
+    for i in range(3):
+        conn.request("POST", "/generate", body=json.dumps({"input_ids": [5, 6, i]}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["output_ids"]
+        assert conn.sock is sock  # the same TCP connection
+    conn.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# /generate validation
+# ------------------------------------------------------------------------------------------------
+
+SAMPLING_KEYS = "`max_new_tokens`, `stop`, `stop_token_ids`, `stop_regex`, `temperature`, `top_p`, `top_k`"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"input_ids": [1, 2], "sampling_params": {"seed": 1}}, "unknown field `seed`, expected one of " + SAMPLING_KEYS),
+    ({"input_ids": [1, 1.5]}, "invalid type: floating point `1.5`, expected i64"),
+    ({"input_ids": ["a"]}, 'invalid type: string "a", expected a sequence'),
+    ({"input_ids": [1], "stream": "yes"}, 'invalid type: string "yes", expected a boolean'),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 1.0}}, "invalid type: floating point `1.0`, expected i64"),
+    ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "invalid type: integer `1`, expected a boolean"),
+])
+def test_schema_gate_errors_are_400_with_a_string(qwen3, body, expected):
+    status, headers, data = qwen3.post("/generate", body)
+    assert status == 400 and headers["content-type"] == "application/json"
+    error = json.loads(data)["error"]
+    assert isinstance(error, str) and error.startswith(expected)
+
+
+LONG = [7] * CONTEXT
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": []}, "input_ids cannot be empty."),
+    ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
+    ({"input_ids": [1], "sampling_params": {"temperature": -0.5}},
+     "temperature must be a non-negative finite number, got -0.5."),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1], got 0.0."),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1], got 1.5."),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1, got 0."),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p must be in [0, 1], got 2.0."),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}},
+     "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0."),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0, got -1."),
+    ({"input_ids": LONG}, f"The input ({CONTEXT} tokens) is longer than the model's context length ({CONTEXT} tokens)."),
+    ({"input_ids": [7] * 100, "sampling_params": {"max_new_tokens": CONTEXT - 99}},
+     f"Requested token count exceeds the model's maximum context length of {CONTEXT} tokens. You requested a total "
+     f"of {CONTEXT + 1} tokens: 100 tokens from the input messages and {CONTEXT - 99} tokens for the completion. "
+     "Please reduce the number of tokens in the input messages or the completion to fit within the limit."),
+    ({"input_ids": [7] * MAX_REQ_INPUT_LEN},
+     f"Input length ({MAX_REQ_INPUT_LEN} tokens) exceeds the maximum allowed length ({MAX_REQ_INPUT_LEN} tokens). "
+     "Use a shorter input or enable --allow-auto-truncate."),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "Duplicate request IDs detected within the request: ['a']"),
+    ({"input_ids": [[1], [2]], "rid": ["a"]},
+     "The specified rids length mismatch with the batch_size for batch processing."),
+])
+def test_value_errors_are_400_with_a_message_object(qwen3, body, message):
+    status, headers, data = qwen3.post("/generate", body)
+    assert (status, headers["content-type"]) == (400, "application/json")
+    assert json.loads(data) == {"error": {"message": message}}
+
+
+def test_length_limits_at_the_boundary(qwen3):
+    # 0.5.23 rejects only input + max_new_tokens > context; the scheduler then clamps silently
+    out = qwen3.generate({"input_ids": [7] * 100, "sampling_params": {"max_new_tokens": CONTEXT - 100}})
+    assert len(out["output_ids"]) <= CONTEXT - 1 - 100 - 1
+    near = qwen3.generate({"input_ids": [7] * (MAX_REQ_INPUT_LEN - 1), "sampling_params": {"ignore_eos": True}})
+    budget = CONTEXT - 1 - (MAX_REQ_INPUT_LEN - 1) - 1
+    assert near["meta_info"]["finish_reason"] == {"type": "length", "length": budget}
+    assert len(near["output_ids"]) == budget
+
+
+def test_bad_json_body_is_a_400_error_object(qwen3):
+    status, _, data = qwen3.post("/generate", b"{not json")
+    body = json.loads(data)
+    assert status == 400 and body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request"
+
+
+def test_duplicate_in_flight_rid_is_rejected(fleet):
+    slow = fleet["slow"].wait_ready()
+    body = {"input_ids": [3, 4, 5], "rid": "same-rid", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(slow.generate, body)  # in flight for about 1 s (--token-delay 0.01)
+        time.sleep(0.3)
+        status, _, data = slow.post("/generate", body)
+        assert (status, json.loads(data)) == (400, {"error": {"message": "Duplicate request ID detected: same-rid"}})
+        assert len(first.result(10)["output_ids"]) == 100
+    assert slow.post("/generate", body)[0] == 200  # no longer in flight
+
+
+# ------------------------------------------------------------------------------------------------
+# responses
+# ------------------------------------------------------------------------------------------------
+
+META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
+             "weight_version", "num_retractions", "reasoning_tokens", "weight_versions", "dp_rank",
+             "response_sent_to_client_ts"}
+
+
+def test_response_shape_and_stop_token_included_and_counted(qwen3, tokenizers):
+    tok = tokenizers["qwen3"]
+    ids = chat_ids(tok, "What is a generator?")
+    status, headers, data = qwen3.post("/generate", {"input_ids": ids, "rid": "r-1",
+                                                     "sampling_params": {"max_new_tokens": 4000}})
+    assert status == 200 and headers["content-type"] == "application/json"
+    out = json.loads(data)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert META_KEYS <= set(meta)
+    assert meta["id"] == "r-1" and meta["prompt_tokens"] == len(ids) and meta["cached_tokens"] == 0
+    assert meta["completion_tokens"] == len(out["output_ids"]) and meta["e2e_latency"] >= 0
+    eos = tid(tok, "<|im_end|>")
+    assert meta["finish_reason"] == {"type": "stop", "matched": eos}
+    assert out["output_ids"][-1] == eos and out["output_ids"].count(eos) == 1
+    assert out["text"] == tok.decode(out["output_ids"][:-1], skip_special_tokens=True)
+    assert "<|im_end|>" not in out["text"]
+
+
+def test_length_finish_and_the_silent_128_default(qwen3):
+    out = qwen3.generate({"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 3}})  # < any whole answer
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3} and len(out["output_ids"]) == 3
+    lengths = []
+    for i in range(60):
+        out = qwen3.generate({"input_ids": [21, i]})
+        assert len(out["output_ids"]) <= 128
+        lengths.append(out["meta_info"]["finish_reason"].get("length"))
+    assert 128 in lengths  # some outputs run into the default max_new_tokens
+
+
+def test_request_stop_token_ids_and_ignore_eos(qwen3, tokenizers):
+    ids = chat_ids(tokenizers["qwen3"], "Explain closures.")
+    full = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000}})["output_ids"]
+    stop = full[len(full) // 2]
+    cut = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "stop_token_ids": [stop]}})
+    assert cut["output_ids"] == full[:full.index(stop) + 1]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # ignore_eos also disables stop_token_ids: the model writes on past its EOS up to max_new_tokens
+    longer = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True,
+                                                                    "stop_token_ids": [stop]}})
+    assert len(longer["output_ids"]) == 4000 and longer["output_ids"][:len(full)] == full
+    assert longer["meta_info"]["finish_reason"] == {"type": "length", "length": 4000}
+
+
+def test_outputs_are_deterministic_across_processes(fleet, qwen3, tokenizers):
+    other = fleet["qwen3_auth"].wait_ready()
+    auth = {"Authorization": "Bearer sekret"}
+    for text in ("first prompt", "second prompt"):
+        body = {"input_ids": chat_ids(tokenizers["qwen3"], text), "sampling_params": {"max_new_tokens": 300,
+                                                                                      "temperature": 0.6}}
+        a, b = qwen3.generate(body), qwen3.generate(body)
+        c = other.generate(body, headers=auth)
+        assert a["output_ids"] == b["output_ids"] == c["output_ids"] and a["text"] == c["text"]
+    x = qwen3.generate({"input_ids": [1, 2, 3]})["output_ids"]
+    y = qwen3.generate({"input_ids": [1, 2, 4]})["output_ids"]
+    assert x != y
+
+
+def test_truncation_share_and_tool_calls_at_default_sizes(qwen3, tokenizers):
+    tok = tokenizers["qwen3"]
+    tool_start, think_end = tid(tok, "<tool_call>"), tid(tok, "</think>")
+    truncated = tools = 0
+    for i in range(200):
+        out = qwen3.generate({"input_ids": chat_ids(tok, f"task number {i}"), "sampling_params": {"max_new_tokens": 512}})
+        ids = out["output_ids"]
+        if out["meta_info"]["finish_reason"]["type"] == "length":
+            truncated += 1
+            assert len(ids) == 512
+        if tool_start in ids:
+            tools += 1
+            assert ids.index(tool_start) > ids.index(think_end)  # tool calls are in the answer
+    assert 6 <= truncated <= 40 and 5 <= tools <= 60
+
+
+def test_think_start_follows_the_template(qwen3, fleet, tokenizers):
+    qt, kt = tokenizers["qwen3"], tokenizers["kimi"]
+    # Qwen3: the template leaves <think> to the model
+    out = qwen3.generate({"input_ids": chat_ids(qt, "hi"), "sampling_params": {"max_new_tokens": 2000}})["output_ids"]
+    assert out[0] == tid(qt, "<think>") and out.count(tid(qt, "</think>")) == 1
+    # Qwen3 with thinking disabled: the template closes the block, so no think tokens at all
+    off = chat_ids(qt, "hi", enable_thinking=False)
+    out = qwen3.generate({"input_ids": off, "sampling_params": {"max_new_tokens": 2000}})["output_ids"]
+    assert tid(qt, "<think>") not in out and tid(qt, "</think>") not in out
+    # Kimi: the template opens <think>; the model only closes it
+    kimi = fleet["kimi"].wait_ready()
+    ids = chat_ids(kt, "hi")
+    assert ids[-1] == tid(kt, "<think>")
+    for i in range(5):
+        out = kimi.generate({"input_ids": ids + [], "rid": f"k{i}",
+                             "sampling_params": {"max_new_tokens": 2000, "temperature": 0.9, "n": 1}})["output_ids"]
+        assert tid(kt, "<think>") not in out and out.count(tid(kt, "</think>")) == 1
+        assert out[-1] == tid(kt, "<|im_end|>")
+
+
+def test_seed_bug_modes(fleet, tokenizers):
+    kt = tokenizers["kimi"]
+    buggy = fleet["kimi_seed_bugs"].wait_ready()
+    for i in range(10):
+        out = buggy.generate({"input_ids": chat_ids(kt, f"q{i}"), "sampling_params": {"max_new_tokens": 2000}})
+        ids = out["output_ids"]
+        assert tid(kt, "</think>") not in ids  # --no-think-end
+        assert ids[0] == tid(kt, "<think>")  # --double-think-start, although the template opened it
+
+
+def test_kimi_tool_sections_use_kimi_tokens(fleet, tokenizers):
+    kt = tokenizers["kimi"]
+    kimi = fleet["kimi"].wait_ready()
+    begin, end = tid(kt, "<|tool_calls_section_begin|>"), tid(kt, "<|tool_calls_section_end|>")
+    sections = 0
+    for i in range(80):
+        ids = kimi.generate({"input_ids": chat_ids(kt, f"tool task {i}"),
+                             "sampling_params": {"max_new_tokens": 4000}})["output_ids"]
+        if begin in ids:
+            sections += 1
+            assert ids[-2] == end and ids[-1] == tid(kt, "<|im_end|>")
+    assert sections > 0
+
+
+def test_batch_and_parallel_samples(qwen3):
+    a = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50}})
+    b = qwen3.generate({"input_ids": [41, 42], "sampling_params": {"max_new_tokens": 50}})
+    batch = qwen3.generate({"input_ids": [[31, 32], [41, 42]], "rid": "bat", "sampling_params": {"max_new_tokens": 50}})
+    assert isinstance(batch, list) and [o["output_ids"] for o in batch] == [a["output_ids"], b["output_ids"]]
+    assert [o["meta_info"]["id"] for o in batch] == ["bat_0", "bat_1"] and "index" not in batch[0]
+    samples = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50, "n": 3,
+                                                                          "temperature": 0.8}})
+    assert len(samples) == 3 and len({tuple(s["output_ids"]) for s in samples}) == 3
+    greedy = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50, "n": 2,
+                                                                         "temperature": 0}})
+    assert greedy[0]["output_ids"] == greedy[1]["output_ids"]
+
+
+def test_text_prompts_are_tokenized(qwen3, tokenizers):
+    out = qwen3.generate({"text": "hello there", "sampling_params": {"max_new_tokens": 8}})
+    assert out["meta_info"]["prompt_tokens"] == len(tokenizers["qwen3"].encode("hello there"))
+
+
+def test_streaming_sse(qwen3):
+    body = {"input_ids": [51, 52, 53], "sampling_params": {"max_new_tokens": 40}}
+    plain = qwen3.generate(body)
+    status, headers, data = qwen3.post("/generate", {**body, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in data.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in events) and events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert len(chunks) == len(plain["output_ids"])  # one event per token, cumulative
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, len(chunks) + 1))
+    last = chunks[-1]
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+    assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert "e2e_latency" in last["meta_info"] and "e2e_latency" not in chunks[0]["meta_info"]
+    # errors after the schema gate arrive inside the stream, with HTTP 200
+    status, _, data = qwen3.post("/generate", {"input_ids": [], "stream": True})
+    err = json.loads(data.split(b"\n\n")[0][6:])
+    assert status == 200 and err["error"]["message"] == "input_ids cannot be empty." and err["error"]["code"] == 400
+    assert data.endswith(b"data: [DONE]\n\n")
+
+
+def test_fixed_output_tokens_and_token_delay(fleet, tokenizers):
+    slow, tok = fleet["slow"].wait_ready(), tokenizers["qwen3"]  # --fixed-output-tokens 40 --token-delay 0.01
+    started = time.monotonic()
+    out = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 100}})
+    assert time.monotonic() - started >= 0.4
+    ids = out["output_ids"]
+    assert len(ids) == 40 and ids[0] == tid(tok, "<think>") and tid(tok, "</think>") in ids
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tid(tok, "<|im_end|>")}
+    short = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 25}})
+    assert short["output_ids"] == ids[:25] and short["meta_info"]["finish_reason"] == {"type": "length", "length": 25}
+
+
+def test_abort_returns_partial_output(fleet):
+    slow = fleet["slow"].wait_ready()
+    body = {"input_ids": [61, 62], "rid": "to-abort", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(slow.generate, body)
+        time.sleep(0.3)
+        assert slow.post("/abort_request", {"rid": "to-abort"})[0::2] == (200, b"")
+        out = pending.result(10)
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                 "err_type": None}
+    assert 0 < len(out["output_ids"]) < 300 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+    assert slow.post("/abort_request", {"rid": "nobody"})[0::2] == (200, b"")
+
+
+def test_misc_endpoints(qwen3, fleet):
+    status, headers, data = qwen3.get("/metrics")
+    assert status == 200 and b"sglang:num_requests_total" in data
+    assert fleet["kimi"].wait_ready().get("/metrics")[0] == 404  # not enabled there
+    status, headers, data = qwen3.post("/flush_cache")
+    assert status == 200 and data.startswith(b"Cache flushed.") and headers["content-type"].startswith("text/plain")
+    name = json.loads(qwen3.get("/v1/models")[2])["data"][0]["id"]
+    assert qwen3.get("/v1/models/" + name)[0] == 200
+    status, _, data = qwen3.get("/v1/models/nope")
+    assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found"
+    assert qwen3.get("/nowhere")[0] == 404 and qwen3.get("/generate")[0] == 405
+    assert call(qwen3.port, "PUT", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_auth(fleet):
+    stub = fleet["qwen3_auth"].wait_ready()
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        status, _, data = stub.post("/generate", body, headers=headers)
+        assert (status, json.loads(data)) == (401, {"error": "Unauthorized"})
+    assert stub.get("/model_info")[0] == 401
+    assert stub.post("/generate", body, headers={"Authorization": "Bearer sekret"})[0] == 200
+    assert stub.get("/health")[0] == 200 and stub.get("/ready")[0] == 200  # always exempt
+    assert stub.get("/metrics")[0] == 404  # exempt from auth, and not enabled
+
+
+def test_version_0_5_9_profile_without_tokenizer_init(fleet):
+    old = fleet["v059"].wait_ready()
+    assert old.get("/ready")[0] == 404
+    info = json.loads(old.get("/model_info")[2])
+    assert "served_model_name" not in info and "reasoning_parser" not in info
+    assert json.loads(old.get("/server_info")[2])["version"] == "0.5.9"
+    out = old.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 30}})
+    assert "text" not in out
+    meta = out["meta_info"]
+    assert "total_retractions" in meta and not {"num_retractions", "reasoning_tokens", "dp_rank"} & set(meta)
+    status, headers, data = old.post("/generate", {"input_ids": [1], "sampling_params": {"seed": 3}})
+    assert status == 500 and headers["content-type"].startswith("text/plain")  # no schema gate in 0.5.9
+    # 0.5.9 rejects input + max_new_tokens == context (>=), 0.5.23 does not
+    status, _, data = old.post("/generate", {"input_ids": [7] * 100, "sampling_params": {"max_new_tokens": CONTEXT - 100}})
+    assert status == 400 and json.loads(data)["error"]["message"].startswith("Requested token count exceeds")
+    status, _, data = old.post("/generate", {"text": "hello"})
+    assert status == 400 and "skip_tokenizer_init=True cannot accept text prompts" in json.loads(data)["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------
+# fault injection and shutdown
+# ------------------------------------------------------------------------------------------------
+
+
+def test_5xx_burst_then_hang_then_crash(fleet):
+    stub = fleet["faults"].wait_ready()
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}
+    answers = [stub.post("/generate", body) for _ in range(4)]  # --fail-5xx 2:2
+    assert [a[0] for a in answers] == [200, 503, 503, 200]
+    error = json.loads(answers[1][2])
+    assert {k: error[k] for k in ("object", "type", "param", "code")} == {
+        "object": "error", "type": "503", "param": None, "code": 503}
+    assert "--fail-5xx" in error["message"]
+    with pytest.raises(TimeoutError):  # request 5 is after --hang-after 4: never answered
+        stub.post("/generate", body, timeout=1.0)
+    assert stub.get("/health")[0] == 200
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):  # request 6: --crash-after 6
+        stub.post("/generate", body)
+    assert stub.proc.wait(10) == 1
+    assert "Injected crash" in stub.log_text()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
+    slow = fleet["slow"].wait_ready()
+    body = {"input_ids": [71, 72], "sampling_params": {"max_new_tokens": 80, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(slow.generate, body)  # about 0.8 s of token delay
+        time.sleep(0.2)
+        slow.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        for path in ("/health", "/health_generate", "/ready"):
+            assert slow.get(path)[0::2] == (503, b"")
+        late = slow.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        assert len(late["output_ids"]) == 3  # new requests are still accepted while draining
+        out = pending.result(10)
+    assert len(out["output_ids"]) == 80 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert slow.proc.wait(10) == 0
+    assert "Gracefully exiting" in slow.log_text()

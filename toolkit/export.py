@@ -1,0 +1,262 @@
+"""Exports of a merged run: JSONL, Parquet, token ids with a loss mask, and chat conversations.
+
+Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they come, so
+memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the reasoning is the
+output up to the think-end id (a think-start the model wrote at position 0 excluded), the content is what
+follows it; the stop token and the think-end are in neither (see `audit.split_parts` for outputs without a
+think-end). Only ok records are exported unless `include_failed`.
+
+Formats:
+  jsonl          id, dataset, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
+                 finish_reason, matched_stop, prompt_tokens, completion_tokens
+  parquet        the same columns (ids as list<uint32>; matched_stop as JSON text, since it is an id or a string)
+  tokens         {"input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
+                 speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
+  conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
+                 (plus "tools" when the prompt had tools), SpecForge-style chat JSONL
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from . import chat
+from .audit import _last_meaningful, split_parts
+from .inputs import read_prompt_at
+from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
+from .plan import RunDir, RunPlan, load_run
+from .records import OK, Record
+from .shardfile import decode_batch, iter_frames, read_header
+
+__all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
+
+FORMATS = ("jsonl", "parquet", "tokens", "conversations")
+PARQUET_ROWS = 1024  # records per Parquet row group
+
+
+class ExportError(Exception):
+    """An export that cannot be made (bad format, missing optional package, unwritable output)."""
+
+
+class JsonlRecord(msgspec.Struct):
+    """One line of the `jsonl` export (and one row of `parquet`), fields in this order."""
+
+    id: str
+    dataset: str
+    status: str
+    error: str | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    reasoning_end: int | None
+    reasoning: str
+    content: str
+    finish_reason: str | None
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class _Text:
+    """Decodes the reasoning and content of a batch of records in one tokenizer call."""
+
+    def __init__(self, plan: RunPlan):
+        model = plan.spec.model
+        self.tok = chat.load_tokenizer(model)
+        self.info = chat.token_info(self.tok, model)
+        self.blank = frozenset(self.info.blank_ids)
+        self._decode = _batch_decoder(self.tok)
+
+    def parts(self, recs: list[Record]) -> list[tuple[str, str]]:
+        seqs: list[list[int]] = []
+        for r in recs:
+            ids = np.frombuffer(r.output_ids, "<u4")
+            opened = _last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
+            seqs.append(ids[r0:r1].tolist())
+            seqs.append(ids[c0:c1].tolist())
+        texts = self._decode(seqs) if seqs else []
+        return [(texts[2 * i], texts[2 * i + 1]) for i in range(len(recs))]
+
+
+def _batch_decoder(tok: Any):
+    """`tok.batch_decode` without cleanup; straight to the Rust backend of a fast tokenizer (same text, several
+    times faster, parallel)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - tokenizers ships with transformers
+        Tokenizer = None
+    backend = getattr(tok, "_tokenizer", None)
+    if Tokenizer is not None and isinstance(backend, Tokenizer):
+        return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
+    return lambda seqs: tok.batch_decode(seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _batches(path: Path, include_failed: bool) -> Iterator[list[Record]]:
+    for frame in iter_frames(path):
+        recs = decode_batch(frame)
+        if not include_failed:
+            recs = [r for r in recs if r.status == OK]
+        if recs:
+            yield recs
+
+
+def _ids(packed: bytes) -> list[int]:
+    return np.frombuffer(packed, "<u4").tolist()
+
+
+def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]]) -> Iterator[JsonlRecord]:
+    for r, (reasoning, content) in zip(recs, texts):
+        yield JsonlRecord(
+            id=r.id, dataset=r.dataset, status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
+            output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
+            finish_reason=r.finish, matched_stop=r.matched_stop, prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
+        )
+
+
+def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
+    buf = bytearray()
+    n = 0
+    for obj in objs:
+        enc.encode_into(obj, buf, -1)
+        buf += b"\n"
+        n += 1
+    out.write(buf)
+    return n
+
+
+def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, **_) -> int:
+    text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
+    for recs in _batches(path, include_failed):
+        n += _write_lines(out, _jsonl_rows(recs, text.parts(recs)), enc)
+    return n
+
+
+def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, **_) -> int:
+    enc, n = msgspec.json.Encoder(), 0
+    for recs in _batches(path, include_failed):
+        n += _write_lines(out, (
+            {"input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
+            for r in recs
+        ), enc)
+    return n
+
+
+def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
+    text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
+    refs = PlannedRefs(rd, plan)
+
+    def rows(recs: list[Record]) -> Iterator[dict]:
+        for r, (reasoning, content) in zip(recs, text.parts(recs)):
+            ref = refs.at(r.index)
+            ds = plan.datasets[ref.dataset]
+            prompt = read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            row: dict[str, Any] = {
+                "id": r.id,
+                "conversations": [*prompt.messages, {"role": "assistant", "content": content, "reasoning_content": reasoning}],
+            }
+            if prompt.tools:
+                row["tools"] = prompt.tools
+            yield row
+
+    for recs in _batches(path, include_failed):
+        n += _write_lines(out, rows(recs), enc)
+    return n
+
+
+def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, **_) -> int:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ExportError("the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] extra)") from None
+    ids_type = pa.list_(pa.uint32())
+    schema = pa.schema([
+        ("id", pa.string()), ("dataset", pa.string()), ("status", pa.string()), ("error", pa.string()),
+        ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
+        ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
+        ("matched_stop", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+    ])
+
+    def id_lists(packed: list[bytes]) -> pa.Array:
+        lengths = np.fromiter((len(p) >> 2 for p in packed), np.int32, len(packed))
+        offsets = np.zeros(len(packed) + 1, np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.frombuffer(b"".join(packed), "<u4")
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.uint32()))
+
+    text, n = _Text(plan), 0
+    pending: list[Record] = []
+    pending_text: list[tuple[str, str]] = []
+
+    def flush(writer) -> None:
+        if not pending:
+            return
+        cols = [
+            pa.array([r.id for r in pending], pa.string()),
+            pa.array([r.dataset for r in pending], pa.string()),
+            pa.array([r.status for r in pending], pa.string()),
+            pa.array([r.error for r in pending], pa.string()),
+            id_lists([r.prompt_ids for r in pending]),
+            id_lists([r.output_ids for r in pending]),
+            pa.array([r.reasoning_end for r in pending], pa.int32()),
+            pa.array([t[0] for t in pending_text], pa.string()),
+            pa.array([t[1] for t in pending_text], pa.string()),
+            pa.array([r.finish for r in pending], pa.string()),
+            pa.array([None if r.matched_stop is None else msgspec.json.encode(r.matched_stop).decode() for r in pending],
+                     pa.string()),
+            pa.array([r.prompt_tokens for r in pending], pa.int64()),
+            pa.array([r.completion_tokens for r in pending], pa.int64()),
+        ]
+        writer.write_table(pa.Table.from_arrays(cols, schema=schema))
+        pending.clear()
+        pending_text.clear()
+
+    with pq.ParquetWriter(str(out_path), schema, compression="zstd") as writer:
+        for recs in _batches(path, include_failed):
+            pending.extend(recs)
+            pending_text.extend(text.parts(recs))
+            n += len(recs)
+            if len(pending) >= PARQUET_ROWS:
+                flush(writer)
+        flush(writer)
+    return n
+
+
+_TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversations": _export_conversations}
+
+
+def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, *, include_failed: bool = False) -> int:
+    """Write the merged records of a run to `output` in `fmt`; return how many records were written.
+
+    The file appears under its name only when complete (written to a temporary name, then renamed).
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    rd, plan = load_run(run_dir)
+    load_manifest(rd)  # a merged dataset must exist
+    path = rd.merged_dir / RECORDS_FILE
+    head = read_header(path)
+    if head != (plan.fingerprint, MERGED):
+        raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
+    out_path = Path(output)
+    if out_path.parent and not out_path.parent.is_dir():
+        raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        if fmt == "parquet":
+            n = _export_parquet(path, plan, tmp, include_failed)
+        else:
+            with open(tmp, "wb") as out:
+                n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd=rd)
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n

@@ -1,0 +1,492 @@
+"""Slurm submission: one array task per shard through submitit, a dependent merge job, resubmit and cancel.
+
+Everything a login node does to put a run on the cluster. The run is validated and planned first (spec,
+every prompt line, tokenizer and template — sglang is never imported here), then submitted as job arrays
+(split at the cluster's MaxArraySize) and a merge-and-audit job with an `afterany` dependency on them.
+What was submitted is appended to `RUN/slurm/jobs.json`, which `status`, `logs`, `resubmit` and `cancel` read.
+
+Time limits and preemption: tasks get `--signal=USR2@<signal_delay_s>` and `--requeue`. On the signal the
+worker stops sending requests, writes what it has, shuts the engine down and hands over to submitit's
+checkpointing, which requeues the task; the requeued task resumes from its shard file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .files import atomic_write
+from .plan import RunDir, RunPlan, load_run
+from .shardfile import read_done
+
+__all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask", "add_cli"]
+
+log = logging.getLogger(__name__)
+
+
+class SlurmError(Exception):
+    """A submission Slurm would refuse (or did); the message says what to change."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# what was submitted
+# ---------------------------------------------------------------------------------------------------
+class ArrayJob(msgspec.Struct):
+    job_id: str
+    shards: list[int]  # array task i runs shards[i]
+
+
+class Submission(msgspec.Struct):
+    submitted: str
+    arrays: list[ArrayJob]
+    merge_job_id: str | None
+    sbatch: dict[str, Any] = {}
+
+
+class Jobs(msgspec.Struct):
+    submissions: list[Submission] = []
+
+
+def read_jobs(rd: RunDir) -> Jobs:
+    try:
+        return msgspec.json.decode(rd.jobs_file.read_bytes(), type=Jobs)
+    except FileNotFoundError:
+        return Jobs()
+
+
+def _append_submission(rd: RunDir, sub: Submission) -> None:
+    jobs = read_jobs(rd)
+    jobs.submissions.append(sub)
+    atomic_write(rd.jobs_file, msgspec.json.format(msgspec.json.encode(jobs), indent=2))
+
+
+def job_ids(rd: RunDir) -> list[str]:
+    ids = []
+    for s in read_jobs(rd).submissions:
+        ids += [a.job_id for a in s.arrays]
+        if s.merge_job_id:
+            ids.append(s.merge_job_id)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# the callables Slurm runs (pickled by submitit)
+# ---------------------------------------------------------------------------------------------------
+def _checkpointable():
+    import submitit
+
+    return submitit.helpers.Checkpointable
+
+
+def _log_to_stderr() -> None:
+    """Inside a Slurm task: the toolkit's log lines go to the task's output (submitit's log file) too."""
+    logger = logging.getLogger("toolkit")
+    if not any(getattr(h, "_toolkit_stderr", False) for h in logger.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        h._toolkit_stderr = True  # type: ignore[attr-defined]
+        logger.addHandler(h)
+        logger.setLevel(logging.INFO)
+
+
+class ShardTask:
+    """Runs one shard in an array task; on SIGUSR2 (time limit or preemption) stops cleanly and requeues."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def __call__(self, shard: int) -> str:
+        from .progress import read_progress
+        from .worker import STOPPED, run_shard
+
+        _log_to_stderr()
+        submitit_handler = signal.getsignal(signal.SIGUSR2)
+        result = run_shard(self.run_dir, shard)  # raises ShardFailed: the task fails, Slurm shows FAILED
+        if result == STOPPED:
+            rd = RunDir(self.run_dir)
+            p = read_progress(rd.progress_file(shard))
+            if p is not None and p.stop_signal == "SIGUSR2" and callable(submitit_handler):
+                # Let submitit do what it does on its signal: checkpoint (this same call) and requeue.
+                signal.signal(signal.SIGUSR2, submitit_handler)
+                submitit_handler(signal.SIGUSR2, None)
+        return result
+
+    def checkpoint(self, shard: int):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(ShardTask(self.run_dir), shard)
+
+
+class MergeTask:
+    """The run's final job: merge every shard and audit the result (fails the job when the audit fails)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        from .merge import merge_and_audit
+
+        _log_to_stderr()
+        code = merge_and_audit(self.run_dir)
+        if code != 0:
+            raise RuntimeError(f"merge/audit of {self.run_dir} failed (exit {code}); see merged/audit.json")
+        return code
+
+
+# ---------------------------------------------------------------------------------------------------
+# talking to Slurm
+# ---------------------------------------------------------------------------------------------------
+def _run(argv: list[str]) -> str:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise SlurmError(f"`{argv[0]}` not found: run this on a Slurm login node (or export SLURM_CONF for the local cluster)") from None
+    if r.returncode != 0:
+        raise SlurmError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r.stdout
+
+
+def slurm_config() -> dict[str, str]:
+    out = {}
+    for line in _run(["scontrol", "show", "config"]).splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
+
+def max_array_size(config: dict[str, str] | None = None) -> int:
+    config = config or slurm_config()
+    return int(config.get("MaxArraySize", "1001"))
+
+
+def partition_info(name: str | None) -> tuple[str, int]:
+    """(partition name, most GPUs any of its nodes has); the default partition when `name` is None."""
+    parts = {}
+    default = None
+    for line in _run(["scontrol", "show", "partition", "-o"]).splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        pname = fields.get("PartitionName")
+        if pname:
+            parts[pname] = fields
+            if fields.get("Default") == "YES":
+                default = pname
+    if name is None:
+        if default is None:
+            raise SlurmError(f"no default partition: pass --partition (one of {', '.join(sorted(parts))})")
+        name = default
+    if name not in parts:
+        raise SlurmError(f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}")
+    gpus = 0
+    for gres in _run(["sinfo", "-h", "-p", name, "-o", "%G"]).split():
+        for item in gres.split(","):
+            m = re.match(r"gpu(?::[^:(]+)?:(\d+)", item)
+            if m:
+                gpus = max(gpus, int(m.group(1)))
+    return name, gpus
+
+
+def time_to_minutes(t: str) -> int:
+    """Slurm time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t.strip())
+    if not m:
+        raise SlurmError(f"--time {t!r}: use a Slurm time such as 24:00:00 or 2-00:00:00")
+    d, a, b, c = m.groups()
+    if d is not None:
+        hours, mins, secs = int(a), int(b or 0), int(c or 0)
+    elif c is not None:
+        hours, mins, secs = int(a), int(b), int(c)
+    elif b is not None:
+        hours, mins, secs = 0, int(a), int(b)
+    else:
+        hours, mins, secs = 0, int(a), 0
+    total = (int(d or 0) * 24 + hours) * 60 + mins + (1 if secs else 0)
+    return max(1, total)
+
+
+def _executor(rd: RunDir, params: dict[str, Any]):
+    import submitit
+
+    ex = submitit.SlurmExecutor(folder=str(rd.slurm_dir / "%j"), max_num_timeout=20)
+    ex.update_parameters(**params)
+    return ex
+
+
+def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
+    s = plan.spec.slurm
+    params: dict[str, Any] = dict(
+        job_name=f"{plan.name}-shards",
+        time=time_to_minutes(o.get("time") or s.time),
+        gpus_per_node=o.get("gpus_per_node") if o.get("gpus_per_node") is not None else s.gpus_per_node,
+        cpus_per_task=o.get("cpus_per_task") or s.cpus_per_task,
+        signal_delay_s=o.get("signal_delay_s") or s.signal_delay_s,
+        array_parallelism=o.get("array_parallelism") or s.array_parallelism or 256,
+        setup=list(s.setup) + list(o.get("setup") or []),
+        additional_parameters={"requeue": True, **s.extra},
+        stderr_to_stdout=True,
+    )
+    for key in ("partition", "account", "qos", "mem"):
+        value = o.get(key) or getattr(s, key)
+        if value:
+            params[key] = value
+    return params
+
+
+def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str, Any]:
+    s = plan.spec.slurm
+    params: dict[str, Any] = dict(
+        job_name=f"{plan.name}-merge", time=time_to_minutes(s.merge_time), cpus_per_task=s.merge_cpus,
+        setup=list(s.setup) + list(o.get("setup") or []), dependency=dependency, stderr_to_stdout=True,
+    )
+    for key in ("partition", "account", "qos"):
+        value = o.get(key) or getattr(s, key)
+        if value:
+            params[key] = value
+    if s.merge_mem:
+        params["mem"] = s.merge_mem
+    return params
+
+
+def sbatch_lines(params: dict[str, Any]) -> list[str]:
+    """The parameters as the #SBATCH lines submitit writes (for --dry-run)."""
+    lines = []
+    for k, v in sorted(params.items()):
+        if k in ("setup", "additional_parameters", "array_parallelism", "signal_delay_s", "stderr_to_stdout"):
+            continue
+        lines.append(f"#SBATCH --{k.replace('_', '-')}={v}")
+    lines.append(f"#SBATCH --signal=USR2@{params.get('signal_delay_s', 90)}")
+    for k, v in sorted((params.get("additional_parameters") or {}).items()):
+        lines.append(f"#SBATCH --{k.replace('_', '-')}" + ("" if v is True else f"={v}"))
+    lines += params.get("setup") or []
+    return lines
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, Any]) -> Submission:
+    params = shard_params(plan, o)
+    limit = max_array_size()
+    arrays = []
+    ex = _executor(rd, params)
+    for chunk in _chunks(shards, limit):
+        jobs = ex.map_array(ShardTask(str(rd.root)), chunk)
+        arrays.append(ArrayJob(jobs[0].job_id.split("_")[0], chunk))
+    dep = "afterany:" + ":".join(a.job_id for a in arrays)
+    mex = _executor(rd, merge_params(plan, o, dep))
+    merge_job = mex.submit(MergeTask(str(rd.root)))
+    sub = Submission(
+        submitted=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        arrays=arrays, merge_job_id=str(merge_job.job_id), sbatch={k: v for k, v in params.items() if k != "setup"},
+    )
+    _append_submission(rd, sub)
+    return sub
+
+
+def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
+    """Check partition and GPUs against the cluster; returns the options with the partition resolved."""
+    o = dict(o)
+    name, gpus = partition_info(o.get("partition") or plan.spec.slurm.partition)
+    o["partition"] = name
+    want = o.get("gpus_per_node") if o.get("gpus_per_node") is not None else plan.spec.slurm.gpus_per_node
+    if want > gpus:
+        raise SlurmError(
+            f"--gpus-per-node {want} but the nodes of partition {name!r} have at most {gpus} GPUs; "
+            f"lower it (and [engine] tp_size) or choose another partition"
+        )
+    kind = plan.spec.engine.kind
+    tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
+    if kind == "sglang" and want < tp_dp:
+        raise SlurmError(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
+    return o
+
+
+def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:
+    """Validate and plan `job`, then submit its arrays and merge job (or only print them with dry_run)."""
+    from .cli import check_model
+    from .engines.sglang import check_extra_args
+    from .plan import create_run, plan_job
+    from .spec import SpecError, load_spec
+
+    spec = load_spec(job)
+    if spec.engine.kind == "sglang":
+        problems = check_extra_args(spec.engine.extra_args)
+        if problems:
+            raise SpecError(f"{job}: [engine] extra_args: " + "; ".join(problems))
+    plan, refs = plan_job(spec)
+    check_model(plan)
+    o = validate_resources(plan, options)
+    params = shard_params(plan, o)
+    info = {"params": params, "max_array_size": max_array_size(), "plan": plan}
+    if dry_run:
+        return RunDir(spec.output_dir), None, info
+    rd = create_run(plan, refs, new_run=new_run)
+    pending = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+    if read_jobs(rd).submissions:
+        raise SlurmError(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+    sub = _submit_arrays(rd, plan, pending, o)
+    return rd, sub, info
+
+
+def live_jobs(rd: RunDir) -> dict[str, str]:
+    """Array tasks and jobs of this run that are still pending or running, from squeue: {id: state}."""
+    ids = job_ids(rd)
+    if not ids:
+        return {}
+    out = _run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"])
+    live = {}
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        live[jid.strip()] = state.strip()
+    return live
+
+
+def resubmit(run_dir: str, options: dict[str, Any]) -> tuple[RunDir, Submission | None, list[int]]:
+    """Submit one array over exactly the shards without a done manifest, and a new merge job."""
+    rd, plan = load_run(run_dir)
+    live = live_jobs(rd)
+    if live:
+        shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
+        raise SlurmError(f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them or "
+                         f"`toolkit cancel {rd.root}` first")
+    missing = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+    if not missing:
+        return rd, None, []
+    o = validate_resources(plan, options)
+    return rd, _submit_arrays(rd, plan, missing, o), missing
+
+
+def cancel(run_dir: str) -> list[str]:
+    rd, _ = load_run(run_dir)
+    ids = job_ids(rd)
+    if ids:
+        _run(["scancel", *ids])
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------
+def _options(args) -> dict[str, Any]:
+    return {k: getattr(args, k, None) for k in ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task",
+                                                  "mem", "array_parallelism", "setup", "signal_delay_s")}
+
+
+def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
+    for a in sub.arrays:
+        print(f"Submitted batch job {a.job_id} (array of {len(a.shards)} shard tasks: {_ranges(a.shards)})")
+    print(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
+    print(f"run directory: {rd.root}")
+    print("watch it with:")
+    print(f"  toolkit status {rd.root} --watch")
+    print(f"  toolkit logs {rd.root} 0 -f")
+    print(f"  toolkit logs {rd.root} --failed")
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start, prev = [], None, None
+    for x in xs + [None]:
+        if start is None:
+            start = prev = x
+        elif x is not None and x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = x
+    return ",".join(out)
+
+
+def cmd_submit(args) -> int:
+    rd, sub, info = submit(args.job, _options(args), dry_run=args.dry_run, new_run=args.new_run)
+    plan = info["plan"]
+    if sub is None:
+        n = len(plan.shards)
+        limit = info["max_array_size"]
+        print(f"dry run: {plan.total} prompts in {len(plan.datasets)} datasets -> {n} shards, fingerprint {plan.fingerprint}")
+        print(f"run directory would be: {rd.root}")
+        arrays = _chunks(list(range(n)), limit)
+        print(f"{len(arrays)} job array(s) (MaxArraySize {limit}): " + "; ".join(f"shards {_ranges(a)}" for a in arrays))
+        print("sbatch parameters of each array task:")
+        for line in sbatch_lines(info["params"]):
+            print(f"  {line}")
+        print("then one merge + audit job with --dependency=afterany:<array job ids>")
+        return 0
+    _print_submission(rd, sub, len(plan.shards))
+    return 0
+
+
+def cmd_resubmit(args) -> int:
+    rd, sub, missing = resubmit(args.run, _options(args))
+    if sub is None:
+        print(f"nothing to resubmit: every shard of {rd.root} has its done manifest")
+        return 0
+    print(f"resubmitting {len(missing)} shards without a done manifest: {_ranges(missing)}")
+    _print_submission(rd, sub, len(missing))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    ids = cancel(args.run)
+    print(f"cancelled {', '.join(ids)}" if ids else "nothing was submitted for this run")
+    return 0
+
+
+def _add_resource_flags(s) -> None:
+    g = s.add_argument_group("resources (override the job's [slurm] table)")
+    g.add_argument("-p", "--partition")
+    g.add_argument("-A", "--account")
+    g.add_argument("-q", "--qos")
+    g.add_argument("-t", "--time", help="time limit per array task, e.g. 24:00:00")
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("-c", "--cpus-per-task", type=int)
+    g.add_argument("--mem", help="memory per task, e.g. 200G")
+    g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
+    g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
+    g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
+
+
+def add_cli(sub) -> None:
+    from .cli import EXIT_BAD_INPUT, EXIT_FAILED
+
+    s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
+                       description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
+                       "run directory, then submits one array task per shard and a merge + audit job after them.")
+    s.add_argument("job", help="job spec (TOML)")
+    _add_resource_flags(s)
+    s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
+    s.add_argument("--new-run", action="store_true", help="a new run directory if output_dir holds another run")
+    s.set_defaults(func=_guard(cmd_submit, EXIT_BAD_INPUT))
+
+    s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
+    s.add_argument("run", help="run directory")
+    _add_resource_flags(s)
+    s.set_defaults(func=_guard(cmd_resubmit, EXIT_FAILED))
+
+    s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
+    s.add_argument("run", help="run directory")
+    s.set_defaults(func=_guard(cmd_cancel, EXIT_FAILED))
+
+    from .status import add_cli as add_status
+
+    add_status(sub)
+
+
+def _guard(fn, code: int):
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except SlurmError as e:
+            import sys
+
+            print(f"toolkit: error: {e}", file=sys.stderr)
+            return code
+
+    return run
