@@ -110,7 +110,8 @@ FLEET = {
     "kimi": ("kimi", []),
     "kimi_seed_bugs": ("kimi", ["--no-think-end", "--double-think-start"]),
     "v059": ("qwen3", ["--version", "0.5.9", "--skip-tokenizer-init"]),
-    "faults": ("qwen3", ["--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6"]),
+    "faults": ("qwen3", ["--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6",
+                         "--health-check-timeout", "0.3"]),
     "slow": ("qwen3", ["--token-delay", "0.01", "--fixed-output-tokens", "40"]),
     "warmup_fails": ("qwen3", ["--warmup-delay", "0.3", "--warmup-fails"]),
 }
@@ -350,13 +351,19 @@ def test_length_finish_and_the_silent_128_default(qwen3):
     assert 128 in lengths  # some outputs run into the default max_new_tokens
 
 
-def test_request_stop_token_ids_and_ignore_eos(qwen3, tokenizers):
+def test_request_stops_and_ignore_eos(qwen3, tokenizers):
     ids = chat_ids(tokenizers["qwen3"], "Explain closures.")
-    full = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000}})["output_ids"]
+    whole = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000}})
+    full = whole["output_ids"]
     stop = full[len(full) // 2]
     cut = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "stop_token_ids": [stop]}})
     assert cut["output_ids"] == full[:full.index(stop) + 1]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    word = whole["text"][len(whole["text"]) // 2:][:6]
+    by_text = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "stop": [word]}})
+    assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert whole["text"].startswith(by_text["text"]) and word not in by_text["text"]
+    assert full[:len(by_text["output_ids"])] == by_text["output_ids"]
     # ignore_eos also disables stop_token_ids: the model writes on past its EOS up to max_new_tokens
     longer = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True,
                                                                     "stop_token_ids": [stop]}})
@@ -564,13 +571,18 @@ def test_5xx_burst_then_hang_then_crash(fleet):
     assert {k: error[k] for k in ("object", "type", "param", "code")} == {
         "object": "error", "type": "503", "param": None, "code": 503}
     assert "--fail-5xx" in error["message"]
-    with pytest.raises(TimeoutError):  # request 5 is after --hang-after 4: never answered
-        stub.post("/generate", body, timeout=1.0)
-    assert stub.get("/health")[0] == 200
-    with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):  # request 6: --crash-after 6
-        stub.post("/generate", body)
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", stub.port), timeout=1.0) as wedged:  # request 5: --hang-after 4
+        wedged.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        with pytest.raises(TimeoutError):
+            wedged.recv(1)  # never answered
+        # SGLang's health check gets no output within its timeout: 503, and the server is UnHealthy
+        assert stub.get("/health")[0::2] == (503, b"") and stub.get("/ready")[0] == 503
+        assert stub.get("/model_info")[0] == 200
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):  # request 6: --crash-after 6
+            stub.post("/generate", body)
     assert stub.proc.wait(10) == 1
-    assert "Injected crash" in stub.log_text()
+    assert "Injected crash" in stub.log_text() and "Health check failed" in stub.log_text()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):

@@ -442,8 +442,11 @@ class Auditor:
             ),
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
         )
-        for c in checks:
-            (log.info if c.passed else log.error)("audit %s: %s", c.name, c.message)
+        bad = [c.name for c in checks if not c.passed]
+        if bad:
+            log.error("audit of %s failed: %s", rd.root, ", ".join(bad))
+        else:
+            log.info("audit of %s passed", rd.root)
         return report
 
     def _shard_stats(self, manifest: MergeManifest) -> list[ShardStats]:
@@ -552,8 +555,9 @@ class Auditor:
         add("think_end_share", share >= a.min_think_end_share, share, a.min_think_end_share,
             f"{r.think_end} of {r.expected} ok outputs in reasoning mode hold the {te} ({share:.1%}, minimum "
             f"{a.min_think_end_share:.0%})" + ("" if share >= a.min_think_end_share else
-            f"; of those without it, {r.stopped_without_think_end} stopped normally and {r.length_without_think_end} "
-            f"hit max_new_tokens while reasoning (raise max_new_tokens for those). {where} {what_to_check}"))
+            f"; of those without it, {r.length_without_think_end} hit max_new_tokens while reasoning (raise "
+            f"max_new_tokens for those) and {r.stopped_without_think_end} stopped normally (see "
+            f"stop_without_think_end)"))
         share = r.stopped_without_think_end / r.stopped if r.stopped else 0.0
         ex = ", ".join(self.examples.get("stopped_without_think_end", []))
         add("stop_without_think_end", share <= a.max_stop_without_think_end_share, share,

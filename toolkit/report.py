@@ -20,6 +20,7 @@ __all__ = ["summary_table", "write_html", "write_reports"]
 
 JSON_FILE, HTML_FILE = "audit.json", "audit.html"
 SHARD_ROWS = 16  # shards listed in the terminal table (all of them in the HTML page)
+WIDTH = 120      # of the wrapped check messages
 
 
 def write_reports(rd: RunDir, report: AuditReport) -> tuple[Path, Path]:
@@ -101,8 +102,9 @@ def summary_table(report: AuditReport) -> str:
     lines += ["", "checks:"]
     for c in report.checks:
         mark = "ok  " if c.passed else "FAIL"
-        body = textwrap.wrap(c.message, width=100, subsequent_indent=" " * 32) or [""]
-        lines.append(f"  {mark}  {c.name:<22}  {body[0]}")
+        pad = " " * 32
+        body = textwrap.wrap(c.message, width=WIDTH, initial_indent=pad, subsequent_indent=pad) or [pad]
+        lines.append(f"  {mark}  {c.name:<22}  {body[0][32:]}")
         lines += body[1:]
     files = report.files
     lines += ["", f"report: {files.get('html', '-')}  (and {files.get('json', 'audit.json')})"]

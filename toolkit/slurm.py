@@ -40,7 +40,8 @@ class SlurmError(Exception):
 # ---------------------------------------------------------------------------------------------------
 class ArrayJob(msgspec.Struct):
     job_id: str
-    shards: list[int]  # array task i runs shards[i]
+    shards: list[int]      # array task i runs shards[i]
+    tasks: list[str] = []  # Slurm id of each task: "123_4", or "123" when submitit sent a single job
 
 
 class Submission(msgspec.Struct):
@@ -279,7 +280,7 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
     ex = _executor(rd, params)
     for chunk in _chunks(shards, limit):
         jobs = ex.map_array(ShardTask(str(rd.root)), chunk)
-        arrays.append(ArrayJob(jobs[0].job_id.split("_")[0], chunk))
+        arrays.append(ArrayJob(jobs[0].job_id.split("_")[0], chunk, [str(j.job_id) for j in jobs]))
     dep = "afterany:" + ":".join(a.job_id for a in arrays)
     mex = _executor(rd, merge_params(plan, o, dep))
     merge_job = mex.submit(MergeTask(str(rd.root)))

@@ -96,7 +96,7 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
     for sub in jobs.submissions:  # later submissions win
         for a in sub.arrays:
             for i, k in enumerate(a.shards):
-                task_of[k] = f"{a.job_id}_{i}"
+                task_of[k] = a.tasks[i] if a.tasks else f"{a.job_id}_{i}"
         merge_id = sub.merge_job_id or merge_id
     ids = sorted({t.split("_")[0] for t in task_of.values()} | ({merge_id} if merge_id else set()))
     states = slurm_states(ids)

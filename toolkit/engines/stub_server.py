@@ -84,6 +84,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     token_delay: float = 0.0
     drain_poll: float = 5.0
     keep_alive_timeout: float = 5.0
+    health_check_timeout: float = 20.0
     fixed_output_tokens: int | None = None
     truncate_fraction: float = 0.10
     tool_call_fraction: float = 0.15
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--token-delay", type=float, default=0.0, help="seconds per generated token")
     a("--drain-poll", type=float, default=5.0, help="poll interval of the SIGTERM drain (SGLang: 5 s)")
     a("--keep-alive-timeout", type=float, default=5.0, help="idle keep-alive connections close after this (uvicorn: 5 s)")
+    a("--health-check-timeout", type=float, default=20.0,
+      help="while generation is wedged (--hang-after), /health* waits this long, then 503 (SGLang: 20 s)")
     a("--fixed-output-tokens", type=int, help="every output exactly N tokens (think-end and EOS included)")
     a("--truncate-fraction", type=float, default=0.10, help="share of outputs longer than max_new_tokens")
     a("--tool-call-fraction", type=float, default=0.15, help="share of outputs with a tool-call section")
@@ -209,7 +212,8 @@ def parse_config(argv: list[str] | None) -> tuple[StubConfig, list[str]]:
         tool_call_parser=ns.tool_call_parser, log_level=ns.log_level, version=ns.version,
         think_start=ns.think_start, think_end=ns.think_end, load_delay=ns.load_delay,
         warmup_delay=ns.warmup_delay, token_delay=ns.token_delay, drain_poll=max(0.01, ns.drain_poll),
-        keep_alive_timeout=ns.keep_alive_timeout, fixed_output_tokens=ns.fixed_output_tokens,
+        keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
+        fixed_output_tokens=ns.fixed_output_tokens,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang,
         hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
@@ -1000,7 +1004,7 @@ class Connection(asyncio.Protocol):
                 result = (500, b"Internal Server Error", TEXT)
             if isinstance(result, tuple):
                 self.send(*result)
-                self._done()
+                self._done(resume=False)  # this loop goes on with any pipelined request
             else:
                 self.task = asyncio.get_running_loop().create_task(self._run(result))
 
@@ -1015,19 +1019,20 @@ class Connection(asyncio.Protocol):
         if result is not None and not self.closed:
             self.send(*result)
         self.task = None
-        self._done()
+        self._done(resume=True)
 
-    def _done(self) -> None:
+    def _done(self, resume: bool) -> None:
         self.busy = False
         if self.closed:
             return
         if not self.keep_alive:
             self.transport.close()
+            self.closed = True
             return
-        if self.buf:
-            asyncio.get_running_loop().call_soon(self._next)
-        else:
+        if not self.buf:
             self._arm_idle()
+        elif resume:
+            self._next()
 
     def _arm_idle(self) -> None:
         timeout = self.server.cfg.keep_alive_timeout
@@ -1151,8 +1156,10 @@ class StubServer:
         self.model = model
         self.v9 = cfg.version == "0.5.9"
         self.started = started
-        self.status = "starting"  # starting -> up; `exiting` is separate, as in SGLang
+        self.status = "starting"  # starting -> up <-> unhealthy; `exiting` is separate, as in SGLang
         self.exiting = False
+        self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
+        self.hung = 0  # requests wedged by --hang / --hang-after
         self.connections: set[Connection] = set()
         self.in_flight: dict[str, InFlight] = {}
         self.generate_count = 0
@@ -1194,10 +1201,25 @@ class StubServer:
         return route[1](req)
 
     # -- readiness and information ---------------------------------------------------------------
-    def health(self, req: Request) -> Reply:
-        if self.exiting or self.status != "up":
+    def health(self, req: Request):
+        """/health and /health_generate: 503 while starting or exiting; a wedged generation times out."""
+        if self.exiting or self.status == "starting":
             return 503, b"", None
-        return 200, b"", None
+        if not self.hung:
+            self.status = "up"
+            return 200, b"", None
+        return self._health_timeout()
+
+    async def _health_timeout(self) -> Reply:
+        await asyncio.sleep(self.cfg.health_check_timeout)  # SGLang: no output within the timeout
+        if not self.hung:
+            self.status = "up"
+            return 200, b"", None
+        if self.status != "unhealthy":
+            logger.error("Health check failed. Server couldn't get a response from detokenizer for last "
+                         "%g seconds. (the stub's generation is wedged on purpose)", self.cfg.health_check_timeout)
+        self.status = "unhealthy"
+        return 503, b"", None
 
     def ready(self, req: Request) -> Reply:
         return (200 if self.status == "up" and not self.exiting else 503), b"", None
@@ -1520,9 +1542,11 @@ class StubServer:
     async def hang_forever(self, items: list[Item]) -> Reply:
         states = self.register(items, abortable=False)
         logger.warning("Injected hang: /generate request #%d will never be answered", self.generate_count)
+        self.hung += 1
         try:
             await asyncio.get_running_loop().create_future()
         finally:
+            self.hung -= 1
             self.unregister(states)
 
     async def delayed(self, items: list[Item], single: bool, t0: float) -> Reply:
@@ -1662,21 +1686,27 @@ class StubServer:
                             len(self.in_flight), reqs, tokens / max(1e-9, now - since))
             self.window[:] = [0, 0, now]
 
-    async def drain_watchdog(self, stop: asyncio.Event) -> None:
-        """SGLang's sigterm watchdog: poll until SIGTERM, then until no request is left, then stop."""
+    async def drain_watchdog(self) -> None:
+        """SGLang's sigterm watchdog: poll until SIGTERM, then until no request is left (or at once when the
+        last health check failed), then stop."""
         poll = self.cfg.drain_poll
         while not self.exiting:
             await asyncio.sleep(poll)
-        while self.in_flight:
-            rids = list(self.in_flight)[:10]
-            logger.info("Gracefully exiting... Remaining number of requests %d. Remaining requests rids=%s",
-                        len(self.in_flight), rids)
+        while True:
+            if self.status == "unhealthy":
+                logger.error("Signal SIGTERM received while health check failed. Force exiting.")
+                break
+            logger.info("Gracefully exiting... Remaining number of requests %d. Remaining requests "
+                        "remaining_rids=%s.", len(self.in_flight), list(self.in_flight)[:20])
+            if not self.in_flight:
+                break
             await asyncio.sleep(poll)
-        stop.set()
+        self.stop.set()
 
     def on_sigterm(self, signame: str) -> None:
         if not self.exiting:
-            logger.info("Received %s: set gracefully_exit=True; /health now answers 503, requests drain", signame)
+            logger.info("Received %s: gracefully_exit=True; /health* and /ready answer 503 while requests drain",
+                        signame)
         self.exiting = True
 
 
@@ -1753,13 +1783,12 @@ async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
     except OSError as e:
         logger.error("%s", e)  # e.g. [Errno 98] error while attempting to bind on address (...): address in use
         return 1
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.on_sigterm, sig.name)
     logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", cfg.host, cfg.port)
     tasks = [loop.create_task(server.warmup()), loop.create_task(server.throughput_log()),
-             loop.create_task(server.drain_watchdog(stop))]
-    await stop.wait()
+             loop.create_task(server.drain_watchdog())]
+    await server.stop.wait()
     listener.close()
     for conn in list(server.connections):
         if not conn.busy and conn.transport is not None:
@@ -1770,7 +1799,7 @@ async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
         await asyncio.sleep(0.01)
     for t in tasks:
         t.cancel()
-    logger.info("Shutdown complete: all requests drained; exiting with status 0")
+    logger.info("Shutdown complete; exiting with status 0")
     return 0
 
 

@@ -1,0 +1,147 @@
+"""Exports: every format round-trips the stored ids; text is split at the think-end id; only ok records by default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from toolkit.cli import main as cli_main
+from toolkit.export import JsonlRecord, export_run
+from toolkit.merge import merge_run
+from toolkit.records import unpack_ids
+
+import runs
+
+FIELDS = ["id", "dataset", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning", "content",
+          "finish_reason", "matched_stop", "prompt_tokens", "completion_tokens"]
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def kimi_run(tmp_path_factory, toy_tokenizer):
+    """A merged kimi run: healthy outputs, one failure, one truncated and one without think-end, some tool prompts."""
+    s = runs.plan_run(tmp_path_factory.mktemp("export"), toy_tokenizer("kimi"), datasets={"math": 8, "tools": 6}, shards=2)
+    runs.write_run(s, runs.mix(runs.healthy(), p2=runs.truncated, p6=runs.no_think_end), failed=[3])
+    merge_run(s.root)
+    return s
+
+
+def stored(s: runs.Synth, include_failed: bool = False):
+    """The merged records in planned order, as the exports must see them."""
+    recs = sorted(s.written.values(), key=lambda r: r.index)
+    return [r for r in recs if include_failed or r.status == "ok"]
+
+
+def test_jsonl_has_exactly_the_documented_fields_and_round_trips_ids(kimi_run, tmp_path):
+    s = kimi_run
+    out = tmp_path / "out.jsonl"
+    assert export_run(s.root, "jsonl", out) == 13
+    rows = lines(out)
+    assert list(JsonlRecord.__struct_fields__) == FIELDS
+    assert all(list(row) == FIELDS for row in rows)
+    dec = lambda ids: s.tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    for row, rec in zip(rows, stored(s), strict=True):
+        out_ids = unpack_ids(rec.output_ids)
+        assert row["prompt_ids"] == unpack_ids(rec.prompt_ids) and row["output_ids"] == out_ids
+        assert (row["id"], row["dataset"], row["status"], row["error"]) == (rec.id, rec.dataset, "ok", None)
+        assert (row["finish_reason"], row["matched_stop"], row["reasoning_end"]) == (rec.finish, rec.matched_stop, rec.reasoning_end)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (rec.prompt_tokens, len(out_ids))
+        re_ = rec.reasoning_end
+        if re_ is not None:  # the template opened <think>: reasoning is everything before </think>, eos excluded
+            assert row["reasoning"] == dec(out_ids[:re_]) and row["content"] == dec(out_ids[re_ + 1 : -1])
+        else:  # no think-end in an output that started inside reasoning: all of it is reasoning
+            end = -1 if rec.finish == "stop" else len(out_ids)
+            assert row["reasoning"] == dec(out_ids[:end]) and row["content"] == ""
+        assert "</think>" not in row["reasoning"] + row["content"] and "<|im_end|>" not in row["content"]
+    assert {r["finish_reason"] for r in rows} == {"stop", "length"}
+
+
+def test_failed_records_only_with_include_failed(kimi_run, tmp_path):
+    s = kimi_run
+    out = tmp_path / "all.jsonl"
+    assert export_run(s.root, "jsonl", out, include_failed=True) == 14
+    rows = lines(out)
+    assert [r["id"] for r in rows] == [r.id for r in stored(s, include_failed=True)]
+    bad = rows[3]
+    assert (bad["status"], bad["error"], bad["output_ids"], bad["reasoning"], bad["content"], bad["finish_reason"]) == (
+        "failed", "server error 500: boom", [], "", "", None)
+    assert bad["prompt_ids"] == s.prompt_ids[3]
+
+
+def test_parquet_has_the_same_columns_and_ids(kimi_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    s = kimi_run
+    export_run(s.root, "jsonl", tmp_path / "a.jsonl", include_failed=True)
+    assert export_run(s.root, "parquet", tmp_path / "a.parquet", include_failed=True) == 14
+    table = pq.read_table(tmp_path / "a.parquet")
+    assert table.column_names == FIELDS
+    import pyarrow as pa
+
+    assert pa.types.is_list(table.schema.field("output_ids").type)
+    assert table.schema.field("output_ids").type.value_type == pa.uint32()
+    for row, want in zip(table.to_pylist(), lines(tmp_path / "a.jsonl"), strict=True):
+        ms, want_ms = row.pop("matched_stop"), want.pop("matched_stop")  # JSON text in Parquet: an id or a string
+        assert (None if ms is None else json.loads(ms)) == want_ms
+        assert row == want
+
+
+def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run, tmp_path):
+    s = kimi_run
+    assert export_run(s.root, "tokens", tmp_path / "t.jsonl") == 13
+    for row, rec in zip(lines(tmp_path / "t.jsonl"), stored(s), strict=True):
+        assert list(row) == ["input_ids", "loss_mask"]
+        p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
+        assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)
+
+
+def test_conversations_are_the_source_messages_then_the_answer(kimi_run, tmp_path):
+    s = kimi_run
+    export_run(s.root, "jsonl", tmp_path / "j.jsonl")
+    assert export_run(s.root, "conversations", tmp_path / "c.jsonl") == 13
+    tool_rows = 0
+    for row, j in zip(lines(tmp_path / "c.jsonl"), lines(tmp_path / "j.jsonl"), strict=True):
+        src = next(json.loads(x) for x in Path(s.plan.datasets[0 if j["dataset"] == "math" else 1].path).read_text().splitlines()
+                   if json.loads(x)["id"] == row["id"])
+        assert row["id"] == j["id"]
+        assert row["conversations"] == [*src["messages"], {"role": "assistant", "content": j["content"],
+                                                           "reasoning_content": j["reasoning"]}]
+        assert row.get("tools") == src.get("tools")
+        tool_rows += "tools" in row
+    assert tool_rows >= 1
+
+
+def test_a_think_start_written_by_the_model_is_not_reasoning(tmp_path, toy_tokenizer):
+    s = runs.plan_run(tmp_path, toy_tokenizer("qwen3"), "qwen3", datasets={"math": 4}, shards=1)
+    runs.write_run(s)
+    merge_run(s.root)
+    export_run(s.root, "jsonl", tmp_path / "q.jsonl")
+    for row in lines(tmp_path / "q.jsonl"):
+        ids, re_ = row["output_ids"], row["reasoning_end"]
+        assert ids[0] == s.info.think_start_id
+        assert row["reasoning"] == s.tok.decode(ids[1:re_]) and not row["reasoning"].startswith("<think>")
+
+
+def test_export_command(kimi_run, tmp_path, capsys):
+    s = kimi_run
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "x.jsonl")]) == 0
+    assert "wrote 13 records" in capsys.readouterr().out
+    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "no" / "x.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", str(s.root), "--format", "xml", "-o", "x"])
+    assert e.value.code == 2
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_export_needs_a_merged_run(tmp_path, toy_tokenizer, capsys):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 3}, shards=1)
+    runs.write_run(s)
+    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert f"toolkit merge {s.root}" in capsys.readouterr().err

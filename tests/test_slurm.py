@@ -1,0 +1,203 @@
+"""The Slurm layer on the real local cluster (slurm/start.sh): submit, status, logs, resubmit, requeue, limits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from jobfiles import make_job, write_prompts
+from toolkit.plan import RunDir
+from toolkit.shardfile import read_shard
+from toolkit.slurm import read_jobs
+from toolkit.status import run_status
+
+pytestmark = pytest.mark.slurm
+
+ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
+
+
+@pytest.fixture(autouse=True)
+def cluster():
+    if not os.environ.get("SLURM_CONF"):
+        pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
+
+
+def toolkit(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"toolkit {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def slurm_job(tmp: Path, tokenizer: Path, *, n: int, shards: int, **tables) -> Path:
+    slurm = {"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00", "merge_cpus": 1, **tables.pop("slurm", {})}
+    return make_job(tmp, tokenizer, n=n, shards=shards, slurm=slurm, **tables)
+
+
+def wait_run(run: Path, timeout: float = 240, until=None) -> tuple[list, dict]:
+    """Poll status until every shard and the merge job have left the queue (or `until(rows, merge)` holds)."""
+    deadline = time.time() + timeout
+    while True:
+        _, rows, merge = run_status(run)
+        if until is not None and until(rows, merge):
+            return rows, merge
+        if until is None and all(r.state not in ACTIVE for r in rows) and merge.get("state") not in (*ACTIVE, None):
+            return rows, merge
+        if time.time() > deadline:
+            raise AssertionError(f"run did not settle in {timeout} s: {[(r.shard, r.state) for r in rows]} merge {merge}")
+        time.sleep(1.0)
+
+
+def submitted_ids(out: str) -> list[str]:
+    return re.findall(r"Submitted batch job (\d+)", out)
+
+
+def sacct_times(job: str) -> list[tuple[str, str, str]]:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "--format=JobID,Start,End"], capture_output=True, text=True).stdout
+    return [tuple(line.split("|")) for line in out.splitlines() if line]
+
+
+def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=16, shards=4)
+    r = toolkit("submit", str(job))
+    array_id, merge_id = submitted_ids(r.stdout)
+    run = tmp_path / "run"
+    assert f"run directory: {run}" in r.stdout and f"toolkit status {run}" in r.stdout
+    rows, merge = wait_run(run)
+    assert [x.state for x in rows] == ["completed"] * 4
+    assert [x.job for x in rows] == [f"{array_id}_{i}" for i in range(4)]
+    assert sum(x.done for x in rows) == 16 and merge["state"] == "completed" and merge["merged"]
+    # The merge job started only after the last shard task ended.
+    for _ in range(30):
+        tasks, merged = sacct_times(array_id), sacct_times(merge_id)
+        if len(tasks) == 4 and merged and merged[0][1] not in ("", "Unknown"):
+            break
+        time.sleep(1)
+    assert max(t[2] for t in tasks) <= merged[0][1]
+    status = toolkit("status", str(run)).stdout
+    assert len(re.findall(r"^\s+\d+ completed ", status, re.M)) == 4 and f"merge: job {merge_id} completed" in status
+    for k in range(4):
+        log = toolkit("logs", str(run), str(k)).stdout
+        assert f"shard {k} of run" in log and f"array {array_id}_{k}" in log and "GPUs " in log
+    assert "[stub-engine, not a model]" in toolkit("logs", str(run), "0", "--server").stdout
+
+
+def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_path, toy_tokenizer):
+    broken = tmp_path / "BROKEN-1"
+    broken.write_text("node has no GPU driver\n")
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=9, shards=3,
+                    stub={"exit_at_start_if_exists": str(tmp_path / "BROKEN-{shard}")})
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    rows, merge = wait_run(run)
+    assert [x.state for x in rows] == ["completed", "failed", "completed"]
+    assert merge["state"] == "failed", "the merge refuses a run with a shard missing"
+    st = toolkit("status", str(run), check=False)
+    assert st.returncode == 1 and " failed " in st.stdout
+    logs = toolkit("logs", str(run), "--failed", check=False).stdout
+    assert "shard 1: failed" in logs and "exited with code 1 before it was ready" in logs
+    assert "shard 0" not in logs and "shard 2" not in logs
+
+    broken.unlink()  # the cause is fixed
+    before = len(read_jobs(RunDir(run)).submissions)
+    r = toolkit("resubmit", str(run))
+    assert "resubmitting 1 shards without a done manifest: 1" in r.stdout
+    subs = read_jobs(RunDir(run)).submissions
+    assert len(subs) == before + 1 and [a.shards for a in subs[-1].arrays] == [[1]]
+    again = toolkit("resubmit", str(run), check=False)
+    assert again.returncode == 1 and "still pending or running" in again.stderr
+    rows, merge = wait_run(run)
+    assert [x.state for x in rows] == ["completed"] * 3 and merge["state"] == "completed"
+    assert "nothing to resubmit" in toolkit("resubmit", str(run)).stdout
+    assert len(read_jobs(RunDir(run)).submissions) == before + 1
+
+
+def _records(run: Path) -> list:
+    path = run / "shards" / "00000.zst"
+    return list(read_shard(path)) if path.exists() else []
+
+
+def test_scontrol_requeue_resumes_and_nothing_is_lost(tmp_path, toy_tokenizer):
+    n = 40
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=1, stub={"token_delay_s": 0.003},
+                    sampling={"max_new_tokens": 400}, client={"concurrency": 2})
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    task = read_jobs(RunDir(run)).submissions[0].arrays[0].tasks[0]
+    deadline = time.time() + 120
+    while len(_records(run)) < 4:
+        assert time.time() < deadline, "the task never started writing"
+        time.sleep(0.3)
+    subprocess.run(["scontrol", "requeue", task], check=True)
+    seen = set()
+    rows, merge = wait_run(run, until=lambda rows, merge: seen.add(rows[0].state) or merge.get("state") not in (*ACTIVE, None))
+    assert rows[0].state == "completed" and merge["state"] == "completed"
+    recs = _records(run)
+    assert len(recs) == n and len({r.id for r in recs}) == n
+    progress = msgspec.json.decode((run / "progress" / "00000.json").read_bytes())
+    assert progress["restart_count"] >= 1, "the requeued task knows it was requeued"
+    assert "requeued" in seen or "pending" in seen
+
+
+def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
+    """--time 1 with the signal 45 s before it: the task stops at ~15 s, submitit requeues it, it resumes."""
+    n = 60
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=1, stub={"token_delay_s": 0.004},
+                    sampling={"max_new_tokens": 400}, client={"concurrency": 2})
+    toolkit("submit", str(job), "--time", "1", "--signal-delay-s", "45")
+    run = tmp_path / "run"
+    rows, merge = wait_run(run, timeout=300)
+    assert rows[0].state == "completed" and merge["state"] == "completed"
+    recs = _records(run)
+    assert len(recs) == n and len({r.id for r in recs}) == n
+    log = (run / "logs" / "00000.log").read_text()
+    assert "got SIGUSR2" in log
+    progress = msgspec.json.decode((run / "progress" / "00000.json").read_bytes())
+    assert progress["restart_count"] >= 1
+
+
+def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=130, shards=130)
+    dry = toolkit("submit", str(job), "--dry-run").stdout
+    assert "2 job array(s) (MaxArraySize 100): shards 0-99; shards 100-129" in dry
+    assert "#SBATCH --gpus-per-node=1" in dry and "#SBATCH --signal=USR2@" in dry
+    assert not (tmp_path / "run").exists(), "a dry run plans nothing on disk"
+    r = toolkit("submit", str(job), "--array-parallelism", "1")
+    ids = submitted_ids(r.stdout)
+    toolkit("cancel", str(tmp_path / "run"))
+    subs = read_jobs(RunDir(tmp_path / "run")).submissions
+    assert [len(a.shards) for a in subs[0].arrays] == [100, 30] and len(ids) == 3
+    assert subs[0].arrays[1].shards[0] == 100
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"args": ["--partition", "nope"]}, "unknown partition 'nope'; this cluster has: gpu"),
+        ({"args": ["--gpus-per-node", "8"]}, "have at most 4 GPUs"),
+        ({"spec": ("[sampling]", "[sampling]\nseed = 1")}, "unknown sampling key(s) 'seed'"),
+        ({"line": b'{"id": "x", "messages": [{"role": "user"}]}\n'}, "prompts.jsonl:3: field `messages[0].content`"),
+    ],
+)
+def test_bad_submissions_fail_before_sbatch(tmp_path, toy_tokenizer, change, expected):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    if "line" in change:
+        lines = prompts.read_bytes().splitlines(keepends=True)
+        prompts.write_bytes(b"".join(lines[:2] + [change["line"]] + lines[2:]))
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=1, prompts=prompts)
+    if "spec" in change:
+        job.write_text(job.read_text().replace(*change["spec"]))
+    queued = lambda: set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
+    before = queued()
+    r = toolkit("submit", str(job), *change.get("args", []), check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert expected in r.stderr
+    assert not (tmp_path / "run" / "slurm" / "jobs.json").exists()
+    assert queued() <= before, "nothing was submitted"
