@@ -67,3 +67,12 @@ def make_job(tmp: Path, tokenizer: Path, *, n: int = 12, shards: int = 1, name: 
     job = tmp / "job.toml"
     job.write_text("\n".join(lines) + "\n")
     return job
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process stays a zombie where nothing reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

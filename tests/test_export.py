@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from toolkit.cli import main as cli_main

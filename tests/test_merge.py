@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from toolkit import read_run
 from toolkit.cli import main as cli_main
 from toolkit.merge import MERGED, MergeError, load_manifest, merge_and_audit, merge_run
 from toolkit.records import OK
-from toolkit.shardfile import ShardWriter, iter_frames, read_header, read_shard
+from toolkit.shardfile import iter_frames, read_header, read_shard
 
 import runs
 
@@ -51,7 +53,7 @@ def test_merged_dataset_is_the_planned_order_exactly_once(tmp_path, kimi):
         k: (n, n - (k == ds5), int(k == ds5)) for k, n in expect.items()}
     assert m.output_tokens == sum(r.n_output for r in written.values())
     assert [sm.matches_done for sm in m.shards] == [True] * 4
-    assert m.sha256 == __import__("hashlib").sha256((s.rd.merged_dir / "records.zst").read_bytes()).hexdigest()
+    assert m.sha256 == hashlib.sha256((s.rd.merged_dir / "records.zst").read_bytes()).hexdigest()
     assert load_manifest(s.rd) == m
     assert not list(s.rd.merged_dir.glob(".*"))  # no temporary file left behind
 
@@ -98,7 +100,7 @@ def test_allow_incomplete_merges_a_partial_run_and_lists_what_is_missing(tmp_pat
 
 def test_duplicates_are_kept_once_preferring_ok_and_reported(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 8}, shards=1)
-    rng = runs.random.Random(3)
+    rng = random.Random(3)
     ok = {p: runs.record(s, p, runs.healthy()(s, p, rng)) for p in range(8)}
     failed2 = runs.record(s, 2, None, error="timeout")
     failed5 = runs.record(s, 5, None, error="timeout")
@@ -157,7 +159,7 @@ def test_a_torn_last_frame_of_an_unfinished_shard_is_reported(tmp_path, kimi):
 
 def test_records_that_are_not_the_shards_are_left_out_and_reported(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)  # shard 0: 0-2, shard 1: 3-5
-    rng = runs.random.Random(0)
+    rng = random.Random(0)
     recs = {p: runs.record(s, p, runs.healthy()(s, p, rng)) for p in range(6)}
     stray = msgspec.structs.replace(recs[1], id="not-planned")
     runs.write_shard(s, 0, [recs[0], recs[1], recs[2], recs[4], stray])  # 4 belongs to shard 1

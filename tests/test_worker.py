@@ -22,7 +22,7 @@ from toolkit.records import unpack_ids
 from toolkit.shardfile import read_done, read_shard
 from toolkit.worker import DONE, ShardFailed, run_shard
 
-from jobfiles import make_job, write_prompts
+from jobfiles import make_job, process_running, write_prompts
 
 
 def records(run: Path, shard: int = 0):
@@ -132,9 +132,9 @@ def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
 
 def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
     """kill -9 of the worker at 20+ random moments, then a restart: every prompt once, records byte-identical."""
-    n = 40
+    n = 80
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
-    stub, url = start_stub(kimi, "--token-delay", "0.0015")
+    stub, url = start_stub(kimi, "--token-delay", "0.005")
     try:
         common = dict(engine={"kind": "external", "url": url}, client={"concurrency": 4, "request_timeout_s": 30},
                       sampling={"max_new_tokens": 300}, sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
@@ -150,7 +150,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         while kills < 20 and not rd.done_file(0).exists():
             proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(rng.uniform(0.3, 4.5))
+            time.sleep(rng.uniform(0.3, 3.5))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
@@ -179,22 +179,13 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     time.sleep(1.0)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert children, "the stub engine should be running under the worker"
-    assert all(running(int(pid)) for pid in children)
+    assert all(process_running(int(pid)) for pid in children)
     proc.kill()
     proc.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and any(running(int(pid)) for pid in children):
+    while time.time() < deadline and any(process_running(int(pid)) for pid in children):
         time.sleep(0.1)
-    assert not any(running(int(pid)) for pid in children), "the engine must die with its worker"
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not any(process_running(int(pid)) for pid in children), "the engine must die with its worker"
 
 
 def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
@@ -242,7 +233,7 @@ def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
 
 
 def test_5xx_bursts_are_retried(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "1:5"}, client={"retries": 6, "concurrency": 2})
+    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2})
     rd, _ = prepare_run(job)
     assert run_shard(rd.root, 0) == DONE
     got = records(rd.root)

@@ -8,6 +8,25 @@ one fails the audit with a message that says what was seen and what to check.
 
 The checks exist because of a run whose reasoning fields were silently empty for days: outputs that stop
 normally without a think-end id mean the reasoning sits in the content, and that must never pass unnoticed.
+
+Checks (name: what must hold; [audit] key):
+  coverage                every planned id present exactly once, ok or failed (ids of the rest: missing_ids.txt)
+  damaged_frames          no damaged frame in any shard file; shard_checksums: finished files match their manifests
+  failed_share            failed / planned <= max_failed_share (ids: failed_ids.txt)
+  think_end_share         outputs holding the think-end id / ok outputs expected to reason >= min_think_end_share
+  stop_without_think_end  outputs finished by a stop token without a think-end / those finished by a stop token
+                          <= max_stop_without_think_end_share (the seed's failure)
+  empty_reasoning         nothing but blanks before the think-end / outputs with a think-end <= max_empty_reasoning_share
+  empty_content           nothing but blanks between think-end and stop / finished outputs with a think-end
+                          <= max_empty_content_share
+  double_think_start      a think-start in the output although the prompt ends with one / such prompts
+                          <= max_double_think_start_share
+  length_share            finished by length / ok, per dataset, <= max_length_share
+  stop_tokens, token_counts, reasoning_split, vocabulary, prompt_rerender: no exception at all (a `stop` finish
+                          ends with its matched id; completion/prompt_tokens equal the ids; reasoning_end is the first
+                          think-end; every id inside the tokenizer; `reprompt_sample` prompts re-render identically)
+An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched off by the
+template). Whitespace-only ids are ignored at the end of prompts and when deciding that a part is empty.
 """
 
 from __future__ import annotations
@@ -566,8 +585,8 @@ class Auditor:
             f"({share:.1%}, limit {a.max_stop_without_think_end_share:.1%})"
             + ("" if share <= a.max_stop_without_think_end_share else
                f": the model finished without ever writing the think-end, so reasoning and answer cannot be told "
-               f"apart: the reasoning sits in the content and the reasoning field is empty (e.g. {ex}). {where} "
-               f"{what_to_check}"))
+               f"apart: the reasoning sits in the content, mixed with the answer, and a reasoning field split from "
+               f"it is empty (e.g. {ex}). {where} {what_to_check}"))
         share = r.empty_reasoning / r.think_end if r.think_end else 0.0
         add("empty_reasoning", share <= a.max_empty_reasoning_share, share, a.max_empty_reasoning_share,
             f"{r.empty_reasoning} of {r.think_end} outputs with a think-end have empty reasoning ({share:.1%}, limit "

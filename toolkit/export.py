@@ -242,6 +242,8 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, 
     rd, plan = load_run(run_dir)
     load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_dir / RECORDS_FILE
+    if not path.exists():
+        raise ExportError(f"{path} is missing: run `toolkit merge {rd.root}` again")
     head = read_header(path)
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")

@@ -35,6 +35,7 @@ from .records import OK, Record
 from .shardfile import (
     _BATCH_MAGIC,  # the format's frame marker, to find the next frame after a damaged one
     CorruptShard,
+    DoneManifest,
     Frame,
     ShardWriter,
     decode_batch,
@@ -127,16 +128,6 @@ class MergeManifest(msgspec.Struct):
     foreign_ids: list[str] = []
 
 
-class _Head(msgspec.Struct, array_like=True):
-    """The leading fields of a Record: what the first pass needs, without copying token ids."""
-
-    id: str
-    dataset: str
-    index: int
-    status: str
-
-
-_head_decoder = msgspec.msgpack.Decoder(list[_Head])
 _ref_decoder = msgspec.msgpack.Decoder(PromptRef)
 
 
@@ -276,24 +267,24 @@ def _merge_shard(
     offsets: list[int] = []               # frame number -> byte offset
     sizes: list[int] = []                 # frame number -> decompressed size
 
-    # Pass 1: where every record is; duplicates and foreign records.
+    # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
     if path is not None:
         for frame in _frames(path, sp.index, corrupt, torn):
             try:
-                heads = _head_decoder.decode(frame.data)
+                recs = decode_batch(frame)  # every field checked here, so the second pass cannot fail on it
             except msgspec.MsgspecError as e:
                 corrupt.append(FrameProblem(sp.index, str(path), frame.offset, f"undecodable batch: {e}"))
                 continue
-            if len(heads) != frame.records:
+            if len(recs) != frame.records:
                 corrupt.append(FrameProblem(
                     sp.index, str(path), frame.offset,
-                    f"batch holds {len(heads)} records, its descriptor says {frame.records}"))
+                    f"batch holds {len(recs)} records, its descriptor says {frame.records}"))
                 continue
             fno = len(offsets)
             offsets.append(frame.offset)
             sizes.append(len(frame.data))
             sm.frames += 1
-            for i, h in enumerate(heads):
+            for i, h in enumerate(recs):
                 sm.records += 1
                 pos = h.index - first
                 if not 0 <= pos < n or refs[pos].id != h.id:
@@ -346,16 +337,8 @@ def _merge_shard(
         emit(rec)
 
 
-def merge_run(
-    run_dir: str | os.PathLike, *, allow_incomplete: bool = False,
-    on_record: Callable[[Record], None] | None = None, cache_bytes: int = CACHE_BYTES,
-) -> MergeManifest:
-    """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
-
-    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
-    merged record, in planned order (the audit runs in the same pass this way).
-    """
-    rd, plan = load_run(run_dir)
+def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False) -> dict[int, DoneManifest]:
+    """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
         m = read_done(rd.done_file(s.index))
@@ -369,6 +352,20 @@ def merge_run(
             f"{_ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
+    return done
+
+
+def merge_run(
+    run_dir: str | os.PathLike, *, allow_incomplete: bool = False,
+    on_record: Callable[[Record], None] | None = None, cache_bytes: int = CACHE_BYTES,
+) -> MergeManifest:
+    """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
+
+    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
+    merged record, in planned order (the audit runs in the same pass this way).
+    """
+    rd, plan = load_run(run_dir)
+    done = finished_shards(rd, plan, allow_incomplete=allow_incomplete)
     refs = PlannedRefs(rd, plan)
     out_dir = rd.merged_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -438,7 +435,7 @@ def merge_run(
     return manifest
 
 
-def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict, corrupt: list[FrameProblem]) -> bool:
+def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest], corrupt: list[FrameProblem]) -> bool:
     """Size and checksum of a shard file; False when it is absent or not this shard's (then reported)."""
     if not path.exists():
         return False
@@ -501,14 +498,20 @@ def load_manifest(rd: RunDir) -> MergeManifest:
 def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:
     """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
 
-    Returns 0 when the run merged completely and the audit passed, 1 otherwise.
+    Returns 0 when the run merged completely and the audit passed, 1 otherwise, 2 when it cannot merge (e.g.
+    unfinished shards without `allow_incomplete`; the message says what to do).
     """
     from . import audit, report
 
     out = out or sys.stdout
     rd, plan = load_run(run_dir)
-    auditor = audit.Auditor(rd, plan)
-    manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
+    try:
+        finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
+        auditor = audit.Auditor(rd, plan)
+        manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
+    except MergeError as e:
+        print(f"toolkit: error: {e}", file=sys.stderr)
+        return 2
     result = auditor.finish(manifest)
     report.write_reports(rd, result)
     print(report.summary_table(result), file=out)
@@ -524,16 +527,16 @@ def _fail(e: BaseException) -> int:
 
 
 def cmd_merge(args) -> int:
-    try:
-        if args.no_audit:
-            m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
-            print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
-                  f"{RunDir(args.run).merged_dir / RECORDS_FILE}; {m.missing} missing, {m.duplicates} duplicates, "
-                  f"{len(m.corrupt)} damaged frames")
-            return 0 if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else 1
+    if not args.no_audit:
         return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
+    try:
+        m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
     except MergeError as e:
         return _fail(e)
+    print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
+          f"{RunDir(args.run).merged_dir / RECORDS_FILE}; {m.missing} missing, {m.duplicates} duplicates kept once, "
+          f"{len(m.corrupt)} damaged frames")
+    return 0 if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else 1
 
 
 def cmd_audit(args) -> int:

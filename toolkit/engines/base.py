@@ -188,15 +188,25 @@ class Engine:
         self.version = str(info.get("version")) if isinstance(info, dict) and info.get("version") else None
         log.info("engine server version: %s", self.version or "unknown (no /server_info)")
 
-    async def probe(self, http: HttpClient) -> None:
-        """One real 1-token /generate on known ids: readiness endpoints can pass while generation is broken."""
+    async def probe(self, http: HttpClient, *, attempts: int = 5) -> None:
+        """One real 1-token /generate on known ids: readiness endpoints can pass while generation is broken.
+
+        A 5xx or a dropped connection is retried a few times (a server can be briefly overloaded right after
+        warm-up); any other answer is final.
+        """
         body = msgspec.json.encode({"input_ids": self.probe_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-        try:
-            status, data = await http.request("POST", "/generate", body, timeout=300.0)
-        except Unreachable as e:
-            raise EngineError(f"engine reported ready but the probe /generate failed: {e}") from None
-        if status != 200:
-            raise EngineError(f"engine reported ready but the probe /generate answered {status}: {data[:300]!r}")
+        for attempt in range(1, attempts + 1):
+            try:
+                status, data = await http.request("POST", "/generate", body, timeout=300.0)
+            except Unreachable as e:
+                status, data = 0, str(e).encode()
+            if status == 200:
+                break
+            if (status == 0 or status >= 500) and attempt < attempts and self.alive():
+                log.warning("probe /generate answered %s; retrying", status or data.decode())
+                await asyncio.sleep(1.0)
+                continue
+            raise EngineError(f"engine reported ready but the probe /generate failed ({status or 'no answer'}): {data[:300]!r}")
         resp = parse_response(data, len(self.probe_ids))
         if len(resp.output_ids) != 1:
             raise EngineError(f"probe asked for 1 token and got {len(resp.output_ids)}")

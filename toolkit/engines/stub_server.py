@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-delay", type=float, default=0.0, help="seconds of 503 on /health* and /ready after the port opens")
     a("--token-delay", type=float, default=0.0, help="seconds per generated token")
     a("--drain-poll", type=float, default=5.0, help="poll interval of the SIGTERM drain (SGLang: 5 s)")
-    a("--keep-alive-timeout", type=float, default=5.0, help="idle keep-alive connections close after this (uvicorn: 5 s)")
+    a("--keep-alive-timeout", type=float, default=5.0,
+      help="idle keep-alive connections close after this (uvicorn: 5 s)")
     a("--health-check-timeout", type=float, default=20.0,
       help="while generation is wedged (--hang-after), /health* waits this long, then 503 (SGLang: 20 s)")
     a("--fixed-output-tokens", type=int, help="every output exactly N tokens (think-end and EOS included)")
@@ -273,8 +274,8 @@ class StubModel:
             raise SystemExit(f"{LOG_PREFIX} no eos_token_id in {path} (config.json, generation_config.json, tokenizer)")
         self.eos_id = emitted[0]
         if self.eos_id not in self.eos_ids:
-            logger.warning("the EOS the stub emits (%d) is not a stop token in this mode; outputs run to max_new_tokens",
-                           self.eos_id)
+            logger.warning("the EOS the stub emits (%d) is not a stop token in this mode; outputs run to "
+                           "max_new_tokens", self.eos_id)
         self.think_start_id = self.single_id(cfg.think_start)
         self.think_end_id = self.single_id(cfg.think_end)
         if self.think_start_id is None or self.think_end_id is None:
@@ -486,7 +487,8 @@ def output_seed(prompt: list[int], sp: Sampling, sample: int) -> int:
 Segments = list  # [(corpus offset, or -1 for control tokens, [ids])]: the plan of one output, in order
 
 
-def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int, sample: int) -> Segments:
+def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
+                sample: int) -> Segments:
     """What the "model" writes for this prompt, before the server cuts at a stop or at `budget`.
 
     Rule: seed a PRNG from (prompt ids, sampling params). The output is [think-start] + reasoning +
@@ -1760,6 +1762,7 @@ def setup_logging(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     logging.captureWarnings(True)
+    sys.excepthook = lambda kind, exc, tb: logger.critical("uncaught exception", exc_info=(kind, exc, tb))
 
 
 def _route_transformers_logging() -> None:
@@ -1822,6 +1825,10 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("server_args=%s", {f: getattr(cfg, f) for f in cfg.__struct_fields__ if f != "api_key"})
     logger.info("Load weight begin. avail mem=0.00 GB (stub: no weights; loading the tokenizer only)")
     t0 = time.monotonic()
+    folder = cfg.tokenizer_path or cfg.model_path
+    if not os.path.isdir(folder):
+        logger.error("%s is not a folder: pass the model (or --tokenizer-path) folder that holds the tokenizer", folder)
+        return 1
     _route_transformers_logging()
     try:
         model = StubModel(cfg)
@@ -1831,8 +1838,9 @@ def main(argv: list[str] | None = None) -> int:
                      cfg.tokenizer_path or cfg.model_path, e)
         return 1
     logger.info("Tokenizer: %d ids; think-start id %s, think-end id %s; EOS written %d, stop ids %s; tool-call "
-                "format %s; %d corpus tokens", model.vocab_size, model.think_start_id, model.think_end_id,
-                model.eos_id, sorted(model.eos_ids), model.tool_family or "none", len(model.corpus))
+                "format %s; %d corpus tokens; text %s", model.vocab_size, model.think_start_id, model.think_end_id,
+                model.eos_id, sorted(model.eos_ids), model.tool_family or "none", len(model.corpus),
+                "sliced from the corpus (checked equal to decode)" if model.fast_text else "decoded per request")
     rest = cfg.load_delay - (time.monotonic() - t0)
     if rest > 0:
         time.sleep(rest)
