@@ -130,10 +130,9 @@ shards = 1
 name = "bench"
 path = "{prompts}"
 ''')
-            subprocess.run([sys.executable, "-m", "toolkit", "run", str(job), "--no-merge"], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # plans; generates once (warm-up)
-            shutil.rmtree(run / "shards")
-            (run / "shards").mkdir()
+            from toolkit.cli import prepare_run
+
+            prepare_run(str(job))  # plan the run directory (not measured: it happens on the login node)
             cpu = child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"])
             sizes["toolkit"] = (run / "shards" / "00000.zst").stat().st_size
             rows["toolkit"].append(cpu)
