@@ -6,7 +6,10 @@ for the worker), so the CPU time measured is the worker's alone, all of its work
 and prompts, loading the tokenizer, rendering, HTTP, decoding, checking, splitting, encoding, compressing,
 fsyncing. The naive client posts the same prompts with aiohttp, parses with stdlib json and writes JSONL+gzip.
 
-    python benchmarks/bench_worker.py [--prompts 2000] [--repeat 3]
+    python benchmarks/bench_worker.py [--prompts 4000] [--repeat 3]
+
+It runs each client on N/8 and N prompts, and prints the cost per token all included (start-up, tokenizer
+loading and chat-template rendering amortised over the run) and per extra token (the slope between the two).
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 OUTPUT_TOKENS = 4096
+
+JOB = """
+name = "bench"
+output_dir = "{run}"
+[model]
+path = "{tokenizer}"
+[engine]
+kind = "external"
+url = "{url}"
+api_key = "{key}"
+[client]
+concurrency = {concurrency}
+[sampling]
+max_new_tokens = 8192
+[[datasets]]
+name = "bench"
+path = "{prompts}"
+"""
 
 NAIVE = r'''
 import asyncio, gzip, json, sys
@@ -90,11 +111,13 @@ def child_cpu(argv: list[str], env=None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args()
     import pydoc_data.topics
+
+    from toolkit.cli import prepare_run
 
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-"))
@@ -105,47 +128,40 @@ def main() -> None:
         with open(prompts, "w") as f:
             for i in range(args.prompts):
                 f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[i * 13 : i * 13 + 40])}) + "\n")
-        tokens = args.prompts * OUTPUT_TOKENS
-        rows = {"toolkit": [], "naive": []}
-        sizes = {}
+        sizes_n = [max(1, args.prompts // 8), args.prompts]
+        cpu = {(who, n): [] for who in ("toolkit", "naive") for n in sizes_n}
+        disk = {}
         for rep in range(args.repeat):
-            run = work / f"run{rep}"
-            job = work / f"job{rep}.toml"
-            job.write_text(f'''
-name = "bench"
-output_dir = "{run}"
-[model]
-path = "{TOKENIZER}"
-[engine]
-kind = "external"
-url = "{url}"
-api_key = "{key}"
-[client]
-concurrency = {args.concurrency}
-[sampling]
-max_new_tokens = 8192
-[sharding]
-shards = 1
-[[datasets]]
-name = "bench"
-path = "{prompts}"
-''')
-            from toolkit.cli import prepare_run
-
-            prepare_run(str(job))  # plan the run directory (not measured: it happens on the login node)
-            cpu = child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"])
-            sizes["toolkit"] = (run / "shards" / "00000.zst").stat().st_size
-            rows["toolkit"].append(cpu)
-            out = work / f"naive{rep}.jsonl.gz"
-            cpu = child_cpu([sys.executable, "-c", NAIVE, url, key, str(prompts), str(out), str(args.concurrency), str(TOKENIZER)])
-            sizes["naive"] = out.stat().st_size
-            rows["naive"].append(cpu)
-        t, n = statistics.median(rows["toolkit"]), statistics.median(rows["naive"])
-        print(f"{args.prompts} prompts x {OUTPUT_TOKENS} output tokens = {tokens:,} tokens, {args.repeat} runs (medians)")
-        print(f"  toolkit worker : {t:6.2f} CPU s  {t / tokens * 1e9:7.1f} ns/token  {sizes['toolkit'] / tokens:5.2f} B/token on disk")
-        print(f"  naive client   : {n:6.2f} CPU s  {n / tokens * 1e9:7.1f} ns/token  {sizes['naive'] / tokens:5.2f} B/token on disk")
-        print(f"  ratios         : {n / t:5.1f}x less CPU per token, {sizes['naive'] / sizes['toolkit']:4.1f}x fewer bytes")
-        print(f"  all runs (CPU s): toolkit {[round(x, 2) for x in rows['toolkit']]}  naive {[round(x, 2) for x in rows['naive']]}")
+            for n in sizes_n:
+                part = work / f"prompts{n}.jsonl"
+                part.write_text("".join(prompts.read_text().splitlines(keepends=True)[:n]))
+                run = work / f"run{rep}-{n}"
+                job = work / f"job{rep}-{n}.toml"
+                job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, key=key, concurrency=args.concurrency, prompts=part))
+                prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
+                cpu["toolkit", n].append(child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"]))
+                disk["toolkit", n] = (run / "shards" / "00000.zst").stat().st_size
+                out = work / f"naive{rep}-{n}.jsonl.gz"
+                cpu["naive", n].append(child_cpu([sys.executable, "-c", NAIVE, url, key, str(part), str(out),
+                                                  str(args.concurrency), str(TOKENIZER)]))
+                disk["naive", n] = out.stat().st_size
+        small, large = sizes_n
+        med = {k: statistics.median(v) for k, v in cpu.items()}
+        tok_l, tok_s = large * OUTPUT_TOKENS, small * OUTPUT_TOKENS
+        print(f"outputs of {OUTPUT_TOKENS} tokens; runs of {small} and {large} prompts; medians of {args.repeat}")
+        rows = {}
+        for who in ("toolkit", "naive"):
+            total = med[who, large] / tok_l * 1e9
+            marginal = (med[who, large] - med[who, small]) / (tok_l - tok_s) * 1e9
+            fixed = med[who, large] - marginal * tok_l / 1e9
+            rows[who] = (total, marginal, disk[who, large] / tok_l)
+            print(f"  {who:<8}: {med[who, large]:6.2f} CPU s for {tok_l:,} tokens = {total:6.1f} ns/token all included; "
+                  f"{marginal:6.1f} ns/token per extra token (fixed start-up {fixed:4.1f} s); "
+                  f"{disk[who, large] / tok_l:4.2f} B/token on disk")
+        t, n = rows["toolkit"], rows["naive"]
+        print(f"  ratios  : {n[0] / t[0]:4.1f}x less CPU per token all included, {n[1] / t[1]:4.1f}x per extra token, "
+              f"{n[2] / t[2]:4.1f}x fewer bytes")
+        print("  all runs (CPU s): " + "  ".join(f"{who} {n}: {[round(x, 2) for x in v]}" for (who, n), v in cpu.items()))
     finally:
         os.killpg(stub.pid, 9)
         shutil.rmtree(work, ignore_errors=True)

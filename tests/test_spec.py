@@ -92,3 +92,20 @@ def test_invalid_toml_and_missing_file(tmp_path):
 def test_external_engine_needs_url(tmp_path):
     with pytest.raises(SpecError, match="needs `url`"):
         load_spec(write(tmp_path, BASE + '[engine]\nkind = "external"\n'))
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "jobs").glob("*.toml")) + [REPO / "templates" / "job.toml"],
+                         ids=lambda p: p.name)
+def test_recipes_and_the_template_decode(recipe):
+    """Every shipped recipe (and the template listing every key) is a valid spec; data paths may not exist here."""
+    spec = load_spec(recipe, check_paths=False)
+    assert spec.sampling["max_new_tokens"] >= 1024
+
+
+def test_real_recipes_match_their_models():
+    kimi = load_spec(REPO / "jobs" / "kimi-k2.5.toml", check_paths=False)
+    assert kimi.model.trust_remote_code and kimi.engine.tp_size == 8 and kimi.slurm.gpus_per_node == 8
+    assert kimi.model.chat_template_kwargs == {"thinking": True}
+    assert kimi.model.tool_call_start == "<|tool_calls_section_begin|>" and len(kimi.datasets) == 8
+    qwen = load_spec(REPO / "jobs" / "qwen3-thinking.toml", check_paths=False)
+    assert qwen.model.chat_template_kwargs == {"enable_thinking": True}

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from .records import ids_from_json
+
 __all__ = [
     "GenerateResult",
     "HttpClient",
@@ -171,12 +173,12 @@ class MetaInfo(msgspec.Struct):
 
 
 class GenerateResponse(msgspec.Struct):
-    output_ids: list[int]
+    output_ids: msgspec.Raw  # parsed to packed ids by records.ids_from_json (no Python int per token)
     meta_info: MetaInfo
 
 
 class GenerateResult(msgspec.Struct):
-    output_ids: list[int]
+    output_ids: Any  # numpy uint32 array: exactly the ids the server sent
     finish: str | None
     matched: int | str | None
     prompt_tokens: int
@@ -200,17 +202,18 @@ class BadResponse(Exception):
     """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
 
 
-def parse_response(body: bytes, n_prompt: int) -> GenerateResponse:
+def parse_response(body: bytes):
+    """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
+    meta_info.completion_tokens (SGLang counts the stop token in both)."""
     try:
         resp = _resp_decoder.decode(body)
     except msgspec.DecodeError as e:
         raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
-    m = resp.meta_info
-    if m.completion_tokens is not None and m.completion_tokens != len(resp.output_ids):
-        raise BadResponse(
-            f"len(output_ids) = {len(resp.output_ids)} but meta_info.completion_tokens = {m.completion_tokens}"
-        )
-    return resp
+    try:
+        ids = ids_from_json(resp.output_ids, resp.meta_info.completion_tokens)
+    except ValueError as e:
+        raise BadResponse(f"output_ids do not match meta_info.completion_tokens: {e}") from None
+    return ids, resp.meta_info
 
 
 async def generate(
@@ -240,15 +243,14 @@ async def generate(
         try:
             status, data = await http.request("POST", "/generate", body, timeout=timeout)
             if status == 200:
-                resp = parse_response(data, len(input_ids))
-                m = resp.meta_info
+                ids, m = parse_response(data)
                 fr = m.finish_reason if isinstance(m.finish_reason, dict) else {}
                 return GenerateResult(
-                    output_ids=resp.output_ids,
+                    output_ids=ids,
                     finish=fr.get("type"),
                     matched=fr.get("matched"),
                     prompt_tokens=m.prompt_tokens if m.prompt_tokens is not None else len(input_ids),
-                    completion_tokens=len(resp.output_ids),
+                    completion_tokens=len(ids),
                     cached_tokens=m.cached_tokens or 0,
                     latency_s=round(loop.time() - t0, 4),
                     attempts=attempt,

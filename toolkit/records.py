@@ -3,18 +3,21 @@
 Token ids are the truth; text is derived later (export, audit). Ids are stored packed as little-endian
 uint32 bytes: measured on 4,096-token outputs of real English text, that is the smallest zstd-compressed
 form for a 160k vocabulary (1.24 B/token vs 1.42 for msgpack integer lists) and it decodes without creating
-one Python object per token, which keeps merge and audit fast.
+one Python object per token, which keeps merge and audit fast. The worker never makes Python ints of output
+ids either: they go from the response's JSON text to packed bytes in one C call (`ids_from_json`).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from array import array
 from typing import Any
 
 import msgspec
+import numpy as np
 
-__all__ = ["Record", "pack_ids", "unpack_ids", "split_output", "id_positions"]
+__all__ = ["Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions"]
 
 OK, FAILED = "ok", "failed"
 
@@ -73,19 +76,40 @@ def id_positions(packed: bytes, token_id: int) -> int | None:
     return None if i == -1 else i // 4
 
 
-def split_output(output_ids: list[int], think_end_id: int, tool_call_start_id: int | None) -> tuple[int | None, int | None]:
+def ids_from_json(raw: bytes | memoryview, expected: int | None = None) -> np.ndarray:
+    """Token ids straight from a JSON array of integers (`[12,7,...]`) as a uint32 array, in one C call,
+    without one Python int per token.
+
+    `expected` is the count the server reported (meta_info.completion_tokens): a parse that stopped early
+    (anything but integers in the array) is caught by it. Raises ValueError.
+    """
+    body = bytes(raw).strip()
+    if not (body.startswith(b"[") and body.endswith(b"]")):
+        raise ValueError(f"expected a JSON array of token ids, got {body[:40]!r}")
+    inner = body[1:-1]
+    if not inner.strip():
+        arr = np.zeros(0, dtype="<u4")
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # an early stop is caught by the count below
+            arr = np.fromstring(inner, dtype="<u4", sep=",")
+    n = expected if expected is not None else (inner.count(b",") + 1 if inner.strip() else 0)
+    if len(arr) != n or b"-" in inner[:1]:
+        raise ValueError(f"{n} token ids expected, {len(arr)} parsed as non-negative integers from {inner[:60]!r}")
+    return arr
+
+
+def first_index(ids: np.ndarray, token_id: int | None) -> int | None:
+    """Index of the first `token_id` in a uint32 array (None when absent or token_id is None)."""
+    if token_id is None or not len(ids):
+        return None
+    hits = np.flatnonzero(ids == token_id)
+    return int(hits[0]) if len(hits) else None
+
+
+def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: int | None) -> tuple[int | None, int | None]:
     """Where reasoning ends (index of the think-end id) and where a tool-call section starts, on token ids."""
-    try:
-        reasoning_end: int | None = output_ids.index(think_end_id)
-    except ValueError:
-        reasoning_end = None
-    tool_call_at = None
-    if tool_call_start_id is not None:
-        try:
-            tool_call_at = output_ids.index(tool_call_start_id)
-        except ValueError:
-            pass
-    return reasoning_end, tool_call_at
+    return first_index(output_ids, think_end_id), first_index(output_ids, tool_call_start_id)
 
 
 def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int) -> Record:

@@ -196,7 +196,7 @@ async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> N
         reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
         sh.add(Record(
             id=ref.id, dataset=ds, index=pos, status=OK if res.finish != "abort" else "failed",
-            prompt_ids=pack_ids(ids), output_ids=pack_ids(out), reasoning_end=reasoning_end,
+            prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
             tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
             prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
             cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,

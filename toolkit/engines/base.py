@@ -207,9 +207,9 @@ class Engine:
                 await asyncio.sleep(1.0)
                 continue
             raise EngineError(f"engine reported ready but the probe /generate failed ({status or 'no answer'}): {data[:300]!r}")
-        resp = parse_response(data, len(self.probe_ids))
-        if len(resp.output_ids) != 1:
-            raise EngineError(f"probe asked for 1 token and got {len(resp.output_ids)}")
+        ids, _ = parse_response(data)
+        if len(ids) != 1:
+            raise EngineError(f"probe asked for 1 token and got {len(ids)}")
 
 
 def _redact(argv: list[str], secret: str | None) -> str:

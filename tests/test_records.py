@@ -1,0 +1,36 @@
+"""Records: packed ids parsed straight from JSON, splits found on packed ids."""
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from toolkit.records import id_positions, ids_from_json, pack_ids, split_output, unpack_ids
+
+
+def test_ids_from_json_matches_a_json_decoder():
+    rng = random.Random(3)
+    for n in (0, 1, 2, 17, 4096):
+        ids = [rng.randrange(0, 200_000) for _ in range(n)]
+        for raw in (msgspec.json.encode(ids), ("[" + ", ".join(map(str, ids)) + "]").encode(), b" \n" + msgspec.json.encode(ids)):
+            assert ids_from_json(raw).tolist() == ids
+            assert ids_from_json(raw, n).tolist() == ids
+            with pytest.raises(ValueError):
+                ids_from_json(raw, n + 1)
+
+
+@pytest.mark.parametrize("raw", [b"[1,2.5,3]", b"[-1,2]", b"[1,,2]", b"[1,\"a\"]", b"{}", b"[1e3,2]", b"[1,2"])
+def test_ids_from_json_rejects_what_is_not_token_ids(raw):
+    with pytest.raises(ValueError):
+        ids_from_json(raw, 3 if raw.count(b",") == 2 else 2)
+
+
+def test_positions_are_token_aligned():
+    # 0x0100 followed by 0x0000 contains the bytes of 1 at an unaligned offset: it must not match.
+    packed = pack_ids([256, 0, 7, 1, 9])
+    assert id_positions(packed, 1) == 3
+    assert id_positions(packed, 7) == 2 and id_positions(packed, 8) is None
+    arr = np.frombuffer(packed, "<u4")
+    assert split_output(arr, 7, 9) == (2, 4)
+    assert split_output(arr, 5, None) == (None, None)
