@@ -92,7 +92,7 @@ def cmd_run(args) -> int:
     from .worker import STOPPED, ShardFailed, run_shard
 
     rd, plan = prepare_run(args.job, new_run=args.new_run)
-    print(f"run directory: {rd.root}")
+    print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     failed = []
     for k in shards:
@@ -104,7 +104,7 @@ def cmd_run(args) -> int:
             log.error("shard %d failed: %s", k, e)
             failed.append(k)
     if failed:
-        print(f"shards failed: {failed}; see `toolkit logs {rd.root} --failed`, then `toolkit run {args.job}` again "
+        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then `toolkit run {args.job}` again "
               "to resume them")
         return EXIT_FAILED
     if args.no_merge:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["atomic_write", "fsync_dir"]
+__all__ = ["atomic_write", "fsync_dir", "shown_path"]
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -33,3 +33,12 @@ def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as a user would type it: relative to the current directory when inside it."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(p)

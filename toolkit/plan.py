@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from .files import atomic_write
+from .files import atomic_write, shown_path
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .spec import JobSpec
 
@@ -90,6 +90,11 @@ class RunDir:
     slurm_dir = property(lambda self: self.root / "slurm")
     merged_dir = property(lambda self: self.root / "merged")
     jobs_file = property(lambda self: self.root / "slurm" / "jobs.json")
+
+    @property
+    def shown(self) -> str:
+        """The run directory as a user would type it: relative to the current directory when inside it."""
+        return shown_path(self.root)
 
     def shard_file(self, i: int) -> Path:
         return self.shards_dir / f"{i:05d}.zst"

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from .audit import AuditReport, DatasetStats
-from .files import atomic_write
+from .files import atomic_write, shown_path
 from .plan import RunDir
 
 __all__ = ["summary_table", "write_html", "write_reports"]
@@ -68,6 +68,10 @@ def _dataset_row(d: DatasetStats) -> list[str]:
     ]
 
 
+def _shown(path) -> str:
+    return shown_path(path) if path else "-"
+
+
 def summary_table(report: AuditReport) -> str:
     """The audit as a few plain-text tables for a terminal or a job log."""
     verdict = "PASSED" if report.passed else "FAILED"
@@ -107,11 +111,11 @@ def summary_table(report: AuditReport) -> str:
         lines.append(f"  {mark}  {c.name:<22}  {body[0][32:]}")
         lines += body[1:]
     files = report.files
-    lines += ["", f"report: {files.get('html', '-')}  (and {files.get('json', 'audit.json')})"]
+    lines += ["", f"report: {_shown(files.get('html', '-'))}  (and {_shown(files.get('json', 'audit.json'))})"]
     if report.missing:
-        lines.append(f"missing ids: {files.get('missing_ids')}")
+        lines.append(f"missing ids: {_shown(files.get('missing_ids'))}")
     if report.failed:
-        lines.append(f"failed ids: {files.get('failed_ids')}")
+        lines.append(f"failed ids: {_shown(files.get('failed_ids'))}")
     return "\n".join(lines)
 
 

@@ -333,6 +333,8 @@ def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run:
     pending = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
     if read_jobs(rd).submissions:
         raise SlurmError(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+    if not pending:
+        raise SlurmError(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
     sub = _submit_arrays(rd, plan, pending, o)
     return rd, sub, info
 
@@ -385,11 +387,11 @@ def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
     for a in sub.arrays:
         print(f"Submitted batch job {a.job_id} (array of {len(a.shards)} shard tasks: {_ranges(a.shards)})")
     print(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
-    print(f"run directory: {rd.root}")
+    print(f"run directory: {rd.shown}")
     print("watch it with:")
-    print(f"  toolkit status {rd.root} --watch")
-    print(f"  toolkit logs {rd.root} 0 -f")
-    print(f"  toolkit logs {rd.root} --failed")
+    print(f"  toolkit status {rd.shown} --watch")
+    print(f"  toolkit logs {rd.shown} 0 -f")
+    print(f"  toolkit logs {rd.shown} --failed")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -412,7 +414,7 @@ def cmd_submit(args) -> int:
         n = len(plan.shards)
         limit = info["max_array_size"]
         print(f"dry run: {plan.total} prompts in {len(plan.datasets)} datasets -> {n} shards, fingerprint {plan.fingerprint}")
-        print(f"run directory would be: {rd.root}")
+        print(f"run directory would be: {rd.shown}")
         arrays = _chunks(list(range(n)), limit)
         print(f"{len(arrays)} job array(s) (MaxArraySize {limit}): " + "; ".join(f"shards {_ranges(a)}" for a in arrays))
         print("sbatch parameters of each array task:")
@@ -427,7 +429,7 @@ def cmd_submit(args) -> int:
 def cmd_resubmit(args) -> int:
     rd, sub, missing = resubmit(args.run, _options(args))
     if sub is None:
-        print(f"nothing to resubmit: every shard of {rd.root} has its done manifest")
+        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest")
         return 0
     print(f"resubmitting {len(missing)} shards without a done manifest: {_ranges(missing)}")
     _print_submission(rd, sub, len(missing))

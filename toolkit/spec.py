@@ -123,7 +123,7 @@ class SlurmSpec(_Config):
     merge_time: str = "02:00:00"
     merge_cpus: int = 2
     merge_mem: str | None = None
-    extra: dict[str, str] = {}
+    extra: dict[str, str | int | bool] = {}
 
 
 class AuditSpec(_Config):

@@ -139,7 +139,7 @@ def _fmt_eta(s: float | None) -> str:
 
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
     head = f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8}"
-    lines = [f"run {rd.root}", head]
+    lines = [f"run {rd.shown}", head]
     for r in rows:
         lines.append(f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} {_fmt_eta(r.eta_s):>8}")
