@@ -164,6 +164,14 @@ def test_opens_reasoning_skips_only_blank_tokens(loaded):
 
 
 @pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
+def test_blank_ids_are_the_ids_that_decode_to_whitespace(loaded, family):
+    _, tok, info = loaded(family)
+    texts = [tok.decode([i], skip_special_tokens=False) for i in range(len(tok))]
+    expected = [i for i, text in enumerate(texts) if text and text.isspace()]
+    assert info.blank_ids == expected and len(expected) >= 2  # at least a space and a newline
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
 def test_think_ids_are_single_tokens(loaded, family):
     _, tok, info = loaded(family)
     for text, token_id in (("<think>", info.think_start_id), ("</think>", info.think_end_id)):
@@ -232,15 +240,27 @@ def test_tools_appear_in_the_rendering(loaded, family):
         assert text in with_tools and text not in plain
 
 
-def test_render_many_equals_render(loaded):
-    model, tok, _ = loaded("qwen3")
+@pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
+@pytest.mark.parametrize("setup", ["default", "split_special_tokens", "backend_truncation"])
+def test_render_many_equals_render(loaded, family, setup):
+    """Batches encode straight through the fast backend, or through the tokenizer call when the backend is set
+    up otherwise: either way the ids are apply_chat_template(tokenize=True)'s, one prompt at a time."""
+    model, shared, _ = loaded(family)
+    tok = chat.load_tokenizer(model)  # a private copy: the setups below change it
+    if setup == "split_special_tokens":
+        tok.split_special_tokens = True
+    elif setup == "backend_truncation":
+        tok.backend_tokenizer.enable_truncation(max_length=8)
     other_tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     prompts = [
-        prompt(f"question {i}", id=f"p{i}", line=i + 1, tools=[None, TOOLS, other_tools][i % 5 % 3])
+        prompt(f"question {i} <think> not a tag </think>", id=f"p{i}", line=i + 1, tools=[None, TOOLS, other_tools][i % 5 % 3])
         for i in range(11)
     ] + [prompt(messages=TOOL_TURN, tools=TOOLS, id="tool-turn")]
+    batched = chat.render_many(tok, model, prompts, batch_size=3)  # first, on the tokenizer as set up
     one_by_one = [chat.render(tok, model, p) for p in prompts]
-    assert chat.render_many(tok, model, prompts, batch_size=3) == one_by_one
+    assert batched == one_by_one
+    differs = one_by_one != [chat.render(shared, model, p) for p in prompts]
+    assert differs == (setup == "split_special_tokens")  # the setup mattered, and was followed
     assert chat.render_many(tok, model, prompts) == one_by_one
     assert len({tuple(ids) for ids in one_by_one}) == len(prompts)
 

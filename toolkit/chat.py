@@ -202,20 +202,40 @@ def _render_batch(tok: Any, model: Any, batch: list[Any]) -> list[list[int]]:
     if len(batch) == 1:
         return [render(tok, model, batch[0])]
     try:
-        result = tok.apply_chat_template(
+        texts = tok.apply_chat_template(
             [p.messages for p in batch],
             tools=batch[0].tools,
             add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
             **model.chat_template_kwargs,
         )
-        rows = [_as_ids(row) for row in _unwrap(result)]
+        rows = _encode_chats(tok, texts)
         if len(rows) != len(batch):
             raise ValueError(f"{len(rows)} results for {len(batch)} conversations")
     except Exception:
         return [render(tok, model, p) for p in batch]  # raises for the first failing prompt
     return rows
+
+
+def _encode_chats(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered chats, exactly as apply_chat_template(tokenize=True) makes them: the tokenizer
+    called on the text with add_special_tokens=False (the template writes its own special tokens).
+
+    A fast tokenizer whose backend has no truncation, no padding and special tokens kept whole (what that call
+    sets up) encodes the batch directly, skipping the offsets and Python dicts the call builds per text; any
+    other tokenizer goes through the call itself.
+    """
+    backend = getattr(tok, "backend_tokenizer", None)
+    if (
+        backend is None
+        or backend.truncation is not None
+        or backend.padding is not None
+        or getattr(backend, "encode_special_tokens", False)
+        or getattr(tok, "split_special_tokens", False)
+    ):
+        return [_as_ids(row) for row in tok(texts, add_special_tokens=False)["input_ids"]]
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
 def _render_one(tok: Any, model: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -338,8 +358,12 @@ def _eos_ids(tok: Any, model: Any) -> list[int]:
 def _blank_ids(tok: Any) -> list[int]:
     """Ids whose text is whitespace only (newlines, spaces), found by decoding the whole vocabulary once."""
     ids = range(len(tok))
+    backend = getattr(tok, "backend_tokenizer", None)
     try:
-        texts = tok.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        if backend is not None:  # 5x faster than batch_decode; its clean-up of spaces never changes blankness
+            texts = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        else:
+            texts = tok.batch_decode([[i] for i in ids], skip_special_tokens=False)
     except Exception:  # vocabularies with holes (unused ids) fail as a batch; decode one by one
         texts = [_decode_or_empty(tok, i) for i in ids]
     return [i for i, text in zip(ids, texts) if text and text.isspace()]

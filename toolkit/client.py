@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_timeout = getattr(asyncio, "timeout", None)
 
 
 class Unreachable(Exception):
@@ -85,7 +86,10 @@ class HttpClient:
     async def request(self, method: str, path: str, body: bytes | None = None, *, timeout: float) -> tuple[int, bytes]:
         async with self._slots:
             try:
-                return await asyncio.wait_for(self._request(method, path, body), timeout)
+                if _timeout is None:  # Python 3.10
+                    return await asyncio.wait_for(self._request(method, path, body), timeout)
+                async with _timeout(timeout):  # no extra task per request, unlike wait_for
+                    return await self._request(method, path, body)
             except asyncio.TimeoutError:
                 raise Unreachable(f"{method} {path}: no answer within {timeout:g} s") from None
 
@@ -202,18 +206,52 @@ class BadResponse(Exception):
     """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
 
 
+class _Tail(msgspec.Struct):
+    meta_info: MetaInfo
+
+
+_tail_decoder = msgspec.json.Decoder(_Tail)
+_IDS_KEY, _META_KEY = b'"output_ids":', b'"meta_info":'
+
+
+def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
+    """(output_ids' JSON text, meta_info) found without reading `text`, or None to decode the whole body.
+
+    SGLang answers `{"text": ..., "output_ids": [...], "meta_info": {...}}`. Decoding it in full means walking
+    the text string, as long as the ids. Here the keys are found from the end instead: the last `"meta_info":`
+    is the top-level key (the bytes `s":` cannot occur inside a JSON string, where every quote is escaped, and
+    meta_info holds no key of that name); the array just before it, with nothing but a comma between, must be
+    `"output_ids":[...]`. Anything else — another key order, whitespace, an added key — takes the full decode.
+    """
+    m = body.rfind(_META_KEY)
+    close = body.rfind(b"]", 0, m) if m > 0 else -1
+    start = body.rfind(b"[", 0, close) if close > 0 else -1
+    if start < len(_IDS_KEY) or body[start - len(_IDS_KEY) : start] != _IDS_KEY or body[close + 1 : m] != b",":
+        return None
+    try:
+        meta = _tail_decoder.decode(b"{" + body[m:]).meta_info
+    except msgspec.DecodeError:
+        return None
+    return body[start : close + 1], meta
+
+
 def parse_response(body: bytes):
     """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
     meta_info.completion_tokens (SGLang counts the stop token in both)."""
+    found = _split_body(body)
+    if found is not None:
+        raw, meta = found
+    else:
+        try:
+            resp = _resp_decoder.decode(body)
+        except msgspec.DecodeError as e:
+            raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
+        raw, meta = resp.output_ids, resp.meta_info
     try:
-        resp = _resp_decoder.decode(body)
-    except msgspec.DecodeError as e:
-        raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
-    try:
-        ids = ids_from_json(resp.output_ids, resp.meta_info.completion_tokens)
+        ids = ids_from_json(raw, meta.completion_tokens)
     except ValueError as e:
         raise BadResponse(f"output_ids do not match meta_info.completion_tokens: {e}") from None
-    return ids, resp.meta_info
+    return ids, meta
 
 
 async def generate(

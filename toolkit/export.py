@@ -28,7 +28,7 @@ import numpy as np
 
 from . import chat
 from .audit import _last_meaningful, split_parts
-from .inputs import read_prompt_at
+from .inputs import PromptReader
 from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
 from .plan import RunDir, RunPlan, load_run
 from .records import OK, Record
@@ -150,13 +150,13 @@ def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, **_) ->
 
 def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
     text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
-    refs = PlannedRefs(rd, plan)
+    refs, reader = PlannedRefs(rd, plan), PromptReader()
 
     def rows(recs: list[Record]) -> Iterator[dict]:
         for r, (reasoning, content) in zip(recs, text.parts(recs)):
             ref = refs.at(r.index)
             ds = plan.datasets[ref.dataset]
-            prompt = read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
             row: dict[str, Any] = {
                 "id": r.id,
                 "conversations": [*prompt.messages, {"role": "assistant", "content": content, "reasoning_content": reasoning}],
@@ -165,8 +165,9 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
                 row["tools"] = prompt.tools
             yield row
 
-    for recs in _batches(path, include_failed):
-        n += _write_lines(out, rows(recs), enc)
+    with reader:
+        for recs in _batches(path, include_failed):
+            n += _write_lines(out, rows(recs), enc)
     return n
 
 

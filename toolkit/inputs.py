@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["InputError", "Prompt", "read_prompt_at", "scan_dataset", "check_unique_ids"]
+__all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "check_unique_ids"]
 
 
 class InputError(Exception):
@@ -116,13 +116,37 @@ def scan_dataset(path: str | Path, dataset: str) -> Iterator[Prompt]:
 
 
 def read_prompt_at(path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
-    """Re-read one prompt the plan located at (offset, length); used by workers to load only their shard."""
-    with open(path, "rb") as f:
+    """Re-read one prompt the plan located at (offset, length); see PromptReader for many."""
+    with PromptReader() as reader:
+        return reader.read(path, dataset, line, offset, length)
+
+
+class PromptReader:
+    """Reads planned prompts by (offset, length), keeping each file open: workers read thousands."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def read(self, path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
+        path = str(path)
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
         f.seek(offset)
-        raw = f.read(length)
-    p = _parse_line(raw, str(path), dataset, line)
-    p.offset, p.length = offset, length
-    return p
+        p = _parse_line(f.read(length), path, dataset, line)
+        p.offset, p.length = offset, length
+        return p
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> PromptReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str]) -> None:

@@ -103,8 +103,9 @@ def first_index(ids: np.ndarray, token_id: int | None) -> int | None:
     """Index of the first `token_id` in a uint32 array (None when absent or token_id is None)."""
     if token_id is None or not len(ids):
         return None
-    hits = np.flatnonzero(ids == token_id)
-    return int(hits[0]) if len(hits) else None
+    hit = ids == token_id
+    i = int(hit.argmax())
+    return i if hit[i] else None
 
 
 def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: int | None) -> tuple[int | None, int | None]:

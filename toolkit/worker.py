@@ -23,7 +23,7 @@ from pathlib import Path
 from . import chat
 from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unreachable, generate
 from .engines import EngineError, make_engine
-from .inputs import read_prompt_at
+from .inputs import PromptReader
 from .plan import PromptRef, RunDir, RunPlan, check_plan_inputs, load_refs, load_run
 from .progress import Progress, slurm_context, write_progress
 from .records import OK, Record, failed_record, pack_ids, split_output
@@ -59,13 +59,16 @@ class _Feed:
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
 
-    def put(self, item) -> None:
-        if item is None:
+    def put(self, items: list | None) -> None:
+        """Add a batch of rendered prompts, or mark the end (None)."""
+        if items is None:
             self.finished = True
         else:
-            self.items.append(item)
-            if not self.first.done() and item[2] is not None:
-                self.first.set_result(item[2])
+            self.items.extend(items)
+            if not self.first.done():
+                first = next((item[2] for item in items if item[2] is not None), None)
+                if first is not None:
+                    self.first.set_result(first)
         if self.finished and not self.first.done():
             self.first.set_result(None)
         self._event.set()
@@ -91,33 +94,39 @@ class _Feed:
 def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
     """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
     try:
-        tok = chat.load_tokenizer(plan.spec.model)
-        info = chat.token_info(tok, plan.spec.model)
-        state["info"] = info
-        log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
-                 info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
-        for start in range(0, len(todo), chat.BATCH_SIZE):
-            if state.get("stop"):
-                break
-            batch = todo[start : start + chat.BATCH_SIZE]
-            prompts = []
-            for pos, ref in batch:
-                ds = plan.datasets[ref.dataset]
-                prompts.append(read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length))
-            try:
-                rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
-            except chat.ChatError:  # find which prompts fail; the others still go out
-                rendered = []
-                for prompt in prompts:
-                    try:
-                        rendered.append((chat.render(tok, plan.spec.model, prompt), None))
-                    except chat.ChatError as e:
-                        rendered.append((None, f"chat template: {e}"))
-            for (pos, ref), (ids, err) in zip(batch, rendered):
-                loop.call_soon_threadsafe(feed.put, (pos, ref, ids, err))
+        with PromptReader() as reader:
+            _render_all(loop, feed, plan, todo, state, reader)
         loop.call_soon_threadsafe(feed.put, None)
     except BaseException as e:  # surfaced in the event loop, not lost in a thread
         loop.call_soon_threadsafe(feed.fail, e)
+
+
+def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict, reader: PromptReader) -> None:
+    """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
+    tok = chat.load_tokenizer(plan.spec.model)
+    info = chat.token_info(tok, plan.spec.model)
+    state["info"] = info
+    log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
+             info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
+    for start in range(0, len(todo), chat.BATCH_SIZE):
+        if state.get("stop"):
+            break
+        batch = todo[start : start + chat.BATCH_SIZE]
+        prompts = []
+        for pos, ref in batch:
+            ds = plan.datasets[ref.dataset]
+            prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
+        try:
+            rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
+        except chat.ChatError:  # find which prompts fail; the others still go out
+            rendered = []
+            for prompt in prompts:
+                try:
+                    rendered.append((chat.render(tok, plan.spec.model, prompt), None))
+                except chat.ChatError as e:
+                    rendered.append((None, f"chat template: {e}"))
+        items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
+        loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
 
 
 class _Shard:
