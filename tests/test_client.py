@@ -1,0 +1,78 @@
+"""toolkit.client.parse_response: SGLang's /generate answers, read from the end or decoded in full, agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit import client
+from toolkit.client import BadResponse, parse_response
+
+META = {
+    "id": "3f0c",
+    "finish_reason": {"type": "stop", "matched": 7},
+    "prompt_tokens": 17,
+    "weight_version": "default",
+    "completion_tokens": 3,
+    "cached_tokens": 5,
+    "weight_versions": [{"version": "default", "start": 0, "end": 3}],
+    "dp_rank": None,
+    "e2e_latency": 0.0871,
+}
+
+# Texts that would fool a search from the start: the keys themselves, brackets, escapes.
+TEXTS = ["Paris.", 'say "output_ids":[1,2] and "meta_info":{}', "a ] , [ b", "\\\"meta_info\\\":", "é\n\u2028"]
+
+
+def orjson_like(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def full_decode(body: bytes):
+    resp = client._resp_decoder.decode(body)
+    return client.ids_from_json(resp.output_ids, resp.meta_info.completion_tokens).tolist(), resp.meta_info
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_sglang_answers_take_the_fast_path_and_agree_with_a_full_decode(text):
+    body = orjson_like({"text": text, "output_ids": [5, 6, 7], "meta_info": META})
+    assert client._split_body(body) is not None
+    ids, meta = parse_response(body)
+    assert (ids.tolist(), meta) == full_decode(body) == ([5, 6, 7], meta)
+    assert meta.finish_reason == {"type": "stop", "matched": 7} and meta.cached_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"output_ids": [5, 6, 7], "meta_info": META},  # no text (--skip-tokenizer-init)
+        {"meta_info": META, "output_ids": [5, 6, 7], "text": "x"},  # another key order
+        {"text": "x", "output_ids": [5, 6, 7], "extra": [1], "meta_info": META},  # a key in between
+    ],
+)
+def test_other_layouts_are_decoded_in_full(obj):
+    body = orjson_like(obj)
+    ids, meta = parse_response(body)
+    assert ids.tolist() == [5, 6, 7] and meta.completion_tokens == 3
+
+
+def test_whitespace_between_tokens_is_decoded_in_full():
+    body = json.dumps({"text": "x", "output_ids": [5, 6, 7], "meta_info": META}, indent=1).encode()
+    assert parse_response(body)[0].tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (orjson_like({"text": "x", "output_ids": [5, 6], "meta_info": META}), "completion_tokens"),
+        (orjson_like({"text": "x", "output_ids": [5, -6, 7], "meta_info": META}), "completion_tokens"),
+        (orjson_like({"text": "x", "output_ids": [5, 6.5, 7], "meta_info": META}), "completion_tokens"),
+        (orjson_like({"text": "x", "output_ids": [5, 6, 7]}), "unexpected /generate answer"),
+        (b'{"text":"x","output_ids":[5,6,7],"meta_info":{"completion_tokens":3', "unexpected /generate answer"),
+        (b"<html>Bad Gateway</html>", "unexpected /generate answer"),
+    ],
+)
+def test_answers_that_break_the_protocol_are_refused(body, match):
+    with pytest.raises(BadResponse, match=match):
+        parse_response(body)
