@@ -19,13 +19,10 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,32 +72,6 @@ asyncio.run(main(*sys.argv[1:5], int(sys.argv[5])))
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_stub(key: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(TOKENIZER), "--host", "127.0.0.1",
-         "--port", str(port), "--api-key", key, "--fixed-output-tokens", str(OUTPUT_TOKENS), "--context-length", "32768"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("stub did not become ready")
-
-
 def child_cpu(argv: list[str], env=None) -> float:
     """CPU seconds (user + system) of one child process run to completion."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -118,11 +89,13 @@ def main() -> None:
     import pydoc_data.topics
 
     from toolkit.cli import prepare_run
+    from toolkit.engines.stub import start_standalone
 
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     key = "benchkey"
-    stub, url = start_stub(key)
+    stub, url = start_standalone(str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", str(OUTPUT_TOKENS),
+                                 "--context-length", "32768")
     try:
         prompts = work / "prompts.jsonl"
         with open(prompts, "w") as f:

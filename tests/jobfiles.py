@@ -27,15 +27,16 @@ def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0,
     return path
 
 
-def _toml(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A Python value written as TOML (what the test job files need: scalars, inline tables, arrays)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return str(value)
 
 
@@ -59,10 +60,10 @@ def make_job(tmp: Path, tokenizer: Path, *, n: int = 12, shards: int = 1, name: 
     for table in ("model", "engine", "sampling", "client", "sharding", "audit", "slurm"):
         if table in t:
             lines.append(f"[{table}]")
-            lines += [f"{k} = {_toml(v)}" for k, v in t[table].items()]
+            lines += [f"{k} = {toml_value(v)}" for k, v in t[table].items()]
     if t["stub"]:
         lines.append("[engine.stub]")
-        lines += [f"{k} = {_toml(v)}" for k, v in t["stub"].items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in t["stub"].items()]
     lines += ["[[datasets]]", 'name = "d"', f'path = "{prompts}"']
     job = tmp / "job.toml"
     job.write_text("\n".join(lines) + "\n")

@@ -9,7 +9,6 @@ a test can plant exactly the fault it checks (no think-end, truncation, a wrong 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from toolkit.records import OK, Record, failed_record, pack_ids
 from toolkit.shardfile import ShardWriter, write_done
 from toolkit.spec import load_spec
 
-from jobfiles import write_prompts
+from jobfiles import toml_value, write_prompts
 
 THINKING_KWARGS = {"kimi": {"thinking": True}, "qwen3": {"enable_thinking": True}, "deepseek": {}}
 
@@ -65,18 +64,6 @@ class Synth:
         return self.pool[start : start + n].tolist()
 
 
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + " }"
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return repr(v)
-
-
 _POOLS: dict[tuple[str, int], np.ndarray] = {}
 
 
@@ -98,12 +85,12 @@ def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict
     tmp.mkdir(parents=True, exist_ok=True)
     m = {"path": str(tokenizer), "chat_template_kwargs": THINKING_KWARGS[family], **(model or {})}
     lines = [f'name = "synthetic-{family}"', f'output_dir = "{tmp / "run"}"', "[model]"]
-    lines += [f"{k} = {_toml(v)}" for k, v in m.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in m.items()]
     lines += ["[engine]", 'kind = "stub"', "[sampling]"]
-    lines += [f"{k} = {_toml(v)}" for k, v in {"max_new_tokens": 4096, **(sampling or {})}.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in {"max_new_tokens": 4096, **(sampling or {})}.items()]
     lines += ["[sharding]", f"shards = {shards}"]
     if audit:
-        lines += ["[audit]"] + [f"{k} = {_toml(v)}" for k, v in audit.items()]
+        lines += ["[audit]"] + [f"{k} = {toml_value(v)}" for k, v in audit.items()]
     for name, n in datasets.items():
         path = write_prompts(tmp / f"{name}.jsonl", n, prefix=f"{name}-", tools_every=4 if name == "tools" else 0)
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"']

@@ -7,13 +7,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
 from toolkit import chat
 from toolkit.chat import ChatError
+from toolkit.spec import ModelSpec as Model
 from toolkit.toy_tokenizer import build_tokenizer
 from toolkit.toy_tokenizer import main as toy_tokenizer_cli
 
@@ -43,19 +43,6 @@ TOOL_TURN = [
 OPENING = {"kimi": "<|tool_calls_section_begin|>", "qwen3": "<tool_call>", "deepseek": "<｜tool▁calls▁begin｜>"}
 CLOSING = {"kimi": "<|tool_calls_section_end|>", "qwen3": "</tool_call>", "deepseek": "<｜tool▁calls▁end｜>"}
 EOS = {"kimi": "<|im_end|>", "qwen3": "<|im_end|>", "deepseek": "<｜end▁of▁sentence｜>"}
-
-
-class Model(msgspec.Struct):
-    """Mirror of the [model] table (toolkit.spec.ModelSpec)."""
-
-    path: str
-    tokenizer_path: str | None = None
-    trust_remote_code: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] = {}
-    think_start: str = "<think>"
-    think_end: str = "</think>"
-    tool_call_start: str | None = None
 
 
 class Prompt(msgspec.Struct):

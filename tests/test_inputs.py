@@ -43,7 +43,7 @@ def test_bad_lines(tmp_path, line, field, words):
         scan(tmp_path, b'{"prompt": "fine"}\n' + line + b"\n")
     err = e.value
     assert err.line == 2 and err.field == field
-    assert f"ds.jsonl:2:" in str(err) and words in str(err)
+    assert "ds.jsonl:2:" in str(err) and words in str(err)
     assert "then run again" in str(err) or "UTF-8" in str(err)
 
 

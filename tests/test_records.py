@@ -6,7 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from toolkit.records import id_positions, ids_from_json, pack_ids, split_output, unpack_ids
+from toolkit.records import id_positions, ids_from_json, pack_ids, split_output
 
 
 def test_ids_from_json_matches_a_json_decoder():

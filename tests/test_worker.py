@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from toolkit.cli import prepare_run
+from toolkit.engines.stub import start_standalone
 from toolkit.plan import PlanError, load_run
 from toolkit.progress import read_progress
 from toolkit.records import unpack_ids
@@ -35,25 +36,7 @@ def comparable(r) -> bytes:
 
 
 def start_stub(tokenizer: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    from toolkit.engines.base import free_port
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer), "--host", "127.0.0.1",
-         "--port", str(port), "--context-length", "32768", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("stub never became ready")
+    return start_standalone(str(tokenizer), "--context-length", "32768", *args)
 
 
 def post_generate(url: str, ids: list[int], params: dict) -> dict:

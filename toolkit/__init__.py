@@ -19,7 +19,7 @@ def read_run(run_dir: str | Path) -> Iterator[Record]:
 
     Shard files may hold a record twice (a task that ran twice); the merged dataset never does.
     """
-    from .plan import RunDir, load_run
+    from .plan import load_run
 
     rd, plan = load_run(run_dir)
     merged = rd.merged_dir / "records.zst"

@@ -17,7 +17,6 @@ import logging
 import re
 import signal
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import msgspec

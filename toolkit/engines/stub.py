@@ -6,11 +6,14 @@ It runs the demo job and the test suite on CPU nodes, and every log line it writ
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
+import urllib.request
 
-from .base import LOOPBACK, Engine
+from .base import LOOPBACK, Engine, free_port
 
-__all__ = ["StubEngine"]
+__all__ = ["StubEngine", "start_standalone"]
 
 
 class StubEngine(Engine):
@@ -48,3 +51,30 @@ class StubEngine(Engine):
             if on:
                 argv.append(flag)
         return argv + list(s.extra_args) + list(self.engine.extra_args)
+
+
+def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start a stub server on its own, in its own session, and wait until /health_generate answers 200.
+
+    For what drives a stub from outside a worker (benchmarks, tests of `external` engines): the caller owns
+    the process and kills its group. `args` are stub_server flags (e.g. "--fixed-output-tokens", "4096").
+    """
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(model_path), "--host", LOOPBACK,
+         "--port", str(port), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://{LOOPBACK}:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with opener.open(url + "/health_generate", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the stub server at {url} did not become ready within {timeout_s:g} s "
+                       f"(exit code {proc.poll()})")

@@ -4,7 +4,6 @@ scheduler that would outlive its parent), records what it saw, then becomes the 
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 
