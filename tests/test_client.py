@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -76,3 +77,54 @@ def test_whitespace_between_tokens_is_decoded_in_full():
 def test_answers_that_break_the_protocol_are_refused(body, match):
     with pytest.raises(BadResponse, match=match):
         parse_response(body)
+
+
+# --- HttpClient timeouts ------------------------------------------------------------------------------------------
+
+
+async def _server(delays: list[float]):
+    """A keep-alive HTTP server answering request k after delays[k] seconds (forever when negative)."""
+    count = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal count
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                delay, count = delays[count], count + 1
+                await asyncio.sleep(delay if delay >= 0 else 3600)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
+    async def main():
+        server, url = await _server([0, -1, 0.3, -1, 0])
+        http = client.HttpClient(url)
+        loop = asyncio.get_running_loop()
+        assert await http.request("POST", "/generate", b"{}", timeout=5) == (200, b"ok")
+        t0 = loop.time()
+        with pytest.raises(client.Unreachable, match="no answer within 0.5 s"):
+            await http.request("POST", "/generate", b"{}", timeout=0.5)
+        waited = loop.time() - t0
+        assert 0.5 <= waited < 0.5 + 2 * http.SWEEP_S + 0.5
+        assert await http.request("POST", "/generate", b"{}", timeout=2) == (200, b"ok")  # slow, within its time
+        # Concurrent requests: only the one past its deadline fails.
+        results = await asyncio.gather(
+            http.request("POST", "/generate", b"{}", timeout=0.5),
+            http.request("POST", "/generate", b"{}", timeout=5),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], client.Unreachable) and results[1] == (200, b"ok")
+        assert not http._deadlines and not http._expired  # nothing left watched
+        http.close()
+        server.close()
+
+    asyncio.run(main())

@@ -206,6 +206,22 @@ def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
     assert "stub-engine" in str(e.value)
 
 
+def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed(tmp_path, kimi):
+    """A server that stops answering (alive, but wedged): each request times out, is retried, and is recorded
+    failed naming the timeout; the shard completes."""
+    job = make_job(tmp_path, kimi, n=6, stub={"hang_after": 3},  # the probe and two prompts are answered
+                   client={"concurrency": 2, "request_timeout_s": 1, "retries": 1})
+    rd, _ = prepare_run(job)
+    t0 = time.monotonic()
+    assert run_shard(rd.root, 0) == DONE
+    assert time.monotonic() - t0 < 60
+    recs = records(rd.root)
+    ok = [r for r in recs if r.status == "ok"]
+    failed = [r for r in recs if r.status == "failed"]
+    assert len(ok) == 2 and len(failed) == 4
+    assert all("no answer within 1 s" in r.error and r.attempts == 2 for r in failed), [r.error for r in failed]
+
+
 def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, stub={"exit_at_start": 3}, engine={"ready_timeout_s": 600})
     rd, _ = prepare_run(job)
