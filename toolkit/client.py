@@ -3,7 +3,8 @@
 A small HTTP/1.1 client over asyncio streams with keep-alive connections: the server is on the same node,
 requests are large JSON arrays of ints, and per-token CPU is what limits a worker, so there is no proxy
 handling (loopback never goes through a proxy), no redirects and no cookies — only what SGLang's API needs.
-Responses are decoded with msgspec straight into typed Structs; unknown `meta_info` keys are ignored.
+Responses are decoded with msgspec into typed Structs, reading `output_ids` and `meta_info` from the end of
+the body so the long `text` field is never walked; unknown `meta_info` keys are ignored.
 Retries with backoff cover connection errors and 5xx only; a 4xx is the request's own fault and is
 returned to the caller as a `RequestRejected`, never retried.
 """
