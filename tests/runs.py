@@ -159,7 +159,7 @@ def record(s: Synth, pos: int, out: Out | None, *, error: str | None = None, att
         id=ref.id, dataset=ds, index=pos, status=OK, prompt_ids=pack_ids(s.prompt_ids[pos]), output_ids=pack_ids(out.ids),
         reasoning_end=re_, tool_call_at=tc, finish=out.finish, matched_stop=out.matched,
         prompt_tokens=len(s.prompt_ids[pos]), completion_tokens=len(out.ids) if out.completion_tokens is None else out.completion_tokens,
-        cached_tokens=0, latency_s=round(0.5 + (pos % 7) * 0.1, 3), attempts=attempts,
+        cached_tokens=pos % 5, latency_s=round(0.5 + (pos % 7) * 0.1, 3), attempts=attempts,
     )
 
 

@@ -76,6 +76,7 @@ def test_a_healthy_run_passes_with_exact_statistics(tmp_path, toy_tokenizer, fam
         assert d.ok == len(recs) and d.output_tokens == out_len.sum() and d.output_len.max == out_len.max()
         assert d.output_len.p50 == int(np.percentile(out_len, 50, method="inverted_cdf"))
         assert d.prompt_tokens == sum(x.n_prompt for x in recs)
+        assert d.cached_tokens == sum(x.cached_tokens for x in recs) > 0
         head = 0 if family == "kimi" else 1
         assert d.reasoning_len.total == sum(x.reasoning_end - head for x in recs)
         assert d.content_len.total == sum(x.n_output - x.reasoning_end - 2 for x in recs)  # think-end and eos excluded

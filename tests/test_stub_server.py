@@ -114,6 +114,7 @@ FLEET = {
                          "--health-check-timeout", "0.3"]),
     "slow": ("qwen3", ["--token-delay", "0.01", "--fixed-output-tokens", "40"]),
     "warmup_fails": ("qwen3", ["--warmup-delay", "0.3", "--warmup-fails"]),
+    "no_cache": ("qwen3", ["--disable-radix-cache"]),
 }
 
 
@@ -333,7 +334,7 @@ def test_response_shape_and_stop_token_included_and_counted(qwen3, tokenizers):
     assert set(out) == {"text", "output_ids", "meta_info"}
     meta = out["meta_info"]
     assert META_KEYS <= set(meta)
-    assert meta["id"] == "r-1" and meta["prompt_tokens"] == len(ids) and meta["cached_tokens"] == 0
+    assert meta["id"] == "r-1" and meta["prompt_tokens"] == len(ids) and 0 <= meta["cached_tokens"] < len(ids)
     assert meta["completion_tokens"] == len(out["output_ids"]) and meta["e2e_latency"] >= 0
     eos = tid(tok, "<|im_end|>")
     assert meta["finish_reason"] == {"type": "stop", "matched": eos}
@@ -517,6 +518,29 @@ def test_abort_returns_partial_output(fleet):
                                                  "err_type": None}
     assert 0 < len(out["output_ids"]) < 300 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
     assert slow.post("/abort_request", {"rid": "nobody"})[0::2] == (200, b"")
+
+
+def test_cached_tokens_follow_a_prefix_cache(qwen3, fleet, tokenizers):
+    """cached_tokens: the longest prefix an earlier prompt shares, never the whole prompt (its last token is always
+    computed); /flush_cache empties the cache and --disable-radix-cache turns it off."""
+    tok = tokenizers["qwen3"]
+    a, b = chat_ids(tok, "Name three prime numbers."), chat_ids(tok, "Name three prime ministers.")
+    common = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+
+    def cached(stub, ids) -> int:
+        status, _, data = stub.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}})
+        assert status == 200
+        return json.loads(data)["meta_info"]["cached_tokens"]
+
+    assert qwen3.post("/flush_cache")[0] == 200
+    assert cached(qwen3, a) == 0
+    assert cached(qwen3, a) == len(a) - 1
+    assert cached(qwen3, b) == common > 0
+    assert cached(qwen3, a[:common]) == common - 1
+    assert qwen3.post("/flush_cache")[0] == 200
+    assert cached(qwen3, b) == 0
+    no_cache = fleet["no_cache"].wait_ready()
+    assert [cached(no_cache, a), cached(no_cache, a)] == [0, 0]
 
 
 def test_misc_endpoints(qwen3, fleet):

@@ -31,8 +31,9 @@ def records(run: Path, shard: int = 0):
 
 
 def comparable(r) -> bytes:
-    """A record's bytes with the one measured field (wall-clock latency) zeroed."""
-    return msgspec.msgpack.encode(msgspec.structs.replace(r, latency_s=0.0))
+    """A record's bytes with the fields that measure the server, not the output, zeroed: wall-clock latency and
+    cached_tokens (a prompt resent after a kill finds itself in the server's prefix cache)."""
+    return msgspec.msgpack.encode(msgspec.structs.replace(r, latency_s=0.0, cached_tokens=0))
 
 
 def start_stub(tokenizer: Path, *args: str) -> tuple[subprocess.Popen, str]:
@@ -73,6 +74,23 @@ def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
     log = rd.log_file(0).read_text()
     assert "STUB" in log and "NOT a model" in log
     assert "stub-engine, not a model" in rd.server_log_file(0).read_text()
+
+
+def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
+    """One request at a time, so the server admits prompts in planned order: each prompt's cached tokens are its
+    longest common prefix with an earlier prompt (all share the chat template's opening), at most all but one."""
+    job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 32}, client={"concurrency": 1})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    recs = sorted(records(rd.root), key=lambda r: r.index)
+    seen = [unpack_ids(recs[0].prompt_ids)]  # the readiness probe sent the first prompt before any
+    for r in recs:
+        prompt = unpack_ids(r.prompt_ids)
+        common = max((next((k for k, (a, b) in enumerate(zip(prompt, q)) if a != b), min(len(prompt), len(q)))
+                      for q in seen), default=0)
+        assert r.cached_tokens == min(common, len(prompt) - 1), r.id
+        seen.append(prompt)
+    assert recs[0].cached_tokens == recs[0].prompt_tokens - 1 and all(r.cached_tokens > 0 for r in recs)
 
 
 @pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])

@@ -114,6 +114,7 @@ class DatasetStats(msgspec.Struct):
     failed: int = 0
     missing: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0               # of prompt_tokens, found in the server's prefix cache
     output_tokens: int = 0
     prompt_len: Lengths = msgspec.field(default_factory=Lengths)
     output_len: Lengths = msgspec.field(default_factory=Lengths)
@@ -352,6 +353,7 @@ class Auditor:
         pk, out = rec.prompt_ids, rec.output_ids
         n_prompt, n = len(pk) >> 2, len(out) >> 2
         st.prompt_tokens += n_prompt
+        st.cached_tokens += rec.cached_tokens
         acc.prompt_len.append(n_prompt)
         if pos in self.sample_at and n_prompt:
             self.sampled[pos] = pk
@@ -701,7 +703,7 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
     out = _Acc(name, planned)
     s = out.stats
     for a in accs:
-        for f in ("records", "ok", "failed", "missing", "prompt_tokens", "output_tokens"):
+        for f in ("records", "ok", "failed", "missing", "prompt_tokens", "cached_tokens", "output_tokens"):
             setattr(s, f, getattr(s, f) + getattr(a.stats, f))
         out.finish.update(a.finish)
         out.errors.update(a.errors)

@@ -35,8 +35,8 @@ class Record(msgspec.Struct, array_like=True):
     matched_stop: int | str | None  # the stop token id (or string) SGLang matched
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
-    latency_s: float                # wall time of the successful attempt (the only non-deterministic field)
+    cached_tokens: int              # prompt tokens the server found in its prefix cache
+    latency_s: float                # wall time of the successful attempt
     attempts: int
     error: str | None = None
 

@@ -61,7 +61,8 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 def _dataset_row(d: DatasetStats) -> list[str]:
     r = d.reasoning
     return [
-        d.name, str(d.planned), str(d.ok), str(d.failed), str(d.missing), _num(d.prompt_tokens), _num(d.output_tokens),
+        d.name, str(d.planned), str(d.ok), str(d.failed), str(d.missing), _num(d.prompt_tokens),
+        _pct(d.cached_tokens / d.prompt_tokens) if d.prompt_tokens else "-", _num(d.output_tokens),
         f"{d.output_len.p50}/{d.output_len.p90}/{d.output_len.p99}/{d.output_len.max}",
         str(d.reasoning_len.p50), str(d.content_len.p50),
         _pct(r.think_end / r.expected) if r.expected else "-", _pct(d.length_share),
@@ -81,7 +82,7 @@ def summary_table(report: AuditReport) -> str:
         f"{report.duplicates} duplicates kept once, {report.damaged_frames} damaged frames",
         "",
     ]
-    head = ["dataset", "planned", "ok", "failed", "missing", "prompt tok", "output tok", "out p50/p90/p99/max",
+    head = ["dataset", "planned", "ok", "failed", "missing", "prompt tok", "cached", "output tok", "out p50/p90/p99/max",
             "reason p50", "content p50", "think-end", "length"]
     rows = [head] + [_dataset_row(d) for d in report.datasets]
     if len(report.datasets) > 1:
@@ -178,13 +179,14 @@ main.append(table('checks', ['', 'check', 'value', 'limit', 'what was seen'],
   [0, 1, 4], j => !R.checks[j].passed));
 const ds = R.datasets.length > 1 ? [...R.datasets, R.overall] : R.datasets;
 main.append($('h2', {}, 'Datasets'));
-main.append(table('datasets', ['dataset', 'planned', 'ok', 'failed', 'missing', 'prompt tokens', 'output tokens',
+main.append(table('datasets', ['dataset', 'planned', 'ok', 'failed', 'missing', 'prompt tokens', 'cached', 'output tokens',
   'output p50', 'p90', 'p99', 'max', 'reasoning p50', 'content p50', 'think-end', 'length', 'finish reasons', 'failures'],
-  ds.map(d => [d.name, d.planned, d.ok, d.failed, d.missing, d.prompt_tokens, d.output_tokens, d.output_len.p50,
+  ds.map(d => [d.name, d.planned, d.ok, d.failed, d.missing, d.prompt_tokens,
+    d.prompt_tokens ? pct(d.cached_tokens / d.prompt_tokens) : '-', d.output_tokens, d.output_len.p50,
     d.output_len.p90, d.output_len.p99, d.output_len.max, d.reasoning_len.p50, d.content_len.p50,
     d.reasoning.expected ? pct(d.reasoning.think_end / d.reasoning.expected) : '-', pct(d.length_share),
     Object.entries(d.finish).map(([k, v]) => `${k} ${v}`).join(', '),
-    Object.entries(d.errors).map(([k, v]) => `${k} (${v})`).join('; ')]), [0, 15, 16]));
+    Object.entries(d.errors).map(([k, v]) => `${k} (${v})`).join('; ')]), [0, 16, 17]));
 main.append($('h2', {}, 'Length histograms (tokens)'));
 for (const d of ds) {
   const box = $('div', {class: 'hists'});

@@ -100,7 +100,8 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     other_args: dict[str, Any] = {}  # SGLang flags that are accepted, echoed in /server_info, and otherwise ignored
 
 
-# SGLang flags a launcher may pass that change nothing here: (flag, kind) with kind "value" or "switch".
+# SGLang flags a launcher may pass that change nothing here but for --disable-radix-cache, which turns off the
+# prefix cache (cached_tokens stays 0): (flag, kind) with kind "value" or "switch".
 IGNORED_SGLANG_FLAGS = (
     ("--mem-fraction-static", "value"), ("--max-running-requests", "value"), ("--chunked-prefill-size", "value"),
     ("--nnodes", "value"), ("--node-rank", "value"), ("--dist-init-addr", "value"), ("--nccl-port", "value"),
@@ -822,6 +823,36 @@ def verify_sampling(sp: Sampling, vocab_size: int, version: str) -> None:
 # ================================================================================================
 
 
+class PrefixCache:
+    """SGLang's radix cache, as far as `meta_info.cached_tokens` shows it: a prompt's tokens already computed for
+    an earlier prompt with the same leading tokens. At most len(prompt) - 1 count (the last one is always
+    computed, for its logits). Prompts are cached when admitted, outputs are not (a dataset's prompts share
+    their template and system prompt, never another prompt's answer); `/flush_cache` empties it, and past
+    `capacity` prefixes it is emptied too (eviction, coarsely).
+    """
+
+    def __init__(self, capacity: int = 4_000_000):
+        self.capacity = capacity
+        self._seen: set[int] = set()  # hashes of every cached prefix (prefix-closed: all shorter ones are in)
+
+    def admit(self, prompt: list[int]) -> int:
+        """The number of cached tokens of `prompt`, which is then cached itself."""
+        if len(self._seen) + len(prompt) > self.capacity:
+            self._seen.clear()
+        seen, h, cached, hit = self._seen, 0, 0, True
+        for k, token in enumerate(prompt):
+            h = hash((h, token))
+            if hit and h in seen:
+                cached = k + 1
+            else:
+                hit = False
+                seen.add(h)
+        return min(cached, len(prompt) - 1)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
 class Item(msgspec.Struct, kw_only=True):
     """One sequence of a /generate request (a batch or n > 1 has several)."""
 
@@ -830,6 +861,7 @@ class Item(msgspec.Struct, kw_only=True):
     prompt: list[int]
     sp: Sampling
     budget: int  # max_new_tokens after the scheduler's clamp
+    cached: int = 0  # prompt tokens found in the prefix cache
     segments: Segments = []  # the plan of what the "model" writes (see plan_output)
     planned: list[int] = []  # the same, flat and uncut
     output: list[int] = []  # generated tokens, through the stop token
@@ -1169,6 +1201,7 @@ class StubServer:
         self.pool = cfg.max_total_tokens or 16 * cfg.context_length
         self.max_req_len = min(cfg.context_length - 1, self.pool - 1)
         self.max_req_input_len = self.max_req_len - 5
+        self.prefix_cache = None if cfg.other_args.get("disable_radix_cache") else PrefixCache()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "e2e_sum": 0.0, "aborted": 0}
         self.window = [0, 0, time.monotonic()]  # requests, tokens since the last throughput log line
         self.routes: dict[str, tuple[tuple[str, ...], Callable]] = {
@@ -1281,6 +1314,8 @@ class StubServer:
     def flush_cache(self, req: Request) -> Reply:
         if self.in_flight:
             return 400, b"Flush cache failed.\n", TEXT
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         return 200, (b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      b"waiting requests, the operation will not be performed.)\n"), TEXT
 
@@ -1446,6 +1481,8 @@ class StubServer:
             if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len > len(item.prompt):
                 raise RequestError(f"logprob_start_len ({item.logprob_start_len}) is superior to the number of "
                                    f"input tokens ({len(item.prompt)}).")
+            if self.prefix_cache is not None:
+                item.cached = self.prefix_cache.admit(item.prompt)
             item.segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
             item.planned = [t for _, ids in item.segments for t in ids]
             finish_item(model, item)
@@ -1479,7 +1516,7 @@ class StubServer:
             m["num_retractions"] = 0
             m["reasoning_tokens"] = 0
         m["completion_tokens"] = len(ids)
-        m["cached_tokens"] = 0
+        m["cached_tokens"] = item.cached
         if done and not self.v9:
             m["weight_versions"] = [{"version": "default", "start": 0, "end": len(ids)}]
         if not self.v9:
