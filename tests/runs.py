@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from toolkit import chat
-from toolkit.inputs import read_prompt_at
+from toolkit.inputs import PromptReader
 from toolkit.plan import PromptRef, RunDir, RunPlan, create_run, load_refs, plan_job
 from toolkit.records import OK, Record, failed_record, pack_ids
 from toolkit.shardfile import ShardWriter, write_done
@@ -101,8 +101,9 @@ def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict
     rd = create_run(plan, refs)
     tok = chat.load_tokenizer(spec.model)
     info = chat.token_info(tok, spec.model)
-    prompts = [read_prompt_at(plan.datasets[r.dataset].path, plan.datasets[r.dataset].name, r.line, r.offset, r.length)
-               for r in load_refs(rd)]
+    with PromptReader() as reader:
+        prompts = [reader.read(plan.datasets[r.dataset].path, plan.datasets[r.dataset].name, r.line, r.offset, r.length)
+                   for r in load_refs(rd)]
     pool = text_pool(tok, str(tokenizer), pool_chars)
     return Synth(rd, plan, refs, tok, info, pool, chat.render_many(tok, spec.model, prompts))
 

@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 
 from . import chat
-from .inputs import InputError, read_prompt_at
+from .inputs import InputError, PromptReader
 from .merge import (
     MANIFEST_FILE, MERGED, RECORDS_FILE, MergeError, MergeManifest, PlannedRefs, load_manifest,
 )
@@ -496,16 +496,17 @@ class Auditor:
             return rp
         plan = self.plan
         prompts, stored = [], []
-        for pos, packed in sorted(self.sampled.items()):
-            ref = self.refs.at(pos)
-            ds = plan.datasets[ref.dataset]
-            try:
-                prompts.append(read_prompt_at(ds.path, ds.name, ref.line, ref.offset, ref.length))
-                stored.append(packed)
-            except (OSError, InputError) as e:
-                rp.mismatched += 1
-                if len(rp.examples) < EXAMPLES:
-                    rp.examples.append(f"{ref.id}: source line unreadable ({e})")
+        with PromptReader() as reader:
+            for pos, packed in sorted(self.sampled.items()):
+                ref = self.refs.at(pos)
+                ds = plan.datasets[ref.dataset]
+                try:
+                    prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
+                    stored.append(packed)
+                except (OSError, InputError) as e:
+                    rp.mismatched += 1
+                    if len(rp.examples) < EXAMPLES:
+                        rp.examples.append(f"{ref.id}: source line unreadable ({e})")
         try:
             rendered = chat.render_many(self.tok, plan.spec.model, prompts)
         except chat.ChatError as e:

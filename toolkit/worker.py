@@ -94,39 +94,39 @@ class _Feed:
 def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
     """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
     try:
-        with PromptReader() as reader:
-            _render_all(loop, feed, plan, todo, state, reader)
+        _render_all(loop, feed, plan, todo, state)
         loop.call_soon_threadsafe(feed.put, None)
     except BaseException as e:  # surfaced in the event loop, not lost in a thread
         loop.call_soon_threadsafe(feed.fail, e)
 
 
-def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict, reader: PromptReader) -> None:
+def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
     """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
     tok = chat.load_tokenizer(plan.spec.model)
     info = chat.token_info(tok, plan.spec.model)
     state["info"] = info
     log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
              info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
-    for start in range(0, len(todo), chat.BATCH_SIZE):
-        if state.get("stop"):
-            break
-        batch = todo[start : start + chat.BATCH_SIZE]
-        prompts = []
-        for pos, ref in batch:
-            ds = plan.datasets[ref.dataset]
-            prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
-        try:
-            rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
-        except chat.ChatError:  # find which prompts fail; the others still go out
-            rendered = []
-            for prompt in prompts:
-                try:
-                    rendered.append((chat.render(tok, plan.spec.model, prompt), None))
-                except chat.ChatError as e:
-                    rendered.append((None, f"chat template: {e}"))
-        items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
-        loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
+    with PromptReader() as reader:
+        for start in range(0, len(todo), chat.BATCH_SIZE):
+            if state.get("stop"):
+                break
+            batch = todo[start : start + chat.BATCH_SIZE]
+            prompts = []
+            for pos, ref in batch:
+                ds = plan.datasets[ref.dataset]
+                prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
+            try:
+                rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
+            except chat.ChatError:  # find which prompts fail; the others still go out
+                rendered = []
+                for prompt in prompts:
+                    try:
+                        rendered.append((chat.render(tok, plan.spec.model, prompt), None))
+                    except chat.ChatError as e:
+                        rendered.append((None, f"chat template: {e}"))
+            items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
+            loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
 
 
 class _Shard:
