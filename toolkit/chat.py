@@ -68,6 +68,20 @@ class TokenInfo(msgspec.Struct, frozen=True):
     vocab_size: int  # len(tokenizer): every id the tokenizer can produce, added tokens included
     opens_reasoning: bool  # the generation prompt of a probe conversation ends inside reasoning
     blank_ids: list[int] = []  # ids that decode to whitespace only; skipped when looking at a prompt's last token
+    template_knows_reasoning: bool = False  # the template's source writes or reads the think tokens
+    thinking_kwargs: list[str] = []  # template variables that switch reasoning on or off (e.g. enable_thinking)
+
+
+# How a rendered prompt leaves the model, read from its last meaningful token (see reasoning_mode).
+OPENED = "opened"            # the prompt ends with think-start: the template opened reasoning
+CLOSED = "closed"            # the prompt ends with think-end: the template closed it (thinking switched off)
+MODEL_OPENS = "model_opens"  # the prompt ends at the assistant header of a template that knows the think tokens:
+                             # the model writes think-start itself (Qwen3, Kimi-K2-Thinking, GLM-4.6)
+UNKNOWN = "unknown"          # a template that never mentions the think tokens: cannot tell
+MODES = (OPENED, CLOSED, MODEL_OPENS, UNKNOWN)
+
+# Template variables that switch reasoning, in the order a hint names them.
+THINKING_VARIABLES = ("thinking", "enable_thinking", "reasoning", "enable_reasoning", "think")
 
 
 def load_tokenizer(model: Any) -> Any:
@@ -137,6 +151,8 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
         vocab_size=len(tok),
         opens_reasoning=_ends_with(probe, think_start_id, blank_ids),
         blank_ids=blank_ids,
+        template_knows_reasoning=_mentions(tok.chat_template, (model.think_start, model.think_end)),
+        thinking_kwargs=_thinking_variables(tok.chat_template),
     )
     logger.info(
         "think %d/%d, eos %s, tool call %s/%s, prompts %s reasoning",
@@ -153,6 +169,57 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
 def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
     """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
     return _ends_with(input_ids, info.think_start_id, info.blank_ids)
+
+
+def reasoning_mode(input_ids: Sequence[int], info: TokenInfo) -> str:
+    """OPENED, CLOSED, MODEL_OPENS or UNKNOWN: where a rendered prompt leaves the model, by its last token that is
+    not whitespace only. Token ids decide, never text."""
+    last = _last_meaningful(input_ids, info.blank_ids)
+    if last is not None and last == info.think_start_id:
+        return OPENED
+    if last is not None and last == info.think_end_id:
+        return CLOSED
+    return MODEL_OPENS if info.template_knows_reasoning else UNKNOWN
+
+
+def thinking_hint(info: TokenInfo, on: bool) -> str:
+    """What to set so the template switches reasoning on (or off): names the kwarg the template reads."""
+    value = "true" if on else "false"
+    if info.thinking_kwargs:
+        name = info.thinking_kwargs[0]
+        also = f" (the template also reads {', '.join(info.thinking_kwargs[1:])})" if len(info.thinking_kwargs) > 1 else ""
+        return f"set [model] chat_template_kwargs = {{ {name} = {value} }}{also}"
+    return (f"this template reads no thinking switch: use a chat template that {'opens' if on else 'closes'} "
+            "reasoning ([model] chat_template)")
+
+
+def _last_meaningful(input_ids: Sequence[int], blank_ids: Sequence[int]) -> int | None:
+    for token in reversed(input_ids):
+        if token not in blank_ids:
+            return token
+    return None
+
+
+def _mentions(template: Any, texts: Sequence[str]) -> bool:
+    sources = template.values() if isinstance(template, Mapping) else [template]
+    return any(isinstance(src, str) and any(t and t in src for t in texts) for src in sources)
+
+
+def _thinking_variables(template: Any) -> list[str]:
+    """The variables among THINKING_VARIABLES that the template reads without defining them."""
+    sources = template.values() if isinstance(template, Mapping) else [template]
+    found: set[str] = set()
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        env = jinja2.Environment()
+        for src in sources:
+            if isinstance(src, str):
+                found |= meta.find_undeclared_variables(env.parse(src))
+    except Exception:  # a template jinja2 cannot parse here still renders through transformers' own environment
+        return []
+    return [v for v in THINKING_VARIABLES if v in found]
 
 
 def _ends_with(input_ids: Sequence[int], token_id: int, blank_ids: list[int]) -> bool:

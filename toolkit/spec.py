@@ -52,6 +52,10 @@ class ModelSpec(_Config):
     think_start: str = "<think>"
     think_end: str = "</think>"
     tool_call_start: str | None = None
+    # The data must hold reasoning: prompts the template renders with reasoning closed are refused before any
+    # engine starts, and the audit fails a run whose outputs hold none. False: non-thinking data (the audit then
+    # checks that outputs hold no think tokens).
+    expect_reasoning: bool = True
 
 
 class StubSpec(_Config):
