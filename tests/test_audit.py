@@ -86,12 +86,92 @@ def test_a_healthy_run_passes_with_exact_statistics(tmp_path, toy_tokenizer, fam
     assert r.reprompt.sampled == 21 and r.reprompt.mismatched == 0
 
 
-def test_thinking_off_prompts_are_not_held_to_reasoning_checks(tmp_path, kimi):
+def test_a_run_whose_template_closed_reasoning_fails_and_names_the_kwarg(tmp_path, kimi):
+    """thinking = false closes reasoning in the prompt: the outputs hold none, and that must not pass."""
     s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}})
     runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos))
+    assert merge_and_audit(s.root) == 1
+    r = report(s)
+    assert r.overall.reasoning.closed_by_template == 18 and r.overall.reasoning.expected == 0
+    assert "reasoning_mode" in failing(r) and "think_end_share" in failing(r)
+    c = check(r, "reasoning_mode")
+    for words in ("18 of 18 ok outputs", "CLOSED reasoning", "chat_template_kwargs = { thinking = true }",
+                  "expect_reasoning = false", "No ok output is in reasoning mode"):
+        assert words in c.message, words
+
+
+def test_non_thinking_data_passes_with_expect_reasoning_false(tmp_path, kimi):
+    s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}, "expect_reasoning": False})
+    runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos))
     assert merge_and_audit(s.root) == 0
-    r = report(s).overall.reasoning
-    assert r.closed_by_template == 18 and r.expected == 0
+    r = report(s)
+    names = {c.name for c in r.checks}
+    assert "no_reasoning" in names and not names & {"reasoning_mode", "think_end_share", "stop_without_think_end"}
+    assert check(r, "no_reasoning").value == 0.0
+
+
+def test_expect_reasoning_false_fails_when_outputs_hold_think_tokens(tmp_path, kimi):
+    s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}, "expect_reasoning": False})
+    runs.write_run(s, runs.mix(
+        lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos),
+        p3=lambda s, pos, rng: runs.Out([s.info.think_start_id, *s.text(rng, 20), s.info.think_end_id, s.eos], "stop", s.eos),
+    ))
+    assert merge_and_audit(s.root) == 1
+    r = report(s)
+    assert failing(r) == {"no_reasoning"} and r.overall.reasoning.think_tokens == 1
+    c = check(r, "no_reasoning")
+    assert "1 of 18 ok outputs hold a think token" in c.message and "thinking = false" in c.message
+
+
+def test_no_vacuous_audit_when_no_output_is_in_reasoning_mode(tmp_path, toy_tokenizer):
+    """A template where the model opens <think> itself (qwen3) and a model that never does: 0 of N is a failure,
+    not '0 of 0 ok outputs in reasoning mode (100%)'."""
+    s = runs.plan_run(tmp_path, toy_tokenizer("qwen3"), "qwen3")
+    runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50), "length", None))
+    assert merge_and_audit(s.root) == 1
+    r = report(s)
+    rc = r.overall.reasoning
+    assert (rc.mode_model_opens, rc.in_reasoning, rc.expected) == (18, 0, 18)
+    assert {"reasoning_mode", "think_end_share"} <= failing(r)
+    assert "No ok output is in reasoning mode (18 opened by the model itself)" in check(r, "reasoning_mode").message
+
+
+def test_outputs_are_counted_per_reasoning_mode(tmp_path, toy_tokenizer):
+    for family, field in (("kimi", "mode_opened"), ("qwen3", "mode_model_opens")):
+        s = runs.plan_run(tmp_path / family, toy_tokenizer(family), family)
+        runs.write_run(s)
+        assert merge_and_audit(s.root) == 0
+        r = report(s)
+        rc = r.overall.reasoning
+        assert getattr(rc, field) == 18 == rc.in_reasoning == rc.expected and rc.closed_by_template == 0
+        assert check(r, "reasoning_mode").passed
+        raw = json.loads((s.rd.merged_dir / "audit.json").read_text())
+        assert raw["overall"]["reasoning"][field] == 18
+
+
+def test_nan_stops_fail_their_own_check(tmp_path, kimi):
+    """SGLang's NaN stop: an ok record from an older run, and a failed record of kind nan, both counted."""
+    from toolkit.records import NAN_MATCHED
+
+    s = runs.plan_run(tmp_path, kimi)
+    healthy = runs.healthy()
+
+    def nan_out(s, pos, rng):
+        out = healthy(s, pos, rng)
+        return runs.Out(out.ids, "stop", NAN_MATCHED)
+
+    def plant(rec):
+        if rec.index == 5:
+            return msgspec.structs.replace(rec, failure="nan", error="SGLang stopped it on NaN logits")
+        return rec
+
+    runs.write_run(s, runs.mix(healthy, p2=nan_out), failed=[5], edit=plant)
+    assert merge_and_audit(s.root) == 1
+    r = report(s)
+    assert "nan_stop" in failing(r)
+    c = check(r, "nan_stop")
+    assert c.value == 2 and r.overall.reasoning.nan_stops == 1 and r.overall.reasoning.nan_failed == 1
+    assert "NaN logits" in c.message and "toolkit retry" in c.message
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,13 @@ Checks (name: what must hold; [audit] key):
   coverage                every planned id present exactly once, ok or failed (ids of the rest: missing_ids.txt)
   damaged_frames          no damaged frame in any shard file; shard_checksums: finished files match their manifests
   failed_share            failed / planned <= max_failed_share (ids: failed_ids.txt)
+  nan_stop                no output stopped by SGLang on NaN logits (failed records of kind nan, or ok ones of
+                          older runs): they end in an EOS the model never wrote
+  reasoning_mode          [model] expect_reasoning = true: no prompt the template rendered with reasoning closed,
+                          and at least one output really in reasoning mode (no vacuous pass); outputs are counted
+                          per mode (opened by the template, opened by the model itself, closed, unknown)
+  no_reasoning            expect_reasoning = false instead of the reasoning checks: outputs holding a think token /
+                          ok <= max_reasoning_share
   think_end_share         outputs holding the think-end id / ok outputs expected to reason >= min_think_end_share
   stop_without_think_end  outputs finished by a stop token without a think-end / those finished by a stop token
                           <= max_stop_without_think_end_share (the seed's failure)
@@ -50,7 +57,7 @@ from .merge import (
 )
 from .plan import RunDir, RunPlan, load_run
 from .progress import read_progress
-from .records import OK, Record, pack_ids
+from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
 __all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
@@ -103,7 +110,16 @@ class ReasoningCounts(msgspec.Struct):
     empty_content: int = 0               # reasoning, then nothing but blanks after the think-end
     opened_by_template: int = 0          # prompt ends with the think-start id
     double_think_start: int = 0          # ... and the model wrote a think-start again
-    closed_by_template: int = 0          # prompt ends with the think-end id (thinking off): not checked
+    closed_by_template: int = 0          # prompt ends with the think-end id (thinking off)
+    # Every ok output by the reasoning mode its prompt left the model in (chat.reasoning_mode).
+    mode_opened: int = 0                 # the template opened reasoning (= opened_by_template + closed ones: none)
+    mode_model_opens: int = 0            # the prompt ends at the assistant header: the model opens it itself
+    mode_unknown: int = 0                # a template that never mentions the think tokens
+    in_reasoning: int = 0                # outputs really in reasoning mode: opened by the prompt or the model,
+                                         # or holding the think-end id
+    think_tokens: int = 0                # outputs holding a think-start or think-end id anywhere
+    nan_stops: int = 0                   # ok records SGLang stopped on NaN logits (older runs stored them as ok)
+    nan_failed: int = 0                  # failed records of the NaN stop (failure "nan"): to generate again
 
 
 class DatasetStats(msgspec.Struct):
@@ -363,6 +379,9 @@ class Auditor:
             st.failed += 1
             sh.failed += 1
             acc.errors[_error_kind(rec.error)] += 1
+            if rec.failure == "nan":
+                acc.r.nan_failed += 1
+                self._example("nan_stop", rec.id)
             self.failed_ids.append(rec.id)
             return
         st.ok += 1
@@ -388,15 +407,31 @@ class Auditor:
         te_at = _find(out, info.think_end_id)
         if te_at != rec.reasoning_end:
             _note(self.integ, "split_mismatch", rec.id)
+        if is_nan_stop(rec.finish, m):
+            r.nan_stops += 1
+            self._example("nan_stop", rec.id)
         last_prompt = _last_meaningful(pk, self.blank)
         opened = last_prompt == info.think_start_id
         r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
+        model_opened = n > 0 and _id_at(out, 0) == info.think_start_id
+        if te_at is not None or _find(out, info.think_start_id) is not None:
+            r.think_tokens += 1
+            self._example("think_tokens", rec.id)
         if last_prompt == info.think_end_id:
             r.closed_by_template += 1
+            self._example("closed_by_template", rec.id)
             return
+        if opened:
+            r.mode_opened += 1
+        elif info.template_knows_reasoning:
+            r.mode_model_opens += 1
+        else:
+            r.mode_unknown += 1
+        if opened or model_opened or te_at is not None:
+            r.in_reasoning += 1
         r.expected += 1
         if te_at is not None:
             r.think_end += 1
@@ -573,7 +608,32 @@ class Auditor:
             f"model writes (here {te}); the server flags (a chat template or reasoning parser overriding the "
             f"model's, stop / stop_token_ids that cut at the think-end). For a model that does not reason, set "
             f"[audit] min_think_end_share = 0 and max_stop_without_think_end_share = 1.")
-        share = r.think_end / r.expected if r.expected else 1.0
+        nan = r.nan_failed + r.nan_stops
+        ex = ", ".join(self.examples.get("nan_stop", []))
+        add("nan_stop", not nan, nan, 0,
+            f"{nan} outputs were stopped by SGLang on NaN logits (finish_reason matched {NAN_MATCHED!r}: the engine "
+            f"replaced a token sampled from NaN with a stop id, so the output ends in an EOS the model never wrote; "
+            f"e.g. {ex}). {r.nan_stops} of them are stored as ok records (from an older toolkit): generate them "
+            f"again. NaN logits point at the model's numerics: check the quantization, kv-cache dtype and attention "
+            f"backend in [engine] extra_args. `toolkit retry {run}` generates the failed ones again"
+            if nan else "no output was stopped on NaN logits")
+        if not model.expect_reasoning:
+            self._no_reasoning_checks(add, overall, te)
+            return self._consistency_checks(checks, add, datasets, reprompt, te)
+        closed, modes = r.closed_by_template, modes_text(r)
+        if closed or not r.in_reasoning:
+            ex = ", ".join(self.examples.get("closed_by_template", []))
+            add("reasoning_mode", False, r.in_reasoning, overall.ok,
+                (f"{closed} of {overall.ok} ok outputs were generated from prompts whose template CLOSED reasoning "
+                 f"(they end with {model.think_end!r}: thinking switched off, e.g. {ex}), so they hold no reasoning; "
+                 f"{chat.thinking_hint(info, True)}, or set [model] expect_reasoning = false for non-thinking data. "
+                 if closed else "")
+                + (f"No ok output is in reasoning mode ({modes}): the data holds no reasoning at all. {where} "
+                   f"{what_to_check}" if not r.in_reasoning else f"({modes})"))
+        else:
+            add("reasoning_mode", True, r.in_reasoning, overall.ok,
+                f"{r.in_reasoning} of {overall.ok} ok outputs are in reasoning mode ({modes})")
+        share = r.think_end / r.expected if r.expected else 0.0
         add("think_end_share", share >= a.min_think_end_share, share, a.min_think_end_share,
             f"{r.think_end} of {r.expected} ok outputs in reasoning mode hold the {te} ({share:.1%}, minimum "
             f"{a.min_think_end_share:.0%})" + ("" if share >= a.min_think_end_share else
@@ -612,6 +672,22 @@ class Auditor:
             f"{model.think_start!r} and the model opens it again: the template does not match the model's training "
             f"format. Check [model] chat_template / chat_template_kwargs."))
 
+        return self._consistency_checks(checks, add, datasets, reprompt, te)
+
+    def _no_reasoning_checks(self, add, overall: DatasetStats, te: str) -> None:
+        """expect_reasoning = false: the opposite of the reasoning checks — no think token in any output."""
+        a, r, model = self.spec, overall.reasoning, self.plan.spec.model
+        share = r.think_tokens / overall.ok if overall.ok else 0.0
+        ex = ", ".join(self.examples.get("think_tokens", []))
+        add("no_reasoning", share <= a.max_reasoning_share, share, a.max_reasoning_share,
+            f"{r.think_tokens} of {overall.ok} ok outputs hold a think token ({model.think_start!r} or the {te}) "
+            f"although [model] expect_reasoning = false ({share:.1%}, limit {a.max_reasoning_share:.1%}; modes: "
+            f"{modes_text(r)})" + ("" if share <= a.max_reasoning_share else
+            f" (e.g. {ex}): the model reasoned. {chat.thinking_hint(self.info, False)}, or set expect_reasoning = "
+            f"true to keep the reasoning"))
+
+    def _consistency_checks(self, checks, add, datasets, reprompt, te: str) -> list[Check]:
+        a, integ, info = self.spec, self.integ, self.info
         # Truncation and consistency.
         over = [d for d in datasets if d.ok and d.length_share > a.max_length_share]
         worst = max((d.length_share for d in datasets if d.ok), default=0.0)
@@ -651,6 +727,12 @@ class Auditor:
             f"generation; restore them, or the dataset does not match its sources" if reprompt.mismatched else
             f"{reprompt.sampled} sampled prompts render to exactly the stored ids")
         return checks
+
+
+def modes_text(r: ReasoningCounts) -> str:
+    parts = [(r.mode_opened, "opened by the template"), (r.mode_model_opens, "opened by the model itself"),
+             (r.closed_by_template, "closed by the template"), (r.mode_unknown, "template unaware of think tokens")]
+    return ", ".join(f"{n} {what}" for n, what in parts if n) or "no ok output"
 
 
 def _tmp(path: str) -> str:

@@ -21,6 +21,15 @@ __all__ = ["Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "
 
 OK, FAILED = "ok", "failed"
 
+# SGLang 0.5.23 replaces a token sampled from NaN logits with a stop id and finishes the request with
+# finish_reason {"type": "stop", "matched": "NaN happened"}: the output ends in an EOS the model never wrote.
+NAN_MATCHED = "NaN happened"
+
+
+def is_nan_stop(finish: str | None, matched: Any) -> bool:
+    """Whether SGLang stopped this request on NaN logits (its output is not the model's)."""
+    return finish == "stop" and matched == NAN_MATCHED
+
 
 class Record(msgspec.Struct, array_like=True):
     id: str
@@ -39,6 +48,7 @@ class Record(msgspec.Struct, array_like=True):
     latency_s: float                # wall time of the successful attempt
     attempts: int
     error: str | None = None
+    failure: str | None = None      # kind of failure of a failed record (see FAILURES); None when ok
 
     @property
     def n_output(self) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from .audit import AuditReport, DatasetStats
+from .audit import AuditReport, DatasetStats, modes_text
 from .files import atomic_write, shown_path
 from .plan import RunDir
 
@@ -88,6 +88,8 @@ def summary_table(report: AuditReport) -> str:
     if len(report.datasets) > 1:
         rows.append(_dataset_row(report.overall))
     lines += _table(rows, right=set(range(1, len(head))))
+    lines.append(f"reasoning modes of ok outputs: {modes_text(report.overall.reasoning)}; "
+                 f"{report.overall.reasoning.in_reasoning} in reasoning mode")
     shards = report.shards
     shown = shards if len(shards) <= SHARD_ROWS else [
         s for s in shards if s.missing or s.damaged_frames or s.duplicates or s.matches_done is False or s.failed

@@ -140,6 +140,7 @@ class AuditSpec(_Config):
     max_double_think_start_share: float = 0.01
     max_length_share: float = 0.2
     max_failed_share: float = 0.01
+    max_reasoning_share: float = 0.01    # expect_reasoning = false: outputs that hold a think token
     reprompt_sample: int = 64
 
 
