@@ -95,7 +95,8 @@ def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run
     s = kimi_run
     assert export_run(s.root, "tokens", tmp_path / "t.jsonl") == 13
     for row, rec in zip(lines(tmp_path / "t.jsonl"), stored(s), strict=True):
-        assert list(row) == ["input_ids", "loss_mask"]
+        assert list(row) == ["id", "dataset", "input_ids", "loss_mask"]
+        assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
         assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)
 
@@ -144,3 +145,26 @@ def test_export_needs_a_merged_run(tmp_path, toy_tokenizer, capsys):
     runs.write_run(s)
     assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "o.jsonl")]) == 2
     assert f"toolkit merge {s.root}" in capsys.readouterr().err
+
+
+def test_a_tool_call_the_model_made_is_a_structured_entry_of_the_answer(tmp_path, toy_tokenizer):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"tools": 4}, shards=1)
+    section = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+               '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    tool_ids = s.tok.encode(section, add_special_tokens=False)
+
+    def with_call(s, pos, rng):
+        return runs.Out([*s.text(rng, 30), s.info.think_end_id, *s.text(rng, 10), *tool_ids, s.eos], "stop", s.eos)
+
+    runs.write_run(s, runs.mix(runs.healthy(), p1=with_call))
+    merge_run(s.root)
+    export_run(s.root, "conversations", tmp_path / "c.jsonl")
+    export_run(s.root, "jsonl", tmp_path / "j.jsonl")
+    rows, jrows = lines(tmp_path / "c.jsonl"), lines(tmp_path / "j.jsonl")
+    answer = rows[1]["conversations"][-1]
+    assert answer["tool_calls"] == [{"id": "functions.get_weather:0", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert "<|tool_call" not in answer["content"] and jrows[1]["content"].startswith(answer["content"])
+    assert all("tool_calls" not in r["conversations"][-1] for i, r in enumerate(rows) if i != 1)
+    # the exact ids are untouched: the jsonl export still holds the section's ids
+    assert jrows[1]["output_ids"][-len(tool_ids) - 1:-1] == tool_ids

@@ -10,10 +10,11 @@ Formats:
   jsonl          id, dataset, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
                  finish_reason, matched_stop, prompt_tokens, completion_tokens
   parquet        the same columns (ids as list<uint32>; matched_stop as JSON text, since it is an id or a string)
-  tokens         {"input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
+  tokens         {"id", "dataset", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
                  speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
   conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
-                 (plus "tools" when the prompt had tools), SpecForge-style chat JSONL
+                 (plus "tools" when the prompt had tools), SpecForge-style chat JSONL; a tool-call section the model
+                 wrote is a structured "tool_calls" list of the answer (toolcalls.py), not markup in its content
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
 from .plan import RunDir, RunPlan, load_run
 from .records import OK, Record
 from .shardfile import decode_batch, iter_frames, read_header
+from .toolcalls import parse_tool_calls
 
 __all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
 
@@ -82,6 +84,18 @@ class _Text:
             seqs.append(ids[c0:c1].tolist())
         texts = self._decode(seqs) if seqs else []
         return [(texts[2 * i], texts[2 * i + 1]) for i in range(len(recs))]
+
+    def parts_and_tools(self, recs: list[Record]) -> list[tuple[str, str, str]]:
+        """(reasoning, content before any tool-call section, the tool-call section) of each record."""
+        seqs: list[list[int]] = []
+        for r in recs:
+            ids = np.frombuffer(r.output_ids, "<u4")
+            opened = _last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
+            tc = r.tool_call_at if r.tool_call_at is not None and c0 <= r.tool_call_at < c1 else c1
+            seqs += [ids[r0:r1].tolist(), ids[c0:tc].tolist(), ids[tc:c1].tolist()]
+        texts = self._decode(seqs) if seqs else []
+        return [(texts[3 * i], texts[3 * i + 1], texts[3 * i + 2]) for i in range(len(recs))]
 
 
 def _batch_decoder(tok: Any):
@@ -142,7 +156,8 @@ def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, **_) ->
     enc, n = msgspec.json.Encoder(), 0
     for recs in _batches(path, include_failed):
         n += _write_lines(out, (
-            {"input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
+            {"id": r.id, "dataset": r.dataset, "input_ids": _ids(r.prompt_ids + r.output_ids),
+             "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
             for r in recs
         ), enc)
     return n
@@ -153,14 +168,14 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
     refs, reader = PlannedRefs(rd, plan), PromptReader()
 
     def rows(recs: list[Record]) -> Iterator[dict]:
-        for r, (reasoning, content) in zip(recs, text.parts(recs)):
+        for r, (reasoning, content, section) in zip(recs, text.parts_and_tools(recs)):
             ref = refs.at(r.index)
             ds = plan.datasets[ref.dataset]
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-            row: dict[str, Any] = {
-                "id": r.id,
-                "conversations": [*prompt.messages, {"role": "assistant", "content": content, "reasoning_content": reasoning}],
-            }
+            answer: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+            if section:
+                answer["tool_calls"] = parse_tool_calls(section)
+            row: dict[str, Any] = {"id": r.id, "conversations": [*prompt.messages, answer]}
             if prompt.tools:
                 row["tools"] = prompt.tools
             yield row
