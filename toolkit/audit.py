@@ -332,7 +332,7 @@ class Auditor:
         self.blank = frozenset(self.info.blank_ids)
         self.refs = PlannedRefs(rd, plan)
         self.seen = bytearray(plan.total)
-        self.ds = {d.name: _Acc(d.name, d.prompts) for d in plan.datasets}
+        self.ds = {d.name: _Acc(d.name, d.planned) for d in plan.datasets}
         self.shards = [_ShardAcc() for _ in plan.shards]
         eos = set(self.info.eos_ids)
         self.stop_ids = {

@@ -7,7 +7,7 @@ follows it; the stop token and the think-end are in neither (see `audit.split_pa
 think-end). Only ok records are exported unless `include_failed`.
 
 Formats:
-  jsonl          id, dataset, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
+  jsonl          id, dataset, sample, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
                  finish_reason, matched_stop, prompt_tokens, completion_tokens
   parquet        the same columns (ids as list<uint32>; matched_stop as JSON text, since it is an id or a string)
   tokens         {"id", "dataset", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
@@ -51,6 +51,7 @@ class JsonlRecord(msgspec.Struct):
 
     id: str
     dataset: str
+    sample: int
     status: str
     error: str | None
     prompt_ids: list[int]
@@ -124,10 +125,15 @@ def _ids(packed: bytes) -> list[int]:
     return np.frombuffer(packed, "<u4").tolist()
 
 
-def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]]) -> Iterator[JsonlRecord]:
+def _sample(refs: PlannedRefs, r: Record) -> int:
+    ref = refs.at(r.index)
+    return ref.sample if ref is not None else 0
+
+
+def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]], refs: PlannedRefs) -> Iterator[JsonlRecord]:
     for r, (reasoning, content) in zip(recs, texts):
         yield JsonlRecord(
-            id=r.id, dataset=r.dataset, status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
+            id=r.id, dataset=r.dataset, sample=_sample(refs, r), status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
             output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
             finish_reason=r.finish, matched_stop=r.matched_stop, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
@@ -145,18 +151,18 @@ def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
     return n
 
 
-def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, **_) -> int:
-    text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
+def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
+    text, enc, n, refs = _Text(plan), msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
     for recs in _batches(path, include_failed):
-        n += _write_lines(out, _jsonl_rows(recs, text.parts(recs)), enc)
+        n += _write_lines(out, _jsonl_rows(recs, text.parts(recs), refs), enc)
     return n
 
 
-def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, **_) -> int:
-    enc, n = msgspec.json.Encoder(), 0
+def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
+    enc, n, refs = msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
     for recs in _batches(path, include_failed):
         n += _write_lines(out, (
-            {"id": r.id, "dataset": r.dataset, "input_ids": _ids(r.prompt_ids + r.output_ids),
+            {"id": r.id, "dataset": r.dataset, "sample": _sample(refs, r), "input_ids": _ids(r.prompt_ids + r.output_ids),
              "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
             for r in recs
         ), enc)
@@ -175,7 +181,7 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
             answer: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             if section:
                 answer["tool_calls"] = parse_tool_calls(section)
-            row: dict[str, Any] = {"id": r.id, "conversations": [*prompt.messages, answer]}
+            row: dict[str, Any] = {"id": r.id, "sample": ref.sample, "conversations": [*prompt.messages, answer]}
             if prompt.tools:
                 row["tools"] = prompt.tools
             yield row
@@ -186,7 +192,7 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
     return n
 
 
-def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, **_) -> int:
+def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, rd: RunDir) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -194,7 +200,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         raise ExportError("the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] extra)") from None
     ids_type = pa.list_(pa.uint32())
     schema = pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("status", pa.string()), ("error", pa.string()),
+        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("status", pa.string()), ("error", pa.string()),
         ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
         ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
         ("matched_stop", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
@@ -207,7 +213,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         values = np.frombuffer(b"".join(packed), "<u4")
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.uint32()))
 
-    text, n = _Text(plan), 0
+    text, n, refs = _Text(plan), 0, PlannedRefs(rd, plan)
     pending: list[Record] = []
     pending_text: list[tuple[str, str]] = []
 
@@ -217,6 +223,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         cols = [
             pa.array([r.id for r in pending], pa.string()),
             pa.array([r.dataset for r in pending], pa.string()),
+            pa.array([_sample(refs, r) for r in pending], pa.int32()),
             pa.array([r.status for r in pending], pa.string()),
             pa.array([r.error for r in pending], pa.string()),
             id_lists([r.prompt_ids for r in pending]),
@@ -269,7 +276,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, 
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     try:
         if fmt == "parquet":
-            n = _export_parquet(path, plan, tmp, include_failed)
+            n = _export_parquet(path, plan, tmp, include_failed, rd)
         else:
             with open(tmp, "wb") as out:
                 n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd=rd)

@@ -247,7 +247,7 @@ def _frames(path: Path, shard: int, corrupt: list[FrameProblem], torn: list[Fram
 # ---------------------------------------------------------------------------------------------------
 class _Totals:
     def __init__(self, plan: RunPlan):
-        self.datasets = {d.name: DatasetCounts(planned=d.prompts) for d in plan.datasets}
+        self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
         self.records = self.ok = self.failed = self.prompt_tokens = self.output_tokens = 0
         self.duplicates = self.foreign = self.missing = 0
         self.duplicate_ids: list[str] = []

@@ -33,7 +33,7 @@ from .files import atomic_write, shown_path
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .spec import JobSpec
 
-__all__ = ["PlanError", "RunDir", "RunPlan", "PromptRef", "ShardPlan", "plan_job", "create_run", "load_run"]
+__all__ = ["PlanError", "RunDir", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run"]
 
 PLAN_FORMAT = 1
 
@@ -47,6 +47,12 @@ class DatasetPlan(msgspec.Struct):
     path: str
     sha256: str
     prompts: int
+    samples: int = 1  # outputs planned per prompt ([sampling] n)
+
+    @property
+    def planned(self) -> int:
+        """Planned records of the dataset: one per (prompt, sample)."""
+        return self.prompts * self.samples
 
 
 class ShardPlan(msgspec.Struct):
@@ -55,12 +61,18 @@ class ShardPlan(msgspec.Struct):
     count: int
 
 
-class PromptRef(msgspec.Struct, array_like=True):
-    id: str
-    dataset: int  # index into RunPlan.datasets
+class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
+    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1 samples
+    dataset: int     # index into RunPlan.datasets
     line: int
     offset: int
     length: int
+    sample: int = 0  # sample index of the prompt (0 .. n-1)
+
+
+def sample_id(prompt_id: str, sample: int, samples: int) -> str:
+    """The stable record id of sample `sample` of a prompt: its id when there is one sample, else `id#k`."""
+    return prompt_id if samples == 1 else f"{prompt_id}#{sample}"
 
 
 class RunPlan(msgspec.Struct):
@@ -151,18 +163,24 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     for d in spec.datasets:
         before = len(prompts)
         prompts.extend(scan_dataset(d.path, d.name))
-        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), len(prompts) - before))
+        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), len(prompts) - before, spec.samples_for(d.name)))
     check_unique_ids(prompts, {d.name: d.path for d in spec.datasets})
-    n, s = len(prompts), spec.sharding.shards
-    if s > n:
-        raise PlanError(f"{s} shards for {n} prompts: lower [sharding] shards to at most {n}")
+    s = spec.sharding.shards
+    if s > len(prompts):
+        raise PlanError(f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most {len(prompts)}")
     index = {d.name: i for i, d in enumerate(spec.datasets)}
+    samples = [d.samples for d in datasets]
     refs: list[PromptRef] = []
     shards: list[ShardPlan] = []
     for k in range(s):
         first = len(refs)
-        refs.extend(PromptRef(p.id, index[p.dataset], p.line, p.offset, p.length) for p in prompts[k::s])
+        # The samples of a prompt stay together, in one shard: they share the server's prefix cache.
+        for p in prompts[k::s]:
+            ds = index[p.dataset]
+            refs.extend(PromptRef(sample_id(p.id, j, samples[ds]), ds, p.line, p.offset, p.length, j)
+                        for j in range(samples[ds]))
         shards.append(ShardPlan(k, first, len(refs) - first))
+    n = len(refs)
     m = spec.model
     parts = {
         "model": _digest([m.path, _hash_folder_meta(m.path)]),

@@ -163,6 +163,22 @@ class JobSpec(_Config):
                 return {**self.sampling, **d.sampling}
         raise KeyError(dataset)
 
+    def samples_for(self, dataset: str) -> int:
+        """How many independent samples each prompt of `dataset` gets ([sampling] n)."""
+        return int(self.sampling_for(dataset).get("n", 1))
+
+    def request_sampling(self, dataset: str, sample: int) -> dict[str, Any]:
+        """The sampling_params of one request: sample `sample` of a prompt of `dataset`.
+
+        Each sample is its own request, so `n` is not sent; a `sampling_seed` is offset by the sample index so
+        that seeded samples differ (and stay reproducible).
+        """
+        params = self.sampling_for(dataset)
+        params.pop("n", None)
+        if sample and isinstance(params.get("sampling_seed"), int):
+            params["sampling_seed"] += sample
+        return params
+
 
 def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_level: bool) -> None:
     unknown = sorted(set(params) - SAMPLING_KEYS)
@@ -181,8 +197,9 @@ def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_leve
     mnt = params.get("max_new_tokens")
     if "max_new_tokens" in params and (not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1):
         raise SpecError(f"{source}: {where}: `max_new_tokens` must be a positive integer, got {mnt!r}")
-    if params.get("n", 1) != 1:
-        raise SpecError(f"{source}: {where}: `n` must be 1 (one output per prompt); repeat prompts with new ids instead")
+    n = params.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SpecError(f"{source}: {where}: `n` (samples per prompt) must be a positive integer, got {n!r}")
     if params.get("ignore_eos"):
         raise SpecError(f"{source}: {where}: `ignore_eos = true` would make every output run to max_new_tokens")
 
@@ -238,6 +255,13 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         d.path = _resolve(base, d.path)
         if check_paths and not Path(d.path).is_file():
             raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
+    for d in spec.datasets:
+        params = spec.sampling_for(d.name)
+        if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
+            raise SpecError(
+                f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 would be {params['n']} "
+                "identical greedy outputs; set a temperature > 0 or n = 1"
+            )
     if spec.sharding.shards < 1:
         raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
     if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:

@@ -178,7 +178,7 @@ async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> N
             attempts = 0
             while True:
                 res = await generate(
-                    http, ids, spec.sampling_for(ds), timeout=c.request_timeout_s, retries=c.retries,
+                    http, ids, spec.request_sampling(ds, ref.sample), timeout=c.request_timeout_s, retries=c.retries,
                     backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
                 )
                 attempts += res.attempts
