@@ -55,7 +55,7 @@ from .inputs import InputError, PromptReader
 from .merge import (
     MANIFEST_FILE, MERGED, RECORDS_FILE, MergeError, MergeManifest, PlannedRefs, load_manifest,
 )
-from .plan import RunDir, RunPlan, load_run
+from .plan import RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import read_progress
 from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
@@ -530,6 +530,12 @@ class Auditor:
         if not self.sampled:
             return rp
         plan = self.plan
+        try:
+            check_plan_inputs(plan)
+        except InputError as e:  # a changed file would pair other lines with the stored ids
+            self.problem("source_files", f"{e}: the prompt files are not those the run was generated from, so "
+                                         "prompts cannot be re-rendered or paired with their records")
+            return rp
         prompts, stored = [], []
         with PromptReader() as reader:
             for pos, packed in sorted(self.sampled.items()):

@@ -29,9 +29,9 @@ import numpy as np
 
 from . import chat
 from .audit import _last_meaningful, split_parts
-from .inputs import PromptReader
+from .inputs import InputError, PromptReader
 from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
-from .plan import RunDir, RunPlan, load_run
+from .plan import RunDir, RunPlan, check_plan_inputs, load_run
 from .records import OK, Record
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
@@ -270,6 +270,12 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, 
     head = read_header(path)
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
+    if fmt == "conversations":  # pairs records with their source messages: the files must be those planned
+        try:
+            check_plan_inputs(plan)
+        except InputError as e:
+            raise ExportError(f"{e}; the conversations export would pair records with other messages than they were "
+                              "generated from") from None
     out_path = Path(output)
     if out_path.parent and not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")

@@ -3,7 +3,8 @@
 `plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and computes
 a fingerprint of everything that changes the output (model, tokenizer, template, sampling, input files,
 shard map). `create_run` pins that plan into a run directory; a run directory never changes its plan, and
-a job whose fingerprint differs is refused there (unless a new run is asked for).
+a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
+the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
 
 Run directory layout (`RunDir` names every path):
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,8 @@ import msgspec
 from .files import atomic_write, shown_path
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PlanError", "RunDir", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run"]
 
@@ -209,6 +213,10 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
 
 def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
     rd = RunDir(run_dir)
+    if rd.root.is_file():
+        hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan and run it, "
+                "and print the run directory to give here") if rd.root.suffix == ".toml" else ""
+        raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
     try:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:
@@ -239,11 +247,52 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
                 f"(differs in: {', '.join(differs) or 'format'}). Its records would not match: restore the job as it "
                 f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
             )
+        update_settings(rd, old, plan.spec)
         return rd
     rd.make_dirs()
     atomic_write(rd.prompts_file, msgspec.msgpack.encode(refs))
     atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
     return rd
+
+
+# Tables of a job that say how to run it, not what it makes: a run takes new values from the job when it is
+# planned again (`toolkit run`, `toolkit submit` on the same job), and the change is logged. Everything in the
+# fingerprint (model, template, sampling, inputs, shards) stays pinned.
+SETTINGS_TABLES = ("engine", "client", "slurm", "audit")
+SETTINGS_KEYS = {"sharding": ("flush_records", "flush_seconds")}
+# [engine] keys whose change may change how outputs are made (not only how the engine is run): warned about.
+ENGINE_OUTPUT_KEYS = ("kind", "tp_size", "dp_size", "extra_args", "command", "url", "stub")
+
+
+def settings_changes(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
+    """(table.key, old value, new value) of every run setting that differs between two specs."""
+    changes = []
+    keys = [(t, None) for t in SETTINGS_TABLES] + [(t, k) for t, ks in SETTINGS_KEYS.items() for k in ks]
+    for table, only in keys:
+        a, b = msgspec.to_builtins(getattr(old, table)), msgspec.to_builtins(getattr(new, table))
+        for key in sorted(set(a) | set(b)):
+            if (only is None or key == only) and a.get(key) != b.get(key):
+                changes.append((f"{table}.{key}", a.get(key), b.get(key)))
+    return changes
+
+
+def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, Any, Any]]:
+    """Take the job's run settings into an existing run (same fingerprint), log each change, rewrite run.json."""
+    changes = settings_changes(old.spec, spec)
+    if not changes:
+        return changes
+    for table in SETTINGS_TABLES:
+        setattr(old.spec, table, getattr(spec, table))
+    for table, ks in SETTINGS_KEYS.items():
+        for k in ks:
+            setattr(getattr(old.spec, table), k, getattr(getattr(spec, table), k))
+    atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(old), indent=2))
+    for key, a, b in changes:
+        log.info("run %s: setting %s changed from %r to %r", rd.shown, key, a, b)
+        if key.split(".")[0] == "engine" and key.split(".")[1] in ENGINE_OUTPUT_KEYS:
+            log.warning("run %s: %s changed: records written before and after were made by differently configured "
+                        "engines", rd.shown, key)
+    return changes
 
 
 def check_plan_inputs(plan: RunPlan) -> None:

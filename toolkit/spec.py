@@ -218,6 +218,10 @@ def _error_path(err: msgspec.ValidationError) -> str:
 def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
     source = Path(path)
+    if source.is_dir():
+        what = "a run directory" if (source / "run.json").exists() else "a folder"
+        raise SpecError(f"{source}: is {what}, not a job spec (a .toml file); commands on a run directory are "
+                        "status, logs, resubmit, merge, audit and export")
     try:
         raw = source.read_bytes()
     except FileNotFoundError:

@@ -1,0 +1,72 @@
+"""Run directories: settings that do not change the output follow the job; the wrong kind of path is named."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from toolkit.audit import audit_run
+from toolkit.cli import main as cli_main, prepare_run
+from toolkit.export import ExportError, export_run
+from toolkit.plan import PlanError, load_run
+from toolkit.spec import SpecError, load_spec
+
+from jobfiles import make_job
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, kimi, caplog):
+    job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 60}, client={"concurrency": 4})
+    rd, plan = prepare_run(job)
+    job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 900}, client={"concurrency": 8})
+    with caplog.at_level(logging.INFO, logger="toolkit.plan"):
+        rd2, plan2 = prepare_run(job)
+    assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
+    _, pinned = load_run(rd.root)
+    assert pinned.spec.engine.ready_timeout_s == 900 and pinned.spec.client.concurrency == 8
+    assert "setting engine.ready_timeout_s changed from 60.0 to 900.0" in caplog.text
+    assert "setting client.concurrency changed from 4 to 8" in caplog.text
+
+
+def test_what_changes_the_output_stays_pinned(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
+    prepare_run(job)
+    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 65})
+    with pytest.raises(PlanError, match="differs in: sampling"):
+        prepare_run(job)
+
+
+def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, kimi, capsys):
+    job = make_job(tmp_path, kimi, n=4)
+    rd, _ = prepare_run(job)
+    with pytest.raises(PlanError, match="is a file, not a run directory; it looks like a job spec"):
+        load_run(job)
+    with pytest.raises(SpecError, match="is a run directory, not a job spec"):
+        load_spec(rd.root)
+    assert cli_main(["status", str(job)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert cli_main(["check", str(rd.root)]) == 2
+    assert "not a job spec" in capsys.readouterr().err
+
+
+def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    rd, plan = load_run(tmp_path / "run")
+    src = tmp_path / "prompts.jsonl"
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["messages"][0]["content"] = "Something else entirely."
+    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    with pytest.raises(ExportError, match="changed since the run was planned"):
+        export_run(rd.root, "conversations", tmp_path / "c.jsonl")
+    report = audit_run(rd.root)
+    bad = {c.name: c for c in report.checks if not c.passed}
+    assert "source_files" in bad and "changed since the run was planned" in bad["source_files"].message
+    assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl") == 4  # ids only: the sources are not read
