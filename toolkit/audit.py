@@ -58,6 +58,7 @@ from .merge import (
 from .plan import RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import read_progress
 from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
+from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
 __all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
@@ -218,10 +219,6 @@ class AuditReport(msgspec.Struct):
 # ---------------------------------------------------------------------------------------------------
 # token-id helpers
 # ---------------------------------------------------------------------------------------------------
-def _id_at(packed: bytes, i: int) -> int:
-    return int.from_bytes(packed[4 * i : 4 * i + 4], "little")
-
-
 def _find(packed: bytes, token: int, start: int = 0, end: int | None = None) -> int | None:
     """First index in [start, end) of `token` in packed uint32 LE ids."""
     needle = token.to_bytes(4, "little")
@@ -232,53 +229,12 @@ def _find(packed: bytes, token: int, start: int = 0, end: int | None = None) -> 
     return None if i == -1 else i // 4
 
 
-def _last_meaningful(packed: bytes, blank: frozenset[int]) -> int | None:
-    """The last id that is not whitespace-only."""
-    i = len(packed) - 4
-    while i >= 0:
-        t = int.from_bytes(packed[i : i + 4], "little")
-        if t not in blank:
-            return t
-        i -= 4
-    return None
-
-
 def _all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
     for i in range(a, b):
         if _id_at(packed, i) not in blank:
             return False
     return True
 
-
-def ends_with_stop(rec: Record) -> bool:
-    """Whether the last output id is the stop token the server matched (then it is not text)."""
-    m = rec.matched_stop
-    return (rec.finish == "stop" and isinstance(m, int) and not isinstance(m, bool) and len(rec.output_ids) >= 4
-            and int.from_bytes(rec.output_ids[-4:], "little") == m)
-
-
-def split_parts(rec: Record, think_start_id: int, opened: bool) -> tuple[int, int, int, int]:
-    """Token ranges [r0, r1) of the reasoning and [c0, c1) of the content in `rec.output_ids`.
-
-    The stop token is in neither; a think-start the model wrote at position 0 and the think-end are in neither.
-    Without a think-end, an output that started inside reasoning (`opened`: the prompt ends with think-start,
-    or the model wrote one) is all reasoning up to a tool-call section, which ends reasoning implicitly;
-    any other output is all content.
-    """
-    out = rec.output_ids
-    n = len(out) >> 2
-    end = n - 1 if ends_with_stop(rec) else n
-    start = 1 if n and _id_at(out, 0) == think_start_id else 0
-    end = max(end, start)
-    re_ = rec.reasoning_end
-    if re_ is not None and start <= re_ < n:
-        return start, re_, re_ + 1, max(end, re_ + 1)
-    if start or opened:
-        tc = rec.tool_call_at
-        if tc is not None and start <= tc < end:
-            return start, tc, tc, end
-        return start, end, end, end
-    return 0, 0, 0, end
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they come, so
 memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the reasoning is the
 output up to the think-end id (a think-start the model wrote at position 0 excluded), the content is what
-follows it; the stop token and the think-end are in neither (see `audit.split_parts` for outputs without a
+follows it; the stop token and the think-end are in neither (see `records.split_parts` for outputs without a
 think-end). Only ok records are exported unless `include_failed`.
 
 Formats:
@@ -28,11 +28,10 @@ import msgspec
 import numpy as np
 
 from . import chat
-from .audit import _last_meaningful, split_parts
 from .inputs import InputError, PromptReader
 from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
 from .plan import RunDir, RunPlan, check_plan_inputs, load_run
-from .records import OK, Record
+from .records import OK, Record, last_meaningful as _last_meaningful, split_parts
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 

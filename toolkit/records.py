@@ -17,7 +17,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions"]
+__all__ = [
+    "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
+    "ends_with_stop", "last_meaningful",
+]
 
 OK, FAILED = "ok", "failed"
 
@@ -136,3 +139,52 @@ def finish_fields(finish_reason: Any) -> tuple[str | None, int | str | None]:
     if not isinstance(finish_reason, dict):
         return None, None
     return finish_reason.get("type"), finish_reason.get("matched")
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading an output on its ids: where reasoning and content are
+# ---------------------------------------------------------------------------------------------------
+def id_at(packed: bytes, i: int) -> int:
+    return int.from_bytes(packed[4 * i : 4 * i + 4], "little")
+
+
+def last_meaningful(packed: bytes, blank: frozenset[int]) -> int | None:
+    """The last id that is not whitespace-only."""
+    i = len(packed) - 4
+    while i >= 0:
+        t = int.from_bytes(packed[i : i + 4], "little")
+        if t not in blank:
+            return t
+        i -= 4
+    return None
+
+
+def ends_with_stop(rec: Record) -> bool:
+    """Whether the last output id is the stop token the server matched (then it is not text)."""
+    m = rec.matched_stop
+    return (rec.finish == "stop" and isinstance(m, int) and not isinstance(m, bool) and len(rec.output_ids) >= 4
+            and int.from_bytes(rec.output_ids[-4:], "little") == m)
+
+
+def split_parts(rec: Record, think_start_id: int, opened: bool) -> tuple[int, int, int, int]:
+    """Token ranges [r0, r1) of the reasoning and [c0, c1) of the content in `rec.output_ids`.
+
+    The stop token is in neither; a think-start the model wrote at position 0 and the think-end are in neither.
+    Without a think-end, an output that started inside reasoning (`opened`: the prompt ends with think-start,
+    or the model wrote one) is all reasoning up to a tool-call section, which ends reasoning implicitly;
+    any other output is all content.
+    """
+    out = rec.output_ids
+    n = len(out) >> 2
+    end = n - 1 if ends_with_stop(rec) else n
+    start = 1 if n and id_at(out, 0) == think_start_id else 0
+    end = max(end, start)
+    re_ = rec.reasoning_end
+    if re_ is not None and start <= re_ < n:
+        return start, re_, re_ + 1, max(end, re_ + 1)
+    if start or opened:
+        tc = rec.tool_call_at
+        if tc is not None and start <= tc < end:
+            return start, tc, tc, end
+        return start, end, end, end
+    return 0, 0, 0, end
