@@ -59,6 +59,7 @@ from .plan import RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import read_progress
 from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
 from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
+from .turns import turn_prompt
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
 __all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
@@ -163,6 +164,20 @@ class ShardStats(msgspec.Struct):
     engine_restarts: int | None = None
 
 
+class TurnStats(msgspec.Struct):
+    """Per user turn of a regenerated dataset ([[datasets]] regenerate = true)."""
+
+    dataset: str
+    turn: int                    # 1-based, as people count turns
+    records: int = 0
+    ok: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    think_end: int = 0           # ok outputs holding the think-end id
+    length: int = 0              # ok outputs cut by max_new_tokens
+    prompt_tokens: int = 0       # the history grows turn by turn
+
+
 class Integrity(msgspec.Struct):
     id_mismatch: int = 0          # record id differs from the planned id at its position
     seen_twice: int = 0           # a position present more than once in the merged file
@@ -214,6 +229,7 @@ class AuditReport(msgspec.Struct):
     integrity: Integrity
     reprompt: Reprompt
     files: dict[str, str] = {}
+    turns: list[TurnStats] = []  # regenerated datasets only
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,6 +317,7 @@ class Auditor:
         k = min(self.spec.reprompt_sample, plan.total)
         self.sample_at = set(np.linspace(0, plan.total - 1, k).round().astype(int).tolist()) if k > 0 else set()
         self.sampled: dict[int, bytes] = {}
+        self.turns: dict[tuple[str, int], TurnStats] = {}
 
     def _example(self, kind: str, rec_id: str) -> None:
         ex = self.examples.setdefault(kind, [])
@@ -313,6 +330,25 @@ class Auditor:
         if ref is None or ref.id != rec.id or self.plan.datasets[ref.dataset].name != rec.dataset:
             _note(self.integ, "id_mismatch", rec.id)
             return
+        if not self.seen[pos] and self.plan.datasets[ref.dataset].regenerate:
+            self._add_turn(rec, ref.turn)
+        self._add(rec, pos)
+
+    def _add_turn(self, rec: Record, turn: int) -> None:
+        t = self.turns.get((rec.dataset, turn))
+        if t is None:
+            t = self.turns[(rec.dataset, turn)] = TurnStats(dataset=rec.dataset, turn=turn + 1)
+        t.records += 1
+        t.prompt_tokens += rec.n_prompt
+        if rec.status != OK:
+            t.failed += 1
+            return
+        t.ok += 1
+        t.output_tokens += rec.n_output
+        t.think_end += rec.reasoning_end is not None
+        t.length += rec.finish == "length"
+
+    def _add(self, rec: Record, pos: int) -> None:
         if self.seen[pos]:
             _note(self.integ, "seen_twice", rec.id)
             return
@@ -453,6 +489,7 @@ class Auditor:
                 eos_ids=list(info.eos_ids), vocab_size=info.vocab_size, template_opens_reasoning=info.opens_reasoning,
             ),
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
+            turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:
@@ -497,8 +534,12 @@ class Auditor:
             for pos, packed in sorted(self.sampled.items()):
                 ref = self.refs.at(pos)
                 ds = plan.datasets[ref.dataset]
+                if ds.regenerate and ref.turn:  # its history holds earlier answers: the records are its source
+                    rp.sampled -= 1
+                    continue
                 try:
-                    prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
+                    prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+                    prompts.append(turn_prompt(prompt, 0, []) if ds.regenerate else prompt)
                     stored.append(packed)
                 except (OSError, InputError) as e:
                     rp.mismatched += 1

@@ -19,6 +19,7 @@ Formats:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +35,11 @@ from .plan import RunDir, RunPlan, check_plan_inputs, load_run
 from .records import OK, Record, last_meaningful as _last_meaningful, split_parts
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
+from .turns import answer_message, turn_messages, user_turns
 
 __all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
 PARQUET_ROWS = 1024  # records per Parquet row group
@@ -171,16 +175,31 @@ def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: Run
 def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
     text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
     refs, reader = PlannedRefs(rd, plan), PromptReader()
+    chains: dict[tuple[int, int, int], list[dict[str, Any] | None]] = {}  # regenerated: answers so far
+    skipped = 0
 
     def rows(recs: list[Record]) -> Iterator[dict]:
+        nonlocal skipped
         for r, (reasoning, content, section) in zip(recs, text.parts_and_tools(recs)):
             ref = refs.at(r.index)
             ds = plan.datasets[ref.dataset]
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-            answer: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-            if section:
-                answer["tool_calls"] = parse_tool_calls(section)
-            row: dict[str, Any] = {"id": r.id, "sample": ref.sample, "conversations": [*prompt.messages, answer]}
+            answer = answer_message(reasoning, content, parse_tool_calls(section) if section else None)
+            if ds.regenerate:  # one row per conversation, once its last turn is read
+                key = (ref.dataset, ref.line, ref.sample)
+                chain = chains.setdefault(key, [])
+                chain += [None] * (ref.turn - len(chain)) + [answer if r.status == OK else None]
+                if ref.turn + 1 < user_turns(prompt.messages):
+                    continue
+                del chains[key]
+                if None in chain:
+                    skipped += 1
+                    continue
+                messages = [*turn_messages(prompt.messages, len(chain) - 1, chain), chain[-1]]
+                row: dict[str, Any] = {"id": r.id.rsplit("/t", 1)[0], "sample": ref.sample, "turns": len(chain),
+                                       "conversations": messages}
+            else:
+                row = {"id": r.id, "sample": ref.sample, "conversations": [*prompt.messages, answer]}
             if prompt.tools:
                 row["tools"] = prompt.tools
             yield row
@@ -188,6 +207,10 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
     with reader:
         for recs in _batches(path, include_failed):
             n += _write_lines(out, rows(recs), enc)
+    skipped += len(chains)
+    if skipped:
+        log.warning("%d regenerated conversations left out: a turn of each is failed or missing "
+                    "(`toolkit retry` generates them again)", skipped)
     return n
 
 

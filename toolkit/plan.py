@@ -34,6 +34,7 @@ import msgspec
 from .files import atomic_write, shown_path
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .spec import JobSpec
+from .turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class DatasetPlan(msgspec.Struct):
     sha256: str
     prompts: int
     samples: int = 1  # outputs planned per prompt ([sampling] n)
+    regenerate: bool = False  # one record per user turn of each conversation (turns.py)
+    conversations: int = 0  # regenerate: conversations of the file (prompts counts their turns)
 
     @property
     def planned(self) -> int:
@@ -72,6 +75,7 @@ class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
     offset: int
     length: int
     sample: int = 0  # sample index of the prompt (0 .. n-1)
+    turn: int = 0    # regenerated datasets: the user turn this record answers (0 .. turns-1)
 
 
 def sample_id(prompt_id: str, sample: int, samples: int) -> str:
@@ -167,7 +171,15 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     for d in spec.datasets:
         before = len(prompts)
         prompts.extend(scan_dataset(d.path, d.name))
-        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), len(prompts) - before, spec.samples_for(d.name)))
+        count = len(prompts) - before
+        if d.regenerate:
+            for p in prompts[before:]:
+                if not user_turns(p.messages):
+                    raise InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
+                                     "([[datasets]] regenerate = true); fix or remove the line, then run again")
+        turns = sum(user_turns(p.messages) for p in prompts[before:]) if d.regenerate else count
+        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), turns, spec.samples_for(d.name),
+                                    d.regenerate, count if d.regenerate else 0))
     check_unique_ids(prompts, {d.name: d.path for d in spec.datasets})
     s = spec.sharding.shards
     if s > len(prompts):
@@ -181,10 +193,19 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
         # The samples of a prompt stay together, in one shard: they share the server's prefix cache.
         for p in prompts[k::s]:
             ds = index[p.dataset]
-            refs.extend(PromptRef(sample_id(p.id, j, samples[ds]), ds, p.line, p.offset, p.length, j)
-                        for j in range(samples[ds]))
+            turns = user_turns(p.messages) if datasets[ds].regenerate else 1
+            refs.extend(
+                PromptRef(turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate), ds, p.line, p.offset,
+                          p.length, j, t)
+                for j in range(samples[ds]) for t in range(turns)
+            )
         shards.append(ShardPlan(k, first, len(refs) - first))
     n = len(refs)
+    if len({r.id for r in refs}) != n:  # e.g. a prompt id "a#1" beside a prompt "a" with n = 2 samples
+        seen: set[str] = set()
+        dup = next(r for r in refs if r.id in seen or seen.add(r.id))
+        raise PlanError(f"record id {dup.id!r} is planned twice: a prompt id collides with a sample (#k) or turn "
+                        f"(/tk) id of another prompt; rename the prompt ids of dataset {datasets[dup.dataset].name!r}")
     m = spec.model
     parts = {
         "model": _digest([m.path, _hash_folder_meta(m.path)]),

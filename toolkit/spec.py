@@ -105,6 +105,9 @@ class DatasetSpec(_Config):
     name: str
     path: str
     sampling: dict[str, Any] = {}
+    # Regenerate every assistant turn of each conversation, one record per user turn, feeding the model its own
+    # earlier answers (see turns.py); the source's assistant messages are never sent.
+    regenerate: bool = False
 
 
 class ShardingSpec(_Config):
