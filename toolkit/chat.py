@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
-# Tool-call section delimiters of known families: Kimi-K2, Qwen3, DeepSeek.
+# Tool-call section delimiters of known families: Kimi-K2, Qwen3 (and GLM), DeepSeek, MiniMax-M2.
 TOOL_SECTIONS: dict[str, str] = {
     "<|tool_calls_section_begin|>": "<|tool_calls_section_end|>",
     "<tool_call>": "</tool_call>",
     "<｜tool▁calls▁begin｜>": "<｜tool▁calls▁end｜>",
+    "<minimax:tool_call>": "</minimax:tool_call>",
 }
 
 # Arguments of apply_chat_template that the toolkit sets itself; chat_template_kwargs must not override them.
@@ -207,18 +209,19 @@ def _mentions(template: Any, texts: Sequence[str]) -> bool:
 
 def _thinking_variables(template: Any) -> list[str]:
     """The variables among THINKING_VARIABLES that the template reads without defining them."""
-    sources = template.values() if isinstance(template, Mapping) else [template]
+    sources = [src for src in (template.values() if isinstance(template, Mapping) else [template]) if isinstance(src, str)]
     found: set[str] = set()
-    try:
-        import jinja2
-        from jinja2 import meta
+    import jinja2
+    from jinja2 import meta
 
-        env = jinja2.Environment()
-        for src in sources:
-            if isinstance(src, str):
-                found |= meta.find_undeclared_variables(env.parse(src))
-    except Exception:  # a template jinja2 cannot parse here still renders through transformers' own environment
-        return []
+    # transformers renders with loop controls ({% break %}, used by Kimi-K2-Thinking's template) and its own
+    # {% generation %} tag; a template this environment still cannot parse is searched for the names as words.
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    for src in sources:
+        try:
+            found |= meta.find_undeclared_variables(env.parse(src))
+        except jinja2.TemplateError:
+            found |= {v for v in THINKING_VARIABLES if re.search(rf"(?<![\w.'\"]){v}(?![\w'\"])", src)}
     return [v for v in THINKING_VARIABLES if v in found]
 
 
