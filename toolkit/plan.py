@@ -148,11 +148,16 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     """Validate every prompt line and make the shard plan and fingerprint (no run directory yet)."""
     prompts: list[Prompt] = []
     datasets: list[DatasetPlan] = []
+    errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
     for d in spec.datasets:
         before = len(prompts)
-        prompts.extend(scan_dataset(d.path, d.name))
+        prompts.extend(scan_dataset(d.path, d.name, errors))
         datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), len(prompts) - before))
-    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets})
+    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
+    if errors:
+        order = {d.path: i for i, d in enumerate(spec.datasets)}
+        errors.sort(key=lambda e: (order.get(e.path, len(order)), e.line or 0))
+        raise InputError.many(errors)
     n, s = len(prompts), spec.sharding.shards
     if s > n:
         raise PlanError(f"{s} shards for {n} prompts: lower [sharding] shards to at most {n}")
