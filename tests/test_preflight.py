@@ -227,3 +227,32 @@ def test_submit_and_its_dry_run_run_the_same_preflight(tmp_path, real_tokenizer,
         with pytest.raises(PreflightError, match=r"closes reasoning .* \{ thinking = true \}"):
             slurm.submit(str(job), {}, dry_run=dry_run)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [("qwen3", {"enable_thinking": False}), ("deepseek-r1-distill", {}),
+                                              ("glm-4.6", {}), ("kimi-k2-thinking", {})])
+def test_prompts_measured_by_their_tail_give_the_exact_answers(tmp_path, real_tokenizer, name, kwargs):
+    """Long prompts far from the limit are bounded by their bytes and only their tail is encoded: the reasoning
+    counts and the refused prompts are those of encoding every prompt whole."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 24, long_every=3)
+    lines = prompts.read_text().splitlines()
+    row = json.loads(lines[4])
+    row["messages"][0]["content"] = "word " * 400 + " " * 300 + "\n\n\t"  # trailing whitespace past the tail
+    lines[4] = json.dumps(row)
+    prompts.write_text("\n".join(lines) + "\n")
+    n = None
+    for ctx in (100_000, 6_000):
+        job = make_job(tmp_path, real_tokenizer(name), prompts=prompts, stub={"context_length": ctx},
+                       model={"chat_template_kwargs": kwargs, "expect_reasoning": "enable_thinking" not in kwargs},
+                       sampling={"max_new_tokens": 2000})
+        results = []
+        for exact in (False, True):
+            try:
+                pf = preflight(job, exact=exact)
+                results.append((pf.modes, pf.warnings))
+            except PreflightError as e:
+                results.append(str(e))
+        assert results[0] == results[1]
+        if n is None:
+            n = max(lengths(job))
+            assert n + 2000 > 6_000 and sum(results[0][0].values()) == 24  # the second context refuses some

@@ -259,6 +259,46 @@ def render_many(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int
     return out
 
 
+def render_texts(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE) -> list[str]:
+    """The rendered text of many prompts, the text render_many encodes (`encode_texts` gives the same ids), in the
+    same order; raises ChatError naming the first prompt the template fails on."""
+    prompts = list(prompts)
+    groups: dict[Any, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        groups.setdefault(_tools_key(prompt.tools), []).append(index)
+    out: list[str] = [""] * len(prompts)
+    for indices in groups.values():
+        for start in range(0, len(indices), batch_size):
+            chunk = [prompts[i] for i in indices[start : start + batch_size]]
+            try:
+                texts = _apply_text(tok, model, [p.messages for p in chunk], chunk[0].tools)
+                if isinstance(texts, str):
+                    texts = [texts]
+                if len(texts) != len(chunk):
+                    raise ValueError(f"{len(texts)} results for {len(chunk)} conversations")
+            except Exception:
+                texts = []
+                for p in chunk:
+                    try:
+                        texts.append(_apply_text(tok, model, p.messages, p.tools))
+                    except Exception as exc:
+                        raise _prompt_error(p, exc) from exc
+            for index, text in zip(indices[start : start + batch_size], texts):
+                out[index] = text
+    return out
+
+
+def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of texts from render_texts: the ids render() gives for their prompts."""
+    return _encode_chats(tok, texts) if texts else []
+
+
+def _apply_text(tok: Any, model: Any, conversations: Any, tools: Any) -> Any:
+    return tok.apply_chat_template(
+        conversations, tools=tools, add_generation_prompt=True, tokenize=False, **model.chat_template_kwargs
+    )
+
+
 def _tools_key(tools: Any) -> Any:
     if tools is None:
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,9 @@ class Preflight:
                          + f" (expect_reasoning = {str(self.spec.model.expect_reasoning).lower()})")
         if self.context is not None and self.longest is not None:
             total, ds = self.longest
-            lines.append(f"lengths: at most {total:,} tokens (prompt + max_new_tokens, dataset {ds!r}) of the context "
-                         f"length {self.context:,} ({self.context_source})")
+            lines.append(f"lengths: every prompt + max_new_tokens fits the context length {self.context:,} "
+                         f"({self.context_source}); the longest at most {total:,} tokens (dataset {ds!r}; prompts far "
+                         "from the limit are bounded by their UTF-8 length)")
         return lines + self.notes
 
     def print_warnings(self, file=None) -> None:
@@ -96,9 +98,14 @@ class Preflight:
             print(f"toolkit: warning: {w}", file=file or sys.stderr)
 
 
-def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_other_run: bool = True) -> Preflight:
+def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_other_run: bool = True,
+              exact: bool = False) -> Preflight:
     """Load, plan and verify `job` completely; raise SpecError / InputError / PlanError / ChatError (a stage that
-    cannot go on) or PreflightError (every problem of the render, reasoning and length checks)."""
+    cannot go on) or PreflightError (every problem of the render, reasoning and length checks).
+
+    Every prompt is rendered. Encoding the text is most of the cost, so a prompt whose UTF-8 length already fits
+    the context with room to spare is not encoded whole: only its tail is, for its last tokens (`exact` encodes
+    every prompt whole; the answers are the same)."""
     spec = load_spec(job)
     if spec.engine.kind == "sglang":
         from .engines.sglang import check_extra_args
@@ -111,7 +118,7 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     if warn_other_run:
         _check_run_dir(pf)
     if check_tokenizer:
-        _check_prompts(pf, job)
+        _check_prompts(pf, job, exact)
     return pf
 
 
@@ -141,7 +148,7 @@ def _check_run_dir(pf: Preflight) -> None:
 # ---------------------------------------------------------------------------------------------------
 # render, reasoning, lengths
 # ---------------------------------------------------------------------------------------------------
-def _check_prompts(pf: Preflight, job: Any) -> None:
+def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
     spec, m = pf.spec, pf.spec.model
     tok = chat.load_tokenizer(m)
     info = pf.info = chat.token_info(tok, m)
@@ -158,10 +165,11 @@ def _check_prompts(pf: Preflight, job: Any) -> None:
     too_long: dict[str, _Places] = {}  # refused by SGLang (or truncated, with --allow-auto-truncate)
     clamped: dict[str, _Places] = {}  # accepted, but the scheduler lowers max_new_tokens by a token or two
     tightest = None
+    bounded = None if exact else _bound_holds(tok)
     for d in spec.datasets:
         mnt = spec.sampling_for(d.name)["max_new_tokens"]
         for chunk in _chunks(scan_dataset(d.path, d.name), CHUNK):
-            for p, ids in zip(chunk, _render(tok, m, chunk, d.path, failed)):
+            for p, (n, ids) in zip(chunk, _measure(tok, m, chunk, d.path, failed, ctx, mnt, bounded)):
                 if ids is None:
                     continue
                 mode = chat.reasoning_mode(ids, info)
@@ -173,7 +181,6 @@ def _check_prompts(pf: Preflight, job: Any) -> None:
                     model_opens.setdefault(d.name, _Places()).add(place)
                 if ctx is None:
                     continue
-                n = len(ids)
                 if tightest is None or n + mnt > tightest[0]:
                     tightest = (n + mnt, d.name)
                 # sglang-protocol §5.6: input >= context; input + max_new_tokens > context; input >= the scheduler's
@@ -235,16 +242,82 @@ def _check_prompts(pf: Preflight, job: Any) -> None:
         raise PreflightError([f"{job}: {p}" for p in problems])
 
 
-def _render(tok: Any, model: Any, prompts: list, path: str, failed: _Places) -> list[list[int] | None]:
-    """Ids of every prompt, None for those the template fails on (each recorded in `failed`)."""
+def _measure(tok: Any, model: Any, prompts: list, path: str, failed: _Places, ctx: int | None, mnt: int,
+             bounded: str | None) -> list[tuple[int, list[int] | None]]:
+    """(length or an upper bound of it, ids ending like the prompt's) per prompt; (0, None) for a prompt the template
+    fails on (recorded in `failed`). The length is exact, and the ids all of them, unless `bounded` (see
+    _bound_holds) and the prompt's UTF-8 length + 1 (more than the tokenizer can make of it) fits with room to spare:
+    then it is that bound, and the ids those of the text's last TAIL characters or so."""
+    texts = _texts(tok, model, prompts, path, failed)
+    whole: list[int] = []
+    tails: list[int] = []
+    tail_texts: list[str] = []
+    out: list[tuple[int, list[int] | None]] = [(0, None)] * len(prompts)
+    for i, text in enumerate(texts):
+        if text is None:
+            continue
+        if bounded is not None:
+            bound = len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
+            tail = _tail(text)
+            if tail is not None and (ctx is None or (bound + mnt <= ctx - 2 and bound < ctx - SCHEDULER_MARGIN)):
+                out[i] = (bound, [])
+                tails.append(i)
+                tail_texts.append(tail)
+                continue
+        whole.append(i)
+    for i, ids in zip(whole, chat.encode_texts(tok, [texts[i] for i in whole])):
+        out[i] = (len(ids), ids)
+    for i, ids in zip(tails, chat.encode_texts(tok, tail_texts)):
+        out[i] = (out[i][0], ids)
+    return out
+
+
+TAIL = 256  # characters of a prompt's end encoded to find its last tokens
+
+
+def _tail(text: str) -> str | None:
+    """The end of `text` from a whitespace at least TAIL characters before its end: tokenizers split text at
+    whitespace (and at special tokens) before anything else, so the tokens of the tail's end are the prompt's.
+    None when the text is short (encoding it whole costs as much) or has no such whitespace."""
+    if len(text) < 4 * TAIL:
+        return None
+    end = len(text) - TAIL
+    cut = max(text.rfind(" ", end - TAIL, end), text.rfind("\n", end - TAIL, end))
+    if cut < 0 or not text[cut:].strip():
+        return None
+    return text[cut:]
+
+
+def _bound_holds(tok: Any) -> str | None:
+    """How to bound a prompt's token count by its bytes: "" (UTF-8 bytes + 1), "NFC" (the bytes of its NFC form + 1),
+    or None (no bound: encode every prompt whole). A fast tokenizer makes at most one token per byte of the text it
+    normalizes (byte-level BPE, byte fallback; one more for a prefix space); NFKC/NFKD or replacements could lengthen
+    the text, so such tokenizers get no bound."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or getattr(tok, "split_special_tokens", False):
+        return None
+    normalizer = backend.normalizer
+    if normalizer is None:
+        return ""
     try:
-        return chat.render_many(tok, model, prompts)
+        names = [type(n).__name__ for n in normalizer] if type(normalizer).__name__ == "Sequence" else [type(normalizer).__name__]
+    except TypeError:
+        return None
+    if not set(names) <= {"NFC", "Strip"}:
+        return None
+    return "NFC" if "NFC" in names else ""
+
+
+def _texts(tok: Any, model: Any, prompts: list, path: str, failed: _Places) -> list[str | None]:
+    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`)."""
+    try:
+        return chat.render_texts(tok, model, prompts)
     except chat.ChatError:
         pass
-    out: list[list[int] | None] = []
+    out: list[str | None] = []
     for p in prompts:
         try:
-            out.append(chat.render(tok, model, p))
+            out.append(chat.render_texts(tok, model, [p])[0])
         except chat.ChatError as e:
             cause = e.__cause__ or e
             failed.add(f"{path}:{p.line} (id {p.id!r}): {type(cause).__name__}: {cause}")
