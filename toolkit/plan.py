@@ -151,7 +151,9 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
     for d in spec.datasets:
         before = len(prompts)
-        prompts.extend(scan_dataset(d.path, d.name, errors))
+        for p in scan_dataset(d.path, d.name, errors):
+            p.messages, p.tools = [], None  # only where each prompt lives is kept: memory stays small
+            prompts.append(p)
         datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), len(prompts) - before))
     check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
     if errors:
