@@ -27,3 +27,34 @@ def toy_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
         return built[family]
 
     return get
+
+
+REAL_TEMPLATES_DIR = Path(__file__).resolve().parent / "fixtures" / "chat-templates"
+
+# Real chat templates (tests/fixtures/chat-templates/) and the toy tokenizer family holding their control tokens.
+REAL_TEMPLATES: dict[str, str] = {
+    "kimi-k2-thinking": "kimi-thinking",
+    "deepseek-v3.1": "deepseek-v3",
+    "deepseek-r1-distill": "deepseek",
+    "qwen3": "qwen3",
+    "glm-4.6": "glm",
+    "minimax-m2": "minimax",
+}
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`real_tokenizer(name)` -> folder of a toy tokenizer carrying the real chat template `name` (a key of
+    REAL_TEMPLATES), built once per session. Copy it before changing anything in it."""
+    from toolkit.toy_tokenizer import build_tokenizer
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            template = (REAL_TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+            built[name] = build_tokenizer(tmp_path_factory.mktemp(f"real-{name}"), REAL_TEMPLATES[name],
+                                          chat_template=template)
+        return built[name]
+
+    return get

@@ -413,3 +413,109 @@ def test_demo_tokenizer_is_the_kimi_toy(toy_tokenizer):
     assert flags == {t.content: t.special for t in new.added_tokens_decoder.values()}, stale
     text = "A <think>b</think> c\n\n  d<|im_end|>"
     assert old.encode(text, add_special_tokens=False) == new.encode(text, add_special_tokens=False), stale
+
+
+# --- real chat templates ---------------------------------------------------------------------------------------
+
+from conftest import REAL_TEMPLATES  # noqa: E402
+
+# The control tokens each real template writes in a full conversation: each must be one id of the toy tokenizer.
+REAL_SPECIALS = {
+    "kimi-k2-thinking": ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>",
+                         "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                         "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>"],
+    "deepseek-v3.1": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "</think>", "<｜tool▁calls▁begin｜>",
+                      "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
+                      "<｜end▁of▁sentence｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+    "deepseek-r1-distill": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "<｜tool▁calls▁begin｜>",
+                            "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
+                            "<｜end▁of▁sentence｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>",
+                            "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"],
+    "qwen3": ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+              "</tool_response>"],
+    "glm-4.6": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+                "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                "<tool_response>", "</tool_response>"],
+    "minimax-m2": ["]~!b[", "]~b]", "[e~[", "<think>", "<minimax:tool_call>", "</minimax:tool_call>"],
+}
+FULL_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.",
+     "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny.", "reasoning_content": "The tool said so."},
+    {"role": "user", "content": "Thanks. And tomorrow?"},
+]
+
+
+def full_chat(name: str) -> list[dict]:
+    if name.startswith("deepseek"):  # DeepSeek's templates concatenate the arguments: they must be a string
+        chat_ = json.loads(json.dumps(FULL_CHAT))
+        chat_[2]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+        return chat_
+    return FULL_CHAT
+
+
+@pytest.mark.parametrize("name", sorted(REAL_TEMPLATES))
+def test_real_templates_render_with_single_token_specials(real_tokenizer, name):
+    model = Model(path=str(real_tokenizer(name)))
+    tok = chat.load_tokenizer(model)
+    info = chat.token_info(tok, model)
+    ids = chat.render(tok, model, prompt(messages=full_chat(name), tools=TOOLS))
+    pieces, text = tok.convert_ids_to_tokens(ids), tok.decode(ids)
+    for special in REAL_SPECIALS[name]:
+        assert tok.encode(special, add_special_tokens=False) == [tok.convert_tokens_to_ids(special)], special
+        if special in text:  # templates drop the reasoning of turns before the last user turn
+            assert pieces.count(special) == text.count(special), f"{special} is not rendered as one token by {name}"
+    assert sum(special in text for special in REAL_SPECIALS[name]) >= len(REAL_SPECIALS[name]) - 2
+    assert tok.decode(ids).count("Thanks. And tomorrow?") == 1
+    assert info.template_knows_reasoning
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "mode", "switch"),
+    [
+        ("kimi-k2-thinking", {}, chat.MODEL_OPENS, []),
+        ("deepseek-v3.1", {}, chat.CLOSED, ["thinking", "enable_thinking"]),
+        ("deepseek-v3.1", {"thinking": True}, chat.OPENED, ["thinking", "enable_thinking"]),
+        ("deepseek-v3.1", {"enable_thinking": True}, chat.OPENED, ["thinking", "enable_thinking"]),
+        ("deepseek-r1-distill", {}, chat.OPENED, []),
+        ("qwen3", {}, chat.MODEL_OPENS, ["enable_thinking"]),
+        ("qwen3", {"enable_thinking": False}, chat.CLOSED, ["enable_thinking"]),
+        ("glm-4.6", {}, chat.MODEL_OPENS, ["enable_thinking"]),
+        ("glm-4.6", {"enable_thinking": False}, chat.CLOSED, ["enable_thinking"]),
+        ("minimax-m2", {}, chat.OPENED, []),
+    ],
+)
+def test_reasoning_mode_of_real_templates(real_tokenizer, name, kwargs, mode, switch):
+    model = Model(path=str(real_tokenizer(name)), chat_template_kwargs=kwargs)
+    tok = chat.load_tokenizer(model)
+    info = chat.token_info(tok, model)
+    assert chat.reasoning_mode(chat.render(tok, model, prompt()), info) == mode
+    assert info.thinking_kwargs == switch
+    if switch:
+        assert chat.thinking_hint(info, True).startswith(f"set [model] chat_template_kwargs = {{ {switch[0]} = true }}")
+
+
+def test_thinking_kwargs_of_a_template_with_loop_controls(toy_tokenizer, tmp_path):
+    """transformers renders {% break %}; reading the template's variables must parse it too (Kimi-K2-Thinking)."""
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{%- for m in messages %}{{ m['content'] }}{% if loop.index > 3 %}{% break %}{% endif %}{% endfor -%}"
+        "<|im_end|>{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}"
+    )
+    model = Model(path=str(toy_tokenizer("kimi")), chat_template=str(template))
+    tok = chat.load_tokenizer(model)
+    assert chat.token_info(tok, model).thinking_kwargs == ["enable_thinking"]
+
+
+def test_toy_tokenizer_extra_special_tokens(tmp_path):
+    folder = build_tokenizer(tmp_path / "x", "glm", chat_template="{{ messages[0]['content'] }}<|assistant|>",
+                             extra_special=["<|begin_of_image|>", "<think>"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert len(tok.encode("<|begin_of_image|>", add_special_tokens=False)) == 1 and len(tok) == 4000
+    with pytest.raises(ValueError, match="has no template of its own; pass chat_template="):
+        build_tokenizer(tmp_path / "y", "minimax")

@@ -61,3 +61,56 @@ def test_duplicate_ids_within_and_across(tmp_path):
     _, c = scan(tmp_path, b'{"id": "q", "prompt": "1"}\n{"id": "q", "prompt": "2"}\n', "c")
     with pytest.raises(InputError, match="duplicate id 'q'"):
         check_unique_ids(c, {"c": "c.jsonl"})
+
+
+def test_scan_collects_every_bad_line_when_given_a_list(tmp_path):
+    errors: list[InputError] = []
+    p = tmp_path / "ds.jsonl"
+    p.write_bytes(b'{"prompt": "a"}\n{"prompt": 1}\n{"prompt": "b"}\nnot json\n\n{"messages": []}\n')
+    prompts = list(scan_dataset(p, "ds", errors))
+    assert [x.line for x in prompts] == [1, 3]
+    assert [(e.line, e.field) for e in errors] == [(2, "prompt"), (4, None), (6, "messages")]
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_bytes(b"{\n")
+    assert list(scan_dataset(only_bad, "bad", errors)) == [] and errors[-1].line == 1  # not "has no prompts"
+
+
+def test_every_duplicate_id_is_found(tmp_path):
+    _, a = scan(tmp_path, b'{"id": "x", "prompt": "1"}\n{"id": "x", "prompt": "2"}\n{"id": "x", "prompt": "3"}\n', "a")
+    errors: list[InputError] = []
+    check_unique_ids(a, {"a": "a.jsonl"}, errors)
+    assert [e.line for e in errors] == [2, 3] and all("already used at a.jsonl:1" in str(e) for e in errors)
+
+
+def plan_files(tmp_path, files: dict[str, bytes]):
+    from toolkit.plan import plan_job
+    from toolkit.spec import load_spec
+
+    (tmp_path / "tok").mkdir()
+    lines = ['name = "t"', 'output_dir = "out"', "[model]", 'path = "tok"', "[sampling]", "max_new_tokens = 8"]
+    for name, data in files.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        lines += ["[[datasets]]", f'name = "{name}"', f'path = "{name}.jsonl"']
+    (tmp_path / "job.toml").write_text("\n".join(lines) + "\n")
+    return plan_job(load_spec(tmp_path / "job.toml"))
+
+
+def test_plan_reports_every_bad_line_of_every_file(tmp_path):
+    good = b'{"prompt": "fine"}\n'
+    math = good * 4 + b'{"messages": [{"role": "user", "content": 5}]}\n' + b'{"prompt": 3}\n' * 14
+    chat = b'{"id": "math:1", "prompt": "taken"}\n' + b"nope\n"
+    with pytest.raises(InputError) as e:
+        plan_files(tmp_path, {"math": math, "chat": chat})
+    msg, err = str(e.value), e.value
+    assert len(err.errors) == 17 and (err.path, err.line, err.field) == (str(tmp_path / "math.jsonl"), 5, "messages[0].content")
+    assert msg.startswith(f"16 bad lines in 2 prompt files ({tmp_path / 'math.jsonl'}: 15, {tmp_path / 'chat.jsonl'}: 1) "
+                          "and 1 duplicate id; the first 10:")
+    assert f"\n  {tmp_path / 'math.jsonl'}:5: field `messages[0].content`: must be a string or a list of parts, got int\n" in msg
+    assert msg.count("\n  ") == 11 and "... and 7 more" in msg
+    assert msg.endswith("fix or remove these lines, then run again")
+
+
+def test_plan_with_one_bad_line_keeps_the_single_message(tmp_path):
+    with pytest.raises(InputError) as e:
+        plan_files(tmp_path, {"math": b'{"prompt": "a"}\n{"prompt": 3}\n'})
+    assert str(e.value) == f"{tmp_path / 'math.jsonl'}:2: field `prompt`: must be a string, got int; fix or remove the line, then run again"

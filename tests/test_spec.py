@@ -110,3 +110,28 @@ def test_real_recipes_match_their_models():
     assert kimi.model.tool_call_start == "<|tool_calls_section_begin|>" and len(kimi.datasets) == 8
     qwen = load_spec(REPO / "jobs" / "qwen3-thinking.toml", check_paths=False)
     assert qwen.model.chat_template_kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (("", '[[datasets]]\nname = "math"\npath = "${DATA_ROOT}/math.jsonl"\n'), "[[datasets]] #2 ('math') path"),
+        (('path = "tok"', 'path = "${DATA_ROOT}/models/x"'), "[model] path"),
+        (('path = "tok"', 'path = "tok"\ntokenizer_path = "$DATA_ROOT/tok"'), "[model] tokenizer_path"),
+        (('path = "tok"', 'path = "tok"\nchat_template = "${DATA_ROOT}/t.jinja"'), "[model] chat_template"),
+        (('output_dir = "out"', 'output_dir = "${DATA_ROOT}/runs"'), "output_dir"),
+    ],
+)
+def test_unset_environment_variable_in_a_path_is_named(tmp_path, monkeypatch, edit, where):
+    monkeypatch.delenv("DATA_ROOT", raising=False)
+    old, new = edit
+    p = write(tmp_path, BASE.replace(old, new, 1) if old else BASE + new)
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert str(e.value) == (f"{p}: {where}: environment variable DATA_ROOT is not set "
+                            "(export it, or write the path out)")
+    monkeypatch.setenv("DATA_ROOT", str(tmp_path))
+    (tmp_path / "math.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    load_spec(p)  # set: the path resolves

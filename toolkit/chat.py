@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
-# Tool-call section delimiters of known families: Kimi-K2, Qwen3, DeepSeek.
+# Tool-call section delimiters of known families: Kimi-K2, Qwen3 (and GLM), DeepSeek, MiniMax-M2.
 TOOL_SECTIONS: dict[str, str] = {
     "<|tool_calls_section_begin|>": "<|tool_calls_section_end|>",
     "<tool_call>": "</tool_call>",
     "<｜tool▁calls▁begin｜>": "<｜tool▁calls▁end｜>",
+    "<minimax:tool_call>": "</minimax:tool_call>",
 }
 
 # Arguments of apply_chat_template that the toolkit sets itself; chat_template_kwargs must not override them.
@@ -207,18 +209,19 @@ def _mentions(template: Any, texts: Sequence[str]) -> bool:
 
 def _thinking_variables(template: Any) -> list[str]:
     """The variables among THINKING_VARIABLES that the template reads without defining them."""
-    sources = template.values() if isinstance(template, Mapping) else [template]
+    sources = [src for src in (template.values() if isinstance(template, Mapping) else [template]) if isinstance(src, str)]
     found: set[str] = set()
-    try:
-        import jinja2
-        from jinja2 import meta
+    import jinja2
+    from jinja2 import meta
 
-        env = jinja2.Environment()
-        for src in sources:
-            if isinstance(src, str):
-                found |= meta.find_undeclared_variables(env.parse(src))
-    except Exception:  # a template jinja2 cannot parse here still renders through transformers' own environment
-        return []
+    # transformers renders with loop controls ({% break %}, used by Kimi-K2-Thinking's template) and its own
+    # {% generation %} tag; a template this environment still cannot parse is searched for the names as words.
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    for src in sources:
+        try:
+            found |= meta.find_undeclared_variables(env.parse(src))
+        except jinja2.TemplateError:
+            found |= {v for v in THINKING_VARIABLES if re.search(rf"(?<![\w.'\"]){v}(?![\w'\"])", src)}
     return [v for v in THINKING_VARIABLES if v in found]
 
 
@@ -254,6 +257,46 @@ def render_many(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int
             for index, ids in zip(chunk, _render_batch(tok, model, [prompts[i] for i in chunk])):
                 out[index] = ids
     return out
+
+
+def render_texts(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE) -> list[str]:
+    """The rendered text of many prompts, the text render_many encodes (`encode_texts` gives the same ids), in the
+    same order; raises ChatError naming the first prompt the template fails on."""
+    prompts = list(prompts)
+    groups: dict[Any, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        groups.setdefault(_tools_key(prompt.tools), []).append(index)
+    out: list[str] = [""] * len(prompts)
+    for indices in groups.values():
+        for start in range(0, len(indices), batch_size):
+            chunk = [prompts[i] for i in indices[start : start + batch_size]]
+            try:
+                texts = _apply_text(tok, model, [p.messages for p in chunk], chunk[0].tools)
+                if isinstance(texts, str):
+                    texts = [texts]
+                if len(texts) != len(chunk):
+                    raise ValueError(f"{len(texts)} results for {len(chunk)} conversations")
+            except Exception:
+                texts = []
+                for p in chunk:
+                    try:
+                        texts.append(_apply_text(tok, model, p.messages, p.tools))
+                    except Exception as exc:
+                        raise _prompt_error(p, exc) from exc
+            for index, text in zip(indices[start : start + batch_size], texts):
+                out[index] = text
+    return out
+
+
+def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of texts from render_texts: the ids render() gives for their prompts."""
+    return _encode_chats(tok, texts) if texts else []
+
+
+def _apply_text(tok: Any, model: Any, conversations: Any, tools: Any) -> Any:
+    return tok.apply_chat_template(
+        conversations, tools=tools, add_generation_prompt=True, tokenize=False, **model.chat_template_kwargs
+    )
 
 
 def _tools_key(tools: Any) -> Any:

@@ -33,47 +33,38 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from .chat import ChatError
     from .inputs import InputError
     from .plan import PlanError
+    from .preflight import PreflightError
     from .spec import SpecError
 
-    return (SpecError, InputError, PlanError, ChatError)
+    return (SpecError, InputError, PlanError, ChatError, PreflightError)
 
 
 # ---------------------------------------------------------------------------------------------------
 # run, worker, check: local execution
 # ---------------------------------------------------------------------------------------------------
 def prepare_run(job: str, *, new_run: bool = False, check_tokenizer: bool = True):
-    """Validate a job completely (spec, every prompt line, tokenizer, template) and pin its run directory."""
-    from .plan import create_run, plan_job
-    from .spec import load_spec
+    """Run the pre-flight (spec, every prompt line, tokenizer, every prompt rendered, reasoning, lengths) and pin
+    the job's run directory."""
+    from .plan import create_run
+    from .preflight import preflight
 
-    spec = load_spec(job)
-    plan, refs = plan_job(spec)
-    if check_tokenizer:
-        check_model(plan)
-    rd = create_run(plan, refs, new_run=new_run)
-    return rd, plan
-
-
-def check_model(plan) -> None:
-    """Load the tokenizer and render the first prompt of every dataset: template errors surface before GPU time."""
-    from . import chat
-    from .inputs import scan_dataset
-
-    tok = chat.load_tokenizer(plan.spec.model)
-    chat.token_info(tok, plan.spec.model)
-    for d in plan.datasets:
-        chat.render(tok, plan.spec.model, next(scan_dataset(d.path, d.name)))
+    pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=False)  # create_run refuses another run
+    pf.print_warnings()
+    rd = create_run(pf.plan, pf.refs, new_run=new_run)
+    return rd, pf.plan
 
 
 def cmd_check(args) -> int:
-    from .plan import plan_job
-    from .spec import load_spec
+    from .preflight import preflight
 
-    spec = load_spec(args.job)
-    plan, _ = plan_job(spec)
-    check_model(plan)
+    pf = preflight(args.job)
+    plan = pf.plan
     print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
+    for line in pf.summary():
+        print(line)
+    for w in pf.warnings:
+        print(f"warning: {w}")
     return EXIT_OK
 
 
@@ -139,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("shard", type=int, help="shard index")
     s.set_defaults(func=cmd_worker)
 
-    s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer and chat template")
+    s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
+                       "chat template, reasoning mode, lengths against the context length, run directory")
     s.add_argument("job")
     s.set_defaults(func=cmd_check)
 

@@ -16,14 +16,50 @@ import msgspec
 __all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "check_unique_ids"]
 
 
-class InputError(Exception):
-    """A prompt file that cannot be used; `str()` names the file, line and field."""
+_FIX = "fix or remove the line, then run again"
+SHOWN = 10  # bad lines listed in one error; the rest are counted
 
-    def __init__(self, path: str | Path, line: int | None, field: str | None, problem: str):
+
+class InputError(Exception):
+    """A prompt file that cannot be used; `str()` names the file, line and field.
+
+    One error may stand for many (see `many`): then `errors` holds each of them, first to last.
+    """
+
+    def __init__(self, path: str | Path, line: int | None, field: str | None, problem: str, *,
+                 message: str | None = None, errors: list[InputError] | None = None):
         self.path, self.line, self.field, self.problem = str(path), line, field, problem
+        self.errors = errors if errors is not None else [self]
         where = f"{path}:{line}" if line else str(path)
         what = f" field `{field}`:" if field else ""
-        super().__init__(f"{where}:{what} {problem}")
+        super().__init__(message or f"{where}:{what} {problem}")
+
+    @classmethod
+    def many(cls, errors: list[InputError], *, shown: int = SHOWN) -> InputError:
+        """One error for `errors` (at least one): itself when alone, else a count and the first `shown` of them."""
+        errors = [e for err in errors for e in err.errors]
+        if len(errors) == 1:
+            return errors[0]
+        dups = sum(e.field == "id" and e.problem.startswith("duplicate id") for e in errors)
+        per_file: dict[str, int] = {}
+        for e in errors:
+            if not (e.field == "id" and e.problem.startswith("duplicate id")):
+                per_file[e.path] = per_file.get(e.path, 0) + 1
+        parts = []
+        if per_file:
+            bad = len(errors) - dups
+            files = ", ".join(f"{p}: {n:,}" for p, n in per_file.items())
+            parts.append(f"{bad:,} bad line{'s' * (bad != 1)} in {len(per_file)} prompt file{'s' * (len(per_file) != 1)} "
+                         f"({files})")
+        if dups:
+            parts.append(f"{dups:,} duplicate id{'s' * (dups != 1)}")
+        head = " and ".join(parts) + (f"; the first {shown}:" if len(errors) > shown else ":")
+        lines = [str(e).removesuffix(f"; {_FIX}") for e in errors[:shown]]
+        if len(errors) > shown:
+            lines.append(f"... and {len(errors) - shown:,} more")
+        message = head + "".join(f"\n  {line}" for line in lines) + "\nfix or remove these lines, then run again"
+        first = errors[0]
+        return cls(first.path, first.line, first.field, first.problem, message=message, errors=errors)
 
 
 class Prompt(msgspec.Struct):
@@ -36,7 +72,6 @@ class Prompt(msgspec.Struct):
     length: int = 0  # byte length of the line, newline excluded
 
 
-_FIX = "fix or remove the line, then run again"
 
 
 def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
@@ -92,26 +127,36 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
     return Prompt(id=pid, dataset=dataset, line=lineno, messages=messages, tools=tools or None)
 
 
-def scan_dataset(path: str | Path, dataset: str) -> Iterator[Prompt]:
-    """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped)."""
+def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None) -> Iterator[Prompt]:
+    """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
+
+    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on.
+    """
     path = str(path)
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         raise InputError(path, None, None, f"prompt file of dataset {dataset!r} not found; check [[datasets]] path") from None
-    n = 0
+    n = bad = 0
     offset = 0
     with f:
         for lineno, raw in enumerate(f, start=1):
             length = len(raw)
             body = raw.rstrip(b"\r\n")
             if body.strip():
-                p = _parse_line(body, path, dataset, lineno)
-                p.offset, p.length = offset, len(body)
-                n += 1
-                yield p
+                try:
+                    p = _parse_line(body, path, dataset, lineno)
+                except InputError as e:
+                    if errors is None:
+                        raise
+                    errors.append(e)
+                    bad += 1
+                else:
+                    p.offset, p.length = offset, len(body)
+                    n += 1
+                    yield p
             offset += length
-    if n == 0:
+    if n == 0 and bad == 0:
         raise InputError(path, None, None, f"dataset {dataset!r} has no prompts; add prompts or remove it from the job")
 
 
@@ -149,13 +194,18 @@ class PromptReader:
         self.close()
 
 
-def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str]) -> None:
-    """Raise on the first id used twice, within or across datasets, naming both places."""
+def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str],
+                     errors: list[InputError] | None = None) -> None:
+    """Find every id used twice, within or across datasets, naming both places: raise on the first, or with an
+    `errors` list, append each there."""
     seen: dict[str, tuple[str, int]] = {}
     for p in prompts:
         prev = seen.setdefault(p.id, (p.dataset, p.line))
         if prev != (p.dataset, p.line):
-            raise InputError(
+            e = InputError(
                 paths[p.dataset], p.line, "id",
                 f"duplicate id {p.id!r}: already used at {paths[prev[0]]}:{prev[1]}; ids must be unique across the job",
             )
+            if errors is None:
+                raise e
+            errors.append(e)

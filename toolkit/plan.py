@@ -168,19 +168,26 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     """Validate every prompt line and make the shard plan and fingerprint (no run directory yet)."""
     prompts: list[Prompt] = []
     datasets: list[DatasetPlan] = []
+    errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
+    n_turns: list[int] = []  # records per sample of each prompt: 1, or its user turns when regenerated
     for d in spec.datasets:
         before = len(prompts)
-        prompts.extend(scan_dataset(d.path, d.name))
+        for p in scan_dataset(d.path, d.name, errors):
+            turns = user_turns(p.messages) if d.regenerate else 1
+            if not turns:
+                errors.append(InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
+                                         "([[datasets]] regenerate = true); fix or remove the line, then run again"))
+            p.messages, p.tools = [], None  # only where each prompt lives is kept: memory stays small
+            prompts.append(p)
+            n_turns.append(turns)
         count = len(prompts) - before
-        if d.regenerate:
-            for p in prompts[before:]:
-                if not user_turns(p.messages):
-                    raise InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
-                                     "([[datasets]] regenerate = true); fix or remove the line, then run again")
-        turns = sum(user_turns(p.messages) for p in prompts[before:]) if d.regenerate else count
-        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), turns, spec.samples_for(d.name),
-                                    d.regenerate, count if d.regenerate else 0))
-    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets})
+        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), sum(n_turns[before:]),
+                                    spec.samples_for(d.name), d.regenerate, count if d.regenerate else 0))
+    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
+    if errors:
+        order = {d.path: i for i, d in enumerate(spec.datasets)}
+        errors.sort(key=lambda e: (order.get(e.path, len(order)), e.line or 0))
+        raise InputError.many(errors)
     s = spec.sharding.shards
     if s > len(prompts):
         raise PlanError(f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most {len(prompts)}")
@@ -191,9 +198,9 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
     for k in range(s):
         first = len(refs)
         # The samples of a prompt stay together, in one shard: they share the server's prefix cache.
-        for p in prompts[k::s]:
+        for i in range(k, len(prompts), s):
+            p, turns = prompts[i], n_turns[i]
             ds = index[p.dataset]
-            turns = user_turns(p.messages) if datasets[ds].regenerate else 1
             refs.extend(
                 PromptRef(turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate), ds, p.line, p.offset,
                           p.length, j, t)

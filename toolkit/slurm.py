@@ -311,18 +311,14 @@ def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
 
 def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:
     """Validate and plan `job`, then submit its arrays and merge job (or only print them with dry_run)."""
-    from .cli import check_model
-    from .engines.sglang import check_extra_args
-    from .plan import create_run, plan_job
-    from .spec import SpecError, load_spec
+    from .plan import create_run
+    from .preflight import preflight
 
-    spec = load_spec(job)
-    if spec.engine.kind == "sglang":
-        problems = check_extra_args(spec.engine.extra_args)
-        if problems:
-            raise SpecError(f"{job}: [engine] extra_args: " + "; ".join(problems))
-    plan, refs = plan_job(spec)
-    check_model(plan)
+    # The same pre-flight as `check` and `run`; a dry run also tells of another run in output_dir (a real
+    # submission is refused there by create_run).
+    pf = preflight(job, warn_other_run=dry_run)
+    pf.print_warnings()
+    spec, plan, refs = pf.spec, pf.plan, pf.refs
     o = validate_resources(plan, options)
     params = shard_params(plan, o)
     info = {"params": params, "max_array_size": max_array_size(), "plan": plan}

@@ -207,10 +207,22 @@ def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_leve
         raise SpecError(f"{source}: {where}: `ignore_eos = true` would make every output run to max_new_tokens")
 
 
-def _resolve(base: Path, p: str | None) -> str | None:
+_VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+
+
+def _resolve(base: Path, p: str | None, where: str | None = None, source: Path | None = None) -> str | None:
+    """`p` with ~ and environment variables expanded, relative to `base`. With `where`, a variable that is not set
+    is an error naming the key (os.path.expandvars would leave `${DATA_ROOT}` in the path)."""
     if p is None:
         return None
-    q = Path(os.path.expandvars(os.path.expanduser(p)))
+    expanded = os.path.expandvars(os.path.expanduser(p))
+    if where is not None:
+        for m in _VAR.finditer(expanded):
+            name = m.group(1) or m.group(2)
+            if name not in os.environ:
+                raise SpecError(f"{source}: {where}: environment variable {name} is not set "
+                                "(export it, or write the path out)")
+    q = Path(expanded)
     return str(q if q.is_absolute() else (base / q).resolve())
 
 
@@ -259,7 +271,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             raise SpecError(f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique")
         seen.add(d.name)
         _check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
-        d.path = _resolve(base, d.path)
+        d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
         if check_paths and not Path(d.path).is_file():
             raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
     for d in spec.datasets:
@@ -285,10 +297,14 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
     m = spec.model
     # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
-    m.path = _resolve(base, m.path) if _looks_local(m.path, base) else m.path
+    def key(name: str) -> str | None:
+        return name if check_paths else None
+
+    m.path = _resolve(base, m.path, key("[model] path"), source) if _looks_local(m.path, base) else m.path
     if m.tokenizer_path is not None:
-        m.tokenizer_path = _resolve(base, m.tokenizer_path) if _looks_local(m.tokenizer_path, base) else m.tokenizer_path
-    m.chat_template = _resolve(base, m.chat_template)
+        m.tokenizer_path = (_resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
+                            if _looks_local(m.tokenizer_path, base) else m.tokenizer_path)
+    m.chat_template = _resolve(base, m.chat_template, key("[model] chat_template"), source)
     if check_paths and m.chat_template and not Path(m.chat_template).is_file():
         raise SpecError(f"{source}: [model] chat_template file {m.chat_template} does not exist")
     tok = m.tokenizer_path or m.path
@@ -297,7 +313,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             f"{source}: [model] tokenizer path {tok} does not exist "
             f"(set `tokenizer_path` if the tokenizer lives apart from the weights)"
         )
-    spec.output_dir = _resolve(base, spec.output_dir)
+    spec.output_dir = _resolve(base, spec.output_dir, key("output_dir"), source)
     return spec
 
 

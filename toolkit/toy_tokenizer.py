@@ -1,12 +1,26 @@
 """Small real Hugging Face tokenizers for the demo job and the tests.
 
 `build_tokenizer` trains a byte-level BPE on English text that ships with Python (the pydoc topics), adds the
-control tokens of one model family (kimi, qwen3, deepseek) so that each encodes to exactly one id, attaches the
-family's chat template from templates/chat/, and writes a folder that looks like a model folder to
-`transformers.AutoTokenizer.from_pretrained`: tokenizer.json, tokenizer_config.json (with the chat template),
-config.json and generation_config.json (with `eos_token_id`). The same arguments always give the same files.
+control tokens of one model family so that each encodes to exactly one id, attaches a chat template, and writes a
+folder that looks like a model folder to `transformers.AutoTokenizer.from_pretrained`: tokenizer.json,
+tokenizer_config.json (with the chat template), config.json and generation_config.json (with `eos_token_id`). The
+same arguments always give the same files.
+
+Families, and the real chat templates (as the models ship them) each one renders with single-token specials:
+
+    kimi           Kimi-K2.5 (own template: templates/chat/kimi.jinja)
+    kimi-thinking  Kimi-K2-Thinking (kimi's tokens plus the media tokens its template writes)
+    qwen3          Qwen3 (own template: templates/chat/qwen3.jinja; also Qwen3's real template)
+    deepseek       DeepSeek-R1 and its distills (own template: templates/chat/deepseek.jinja; also the real one)
+    deepseek-v3    DeepSeek-V3.1 (deepseek's tokens)
+    glm            GLM-4.5 / GLM-4.6
+    minimax        MiniMax-M2
+
+The families without an own template need `chat_template=` (the model's template source). `extra_special` adds
+more control tokens (special, one id each) for a template that writes tokens no family has.
 
     python -m toolkit.toy_tokenizer --family kimi OUT_DIR
+    python -m toolkit.toy_tokenizer --family glm --chat-template glm-4.6.jinja OUT_DIR
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ class Family(msgspec.Struct, frozen=True):
     pad: str | None
     config_eos: tuple[str, ...]  # eos_token_id of config.json (one entry -> int, several -> list)
     generation_eos: tuple[str, ...]  # eos_token_id of generation_config.json
+    template: str | None = None  # file of templates/chat/ used when no chat_template is given
 
 
 FAMILIES: dict[str, Family] = {
@@ -64,6 +79,7 @@ FAMILIES: dict[str, Family] = {
         pad=None,
         config_eos=("[EOS]",),
         generation_eos=("<|im_end|>",),
+        template="kimi.jinja",
     ),
     # Qwen3: the model writes <think> itself; generation_config.json lists <|im_end|> and <|endoftext|>.
     "qwen3": Family(
@@ -74,6 +90,7 @@ FAMILIES: dict[str, Family] = {
         pad="<|endoftext|>",
         config_eos=("<|im_end|>",),
         generation_eos=("<|im_end|>", "<|endoftext|>"),
+        template="qwen3.jinja",
     ),
     # DeepSeek-R1: the generation prompt ends with <｜Assistant｜><think>\n.
     "deepseek": Family(
@@ -96,8 +113,39 @@ FAMILIES: dict[str, Family] = {
         pad="<｜end▁of▁sentence｜>",
         config_eos=("<｜end▁of▁sentence｜>",),
         generation_eos=("<｜end▁of▁sentence｜>",),
+        template="deepseek.jinja",
     ),
 }
+# Kimi-K2-Thinking: the model writes <think> itself; its template also writes media placeholders.
+FAMILIES["kimi-thinking"] = msgspec.structs.replace(
+    FAMILIES["kimi"],
+    special=FAMILIES["kimi"].special + ("<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"),
+    template=None,
+)
+# DeepSeek-V3.1: the tokens of R1; its template closes reasoning unless `thinking` is set.
+FAMILIES["deepseek-v3"] = msgspec.structs.replace(FAMILIES["deepseek"], template=None)
+# GLM-4.5 / 4.6: the model writes <think> itself; every turn marker also stops generation.
+FAMILIES["glm"] = Family(
+    special=("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+             "<|assistant|>", "<|observation|>"),
+    plain=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"),
+    eos="<|endoftext|>",
+    bos=None,
+    pad="<|endoftext|>",
+    config_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+    generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+)
+# MiniMax-M2: the template opens <think>; turns are ]~b]role ... [e~[.
+FAMILIES["minimax"] = Family(
+    special=("]~!b[", "]~b]", "[e~[", "]!p~[", "]!d~["),
+    plain=("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+    eos="[e~[",
+    bos="]~!b[",
+    pad=None,
+    config_eos=("[e~[",),
+    generation_eos=("[e~[",),
+)
 
 
 def corpus() -> list[str]:
@@ -108,7 +156,11 @@ def corpus() -> list[str]:
 
 
 def default_template(family: str) -> str:
-    path = TEMPLATES_DIR / f"{family}.jinja"
+    name = FAMILIES[family].template if family in FAMILIES else f"{family}.jinja"
+    if name is None:
+        raise ValueError(f"tokenizer family {family!r} has no template of its own; pass chat_template= (the model's "
+                         "chat template source)")
+    path = TEMPLATES_DIR / name
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -116,12 +168,17 @@ def default_template(family: str) -> str:
 
 
 def build_tokenizer(
-    out_dir: str | Path, family: str, *, vocab_size: int = 4000, chat_template: str | None = None
+    out_dir: str | Path,
+    family: str,
+    *,
+    vocab_size: int = 4000,
+    chat_template: str | None = None,
+    extra_special: tuple[str, ...] | list[str] = (),
 ) -> Path:
     """Train and save a toy tokenizer of `family` into `out_dir`; return the folder.
 
-    `vocab_size` counts every id, control tokens included. `chat_template` is Jinja source; None uses
-    templates/chat/<family>.jinja.
+    `vocab_size` counts every id, control tokens included. `chat_template` is Jinja source; None uses the family's
+    own template in templates/chat/. `extra_special` adds control tokens (special, one id each) after the family's.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -132,6 +189,9 @@ def build_tokenizer(
         raise ValueError(f"vocab_size {vocab_size} is out of range; use {MIN_VOCAB}..{MAX_VOCAB}")
     spec = FAMILIES[family]
     template = default_template(family) if chat_template is None else chat_template
+    extra = tuple(t for t in dict.fromkeys(extra_special) if t not in spec.special + spec.plain)
+    if extra:
+        spec = msgspec.structs.replace(spec, special=spec.special + extra)
     n_control = len(spec.special) + len(spec.plain)
 
     bpe = Tokenizer(models.BPE())
@@ -200,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
     parser.add_argument("--vocab-size", type=int, default=4000)
     parser.add_argument("--chat-template", type=Path, help="Jinja file to use instead of the family's template")
+    parser.add_argument("--extra-special", action="append", default=[], metavar="TOKEN",
+                        help="one more control token (repeatable)")
     args = parser.parse_args(argv)
     try:
         template = args.chat_template.read_text(encoding="utf-8") if args.chat_template else None
-        out = build_tokenizer(args.out_dir, args.family, vocab_size=args.vocab_size, chat_template=template)
+        out = build_tokenizer(args.out_dir, args.family, vocab_size=args.vocab_size, chat_template=template,
+                              extra_special=args.extra_special)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
