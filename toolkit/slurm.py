@@ -312,15 +312,10 @@ def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
 def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:
     """Validate and plan `job`, then submit its arrays and merge job (or only print them with dry_run)."""
     from .cli import check_model
-    from .engines.sglang import check_extra_args
     from .plan import create_run, plan_job
-    from .spec import SpecError, load_spec
+    from .spec import load_spec
 
-    spec = load_spec(job)
-    if spec.engine.kind == "sglang":
-        problems = check_extra_args(spec.engine.extra_args)
-        if problems:
-            raise SpecError(f"{job}: [engine] extra_args: " + "; ".join(problems))
+    spec = load_spec(job)  # [engine] extra_args are checked there, as for `check` and `run`
     plan, refs = plan_job(spec)
     check_model(plan)
     o = validate_resources(plan, options)
