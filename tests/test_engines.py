@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from toolkit.client import HttpClient
 from toolkit.engines import EngineError, make_engine
 from toolkit.engines.sglang import check_extra_args, substitute
-from toolkit.spec import load_spec
+from toolkit.spec import SpecError, load_spec
 
 from jobfiles import make_job, process_running
 
@@ -37,7 +38,7 @@ def test_sglang_argv_is_complete_and_not_a_shell_string(tmp_path, toy_tokenizer)
     assert pairs["--model-path"] == str(tok)
     assert pairs["--tp-size"] == "8" and pairs["--dp-size"] == "2"
     assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "31234" and pairs["--api-key"] == "k" * 32
-    assert int(pairs["--nccl-port"]) > 0
+    assert "--nccl-port" not in argv, "SGLang picks its own NCCL port, one per data-parallel replica"
     assert "--trust-remote-code" in argv and argv[-2:] == ["--mem-fraction-static", "0.85"]
     assert all(isinstance(a, str) and a for a in argv)
 
@@ -46,7 +47,72 @@ def test_extra_args_may_not_fight_the_toolkit():
     assert check_extra_args(["--mem-fraction-static", "0.9"]) == []
     problems = check_extra_args(["--port", "1", "--tp=4", "--skip-server-warmup"])
     assert len(problems) == 3 and "--port is set by the toolkit" in problems[0]
+    assert "--tp (SGLang reads it as --tp-size) is set by the toolkit" in problems[1] and "[engine] tp_size" in problems[1]
     assert "false positive" in problems[2]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    # abbreviations SGLang's parser (allow_abbrev) resolves are managed flags too
+    (["--tp-s", "4"], "--tp-s (SGLang reads it as --tp-size) is set by the toolkit; remove it from extra_args and set [engine] tp_size"),
+    (["--api-k", "x"], "--api-k (SGLang reads it as --api-key) is set by the toolkit"),
+    (["--model", "/m"], "--model is set by the toolkit; remove it from extra_args and set [model] path"),
+    (["--tensor-parallel-size", "2"], "set [engine] tp_size"),
+    (["--cuda-graph-max-bs", "64"], "`--cuda-graph-max-bs` is ambiguous in SGLang 0.5.23: it could be "
+     "--cuda-graph-max-bs-decode or --cuda-graph-max-bs-prefill; use the full name"),
+    (["--stream-output"], "`--stream-output` is not a flag of SGLang 0.5.23 (it is one of SGLang 0.5.9); use "
+     "--incremental-streaming-output, or remove it"),
+    (["--no-such-flag", "1"], "`--no-such-flag` is not a flag of SGLang 0.5.23; remove it"),
+    (["--mem-fraction-static"], "`--mem-fraction-static` takes a value and was given none"),
+    (["--mem-fraction-static", "--enable-metrics"], "`--mem-fraction-static` takes a value and was given none"),
+    (["--mem-fraction-static", "lots"], "`--mem-fraction-static`: invalid float value `lots`"),
+    (["--enable-metrics=true"], "`--enable-metrics` is a switch and takes no value, but was given `=true`"),
+    (["--load-format", "nope"], "`--load-format`: invalid choice `nope` (choose from auto, pt,"),
+    (["--enable-metrics", "yes"], "`yes` is not a flag (SGLang takes no positional arguments"),
+    (["--config", "c.yaml"], "--config reads more flags from a YAML file the toolkit cannot check"),
+    (["--help"], "--help prints SGLang's help and exits"),
+])
+def test_extra_args_are_judged_like_sglangs_parser(extra, expected):
+    problems = check_extra_args(extra)
+    assert any(expected in p for p in problems), problems
+
+
+def test_extra_args_sglang_accepts():
+    ok = ["--mem-fraction-static=0.85", "--context-length", "65536", "--cuda-graph-max-bs-decode", "64",
+          "--reasoning-parser", "kimi_k2", "--enable-metrics", "--dist-timeout", "-1", "--kv-cache-dtype", "fp8_e4m3",
+          "--nccl-port", "29000", "--enable-dp-attention"]
+    assert check_extra_args(ok) == []
+    assert check_extra_args(["--stream-output", "--cuda-graph-max-bs", "8"], version="0.5.9") == []
+    assert check_extra_args(["--context-length", "1024"], kind="stub")[0].startswith(
+        "--context-length is set by the toolkit; remove it from extra_args and set [engine.stub] context_length")
+
+
+def test_a_pinned_nccl_port_with_data_parallel_replicas_is_refused():
+    assert check_extra_args(["--nccl-port", "29000"], dp_size=1) == []
+    (problem,) = check_extra_args(["--nccl-port", "29000"], dp_size=2)
+    assert "every data-parallel replica of SGLang binds this one port" in problem
+
+
+@pytest.mark.parametrize("kind", ["sglang", "stub"])
+def test_check_run_and_submit_refuse_what_sglang_refuses(tmp_path, toy_tokenizer, capsys, kind):
+    """Without sglang installed: the flag data judges extra_args wherever a job is loaded, --dry-run included."""
+    from toolkit.cli import main
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": kind, "extra_args": ["--cuda-graph-max-bs", "8"]})
+    for argv in (["check", str(job)], ["run", str(job)], ["submit", str(job), "--dry-run"], ["submit", str(job)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{job}: [engine] extra_args: `--cuda-graph-max-bs` is ambiguous" in err, (argv, err)
+        assert "use the full name, e.g. --cuda-graph-max-bs-decode or --cuda-graph-max-bs-prefill" in err
+    assert not (tmp_path / "run").exists(), "nothing was pinned"
+
+
+def test_stub_extra_args_follow_the_imitated_release(tmp_path, toy_tokenizer):
+    tok = toy_tokenizer("kimi")
+    job = make_job(tmp_path, tok, engine={"extra_args": ["--stream-output"]}, stub={"version": "0.5.9"})
+    assert load_spec(job).engine.extra_args == ["--stream-output"]
+    job = make_job(tmp_path / "b", tok, engine={"extra_args": ["--stream-output"]})
+    with pytest.raises(SpecError, match=r"\[engine\] extra_args: `--stream-output` is not a flag of SGLang 0.5.23"):
+        load_spec(job)
 
 
 def test_custom_command_placeholders():
@@ -89,9 +155,10 @@ def test_sglang_lifecycle_ready_probe_and_group_kill(tmp_path, toy_tokenizer):
     assert "engine start #1" in log and e.api_key not in log, "the api key must not be logged"
 
 
-def test_unknown_sglang_flag_fails_fast_with_log_tail(tmp_path, toy_tokenizer):
-    env = {"PYTHONPATH": str(FAKE_SGLANG), "FAKE_SGLANG_RECORD": str(tmp_path / "x.json")}
-    spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env, extra_args=["--no-such-flag"])
+def test_server_that_exits_before_ready_fails_fast_with_log_tail(tmp_path, toy_tokenizer):
+    env = {"PYTHONPATH": str(FAKE_SGLANG), "FAKE_SGLANG_RECORD": str(tmp_path / "x.json"),
+           "FAKE_SGLANG_FAIL": "no GPU found"}
+    spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env)
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
 
     async def go():
@@ -103,4 +170,68 @@ def test_unknown_sglang_flag_fails_fast_with_log_tail(tmp_path, toy_tokenizer):
             asyncio.run(go())
     finally:
         e.stop()
-    assert "exited with code 2" in str(err.value) and "unrecognized arguments: --no-such-flag" in str(err.value)
+    assert "exited with code 2" in str(err.value) and "error: no GPU found" in str(err.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--cuda-graph-max-bs", "8"], "ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode"),
+])
+def test_sglangs_own_parser_refuses_the_argv_before_launch(tmp_path, toy_tokenizer, extra, message):
+    """Where sglang is importable (the GPU node), its parser judges the argv before anything loads."""
+    record = tmp_path / "seen.json"
+    env = {"PYTHONPATH": str(FAKE_SGLANG), "FAKE_SGLANG_RECORD": str(record)}
+    spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env)
+    spec.engine.extra_args = extra  # past the login-side check, as if the flag data were older than the node's SGLang
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
+    try:
+        with pytest.raises(EngineError) as err:
+            e.start()
+    finally:
+        e.stop()
+    assert "SGLang's parser refuses the server command line" in str(err.value) and message in str(err.value)
+    assert e.proc is None and not record.exists(), "nothing was launched"
+    assert e.api_key not in str(err.value)
+
+
+def _send_usr2_then_check_alive(e, tmp_path):
+    async def go():
+        e.start()
+        http = HttpClient(e.url, api_key=e.api_key)
+        try:
+            await e.wait_ready(http, poll_s=0.2)
+            os.killpg(e.proc.pid, signal.SIGUSR2)  # what Slurm's --signal=USR2@T does to the job step
+            await asyncio.sleep(0.5)
+            assert e.alive(), f"the engine died of SIGUSR2 (exit code {e.exit_code()})"
+            await e.probe(http)
+        finally:
+            http.close()
+
+    asyncio.run(go())
+
+
+def test_stub_engine_ignores_slurms_usr2_and_still_stops(tmp_path, toy_tokenizer):
+    spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi")))
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
+    try:
+        _send_usr2_then_check_alive(e, tmp_path)
+        pid = e.proc.pid
+    finally:
+        e.stop()
+    assert e.proc is None and not process_running(pid)
+
+
+def test_sglang_engine_and_its_children_ignore_usr2_and_still_stop(tmp_path, toy_tokenizer):
+    record = tmp_path / "seen.json"
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).parents[1])]),
+           "FAKE_SGLANG_RECORD": str(record)}
+    spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env, shutdown_timeout_s=3)
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
+    try:
+        _send_usr2_then_check_alive(e, tmp_path)
+        seen = json.loads(record.read_text())
+        assert seen["usr2_ignored"]
+        assert process_running(seen["scheduler_pid"]), "the server's child survives SIGUSR2 too"
+    finally:
+        e.stop()
+    assert e.proc is None and not process_running(seen["scheduler_pid"])

@@ -105,7 +105,7 @@ class Stub:
 FLEET = {
     # name: (tokenizer family, extra flags)
     "qwen3": ("qwen3", ["--enable-metrics", "--tp-size", "4", "--mem-fraction-static", "0.8",
-                        "--some-future-flag", "3"]),
+                        "--cuda-graph-max-bs-d", "16"]),
     "qwen3_auth": ("qwen3", ["--api-key", "sekret"]),
     "kimi": ("kimi", []),
     "kimi_seed_bugs": ("kimi", ["--no-think-end", "--double-think-start"]),
@@ -210,11 +210,56 @@ def test_warmup_failure_kills_the_server(fleet):
     assert "Uvicorn running on" in log and "warmup error" in log and "The server is fired up" not in log
 
 
-def test_unknown_flags_are_logged_and_server_info_reports_the_setup(qwen3):
+def test_sglang_flags_are_accepted_and_server_info_reports_the_setup(qwen3):
     info = json.loads(qwen3.get("/server_info")[2])
     assert info["tp_size"] == 4 and info["version"] == "0.5.23" and info["status"] == "ready"
-    assert info["mem_fraction_static"] == "0.8"
-    assert "--some-future-flag 3" in qwen3.log_text()
+    assert info["mem_fraction_static"] == 0.8
+    assert info["cuda_graph_max_bs_decode"] == 16, "an abbreviation SGLang accepts, resolved as SGLang does"
+    assert "accepted without effect on the stub: cuda_graph_max_bs_decode, mem_fraction_static" in qwen3.log_text()
+
+
+def _parse(*args: str):
+    from toolkit.engines.stub_server import parse_config
+
+    return parse_config(["--model-path", "/m", *args])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cuda-graph-max-bs", "8"], "ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode, "
+                                   "--cuda-graph-max-bs-prefill"),
+    (["--stream-output"], "unrecognized arguments: --stream-output"),
+    (["--some-future-flag", "3"], "unrecognized arguments: --some-future-flag 3"),
+    (["--trust-remote-code=yes"], "argument --trust-remote-code: ignored explicit argument 'yes'"),
+    (["--mem-fraction-static"], "argument --mem-fraction-static: expected one argument"),
+    (["--load-format", "nope"], "argument --load-format: invalid choice: 'nope'"),
+    (["--load-del", "1"], "unrecognized arguments: --load-del 1"),  # the stub's own flags are never abbreviated
+])
+def test_stub_refuses_what_sglang_refuses(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        _parse(*args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_stub_takes_sglangs_abbreviations_and_the_imitated_releases_flags():
+    cfg = _parse("--tp-s", "4", "--tool-call", "kimi_k2", "--model", "/x", "--tensor-parallel-size", "2")
+    assert cfg.tp_size == 2 and cfg.model_path == "/x" and cfg.tool_call_parser == "kimi_k2"
+    cfg = _parse("--version", "0.5.9", "--stream-output", "--cuda-graph-max-bs", "8")
+    assert cfg.incremental_streaming_output and cfg.other_args == {"cuda_graph_max_bs": 8}
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.9"])
+def test_stub_accepts_every_flag_of_the_release_it_imitates(version):
+    from toolkit.engines.sglang_flags import flag_set
+    from toolkit.engines.stub_server import build_parser
+
+    parser = build_parser(version)
+    for f in flag_set(version).flags:
+        if f.action == "help":
+            continue
+        value = [str(f.choices[0])] if f.choices else ["16"]
+        values = [] if f.nargs == 0 else value * (f.nargs if isinstance(f.nargs, int) else 1)
+        for option in f.options:
+            parser.parse_args(["--model-path", "/m", "--version", version, option, *values])
 
 
 def test_keep_alive_connection_serves_many_requests(qwen3):

@@ -295,6 +295,8 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
     if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
         raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
+    if e.kind in ("sglang", "stub") and e.command is None:
+        _check_extra_args(e, source)
     m = spec.model
     # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
     def key(name: str) -> str | None:
@@ -315,6 +317,24 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         )
     spec.output_dir = _resolve(base, spec.output_dir, key("output_dir"), source)
     return spec
+
+
+def _check_extra_args(e: EngineSpec, source: Path) -> None:
+    """`[engine] extra_args` as SGLang's own parser would take them (from its flag data: no sglang needed
+    here), then against the flags the toolkit sets. The stub is judged by the release it imitates."""
+    from .engines.sglang import check_extra_args
+    from .engines.sglang_flags import VERSION_ENV, versions
+
+    if e.kind == "stub":
+        version = e.stub.version if e.stub.version in versions() else None
+    else:
+        version = os.environ.get(VERSION_ENV) or None
+        if version is not None and version not in versions():
+            raise SpecError(f"{source}: ${VERSION_ENV}={version}, but the toolkit knows the flags of SGLang "
+                            f"{', '.join(versions())} only (scripts/sglang_flags.py adds a release)")
+    problems = check_extra_args(e.extra_args, version=version, dp_size=e.dp_size, kind=e.kind)
+    if problems:
+        raise SpecError(f"{source}: [engine] extra_args: " + "; ".join(problems))
 
 
 def _looks_local(p: str, base: Path) -> bool:

@@ -264,7 +264,10 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
     renderer = threading.Thread(target=_render_thread, args=(loop, feed, sh.plan, todo, state), daemon=True, name="render")
     sh.save_progress("loading")
-    engine.start()
+    try:
+        engine.start()
+    except EngineError as e:  # refused before launch (e.g. SGLang's parser rejects the command line)
+        raise ShardFailed(str(e)) from None
     renderer.start()
     ready_once = False
     try:

@@ -52,7 +52,14 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
 
 
 def _die_with_parent() -> None:
-    """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9 (Linux)."""
+    """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9 (Linux); and
+    ignore SIGUSR2.
+
+    Slurm's `--signal=USR2@T` reaches every process of the job step, and SGLang has no USR2 handler: the
+    default action would kill the server at once. The worker, not the signal, decides when the engine stops
+    (it drains, then SIGTERMs the group). SIG_IGN survives exec and is inherited by the server's children.
+    """
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
         import ctypes
 
@@ -93,6 +100,10 @@ class Engine:
     def argv(self) -> list[str]:
         raise NotImplementedError
 
+    def before_launch(self, argv: list[str], env: dict[str, str]) -> None:
+        """Called with the argv and environment just before the server process is started (raise EngineError
+        to refuse the launch)."""
+
     def command_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.engine.env)
@@ -107,6 +118,8 @@ class Engine:
         self.api_key = secrets.token_hex(16)
         self.url = f"http://{LOOPBACK}:{self.port}"
         argv = self.argv()
+        env = self.command_env()
+        self.before_launch(argv, env)
         self.server_log.parent.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         with open(self.server_log, "ab") as out:
@@ -114,7 +127,7 @@ class Engine:
             out.flush()
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=self.command_env(), start_new_session=True, preexec_fn=_die_with_parent,
+                env=env, start_new_session=True, preexec_fn=_die_with_parent,
             )
         log.info("engine %s started: pid %d, %s, log %s", self.kind, self.proc.pid, self.url, self.server_log)
 

@@ -100,62 +100,90 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     other_args: dict[str, Any] = {}  # SGLang flags that are accepted, echoed in /server_info, and otherwise ignored
 
 
-# SGLang flags a launcher may pass that change nothing here but for --disable-radix-cache, which turns off the
-# prefix cache (cached_tokens stays 0): (flag, kind) with kind "value" or "switch".
-IGNORED_SGLANG_FLAGS = (
-    ("--mem-fraction-static", "value"), ("--max-running-requests", "value"), ("--chunked-prefill-size", "value"),
-    ("--nnodes", "value"), ("--node-rank", "value"), ("--dist-init-addr", "value"), ("--nccl-port", "value"),
-    ("--log-level-http", "value"), ("--random-seed", "value"), ("--watchdog-timeout", "value"),
-    ("--dist-timeout", "value"), ("--admin-api-key", "value"), ("--dtype", "value"), ("--quantization", "value"),
-    ("--kv-cache-dtype", "value"), ("--attention-backend", "value"), ("--load-format", "value"),
-    ("--cuda-graph-max-bs", "value"), ("--ep-size", "value"), ("--schedule-policy", "value"),
-    ("--allow-auto-truncate", "switch"), ("--enable-deterministic-inference", "switch"),
-    ("--enable-custom-logit-processor", "switch"), ("--log-requests", "switch"), ("--disable-cuda-graph", "switch"),
-    ("--disable-radix-cache", "switch"), ("--enable-dp-attention", "switch"), ("--enable-strict-thinking", "switch"),
-)
+# SGLang's own flags come from its flag data (engines/sglang_flags.json) of the release the stub imitates
+# (`--version`): every flag that release accepts is accepted here, with the same spellings, aliases, values and
+# unique-prefix abbreviations, and anything it refuses is refused (exit 2). Those listed below are modelled
+# (StubConfig fields: SGLang's destination names -> the field); the rest are echoed in /server_info and
+# otherwise ignored, except --disable-radix-cache, which turns off the prefix cache (cached_tokens stays 0).
+MODELLED = {
+    "model_path": ("model_path",), "tokenizer_path": ("tokenizer_path",), "host": ("host",), "port": ("port",),
+    "api_key": ("api_key",), "trust_remote_code": ("trust_remote_code",),
+    "skip_tokenizer_init": ("skip_tokenizer_init",), "context_length": ("context_length",),
+    "max_total_tokens": ("max_total_tokens",), "served_model_name": ("served_model_name",),
+    "tp_size": ("tp_size", "tensor_parallel_size"), "dp_size": ("dp_size", "data_parallel_size"),
+    "enable_metrics": ("enable_metrics",), "stream_interval": ("stream_interval",),
+    "incremental_streaming_output": ("incremental_streaming_output", "stream_output"),
+    "skip_server_warmup": ("skip_server_warmup",), "preferred_sampling_params": ("preferred_sampling_params",),
+    "reasoning_parser": ("reasoning_parser",), "tool_call_parser": ("tool_call_parser",), "log_level": ("log_level",),
+}
+MODELLED_KWARGS: dict[str, dict[str, Any]] = {
+    "model_path": {"required": True}, "host": {"default": "127.0.0.1"}, "port": {"type": int, "default": 30000},
+    "trust_remote_code": {"action": "store_true"}, "skip_tokenizer_init": {"action": "store_true"},
+    "context_length": {"type": int, "default": 8192},
+    "max_total_tokens": {"type": int, "help": "KV pool size in tokens (default 16 x context length)"},
+    "tp_size": {"type": int, "default": 1}, "dp_size": {"type": int, "default": 1},
+    "enable_metrics": {"action": "store_true"}, "stream_interval": {"type": int, "default": 1},
+    "incremental_streaming_output": {"action": "store_true", "help": "0.5.23's name; 0.5.9's --stream-output"},
+    "skip_server_warmup": {"action": "store_true"},
+    "preferred_sampling_params": {"help": "JSON object merged under every request's sampling_params"},
+    "log_level": {"default": "info"},
+}
 
 
 class _Parser(argparse.ArgumentParser):
+    """SGLang's argparse semantics for SGLang's flags; the stub's own flags must be spelled in full.
+
+    SGLang's parser accepts unique prefixes (allow_abbrev). Here only SGLang's flags take part in prefix
+    matching, so a stub flag can never make an abbreviation ambiguous that SGLang accepts (e.g. `--tool-call`
+    means --tool-call-parser in SGLang; --tool-call-fraction, the stub's, does not compete for it).
+    """
+
+    own_actions: set = set()
+
     def error(self, message: str):
         sys.stderr.write(f"{LOG_PREFIX} error: {message}\n")
         sys.exit(2)
 
+    def _get_option_tuples(self, option_string):
+        return [t for t in super()._get_option_tuples(option_string) if t[0] not in self.own_actions]
 
-def build_parser() -> argparse.ArgumentParser:
+
+def _profile(argv: list[str] | None) -> str:
+    """The `--version` (wire profile) on the command line, read before the rest: it picks SGLang's flag set."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--version", default="0.5.23")
+    ns, _ = pre.parse_known_args(argv)
+    return ns.version if ns.version in VERSIONS else "0.5.23"  # a bad one is refused by the full parser
+
+
+def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
+    from .sglang_flags import add_to_parser, flag_set
+
+    flags = flag_set(version)
     p = _Parser(
         prog="python -m toolkit.engines.stub_server",
         description="Stand-in SGLang server (a protocol test double, not a model).",
     )
-    g = p.add_argument_group("SGLang flags the stub models")
-    g.add_argument("--model-path", "--model", dest="model_path", required=True)
-    g.add_argument("--tokenizer-path")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--api-key")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--skip-tokenizer-init", action="store_true")
-    g.add_argument("--context-length", type=int, default=8192)
-    g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default 16 x context length)")
-    g.add_argument("--served-model-name")
-    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
-    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
-    g.add_argument("--enable-metrics", action="store_true")
-    g.add_argument("--stream-interval", type=int, default=1)
-    g.add_argument("--incremental-streaming-output", "--stream-output", dest="incremental_streaming_output",
-                   action="store_true", help="0.5.23 name, and 0.5.9's --stream-output")
-    g.add_argument("--skip-server-warmup", action="store_true")
-    g.add_argument("--preferred-sampling-params", help="JSON object merged under every request's sampling_params")
-    g.add_argument("--reasoning-parser")
-    g.add_argument("--tool-call-parser")
-    g.add_argument("--log-level", default="info")
-    for flag, kind in IGNORED_SGLANG_FLAGS:
-        if kind == "switch":
-            g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-        else:
-            g.add_argument(flag, help=argparse.SUPPRESS)
-    s = p.add_argument_group("stub behaviour and fault injection")
+    by_dest = {f.dest: f for f in flags.flags}
+    g = p.add_argument_group(f"SGLang {version} flags the stub models")
+    modelled_dests = set()
+    for name, dests in MODELLED.items():
+        known = MODELLED_KWARGS.get(name, {})
+        p.set_defaults(**{name: known.get("default", False if known.get("action") == "store_true" else None)})
+        flag = next((by_dest[d] for d in dests if d in by_dest), None)
+        if flag is None:
+            continue
+        modelled_dests.add(flag.dest)
+        kwargs = dict(MODELLED_KWARGS.get(name, {}))
+        if flag.choices is not None:
+            kwargs["choices"] = list(flag.choices)
+        g.add_argument(*flag.options, dest=name, **kwargs)
+    add_to_parser(p.add_argument_group(f"other SGLang {version} flags (accepted, echoed in /server_info)"), flags,
+                  skip_dests=modelled_dests)
+    s = p.add_argument_group("stub behaviour and fault injection (spelled in full: no abbreviations)")
+    before = set(p._actions)
     a = s.add_argument
-    a("--version", choices=VERSIONS, default="0.5.23", help="wire profile to imitate")
+    a("--version", choices=VERSIONS, default="0.5.23", help="wire profile to imitate, and SGLang flag set to accept")
     a("--think-start", default="<think>")
     a("--think-end", default="</think>")
     a("--load-delay", type=float, default=0.0, help="seconds before the port opens (weights 'loading')")
@@ -178,13 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-fails", action="store_true", help="the warm-up fails: the process kills itself when it ends")
     a("--no-think-end", action="store_true", help="outputs never contain the think-end token")
     a("--double-think-start", action="store_true", help="emit think-start even when the prompt opened it")
+    p.own_actions = set(p._actions) - before
+    clash = [o for act in p.own_actions for o in act.option_strings if o in flags]
+    assert not clash, f"stub flags {clash} are SGLang {version} flags too: rename them"
+    p.sglang_flags = flags
+    p.modelled_dests = modelled_dests
     return p
 
 
-def parse_config(argv: list[str] | None) -> tuple[StubConfig, list[str]]:
-    """Parse the command line; return the config and the flags nobody knows (logged, then ignored)."""
-    parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+def parse_config(argv: list[str] | None) -> StubConfig:
+    """Parse the command line as SGLang would (a flag SGLang refuses makes the stub exit 2, like SGLang)."""
+    parser = build_parser(_profile(argv))
+    ns = parser.parse_args(argv)
     fail_5xx = None
     if ns.fail_5xx:
         try:
@@ -202,7 +235,8 @@ def parse_config(argv: list[str] | None) -> tuple[StubConfig, list[str]]:
         parser.error("--served-model-name must not contain ':'")
     if ns.context_length < 16:
         parser.error("--context-length must be at least 16")
-    other = {flag[2:].replace("-", "_"): getattr(ns, flag[2:].replace("-", "_")) for flag, _ in IGNORED_SGLANG_FLAGS}
+    other = {f.dest: getattr(ns, f.dest, None) for f in parser.sglang_flags.flags
+             if f.dest not in parser.modelled_dests and f.action != "help"}
     cfg = StubConfig(
         model_path=ns.model_path, tokenizer_path=ns.tokenizer_path, host=ns.host, port=ns.port,
         api_key=ns.api_key or None, trust_remote_code=ns.trust_remote_code,
@@ -222,7 +256,7 @@ def parse_config(argv: list[str] | None) -> tuple[StubConfig, list[str]]:
         no_think_end=ns.no_think_end, double_think_start=ns.double_think_start,
         other_args={k: v for k, v in other.items() if v not in (None, False)},
     )
-    return cfg, unknown
+    return cfg
 
 
 # ================================================================================================
@@ -1845,13 +1879,13 @@ async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    cfg, unknown = parse_config(argv)
+    cfg = parse_config(argv)
     setup_logging(cfg.log_level)
     started = time.time()
     logger.info("Stand-in SGLang server %s profile: a test double of the HTTP protocol, NOT a model; outputs are "
                 "synthetic text from the tokenizer", cfg.version)
-    if unknown:
-        logger.info("Ignoring flags the stub does not know (accepted like SGLang's, no effect): %s", " ".join(unknown))
+    if cfg.other_args:
+        logger.info("SGLang flags accepted without effect on the stub: %s", ", ".join(sorted(cfg.other_args)))
     if cfg.exit_at_start is not None:
         logger.error("Exiting at start with status %d (--exit-at-start)", cfg.exit_at_start)
         return cfg.exit_at_start
