@@ -151,7 +151,7 @@ def test_the_length_rule_is_sglangs(tmp_path, toy_tokenizer):
 
     def run(ctx: int, mnt: int, flag: str = "--context-length={}") -> list[str]:
         text = job.read_text().replace("max_new_tokens = 256", f"max_new_tokens = {mnt}")
-        text = text.replace('kind = "stub"', f'kind = "stub"\nextra_args = {json.dumps(flag.format(ctx).split(" "))}')
+        text = text.replace('kind = "stub"', f'kind = "sglang"\nextra_args = {json.dumps(flag.format(ctx).split(" "))}')
         (tmp_path / "j.toml").write_text(text)
         return preflight(tmp_path / "j.toml").warnings
 
