@@ -54,15 +54,18 @@ def prepare_run(job: str, *, new_run: bool = False, check_tokenizer: bool = True
     return rd, plan
 
 
-def check_model(plan) -> None:
-    """Load the tokenizer and render the first prompt of every dataset: template errors surface before GPU time."""
+def check_model(plan):
+    """Load the tokenizer and render the first prompt of every dataset: template errors surface before GPU time.
+
+    Returns the tokenizer's TokenInfo (think, eos and tool-call ids)."""
     from . import chat
     from .inputs import scan_dataset
 
     tok = chat.load_tokenizer(plan.spec.model)
-    chat.token_info(tok, plan.spec.model)
+    info = chat.token_info(tok, plan.spec.model)
     for d in plan.datasets:
         chat.render(tok, plan.spec.model, next(scan_dataset(d.path, d.name)))
+    return info
 
 
 def cmd_check(args) -> int:
@@ -71,9 +74,13 @@ def cmd_check(args) -> int:
 
     spec = load_spec(args.job)
     plan, _ = plan_job(spec)
-    check_model(plan)
+    info = check_model(plan)
+    m = spec.model
     print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
+    print(f"tokenizer {m.tokenizer_path or m.path}: {info.vocab_size} ids; think {m.think_start!r} {info.think_start_id} / "
+          f"{m.think_end!r} {info.think_end_id}, eos {list(info.eos_ids)}; the chat template "
+          f"{'opens' if info.opens_reasoning else 'does not open'} reasoning")
     return EXIT_OK
 
 
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("run", help="run every shard of a job here (no Slurm), then merge and audit")
@@ -175,6 +183,20 @@ def _optional(add):
 _EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands)]
 
 
+def package_version() -> str:
+    """The installed distribution's version (package metadata), or "unknown" when run from a bare source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("toolkit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# Commands that run where generation does not (login node, final job): the tokenizer's load lines are detail there.
+QUIET_TOKENIZER = {"check", "submit", "resubmit", "status", "logs", "merge", "audit", "export", "cancel"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    quiet = args.command in QUIET_TOKENIZER and not args.verbose
+    logging.getLogger("toolkit.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
         return args.func(args)
     except _bad_input_errors() as e:
