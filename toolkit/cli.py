@@ -23,7 +23,7 @@ typical session:
   toolkit status RUN --watch                 one row per shard
   toolkit logs RUN 3 -f                      follow shard 3's worker log (--server: SGLang's own log)
   toolkit resubmit RUN                       only the shards without a done manifest
-  toolkit export RUN --format jsonl -o out.jsonl
+  toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 130 interrupted
 """
