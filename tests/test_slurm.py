@@ -175,6 +175,12 @@ def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
     subs = read_jobs(RunDir(tmp_path / "run")).submissions
     assert [len(a.shards) for a in subs[0].arrays] == [100, 30] and len(ids) == 3
     assert subs[0].arrays[1].shards[0] == 100
+    # What the dry run showed is what was submitted (but for the parallelism flag given here).
+    shown = dry.split("==> array 1 of 2")[1].split("\n", 1)[1].split("\n==> ")[0]
+    sent = (tmp_path / "run" / "slurm" / ids[0] / f"{ids[0]}_submission.sh").read_text()
+    assert "#SBATCH --array=0-99%1" in sent and "#SBATCH --array=0-99%100" in shown
+    assert sent.replace("%1\n", "%100\n", 1).strip() == shown.strip()
+    assert "validated against the cluster: partition gpu (nodes with up to 4 GPUs, 8 CPUs)" in dry
 
 
 @pytest.mark.parametrize(
