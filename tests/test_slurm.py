@@ -103,13 +103,18 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     assert st.returncode == 1 and " failed " in st.stdout
     logs = toolkit("logs", str(run), "--failed", check=False).stdout
     assert "shard 1: failed" in logs and "exited with code 1 before it was ready" in logs
-    assert "shard 0" not in logs and "shard 2" not in logs
+    assert "==> shard 0" not in logs and "==> shard 2" not in logs
+    merge_id = merge["job"]
+    assert f"==> merge job {merge_id}: failed (" in logs and f"{merge_id}/{merge_id}_0_log.out" in logs
+    assert "Traceback" in logs or "error" in logs.split(f"==> merge job {merge_id}")[1].lower()
 
     broken.unlink()  # the cause is fixed
     before = len(read_jobs(RunDir(run)).submissions)
     r = toolkit("resubmit", str(run))
     assert "resubmitting 1 shards without a done manifest: 1" in r.stdout
     subs = read_jobs(RunDir(run)).submissions
+    task = subs[-1].arrays[0].tasks[0]
+    assert f"(1 shard task: {task} runs shard 1)" in r.stdout
     assert len(subs) == before + 1 and [a.shards for a in subs[-1].arrays] == [[1]]
     again = toolkit("resubmit", str(run), check=False)
     assert again.returncode == 1 and "still pending or running" in again.stderr

@@ -485,9 +485,27 @@ def _options(args) -> dict[str, Any]:
                                                   "mem", "array_parallelism", "setup", "signal_delay_s")}
 
 
+MAPPED = 8  # array task -> shard pairs named in full
+
+
+def describe_array(a: ArrayJob) -> str:
+    """Which shard each task of an array runs, in words: `Submitted batch job 7 (array of 3 shard tasks: ...)`."""
+    n, first = len(a.shards), a.shards[0]
+    task = lambda i: a.tasks[i] if i < len(a.tasks) else f"{a.job_id}_{i}"  # noqa: E731
+    if n == 1:  # submitit sends a single task as a plain job
+        return f"Submitted batch job {a.job_id} (1 shard task: {task(0)} runs shard {first})"
+    if a.shards == list(range(first, first + n)):
+        which = "task i runs shard i" if first == 0 else f"task i runs shard {first} + i"
+        return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
+               f"shards {_ranges(a.shards)})"
+    pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
+    more = f", ... ({n - MAPPED} more; the mapping is in slurm/jobs.json)" if n > MAPPED else ""
+    return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
+
+
 def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
     for a in sub.arrays:
-        print(f"Submitted batch job {a.job_id} (array of {len(a.shards)} shard tasks: {_ranges(a.shards)})")
+        print(describe_array(a))
     print(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
     print(f"run directory: {rd.shown}")
     print("watch it with:")
