@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,63 @@ def test_resubmit_names_the_shard_each_array_task_runs():
     assert describe_array(ArrayJob("162", [4], ["162"])) == "Submitted batch job 162 (1 shard task: 162 runs shard 4)"
     many = describe_array(ArrayJob("163", list(range(0, 40, 2)), []))
     assert "163_7 = shard 14, ... (12 more" in many and "163_8" not in many
+
+
+# ---------------------------------------------------------------------------------------------------
+# the live bar of `toolkit run`
+# ---------------------------------------------------------------------------------------------------
+import io  # noqa: E402
+import logging  # noqa: E402
+
+from jobfiles import make_job  # noqa: E402
+from toolkit.livebar import LiveBar  # noqa: E402
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_shows_done_total_rate_and_eta_and_keeps_log_lines_apart(half_run):
+    s = half_run
+    tty = FakeTTY()
+    handler = logging.StreamHandler(tty)
+    handler.setFormatter(logging.Formatter("LOG %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with LiveBar(s.rd, s.plan, stream=tty, poll_s=0.05) as bar:
+            assert handler not in root.handlers, "console lines go through the bar while it is shown"
+            logging.getLogger("toolkit.test").warning("hello from the worker")
+            write_progress(s.rd.progress_file(1), Progress(shard=1, state="generating", total=9, done=9, failed=1,
+                                                           tok_per_s=1234.0, started=time.time() - 5))
+            bar.update()
+        assert handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+    text = tty.getvalue()
+    segments = [x.strip() for x in text.replace("\r", "\n").split("\n") if x.strip()]
+    assert "LOG hello from the worker" in segments  # a line of its own, never inside the bar
+    bars = [x for x in segments if "prompts" in x]
+    assert bars[0].startswith("synthetic-kimi:  89%|") and "16/18 prompts [" in bars[0]
+    assert bars[0].endswith("], 250 tok/s, 1 failed, shards 1/2")
+    assert "18/18 prompts [" in bars[-1] and "1,234 tok/s, 2 failed, shards 1/2" in bars[-1]
+    assert all(re.search(r"\[\d\d:\d\d<(\?|\d\d:\d\d)\]", b) for b in bars), "elapsed < ETA"
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(half_run):
+    s = half_run
+    plain = io.StringIO()
+    before = list(logging.getLogger().handlers)
+    with LiveBar(s.rd, s.plan, stream=plain, poll_s=0.05) as bar:
+        assert not bar.enabled and logging.getLogger().handlers == before
+        time.sleep(0.2)
+    assert plain.getvalue() == ""
+
+
+def test_toolkit_run_into_a_pipe_has_only_log_lines(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=2, sampling={"max_new_tokens": 32})
+    r = toolkit("run", str(job), "--no-merge")
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "prompts [" not in r.stderr and "\x1b" not in r.stderr
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", x) for x in r.stderr.splitlines())

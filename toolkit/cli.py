@@ -102,14 +102,17 @@ def cmd_run(args) -> int:
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     failed = []
-    for k in shards:
-        log.info("shard %d of %d", k, len(plan.shards))
-        try:
-            if run_shard(rd.root, k) == STOPPED:
-                return EXIT_STOPPED
-        except ShardFailed as e:
-            log.error("shard %d failed: %s", k, e)
-            failed.append(k)
+    from .livebar import LiveBar
+
+    with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
+        for k in shards:
+            log.info("shard %d of %d", k, len(plan.shards))
+            try:
+                if run_shard(rd.root, k) == STOPPED:
+                    return EXIT_STOPPED
+            except ShardFailed as e:
+                log.error("shard %d failed: %s", k, e)
+                failed.append(k)
     if failed:
         print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then `toolkit run {args.job}` again "
               "to resume them")
