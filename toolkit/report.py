@@ -143,7 +143,7 @@ pre{white-space:pre-wrap;word-break:break-word;font:12.5px/1.45 ui-monospace,SFM
   margin:3px 0;padding:6px 9px;border-radius:5px;max-height:220px;overflow:auto}
 .reasoning pre{background:#f6f8fa;color:#424a53} .content pre{background:#fff;border:1px solid #d8dee4}
 pre.empty{color:#8c959f;font-style:italic}
-.gap{display:block;color:#8c959f;font-style:italic;margin:2px 0}
+.gap{display:block;color:#8c959f;font-style:italic;margin:4px 0;padding:1px 0;text-align:center;border-top:1px dashed #d0d7de;border-bottom:1px dashed #d0d7de}
 .tok{display:inline-block;font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;padding:1px 8px;border-radius:10px;
   border:1px solid #54aeff;background:#ddf4ff;color:#0550ae}
 .tok.missing{background:#ffebe9;color:#a40e26;border-color:#ff8182} .tok.stop{background:#dafbe1;color:#116329;border-color:#4ac26b}
@@ -207,13 +207,13 @@ function hist(title, h, xmax, limits) {
   }
   svg.append(S('text', {x: L + pw / 2, y: H - 3, 'text-anchor': 'middle'}, 'tokens'));
   svg.append(S('text', {x: 11, y: T + ph / 2, 'text-anchor': 'middle', transform: `rotate(-90 11 ${T + ph / 2})`}, 'count'));
-  for (const lim of limits) {
-    const lx = x(lim);
-    svg.append(S('line', {x1: lx, x2: lx, y1: T - 4, y2: T + ph, stroke: '#cf222e', 'stroke-width': 1.5,
+  [...limits].sort((a, b) => b - a).forEach((lim, i) => {  // several (the "all" row): labels one below the other
+    const lx = x(lim), ly = T - 7 + 12 * i, right = lx > L + pw / 2;
+    svg.append(S('line', {x1: lx, x2: lx, y1: ly + 3, y2: T + ph, stroke: '#cf222e', 'stroke-width': 1.5,
                           'stroke-dasharray': '4 3', class: 'limit'}));
-    svg.append(S('text', {x: lx > L + pw / 2 ? lx - 4 : lx + 4, y: T - 7, 'text-anchor': lx > L + pw / 2 ? 'end' : 'start',
-                          class: 'limit'}, `max_new_tokens ${lim}`));
-  }
+    svg.append(S('text', {x: right ? lx - 4 : lx + 4, y: ly, 'text-anchor': right ? 'end' : 'start', class: 'limit'},
+                 `max_new_tokens ${lim}`));
+  });
   return svg;
 }
 const main = document.getElementById('main');
