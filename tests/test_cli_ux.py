@@ -75,7 +75,7 @@ def test_status_json_is_one_typed_object(half_run, capsys):
     assert st.shards[0].failed == 1 and st.shards[0].eta_s is None
     t = st.totals
     assert (t.done, t.total, t.failed, t.tok_per_s, t.shards) == (16, 18, 1, 250.0, {"completed": 1, "running": 1})
-    assert st.merge.job is None and st.merge.merged is False and st.run == str(s.root)
+    assert st.merge.job is None and st.merge.merged is False and st.run == str(s.root.resolve())
 
 
 def test_logs_follow_ends_by_itself_when_the_shard_is_done(half_run):
@@ -120,7 +120,8 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     s.rd.jobs_file.write_bytes(msgspec.json.encode(Jobs([sub])))
     mlog = s.rd.slurm_dir / "71" / "71_0_log.out"
     mlog.parent.mkdir(parents=True)
-    mlog.write_text("toolkit.merge: shard 1 is not finished: refusing to merge an incomplete run\n")
+    mlog.write_text("submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not finished (no done manifest): 1\n"
+                    "Traceback (most recent call last):\nRuntimeError: merge/audit failed (exit 2)\n")
     import toolkit.status
 
     monkeypatch.setattr(toolkit.status, "slurm_states", lambda ids: {
@@ -130,8 +131,8 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     assert "==> shard 1: failed (job 70_1, node n2) <==" in out and "error: engine died 3 times" in out
     assert "engine died mid-shard" in out and "==> shard 0" not in out
     assert "==> merge job 71: failed" in out and "71/71_0_log.out" in out
-    assert "refusing to merge an incomplete run" in out
-    assert "==> 1 failed records" in out and f"{s.refs[2].id}  server error 500: boom" in out
+    assert "why: toolkit: error: run: 1 of 2 shards are not finished" in out and "RuntimeError: merge/audit" in out
+    assert "==> 1 failed record (" in out and f"{s.refs[2].id}  server error 500: boom" in out
 
 
 def test_resubmit_names_the_shard_each_array_task_runs():

@@ -510,7 +510,7 @@ def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
     print(f"run directory: {rd.shown}")
     print("watch it with:")
     print(f"  toolkit status {rd.shown} --watch")
-    print(f"  toolkit logs {rd.shown} 0 -f")
+    print(f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f")
     print(f"  toolkit logs {rd.shown} --failed")
 
 

@@ -71,7 +71,7 @@ def status_report(rd: RunDir, rows: list[ShardStatus], merge: dict) -> RunStatus
     totals = Totals(done=sum(r.done for r in rows), total=sum(r.total for r in rows), failed=sum(r.failed for r in rows),
                     output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
                     shards=dict(sorted(by_state.items())))
-    return RunStatus(run=str(rd.root), shards=rows, totals=totals,
+    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals,
                      merge=MergeStatus(job=merge.get("job"), state=merge.get("state"), merged=bool(merge.get("merged"))))
 
 
@@ -272,6 +272,15 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]]]:
     return n, shown
 
 
+_REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
+
+
+def _reasons(log: Path, limit: int = 5) -> list[str]:
+    """The lines of a merge job's log that say why it failed (the toolkit's errors, failed audit checks)."""
+    with open(log, errors="replace") as f:
+        return [line.rstrip("\n") for line in f if _REASON.search(line)][:limit]
+
+
 def merge_log(rd: RunDir, job: str) -> Path:
     """submitit's log of the merge job (stdout and stderr together)."""
     return rd.slurm_dir / job / f"{job}_0_log.out"
@@ -291,14 +300,20 @@ def _print_failed(rd: RunDir, args) -> int:
     if merge_bad:
         log = merge_log(rd, merge["job"])
         print(f"==> merge job {merge['job']}: {merge['state']} ({shown_path(log)}) <==")
-        for line in _tail_lines(log, args.lines) if log.exists() else [f"(no log at {log})"]:
-            print(line)
+        if not log.exists():
+            print(f"(no log at {log})")
+        else:
+            for line in _reasons(log):
+                print(f"why: {line}")
+            for line in _tail_lines(log, args.lines):
+                print(line)
         print()
     n, recs = failed_records(rd, args.lines)
     if n:
         listed = rd.merged_dir / "failed_ids.txt"
         where = f"; all ids in {shown_path(listed)}" if listed.exists() else ""
-        print(f"==> {n} failed records (prompts the server refused or that errored; {len(recs)} shown{where}) <==")
+        print(f"==> {n} failed record{'s' if n > 1 else ''} (prompts the server refused or that errored; "
+              f"{len(recs)} shown{where}) <==")
         width = max(len(i) for i, _ in recs)
         for rid, err in recs:
             print(f"{rid:<{width}}  {err}")
