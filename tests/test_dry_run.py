@@ -86,3 +86,17 @@ def test_the_shown_time_is_what_slurm_reads():
     for t in ("24:00:00", "00:10:00", "2-00:00:00", "90", "1-12:30:00"):
         assert time_to_minutes(slurm_time(time_to_minutes(t))) == time_to_minutes(t)
     assert slurm_time(1440) == "24:00:00" and slurm_time(1) == "00:01:00"
+
+
+def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
+    import time
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm=SLURM)
+    no_path = {k: v for k, v in no_slurm_env(tmp_path).items() if k != "SLURM_CONF"}
+    r = dry_run(job, no_path)
+    assert r.returncode == 0 and "Slurm not reachable: not validated against a cluster (`scontrol` not found" in r.stdout
+    t0 = time.monotonic()
+    missing = {**os.environ, "SLURM_CONF": str(tmp_path / "nothing.conf"), "PYTHONPATH": str(REPO)}
+    r = dry_run(job, missing)  # scontrol itself would retry for a minute
+    assert r.returncode == 0 and f"SLURM_CONF={tmp_path / 'nothing.conf'} does not exist" in r.stdout
+    assert time.monotonic() - t0 < 30

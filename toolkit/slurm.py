@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -143,19 +144,21 @@ class MergeTask:
 # ---------------------------------------------------------------------------------------------------
 # talking to Slurm
 # ---------------------------------------------------------------------------------------------------
-def _run(argv: list[str]) -> str:
+def _run(argv: list[str], timeout: float = 60) -> str:
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise SlurmError(f"`{argv[0]}` not found: run this on a Slurm login node (or export SLURM_CONF for the local cluster)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from None
     if r.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
     return r.stdout
 
 
-def slurm_config() -> dict[str, str]:
+def slurm_config(timeout: float = 60) -> dict[str, str]:
     out = {}
-    for line in _run(["scontrol", "show", "config"]).splitlines():
+    for line in _run(["scontrol", "show", "config"], timeout).splitlines():
         k, sep, v = line.partition("=")
         if sep:
             out[k.strip()] = v.strip()
@@ -342,6 +345,7 @@ def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], Partiti
 # ---------------------------------------------------------------------------------------------------
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no cluster answers
 DEPENDENCY_PLACEHOLDER = "ARRAY_JOB_ID"
+PROBE_TIMEOUT_S = 20           # a dry run waits this long for a cluster to answer
 
 
 class ClusterCheck(msgspec.Struct):
@@ -365,8 +369,11 @@ class DryRun(msgspec.Struct):
 
 def check_cluster(plan: RunPlan, options: dict[str, Any]) -> tuple[dict[str, Any], ClusterCheck]:
     """Validate against the cluster when one answers (a bad partition or size still raises SlurmError)."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.exists(conf):  # scontrol would retry for a minute before saying so
+        return dict(options), ClusterCheck(reachable=False, why=f"SLURM_CONF={conf} does not exist")
     try:
-        config = slurm_config()
+        config = slurm_config(timeout=PROBE_TIMEOUT_S)
     except SlurmError as e:
         return dict(options), ClusterCheck(reachable=False, why=str(e).splitlines()[0])
     o, part = _validate(plan, options)
