@@ -124,11 +124,11 @@ def stop_columns(matched: int | str | None) -> tuple[int | None, str | None]:
 
 def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]]) -> Iterator[JsonlRecord]:
     for r, (reasoning, content) in zip(recs, texts):
+        stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
             id=r.id, dataset=r.dataset, status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
             output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
-            finish_reason=r.finish, matched_stop=stop_columns(r.matched_stop)[0],
-            matched_stop_str=stop_columns(r.matched_stop)[1], prompt_tokens=r.prompt_tokens,
+            finish_reason=r.finish, matched_stop=stop_id, matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
         )
 
