@@ -21,8 +21,10 @@ EPILOG = """\
 typical session:
   toolkit run jobs/demo.toml                 run every shard here, then merge and audit (no Slurm)
   toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then one Slurm array task per shard + a merge job
-  toolkit status RUN --watch                 one row per shard
-  toolkit logs RUN 3 -f                      follow shard 3's worker log (--server: SGLang's own log)
+  toolkit submit JOB --dry-run               the exact sbatch scripts, no cluster needed
+  toolkit status RUN --watch                 one row per shard (--json for scripts)
+  toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
+  toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
   toolkit resubmit RUN                       only the shards without a done manifest
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
