@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -285,8 +286,15 @@ def _png_rows(path: Path) -> tuple[int, int, np.ndarray]:
 def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     assert Path(chromium).exists(), "install Chromium: tests/install-browser.sh (apt-get install chromium)"
-    s = runs.plan_run(tmp_path, kimi, shards=3)
-    runs.write_run(s, runs.mix(runs.healthy(), p4=runs.no_think_end), failed=[7])
+    s = runs.plan_run(tmp_path, kimi, shards=3, sampling={"max_new_tokens": 600})
+    markup = '<script>alert("x")</script> <b>bold</b> & co'
+    first = next(i for i, r in enumerate(s.refs) if r.dataset == 0)  # planned first: shown as a sample
+
+    def with_markup(s, pos, rng):
+        ids = s.tok(markup, add_special_tokens=False)["input_ids"]
+        return runs.Out([*ids, *s.text(rng, 30), s.info.think_end_id, *s.text(rng, 20), s.eos], "stop", s.eos)
+
+    runs.write_run(s, runs.mix(runs.healthy(), p4=runs.no_think_end, **{f"p{first}": with_markup}), failed=[7])
     merge_and_audit(s.root)
     page = s.rd.merged_dir / "audit.html"
     assert b"http://" not in page.read_bytes().replace(b"http://www.w3.org/2000/svg", b"")  # self-contained
@@ -300,6 +308,28 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     checks = dom.split('<table id="checks">')[1].split("</table>")[0]
     assert checks.count('<tr class="bad">') == 2 and "stop_without_think_end" in checks  # 1 of 17: over 1 %
     assert dom.count("<svg") == 9  # output / reasoning / content histograms for math, chat and all
+    # Histograms: axes with ticks, one x scale per column across datasets, max_new_tokens marked on the outputs.
+    svgs = re.findall(r'<svg [^>]*data-xmax="(\d+)" data-kind="(\w+)">(.*?)</svg>', dom, re.S)
+    assert sorted(k for _, k, _ in svgs) == ["content"] * 3 + ["output"] * 3 + ["reasoning"] * 3
+    for kind in ("output", "reasoning", "content"):
+        assert len({x for x, k, _ in svgs if k == kind}) == 1, f"one shared x scale for {kind}"
+    for xmax, kind, body in svgs:
+        assert len(re.findall(r'class="xtick">', body)) >= 4 and len(re.findall(r'class="ytick">', body)) >= 2
+        assert ">tokens</text>" in body and ">count</text>" in body
+        assert ('class="limit">max_new_tokens 600</text>' in body) == (kind == "output")
+        if kind == "output":
+            assert int(xmax) >= 600
+    # Sample outputs: the split, the think-end and the stop token shown, the model's text escaped.
+    samples = dom.split('<div id="samples">')[1].split("<h2>")[0]
+    assert samples.count('<div class="sample">') == 6  # 3 per dataset
+    te = s.info.think_end_id
+    assert f"&lt;/think&gt;  id {te}</span>" in samples and f"no think-end (id {te}) in this output" in samples
+    assert f"&lt;|im_end|&gt;  id {s.eos} · finish stop" in samples
+    assert 'alert("x")' in samples and "&lt;script&gt;alert" in samples and "&lt;b&gt;bold&lt;/b&gt; &amp; co" in samples
+    assert dom.count("<script") == 2, "only the page's own scripts"
+    # Failures: counted by kind, shown with a real message.
+    failures = dom.split('<table id="failures">')[1].split("</table>")[0]
+    assert "server error N: boom" in failures and "server error 500: boom" in failures
     png = tmp_path / "audit.png"
     subprocess.run([chromium, *flags, f"--screenshot={png}", "--window-size=1200,1600", page.as_uri()],
                    capture_output=True, timeout=60, check=True)

@@ -14,8 +14,8 @@ from toolkit.records import unpack_ids
 
 import runs
 
-FIELDS = ["id", "dataset", "sample", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning", "content",
-          "finish_reason", "matched_stop", "prompt_tokens", "completion_tokens"]
+FIELDS = ["id", "dataset", "sample", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
+          "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
 
 
 def lines(path: Path) -> list[dict]:
@@ -85,10 +85,28 @@ def test_parquet_has_the_same_columns_and_ids(kimi_run, tmp_path):
 
     assert pa.types.is_list(table.schema.field("output_ids").type)
     assert table.schema.field("output_ids").type.value_type == pa.uint32()
+    assert table.schema.field("matched_stop").type == pa.int64()
+    assert table.schema.field("matched_stop_str").type == pa.string()
     for row, want in zip(table.to_pylist(), lines(tmp_path / "a.jsonl"), strict=True):
-        ms, want_ms = row.pop("matched_stop"), want.pop("matched_stop")  # JSON text in Parquet: an id or a string
-        assert (None if ms is None else json.loads(ms)) == want_ms
-        assert row == want
+        assert row == want  # same values, same types: the stop id is an int in both
+
+
+def test_a_stop_string_goes_to_matched_stop_str_in_both_formats(tmp_path, toy_tokenizer):
+    import pyarrow.parquet as pq
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 4}, shards=1)
+
+    def by_string(s, pos, rng):
+        ids = [*s.text(rng, 20), s.info.think_end_id, *s.text(rng, 10)]
+        return runs.Out(ids + [s.eos], "stop", s.eos) if pos % 2 else runs.Out(ids, "stop", "</answer>")
+
+    runs.write_run(s, by_string)
+    merge_run(s.root)
+    export_run(s.root, "jsonl", tmp_path / "s.jsonl")
+    export_run(s.root, "parquet", tmp_path / "s.parquet")
+    rows = lines(tmp_path / "s.jsonl")
+    assert [(r["matched_stop"], r["matched_stop_str"]) for r in rows] == [(None, "</answer>"), (s.eos, None)] * 2
+    assert pq.read_table(tmp_path / "s.parquet").to_pylist() == rows
 
 
 def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run, tmp_path):
@@ -126,6 +144,17 @@ def test_a_think_start_written_by_the_model_is_not_reasoning(tmp_path, toy_token
         ids, re_ = row["output_ids"], row["reasoning_end"]
         assert ids[0] == s.info.think_start_id
         assert row["reasoning"] == s.tok.decode(ids[1:re_]) and not row["reasoning"].startswith("<think>")
+
+
+def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, capsys):
+    s = kimi_run
+    assert cli_main(["export", str(s.root), "--format", "jsonl"]) == 0
+    out = capsys.readouterr().out
+    path = s.root / "export" / "records.jsonl"
+    assert len(lines(path)) == 13 and out.startswith("wrote 13 records to ")
+    assert Path(out.split(" to ")[1].split()[0]).resolve() == path.resolve()
+    assert cli_main(["export", str(s.root), "--format", "tokens"]) == 0
+    assert (s.root / "export" / "tokens.jsonl").exists() and "export/tokens.jsonl" in capsys.readouterr().out
 
 
 def test_export_command(kimi_run, tmp_path, capsys):

@@ -103,13 +103,18 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     assert st.returncode == 1 and " failed " in st.stdout
     logs = toolkit("logs", str(run), "--failed", check=False).stdout
     assert "shard 1: failed" in logs and "exited with code 1 before it was ready" in logs
-    assert "shard 0" not in logs and "shard 2" not in logs
+    assert "==> shard 0" not in logs and "==> shard 2" not in logs
+    merge_id = merge["job"]
+    assert f"==> merge job {merge_id}: failed (" in logs and f"{merge_id}/{merge_id}_0_log.out" in logs
+    assert "why: toolkit: error: " in logs and "shards are not finished" in logs  # the reason, before the tail
 
     broken.unlink()  # the cause is fixed
     before = len(read_jobs(RunDir(run)).submissions)
     r = toolkit("resubmit", str(run))
     assert "resubmitting 1 shards without a done manifest: 1" in r.stdout
     subs = read_jobs(RunDir(run)).submissions
+    task = subs[-1].arrays[0].tasks[0]
+    assert f"(1 shard task: {task} runs shard 1)" in r.stdout
     assert len(subs) == before + 1 and [a.shards for a in subs[-1].arrays] == [[1]]
     again = toolkit("resubmit", str(run), check=False)
     assert again.returncode == 1 and "still pending or running" in again.stderr
@@ -175,6 +180,12 @@ def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
     subs = read_jobs(RunDir(tmp_path / "run")).submissions
     assert [len(a.shards) for a in subs[0].arrays] == [100, 30] and len(ids) == 3
     assert subs[0].arrays[1].shards[0] == 100
+    # What the dry run showed is what was submitted (but for the parallelism flag given here).
+    shown = dry.split("==> array 1 of 2")[1].split("\n", 1)[1].split("\n==> ")[0]
+    sent = (tmp_path / "run" / "slurm" / ids[0] / f"{ids[0]}_submission.sh").read_text()
+    assert "#SBATCH --array=0-99%1" in sent and "#SBATCH --array=0-99%100" in shown
+    assert sent.replace("%1\n", "%100\n", 1).strip() == shown.strip()
+    assert "validated against the cluster: partition gpu (nodes with up to 4 GPUs, 8 CPUs)" in dry
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ Reader API: `read_run(run_dir)` and `read_shard(path)` iterate `Record`s (see to
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,23 @@ from .records import Record, unpack_ids
 from .shardfile import read_shard
 
 __all__ = ["Record", "read_run", "read_shard", "unpack_ids"]
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' import-time "PyTorch was not found" advisory: the toolkit only ever loads tokenizers,
+    which need no torch (the login node never has it). Every other transformers message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def _quiet_transformers() -> None:
+    logger = logging.getLogger("transformers")  # the logger transformers/__init__ warns through
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())
+
+
+_quiet_transformers()
 
 
 def read_run(run_dir: str | Path) -> Iterator[Record]:

@@ -60,6 +60,7 @@ from .progress import read_progress
 from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
 from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
 from .turns import turn_prompt
+from .samples import DatasetSamples, SampleCollector
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
 __all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
@@ -230,6 +231,7 @@ class AuditReport(msgspec.Struct):
     reprompt: Reprompt
     files: dict[str, str] = {}
     turns: list[TurnStats] = []  # regenerated datasets only
+    samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -318,6 +320,8 @@ class Auditor:
         self.sample_at = set(np.linspace(0, plan.total - 1, k).round().astype(int).tolist()) if k > 0 else set()
         self.sampled: dict[int, bytes] = {}
         self.turns: dict[tuple[str, int], TurnStats] = {}
+        self.samples = SampleCollector([d.name for d in plan.datasets], {
+            d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets})
 
     def _example(self, kind: str, rec_id: str) -> None:
         ex = self.examples.setdefault(kind, [])
@@ -370,7 +374,9 @@ class Auditor:
         if rec.status != OK:
             st.failed += 1
             sh.failed += 1
-            acc.errors[_error_kind(rec.error)] += 1
+            kind = _error_kind(rec.error)
+            acc.errors[kind] += 1
+            self.samples.error(rec.dataset, kind, rec.error)
             if rec.failure == "nan":
                 acc.r.nan_failed += 1
                 self._example("nan_stop", rec.id)
@@ -412,6 +418,7 @@ class Auditor:
         if te_at is not None or _find(out, info.think_start_id) is not None:
             r.think_tokens += 1
             self._example("think_tokens", rec.id)
+        self.samples.offer(rec, (r0, r1, c0, c1), te_at is not None)
         if last_prompt == info.think_end_id:
             r.closed_by_template += 1
             self._example("closed_by_template", rec.id)
@@ -471,8 +478,9 @@ class Auditor:
             f.writelines(i + "\n" for i in self.failed_ids)
         for p in files.values():
             os.replace(_tmp(p), p)
-        datasets = [_finish_acc(a) for a in self.ds.values()]
-        overall = _finish_acc(_combine(list(self.ds.values()), "all", plan.total))
+        tops = _hist_tops(list(self.ds.values()))
+        datasets = [_finish_acc(a, tops) for a in self.ds.values()]
+        overall = _finish_acc(_combine(list(self.ds.values()), "all", plan.total), tops)
         shards = self._shard_stats(manifest)
         reprompt = self._reprompt()
         checks = self._checks(manifest, datasets, overall, shards, reprompt, missing_ids)
@@ -490,6 +498,7 @@ class Auditor:
             ),
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
             turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
+            samples=self.samples.finish(self.tok, info.think_end_id),
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:
@@ -759,16 +768,24 @@ def _lengths(a: array) -> Lengths:
     return Lengths(count=len(v), total=total, mean=round(total / len(v), 1), p50=p50, p90=p90, p99=p99, max=int(v.max()))
 
 
-def _histogram(a: array) -> Histogram:
+def _hist_tops(accs: list[_Acc]) -> dict[str, int]:
+    """The largest length of each kind over every dataset: the datasets' histograms share their bins."""
+    def top(a: array) -> int:
+        return int(np.frombuffer(a, np.uint32).max()) if len(a) else 0
+
+    return {k: max((top(getattr(a, f"{k}_len")) for a in accs), default=0) + 1 for k in ("output", "reasoning", "content")}
+
+
+def _histogram(a: array, top: int | None = None) -> Histogram:
     v = np.frombuffer(a, np.uint32) if len(a) else np.zeros(0, np.uint32)
-    top = int(v.max()) + 1 if len(v) else 1
+    top = top or (int(v.max()) + 1 if len(v) else 1)
     width = max(1, -(-top // HIST_BINS))
     edges = list(range(0, width * HIST_BINS + 1, width))
     counts, _ = np.histogram(v, bins=edges)
     return Histogram(edges=edges, counts=counts.tolist())
 
 
-def _finish_acc(acc: _Acc) -> DatasetStats:
+def _finish_acc(acc: _Acc, tops: dict[str, int] | None = None) -> DatasetStats:
     st = acc.stats
     st.prompt_len = _lengths(acc.prompt_len)
     st.output_len = _lengths(acc.output_len)
@@ -778,9 +795,11 @@ def _finish_acc(acc: _Acc) -> DatasetStats:
     st.errors = dict(acc.errors.most_common(20))
     st.length_share = acc.finish.get("length", 0) / st.ok if st.ok else 0.0
     st.reasoning = acc.r
+    tops = tops or {}
     st.histograms = {
-        "output": _histogram(acc.output_len), "reasoning": _histogram(acc.reasoning_len),
-        "content": _histogram(acc.content_len),
+        "output": _histogram(acc.output_len, tops.get("output")),
+        "reasoning": _histogram(acc.reasoning_len, tops.get("reasoning")),
+        "content": _histogram(acc.content_len, tops.get("content")),
     }
     return st
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 __all__ = ["main"]
@@ -20,10 +21,12 @@ EPILOG = """\
 typical session:
   toolkit run jobs/demo.toml                 run every shard here, then merge and audit (no Slurm)
   toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then one Slurm array task per shard + a merge job
-  toolkit status RUN --watch                 one row per shard
-  toolkit logs RUN 3 -f                      follow shard 3's worker log (--server: SGLang's own log)
+  toolkit submit JOB --dry-run               the exact sbatch scripts, no cluster needed
+  toolkit status RUN --watch                 one row per shard (--json for scripts)
+  toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
+  toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
   toolkit resubmit RUN                       only the shards without a done manifest
-  toolkit export RUN --format jsonl -o out.jsonl
+  toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 130 interrupted
 """
@@ -61,6 +64,10 @@ def cmd_check(args) -> int:
     plan = pf.plan
     print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
+    info, m = pf.info, pf.spec.model
+    if info is not None:
+        print(f"tokenizer {m.tokenizer_path or m.path}: {info.vocab_size} ids; think {m.think_start!r} "
+              f"{info.think_start_id} / {m.think_end!r} {info.think_end_id}, eos {list(info.eos_ids)}")
     for line in pf.summary():
         print(line)
     for w in pf.warnings:
@@ -86,14 +93,17 @@ def cmd_run(args) -> int:
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     failed = []
-    for k in shards:
-        log.info("shard %d of %d", k, len(plan.shards))
-        try:
-            if run_shard(rd.root, k) == STOPPED:
-                return EXIT_STOPPED
-        except ShardFailed as e:
-            log.error("shard %d failed: %s", k, e)
-            failed.append(k)
+    from .livebar import LiveBar
+
+    with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
+        for k in shards:
+            log.info("shard %d of %d", k, len(plan.shards))
+            try:
+                if run_shard(rd.root, k) == STOPPED:
+                    return EXIT_STOPPED
+            except ShardFailed as e:
+                log.error("shard %d failed: %s", k, e)
+                failed.append(k)
     if failed:
         print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then `toolkit run {args.job}` again "
               "to resume them")
@@ -116,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("run", help="run every shard of a job here (no Slurm), then merge and audit")
@@ -167,6 +178,20 @@ def _optional(add):
 _EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands)]
 
 
+def package_version() -> str:
+    """The installed distribution's version (package metadata), or "unknown" when run from a bare source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("toolkit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# Commands that run where generation does not (login node, final job): the tokenizer's load lines are detail there.
+QUIET_TOKENIZER = {"check", "submit", "resubmit", "status", "logs", "merge", "audit", "export", "cancel"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -175,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    quiet = args.command in QUIET_TOKENIZER and not args.verbose
+    logging.getLogger("toolkit.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
         return args.func(args)
     except _bad_input_errors() as e:
@@ -182,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `toolkit status RUN | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ think-end). Only ok records are exported unless `include_failed`.
 
 Formats:
   jsonl          id, dataset, sample, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
-                 finish_reason, matched_stop, prompt_tokens, completion_tokens
-  parquet        the same columns (ids as list<uint32>; matched_stop as JSON text, since it is an id or a string)
-  tokens         {"id", "dataset", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
+                 finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
+  parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
+  tokens         {"id", "dataset", "sample", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
                  speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
   conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
                  (plus "tools" when the prompt had tools), SpecForge-style chat JSONL; a tool-call section the model
@@ -42,6 +42,8 @@ __all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
+DEFAULT_NAMES = {"jsonl": "records.jsonl", "parquet": "records.parquet", "tokens": "tokens.jsonl",
+                 "conversations": "conversations.jsonl"}  # in RUN/export/ when no output is given
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
@@ -63,7 +65,8 @@ class JsonlRecord(msgspec.Struct):
     reasoning: str
     content: str
     finish_reason: str | None
-    matched_stop: int | str | None
+    matched_stop: int | None        # the stop token id SGLang matched (None: a stop string, or no stop)
+    matched_stop_str: str | None    # the stop string SGLang matched, when the stop was a string
     prompt_tokens: int
     completion_tokens: int
 
@@ -128,6 +131,15 @@ def _ids(packed: bytes) -> list[int]:
     return np.frombuffer(packed, "<u4").tolist()
 
 
+def stop_columns(matched: int | str | None) -> tuple[int | None, str | None]:
+    """SGLang's `matched_stop` (a token id or a stop string) as (id, string): one of them set, or neither."""
+    if isinstance(matched, bool) or matched is None:
+        return None, None
+    if isinstance(matched, int):
+        return matched, None
+    return None, str(matched)
+
+
 def _sample(refs: PlannedRefs, r: Record) -> int:
     ref = refs.at(r.index)
     return ref.sample if ref is not None else 0
@@ -135,10 +147,11 @@ def _sample(refs: PlannedRefs, r: Record) -> int:
 
 def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]], refs: PlannedRefs) -> Iterator[JsonlRecord]:
     for r, (reasoning, content) in zip(recs, texts):
+        stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
             id=r.id, dataset=r.dataset, sample=_sample(refs, r), status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
             output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
-            finish_reason=r.finish, matched_stop=r.matched_stop, prompt_tokens=r.prompt_tokens,
+            finish_reason=r.finish, matched_stop=stop_id, matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
         )
 
@@ -225,7 +238,8 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("status", pa.string()), ("error", pa.string()),
         ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
         ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
-        ("matched_stop", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+        ("matched_stop", pa.int64()), ("matched_stop_str", pa.string()), ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
     ])
 
     def id_lists(packed: list[bytes]) -> pa.Array:
@@ -254,8 +268,8 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
             pa.array([t[0] for t in pending_text], pa.string()),
             pa.array([t[1] for t in pending_text], pa.string()),
             pa.array([r.finish for r in pending], pa.string()),
-            pa.array([None if r.matched_stop is None else msgspec.json.encode(r.matched_stop).decode() for r in pending],
-                     pa.string()),
+            pa.array([stop_columns(r.matched_stop)[0] for r in pending], pa.int64()),
+            pa.array([stop_columns(r.matched_stop)[1] for r in pending], pa.string()),
             pa.array([r.prompt_tokens for r in pending], pa.int64()),
             pa.array([r.completion_tokens for r in pending], pa.int64()),
         ]
@@ -277,10 +291,17 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
 _TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversations": _export_conversations}
 
 
-def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, *, include_failed: bool = False) -> int:
+def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
+    """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl, ..."""
+    return Path(run_dir) / "export" / DEFAULT_NAMES.get(fmt, f"{fmt}.out")
+
+
+def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
+               include_failed: bool = False) -> int:
     """Write the merged records of a run to `output` in `fmt`; return how many records were written.
 
-    The file appears under its name only when complete (written to a temporary name, then renamed).
+    Without `output`, the file is `default_output(run_dir, fmt)` (its folder is created). The file appears under
+    its name only when complete (written to a temporary name, then renamed).
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -292,6 +313,9 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike, 
     head = read_header(path)
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
+    if output is None:
+        output = default_output(run_dir, fmt)
+        Path(output).parent.mkdir(exist_ok=True)
     if fmt == "conversations":  # pairs records with their source messages: the files must be those planned
         try:
             check_plan_inputs(plan)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from .files import atomic_write, fsync_dir
+from .files import atomic_write, fsync_dir, shown_path
 from .plan import PromptRef, RunDir, RunPlan, ShardPlan, load_run
 from .records import OK, Record
 from .shardfile import (
@@ -555,11 +555,12 @@ def cmd_audit(args) -> int:
 def cmd_export(args) -> int:
     from . import export
 
+    output = args.output or export.default_output(args.run, args.format)
     try:
         n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
     except (MergeError, export.ExportError) as e:
         return _fail(e)
-    print(f"wrote {n} records to {args.output} ({args.format})")
+    print(f"wrote {n} records to {shown_path(output)} ({args.format})")
     return 0
 
 
@@ -596,9 +597,9 @@ def add_cli(sub) -> None:
         formatter_class=fmt,
         description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
         "  jsonl          one object per record: id, dataset, status, error, prompt_ids, output_ids,\n"
-        "                 reasoning_end, reasoning, content, finish_reason, matched_stop, prompt_tokens,\n"
-        "                 completion_tokens\n"
-        "  parquet        the same columns (needs pyarrow)\n"
+        "                 reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
+        "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
+        "  parquet        the same columns and types (needs pyarrow)\n"
         "  tokens         {\"input_ids\": prompt + output, \"loss_mask\": 0 per prompt id, 1 per output id},\n"
         "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
         "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
@@ -606,6 +607,7 @@ def add_cli(sub) -> None:
     )
     s.add_argument("run", help="run directory (merged with `toolkit merge`)")
     s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
-    s.add_argument("-o", "--output", required=True, help="output file")
+    s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
+                   "tokens.jsonl or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
     s.set_defaults(func=cmd_export)

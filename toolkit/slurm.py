@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -143,19 +144,21 @@ class MergeTask:
 # ---------------------------------------------------------------------------------------------------
 # talking to Slurm
 # ---------------------------------------------------------------------------------------------------
-def _run(argv: list[str]) -> str:
+def _run(argv: list[str], timeout: float = 60) -> str:
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise SlurmError(f"`{argv[0]}` not found: run this on a Slurm login node (or export SLURM_CONF for the local cluster)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from None
     if r.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
     return r.stdout
 
 
-def slurm_config() -> dict[str, str]:
+def slurm_config(timeout: float = 60) -> dict[str, str]:
     out = {}
-    for line in _run(["scontrol", "show", "config"]).splitlines():
+    for line in _run(["scontrol", "show", "config"], timeout).splitlines():
         k, sep, v = line.partition("=")
         if sep:
             out[k.strip()] = v.strip()
@@ -167,8 +170,14 @@ def max_array_size(config: dict[str, str] | None = None) -> int:
     return int(config.get("MaxArraySize", "1001"))
 
 
-def partition_info(name: str | None) -> tuple[str, int]:
-    """(partition name, most GPUs any of its nodes has); the default partition when `name` is None."""
+class PartitionInfo(msgspec.Struct):
+    name: str
+    gpus_per_node: int   # most GPUs any of its nodes has
+    cpus_per_node: int   # most CPUs any of its nodes has (0: unknown)
+
+
+def partition_info(name: str | None) -> PartitionInfo:
+    """The partition `name` (the default partition when None) and the largest node it has."""
     parts = {}
     default = None
     for line in _run(["scontrol", "show", "partition", "-o"]).splitlines():
@@ -184,13 +193,15 @@ def partition_info(name: str | None) -> tuple[str, int]:
         name = default
     if name not in parts:
         raise SlurmError(f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}")
-    gpus = 0
-    for gres in _run(["sinfo", "-h", "-p", name, "-o", "%G"]).split():
+    gpus = cpus = 0
+    for line in _run(["sinfo", "-h", "-p", name, "-o", "%G|%c"]).split():
+        gres, _, ncpu = line.partition("|")
+        cpus = max(cpus, int(ncpu)) if ncpu.isdigit() else cpus
         for item in gres.split(","):
             m = re.match(r"gpu(?::[^:(]+)?:(\d+)", item)
             if m:
                 gpus = max(gpus, int(m.group(1)))
-    return name, gpus
+    return PartitionInfo(name, gpus, cpus)
 
 
 def time_to_minutes(t: str) -> int:
@@ -211,12 +222,35 @@ def time_to_minutes(t: str) -> int:
     return max(1, total)
 
 
-def _executor(rd: RunDir, params: dict[str, Any]):
+def slurm_time(minutes: int) -> str:
+    """Minutes as Slurm writes a time limit, hours:minutes:seconds (1440 -> 24:00:00)."""
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def _executor(rd: RunDir, params: dict[str, Any], *, script_only: bool = False):
+    """submitit's executor for the run; `script_only`: one that only renders scripts (no Slurm needed)."""
     import submitit
 
-    ex = submitit.SlurmExecutor(folder=str(rd.slurm_dir / "%j"), max_num_timeout=20)
+    cls = submitit.SlurmExecutor
+    if script_only:
+        class _ScriptOnly(cls):  # submitit refuses to build an executor where `srun` is missing
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
+
+        cls = _ScriptOnly
+    ex = cls(folder=str(rd.slurm_dir / "%j"), max_num_timeout=20)
     ex.update_parameters(**params)
     return ex
+
+
+def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = None) -> str:
+    """The sbatch script submitit writes for these parameters (an array of `array` tasks, or one job), rendered by
+    submitit itself (as `map_array` and `submit` do), so what a dry run shows is what is submitted."""
+    ex = _executor(rd, params, script_only=True)
+    if array is not None:
+        ex.parameters["map_count"] = array
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
 def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
@@ -229,9 +263,10 @@ def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
         signal_delay_s=o.get("signal_delay_s") or s.signal_delay_s,
         array_parallelism=o.get("array_parallelism") or s.array_parallelism or 256,
         setup=list(s.setup) + list(o.get("setup") or []),
-        additional_parameters={"requeue": True, **s.extra},
         stderr_to_stdout=True,
     )
+    # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
+    params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
     for key in ("partition", "account", "qos", "mem"):
         value = o.get(key) or getattr(s, key)
         if value:
@@ -245,6 +280,7 @@ def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str,
         job_name=f"{plan.name}-merge", time=time_to_minutes(s.merge_time), cpus_per_task=s.merge_cpus,
         setup=list(s.setup) + list(o.get("setup") or []), dependency=dependency, stderr_to_stdout=True,
     )
+    params["additional_parameters"] = {"time": slurm_time(params["time"])}
     for key in ("partition", "account", "qos"):
         value = o.get(key) or getattr(s, key)
         if value:
@@ -252,20 +288,6 @@ def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str,
     if s.merge_mem:
         params["mem"] = s.merge_mem
     return params
-
-
-def sbatch_lines(params: dict[str, Any]) -> list[str]:
-    """The parameters as the #SBATCH lines submitit writes (for --dry-run)."""
-    lines = []
-    for k, v in sorted(params.items()):
-        if k in ("setup", "additional_parameters", "array_parallelism", "signal_delay_s", "stderr_to_stdout"):
-            continue
-        lines.append(f"#SBATCH --{k.replace('_', '-')}={v}")
-    lines.append(f"#SBATCH --signal=USR2@{params.get('signal_delay_s', 90)}")
-    for k, v in sorted((params.get("additional_parameters") or {}).items()):
-        lines.append(f"#SBATCH --{k.replace('_', '-')}" + ("" if v is True else f"={v}"))
-    lines += params.get("setup") or []
-    return lines
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:
@@ -292,9 +314,14 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
 
 
 def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
-    """Check partition and GPUs against the cluster; returns the options with the partition resolved."""
+    """Check partition, GPUs and CPUs against the cluster; returns the options with the partition resolved."""
+    return _validate(plan, o)[0]
+
+
+def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], PartitionInfo]:
     o = dict(o)
-    name, gpus = partition_info(o.get("partition") or plan.spec.slurm.partition)
+    part = partition_info(o.get("partition") or plan.spec.slurm.partition)
+    name, gpus = part.name, part.gpus_per_node
     o["partition"] = name
     want = o.get("gpus_per_node") if o.get("gpus_per_node") is not None else plan.spec.slurm.gpus_per_node
     if want > gpus:
@@ -302,11 +329,94 @@ def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
             f"--gpus-per-node {want} but the nodes of partition {name!r} have at most {gpus} GPUs; "
             f"lower it (and [engine] tp_size) or choose another partition"
         )
+    cpus = o.get("cpus_per_task") or plan.spec.slurm.cpus_per_task
+    if part.cpus_per_node and cpus > part.cpus_per_node:
+        raise SlurmError(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
+                         f"{part.cpus_per_node} CPUs; lower it or choose another partition")
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and want < tp_dp:
         raise SlurmError(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
-    return o
+    return o, part
+
+
+# ---------------------------------------------------------------------------------------------------
+# dry run: the scripts, with or without a cluster
+# ---------------------------------------------------------------------------------------------------
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no cluster answers
+DEPENDENCY_PLACEHOLDER = "ARRAY_JOB_ID"
+PROBE_TIMEOUT_S = 20           # a dry run waits this long for a cluster to answer
+
+
+class ClusterCheck(msgspec.Struct):
+    reachable: bool
+    why: str = ""                           # why not reachable
+    partition: PartitionInfo | None = None  # as validated
+    max_array_size: int = DEFAULT_MAX_ARRAY_SIZE
+
+
+class DryRun(msgspec.Struct):
+    run_dir: str
+    prompts: int
+    datasets: int
+    shards: int
+    fingerprint: str
+    cluster: ClusterCheck
+    arrays: list[list[int]]     # the shards of each array
+    array_scripts: list[str]    # the sbatch script of each array, as submitit writes it
+    merge_script: str
+
+
+def check_cluster(plan: RunPlan, options: dict[str, Any]) -> tuple[dict[str, Any], ClusterCheck]:
+    """Validate against the cluster when one answers (a bad partition or size still raises SlurmError)."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.exists(conf):  # scontrol would retry for a minute before saying so
+        return dict(options), ClusterCheck(reachable=False, why=f"SLURM_CONF={conf} does not exist")
+    try:
+        config = slurm_config(timeout=PROBE_TIMEOUT_S)
+    except SlurmError as e:
+        return dict(options), ClusterCheck(reachable=False, why=str(e).splitlines()[0])
+    o, part = _validate(plan, options)
+    return o, ClusterCheck(reachable=True, partition=part, max_array_size=max_array_size(config))
+
+
+def plan_dry_run(plan: RunPlan, options: dict[str, Any]) -> DryRun:
+    """What `submit` would send, without submitting or writing anything: submitit's scripts for each array and
+    for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once they are submitted)."""
+    rd = RunDir(plan.spec.output_dir)
+    o, cluster = check_cluster(plan, options)
+    arrays = _chunks(list(range(len(plan.shards))), cluster.max_array_size)
+    params = shard_params(plan, o)
+    scripts = [sbatch_script(rd, params, array=len(a)) for a in arrays]
+    names = [DEPENDENCY_PLACEHOLDER] if len(arrays) == 1 else [f"{DEPENDENCY_PLACEHOLDER}_{i + 1}" for i in range(len(arrays))]
+    merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + ":".join(names)))
+    return DryRun(run_dir=rd.shown, prompts=plan.total, datasets=len(plan.datasets), shards=len(plan.shards),
+                  fingerprint=plan.fingerprint, cluster=cluster, arrays=arrays, array_scripts=scripts,
+                  merge_script=merge)
+
+
+def format_dry_run(d: DryRun) -> str:
+    c = d.cluster
+    lines = [f"dry run: {d.prompts} prompts in {d.datasets} datasets -> {d.shards} shards, fingerprint {d.fingerprint}",
+             f"run directory would be: {d.run_dir}"]
+    if c.reachable and c.partition:
+        p = c.partition
+        lines.append(f"validated against the cluster: partition {p.name} (nodes with up to {p.gpus_per_node} GPUs, "
+                     f"{p.cpus_per_node or '?'} CPUs), MaxArraySize {c.max_array_size}")
+    else:
+        lines.append(f"Slurm not reachable: not validated against a cluster ({c.why}); MaxArraySize assumed "
+                     f"{c.max_array_size}")
+    lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
+                 + "; ".join(f"shards {_ranges(a)}" for a in d.arrays))
+    lines.append("nothing submitted. The scripts submitit will write and sbatch:")
+    for i, (shards, script) in enumerate(zip(d.arrays, d.array_scripts)):
+        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {_ranges(shards)} (task i runs shard "
+                     f"{shards[0]} + i) <==")
+        lines.append(script.rstrip("\n"))
+    lines.append(f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job id, "
+                 "known once it is submitted <==")
+    lines.append(d.merge_script.rstrip("\n"))
+    return "\n".join(lines)
 
 
 def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:
@@ -319,11 +429,11 @@ def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run:
     pf = preflight(job, warn_other_run=dry_run)
     pf.print_warnings()
     spec, plan, refs = pf.spec, pf.plan, pf.refs
+    if dry_run:
+        return RunDir(spec.output_dir), None, {"plan": plan, "dry_run": plan_dry_run(plan, options)}
     o = validate_resources(plan, options)
     params = shard_params(plan, o)
-    info = {"params": params, "max_array_size": max_array_size(), "plan": plan}
-    if dry_run:
-        return RunDir(spec.output_dir), None, info
+    info = {"params": params, "plan": plan}
     rd = create_run(plan, refs, new_run=new_run)
     pending = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
     if read_jobs(rd).submissions:
@@ -378,14 +488,32 @@ def _options(args) -> dict[str, Any]:
                                                   "mem", "array_parallelism", "setup", "signal_delay_s")}
 
 
+MAPPED = 8  # array task -> shard pairs named in full
+
+
+def describe_array(a: ArrayJob) -> str:
+    """Which shard each task of an array runs, in words: `Submitted batch job 7 (array of 3 shard tasks: ...)`."""
+    n, first = len(a.shards), a.shards[0]
+    task = lambda i: a.tasks[i] if i < len(a.tasks) else f"{a.job_id}_{i}"  # noqa: E731
+    if n == 1:  # submitit sends a single task as a plain job
+        return f"Submitted batch job {a.job_id} (1 shard task: {task(0)} runs shard {first})"
+    if a.shards == list(range(first, first + n)):
+        which = "task i runs shard i" if first == 0 else f"task i runs shard {first} + i"
+        return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
+               f"shards {_ranges(a.shards)})"
+    pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
+    more = f", ... ({n - MAPPED} more; the mapping is in slurm/jobs.json)" if n > MAPPED else ""
+    return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
+
+
 def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
     for a in sub.arrays:
-        print(f"Submitted batch job {a.job_id} (array of {len(a.shards)} shard tasks: {_ranges(a.shards)})")
+        print(describe_array(a))
     print(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
     print(f"run directory: {rd.shown}")
     print("watch it with:")
     print(f"  toolkit status {rd.shown} --watch")
-    print(f"  toolkit logs {rd.shown} 0 -f")
+    print(f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f")
     print(f"  toolkit logs {rd.shown} --failed")
 
 
@@ -406,16 +534,7 @@ def cmd_submit(args) -> int:
     rd, sub, info = submit(args.job, _options(args), dry_run=args.dry_run, new_run=args.new_run)
     plan = info["plan"]
     if sub is None:
-        n = len(plan.shards)
-        limit = info["max_array_size"]
-        print(f"dry run: {plan.total} prompts in {len(plan.datasets)} datasets -> {n} shards, fingerprint {plan.fingerprint}")
-        print(f"run directory would be: {rd.shown}")
-        arrays = _chunks(list(range(n)), limit)
-        print(f"{len(arrays)} job array(s) (MaxArraySize {limit}): " + "; ".join(f"shards {_ranges(a)}" for a in arrays))
-        print("sbatch parameters of each array task:")
-        for line in sbatch_lines(info["params"]):
-            print(f"  {line}")
-        print("then one merge + audit job with --dependency=afterany:<array job ids>")
+        print(format_dry_run(info["dry_run"]))
         return 0
     _print_submission(rd, sub, len(plan.shards))
     return 0

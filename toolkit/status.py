@@ -16,11 +16,14 @@ from pathlib import Path
 
 import msgspec
 
+from .files import shown_path
 from .plan import RunDir, load_run
 from .progress import Progress, read_progress
 from .shardfile import read_done
 
-__all__ = ["ShardStatus", "run_status", "add_cli"]
+__all__ = ["ShardStatus", "RunStatus", "run_status", "status_report", "add_cli"]
+
+FINISHED = ("done", "failed", "stopped")  # progress states after which a shard's log grows no more
 
 
 class ShardStatus(msgspec.Struct):
@@ -35,6 +38,41 @@ class ShardStatus(msgspec.Struct):
     job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
     node: str | None
     error: str | None
+
+
+class MergeStatus(msgspec.Struct):
+    job: str | None      # Slurm id of the run's (latest) merge + audit job
+    state: str | None    # its Slurm state, lower case
+    merged: bool         # merged/manifest.json exists
+
+
+class Totals(msgspec.Struct):
+    done: int
+    total: int
+    failed: int
+    output_tokens: int
+    tok_per_s: float
+    shards: dict[str, int]   # shards per state
+
+
+class RunStatus(msgspec.Struct):
+    """`toolkit status RUN --json`: one object, the same figures as the table."""
+
+    run: str
+    shards: list[ShardStatus]
+    totals: Totals
+    merge: MergeStatus
+
+
+def status_report(rd: RunDir, rows: list[ShardStatus], merge: dict) -> RunStatus:
+    by_state: dict[str, int] = {}
+    for r in rows:
+        by_state[r.state] = by_state.get(r.state, 0) + 1
+    totals = Totals(done=sum(r.done for r in rows), total=sum(r.total for r in rows), failed=sum(r.failed for r in rows),
+                    output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
+                    shards=dict(sorted(by_state.items())))
+    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals,
+                     merge=MergeStatus(job=merge.get("job"), state=merge.get("state"), merged=bool(merge.get("merged"))))
 
 
 def _expand(jid: str) -> list[str]:
@@ -160,9 +198,14 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
 def cmd_status(args) -> int:
     while True:
         rd, rows, merge = run_status(args.run)
-        text = format_status(rd, rows, merge)
+        if args.json:  # with --watch: one compact object per line, per refresh
+            text = msgspec.json.encode(status_report(rd, rows, merge)).decode()
+            if not args.watch:
+                text = msgspec.json.format(text, indent=2)
+        else:
+            text = format_status(rd, rows, merge)
         if args.watch:
-            sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+            sys.stdout.write(("" if args.json else "\x1b[H\x1b[2J") + text + "\n")
             sys.stdout.flush()
             finished = all(r.state not in ("pending", "running", "submitted", "requeued", "configuring") for r in rows)
             if finished and merge.get("state") not in ("pending", "running", "submitted"):
@@ -199,30 +242,104 @@ def follow(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5) -> No
                 sys.stdout.write(chunk.decode("utf-8", "replace"))
                 sys.stdout.flush()
             elif stop_when and stop_when():
+                time.sleep(poll_s)  # the last lines are written just after the state changes
+                sys.stdout.write(f.read().decode("utf-8", "replace"))
+                sys.stdout.flush()
                 return
             else:
                 time.sleep(poll_s)
 
 
+def shard_finished(rd: RunDir, shard: int) -> str | None:
+    """The state of a shard that has finished (done, failed, stopped), or None while it may still write."""
+    if read_done(rd.done_file(shard)) is not None:
+        return "done"
+    p = read_progress(rd.progress_file(shard))
+    return p.state if p is not None and p.state in FINISHED else None
+
+
+def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]]]:
+    """(how many records failed, the first `limit` as (id, error)), from the merged dataset or else the shards."""
+    from . import read_run
+    from .records import OK
+
+    listed = rd.merged_dir / "failed_ids.txt"
+    if (rd.merged_dir / "manifest.json").exists() and listed.exists() and listed.stat().st_size == 0:
+        return 0, []  # the audit of the merged run found none: no need to read every record
+    n, shown = 0, []
+    for rec in read_run(rd.root):
+        if rec.status != OK:
+            n += 1
+            if len(shown) < limit:
+                shown.append((rec.id, (rec.error or "(no message)").splitlines()[0]))
+    return n, shown
+
+
+_REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
+
+
+def _reasons(log: Path, limit: int = 5) -> list[str]:
+    """The lines of a merge job's log that say why it failed (the toolkit's errors, failed audit checks)."""
+    with open(log, errors="replace") as f:
+        return [line.rstrip("\n") for line in f if _REASON.search(line)][:limit]
+
+
+def merge_log(rd: RunDir, job: str) -> Path:
+    """submitit's log of the merge job (stdout and stderr together)."""
+    return rd.slurm_dir / job / f"{job}_0_log.out"
+
+
+BAD_STATES = ("failed", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
+
+
+def _print_failed(rd: RunDir, args) -> int:
+    """Failed shards (state, error, log tail), a failed merge job's log, then the failed records."""
+    _, rows, merge = run_status(rd.root)
+    bad = [r for r in rows if r.state in BAD_STATES]
+    merge_bad = merge.get("job") and (merge.get("state") or "") in BAD_STATES
+    if not bad:
+        print("no failed shards")
+    _print_failed_shards(rd, bad, args.lines)
+    if merge_bad:
+        log = merge_log(rd, merge["job"])
+        print(f"==> merge job {merge['job']}: {merge['state']} ({shown_path(log)}) <==")
+        if not log.exists():
+            print(f"(no log at {log})")
+        else:
+            for line in _reasons(log):
+                print(f"why: {line}")
+            for line in _tail_lines(log, args.lines):
+                print(line)
+        print()
+    n, recs = failed_records(rd, args.lines)
+    if n:
+        listed = rd.merged_dir / "failed_ids.txt"
+        where = f"; all ids in {shown_path(listed)}" if listed.exists() else ""
+        print(f"==> {n} failed record{'s' if n > 1 else ''} (prompts the server refused or that errored; "
+              f"{len(recs)} shown{where}) <==")
+        width = max(len(i) for i, _ in recs)
+        for rid, err in recs:
+            print(f"{rid:<{width}}  {err}")
+    return 1 if bad or merge_bad else 0
+
+
+def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None:
+    for r in bad:
+        print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
+        if r.error:
+            print(f"error: {r.error.splitlines()[0]}")
+        log = rd.log_file(r.shard)
+        if not log.exists() and r.job:  # died before the worker started: submitit's own log says why
+            log = next(iter(sorted(rd.slurm_dir.glob(f"*/{r.job}_0_log.out"))), log)
+        for line in _tail_lines(log, lines):
+            print(line)
+        print()
+
+
 def cmd_logs(args) -> int:
     rd, plan = load_run(args.run)
     if args.failed:
-        _, rows, _ = run_status(args.run)
-        bad = [r for r in rows if r.state in ("failed", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete")]
-        if not bad:
-            print("no failed shards")
-            return 0
-        for r in bad:
-            print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
-            if r.error:
-                print(f"error: {r.error.splitlines()[0]}")
-            log = rd.log_file(r.shard)
-            if not log.exists() and r.job:  # died before the worker started: submitit's own log says why
-                log = next(iter(sorted(rd.slurm_dir.glob(f"*/{r.job}_0_log.out"))), log)
-            for line in _tail_lines(log, args.lines):
-                print(line)
-            print()
-        return 1
+        return _print_failed(rd, args)
     if args.shard is None:
         print("which shard? e.g. `toolkit logs RUN 0`; --failed shows every failed shard", file=sys.stderr)
         return 2
@@ -232,9 +349,10 @@ def cmd_logs(args) -> int:
     path = rd.server_log_file(args.shard) if args.server else rd.log_file(args.shard)
     if args.follow:
         try:
-            follow(path, lines=args.lines)
+            follow(path, lines=args.lines, stop_when=lambda: shard_finished(rd, args.shard))
         except KeyboardInterrupt:
             return 0
+        print(f"(shard {args.shard} {shard_finished(rd, args.shard)}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
         print(f"{path} does not exist yet (the shard has not started)", file=sys.stderr)
@@ -249,13 +367,17 @@ def add_cli(sub) -> None:
     s.add_argument("run", help="run directory")
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
     s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object (shards, totals, merge job) instead of the table, for scripts")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
     s.add_argument("run", help="run directory")
     s.add_argument("shard", type=int, nargs="?", help="shard index")
-    s.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended, like tail -f")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing what is appended, like tail -f; ends when the shard is done, failed or stopped")
     s.add_argument("--server", action="store_true", help="the engine's own log instead of the worker's")
-    s.add_argument("--failed", action="store_true", help="the tail of every failed shard's log, with its error")
+    s.add_argument("--failed", action="store_true",
+                   help="every failed shard (error and log tail), a failed merge job's log, and the failed records")
     s.add_argument("-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)")
     s.set_defaults(func=cmd_logs)

@@ -1,0 +1,206 @@
+"""What a person sees at the terminal: quiet login-node commands, --version, status --json, logs that end."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toolkit(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_check_prints_no_torch_advisory_and_no_tokenizer_chatter():
+    r = toolkit("check", "jobs/demo.toml")
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch was not found" not in r.stderr + r.stdout
+    assert "INFO toolkit.chat" not in r.stderr  # the tokenizer's load lines are debug detail on a login node
+    assert "jobs/demo.toml: ok" in r.stdout and "think '<think>' 3993 / '</think>' 3994" in r.stdout
+
+
+def test_other_transformers_warnings_still_pass():
+    code = ("import logging, toolkit; lg = logging.getLogger('transformers'); "
+            "print([f.filter(logging.makeLogRecord({'msg': m})) for f in lg.filters "
+            "for m in ('PyTorch was not found. Models ...', 'something else')])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True).stdout
+    assert out.strip() == "[False, True]"
+
+
+def test_version_comes_from_package_metadata():
+    from importlib.metadata import version
+
+    r = toolkit("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"toolkit {version('toolkit')}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# status --json, logs -f, logs --failed: on a run directory, no Slurm needed
+# ---------------------------------------------------------------------------------------------------
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+
+import runs  # noqa: E402
+from toolkit.cli import main as cli_main  # noqa: E402
+from toolkit.progress import Progress, write_progress  # noqa: E402
+from toolkit.slurm import ArrayJob, Jobs, Submission, describe_array  # noqa: E402
+from toolkit.status import RunStatus  # noqa: E402
+
+
+@pytest.fixture
+def half_run(tmp_path, toy_tokenizer):
+    """Shard 0 done (with a failed record), shard 1 generating: 7 of 9 done at 250 tok/s."""
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 18}, shards=2)
+    runs.write_run(s, done=[0], failed=[2], skip=range(9, 18))
+    now = time.time()
+    write_progress(s.rd.progress_file(1), Progress(shard=1, state="generating", total=9, done=7, output_tokens=5000,
+                                                   tok_per_s=250.0, host="gpu-17", started=now - 70))
+    return s
+
+
+def test_status_json_is_one_typed_object(half_run, capsys):
+    s = half_run
+    assert cli_main(["status", str(s.root), "--json"]) == 0
+    st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
+    assert [(r.shard, r.state, r.done, r.total) for r in st.shards] == [(0, "completed", 9, 9), (1, "running", 7, 9)]
+    one = st.shards[1]
+    assert (one.node, one.tok_per_s, one.output_tokens) == ("gpu-17", 250.0, 5000) and 10 < one.eta_s < 40
+    assert st.shards[0].failed == 1 and st.shards[0].eta_s is None
+    t = st.totals
+    assert (t.done, t.total, t.failed, t.tok_per_s, t.shards) == (16, 18, 1, 250.0, {"completed": 1, "running": 1})
+    assert st.merge.job is None and st.merge.merged is False and st.run == str(s.root.resolve())
+
+
+def test_logs_follow_ends_by_itself_when_the_shard_is_done(half_run):
+    s = half_run
+    log = s.rd.log_file(1)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("line one\nline two\n")
+    p = subprocess.Popen([sys.executable, "-m", "toolkit", "logs", str(s.root), "1", "-f"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    with open(log, "a") as f:
+        f.write("generating...\n")
+    time.sleep(1.0)
+    assert p.poll() is None, "still following while the shard runs"
+    write_progress(s.rd.progress_file(1), Progress(shard=1, state="done", total=9, done=9))
+    with open(log, "a") as f:  # the worker writes its last line just after the state
+        f.write("shard 1 complete: 9 records\n")
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 0
+    assert out.splitlines() == ["line one", "line two", "generating...", "shard 1 complete: 9 records"]
+    assert "shard 1 done: stopped following" in err
+
+
+def test_logs_follow_of_a_finished_shard_prints_its_tail_and_returns(half_run, capsys):
+    s = half_run
+    s.rd.log_file(0).parent.mkdir(parents=True, exist_ok=True)
+    s.rd.log_file(0).write_text("".join(f"l{i}\n" for i in range(50)))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (cli_main(["logs", str(s.root), "0", "-f", "-n", "3"]), done.set()), daemon=True)
+    t.start()
+    assert done.wait(10), "follow of a finished shard must not wait"
+    assert capsys.readouterr().out.splitlines() == ["l47", "l48", "l49"]
+
+
+def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, capsys, monkeypatch):
+    s = half_run
+    write_progress(s.rd.progress_file(1), Progress(shard=1, state="failed", total=9, done=7,
+                                                   error="engine died 3 times (limit engine.max_restarts = 2)"))
+    s.rd.log_file(1).write_text("ERROR toolkit.worker: engine died mid-shard\n")
+    sub = Submission(submitted="now", arrays=[ArrayJob("70", [0, 1], ["70_0", "70_1"])], merge_job_id="71")
+    s.rd.jobs_file.parent.mkdir(parents=True, exist_ok=True)
+    s.rd.jobs_file.write_bytes(msgspec.json.encode(Jobs([sub])))
+    mlog = s.rd.slurm_dir / "71" / "71_0_log.out"
+    mlog.parent.mkdir(parents=True)
+    mlog.write_text("submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not finished (no done manifest): 1\n"
+                    "Traceback (most recent call last):\nRuntimeError: merge/audit failed (exit 2)\n")
+    import toolkit.status
+
+    monkeypatch.setattr(toolkit.status, "slurm_states", lambda ids: {
+        "70_0": ("COMPLETED", "n1"), "70_1": ("FAILED", "n2"), "71": ("FAILED", "n1")})
+    assert cli_main(["logs", str(s.root), "--failed"]) == 1
+    out = capsys.readouterr().out
+    assert "==> shard 1: failed (job 70_1, node n2) <==" in out and "error: engine died 3 times" in out
+    assert "engine died mid-shard" in out and "==> shard 0" not in out
+    assert "==> merge job 71: failed" in out and "71/71_0_log.out" in out
+    assert "why: toolkit: error: run: 1 of 2 shards are not finished" in out and "RuntimeError: merge/audit" in out
+    assert "==> 1 failed record (" in out and f"{s.refs[2].id}  server error 500: boom" in out
+
+
+def test_resubmit_names_the_shard_each_array_task_runs():
+    assert describe_array(ArrayJob("152", [0, 1, 2, 3], [])) == \
+        "Submitted batch job 152 (array of 4 shard tasks 152_[0-3]: task i runs shard i, shards 0-3)"
+    assert describe_array(ArrayJob("160", [1, 5, 7], ["160_0", "160_1", "160_2"])) == \
+        "Submitted batch job 160 (array of 3 shard tasks: 160_0 = shard 1, 160_1 = shard 5, 160_2 = shard 7)"
+    assert describe_array(ArrayJob("161", [100, 101], [])).endswith("task i runs shard 100 + i, shards 100-101)")
+    assert describe_array(ArrayJob("162", [4], ["162"])) == "Submitted batch job 162 (1 shard task: 162 runs shard 4)"
+    many = describe_array(ArrayJob("163", list(range(0, 40, 2)), []))
+    assert "163_7 = shard 14, ... (12 more" in many and "163_8" not in many
+
+
+# ---------------------------------------------------------------------------------------------------
+# the live bar of `toolkit run`
+# ---------------------------------------------------------------------------------------------------
+import io  # noqa: E402
+import logging  # noqa: E402
+
+from jobfiles import make_job  # noqa: E402
+from toolkit.livebar import LiveBar  # noqa: E402
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_shows_done_total_rate_and_eta_and_keeps_log_lines_apart(half_run):
+    s = half_run
+    tty = FakeTTY()
+    handler = logging.StreamHandler(tty)
+    handler.setFormatter(logging.Formatter("LOG %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with LiveBar(s.rd, s.plan, stream=tty, poll_s=0.05) as bar:
+            assert handler not in root.handlers, "console lines go through the bar while it is shown"
+            logging.getLogger("toolkit.test").warning("hello from the worker")
+            write_progress(s.rd.progress_file(1), Progress(shard=1, state="generating", total=9, done=9, failed=1,
+                                                           tok_per_s=1234.0, started=time.time() - 5))
+            bar.update()
+        assert handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+    text = tty.getvalue()
+    segments = [x.strip() for x in text.replace("\r", "\n").split("\n") if x.strip()]
+    assert "LOG hello from the worker" in segments  # a line of its own, never inside the bar
+    bars = [x for x in segments if "prompts" in x]
+    assert bars[0].startswith("synthetic-kimi:  89%|") and "16/18 prompts [" in bars[0]
+    assert bars[0].endswith("], 250 tok/s, 1 failed, shards 1/2")
+    assert "18/18 prompts [" in bars[-1] and "1,234 tok/s, 2 failed, shards 1/2" in bars[-1]
+    assert all(re.search(r"\[\d\d:\d\d<(\?|\d\d:\d\d)\]", b) for b in bars), "elapsed < ETA"
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(half_run):
+    s = half_run
+    plain = io.StringIO()
+    before = list(logging.getLogger().handlers)
+    with LiveBar(s.rd, s.plan, stream=plain, poll_s=0.05) as bar:
+        assert not bar.enabled and logging.getLogger().handlers == before
+        time.sleep(0.2)
+    assert plain.getvalue() == ""
+
+
+def test_toolkit_run_into_a_pipe_has_only_log_lines(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=2, sampling={"max_new_tokens": 32})
+    r = toolkit("run", str(job), "--no-merge")
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "prompts [" not in r.stderr and "\x1b" not in r.stderr
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", x) for x in r.stderr.splitlines())
