@@ -17,9 +17,30 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions"]
+__all__ = [
+    "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions",
+    "FAILURES", "TRANSIENT", "is_transient",
+]
 
 OK, FAILED = "ok", "failed"
+
+# Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come back the same
+# every time; transient ones depend on the server's state at that moment, so they are generated again (a rerun of
+# the shard, `toolkit resubmit`, `toolkit retry`).
+REJECTED = "rejected"          # a 4xx answer, e.g. a prompt over the context length          (permanent)
+TEMPLATE = "template"          # the chat template failed on the prompt                        (permanent)
+TIMEOUT = "timeout"            # no answer within request_timeout_s, retries included           (transient)
+SERVER_ERROR = "server_error"  # 5xx past the client's retries                                  (transient)
+UNREACHABLE = "unreachable"    # the connection failed past the retries                         (transient)
+BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol                          (transient)
+ABORTED = "aborted"            # the server aborted the request (finish_reason abort)           (transient)
+NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by a stop id
+FAILURES = {
+    REJECTED: False, TEMPLATE: False, TIMEOUT: True, SERVER_ERROR: True, UNREACHABLE: True, BAD_RESPONSE: True,
+    ABORTED: True, NAN: True,
+}  # kind -> transient
+TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
+NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
 
 
 class Record(msgspec.Struct, array_like=True):
@@ -39,6 +60,7 @@ class Record(msgspec.Struct, array_like=True):
     latency_s: float                # wall time of the successful attempt
     attempts: int
     error: str | None = None
+    failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
 
     @property
     def n_output(self) -> int:
@@ -113,11 +135,17 @@ def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: 
     return first_index(output_ids, think_end_id), first_index(output_ids, tool_call_start_id)
 
 
-def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int) -> Record:
+def is_transient(record: Record) -> bool:
+    """A failed record worth generating again (see TRANSIENT)."""
+    return record.status != OK and record.failure in TRANSIENT
+
+
+def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int,
+                  failure: str | None = None) -> Record:
     return Record(
         id=id, dataset=dataset, index=index, status=FAILED, prompt_ids=pack_ids(prompt_ids), output_ids=b"",
         reasoning_end=None, tool_call_at=None, finish=None, matched_stop=None, prompt_tokens=len(prompt_ids),
-        completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error,
+        completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error, failure=failure,
     )
 
 
