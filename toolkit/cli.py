@@ -23,6 +23,7 @@ typical session:
   toolkit status RUN --watch                 one row per shard
   toolkit logs RUN 3 -f                      follow shard 3's worker log (--server: SGLang's own log)
   toolkit resubmit RUN                       only the shards without a done manifest
+  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN) again
   toolkit export RUN --format jsonl -o out.jsonl
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 130 interrupted
@@ -172,7 +173,13 @@ def _optional(add):
     return wrapper
 
 
-_EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands)]
+def _add_retry_command(sub) -> None:
+    from .retry import add_cli
+
+    add_cli(sub)
+
+
+_EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands), _optional(_add_retry_command)]
 
 
 def main(argv: list[str] | None = None) -> int:

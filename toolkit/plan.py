@@ -10,6 +10,7 @@ Run directory layout (`RunDir` names every path):
     RUN/run.json              resolved spec, fingerprint, shard plan
     RUN/prompts.msgpack       where each planned prompt lives (dataset, line, byte offset), in planned order
     RUN/shards/NNNNN.zst      append-only record frames;  shards/NNNNN.done  completion manifest
+    RUN/shards/NNNNN.retry    ids `toolkit retry` asked to generate again (removed when the shard completes)
     RUN/progress/NNNNN.json   live progress of a shard
     RUN/logs/NNNNN.log        worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/                submitit's folder;  RUN/merged/  merged dataset, audit report
@@ -101,6 +102,9 @@ class RunDir:
 
     def done_file(self, i: int) -> Path:
         return self.shards_dir / f"{i:05d}.done"
+
+    def retry_file(self, i: int) -> Path:
+        return self.shards_dir / f"{i:05d}.retry"
 
     def progress_file(self, i: int) -> Path:
         return self.progress_dir / f"{i:05d}.json"
@@ -200,8 +204,12 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
     return rd, plan
 
 
-def load_refs(rd: RunDir) -> list[PromptRef]:
-    return msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[PromptRef])
+def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[PromptRef]:
+    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded)."""
+    raw = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
+    end = len(raw) if count is None else first + count
+    decode = msgspec.msgpack.Decoder(PromptRef).decode
+    return [decode(r) for r in raw[first:end]]
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:

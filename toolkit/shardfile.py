@@ -38,14 +38,17 @@ __all__ = [
     "Damage",
     "DoneManifest",
     "Frame",
+    "RetryRequest",
     "ShardWriter",
     "iter_frames",
     "needs_work",
     "read_done",
     "read_frame",
     "read_frame_at",
+    "read_retry",
     "read_shard",
     "scan",
+    "write_retry",
     "verify_done",
     "write_done",
 ]
@@ -454,6 +457,25 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
     if sha != m.sha256:
         return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
     return None
+
+
+class RetryRequest(msgspec.Struct):
+    """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record lies
+    before byte `before` of the shard file (records written since are the retry's own)."""
+
+    before: int
+    ids: list[str]
+
+
+def write_retry(path: Path, request: RetryRequest) -> None:
+    atomic_write(path, msgspec.json.encode(request))
+
+
+def read_retry(path: Path) -> RetryRequest | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
+    except FileNotFoundError:
+        return None
 
 
 def read_done(path: Path) -> DoneManifest | None:
