@@ -182,6 +182,21 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         os.killpg(stub.pid, signal.SIGKILL)
 
 
+def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kimi):
+    """Rendering is far faster than generating: without backpressure every prompt of the shard would be rendered and
+    held before the requests catch up (54,000 prompts at 100,000 in a shard). The bound: max(4 x concurrency,
+    2 render batches of 256)."""
+    job = make_job(tmp_path, kimi, n=1500, stub={"fixed_output_tokens": 8, "token_delay_s": 0.001},
+                   sampling={"max_new_tokens": 16}, client={"concurrency": 4},
+                   sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    assert len(records(rd.root)) == 1500
+    line = next(x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x)
+    peak = int(line.split("at most ")[1].split()[0])
+    assert 0 < peak <= 512, line
+
+
 def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
     rd, _ = prepare_run(job)
@@ -342,6 +357,13 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert len(failed) >= 5 and {r.failure for r in failed} == {"server_error"}
     assert all("HTTP 503" in r.error for r in failed)
     assert read_done(rd.done_file(0)).transient == len(failed)
+    assert cli_main(["logs", str(rd.root), "--failed"]) == 1
+    assert f"{len(failed)} failed records that may pass" in capsys.readouterr().out
+    from toolkit.merge import merge_and_audit
+
+    assert merge_and_audit(rd.root) == 1  # failed_share is over its limit, and says what to run
+    assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()
+    capsys.readouterr()
 
     fix_engine(rd, fail_5xx=None)
     assert cli_main(["retry", str(rd.root)]) == 0  # generates them again here, then merges and audits

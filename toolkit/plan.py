@@ -212,6 +212,36 @@ def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[Prom
     return [decode(r) for r in raw[first:end]]
 
 
+class RefSlice:
+    """The planned refs of positions first .. first+count-1, kept as their msgpack bytes (a few bytes per prompt,
+    not a Python object each) and decoded one at a time: a worker's memory does not grow with its shard's size."""
+
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, first: int, count: int):
+        from array import array
+
+        data = rd.prompts_file.read_bytes()
+        raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        sizes = [len(r) for r in raw]
+        del raw
+        start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
+        self.first = first
+        self._ends = array("Q")
+        end = 0
+        for n in sizes[first : first + count]:
+            end += n
+            self._ends.append(end)
+        self._data = data[start : start + end]
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> PromptRef:
+        begin = self._ends[i - 1] if i else 0
+        return self._decode(self._data[begin : self._ends[i]])
+
+
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory; reuse the directory if it holds the same fingerprint."""
     root = Path(plan.spec.output_dir)

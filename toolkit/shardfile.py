@@ -418,23 +418,68 @@ def needs_work(m: DoneManifest | None) -> bool:
     return m is None or m.transient > 0
 
 
-def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str) -> DoneManifest:
-    """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest."""
-    newest: dict[str, tuple[bool, bool, int, int]] = {}
+def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
+    """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
+
+    `positions`, the shard's planned positions, lets the newest record of each be tracked in compact arrays (a
+    few bytes per prompt) rather than a dict of ids.
+    """
+    counts = _PositionCounts(positions) if positions is not None else _IdCounts()
     total = 0
     for r in read_shard(shard_path):
         total += 1
-        newest[r.id] = (r.status == OK, is_transient(r), r.n_prompt, r.n_output)
-    ok = sum(v[0] for v in newest.values())
+        counts.add(r)
+    ok, failed, transient, ptok, otok = counts.totals()
     m = DoneManifest(
-        shard=shard, fingerprint=fingerprint, records=len(newest), ok=ok, failed=len(newest) - ok,
-        prompt_tokens=sum(v[2] for v in newest.values()), output_tokens=sum(v[3] for v in newest.values()),
-        bytes=shard_path.stat().st_size, sha256=_sha256(shard_path), host=socket.gethostname(),
+        shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
+        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=_sha256(shard_path), host=socket.gethostname(),
         finished=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        transient=sum(v[1] for v in newest.values()), superseded=total - len(newest),
+        transient=transient, superseded=total - ok - failed,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
+
+
+_ABSENT, _OK, _FAILED, _TRANSIENT = 0, 1, 2, 3
+
+
+class _IdCounts:
+    """The newest record's state per id, in a dict."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, tuple[int, int, int]] = {}
+
+    def add(self, r: Record) -> None:
+        state = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
+        self.newest[r.id] = (state, r.n_prompt, r.n_output)
+
+    def totals(self) -> tuple[int, int, int, int, int]:
+        states = [v[0] for v in self.newest.values()]
+        return (states.count(_OK), len(states) - states.count(_OK), states.count(_TRANSIENT),
+                sum(v[1] for v in self.newest.values()), sum(v[2] for v in self.newest.values()))
+
+
+class _PositionCounts:
+    """The newest record's state per planned position, in arrays (records outside `positions` are ignored)."""
+
+    def __init__(self, positions: range) -> None:
+        from array import array
+
+        self.first = positions.start
+        self.state = bytearray(len(positions))
+        self.ptok = array("I", bytes(4 * len(positions)))
+        self.otok = array("I", bytes(4 * len(positions)))
+
+    def add(self, r: Record) -> None:
+        i = r.index - self.first
+        if 0 <= i < len(self.state):
+            self.state[i] = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
+            self.ptok[i], self.otok[i] = r.n_prompt, r.n_output
+
+    def totals(self) -> tuple[int, int, int, int, int]:
+        present = len(self.state) - self.state.count(_ABSENT)
+        ok = self.state.count(_OK)
+        return ok, present - ok, self.state.count(_TRANSIENT), sum(self.ptok), sum(self.otok)
 
 
 def _sha256(path: Path) -> str:

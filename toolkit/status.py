@@ -204,14 +204,28 @@ def follow(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5) -> No
                 time.sleep(poll_s)
 
 
+def _retryable(rd: RunDir, plan) -> dict[int, int]:
+    """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
+    out = {}
+    for s in plan.shards:
+        m = read_done(rd.done_file(s.index))
+        if m is not None and m.transient:
+            out[s.index] = m.transient
+    return out
+
+
 def cmd_logs(args) -> int:
     rd, plan = load_run(args.run)
     if args.failed:
         _, rows, _ = run_status(args.run)
         bad = [r for r in rows if r.state in ("failed", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete")]
+        retryable = _retryable(rd, plan)
+        if retryable:
+            print(f"{sum(retryable.values())} failed records that may pass (timeouts, 5xx, aborts, NaN) in shards "
+                  f"{', '.join(map(str, retryable))}: `toolkit retry {rd.shown}` generates them again")
         if not bad:
             print("no failed shards")
-            return 0
+            return 1 if retryable else 0
         for r in bad:
             print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
             if r.error:

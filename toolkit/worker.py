@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from . import chat
 from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unreachable, generate
 from .engines import EngineError, make_engine
 from .inputs import PromptReader
-from .plan import PromptRef, RunDir, RunPlan, check_plan_inputs, load_refs, load_run
+from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, slurm_context, write_progress
 from .records import (
     ABORTED, BAD_RESPONSE, FAILED, NAN, NAN_MATCHED, OK, REJECTED, SERVER_ERROR, TEMPLATE, TIMEOUT, Record,
@@ -96,6 +97,7 @@ class _Feed:
         self.items: deque = deque()
         self.redo: deque = deque()
         self.finished = False
+        self.peak = 0  # most rendered prompts waiting at once
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
 
@@ -105,6 +107,7 @@ class _Feed:
             self.finished = True
         else:
             self.items.extend(items)
+            self.peak = max(self.peak, len(self.items))
             if not self.first.done():
                 first = next((item[2] for item in items if item[2] is not None), None)
                 if first is not None:
@@ -130,6 +133,21 @@ class _Feed:
                 return None
             self._event.clear()
             await self._event.wait()
+
+
+class _Todo:
+    """The prompts to generate as (planned position, ref) pairs, sliced a batch at a time: positions kept in a
+    compact array, refs decoded on demand."""
+
+    def __init__(self, refs: RefSlice, positions) -> None:
+        self.refs, self.positions = refs, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, s: slice) -> list[tuple[int, PromptRef]]:
+        first = self.refs.first
+        return [(p, self.refs[p - first]) for p in self.positions[s]]
 
 
 def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
@@ -420,6 +438,7 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
     except _Stop:
         return STOPPED
     finally:
+        log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
         state["stop"] = True
         feed.budget.close()
         sh.writer.flush()
@@ -473,6 +492,24 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
     return False
 
 
+def _plan_todo(rd: RunDir, sh: _Shard, done_ids: dict[str, int], redo: set[str]) -> _Todo:
+    """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
+    refs = RefSlice(rd, sh.sp.first, sh.sp.count)
+    positions = array("q")
+    owned = 0
+    for i in range(len(refs)):
+        rid = refs[i].id
+        if rid in done_ids:
+            owned += 1
+            if rid not in redo:
+                continue
+        positions.append(sh.sp.first + i)
+    if owned != len(done_ids):
+        unknown = set(done_ids) - {refs[i].id for i in range(len(refs))}
+        raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
+    return _Todo(refs, positions)
+
+
 def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
     """Recorded ids to generate again: transient failures, and those a retry request names that were not
     recorded again since it was made."""
@@ -507,13 +544,8 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         check_plan_inputs(plan)
         done_ids = sh.writer.open()
         try:
-            refs = load_refs(rd, sh.sp.first, sh.sp.count)
-            unknown = set(done_ids) - {r.id for r in refs}
-            if unknown:
-                raise ShardFailed(f"{rd.shard_file(shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
-            todo = [(sh.sp.first + i, r) for i, r in enumerate(refs) if r.id not in done_ids or r.id in redo]
-            del refs
+            todo = _plan_todo(rd, sh, done_ids, redo)
             sh.recorded = len(done_ids) - len(redo)
             log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
                      "%d asked by `toolkit retry`)", len(done_ids), sh.sp.count, len(todo), len(redo),
@@ -536,7 +568,8 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
             log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
                      shard, sh.recorded, sh.sp.count)
             return STOPPED
-        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint)
+        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint,
+                       positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
         if m.records != sh.sp.count:
             raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
         rd.retry_file(shard).unlink(missing_ok=True)
