@@ -145,12 +145,13 @@ def mix(default: OutputMaker, **by_pos: OutputMaker) -> OutputMaker:
     return lambda s, pos, rng: table.get(pos, default)(s, pos, rng)
 
 
-def record(s: Synth, pos: int, out: Out | None, *, error: str | None = None, attempts: int = 1) -> Record:
+def record(s: Synth, pos: int, out: Out | None, *, error: str | None = None, attempts: int = 1,
+           failure: str | None = "rejected") -> Record:
     """The Record the worker would write for planned position `pos` (failed when `out` is None)."""
     ref = s.refs[pos]
     ds = s.plan.datasets[ref.dataset].name
     if out is None:
-        return failed_record(ref.id, ds, pos, s.prompt_ids[pos], error or "server error 500: boom", attempts)
+        return failed_record(ref.id, ds, pos, s.prompt_ids[pos], error or "server error 500: boom", attempts, failure)
     re_, tc = None, None
     if s.info.think_end_id in out.ids:
         re_ = out.ids.index(s.info.think_end_id)

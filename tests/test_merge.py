@@ -98,25 +98,40 @@ def test_allow_incomplete_merges_a_partial_run_and_lists_what_is_missing(tmp_pat
     assert set((s.rd.merged_dir / "missing_ids.txt").read_text().split()) == lost  # the audit's own count agrees
 
 
-def test_duplicates_are_kept_once_preferring_ok_and_reported(tmp_path, kimi):
+def test_a_later_record_of_an_id_supersedes_the_earlier_one(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 8}, shards=1)
     rng = random.Random(3)
     ok = {p: runs.record(s, p, runs.healthy()(s, p, rng)) for p in range(8)}
-    failed2 = runs.record(s, 2, None, error="timeout")
-    failed5 = runs.record(s, 5, None, error="timeout")
-    # First attempt: 0, 1, a failed 2, 3, 4 and 0 again in a later frame (a record written twice).
+    failed2 = runs.record(s, 2, None, error="no answer within 10 s", failure="timeout")
+    failed5 = runs.record(s, 5, None, error="HTTP 503: overloaded", failure="server_error")
+    # First attempt: 0, 1, a timed-out 2, 3, 4 and 0 again in a later frame (a record written twice).
     runs.write_shard(s, 0, [ok[0], ok[1], failed2, ok[3], ok[4], ok[0]], done=False, flush_records=3)
-    # The task ran again (appending after a restart): 2 is ok this time, 3 comes again, 5 fails after an ok.
+    # Generated again (a rerun, `toolkit retry`): 2 is ok this time, 3 comes again, 5 is asked again and fails.
     runs.write_shard(s, 0, [ok[2], ok[3], ok[5], failed5, ok[6], ok[7]], flush_records=2)
 
     m = merge_run(s.root)
     out = merged(s)
     assert [r.index for r in out] == list(range(8))
-    assert [r.status for r in out] == [OK] * 8  # the ok copy wins over the failed one, whichever came first
-    assert all(runs.comparable(r) == runs.comparable(ok[r.index]) for r in out)
+    assert [r.status for r in out] == [OK] * 5 + ["failed"] + [OK] * 2  # the newest attempt counts, ok or not
+    assert all(runs.comparable(r) == runs.comparable(ok[r.index]) for r in out if r.index != 5)
+    assert out[5].failure == "server_error"
     assert m.duplicates == 4 and m.shards[0].duplicates == 4
     assert sorted(m.duplicate_ids) == sorted(s.refs[p].id for p in (0, 2, 3, 5))
-    assert m.complete and m.records == 8
+    assert m.complete and m.records == 8 and m.failed == 1
+
+
+def test_a_bit_flip_in_a_record_count_is_reported_by_merge_and_the_frames_after_it_kept(tmp_path, kimi):
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 12}, shards=1)
+    runs.write_run(s, window=0, flush_records=3)
+    path = s.rd.shard_file(0)
+    offsets = _frame_offsets(path)
+    data = bytearray(path.read_bytes())
+    data[offsets[1] + 16] ^= 0x01  # the record count of the second frame's descriptor
+    path.write_bytes(bytes(data))
+    m = merge_run(s.root)
+    assert [(p.shard, p.offset) for p in m.corrupt] == [(0, offsets[1])] and "descriptor" in m.corrupt[0].why
+    assert m.missing_ids == [s.refs[p].id for p in range(3, 6)]
+    assert [r.index for r in merged(s)] == [0, 1, 2, *range(6, 12)]
 
 
 def _frame_offsets(path: Path) -> list[int]:

@@ -1,12 +1,19 @@
-"""Shard files: torn tails are cut off, damage elsewhere is loud, writers are exclusive."""
+"""Shard files: torn tails are cut off, damage elsewhere is salvaged, every reader judges frames alike, writers
+are exclusive."""
 
 import random
+import struct
 import subprocess
+import zlib
 
+import msgspec
 import pytest
+import zstandard
 
-from toolkit.records import OK, Record, pack_ids, unpack_ids
-from toolkit.shardfile import CorruptShard, ShardWriter, iter_frames, read_shard
+from toolkit.records import OK, Record, failed_record, pack_ids, unpack_ids
+from toolkit.shardfile import (
+    CorruptShard, Damage, ShardWriter, iter_frames, read_done, read_shard, scan, verify_done, write_done,
+)
 
 
 def rec(i: int) -> Record:
@@ -65,7 +72,7 @@ def test_torn_tail_at_every_cut_is_dropped_and_nothing_else(tmp_path):
         assert path.stat().st_size == max([e for e in ends if e <= cut], default=path.stat().st_size)
 
 
-def test_corrupt_middle_frame_is_loud(tmp_path):
+def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_path):
     path = tmp_path / "s.zst"
     write(path, [rec(i) for i in range(12)])
     frames = list(iter_frames(path))
@@ -75,8 +82,82 @@ def test_corrupt_middle_frame_is_loud(tmp_path):
     with pytest.raises(CorruptShard) as e:
         list(read_shard(path))
     assert e.value.offset == frames[1].offset and "s.zst" in str(e.value)
-    with pytest.raises(CorruptShard):
-        ShardWriter(path, "f" * 16, 0).open()
+    items = list(scan(path))
+    assert [type(i).__name__ for i in items] == ["Frame", "Damage", "Frame"]
+    assert items[1].offset == frames[1].offset and items[1].end == frames[2].offset and not items[1].torn
+
+    w = ShardWriter(path, "f" * 16, 0)
+    done = w.open()  # keeps frames 0 and 2, drops only frame 1's four records
+    assert set(done) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}
+    for i in range(4, 8):
+        w.add(rec(i))
+    w.close()
+    assert sorted(r.index for r in read_shard(path)) == list(range(12))  # the file is whole again
+    kept = list(tmp_path.glob("s.zst.damaged-*"))
+    assert kept == [w.damaged] and kept[0].read_bytes() == bytes(data)  # the original, untouched, for inspection
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def _flip_count(path, frame_no: int) -> None:
+    frame = list(iter_frames(path))[frame_no]
+    data = bytearray(path.read_bytes())
+    data[frame.offset + 8 + 8] ^= 0x01  # the record count in the descriptor (after magic, size, tag, length)
+    path.write_bytes(bytes(data))
+
+
+def test_a_bit_flip_in_the_record_count_is_caught_by_every_reader(tmp_path):
+    path = tmp_path / "s.zst"
+    write(path, [rec(i) for i in range(12)])
+    _flip_count(path, 1)
+    with pytest.raises(CorruptShard, match="descriptor"):
+        list(read_shard(path))
+    damage = [i for i in scan(path) if isinstance(i, Damage)]
+    assert len(damage) == 1 and "descriptor" in damage[0].why
+    w = ShardWriter(path, "f" * 16, 0)
+    assert set(w.open()) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}  # the frame's records are redone
+    w.close()
+
+
+def _write_format1(path, records, batch=4, fp="f" * 16):
+    """A shard file as format 1 wrote it: descriptors without their own CRC."""
+    out = struct.pack("<II", 0x184D2A5E, 26) + struct.pack("<4sH16sI", b"TKSH", 1, fp.encode(), 0)
+    cctx = zstandard.ZstdCompressor(level=3)
+    for k in range(0, len(records), batch):
+        comp = cctx.compress(msgspec.msgpack.encode(records[k : k + batch]))
+        out += struct.pack("<II", 0x184D2A5F, 16) + struct.pack("<4sIII", b"TKFR", len(comp), len(records[k : k + batch]),
+                                                                  zlib.crc32(comp)) + comp
+    path.write_bytes(out)
+
+
+def test_format_1_files_are_read_and_resumed(tmp_path):
+    path = tmp_path / "s.zst"
+    _write_format1(path, [rec(i) for i in range(6)])
+    assert list(read_shard(path)) == [rec(i) for i in range(6)]
+    done = write(path, [rec(i) for i in range(6, 9)])
+    assert set(done) == {f"p{i}" for i in range(6)}
+    assert list(read_shard(path)) == [rec(i) for i in range(9)]
+
+
+def test_the_newest_record_of_an_id_counts(tmp_path):
+    path = tmp_path / "s.zst"
+    timeout = failed_record("p1", "d", 1, [1, 2], "no answer within 1 s", 2, failure="timeout")
+    rejected = failed_record("p2", "d", 2, [1, 2], "HTTP 400: too long", 1, failure="rejected")
+    write(path, [rec(0), timeout, rejected, rec(3)])
+    w = ShardWriter(path, "f" * 16, 0)
+    done = w.open()
+    assert set(done) == {"p0", "p1", "p2", "p3"} and w.transient == {"p1"}  # only the transient one is redone
+    w.add(rec(1))
+    w.close()
+    w = ShardWriter(path, "f" * 16, 0)
+    w.open()
+    w.close()
+    assert w.transient == set() and w.written == 5
+    m = write_done(tmp_path / "s.done", path, 0, "f" * 16)
+    assert (m.records, m.ok, m.failed, m.transient, m.superseded) == (4, 3, 1, 0, 1)
+    assert verify_done(read_done(tmp_path / "s.done"), path) is None
+    with open(path, "ab") as f:
+        f.write(b"x")
+    assert "bytes" in verify_done(m, path)
 
 
 def test_fingerprint_mismatch_refused(tmp_path):

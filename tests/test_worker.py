@@ -31,6 +31,19 @@ def records(run: Path, shard: int = 0):
     return list(read_shard(Path(run) / "shards" / f"{shard:05d}.zst"))
 
 
+def newest(run: Path, shard: int = 0) -> dict:
+    """The record that counts for each id: the newest one written."""
+    return {r.id: r for r in records(run, shard)}
+
+
+def fix_engine(rd, **stub) -> None:
+    """The server is fine again: change the stub's fault flags pinned in run.json (the engine is not part of the
+    run's fingerprint)."""
+    plan = json.loads(rd.plan_file.read_text())
+    plan["spec"]["engine"]["stub"].update(stub)
+    rd.plan_file.write_text(json.dumps(plan))
+
+
 def comparable(r) -> bytes:
     """A record's bytes with the fields that measure the server, not the output, zeroed: wall-clock latency and
     cached_tokens (a prompt resent after a kill finds itself in the server's prefix cache)."""
@@ -170,6 +183,21 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         os.killpg(stub.pid, signal.SIGKILL)
 
 
+def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kimi):
+    """Rendering is far faster than generating: without backpressure every prompt of the shard would be rendered and
+    held before the requests catch up (54,000 prompts at 100,000 in a shard). The bound: max(4 x concurrency,
+    2 render batches of 256)."""
+    job = make_job(tmp_path, kimi, n=1500, stub={"fixed_output_tokens": 8, "token_delay_s": 0.001},
+                   sampling={"max_new_tokens": 16}, client={"concurrency": 4},
+                   sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    assert len(records(rd.root)) == 1500
+    line = next(x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x)
+    peak = int(line.split("at most ")[1].split()[0])
+    assert 0 < peak <= 512, line
+
+
 def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
     rd, _ = prepare_run(job)
@@ -225,9 +253,12 @@ def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
     assert "stub-engine" in str(e.value)
 
 
-def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed(tmp_path, kimi):
+def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_and_a_rerun_fills_the_holes(tmp_path, kimi):
     """A server that stops answering (alive, but wedged): each request times out, is retried, and is recorded
-    failed naming the timeout; the shard completes."""
+    failed naming the timeout; the shard completes, but a timeout may pass: the done manifest counts it, and the
+    next run of the shard generates those prompts again in place, so merge has no failed record."""
+    from toolkit.merge import merge_run
+
     job = make_job(tmp_path, kimi, n=6, stub={"hang_after": 3},  # the probe and two prompts are answered
                    client={"concurrency": 2, "request_timeout_s": 1, "retries": 1})
     rd, _ = prepare_run(job)
@@ -239,6 +270,63 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed(tm
     failed = [r for r in recs if r.status == "failed"]
     assert len(ok) == 2 and len(failed) == 4
     assert all("no answer within 1 s" in r.error and r.attempts == 2 for r in failed), [r.error for r in failed]
+    assert {r.failure for r in failed} == {"timeout"}
+    assert read_done(rd.done_file(0)).transient == 4
+    assert "toolkit retry" in rd.log_file(0).read_text()
+
+    fix_engine(rd, hang_after=None)
+    assert run_shard(rd.root, 0) == DONE
+    assert {r.status for r in newest(rd.root).values()} == {"ok"} and len(records(rd.root)) == 10  # appended
+    done = read_done(rd.done_file(0))
+    assert (done.records, done.failed, done.transient, done.superseded) == (6, 0, 0, 4)
+    m = merge_run(rd.root)
+    assert (m.ok, m.failed, m.missing, m.duplicates) == (6, 0, 0, 4) and m.complete
+    assert run_shard(rd.root, 0) == DONE
+    assert "nothing to do" in rd.log_file(0).read_text().splitlines()[-1]
+
+
+def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeout(tmp_path, kimi):
+    """--hang-after: the server stays up but answers nothing; /health_generate fails (here: no answer within its
+    bounded timeout), the engine is restarted and the requests in flight go back to the queue, not to failed."""
+    job = make_job(tmp_path, kimi, n=20, stub={"hang_after": 8},  # the probe and 7 prompts per engine start
+                   engine={"hang_timeout_s": 2, "max_restarts": 4},
+                   client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
+    rd, _ = prepare_run(job)
+    t0 = time.monotonic()
+    assert run_shard(rd.root, 0) == DONE
+    assert time.monotonic() - t0 < 120
+    got = records(rd.root)
+    assert len(got) == 20 and len({r.id for r in got}) == 20 and {r.status for r in got} == {"ok"}
+    assert read_progress(rd.progress_file(0)).engine_restarts == 2
+    log = rd.log_file(0).read_text()
+    assert "engine hung: no request answered for" in log and "/health_generate" in log
+
+
+def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=16, stub={"token_delay_s": 0.005}, sampling={"max_new_tokens": 200},
+                   engine={"hang_timeout_s": 2, "max_restarts": 2},
+                   client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
+    rd, _ = prepare_run(job)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (rd.shard_file(0).exists() and len(records(rd.root)) >= 3):
+            time.sleep(0.1)
+        engine = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(engine) == 1, engine
+        t0 = time.monotonic()
+        os.kill(int(engine[0]), signal.SIGSTOP)
+        assert proc.wait(120) == 0, proc.stderr.read()
+        assert time.monotonic() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    got = records(rd.root)
+    assert len(got) == 16 and len({r.id for r in got}) == 16 and {r.status for r in got} == {"ok"}
+    assert read_progress(rd.progress_file(0)).engine_restarts == 1
+    assert "engine hung" in rd.log_file(0).read_text()
+    assert not process_running(int(engine[0]))
 
 
 def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
@@ -257,6 +345,89 @@ def test_5xx_bursts_are_retried(tmp_path, kimi):
     got = records(rd.root)
     assert len(got) == 12 and all(r.status == "ok" for r in got)
     assert sum(r.attempts for r in got) == 12 + 5
+
+
+def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kimi, capsys):
+    from toolkit.cli import main as cli_main
+    from toolkit.merge import load_manifest
+
+    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:12"}, client={"retries": 1, "concurrency": 2})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    failed = [r for r in records(rd.root) if r.status == "failed"]
+    assert len(failed) >= 5 and {r.failure for r in failed} == {"server_error"}
+    assert all("HTTP 503" in r.error for r in failed)
+    assert read_done(rd.done_file(0)).transient == len(failed)
+    assert cli_main(["logs", str(rd.root), "--failed"]) == 1
+    assert f"{len(failed)} failed records that may pass" in capsys.readouterr().out
+    from toolkit.merge import merge_and_audit
+
+    assert merge_and_audit(rd.root) == 1  # failed_share is over its limit, and says what to run
+    assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()
+    capsys.readouterr()
+
+    fix_engine(rd, fail_5xx=None)
+    assert cli_main(["retry", str(rd.root)]) == 0  # generates them again here, then merges and audits
+    m = load_manifest(rd)
+    assert (m.ok, m.failed, m.missing) == (12, 0, 0)
+    assert "retrying in 1 shards: 0" in capsys.readouterr().out
+
+    # --ids: exactly these ids again, even ok ones; the newest record counts.
+    again = sorted(newest(rd.root))[:2]
+    ids = tmp_path / "ids.txt"
+    ids.write_text("\n".join(again) + "\n")
+    assert cli_main(["retry", str(rd.root), "--ids", str(ids)]) == 0
+    assert not rd.retry_file(0).exists()
+    counts = {i: sum(r.id == i for r in records(rd.root)) for i in again}
+    assert all(c >= 2 for c in counts.values()), counts
+    assert cli_main(["retry", str(rd.root)]) == 0 and "nothing to retry" in capsys.readouterr().out
+
+
+def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
+    from toolkit.merge import merge_run
+
+    job = make_job(tmp_path, kimi, n=12, stub={"nan_every": 4}, client={"concurrency": 1})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    nan = [r for r in records(rd.root) if r.matched_stop == "NaN happened"]
+    assert len(nan) == 3  # requests 4, 8, 12 (the probe is request 1)
+    assert all(r.status == "failed" and r.failure == "nan" and r.finish == "stop" for r in nan)
+    eos = {r.matched_stop for r in records(rd.root) if r.status == "ok" and r.finish == "stop"}
+    assert all(unpack_ids(r.output_ids)[-1] in eos for r in nan)  # SGLang's stop id closes the output
+    assert "NaN stop" in rd.log_file(0).read_text() and read_done(rd.done_file(0)).transient == 3
+    fix_engine(rd, nan_every=None)
+    assert run_shard(rd.root, 0) == DONE
+    m = merge_run(rd.root)
+    assert (m.ok, m.failed) == (12, 0)
+
+
+@pytest.mark.parametrize("damage", ["data", "count"])
+def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kimi, damage):
+    """The done manifest's sha256 is checked: a damaged file is salvaged (intact frames kept, the original kept
+    aside) and only the damaged frame's records are generated again. A bit flip in a descriptor's record count is
+    caught like any other damage."""
+    from toolkit.merge import merge_run
+    from toolkit.shardfile import iter_frames
+
+    job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, client={"concurrency": 1},
+                   sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    before = {r.id: comparable(r) for r in records(rd.root)}
+    frames = list(iter_frames(rd.shard_file(0)))
+    data = bytearray(rd.shard_file(0).read_bytes())
+    data[frames[1].offset + (16 if damage == "count" else 40)] ^= 0x01
+    rd.shard_file(0).write_bytes(bytes(data))
+
+    assert run_shard(rd.root, 0) == DONE
+    log = rd.log_file(0).read_text()
+    assert "changed after the shard finished" in log and "damaged frames at byte" in log
+    assert "3 to generate" in log
+    assert len(list(rd.shards_dir.glob("00000.zst.damaged-*"))) == 1
+    got = records(rd.root)
+    assert len(got) == 12 and {r.id: comparable(r) for r in got} == before
+    m = merge_run(rd.root)
+    assert m.complete and (m.ok, m.missing, len(m.corrupt)) == (12, 0, 0)
 
 
 def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):

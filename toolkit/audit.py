@@ -608,7 +608,9 @@ class Auditor:
         top = ", ".join(f"{k} ({v})" for k, v in list(overall.errors.items())[:3])
         add("failed_share", failed_share <= a.max_failed_share, failed_share, a.max_failed_share,
             f"{overall.failed} of {plan.total} prompts failed ({failed_share:.1%}, limit {a.max_failed_share:.1%})"
-            + (f": {top}. Ids in {self.rd.merged_dir / FAILED_FILE}; see `toolkit logs {run} --failed`" if overall.failed else ""))
+            + (f": {top}. Ids in {self.rd.merged_dir / FAILED_FILE}; `toolkit retry {run}` generates the failures "
+               f"that may pass (timeouts, 5xx, aborts, NaN) again, `toolkit retry {run} --ids "
+               f"{self.rd.merged_dir / FAILED_FILE}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
 
         # Reasoning capture.
         te = f"think-end id {info.think_end_id} ({model.think_end!r})"

@@ -26,6 +26,7 @@ typical session:
   toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
   toolkit resubmit RUN                       only the shards without a done manifest
+  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN) again
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 130 interrupted
@@ -175,7 +176,13 @@ def _optional(add):
     return wrapper
 
 
-_EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands)]
+def _add_retry_command(sub) -> None:
+    from .retry import add_cli
+
+    add_cli(sub)
+
+
+_EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands), _optional(_add_retry_command)]
 
 
 def package_version() -> str:

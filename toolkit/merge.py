@@ -3,8 +3,9 @@
 The merged dataset, `RUN/merged/records.zst`, has the format of a shard file (`read_shard` reads it) with
 shard number MERGED. Memory stays flat whatever the run's size: shards are merged one at a time, in two
 passes. The first pass reads every frame and keeps, per planned position, where its record lives (frame
-number and index in the frame, in compact arrays); it resolves duplicates (a record written twice, e.g. by a
-task that ran twice: an ok record wins over a failed one, else the first) and notes damaged frames. The
+number and index in the frame, in compact arrays); it resolves duplicates (an id written again, by a retry of a
+failed record or a task that ran twice: the record written last supersedes the earlier ones) and notes damaged
+frames, reading on past them to the next intact frame. The
 second pass writes the records in planned order, decoding frames through a small cache bounded in bytes and
 reading a frame again when it was evicted. Every problem (duplicate, damaged or torn frame, record that is not
 the shard's, missing record) is counted and named in `merged/manifest.json`, never skipped in silence.
@@ -33,16 +34,16 @@ from .files import atomic_write, fsync_dir, shown_path
 from .plan import PromptRef, RunDir, RunPlan, ShardPlan, load_run
 from .records import OK, Record
 from .shardfile import (
-    _BATCH_MAGIC,  # the format's frame marker, to find the next frame after a damaged one
     CorruptShard,
+    Damage,
     DoneManifest,
     Frame,
     ShardWriter,
     decode_batch,
-    iter_frames,
     read_done,
     read_frame_at,
     read_header,
+    scan,
 )
 
 __all__ = [
@@ -191,55 +192,17 @@ def _ranges(nums: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------------
 # reading a shard file, past damaged frames
 # ---------------------------------------------------------------------------------------------------
-def _next_frame(path: Path, after: int) -> Frame | None:
-    """The first intact frame that starts after byte `after`, found by its marker (reading in chunks)."""
-    marker = _BATCH_MAGIC.to_bytes(4, "little")
-    chunk = 8 << 20
-    with open(path, "rb") as f:
-        pos = after + 1
-        while True:
-            f.seek(pos)
-            data = f.read(chunk + 3)
-            if len(data) < 4:
-                return None
-            i = data.find(marker)
-            while i != -1 and i < chunk:
-                try:
-                    return read_frame_at(path, pos + i)
-                except CorruptShard:
-                    i = data.find(marker, i + 1)
-            if len(data) <= chunk:
-                return None
-            pos += chunk
-
-
 def _frames(path: Path, shard: int, corrupt: list[FrameProblem], torn: list[FrameProblem]) -> Iterator[Frame]:
-    """Every intact frame of a shard file; damaged ones go to `corrupt`, a torn last one to `torn`."""
-    tail: list = []
+    """Every intact frame of a shard file (judged by shardfile.read_frame, past damage); damaged stretches go to
+    `corrupt`, a torn end to `torn`."""
     try:
-        for frame in iter_frames(path, tail=tail):
-            yield frame
-    except CorruptShard as e:
+        for item in scan(path):
+            if isinstance(item, Damage):
+                (torn if item.torn else corrupt).append(FrameProblem(shard, str(path), item.offset, item.why))
+            else:
+                yield item
+    except CorruptShard as e:  # the header: nothing in this file can be trusted as this run's
         corrupt.append(FrameProblem(shard, str(path), e.offset, e.why))
-        if e.offset == 0:  # the header: nothing in this file can be trusted as this run's
-            return
-        frame = _next_frame(path, e.offset)
-        size = path.stat().st_size
-        while frame is not None:
-            yield frame
-            if frame.end >= size:
-                break
-            try:
-                frame = read_frame_at(path, frame.end)
-            except CorruptShard as e2:
-                nxt = _next_frame(path, e2.offset)
-                if nxt is None:  # nothing intact follows: a torn end after the damage
-                    torn.append(FrameProblem(shard, str(path), e2.offset, e2.why))
-                else:
-                    corrupt.append(FrameProblem(shard, str(path), e2.offset, e2.why))
-                frame = nxt
-    for off, why in tail:
-        torn.append(FrameProblem(shard, str(path), off, why))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,23 +226,13 @@ def _merge_shard(
     n, first = sp.count, sp.first
     frame_of = array("q", [-1]) * n      # frame number holding the kept record of each position
     item_of = array("i", [0]) * n        # index of that record in its frame
-    kept_ok = bytearray(n)
     offsets: list[int] = []               # frame number -> byte offset
     sizes: list[int] = []                 # frame number -> decompressed size
 
     # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
     if path is not None:
         for frame in _frames(path, sp.index, corrupt, torn):
-            try:
-                recs = decode_batch(frame)  # every field checked here, so the second pass cannot fail on it
-            except msgspec.MsgspecError as e:
-                corrupt.append(FrameProblem(sp.index, str(path), frame.offset, f"undecodable batch: {e}"))
-                continue
-            if len(recs) != frame.records:
-                corrupt.append(FrameProblem(
-                    sp.index, str(path), frame.offset,
-                    f"batch holds {len(recs)} records, its descriptor says {frame.records}"))
-                continue
+            recs = decode_batch(frame)  # decoded and counted by read_frame, so the second pass cannot fail on it
             fno = len(offsets)
             offsets.append(frame.offset)
             sizes.append(len(frame.data))
@@ -292,14 +245,11 @@ def _merge_shard(
                     if len(t.foreign_ids) < SAMPLE_IDS:
                         t.foreign_ids.append(h.id)
                     continue
-                if frame_of[pos] == -1:
-                    frame_of[pos], item_of[pos], kept_ok[pos] = fno, i, h.status == OK
-                    continue
-                sm.duplicates += 1
-                if len(t.duplicate_ids) < SAMPLE_IDS:
-                    t.duplicate_ids.append(h.id)
-                if not kept_ok[pos] and h.status == OK:
-                    frame_of[pos], item_of[pos], kept_ok[pos] = fno, i, 1
+                if frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
+                    sm.duplicates += 1
+                    if len(t.duplicate_ids) < SAMPLE_IDS:
+                        t.duplicate_ids.append(h.id)
+                frame_of[pos], item_of[pos] = fno, i
 
     # Pass 2: records in planned order, frames decoded through a cache bounded in bytes.
     uses = [0] * len(offsets)
@@ -476,7 +426,7 @@ def _log_problems(rd: RunDir, m: MergeManifest) -> None:
     for p in m.torn:
         log.warning("shard %d: torn last frame in %s at byte %d (%s)", p.shard, p.file, p.offset, p.why)
     if m.duplicates:
-        log.warning("%d duplicate records kept once (e.g. %s)", m.duplicates, ", ".join(m.duplicate_ids[:3]))
+        log.warning("%d records superseded by a later record of the same id (e.g. %s)", m.duplicates, ", ".join(m.duplicate_ids[:3]))
     if m.foreign:
         log.error("%d records do not belong to their shard's plan (e.g. %s); left out", m.foreign,
                   ", ".join(m.foreign_ids[:3]))

@@ -11,6 +11,7 @@ Run directory layout (`RunDir` names every path):
     RUN/run.json              resolved spec, fingerprint, shard plan
     RUN/prompts.msgpack       where each planned prompt lives (dataset, line, byte offset), in planned order
     RUN/shards/NNNNN.zst      append-only record frames;  shards/NNNNN.done  completion manifest
+    RUN/shards/NNNNN.retry    ids `toolkit retry` asked to generate again (removed when the shard completes)
     RUN/progress/NNNNN.json   live progress of a shard
     RUN/logs/NNNNN.log        worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/                submitit's folder;  RUN/merged/  merged dataset, audit report
@@ -121,6 +122,9 @@ class RunDir:
 
     def done_file(self, i: int) -> Path:
         return self.shards_dir / f"{i:05d}.done"
+
+    def retry_file(self, i: int) -> Path:
+        return self.shards_dir / f"{i:05d}.retry"
 
     def progress_file(self, i: int) -> Path:
         return self.progress_dir / f"{i:05d}.json"
@@ -254,8 +258,42 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
     return rd, plan
 
 
-def load_refs(rd: RunDir) -> list[PromptRef]:
-    return msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[PromptRef])
+def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[PromptRef]:
+    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded)."""
+    raw = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
+    end = len(raw) if count is None else first + count
+    decode = msgspec.msgpack.Decoder(PromptRef).decode
+    return [decode(r) for r in raw[first:end]]
+
+
+class RefSlice:
+    """The planned refs of positions first .. first+count-1, kept as their msgpack bytes (a few bytes per prompt,
+    not a Python object each) and decoded one at a time: a worker's memory does not grow with its shard's size."""
+
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, first: int, count: int):
+        from array import array
+
+        data = rd.prompts_file.read_bytes()
+        raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        sizes = [len(r) for r in raw]
+        del raw
+        start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
+        self.first = first
+        self._ends = array("Q")
+        end = 0
+        for n in sizes[first : first + count]:
+            end += n
+            self._ends.append(end)
+        self._data = data[start : start + end]
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> PromptRef:
+        begin = self._ends[i - 1] if i else 0
+        return self._decode(self._data[begin : self._ends[i]])
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:

@@ -19,18 +19,32 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful",
+    "ends_with_stop", "last_meaningful", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop",
 ]
 
 OK, FAILED = "ok", "failed"
 
-# SGLang 0.5.23 replaces a token sampled from NaN logits with a stop id and finishes the request with
-# finish_reason {"type": "stop", "matched": "NaN happened"}: the output ends in an EOS the model never wrote.
-NAN_MATCHED = "NaN happened"
+# Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come back the same
+# every time; transient ones depend on the server's state at that moment, so they are generated again (a rerun of
+# the shard, `toolkit resubmit`, `toolkit retry`).
+REJECTED = "rejected"          # a 4xx answer, e.g. a prompt over the context length          (permanent)
+TEMPLATE = "template"          # the chat template failed on the prompt                        (permanent)
+TIMEOUT = "timeout"            # no answer within request_timeout_s, retries included           (transient)
+SERVER_ERROR = "server_error"  # 5xx past the client's retries                                  (transient)
+UNREACHABLE = "unreachable"    # the connection failed past the retries                         (transient)
+BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol                          (transient)
+ABORTED = "aborted"            # the server aborted the request (finish_reason abort)           (transient)
+NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by a stop id
+FAILURES = {
+    REJECTED: False, TEMPLATE: False, TIMEOUT: True, SERVER_ERROR: True, UNREACHABLE: True, BAD_RESPONSE: True,
+    ABORTED: True, NAN: True,
+}  # kind -> transient
+TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
+NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
 
 
 def is_nan_stop(finish: str | None, matched: Any) -> bool:
-    """Whether SGLang stopped this request on NaN logits (its output is not the model's)."""
+    """Whether SGLang stopped this request on NaN logits (its output ends in an EOS the model never wrote)."""
     return finish == "stop" and matched == NAN_MATCHED
 
 
@@ -51,7 +65,7 @@ class Record(msgspec.Struct, array_like=True):
     latency_s: float                # wall time of the successful attempt
     attempts: int
     error: str | None = None
-    failure: str | None = None      # kind of failure of a failed record (see FAILURES); None when ok
+    failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
 
     @property
     def n_output(self) -> int:
@@ -126,11 +140,17 @@ def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: 
     return first_index(output_ids, think_end_id), first_index(output_ids, tool_call_start_id)
 
 
-def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int) -> Record:
+def is_transient(record: Record) -> bool:
+    """A failed record worth generating again (see TRANSIENT)."""
+    return record.status != OK and record.failure in TRANSIENT
+
+
+def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int,
+                  failure: str | None = None) -> Record:
     return Record(
         id=id, dataset=dataset, index=index, status=FAILED, prompt_ids=pack_ids(prompt_ids), output_ids=b"",
         reasoning_end=None, tool_call_at=None, finish=None, matched_stop=None, prompt_tokens=len(prompt_ids),
-        completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error,
+        completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error, failure=failure,
     )
 
 

@@ -1,10 +1,15 @@
 """Shard files: append-only, crash-safe files of records, and the `done` manifest of a finished shard.
 
 A shard file is a plain sequence of zstd frames, so `zstd -dc` reads it: a skippable header frame carrying
-the run fingerprint, then for every batch of records a small skippable frame (length, record count, CRC32)
-followed by one zstd frame holding the msgpack-encoded batch. A batch is written with one `write` and
-fsynced, so a crash at any instruction leaves at most a torn last batch, which `open_shard` detects and
-cuts off. A writer holds an exclusive lock on the file: two tasks never interleave frames.
+the run fingerprint, then for every batch of records a small skippable frame, the descriptor (length, record
+count, CRC32 of the data frame, and — since format 2 — a CRC32 of those fields themselves) followed by one zstd
+frame holding the msgpack-encoded batch. A batch is written with one `write` and fsynced, so a crash at any
+instruction leaves at most a torn last batch, which `ShardWriter.open` detects and cuts off. A writer holds an
+exclusive lock on the file: two tasks never interleave frames.
+
+Every reader (the worker's resume, `read_shard`, merge, audit, export) judges a frame through one function,
+`read_frame`: descriptor marker and checksum, data checksum, zstd, msgpack, and the record count. `scan` walks a
+file past damaged frames, finding the next intact one by its marker, so a damaged frame costs only its records.
 """
 
 from __future__ import annotations
@@ -20,22 +25,31 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 import zstandard
 
 from .files import atomic_write, fsync_dir
-from .records import Record
+from .records import OK, Record, is_transient
 
 __all__ = [
     "CorruptShard",
+    "Damage",
     "DoneManifest",
     "Frame",
+    "RetryRequest",
     "ShardWriter",
     "iter_frames",
+    "needs_work",
     "read_done",
+    "read_frame",
     "read_frame_at",
+    "read_retry",
     "read_shard",
+    "scan",
+    "write_retry",
+    "verify_done",
     "write_done",
 ]
 
@@ -45,10 +59,14 @@ _HEAD_MAGIC = 0x184D2A5E   # zstd skippable frame: file header
 _BATCH_MAGIC = 0x184D2A5F  # zstd skippable frame: describes the data frame that follows
 _FILE_TAG = b"TKSH"
 _BATCH_TAG = b"TKFR"
-FORMAT = 1
+FORMAT = 2                               # written; format 1 files (descriptors without their own CRC) are read
+READS = (1, 2)
 _SKIP = struct.Struct("<II")             # magic, payload size
 _HEAD = struct.Struct("<4sH16sI")        # tag, format, fingerprint, shard
-_BATCH = struct.Struct("<4sIII")         # tag, compressed size, records, crc32 of the compressed frame
+_BATCH1 = struct.Struct("<4sIII")        # format 1: tag, compressed size, records, crc32 of the compressed frame
+_BATCH = struct.Struct("<4sIIII")        # format 2: the same, then crc32 of those 16 bytes
+_DESC_SIZES = (_BATCH.size, _BATCH1.size)
+_MARKER = _BATCH_MAGIC.to_bytes(4, "little")
 
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(list[Record])
@@ -62,11 +80,25 @@ class CorruptShard(Exception):
         super().__init__(f"{path}: damaged frame at byte {offset}: {why}")
 
 
+class FrameError(Exception):
+    """The frame at an offset is not intact; the message says why."""
+
+
 class Frame(msgspec.Struct):
     offset: int      # byte offset of the batch's descriptor
     end: int         # byte offset just past its data frame
     records: int
     data: bytes      # decompressed msgpack batch
+    batch: list[Record] = []  # the decoded records (checked: as many as the descriptor says)
+
+
+class Damage(msgspec.Struct):
+    """Bytes of a shard file that hold no intact frame: from `offset` to `end` (the next intact frame, or EOF)."""
+
+    offset: int
+    end: int
+    why: str
+    torn: bool       # nothing intact follows: what a crash mid-write leaves
 
 
 def _header_bytes(fingerprint: str, shard: int) -> bytes:
@@ -74,128 +106,158 @@ def _header_bytes(fingerprint: str, shard: int) -> bytes:
     return _SKIP.pack(_HEAD_MAGIC, len(payload)) + payload
 
 
+def _batch_bytes(comp: bytes, count: int) -> bytes:
+    fields = _BATCH1.pack(_BATCH_TAG, len(comp), count, zlib.crc32(comp))
+    return _SKIP.pack(_BATCH_MAGIC, _BATCH.size) + fields + struct.pack("<I", zlib.crc32(fields)) + comp
+
+
+_HEADER_SIZE = _SKIP.size + _HEAD.size
+
+
 def read_header(path: Path) -> tuple[str, int] | None:
     with open(path, "rb") as f:
-        raw = f.read(_SKIP.size + _HEAD.size)
-    if len(raw) < _SKIP.size + _HEAD.size:
+        raw = f.read(_HEADER_SIZE)
+    if len(raw) < _HEADER_SIZE:
         return None
     magic, size = _SKIP.unpack_from(raw)
     tag, fmt, fp, shard = _HEAD.unpack_from(raw, _SKIP.size)
     if magic != _HEAD_MAGIC or tag != _FILE_TAG or size != _HEAD.size:
         raise CorruptShard(path, 0, "not a shard file (bad header)")
-    if fmt != FORMAT:
-        raise CorruptShard(path, 0, f"shard format {fmt}, this toolkit reads {FORMAT}")
+    if fmt not in READS:
+        raise CorruptShard(path, 0, f"shard format {fmt}, this toolkit reads formats {', '.join(map(str, READS))}")
     return fp.rstrip(b"\0").decode(), shard
 
 
-def iter_frames(path: str | Path, *, tail: list | None = None) -> Iterator[Frame]:
-    """Yield every complete batch frame, decompressed, in file order, reading one frame at a time.
+def read_frame(f: BinaryIO, offset: int, size: int, dctx: zstandard.ZstdDecompressor | None = None) -> Frame:
+    """Judge and read the batch frame whose descriptor starts at `offset` of the open file `f` (`size` bytes).
 
-    A damaged or incomplete LAST frame ends the iteration and is described in `tail` (a list that receives
-    `(offset, why)`), since that is what a crash mid-write leaves. Damage anywhere else raises CorruptShard.
+    The one place a frame is judged: descriptor (marker, tag, its own CRC in format 2), data frame (length,
+    CRC32, zstd), batch (msgpack, record count). Raises FrameError saying what is wrong.
     """
+    f.seek(offset)
+    skip = f.read(_SKIP.size)
+    if len(skip) < _SKIP.size:
+        raise FrameError("incomplete batch descriptor")
+    magic, dsize = _SKIP.unpack(skip)
+    if magic != _BATCH_MAGIC or dsize not in _DESC_SIZES:
+        raise FrameError("bad batch descriptor")
+    desc = f.read(dsize)
+    if len(desc) < dsize:
+        raise FrameError("incomplete batch descriptor")
+    tag, clen, count, crc = _BATCH1.unpack_from(desc)
+    if tag != _BATCH_TAG or dsize == _BATCH.size and zlib.crc32(desc[: _BATCH1.size]) != _BATCH.unpack(desc)[4]:
+        raise FrameError("bad batch descriptor (checksum mismatch)")
+    body = offset + _SKIP.size + dsize
+    if body + clen > size:
+        raise FrameError(f"incomplete data frame ({max(0, size - body)} of {clen} bytes)")
+    comp = f.read(clen)
+    if len(comp) < clen:
+        raise FrameError(f"incomplete data frame ({len(comp)} of {clen} bytes)")
+    if zlib.crc32(comp) != crc:
+        raise FrameError("checksum mismatch")
+    try:
+        raw = (dctx or zstandard.ZstdDecompressor()).decompress(comp)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"zstd error: {e}") from None
+    try:
+        batch = _batch_decoder.decode(raw)
+    except msgspec.MsgspecError as e:
+        raise FrameError(f"undecodable batch: {e}") from None
+    if len(batch) != count:
+        raise FrameError(f"batch holds {len(batch)} records, its descriptor says {count}")
+    return Frame(offset, body + clen, count, raw, batch)
+
+
+def _next_frame(f: BinaryIO, after: int, size: int, dctx) -> Frame | None:
+    """The first intact frame starting after byte `after`, found by its marker (reading in chunks)."""
+    chunk = 8 << 20
+    pos = after + 1
+    while pos < size:
+        f.seek(pos)
+        data = f.read(chunk + len(_MARKER) - 1)
+        i = data.find(_MARKER)
+        while i != -1 and i < chunk:
+            try:
+                return read_frame(f, pos + i, size, dctx)
+            except FrameError:
+                i = data.find(_MARKER, i + 1)
+        pos += chunk
+    return None
+
+
+def scan(path: str | Path) -> Iterator[Frame | Damage]:
+    """Every intact frame of a shard file, in file order, and a Damage for each stretch between them that holds
+    none (the last one `torn` when nothing intact follows it). A bad header raises CorruptShard at byte 0."""
     path = Path(path)
     dctx = zstandard.ZstdDecompressor()
     with open(path, "rb") as f:
-        n = os.fstat(f.fileno()).st_size
-        pos = _SKIP.size + _HEAD.size
-        if n < pos:
-            if n and tail is not None:
-                tail.append((0, "incomplete header"))
+        size = os.fstat(f.fileno()).st_size
+        if size < _HEADER_SIZE:
+            if size:
+                yield Damage(0, size, "incomplete header", True)
             return
         read_header(path)
-        f.seek(pos)
-        desc_size = _SKIP.size + _BATCH.size
-        while pos < n:
-            start, why = pos, None
-            desc = f.read(desc_size)
-            if len(desc) < desc_size:
-                why = "incomplete batch descriptor"
-            else:
-                magic, size = _SKIP.unpack_from(desc)
-                tag, clen, count, crc = _BATCH.unpack_from(desc, _SKIP.size)
-                if magic != _BATCH_MAGIC or size != _BATCH.size or tag != _BATCH_TAG:
-                    why = "bad batch descriptor"
-                elif start + desc_size + clen > n:
-                    why = f"incomplete data frame ({n - start - desc_size} of {clen} bytes)"
-                else:
-                    comp = f.read(clen)
-                    if zlib.crc32(comp) != crc:
-                        why = "checksum mismatch"
-                    else:
-                        try:
-                            raw = dctx.decompress(comp)
-                        except zstandard.ZstdError as e:
-                            why = f"zstd error: {e}"
-                        else:
-                            pos = start + desc_size + clen
-                            yield Frame(start, pos, count, raw)
-                            continue
-            # A damaged frame is a torn tail only if nothing valid follows it.
-            f.seek(start + 1)
-            if _valid_frame_after(f.read()):
-                raise CorruptShard(path, start, why)
+        pos = _HEADER_SIZE
+        while pos < size:
+            try:
+                frame = read_frame(f, pos, size, dctx)
+            except FrameError as e:
+                nxt = _next_frame(f, pos, size, dctx)
+                yield Damage(pos, nxt.offset if nxt else size, str(e), nxt is None)
+                if nxt is None:
+                    return
+                frame = nxt
+            yield frame
+            pos = frame.end
+
+
+def iter_frames(path: str | Path, *, tail: list | None = None) -> Iterator[Frame]:
+    """Yield every complete batch frame, decoded, in file order, reading one frame at a time.
+
+    A damaged or incomplete LAST frame ends the iteration and is described in `tail` (a list that receives
+    `(offset, why)`), since that is what a crash mid-write leaves. Damage anywhere else raises CorruptShard
+    (`scan` reads past it).
+    """
+    for item in scan(path):
+        if isinstance(item, Frame):
+            yield item
+        elif not item.torn:
+            raise CorruptShard(Path(path), item.offset, item.why)
+        else:
             if tail is not None:
-                tail.append((start, why))
+                tail.append((item.offset, item.why))
             return
 
 
 def read_frame_at(path: str | Path, offset: int) -> Frame:
-    """The batch frame whose descriptor starts at byte `offset` (a `Frame.offset`), decompressed.
+    """The batch frame whose descriptor starts at byte `offset` (a `Frame.offset`), decoded.
 
-    Random access for readers that come back to a frame `iter_frames` showed them; damage raises CorruptShard.
+    Random access for readers that come back to a frame `scan` showed them; damage raises CorruptShard.
     """
     path = Path(path)
-    desc_size = _SKIP.size + _BATCH.size
     with open(path, "rb") as f:
-        f.seek(offset)
-        desc = f.read(desc_size)
-        if len(desc) < desc_size:
-            raise CorruptShard(path, offset, "incomplete batch descriptor")
-        magic, size = _SKIP.unpack_from(desc)
-        tag, clen, count, crc = _BATCH.unpack_from(desc, _SKIP.size)
-        if magic != _BATCH_MAGIC or size != _BATCH.size or tag != _BATCH_TAG:
-            raise CorruptShard(path, offset, "bad batch descriptor")
-        comp = f.read(clen)
-    if len(comp) < clen:
-        raise CorruptShard(path, offset, f"incomplete data frame ({len(comp)} of {clen} bytes)")
-    if zlib.crc32(comp) != crc:
-        raise CorruptShard(path, offset, "checksum mismatch")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(comp)
-    except zstandard.ZstdError as e:
-        raise CorruptShard(path, offset, f"zstd error: {e}") from None
-    return Frame(offset, offset + desc_size + clen, count, raw)
-
-
-def _valid_frame_after(data: bytes) -> bool:
-    """Whether `data` (the rest of a file) holds a complete, intact batch frame."""
-    marker = _SKIP.pack(_BATCH_MAGIC, _BATCH.size) + _BATCH_TAG
-    i = data.find(marker)
-    while i != -1:
-        _, clen, _, crc = _BATCH.unpack_from(data, i + _SKIP.size)
-        body = i + _SKIP.size + _BATCH.size
-        if body + clen <= len(data) and zlib.crc32(data[body : body + clen]) == crc:
-            return True
-        i = data.find(marker, i + 1)
-    return False
+        try:
+            return read_frame(f, offset, os.fstat(f.fileno()).st_size)
+        except FrameError as e:
+            raise CorruptShard(path, offset, str(e)) from None
 
 
 def decode_batch(frame: Frame) -> list[Record]:
-    return _batch_decoder.decode(frame.data)
+    return frame.batch
 
 
 def read_shard(path: str | Path) -> Iterator[Record]:
     """Every record of a shard file, in the order written (a torn last frame is ignored)."""
     for frame in iter_frames(path):
-        yield from decode_batch(frame)
+        yield from frame.batch
 
 
 class ShardWriter:
     """Appends batches of records to one shard file; resumes a file left by an earlier (killed) attempt.
 
-    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame and
-    returns the ids already written, so the caller generates only the rest.
+    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame, salvages a
+    file damaged in the middle (see `open`) and returns the ids already written, so the caller generates only
+    the rest. A record of an id written again later supersedes the earlier one (the newest attempt counts).
     """
 
     def __init__(self, path: str | Path, fingerprint: str, shard: int, *, flush_records: int = 64,
@@ -207,10 +269,18 @@ class ShardWriter:
         self._pending: list[Record] = []
         self._last_flush = time.monotonic()
         self._fd: int | None = None
-        self.written = 0  # records in the file (before + this session)
+        self.written = 0  # records in the file (before + this session), superseded ones included
+        self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
+        self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
 
-    def open(self) -> dict[str, Record | None]:
-        """Lock and recover the file; return {id: None} for every id already recorded (records not kept)."""
+    def open(self) -> dict[str, int]:
+        """Lock and recover the file; return {id: byte offset of the frame of its newest record} for every id
+        already recorded (records not kept); `transient` names those whose newest record should be redone.
+
+        Damage in the middle of the file (a frame that fails its checks, intact frames after it) is salvaged:
+        every intact frame is copied to a new file (temporary name, fsync, rename), the damaged original is kept
+        aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
+        """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -223,7 +293,7 @@ class ShardWriter:
             ) from None
         self._fd = fd
         size = os.fstat(fd).st_size
-        done: dict[str, Record | None] = {}
+        done: dict[str, int] = {}
         if size == 0:
             self._write(_header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
@@ -239,26 +309,66 @@ class ShardWriter:
                 f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
                 "this run directory was planned for another job: use a new output_dir or --new-run"
             )
-        tail: list = []
-        for frame in iter_frames(self.path, tail=tail):
-            for r in decode_batch(frame):
-                done[r.id] = None
-        if tail:
-            off, why = tail[0]
+        good: list[tuple[int, int]] = []  # (offset, end) of intact frames
+        damage: list[Damage] = []
+        for item in scan(self.path):
+            if isinstance(item, Damage):
+                damage.append(item)
+                continue
+            good.append((item.offset, item.end))
+            for r in item.batch:
+                done[r.id] = item.offset
+                self.written += 1
+                if is_transient(r):
+                    self.transient.add(r.id)
+                else:
+                    self.transient.discard(r.id)
+        if damage and not damage[-1].torn or len(damage) > 1:
+            done = self._salvage(good, damage, done)
+        elif damage:
+            off, why = damage[0].offset, damage[0].why
             log.warning("%s: dropping a torn last frame at byte %d (%s); its records will be generated again",
                         self.path, off, why)
             os.ftruncate(fd, off)
             os.fsync(fd)
-        self.written = len(done)
         return done
 
-    def _write(self, data: bytes) -> None:
+    def _salvage(self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]) -> dict[str, int]:
+        """Rewrite the file with its intact frames only (the original kept aside); offsets in `done` follow."""
+        bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.damaged = self.path.with_name(f"{self.path.name}.damaged-{stamp}")
+        log.error("%s: damaged frames at %s; keeping its %d intact frames, generating the records of the damaged "
+                  "ones again; the damaged file is kept as %s", self.path, bad, len(good), self.damaged.name)
+        tmp = self.path.with_name(f".{self.path.name}.salvage")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        old, self._fd = self._fd, fd
+        moved: dict[int, int] = {}
+        pos = _HEADER_SIZE
+        self._write(_header_bytes(self.fingerprint, self.shard), sync=False)
+        with open(self.path, "rb") as f:
+            for start, end in good:
+                f.seek(start)
+                self._write(f.read(end - start), sync=False)
+                moved[start] = pos
+                pos += end - start
+        os.fsync(fd)
+        os.link(self.path, self.damaged)
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        assert old is not None
+        os.close(old)
+        return {k: moved[v] for k, v in done.items()}
+
+    def _write(self, data: bytes, *, sync: bool = True) -> None:
         assert self._fd is not None
         view = memoryview(data)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        os.fsync(self._fd)
+        if sync:
+            os.fsync(self._fd)
 
     def add(self, record: Record) -> None:
         self._pending.append(record)
@@ -274,8 +384,7 @@ class ShardWriter:
             return
         batch, self._pending = self._pending, []
         comp = self._cctx.compress(_encoder.encode(batch))
-        desc = _BATCH.pack(_BATCH_TAG, len(comp), len(batch), zlib.crc32(comp))
-        self._write(_SKIP.pack(_BATCH_MAGIC, _BATCH.size) + desc + comp)
+        self._write(_batch_bytes(comp, len(batch)))
         self.written += len(batch)
 
     def close(self) -> None:
@@ -291,7 +400,7 @@ class ShardWriter:
 class DoneManifest(msgspec.Struct):
     shard: int
     fingerprint: str
-    records: int
+    records: int                 # distinct ids (the newest record of each)
     ok: int
     failed: int
     prompt_tokens: int
@@ -300,26 +409,118 @@ class DoneManifest(msgspec.Struct):
     sha256: str
     host: str
     finished: str
+    transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
+    superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
 
 
-def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str) -> DoneManifest:
-    """Count and checksum a complete shard file and atomically write its `done` manifest."""
-    ok = failed = ptok = otok = 0
+def needs_work(m: DoneManifest | None) -> bool:
+    """Whether a shard with this done manifest still has prompts to generate (none, or transient failures)."""
+    return m is None or m.transient > 0
+
+
+def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
+    """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
+
+    `positions`, the shard's planned positions, lets the newest record of each be tracked in compact arrays (a
+    few bytes per prompt) rather than a dict of ids.
+    """
+    counts = _PositionCounts(positions) if positions is not None else _IdCounts()
+    total = 0
     for r in read_shard(shard_path):
-        if r.status == "ok":
-            ok += 1
-        else:
-            failed += 1
-        ptok += r.n_prompt
-        otok += r.n_output
-    h = hashlib.sha256(shard_path.read_bytes()).hexdigest()
+        total += 1
+        counts.add(r)
+    ok, failed, transient, ptok, otok = counts.totals()
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
-        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=h, host=socket.gethostname(),
+        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=_sha256(shard_path), host=socket.gethostname(),
         finished=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        transient=transient, superseded=total - ok - failed,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
+
+
+_ABSENT, _OK, _FAILED, _TRANSIENT = 0, 1, 2, 3
+
+
+class _IdCounts:
+    """The newest record's state per id, in a dict."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, tuple[int, int, int]] = {}
+
+    def add(self, r: Record) -> None:
+        state = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
+        self.newest[r.id] = (state, r.n_prompt, r.n_output)
+
+    def totals(self) -> tuple[int, int, int, int, int]:
+        states = [v[0] for v in self.newest.values()]
+        return (states.count(_OK), len(states) - states.count(_OK), states.count(_TRANSIENT),
+                sum(v[1] for v in self.newest.values()), sum(v[2] for v in self.newest.values()))
+
+
+class _PositionCounts:
+    """The newest record's state per planned position, in arrays (records outside `positions` are ignored)."""
+
+    def __init__(self, positions: range) -> None:
+        from array import array
+
+        self.first = positions.start
+        self.state = bytearray(len(positions))
+        self.ptok = array("I", bytes(4 * len(positions)))
+        self.otok = array("I", bytes(4 * len(positions)))
+
+    def add(self, r: Record) -> None:
+        i = r.index - self.first
+        if 0 <= i < len(self.state):
+            self.state[i] = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
+            self.ptok[i], self.otok[i] = r.n_prompt, r.n_output
+
+    def totals(self) -> tuple[int, int, int, int, int]:
+        present = len(self.state) - self.state.count(_ABSENT)
+        ok = self.state.count(_OK)
+        return ok, present - ok, self.state.count(_TRANSIENT), sum(self.ptok), sum(self.otok)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
+    """None when the shard file is exactly what its done manifest describes, else what differs."""
+    try:
+        size = shard_path.stat().st_size
+    except FileNotFoundError:
+        return f"{shard_path} is gone"
+    if size != m.bytes:
+        return f"{shard_path} has {size} bytes, its done manifest says {m.bytes}"
+    sha = _sha256(shard_path)
+    if sha != m.sha256:
+        return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
+    return None
+
+
+class RetryRequest(msgspec.Struct):
+    """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record lies
+    before byte `before` of the shard file (records written since are the retry's own)."""
+
+    before: int
+    ids: list[str]
+
+
+def write_retry(path: Path, request: RetryRequest) -> None:
+    atomic_write(path, msgspec.json.encode(request))
+
+
+def read_retry(path: Path) -> RetryRequest | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
+    except FileNotFoundError:
+        return None
 
 
 def read_done(path: Path) -> DoneManifest | None:

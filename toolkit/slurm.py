@@ -24,7 +24,7 @@ import msgspec
 
 from .files import atomic_write
 from .plan import RunDir, RunPlan, load_run
-from .shardfile import read_done
+from .shardfile import needs_work, read_done
 
 __all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask", "add_cli"]
 
@@ -458,14 +458,15 @@ def live_jobs(rd: RunDir) -> dict[str, str]:
 
 
 def resubmit(run_dir: str, options: dict[str, Any]) -> tuple[RunDir, Submission | None, list[int]]:
-    """Submit one array over exactly the shards without a done manifest, and a new merge job."""
+    """Submit one array over exactly the shards without a done manifest (or with transient failures left, see
+    shardfile.needs_work), and a new merge job."""
     rd, plan = load_run(run_dir)
     live = live_jobs(rd)
     if live:
         shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
         raise SlurmError(f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them or "
                          f"`toolkit cancel {rd.root}` first")
-    missing = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+    missing = [k for k in range(len(plan.shards)) if needs_work(read_done(rd.done_file(k)))]
     if not missing:
         return rd, None, []
     o = validate_resources(plan, options)

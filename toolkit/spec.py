@@ -70,6 +70,7 @@ class StubSpec(_Config):
     hang: bool = False
     hang_after: int | None = None
     fail_5xx: str | None = None
+    nan_every: int | None = None  # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")
     exit_at_start: int | None = None
     exit_at_start_if_exists: str | None = None
     no_think_end: bool = False
@@ -86,6 +87,9 @@ class EngineSpec(_Config):
     env: dict[str, str] = {}
     ready_timeout_s: float = 3600.0
     max_restarts: int = 3
+    # No request answered for this long while some are in flight, and /health_generate fails: the engine is hung,
+    # and is restarted like one that died (counted against max_restarts); its requests in flight go back to the queue.
+    hang_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
     url: str | None = None
     api_key: str | None = None

@@ -334,12 +334,25 @@ def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None
         for line in _tail_lines(log, lines):
             print(line)
         print()
+def _retryable(rd: RunDir, plan) -> dict[int, int]:
+    """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
+    out = {}
+    for s in plan.shards:
+        m = read_done(rd.done_file(s.index))
+        if m is not None and m.transient:
+            out[s.index] = m.transient
+    return out
 
 
 def cmd_logs(args) -> int:
     rd, plan = load_run(args.run)
     if args.failed:
-        return _print_failed(rd, args)
+        retryable = _retryable(rd, plan)
+        if retryable:
+            print(f"{sum(retryable.values())} failed records that may pass (timeouts, 5xx, aborts, NaN) in shards "
+                  f"{', '.join(map(str, retryable))}: `toolkit retry {rd.shown}` generates them again")
+        rc = _print_failed(rd, args)
+        return max(rc, 1 if retryable else 0)
     if args.shard is None:
         print("which shard? e.g. `toolkit logs RUN 0`; --failed shows every failed shard", file=sys.stderr)
         return 2

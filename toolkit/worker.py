@@ -6,6 +6,13 @@ them through `/generate` with bounded concurrency, and appends checked records i
 that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
 (nothing written is lost, in-flight prompts are generated again next time). A finished shard gets its `done`
 manifest.
+
+Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
+recorded with its kind and generated again by the next run of the shard (the done manifest counts them; see
+records.TRANSIENT); ids `toolkit retry` names are generated again too. A done manifest is trusted only when the
+shard file still has its size and sha256; a damaged file is salvaged (shardfile.ShardWriter.open). An engine that
+stops answering (requests in flight, none answered for `engine.hang_timeout_s`, `/health_generate` failing) is
+restarted like one that died. The render thread stays a bounded number of prompts ahead of the requests.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 
@@ -24,10 +32,13 @@ from . import chat
 from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unreachable, generate
 from .engines import EngineError, make_engine
 from .inputs import PromptReader
-from .plan import PromptRef, RunDir, RunPlan, check_plan_inputs, load_refs, load_run
+from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, slurm_context, write_progress
-from .records import OK, Record, failed_record, pack_ids, split_output
-from .shardfile import ShardWriter, read_done, write_done
+from .records import (
+    ABORTED, BAD_RESPONSE, FAILED, NAN, NAN_MATCHED, OK, REJECTED, SERVER_ERROR, TEMPLATE, TIMEOUT, Record,
+    failed_record, pack_ids, split_output,
+)
+from .shardfile import ShardWriter, read_done, read_retry, verify_done, write_done
 
 __all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
 
@@ -45,17 +56,48 @@ class _EngineDied(Exception):
     pass
 
 
+class _EngineHung(_EngineDied):
+    """Alive, but answering nothing: stopped without the grace a draining server gets."""
+
+
 class _Stop(Exception):
     pass
+
+
+class _Budget:
+    """How many rendered prompts may wait for a request: the render thread blocks in `acquire` past `cap`, the
+    event loop releases one per prompt it takes. Keeps the worker's memory flat however large the shard."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.used, self.closed = cap, 0, False
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.cap and not self.closed:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int = 1) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
 
 class _Feed:
     """Rendered prompts in planned order, filled by the render thread; prompts to redo come first."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: _Budget | None = None) -> None:
+        self.budget = budget or _Budget(1 << 62)
         self.items: deque = deque()
         self.redo: deque = deque()
         self.finished = False
+        self.peak = 0  # most rendered prompts waiting at once
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
 
@@ -65,6 +107,7 @@ class _Feed:
             self.finished = True
         else:
             self.items.extend(items)
+            self.peak = max(self.peak, len(self.items))
             if not self.first.done():
                 first = next((item[2] for item in items if item[2] is not None), None)
                 if first is not None:
@@ -84,11 +127,27 @@ class _Feed:
             if self.redo:
                 return self.redo.popleft()
             if self.items:
+                self.budget.release()
                 return self.items.popleft()
             if self.finished:
                 return None
             self._event.clear()
             await self._event.wait()
+
+
+class _Todo:
+    """The prompts to generate as (planned position, ref) pairs, sliced a batch at a time: positions kept in a
+    compact array, refs decoded on demand."""
+
+    def __init__(self, refs: RefSlice, positions) -> None:
+        self.refs, self.positions = refs, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, s: slice) -> list[tuple[int, PromptRef]]:
+        first = self.refs.first
+        return [(p, self.refs[p - first]) for p in self.positions[s]]
 
 
 def _render_thread(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRef]], state: dict) -> None:
@@ -109,9 +168,10 @@ def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRe
              info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
     with PromptReader() as reader:
         for start in range(0, len(todo), chat.BATCH_SIZE):
+            batch = todo[start : start + chat.BATCH_SIZE]
+            feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
             if state.get("stop"):
                 break
-            batch = todo[start : start + chat.BATCH_SIZE]
             prompts = []
             for pos, ref in batch:
                 ds = plan.datasets[ref.dataset]
@@ -124,7 +184,7 @@ def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRe
                     try:
                         rendered.append((chat.render(tok, plan.spec.model, prompt), None))
                     except chat.ChatError as e:
-                        rendered.append((None, f"chat template: {e}"))
+                        rendered.append((None, f"chat template: {e}"))  # recorded failed, kind TEMPLATE
             items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
             loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
 
@@ -144,12 +204,16 @@ class _Shard:
                                  engine=self.spec.engine.kind, started=time.time(), **slurm_context())
         self.tokens = 0
         self.t_gen = 0.0
+        self.recorded = 0          # distinct ids recorded (resumed ones included)
+        self.transient = 0         # of those, transient failures left (see records.TRANSIENT)
+        self.in_flight = 0         # requests sent and not answered
+        self.last_answer = time.monotonic()
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
         if state:
             p.state = state
-        p.done = self.writer.written + len(self.writer._pending)
+        p.done = self.recorded
         p.output_tokens = self.tokens
         p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
         write_progress(self.rd.progress_file(self.shard), p)
@@ -157,14 +221,43 @@ class _Shard:
     def add(self, record: Record) -> None:
         if record.status != OK:
             self.progress.failed += 1
-            log.warning("prompt %s (%s) failed: %s", record.id, record.dataset, record.error)
+            log.warning("prompt %s (%s) failed (%s): %s", record.id, record.dataset, record.failure, record.error)
+        self.recorded += 1
         self.tokens += record.n_output
         self.writer.add(record)
 
 
-async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> None:
-    spec = sh.spec
-    c = spec.client
+def _failure_kind(e: Exception) -> str:
+    if isinstance(e, ServerError):
+        return SERVER_ERROR
+    if isinstance(e, BadResponse):
+        return BAD_RESPONSE
+    return TIMEOUT  # Unreachable that is not a timeout stops the shard instead (see _consume)
+
+
+async def _generate(sh: _Shard, ids: list[int], ds: str, ref, engine):
+    """One prompt's /generate, retried while the server aborts it (up to client.retries)."""
+    c = sh.spec.client
+    attempts = 0
+    while True:
+        sh.in_flight += 1
+        try:
+            res = await generate(
+                sh.http, ids, sh.spec.request_sampling(ds, ref.sample), timeout=c.request_timeout_s, retries=c.retries,
+                backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
+            )
+        finally:
+            sh.in_flight -= 1
+        sh.last_answer = time.monotonic()
+        attempts += res.attempts
+        if res.finish != "abort" or attempts > c.retries:
+            res.attempts = attempts
+            return res
+        log.warning("prompt %s aborted by the server (%s); retrying", ref.id, res.matched)
+
+
+async def _consume(sh: _Shard, feed: _Feed, engine, info) -> None:
+    c = sh.spec.client
     while True:
         item = await feed.get()
         if item is None:
@@ -172,22 +265,13 @@ async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> N
         pos, ref, ids, err = item
         ds = sh.plan.datasets[ref.dataset].name
         if err is not None:
-            sh.add(failed_record(ref.id, ds, pos, [], err, 0))
+            sh.add(failed_record(ref.id, ds, pos, [], err, 0, TEMPLATE))
             continue
         try:
-            attempts = 0
-            while True:
-                res = await generate(
-                    http, ids, spec.request_sampling(ds, ref.sample), timeout=c.request_timeout_s, retries=c.retries,
-                    backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
-                )
-                attempts += res.attempts
-                if res.finish != "abort" or attempts > c.retries:
-                    break
-                log.warning("prompt %s aborted by the server (%s); retrying", ref.id, res.matched)
-            res.attempts = attempts
+            res = await _generate(sh, ids, ds, ref, engine)
         except RequestRejected as e:
-            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", 1)))
+            sh.last_answer = time.monotonic()
+            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", 1), REJECTED))
             continue
         except (Unreachable, ServerError, BadResponse) as e:
             if not engine.alive():
@@ -196,25 +280,70 @@ async def _consume(sh: _Shard, feed: _Feed, http: HttpClient, engine, info) -> N
             if isinstance(e, Unreachable) and "no answer within" not in str(e):
                 feed.redo.append(item)
                 raise ShardFailed(f"engine at {engine.url} unreachable after {c.retries} retries: {e}") from None
-            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", c.retries + 1)))
+            sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", c.retries + 1), _failure_kind(e)))
             continue
         except asyncio.CancelledError:
             feed.redo.append(item)
             raise
-        out = res.output_ids
-        reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
-        sh.add(Record(
-            id=ref.id, dataset=ds, index=pos, status=OK if res.finish != "abort" else "failed",
-            prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
-            tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
-            prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
-            cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
-            error=None if res.finish != "abort" else "aborted by the server",
-        ))
+        sh.add(_result_record(ref, ds, pos, ids, res, info))
 
 
-async def _watch(sh: _Shard, engine) -> None:
-    """Flush due batches, refresh progress, and notice an engine that died."""
+def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info) -> Record:
+    """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN stop."""
+    out = res.output_ids
+    reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
+    failure = error = None
+    if res.finish == "abort":
+        failure, error = ABORTED, "aborted by the server"
+    elif res.finish == "stop" and res.matched == NAN_MATCHED:
+        failure = NAN
+        error = (f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN logits was "
+                 f"replaced by a stop id after {len(out) - 1} tokens; the output is not the model's")
+        log.warning("prompt %s: %s; recorded failed, it is generated again on the next run (`toolkit retry`)", ref.id, error)
+    return Record(
+        id=ref.id, dataset=ds, index=pos, status=OK if failure is None else FAILED,
+        prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
+        tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
+        prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
+        cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
+        error=error, failure=failure,
+    )
+
+
+class _HangWatch:
+    """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was answered for
+    `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked, with a bounded timeout, on a
+    connection of its own; when it fails too, the engine is treated as dead."""
+
+    def __init__(self, engine, hang_timeout_s: float):
+        self.engine, self.hang_timeout_s = engine, hang_timeout_s
+        self.probe_timeout_s = min(30.0, max(2.0, hang_timeout_s))  # SGLang answers 503 after 20 s when wedged
+        self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+        self.next_probe = 0.0
+
+    async def check(self, sh: _Shard) -> None:
+        now = time.monotonic()
+        stall = now - sh.last_answer
+        if not sh.in_flight or stall < self.hang_timeout_s or now < self.next_probe:
+            return
+        try:
+            status, _ = await self.http.get("/health_generate", timeout=self.probe_timeout_s)
+            why = None if status == 200 else f"answered {status}"
+        except Unreachable as e:
+            why = str(e)
+        if why is None:  # generating, only slowly (long outputs): look again later
+            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers 200", stall, sh.in_flight)
+            self.next_probe = time.monotonic() + self.hang_timeout_s
+            return
+        raise _EngineHung(f"engine hung: no request answered for {stall:.0f} s with {sh.in_flight} in flight, and "
+                          f"/health_generate {why} (limit engine.hang_timeout_s = {self.hang_timeout_s:g})")
+
+    def close(self) -> None:
+        self.http.close()
+
+
+async def _watch(sh: _Shard, engine, hang: _HangWatch) -> None:
+    """Flush due batches, refresh progress, and notice an engine that died or hung."""
     last = 0.0
     while True:
         await asyncio.sleep(0.25)
@@ -225,6 +354,7 @@ async def _watch(sh: _Shard, engine) -> None:
             sh.save_progress()
         if not engine.alive():
             raise _EngineDied(f"engine exited with code {engine.exit_code()}")
+        await hang.check(sh)
 
 
 async def _race(stop: asyncio.Event, *aws) -> None:
@@ -257,7 +387,7 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    feed = _Feed()
+    feed = _Feed(_Budget(max(4 * spec.client.concurrency, 2 * chat.BATCH_SIZE)))
     state: dict = {}
     engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
     if not engine.is_model:
@@ -272,7 +402,8 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
     ready_once = False
     try:
         while True:
-            http = HttpClient(engine.url, api_key=engine.api_key, max_connections=spec.client.concurrency)
+            http = sh.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=spec.client.concurrency)
+            hang = _HangWatch(engine, spec.engine.hang_timeout_s)
             try:
                 await _race(stop, engine.wait_ready(http))
                 probe = await _race_value(stop, feed.first)
@@ -284,8 +415,9 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
                     sh.t_gen = time.monotonic()
                 sh.save_progress("generating")
                 log.info("generating %d prompts with concurrency %d", len(todo), spec.client.concurrency)
-                consumers = [_consume(sh, feed, http, engine, state["info"]) for _ in range(spec.client.concurrency)]
-                await _race(stop, _all(consumers), _watch(sh, engine))
+                sh.last_answer = time.monotonic()
+                consumers = [_consume(sh, feed, engine, state["info"]) for _ in range(spec.client.concurrency)]
+                await _race(stop, _all(consumers), _watch(sh, engine, hang))
                 return DONE
             except (_EngineDied, EngineError) as e:
                 if not ready_once or isinstance(e, EngineError) and engine.alive():
@@ -301,14 +433,17 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
                     ) from None
                 log.error("engine died mid-shard (%s): restart %d of %d", e, sh.progress.engine_restarts, spec.engine.max_restarts)
                 sh.save_progress("loading")
-                engine.stop()
+                engine.stop(timeout_s=0.0 if isinstance(e, _EngineHung) else None)
                 engine.start()
             finally:
                 http.close()
+                hang.close()
     except _Stop:
         return STOPPED
     finally:
+        log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
         state["stop"] = True
+        feed.budget.close()
         sh.writer.flush()
         engine.stop()
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
@@ -338,6 +473,56 @@ def _attach_log(path: Path) -> logging.Handler:
     return h
 
 
+def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
+    """Whether the shard's done manifest can be trusted to say there is nothing to do: its file unchanged (size
+    and sha256), no transient failure left, no retry asked. An untrusted manifest is removed (merge and status
+    must not take the shard as complete while it is being redone)."""
+    m = read_done(rd.done_file(shard))
+    if m is None or m.fingerprint != plan.fingerprint:
+        return False
+    changed = verify_done(m, rd.shard_file(shard))
+    if changed:
+        log.error("shard %d: %s: the file changed after the shard finished; checking it, salvaging what is intact "
+                  "and generating the rest", shard, changed)
+    elif rd.retry_file(shard).exists():
+        log.info("shard %d: `toolkit retry` asked for records to be generated again", shard)
+    elif m.transient:
+        log.info("shard %d finished with %d failures that may pass: generating them again", shard, m.transient)
+    else:
+        log.info("shard %d is already complete (%d records): nothing to do", shard, m.records)
+        return True
+    rd.done_file(shard).unlink(missing_ok=True)
+    return False
+
+
+def _plan_todo(rd: RunDir, sh: _Shard, done_ids: dict[str, int], redo: set[str]) -> _Todo:
+    """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
+    refs = RefSlice(rd, sh.sp.first, sh.sp.count)
+    positions = array("q")
+    owned = 0
+    for i in range(len(refs)):
+        rid = refs[i].id
+        if rid in done_ids:
+            owned += 1
+            if rid not in redo:
+                continue
+        positions.append(sh.sp.first + i)
+    if owned != len(done_ids):
+        unknown = set(done_ids) - {refs[i].id for i in range(len(refs))}
+        raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
+    return _Todo(refs, positions)
+
+
+def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
+    """Recorded ids to generate again: transient failures, and those a retry request names that were not
+    recorded again since it was made."""
+    redo = set(writer.transient)
+    req = read_retry(rd.retry_file(shard))
+    if req is not None:
+        redo.update(i for i in req.ids if done_ids.get(i, req.before) < req.before)
+    return redo
+
+
 def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
 
@@ -357,20 +542,18 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         log.info("shard %d of run %s (%s): %d prompts; host %s, GPUs %s, job %s, array %s_%s, requeues %d",
                  shard, plan.name, plan.fingerprint, sh.sp.count, ctx.host, ctx.gpus, ctx.job_id,
                  ctx.array_job_id, ctx.array_task_id, ctx.restart_count)
-        done_manifest = read_done(rd.done_file(shard))
-        if done_manifest is not None and done_manifest.fingerprint == plan.fingerprint:
-            log.info("shard %d is already complete (%d records): nothing to do", shard, done_manifest.records)
+        if _already_complete(rd, plan, shard):
             return DONE
         check_plan_inputs(plan)
         done_ids = sh.writer.open()
         try:
-            refs = load_refs(rd)[sh.sp.first : sh.sp.first + sh.sp.count]
-            unknown = set(done_ids) - {r.id for r in refs}
-            if unknown:
-                raise ShardFailed(f"{rd.shard_file(shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
-            todo = [(sh.sp.first + i, r) for i, r in enumerate(refs) if r.id not in done_ids]
-            log.info("%d of %d prompts already recorded; %d to generate", len(done_ids), sh.sp.count, len(todo))
-            sh.progress.resumed = len(done_ids)
+            redo = _redo_ids(rd, shard, sh.writer, done_ids)
+            todo = _plan_todo(rd, sh, done_ids, redo)
+            sh.recorded = len(done_ids) - len(redo)
+            log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
+                     "%d asked by `toolkit retry`)", len(done_ids), sh.sp.count, len(todo), len(redo),
+                     len(redo & sh.writer.transient), len(redo - sh.writer.transient))
+            sh.progress.resumed = sh.recorded
             result = DONE
             if todo:
                 try:
@@ -386,13 +569,18 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         if result == STOPPED:
             sh.save_progress("stopped")
             log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
-                     shard, sh.writer.written, sh.sp.count)
+                     shard, sh.recorded, sh.sp.count)
             return STOPPED
-        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint)
+        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint,
+                       positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
         if m.records != sh.sp.count:
             raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
+        rd.retry_file(shard).unlink(missing_ok=True)
         sh.save_progress("done")
         log.info("shard %d complete: %d records (%d failed), %d output tokens", shard, m.records, m.failed, m.output_tokens)
+        if m.transient:
+            log.warning("shard %d: %d failures may pass when generated again (timeouts, 5xx, aborts, NaN); the next "
+                        "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, rd.shown)
         return DONE
     finally:
         logger.removeHandler(handler)

@@ -137,20 +137,23 @@ class Engine:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self) -> None:
-        """SIGTERM the process group, wait `shutdown_timeout_s`, then SIGKILL the group: nothing left running."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the process group, wait `timeout_s` (default `shutdown_timeout_s`), then SIGKILL the group:
+        nothing left running. A SIGSTOPped group is continued, so it can act on the SIGTERM."""
         proc = self.proc
         if proc is None:
             return
         pgid = proc.pid
+        grace = self.engine.shutdown_timeout_s if timeout_s is None else timeout_s
         try:
             os.killpg(pgid, signal.SIGTERM)
+            os.killpg(pgid, signal.SIGCONT)
         except ProcessLookupError:
             pass
         try:
-            proc.wait(self.engine.shutdown_timeout_s)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
-            log.warning("engine did not exit %g s after SIGTERM: killing its process group", self.engine.shutdown_timeout_s)
+            log.warning("engine did not exit %g s after SIGTERM: killing its process group", grace)
         try:
             os.killpg(pgid, signal.SIGKILL)  # also reaches children that outlived the leader
         except ProcessLookupError:

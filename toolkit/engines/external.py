@@ -18,5 +18,5 @@ class ExternalEngine(Engine):
     def alive(self) -> bool:
         return True  # nothing to watch: connection errors are retried, then fail the task
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
         pass

@@ -42,6 +42,7 @@ class StubEngine(Engine):
             ("--load-delay", s.load_delay_s), ("--warmup-delay", s.warmup_delay_s), ("--token-delay", s.token_delay_s),
             ("--fixed-output-tokens", s.fixed_output_tokens), ("--crash-after", s.crash_after),
             ("--hang-after", s.hang_after), ("--fail-5xx", s.fail_5xx), ("--exit-at-start", s.exit_at_start),
+            ("--nan-every", s.nan_every),
         ):
             if value:
                 argv += [flag, str(value)]

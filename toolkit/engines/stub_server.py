@@ -92,6 +92,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     hang_after: int | None = None
     crash_after: int | None = None
     fail_5xx: tuple[int, int] | None = None
+    nan_every: int | None = None
     exit_at_start: int | None = None
     exit_at_start_if_exists: str | None = None
     warmup_fails: bool = False
@@ -201,6 +202,8 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--hang-after", type=int, help="/generate requests after the N-th never answer")
     a("--crash-after", type=int, help="exit abruptly (status 1) on the N-th /generate request")
     a("--fail-5xx", metavar="START:COUNT", help="/generate requests START..START+COUNT-1 get HTTP 503")
+    a("--nan-every", type=int, metavar="N", help="every N-th /generate request ends in SGLang's NaN stop: half its "
+      "output, then an EOS id, finish_reason {type: stop, matched: 'NaN happened'}")
     a("--exit-at-start", type=int, metavar="CODE", help="exit with CODE at once")
     a("--exit-at-start-if-exists", metavar="PATH", help="exit 1 at once if PATH exists")
     a("--warmup-fails", action="store_true", help="the warm-up fails: the process kills itself when it ends")
@@ -251,7 +254,8 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
         fixed_output_tokens=ns.fixed_output_tokens,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang,
-        hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, exit_at_start=ns.exit_at_start,
+        hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, nan_every=ns.nan_every,
+        exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
         no_think_end=ns.no_think_end, double_think_start=ns.double_think_start,
         other_args={k: v for k, v in other.items() if v not in (None, False)},
@@ -937,6 +941,17 @@ def finish_item(model: StubModel, item: Item) -> None:
         item.finish = {"type": "length", "length": budget}
 
 
+NAN_MATCHED = "NaN happened"
+
+
+def nan_stop(model: StubModel, item: Item) -> None:
+    """SGLang 0.5.23's NaN stop: the token sampled from NaN logits is replaced by a stop id and the output ends
+    there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"} (schedule_batch.py)."""
+    item.output = item.output[: len(item.output) // 2] + [model.eos_id]
+    item.finish = {"type": "stop", "matched": NAN_MATCHED}
+    item.trim, item.stop_str = 1, None
+
+
 def _first_stop_string(model: StubModel, ids: list[int], sp: Sampling) -> tuple[int | None, str | None]:
     """The shortest prefix of ids whose text contains a stop string (binary search over decodes)."""
     skip = sp.skip_special_tokens
@@ -1425,6 +1440,10 @@ class StubServer:
             if stream:
                 return self.stream_error(conn, str(e))
             return 400, _json_encode({"error": {"message": str(e)}}), JSON
+        if cfg.nan_every and number % cfg.nan_every == 0:
+            logger.warning("Injected NaN (--nan-every %d) in /generate request #%d", cfg.nan_every, number)
+            for item in items:
+                nan_stop(self.model, item)
         if hang:
             return self.hang_forever(items)
         if stream:

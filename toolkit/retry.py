@@ -1,0 +1,124 @@
+"""`toolkit retry RUN`: generate failed records again, in the same run directory.
+
+Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the retries,
+aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones, are run again: the worker regenerates a
+shard's transient failures on every run. With `--ids FILE` (one id per line, e.g. `merged/failed_ids.txt`), those
+ids are generated again whatever their status: each of their shards gets a retry request (`shards/NNNNN.retry`,
+which the worker reads and removes once the shard completes) and loses its done manifest. The new records are
+appended; merge keeps the newest record of each id. The shards run here, one after the other, then the run is
+merged and audited (like `toolkit run`); `--slurm` submits them instead (like `toolkit resubmit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .plan import RunDir, RunPlan, load_refs, load_run
+from .shardfile import RetryRequest, needs_work, read_done, read_retry, write_retry
+
+__all__ = ["RetryError", "add_cli", "request_retry"]
+
+log = logging.getLogger(__name__)
+
+
+class RetryError(Exception):
+    """A retry that cannot be asked as given (unknown ids, unreadable file)."""
+
+
+def read_ids(path: str | os.PathLike) -> list[str]:
+    """Ids of a file, one per line; blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise RetryError(f"{path}: cannot read the ids to retry ({e.strerror})") from None
+    return [s for line in lines if (s := line.strip()) and not s.startswith("#")]
+
+
+def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[str]]:
+    wanted = set(ids)
+    firsts = [s.first for s in plan.shards]
+    by_shard: dict[int, list[str]] = {}
+    from bisect import bisect_right
+
+    for pos, ref in enumerate(load_refs(rd)):
+        if ref.id in wanted:
+            wanted.discard(ref.id)
+            by_shard.setdefault(bisect_right(firsts, pos) - 1, []).append(ref.id)
+    if wanted:
+        raise RetryError(f"{len(wanted)} ids are not planned in {rd.shown} (e.g. {sorted(wanted)[0]!r})")
+    return by_shard
+
+
+def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
+    """Ask for records to be generated again; return the shards to run. `ids` None: every transient failure."""
+    rd, plan = load_run(run_dir)
+    if ids is None:
+        return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+    for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):
+        path = rd.shard_file(k)
+        old = read_retry(rd.retry_file(k))
+        keep = [i for i in old.ids if i not in set(shard_ids)] if old else []
+        write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + shard_ids))
+        rd.done_file(k).unlink(missing_ok=True)
+    return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+
+
+def cmd_retry(args) -> int:
+    from .cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+
+    try:
+        rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
+    except RetryError as e:
+        print(f"toolkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not shards:
+        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass "
+              f"(`toolkit retry {rd.shown} --ids {rd.shown}/merged/failed_ids.txt` retries the others too)")
+        return EXIT_OK
+    print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
+    if args.slurm:
+        from .slurm import SlurmError, cmd_resubmit
+
+        try:
+            return cmd_resubmit(args)
+        except SlurmError as e:
+            print(f"toolkit: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
+    from .worker import STOPPED, ShardFailed, run_shard
+
+    failed = []
+    for k in shards:
+        try:
+            if run_shard(rd.root, k) == STOPPED:
+                return EXIT_STOPPED
+        except ShardFailed as e:
+            log.error("shard %d failed: %s", k, e)
+            failed.append(k)
+    if failed:
+        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`")
+        return EXIT_FAILED
+    from .merge import merge_and_audit
+
+    return merge_and_audit(rd.root)
+
+
+def add_cli(sub) -> None:
+    s = sub.add_parser(
+        "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n", 2)[2],
+    )
+    s.add_argument("run", help="run directory")
+    s.add_argument("--ids", metavar="FILE", help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
+                                                "permanent failures and ok records included")
+    s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
+    try:
+        from .slurm import _add_resource_flags
+
+        _add_resource_flags(s)
+    except ImportError:  # pragma: no cover - only in a broken install
+        pass
+    s.set_defaults(func=cmd_retry)
