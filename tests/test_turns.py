@@ -63,3 +63,108 @@ def test_a_conversation_without_a_user_turn_is_named(tmp_path, toy_tokenizer):
     job = regen_job(tmp_path, toy_tokenizer("kimi"), [CONV, [{"role": "system", "content": "x"}]])
     with pytest.raises(InputError, match=r"chats.jsonl:2: field `messages`: has no user message"):
         plan_job(load_spec(job))
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end with the stub engine
+# ---------------------------------------------------------------------------------------------------
+from toolkit import chat  # noqa: E402
+from toolkit.cli import main as cli_main, prepare_run  # noqa: E402
+from toolkit.export import export_run  # noqa: E402
+from toolkit.inputs import scan_dataset  # noqa: E402
+from toolkit.records import unpack_ids  # noqa: E402
+from toolkit.shardfile import read_shard  # noqa: E402
+from toolkit.turns import answer_of, turn_prompt  # noqa: E402
+from toolkit.worker import ShardFailed, run_shard  # noqa: E402
+
+
+def chats(k: int) -> list[list[dict]]:
+    convs = []
+    for i in range(k):
+        turns = 2 + i % 2
+        msgs = [{"role": "system", "content": "Answer briefly."}]
+        for t in range(turns):
+            msgs += [{"role": "user", "content": f"question {t} of chat {i}: what is {i} plus {t}?"},
+                     {"role": "assistant", "content": f"SOURCE ANSWER {i}.{t}"}]
+        convs.append(msgs)
+    return convs
+
+
+def check_histories(job, rd):
+    """Every turn's stored prompt is the template's render of the source up to that turn, with the answers the
+    model generated for the turns before it (decoded from their stored ids), never the source's."""
+    spec = load_spec(job)
+    tok = chat.load_tokenizer(spec.model)
+    info = chat.token_info(tok, spec.model)
+    recs = {}
+    for rec in read_shard(rd.shard_file(0)):
+        recs[rec.id] = rec
+    prompts = {p.id: p for p in scan_dataset(spec.datasets[0].path, "d")}
+    for pid, p in prompts.items():
+        answers = []
+        for t in range(user_turns(p.messages)):
+            rec = recs[f"{pid}/t{t}"]
+            assert rec.status == "ok"
+            want = chat.render(tok, spec.model, turn_prompt(p, t, answers))
+            assert unpack_ids(rec.prompt_ids) == want
+            assert "SOURCE ANSWER" not in tok.decode(want)
+            answers.append(answer_of(rec, tok, info))
+    return recs
+
+
+def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, toy_tokenizer):
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(5), sampling={"max_new_tokens": 96},
+                    audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    rd, _ = prepare_run(job)
+    recs = check_histories(job, rd)
+    assert len(recs) == 12  # 2 + 3 + 2 + 3 + 2 turns
+    audit = json.loads((rd.merged_dir / "audit.json").read_text())
+    assert [(t["turn"], t["ok"]) for t in audit["turns"]] == [(1, 5), (2, 5), (3, 2)]
+    out = tmp_path / "c.jsonl"
+    assert export_run(rd.root, "conversations", out) == 5
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)] and [r["turns"] for r in rows] == [2, 3, 2, 3, 2]
+    spec = load_spec(job)
+    tok = chat.load_tokenizer(spec.model)
+    info = chat.token_info(tok, spec.model)
+    conv = rows[1]["conversations"]
+    assert [m["role"] for m in conv] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert conv[-1] == answer_of(recs["c1/t2"], tok, info) and "SOURCE ANSWER" not in json.dumps(conv)
+    tokens = tmp_path / "t.jsonl"
+    export_run(rd.root, "tokens", tokens)
+    last = next(json.loads(x) for x in tokens.read_text().splitlines() if json.loads(x)["id"] == "c1/t2")
+    assert last["input_ids"] == unpack_ids(recs["c1/t2"].prompt_ids) + unpack_ids(recs["c1/t2"].output_ids)
+
+
+def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer):
+    """A shard killed midway: the next run renders each remaining turn from the answers in the shard file."""
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96},
+                    stub={"crash_after": 5}, engine={"max_restarts": 0}, client={"concurrency": 2})
+    rd, _ = prepare_run(job)
+    with pytest.raises(ShardFailed):
+        run_shard(rd.root, 0)
+    first = [r.id for r in read_shard(rd.shard_file(0))]
+    assert 0 < len(first) < 15
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == "done"
+    recs = check_histories(job, rd)
+    assert len(recs) == 15
+
+
+def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_with_it(tmp_path, toy_tokenizer):
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
+                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == "done"
+    recs = {r.id: r for r in read_shard(rd.shard_file(0))}
+    # requests 2 and 3 (the first turns of c0 and c1) get a 503: the turns after them cannot be rendered
+    assert {i: r.failure for i, r in recs.items()} == {
+        "c0/t0": "server_error", "c0/t1": "previous_turn", "c1/t0": "server_error", "c1/t1": "previous_turn",
+        "c1/t2": "previous_turn", "c2/t0": None, "c2/t1": None}
+    assert "turn 1 of this conversation failed (server_error)" in recs["c0/t1"].error
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96})
+    rd, _ = prepare_run(job)
+    assert run_shard(rd.root, 0) == "done"
+    check_histories(job, rd)

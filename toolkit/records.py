@@ -35,9 +35,10 @@ UNREACHABLE = "unreachable"    # the connection failed past the retries         
 BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol                          (transient)
 ABORTED = "aborted"            # the server aborted the request (finish_reason abort)           (transient)
 NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by a stop id
+PREVIOUS_TURN = "previous_turn"  # regenerated conversations: the turn before failed in a way that may pass
 FAILURES = {
     REJECTED: False, TEMPLATE: False, TIMEOUT: True, SERVER_ERROR: True, UNREACHABLE: True, BAD_RESPONSE: True,
-    ABORTED: True, NAN: True,
+    ABORTED: True, NAN: True, PREVIOUS_TURN: True,
 }  # kind -> transient
 TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
 NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop

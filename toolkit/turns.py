@@ -9,7 +9,8 @@ model's own template renders it (most drop or empty earlier reasoning, each in i
 (system, tool) keep their place; the source's assistant messages are never sent.
 
 Record ids are `<id>/t<k>` (k from 0). Turn k can only be rendered once turn k-1 has an ok record; when turn k-1
-failed, turn k is recorded as failed too (failure "previous_turn"), to be generated again with it.
+failed, turn k is recorded as failed too: with the same kind when that failure is permanent, else as
+"previous_turn" (transient), so that it is generated again with the turn before it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PREVIOUS_TURN", "turn_id", "user_turns", "turn_messages", "turn_prompt", "answer_message"]
+__all__ = ["answer_of", "turn_id", "user_turns", "turn_messages", "turn_prompt", "answer_message"]
 
-PREVIOUS_TURN = "previous_turn"  # failure kind of a turn whose previous turn has no ok record
 
 
 def turn_id(record_id: str, turn: int, regenerate: bool) -> str:
@@ -65,3 +65,18 @@ def answer_message(reasoning: str, content: str, tool_calls: list[dict[str, Any]
 def turn_prompt(prompt: Any, turn: int, answers: list[dict[str, Any]]) -> Any:
     """`prompt` (an inputs.Prompt) with the messages of turn `turn` (see turn_messages)."""
     return msgspec.structs.replace(prompt, messages=turn_messages(prompt.messages, turn, answers))
+
+
+def answer_of(rec: Any, tok: Any, info: Any) -> dict[str, Any]:
+    """The assistant message of a generated turn, decoded from its exact output ids: the reasoning (up to the
+    think-end id), the content, and a tool-call section as structured tool_calls (the stop token in none)."""
+    from .records import last_meaningful, split_parts, unpack_ids
+    from .toolcalls import parse_tool_calls
+
+    opened = last_meaningful(rec.prompt_ids, frozenset(info.blank_ids)) == info.think_start_id
+    r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
+    ids = unpack_ids(rec.output_ids)
+    tc = rec.tool_call_at if rec.tool_call_at is not None and c0 <= rec.tool_call_at < c1 else c1
+    decode = lambda part: tok.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    section = decode(ids[tc:c1]) if tc < c1 else ""
+    return answer_message(decode(ids[r0:r1]), decode(ids[c0:tc]), parse_tool_calls(section) if section else None)

@@ -13,6 +13,9 @@ records.TRANSIENT); ids `toolkit retry` names are generated again too. A done ma
 shard file still has its size and sha256; a damaged file is salvaged (shardfile.ShardWriter.open). An engine that
 stops answering (requests in flight, none answered for `engine.hang_timeout_s`, `/health_generate` failing) is
 restarted like one that died. The render thread stays a bounded number of prompts ahead of the requests.
+
+Regenerated conversations (turns.py): turn k of a conversation waits until turn k-1 has a record, then is rendered
+with the answers of the turns before it (`_Chains`).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from .inputs import PromptReader
 from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, slurm_context, write_progress
 from .records import (
-    ABORTED, BAD_RESPONSE, FAILED, NAN, NAN_MATCHED, OK, REJECTED, SERVER_ERROR, TEMPLATE, TIMEOUT, Record,
-    failed_record, pack_ids, split_output,
+    ABORTED, BAD_RESPONSE, FAILED, FAILURES, NAN, NAN_MATCHED, OK, PREVIOUS_TURN, REJECTED, SERVER_ERROR, TEMPLATE,
+    TIMEOUT, Record, failed_record, pack_ids, split_output,
 )
-from .shardfile import ShardWriter, read_done, read_retry, verify_done, write_done
+from .shardfile import ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
+from .turns import answer_of, turn_prompt
 
 __all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
 
@@ -97,6 +101,7 @@ class _Feed:
         self.items: deque = deque()
         self.redo: deque = deque()
         self.finished = False
+        self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
         self.peak = 0  # most rendered prompts waiting at once
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
@@ -116,6 +121,12 @@ class _Feed:
             self.first.set_result(None)
         self._event.set()
 
+    def later(self, item) -> None:
+        """A prompt that waited (see `pending`) is ready: it goes out before the others."""
+        self.redo.append(item)
+        self.pending -= 1
+        self._event.set()
+
     def fail(self, exc: BaseException) -> None:
         if not self.first.done():
             self.first.set_exception(exc)
@@ -129,7 +140,7 @@ class _Feed:
             if self.items:
                 self.budget.release()
                 return self.items.popleft()
-            if self.finished:
+            if self.finished and not self.pending:
                 return None
             self._event.clear()
             await self._event.wait()
@@ -163,7 +174,10 @@ def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRe
     """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
     tok = chat.load_tokenizer(plan.spec.model)
     info = chat.token_info(tok, plan.spec.model)
-    state["info"] = info
+    state["info"], state["tok"] = info, tok
+    chains: _Chains | None = state.get("chains")
+    if chains is not None:
+        chains.tok, chains.info = tok, info
     log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
              info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
     with PromptReader() as reader:
@@ -172,10 +186,18 @@ def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRe
             feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
             if state.get("stop"):
                 break
+            later = [(pos, ref) for pos, ref in batch if ref.turn]  # need the answer of the turn before
+            if later:
+                batch = [(pos, ref) for pos, ref in batch if not ref.turn]
+                feed.budget.release(len(later))
+                loop.call_soon_threadsafe(chains.arrive, later)
             prompts = []
             for pos, ref in batch:
                 ds = plan.datasets[ref.dataset]
-                prompts.append(reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length))
+                prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+                prompts.append(turn_prompt(prompt, 0, []) if ds.regenerate else prompt)
+            if not prompts:
+                continue
             try:
                 rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
             except chat.ChatError:  # find which prompts fail; the others still go out
@@ -184,7 +206,7 @@ def _render_all(loop, feed: _Feed, plan: RunPlan, todo: list[tuple[int, PromptRe
                     try:
                         rendered.append((chat.render(tok, plan.spec.model, prompt), None))
                     except chat.ChatError as e:
-                        rendered.append((None, f"chat template: {e}"))  # recorded failed, kind TEMPLATE
+                        rendered.append((None, (TEMPLATE, f"chat template: {e}")))
             items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
             loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
 
@@ -208,6 +230,8 @@ class _Shard:
         self.transient = 0         # of those, transient failures left (see records.TRANSIENT)
         self.in_flight = 0         # requests sent and not answered
         self.last_answer = time.monotonic()
+        self.chains: _Chains | None = None  # regenerated datasets: the conversations' answers so far
+        self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
@@ -225,6 +249,99 @@ class _Shard:
         self.recorded += 1
         self.tokens += record.n_output
         self.writer.add(record)
+        if self.chains is not None and self.plan.datasets[self.chains.dataset_of(record)].regenerate:
+            self.chains.recorded(record)
+
+
+class _Chains:
+    """Multi-turn regeneration inside one shard (turns.py): turn k of a conversation is rendered with the answers
+    of turns 0..k-1, so it waits until turn k-1 has a record. Lives on the event loop's thread; the renders of
+    waiting turns run on an executor thread with their own prompt reader."""
+
+    def __init__(self, sh: _Shard, feed: _Feed, refs: RefSlice, done: dict[str, Record]):
+        self.sh, self.feed, self.refs = sh, feed, refs
+        self.plan = sh.plan
+        self.tok = self.info = None
+        self.answers: dict[tuple, dict[int, Record]] = {}  # conversation -> {turn: its ok record}
+        self.failed: dict[tuple, tuple[int, str, str]] = {}  # conversation -> (turn, kind, error) of a failed turn
+        self.waiting: dict[tuple, dict[int, tuple[int, PromptRef]]] = {}
+        self.reader = PromptReader()
+        self.loop = asyncio.get_running_loop()
+        for rec in done.values():  # resumed: the turns recorded ok (and not to be redone) are the history
+            ref = self.ref_at(rec.index)
+            self.answers.setdefault(self.key(ref), {})[ref.turn] = rec
+
+    @staticmethod
+    def key(ref: PromptRef) -> tuple[int, int, int]:
+        return ref.dataset, ref.line, ref.sample
+
+    def ref_at(self, pos: int) -> PromptRef:
+        return self.refs[pos - self.refs.first]
+
+    def dataset_of(self, rec: Record) -> int:
+        return self.ref_at(rec.index).dataset
+
+    def arrive(self, items: list[tuple[int, PromptRef]]) -> None:
+        """Turns > 0 reached by the render thread: rendered now if the turn before has its answer, else later."""
+        for pos, ref in items:
+            self.feed.pending += 1
+            self.waiting.setdefault(self.key(ref), {})[ref.turn] = (pos, ref)
+            self._advance(self.key(ref))
+
+    def recorded(self, rec: Record) -> None:
+        ref = self.ref_at(rec.index)
+        key = self.key(ref)
+        if rec.status == OK:
+            self.answers.setdefault(key, {})[ref.turn] = rec
+        else:
+            transient = FAILURES.get(rec.failure or "", False)
+            self.failed[key] = (ref.turn, PREVIOUS_TURN if transient else (rec.failure or REJECTED),
+                                f"turn {ref.turn + 1} of this conversation failed ({rec.failure}): {rec.error}")
+        self._advance(key)
+
+    def _advance(self, key: tuple) -> None:
+        waiting = self.waiting.get(key)
+        if not waiting:
+            return
+        turn = min(waiting)
+        failed = self.failed.get(key)
+        if failed is not None and failed[0] < turn:
+            pos, ref = waiting.pop(turn)
+            self.feed.pending -= 1
+            _, kind, why = failed
+            ds = self.plan.datasets[ref.dataset].name
+            self.sh.add(failed_record(ref.id, ds, pos, [], why, 0, kind))  # cascades to the turns after it
+            return
+        known = self.answers.get(key, {})
+        if any(t not in known for t in range(turn)):
+            return
+        pos, ref = waiting.pop(turn)
+        history = [known[t] for t in range(turn)]
+        fut = self.loop.run_in_executor(self.executor, self._render, pos, ref, history)
+        fut.add_done_callback(lambda f: self.feed.later(f.result()) if not f.cancelled() else None)
+
+    @property
+    def executor(self):
+        if not hasattr(self, "_executor"):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="turns")
+        return self._executor
+
+    def _render(self, pos: int, ref: PromptRef, history: list[Record]):
+        """(pos, ref, ids, err) of a turn > 0, rendered with the answers decoded from the turns before it."""
+        ds = self.plan.datasets[ref.dataset]
+        try:
+            prompt = self.reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            answers = [answer_of(rec, self.tok, self.info) for rec in history]
+            return pos, ref, chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)), None
+        except chat.ChatError as e:
+            return pos, ref, None, (TEMPLATE, f"chat template: {e}")
+
+    def close(self) -> None:
+        if hasattr(self, "_executor"):
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.reader.close()
 
 
 def _failure_kind(e: Exception) -> str:
@@ -265,7 +382,8 @@ async def _consume(sh: _Shard, feed: _Feed, engine, info) -> None:
         pos, ref, ids, err = item
         ds = sh.plan.datasets[ref.dataset].name
         if err is not None:
-            sh.add(failed_record(ref.id, ds, pos, [], err, 0, TEMPLATE))
+            kind, message = err
+            sh.add(failed_record(ref.id, ds, pos, ids or [], message, 0, kind))
             continue
         try:
             res = await _generate(sh, ids, ds, ref, engine)
@@ -389,6 +507,8 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
         loop.add_signal_handler(sig, on_signal, sig)
     feed = _Feed(_Budget(max(4 * spec.client.concurrency, 2 * chat.BATCH_SIZE)))
     state: dict = {}
+    if any(d.regenerate for d in sh.plan.datasets):
+        sh.chains = state["chains"] = _Chains(sh, feed, todo.refs, sh.history)
     engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
     if not engine.is_model:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
@@ -444,6 +564,8 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
         log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
         state["stop"] = True
         feed.budget.close()
+        if sh.chains is not None:
+            sh.chains.close()
         sh.writer.flush()
         engine.stop()
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
@@ -523,6 +645,19 @@ def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, i
     return redo
 
 
+def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict[str, Record]:
+    """Regenerated datasets: the newest record of each turn already in the shard file, when it is ok and not to be
+    redone — the answers later turns are rendered with."""
+    regenerated = {d.name for d in plan.datasets if d.regenerate}
+    if not regenerated:
+        return {}
+    newest: dict[str, Record] = {}
+    for rec in read_shard(rd.shard_file(shard)):
+        if rec.dataset in regenerated:
+            newest[rec.id] = rec
+    return {i: r for i, r in newest.items() if r.status == OK and i not in redo}
+
+
 def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
 
@@ -549,6 +684,7 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
+            sh.history = _turn_history(rd, plan, shard, redo)
             sh.recorded = len(done_ids) - len(redo)
             log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
                      "%d asked by `toolkit retry`)", len(done_ids), sh.sp.count, len(todo), len(redo),
