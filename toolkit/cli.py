@@ -83,7 +83,7 @@ def cmd_worker(args) -> int:
         result = run_shard(args.run, args.shard)
     except ShardFailed as e:
         log.error("%s", e)
-        return EXIT_FAILED
+        return e.exit_code
     return EXIT_STOPPED if result == STOPPED else EXIT_OK
 
 

@@ -68,6 +68,7 @@ class StubSpec(_Config):
     context_length: int = 32768
     crash_after: int | None = None
     hang: bool = False
+    ignore_sigterm: bool = False
     hang_after: int | None = None
     fail_5xx: str | None = None
     nan_every: int | None = None  # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")

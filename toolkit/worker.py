@@ -21,6 +21,7 @@ with the answers of the turns before it (`_Chains`).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -36,7 +37,8 @@ from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unrea
 from .engines import EngineError, make_engine
 from .inputs import PromptReader
 from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
-from .progress import Progress, slurm_context, write_progress
+from .files import shown_path
+from .progress import Progress, read_progress, slurm_context, write_progress
 from .records import (
     ABORTED, BAD_RESPONSE, FAILED, FAILURES, NAN, NAN_MATCHED, OK, PREVIOUS_TURN, REJECTED, SERVER_ERROR, TEMPLATE,
     TIMEOUT, Record, failed_record, pack_ids, split_output,
@@ -53,7 +55,12 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class ShardFailed(Exception):
-    """The shard cannot finish in this task (engine never ready, died too often, unreachable)."""
+    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
+    directory not writable, shard locked by another worker). `exit_code` is the command's (see cli)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class _EngineDied(Exception):
@@ -232,6 +239,7 @@ class _Shard:
         self.last_answer = time.monotonic()
         self.chains: _Chains | None = None  # regenerated datasets: the conversations' answers so far
         self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
+        self.stopping: str | None = None  # what a stopping worker waits for (told to a second Ctrl-C)
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
@@ -499,6 +507,9 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
 
     def on_signal(sig: int) -> None:
         name = signal.Signals(sig).name
+        if stop.is_set():
+            log.warning("got %s again: still stopping, %s", name, sh.stopping or "writing what is done")
+            return
         log.warning("got %s: stopping; what is done is written, prompts in flight are generated again next time", name)
         sh.progress.stop_signal = name
         stop.set()
@@ -553,7 +564,7 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
                     ) from None
                 log.error("engine died mid-shard (%s): restart %d of %d", e, sh.progress.engine_restarts, spec.engine.max_restarts)
                 sh.save_progress("loading")
-                engine.stop(timeout_s=0.0 if isinstance(e, _EngineHung) else None)
+                await _stop_engine(sh, engine, 0.0 if isinstance(e, _EngineHung) else None)
                 engine.start()
             finally:
                 http.close()
@@ -567,9 +578,22 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
         if sh.chains is not None:
             sh.chains.close()
         sh.writer.flush()
-        engine.stop()
+        await _stop_engine(sh, engine)
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+async def _stop_engine(sh: _Shard, engine, timeout_s: float | None = None) -> None:
+    """Stop the engine on a thread, so the event loop still answers signals (a second Ctrl-C is told what it waits
+    for) while the engine drains."""
+    grace = engine.engine.shutdown_timeout_s if timeout_s is None else timeout_s
+    pid = engine.proc.pid if engine.proc is not None else None
+    sh.stopping = (f"waiting for the engine (pid {pid}) to exit: SIGTERM sent, SIGKILL after {grace:g} s "
+                   "([engine] shutdown_timeout_s)") if pid else None
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, timeout_s)
+    finally:
+        sh.stopping = None
 
 
 async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
@@ -661,8 +685,48 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
 def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
 
-    After STOPPED, the progress file's `stop_signal` names the signal that stopped it.
+    After STOPPED, the progress file's `stop_signal` names the signal that stopped it. A disk that is full, a run
+    directory that cannot be written, a shard file another worker holds: a ShardFailed saying what to do, and the
+    shard's progress says failed (where it can still be written). Nothing written before is lost.
     """
+    try:
+        return _run_shard(run_dir, shard)
+    except (OSError, RuntimeError) as e:
+        msg, code = _io_problem(e, RunDir(run_dir), shard)
+        _mark_failed(RunDir(run_dir), shard, msg)
+        raise ShardFailed(msg, code) from None
+
+
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _io_problem(e: Exception, rd: RunDir, shard: int) -> tuple[str, int]:
+    """(one-line message saying what to do, exit code) of an error from the file system or the shard's lock."""
+    if not isinstance(e, OSError):
+        return str(e), 1
+    where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
+    what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+    if e.errno in _FULL:
+        return (f"cannot write {where}: {what}; free space (or quota) on that file system, then run the shard again: "
+                "it resumes, nothing written is lost"), 1
+    if e.errno in _READ_ONLY:
+        return (f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job (a "
+                "read-only mount, or another user's folder): fix its permissions or move it"), 2
+    return f"{where}: {what}; check the file system, then run the shard again (it resumes)", 1
+
+
+def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
+    """Best effort: the shard's progress file says failed and why (it may itself be unwritable)."""
+    try:
+        p = read_progress(rd.progress_file(shard)) or Progress(shard=shard, total=0)
+        p.state, p.error = "failed", msg
+        write_progress(rd.progress_file(shard), p)
+    except (OSError, ValueError):
+        pass
+
+
+def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     rd, plan = load_run(run_dir)
     if not 0 <= shard < len(plan.shards):
         raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")

@@ -48,7 +48,7 @@ class StubEngine(Engine):
                 argv += [flag, str(value)]
         if s.exit_at_start_if_exists:
             argv += ["--exit-at-start-if-exists", s.exit_at_start_if_exists.replace("{shard}", str(self.shard))]
-        for flag, on in (("--hang", s.hang), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start)):
+        for flag, on in (("--hang", s.hang), ("--ignore-sigterm", s.ignore_sigterm), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start)):
             if on:
                 argv.append(flag)
         return argv + list(s.extra_args) + list(self.engine.extra_args)

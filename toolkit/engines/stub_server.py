@@ -89,6 +89,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     truncate_fraction: float = 0.10
     tool_call_fraction: float = 0.15
     hang: bool = False
+    ignore_sigterm: bool = False  # a server whose shutdown hangs: SIGTERM is logged and ignored (SIGKILL still works)
     hang_after: int | None = None
     crash_after: int | None = None
     fail_5xx: tuple[int, int] | None = None
@@ -199,6 +200,7 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--truncate-fraction", type=float, default=0.10, help="share of outputs longer than max_new_tokens")
     a("--tool-call-fraction", type=float, default=0.15, help="share of outputs with a tool-call section")
     a("--hang", action="store_true", help="listen but never become ready; /generate never answers")
+    a("--ignore-sigterm", action="store_true", help="log SIGTERM and go on serving (a shutdown that hangs)")
     a("--hang-after", type=int, help="/generate requests after the N-th never answer")
     a("--crash-after", type=int, help="exit abruptly (status 1) on the N-th /generate request")
     a("--fail-5xx", metavar="START:COUNT", help="/generate requests START..START+COUNT-1 get HTTP 503")
@@ -253,7 +255,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         warmup_delay=ns.warmup_delay, token_delay=ns.token_delay, drain_poll=max(0.01, ns.drain_poll),
         keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
         fixed_output_tokens=ns.fixed_output_tokens,
-        truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang,
+        truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang, ignore_sigterm=ns.ignore_sigterm,
         hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, nan_every=ns.nan_every,
         exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
@@ -1877,7 +1879,10 @@ async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
         logger.error("%s", e)  # e.g. [Errno 98] error while attempting to bind on address (...): address in use
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.on_sigterm, sig.name)
+        if cfg.ignore_sigterm:
+            loop.add_signal_handler(sig, logger.warning, "Received %s: ignored (--ignore-sigterm)", sig.name)
+        else:
+            loop.add_signal_handler(sig, server.on_sigterm, sig.name)
     logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", cfg.host, cfg.port)
     tasks = [loop.create_task(server.warmup()), loop.create_task(server.throughput_log()),
              loop.create_task(server.drain_watchdog())]

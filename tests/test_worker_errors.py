@@ -1,0 +1,104 @@
+"""What a worker says when the file system or another worker is in the way: one line, what to do, an exit code."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toolkit.cli import main as cli_main, prepare_run
+from toolkit.progress import read_progress
+from toolkit.shardfile import ShardWriter, read_shard
+from toolkit.worker import DONE, ShardFailed, run_shard
+
+from jobfiles import make_job
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp_path, kimi, monkeypatch):
+    job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64})
+    rd, _ = prepare_run(job)
+    import toolkit.shardfile as sf
+
+    real, calls = os.write, {"n": 0}
+
+    def write(fd, data):
+        calls["n"] += 1
+        if calls["n"] > 3:  # the header and two batches get through
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(sf.os, "write", write)
+    with pytest.raises(ShardFailed) as e:
+        run_shard(rd.root, 0)
+    assert e.value.exit_code == 1
+    msg = str(e.value)
+    assert "No space left on device (ENOSPC)" in msg and "free space" in msg and "\n" not in msg
+    assert read_progress(rd.progress_file(0)).state == "failed"
+    kept = len(list(read_shard(rd.shard_file(0))))
+    monkeypatch.setattr(sf.os, "write", real)
+    assert run_shard(rd.root, 0) == DONE
+    assert sorted(r.id for r in read_shard(rd.shard_file(0))) == [f"p{i:04d}" for i in range(12)] and kept > 0
+
+
+def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkeypatch, caplog):
+    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
+    rd, _ = prepare_run(job)
+    import toolkit.shardfile as sf
+
+    real = os.open
+
+    def deny(path, *a, **k):
+        if str(path).endswith(".zst"):
+            raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(sf.os, "open", deny)
+    assert cli_main(["worker", str(rd.root), "0"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "Read-only file system (EROFS)" in errors[0] and "must be writable" in errors[0]
+
+
+def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplog):
+    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
+    rd, plan = prepare_run(job)
+    other = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
+    other.open()
+    try:
+        assert cli_main(["worker", str(rd.root), "0"]) == 1
+    finally:
+        other.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "locked by another worker" in errors[0]
+    assert read_progress(rd.progress_file(0)).state == "failed"
+
+
+def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 4000},
+                   stub={"ignore_sigterm": True, "token_delay_s": 0.02, "fixed_output_tokens": 3000},  # a shutdown that hangs until SIGKILL
+                   engine={"shutdown_timeout_s": 6})
+    rd, _ = prepare_run(job)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = rd.log_file(0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (log.exists() and "generating" in log.read_text()):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(2.0)  # the engine is draining its requests (up to shutdown_timeout_s)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+    text = log.read_text()
+    assert "got SIGINT again: still stopping, waiting for the engine (pid" in text
+    assert "SIGKILL after 6 s ([engine] shutdown_timeout_s)" in text
+    assert proc.returncode == 3
