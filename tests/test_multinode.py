@@ -24,13 +24,11 @@ import pytest
 from jobfiles import make_job, process_running
 from toolkit.shardfile import read_shard
 
-pytestmark = pytest.mark.slurm
-
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def cluster():
     if not os.environ.get("SLURM_CONF"):
         pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
@@ -66,7 +64,8 @@ def _records(run: Path) -> list:
         return []
 
 
-def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_leave_nothing(tmp_path, toy_tokenizer):
+@pytest.mark.slurm
+def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_leave_nothing(cluster, tmp_path, toy_tokenizer):
     from toolkit.cli import prepare_run
 
     tok = toy_tokenizer("kimi")
@@ -142,3 +141,45 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
     assert re.search(r"^1: toolkit: engine rank 1 of 2 on ", server_log, re.M)
     assert "1: toolkit: engine rank 1 of 2 on" in server_log and "killed by SIGKILL" in server_log
     assert "--api-key ***" in server_log
+
+
+def _dry_run(job: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, monkeypatch, capsys):
+    """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step."""
+    from toolkit import slurm
+    from toolkit.cli import main
+    from toolkit.preflight import preflight
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", "nodes": 2, "tp_size": 16},
+                   slurm={"gpus_per_node": 8, "cpus_per_task": 64})
+    monkeypatch.setattr(slurm, "partition_info", lambda name: ("gpu", 8))
+    monkeypatch.setattr(slurm, "partition_nodes", lambda name: 4)
+    monkeypatch.setattr(slurm, "max_array_size", lambda config=None: 1001)
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=64", "# the worker: srun --nodes=1 --ntasks=1 (first node)"):
+        assert line in out, out
+    assert "srun-args" not in out
+    params = slurm.shard_params(preflight(str(job)).plan, {})
+    assert params["nodes"] == 2 and params["ntasks_per_node"] == 1 and params["srun_args"] == ["--nodes=1", "--ntasks=1"]
+    # one node: nothing changes
+    job1 = make_job(tmp_path / "one", toy_tokenizer("kimi"), engine={"kind": "sglang", "tp_size": 8})
+    assert main(["submit", str(job1), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--nodes" not in out and "ntasks" not in out and "the worker: srun" not in out
+    # --gpus-per-node on the command line is checked against the layout too
+    assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2
+    assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
+
+
+@pytest.mark.slurm
+def test_submit_refuses_more_nodes_than_the_partition_has(cluster, tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", "nodes": 2, "tp_size": 2},
+                   slurm={"gpus_per_node": 1, "cpus_per_task": 1})
+    r = _dry_run(job)
+    assert r.returncode == 2 and "[engine] nodes = 2 but partition 'gpu' has 1 node(s)" in r.stderr, r.stderr
