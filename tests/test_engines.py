@@ -235,3 +235,138 @@ def test_sglang_engine_and_its_children_ignore_usr2_and_still_stop(tmp_path, toy
     finally:
         e.stop()
     assert e.proc is None and not process_running(seen["scheduler_pid"])
+
+
+# -- an engine over several nodes -------------------------------------------------------------------------------
+def multi_node_spec(tmp_path, tokenizer, nodes=2, gpus_per_node=8, **engine):
+    job = make_job(tmp_path, tokenizer, n=2, engine={"kind": "sglang", "nodes": nodes, "tp_size": nodes * gpus_per_node,
+                                                     **engine},
+                   model={"path": str(tokenizer), "trust_remote_code": True}, slurm={"gpus_per_node": gpus_per_node})
+    return load_spec(job)
+
+
+def test_multi_node_argv_golden(tmp_path, toy_tokenizer):
+    """nodes = 2: one srun step, one rank per node; each rank runs the same SGLang line plus its rank flags."""
+    from toolkit.engines.rank import rank_argv
+
+    tok = toy_tokenizer("kimi")
+    spec = multi_node_spec(tmp_path, tok, extra_args=["--mem-fraction-static", "0.85"], env={"NCCL_SOCKET_IFNAME": "ib0"})
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
+    e.port, e.api_key = 31234, "k" * 32
+    e.dist_init_addr, e.first_host, e.step_name = "10.1.2.3:23456", "gpu-a01", "toolkit-engine-0f0f0f0f"
+    py = sys.executable
+    server = [py, "-m", "sglang.launch_server", "--model-path", str(tok), "--tp-size", "16", "--dp-size", "1",
+              "--host", "127.0.0.1", "--port", "31234", "--api-key", "k" * 32, "--trust-remote-code",
+              "--mem-fraction-static", "0.85"]
+    assert e.argv() == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=1", "--mpi=none",
+        "--label", "--unbuffered", "--job-name=toolkit-engine-0f0f0f0f",
+        py, "-m", "toolkit.engines.rank", "--nnodes", "2", "--dist-init-addr", "10.1.2.3:23456",
+        "--first-host", "gpu-a01", "--", *server,
+    ]
+    tail = ["--nnodes", "2", "--dist-init-addr", "10.1.2.3:23456"]
+    assert rank_argv(server, rank=0, nnodes=2, dist_init_addr="10.1.2.3:23456") == [
+        *server, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.1.2.3:23456"]
+    assert rank_argv(server, rank=1, nnodes=2, dist_init_addr="10.1.2.3:23456") == [
+        *server, "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:23456"]
+    assert tail[0] not in server, "the rank flags are the launcher's, not the engine's line"
+    env = e.command_env()
+    assert env["NCCL_SOCKET_IFNAME"] == "ib0" and "127.0.0.1" in env["NO_PROXY"], "srun passes this env to every rank"
+    # one node keeps the plain command line
+    spec.engine.nodes = 1
+    assert e.argv() == server
+
+
+def test_multi_node_layout_on_one_node_for_tests(tmp_path, toy_tokenizer, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_ENGINE_RANKS_PER_NODE", "2")
+    e = make_engine(multi_node_spec(tmp_path, toy_tokenizer("kimi"), gpus_per_node=1), tmp_path / "s.log", probe_ids=[1])
+    assert e.srun_argv()[1:4] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2"]
+
+
+def test_multi_node_needs_an_allocation_of_enough_nodes(tmp_path, toy_tokenizer, monkeypatch):
+    spec = multi_node_spec(tmp_path, toy_tokenizer("kimi"))
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(EngineError, match=r"nodes = 2: the engine is started with `srun` .* outside one"):
+        e.start()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    with pytest.raises(EngineError, match=r"allocation has 1 node\(s\)"):
+        e.start()
+    assert e.proc is None
+
+
+def test_dist_init_port_is_below_the_ephemeral_range_and_free():
+    import socket
+
+    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low, node_address
+
+    for _ in range(5):
+        port = dist_init_port(4)
+        assert 20000 <= port and port + 12 < ephemeral_low()
+        assert all(_tcp_free(p) for p in range(port, port + 12))
+    with socket.socket() as s:  # a taken port is never chosen
+        s.bind(("", 0))
+        s.listen()
+    assert node_address([]).count(".") == 3
+
+
+@pytest.mark.parametrize("engine, slurm, message", [
+    ({"nodes": 2, "tp_size": 8}, {"gpus_per_node": 8}, "uses 8 GPUs, 4 per node, but [slurm] gpus_per_node = 8: "
+     "SGLang's --tp-size counts the GPUs of all nodes; set tp_size = 16 for 2 nodes of 8 GPUs"),
+    ({"nodes": 3, "tp_size": 8}, {"gpus_per_node": 8}, "tp_size = 8 does not split over nodes = 3"),
+    ({"nodes": 2, "tp_size": 16, "dp_size": 2}, {"gpus_per_node": 8}, "tp_size = 16, dp_size = 2 uses 32 GPUs"),
+    ({"nodes": 0}, {}, "[engine] nodes must be >= 1"),
+    ({"nodes": 2, "kind": "stub", "tp_size": 16}, {"gpus_per_node": 8}, "nodes = 2 needs kind = \"sglang\""),
+])
+def test_multi_node_spec_is_checked_at_load(tmp_path, toy_tokenizer, engine, slurm, message):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", **engine}, slurm=slurm)
+    with pytest.raises(SpecError) as err:
+        load_spec(job)
+    assert message in str(err.value)
+
+
+def test_multi_node_spec_accepts_sglang_layouts(tmp_path, toy_tokenizer):
+    tok = toy_tokenizer("kimi")
+    assert load_spec(make_job(tmp_path / "a", tok, engine={"kind": "sglang", "nodes": 2, "tp_size": 16},
+                              slurm={"gpus_per_node": 8})).engine.nodes == 2
+    assert load_spec(make_job(tmp_path / "b", tok, engine={
+        "kind": "sglang", "nodes": 2, "tp_size": 16, "dp_size": 8, "extra_args": ["--enable-dp-attention"]},
+        slurm={"gpus_per_node": 8})).engine.dp_size == 8
+    assert load_spec(make_job(tmp_path / "c", tok)).engine.nodes == 1
+
+
+def test_rank_flags_are_the_toolkits():
+    problems = check_extra_args(["--nnodes", "2", "--node-rank", "1", "--nccl-init-addr", "h:1"])
+    assert "--nnodes is set by the toolkit; remove it from extra_args and set [engine] nodes" in problems[0]
+    assert "--node-rank is set by the toolkit" in problems[1]
+    assert "--nccl-init-addr is set by the toolkit" in problems[2]
+
+
+def _rank(tmp_path, procid, *server, host="gpu-a01"):
+    import subprocess
+
+    env = {**os.environ, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": host,
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.run([sys.executable, "-m", "toolkit.engines.rank", "--nnodes", "2", "--dist-init-addr",
+                           "10.1.2.3:23456", "--first-host", "gpu-a01", "--", *server],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def test_rank_launcher_runs_the_server_with_its_rank_and_reports_any_exit(tmp_path):
+    show = [sys.executable, "-c", "import json, signal, sys; print(json.dumps([sys.argv[1:], "
+            "signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN]))", "--api-key", "SECRET"]
+    r = _rank(tmp_path, 1, *show)
+    assert r.returncode == 1 and "exited (code 0) although nobody stopped it" in r.stderr, "srun must end the step"
+    args, usr2_ignored = json.loads(r.stdout.splitlines()[-1])
+    assert args == ["--api-key", "SECRET", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:23456"]
+    assert usr2_ignored
+    assert "engine rank 1 of 2 on gpu-a01" in r.stdout and "SECRET" not in r.stdout.splitlines()[0]
+    r = _rank(tmp_path, 0, sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert r.returncode == 137 and "killed by SIGKILL" in r.stderr
+    r = _rank(tmp_path, 0, sys.executable, "-c", "pass", host="gpu-a02")
+    assert r.returncode == 2 and "rank 0 must run on the worker's node gpu-a01" in r.stderr
+    r = _rank(tmp_path, 2, sys.executable, "-c", "pass")
+    assert r.returncode == 2 and "rank out of range" in r.stderr

@@ -271,7 +271,17 @@ def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
         value = o.get(key) or getattr(s, key)
         if value:
             params[key] = value
+    params.update(multi_node_params(plan.spec.engine.nodes))
     return params
+
+
+def multi_node_params(nodes: int) -> dict[str, Any]:
+    """An engine over `nodes` nodes: each array task allocates them with one task per node (GPUs, CPUs and memory
+    per node as for one); the worker runs in a one-task step on the first node (submitit's srun), and starts
+    the engine as its own srun step over every node (toolkit.engines.sglang)."""
+    if nodes <= 1:
+        return {}
+    return {"nodes": nodes, "ntasks_per_node": 1, "srun_args": ["--nodes=1", "--ntasks=1"]}
 
 
 def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str, Any]:
@@ -335,8 +345,9 @@ def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], Partiti
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
-    if kind == "sglang" and want < tp_dp:
+    if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:
         raise SlurmError(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
+    check_nodes(plan.spec.engine, name, want)
     return o, part
 
 
@@ -417,6 +428,29 @@ def format_dry_run(d: DryRun) -> str:
                  "known once it is submitted <==")
     lines.append(d.merge_script.rstrip("\n"))
     return "\n".join(lines)
+
+
+def check_nodes(engine, partition: str, gpus_per_node: int) -> None:
+    """An engine of several nodes: the partition has that many, and tp_size fits them (SlurmError otherwise)."""
+    from .spec import check_engine_layout
+
+    if engine.nodes <= 1:
+        return
+    problem = check_engine_layout(engine, gpus_per_node, where="--gpus-per-node")
+    if problem:
+        raise SlurmError(problem)
+    have = partition_nodes(partition)
+    if have < engine.nodes:
+        raise SlurmError(f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); lower it "
+                         f"(and tp_size) or choose another partition")
+
+
+def partition_nodes(name: str) -> int:
+    for line in _run(["scontrol", "show", "partition", name, "-o"]).splitlines():
+        m = re.search(r"\bTotalNodes=(\d+)", line)
+        if m:
+            return int(m.group(1))
+    return 0
 
 
 def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:

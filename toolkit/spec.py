@@ -84,6 +84,9 @@ class EngineSpec(_Config):
     kind: Literal["sglang", "stub", "external"] = "sglang"
     tp_size: int = 1
     dp_size: int = 1
+    # Nodes of one engine (one array task): SGLang runs on each through `srun`, rank 0 serving HTTP on the first
+    # node beside the worker; tp_size then counts the GPUs of all nodes (see engine_gpus).
+    nodes: int = 1
     extra_args: list[str] = []
     env: dict[str, str] = {}
     ready_timeout_s: float = 3600.0
@@ -296,6 +299,15 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     e = spec.engine
     if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
         raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
+    if e.nodes < 1:
+        raise SpecError(f"{source}: [engine] nodes must be >= 1, got {e.nodes}")
+    if e.nodes > 1:
+        if e.kind != "sglang" or e.command is not None:
+            raise SpecError(f"{source}: [engine] nodes = {e.nodes} needs kind = \"sglang\" without `command`: only "
+                            "the toolkit's own SGLang launch starts one rank per node")
+        problem = check_engine_layout(e, spec.slurm.gpus_per_node)
+        if problem:
+            raise SpecError(f"{source}: {problem}")
     if e.kind == "external" and not e.url:
         raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
     if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
@@ -340,6 +352,54 @@ def _check_extra_args(e: EngineSpec, source: Path) -> None:
     problems = check_extra_args(e.extra_args, version=version, dp_size=e.dp_size, kind=e.kind)
     if problems:
         raise SpecError(f"{source}: [engine] extra_args: " + "; ".join(problems))
+
+
+def _parallel_flags(e: EngineSpec) -> tuple[int, bool]:
+    """(pp_size, data-parallel attention) as `[engine] extra_args` set them (1, False by default)."""
+    from .engines.sglang_flags import flag_set
+
+    pp, dp_attention = 1, False
+    for item in flag_set().parse(list(e.extra_args)).items:
+        if item.flag.dest == "pp_size" and item.values:
+            try:
+                pp = max(1, int(item.values[-1]))
+            except ValueError:
+                pass
+        elif item.flag.dest == "enable_dp_attention":
+            dp_attention = True
+    return pp, dp_attention
+
+
+def engine_gpus(e: EngineSpec) -> int:
+    """GPUs one engine uses across all its nodes, as SGLang lays it out: tp_size x pp_size, times dp_size unless
+    data-parallel attention (`--enable-dp-attention`) puts the replicas inside the tensor-parallel group."""
+    pp, dp_attention = _parallel_flags(e)
+    return e.tp_size * pp * (1 if dp_attention else e.dp_size)
+
+
+def check_engine_layout(e: EngineSpec, gpus_per_node: int, where: str = "[slurm] gpus_per_node") -> str | None:
+    """Why an engine of `e.nodes` nodes with `gpus_per_node` GPUs each cannot be laid out by SGLang (None: it can).
+
+    SGLang's --tp-size counts the GPUs of all nodes: each node runs tp_size / nodes ranks of the tensor-parallel
+    group (tp_size / (nodes / pp_size) with pipeline stages). An engine that would leave GPUs of its nodes idle,
+    or need more than they have, is refused: on several nodes that is a tp_size that did not count every node.
+    """
+    n = e.nodes
+    if n <= 1:
+        return None
+    pp, _ = _parallel_flags(e)
+    total = engine_gpus(e)
+    nodes_per_tp_group = max(1, n // pp)
+    fix = f"set tp_size = {n * gpus_per_node * e.tp_size // total} for {n} nodes of {gpus_per_node} GPUs"
+    if e.tp_size % nodes_per_tp_group or total % n:
+        return (f"[engine] tp_size = {e.tp_size} does not split over nodes = {n}: SGLang's --tp-size counts the GPUs "
+                f"of all nodes and runs tp_size / nodes of them on each; {fix}")
+    if total // n != gpus_per_node:
+        layout = f"tp_size = {e.tp_size}" + (f", dp_size = {e.dp_size}" if e.dp_size > 1 else "") + (
+            f", pp_size = {pp}" if pp > 1 else "")
+        return (f"[engine] nodes = {n} with {layout} uses {total} GPUs, {total // n} per node, but {where} = "
+                f"{gpus_per_node}: SGLang's --tp-size counts the GPUs of all nodes; {fix}")
+    return None
 
 
 def _looks_local(p: str, base: Path) -> bool:

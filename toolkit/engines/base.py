@@ -143,24 +143,31 @@ class Engine:
         proc = self.proc
         if proc is None:
             return
-        pgid = proc.pid
         grace = self.engine.shutdown_timeout_s if timeout_s is None else timeout_s
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-            os.killpg(pgid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        self.terminate()
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            log.warning("engine did not exit %g s after SIGTERM: killing its process group", grace)
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # also reaches children that outlived the leader
-        except ProcessLookupError:
-            pass
+            log.warning("engine did not exit %g s after SIGTERM: killing it", grace)
+        self.kill()
         proc.wait()
         log.info("engine stopped (exit code %s)", proc.returncode)
         self.proc = None
+
+    def terminate(self) -> None:
+        """Ask the engine to stop (SIGTERM to its process group); `stop` waits, then calls `kill`."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a SIGSTOPped group acts on the SIGTERM
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the process group: also reaches children that outlived the leader."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     # -- readiness ---------------------------------------------------------------------------------
     async def wait_ready(self, http: HttpClient, *, poll_s: float = 1.0) -> None:

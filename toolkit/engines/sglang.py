@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import random
+import secrets
+import shutil
+import socket
 import subprocess
 import sys
+import time
 
 from .base import LOOPBACK, Engine, EngineError
 
@@ -19,6 +25,8 @@ MANAGED = {
     "dp_size": "[engine] dp_size", "trust_remote_code": "[model] trust_remote_code",
     "host": "nothing: the server listens on 127.0.0.1", "port": "nothing: each start picks a free port",
     "api_key": "nothing: each start draws a random key",
+    "nnodes": "[engine] nodes", "node_rank": "nothing: each node's rank comes from Slurm (SLURM_PROCID)",
+    "dist_init_addr": "nothing: the first node's address and a free port are chosen at each start",
     # 0.5.9 names the destinations after the long spellings
     "tensor_parallel_size": "[engine] tp_size", "data_parallel_size": "[engine] dp_size",
 }
@@ -112,17 +120,42 @@ def check_argv_with_sglang(args: list[str], env: dict[str, str], python: str = s
 
 
 class SGLangEngine(Engine):
+    """SGLang on this node, or with `[engine] nodes = N > 1` on the N nodes of the task's allocation: one `srun`
+    step with a rank per node (toolkit.engines.rank), rank 0 beside the worker. The srun process is the engine
+    process: it exits when any rank does (`--kill-on-bad-exit`), so `alive()` covers every node."""
+
     kind = "sglang"
     argv_checked = False
+    # Ranks of a multi-node engine per node: 1 on a real cluster. More only to run every rank on one node where
+    # the cluster has a single one (the tests): $TOOLKIT_ENGINE_RANKS_PER_NODE.
+    RANKS_PER_NODE_ENV = "TOOLKIT_ENGINE_RANKS_PER_NODE"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dist_init_addr = ""
+        self.first_host = ""
+        self.step_name = ""
+        self.step_id: str | None = None
+        self.ranks_per_node = max(1, int(os.environ.get(self.RANKS_PER_NODE_ENV) or 1))
+
+    @property
+    def multi_node(self) -> bool:
+        return self.engine.nodes > 1
 
     def before_launch(self, argv: list[str], env: dict[str, str]) -> None:
         """Once per engine: SGLang's own parser must accept the flags before a launch loads any weights."""
         if self.engine.command or self.argv_checked:
             return
-        check_argv_with_sglang(argv[3:], env, python=argv[0], secret=self.api_key)
+        server = self.server_argv()
+        if self.multi_node:
+            from .rank import rank_argv
+
+            server = rank_argv(server, rank=0, nnodes=self.engine.nodes, dist_init_addr=self.dist_init_addr)
+        check_argv_with_sglang(server[3:], env, python=server[0], secret=self.api_key)
         self.argv_checked = True
 
-    def argv(self) -> list[str]:
+    def server_argv(self) -> list[str]:
+        """The SGLang command line of this node (of each node, before its rank flags, with nodes > 1)."""
         m, e = self.spec.model, self.engine
         if e.command:
             return substitute(e.command, host=LOOPBACK, port=str(self.port), model_path=m.path, api_key=self.api_key or "")
@@ -138,3 +171,174 @@ class SGLangEngine(Engine):
         if m.trust_remote_code:
             argv.append("--trust-remote-code")
         return argv + list(e.extra_args)
+
+    def argv(self) -> list[str]:
+        server = self.server_argv()
+        if not self.multi_node:
+            return server
+        return [*self.srun_argv(), sys.executable, "-m", "toolkit.engines.rank", "--nnodes", str(self.engine.nodes),
+                "--dist-init-addr", self.dist_init_addr, "--first-host", self.first_host, "--", *server]
+
+    # -- several nodes -----------------------------------------------------------------------------
+    def srun_argv(self) -> list[str]:
+        """The step that runs one rank per node: every node of the task's allocation, its GPUs (shared with the
+        worker's own step: --overlap), output prefixed by rank into the server log, and the step ended as soon
+        as one rank fails."""
+        n, per = self.engine.nodes, self.ranks_per_node
+        return [
+            "srun", f"--nodes={-(-n // per)}", f"--ntasks={n}", f"--ntasks-per-node={per}", "--overlap",
+            "--kill-on-bad-exit=1", "--mpi=none", "--label", "--unbuffered", f"--job-name={self.step_name}",
+        ]
+
+    def start(self) -> None:
+        if self.multi_node:
+            self._prepare_step()
+        super().start()
+
+    def _prepare_step(self) -> None:
+        """Check the allocation; choose the rendezvous address (the first node, a free port) and the step name."""
+        n = self.engine.nodes
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job or shutil.which("srun") is None:
+            raise EngineError(f"[engine] nodes = {n}: the engine is started with `srun` on the nodes of a Slurm "
+                              "allocation, and this process runs outside one (use `toolkit submit`, or salloc)")
+        have = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        need = -(-n // self.ranks_per_node)
+        if have < need:
+            raise EngineError(f"[engine] nodes = {n}, but this task's allocation has {have} node(s): submit with "
+                              f"`toolkit submit` (it asks for --nodes={n})")
+        self.first_host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        ip = node_address(_allocation_hosts())
+        self.dist_init_addr = f"{ip}:{dist_init_port(self.engine.dp_size)}"
+        self.step_name = f"toolkit-engine-{secrets.token_hex(4)}"
+        self.step_id = None
+
+    def _find_step(self) -> str | None:
+        """JOB.STEP of this start's srun step (by its unique name), once Slurm lists it."""
+        if self.step_id is None and self.step_name:
+            try:
+                out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ.get("SLURM_JOB_ID", ""), "-o", "%i|%j"],
+                                     capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            for line in out.splitlines():
+                sid, _, name = line.strip().partition("|")
+                if name == self.step_name:
+                    self.step_id = sid
+        return self.step_id
+
+    def _scancel(self, *args: str) -> bool:
+        step = self._find_step()
+        if step is None:
+            return False
+        try:
+            r = subprocess.run(["scancel", *args, step], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return r.returncode == 0
+
+    def terminate(self) -> None:
+        """SIGTERM to every process of every rank (`scancel --signal=TERM` on the step: srun itself would not
+        forward it but end the step, killing after Slurm's KillWait), so rank 0 drains as on one node."""
+        if not self.multi_node:
+            return super().terminate()
+        if self.proc.poll() is None and not self._scancel("--signal=TERM"):
+            super().terminate()  # no step id: srun ends the step (SIGTERM, then SIGKILL after KillWait)
+
+    def kill(self) -> None:
+        """Backstop: SIGKILL to every rank, then srun; nothing of the step is left on any node."""
+        if not self.multi_node:
+            return super().kill()
+        if self.proc.poll() is None:
+            self._scancel("--signal=KILL")
+            super().terminate()  # srun on SIGTERM ends the step
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                log.warning("srun did not exit 30 s after the engine step was killed")
+        super().kill()
+        if self._step_listed():
+            self._scancel()
+
+    def _step_listed(self) -> bool:
+        if self.step_id is None:
+            return False
+        for _ in range(20):
+            try:
+                out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ.get("SLURM_JOB_ID", ""), "-o", "%i"],
+                                     capture_output=True, text=True, timeout=30).stdout.split()
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+            if self.step_id not in out:
+                return False
+            time.sleep(0.5)
+        return True
+
+
+def _allocation_hosts() -> list[str]:
+    """The nodes of this Slurm job, in order."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
+    if not nodelist:
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split()
+
+
+def node_address(peers: list[str]) -> str:
+    """An IPv4 address of this node the other nodes can reach: its hostname's, unless that is loopback, else the
+    one the kernel would use toward another node of the allocation (SGLang's rendezvous hangs on IPv6-only or
+    unreachable addresses)."""
+    me = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(me)
+    except OSError:
+        ip = ""
+    if ip and not ip.startswith("127."):
+        return ip
+    names = {me, os.environ.get("SLURMD_NODENAME", "")}
+    for peer in peers:
+        if peer in names:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((peer, 9))  # no packet is sent: this only picks the route
+                addr = s.getsockname()[0]
+        except OSError:
+            continue
+        if not addr.startswith("127."):
+            return addr
+    return ip or LOOPBACK
+
+
+def ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def dist_init_port(dp_size: int = 1, *, rng: random.Random | None = None) -> int:
+    """A rendezvous port free on this node, below the ephemeral range (so no outgoing connection takes it
+    meanwhile), as SGLang picks its own NCCL port; SGLang also uses the next few ports (the scheduler and
+    detokenizer ports it derives from --dist-init-addr, one more per data-parallel replica): those are free too."""
+    rng = rng or random.Random()
+    block = 8 + dp_size
+    high = ephemeral_low() - block - 1
+    for _ in range(200):
+        port = rng.randint(20000, max(20001, high))
+        if all(_tcp_free(p) for p in range(port, port + block)):
+            return port
+    raise EngineError("no free block of ports below the ephemeral range for the engine's rendezvous")
+
+
+def _tcp_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
