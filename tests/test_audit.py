@@ -308,6 +308,8 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     checks = dom.split('<table id="checks">')[1].split("</table>")[0]
     assert checks.count('<tr class="bad">') == 2 and "stop_without_think_end" in checks  # 1 of 17: over 1 %
     assert dom.count("<svg") == 9  # output / reasoning / content histograms for math, chat and all
+    modes = dom.split('<table id="modes">')[1].split("</table>")[0]
+    assert "opened by the template" in modes and modes.count("<tr") == 2
     # Histograms: axes with ticks, one x scale per column across datasets, max_new_tokens marked on the outputs.
     svgs = re.findall(r'<svg [^>]*data-xmax="(\d+)" data-kind="(\w+)">(.*?)</svg>', dom, re.S)
     assert sorted(k for _, k, _ in svgs) == ["content"] * 3 + ["output"] * 3 + ["reasoning"] * 3

@@ -14,7 +14,7 @@ from toolkit.records import unpack_ids
 
 import runs
 
-FIELDS = ["id", "dataset", "sample", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
+FIELDS = ["id", "dataset", "sample", "turn", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
           "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
 
 
@@ -113,7 +113,7 @@ def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run
     s = kimi_run
     assert export_run(s.root, "tokens", tmp_path / "t.jsonl") == 13
     for row, rec in zip(lines(tmp_path / "t.jsonl"), stored(s), strict=True):
-        assert list(row) == ["id", "dataset", "sample", "input_ids", "loss_mask"]
+        assert list(row) == ["id", "dataset", "sample", "turn", "input_ids", "loss_mask"]
         assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
         assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)

@@ -134,6 +134,7 @@ def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, t
     tokens = tmp_path / "t.jsonl"
     export_run(rd.root, "tokens", tokens)
     last = next(json.loads(x) for x in tokens.read_text().splitlines() if json.loads(x)["id"] == "c1/t2")
+    assert (last["sample"], last["turn"]) == (0, 2)
     assert last["input_ids"] == unpack_ids(recs["c1/t2"].prompt_ids) + unpack_ids(recs["c1/t2"].output_ids)
 
 

@@ -7,10 +7,10 @@ follows it; the stop token and the think-end are in neither (see `records.split_
 think-end). Only ok records are exported unless `include_failed`.
 
 Formats:
-  jsonl          id, dataset, sample, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
+  jsonl          id, dataset, sample, turn, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
                  finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
-  tokens         {"id", "dataset", "sample", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
+  tokens         {"id", "dataset", "sample", "turn", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
                  speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
   conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
                  (plus "tools" when the prompt had tools), SpecForge-style chat JSONL; a tool-call section the model
@@ -57,6 +57,7 @@ class JsonlRecord(msgspec.Struct):
     id: str
     dataset: str
     sample: int
+    turn: int
     status: str
     error: str | None
     prompt_ids: list[int]
@@ -145,11 +146,16 @@ def _sample(refs: PlannedRefs, r: Record) -> int:
     return ref.sample if ref is not None else 0
 
 
+def _turn(refs: PlannedRefs, r: Record) -> int:
+    ref = refs.at(r.index)
+    return ref.turn if ref is not None else 0
+
+
 def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]], refs: PlannedRefs) -> Iterator[JsonlRecord]:
     for r, (reasoning, content) in zip(recs, texts):
         stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
-            id=r.id, dataset=r.dataset, sample=_sample(refs, r), status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
+            id=r.id, dataset=r.dataset, sample=_sample(refs, r), turn=_turn(refs, r), status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
             output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
             finish_reason=r.finish, matched_stop=stop_id, matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
@@ -178,7 +184,7 @@ def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: Run
     enc, n, refs = msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
     for recs in _batches(path, include_failed):
         n += _write_lines(out, (
-            {"id": r.id, "dataset": r.dataset, "sample": _sample(refs, r), "input_ids": _ids(r.prompt_ids + r.output_ids),
+            {"id": r.id, "dataset": r.dataset, "sample": _sample(refs, r), "turn": _turn(refs, r), "input_ids": _ids(r.prompt_ids + r.output_ids),
              "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
             for r in recs
         ), enc)
@@ -235,7 +241,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         raise ExportError("the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] extra)") from None
     ids_type = pa.list_(pa.uint32())
     schema = pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("status", pa.string()), ("error", pa.string()),
+        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("turn", pa.int32()), ("status", pa.string()), ("error", pa.string()),
         ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
         ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
         ("matched_stop", pa.int64()), ("matched_stop_str", pa.string()), ("prompt_tokens", pa.int64()),
@@ -260,6 +266,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
             pa.array([r.id for r in pending], pa.string()),
             pa.array([r.dataset for r in pending], pa.string()),
             pa.array([_sample(refs, r) for r in pending], pa.int32()),
+            pa.array([_turn(refs, r) for r in pending], pa.int32()),
             pa.array([r.status for r in pending], pa.string()),
             pa.array([r.error for r in pending], pa.string()),
             id_lists([r.prompt_ids for r in pending]),

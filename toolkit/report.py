@@ -316,6 +316,12 @@ main.append(table('shards', ['shard', 'done', 'planned', 'records', 'ok', 'faile
     s.mean_latency_s === null ? '-' : s.mean_latency_s, s.host || '-', s.engine_restarts === null ? '-' : s.engine_restarts,
     s.matches_done === null ? '-' : (s.matches_done ? 'ok' : 'CHANGED')]),
   [1, 12, 14], j => { const s = R.shards[j]; return s.missing || s.damaged_frames || s.matches_done === false; }));
+const rm = R.overall.reasoning;
+main.append($('h2', {}, 'Reasoning modes'));
+main.append(table('modes', ['ok outputs', 'opened by the template', 'opened by the model itself', 'closed by the template',
+  'template unaware of think tokens', 'in reasoning mode', 'holding a think token'],
+  [[R.ok, rm.mode_opened, rm.mode_model_opens, rm.closed_by_template, rm.mode_unknown, rm.in_reasoning, rm.think_tokens]],
+  [], () => R.checks.some(c => c.name === 'reasoning_mode' && !c.passed)));
 const t = R.tokens;
 main.append($('p', {class: 'muted'}, `tokenizer ${t.tokenizer}: think ${t.think_start} ${t.think_start_id} / ` +
   `${t.think_end} ${t.think_end_id}, eos ${t.eos_ids.join(', ')}, ${t.vocab_size} ids; the template ` +
