@@ -212,3 +212,20 @@ def test_bad_submissions_fail_before_sbatch(tmp_path, toy_tokenizer, change, exp
     assert expected in r.stderr
     assert not (tmp_path / "run" / "slurm" / "jobs.json").exists()
     assert queued() <= before, "nothing was submitted"
+
+
+def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, stub={"token_delay_s": 0.05})
+    toolkit("submit", str(job), "--array-parallelism", "1")
+    run = tmp_path / "run"
+    try:
+        st = msgspec.json.decode(toolkit("status", str(run), "--json").stdout)
+        waiting = [s for s in st["shards"] if s["state"] == "pending"]
+        assert waiting and all(s["reason"] for s in waiting), st["shards"]
+        assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
+        assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
+        table = toolkit("status", str(run)).stdout
+        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(JobArrayTaskLimit|Priority|Resources)$", table, re.M)
+        assert "merge: job " in table and "pending (Dependency)" in table
+    finally:
+        toolkit("cancel", str(run))

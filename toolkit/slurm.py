@@ -145,15 +145,15 @@ class MergeTask:
 # talking to Slurm
 # ---------------------------------------------------------------------------------------------------
 def _run(argv: list[str], timeout: float = 60) -> str:
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmError(f"`{argv[0]}` not found: run this on a Slurm login node (or export SLURM_CONF for the local cluster)") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from None
-    if r.returncode != 0:
-        raise SlurmError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
-    return r.stdout
+    """stdout of a Slurm command, or SlurmError saying in one line why there is none (slurmcmd.call)."""
+    from .slurmcmd import call
+
+    a = call(argv, timeout)
+    if a.ok:
+        return a.out
+    if a.why.startswith(argv[0] + " "):  # "sacct did not answer in 5 s" -> "`sacct -j 12` did not answer in 5 s"
+        raise SlurmError(f"`{' '.join(argv)}`{a.why[len(argv[0]):]}")
+    raise SlurmError(a.why)
 
 
 def slurm_config(timeout: float = 60) -> dict[str, str]:

@@ -1,0 +1,114 @@
+"""When Slurm misbehaves: sacct hung, slurmctld unreachable — status stays bounded, falls back to what squeue and
+`scontrol show job` still know, says "unknown" instead of guessing, and exits 4. Fake Slurm commands earlier on
+PATH stand in for the broken daemons (the real cluster is never touched)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import runs
+import toolkit.slurmcmd
+from toolkit.cli import main as cli_main
+from toolkit.slurm import ArrayJob, Jobs, Submission
+from toolkit.status import RunStatus, run_status
+
+HANG = "#!/bin/sh\nsleep 60\n"
+SLURMCTLD_DOWN = ("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\n"
+                  "exit 1\n")
+SLURMDBD_DOWN = ("#!/bin/sh\necho 'sacct: error: slurm_persist_conn_open_without_init: failed to open persistent "
+                 "connection to host:127.0.0.1:6819: Connection refused' >&2\n"
+                 "echo 'sacct: error: Problem talking to the database: Connection refused' >&2\nexit 1\n")
+
+
+def fake_slurm(tmp: Path, monkeypatch, **scripts: str) -> None:
+    """Put scripts named after Slurm's commands first on PATH (squeue=..., sacct=..., scontrol=...)."""
+    bin_dir = tmp / "fake-slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(body)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setattr(toolkit.slurmcmd, "TIMEOUT_S", 1.0)
+
+
+def prints(text: str) -> str:
+    return "#!/bin/sh\ncat <<'EOF'\n" + text + "\nEOF\n"
+
+
+@pytest.fixture
+def submitted_run(tmp_path, toy_tokenizer):
+    """Three shards as array 70 (tasks 70_0..70_2) and merge job 71; shard 0 done, 1 and 2 not written."""
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 9}, shards=3)
+    runs.write_run(s, done=[0], skip=range(3, 9))
+    sub = Submission(submitted=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                     arrays=[ArrayJob("70", [0, 1, 2], ["70_0", "70_1", "70_2"])], merge_job_id="71")
+    s.rd.jobs_file.parent.mkdir(parents=True, exist_ok=True)
+    s.rd.jobs_file.write_bytes(msgspec.json.encode(Jobs([sub])))
+    return s
+
+
+def test_hung_sacct_falls_back_to_squeue_and_scontrol_within_its_bound(submitted_run, tmp_path, monkeypatch, capsys):
+    fake_slurm(tmp_path, monkeypatch, sacct=HANG,
+               squeue=prints("70_2|PENDING||(Priority)\n71|PENDING||(Dependency)"),
+               scontrol=prints("JobId=73 ArrayJobId=70 ArrayTaskId=1 JobState=FAILED Reason=NonZeroExitCode "
+                               "NodeList=n2"))
+    t0 = time.monotonic()
+    _, rows, merge = run_status(submitted_run.root)
+    assert time.monotonic() - t0 < 4, "one bounded sacct call, not 30 s"
+    assert [(r.state, r.reason) for r in rows] == [("completed", None), ("failed", None), ("pending", "Priority")]
+    assert rows[1].node == "n2" and merge["state"] == "pending" and merge["reason"] == "Dependency"
+    assert cli_main(["status", str(submitted_run.root)]) == 0  # known: one failed, others still to run
+    out = capsys.readouterr().out
+    assert "REASON" in out.splitlines()[1] and out.splitlines()[4].rstrip().endswith("Priority")
+    assert "merge: job 71 pending (Dependency)" in out and "unknown" not in out
+
+
+def test_unreachable_slurm_is_unknown_not_submitted_and_exits_4(submitted_run, tmp_path, monkeypatch, capsys):
+    fake_slurm(tmp_path, monkeypatch, sacct=SLURMDBD_DOWN, squeue=SLURMCTLD_DOWN, scontrol=SLURMCTLD_DOWN)
+    assert cli_main(["status", str(submitted_run.root), "--json"]) == 4
+    st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
+    assert [r.state for r in st.shards] == ["completed", "unknown", "unknown"]
+    why = st.shards[1].reason
+    assert "Unable to contact slurm controller" in why and "Problem talking to the database" in why
+    assert st.merge.state == "unknown" and st.totals.shards == {"completed": 1, "unknown": 2}
+    assert cli_main(["status", str(submitted_run.root)]) == 4
+    out = capsys.readouterr().out
+    assert "    1 unknown " in out and "slurm: the state of 2 shards and the merge job is unknown (" in out
+    assert "(exit 4)" in out and "submitted" not in out
+
+
+def test_hung_slurm_says_unknown_with_the_bound_it_waited(submitted_run, tmp_path, monkeypatch, capsys):
+    fake_slurm(tmp_path, monkeypatch, sacct=HANG, squeue=HANG, scontrol=HANG)
+    t0 = time.monotonic()
+    assert cli_main(["status", str(submitted_run.root)]) == 4
+    assert time.monotonic() - t0 < 6, "each hung command is killed at its bound (with what it started)"
+    out = capsys.readouterr().out
+    assert "squeue did not answer in 1 s; sacct did not answer in 1 s" in out
+
+
+def test_watch_keeps_refreshing_an_unknown_state_and_gives_up_at_its_limit(submitted_run, tmp_path, monkeypatch, capsys):
+    fake_slurm(tmp_path, monkeypatch, sacct=SLURMDBD_DOWN, squeue=SLURMCTLD_DOWN, scontrol=SLURMCTLD_DOWN)
+    t0 = time.monotonic()
+    code = cli_main(["status", str(submitted_run.root), "--watch", "-i", "0.2", "--unknown-limit-s", "1"])
+    assert code == 4 and time.monotonic() - t0 < 10
+    cap = capsys.readouterr()
+    assert cap.out.count("still refreshing every 0.2 s: the state has been unknown for") >= 2
+    assert "stayed unknown for 1 s" in cap.err
+
+
+def test_a_job_neither_squeue_nor_sacct_knows_long_after_submission_is_unknown(submitted_run, tmp_path, monkeypatch,
+                                                                                 capsys):
+    jobs = msgspec.json.decode(submitted_run.rd.jobs_file.read_bytes(), type=Jobs)
+    jobs.submissions[0].submitted = "2026-01-01T00:00:00+00:00"
+    submitted_run.rd.jobs_file.write_bytes(msgspec.json.encode(jobs))
+    fake_slurm(tmp_path, monkeypatch, sacct=prints(""), squeue=prints(""), scontrol=prints(""))
+    _, rows, merge = run_status(submitted_run.root)
+    assert rows[1].state == "unknown" and "neither squeue nor sacct knows job 70_1" in rows[1].reason
