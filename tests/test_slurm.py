@@ -193,6 +193,10 @@ def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
     [
         ({"args": ["--partition", "nope"]}, "unknown partition 'nope'; this cluster has: gpu"),
         ({"args": ["--gpus-per-node", "8"]}, "have at most 4 GPUs"),
+        ({"args": ["--cpus-per-task", "64"]}, "--cpus-per-task 64 but the nodes of partition 'gpu' have at most 8 CPUs"),
+        ({"args": ["--mem", "64G"]}, "--mem 64G (65536 MB) but the nodes of partition 'gpu' have at most"),
+        ({"args": ["--time", "5", "--signal-delay-s", "300"]},
+         "--time 00:05:00 (300 s) is not longer than --signal-delay-s 300: every task would be told to stop at once"),
         ({"spec": ("[sampling]", "[sampling]\nseed = 1")}, "unknown sampling key(s) 'seed'"),
         ({"line": b'{"id": "x", "messages": [{"role": "user"}]}\n'}, "prompts.jsonl:3: field `messages[0].content`"),
     ],

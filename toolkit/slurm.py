@@ -265,6 +265,7 @@ def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
         setup=list(s.setup) + list(o.get("setup") or []),
         stderr_to_stdout=True,
     )
+    check_signal_delay(params["time"], params["signal_delay_s"])
     # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
     params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
     for key in ("partition", "account", "qos", "mem"):
@@ -272,6 +273,51 @@ def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
         if value:
             params[key] = value
     return params
+
+
+def check_signal_delay(minutes: int, signal_delay_s: int) -> None:
+    """A task is told to stop (USR2) `signal_delay_s` before its time limit: a limit not longer than that stops
+    every task the moment it starts, and submitit requeues it, forever."""
+    if minutes * 60 <= signal_delay_s:
+        raise SlurmError(
+            f"--time {slurm_time(minutes)} ({minutes * 60} s) is not longer than --signal-delay-s {signal_delay_s}: "
+            f"every task would be told to stop at once and be requeued forever; give a --time well above "
+            f"{signal_delay_s} s or a smaller --signal-delay-s"
+        )
+
+
+_MEM_UNITS = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def mem_to_mb(mem: str) -> int:
+    """Slurm's --mem (MB by default; K, M, G, T suffixes) in megabytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)B?", str(mem).strip().upper())
+    if not m:
+        raise SlurmError(f"--mem {mem!r}: use a Slurm size such as 200G or 64000M")
+    return int(float(m.group(1)) * _MEM_UNITS[m.group(2) or "M"])
+
+
+def node_memory_mb(partition: str) -> int:
+    """The most memory (RealMemory, MB) any node of `partition` has; 0 when Slurm does not say."""
+    best = 0
+    for line in _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%m"]).split():
+        digits = line.rstrip("+")
+        if digits.isdigit():
+            best = max(best, int(digits))
+    return best
+
+
+def check_memory(mem: str | None, partition: str) -> None:
+    """--mem against the nodes' RealMemory: Slurm would keep such a task pending for ever (or refuse it)."""
+    if not mem:
+        return
+    want = mem_to_mb(mem)
+    if want == 0:  # --mem=0: all the memory of the node
+        return
+    have = node_memory_mb(partition)
+    if have and want > have:
+        raise SlurmError(f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} MB "
+                         f"(RealMemory); lower it or choose another partition")
 
 
 def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str, Any]:
@@ -314,7 +360,7 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
 
 
 def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
-    """Check partition, GPUs and CPUs against the cluster; returns the options with the partition resolved."""
+    """Check partition, GPUs, CPUs and memory against the cluster; returns the options with the partition resolved."""
     return _validate(plan, o)[0]
 
 
@@ -333,6 +379,7 @@ def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], Partiti
     if part.cpus_per_node and cpus > part.cpus_per_node:
         raise SlurmError(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
+    check_memory(o.get("mem") or plan.spec.slurm.mem, name)
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and want < tp_dp:
