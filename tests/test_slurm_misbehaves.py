@@ -112,3 +112,43 @@ def test_a_job_neither_squeue_nor_sacct_knows_long_after_submission_is_unknown(s
     fake_slurm(tmp_path, monkeypatch, sacct=prints(""), squeue=prints(""), scontrol=prints(""))
     _, rows, merge = run_status(submitted_run.root)
     assert rows[1].state == "unknown" and "neither squeue nor sacct knows job 70_1" in rows[1].reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# a local worker (`toolkit run`, no Slurm job) that died
+# ---------------------------------------------------------------------------------------------------
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from toolkit.progress import Progress, write_progress  # noqa: E402
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("host, pid, expected", [
+    ("here", "dead", "dead"),
+    ("here", "alive", "running"),
+    ("gpu-17", "dead", "running"),  # another host's pid is not judged here
+])
+def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_tokenizer, capsys, host, pid, expected):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 6}, shards=2)
+    runs.write_run(s, done=[0], skip=range(3, 6))
+    write_progress(s.rd.progress_file(1), Progress(
+        shard=1, state="generating", total=3, done=1, resumed=0, output_tokens=300, tok_per_s=50.0,
+        host=socket.gethostname() if host == "here" else host, pid=dead_pid() if pid == "dead" else os.getpid(),
+        started=time.time() - 1))  # (this process, the "alive" worker, started before)
+    code = cli_main(["status", str(s.root), "--json"])
+    row = msgspec.json.decode(capsys.readouterr().out, type=RunStatus).shards[1]
+    assert row.state == expected, row.error
+    if expected == "dead":
+        assert code == 1 and row.eta_s is None and row.tok_per_s == 0
+        assert row.error.startswith("worker gone: pid ") and f"`toolkit worker {s.rd.shown} 1`" in row.error
+        assert cli_main(["logs", str(s.root), "--failed"]) == 1
+        assert "==> shard 1: dead" in capsys.readouterr().out
+    else:
+        assert code == 0 and row.eta_s is not None

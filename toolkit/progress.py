@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import msgspec
 
 from .files import atomic_write
 
-__all__ = ["Progress", "read_progress", "write_progress", "slurm_context"]
+__all__ = ["Progress", "read_progress", "write_progress", "slurm_context", "worker_gone"]
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -67,3 +68,36 @@ def read_progress(path: Path) -> Progress | None:
         return msgspec.json.decode(path.read_bytes(), type=Progress)
     except (FileNotFoundError, msgspec.DecodeError):
         return None
+
+
+LIVE_STATES = ("starting", "loading", "generating")  # a worker writing these is (or should be) alive
+
+
+def _started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), from /proc; None where /proc does not say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of proc(5), counted after the command name
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def worker_gone(p: Progress, host: str | None = None) -> str | None:
+    """Why the worker that writes `p` is gone (its pid is not running on this host, or is another process now),
+    or None when it may still run: only a pid on this host is judged, and only in a live state."""
+    if p.state not in LIVE_STATES or not p.pid or p.host != (host or socket.gethostname()):
+        return None
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:
+        return f"worker gone: pid {p.pid} on {p.host} is not running (killed, or the machine restarted)"
+    except PermissionError:
+        pass  # alive, another user's
+    started = _started_at(p.pid)
+    if started is not None and p.started and started > p.started + 5:
+        return f"worker gone: pid {p.pid} on {p.host} is another process now (started after the worker)"
+    return None

@@ -22,7 +22,7 @@ import msgspec
 
 from .files import shown_path
 from .plan import RunDir, load_run
-from .progress import Progress, read_progress
+from .progress import Progress, read_progress, worker_gone
 from .shardfile import read_done
 from .slurmcmd import FAILED, SlurmAnswer, call
 
@@ -239,6 +239,8 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
         elif job:
             reason = _unknown_why(view, job, submitted_at.get(job, ""))
             state = "unknown" if reason else "submitted"  # submitted: sacct has no row yet
+        elif gone := worker_gone(p):  # `toolkit run` (no Slurm job): the local worker died without a word
+            state, p.error = DEAD, f"{gone}; resume the shard with `toolkit worker {rd.shown} {k}` (or `toolkit run JOB`)"
         else:
             state = {"done": "completed", "generating": "running", "loading": "running", "starting": "running"}.get(p.state, p.state)
         rows.append(ShardStatus(
@@ -271,6 +273,7 @@ def _fmt_eta(s: float | None) -> str:
 
 
 UNKNOWN = "unknown"
+DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
 ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
 
 
@@ -437,7 +440,7 @@ def merge_log(rd: RunDir, job: str) -> Path:
     return rd.slurm_dir / job / f"{job}_0_log.out"
 
 
-BAD_STATES = ("failed", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
+BAD_STATES = ("failed", "dead", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
 
 
 def _print_failed(rd: RunDir, args) -> int:
