@@ -152,3 +152,43 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
         assert "==> shard 1: dead" in capsys.readouterr().out
     else:
         assert code == 0 and row.eta_s is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# a resumed shard's output tokens count what is already recorded
+# ---------------------------------------------------------------------------------------------------
+def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokenizer):
+    from jobfiles import make_job
+    from toolkit.cli import prepare_run
+    from toolkit.progress import read_progress
+    from toolkit.retry import request_retry
+    from toolkit.shardfile import ShardWriter, read_done, read_shard
+    from toolkit.worker import DONE, run_shard
+
+    rd, plan = prepare_run(make_job(tmp_path, toy_tokenizer("kimi"), n=12, sampling={"max_new_tokens": 64}))
+    assert run_shard(rd.root, 0) == DONE
+    full = {r.id: r for r in read_shard(rd.shard_file(0))}
+    total = read_done(rd.done_file(0)).output_tokens
+    assert read_progress(rd.progress_file(0)).output_tokens == total == sum(r.n_output for r in full.values())
+
+    # Killed after 5 records: the next attempt resumes the file and generates the other 7.
+    kept = sorted(full.values(), key=lambda r: r.index)[:5]
+    rd.done_file(0).unlink()
+    rd.shard_file(0).unlink()
+    w = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
+    w.open()
+    for r in kept:
+        w.add(r)
+    w.close()
+    assert run_shard(rd.root, 0) == DONE
+    p = read_progress(rd.progress_file(0))
+    assert p.resumed == 5 and p.resumed_tokens == sum(r.n_output for r in kept)
+    assert p.output_tokens == read_done(rd.done_file(0)).output_tokens == total, "the total does not drop on resume"
+
+    # Ids generated again do not count twice: their old records are not among the resumed tokens.
+    again = [kept[0].id, kept[1].id]
+    request_retry(rd.root, again)
+    assert run_shard(rd.root, 0) == DONE
+    p = read_progress(rd.progress_file(0))
+    assert p.resumed_tokens == total - full[again[0]].n_output - full[again[1]].n_output
+    assert p.output_tokens == read_done(rd.done_file(0)).output_tokens

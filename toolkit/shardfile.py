@@ -23,6 +23,7 @@ import socket
 import struct
 import time
 import zlib
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -272,14 +273,18 @@ class ShardWriter:
         self.written = 0  # records in the file (before + this session), superseded ones included
         self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
+        self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
 
-    def open(self) -> dict[str, int]:
+    def open(self, positions: range | None = None) -> dict[str, int]:
         """Lock and recover the file; return {id: byte offset of the frame of its newest record} for every id
         already recorded (records not kept); `transient` names those whose newest record should be redone.
 
         Damage in the middle of the file (a frame that fails its checks, intact frames after it) is salvaged:
         every intact frame is copied to a new file (temporary name, fsync, rename), the damaged original is kept
         aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
+
+        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output of the newest
+        record at position positions[i] (0 where none): what is already recorded, 8 bytes a prompt.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -294,6 +299,8 @@ class ShardWriter:
         self._fd = fd
         size = os.fstat(fd).st_size
         done: dict[str, int] = {}
+        otok = self.output_tokens_at = array("q", bytes(8 * len(positions))) if positions is not None else None
+        first = positions.start if positions is not None else 0
         if size == 0:
             self._write(_header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
@@ -319,6 +326,8 @@ class ShardWriter:
             for r in item.batch:
                 done[r.id] = item.offset
                 self.written += 1
+                if otok is not None and 0 <= r.index - first < len(otok):
+                    otok[r.index - first] = r.n_output
                 if is_transient(r):
                     self.transient.add(r.id)
                 else:
