@@ -688,7 +688,10 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         if _already_complete(rd, plan, shard):
             return DONE
         check_plan_inputs(plan)
-        done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+        try:
+            done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+        except RuntimeError as e:  # another writer holds the shard (ShardLocked), or the file is another run's
+            raise ShardFailed(str(e)) from None
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
