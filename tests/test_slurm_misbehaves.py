@@ -192,3 +192,37 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     p = read_progress(rd.progress_file(0))
     assert p.resumed_tokens == total - full[again[0]].n_output - full[again[1]].n_output
     assert p.output_tokens == read_done(rd.done_file(0)).output_tokens
+
+
+# ---------------------------------------------------------------------------------------------------
+# sbatch refusing: one line, no traceback
+# ---------------------------------------------------------------------------------------------------
+FAKE_SCONTROL = """#!/bin/sh
+case "$2" in
+  config) echo 'MaxArraySize            = 1001' ;;
+  partition) echo 'PartitionName=gpu Default=YES State=UP' ;;
+esac
+"""
+FAKE_SINFO = """#!/bin/sh
+case "$*" in
+  *%m*) echo 21694 ;;
+  *) echo 'gpu:4|8' ;;
+esac
+"""
+FAKE_SBATCH = ("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid account or account/partition "
+               "combination specified' >&2\nexit 1\n")
+
+
+def test_sbatch_refusing_is_one_line_not_a_traceback(tmp_path, toy_tokenizer, monkeypatch):
+    from jobfiles import make_job
+
+    fake_slurm(tmp_path, monkeypatch, scontrol=FAKE_SCONTROL, sinfo=FAKE_SINFO, sbatch=FAKE_SBATCH, srun="#!/bin/sh\n")
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2,
+                   slurm={"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00"})
+    r = subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job), "-A", "nope"], capture_output=True,
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid account or "
+        "account/partition combination specified; check `squeue --me` for jobs this command may already have submitted")

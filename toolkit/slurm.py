@@ -646,12 +646,20 @@ def add_cli(sub) -> None:
 
 def _guard(fn, code: int):
     def run(args) -> int:
+        import sys
+
+        from submitit.core.utils import FailedJobError, FailedSubmissionError
+
         try:
             return fn(args)
         except SlurmError as e:
-            import sys
-
             print(f"toolkit: error: {e}", file=sys.stderr)
+            return code
+        except (FailedJobError, FailedSubmissionError) as e:  # sbatch itself refused (submitit's error holds its output)
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            said = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "no message")
+            print(f"toolkit: error: sbatch failed: {said}; check `squeue --me` for jobs this command may already have "
+                  f"submitted", file=sys.stderr)
             return code
 
     return run
