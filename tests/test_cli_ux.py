@@ -124,8 +124,9 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
                     "Traceback (most recent call last):\nRuntimeError: merge/audit failed (exit 2)\n")
     import toolkit.status
 
-    monkeypatch.setattr(toolkit.status, "slurm_states", lambda ids: {
-        "70_0": ("COMPLETED", "n1"), "70_1": ("FAILED", "n2"), "71": ("FAILED", "n1")})
+    J = toolkit.status.SlurmJob
+    monkeypatch.setattr(toolkit.status, "slurm_view", lambda ids: toolkit.status.SlurmView(jobs={
+        "70_0": J("COMPLETED", "n1"), "70_1": J("FAILED", "n2"), "71": J("FAILED", "n1")}))
     assert cli_main(["logs", str(s.root), "--failed"]) == 1
     out = capsys.readouterr().out
     assert "==> shard 1: failed (job 70_1, node n2) <==" in out and "error: engine died 3 times" in out

@@ -100,3 +100,12 @@ def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
     r = dry_run(job, missing)  # scontrol itself would retry for a minute
     assert r.returncode == 0 and f"SLURM_CONF={tmp_path / 'nothing.conf'} does not exist" in r.stdout
     assert time.monotonic() - t0 < 30
+
+
+def test_a_time_limit_not_longer_than_the_signal_delay_is_refused_without_a_cluster(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "00:02:00"})
+    r = dry_run(job, no_slurm_env(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("toolkit: error: --time 00:02:00 (120 s) is not longer than --signal-delay-s 120: every "
+                                "task would be told to stop at once and be requeued forever; give a --time well above "
+                                "120 s or a smaller --signal-delay-s")

@@ -182,3 +182,85 @@ except RuntimeError as e:
     r = subprocess.run(["python", "-c", code], capture_output=True, text=True)
     w.close()
     assert r.returncode == 7 and "locked by another worker" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# file systems without flock (older NFS, Lustre without -o flock): a lock file stands in
+# ---------------------------------------------------------------------------------------------------
+import errno  # noqa: E402
+import fcntl  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+
+from toolkit import shardfile  # noqa: E402
+from toolkit.shardfile import ShardLocked  # noqa: E402
+
+
+@pytest.fixture
+def no_flock(monkeypatch):
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def lock_info(path) -> dict:
+    return msgspec.json.decode((path.parent / (path.name + ".lock")).read_bytes())
+
+
+def test_without_flock_a_lock_file_keeps_one_writer_per_shard(tmp_path, no_flock):
+    path = tmp_path / "00000.zst"
+    w = ShardWriter(path, "f" * 16, 0, flush_records=1)
+    w.open()
+    info = lock_info(path)
+    assert info["host"] == socket.gethostname() and info["pid"] == os.getpid() and info["started"] > 0
+    with pytest.raises(ShardLocked, match=rf"pid {os.getpid()} on this host holds it .* rm {path}.lock"):
+        ShardWriter(path, "f" * 16, 0).open()
+    w.add(rec(0))
+    w.close()
+    assert not (tmp_path / "00000.zst.lock").exists(), "released with the writer"
+    assert write(path, [rec(1)]) == {"p0": shardfile._HEADER_SIZE}
+    assert [r.id for r in read_shard(path)] == ["p0", "p1"]
+
+
+def test_a_stale_lock_file_is_taken_over_and_a_live_one_on_another_host_refused(tmp_path, no_flock):
+    path = tmp_path / "00000.zst"
+    lock = tmp_path / "00000.zst.lock"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lock.write_bytes(msgspec.json.encode({"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}))
+    write(path, [rec(0)])  # same host, pid gone: taken over
+    assert not lock.exists()
+    lock.write_bytes(msgspec.json.encode({"host": "gpu-17", "pid": 4242, "started": time.time(), "since": "now"}))
+    with pytest.raises(ShardLocked) as e:
+        ShardWriter(path, "f" * 16, 0).open()
+    msg = str(e.value)
+    assert "pid 4242 on host gpu-17 holds it since now" in msg and f"rm {lock}" in msg and "\n" not in msg
+    old = time.time() - shardfile.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    write(path, [rec(1)])  # another host's lock untouched for longer than the bound: taken over
+    assert [r.id for r in read_shard(path)] == ["p0", "p1"] and not lock.exists()
+
+
+def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, capsys, caplog):
+    from jobfiles import make_job
+    from toolkit.cli import main, prepare_run
+
+    rd, plan = prepare_run(make_job(tmp_path, toy_tokenizer("kimi"), n=4))
+    for flockless in (False, True):
+        mp = pytest.MonkeyPatch()
+        if flockless:
+            mp.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOTSUP, "Not supported")))
+        try:
+            holder = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
+            holder.open()
+            try:
+                assert main(["worker", str(rd.root), "0"]) == 1
+            finally:
+                holder.close()
+        finally:
+            mp.undo()
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert errors and "locked by another worker of this shard" in errors[-1] and "Traceback" not in capsys.readouterr().err
+        assert "rm " in errors[-1] if flockless else "wait for it to end or cancel it" in errors[-1]

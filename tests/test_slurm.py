@@ -193,6 +193,10 @@ def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
     [
         ({"args": ["--partition", "nope"]}, "unknown partition 'nope'; this cluster has: gpu"),
         ({"args": ["--gpus-per-node", "8"]}, "have at most 4 GPUs"),
+        ({"args": ["--cpus-per-task", "64"]}, "--cpus-per-task 64 but the nodes of partition 'gpu' have at most 8 CPUs"),
+        ({"args": ["--mem", "64G"]}, "--mem 64G (65536 MB) but the nodes of partition 'gpu' have at most"),
+        ({"args": ["--time", "5", "--signal-delay-s", "300"]},
+         "--time 00:05:00 (300 s) is not longer than --signal-delay-s 300: every task would be told to stop at once"),
         ({"spec": ("[sampling]", "[sampling]\nseed = 1")}, "unknown sampling key(s) 'seed'"),
         ({"line": b'{"id": "x", "messages": [{"role": "user"}]}\n'}, "prompts.jsonl:3: field `messages[0].content`"),
     ],
@@ -212,3 +216,20 @@ def test_bad_submissions_fail_before_sbatch(tmp_path, toy_tokenizer, change, exp
     assert expected in r.stderr
     assert not (tmp_path / "run" / "slurm" / "jobs.json").exists()
     assert queued() <= before, "nothing was submitted"
+
+
+def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, stub={"token_delay_s": 0.05})
+    toolkit("submit", str(job), "--array-parallelism", "1")
+    run = tmp_path / "run"
+    try:
+        st = msgspec.json.decode(toolkit("status", str(run), "--json").stdout)
+        waiting = [s for s in st["shards"] if s["state"] == "pending"]
+        assert waiting and all(s["reason"] for s in waiting), st["shards"]
+        assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
+        assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
+        table = toolkit("status", str(run)).stdout
+        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(JobArrayTaskLimit|Priority|Resources)$", table, re.M)
+        assert "merge: job " in table and "pending (Dependency)" in table
+    finally:
+        toolkit("cancel", str(run))

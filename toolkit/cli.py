@@ -1,7 +1,8 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
 Exit codes: 0 success; 1 a run, shard or audit failed; 2 bad input (spec, prompt file, tokenizer, run dir)
-or usage; 3 a shard stopped early on a signal and wants to be requeued; 130 interrupted.
+or usage; 3 a shard stopped early on a signal and wants to be requeued; 4 (`status`) the state of some shard
+or of the merge job cannot be known because Slurm did not answer; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 
 log = logging.getLogger("toolkit.cli")
 
@@ -29,7 +30,8 @@ typical session:
   toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN) again
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
-exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 130 interrupted
+exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
+answer; status), 130 interrupted
 """
 
 

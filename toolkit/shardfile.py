@@ -5,7 +5,11 @@ the run fingerprint, then for every batch of records a small skippable frame, th
 count, CRC32 of the data frame, and — since format 2 — a CRC32 of those fields themselves) followed by one zstd
 frame holding the msgpack-encoded batch. A batch is written with one `write` and fsynced, so a crash at any
 instruction leaves at most a torn last batch, which `ShardWriter.open` detects and cuts off. A writer holds an
-exclusive lock on the file: two tasks never interleave frames.
+exclusive lock on the file: two tasks never interleave frames. Where the file system has no flock (older NFS,
+Lustre mounted without flock: ENOLCK, EOPNOTSUPP, ENOSYS), an exclusive lock file `NNNNN.zst.lock` created
+with O_CREAT|O_EXCL stands in (`_LockFile`): it names host, pid and start time, a stale one is taken over
+(same host and pid gone, or another host's untouched for STALE_LOCK_S), any other is refused with how to remove
+it. Where flock works but is node-local, the Slurm array runs one task per shard.
 
 Every reader (the worker's resume, `read_shard`, merge, audit, export) judges a frame through one function,
 `read_frame`: descriptor marker and checksum, data checksum, zstd, msgpack, and the record count. `scan` walks a
@@ -15,6 +19,7 @@ file past damaged frames, finding the next intact one by its marker, so a damage
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import fcntl
 import hashlib
 import logging
@@ -23,6 +28,7 @@ import socket
 import struct
 import time
 import zlib
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +45,7 @@ __all__ = [
     "DoneManifest",
     "Frame",
     "RetryRequest",
+    "ShardLocked",
     "ShardWriter",
     "iter_frames",
     "needs_work",
@@ -252,6 +259,131 @@ def read_shard(path: str | Path) -> Iterator[Record]:
         yield from frame.batch
 
 
+class ShardLocked(RuntimeError):
+    """Another writer holds this shard file (or may): the message says who and what to do."""
+
+
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})  # file systems without flock
+STALE_LOCK_S = 2 * 3600  # another host's lock file untouched this long is stale (its writer touches it per batch)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _LockFile:
+    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with O_CREAT|O_EXCL, holding
+    {"host", "pid", "started"}; touched at every batch written, removed when the writer closes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.held = False
+        self.mine = b""
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._judge()  # raises ShardLocked, or has moved a stale lock aside
+                continue
+            now = time.time()
+            self.mine = msgspec.json.encode({"host": socket.gethostname(), "pid": os.getpid(), "started": now,
+                                             "since": _dt.datetime.fromtimestamp(now).isoformat(timespec="seconds")})
+            try:
+                os.write(fd, self.mine)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.held = True
+            return
+        raise ShardLocked(f"{self.path}: other writers keep taking this shard's lock file; is the shard submitted twice?")
+
+    def _refuse(self, why: str) -> ShardLocked:
+        return ShardLocked(f"{self.path.parent / self.path.name[:-5]} is locked by another worker of this shard: {why} "
+                           f"(this file system has no flock, so the lock file {self.path.name} stands in). If no task "
+                           f"of this shard runs any more (squeue, ps), remove it: rm {self.path}")
+
+    def _judge(self) -> None:
+        try:
+            seen = self.path.read_bytes()
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released meanwhile: try again
+        try:
+            info = msgspec.json.decode(seen)
+            host, pid, since = str(info["host"]), int(info["pid"]), info.get("since", "?")
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            if age < 60:  # being written right now
+                raise self._refuse("its lock file is being written") from None
+            host, pid, since = "", 0, "?"
+        if host == socket.gethostname():
+            if _pid_alive(pid):
+                raise self._refuse(f"pid {pid} on this host holds it since {since}")
+            log.warning("%s: taking over the lock of pid %d on this host, which is gone", self.path, pid)
+        elif host:
+            if age < STALE_LOCK_S:
+                raise self._refuse(f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago")
+            log.warning("%s: taking over the lock of pid %d on host %s, untouched for %.0f s (over %d s)",
+                        self.path, pid, host, age, STALE_LOCK_S)
+        else:
+            log.warning("%s: taking over an unreadable lock file untouched for %.0f s", self.path, age)
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # atomic: of two takers, one moves the stale lock
+        except FileNotFoundError:
+            return
+        if aside.read_bytes() != seen:  # moved the fresh lock of a faster taker: put it back, and refuse
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            aside.unlink()
+            raise self._refuse("another worker took it over at the same moment")
+        aside.unlink()
+
+    def touch(self) -> None:
+        if self.held:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                if self.path.read_bytes() == self.mine:
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _flock_or_lockfile(fd: int, path: Path) -> _LockFile | None:
+    """Lock `fd` (the shard file) for this writer: flock, or where the file system has none, a lock file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        raise ShardLocked(
+            f"{path} is locked by another worker of this shard (a task still running, or a requeue "
+            "racing the old one); wait for it to end or cancel it"
+        ) from None
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise ShardLocked(f"{path}: cannot lock it ({e.strerror}); check the file system it is on") from None
+        log.warning("%s: this file system has no flock (%s): an exclusive lock file stands in", path, e.strerror)
+    lock = _LockFile(path.with_name(path.name + ".lock"))
+    lock.acquire()
+    return lock
+
+
 class ShardWriter:
     """Appends batches of records to one shard file; resumes a file left by an earlier (killed) attempt.
 
@@ -269,31 +401,44 @@ class ShardWriter:
         self._pending: list[Record] = []
         self._last_flush = time.monotonic()
         self._fd: int | None = None
+        self._lockfile: _LockFile | None = None  # where flock is not available
         self.written = 0  # records in the file (before + this session), superseded ones included
         self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
+        self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
 
-    def open(self) -> dict[str, int]:
+    def open(self, positions: range | None = None) -> dict[str, int]:
         """Lock and recover the file; return {id: byte offset of the frame of its newest record} for every id
         already recorded (records not kept); `transient` names those whose newest record should be redone.
 
         Damage in the middle of the file (a frame that fails its checks, intact frames after it) is salvaged:
         every intact frame is copied to a new file (temporary name, fsync, rename), the damaged original is kept
         aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
+
+        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output of the newest
+        record at position positions[i] (0 where none): what is already recorded, 8 bytes a prompt.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self._lockfile = _flock_or_lockfile(fd, self.path)
+        except BaseException:
             os.close(fd)
-            raise RuntimeError(
-                f"{self.path} is locked by another worker of this shard (a task still running, or a requeue "
-                "racing the old one); wait for it to end or cancel it"
-            ) from None
+            raise
         self._fd = fd
+        try:
+            return self._recover(positions)
+        except BaseException:
+            self.close()  # the lock (and lock file) go with it
+            raise
+
+    def _recover(self, positions: range | None) -> dict[str, int]:
+        fd = self._fd
+        assert fd is not None
         size = os.fstat(fd).st_size
         done: dict[str, int] = {}
+        otok = self.output_tokens_at = array("q", bytes(8 * len(positions))) if positions is not None else None
+        first = positions.start if positions is not None else 0
         if size == 0:
             self._write(_header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
@@ -319,6 +464,8 @@ class ShardWriter:
             for r in item.batch:
                 done[r.id] = item.offset
                 self.written += 1
+                if otok is not None and 0 <= r.index - first < len(otok):
+                    otok[r.index - first] = r.n_output
                 if is_transient(r):
                     self.transient.add(r.id)
                 else:
@@ -342,7 +489,8 @@ class ShardWriter:
                   "ones again; the damaged file is kept as %s", self.path, bad, len(good), self.damaged.name)
         tmp = self.path.with_name(f".{self.path.name}.salvage")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if self._lockfile is None:  # (with a lock file, the shard's lock covers this file too)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         old, self._fd = self._fd, fd
         moved: dict[int, int] = {}
         pos = _HEADER_SIZE
@@ -386,6 +534,8 @@ class ShardWriter:
         comp = self._cctx.compress(_encoder.encode(batch))
         self._write(_batch_bytes(comp, len(batch)))
         self.written += len(batch)
+        if self._lockfile is not None:
+            self._lockfile.touch()
 
     def close(self) -> None:
         if self._fd is None:
@@ -395,6 +545,9 @@ class ShardWriter:
         finally:
             os.close(self._fd)  # releases the lock
             self._fd = None
+            if self._lockfile is not None:
+                self._lockfile.release()
+                self._lockfile = None
 
 
 class DoneManifest(msgspec.Struct):

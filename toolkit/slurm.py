@@ -145,15 +145,15 @@ class MergeTask:
 # talking to Slurm
 # ---------------------------------------------------------------------------------------------------
 def _run(argv: list[str], timeout: float = 60) -> str:
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmError(f"`{argv[0]}` not found: run this on a Slurm login node (or export SLURM_CONF for the local cluster)") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from None
-    if r.returncode != 0:
-        raise SlurmError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
-    return r.stdout
+    """stdout of a Slurm command, or SlurmError saying in one line why there is none (slurmcmd.call)."""
+    from .slurmcmd import call
+
+    a = call(argv, timeout)
+    if a.ok:
+        return a.out
+    if a.why.startswith(argv[0] + " "):  # "sacct did not answer in 5 s" -> "`sacct -j 12` did not answer in 5 s"
+        raise SlurmError(f"`{' '.join(argv)}`{a.why[len(argv[0]):]}")
+    raise SlurmError(a.why)
 
 
 def slurm_config(timeout: float = 60) -> dict[str, str]:
@@ -265,6 +265,7 @@ def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
         setup=list(s.setup) + list(o.get("setup") or []),
         stderr_to_stdout=True,
     )
+    check_signal_delay(params["time"], params["signal_delay_s"])
     # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
     params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
     for key in ("partition", "account", "qos", "mem"):
@@ -282,6 +283,51 @@ def multi_node_params(nodes: int) -> dict[str, Any]:
     if nodes <= 1:
         return {}
     return {"nodes": nodes, "ntasks_per_node": 1, "srun_args": ["--nodes=1", "--ntasks=1"]}
+
+
+def check_signal_delay(minutes: int, signal_delay_s: int) -> None:
+    """A task is told to stop (USR2) `signal_delay_s` before its time limit: a limit not longer than that stops
+    every task the moment it starts, and submitit requeues it, forever."""
+    if minutes * 60 <= signal_delay_s:
+        raise SlurmError(
+            f"--time {slurm_time(minutes)} ({minutes * 60} s) is not longer than --signal-delay-s {signal_delay_s}: "
+            f"every task would be told to stop at once and be requeued forever; give a --time well above "
+            f"{signal_delay_s} s or a smaller --signal-delay-s"
+        )
+
+
+_MEM_UNITS = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def mem_to_mb(mem: str) -> int:
+    """Slurm's --mem (MB by default; K, M, G, T suffixes) in megabytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)B?", str(mem).strip().upper())
+    if not m:
+        raise SlurmError(f"--mem {mem!r}: use a Slurm size such as 200G or 64000M")
+    return int(float(m.group(1)) * _MEM_UNITS[m.group(2) or "M"])
+
+
+def node_memory_mb(partition: str) -> int:
+    """The most memory (RealMemory, MB) any node of `partition` has; 0 when Slurm does not say."""
+    best = 0
+    for line in _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%m"]).split():
+        digits = line.rstrip("+")
+        if digits.isdigit():
+            best = max(best, int(digits))
+    return best
+
+
+def check_memory(mem: str | None, partition: str) -> None:
+    """--mem against the nodes' RealMemory: Slurm would keep such a task pending for ever (or refuse it)."""
+    if not mem:
+        return
+    want = mem_to_mb(mem)
+    if want == 0:  # --mem=0: all the memory of the node
+        return
+    have = node_memory_mb(partition)
+    if have and want > have:
+        raise SlurmError(f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} MB "
+                         f"(RealMemory); lower it or choose another partition")
 
 
 def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str, Any]:
@@ -324,7 +370,7 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
 
 
 def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
-    """Check partition, GPUs and CPUs against the cluster; returns the options with the partition resolved."""
+    """Check partition, GPUs, CPUs and memory against the cluster; returns the options with the partition resolved."""
     return _validate(plan, o)[0]
 
 
@@ -343,6 +389,7 @@ def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], Partiti
     if part.cpus_per_node and cpus > part.cpus_per_node:
         raise SlurmError(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
+    check_memory(o.get("mem") or plan.spec.slurm.mem, name)
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:
@@ -633,12 +680,20 @@ def add_cli(sub) -> None:
 
 def _guard(fn, code: int):
     def run(args) -> int:
+        import sys
+
+        from submitit.core.utils import FailedJobError, FailedSubmissionError
+
         try:
             return fn(args)
         except SlurmError as e:
-            import sys
-
             print(f"toolkit: error: {e}", file=sys.stderr)
+            return code
+        except (FailedJobError, FailedSubmissionError) as e:  # sbatch itself refused (submitit's error holds its output)
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            said = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "no message")
+            print(f"toolkit: error: sbatch failed: {said}; check `squeue --me` for jobs this command may already have "
+                  f"submitted", file=sys.stderr)
             return code
 
     return run

@@ -1,15 +1,19 @@
 """Watching a run: one row per shard (Slurm state, progress, tokens, ETA) and the shards' logs.
 
 State comes from the files a run directory holds (done manifests, progress files) and, for runs submitted
-to Slurm, from `squeue` (live) then `sacct` (history, may lag a few seconds or have no row yet). A shard
-whose done manifest exists is completed whatever Slurm still says about its task.
+to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct` (history, may lag a few
+seconds or have no row yet). A shard whose done manifest exists is completed whatever Slurm still says about
+its task. Every Slurm command is bounded (slurmcmd.TIMEOUT_S); when sacct does not answer (slurmdbd down),
+`scontrol show job` tells what slurmctld still remembers; what nobody could tell is `unknown`, with why, never
+guessed as `submitted`, and `status` exits 4 (EXIT_UNKNOWN).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import re
-import subprocess
+import socket
 import sys
 import time
 from pathlib import Path
@@ -18,8 +22,9 @@ import msgspec
 
 from .files import shown_path
 from .plan import RunDir, load_run
-from .progress import Progress, read_progress
+from .progress import Progress, read_progress, worker_gone
 from .shardfile import read_done
+from .slurmcmd import FAILED, SlurmAnswer, call
 
 __all__ = ["ShardStatus", "RunStatus", "run_status", "status_report", "add_cli"]
 
@@ -38,12 +43,14 @@ class ShardStatus(msgspec.Struct):
     job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
     node: str | None
     error: str | None
+    reason: str | None = None  # why a pending task waits (squeue's REASON), or why the state is unknown
 
 
 class MergeStatus(msgspec.Struct):
     job: str | None      # Slurm id of the run's (latest) merge + audit job
     state: str | None    # its Slurm state, lower case
     merged: bool         # merged/manifest.json exists
+    reason: str | None = None  # why it is pending, or why its state is unknown
 
 
 class Totals(msgspec.Struct):
@@ -72,7 +79,8 @@ def status_report(rd: RunDir, rows: list[ShardStatus], merge: dict) -> RunStatus
                     output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
                     shards=dict(sorted(by_state.items())))
     return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals,
-                     merge=MergeStatus(job=merge.get("job"), state=merge.get("state"), merged=bool(merge.get("merged"))))
+                     merge=MergeStatus(job=merge.get("job"), state=merge.get("state"), merged=bool(merge.get("merged")),
+                                       reason=merge.get("reason")))
 
 
 def _expand(jid: str) -> list[str]:
@@ -88,40 +96,112 @@ def _expand(jid: str) -> list[str]:
     return out
 
 
-def slurm_states(ids: list[str]) -> dict[str, tuple[str, str | None]]:
-    """{job or array-task id: (state, node)}: squeue for live jobs, sacct for the rest (REQUEUED kept visible)."""
+class SlurmJob(msgspec.Struct):
+    state: str                   # Slurm's word, upper case: PENDING RUNNING COMPLETED REQUEUED ...
+    node: str | None = None
+    reason: str | None = None    # why a pending job waits (squeue %r: Priority, Resources, Dependency, ...)
+
+
+class SlurmView(msgspec.Struct):
+    """What Slurm said about a run's jobs in one refresh, and what it could not say."""
+
+    jobs: dict[str, SlurmJob]    # {job or array-task id: state}
+    sacct: str | None = None     # why sacct gave no answer (None: it answered)
+    squeue: str | None = None    # why squeue gave no answer (None: it answered)
+
+
+_NO_SUCH_JOB = "Invalid job id specified"  # squeue/scontrol of ids all gone from slurmctld: not a failure
+
+
+def _lines(a: SlurmAnswer) -> tuple[list[str], str | None]:
+    if a.ok:
+        return a.out.splitlines(), None
+    if a.problem == FAILED and _NO_SUCH_JOB in a.why:
+        return [], None
+    return [], a.why
+
+
+def _reason(r: str) -> str | None:
+    r = r.strip()
+    return None if r in ("", "None", "(null)") else r.strip("()")
+
+
+def _scontrol_jobs(job_id: str) -> tuple[dict[str, SlurmJob], str | None]:
+    """`scontrol show job -o ID`: what slurmctld still remembers of a job (MinJobAge after it ended)."""
+    lines, why = _lines(call(["scontrol", "show", "job", "-o", job_id]))
+    jobs = {}
+    for line in lines:
+        f = dict(x.split("=", 1) for x in line.split() if "=" in x)
+        if "JobState" not in f:
+            continue
+        node = f.get("NodeList")
+        node = None if node in (None, "", "(null)") else node
+        state = SlurmJob(f["JobState"], node, _reason(f.get("Reason", "")))
+        task = f.get("ArrayTaskId")
+        ids = _expand(f"{f['ArrayJobId']}_[{task}]") if task and f.get("ArrayJobId") else [f.get("JobId", job_id)]
+        for j in ids:
+            jobs[j] = state
+    return jobs, why
+
+
+def slurm_view(ids: list[str]) -> SlurmView:
+    """The states of `ids` (jobs, array jobs): squeue for live jobs (slurmctld), sacct for the rest (slurmdbd;
+    REQUEUED kept visible), and when sacct does not answer, `scontrol show job` for what slurmctld still knows.
+    Every command is bounded (slurmcmd.TIMEOUT_S); what none could say stays out of `jobs`."""
+    view = SlurmView(jobs={})
     if not ids:
-        return {}
-    states: dict[str, tuple[str, str | None]] = {}
+        return view
     requeued: set[str] = set()
-    try:
-        out = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(ids), "--format=JobID,State,NodeList"],
-                             capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            parts = line.split("|")
-            if len(parts) < 3:
-                continue
-            jid, state, node = parts[0], parts[1].split()[0], parts[2]
-            for j in _expand(jid):
-                if state == "REQUEUED":
-                    requeued.add(j)
-                states[j] = (state, None if node in ("", "None assigned") else node)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        pass
-    try:
-        out = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N"],
-                             capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            parts = line.split("|")
-            if len(parts) >= 3:
-                states[parts[0]] = (parts[1], parts[2] or None)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        pass
+    lines, view.sacct = _lines(call(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(ids),
+                                     "--format=JobID,State,NodeList"]))
+    for line in lines:
+        parts = line.split("|")
+        if len(parts) < 3 or not parts[1]:
+            continue
+        jid, state, node = parts[0], parts[1].split()[0], parts[2]
+        for j in _expand(jid):
+            if state == "REQUEUED":
+                requeued.add(j)
+            view.jobs[j] = SlurmJob(state, None if node in ("", "None assigned") else node)
+    lines, view.squeue = _lines(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N|%r"]))
+    for line in lines:
+        parts = line.split("|")
+        if len(parts) >= 4:
+            view.jobs[parts[0]] = SlurmJob(parts[1], parts[2] or None, _reason(parts[3]))
+    if view.sacct and not view.squeue:  # slurmctld answers: ask it about the tasks that left the queue
+        for jid in ids:
+            found, _ = _scontrol_jobs(jid)
+            for j, st in found.items():
+                view.jobs.setdefault(j, st)
     for j in requeued:
-        state, node = states.get(j, ("REQUEUED", None))
-        if state in ("PENDING", "REQUEUED"):
-            states[j] = ("REQUEUED", node)
-    return states
+        st = view.jobs.get(j, SlurmJob("REQUEUED"))
+        if st.state in ("PENDING", "REQUEUED"):
+            view.jobs[j] = SlurmJob("REQUEUED", st.node, st.reason)
+    return view
+
+
+SACCT_LAG_S = 120  # a job neither squeue nor sacct knows this long after its submission is unknown, not submitted
+
+
+def _age_s(submitted: str) -> float | None:
+    try:
+        return time.time() - _dt.datetime.fromisoformat(submitted).timestamp()
+    except ValueError:
+        return None
+
+
+def _unknown_why(view: SlurmView, job: str, submitted: str) -> str | None:
+    """Why the state of `job`, which no answer named, cannot be known (None: it is only submitted yet)."""
+    if view.sacct and view.squeue:
+        return f"{view.squeue}; {view.sacct}"
+    if view.sacct:
+        return f"{view.sacct}; squeue and scontrol no longer know job {job}"
+    if view.squeue:
+        return f"{view.squeue}; sacct has no row for job {job}"
+    age = _age_s(submitted)
+    if age is not None and age > SACCT_LAG_S:
+        return f"neither squeue nor sacct knows job {job}, submitted {age / 60:.0f} min ago"
+    return None
 
 
 def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], dict]:
@@ -130,40 +210,57 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
     rd, plan = load_run(run_dir)
     jobs = read_jobs(rd)
     task_of: dict[int, str] = {}
-    merge_id = None
+    submitted_at: dict[str, str] = {}
+    merge_id, merge_submitted = None, ""
     for sub in jobs.submissions:  # later submissions win
         for a in sub.arrays:
             for i, k in enumerate(a.shards):
                 task_of[k] = a.tasks[i] if a.tasks else f"{a.job_id}_{i}"
-        merge_id = sub.merge_job_id or merge_id
+                submitted_at[task_of[k]] = sub.submitted
+        if sub.merge_job_id:
+            merge_id, merge_submitted = sub.merge_job_id, sub.submitted
     ids = sorted({t.split("_")[0] for t in task_of.values()} | ({merge_id} if merge_id else set()))
-    states = slurm_states(ids)
+    view = slurm_view(ids)
     rows = []
     for s in plan.shards:
         k = s.index
         done = read_done(rd.done_file(k))
         p = read_progress(rd.progress_file(k)) or Progress(shard=k, state="pending", total=s.count)
         job = task_of.get(k)
-        slurm_state, node = states.get(job, (None, None)) if job else (None, None)
+        known = view.jobs.get(job) if job else None
+        node = known.node if known else None
+        reason = known.reason if known and known.state in ("PENDING", "REQUEUED") else None
         if done is not None:
-            state = "completed"
-        elif slurm_state:
-            state = slurm_state.lower()
+            state, reason = "completed", None
+        elif known:
+            state = known.state.lower()
             if state == "completed":  # the task ended without finishing the shard (e.g. stopped, not requeued)
                 state = "incomplete"
         elif job:
-            state = "submitted"  # sacct has no row yet
+            reason = _unknown_why(view, job, submitted_at.get(job, ""))
+            state = "unknown" if reason else "submitted"  # submitted: sacct has no row yet
+        elif gone := worker_gone(p):  # `toolkit run` (no Slurm job): the local worker died without a word
+            state, p.error = DEAD, f"{gone}; resume the shard with `toolkit worker {rd.shown} {k}` (or `toolkit run JOB`)"
         else:
             state = {"done": "completed", "generating": "running", "loading": "running", "starting": "running"}.get(p.state, p.state)
         rows.append(ShardStatus(
             shard=k, state=state, done=done.records if done else p.done, total=s.count,
             failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
             tok_per_s=p.tok_per_s if state == "running" else 0.0, eta_s=p.eta_s() if state == "running" else None,
-            job=job, node=node or (p.host or None), error=p.error,
+            job=job, node=node or (p.host or None), error=p.error, reason=reason,
         ))
-    merge = {"job": merge_id, "state": states.get(merge_id, ("submitted" if merge_id else None, None))[0] if merge_id else None}
-    if merge["state"]:
-        merge["state"] = merge["state"].lower()
+    merge: dict = {"job": merge_id, "state": None}
+    if merge_id:
+        known = view.jobs.get(merge_id)
+        if known:
+            merge["state"] = known.state.lower()
+            if known.state == "PENDING" and known.reason:
+                merge["reason"] = known.reason
+        else:
+            why = _unknown_why(view, merge_id, merge_submitted)
+            merge["state"] = "unknown" if why else "submitted"
+            if why:
+                merge["reason"] = why
     merge["merged"] = (rd.merged_dir / "manifest.json").exists()
     return rd, rows, merge
 
@@ -175,12 +272,19 @@ def _fmt_eta(s: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+UNKNOWN = "unknown"
+DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
+ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
+
+
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
-    head = f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8}"
+    head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
+            f"{'TOK/S':>8} {'ETA':>8}  REASON")
     lines = [f"run {rd.shown}", head]
     for r in rows:
-        lines.append(f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
-                     f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} {_fmt_eta(r.eta_s):>8}")
+        lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
+                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
+                      f"{_fmt_eta(r.eta_s):>8}  {r.reason or ''}").rstrip())
     done = sum(r.done for r in rows)
     total = sum(r.total for r in rows)
     by_state: dict[str, int] = {}
@@ -191,11 +295,44 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
                  + ", ".join(f"{n} {s}" for s, n in sorted(by_state.items())))
     if merge.get("job") or merge.get("merged"):
         lines.append(f"merge: job {merge.get('job') or '-'} {merge.get('state') or ''}"
+                     + (f" ({merge['reason']})" if merge.get("reason") else "")
                      + (" (merged/manifest.json written)" if merge.get("merged") else ""))
+    note = unknown_note(rows, merge)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 
+def unknown_note(rows: list[ShardStatus], merge: dict) -> str | None:
+    """One line when Slurm could not tell some states: which, why, and that nothing was guessed."""
+    unknown = [r for r in rows if r.state == UNKNOWN]
+    whys = list(dict.fromkeys(r.reason for r in unknown if r.reason))
+    if merge.get("state") == UNKNOWN and merge.get("reason"):
+        whys = list(dict.fromkeys([*whys, merge["reason"]]))
+    if not unknown and merge.get("state") != UNKNOWN:
+        return None
+    what = f"{len(unknown)} shard{'s' if len(unknown) != 1 else ''}" + (" and the merge job" if merge.get("state") == UNKNOWN else "")
+    return (f"slurm: the state of {what} is unknown ({whys[0] if whys else 'Slurm did not answer'}"
+            f"{f'; and {len(whys) - 1} more' if len(whys) > 1 else ''}); DONE and OUT TOKENS come from the run "
+            f"directory and are current. Check that slurmctld (squeue) and slurmdbd (sacct) answer, then run status "
+            f"again (exit {EXIT_UNKNOWN})")
+
+
+EXIT_UNKNOWN = 4  # cli.EXIT_UNKNOWN: some state cannot be known (Slurm did not answer)
+UNKNOWN_LIMIT_S = 600.0  # --watch gives up after the state has been unknown this long
+
+
+def _exit_code(rows: list[ShardStatus], merge: dict) -> int:
+    if all(r.state == "completed" for r in rows) and merge.get("state") != UNKNOWN:
+        return 0
+    if any(r.state == UNKNOWN for r in rows) or merge.get("state") == UNKNOWN:
+        return EXIT_UNKNOWN
+    return 0 if any(r.state in ACTIVE for r in rows) else 1
+
+
 def cmd_status(args) -> int:
+    unknown_since: float | None = None
+    limit = getattr(args, "unknown_limit_s", UNKNOWN_LIMIT_S)
     while True:
         rd, rows, merge = run_status(args.run)
         if args.json:  # with --watch: one compact object per line, per refresh
@@ -204,16 +341,30 @@ def cmd_status(args) -> int:
                 text = msgspec.json.format(text, indent=2)
         else:
             text = format_status(rd, rows, merge)
-        if args.watch:
-            sys.stdout.write(("" if args.json else "\x1b[H\x1b[2J") + text + "\n")
-            sys.stdout.flush()
-            finished = all(r.state not in ("pending", "running", "submitted", "requeued", "configuring") for r in rows)
-            if finished and merge.get("state") not in ("pending", "running", "submitted"):
-                return 0 if all(r.state == "completed" for r in rows) else 1
-            time.sleep(args.interval)
-        else:
+        if not args.watch:
             print(text)
-            return 0 if all(r.state == "completed" for r in rows) else (0 if any(r.state in ("running", "pending", "submitted", "requeued") for r in rows) else 1)
+            return _exit_code(rows, merge)
+        unknown = any(r.state == UNKNOWN for r in rows) or merge.get("state") == UNKNOWN
+        if not unknown:
+            unknown_since = None
+        elif unknown_since is None:
+            unknown_since = time.monotonic()
+        if unknown and not args.json:
+            waited = time.monotonic() - unknown_since
+            text += (f"\nstill refreshing every {args.interval:g} s: the state has been unknown for {waited:.0f} s; "
+                     f"gives up (exit {EXIT_UNKNOWN}) after {limit:.0f} s")
+        sys.stdout.write(("" if args.json else "\x1b[H\x1b[2J") + text + "\n")
+        sys.stdout.flush()
+        if unknown:
+            if time.monotonic() - unknown_since >= limit:
+                print(f"toolkit: error: the state of the run stayed unknown for {limit:.0f} s (Slurm does not answer); "
+                      f"`toolkit status {rd.shown}` once it does", file=sys.stderr)
+                return EXIT_UNKNOWN
+        else:
+            finished = all(r.state not in ACTIVE for r in rows)
+            if finished and merge.get("state") not in ACTIVE:
+                return 0 if all(r.state == "completed" for r in rows) else 1
+        time.sleep(args.interval)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,7 +440,7 @@ def merge_log(rd: RunDir, job: str) -> Path:
     return rd.slurm_dir / job / f"{job}_0_log.out"
 
 
-BAD_STATES = ("failed", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
+BAD_STATES = ("failed", "dead", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
 
 
 def _print_failed(rd: RunDir, args) -> int:
@@ -297,8 +448,11 @@ def _print_failed(rd: RunDir, args) -> int:
     _, rows, merge = run_status(rd.root)
     bad = [r for r in rows if r.state in BAD_STATES]
     merge_bad = merge.get("job") and (merge.get("state") or "") in BAD_STATES
+    note = unknown_note(rows, merge)
+    if note:
+        print(note)
     if not bad:
-        print("no failed shards")
+        print("no failed shards" + (" among those whose state is known" if note else ""))
     _print_failed_shards(rd, bad, args.lines)
     if merge_bad:
         log = merge_log(rd, merge["job"])
@@ -382,6 +536,9 @@ def add_cli(sub) -> None:
     s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
     s.add_argument("--json", action="store_true",
                    help="one JSON object (shards, totals, merge job) instead of the table, for scripts")
+    s.add_argument("--unknown-limit-s", type=float, default=UNKNOWN_LIMIT_S, metavar="S",
+                   help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S seconds "
+                        f"(default {UNKNOWN_LIMIT_S:.0f})")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")

@@ -246,7 +246,7 @@ class _Shard:
         if state:
             p.state = state
         p.done = self.recorded
-        p.output_tokens = self.tokens
+        p.output_tokens = p.resumed_tokens + self.tokens  # the shard's total; the rate is this attempt's alone
         p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
         write_progress(self.rd.progress_file(self.shard), p)
 
@@ -659,6 +659,14 @@ def _plan_todo(rd: RunDir, sh: _Shard, done_ids: dict[str, int], redo: set[str])
     return _Todo(refs, positions)
 
 
+def _resumed_tokens(sh: _Shard, todo: _Todo) -> int:
+    """Output tokens of the records this attempt keeps: every newest record but those it generates again."""
+    otok = sh.writer.output_tokens_at
+    if otok is None:
+        return 0
+    return sum(otok) - sum(otok[p - sh.sp.first] for p in todo.positions)
+
+
 def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
     """Recorded ids to generate again: transient failures, and those a retry request names that were not
     recorded again since it was made."""
@@ -744,10 +752,14 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         if _already_complete(rd, plan, shard):
             return DONE
         check_plan_inputs(plan)
-        done_ids = sh.writer.open()
+        try:
+            done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+        except RuntimeError as e:  # another writer holds the shard (ShardLocked), or the file is another run's
+            raise ShardFailed(str(e)) from None
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
+            sh.progress.resumed_tokens = _resumed_tokens(sh, todo)
             sh.history = _turn_history(rd, plan, shard, redo)
             sh.recorded = len(done_ids) - len(redo)
             log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
