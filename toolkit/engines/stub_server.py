@@ -644,9 +644,9 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
     start of plan_output(prompt[:k]) with the original budget, and answers with the rest of that plan — so a
     stopped-and-continued output is token for token the uninterrupted one. Split candidates are only where an
     output can begin (at a think-start, or after a think-start / think-end that ends a prompt, give or take
-    newline tokens), so a plain prompt costs a few list scans. A tail of one token is not taken for an output: a
-    prompt ending with think-start would be mistaken for a shorter prompt plus the think-start its output opens
-    with. None: not a continuation.
+    newline tokens), so a plain prompt costs a few list scans. A last token that is a think-start is not taken
+    for a one-token output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus
+    the think-start its output begins with. None: not a continuation.
     """
     n = len(prompt)
     cands: set[int] = set()
@@ -654,8 +654,10 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
         cands.update((j, j + 1, j + 2, j + 3))
     for j in _positions(prompt, model.think_end_id):
         cands.update((j + 1, j + 2, j + 3))
-    for k in sorted(c for c in cands if 0 < c <= n - 2):
+    for k in sorted(c for c in cands if 0 < c < n):
         head, p = prompt[:k], n - k
+        if p == 1 and prompt[k] == model.think_start_id:
+            continue
         sp0 = msgspec.structs.replace(
             sp, max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
             min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0)
