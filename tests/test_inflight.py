@@ -215,3 +215,17 @@ def test_records_written_before_segments_still_decode():
     old = msgspec.msgpack.encode(["p1", "d", 0, "ok", b"", b"", None, None, "stop", 2, 3, 0, 0, 0.1, 1, None, None])
     r = msgspec.msgpack.decode(old, type=Record)
     assert r.segments == 1 and r.failure is None
+
+
+def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
+    from toolkit.progress import Progress, write_progress
+    from toolkit.status import format_status, run_status
+
+    rd, _ = prepare_run(make_job(tmp_path, kimi, n=4))
+    write_progress(rd.progress_file(0), Progress(shard=0, state="generating", total=4, done=1, running=12, queued=3,
+                                                 kv_usage=0.41, capacity=12, in_flight_target=15, pid=os.getpid(),
+                                                 host="here", started=time.time()))
+    root, rows, merge = run_status(rd.root)
+    assert (rows[0].running, rows[0].queued, rows[0].kv_usage) == (12, 3, 0.41)
+    table = format_status(root, rows, merge)
+    assert "RUN/QUEUE" in table and " 12/3 " in table and "41%" in table

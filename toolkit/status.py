@@ -38,6 +38,9 @@ class ShardStatus(msgspec.Struct):
     job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
     node: str | None
     error: str | None
+    running: int | None = None    # requests the engine generates / keeps queued (its /v1/loads), while running
+    queued: int | None = None
+    kv_usage: float | None = None  # share of the engine's KV cache in use
 
 
 class MergeStatus(msgspec.Struct):
@@ -160,6 +163,7 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
             failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
             tok_per_s=p.tok_per_s if state == "running" else 0.0, eta_s=p.eta_s() if state == "running" else None,
             job=job, node=node or (p.host or None), error=p.error,
+            **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if state == "running" else {}),
         ))
     merge = {"job": merge_id, "state": states.get(merge_id, ("submitted" if merge_id else None, None))[0] if merge_id else None}
     if merge["state"]:
@@ -175,12 +179,17 @@ def _fmt_eta(s: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _fmt_load(r: ShardStatus) -> str:
+    return "-" if r.running is None else f"{r.running}/{r.queued if r.queued is not None else '-'}"
+
+
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
-    head = f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8}"
+    head = f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}"
     lines = [f"run {rd.shown}", head]
     for r in rows:
         lines.append(f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
-                     f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} {_fmt_eta(r.eta_s):>8}")
+                     f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} {_fmt_eta(r.eta_s):>8} "
+                     f"{_fmt_load(r):>9} {f'{r.kv_usage:.0%}' if r.kv_usage is not None else '-':>4}")
     done = sum(r.done for r in rows)
     total = sum(r.total for r in rows)
     by_state: dict[str, int] = {}
