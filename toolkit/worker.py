@@ -4,7 +4,8 @@
 was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
 them through `/generate` with bounded concurrency, and appends checked records in fsynced batches. An engine
 that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
-(nothing written is lost, in-flight prompts are generated again next time). A finished shard gets its `done`
+(nothing written is lost; the requests in flight are aborted and their partial outputs kept as PARTIAL records,
+continued from where they stopped next time: see _save_in_flight and _generate). A finished shard gets its `done`
 manifest.
 
 Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is

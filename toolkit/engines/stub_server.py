@@ -1472,7 +1472,8 @@ class StubServer:
 
     def stub_counters(self, req: Request) -> Reply:
         """Stub only: what the "GPU" did (tokens decoded, returned, aborts), for benchmarks and tests."""
-        return 200, _json_encode({**self.counters, "running": len(self.running), "waiting": len(self.waiting),
+        return 200, _json_encode({**self.counters, "answered": self.stats["requests"], "running": len(self.running),
+                                  "waiting": len(self.waiting),
                                   "max_running": self.max_running}), JSON
 
     def _model_card(self) -> dict:
