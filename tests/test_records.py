@@ -42,6 +42,7 @@ def test_records_written_before_failure_kinds_still_decode():
     old = ["p1", "d", 0, "failed", b"", b"", None, None, None, None, 3, 0, 0, 0.0, 2, "HTTP 503: busy"]  # 16 fields
     r = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=Record)
     assert r.failure is None and r.error == "HTTP 503: busy" and not is_transient(r)
-    assert TRANSIENT == {"timeout", "server_error", "unreachable", "bad_response", "aborted", "nan"}
+    assert TRANSIENT == {"timeout", "server_error", "unreachable", "bad_response", "aborted", "nan", "partial", "previous_turn"}
+    assert r.segments == 1
     assert is_transient(failed_record("p", "d", 0, [1], "no answer within 1 s", 2, "timeout"))
     assert not is_transient(failed_record("p", "d", 0, [1], "HTTP 400: too long", 1, "rejected"))

@@ -113,6 +113,7 @@ FLEET = {
     "faults": ("qwen3", ["--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6",
                          "--health-check-timeout", "0.3"]),
     "slow": ("qwen3", ["--token-delay", "0.01", "--fixed-output-tokens", "40"]),
+    "queue": ("kimi", ["--token-delay", "0.01", "--max-running-requests", "2", "--dp-size", "2"]),
     "warmup_fails": ("qwen3", ["--warmup-delay", "0.3", "--warmup-fails"]),
     "no_cache": ("qwen3", ["--disable-radix-cache"]),
 }
@@ -563,6 +564,96 @@ def test_abort_returns_partial_output(fleet):
                                                  "err_type": None}
     assert 0 < len(out["output_ids"]) < 300 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
     assert slow.post("/abort_request", {"rid": "nobody"})[0::2] == (200, b"")
+
+
+def _post_all(stub, bodies: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(stub.generate, bodies))
+
+
+def _loads(stub) -> dict:
+    status, _, body = stub.get("/v1/loads")
+    assert status == 200
+    return json.loads(body)
+
+
+def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
+    """--max-running-requests 2 per DP rank (x2 ranks): 4 generate, the rest wait; /v1/loads and /server_info
+    report it like SGLang; abort_all ends the running ones with their partial output and the queued ones with
+    "Abort in waiting queue" and no output; the stub's counters count every token decoded."""
+    q = fleet["queue"].wait_ready()
+    tok = tokenizers["kimi"]
+    info = json.loads(q.get("/server_info")[2])
+    assert [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]] == [2, 2]
+    bodies = [{"input_ids": chat_ids(tok, f"queue {i}"), "rid": f"q{i:02d}",
+               "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}} for i in range(7)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        pending = [pool.submit(q.generate, b) for b in bodies]
+        deadline = time.monotonic() + 10
+        while sum(r["num_total_reqs"] for r in _loads(q)["loads"]) < 7:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)
+        loads = _loads(q)
+        assert loads["dp_rank_count"] == 2 and len(loads["loads"]) == 2
+        assert [r["num_running_reqs"] for r in loads["loads"]] == [2, 2]
+        assert sum(r["num_waiting_reqs"] for r in loads["loads"]) == 3
+        assert all(r["max_running_requests"] == 2 and 0 < r["token_usage"] < 1 for r in loads["loads"])
+        assert q.post("/abort_request", {"abort_all": True})[0::2] == (200, b"")
+        outs = [f.result(10) for f in pending]
+    running = [o for o in outs if o["meta_info"]["finish_reason"]["message"] == "Aborted"]
+    queued = [o for o in outs if o["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"]
+    assert len(running) == 4 and len(queued) == 3
+    for o in running:
+        assert o["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                   "err_type": None}
+        assert 0 < len(o["output_ids"]) < 2000 and o["meta_info"]["completion_tokens"] == len(o["output_ids"])
+    for o in queued:
+        assert o["output_ids"] == [] and o["meta_info"]["completion_tokens"] == 0
+        assert "prompt_tokens" not in o["meta_info"] and "cached_tokens" not in o["meta_info"]
+    counters = json.loads(q.get("/stub/counters")[2])
+    assert counters["generated_tokens"] == sum(len(o["output_ids"]) for o in outs) == counters["returned_tokens"]
+    assert counters["aborted_running"] == 4 and counters["aborted_waiting"] == 3
+    assert sum(r["num_total_reqs"] for r in _loads(q)["loads"]) == 0
+
+
+def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
+    """The scheduler matches an aborted rid by prefix: aborting "p1" also ends "p10" (so the toolkit's rids must
+    not be prefixes of each other)."""
+    q = fleet["queue"].wait_ready()
+    tok = tokenizers["kimi"]
+    bodies = [{"input_ids": chat_ids(tok, f"prefix {r}"), "rid": r,
+               "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}} for r in ("p1", "p10", "p2")]
+    with ThreadPoolExecutor(3) as pool:
+        pending = [pool.submit(q.generate, b) for b in bodies]
+        time.sleep(0.3)
+        q.post("/abort_request", {"rid": "p1"})
+        outs = [f.result(10) for f in pending]
+    kinds = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    assert kinds == ["abort", "abort", "length"]
+
+
+def test_continuation_of_an_aborted_output_is_the_uninterrupted_output(fleet, tokenizers):
+    """prompt + partial output, max_new_tokens reduced by the partial's length: the stub writes on where it was
+    cut, so partial + continuation == the output of one uninterrupted request, finish reason included."""
+    q = fleet["queue"].wait_ready()
+    tok = tokenizers["kimi"]
+    for i in range(3):
+        prompt = chat_ids(tok, f"continue me {i}")
+        params = {"max_new_tokens": 120}
+        whole = q.generate({"input_ids": prompt, "sampling_params": params})
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(q.generate, {"input_ids": prompt, "sampling_params": params, "rid": f"c{i}"})
+            time.sleep(0.05 + 0.1 * i)
+            q.post("/abort_request", {"rid": f"c{i}"})
+            part = pending.result(10)["output_ids"]
+        assert 2 <= len(part) < len(whole["output_ids"]), (len(part), len(whole["output_ids"]))
+        rest = q.generate({"input_ids": prompt + part,
+                           "sampling_params": {"max_new_tokens": params["max_new_tokens"] - len(part)}})
+        assert part + rest["output_ids"] == whole["output_ids"]
+        assert rest["meta_info"]["finish_reason"]["type"] == whole["meta_info"]["finish_reason"]["type"]
+        assert rest["meta_info"]["prompt_tokens"] == len(prompt) + len(part)
+    assert json.loads(q.get("/stub/counters")[2])["continued"] >= 3
 
 
 def test_cached_tokens_follow_a_prefix_cache(qwen3, fleet, tokenizers):

@@ -459,8 +459,8 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
     assert p.state == "stopped" and 3 <= p.done < 30
     assert not rd.done_file(0).exists()
     assert run_shard(rd.root, 0) == DONE
-    got = records(rd.root)
-    assert len(got) == 30 and len({r.id for r in got}) == 30
+    got = newest(rd.root)  # the requests in flight at the stop left partial records, superseded since
+    assert len(got) == 30 and all(r.status == "ok" for r in got.values())
 
 
 def test_run_dir_with_another_fingerprint_is_refused(tmp_path, kimi):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -28,6 +28,9 @@ __all__ = [
     "ServerError",
     "Unreachable",
     "generate",
+    "abort_requests",
+    "EngineLoad",
+    "read_load",
 ]
 
 log = logging.getLogger(__name__)
@@ -299,7 +302,7 @@ async def generate(
     input_ids: list[int],
     sampling_params: dict[str, Any],
     *,
-    rid: str | None = None,
+    rid: str | Callable[[], str] | None = None,
     timeout: float,
     retries: int,
     backoff_s: float = 1.0,
@@ -311,12 +314,15 @@ async def generate(
     Retries connection errors, timeouts and 5xx up to `retries` times with jittered exponential backoff;
     raises RequestRejected on 4xx, and the last error when retries run out. `engine_alive`, when given, is
     called before each retry: once the engine is gone, retrying is pointless and the error is raised at once.
+    `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid of a request
+    the server may still hold (SGLang answers a duplicate in-flight rid with 400).
     """
-    body = _req_encoder.encode(_Request(input_ids, sampling_params, rid))
+    fixed = None if callable(rid) else _req_encoder.encode(_Request(input_ids, sampling_params, rid))
     loop = asyncio.get_running_loop()
     attempt = 0
     while True:
         attempt += 1
+        body = fixed if fixed is not None else _req_encoder.encode(_Request(input_ids, sampling_params, rid()))
         t0 = loop.time()
         try:
             status, data = await http.request("POST", "/generate", body, timeout=timeout)
@@ -346,3 +352,84 @@ async def generate(
         except (RequestRejected, BadResponse) as e:
             e.attempts = attempt  # type: ignore[attr-defined]
             raise
+
+
+async def abort_requests(http: HttpClient, rids: list[str] | None, *, timeout: float = 10.0) -> None:
+    """POST /abort_request: every request of the server (`rids` None: `abort_all`), or each rid given.
+
+    SGLang answers 200 with an empty body whatever it found; the requests it aborts while running end with
+    their partial output and finish_reason {"type": "abort", "message": "Aborted", "status_code": null}, those
+    still queued with "Abort in waiting queue" and no output. It matches a rid by prefix (so a rid must not be
+    the prefix of another one in flight). Raises Unreachable.
+    """
+    if rids is None:
+        await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)
+        return
+    for rid in rids:
+        await http.request("POST", "/abort_request", _req_encoder.encode({"rid": rid}), timeout=timeout)
+
+
+class EngineLoad(msgspec.Struct):
+    """What the server says about its load, summed over its data-parallel ranks."""
+
+    running: int = 0          # requests generating
+    waiting: int = 0          # requests queued for a running slot
+    capacity: int = 0         # requests it can run at once (0: unknown)
+    token_usage: float = 0.0  # share of the KV pool in use (the fullest rank)
+    gen_throughput: float = 0.0
+
+
+class _RankLoad(msgspec.Struct):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    max_running_requests: int | None = None
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+
+
+class _Loads(msgspec.Struct):
+    loads: list[_RankLoad] = []
+
+
+class _InternalState(msgspec.Struct):
+    effective_max_running_requests_per_dp: int | None = None
+
+
+class _ServerInfo(msgspec.Struct):
+    internal_states: list[_InternalState] = []
+
+
+_loads_decoder = msgspec.json.Decoder(_Loads | list[_RankLoad])
+_info_decoder = msgspec.json.Decoder(_ServerInfo)
+
+
+async def server_capacity(http: HttpClient, *, timeout: float = 30.0) -> int:
+    """Requests the server can run at once: /server_info's effective_max_running_requests_per_dp summed over the
+    data-parallel ranks (0 when it does not say)."""
+    try:
+        status, body = await http.get("/server_info", timeout=timeout)
+        info = _info_decoder.decode(body) if status == 200 else None
+    except (Unreachable, msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    return sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states) if info else 0
+
+
+async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | None:
+    """GET /v1/loads (no --enable-metrics needed): {"loads": [per DP rank: num_running_reqs, num_waiting_reqs,
+    max_running_requests, token_usage, gen_throughput, ...], ...}. None when the server has no such endpoint or
+    does not answer."""
+    try:
+        status, body = await http.get("/v1/loads", timeout=timeout)
+        if status != 200:
+            return None
+        got = _loads_decoder.decode(body)
+    except (Unreachable, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    ranks = got.loads if isinstance(got, _Loads) else got
+    if not ranks:
+        return None
+    return EngineLoad(
+        running=sum(r.num_running_reqs for r in ranks), waiting=sum(r.num_waiting_reqs for r in ranks),
+        capacity=sum(r.max_running_requests or 0 for r in ranks), token_usage=max(r.token_usage for r in ranks),
+        gen_throughput=round(sum(r.gen_throughput for r in ranks), 1),
+    )

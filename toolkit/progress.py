@@ -37,6 +37,13 @@ class Progress(msgspec.Struct, kw_only=True):
     updated: float = 0.0
     error: str | None = None
     stop_signal: str | None = None   # the signal that stopped this attempt early (SIGTERM, SIGUSR2, ...)
+    # the server's load while generating (GET /v1/loads; None: not read, or the server has no such endpoint)
+    running: int | None = None       # requests it is generating
+    queued: int | None = None        # requests waiting for a running slot
+    kv_usage: float | None = None    # share of its KV cache in use
+    capacity: int | None = None      # requests it can run at once
+    in_flight_target: int | None = None  # requests the worker keeps in flight ([client] concurrency, or "auto")
+    partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued next time)
 
     def eta_s(self) -> float | None:
         """Seconds left at this attempt's pace (None before it has a pace)."""

@@ -19,10 +19,15 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop",
+    "ends_with_stop", "last_meaningful", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
+    "PARTIAL",
 ]
 
 OK, FAILED = "ok", "failed"
+# A PARTIAL record holds what the server had generated when the worker stopped (the requests in flight were
+# aborted and their partial outputs kept): never part of the dataset (not ok), continued on the next run of the
+# shard from where it stopped (its failure kind PARTIAL is transient), and superseded by the completed record.
+PARTIAL = "partial"
 
 # Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come back the same
 # every time; transient ones depend on the server's state at that moment, so they are generated again (a rerun of
@@ -36,9 +41,10 @@ BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol          
 ABORTED = "aborted"            # the server aborted the request (finish_reason abort)           (transient)
 NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by a stop id
 PREVIOUS_TURN = "previous_turn"  # regenerated conversations: the turn before failed in a way that may pass
+# PARTIAL (above) is also the failure kind of a PARTIAL record: transient, so the shard is not complete with one
 FAILURES = {
     REJECTED: False, TEMPLATE: False, TIMEOUT: True, SERVER_ERROR: True, UNREACHABLE: True, BAD_RESPONSE: True,
-    ABORTED: True, NAN: True, PREVIOUS_TURN: True,
+    ABORTED: True, NAN: True, PREVIOUS_TURN: True, PARTIAL: True,
 }  # kind -> transient
 TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
 NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
@@ -53,7 +59,7 @@ class Record(msgspec.Struct, array_like=True):
     id: str
     dataset: str
     index: int                      # position in the run's planned order
-    status: str                     # "ok" | "failed"
+    status: str                     # "ok" | "failed" | "partial"
     prompt_ids: bytes               # uint32 LE
     output_ids: bytes               # uint32 LE, exactly as the server returned them, stop token included
     reasoning_end: int | None       # index of the think-end id in output_ids, None when absent
@@ -67,6 +73,7 @@ class Record(msgspec.Struct, array_like=True):
     attempts: int
     error: str | None = None
     failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
+    segments: int = 1               # requests the output took: > 1 when continued after an abort or a stop
 
     @property
     def n_output(self) -> int:

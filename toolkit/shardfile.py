@@ -37,7 +37,7 @@ import msgspec
 import zstandard
 
 from .files import atomic_write, fsync_dir
-from .records import OK, Record, is_transient
+from .records import OK, PARTIAL, Record, is_transient
 
 __all__ = [
     "CorruptShard",
@@ -404,6 +404,7 @@ class ShardWriter:
         self._lockfile: _LockFile | None = None  # where flock is not available
         self.written = 0  # records in the file (before + this session), superseded ones included
         self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
+        self.partial: dict[str, Record] = {}  # ids whose newest record is PARTIAL, with it: continued, not redone
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
         self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
 
@@ -470,6 +471,10 @@ class ShardWriter:
                     self.transient.add(r.id)
                 else:
                     self.transient.discard(r.id)
+                if r.status == PARTIAL:
+                    self.partial[r.id] = r
+                else:
+                    self.partial.pop(r.id, None)
         if damage and not damage[-1].torn or len(damage) > 1:
             done = self._salvage(good, damage, done)
         elif damage:

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 from typing import Any
 
 import msgspec

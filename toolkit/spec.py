@@ -102,7 +102,13 @@ class EngineSpec(_Config):
 
 
 class ClientSpec(_Config):
-    concurrency: int = 64
+    # Requests in flight. "auto": sized from what the server says it can run (/server_info, then /v1/loads as it
+    # generates): its running capacity plus a small waiting queue, so the engine never waits for a request.
+    concurrency: int | Literal["auto"] = 64
+    max_concurrency: int = 1024         # "auto" never goes above this
+    # On a stop signal, abort the requests in flight and keep their partial outputs (continued on the next run)
+    # instead of throwing them away.
+    save_in_flight: bool = True
     request_timeout_s: float = 3600.0
     retries: int = 5
     backoff_s: float = 1.0
@@ -294,8 +300,10 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:
         raise SpecError(f"{source}: [sharding] flush_records must be >= 1 and flush_seconds > 0")
     c = spec.client
-    if c.concurrency < 1 or c.retries < 0 or c.request_timeout_s <= 0:
-        raise SpecError(f"{source}: [client] needs concurrency >= 1, retries >= 0, request_timeout_s > 0")
+    if (c.concurrency != "auto" and c.concurrency < 1) or c.max_concurrency < 1 or c.retries < 0 \
+            or c.request_timeout_s <= 0:
+        raise SpecError(f"{source}: [client] needs concurrency >= 1 (or \"auto\"), max_concurrency >= 1, "
+                        "retries >= 0, request_timeout_s > 0")
     e = spec.engine
     if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
         raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,9 @@ class ShardStatus(msgspec.Struct):
     node: str | None
     error: str | None
     reason: str | None = None  # why a pending task waits (squeue's REASON), or why the state is unknown
+    running: int | None = None    # requests the engine generates / keeps queued (its /v1/loads), while running
+    queued: int | None = None
+    kv_usage: float | None = None  # share of the engine's KV cache in use
 
 
 class MergeStatus(msgspec.Struct):
@@ -248,6 +250,7 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
             failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
             tok_per_s=p.tok_per_s if state == "running" else 0.0, eta_s=p.eta_s() if state == "running" else None,
             job=job, node=node or (p.host or None), error=p.error, reason=reason,
+            **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if state == "running" else {}),
         ))
     merge: dict = {"job": merge_id, "state": None}
     if merge_id:
@@ -277,14 +280,19 @@ DEAD = "dead"  # a local worker's progress says generating, but its pid is gone 
 ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
 
 
+def _fmt_load(r: ShardStatus) -> str:
+    return "-" if r.running is None else f"{r.running}/{r.queued if r.queued is not None else '-'}"
+
+
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: dict) -> str:
     head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
-            f"{'TOK/S':>8} {'ETA':>8}  REASON")
+            f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
     lines = [f"run {rd.shown}", head]
     for r in rows:
+        kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
         lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
                       f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
-                      f"{_fmt_eta(r.eta_s):>8}  {r.reason or ''}").rstrip())
+                      f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {r.reason or ''}").rstrip())
     done = sum(r.done for r in rows)
     total = sum(r.total for r in rows)
     by_state: dict[str, int] = {}

@@ -4,7 +4,8 @@
 was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
 them through `/generate` with bounded concurrency, and appends checked records in fsynced batches. An engine
 that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
-(nothing written is lost, in-flight prompts are generated again next time). A finished shard gets its `done`
+(nothing written is lost; the requests in flight are aborted and their partial outputs kept as PARTIAL records,
+continued from where they stopped next time: see _save_in_flight and _generate). A finished shard gets its `done`
 manifest.
 
 Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
@@ -29,19 +30,24 @@ import socket
 import threading
 import time
 from array import array
+
+import numpy as np
 from collections import deque
 from pathlib import Path
 
 from . import chat
-from .client import BadResponse, HttpClient, RequestRejected, ServerError, Unreachable, generate
+from .client import (
+    BadResponse, GenerateResult, HttpClient, RequestRejected, ServerError, Unreachable, abort_requests, generate,
+    read_load, server_capacity,
+)
 from .engines import EngineError, make_engine
 from .inputs import PromptReader
 from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
 from .files import shown_path
 from .progress import Progress, read_progress, slurm_context, write_progress
 from .records import (
-    ABORTED, BAD_RESPONSE, FAILED, FAILURES, NAN, NAN_MATCHED, OK, PREVIOUS_TURN, REJECTED, SERVER_ERROR, TEMPLATE,
-    TIMEOUT, Record, failed_record, pack_ids, split_output,
+    ABORTED, BAD_RESPONSE, FAILED, FAILURES, NAN, NAN_MATCHED, OK, PARTIAL, PREVIOUS_TURN, REJECTED, SERVER_ERROR,
+    TEMPLATE, TIMEOUT, Record, failed_record, pack_ids, split_output,
 )
 from .shardfile import ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
 from .turns import answer_of, turn_prompt
@@ -51,6 +57,9 @@ __all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
 log = logging.getLogger(__name__)
 
 DONE, STOPPED = "done", "stopped"
+AUTO_START = 64        # concurrency "auto" before the server has said what it can run
+ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
+LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -109,6 +118,7 @@ class _Feed:
         self.redo: deque = deque()
         self.finished = False
         self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
+        self.closed = False  # stopping: hand out nothing more
         self.peak = 0  # most rendered prompts waiting at once
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
@@ -132,6 +142,8 @@ class _Feed:
         """A prompt that waited (see `pending`) is ready: it goes out before the others."""
         self.redo.append(item)
         self.pending -= 1
+    def close(self) -> None:
+        self.closed = True
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -142,6 +154,8 @@ class _Feed:
 
     async def get(self):
         while True:
+            if self.closed:
+                return None
             if self.redo:
                 return self.redo.popleft()
             if self.items:
@@ -239,7 +253,16 @@ class _Shard:
         self.last_answer = time.monotonic()
         self.chains: _Chains | None = None  # regenerated datasets: the conversations' answers so far
         self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
-        self.stopping: str | None = None  # what a stopping worker waits for (told to a second Ctrl-C)
+        self.waiting_for: str | None = None  # what a stopping worker waits for (told to a second Ctrl-C)
+        self.partial: dict[str, Record] = {}  # PARTIAL records to continue, by id (see _generate)
+        self.stopping = False      # a stop signal came: nothing new is sent, what is in flight is saved
+        self.rids: set[str] = set()  # rids in flight (aborted one by one on an engine the worker does not own)
+        self.rid_seq = 0
+        self.rid_tag = os.urandom(3).hex()
+        c = self.spec.client
+        self.target = c.concurrency if c.concurrency != "auto" else AUTO_START  # requests to keep in flight
+        self.live = 0              # consumers running (see _pool)
+        self.resized: asyncio.Event | None = None
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
@@ -251,13 +274,13 @@ class _Shard:
         write_progress(self.rd.progress_file(self.shard), p)
 
     def add(self, record: Record) -> None:
-        if record.status != OK:
+        if record.status not in (OK, PARTIAL):
             self.progress.failed += 1
             log.warning("prompt %s (%s) failed (%s): %s", record.id, record.dataset, record.failure, record.error)
-        self.recorded += 1
-        self.tokens += record.n_output
+        self.recorded += record.status != PARTIAL  # a partial record is continued, not done
         self.writer.add(record)
-        if self.chains is not None and self.plan.datasets[self.chains.dataset_of(record)].regenerate:
+        if (self.chains is not None and record.status != PARTIAL  # a partial turn is no answer yet, nor a failure
+                and self.plan.datasets[self.chains.dataset_of(record)].regenerate):
             self.chains.recorded(record)
 
 
@@ -360,32 +383,138 @@ def _failure_kind(e: Exception) -> str:
     return TIMEOUT  # Unreachable that is not a timeout stops the shard instead (see _consume)
 
 
-async def _generate(sh: _Shard, ids: list[int], ds: str, ref, engine):
-    """One prompt's /generate, retried while the server aborts it (up to client.retries)."""
+RID_WIDTH = 36
+
+
+def _rid_maker(sh: _Shard, pos: int, made: list[str]):
+    """A fresh rid per HTTP attempt, all of one width: SGLang's scheduler aborts by rid *prefix*, and strings of
+    one length are never prefixes of each other. Unique by (process tag, sequence number); the shard and planned
+    position are there for the server's log."""
+    def make() -> str:
+        sh.rid_seq += 1
+        rid = f"tk-{sh.rid_tag}-{sh.shard % 100000:05d}-{pos % 10**10:010d}-{sh.rid_seq % 10**8:08d}"
+        made.append(rid)
+        sh.rids.add(rid)
+        return rid
+    return make
+
+
+def _continued_params(params: dict, done: int) -> dict | None:
+    """The sampling_params that go on from `done` tokens already generated (None: the budget is used up)."""
+    if not done:
+        return params
+    params = dict(params)
+    left = params["max_new_tokens"] - done
+    if left <= 0:
+        return None
+    params["max_new_tokens"] = left
+    if params.get("min_new_tokens"):
+        params["min_new_tokens"] = max(0, params["min_new_tokens"] - done)
+    return params
+
+
+class _Generated:
+    """The outcome of _generate: the (combined) result, how many requests it took, and whether it is partial."""
+
+    __slots__ = ("res", "segments", "partial")
+
+    def __init__(self, res: GenerateResult, segments: int, partial: bool):
+        self.res, self.segments, self.partial = res, segments, partial
+
+
+async def _generate(sh: _Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None):
+    """One prompt's /generate, continued across aborts: an abort that leaves partial output (the server's own,
+    or the worker's at a stop) goes on from where it stopped, with input_ids = prompt + output so far and
+    max_new_tokens reduced by its length; the combined output is token for token what the server produced. An
+    abort that brought nothing new is retried, up to client.retries. `prior` is a PARTIAL record to continue.
+
+    While the worker stops (sh.stopping), the output so far comes back as partial; so it does when the aborts
+    without progress run out and there is output to keep.
+    """
     c = sh.spec.client
-    attempts = 0
-    while True:
-        sh.in_flight += 1
-        try:
-            res = await generate(
-                sh.http, ids, sh.spec.request_sampling(ds, ref.sample), timeout=c.request_timeout_s, retries=c.retries,
-                backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
-            )
-        finally:
-            sh.in_flight -= 1
-        sh.last_answer = time.monotonic()
-        attempts += res.attempts
-        if res.finish != "abort" or attempts > c.retries:
-            res.attempts = attempts
-            return res
-        log.warning("prompt %s aborted by the server (%s); retrying", ref.id, res.matched)
+    params = sh.spec.request_sampling(ds, ref.sample)
+    out = np.frombuffer(prior.output_ids, dtype="<u4").copy() if prior else np.zeros(0, dtype="<u4")
+    segments = prior.segments if prior else 0
+    attempts = prior.attempts if prior else 0
+    latency = prior.latency_s if prior else 0.0
+    cached = prior.cached_tokens if prior else None
+    stalled = 0
+    res = None
+    try:
+        while True:
+            sp = _continued_params(params, len(out))
+            if sp is None:  # already at max_new_tokens: what an uninterrupted request would have ended with
+                res = GenerateResult(output_ids=out, finish="length", matched=None, prompt_tokens=len(ids),
+                                     completion_tokens=len(out), cached_tokens=cached or 0, latency_s=latency,
+                                     attempts=attempts)
+                return _Generated(res, max(segments, 1), False)
+            sh.in_flight += 1
+            made: list[str] = []
+            try:
+                res = await generate(
+                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=_rid_maker(sh, pos, made),
+                    timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
+                    backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
+                )
+            finally:
+                sh.in_flight -= 1
+                sh.rids.difference_update(made)
+            sh.last_answer = time.monotonic()
+            attempts += res.attempts
+            latency += res.latency_s
+            new = res.output_ids
+            sh.tokens += len(new)
+            if cached is None:
+                cached = res.cached_tokens
+            if len(new):
+                segments += 1
+                out = np.concatenate([out, new]) if len(out) else new
+            if segments > 1 or prior is not None:
+                res = GenerateResult(output_ids=out, finish=res.finish, matched=res.matched, prompt_tokens=len(ids),
+                                     completion_tokens=len(out), cached_tokens=cached, latency_s=round(latency, 4),
+                                     attempts=attempts)
+            else:
+                res.attempts = attempts
+            if res.finish != "abort":
+                return _Generated(res, max(segments, 1), False)
+            if sh.stopping:
+                return _Generated(res, segments, True)
+            if not len(new):
+                stalled += 1
+                if stalled > c.retries:
+                    return _Generated(res, segments, len(out) > 0)
+            log.warning("prompt %s aborted by the server (%s) after %d tokens; %s", ref.id, res.matched, len(out),
+                        "continuing from there" if len(out) else "retrying")
+    except BaseException:
+        # Unanswered (engine died, cancelled): what was generated so far is continued when it is sent again.
+        if len(out) > (prior.n_output if prior else 0) and res is not None:
+            sh.partial[ref.id] = _partial_record(ref, ds, pos, ids, _Generated(res, segments, True), None)
+        elif prior is not None:
+            sh.partial[ref.id] = prior
+        raise
+
+
+def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Generated, info) -> Record:
+    """A PARTIAL record: the output so far of a request stopped mid-way, continued by the next run."""
+    res, out = g.res, g.res.output_ids
+    reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id) if info else (None, None)
+    return Record(
+        id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=out.tobytes(),
+        reasoning_end=reasoning_end, tool_call_at=tool_call_at, finish="abort", matched_stop=None,
+        prompt_tokens=len(ids), completion_tokens=len(out), cached_tokens=res.cached_tokens,
+        latency_s=round(res.latency_s, 4), attempts=res.attempts,
+        error=f"stopped after {len(out)} generated tokens; continued from there on the next run of the shard",
+        failure=PARTIAL, segments=g.segments,
+    )
 
 
 async def _consume(sh: _Shard, feed: _Feed, engine, info) -> None:
     c = sh.spec.client
     while True:
+        if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see _pool)
+            return
         item = await feed.get()
-        if item is None:
+        if item is None or sh.stopping:
             return
         pos, ref, ids, err = item
         ds = sh.plan.datasets[ref.dataset].name
@@ -393,8 +522,9 @@ async def _consume(sh: _Shard, feed: _Feed, engine, info) -> None:
             kind, message = err
             sh.add(failed_record(ref.id, ds, pos, ids or [], message, 0, kind))
             continue
+        prior = _prior(sh, ref.id, ids)
         try:
-            res = await _generate(sh, ids, ds, ref, engine)
+            res = await _generate(sh, ids, ds, ref, engine, pos, prior)
         except RequestRejected as e:
             sh.last_answer = time.monotonic()
             sh.add(failed_record(ref.id, ds, pos, ids, str(e), getattr(e, "attempts", 1), REJECTED))
@@ -411,10 +541,24 @@ async def _consume(sh: _Shard, feed: _Feed, engine, info) -> None:
         except asyncio.CancelledError:
             feed.redo.append(item)
             raise
-        sh.add(_result_record(ref, ds, pos, ids, res, info))
+        if res.partial:
+            if res.res.completion_tokens > (prior.n_output if prior else 0):  # else the stored one says it all
+                sh.add(_partial_record(ref, ds, pos, ids, res, info))
+                sh.progress.partial_saved += 1
+            continue
+        sh.add(_result_record(ref, ds, pos, ids, res.res, info, res.segments))
 
 
-def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info) -> Record:
+def _prior(sh: _Shard, id: str, ids: list[int]) -> Record | None:
+    """The PARTIAL record to continue for this prompt, if any (and if it was made from the same prompt ids)."""
+    prior = sh.partial.pop(id, None)
+    if prior is not None and prior.prompt_ids != pack_ids(ids):
+        log.warning("prompt %s: its partial output was made from other prompt ids; generating it from scratch", id)
+        return None
+    return prior
+
+
+def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1) -> Record:
     """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN stop."""
     out = res.output_ids
     reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
@@ -432,7 +576,7 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info)
         tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
         prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
         cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
-        error=error, failure=failure,
+        error=error, failure=failure, segments=segments,
     )
 
 
@@ -483,6 +627,128 @@ async def _watch(sh: _Shard, engine, hang: _HangWatch) -> None:
         await hang.check(sh)
 
 
+def _auto_target(capacity: int, running: int, waiting: int, cap: int) -> int:
+    """Requests to keep in flight for concurrency "auto": what the server can run, plus a small waiting queue
+    so a finished request is replaced at once (margin: an eighth of the capacity, at least 2). When requests
+    wait although fewer than `capacity` run, the server runs what its KV cache holds: `running` is its capacity
+    then."""
+    if capacity <= 0:
+        return min(cap, AUTO_START)
+    base = running if waiting > 0 and 0 < running < capacity else capacity
+    return max(1, min(cap, base + max(2, capacity // 8)))
+
+
+async def _watch_load(sh: _Shard, engine) -> None:
+    """Read the server's load (/v1/loads) into the progress file; with concurrency "auto", resize the requests
+    in flight from it. Without /v1/loads (older servers), only /server_info's capacity is used."""
+    c = sh.spec.client
+    auto, cap = c.concurrency == "auto", c.max_concurrency
+    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+    p = sh.progress
+    capacity = p.capacity or 0
+    try:
+        while True:
+            load = await read_load(http)
+            if load is not None:
+                p.running, p.queued, p.kv_usage = load.running, load.waiting, round(load.token_usage, 4)
+                capacity = load.capacity or capacity
+                p.capacity = capacity or None
+                if auto:
+                    _resize(sh, _auto_target(capacity, load.running, load.waiting, cap))
+            p.in_flight_target = sh.target
+            await asyncio.sleep(LOAD_POLL_S)
+    finally:
+        http.close()
+
+
+def _resize(sh: _Shard, target: int) -> None:
+    if target != sh.target:
+        log.info("requests in flight: %d -> %d (concurrency auto)", sh.target, target)
+        sh.target = target
+        if sh.resized is not None:
+            sh.resized.set()
+
+
+async def _pool(sh: _Shard, feed: _Feed, engine, info) -> None:
+    """Keep `sh.target` consumers (one request each) running; a consumer leaves when there are more than the
+    target, more start when it grows. Returns when the last one is done (prompts all sent, or stopping)."""
+    sh.resized = asyncio.Event()
+    tasks: set[asyncio.Task] = set()
+
+    async def consumer() -> None:
+        try:
+            await _consume(sh, feed, engine, info)
+        finally:
+            sh.live -= 1
+
+    try:
+        while True:
+            while sh.live < sh.target and not sh.stopping and not (feed.finished and not feed.items and not feed.redo):
+                sh.live += 1
+                tasks.add(asyncio.ensure_future(consumer()))
+            if not tasks:
+                return
+            sh.resized.clear()
+            resized = asyncio.ensure_future(sh.resized.wait())
+            done, _ = await asyncio.wait([*tasks, resized], return_when=asyncio.FIRST_COMPLETED)
+            resized.cancel()
+            for t in done - {resized}:
+                tasks.discard(t)
+                t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _save_in_flight(sh: _Shard, stop: asyncio.Event, feed: _Feed, engine) -> None:
+    """On a stop request: send nothing new, abort every request in flight so that each comes back with its
+    partial output (recorded PARTIAL by the consumers, continued next time), and return once they are back, or
+    after ABORT_GRACE_S. The engine is still up (it ignores SIGUSR2; the worker stops it afterwards)."""
+    await stop.wait()
+    sh.stopping = True
+    feed.close()
+    n = sh.in_flight
+    if n:
+        owned = engine.kind != "external"  # abort_all would also end other clients' requests on a shared server
+        log.warning("stopping: aborting the %d requests in flight (%s) to keep their partial outputs", n,
+                    "abort_all" if owned else "by rid")
+        http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+        try:
+            await abort_requests(http, None if owned else sorted(sh.rids))
+        except Unreachable as e:
+            log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
+            return
+        finally:
+            http.close()
+    deadline = time.monotonic() + ABORT_GRACE_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time", sh.in_flight,
+                ABORT_GRACE_S)
+
+
+async def _generate_shard(sh: _Shard, stop: asyncio.Event, feed: _Feed, engine, hang, info) -> None:
+    """Send every prompt, watching the engine and its load; raises _Stop on a stop request. With
+    client.save_in_flight the requests in flight are first aborted and their partial outputs recorded."""
+    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+    try:  # what the server can run, before the first request goes out
+        sh.progress.capacity = await server_capacity(http) or None
+    finally:
+        http.close()
+    c = sh.spec.client
+    if c.concurrency == "auto":
+        _resize(sh, _auto_target(sh.progress.capacity or 0, 0, 0, c.max_concurrency))
+    jobs = [_pool(sh, feed, engine, info), _watch(sh, engine, hang), _watch_load(sh, engine)]
+    if not sh.spec.client.save_in_flight:
+        await _race(stop, *jobs)
+        return
+    # The stopper finishing (the grace over) or the consumers all returning ends the race.
+    await _race(asyncio.Event(), *jobs, _save_in_flight(sh, stop, feed, engine))
+    if stop.is_set():
+        raise _Stop()
+
+
 async def _race(stop: asyncio.Event, *aws) -> None:
     """Run `aws` until the first finishes (raising its error); a stop request cancels them all."""
     tasks = [asyncio.ensure_future(a) for a in aws]
@@ -508,15 +774,18 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
     def on_signal(sig: int) -> None:
         name = signal.Signals(sig).name
         if stop.is_set():
-            log.warning("got %s again: still stopping, %s", name, sh.stopping or "writing what is done")
+            log.warning("got %s again: still stopping, %s", name, sh.waiting_for or "saving and writing what is done")
             return
-        log.warning("got %s: stopping; what is done is written, prompts in flight are generated again next time", name)
+        log.warning("got %s: stopping; what is done is written, prompts in flight %s", name,
+                    "are saved as partial outputs and continued next time" if spec.client.save_in_flight
+                    else "are generated again next time")
         sh.progress.stop_signal = name
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    feed = _Feed(_Budget(max(4 * spec.client.concurrency, 2 * chat.BATCH_SIZE)))
+    most = _max_in_flight(spec)
+    feed = _Feed(_Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
     state: dict = {}
     if any(d.regenerate for d in sh.plan.datasets):
         sh.chains = state["chains"] = _Chains(sh, feed, todo.refs, sh.history)
@@ -533,7 +802,7 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
     ready_once = False
     try:
         while True:
-            http = sh.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=spec.client.concurrency)
+            http = sh.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=most)
             hang = _HangWatch(engine, spec.engine.hang_timeout_s)
             try:
                 await _race(stop, engine.wait_ready(http))
@@ -545,10 +814,10 @@ async def _run(sh: _Shard, todo: list[tuple[int, PromptRef]]) -> str:
                 if not sh.t_gen:
                     sh.t_gen = time.monotonic()
                 sh.save_progress("generating")
-                log.info("generating %d prompts with concurrency %d", len(todo), spec.client.concurrency)
+                log.info("generating %d prompts (%d to continue from a partial output) with concurrency %s",
+                         len(todo), len(sh.partial), spec.client.concurrency)
                 sh.last_answer = time.monotonic()
-                consumers = [_consume(sh, feed, engine, state["info"]) for _ in range(spec.client.concurrency)]
-                await _race(stop, _all(consumers), _watch(sh, engine, hang))
+                await _generate_shard(sh, stop, feed, engine, hang, state["info"])
                 return DONE
             except (_EngineDied, EngineError) as e:
                 if not ready_once or isinstance(e, EngineError) and engine.alive():
@@ -588,12 +857,17 @@ async def _stop_engine(sh: _Shard, engine, timeout_s: float | None = None) -> No
     for) while the engine drains."""
     grace = engine.engine.shutdown_timeout_s if timeout_s is None else timeout_s
     pid = engine.proc.pid if engine.proc is not None else None
-    sh.stopping = (f"waiting for the engine (pid {pid}) to exit: SIGTERM sent, SIGKILL after {grace:g} s "
+    sh.waiting_for = (f"waiting for the engine (pid {pid}) to exit: SIGTERM sent, SIGKILL after {grace:g} s "
                    "([engine] shutdown_timeout_s)") if pid else None
     try:
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, timeout_s)
     finally:
-        sh.stopping = None
+        sh.waiting_for = None
+
+
+def _max_in_flight(spec) -> int:
+    c = spec.client
+    return c.max_concurrency if c.concurrency == "auto" else c.concurrency
 
 
 async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
@@ -762,6 +1036,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
             sh.progress.resumed_tokens = _resumed_tokens(sh, todo)
             sh.history = _turn_history(rd, plan, shard, redo)
             sh.recorded = len(done_ids) - len(redo)
+            sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
             log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
                      "%d asked by `toolkit retry`)", len(done_ids), sh.sp.count, len(todo), len(redo),
                      len(redo & sh.writer.transient), len(redo - sh.writer.transient))

@@ -42,6 +42,7 @@ LOG_PREFIX = "[stub-engine, not a model]"
 VERSIONS = ("0.5.23", "0.5.9")
 TOP_K_ALL = 1 << 30
 SAMPLING_EPS = 1e-6
+DEFAULT_MAX_RUNNING = 1024  # per DP rank, when --max-running-requests is not given
 CORPUS_CHARS = 160_000  # of the help-topics text, encoded once at start: plenty of distinct "reasoning"
 _json_encode = msgspec.json.encode
 _json_decode = msgspec.json.decode
@@ -64,6 +65,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     skip_tokenizer_init: bool = False
     context_length: int = 8192
     max_total_tokens: int | None = None
+    max_running_requests: int | None = None  # per data-parallel rank; None: DEFAULT_MAX_RUNNING
     served_model_name: str | None = None
     tp_size: int = 1
     dp_size: int = 1
@@ -111,7 +113,8 @@ MODELLED = {
     "model_path": ("model_path",), "tokenizer_path": ("tokenizer_path",), "host": ("host",), "port": ("port",),
     "api_key": ("api_key",), "trust_remote_code": ("trust_remote_code",),
     "skip_tokenizer_init": ("skip_tokenizer_init",), "context_length": ("context_length",),
-    "max_total_tokens": ("max_total_tokens",), "served_model_name": ("served_model_name",),
+    "max_total_tokens": ("max_total_tokens",), "max_running_requests": ("max_running_requests",),
+    "served_model_name": ("served_model_name",),
     "tp_size": ("tp_size", "tensor_parallel_size"), "dp_size": ("dp_size", "data_parallel_size"),
     "enable_metrics": ("enable_metrics",), "stream_interval": ("stream_interval",),
     "incremental_streaming_output": ("incremental_streaming_output", "stream_output"),
@@ -123,6 +126,8 @@ MODELLED_KWARGS: dict[str, dict[str, Any]] = {
     "trust_remote_code": {"action": "store_true"}, "skip_tokenizer_init": {"action": "store_true"},
     "context_length": {"type": int, "default": 8192},
     "max_total_tokens": {"type": int, "help": "KV pool size in tokens (default 16 x context length)"},
+    "max_running_requests": {"type": int, "help": "requests generating at once per DP rank; the rest wait in a "
+                                                  "queue (default 1024; SGLang derives it from the KV pool)"},
     "tp_size": {"type": int, "default": 1}, "dp_size": {"type": int, "default": 1},
     "enable_metrics": {"action": "store_true"}, "stream_interval": {"type": int, "default": 1},
     "incremental_streaming_output": {"action": "store_true", "help": "0.5.23's name; 0.5.9's --stream-output"},
@@ -246,7 +251,8 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         model_path=ns.model_path, tokenizer_path=ns.tokenizer_path, host=ns.host, port=ns.port,
         api_key=ns.api_key or None, trust_remote_code=ns.trust_remote_code,
         skip_tokenizer_init=ns.skip_tokenizer_init, context_length=ns.context_length,
-        max_total_tokens=ns.max_total_tokens, served_model_name=ns.served_model_name, tp_size=ns.tp_size,
+        max_total_tokens=ns.max_total_tokens, max_running_requests=ns.max_running_requests,
+        served_model_name=ns.served_model_name, tp_size=ns.tp_size,
         dp_size=ns.dp_size, enable_metrics=ns.enable_metrics, stream_interval=max(1, ns.stream_interval),
         incremental_streaming_output=ns.incremental_streaming_output, skip_server_warmup=ns.skip_server_warmup,
         preferred_sampling_params=preferred, reasoning_parser=ns.reasoning_parser,
@@ -603,6 +609,72 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     if (sp.ignore_eos or model.eos_id not in model.eos_ids) and written < budget:
         run(budget - written)  # nothing stops it: the model writes on past its EOS
     return segments
+
+
+def _positions(ids: list[int], token: int | None) -> list[int]:
+    out: list[int] = []
+    if token is None:
+        return out
+    i = -1
+    try:
+        while True:
+            i = ids.index(token, i + 1)
+            out.append(i)
+    except ValueError:
+        return out
+
+
+def drop_planned(segments: Segments, n: int) -> Segments:
+    """The plan without its first `n` tokens (corpus offsets moved along, so text slicing still works)."""
+    out: Segments = []
+    for start, ids in segments:
+        if n >= len(ids):
+            n -= len(ids)
+            continue
+        out.append((start + n if start >= 0 and n else start, ids[n:] if n else ids))
+        n = 0
+    return out
+
+
+def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
+                      sample: int) -> Segments | None:
+    """The rest of an output when `prompt` is an earlier prompt plus the start of what the stub wrote for it.
+
+    A request aborted mid-generation is continued by sending `input_ids = prompt + partial output` with
+    max_new_tokens (and min_new_tokens) reduced by the partial's length. A model would go on writing from
+    there; the stub does the same: it looks for a split `prompt[:k] | prompt[k:]` where the second part is the
+    start of plan_output(prompt[:k]) with the original budget, and answers with the rest of that plan — so a
+    stopped-and-continued output is token for token the uninterrupted one. Split candidates are only where an
+    output can begin (at a think-start, or after a think-start / think-end that ends a prompt, give or take
+    newline tokens), so a plain prompt costs a few list scans. A last token that is a think-start is not taken
+    for a one-token output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus
+    the think-start its output begins with. None: not a continuation.
+    """
+    n = len(prompt)
+    cands: set[int] = set()
+    for j in _positions(prompt, model.think_start_id):
+        cands.update((j, j + 1, j + 2, j + 3))
+    for j in _positions(prompt, model.think_end_id):
+        cands.update((j + 1, j + 2, j + 3))
+    for k in sorted(c for c in cands if 0 < c < n):
+        head, p = prompt[:k], n - k
+        if p == 1 and prompt[k] == model.think_start_id:
+            continue
+        sp0 = msgspec.structs.replace(
+            sp, max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
+            min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0)
+        segments = plan_output(model, cfg, head, sp0, budget + p, sample)
+        got, need = 0, prompt[k:]
+        for _, ids in segments:  # compare the plan's first p tokens with the tail, segment by segment
+            m = min(len(ids), p - got)
+            if ids[:m] != need[got:got + m]:
+                break
+            got += m
+            if got == p:
+                break
+        if got == p:
+            return drop_planned(segments, p)
+    return None
 
 
 # ================================================================================================
@@ -1022,9 +1094,13 @@ class InFlight(msgspec.Struct, kw_only=True):
     started: float
     aborted: asyncio.Event | None = None
     aborted_at: float = 0.0  # loop time of the abort
+    prompt_len: int = 0
+    begin: float | None = None  # loop time generation began (None: waiting in the queue, or not delayed)
+    planned: int = 0  # tokens it will write if nothing stops it
 
 
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 class Connection(asyncio.Protocol):
@@ -1254,6 +1330,14 @@ class StubServer:
         self.max_req_input_len = self.max_req_len - 5
         self.prefix_cache = None if cfg.other_args.get("disable_radix_cache") else PrefixCache()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "e2e_sum": 0.0, "aborted": 0}
+        # The scheduler of delayed requests (--token-delay): at most max_running generate at once, the rest
+        # wait in a FIFO queue; `generated` counts every token decoded, also those of requests aborted or
+        # dropped by their client (what a GPU spent), `returned` those sent back in answers.
+        self.max_running = (cfg.max_running_requests or DEFAULT_MAX_RUNNING) * max(1, cfg.dp_size)
+        self.running: dict[int, InFlight] = {}  # by id(): Structs compare by value
+        self.waiting: list[tuple[InFlight, asyncio.Future]] = []
+        self.counters = {"generated_tokens": 0, "returned_tokens": 0, "aborted_running": 0, "aborted_waiting": 0,
+                         "cancelled": 0, "continued": 0}
         self.window = [0, 0, time.monotonic()]  # requests, tokens since the last throughput log line
         self.routes: dict[str, tuple[tuple[str, ...], Callable]] = {
             "/health": (("GET",), self.health), "/health_generate": (("GET",), self.health),
@@ -1261,6 +1345,8 @@ class StubServer:
             "/server_info": (("GET",), self.server_info), "/get_server_info": (("GET",), self.server_info),
             "/v1/models": (("GET",), self.v1_models), "/generate": (("POST", "PUT"), self.generate),
             "/abort_request": (("POST",), self.abort_request), "/flush_cache": (("GET", "POST"), self.flush_cache),
+            "/v1/loads": (("GET",), self.loads), "/get_loads": (("GET",), self.loads),
+            "/stub/counters": (("GET",), self.stub_counters),
         }
         if not self.v9:
             self.routes["/ready"] = (("GET",), self.ready)
@@ -1341,12 +1427,56 @@ class StubServer:
             launch_command=_redacted_command(sys.argv, cfg.api_key),
             status="ready", max_total_num_tokens=self.pool, max_req_input_len=self.max_req_input_len,
             startup_time=round(time.time() - self.started, 3), kv_events=None,
-            internal_states=[{"last_gen_throughput": 0.0, "memory_usage": {"weight": 0.0, "kvcache": 0.0},
-                              "effective_max_running_requests_per_dp": 1 << 20}],
+            internal_states=[{"last_gen_throughput": self._gen_throughput() / max(1, cfg.dp_size),
+                              "memory_usage": {"weight": 0.0, "kvcache": 0.0},
+                              "effective_max_running_requests_per_dp": self.max_running // max(1, cfg.dp_size)}
+                             for _ in range(max(1, cfg.dp_size))],
             version=cfg.version, frontend="python",
             stub_engine="not a model: a test double of SGLang's HTTP protocol",
         )
         return 200, _json_encode(args), JSON
+
+    def _gen_throughput(self) -> float:
+        delay = self.cfg.token_delay
+        return round(len(self.running) / delay, 1) if delay > 0 else 0.0
+
+    def _used_tokens(self) -> int:
+        now, delay = asyncio.get_running_loop().time(), self.cfg.token_delay
+        used = sum(s.prompt_len for s, _ in self.waiting)
+        for s in self.running.values():
+            used += s.prompt_len + (min(s.planned, int((now - s.begin) / delay)) if s.begin is not None else 0)
+        return used
+
+    def loads(self, req: Request) -> Reply:
+        """GET /v1/loads (0.5.23): the load of each data-parallel rank, as SGLang's load snapshot reports it.
+
+        The stub has one scheduler; with --dp-size N its requests are shared out over N ranks for the report.
+        """
+        if self.v9:
+            return NOT_FOUND  # assumed absent in the 0.5.9 profile: clients must do without it
+        dp = max(1, self.cfg.dp_size)
+        used, pool = self._used_tokens(), self.pool
+        share = lambda total, i: total // dp + (i < total % dp)  # noqa: E731
+        rows = []
+        for i in range(dp):
+            running, waiting = share(len(self.running), i), share(len(self.waiting), i)
+            rank_used = share(used, i)
+            rows.append({
+                "dp_rank": i, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "num_total_reqs": running + waiting, "num_used_tokens": rank_used,
+                "max_total_num_tokens": pool, "max_running_requests": self.max_running // dp,
+                "token_usage": round(rank_used / pool, 4), "gen_throughput": self._gen_throughput() / dp,
+                "cache_hit_rate": 0.0, "utilization": round(running / max(1, self.max_running // dp), 4),
+            })
+        body = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": self.cfg.version,
+                "dp_rank_count": dp, "loads": rows}
+        return 200, _json_encode(body), JSON
+
+    def stub_counters(self, req: Request) -> Reply:
+        """Stub only: what the "GPU" did (tokens decoded, returned, aborts), for benchmarks and tests."""
+        return 200, _json_encode({**self.counters, "answered": self.stats["requests"], "running": len(self.running),
+                                  "waiting": len(self.waiting),
+                                  "max_running": self.max_running}), JSON
 
     def _model_card(self) -> dict:
         return {"id": self.served_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
@@ -1375,8 +1505,10 @@ class StubServer:
         label = f'{{model_name="{name}"}}'
         lines = [f"# stub-engine metrics: {LOG_PREFIX}"]
         for metric, kind, value in (
-            ("num_running_reqs", "gauge", len(self.in_flight)), ("num_queue_reqs", "gauge", 0),
-            ("token_usage", "gauge", 0.0), ("gen_throughput", "gauge", 0.0), ("cache_hit_rate", "gauge", 0.0),
+            ("num_running_reqs", "gauge", len(self.running) if self.cfg.token_delay > 0 else len(self.in_flight)),
+            ("num_queue_reqs", "gauge", len(self.waiting)),
+            ("token_usage", "gauge", round(self._used_tokens() / self.pool, 4)),
+            ("gen_throughput", "gauge", self._gen_throughput()), ("cache_hit_rate", "gauge", 0.0),
             ("prompt_tokens_total", "counter", s["prompt_tokens"]),
             ("generation_tokens_total", "counter", s["generation_tokens"]),
             ("num_requests_total", "counter", s["requests"]),
@@ -1538,7 +1670,14 @@ class StubServer:
                                    f"input tokens ({len(item.prompt)}).")
             if self.prefix_cache is not None:
                 item.cached = self.prefix_cache.admit(item.prompt)
-            item.segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
+            segments = None
+            if cfg.token_delay > 0:  # only a delayed request can be aborted mid-way, and so continued
+                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
+            if segments is not None:
+                self.counters["continued"] += 1
+            else:
+                segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
+            item.segments = segments
             item.planned = [t for _, ids in item.segments for t in ids]
             finish_item(model, item)
         return items, single
@@ -1644,34 +1783,97 @@ class StubServer:
             self.unregister(states)
 
     async def delayed(self, items: list[Item], single: bool, t0: float) -> Reply:
-        """Answer after token_delay per generated token, or with partial output for the items aborted."""
+        """Answer after token_delay per generated token, or with partial output for the items aborted; items
+        wait in the queue while max_running others generate."""
         states = self.register(items, abortable=True)
         try:
-            loop = asyncio.get_running_loop()
-            delay, begin = self.cfg.token_delay, loop.time()
-            ends = [begin + delay * len(it.output) for it in items]
-            while True:
-                now = loop.time()
-                pending = [k for k, s in enumerate(states) if not s.aborted.is_set() and ends[k] > now]
-                if not pending:
-                    break
-                waiters = [loop.create_task(states[k].aborted.wait()) for k in pending]
-                await asyncio.wait(waiters, timeout=max(ends[k] for k in pending) - now,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                for w in waiters:
-                    w.cancel()
-            e2e = time.perf_counter() - t0
-            objs = []
-            for it, state, end in zip(items, states, ends):
-                if state.aborted.is_set() and state.aborted_at < end:
-                    ids = it.output[:max(0, int((state.aborted_at - begin) / delay))]
-                    self.stats["aborted"] += 1
-                    objs.append(self.output_object(it, ids, dict(ABORTED), e2e))
-                else:
-                    objs.append(self.output_object(it, it.output, it.finish, e2e))
+            objs = await asyncio.gather(*(self._run_item(it, st, t0) for it, st in zip(items, states)))
             return 200, _json_encode(objs[0] if single else objs), JSON
         finally:
             self.unregister(states)
+
+    async def _admit(self, state: InFlight) -> bool:
+        """Wait for a running slot (FIFO); False when aborted while waiting."""
+        if len(self.running) < self.max_running and not self.waiting:
+            self.running[id(state)] = state
+            return True
+        loop = asyncio.get_running_loop()
+        granted = loop.create_future()
+        entry = (state, granted)
+        self.waiting.append(entry)
+        aborted = loop.create_task(state.aborted.wait())
+        try:
+            await asyncio.wait([granted, aborted], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self._release(state)
+            raise
+        finally:
+            aborted.cancel()
+            for i, e in enumerate(self.waiting):
+                if e is entry:
+                    del self.waiting[i]
+                    break
+        if state.aborted.is_set():  # aborted while queued (a slot freed by the same abort_all does not count)
+            if granted.done() and not granted.cancelled():
+                self._release(state)
+            granted.cancel()
+            return False
+        return True
+
+    def _release(self, state: InFlight) -> None:
+        self.running.pop(id(state), None)
+        while self.waiting and len(self.running) < self.max_running:
+            nxt, fut = self.waiting.pop(0)
+            if not fut.done() and not nxt.aborted.is_set():
+                self.running[id(nxt)] = nxt
+                fut.set_result(None)
+
+    async def _run_item(self, it: Item, state: InFlight, t0: float) -> dict:
+        loop = asyncio.get_running_loop()
+        delay = self.cfg.token_delay
+        state.prompt_len, state.planned = len(it.prompt), len(it.output)
+        if not await self._admit(state):
+            self.counters["aborted_waiting"] += 1
+            self.stats["aborted"] += 1
+            return self.waiting_abort_object(it, time.perf_counter() - t0)
+        begin = state.begin = loop.time()
+        end = begin + delay * len(it.output)
+        made = 0
+        try:
+            while not state.aborted.is_set() and loop.time() < end:
+                waiter = loop.create_task(state.aborted.wait())
+                try:
+                    await asyncio.wait([waiter], timeout=end - loop.time())
+                finally:
+                    waiter.cancel()
+            if state.aborted.is_set() and state.aborted_at < end:
+                made = min(len(it.output), max(0, int((state.aborted_at - begin) / delay)))
+                self.counters["aborted_running"] += 1
+                self.stats["aborted"] += 1
+                obj = self.output_object(it, it.output[:made], dict(ABORTED), time.perf_counter() - t0)
+            else:
+                made = len(it.output)
+                obj = self.output_object(it, it.output, it.finish, time.perf_counter() - t0)
+            self.counters["returned_tokens"] += made
+            return obj
+        except asyncio.CancelledError:  # the client went away: what was decoded so far is spent all the same
+            made = min(len(it.output), max(0, int((loop.time() - begin) / delay)))
+            self.counters["cancelled"] += 1
+            raise
+        finally:
+            self.counters["generated_tokens"] += made
+            self._release(state)
+
+    def waiting_abort_object(self, item: Item, e2e: float) -> dict:
+        """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens (§5.5)."""
+        m: dict[str, Any] = {"id": item.rid, "finish_reason": dict(ABORTED_WAITING)}
+        if not self.v9:
+            m.update(weight_version="default", weight_versions=[])
+        m.update(e2e_latency=round(e2e, 6), completion_tokens=0)
+        out: dict[str, Any] = {} if self.cfg.skip_tokenizer_init else {"text": ""}
+        out.update(output_ids=[], meta_info=m)
+        return out
 
     def stream_error(self, conn: Connection, message: str):
         if self.v9:
