@@ -19,7 +19,7 @@ import pytest
 from toolkit.cli import prepare_run
 from toolkit.engines.stub import start_standalone
 from toolkit.progress import read_progress
-from toolkit.records import PARTIAL, Record, unpack_ids
+from toolkit.records import PARTIAL, Record
 from toolkit.shardfile import read_done, read_shard
 from toolkit.worker import DONE, _auto_target, _rid_maker, run_shard
 
