@@ -142,7 +142,10 @@ class _Feed:
         """A prompt that waited (see `pending`) is ready: it goes out before the others."""
         self.redo.append(item)
         self.pending -= 1
+        self._event.set()
+
     def close(self) -> None:
+        """Stopping: hand out nothing more."""
         self.closed = True
         self._event.set()
 
