@@ -16,7 +16,7 @@ import pytest
 
 from toolkit.audit import AuditReport, audit_run
 from toolkit.cli import main as cli_main
-from toolkit.merge import merge_and_audit
+from toolkit.pipeline import merge_and_audit
 from toolkit.records import Record, pack_ids, unpack_ids
 
 import runs

@@ -14,7 +14,8 @@ import pytest
 
 from toolkit import read_run
 from toolkit.cli import main as cli_main
-from toolkit.merge import MERGED, MergeError, load_manifest, merge_and_audit, merge_run
+from toolkit.merge import MERGED, MergeError, load_manifest, merge_run
+from toolkit.pipeline import merge_and_audit
 from toolkit.records import OK
 from toolkit.shardfile import iter_frames, read_header, read_shard
 

@@ -360,7 +360,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert read_done(rd.done_file(0)).transient == len(failed)
     assert cli_main(["logs", str(rd.root), "--failed"]) == 1
     assert f"{len(failed)} failed records that may pass" in capsys.readouterr().out
-    from toolkit.merge import merge_and_audit
+    from toolkit.pipeline import merge_and_audit
 
     assert merge_and_audit(rd.root) == 1  # failed_share is over its limit, and says what to run
     assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()

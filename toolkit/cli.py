@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 
-__all__ = ["main"]
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+__all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN"]
 
 log = logging.getLogger("toolkit.cli")
 
@@ -113,9 +113,58 @@ def cmd_run(args) -> int:
         return EXIT_FAILED
     if args.no_merge:
         return EXIT_OK
-    from .merge import merge_and_audit
+    from .pipeline import merge_and_audit
 
     return merge_and_audit(rd.root)
+
+
+# ---------------------------------------------------------------------------------------------------
+# merge, audit, export
+# ---------------------------------------------------------------------------------------------------
+def _fail(e: BaseException) -> int:
+    print(f"toolkit: error: {e}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def cmd_merge(args) -> int:
+    from .merge import RECORDS_FILE, MergeError, merge_run
+    from .pipeline import merge_and_audit
+    from .plan import RunDir
+
+    if not args.no_audit:
+        return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
+    try:
+        m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
+    except MergeError as e:
+        return _fail(e)
+    print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
+          f"{RunDir(args.run).merged_dir / RECORDS_FILE}; {m.missing} missing, {m.duplicates} duplicates kept once, "
+          f"{len(m.corrupt)} damaged frames")
+    return EXIT_OK if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else EXIT_FAILED
+
+
+def cmd_audit(args) -> int:
+    from .merge import MergeError
+    from .pipeline import audit_and_report
+
+    try:
+        return audit_and_report(args.run)
+    except MergeError as e:
+        return _fail(e)
+
+
+def cmd_export(args) -> int:
+    from . import export
+    from .files import shown_path
+    from .merge import MergeError
+
+    output = args.output or export.default_output(args.run, args.format)
+    try:
+        n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
+    except (MergeError, export.ExportError) as e:
+        return _fail(e)
+    print(f"wrote {n} records to {shown_path(output)} ({args.format})")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,42 +198,137 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.set_defaults(func=cmd_check)
 
-    for add in _EXTRA_COMMANDS:
-        add(sub)
+    _add_slurm_commands(sub)
+    _add_status_commands(sub)
+    _add_merge_commands(sub)
+    _add_retry_command(sub)
     return p
 
 
-def _add_merge_commands(sub) -> None:
-    from .merge import add_cli
-
-    add_cli(sub)
+def _add_resource_flags(s) -> None:
+    g = s.add_argument_group("resources (override the job's [slurm] table)")
+    g.add_argument("-p", "--partition")
+    g.add_argument("-A", "--account")
+    g.add_argument("-q", "--qos")
+    g.add_argument("-t", "--time", help="time limit per array task, e.g. 24:00:00")
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("-c", "--cpus-per-task", type=int)
+    g.add_argument("--mem", help="memory per task, e.g. 200G")
+    g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
+    g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
+    g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
 
 
 def _add_slurm_commands(sub) -> None:
-    from .slurm import add_cli
+    from . import slurm
 
-    add_cli(sub)
+    s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
+                       description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
+                       "run directory, then submits one array task per shard and a merge + audit job after them.")
+    s.add_argument("job", help="job spec (TOML)")
+    _add_resource_flags(s)
+    s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
+    s.add_argument("--new-run", action="store_true", help="a new run directory if output_dir holds another run")
+    s.set_defaults(func=slurm._guard(slurm.cmd_submit, EXIT_BAD_INPUT))
+
+    s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
+    s.add_argument("run", help="run directory")
+    _add_resource_flags(s)
+    s.set_defaults(func=slurm._guard(slurm.cmd_resubmit, EXIT_FAILED))
+
+    s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
+    s.add_argument("run", help="run directory")
+    s.set_defaults(func=slurm._guard(slurm.cmd_cancel, EXIT_FAILED))
 
 
-def _optional(add):
-    """Commands from modules that may be absent in a partial install are skipped, not fatal."""
+def _add_status_commands(sub) -> None:
+    from .status import UNKNOWN_LIMIT_S, cmd_logs, cmd_status
 
-    def wrapper(sub):
-        try:
-            add(sub)
-        except ImportError as e:  # pragma: no cover - only in a broken install
-            logging.getLogger("toolkit.cli").debug("commands unavailable: %s", e)
+    s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA")
+    s.add_argument("run", help="run directory")
+    s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
+    s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object (shards, totals, merge job) instead of the table, for scripts")
+    s.add_argument("--unknown-limit-s", type=float, default=UNKNOWN_LIMIT_S, metavar="S",
+                   help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S seconds "
+                        f"(default {UNKNOWN_LIMIT_S:.0f})")
+    s.set_defaults(func=cmd_status)
 
-    return wrapper
+    s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
+    s.add_argument("run", help="run directory")
+    s.add_argument("shard", type=int, nargs="?", help="shard index")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing what is appended, like tail -f; ends when the shard is done, failed or stopped")
+    s.add_argument("--server", action="store_true", help="the engine's own log instead of the worker's")
+    s.add_argument("--failed", action="store_true",
+                   help="every failed shard (error and log tail), a failed merge job's log, and the failed records")
+    s.add_argument("-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)")
+    s.set_defaults(func=cmd_logs)
+
+
+def _add_merge_commands(sub) -> None:
+    """The `merge`, `audit` and `export` subcommands."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    s = sub.add_parser(
+        "merge", help="merge a run's shard files into one dataset (in planned order, exactly once) and audit it",
+        formatter_class=fmt,
+        description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt order, keeping each\n"
+        "record exactly once, with RUN/merged/manifest.json (counts, checksums, problems). Then audit it\n"
+        "(RUN/merged/audit.json, audit.html) unless --no-audit.\n\n"
+        "exit codes: 0 merged and audit passed, 1 audit failed or records missing/damaged, 2 cannot merge",
+    )
+    s.add_argument("run", help="run directory")
+    s.add_argument("--allow-incomplete", action="store_true",
+                   help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt")
+    s.add_argument("--no-audit", action="store_true", help="only merge")
+    s.set_defaults(func=cmd_merge)
+
+    s = sub.add_parser(
+        "audit", help="check a merged run: coverage, reasoning capture, truncation, consistency; write reports",
+        formatter_class=fmt,
+        description="Audit RUN/merged/records.zst: every planned id present once, reasoning split on the think-end id,\n"
+        "truncation, stop tokens, token counts, prompts re-rendered from the source. Thresholds come from the\n"
+        "job's [audit] table. Writes RUN/merged/audit.json, audit.html, missing_ids.txt and failed_ids.txt.\n\n"
+        "exit codes: 0 passed, 1 a check failed, 2 no merged dataset or unreadable run",
+    )
+    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
+    s.set_defaults(func=cmd_audit)
+
+    s = sub.add_parser(
+        "export", help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or conversations",
+        formatter_class=fmt,
+        description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
+        "  jsonl          one object per record: id, dataset, status, error, prompt_ids, output_ids,\n"
+        "                 reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
+        "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
+        "  parquet        the same columns and types (needs pyarrow)\n"
+        "  tokens         {\"input_ids\": prompt + output, \"loss_mask\": 0 per prompt id, 1 per output id},\n"
+        "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
+        "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
+        "                 `content` and `reasoning_content` kept apart",
+    )
+    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
+    s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
+    s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
+                   "tokens.jsonl or conversations.jsonl)")
+    s.add_argument("--include-failed", action="store_true", help="also export failed records")
+    s.set_defaults(func=cmd_export)
 
 
 def _add_retry_command(sub) -> None:
-    from .retry import add_cli
+    from . import retry
 
-    add_cli(sub)
-
-
-_EXTRA_COMMANDS = [_optional(_add_slurm_commands), _optional(_add_merge_commands), _optional(_add_retry_command)]
+    s = sub.add_parser(
+        "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=retry.__doc__.split("\n", 2)[2],
+    )
+    s.add_argument("run", help="run directory")
+    s.add_argument("--ids", metavar="FILE", help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
+                                                "permanent failures and ok records included")
+    s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
+    _add_resource_flags(s)
+    s.set_defaults(func=retry.cmd_retry)
 
 
 def package_version() -> str:

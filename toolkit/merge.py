@@ -9,19 +9,15 @@ frames, reading on past them to the next intact frame. The
 second pass writes the records in planned order, decoding frames through a small cache bounded in bytes and
 reading a frame again when it was evicted. Every problem (duplicate, damaged or torn frame, record that is not
 the shard's, missing record) is counted and named in `merged/manifest.json`, never skipped in silence.
-
-Also the `merge`, `audit` and `export` commands, and `merge_and_audit`, the final job of every run.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import fcntl
 import hashlib
 import logging
 import os
-import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -30,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from .files import atomic_write, fsync_dir, shown_path
+from .files import atomic_write, fsync_dir
 from .plan import PromptRef, RunDir, RunPlan, ShardPlan, load_run
 from .records import OK, Record
 from .shardfile import (
@@ -52,9 +48,7 @@ __all__ = [
     "MergeError",
     "MergeManifest",
     "PlannedRefs",
-    "add_cli",
     "load_manifest",
-    "merge_and_audit",
     "merge_run",
 ]
 
@@ -443,121 +437,3 @@ def load_manifest(rd: RunDir) -> MergeManifest:
         raise MergeError(f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` first") from None
     except msgspec.MsgspecError as e:
         raise MergeError(f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again") from None
-
-
-def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:
-    """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
-
-    Returns 0 when the run merged completely and the audit passed, 1 otherwise, 2 when it cannot merge (e.g.
-    unfinished shards without `allow_incomplete`; the message says what to do).
-    """
-    from . import audit, report
-
-    out = out or sys.stdout
-    rd, plan = load_run(run_dir)
-    try:
-        finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
-        auditor = audit.Auditor(rd, plan)
-        manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
-    except MergeError as e:
-        print(f"toolkit: error: {e}", file=sys.stderr)
-        return 2
-    result = auditor.finish(manifest)
-    report.write_reports(rd, result)
-    print(report.summary_table(result), file=out)
-    return 0 if result.passed else 1
-
-
-# ---------------------------------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------------------------------
-def _fail(e: BaseException) -> int:
-    print(f"toolkit: error: {e}", file=sys.stderr)
-    return 2
-
-
-def cmd_merge(args) -> int:
-    if not args.no_audit:
-        return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
-    try:
-        m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
-    except MergeError as e:
-        return _fail(e)
-    print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
-          f"{RunDir(args.run).merged_dir / RECORDS_FILE}; {m.missing} missing, {m.duplicates} duplicates kept once, "
-          f"{len(m.corrupt)} damaged frames")
-    return 0 if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else 1
-
-
-def cmd_audit(args) -> int:
-    from . import audit, report
-
-    try:
-        rd, _ = load_run(args.run)
-        result = audit.audit_run(rd.root)
-    except MergeError as e:
-        return _fail(e)
-    report.write_reports(rd, result)
-    print(report.summary_table(result))
-    return 0 if result.passed else 1
-
-
-def cmd_export(args) -> int:
-    from . import export
-
-    output = args.output or export.default_output(args.run, args.format)
-    try:
-        n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
-    except (MergeError, export.ExportError) as e:
-        return _fail(e)
-    print(f"wrote {n} records to {shown_path(output)} ({args.format})")
-    return 0
-
-
-def add_cli(sub) -> None:
-    """Register the `merge`, `audit` and `export` subcommands."""
-    fmt = argparse.RawDescriptionHelpFormatter
-    s = sub.add_parser(
-        "merge", help="merge a run's shard files into one dataset (in planned order, exactly once) and audit it",
-        formatter_class=fmt,
-        description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt order, keeping each\n"
-        "record exactly once, with RUN/merged/manifest.json (counts, checksums, problems). Then audit it\n"
-        "(RUN/merged/audit.json, audit.html) unless --no-audit.\n\n"
-        "exit codes: 0 merged and audit passed, 1 audit failed or records missing/damaged, 2 cannot merge",
-    )
-    s.add_argument("run", help="run directory")
-    s.add_argument("--allow-incomplete", action="store_true",
-                   help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt")
-    s.add_argument("--no-audit", action="store_true", help="only merge")
-    s.set_defaults(func=cmd_merge)
-
-    s = sub.add_parser(
-        "audit", help="check a merged run: coverage, reasoning capture, truncation, consistency; write reports",
-        formatter_class=fmt,
-        description="Audit RUN/merged/records.zst: every planned id present once, reasoning split on the think-end id,\n"
-        "truncation, stop tokens, token counts, prompts re-rendered from the source. Thresholds come from the\n"
-        "job's [audit] table. Writes RUN/merged/audit.json, audit.html, missing_ids.txt and failed_ids.txt.\n\n"
-        "exit codes: 0 passed, 1 a check failed, 2 no merged dataset or unreadable run",
-    )
-    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
-    s.set_defaults(func=cmd_audit)
-
-    s = sub.add_parser(
-        "export", help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or conversations",
-        formatter_class=fmt,
-        description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
-        "  jsonl          one object per record: id, dataset, status, error, prompt_ids, output_ids,\n"
-        "                 reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
-        "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
-        "  parquet        the same columns and types (needs pyarrow)\n"
-        "  tokens         {\"input_ids\": prompt + output, \"loss_mask\": 0 per prompt id, 1 per output id},\n"
-        "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
-        "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
-        "                 `content` and `reasoning_content` kept apart",
-    )
-    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
-    s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
-    s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
-                   "tokens.jsonl or conversations.jsonl)")
-    s.add_argument("--include-failed", action="store_true", help="also export failed records")
-    s.set_defaults(func=cmd_export)

@@ -11,16 +11,16 @@ merged and audited (like `toolkit run`); `--slurm` submits them instead (like `t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 from pathlib import Path
 
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from .plan import RunDir, RunPlan, load_refs, load_run
 from .shardfile import RetryRequest, needs_work, read_done, read_retry, write_retry
 
-__all__ = ["RetryError", "add_cli", "request_retry"]
+__all__ = ["RetryError", "cmd_retry", "request_retry"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,6 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
 
 
 def cmd_retry(args) -> int:
-    from .cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
-
     try:
         rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
     except RetryError as e:
@@ -101,24 +99,6 @@ def cmd_retry(args) -> int:
     if failed:
         print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`")
         return EXIT_FAILED
-    from .merge import merge_and_audit
+    from .pipeline import merge_and_audit
 
     return merge_and_audit(rd.root)
-
-
-def add_cli(sub) -> None:
-    s = sub.add_parser(
-        "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.split("\n", 2)[2],
-    )
-    s.add_argument("run", help="run directory")
-    s.add_argument("--ids", metavar="FILE", help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
-                                                "permanent failures and ok records included")
-    s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
-    try:
-        from .slurm import _add_resource_flags
-
-        _add_resource_flags(s)
-    except ImportError:  # pragma: no cover - only in a broken install
-        pass
-    s.set_defaults(func=cmd_retry)

@@ -25,7 +25,7 @@ from .files import atomic_write
 from .plan import RunDir, RunPlan, load_run
 from .shardfile import needs_work, read_done
 
-__all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask", "add_cli"]
+__all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class MergeTask:
         self.run_dir = run_dir
 
     def __call__(self) -> int:
-        from .merge import merge_and_audit
+        from .pipeline import merge_and_audit
 
         _log_to_stderr()
         code = merge_and_audit(self.run_dir)
@@ -635,46 +635,6 @@ def cmd_cancel(args) -> int:
     ids = cancel(args.run)
     print(f"cancelled {', '.join(ids)}" if ids else "nothing was submitted for this run")
     return 0
-
-
-def _add_resource_flags(s) -> None:
-    g = s.add_argument_group("resources (override the job's [slurm] table)")
-    g.add_argument("-p", "--partition")
-    g.add_argument("-A", "--account")
-    g.add_argument("-q", "--qos")
-    g.add_argument("-t", "--time", help="time limit per array task, e.g. 24:00:00")
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("-c", "--cpus-per-task", type=int)
-    g.add_argument("--mem", help="memory per task, e.g. 200G")
-    g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
-    g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
-    g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
-
-
-def add_cli(sub) -> None:
-    from .cli import EXIT_BAD_INPUT, EXIT_FAILED
-
-    s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
-                       description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
-                       "run directory, then submits one array task per shard and a merge + audit job after them.")
-    s.add_argument("job", help="job spec (TOML)")
-    _add_resource_flags(s)
-    s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
-    s.add_argument("--new-run", action="store_true", help="a new run directory if output_dir holds another run")
-    s.set_defaults(func=_guard(cmd_submit, EXIT_BAD_INPUT))
-
-    s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
-    s.add_argument("run", help="run directory")
-    _add_resource_flags(s)
-    s.set_defaults(func=_guard(cmd_resubmit, EXIT_FAILED))
-
-    s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
-    s.add_argument("run", help="run directory")
-    s.set_defaults(func=_guard(cmd_cancel, EXIT_FAILED))
-
-    from .status import add_cli as add_status
-
-    add_status(sub)
 
 
 def _guard(fn, code: int):

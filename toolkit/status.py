@@ -19,13 +19,14 @@ from pathlib import Path
 
 import msgspec
 
+from .errors import EXIT_UNKNOWN  # some state cannot be known (Slurm did not answer)
 from .files import shown_path
 from .plan import RunDir, load_run
 from .progress import Progress, read_progress, worker_gone
 from .shardfile import read_done
 from .slurmcmd import FAILED, SlurmAnswer, call
 
-__all__ = ["ShardStatus", "RunStatus", "run_status", "status_report", "add_cli"]
+__all__ = ["ShardStatus", "RunStatus", "run_status", "status_report"]
 
 FINISHED = ("done", "failed", "stopped")  # progress states after which a shard's log grows no more
 
@@ -326,7 +327,6 @@ def unknown_note(rows: list[ShardStatus], merge: dict) -> str | None:
             f"again (exit {EXIT_UNKNOWN})")
 
 
-EXIT_UNKNOWN = 4  # cli.EXIT_UNKNOWN: some state cannot be known (Slurm did not answer)
 UNKNOWN_LIMIT_S = 600.0  # --watch gives up after the state has been unknown this long
 
 
@@ -535,27 +535,3 @@ def cmd_logs(args) -> int:
     for line in _tail_lines(path, args.lines):
         print(line)
     return 0
-
-
-def add_cli(sub) -> None:
-    s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA")
-    s.add_argument("run", help="run directory")
-    s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
-    s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
-    s.add_argument("--json", action="store_true",
-                   help="one JSON object (shards, totals, merge job) instead of the table, for scripts")
-    s.add_argument("--unknown-limit-s", type=float, default=UNKNOWN_LIMIT_S, metavar="S",
-                   help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S seconds "
-                        f"(default {UNKNOWN_LIMIT_S:.0f})")
-    s.set_defaults(func=cmd_status)
-
-    s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
-    s.add_argument("run", help="run directory")
-    s.add_argument("shard", type=int, nargs="?", help="shard index")
-    s.add_argument("-f", "--follow", action="store_true",
-                   help="keep printing what is appended, like tail -f; ends when the shard is done, failed or stopped")
-    s.add_argument("--server", action="store_true", help="the engine's own log instead of the worker's")
-    s.add_argument("--failed", action="store_true",
-                   help="every failed shard (error and log tail), a failed merge job's log, and the failed records")
-    s.add_argument("-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)")
-    s.set_defaults(func=cmd_logs)
