@@ -90,23 +90,16 @@ def cmd_worker(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .worker import STOPPED, ShardFailed, run_shard
-
     rd, plan = prepare_run(args.job, new_run=args.new_run)
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
-    failed = []
     from .livebar import LiveBar
+    from .pipeline import run_shards
 
     with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
-        for k in shards:
-            log.info("shard %d of %d", k, len(plan.shards))
-            try:
-                if run_shard(rd.root, k) == STOPPED:
-                    return EXIT_STOPPED
-            except ShardFailed as e:
-                log.error("shard %d failed: %s", k, e)
-                failed.append(k)
+        stopped, failed = run_shards(rd.root, shards, log)
+    if stopped:
+        return EXIT_STOPPED
     if failed:
         print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then `toolkit run {args.job}` again "
               "to resume them")

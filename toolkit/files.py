@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -42,3 +43,12 @@ def shown_path(path: str | Path) -> str:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError):
         return str(p)
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

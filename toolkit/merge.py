@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import fcntl
-import hashlib
 import logging
 import os
 from array import array
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from .files import atomic_write, fsync_dir
+from .files import atomic_write, fsync_dir, sha256_file
 from .plan import PromptRef, RunDir, RunPlan, ShardPlan, load_run
 from .records import OK, Record
 from .shardfile import (
@@ -163,12 +162,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _ranges(nums: list[int]) -> str:
@@ -355,7 +348,7 @@ def merge_run(
                 t.missing += sm.missing
                 shards.append(sm)
         writer.close()
-        sha = _sha256(tmp)
+        sha = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, out_dir / RECORDS_FILE)
         os.replace(missing_tmp, out_dir / MISSING_FILE)
@@ -385,7 +378,7 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
         return False
     sm.bytes = path.stat().st_size
     if sm.done:
-        sm.sha256 = _sha256(path)
+        sm.sha256 = sha256_file(path)
         sm.matches_done = sm.sha256 == done[k].sha256
     try:
         head = read_header(path)

@@ -13,7 +13,23 @@ from . import audit, report
 from .merge import MergeError, finished_shards, merge_run
 from .plan import load_run
 
-__all__ = ["audit_and_report", "merge_and_audit"]
+__all__ = ["audit_and_report", "merge_and_audit", "run_shards"]
+
+
+def run_shards(run_dir: str | os.PathLike, shards, log) -> tuple[bool, list[int]]:
+    """Run `shards` of a run here, one after the other: (stopped by a signal, shards that failed)."""
+    from .worker import STOPPED, ShardFailed, run_shard
+
+    failed = []
+    for k in shards:
+        log.info("shard %d", k)
+        try:
+            if run_shard(run_dir, k) == STOPPED:
+                return True, failed
+        except ShardFailed as e:
+            log.error("shard %d failed: %s", k, e)
+            failed.append(k)
+    return False, failed
 
 
 def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:

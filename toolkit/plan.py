@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from .files import atomic_write, shown_path
+from .files import atomic_write, sha256_file, shown_path
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .spec import JobSpec
 from .turns import turn_id, user_turns
@@ -140,12 +140,7 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
 
 
-def _sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+_sha256_file = sha256_file
 
 
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")

@@ -86,16 +86,11 @@ def cmd_retry(args) -> int:
         except SlurmError as e:
             print(f"toolkit: error: {e}", file=sys.stderr)
             return EXIT_FAILED
-    from .worker import STOPPED, ShardFailed, run_shard
+    from .pipeline import run_shards
 
-    failed = []
-    for k in shards:
-        try:
-            if run_shard(rd.root, k) == STOPPED:
-                return EXIT_STOPPED
-        except ShardFailed as e:
-            log.error("shard %d failed: %s", k, e)
-            failed.append(k)
+    stopped, failed = run_shards(rd.root, shards, log)
+    if stopped:
+        return EXIT_STOPPED
     if failed:
         print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`")
         return EXIT_FAILED

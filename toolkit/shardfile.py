@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import socket
@@ -36,7 +35,7 @@ from typing import BinaryIO
 import msgspec
 import zstandard
 
-from .files import atomic_write, fsync_dir
+from .files import atomic_write, fsync_dir, sha256_file
 from .records import OK, PARTIAL, Record, is_transient
 
 __all__ = [
@@ -590,7 +589,7 @@ def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, po
     ok, failed, transient, ptok, otok = counts.totals()
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
-        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=_sha256(shard_path), host=socket.gethostname(),
+        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
         finished=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         transient=transient, superseded=total - ok - failed,
     )
@@ -640,12 +639,6 @@ class _PositionCounts:
         return ok, present - ok, self.state.count(_TRANSIENT), sum(self.ptok), sum(self.otok)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
@@ -656,7 +649,7 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
         return f"{shard_path} is gone"
     if size != m.bytes:
         return f"{shard_path} has {size} bytes, its done manifest says {m.bytes}"
-    sha = _sha256(shard_path)
+    sha = sha256_file(shard_path)
     if sha != m.sha256:
         return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
     return None
