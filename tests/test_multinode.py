@@ -70,7 +70,7 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
 
     tok = toy_tokenizer("kimi")
     record = tmp_path / "rank{rank}.json"
-    n = 40
+    n = 120  # long enough that the shard is still generating when a rank is killed, on a loaded machine too
     env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(ROOT)]), "FAKE_SGLANG_RECORD": str(record),
            "FAKE_SGLANG_STUB_ARGS": "--token-delay 0.01 --fixed-output-tokens 40", "ENGINE_MARKER": "yes"}
     job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env,
@@ -132,8 +132,8 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
     progress = msgspec.json.decode((run / "progress" / "00000.json").read_bytes())
     assert progress["state"] == "done" and progress["engine_restarts"] == 1, (progress, text)
     assert "engine died mid-shard" in text
-    recs = _records(run)
-    assert len(recs) == n and len({x.id for x in recs}) == n
+    recs = {x.id: x for x in _records(run)}  # the newest record of each id (a stop may leave partial ones)
+    assert len(recs) == n and all(x.status == "ok" for x in recs.values())
     # stop left nothing on the node: every rank, its children, srun
     _wait(lambda: not any(process_running(p) for p in seen_pids), 20, "every engine process to be gone")
     server_log = (run / "logs" / "00000.server.log").read_text()
