@@ -140,9 +140,6 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
 
 
-_sha256_file = sha256_file
-
-
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")
 
 
@@ -155,7 +152,7 @@ def _hash_folder_meta(folder: str) -> str:
         return h.hexdigest()
     for f in sorted(p.iterdir()):
         if f.is_file() and f.name.endswith(_TOKENIZER_SUFFIXES) and f.stat().st_size < (64 << 20):
-            h.update(f.name.encode() + b"\0" + _sha256_file(f).encode())
+            h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
     return h.hexdigest()
 
 
@@ -180,7 +177,7 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
             prompts.append(p)
             n_turns.append(turns)
         count = len(prompts) - before
-        datasets.append(DatasetPlan(d.name, d.path, _sha256_file(d.path), sum(n_turns[before:]),
+        datasets.append(DatasetPlan(d.name, d.path, sha256_file(d.path), sum(n_turns[before:]),
                                     spec.samples_for(d.name), d.regenerate, count if d.regenerate else 0))
     check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
     if errors:
@@ -217,7 +214,7 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
         "model": _digest([m.path, _hash_folder_meta(m.path)]),
         "tokenizer": _digest([m.tokenizer_path, _hash_folder_meta(m.tokenizer_path or m.path)]),
         "template": _digest(
-            [_sha256_file(m.chat_template) if m.chat_template else None, m.chat_template_kwargs, m.think_start, m.think_end, m.tool_call_start]
+            [sha256_file(m.chat_template) if m.chat_template else None, m.chat_template_kwargs, m.think_start, m.think_end, m.tool_call_start]
         ),
         "sampling": _digest([spec.sampling, {d.name: d.sampling for d in spec.datasets}]),
         "inputs": _digest([[d.name, d.sha256] for d in datasets]),
@@ -360,7 +357,7 @@ def check_plan_inputs(plan: RunPlan) -> None:
     """Refuse to generate from an input file that changed since planning (its records would not match)."""
     for d in plan.datasets:
         try:
-            now = _sha256_file(d.path)
+            now = sha256_file(d.path)
         except FileNotFoundError:
             raise InputError(d.path, None, None, f"prompt file of dataset {d.name!r} is gone since the run was planned") from None
         if now != d.sha256:
