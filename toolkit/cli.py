@@ -292,11 +292,12 @@ def _add_merge_commands(sub) -> None:
         "export", help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or conversations",
         formatter_class=fmt,
         description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
-        "  jsonl          one object per record: id, dataset, status, error, prompt_ids, output_ids,\n"
+        "  jsonl          one object per record: id, dataset, sample, turn, status, error, prompt_ids, output_ids,\n"
         "                 reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
         "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
         "  parquet        the same columns and types (needs pyarrow)\n"
-        "  tokens         {\"input_ids\": prompt + output, \"loss_mask\": 0 per prompt id, 1 per output id},\n"
+        "  tokens         {\"id\", \"dataset\", \"sample\", \"turn\", \"input_ids\": prompt + output,\n"
+        "                 \"loss_mask\": 0 per prompt id, 1 per output id},\n"
         "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
         "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
         "                 `content` and `reasoning_content` kept apart",
