@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.plan import RunDir  # noqa: E402
+from toolkit.rundir import RunDir  # noqa: E402
 from toolkit.slurm import read_jobs  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"

@@ -20,7 +20,8 @@ import numpy as np
 
 from toolkit import chat
 from toolkit.inputs import PromptReader
-from toolkit.plan import PromptRef, RunDir, RunPlan, create_run, load_refs, plan_job
+from toolkit.rundir import RunDir
+from toolkit.plan import PromptRef, RunPlan, create_run, load_refs, plan_job
 from toolkit.records import OK, Record, failed_record, pack_ids
 from toolkit.shardfile import ShardWriter, write_done
 from toolkit.spec import load_spec

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from jobfiles import make_job, write_prompts
-from toolkit.plan import RunDir
+from toolkit.rundir import RunDir
 from toolkit.shardfile import read_shard
 from toolkit.slurm import read_jobs
 from toolkit.status import run_status

@@ -40,7 +40,7 @@ def read_run(run_dir: str | Path) -> Iterator[Record]:
     from .plan import load_run
 
     rd, plan = load_run(run_dir)
-    merged = rd.merged_dir / "records.zst"
+    merged = rd.merged_file
     if merged.exists():
         yield from read_shard(merged)
         return

@@ -38,7 +38,6 @@ template). Whitespace-only ids are ignored at the end of prompts and when decidi
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import logging
 import os
@@ -51,11 +50,13 @@ import msgspec
 import numpy as np
 
 from . import chat
+from .fmt import utc_now
 from .inputs import InputError, PromptReader
 from .merge import (
-    MANIFEST_FILE, MERGED, RECORDS_FILE, MergeError, MergeManifest, PlannedRefs, load_manifest,
+    MERGED, MergeError, MergeManifest, PlannedRefs, load_manifest,
 )
-from .plan import RunDir, RunPlan, check_plan_inputs, load_run
+from .plan import RunPlan, check_plan_inputs, load_run
+from .rundir import RunDir
 from .progress import read_progress
 from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
 from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 AUDIT_FORMAT = 1
 HIST_BINS = 30
 EXAMPLES = 5                     # ids quoted per kind of problem
-FAILED_FILE, MISSING_FILE = "failed_ids.txt", "missing_ids.txt"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -465,7 +465,7 @@ class Auditor:
         seen = np.frombuffer(bytes(self.seen), np.uint8)
         missing_pos = np.flatnonzero(seen == 0)
         rd.merged_dir.mkdir(parents=True, exist_ok=True)
-        files = {"missing_ids": str(rd.merged_dir / MISSING_FILE), "failed_ids": str(rd.merged_dir / FAILED_FILE)}
+        files = {"missing_ids": str(rd.missing_file), "failed_ids": str(rd.failed_file)}
         missing_ids = []
         with open(_tmp(files["missing_ids"]), "w") as f:
             for pos in missing_pos.tolist():
@@ -487,7 +487,7 @@ class Auditor:
         info, model = self.info, plan.spec.model
         report = AuditReport(
             format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            created=utc_now(),
             passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
             present=int(seen.sum()), ok=overall.ok, failed=overall.failed, missing=len(missing_pos),
             duplicates=manifest.duplicates, damaged_frames=len(manifest.corrupt),
@@ -585,7 +585,7 @@ class Auditor:
             incomplete = [s.index for s in shards if s.missing]
             add("coverage", False, present / plan.total if plan.total else 1.0, 1.0,
                 f"{present} of {plan.total} planned prompts present (ok + failed); {lost} missing "
-                f"(e.g. {', '.join(missing_ids)}; all in {self.rd.merged_dir / MISSING_FILE}) in shards "
+                f"(e.g. {', '.join(missing_ids)}; all in {self.rd.missing_file}) in shards "
                 f"{_short(incomplete)}; {integ.seen_twice} present twice, {integ.id_mismatch} not at their planned "
                 f"position. Finish the shards with `toolkit resubmit {run}`, then `toolkit merge {run}` again.")
         else:
@@ -608,9 +608,9 @@ class Auditor:
         top = ", ".join(f"{k} ({v})" for k, v in list(overall.errors.items())[:3])
         add("failed_share", failed_share <= a.max_failed_share, failed_share, a.max_failed_share,
             f"{overall.failed} of {plan.total} prompts failed ({failed_share:.1%}, limit {a.max_failed_share:.1%})"
-            + (f": {top}. Ids in {self.rd.merged_dir / FAILED_FILE}; `toolkit retry {run}` generates the failures "
+            + (f": {top}. Ids in {self.rd.failed_file}; `toolkit retry {run}` generates the failures "
                f"that may pass (timeouts, 5xx, aborts, NaN) again, `toolkit retry {run} --ids "
-               f"{self.rd.merged_dir / FAILED_FILE}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
+               f"{self.rd.failed_file}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
 
         # Reasoning capture.
         te = f"think-end id {info.think_end_id} ({model.think_end!r})"
@@ -828,9 +828,9 @@ def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     """Audit `RUN/merged/records.zst` against the plan (the merged dataset must exist)."""
     rd, plan = load_run(run_dir)
     manifest = load_manifest(rd)
-    path = rd.merged_dir / RECORDS_FILE
+    path = rd.merged_file
     if not path.exists():
-        raise MergeError(f"{path} is missing although {rd.merged_dir / MANIFEST_FILE} exists: run `toolkit merge {rd.root}` again")
+        raise MergeError(f"{path} is missing although {rd.manifest_file} exists: run `toolkit merge {rd.root}` again")
     auditor = Auditor(rd, plan)
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -120,9 +120,9 @@ def _fail(e: BaseException) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .merge import RECORDS_FILE, MergeError, merge_run
+    from .merge import MergeError, merge_run
     from .pipeline import merge_and_audit
-    from .plan import RunDir
+    from .rundir import RunDir
 
     if not args.no_audit:
         return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
@@ -131,7 +131,7 @@ def cmd_merge(args) -> int:
     except MergeError as e:
         return _fail(e)
     print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
-          f"{RunDir(args.run).merged_dir / RECORDS_FILE}; {m.missing} missing, {m.duplicates} duplicates kept once, "
+          f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
           f"{len(m.corrupt)} damaged frames")
     return EXIT_OK if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else EXIT_FAILED
 

@@ -30,8 +30,9 @@ import numpy as np
 
 from . import chat
 from .inputs import InputError, PromptReader
-from .merge import MERGED, RECORDS_FILE, PlannedRefs, load_manifest
-from .plan import RunDir, RunPlan, check_plan_inputs, load_run
+from .merge import MERGED, PlannedRefs, load_manifest
+from .plan import RunPlan, check_plan_inputs, load_run
+from .rundir import RunDir
 from .records import OK, Record, last_meaningful as _last_meaningful, split_parts
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
@@ -300,7 +301,7 @@ _TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversation
 
 def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
     """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl, ..."""
-    return Path(run_dir) / "export" / DEFAULT_NAMES.get(fmt, f"{fmt}.out")
+    return RunDir(run_dir).export_dir / DEFAULT_NAMES.get(fmt, f"{fmt}.out")
 
 
 def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
@@ -314,7 +315,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     rd, plan = load_run(run_dir)
     load_manifest(rd)  # a merged dataset must exist
-    path = rd.merged_dir / RECORDS_FILE
+    path = rd.merged_file
     if not path.exists():
         raise ExportError(f"{path} is missing: run `toolkit merge {rd.root}` again")
     head = read_header(path)

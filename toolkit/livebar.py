@@ -16,7 +16,8 @@ from typing import TextIO
 
 import msgspec
 
-from .plan import RunDir, RunPlan
+from .plan import RunPlan
+from .rundir import RunDir
 from .progress import read_progress
 from .shardfile import read_done
 

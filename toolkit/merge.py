@@ -13,7 +13,6 @@ the shard's, missing record) is counted and named in `merged/manifest.json`, nev
 
 from __future__ import annotations
 
-import datetime as _dt
 import fcntl
 import logging
 import os
@@ -26,7 +25,9 @@ from pathlib import Path
 import msgspec
 
 from .files import atomic_write, fsync_dir, sha256_file
-from .plan import PromptRef, RunDir, RunPlan, ShardPlan, load_run
+from .fmt import ranges, utc_now
+from .plan import PromptRef, RunPlan, ShardPlan, load_run
+from .rundir import RunDir
 from .records import OK, Record
 from .shardfile import (
     CorruptShard,
@@ -58,7 +59,6 @@ MANIFEST_FORMAT = 1
 CACHE_BYTES = 64 << 20         # decoded frames kept by the second pass
 MERGED_FLUSH_RECORDS = 128     # records per frame of the merged file
 SAMPLE_IDS = 100               # ids listed in the manifest per kind of problem (all are counted)
-RECORDS_FILE, MANIFEST_FILE, MISSING_FILE = "records.zst", "manifest.json", "missing_ids.txt"
 
 
 class MergeError(Exception):
@@ -156,24 +156,6 @@ class PlannedRefs:
             return None
         k = self.shard_of(pos)
         return self.shard(k)[pos - self.shards[k].first]
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-
-
-def _ranges(nums: list[int]) -> str:
-    """'0-3, 7, 9-10' for [0, 1, 2, 3, 7, 9, 10]."""
-    out, i = [], 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -286,7 +268,7 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
     if not_done and not allow_incomplete:
         raise MergeError(
             f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
-            f"{_ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
+            f"{ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
     return done
@@ -306,7 +288,7 @@ def merge_run(
     refs = PlannedRefs(rd, plan)
     out_dir = rd.merged_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{RECORDS_FILE}.tmp"
+    tmp = out_dir / f".{rd.merged_file.name}.tmp"
     _clear_stale(tmp)
     writer = ShardWriter(tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9)
     try:
@@ -333,7 +315,7 @@ def merge_run(
         if on_record is not None:
             on_record(rec)
 
-    missing_tmp = out_dir / f".{MISSING_FILE}.tmp"
+    missing_tmp = out_dir / f".{rd.missing_file.name}.tmp"
     try:
         with open(missing_tmp, "w") as missing_out:
             for s in plan.shards:
@@ -350,8 +332,8 @@ def merge_run(
         writer.close()
         sha = sha256_file(tmp)
         size = tmp.stat().st_size
-        os.replace(tmp, out_dir / RECORDS_FILE)
-        os.replace(missing_tmp, out_dir / MISSING_FILE)
+        os.replace(tmp, rd.merged_file)
+        os.replace(missing_tmp, rd.missing_file)
         fsync_dir(out_dir)
     except BaseException:
         writer.close()
@@ -359,15 +341,15 @@ def merge_run(
             p.unlink(missing_ok=True)
         raise
     manifest = MergeManifest(
-        format=MANIFEST_FORMAT, run=plan.name, fingerprint=plan.fingerprint, created=_now(),
+        format=MANIFEST_FORMAT, run=plan.name, fingerprint=plan.fingerprint, created=utc_now(),
         allow_incomplete=allow_incomplete,
         complete=not (t.missing or corrupt or t.foreign) and t.records == plan.total,
         planned=plan.total, records=t.records, ok=t.ok, failed=t.failed, missing=t.missing,
         duplicates=t.duplicates, foreign=t.foreign, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
-        datasets=t.datasets, shards=shards, corrupt=corrupt, torn=torn, file=RECORDS_FILE, bytes=size, sha256=sha,
+        datasets=t.datasets, shards=shards, corrupt=corrupt, torn=torn, file=rd.merged_file.name, bytes=size, sha256=sha,
         missing_ids=t.missing_ids, duplicate_ids=t.duplicate_ids, foreign_ids=t.foreign_ids,
     )
-    atomic_write(out_dir / MANIFEST_FILE, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
+    atomic_write(rd.manifest_file, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
     _log_problems(rd, manifest)
     return manifest
 
@@ -418,12 +400,12 @@ def _log_problems(rd: RunDir, m: MergeManifest) -> None:
         log.error("%d records do not belong to their shard's plan (e.g. %s); left out", m.foreign,
                   ", ".join(m.foreign_ids[:3]))
     if m.missing:
-        log.warning("%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.merged_dir / MISSING_FILE)
-    log.info("merged %d records (%d ok, %d failed) into %s", m.records, m.ok, m.failed, rd.merged_dir / RECORDS_FILE)
+        log.warning("%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.missing_file)
+    log.info("merged %d records (%d ok, %d failed) into %s", m.records, m.ok, m.failed, rd.merged_file)
 
 
 def load_manifest(rd: RunDir) -> MergeManifest:
-    path = rd.merged_dir / MANIFEST_FILE
+    path = rd.manifest_file
     try:
         return msgspec.json.decode(path.read_bytes(), type=MergeManifest)
     except FileNotFoundError:

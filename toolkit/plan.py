@@ -6,15 +6,7 @@ shard map). `create_run` pins that plan into a run directory; a run directory ne
 a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
 the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
 
-Run directory layout (`RunDir` names every path):
-
-    RUN/run.json              resolved spec, fingerprint, shard plan
-    RUN/prompts.msgpack       where each planned prompt lives (dataset, line, byte offset), in planned order
-    RUN/shards/NNNNN.zst      append-only record frames;  shards/NNNNN.done  completion manifest
-    RUN/shards/NNNNN.retry    ids `toolkit retry` asked to generate again (removed when the shard completes)
-    RUN/progress/NNNNN.json   live progress of a shard
-    RUN/logs/NNNNN.log        worker log;  logs/NNNNN.server.log  the engine's own output
-    RUN/slurm/                submitit's folder;  RUN/merged/  merged dataset, audit report
+The run directory's layout is in `rundir`.
 
 Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from the
 input order, so every shard gets a similar mix of datasets and prompt lengths.
@@ -22,24 +14,24 @@ input order, so every shard gets a similar mix of datasets and prompt lengths.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .files import atomic_write, sha256_file, shown_path
+from .files import atomic_write, sha256_file
+from .fmt import file_stamp, utc_now
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
+from .rundir import RunDir
 from .spec import JobSpec
 from .turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanError", "RunDir", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run"]
+__all__ = ["PlanError", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run"]
 
 PLAN_FORMAT = 1
 
@@ -94,50 +86,6 @@ class RunPlan(msgspec.Struct):
     spec: JobSpec
     datasets: list[DatasetPlan]
     shards: list[ShardPlan]
-
-
-@dataclass(frozen=True)
-class RunDir:
-    root: Path
-
-    def __init__(self, root: str | os.PathLike):
-        object.__setattr__(self, "root", Path(root))
-
-    plan_file = property(lambda self: self.root / "run.json")
-    prompts_file = property(lambda self: self.root / "prompts.msgpack")
-    shards_dir = property(lambda self: self.root / "shards")
-    progress_dir = property(lambda self: self.root / "progress")
-    logs_dir = property(lambda self: self.root / "logs")
-    slurm_dir = property(lambda self: self.root / "slurm")
-    merged_dir = property(lambda self: self.root / "merged")
-    jobs_file = property(lambda self: self.root / "slurm" / "jobs.json")
-
-    @property
-    def shown(self) -> str:
-        """The run directory as a user would type it: relative to the current directory when inside it."""
-        return shown_path(self.root)
-
-    def shard_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.zst"
-
-    def done_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.done"
-
-    def retry_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.retry"
-
-    def progress_file(self, i: int) -> Path:
-        return self.progress_dir / f"{i:05d}.json"
-
-    def log_file(self, i: int) -> Path:
-        return self.logs_dir / f"{i:05d}.log"
-
-    def server_log_file(self, i: int) -> Path:
-        return self.logs_dir / f"{i:05d}.server.log"
-
-    def make_dirs(self) -> None:
-        for d in (self.root, self.shards_dir, self.progress_dir, self.logs_dir, self.slurm_dir):
-            d.mkdir(parents=True, exist_ok=True)
 
 
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")
@@ -226,7 +174,7 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
         name=spec.name,
         fingerprint=fingerprint,
         parts=parts,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        created=utc_now(),
         total=n,
         spec=spec,
         datasets=datasets,
@@ -291,9 +239,8 @@ class RefSlice:
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory; reuse the directory if it holds the same fingerprint."""
     root = Path(plan.spec.output_dir)
-    if new_run and (root / "run.json").exists():
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        root = root.with_name(f"{root.name}.{stamp}")
+    if new_run and RunDir.is_run(root):
+        root = root.with_name(f"{root.name}.{file_stamp()}")
         plan.spec.output_dir = str(root)
     rd = RunDir(root)
     if rd.plan_file.exists():

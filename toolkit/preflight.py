@@ -26,6 +26,7 @@ from typing import Any
 from . import chat
 from .inputs import scan_dataset
 from .plan import PlanError, PromptRef, RunPlan, load_run, plan_job
+from .rundir import RunDir
 from .turns import turn_prompt
 from .spec import JobSpec, SpecError, load_spec
 
@@ -122,7 +123,7 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
 # ---------------------------------------------------------------------------------------------------
 def _check_run_dir(pf: Preflight) -> None:
     root = Path(pf.spec.output_dir)
-    if not (root / "run.json").exists():
+    if not RunDir.is_run(root):
         return
     try:
         _, old = load_run(root)

@@ -16,23 +16,21 @@ import msgspec
 
 from .audit import AuditReport, DatasetStats, modes_text
 from .files import atomic_write, shown_path
-from .plan import RunDir
+from .rundir import RunDir
 
 __all__ = ["summary_table", "write_html", "write_reports"]
 
-JSON_FILE, HTML_FILE = "audit.json", "audit.html"
 SHARD_ROWS = 16  # shards listed in the terminal table (all of them in the HTML page)
 WIDTH = 120      # of the wrapped check messages
 
 
 def write_reports(rd: RunDir, report: AuditReport) -> tuple[Path, Path]:
     """Write `merged/audit.json` and `merged/audit.html`; return their paths."""
-    out = rd.merged_dir
-    out.mkdir(parents=True, exist_ok=True)
-    report.files.update(json=str(out / JSON_FILE), html=str(out / HTML_FILE))
-    atomic_write(out / JSON_FILE, msgspec.json.format(msgspec.json.encode(report), indent=2))
-    write_html(report, out / HTML_FILE)
-    return out / JSON_FILE, out / HTML_FILE
+    rd.merged_dir.mkdir(parents=True, exist_ok=True)
+    report.files.update(json=str(rd.audit_json), html=str(rd.audit_html))
+    atomic_write(rd.audit_json, msgspec.json.format(msgspec.json.encode(report), indent=2))
+    write_html(report, rd.audit_html)
+    return rd.audit_json, rd.audit_html
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
-from .plan import RunDir, RunPlan, load_refs, load_run
+from .plan import RunPlan, load_refs, load_run
+from .rundir import RunDir
 from .shardfile import RetryRequest, needs_work, read_done, read_retry, write_retry
 
 __all__ = ["RetryError", "cmd_retry", "request_retry"]

@@ -18,7 +18,6 @@ file past damaged frames, finding the next intact one by its marker, so a damage
 
 from __future__ import annotations
 
-import datetime as _dt
 import errno
 import fcntl
 import logging
@@ -36,6 +35,7 @@ import msgspec
 import zstandard
 
 from .files import atomic_write, fsync_dir, sha256_file
+from .fmt import file_stamp, local_time, utc_now
 from .records import OK, PARTIAL, Record, is_transient
 
 __all__ = [
@@ -294,7 +294,7 @@ class _LockFile:
                 continue
             now = time.time()
             self.mine = msgspec.json.encode({"host": socket.gethostname(), "pid": os.getpid(), "started": now,
-                                             "since": _dt.datetime.fromtimestamp(now).isoformat(timespec="seconds")})
+                                             "since": local_time(now)})
             try:
                 os.write(fd, self.mine)
                 os.fsync(fd)
@@ -487,8 +487,7 @@ class ShardWriter:
     def _salvage(self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]) -> dict[str, int]:
         """Rewrite the file with its intact frames only (the original kept aside); offsets in `done` follow."""
         bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.damaged = self.path.with_name(f"{self.path.name}.damaged-{stamp}")
+        self.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
         log.error("%s: damaged frames at %s; keeping its %d intact frames, generating the records of the damaged "
                   "ones again; the damaged file is kept as %s", self.path, bad, len(good), self.damaged.name)
         tmp = self.path.with_name(f".{self.path.name}.salvage")
@@ -590,7 +589,7 @@ def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, po
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
         output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
-        finished=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        finished=utc_now(),
         transient=transient, superseded=total - ok - failed,
     )
     atomic_write(path, msgspec.json.encode(m))

@@ -12,7 +12,6 @@ checkpointing, which requeues the task; the requeued task resumes from its shard
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
 import re
@@ -22,7 +21,9 @@ from typing import Any
 import msgspec
 
 from .files import atomic_write
-from .plan import RunDir, RunPlan, load_run
+from .fmt import ranges, utc_now
+from .plan import RunPlan, load_run
+from .rundir import RunDir
 from .shardfile import needs_work, read_done
 
 __all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask"]
@@ -238,7 +239,7 @@ def _executor(rd: RunDir, params: dict[str, Any], *, script_only: bool = False):
                 return 1
 
         cls = _ScriptOnly
-    ex = cls(folder=str(rd.slurm_dir / "%j"), max_num_timeout=20)
+    ex = cls(folder=str(rd.job_folder()), max_num_timeout=20)
     ex.update_parameters(**params)
     return ex
 
@@ -361,7 +362,7 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
     mex = _executor(rd, merge_params(plan, o, dep))
     merge_job = mex.submit(MergeTask(str(rd.root)))
     sub = Submission(
-        submitted=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        submitted=utc_now(),
         arrays=arrays, merge_job_id=str(merge_job.job_id), sbatch={k: v for k, v in params.items() if k != "setup"},
     )
     _append_submission(rd, sub)
@@ -464,10 +465,10 @@ def format_dry_run(d: DryRun) -> str:
         lines.append(f"Slurm not reachable: not validated against a cluster ({c.why}); MaxArraySize assumed "
                      f"{c.max_array_size}")
     lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
-                 + "; ".join(f"shards {_ranges(a)}" for a in d.arrays))
+                 + "; ".join(f"shards {ranges(a, sep=',')}" for a in d.arrays))
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script) in enumerate(zip(d.arrays, d.array_scripts)):
-        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {_ranges(shards)} (task i runs shard "
+        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} (task i runs shard "
                      f"{shards[0]} + i) <==")
         lines.append(script.rstrip("\n"))
     lines.append(f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job id, "
@@ -581,7 +582,7 @@ def describe_array(a: ArrayJob) -> str:
     if a.shards == list(range(first, first + n)):
         which = "task i runs shard i" if first == 0 else f"task i runs shard {first} + i"
         return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
-               f"shards {_ranges(a.shards)})"
+               f"shards {ranges(a.shards, sep=',')})"
     pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
     more = f", ... ({n - MAPPED} more; the mapping is in slurm/jobs.json)" if n > MAPPED else ""
     return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
@@ -596,19 +597,6 @@ def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
     print(f"  toolkit status {rd.shown} --watch")
     print(f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f")
     print(f"  toolkit logs {rd.shown} --failed")
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start, prev = [], None, None
-    for x in xs + [None]:
-        if start is None:
-            start = prev = x
-        elif x is not None and x == prev + 1:
-            prev = x
-        else:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = x
-    return ",".join(out)
 
 
 def cmd_submit(args) -> int:
@@ -626,7 +614,7 @@ def cmd_resubmit(args) -> int:
     if sub is None:
         print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest")
         return 0
-    print(f"resubmitting {len(missing)} shards without a done manifest: {_ranges(missing)}")
+    print(f"resubmitting {len(missing)} shards without a done manifest: {ranges(missing, sep=',')}")
     _print_submission(rd, sub, len(missing))
     return 0
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from .rundir import RunDir
+
 __all__ = [
     "SAMPLING_KEYS",
     "JobSpec",
@@ -248,7 +250,7 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
     source = Path(path)
     if source.is_dir():
-        what = "a run directory" if (source / "run.json").exists() else "a folder"
+        what = "a run directory" if RunDir.is_run(source) else "a folder"
         raise SpecError(f"{source}: is {what}, not a job spec (a .toml file); commands on a run directory are "
                         "status, logs, resubmit, merge, audit and export")
     try:

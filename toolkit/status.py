@@ -21,7 +21,8 @@ import msgspec
 
 from .errors import EXIT_UNKNOWN  # some state cannot be known (Slurm did not answer)
 from .files import shown_path
-from .plan import RunDir, load_run
+from .plan import load_run
+from .rundir import RunDir
 from .progress import Progress, read_progress, worker_gone
 from .shardfile import read_done
 from .slurmcmd import FAILED, SlurmAnswer, call
@@ -265,7 +266,7 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], d
             merge["state"] = "unknown" if why else "submitted"
             if why:
                 merge["reason"] = why
-    merge["merged"] = (rd.merged_dir / "manifest.json").exists()
+    merge["merged"] = rd.manifest_file.exists()
     return rd, rows, merge
 
 
@@ -422,8 +423,8 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]]]:
     from . import read_run
     from .records import OK
 
-    listed = rd.merged_dir / "failed_ids.txt"
-    if (rd.merged_dir / "manifest.json").exists() and listed.exists() and listed.stat().st_size == 0:
+    listed = rd.failed_file
+    if rd.manifest_file.exists() and listed.exists() and listed.stat().st_size == 0:
         return 0, []  # the audit of the merged run found none: no need to read every record
     n, shown = 0, []
     for rec in read_run(rd.root):
@@ -445,7 +446,7 @@ def _reasons(log: Path, limit: int = 5) -> list[str]:
 
 def merge_log(rd: RunDir, job: str) -> Path:
     """submitit's log of the merge job (stdout and stderr together)."""
-    return rd.slurm_dir / job / f"{job}_0_log.out"
+    return rd.job_log(job)
 
 
 BAD_STATES = ("failed", "dead", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
@@ -475,7 +476,7 @@ def _print_failed(rd: RunDir, args) -> int:
         print()
     n, recs = failed_records(rd, args.lines)
     if n:
-        listed = rd.merged_dir / "failed_ids.txt"
+        listed = rd.failed_file
         where = f"; all ids in {shown_path(listed)}" if listed.exists() else ""
         print(f"==> {n} failed record{'s' if n > 1 else ''} (prompts the server refused or that errored; "
               f"{len(recs)} shown{where}) <==")
@@ -492,7 +493,7 @@ def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None
             print(f"error: {r.error.splitlines()[0]}")
         log = rd.log_file(r.shard)
         if not log.exists() and r.job:  # died before the worker started: submitit's own log says why
-            log = next(iter(sorted(rd.slurm_dir.glob(f"*/{r.job}_0_log.out"))), log)
+            log = next(iter(rd.job_logs(r.job)), log)
         for line in _tail_lines(log, lines):
             print(line)
         print()

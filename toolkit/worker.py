@@ -42,7 +42,8 @@ from .client import (
 )
 from .engines import EngineError, make_engine
 from .inputs import PromptReader
-from .plan import PromptRef, RefSlice, RunDir, RunPlan, check_plan_inputs, load_run
+from .plan import PromptRef, RefSlice, RunPlan, check_plan_inputs, load_run
+from .rundir import RunDir
 from .files import shown_path
 from .progress import Progress, read_progress, slurm_context, write_progress
 from .records import (
