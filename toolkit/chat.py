@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from .errors import BadInputError
+
 logger = logging.getLogger(__name__)
 
 # Tool-call section delimiters of known families: Kimi-K2, Qwen3 (and GLM), DeepSeek, MiniMax-M2.
@@ -55,7 +57,7 @@ PROBE_MESSAGES = [{"role": "user", "content": "Hello."}]
 BATCH_SIZE = 256
 
 
-class ChatError(Exception):
+class ChatError(BadInputError):
     """A tokenizer, chat template or prompt cannot be used; the message says which and what to do."""
 
 

@@ -1,7 +1,28 @@
-"""Exit codes of the `toolkit` command, shared by every module that decides one."""
+"""Exit codes of the `toolkit` command, and the error every toolkit failure raises with its code.
+
+`cli.main` catches `ToolkitError` once: it prints `toolkit: error: <message>` and exits with the error's
+`exit_code` (the class's, or the one an instance was given).
+"""
 
 from __future__ import annotations
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_UNKNOWN"]
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_UNKNOWN", "ToolkitError"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+
+
+class ToolkitError(Exception):
+    """A failure the toolkit explains in one message; `exit_code` is what the command exits with."""
+
+    exit_code: int = EXIT_FAILED
+
+    def __init__(self, *args, exit_code: int | None = None):
+        super().__init__(*args)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class BadInputError(ToolkitError):
+    """Input the toolkit refuses before doing any work: a spec, prompt file, tokenizer, option or run directory."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from .errors import BadInputError
+
 __all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "check_unique_ids"]
 
 
@@ -20,7 +22,7 @@ _FIX = "fix or remove the line, then run again"
 SHOWN = 10  # bad lines listed in one error; the rest are counted
 
 
-class InputError(Exception):
+class InputError(BadInputError):
     """A prompt file that cannot be used; `str()` names the file, line and field.
 
     One error may stand for many (see `many`): then `errors` holds each of them, first to last.

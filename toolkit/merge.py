@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from .errors import BadInputError
 from .files import atomic_write, fsync_dir, sha256_file
 from .fmt import ranges, utc_now
 from .plan import PromptRef, RunPlan, ShardPlan, load_run
@@ -61,7 +62,7 @@ MERGED_FLUSH_RECORDS = 128     # records per frame of the merged file
 SAMPLE_IDS = 100               # ids listed in the manifest per kind of problem (all are counted)
 
 
-class MergeError(Exception):
+class MergeError(BadInputError):
     """A run that cannot be merged as asked; the message says why and what to do."""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from .errors import BadInputError
 from .files import atomic_write, sha256_file
 from .fmt import file_stamp, utc_now
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
@@ -36,7 +37,7 @@ __all__ = ["PlanError", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_
 PLAN_FORMAT = 1
 
 
-class PlanError(Exception):
+class PlanError(BadInputError):
     """A plan that cannot be made or a run directory that does not match."""
 
 

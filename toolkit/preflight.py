@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import chat
+from .errors import BadInputError
 from .inputs import scan_dataset
 from .plan import PlanError, PromptRef, RunPlan, load_run, plan_job
 from .rundir import RunDir
@@ -47,7 +48,7 @@ MODE_WORDS = {
 }
 
 
-class PreflightError(Exception):
+class PreflightError(BadInputError):
     """A job that must not start: one or more problems, each naming what to change."""
 
     def __init__(self, problems: list[str]):

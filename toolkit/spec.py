@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from .errors import BadInputError
 from .rundir import RunDir
 
 __all__ = [
@@ -37,7 +38,7 @@ SAMPLING_KEYS = frozenset(
 )
 
 
-class SpecError(Exception):
+class SpecError(BadInputError):
     """A job spec that cannot be run. The message names the file and the key."""
 
 
@@ -349,8 +350,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
 def _check_extra_args(e: EngineSpec, source: Path) -> None:
     """`[engine] extra_args` as SGLang's own parser would take them (from its flag data: no sglang needed
     here), then against the flags the toolkit sets. The stub is judged by the release it imitates."""
-    from .engines.sglang import check_extra_args
-    from .engines.sglang_flags import VERSION_ENV, versions
+    from .engines.sglang_flags import VERSION_ENV, check_extra_args, versions
 
     if e.kind == "stub":
         version = e.stub.version if e.stub.version in versions() else None

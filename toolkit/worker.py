@@ -41,6 +41,7 @@ from .client import (
     read_load, server_capacity,
 )
 from .engines import EngineError, make_engine
+from .errors import ToolkitError
 from .inputs import PromptReader
 from .plan import PromptRef, RefSlice, RunPlan, check_plan_inputs, load_run
 from .rundir import RunDir
@@ -64,7 +65,7 @@ LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class ShardFailed(Exception):
+class ShardFailed(ToolkitError):
     """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
     directory not writable, shard locked by another worker). `exit_code` is the command's (see cli)."""
 
