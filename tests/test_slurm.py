@@ -48,7 +48,7 @@ def wait_run(run: Path, timeout: float = 240, until=None) -> tuple[list, dict]:
         _, rows, merge = run_status(run)
         if until is not None and until(rows, merge):
             return rows, merge
-        if until is None and all(r.state not in ACTIVE for r in rows) and merge.get("state") not in (*ACTIVE, None):
+        if until is None and all(r.state not in ACTIVE for r in rows) and merge.state not in (*ACTIVE, None):
             return rows, merge
         if time.time() > deadline:
             raise AssertionError(f"run did not settle in {timeout} s: {[(r.shard, r.state) for r in rows]} merge {merge}")
@@ -73,7 +73,7 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     rows, merge = wait_run(run)
     assert [x.state for x in rows] == ["completed"] * 4
     assert [x.job for x in rows] == [f"{array_id}_{i}" for i in range(4)]
-    assert sum(x.done for x in rows) == 16 and merge["state"] == "completed" and merge["merged"]
+    assert sum(x.done for x in rows) == 16 and merge.state == "completed" and merge.merged
     # The merge job started only after the last shard task ended.
     for _ in range(30):
         tasks, merged = sacct_times(array_id), sacct_times(merge_id)
@@ -98,13 +98,13 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     run = tmp_path / "run"
     rows, merge = wait_run(run)
     assert [x.state for x in rows] == ["completed", "failed", "completed"]
-    assert merge["state"] == "failed", "the merge refuses a run with a shard missing"
+    assert merge.state == "failed", "the merge refuses a run with a shard missing"
     st = toolkit("status", str(run), check=False)
     assert st.returncode == 1 and " failed " in st.stdout
     logs = toolkit("logs", str(run), "--failed", check=False).stdout
     assert "shard 1: failed" in logs and "exited with code 1 before it was ready" in logs
     assert "==> shard 0" not in logs and "==> shard 2" not in logs
-    merge_id = merge["job"]
+    merge_id = merge.job
     assert f"==> merge job {merge_id}: failed (" in logs and f"{merge_id}/{merge_id}_0_log.out" in logs
     assert "why: toolkit: error: " in logs and "shards are not finished" in logs  # the reason, before the tail
 
@@ -119,7 +119,7 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     again = toolkit("resubmit", str(run), check=False)
     assert again.returncode == 1 and "still pending or running" in again.stderr
     rows, merge = wait_run(run)
-    assert [x.state for x in rows] == ["completed"] * 3 and merge["state"] == "completed"
+    assert [x.state for x in rows] == ["completed"] * 3 and merge.state == "completed"
     assert "nothing to resubmit" in toolkit("resubmit", str(run)).stdout
     assert len(read_jobs(RunDir(run)).submissions) == before + 1
 
@@ -142,8 +142,8 @@ def test_scontrol_requeue_resumes_and_nothing_is_lost(tmp_path, toy_tokenizer):
         time.sleep(0.3)
     subprocess.run(["scontrol", "requeue", task], check=True)
     seen = set()
-    rows, merge = wait_run(run, until=lambda rows, merge: seen.add(rows[0].state) or merge.get("state") not in (*ACTIVE, None))
-    assert rows[0].state == "completed" and merge["state"] == "completed"
+    rows, merge = wait_run(run, until=lambda rows, merge: seen.add(rows[0].state) or merge.state not in (*ACTIVE, None))
+    assert rows[0].state == "completed" and merge.state == "completed"
     written = _records(run)
     newest = {r.id: r for r in written}  # a stop saves what is in flight as partial records, continued after
     assert len(newest) == n and all(r.status == "ok" for r in newest.values())
@@ -161,7 +161,7 @@ def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
     toolkit("submit", str(job), "--time", "1", "--signal-delay-s", "45")
     run = tmp_path / "run"
     rows, merge = wait_run(run, timeout=300)
-    assert rows[0].state == "completed" and merge["state"] == "completed"
+    assert rows[0].state == "completed" and merge.state == "completed"
     written = _records(run)
     newest = {r.id: r for r in written}
     assert len(newest) == n and all(r.status == "ok" for r in newest.values())

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN, ToolkitError
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN"]
 
@@ -35,35 +35,22 @@ answer; status), 130 interrupted
 """
 
 
-def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    from .chat import ChatError
-    from .inputs import InputError
-    from .plan import PlanError
-    from .preflight import PreflightError
-    from .spec import SpecError
-
-    return (SpecError, InputError, PlanError, ChatError, PreflightError)
-
-
 # ---------------------------------------------------------------------------------------------------
 # run, worker, check: local execution
 # ---------------------------------------------------------------------------------------------------
 def prepare_run(job: str, *, new_run: bool = False, check_tokenizer: bool = True):
-    """Run the pre-flight (spec, every prompt line, tokenizer, every prompt rendered, reasoning, lengths) and pin
-    the job's run directory."""
-    from .plan import create_run
-    from .preflight import preflight
+    """The pre-flight `run`, `check` and `submit` share (pipeline.prepare_run), and the job's run directory pinned:
+    (run directory, plan)."""
+    from .pipeline import prepare_run as prepare
 
-    pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=False)  # create_run refuses another run
-    pf.print_warnings()
-    rd = create_run(pf.plan, pf.refs, new_run=new_run)
-    return rd, pf.plan
+    prep = prepare(job, new_run=new_run, check_tokenizer=check_tokenizer)
+    return prep.run_dir, prep.plan
 
 
 def cmd_check(args) -> int:
-    from .preflight import preflight
+    from .pipeline import prepare_run as prepare
 
-    pf = preflight(args.job)
+    pf = prepare(args.job, dry_run=True, print_warnings=False).preflight
     plan = pf.plan
     print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
@@ -98,13 +85,18 @@ def cmd_run(args) -> int:
 
     with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
         stopped, failed = run_shards(rd.root, shards, log)
+    return _after_shards(rd, stopped, failed, merge=not args.no_merge,
+                         again=f", then `toolkit run {args.job}` again to resume them")
+
+
+def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, again: str = "") -> int:
+    """The end of `run` and `retry`: the exit code of shards run here, after merging and auditing them."""
     if stopped:
         return EXIT_STOPPED
     if failed:
-        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then `toolkit run {args.job}` again "
-              "to resume them")
+        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`{again}")
         return EXIT_FAILED
-    if args.no_merge:
+    if not merge:
         return EXIT_OK
     from .pipeline import merge_and_audit
 
@@ -114,22 +106,14 @@ def cmd_run(args) -> int:
 # ---------------------------------------------------------------------------------------------------
 # merge, audit, export
 # ---------------------------------------------------------------------------------------------------
-def _fail(e: BaseException) -> int:
-    print(f"toolkit: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def cmd_merge(args) -> int:
-    from .merge import MergeError, merge_run
+    from .merge import merge_run
     from .pipeline import merge_and_audit
     from .rundir import RunDir
 
     if not args.no_audit:
         return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
-    try:
-        m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
-    except MergeError as e:
-        return _fail(e)
+    m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
     print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
           f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
           f"{len(m.corrupt)} damaged frames")
@@ -137,27 +121,108 @@ def cmd_merge(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from .merge import MergeError
     from .pipeline import audit_and_report
 
-    try:
-        return audit_and_report(args.run)
-    except MergeError as e:
-        return _fail(e)
+    return audit_and_report(args.run)
 
 
 def cmd_export(args) -> int:
     from . import export
     from .files import shown_path
-    from .merge import MergeError
 
     output = args.output or export.default_output(args.run, args.format)
     try:
         n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
-    except (MergeError, export.ExportError) as e:
-        return _fail(e)
+    except export.ExportError as e:
+        print(f"toolkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"wrote {n} records to {shown_path(output)} ({args.format})")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------
+# submit, resubmit, cancel, retry: Slurm
+# ---------------------------------------------------------------------------------------------------
+def _resources(args):
+    """The resource flags of a command line, as the Slurm layer takes them."""
+    from .slurm import Resources
+
+    return Resources(partition=args.partition, account=args.account, qos=args.qos, time=args.time,
+                     gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
+                     array_parallelism=args.array_parallelism, signal_delay_s=args.signal_delay_s,
+                     setup=list(args.setup or []))
+
+
+def cmd_submit(args) -> int:
+    from .rundir import RunDir
+    from .slurm import format_dry_run, format_submission, submit
+
+    r = submit(args.job, _resources(args), dry_run=args.dry_run, new_run=args.new_run)
+    if r.submission is None:
+        print(format_dry_run(r.dry_run))
+    else:
+        print(format_submission(RunDir(r.run_dir), r.submission))
+    return EXIT_OK
+
+
+def _resubmit(run: str, resources) -> int:
+    from .fmt import ranges
+    from .slurm import format_submission, resubmit
+
+    rd, sub, missing = resubmit(run, resources)
+    if sub is None:
+        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest")
+        return EXIT_OK
+    print(f"resubmitting {len(missing)} shards without a done manifest: {ranges(missing, sep=',')}")
+    print(format_submission(rd, sub))
+    return EXIT_OK
+
+
+def cmd_resubmit(args) -> int:
+    return _resubmit(args.run, _resources(args))
+
+
+def cmd_cancel(args) -> int:
+    from .slurm import cancel
+
+    ids = cancel(args.run)
+    print(f"cancelled {', '.join(ids)}" if ids else "nothing was submitted for this run")
+    return EXIT_OK
+
+
+def cmd_retry(args) -> int:
+    from .files import shown_path
+    from .retry import read_ids, request_retry
+
+    rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
+    if not shards:
+        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass "
+              f"(`toolkit retry {rd.shown} --ids {shown_path(rd.failed_file)}` retries the others too)")
+        return EXIT_OK
+    print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
+    if args.slurm:
+        return _resubmit(args.run, _resources(args))
+    from .pipeline import run_shards
+
+    stopped, failed = run_shards(rd.root, shards, log)
+    return _after_shards(rd, stopped, failed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# status, logs
+# ---------------------------------------------------------------------------------------------------
+def cmd_status(args) -> int:
+    from .status import status_command
+
+    return status_command(args.run, watch=args.watch, interval=args.interval, as_json=args.json,
+                          unknown_limit_s=args.unknown_limit_s)
+
+
+def cmd_logs(args) -> int:
+    from .status import logs_command
+
+    return logs_command(args.run, args.shard, follow=args.follow, server=args.server, failed=args.failed,
+                        lines=args.lines)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -213,8 +278,6 @@ def _add_resource_flags(s) -> None:
 
 
 def _add_slurm_commands(sub) -> None:
-    from . import slurm
-
     s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
                        description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
                        "run directory, then submits one array task per shard and a merge + audit job after them.")
@@ -222,20 +285,20 @@ def _add_slurm_commands(sub) -> None:
     _add_resource_flags(s)
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
     s.add_argument("--new-run", action="store_true", help="a new run directory if output_dir holds another run")
-    s.set_defaults(func=slurm._guard(slurm.cmd_submit, EXIT_BAD_INPUT))
+    s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
     s.add_argument("run", help="run directory")
     _add_resource_flags(s)
-    s.set_defaults(func=slurm._guard(slurm.cmd_resubmit, EXIT_FAILED))
+    s.set_defaults(func=cmd_resubmit)
 
     s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
     s.add_argument("run", help="run directory")
-    s.set_defaults(func=slurm._guard(slurm.cmd_cancel, EXIT_FAILED))
+    s.set_defaults(func=cmd_cancel)
 
 
 def _add_status_commands(sub) -> None:
-    from .status import UNKNOWN_LIMIT_S, cmd_logs, cmd_status
+    from .status import UNKNOWN_LIMIT_S
 
     s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA")
     s.add_argument("run", help="run directory")
@@ -322,7 +385,7 @@ def _add_retry_command(sub) -> None:
                                                 "permanent failures and ok records included")
     s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
     _add_resource_flags(s)
-    s.set_defaults(func=retry.cmd_retry)
+    s.set_defaults(func=cmd_retry)
 
 
 def package_version() -> str:
@@ -351,9 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("toolkit.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
         return args.func(args)
-    except _bad_input_errors() as e:
+    except ToolkitError as e:  # every toolkit error, with the exit code it carries
         print(f"toolkit: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `toolkit status RUN | head`: the reader left; say nothing more

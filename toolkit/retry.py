@@ -11,22 +11,19 @@ merged and audited (like `toolkit run`); `--slurm` submits them instead (like `t
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
+from bisect import bisect_right
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from .errors import BadInputError
 from .plan import RunPlan, load_refs, load_run
 from .rundir import RunDir
 from .shardfile import RetryRequest, needs_work, read_done, read_retry, write_retry
 
-__all__ = ["RetryError", "cmd_retry", "request_retry"]
-
-log = logging.getLogger(__name__)
+__all__ = ["RetryError", "read_ids", "request_retry"]
 
 
-class RetryError(Exception):
+class RetryError(BadInputError):
     """A retry that cannot be asked as given (unknown ids, unreadable file)."""
 
 
@@ -43,8 +40,6 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
     wanted = set(ids)
     firsts = [s.first for s in plan.shards]
     by_shard: dict[int, list[str]] = {}
-    from bisect import bisect_right
-
     for pos, ref in enumerate(load_refs(rd)):
         if ref.id in wanted:
             wanted.discard(ref.id)
@@ -66,35 +61,3 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
         write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + shard_ids))
         rd.done_file(k).unlink(missing_ok=True)
     return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
-
-
-def cmd_retry(args) -> int:
-    try:
-        rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
-    except RetryError as e:
-        print(f"toolkit: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if not shards:
-        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass "
-              f"(`toolkit retry {rd.shown} --ids {rd.shown}/merged/failed_ids.txt` retries the others too)")
-        return EXIT_OK
-    print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
-    if args.slurm:
-        from .slurm import SlurmError, cmd_resubmit
-
-        try:
-            return cmd_resubmit(args)
-        except SlurmError as e:
-            print(f"toolkit: error: {e}", file=sys.stderr)
-            return EXIT_FAILED
-    from .pipeline import run_shards
-
-    stopped, failed = run_shards(rd.root, shards, log)
-    if stopped:
-        return EXIT_STOPPED
-    if failed:
-        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`")
-        return EXIT_FAILED
-    from .pipeline import merge_and_audit
-
-    return merge_and_audit(rd.root)

@@ -20,19 +20,45 @@ from typing import Any
 
 import msgspec
 
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, ToolkitError
 from .files import atomic_write
 from .fmt import ranges, utc_now
 from .plan import RunPlan, load_run
 from .rundir import RunDir
 from .shardfile import needs_work, read_done
 
-__all__ = ["SlurmError", "submit", "resubmit", "cancel", "read_jobs", "ShardTask", "MergeTask"]
+__all__ = ["Resources", "SlurmError", "SubmitResult", "submit", "resubmit", "cancel", "read_jobs", "ShardTask",
+           "MergeTask", "describe_array", "format_dry_run", "format_submission"]
 
 log = logging.getLogger(__name__)
 
 
-class SlurmError(Exception):
-    """A submission Slurm would refuse (or did); the message says what to change."""
+class SlurmError(ToolkitError):
+    """A submission Slurm refused, or Slurm that did not answer (exit 1, as sbatch's); a submission the toolkit
+    refuses before asking Slurm (a bad option, a size no node has, a run already submitted) is bad input (exit 2,
+    `SlurmError(..., exit_code=EXIT_BAD_INPUT)`). The message says what to change."""
+
+    exit_code = EXIT_FAILED
+
+
+def _refuse(message: str) -> SlurmError:
+    """A submission refused here, before Slurm is asked: bad input."""
+    return SlurmError(message, exit_code=EXIT_BAD_INPUT)
+
+
+class Resources(msgspec.Struct, kw_only=True):
+    """What a command line overrides of the job's [slurm] table (None: the table's value)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    array_parallelism: int | None = None
+    signal_delay_s: int | None = None
+    setup: list[str] = []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,7 +163,9 @@ class MergeTask:
         _log_to_stderr()
         code = merge_and_audit(self.run_dir)
         if code != 0:
-            raise RuntimeError(f"merge/audit of {self.run_dir} failed (exit {code}); see merged/audit.json")
+            rd = RunDir(self.run_dir)
+            raise RuntimeError(f"merge/audit of {self.run_dir} failed (exit {code}); see "
+                               f"{rd.audit_json.relative_to(rd.root).as_posix()}")
         return code
 
 
@@ -189,10 +217,10 @@ def partition_info(name: str | None) -> PartitionInfo:
                 default = pname
     if name is None:
         if default is None:
-            raise SlurmError(f"no default partition: pass --partition (one of {', '.join(sorted(parts))})")
+            raise _refuse(f"no default partition: pass --partition (one of {', '.join(sorted(parts))})")
         name = default
     if name not in parts:
-        raise SlurmError(f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}")
+        raise _refuse(f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}")
     gpus = cpus = 0
     for line in _run(["sinfo", "-h", "-p", name, "-o", "%G|%c"]).split():
         gres, _, ncpu = line.partition("|")
@@ -208,7 +236,7 @@ def time_to_minutes(t: str) -> int:
     """Slurm time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t.strip())
     if not m:
-        raise SlurmError(f"--time {t!r}: use a Slurm time such as 24:00:00 or 2-00:00:00")
+        raise _refuse(f"--time {t!r}: use a Slurm time such as 24:00:00 or 2-00:00:00")
     d, a, b, c = m.groups()
     if d is not None:
         hours, mins, secs = int(a), int(b or 0), int(c or 0)
@@ -253,23 +281,23 @@ def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = Non
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def shard_params(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
+def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
     s = plan.spec.slurm
     params: dict[str, Any] = dict(
         job_name=f"{plan.name}-shards",
-        time=time_to_minutes(o.get("time") or s.time),
-        gpus_per_node=o.get("gpus_per_node") if o.get("gpus_per_node") is not None else s.gpus_per_node,
-        cpus_per_task=o.get("cpus_per_task") or s.cpus_per_task,
-        signal_delay_s=o.get("signal_delay_s") or s.signal_delay_s,
-        array_parallelism=o.get("array_parallelism") or s.array_parallelism or 256,
-        setup=list(s.setup) + list(o.get("setup") or []),
+        time=time_to_minutes(o.time or s.time),
+        gpus_per_node=o.gpus_per_node if o.gpus_per_node is not None else s.gpus_per_node,
+        cpus_per_task=o.cpus_per_task or s.cpus_per_task,
+        signal_delay_s=o.signal_delay_s or s.signal_delay_s,
+        array_parallelism=o.array_parallelism or s.array_parallelism or 256,
+        setup=list(s.setup) + list(o.setup),
         stderr_to_stdout=True,
     )
     check_signal_delay(params["time"], params["signal_delay_s"])
     # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
     params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
     for key in ("partition", "account", "qos", "mem"):
-        value = o.get(key) or getattr(s, key)
+        value = getattr(o, key) or getattr(s, key)
         if value:
             params[key] = value
     params.update(multi_node_params(plan.spec.engine.nodes))
@@ -289,7 +317,7 @@ def check_signal_delay(minutes: int, signal_delay_s: int) -> None:
     """A task is told to stop (USR2) `signal_delay_s` before its time limit: a limit not longer than that stops
     every task the moment it starts, and submitit requeues it, forever."""
     if minutes * 60 <= signal_delay_s:
-        raise SlurmError(
+        raise _refuse(
             f"--time {slurm_time(minutes)} ({minutes * 60} s) is not longer than --signal-delay-s {signal_delay_s}: "
             f"every task would be told to stop at once and be requeued forever; give a --time well above "
             f"{signal_delay_s} s or a smaller --signal-delay-s"
@@ -303,7 +331,7 @@ def mem_to_mb(mem: str) -> int:
     """Slurm's --mem (MB by default; K, M, G, T suffixes) in megabytes."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)B?", str(mem).strip().upper())
     if not m:
-        raise SlurmError(f"--mem {mem!r}: use a Slurm size such as 200G or 64000M")
+        raise _refuse(f"--mem {mem!r}: use a Slurm size such as 200G or 64000M")
     return int(float(m.group(1)) * _MEM_UNITS[m.group(2) or "M"])
 
 
@@ -326,19 +354,19 @@ def check_memory(mem: str | None, partition: str) -> None:
         return
     have = node_memory_mb(partition)
     if have and want > have:
-        raise SlurmError(f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} MB "
+        raise _refuse(f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} MB "
                          f"(RealMemory); lower it or choose another partition")
 
 
-def merge_params(plan: RunPlan, o: dict[str, Any], dependency: str) -> dict[str, Any]:
+def merge_params(plan: RunPlan, o: Resources, dependency: str) -> dict[str, Any]:
     s = plan.spec.slurm
     params: dict[str, Any] = dict(
         job_name=f"{plan.name}-merge", time=time_to_minutes(s.merge_time), cpus_per_task=s.merge_cpus,
-        setup=list(s.setup) + list(o.get("setup") or []), dependency=dependency, stderr_to_stdout=True,
+        setup=list(s.setup) + list(o.setup), dependency=dependency, stderr_to_stdout=True,
     )
     params["additional_parameters"] = {"time": slurm_time(params["time"])}
     for key in ("partition", "account", "qos"):
-        value = o.get(key) or getattr(s, key)
+        value = getattr(o, key) or getattr(s, key)
         if value:
             params[key] = value
     if s.merge_mem:
@@ -350,7 +378,19 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, Any]) -> Submission:
+def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        return _submit_arrays_unguarded(rd, plan, shards, o)
+    except (FailedJobError, FailedSubmissionError) as e:  # sbatch itself refused (submitit's error holds its output)
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        said = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "no message")
+        raise SlurmError(f"sbatch failed: {said}; check `squeue --me` for jobs this command may already have "
+                         "submitted") from None
+
+
+def _submit_arrays_unguarded(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
     params = shard_params(plan, o)
     limit = max_array_size()
     arrays = []
@@ -369,31 +409,30 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: dict[str, An
     return sub
 
 
-def validate_resources(plan: RunPlan, o: dict[str, Any]) -> dict[str, Any]:
+def validate_resources(plan: RunPlan, o: Resources) -> Resources:
     """Check partition, GPUs, CPUs and memory against the cluster; returns the options with the partition resolved."""
     return _validate(plan, o)[0]
 
 
-def _validate(plan: RunPlan, o: dict[str, Any]) -> tuple[dict[str, Any], PartitionInfo]:
-    o = dict(o)
-    part = partition_info(o.get("partition") or plan.spec.slurm.partition)
+def _validate(plan: RunPlan, o: Resources) -> tuple[Resources, PartitionInfo]:
+    part = partition_info(o.partition or plan.spec.slurm.partition)
     name, gpus = part.name, part.gpus_per_node
-    o["partition"] = name
-    want = o.get("gpus_per_node") if o.get("gpus_per_node") is not None else plan.spec.slurm.gpus_per_node
+    o = msgspec.structs.replace(o, partition=name)
+    want = o.gpus_per_node if o.gpus_per_node is not None else plan.spec.slurm.gpus_per_node
     if want > gpus:
-        raise SlurmError(
+        raise _refuse(
             f"--gpus-per-node {want} but the nodes of partition {name!r} have at most {gpus} GPUs; "
             f"lower it (and [engine] tp_size) or choose another partition"
         )
-    cpus = o.get("cpus_per_task") or plan.spec.slurm.cpus_per_task
+    cpus = o.cpus_per_task or plan.spec.slurm.cpus_per_task
     if part.cpus_per_node and cpus > part.cpus_per_node:
-        raise SlurmError(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
+        raise _refuse(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
-    check_memory(o.get("mem") or plan.spec.slurm.mem, name)
+    check_memory(o.mem or plan.spec.slurm.mem, name)
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:
-        raise SlurmError(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
+        raise _refuse(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
     check_nodes(plan.spec.engine, name, want)
     return o, part
 
@@ -425,20 +464,20 @@ class DryRun(msgspec.Struct):
     merge_script: str
 
 
-def check_cluster(plan: RunPlan, options: dict[str, Any]) -> tuple[dict[str, Any], ClusterCheck]:
+def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
     """Validate against the cluster when one answers (a bad partition or size still raises SlurmError)."""
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.exists(conf):  # scontrol would retry for a minute before saying so
-        return dict(options), ClusterCheck(reachable=False, why=f"SLURM_CONF={conf} does not exist")
+        return options, ClusterCheck(reachable=False, why=f"SLURM_CONF={conf} does not exist")
     try:
         config = slurm_config(timeout=PROBE_TIMEOUT_S)
     except SlurmError as e:
-        return dict(options), ClusterCheck(reachable=False, why=str(e).splitlines()[0])
+        return options, ClusterCheck(reachable=False, why=str(e).splitlines()[0])
     o, part = _validate(plan, options)
     return o, ClusterCheck(reachable=True, partition=part, max_array_size=max_array_size(config))
 
 
-def plan_dry_run(plan: RunPlan, options: dict[str, Any]) -> DryRun:
+def plan_dry_run(plan: RunPlan, options: Resources) -> DryRun:
     """What `submit` would send, without submitting or writing anything: submitit's scripts for each array and
     for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once they are submitted)."""
     rd = RunDir(plan.spec.output_dir)
@@ -485,10 +524,10 @@ def check_nodes(engine, partition: str, gpus_per_node: int) -> None:
         return
     problem = check_engine_layout(engine, gpus_per_node, where="--gpus-per-node")
     if problem:
-        raise SlurmError(problem)
+        raise _refuse(problem)
     have = partition_nodes(partition)
     if have < engine.nodes:
-        raise SlurmError(f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); lower it "
+        raise _refuse(f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); lower it "
                          f"(and tp_size) or choose another partition")
 
 
@@ -500,29 +539,34 @@ def partition_nodes(name: str) -> int:
     return 0
 
 
-def submit(job: str, options: dict[str, Any], *, dry_run: bool = False, new_run: bool = False) -> tuple[RunDir, Submission | None, dict]:
-    """Validate and plan `job`, then submit its arrays and merge job (or only print them with dry_run)."""
-    from .plan import create_run
-    from .preflight import preflight
+class SubmitResult(msgspec.Struct):
+    """What `submit` did: the run, and its submission (None with dry_run: `dry_run` says what it would send)."""
 
-    # The same pre-flight as `check` and `run`; a dry run also tells of another run in output_dir (a real
-    # submission is refused there by create_run).
-    pf = preflight(job, warn_other_run=dry_run)
-    pf.print_warnings()
-    spec, plan, refs = pf.spec, pf.plan, pf.refs
+    run_dir: str
+    plan: RunPlan
+    submission: Submission | None = None
+    dry_run: DryRun | None = None
+
+
+def submit(job: str, resources: Resources | None = None, *, dry_run: bool = False,
+           new_run: bool = False) -> SubmitResult:
+    """Validate and plan `job` (the pre-flight `run` and `check` share), then submit its arrays and merge job, or
+    with dry_run only render them (another run in output_dir is then a warning; a real submission is refused
+    there)."""
+    from .pipeline import prepare_run
+
+    o = resources or Resources()
     if dry_run:
-        return RunDir(spec.output_dir), None, {"plan": plan, "dry_run": plan_dry_run(plan, options)}
-    o = validate_resources(plan, options)
-    params = shard_params(plan, o)
-    info = {"params": params, "plan": plan}
-    rd = create_run(plan, refs, new_run=new_run)
+        prep = prepare_run(job, dry_run=True, validate=lambda plan: plan_dry_run(plan, o))
+        return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
+    prep = prepare_run(job, new_run=new_run, validate=lambda plan: validate_resources(plan, o))
+    rd, plan, o = prep.run_dir, prep.plan, prep.validated
     pending = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
     if read_jobs(rd).submissions:
-        raise SlurmError(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+        raise _refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
     if not pending:
-        raise SlurmError(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
-    sub = _submit_arrays(rd, plan, pending, o)
-    return rd, sub, info
+        raise _refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
+    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, pending, o))
 
 
 def live_jobs(rd: RunDir) -> dict[str, str]:
@@ -538,7 +582,7 @@ def live_jobs(rd: RunDir) -> dict[str, str]:
     return live
 
 
-def resubmit(run_dir: str, options: dict[str, Any]) -> tuple[RunDir, Submission | None, list[int]]:
+def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:
     """Submit one array over exactly the shards without a done manifest (or with transient failures left, see
     shardfile.needs_work), and a new merge job."""
     rd, plan = load_run(run_dir)
@@ -550,11 +594,11 @@ def resubmit(run_dir: str, options: dict[str, Any]) -> tuple[RunDir, Submission 
     missing = [k for k in range(len(plan.shards)) if needs_work(read_done(rd.done_file(k)))]
     if not missing:
         return rd, None, []
-    o = validate_resources(plan, options)
+    o = validate_resources(plan, resources or Resources())
     return rd, _submit_arrays(rd, plan, missing, o), missing
 
 
-def cancel(run_dir: str) -> list[str]:
+def cancel(run_dir: str | os.PathLike) -> list[str]:
     rd, _ = load_run(run_dir)
     ids = job_ids(rd)
     if ids:
@@ -563,14 +607,10 @@ def cancel(run_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# command line
+# what the commands print
 # ---------------------------------------------------------------------------------------------------
-def _options(args) -> dict[str, Any]:
-    return {k: getattr(args, k, None) for k in ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task",
-                                                  "mem", "array_parallelism", "setup", "signal_delay_s")}
-
-
 MAPPED = 8  # array task -> shard pairs named in full
+JOBS_FILE = RunDir(".").jobs_file.as_posix()  # as a run directory holds it: slurm/jobs.json
 
 
 def describe_array(a: ArrayJob) -> str:
@@ -584,63 +624,14 @@ def describe_array(a: ArrayJob) -> str:
         return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
                f"shards {ranges(a.shards, sep=',')})"
     pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
-    more = f", ... ({n - MAPPED} more; the mapping is in slurm/jobs.json)" if n > MAPPED else ""
+    more = f", ... ({n - MAPPED} more; the mapping is in {JOBS_FILE})" if n > MAPPED else ""
     return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
 
 
-def _print_submission(rd: RunDir, sub: Submission, shards: int) -> None:
-    for a in sub.arrays:
-        print(describe_array(a))
-    print(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
-    print(f"run directory: {rd.shown}")
-    print("watch it with:")
-    print(f"  toolkit status {rd.shown} --watch")
-    print(f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f")
-    print(f"  toolkit logs {rd.shown} --failed")
-
-
-def cmd_submit(args) -> int:
-    rd, sub, info = submit(args.job, _options(args), dry_run=args.dry_run, new_run=args.new_run)
-    plan = info["plan"]
-    if sub is None:
-        print(format_dry_run(info["dry_run"]))
-        return 0
-    _print_submission(rd, sub, len(plan.shards))
-    return 0
-
-
-def cmd_resubmit(args) -> int:
-    rd, sub, missing = resubmit(args.run, _options(args))
-    if sub is None:
-        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest")
-        return 0
-    print(f"resubmitting {len(missing)} shards without a done manifest: {ranges(missing, sep=',')}")
-    _print_submission(rd, sub, len(missing))
-    return 0
-
-
-def cmd_cancel(args) -> int:
-    ids = cancel(args.run)
-    print(f"cancelled {', '.join(ids)}" if ids else "nothing was submitted for this run")
-    return 0
-
-
-def _guard(fn, code: int):
-    def run(args) -> int:
-        import sys
-
-        from submitit.core.utils import FailedJobError, FailedSubmissionError
-
-        try:
-            return fn(args)
-        except SlurmError as e:
-            print(f"toolkit: error: {e}", file=sys.stderr)
-            return code
-        except (FailedJobError, FailedSubmissionError) as e:  # sbatch itself refused (submitit's error holds its output)
-            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-            said = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "no message")
-            print(f"toolkit: error: sbatch failed: {said}; check `squeue --me` for jobs this command may already have "
-                  f"submitted", file=sys.stderr)
-            return code
-
-    return run
+def format_submission(rd: RunDir, sub: Submission) -> str:
+    """What `submit` and `resubmit` print: the jobs, like sbatch, then how to watch them."""
+    lines = [describe_array(a) for a in sub.arrays]
+    lines.append(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
+    lines += [f"run directory: {rd.shown}", "watch it with:", f"  toolkit status {rd.shown} --watch",
+              f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f", f"  toolkit logs {rd.shown} --failed"]
+    return "\n".join(lines)
