@@ -466,10 +466,7 @@ class DryRun(msgspec.Struct):
 
 def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
     """Validate against the cluster when one answers (a bad partition or size still raises SlurmError)."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and not os.path.exists(conf):  # scontrol would retry for a minute before saying so
-        return options, ClusterCheck(reachable=False, why=f"SLURM_CONF={conf} does not exist")
-    try:
+    try:  # (a SLURM_CONF that does not exist is said at once: slurmcmd.call)
         config = slurm_config(timeout=PROBE_TIMEOUT_S)
     except SlurmError as e:
         return options, ClusterCheck(reachable=False, why=str(e).splitlines()[0])

@@ -1,0 +1,195 @@
+"""The state of shards and of the merge job, from hand-built facts (toolkit.states: no files, no Slurm)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from toolkit.errors import EXIT_UNKNOWN
+from toolkit.progress import Progress
+from toolkit.shardfile import DoneManifest
+from toolkit.slurm import ArrayJob, Submission
+from toolkit.slurmcmd import FAILED, TIMEOUT, SlurmAnswer
+from toolkit.states import (
+    ACTIVE, DEAD, UNKNOWN, MergeStatus, RunFacts, ShardFacts, SlurmJob, SlurmView, exit_code, expand, index_jobs,
+    merge_status, needs_scontrol, parse_sacct, parse_scontrol, parse_squeue, run_states, shard_status, slurm_view,
+    totals,
+)
+
+NOW = 1_800_000_000.0
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def ok(cmd: str, out: str) -> SlurmAnswer:
+    return SlurmAnswer(cmd, True, out=out)
+
+
+def down(cmd: str, why: str | None = None, problem: str = TIMEOUT) -> SlurmAnswer:
+    return SlurmAnswer(cmd, False, problem=problem, why=why or f"{cmd} did not answer in 5 s")
+
+
+def done_manifest(shard: int, records: int = 4, failed: int = 0) -> DoneManifest:
+    return DoneManifest(shard=shard, fingerprint="f", records=records, ok=records - failed, failed=failed,
+                        prompt_tokens=10 * records, output_tokens=100 * records, bytes=1, sha256="0", host="n1",
+                        finished=iso(NOW - 5))
+
+
+def generating(shard: int = 0, **kw) -> Progress:
+    return Progress(shard=shard, state="generating", total=4, done=2, output_tokens=200, tok_per_s=50.0,
+                    started=NOW - 20, updated=NOW - 1, host="n1", running=3, queued=1, kv_usage=0.5, **kw)
+
+
+def state(facts: ShardFacts, view: SlurmView | None = None, job: str | None = None, submitted: str = ""):
+    return shard_status(facts, view or SlurmView(jobs={}), job=job, submitted=submitted or iso(NOW - 10), now=NOW,
+                        run_shown="RUN")
+
+
+# ---------------------------------------------------------------------------------------------------
+# parsing Slurm's answers
+# ---------------------------------------------------------------------------------------------------
+def test_expand_array_ids():
+    assert expand("12_[3-5,7%2]") == ["12_3", "12_4", "12_5", "12_7"]
+    assert expand("12_4") == ["12_4"] and expand("13") == ["13"]
+
+
+def test_parse_sacct_squeue_scontrol():
+    jobs, requeued = parse_sacct(["70_0|COMPLETED|n1", "70_[1-2]|PENDING|None assigned", "70_3|REQUEUED|n2",
+                                  "71|CANCELLED by 0|", "junk"])
+    assert jobs["70_0"] == SlurmJob("COMPLETED", "n1") and jobs["70_2"] == SlurmJob("PENDING", None)
+    assert jobs["71"].state == "CANCELLED" and requeued == {"70_3"}
+    assert parse_squeue(["70_1|PENDING||(Priority)", "70_2|RUNNING|n3|None"]) == {
+        "70_1": SlurmJob("PENDING", None, "Priority"), "70_2": SlurmJob("RUNNING", "n3", None)}
+    line = "JobId=75 ArrayJobId=70 ArrayTaskId=4-5 JobState=PENDING Reason=Resources NodeList=(null)"
+    assert parse_scontrol([line], "70") == {"70_4": SlurmJob("PENDING", None, "Resources"),
+                                            "70_5": SlurmJob("PENDING", None, "Resources")}
+
+
+def test_view_squeue_wins_and_requeued_stays_visible():
+    view = slurm_view(ok("sacct", "70_0|REQUEUED|n1\n70_1|FAILED|n2\n"),
+                      ok("squeue", "70_0|PENDING||(BeginTime)\n"))
+    assert view.jobs["70_0"] == SlurmJob("REQUEUED", None, "BeginTime")
+    assert view.jobs["70_1"].state == "FAILED" and view.sacct is None and view.squeue is None
+
+
+def test_view_asks_scontrol_only_when_sacct_is_down_and_squeue_answers():
+    sacct_down, squeue_ok = down("sacct"), ok("squeue", "")
+    assert needs_scontrol(sacct_down, squeue_ok)
+    assert not needs_scontrol(ok("sacct", ""), squeue_ok) and not needs_scontrol(sacct_down, down("squeue"))
+    view = slurm_view(sacct_down, squeue_ok,
+                      {"70": ok("scontrol", "JobId=70 ArrayJobId=70 ArrayTaskId=1 JobState=FAILED NodeList=n2")})
+    assert view.jobs == {"70_1": SlurmJob("FAILED", "n2", None)} and view.sacct == "sacct did not answer in 5 s"
+
+
+def test_ids_slurm_no_longer_knows_are_an_empty_answer_not_a_failure():
+    gone = down("squeue", "squeue failed (exit 1): Invalid job id specified", problem=FAILED)
+    view = slurm_view(ok("sacct", ""), gone)
+    assert view.squeue is None and view.jobs == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# one shard
+# ---------------------------------------------------------------------------------------------------
+def test_pending_with_reason():
+    view = SlurmView(jobs={"70_0": SlurmJob("PENDING", None, "Priority")})
+    r = state(ShardFacts(0, 4, None, None), view, job="70_0")
+    assert (r.state, r.reason, r.job, r.done, r.eta_s) == ("pending", "Priority", "70_0", 0, None)
+
+
+def test_running_on_slurm_shows_pace_and_engine_load():
+    view = SlurmView(jobs={"70_0": SlurmJob("RUNNING", "n7")})
+    r = state(ShardFacts(0, 4, None, generating()), view, job="70_0")
+    assert r.state == "running" and r.node == "n7" and r.tok_per_s == 50.0 and r.eta_s == pytest.approx(19.0)
+    assert (r.running, r.queued, r.kv_usage) == (3, 1, 0.5) and r.reason is None
+
+
+def test_done_manifest_wins_over_what_slurm_still_says():
+    view = SlurmView(jobs={"70_0": SlurmJob("RUNNING", "n7")})
+    r = state(ShardFacts(0, 4, done_manifest(0, records=4, failed=1), generating()), view, job="70_0")
+    assert (r.state, r.done, r.failed, r.output_tokens, r.tok_per_s) == ("completed", 4, 1, 400, 0.0)
+
+
+@pytest.mark.parametrize("slurm, shown", [("FAILED", "failed"), ("TIMEOUT", "timeout"), ("PREEMPTED", "preempted"),
+                                          ("CANCELLED", "cancelled"), ("OUT_OF_MEMORY", "out_of_memory"),
+                                          ("COMPLETED", "incomplete")])
+def test_ended_tasks(slurm, shown):
+    p = generating(error="engine died")
+    r = state(ShardFacts(0, 4, None, p), SlurmView(jobs={"70_0": SlurmJob(slurm, "n1")}), job="70_0")
+    assert r.state == shown and r.tok_per_s == 0.0 and r.eta_s is None and r.error == "engine died"
+    assert r.running is None
+
+
+def test_requeued_keeps_its_reason():
+    r = state(ShardFacts(0, 4, None, None), SlurmView(jobs={"70_0": SlurmJob("REQUEUED", None, "BeginTime")}),
+              job="70_0")
+    assert r.state == "requeued" and r.reason == "BeginTime" and "requeued" in ACTIVE
+
+
+def test_not_listed_yet_is_submitted_then_unknown():
+    facts = ShardFacts(0, 4, None, None)
+    assert state(facts, job="70_0", submitted=iso(NOW - 30)).state == "submitted"
+    r = state(facts, job="70_0", submitted=iso(NOW - 600))
+    assert r.state == UNKNOWN and r.reason == "neither squeue nor sacct knows job 70_0, submitted 10 min ago"
+
+
+def test_unknown_when_slurm_does_not_answer():
+    both = SlurmView(jobs={}, sacct="sacct did not answer in 5 s", squeue="squeue did not answer in 5 s")
+    r = state(ShardFacts(0, 4, None, generating()), both, job="70_1")
+    assert r.state == UNKNOWN and r.reason == "squeue did not answer in 5 s; sacct did not answer in 5 s"
+    assert r.done == 2 and r.tok_per_s == 0.0  # the run directory's counts, no pace guessed
+    only_sacct = SlurmView(jobs={}, sacct="sacct did not answer in 5 s")
+    assert state(ShardFacts(0, 4, None, None), only_sacct, job="70_1").reason == (
+        "sacct did not answer in 5 s; squeue and scontrol no longer know job 70_1")
+
+
+def test_local_worker_dead_or_alive():
+    dead = state(ShardFacts(1, 4, None, generating(1), gone="worker gone: pid 5 is not running on n1"))
+    assert dead.state == DEAD and dead.tok_per_s == 0.0 and dead.eta_s is None
+    assert dead.error == ("worker gone: pid 5 is not running on n1; resume the shard with `toolkit worker RUN 1` "
+                          "(or `toolkit run JOB`)")
+    assert state(ShardFacts(1, 4, None, generating(1))).state == "running"
+    assert state(ShardFacts(1, 4, None, None)).state == "pending"
+    assert state(ShardFacts(1, 4, None, Progress(shard=1, state="stopped", total=4))).state == "stopped"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the merge job, a whole run
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("view, expected", [
+    (SlurmView(jobs={"71": SlurmJob("PENDING", None, "Dependency")}), MergeStatus("71", "pending", False, "Dependency")),
+    (SlurmView(jobs={"71": SlurmJob("RUNNING", "n1")}), MergeStatus("71", "running", False)),
+    (SlurmView(jobs={"71": SlurmJob("COMPLETED", "n1")}), MergeStatus("71", "completed", False)),
+    (SlurmView(jobs={"71": SlurmJob("FAILED", "n1")}), MergeStatus("71", "failed", False)),
+    (SlurmView(jobs={}), MergeStatus("71", "submitted", False)),
+    (SlurmView(jobs={}, squeue="squeue did not answer in 5 s"),
+     MergeStatus("71", UNKNOWN, False, "squeue did not answer in 5 s; sacct has no row for job 71")),
+])
+def test_merge_job_states(view, expected):
+    assert merge_status(view, job="71", submitted=iso(NOW - 5), merged=False, now=NOW) == expected
+
+
+def test_no_merge_job_when_never_submitted():
+    assert merge_status(SlurmView(jobs={}), job=None, submitted="", merged=True, now=NOW) == MergeStatus(None, None, True)
+
+
+def test_run_states_follow_the_latest_submission_and_exit_codes():
+    subs = [Submission(iso(NOW - 900), [ArrayJob("70", [0, 1], ["70_0", "70_1"])], "71"),
+            Submission(iso(NOW - 60), [ArrayJob("80", [1], ["80"])], "81")]
+    jobs = index_jobs(subs)
+    assert jobs.task_of == {0: "70_0", 1: "80"} and jobs.merge_job == "81" and jobs.job_ids == ["70", "80", "81"]
+    view = SlurmView(jobs={"70_0": SlurmJob("COMPLETED", "n1"), "80": SlurmJob("RUNNING", "n2"),
+                           "81": SlurmJob("PENDING", None, "Dependency")})
+    facts = RunFacts(run_shown="RUN", shards=[ShardFacts(0, 4, done_manifest(0), None),
+                                              ShardFacts(1, 4, None, generating(1))],
+                     jobs=jobs, view=view, merged=False, now=NOW)
+    rows, merge = run_states(facts)
+    assert [r.state for r in rows] == ["completed", "running"] and rows[1].job == "80"
+    assert merge == MergeStatus("81", "pending", False, "Dependency")
+    assert totals(rows).shards == {"completed": 1, "running": 1} and totals(rows).done == 6
+    assert exit_code(rows, merge) == 0
+    rows[1].state = "failed"
+    assert exit_code(rows, MergeStatus("81", "cancelled", False)) == 1
+    assert exit_code(rows, MergeStatus("81", UNKNOWN, False, "why")) == EXIT_UNKNOWN
