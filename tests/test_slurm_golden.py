@@ -1,0 +1,189 @@
+"""What the toolkit sends to Slurm, without a cluster: every Slurm command is a mocked subprocess, and the sbatch
+scripts submitit writes (array with its `%` throttle, time, output paths, the merge job's `afterany`) are compared
+with golden files in tests/fixtures/slurm/. `TOOLKIT_UPDATE_GOLDEN=1` rewrites them.
+
+Paths of this test's folders and this Python are replaced by <TMP> and <PYTHON>; job ids are the fake sbatch's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job
+from toolkit.cli import main as cli_main
+from toolkit.rundir import RunDir
+from toolkit.slurm import read_jobs
+
+GOLDEN = Path(__file__).resolve().parent / "fixtures" / "slurm"
+SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 4, "cpus_per_task": 8, "mem": "16G",
+         "array_parallelism": 2, "signal_delay_s": 120, "setup": ["module load cuda/12.4"],
+         "merge_time": "90", "merge_cpus": 2, "merge_mem": "8G"}
+
+SCONTROL_CONFIG = "MaxArraySize            = 1001\n"
+SCONTROL_PARTITION = "PartitionName=gpu Default=YES State=UP TotalNodes=2\n"
+
+
+class FakeSlurm:
+    """Answers the Slurm commands slurmcmd runs, and stands for sbatch in submitit; records every call."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.scripts: list[str] = []
+        self.next_id = 1000
+        self.squeue = ""
+        self.sacct = ""
+
+    def answer(self, argv: list[str]) -> tuple[int, str, str]:
+        self.calls.append(list(argv))
+        cmd = argv[0]
+        if cmd == "scontrol" and argv[1:3] == ["show", "config"]:
+            return 0, SCONTROL_CONFIG, ""
+        if cmd == "scontrol" and argv[1:3] == ["show", "partition"]:
+            return 0, SCONTROL_PARTITION, ""
+        if cmd == "sinfo":
+            return 0, ("64000\n" if "%m" in argv else "gpu:4|8\n"), ""
+        if cmd == "squeue":  # rows of id|state|node|reason, cut to the fields asked for (-o)
+            n = argv[argv.index("-o") + 1].count("|") + 1
+            return 0, "".join("|".join(row.split("|")[:n]) + "\n" for row in self.squeue.splitlines()), ""
+        if cmd == "sacct":
+            return 0, self.sacct, ""
+        if cmd == "scancel":
+            return 0, "", ""
+        return 1, "", f"{cmd}: error: not expected in this test"
+
+    def sbatch(self, command: list[str]) -> str:
+        self.calls.append(["sbatch", "<SCRIPT>"])
+        self.scripts.append(Path(command[-1]).read_text())
+        self.next_id += 1
+        return f"Submitted batch job {self.next_id}\n"
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    import submitit.core.utils
+
+    slurm = FakeSlurm()
+
+    class Popen:
+        def __init__(self, argv, **kw):
+            self.pid = os.getpid()
+            self.returncode, self._out, self._err = slurm.answer(argv)
+
+        def communicate(self, timeout=None):
+            return self._out, self._err
+
+    class CommandFunction:
+        def __init__(self, command, verbose=False, **kw):
+            self.command = command
+
+        def __call__(self, *args, **kw):
+            return slurm.sbatch(self.command)
+
+    fake_subprocess = types.SimpleNamespace(Popen=Popen, PIPE=subprocess.PIPE, DEVNULL=subprocess.DEVNULL,
+                                            TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr("toolkit.slurmcmd.subprocess", fake_subprocess)
+    monkeypatch.setattr(submitit.core.utils, "CommandFunction", CommandFunction)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    bin_dir = tmp_path / "bin"  # submitit builds an executor only where it finds srun
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return slurm
+
+
+def normalize(text: str, tmp: Path) -> str:
+    text = text.replace(str(tmp.resolve()), "<TMP>").replace(str(tmp), "<TMP>")
+    return text.replace(sys.executable, "<PYTHON>")
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("TOOLKIT_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with TOOLKIT_UPDATE_GOLDEN=1 to write it"
+    assert text == path.read_text(), f"{name} differs from the golden file (TOOLKIT_UPDATE_GOLDEN=1 to accept)"
+
+
+def calls_text(calls: list[list[str]]) -> str:
+    return "".join(" ".join(c) + "\n" for c in calls)
+
+
+def submitted(fake: FakeSlurm, tmp: Path) -> str:
+    parts = ["# Slurm commands, in order\n" + calls_text(fake.calls)]
+    parts += [f"# sbatch script {i + 1}\n{s}" for i, s in enumerate(fake.scripts)]
+    return normalize("\n".join(parts), tmp)
+
+
+def test_submit_sends_one_throttled_array_and_a_merge_job_after_it(fake, tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job), "--time", "2:00:00"]) == 0
+    out = capsys.readouterr().out
+    assert "Submitted batch job 1001 (array of 3 shard tasks 1001_[0-2]: task i runs shard i, shards 0-2)" in out
+    assert "Submitted batch job 1002 (merge + audit, after 1001)" in out
+    array, merge = fake.scripts
+    assert "#SBATCH --array=0-2%2" in array and "#SBATCH --time=02:00:00" in array
+    assert "#SBATCH --dependency=afterany:1001" in merge and "#SBATCH --time=01:30:00" in merge
+    check_golden("submit.txt", submitted(fake, tmp_path))
+    subs = read_jobs(RunDir(tmp_path / "run")).submissions
+    assert [(a.job_id, a.shards, a.tasks) for a in subs[0].arrays] == [("1001", [0, 1, 2], ["1001_0", "1001_1", "1001_2"])]
+    assert subs[0].merge_job_id == "1002"
+
+
+def test_status_cancel_and_resubmit_ask_slurm_this(fake, tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job)]) == 0
+    run = str(tmp_path / "run")
+    fake.calls.clear()
+    fake.scripts.clear()
+
+    fake.sacct = "1001_0|COMPLETED|n1\n1001_1|FAILED|n2\n1001_2|TIMEOUT|n1\n1002|CANCELLED by 0|\n"
+    assert cli_main(["status", run]) == 1
+    out = capsys.readouterr().out
+    assert "    1 failed" in out and "    2 timeout" in out and "merge: job 1002 cancelled" in out
+    status_calls = calls_text(fake.calls)
+    fake.calls.clear()
+
+    assert cli_main(["cancel", run]) == 0
+    assert capsys.readouterr().out.strip() == "cancelled 1001, 1002"
+    cancel_calls = calls_text(fake.calls)
+    fake.calls.clear()
+
+    fake.squeue = "1001_1|RUNNING|n2|None\n"
+    assert cli_main(["resubmit", run]) == 1
+    assert "1 jobs of this run are still pending or running (1001_1 running)" in capsys.readouterr().err
+    fake.squeue = ""
+    assert cli_main(["resubmit", run, "-p", "gpu"]) == 0
+    assert "resubmitting 3 shards without a done manifest: 0-2" in capsys.readouterr().out
+    text = normalize("# status\n" + status_calls + "\n# cancel\n" + cancel_calls + "\n# resubmit\n"
+                     + calls_text(fake.calls) + "\n" + "\n".join(f"# sbatch script {i + 1}\n{s}"
+                                                                for i, s in enumerate(fake.scripts)), tmp_path)
+    check_golden("status_cancel_resubmit.txt", text)
+
+
+def test_a_bad_option_is_refused_before_slurm_is_asked_to_submit(fake, tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job), "--gpus-per-node", "8"]) == 2
+    assert "have at most 4 GPUs" in capsys.readouterr().err
+    assert not fake.scripts and all(c[0] != "sbatch" for c in fake.calls)
+
+
+def test_slurm_refusing_the_submission_exits_1(fake, tmp_path, toy_tokenizer, capsys, monkeypatch):
+    from submitit.core.utils import FailedJobError
+
+    def refuse(command):
+        raise FailedJobError("sbatch: error: Batch job submission failed: Invalid qos specification")
+
+    monkeypatch.setattr(fake, "sbatch", refuse)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job)]) == 1
+    assert capsys.readouterr().err.strip().endswith(
+        "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid qos specification; check "
+        "`squeue --me` for jobs this command may already have submitted")
