@@ -571,12 +571,10 @@ def live_jobs(rd: RunDir) -> dict[str, str]:
     ids = job_ids(rd)
     if not ids:
         return {}
-    out = _run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"])
-    live = {}
-    for line in out.splitlines():
-        jid, _, state = line.partition("|")
-        live[jid.strip()] = state.strip()
-    return live
+    from .states import parse_squeue
+
+    out = _run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N|%r"])  # the rows status reads too
+    return {jid: job.state for jid, job in parse_squeue(out.splitlines()).items()}
 
 
 def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:
