@@ -87,3 +87,70 @@ def test_no_import_cycles():
     shown = "\n".join("  " + " <-> ".join(c) + "\n    " + "; ".join(
         f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found)
     assert not found, f"import cycles between toolkit modules:\n{shown}"
+
+
+# The layers, top to bottom; a module may import its own layer or any layer below it, never one above.
+# A module is placed by the longest name here that is it or a package holding it.
+LAYERS = [
+    ("command line", ["toolkit.cli", "toolkit.__main__"]),
+    ("cluster", ["toolkit.slurm", "toolkit.status", "toolkit.states", "toolkit.retry", "toolkit.livebar"]),
+    ("pipeline", ["toolkit.pipeline", "toolkit.preflight"]),
+    ("stages", ["toolkit.worker", "toolkit.merge", "toolkit.audit", "toolkit.report", "toolkit.export",
+                "toolkit.samples", "toolkit"]),
+    ("parts", ["toolkit.client", "toolkit.engines", "toolkit.chat", "toolkit.plan", "toolkit.turns",
+               "toolkit.toolcalls", "toolkit.progress"]),
+    ("formats", ["toolkit.shardfile", "toolkit.records", "toolkit.spec", "toolkit.inputs", "toolkit.files",
+                 "toolkit.fmt", "toolkit.rundir", "toolkit.errors", "toolkit.slurmcmd",
+                 "toolkit.engines.sglang_flags", "toolkit.toy_tokenizer"]),
+]
+
+
+def layer_of(module: str) -> int | None:
+    best, found = -1, None
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            inside = module.startswith(name + ".") and name != "toolkit"  # `toolkit` is the package's __init__ only
+            if (module == name or inside) and len(name) > best:
+                best, found = len(name), i
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in import_graph() if layer_of(m) is None)
+    assert not unplaced, f"modules with no layer in tests/test_layout.py LAYERS: {unplaced}"
+
+
+def test_imports_run_one_way():
+    graph = import_graph()
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+              for a in sorted(graph) for b in sorted(graph[a])
+              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) < layer_of(a)]
+    assert not upward, "imports against the layers, top to bottom " + " > ".join(n for n, _ in LAYERS) + ":\n  " + \
+        "\n  ".join(upward)
+
+
+def test_layer_check_can_fail():
+    assert layer_of("toolkit.engines.stub_server.app") == layer_of("toolkit.engines")
+    assert layer_of("toolkit.engines.sglang_flags") == len(LAYERS) - 1
+    assert layer_of("toolkit.cli") < layer_of("toolkit.worker") < layer_of("toolkit.records")
+    assert layer_of("toolkit.not_placed") is None
+
+
+def test_nothing_below_the_cli_parses_arguments():
+    """argparse belongs to the command line; the separate programs (stub server, rank launcher, toy tokenizer)
+    and the SGLang flag checker, which mirrors SGLang's own parser, have command lines of their own."""
+    own_programs = ("toolkit.cli", "toolkit.engines.stub_server", "toolkit.engines.rank", "toolkit.engines.sglang",
+                    "toolkit.engines.sglang_flags", "toolkit.toy_tokenizer")
+    users = []
+    for path in PACKAGE.rglob("*.py"):
+        mod = _module_name(path)
+        if any(mod == p or mod.startswith(p + ".") for p in own_programs):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if "argparse" in names:
+                    users.append(mod)
+            elif isinstance(node, ast.Attribute) and node.attr in ("Namespace",):
+                users.append(mod)
+    assert not sorted(set(users)), f"modules below the CLI that use argparse: {sorted(set(users))}"
