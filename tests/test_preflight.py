@@ -144,7 +144,7 @@ def test_over_long_prompts_are_refused_with_what_to_do(tmp_path, toy_tokenizer, 
 
 
 def test_the_length_rule_is_sglangs(tmp_path, toy_tokenizer):
-    """§5.6: refused when len + max_new_tokens > context, or len >= context - 6; len + max_new_tokens == context
+    """As SGLang checks lengths (tokenizer manager, then scheduler): refused when len + max_new_tokens > context, or len >= context - 6; len + max_new_tokens == context
     passes (the scheduler then lowers max_new_tokens by a token or two: a warning)."""
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=1)
     n = lengths(job)[0]

@@ -36,7 +36,7 @@ __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"
 SHOWN = 5  # places listed per problem and dataset; the rest are counted
 CHUNK = 4096  # prompts read and rendered at a time (memory stays flat whatever the dataset size)
 # SGLang's scheduler refuses an input of max_req_input_len = min(context_len - 1, kv_pool - 1) - 5 tokens or more
-# (sglang-protocol §5.6, step 2); the KV pool is unknown before the engine starts, so it is taken as large.
+# (SGLang 0.5.23, srt/managers/tp_worker.py and managers/utils.py); the KV pool is unknown before the engine starts, so it is taken as large.
 SCHEDULER_MARGIN = 6
 UNBOUNDED = 10**9  # tokenizer_config model_max_length of a tokenizer without a limit (transformers' 1e30 sentinel)
 
@@ -182,7 +182,7 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
                     continue
                 if tightest is None or n + mnt > tightest[0]:
                     tightest = (n + mnt, d.name)
-                # sglang-protocol §5.6: input >= context; input + max_new_tokens > context; input >= the scheduler's
+                # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input + max_new_tokens > context; input >= the scheduler's
                 # max_req_input_len; then the scheduler's clamp of max_new_tokens to max_req_len - input - 1.
                 if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
                     too_long.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")

@@ -31,7 +31,7 @@ DATA_FILE = Path(__file__).with_name("sglang_flags.json")
 # Which release's flags the login-side check uses for kind = "sglang" (default: the newest in the data).
 VERSION_ENV = "TOOLKIT_SGLANG_VERSION"
 
-# Flags renamed between releases that a near-miss search would not find (protocol notes §1.1).
+# Flags renamed between releases that a near-miss search would not find (read from SGLang's server_args.py of each release).
 RENAMED = {"--stream-output": "--incremental-streaming-output"}
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
