@@ -131,11 +131,7 @@ def cmd_export(args) -> int:
     from .files import shown_path
 
     output = args.output or export.default_output(args.run, args.format)
-    try:
-        n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
-    except export.ExportError as e:
-        print(f"toolkit: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
     print(f"wrote {n} records to {shown_path(output)} ({args.format})")
     return EXIT_OK
 

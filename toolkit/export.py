@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from . import chat
+from .errors import BadInputError
 from .inputs import InputError, PromptReader
 from .merge import MERGED, PlannedRefs, load_manifest
 from .plan import RunPlan, check_plan_inputs, load_run
@@ -48,7 +49,7 @@ DEFAULT_NAMES = {"jsonl": "records.jsonl", "parquet": "records.parquet", "tokens
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
-class ExportError(Exception):
+class ExportError(BadInputError):
     """An export that cannot be made (bad format, missing optional package, unwritable output)."""
 
 
