@@ -164,7 +164,7 @@ def _profile(argv: list[str] | None) -> str:
 
 
 def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
-    from .sglang_flags import add_to_parser, flag_set
+    from ..sglang_flags import add_to_parser, flag_set
 
     flags = flag_set(version)
     p = _Parser(
@@ -2144,6 +2144,3 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("Load weight end. type=StubEngine, dtype=none, avail mem=0.00 GB, mem usage=0.00 GB.")
     return asyncio.run(serve(cfg, model, started))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
