@@ -15,6 +15,10 @@ answer, sometimes a tool-call section, then EOS (see `plan_output`). Fault injec
 HTTP/1.1 is served by a small asyncio protocol (keep-alive, Content-Length or chunked bodies, pipelining);
 JSON goes through msgspec, and a plain `/generate` is answered synchronously with no task per request, so
 the server stays cheap next to the client it is benchmarked with.
+
+Modules: config (command line), contract (request validation, sampling params), model (token material and
+the output rule), cache (prefix cache), faults (fault injection), http (the connection protocol), server
+and responses (StubServer), __main__ (the process).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from .faults import NAN_MATCHED, nan_stop
 from .http import Connection, Request
 from .model import (CORPUS_CHARS, TOOL_CALLS, TOOL_FORMATS, Item, Segments, StubModel, drop_planned, fake_logprob,
                     finish_item, item_text, output_seed, plan_continuation, plan_output)
-from .server import ABORTED, ABORTED_WAITING, InFlight, StubServer
+from .responses import ABORTED, ABORTED_WAITING
+from .server import InFlight, StubServer
 
 __all__ = [
     "ABORTED", "ABORTED_WAITING", "CORPUS_CHARS", "DEFAULT_MAX_RUNNING", "LOG_PREFIX", "MODELLED", "NAN_MATCHED",
