@@ -225,6 +225,23 @@ def _parse(*args: str):
     return parse_config(["--model-path", "/m", *args])
 
 
+def test_fault_decisions_fire_on_the_requests_their_flags_name():
+    from toolkit.engines.stub_server import faults
+
+    numbers = range(1, 13)
+    due = lambda decide, *args: [n for n in numbers if decide(_parse(*args), n)]  # noqa: E731
+    assert due(faults.crash_due, "--crash-after", "3") == list(range(3, 13))
+    assert due(faults.fail_5xx_due, "--fail-5xx", "4:2") == [4, 5]
+    assert due(faults.hang_due, "--hang-after", "10") == [11, 12]
+    assert due(faults.hang_due, "--hang") == list(numbers)
+    assert due(faults.nan_due, "--nan-every", "5") == [5, 10]
+    for decide in (faults.crash_due, faults.fail_5xx_due, faults.hang_due, faults.nan_due):
+        assert due(decide) == [], "no flag, no fault"
+    assert faults.exit_at_start(_parse("--exit-at-start", "7")) == 7
+    assert faults.exit_at_start(_parse("--exit-at-start-if-exists", str(REPO / "no such file"))) is None
+    assert faults.exit_at_start(_parse("--exit-at-start-if-exists", str(REPO))) == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cuda-graph-max-bs", "8"], "ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode, "
                                    "--cuda-graph-max-bs-prefill"),
