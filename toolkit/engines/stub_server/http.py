@@ -35,7 +35,7 @@ class Request(msgspec.Struct):
 class Connection(asyncio.Protocol):
     """One client connection: parses HTTP/1.1 requests in order and writes the answers."""
 
-    def __init__(self, server: "StubServer"):
+    def __init__(self, server):  # the StubServer whose routes answer (server imports this module, not the reverse)
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
