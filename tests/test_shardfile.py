@@ -12,7 +12,7 @@ import zstandard
 
 from toolkit.records import OK, Record, failed_record, pack_ids, unpack_ids
 from toolkit.shardfile import (
-    CorruptShard, Damage, ShardWriter, iter_frames, read_done, read_shard, scan, verify_done, write_done,
+    CorruptShard, Damage, ShardWriter, intact_frames, iter_frames, read_done, read_shard, scan, verify_done, write_done,
 )
 
 
@@ -96,6 +96,40 @@ def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_pat
     kept = list(tmp_path.glob("s.zst.damaged-*"))
     assert kept == [w.damaged] and kept[0].read_bytes() == bytes(data)  # the original, untouched, for inspection
     assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def test_intact_frames_reads_on_past_a_damaged_middle_frame_and_notes_a_torn_end(tmp_path):
+    path = tmp_path / "s.zst"
+    write(path, [rec(i) for i in range(16)])
+    frames = list(iter_frames(path))
+    data = bytearray(path.read_bytes())
+    data[frames[1].offset + 40] ^= 0xFF
+    path.write_bytes(bytes(data[: frames[3].end - 5]))  # and the last frame cut short
+    damage: list[Damage] = []
+    kept = list(intact_frames(path, damage))
+    assert [f.offset for f in kept] == [frames[0].offset, frames[2].offset]
+    assert [r.index for f in kept for r in f.batch] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert [(d.offset, d.torn) for d in damage] == [(frames[1].offset, False), (frames[3].offset, True)]
+    assert damage[0].end == frames[2].offset and "checksum" in damage[0].why
+
+
+def test_intact_frames_of_an_intact_file_note_no_damage(tmp_path):
+    path = tmp_path / "s.zst"
+    write(path, [rec(i) for i in range(10)])
+    damage: list[Damage] = []
+    assert [f.records for f in intact_frames(path, damage)] == [4, 4, 2] and damage == []
+
+
+def test_intact_frames_of_a_file_with_a_bad_header_yield_nothing_and_note_it(tmp_path):
+    path = tmp_path / "s.zst"
+    write(path, [rec(i) for i in range(8)])
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    damage: list[Damage] = []
+    assert list(intact_frames(path, damage)) == []
+    assert len(damage) == 1 and damage[0].offset == 0 and damage[0].end == len(data) and not damage[0].torn
+    assert "bad header" in damage[0].why
 
 
 def _flip_count(path, frame_no: int) -> None:

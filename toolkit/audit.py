@@ -52,9 +52,7 @@ import numpy as np
 from . import chat
 from .fmt import utc_now
 from .inputs import InputError, PromptReader
-from .merge import (
-    MERGED, MergeError, MergeManifest, PlannedRefs, load_manifest,
-)
+from .merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
 from .plan import RunPlan, check_plan_inputs, load_run
 from .rundir import RunDir
 from .progress import read_progress
@@ -304,7 +302,7 @@ class Auditor:
         self.tok = tokenizer if tokenizer is not None else chat.load_tokenizer(model)
         self.info = info if info is not None else chat.token_info(self.tok, model)
         self.blank = frozenset(self.info.blank_ids)
-        self.refs = PlannedRefs(rd, plan)
+        self.refs = planned_refs(rd, plan)
         self.seen = bytearray(plan.total)
         self.ds = {d.name: _Acc(d.name, d.planned) for d in plan.datasets}
         self.shards = [_ShardAcc() for _ in plan.shards]

@@ -30,8 +30,8 @@ import numpy as np
 
 from . import chat
 from .inputs import InputError, PromptReader
-from .merge import MERGED, PlannedRefs, load_manifest
-from .plan import RunPlan, check_plan_inputs, load_run
+from .merge import MERGED, load_manifest
+from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
 from .rundir import RunDir
 from .records import OK, Record, last_meaningful as _last_meaningful, split_parts
 from .shardfile import decode_batch, iter_frames, read_header

@@ -17,29 +17,27 @@ import fcntl
 import logging
 import os
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from .files import atomic_write, fsync_dir, sha256_file
 from .fmt import ranges, utc_now
-from .plan import PromptRef, RunPlan, ShardPlan, load_run
+from .plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
 from .rundir import RunDir
 from .records import OK, Record
 from .shardfile import (
     CorruptShard,
     Damage,
     DoneManifest,
-    Frame,
     ShardWriter,
     decode_batch,
+    intact_frames,
     read_done,
     read_frame_at,
     read_header,
-    scan,
 )
 
 __all__ = [
@@ -47,9 +45,10 @@ __all__ = [
     "FrameProblem",
     "MergeError",
     "MergeManifest",
-    "PlannedRefs",
+    "finished_shards",
     "load_manifest",
     "merge_run",
+    "planned_refs",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,58 +121,6 @@ class MergeManifest(msgspec.Struct):
     foreign_ids: list[str] = []
 
 
-_ref_decoder = msgspec.msgpack.Decoder(PromptRef)
-
-
-class PlannedRefs:
-    """The plan's prompt refs, decoded one shard at a time: a run may plan millions of prompts."""
-
-    def __init__(self, rd: RunDir, plan: RunPlan):
-        try:
-            data = rd.prompts_file.read_bytes()
-        except FileNotFoundError:
-            raise MergeError(f"{rd.prompts_file} is missing: the run directory is damaged; plan the job again") from None
-        self._raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
-        if len(self._raw) != plan.total:
-            raise MergeError(f"{rd.prompts_file} holds {len(self._raw)} prompts but run.json plans {plan.total}")
-        self.shards = plan.shards
-        self._firsts = [s.first for s in plan.shards]
-        self._k = -1
-        self._refs: list[PromptRef] = []
-
-    def shard_of(self, pos: int) -> int:
-        return bisect_right(self._firsts, pos) - 1
-
-    def shard(self, k: int) -> list[PromptRef]:
-        if k != self._k:
-            s = self.shards[k]
-            self._refs = [_ref_decoder.decode(r) for r in self._raw[s.first : s.first + s.count]]
-            self._k = k
-        return self._refs
-
-    def at(self, pos: int) -> PromptRef | None:
-        if not 0 <= pos < len(self._raw):
-            return None
-        k = self.shard_of(pos)
-        return self.shard(k)[pos - self.shards[k].first]
-
-
-# ---------------------------------------------------------------------------------------------------
-# reading a shard file, past damaged frames
-# ---------------------------------------------------------------------------------------------------
-def _frames(path: Path, shard: int, corrupt: list[FrameProblem], torn: list[FrameProblem]) -> Iterator[Frame]:
-    """Every intact frame of a shard file (judged by shardfile.read_frame, past damage); damaged stretches go to
-    `corrupt`, a torn end to `torn`."""
-    try:
-        for item in scan(path):
-            if isinstance(item, Damage):
-                (torn if item.torn else corrupt).append(FrameProblem(shard, str(path), item.offset, item.why))
-            else:
-                yield item
-    except CorruptShard as e:  # the header: nothing in this file can be trusted as this run's
-        corrupt.append(FrameProblem(shard, str(path), e.offset, e.why))
-
-
 # ---------------------------------------------------------------------------------------------------
 # merging
 # ---------------------------------------------------------------------------------------------------
@@ -200,7 +147,8 @@ def _merge_shard(
 
     # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
     if path is not None:
-        for frame in _frames(path, sp.index, corrupt, torn):
+        damage: list[Damage] = []
+        for frame in intact_frames(path, damage):
             recs = decode_batch(frame)  # decoded and counted by read_frame, so the second pass cannot fail on it
             fno = len(offsets)
             offsets.append(frame.offset)
@@ -219,6 +167,8 @@ def _merge_shard(
                     if len(t.duplicate_ids) < SAMPLE_IDS:
                         t.duplicate_ids.append(h.id)
                 frame_of[pos], item_of[pos] = fno, i
+        for d in damage:
+            (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
 
     # Pass 2: records in planned order, frames decoded through a cache bounded in bytes.
     uses = [0] * len(offsets)
@@ -256,6 +206,14 @@ def _merge_shard(
         emit(rec)
 
 
+def planned_refs(rd: RunDir, plan: RunPlan) -> PlannedRefs:
+    """The plan's prompt refs; MergeError when the run directory does not hold them."""
+    try:
+        return PlannedRefs(rd, plan)
+    except PlanError as e:
+        raise MergeError(str(e)) from None
+
+
 def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False) -> dict[int, DoneManifest]:
     """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
     not_done, done = [], {}
@@ -285,7 +243,7 @@ def merge_run(
     """
     rd, plan = load_run(run_dir)
     done = finished_shards(rd, plan, allow_incomplete=allow_incomplete)
-    refs = PlannedRefs(rd, plan)
+    refs = planned_refs(rd, plan)
     out_dir = rd.merged_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{rd.merged_file.name}.tmp"

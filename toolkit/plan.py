@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ from .turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanError", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run"]
+__all__ = [
+    "PlanError", "PlannedRefs", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run",
+]
 
 PLAN_FORMAT = 1
 
@@ -234,6 +237,48 @@ class RefSlice:
     def __getitem__(self, i: int) -> PromptRef:
         begin = self._ends[i - 1] if i else 0
         return self._decode(self._data[begin : self._ends[i]])
+
+
+class PlannedRefs:
+    """Every planned prompt ref by position, decoded one shard at a time: a run may plan millions of prompts.
+
+    What merge, audit and export look a record's planned prompt up in. PlanError when `prompts.msgpack` is
+    missing or does not hold the plan's prompts.
+    """
+
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, plan: RunPlan):
+        try:
+            data = rd.prompts_file.read_bytes()
+        except FileNotFoundError:
+            raise PlanError(f"{rd.prompts_file} is missing: the run directory is damaged; plan the job again") from None
+        self._raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        if len(self._raw) != plan.total:
+            raise PlanError(f"{rd.prompts_file} holds {len(self._raw)} prompts but {rd.plan_file.name} plans {plan.total}")
+        self.shards = plan.shards
+        self._firsts = [s.first for s in plan.shards]
+        self._k = -1
+        self._refs: list[PromptRef] = []
+
+    def shard_of(self, pos: int) -> int:
+        """The index (in the plan's shard list) of the shard that owns planned position `pos`."""
+        return bisect_right(self._firsts, pos) - 1
+
+    def shard(self, k: int) -> list[PromptRef]:
+        """The refs of shard `k`, in planned order (the last shard asked for is kept decoded)."""
+        if k != self._k:
+            s = self.shards[k]
+            self._refs = [self._decode(r) for r in self._raw[s.first : s.first + s.count]]
+            self._k = k
+        return self._refs
+
+    def at(self, pos: int) -> PromptRef | None:
+        """The ref of planned position `pos`; None outside the plan."""
+        if not 0 <= pos < len(self._raw):
+            return None
+        k = self.shard_of(pos)
+        return self.shard(k)[pos - self.shards[k].first]
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:

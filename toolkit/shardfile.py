@@ -13,7 +13,8 @@ it. Where flock works but is node-local, the Slurm array runs one task per shard
 
 Every reader (the worker's resume, `read_shard`, merge, audit, export) judges a frame through one function,
 `read_frame`: descriptor marker and checksum, data checksum, zstd, msgpack, and the record count. `scan` walks a
-file past damaged frames, finding the next intact one by its marker, so a damaged frame costs only its records.
+file past damaged frames, finding the next intact one by its marker, so a damaged frame costs only its records;
+`intact_frames` is that walk as a merge uses it (the intact frames, the damage noted aside).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "RetryRequest",
     "ShardLocked",
     "ShardWriter",
+    "intact_frames",
     "iter_frames",
     "needs_work",
     "read_done",
@@ -233,6 +235,24 @@ def iter_frames(path: str | Path, *, tail: list | None = None) -> Iterator[Frame
             if tail is not None:
                 tail.append((item.offset, item.why))
             return
+
+
+def intact_frames(path: str | Path, damage: list[Damage]) -> Iterator[Frame]:
+    """Every intact frame of a shard file, reading on past damaged ones (`scan`): what a merge salvages.
+
+    Each damaged stretch is appended to `damage` (the last one `torn` when nothing intact follows it); a bad
+    header, which makes nothing in the file trustworthy, is appended as one damaged stretch from byte 0 to the
+    end, and no frame is read.
+    """
+    path = Path(path)
+    try:
+        for item in scan(path):
+            if isinstance(item, Damage):
+                damage.append(item)
+            else:
+                yield item
+    except CorruptShard as e:
+        damage.append(Damage(e.offset, path.stat().st_size, e.why, False))
 
 
 def read_frame_at(path: str | Path, offset: int) -> Frame:
