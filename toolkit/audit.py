@@ -3,254 +3,48 @@
 Everything is checked on token ids (the stored packed uint32 ids, never re-tokenized text); the run's tokenizer
 is loaded only for its think / eos ids and to re-render a sample of prompts with the chat template. `Auditor`
 accumulates over records in a single pass — the merge feeds it as it writes — with memory in a few bytes per
-record; `audit_run` audits an existing merged dataset. Thresholds come from the job's [audit] table: breaking
-one fails the audit with a message that says what was seen and what to check.
+record, then `finish` turns the totals into an `AuditReport` (schema: `auditreport`; the checks: `checks`;
+re-rendering prompts: `reprompt`) and writes `failed_ids.txt`. Missing ids are the merge's (its manifest and
+`missing_ids.txt`). `audit_run` audits an existing merged dataset.
 
-The checks exist because of a run whose reasoning fields were silently empty for days: outputs that stop
-normally without a think-end id mean the reasoning sits in the content, and that must never pass unnoticed.
-
-Checks (name: what must hold; [audit] key):
-  coverage                every planned id present exactly once, ok or failed (ids of the rest: missing_ids.txt)
-  damaged_frames          no damaged frame in any shard file; shard_checksums: finished files match their manifests
-  failed_share            failed / planned <= max_failed_share (ids: failed_ids.txt)
-  nan_stop                no output stopped by SGLang on NaN logits (failed records of kind nan, or ok ones of
-                          older runs): they end in an EOS the model never wrote
-  reasoning_mode          [model] expect_reasoning = true: no prompt the template rendered with reasoning closed,
-                          and at least one output really in reasoning mode (no vacuous pass); outputs are counted
-                          per mode (opened by the template, opened by the model itself, closed, unknown)
-  no_reasoning            expect_reasoning = false instead of the reasoning checks: outputs holding a think token /
-                          ok <= max_reasoning_share
-  think_end_share         outputs holding the think-end id / ok outputs expected to reason >= min_think_end_share
-  stop_without_think_end  outputs finished by a stop token without a think-end / those finished by a stop token
-                          <= max_stop_without_think_end_share (the seed's failure)
-  empty_reasoning         nothing but blanks before the think-end / outputs with a think-end <= max_empty_reasoning_share
-  empty_content           nothing but blanks between think-end and stop / finished outputs with a think-end
-                          <= max_empty_content_share
-  double_think_start      a think-start in the output although the prompt ends with one / such prompts
-                          <= max_double_think_start_share
-  length_share            finished by length / ok, per dataset, <= max_length_share
-  stop_tokens, token_counts, reasoning_split, vocabulary, prompt_rerender: no exception at all (a `stop` finish
-                          ends with its matched id; completion/prompt_tokens equal the ids; reasoning_end is the first
-                          think-end; every id inside the tokenizer; `reprompt_sample` prompts re-render identically)
 An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched off by the
 template). Whitespace-only ids are ignored at the end of prompts and when deciding that a part is empty.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 from array import array
 from collections import Counter
-from pathlib import Path
 
 import msgspec
 import numpy as np
 
 from . import chat
+from .auditreport import (
+    AUDIT_FORMAT, AuditReport, Check, DatasetStats, Histogram, Integrity, Lengths, ReasoningCounts, ShardStats,
+    TokenSummary, TurnStats,
+)
+from .checks import run_checks
+from .files import atomic_write, sha256_file
 from .fmt import utc_now
-from .inputs import InputError, PromptReader
 from .merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
-from .plan import RunPlan, check_plan_inputs, load_run
-from .rundir import RunDir
+from .plan import RunPlan, load_run
 from .progress import read_progress
-from .records import NAN_MATCHED, OK, Record, is_nan_stop, pack_ids
-from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
-from .turns import turn_prompt
-from .samples import DatasetSamples, SampleCollector
+from .records import OK, Record, all_blank, ends_with_stop, id_at, id_positions, is_nan_stop, last_meaningful, split_parts
+from .reprompt import rerender, sample_positions
+from .rundir import RunDir
+from .samples import SampleCollector
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
-__all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
+__all__ = ["Auditor", "audit_run"]
 
 log = logging.getLogger(__name__)
 
-AUDIT_FORMAT = 1
 HIST_BINS = 30
 EXAMPLES = 5                     # ids quoted per kind of problem
-
-
-# ---------------------------------------------------------------------------------------------------
-# report schema (audit.json)
-# ---------------------------------------------------------------------------------------------------
-class Check(msgspec.Struct):
-    name: str
-    passed: bool
-    value: float | None      # the measured share or count
-    limit: float | None      # the threshold it is held to
-    message: str
-    unit: str = "count"      # "share" (a fraction) or "count"
-
-
-class Lengths(msgspec.Struct):
-    count: int = 0
-    total: int = 0
-    mean: float = 0.0
-    p50: int = 0
-    p90: int = 0
-    p99: int = 0
-    max: int = 0
-
-
-class Histogram(msgspec.Struct):
-    edges: list[int]         # bin i holds lengths in [edges[i], edges[i+1])
-    counts: list[int]
-
-
-class ReasoningCounts(msgspec.Struct):
-    """Counts over ok records; `expected` are those whose prompt does not close reasoning (thinking on)."""
-
-    expected: int = 0
-    think_end: int = 0                   # output holds the think-end id
-    stopped: int = 0                     # expected and finished with a stop token
-    stopped_without_think_end: int = 0   # the seed's failure: reasoning left in the content
-    length_without_think_end: int = 0    # truncated while reasoning
-    empty_reasoning: int = 0             # think-end present, nothing but blanks before it
-    stopped_with_think_end: int = 0
-    empty_content: int = 0               # reasoning, then nothing but blanks after the think-end
-    opened_by_template: int = 0          # prompt ends with the think-start id
-    double_think_start: int = 0          # ... and the model wrote a think-start again
-    closed_by_template: int = 0          # prompt ends with the think-end id (thinking off)
-    # Every ok output by the reasoning mode its prompt left the model in (chat.reasoning_mode).
-    mode_opened: int = 0                 # the template opened reasoning (= opened_by_template + closed ones: none)
-    mode_model_opens: int = 0            # the prompt ends at the assistant header: the model opens it itself
-    mode_unknown: int = 0                # a template that never mentions the think tokens
-    in_reasoning: int = 0                # outputs really in reasoning mode: opened by the prompt or the model,
-                                         # or holding the think-end id
-    think_tokens: int = 0                # outputs holding a think-start or think-end id anywhere
-    nan_stops: int = 0                   # ok records SGLang stopped on NaN logits (older runs stored them as ok)
-    nan_failed: int = 0                  # failed records of the NaN stop (failure "nan"): to generate again
-
-
-class DatasetStats(msgspec.Struct):
-    name: str
-    planned: int = 0
-    records: int = 0
-    ok: int = 0
-    failed: int = 0
-    missing: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0               # of prompt_tokens, found in the server's prefix cache
-    output_tokens: int = 0
-    prompt_len: Lengths = msgspec.field(default_factory=Lengths)
-    output_len: Lengths = msgspec.field(default_factory=Lengths)
-    reasoning_len: Lengths = msgspec.field(default_factory=Lengths)
-    content_len: Lengths = msgspec.field(default_factory=Lengths)
-    finish: dict[str, int] = {}
-    errors: dict[str, int] = {}
-    length_share: float = 0.0
-    reasoning: ReasoningCounts = msgspec.field(default_factory=ReasoningCounts)
-    histograms: dict[str, Histogram] = {}
-
-
-class ShardStats(msgspec.Struct):
-    index: int
-    done: bool
-    planned: int
-    records: int = 0
-    ok: int = 0
-    failed: int = 0
-    missing: int = 0
-    duplicates: int = 0
-    damaged_frames: int = 0
-    torn_frames: int = 0
-    output_tokens: int = 0
-    matches_done: bool | None = None
-    tok_per_s: float | None = None      # generation throughput of its last attempt (progress file)
-    mean_latency_s: float | None = None
-    host: str | None = None
-    engine_restarts: int | None = None
-
-
-class TurnStats(msgspec.Struct):
-    """Per user turn of a regenerated dataset ([[datasets]] regenerate = true)."""
-
-    dataset: str
-    turn: int                    # 1-based, as people count turns
-    records: int = 0
-    ok: int = 0
-    failed: int = 0
-    output_tokens: int = 0
-    think_end: int = 0           # ok outputs holding the think-end id
-    length: int = 0              # ok outputs cut by max_new_tokens
-    prompt_tokens: int = 0       # the history grows turn by turn
-
-
-class Integrity(msgspec.Struct):
-    id_mismatch: int = 0          # record id differs from the planned id at its position
-    seen_twice: int = 0           # a position present more than once in the merged file
-    completion_mismatch: int = 0  # completion_tokens != len(output_ids)
-    prompt_mismatch: int = 0      # prompt_tokens != len(prompt_ids)
-    split_mismatch: int = 0       # stored reasoning_end is not the first think-end id
-    stop_mismatch: int = 0        # a `stop` finish whose matched id is not the last output id
-    unexpected_stop: int = 0      # matched stop id neither an eos id nor a configured stop_token_id
-    bad_finish: int = 0           # an ok record without a stop or length finish
-    out_of_vocab: int = 0         # an id >= the tokenizer's size
-    examples: dict[str, list[str]] = {}
-
-
-class Reprompt(msgspec.Struct):
-    sampled: int = 0
-    mismatched: int = 0
-    examples: list[str] = []
-
-
-class TokenSummary(msgspec.Struct):
-    tokenizer: str
-    think_start: str
-    think_start_id: int
-    think_end: str
-    think_end_id: int
-    eos_ids: list[int]
-    vocab_size: int
-    template_opens_reasoning: bool
-
-
-class AuditReport(msgspec.Struct):
-    format: int
-    run: str
-    fingerprint: str
-    created: str
-    passed: bool
-    checks: list[Check]
-    planned: int
-    present: int
-    ok: int
-    failed: int
-    missing: int
-    duplicates: int              # resolved by the merge (kept once)
-    damaged_frames: int
-    tokens: TokenSummary
-    overall: DatasetStats
-    datasets: list[DatasetStats]
-    shards: list[ShardStats]
-    integrity: Integrity
-    reprompt: Reprompt
-    files: dict[str, str] = {}
-    turns: list[TurnStats] = []  # regenerated datasets only
-    samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
-
-
-# ---------------------------------------------------------------------------------------------------
-# token-id helpers
-# ---------------------------------------------------------------------------------------------------
-def _find(packed: bytes, token: int, start: int = 0, end: int | None = None) -> int | None:
-    """First index in [start, end) of `token` in packed uint32 LE ids."""
-    needle = token.to_bytes(4, "little")
-    hi = len(packed) if end is None else 4 * end
-    i = packed.find(needle, 4 * start, hi)
-    while i != -1 and i % 4:
-        i = packed.find(needle, i + 1, hi)
-    return None if i == -1 else i // 4
-
-
-def _all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
-    for i in range(a, b):
-        if _id_at(packed, i) not in blank:
-            return False
-    return True
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,7 +88,7 @@ def _note(integ: Integrity, kind: str, rec_id: str) -> None:
 
 
 class Auditor:
-    """Audits records fed one at a time, in planned order; `finish` makes the report and writes the id files."""
+    """Audits records fed one at a time, in planned order; `finish` makes the report and writes failed_ids.txt."""
 
     def __init__(self, rd: RunDir, plan: RunPlan, *, tokenizer=None, info: chat.TokenInfo | None = None):
         self.rd, self.plan, self.spec = rd, plan, plan.spec.audit
@@ -314,8 +108,7 @@ class Auditor:
         self.failed_ids: list[str] = []
         self.problems: list[Check] = []   # failures found outside records (damaged merged file)
         self.examples: dict[str, list[str]] = {}
-        k = min(self.spec.reprompt_sample, plan.total)
-        self.sample_at = set(np.linspace(0, plan.total - 1, k).round().astype(int).tolist()) if k > 0 else set()
+        self.sample_at = sample_positions(plan.total, self.spec.reprompt_sample)
         self.sampled: dict[int, bytes] = {}
         self.turns: dict[tuple[str, int], TurnStats] = {}
         self.samples = SampleCollector([d.name for d in plan.datasets], {
@@ -400,20 +193,20 @@ class Auditor:
                     _note(self.integ, "unexpected_stop", rec.id)
         elif rec.finish != "length":
             _note(self.integ, "bad_finish", rec.id)
-        te_at = _find(out, info.think_end_id)
+        te_at = id_positions(out, info.think_end_id)
         if te_at != rec.reasoning_end:
             _note(self.integ, "split_mismatch", rec.id)
         if is_nan_stop(rec.finish, m):
             r.nan_stops += 1
             self._example("nan_stop", rec.id)
-        last_prompt = _last_meaningful(pk, self.blank)
+        last_prompt = last_meaningful(pk, self.blank)
         opened = last_prompt == info.think_start_id
         r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
-        model_opened = n > 0 and _id_at(out, 0) == info.think_start_id
-        if te_at is not None or _find(out, info.think_start_id) is not None:
+        model_opened = n > 0 and id_at(out, 0) == info.think_start_id
+        if te_at is not None or id_positions(out, info.think_start_id) is not None:
             r.think_tokens += 1
             self._example("think_tokens", rec.id)
         self.samples.offer(rec, (r0, r1, c0, c1), te_at is not None)
@@ -432,7 +225,7 @@ class Auditor:
         r.expected += 1
         if te_at is not None:
             r.think_end += 1
-            if _all_blank(out, r0, r1, self.blank):
+            if all_blank(out, r0, r1, self.blank):
                 r.empty_reasoning += 1
                 self._example("empty_reasoning", rec.id)
         if rec.finish == "stop":
@@ -442,14 +235,14 @@ class Auditor:
                 self._example("stopped_without_think_end", rec.id)
             else:
                 r.stopped_with_think_end += 1
-                if _all_blank(out, c0, c1, self.blank):
+                if all_blank(out, c0, c1, self.blank):
                     r.empty_content += 1
                     self._example("empty_content", rec.id)
         elif rec.finish == "length" and te_at is None:
             r.length_without_think_end += 1
         if opened:
             r.opened_by_template += 1
-            if _find(out, info.think_start_id, 0, te_at if te_at is not None else n) is not None:
+            if id_positions(out, info.think_start_id, 0, te_at if te_at is not None else n) is not None:
                 r.double_think_start += 1
                 self._example("double_think_start", rec.id)
 
@@ -459,35 +252,33 @@ class Auditor:
 
     # -----------------------------------------------------------------------------------------------
     def finish(self, manifest: MergeManifest) -> AuditReport:
+        """The report of everything added, with the merge's `manifest` (its missing ids); writes failed_ids.txt."""
         plan, rd = self.plan, self.rd
-        seen = np.frombuffer(bytes(self.seen), np.uint8)
-        missing_pos = np.flatnonzero(seen == 0)
         rd.merged_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(rd.failed_file, "".join(i + "\n" for i in self.failed_ids).encode())
         files = {"missing_ids": str(rd.missing_file), "failed_ids": str(rd.failed_file)}
-        missing_ids = []
-        with open(_tmp(files["missing_ids"]), "w") as f:
-            for pos in missing_pos.tolist():
-                ref = self.refs.at(pos)
-                self.ds[plan.datasets[ref.dataset].name].stats.missing += 1
-                f.write(ref.id + "\n")
-                if len(missing_ids) < EXAMPLES:
-                    missing_ids.append(ref.id)
-        with open(_tmp(files["failed_ids"]), "w") as f:
-            f.writelines(i + "\n" for i in self.failed_ids)
-        for p in files.values():
-            os.replace(_tmp(p), p)
+        for name, acc in self.ds.items():
+            counts = manifest.datasets.get(name)
+            acc.stats.missing = counts.missing if counts is not None else 0
         tops = _hist_tops(list(self.ds.values()))
         datasets = [_finish_acc(a, tops) for a in self.ds.values()]
         overall = _finish_acc(_combine(list(self.ds.values()), "all", plan.total), tops)
         shards = self._shard_stats(manifest)
-        reprompt = self._reprompt()
-        checks = self._checks(manifest, datasets, overall, shards, reprompt, missing_ids)
+        reprompt, problem = rerender(self.tok, plan, self.refs, self.sampled)
+        if problem:
+            self.problem("source_files", problem)
+        checks = list(self.problems) + run_checks(
+            a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
+            integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
+            missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
+            failed_file=rd.failed_file, run=rd.root,
+        )
         info, model = self.info, plan.spec.model
         report = AuditReport(
             format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint,
             created=utc_now(),
             passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
-            present=int(seen.sum()), ok=overall.ok, failed=overall.failed, missing=len(missing_pos),
+            present=overall.records, ok=overall.ok, failed=overall.failed, missing=manifest.missing,
             duplicates=manifest.duplicates, damaged_frames=len(manifest.corrupt),
             tokens=TokenSummary(
                 tokenizer=model.tokenizer_path or model.path, think_start=model.think_start,
@@ -523,240 +314,6 @@ class Auditor:
                 host=prog.host if prog else None, engine_restarts=prog.engine_restarts if prog else None,
             ))
         return out
-
-    def _reprompt(self) -> Reprompt:
-        """Render the sampled prompts from their source lines again; the ids must equal the stored ones."""
-        rp = Reprompt(sampled=len(self.sampled))
-        if not self.sampled:
-            return rp
-        plan = self.plan
-        try:
-            check_plan_inputs(plan)
-        except InputError as e:  # a changed file would pair other lines with the stored ids
-            self.problem("source_files", f"{e}: the prompt files are not those the run was generated from, so "
-                                         "prompts cannot be re-rendered or paired with their records")
-            return rp
-        prompts, stored = [], []
-        with PromptReader() as reader:
-            for pos, packed in sorted(self.sampled.items()):
-                ref = self.refs.at(pos)
-                ds = plan.datasets[ref.dataset]
-                if ds.regenerate and ref.turn:  # its history holds earlier answers: the records are its source
-                    rp.sampled -= 1
-                    continue
-                try:
-                    prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-                    prompts.append(turn_prompt(prompt, 0, []) if ds.regenerate else prompt)
-                    stored.append(packed)
-                except (OSError, InputError) as e:
-                    rp.mismatched += 1
-                    if len(rp.examples) < EXAMPLES:
-                        rp.examples.append(f"{ref.id}: source line unreadable ({e})")
-        try:
-            rendered = chat.render_many(self.tok, plan.spec.model, prompts)
-        except chat.ChatError as e:
-            rp.mismatched += len(prompts)
-            rp.examples.append(f"rendering failed: {e}")
-            return rp
-        for p, ids, packed in zip(prompts, rendered, stored):
-            if pack_ids(ids) != packed:
-                rp.mismatched += 1
-                if len(rp.examples) < EXAMPLES:
-                    rp.examples.append(f"{p.id}: {len(ids)} ids rendered now, {len(packed) // 4} stored")
-        return rp
-
-    def _checks(self, manifest, datasets, overall, shards, reprompt, missing_ids) -> list[Check]:
-        a, plan, integ = self.spec, self.plan, self.integ
-        info, model = self.info, plan.spec.model
-        r = overall.reasoning
-        run = self.rd.root
-        checks: list[Check] = list(self.problems)
-
-        def add(name: str, passed: bool, value, limit, message: str) -> None:
-            unit = "share" if isinstance(limit, float) else "count"
-            checks.append(Check(name, bool(passed), value, limit, message, unit))
-
-        # Coverage and integrity of the merge.
-        present = overall.records
-        lost = overall.planned - present
-        if lost or integ.seen_twice or integ.id_mismatch:
-            incomplete = [s.index for s in shards if s.missing]
-            add("coverage", False, present / plan.total if plan.total else 1.0, 1.0,
-                f"{present} of {plan.total} planned prompts present (ok + failed); {lost} missing "
-                f"(e.g. {', '.join(missing_ids)}; all in {self.rd.missing_file}) in shards "
-                f"{_short(incomplete)}; {integ.seen_twice} present twice, {integ.id_mismatch} not at their planned "
-                f"position. Finish the shards with `toolkit resubmit {run}`, then `toolkit merge {run}` again.")
-        else:
-            add("coverage", True, 1.0, 1.0, f"all {plan.total} planned prompts present exactly once "
-                f"({overall.ok} ok, {overall.failed} failed; {manifest.duplicates} duplicates kept once)")
-        if manifest.corrupt:
-            p = manifest.corrupt[0]
-            add("damaged_frames", False, len(manifest.corrupt), 0,
-                f"{len(manifest.corrupt)} damaged frame(s) in shard files, e.g. shard {p.shard} {p.file} at byte "
-                f"{p.offset} ({p.why}); their records are missing. Move the damaged shard file and its .done aside "
-                f"and `toolkit resubmit {run}` to generate that shard again (check the disk / file system).")
-        else:
-            add("damaged_frames", True, 0, 0, "every frame of every shard file intact")
-        changed = [s.index for s in shards if s.matches_done is False]
-        add("shard_checksums", not changed, len(changed), 0,
-            f"shard files {_short(changed)} differ from the sha256 in their done manifests: they changed after "
-            f"they were finished (a second writer, or a copy gone wrong); check them before trusting this run"
-            if changed else "every finished shard file matches its done manifest")
-        failed_share = overall.failed / plan.total if plan.total else 0.0
-        top = ", ".join(f"{k} ({v})" for k, v in list(overall.errors.items())[:3])
-        add("failed_share", failed_share <= a.max_failed_share, failed_share, a.max_failed_share,
-            f"{overall.failed} of {plan.total} prompts failed ({failed_share:.1%}, limit {a.max_failed_share:.1%})"
-            + (f": {top}. Ids in {self.rd.failed_file}; `toolkit retry {run}` generates the failures "
-               f"that may pass (timeouts, 5xx, aborts, NaN) again, `toolkit retry {run} --ids "
-               f"{self.rd.failed_file}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
-
-        # Reasoning capture.
-        te = f"think-end id {info.think_end_id} ({model.think_end!r})"
-        where = (f"The chat template {'opens' if info.opens_reasoning else 'does not open'} reasoning "
-                 f"(prompts {'end' if info.opens_reasoning else 'do not end'} with {model.think_start!r}).")
-        what_to_check = (
-            f"Check: [model] chat_template and chat_template_kwargs (e.g. thinking = true for Kimi, enable_thinking = "
-            f"true for Qwen3) so the prompt puts the model in reasoning mode; [model] think_end is the token this "
-            f"model writes (here {te}); the server flags (a chat template or reasoning parser overriding the "
-            f"model's, stop / stop_token_ids that cut at the think-end). For a model that does not reason, set "
-            f"[audit] min_think_end_share = 0 and max_stop_without_think_end_share = 1.")
-        nan = r.nan_failed + r.nan_stops
-        ex = ", ".join(self.examples.get("nan_stop", []))
-        add("nan_stop", not nan, nan, 0,
-            f"{nan} outputs were stopped by SGLang on NaN logits (finish_reason matched {NAN_MATCHED!r}: the engine "
-            f"replaced a token sampled from NaN with a stop id, so the output ends in an EOS the model never wrote; "
-            f"e.g. {ex}). {r.nan_stops} of them are stored as ok records (from an older toolkit): generate them "
-            f"again. NaN logits point at the model's numerics: check the quantization, kv-cache dtype and attention "
-            f"backend in [engine] extra_args. `toolkit retry {run}` generates the failed ones again"
-            if nan else "no output was stopped on NaN logits")
-        if not model.expect_reasoning:
-            self._no_reasoning_checks(add, overall, te)
-            return self._consistency_checks(checks, add, datasets, reprompt, te)
-        closed, modes = r.closed_by_template, modes_text(r)
-        if closed or not r.in_reasoning:
-            ex = ", ".join(self.examples.get("closed_by_template", []))
-            add("reasoning_mode", False, r.in_reasoning, overall.ok,
-                (f"{closed} of {overall.ok} ok outputs were generated from prompts whose template CLOSED reasoning "
-                 f"(they end with {model.think_end!r}: thinking switched off, e.g. {ex}), so they hold no reasoning; "
-                 f"{chat.thinking_hint(info, True)}, or set [model] expect_reasoning = false for non-thinking data. "
-                 if closed else "")
-                + (f"No ok output is in reasoning mode ({modes}): the data holds no reasoning at all. {where} "
-                   f"{what_to_check}" if not r.in_reasoning else f"({modes})"))
-        else:
-            add("reasoning_mode", True, r.in_reasoning, overall.ok,
-                f"{r.in_reasoning} of {overall.ok} ok outputs are in reasoning mode ({modes})")
-        share = r.think_end / r.expected if r.expected else 0.0
-        add("think_end_share", share >= a.min_think_end_share, share, a.min_think_end_share,
-            f"{r.think_end} of {r.expected} ok outputs in reasoning mode hold the {te} ({share:.1%}, minimum "
-            f"{a.min_think_end_share:.0%})" + ("" if share >= a.min_think_end_share else
-            f"; of those without it, {r.length_without_think_end} hit max_new_tokens while reasoning (raise "
-            f"max_new_tokens for those) and {r.stopped_without_think_end} stopped normally (see "
-            f"stop_without_think_end)"))
-        share = r.stopped_without_think_end / r.stopped if r.stopped else 0.0
-        ex = ", ".join(self.examples.get("stopped_without_think_end", []))
-        add("stop_without_think_end", share <= a.max_stop_without_think_end_share, share,
-            a.max_stop_without_think_end_share,
-            f"{r.stopped_without_think_end} of {r.stopped} outputs that ended with a stop token have no {te} "
-            f"({share:.1%}, limit {a.max_stop_without_think_end_share:.1%})"
-            + ("" if share <= a.max_stop_without_think_end_share else
-               f": the model finished without ever writing the think-end, so reasoning and answer cannot be told "
-               f"apart: the reasoning sits in the content, mixed with the answer, and a reasoning field split from "
-               f"it is empty (e.g. {ex}). {where} {what_to_check}"))
-        share = r.empty_reasoning / r.think_end if r.think_end else 0.0
-        add("empty_reasoning", share <= a.max_empty_reasoning_share, share, a.max_empty_reasoning_share,
-            f"{r.empty_reasoning} of {r.think_end} outputs with a think-end have empty reasoning ({share:.1%}, limit "
-            f"{a.max_empty_reasoning_share:.1%})" + ("" if share <= a.max_empty_reasoning_share else
-            f" (e.g. {', '.join(self.examples.get('empty_reasoning', []))}): the model closes reasoning at once. "
-            f"Check that thinking is enabled in chat_template_kwargs and the template does not pre-fill "
-            f"{model.think_start!r}{model.think_end!r}."))
-        share = r.empty_content / r.stopped_with_think_end if r.stopped_with_think_end else 0.0
-        add("empty_content", share <= a.max_empty_content_share, share, a.max_empty_content_share,
-            f"{r.empty_content} of {r.stopped_with_think_end} finished outputs with reasoning have empty content "
-            f"({share:.1%}, limit {a.max_empty_content_share:.1%})" + ("" if share <= a.max_empty_content_share else
-            f" (e.g. {', '.join(self.examples.get('empty_content', []))}): the answer after the {te} is missing. "
-            f"Check stop / stop_token_ids (a stop at the think-end or right after it) and [model] think_end."))
-        share = r.double_think_start / r.opened_by_template if r.opened_by_template else 0.0
-        add("double_think_start", share <= a.max_double_think_start_share, share, a.max_double_think_start_share,
-            f"{r.double_think_start} of {r.opened_by_template} outputs whose prompt already opened reasoning "
-            f"contain another think-start id {info.think_start_id} ({share:.1%}, limit "
-            f"{a.max_double_think_start_share:.1%})" + ("" if share <= a.max_double_think_start_share else
-            f" (e.g. {', '.join(self.examples.get('double_think_start', []))}): the template opens "
-            f"{model.think_start!r} and the model opens it again: the template does not match the model's training "
-            f"format. Check [model] chat_template / chat_template_kwargs."))
-
-        return self._consistency_checks(checks, add, datasets, reprompt, te)
-
-    def _no_reasoning_checks(self, add, overall: DatasetStats, te: str) -> None:
-        """expect_reasoning = false: the opposite of the reasoning checks — no think token in any output."""
-        a, r, model = self.spec, overall.reasoning, self.plan.spec.model
-        share = r.think_tokens / overall.ok if overall.ok else 0.0
-        ex = ", ".join(self.examples.get("think_tokens", []))
-        add("no_reasoning", share <= a.max_reasoning_share, share, a.max_reasoning_share,
-            f"{r.think_tokens} of {overall.ok} ok outputs hold a think token ({model.think_start!r} or the {te}) "
-            f"although [model] expect_reasoning = false ({share:.1%}, limit {a.max_reasoning_share:.1%}; modes: "
-            f"{modes_text(r)})" + ("" if share <= a.max_reasoning_share else
-            f" (e.g. {ex}): the model reasoned. {chat.thinking_hint(self.info, False)}, or set expect_reasoning = "
-            f"true to keep the reasoning"))
-
-    def _consistency_checks(self, checks, add, datasets, reprompt, te: str) -> list[Check]:
-        a, integ, info = self.spec, self.integ, self.info
-        # Truncation and consistency.
-        over = [d for d in datasets if d.ok and d.length_share > a.max_length_share]
-        worst = max((d.length_share for d in datasets if d.ok), default=0.0)
-        add("length_share", not over, worst, a.max_length_share,
-            "; ".join(f"dataset {d.name!r}: {d.finish.get('length', 0)} of {d.ok} outputs ({d.length_share:.1%}) hit "
-                      f"max_new_tokens" for d in over)
-            + (f" (limit {a.max_length_share:.0%}): raise max_new_tokens for those datasets ([[datasets]] sampling) "
-               f"or accept truncated outputs by raising [audit] max_length_share" if over else
-               f"at most {worst:.1%} of a dataset's outputs hit max_new_tokens (limit {a.max_length_share:.0%})"))
-        ex = integ.examples
-        bad = integ.stop_mismatch + integ.bad_finish
-        add("stop_tokens", not bad, bad, 0,
-            f"{integ.stop_mismatch} `stop` finishes whose matched id is not the last output id, {integ.bad_finish} ok "
-            f"records without a stop/length finish (e.g. {', '.join(ex.get('stop_mismatch', []) + ex.get('bad_finish', []))}): "
-            f"the engine's output_ids were cut or re-assembled; check the engine version and flags (no_stop_trim, "
-            f"stream options)" if bad else
-            f"every `stop` finish ends with its matched id ({integ.unexpected_stop} matched ids outside eos and "
-            f"stop_token_ids)")
-        bad = integ.completion_mismatch + integ.prompt_mismatch
-        add("token_counts", not bad, bad, 0,
-            f"{integ.completion_mismatch} records with completion_tokens != len(output_ids) and "
-            f"{integ.prompt_mismatch} with prompt_tokens != len(prompt_ids) (e.g. "
-            f"{', '.join(ex.get('completion_mismatch', []) + ex.get('prompt_mismatch', []))}): the server's counts "
-            f"disagree with the ids it returned; check the engine version" if bad else
-            "completion_tokens and prompt_tokens equal the stored ids everywhere")
-        add("reasoning_split", not integ.split_mismatch, integ.split_mismatch, 0,
-            f"{integ.split_mismatch} records whose reasoning_end is not the first {te} (e.g. "
-            f"{', '.join(ex.get('split_mismatch', []))}): the run was generated with other think tokens than "
-            f"[model] has now" if integ.split_mismatch else "reasoning_end is the first think-end id everywhere")
-        add("vocabulary", not integ.out_of_vocab, integ.out_of_vocab, 0,
-            f"{integ.out_of_vocab} records hold ids >= {info.vocab_size}, outside the tokenizer (e.g. "
-            f"{', '.join(ex.get('out_of_vocab', []))}): the engine served another model or tokenizer than [model] "
-            f"names" if integ.out_of_vocab else f"every id below the tokenizer size {info.vocab_size}")
-        add("prompt_rerender", not reprompt.mismatched, reprompt.mismatched, 0,
-            f"{reprompt.mismatched} of {reprompt.sampled} sampled prompts render to other ids than those stored "
-            f"({'; '.join(reprompt.examples)}): the tokenizer, chat template or prompt files changed since "
-            f"generation; restore them, or the dataset does not match its sources" if reprompt.mismatched else
-            f"{reprompt.sampled} sampled prompts render to exactly the stored ids")
-        return checks
-
-
-def modes_text(r: ReasoningCounts) -> str:
-    parts = [(r.mode_opened, "opened by the template"), (r.mode_model_opens, "opened by the model itself"),
-             (r.closed_by_template, "closed by the template"), (r.mode_unknown, "template unaware of think tokens")]
-    return ", ".join(f"{n} {what}" for n, what in parts if n) or "no ok output"
-
-
-def _tmp(path: str) -> str:
-    p = Path(path)
-    return str(p.with_name(f".{p.name}.{os.getpid()}.tmp"))
-
-
-def _short(nums: list[int], limit: int = 12) -> str:
-    if not nums:
-        return "-"
-    head = ", ".join(map(str, nums[:limit]))
-    return head + (f" and {len(nums) - limit} more" if len(nums) > limit else "")
 
 
 def _lengths(a: array) -> Lengths:
@@ -830,11 +387,7 @@ def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     if not path.exists():
         raise MergeError(f"{path} is missing although {rd.manifest_file} exists: run `toolkit merge {rd.root}` again")
     auditor = Auditor(rd, plan)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    if h.hexdigest() != manifest.sha256:
+    if sha256_file(path) != manifest.sha256:
         auditor.problem("merged_file", f"{path} differs from the sha256 in its manifest: it changed after the merge; "
                                        f"run `toolkit merge {rd.root}` again")
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from .audit import AuditReport, DatasetStats, modes_text
+from .auditreport import AuditReport, DatasetStats, modes_text
 from .files import atomic_write, shown_path
 from .rundir import RunDir
 
