@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import chat
+from .fmt import ranges
 from .auditreport import Check, DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats, modes_text
 from .records import NAN_MATCHED
 from .spec import AuditSpec, ModelSpec
@@ -52,11 +53,8 @@ def _check(name: str, passed: bool, value, limit, message: str) -> Check:
     return Check(name, bool(passed), value, limit, message, "share" if isinstance(limit, float) else "count")
 
 
-def _short(nums: Sequence[int], limit: int = 12) -> str:
-    if not nums:
-        return "-"
-    head = ", ".join(map(str, nums[:limit]))
-    return head + (f" and {len(nums) - limit} more" if len(nums) > limit else "")
+def _short(nums: Sequence[int]) -> str:
+    return ranges(nums, limit=12) or "-"
 
 
 def _te(info: chat.TokenInfo, model: ModelSpec) -> str:
