@@ -60,6 +60,17 @@ def test_the_seed_bug_fails_the_audit_with_the_reasoning_message(tmp_path, kimi,
     assert "the reasoning sits in the content" in out
 
 
+def test_audit_json_reads_back_typed_without_the_auditor(tmp_path, kimi):
+    from toolkit.auditreport import read_report
+
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)
+    runs.write_run(s, failed=[])
+    assert read_report(s.rd) is None
+    assert merge_and_audit(s.root) == 0
+    r = read_report(s.rd)
+    assert r == report(s) and r.passed and r.files["json"] == str(s.rd.audit_json)
+
+
 @pytest.mark.parametrize("family", ["kimi", "qwen3"])
 def test_a_healthy_run_passes_with_exact_statistics(tmp_path, toy_tokenizer, family, capsys):
     s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"math": 12, "chat": 9}, shards=3)

@@ -1,91 +1,167 @@
-"""The audit's checks as pure functions, on hand-built facts: each passes on good facts and fails on bad ones."""
+"""The audit's checks, one pure function each: a pass and a fail on hand-built counts."""
 
-from __future__ import annotations
+from pathlib import Path
 
-from types import SimpleNamespace
+import pytest
 
 from toolkit import checks
 from toolkit.auditreport import DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats
 from toolkit.chat import TokenInfo
-from toolkit.rundir import RunDir
+from toolkit.merge import FrameProblem
 from toolkit.spec import AuditSpec, ModelSpec
 
-INFO = TokenInfo(think_start_id=5, think_end_id=6, eos_ids=[2], tool_call_start_id=None, tool_call_end_id=None,
-                 vocab_size=100, opens_reasoning=True)
+RUN = Path("runs/r")
+INFO = TokenInfo(think_start_id=10, think_end_id=11, eos_ids=[2], tool_call_start_id=None, tool_call_end_id=None,
+                 vocab_size=1000, opens_reasoning=True, thinking_kwargs=["thinking"])
+MODEL = ModelSpec(path="m")
 
 
-def facts(tmp_path, *, expect_reasoning=True, planned=100, overall=None, reprompt=None, integ=None,
-          datasets=None, corrupt=(), **audit) -> checks.Facts:
-    model = ModelSpec(path="m", expect_reasoning=expect_reasoning)
-    plan = SimpleNamespace(total=planned, spec=SimpleNamespace(model=model))
-    good = ReasoningCounts(expected=100, think_end=100, stopped=100, stopped_with_think_end=100,
-                           opened_by_template=100, mode_opened=100, in_reasoning=100)
-    overall = overall or DatasetStats(name="all", planned=planned, records=planned, ok=planned, reasoning=good)
-    shard = ShardStats(index=0, done=True, planned=planned, records=overall.records, matches_done=True)
-    return checks.Facts(
-        audit=AuditSpec(**audit), plan=plan, rd=RunDir(tmp_path), info=INFO,
-        manifest=SimpleNamespace(duplicates=0, corrupt=list(corrupt)), overall=overall,
-        datasets=datasets or [overall], shards=[shard], integ=integ or Integrity(),
-        reprompt=reprompt or Reprompt(sampled=8), missing_ids=[], examples={})
+def stats(name="all", planned=10, records=10, ok=10, failed=0, **kw) -> DatasetStats:
+    return DatasetStats(name=name, planned=planned, records=records, ok=ok, failed=failed, **kw)
 
 
-def by_name(f):
-    return {c.name: c for c in checks.all_checks(f)}
+def shard(index=0, **kw) -> ShardStats:
+    return ShardStats(index=index, done=True, planned=10, **kw)
 
 
-def test_good_facts_pass_every_check(tmp_path):
-    result = by_name(facts(tmp_path))
-    assert all(c.passed for c in result.values()), [c.message for c in result.values() if not c.passed]
-    assert list(result)[:5] == ["coverage", "damaged_frames", "shard_checksums", "failed_share", "nan_stop"]
-    assert "reasoning_mode" in result and "no_reasoning" not in result
+def test_coverage():
+    ok = checks.coverage(stats(ok=8, failed=2), Integrity(), [shard()], 3, [], RUN / "m.txt", RUN)
+    assert ok.passed and ok.value == 1.0 and ok.unit == "share"
+    assert "all 10 planned prompts present exactly once (8 ok, 2 failed; 3 duplicates kept once)" in ok.message
+    bad = checks.coverage(stats(records=7, ok=7), Integrity(), [shard(0, missing=3), shard(1)], 0, ["a", "b"],
+                          RUN / "m.txt", RUN)
+    assert not bad.passed and bad.value == 0.7
+    assert "7 of 10 planned prompts present" in bad.message and "3 missing (e.g. a, b; all in runs/r/m.txt)" in bad.message
+    assert "in shards 0;" in bad.message and "toolkit resubmit runs/r" in bad.message
+    twice = checks.coverage(stats(), Integrity(seen_twice=1), [shard()], 0, [], RUN / "m.txt", RUN)
+    assert not twice.passed and "1 present twice" in twice.message
 
 
-def test_expect_reasoning_false_swaps_the_reasoning_checks(tmp_path):
-    result = by_name(facts(tmp_path, expect_reasoning=False,
-                           overall=DatasetStats(name="all", planned=100, records=100, ok=100)))
-    assert "no_reasoning" in result and "think_end_share" not in result and "reasoning_mode" not in result
-    assert result["no_reasoning"].passed
+def test_damaged_frames():
+    assert checks.damaged_frames([], RUN).passed
+    bad = checks.damaged_frames([FrameProblem(3, "s/00003.zst", 4096, "checksum mismatch")], RUN)
+    assert not bad.passed and bad.value == 1 and bad.unit == "count"
+    assert "shard 3 s/00003.zst at byte 4096 (checksum mismatch)" in bad.message
 
 
-def test_coverage_fails_on_missing_records_and_names_the_file(tmp_path):
-    f = facts(tmp_path, overall=DatasetStats(name="all", planned=100, records=97, ok=97))
-    c = checks.coverage(f)
-    assert not c.passed and c.value == 0.97 and "3 missing" in c.message
-    assert str(RunDir(tmp_path).missing_file) in c.message and "toolkit resubmit" in c.message
+def test_shard_checksums():
+    assert checks.shard_checksums([shard(0, matches_done=True), shard(1, matches_done=None)]).passed
+    bad = checks.shard_checksums([shard(0, matches_done=True), shard(4, matches_done=False)])
+    assert not bad.passed and bad.value == 1 and "shard files 4 differ" in bad.message
 
 
-def test_the_seeds_failure_fails_stop_without_think_end(tmp_path):
-    r = ReasoningCounts(expected=100, think_end=0, stopped=100, stopped_without_think_end=100, in_reasoning=100,
-                        opened_by_template=100, mode_opened=100)
-    f = facts(tmp_path, overall=DatasetStats(name="all", planned=100, records=100, ok=100, reasoning=r))
-    assert not checks.stop_without_think_end(f).passed
-    assert not checks.think_end_share(f).passed
-    assert checks.stop_without_think_end(f).value == 1.0
+def test_failed_share():
+    assert checks.failed_share(stats(ok=10), 0.01, RUN / "f.txt", RUN).passed
+    bad = checks.failed_share(stats(ok=8, failed=2, errors={"timeout": 2}), 0.1, RUN / "f.txt", RUN)
+    assert not bad.passed and bad.value == 0.2
+    assert "2 of 10 prompts failed (20.0%, limit 10.0%): timeout (2). Ids in runs/r/f.txt" in bad.message
 
 
-def test_reasoning_mode_fails_when_the_template_closed_reasoning(tmp_path):
-    r = ReasoningCounts(expected=0, closed_by_template=100, in_reasoning=0)
-    f = facts(tmp_path, overall=DatasetStats(name="all", planned=100, records=100, ok=100, reasoning=r))
-    c = checks.reasoning_mode(f)
-    assert not c.passed and "CLOSED" in c.message
+def test_nan_stop():
+    assert checks.nan_stop(ReasoningCounts(), [], RUN).passed
+    bad = checks.nan_stop(ReasoningCounts(nan_stops=1, nan_failed=2), ["x"], RUN)
+    assert not bad.passed and bad.value == 3 and "e.g. x" in bad.message and "1 of them are stored as ok" in bad.message
 
 
-def test_nan_stops_fail(tmp_path):
-    r = ReasoningCounts(expected=100, think_end=100, stopped=100, in_reasoning=100, nan_failed=2)
-    f = facts(tmp_path, overall=DatasetStats(name="all", planned=100, records=100, ok=98, failed=2, reasoning=r))
-    c = checks.nan_stop(f)
-    assert not c.passed and c.value == 2 and "NaN" in c.message
+def test_reasoning_mode():
+    good = checks.reasoning_mode(ReasoningCounts(in_reasoning=5, mode_opened=5), 5, [], INFO, MODEL)
+    assert good.passed and "5 of 5 ok outputs are in reasoning mode (5 opened by the template)" in good.message
+    closed = checks.reasoning_mode(ReasoningCounts(in_reasoning=4, closed_by_template=1), 5, ["c"], INFO, MODEL)
+    assert not closed.passed and "CLOSED reasoning" in closed.message and "e.g. c" in closed.message
+    assert "chat_template_kwargs = { thinking = true }" in closed.message
+    none = checks.reasoning_mode(ReasoningCounts(mode_unknown=5), 5, [], INFO, MODEL)
+    assert not none.passed and "No ok output is in reasoning mode" in none.message
 
 
-def test_thresholds_come_from_the_audit_table(tmp_path):
-    ds = DatasetStats(name="math", planned=100, records=100, ok=100, finish={"length": 30}, length_share=0.3)
-    assert not checks.length_share(facts(tmp_path, datasets=[ds])).passed
-    assert checks.length_share(facts(tmp_path, datasets=[ds], max_length_share=0.5)).passed
+def test_think_end_share():
+    assert checks.think_end_share(ReasoningCounts(expected=10, think_end=10), 0.9, INFO, MODEL).passed
+    bad = checks.think_end_share(ReasoningCounts(expected=10, think_end=5, length_without_think_end=3,
+                                                 stopped_without_think_end=2), 0.9, INFO, MODEL)
+    assert not bad.passed and bad.value == 0.5 and "3 hit max_new_tokens" in bad.message
+    assert "think-end id 11 ('</think>')" in bad.message
 
 
-def test_consistency_checks_fail_on_one_exception(tmp_path):
-    assert not checks.vocabulary(facts(tmp_path, integ=Integrity(out_of_vocab=1))).passed
-    assert not checks.prompt_rerender(facts(tmp_path, reprompt=Reprompt(sampled=8, mismatched=1,
-                                                                      examples=["p1: 3 ids"]))).passed
-    assert not checks.damaged_frames(facts(tmp_path, corrupt=[SimpleNamespace(shard=0, file="f", offset=9,
-                                                                              why="crc")])).passed
+def test_stop_without_think_end():
+    assert checks.stop_without_think_end(ReasoningCounts(stopped=10), 0.01, [], INFO, MODEL).passed
+    bad = checks.stop_without_think_end(ReasoningCounts(stopped=10, stopped_without_think_end=10), 0.01, ["s"], INFO,
+                                        MODEL)
+    assert not bad.passed and bad.value == 1.0 and "the reasoning sits in the content" in bad.message
+
+
+def test_empty_reasoning():
+    assert checks.empty_reasoning(ReasoningCounts(think_end=10), 0.05, [], MODEL).passed
+    bad = checks.empty_reasoning(ReasoningCounts(think_end=10, empty_reasoning=5), 0.05, ["e"], MODEL)
+    assert not bad.passed and "closes reasoning at once" in bad.message and "e.g. e" in bad.message
+
+
+def test_empty_content():
+    assert checks.empty_content(ReasoningCounts(stopped_with_think_end=10), 0.2, [], INFO, MODEL).passed
+    bad = checks.empty_content(ReasoningCounts(stopped_with_think_end=10, empty_content=5), 0.2, ["e"], INFO, MODEL)
+    assert not bad.passed and bad.value == 0.5 and "the answer after the think-end id 11" in bad.message
+
+
+def test_double_think_start():
+    assert checks.double_think_start(ReasoningCounts(opened_by_template=10), 0.01, [], INFO, MODEL).passed
+    bad = checks.double_think_start(ReasoningCounts(opened_by_template=10, double_think_start=2), 0.01, ["d"], INFO,
+                                    MODEL)
+    assert not bad.passed and "another think-start id 10" in bad.message and "model opens it again" in bad.message
+
+
+def test_no_reasoning():
+    assert checks.no_reasoning(ReasoningCounts(), 10, 0.01, [], INFO, MODEL).passed
+    bad = checks.no_reasoning(ReasoningCounts(think_tokens=3), 10, 0.01, ["t"], INFO, MODEL)
+    assert not bad.passed and bad.value == 0.3 and "the model reasoned" in bad.message
+    assert "thinking = false" in bad.message
+
+
+def test_length_share():
+    assert checks.length_share([stats("a", length_share=0.1), stats("b", ok=0, length_share=0.9)], 0.2).passed
+    bad = checks.length_share([stats("a", length_share=0.5, finish={"length": 5}), stats("b")], 0.2)
+    assert not bad.passed and bad.value == 0.5
+    assert "dataset 'a': 5 of 10 outputs (50.0%) hit max_new_tokens" in bad.message and "'b'" not in bad.message
+
+
+@pytest.mark.parametrize("check, kinds", [
+    (checks.stop_tokens, ("stop_mismatch", "bad_finish")),
+    (checks.token_counts, ("completion_mismatch", "prompt_mismatch")),
+])
+def test_consistency_counts(check, kinds):
+    assert check(Integrity()).passed
+    for kind in kinds:
+        bad = check(Integrity(**{kind: 2}, examples={kind: ["r1"]}))
+        assert not bad.passed and bad.value == 2 and "r1" in bad.message
+
+
+def test_reasoning_split():
+    assert checks.reasoning_split(Integrity(), INFO, MODEL).passed
+    bad = checks.reasoning_split(Integrity(split_mismatch=1, examples={"split_mismatch": ["r"]}), INFO, MODEL)
+    assert not bad.passed and "not the first think-end id 11" in bad.message
+
+
+def test_vocabulary():
+    assert checks.vocabulary(Integrity(), 1000).passed
+    bad = checks.vocabulary(Integrity(out_of_vocab=1, examples={"out_of_vocab": ["r"]}), 1000)
+    assert not bad.passed and "ids >= 1000" in bad.message
+
+
+def test_prompt_rerender():
+    good = checks.prompt_rerender(Reprompt(sampled=4))
+    assert good.passed and "4 sampled prompts render to exactly the stored ids" in good.message
+    bad = checks.prompt_rerender(Reprompt(sampled=4, mismatched=1, examples=["p: 3 ids rendered now, 4 stored"]))
+    assert not bad.passed and "1 of 4 sampled prompts" in bad.message and "p: 3 ids" in bad.message
+
+
+def _all(model: ModelSpec, **kw) -> list:
+    args = dict(a=AuditSpec(), model=model, info=INFO, overall=stats(), datasets=[stats("d")], shards=[shard()],
+                integ=Integrity(), reprompt=Reprompt(), corrupt=[], duplicates=0, missing_ids=[], examples={},
+                missing_file=RUN / "m.txt", failed_file=RUN / "f.txt", run=RUN)
+    return checks.run_checks(**{**args, **kw})
+
+
+def test_run_checks_order_and_the_reasoning_switch():
+    common = ["coverage", "damaged_frames", "shard_checksums", "failed_share", "nan_stop"]
+    tail = ["length_share", "stop_tokens", "token_counts", "reasoning_split", "vocabulary", "prompt_rerender"]
+    assert [c.name for c in _all(MODEL)] == common + [
+        "reasoning_mode", "think_end_share", "stop_without_think_end", "empty_reasoning", "empty_content",
+        "double_think_start"] + tail
+    assert [c.name for c in _all(ModelSpec(path="m", expect_reasoning=False))] == common + ["no_reasoning"] + tail

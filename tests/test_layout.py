@@ -96,7 +96,7 @@ LAYERS = [
     ("cluster", ["toolkit.slurm", "toolkit.status", "toolkit.states", "toolkit.retry", "toolkit.livebar"]),
     ("pipeline", ["toolkit.pipeline", "toolkit.preflight"]),
     ("stages", ["toolkit.worker", "toolkit.merge", "toolkit.audit", "toolkit.report", "toolkit.export",
-                "toolkit.samples", "toolkit.auditreport", "toolkit.checks", "toolkit"]),
+                "toolkit.samples", "toolkit.auditreport", "toolkit.checks", "toolkit.reprompt", "toolkit"]),
     ("parts", ["toolkit.client", "toolkit.engines", "toolkit.chat", "toolkit.plan", "toolkit.turns",
                "toolkit.toolcalls", "toolkit.progress"]),
     ("formats", ["toolkit.shardfile", "toolkit.records", "toolkit.spec", "toolkit.inputs", "toolkit.files",

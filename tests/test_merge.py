@@ -99,6 +99,19 @@ def test_allow_incomplete_merges_a_partial_run_and_lists_what_is_missing(tmp_pat
     assert set((s.rd.merged_dir / "missing_ids.txt").read_text().split()) == lost  # the audit's own count agrees
 
 
+def test_missing_ids_are_the_merges_alone_the_audit_takes_its_counts(tmp_path, kimi):
+    from toolkit.audit import audit_run
+
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 12}, shards=3)
+    runs.write_run(s, done=[0, 1, 2], skip=[1, 2, 5])
+    m = merge_run(s.root, allow_incomplete=True)
+    s.rd.missing_file.unlink()
+    r = audit_run(s.root)
+    assert not s.rd.missing_file.exists()  # written by the merge only
+    assert r.missing == m.missing == 3 and r.datasets[0].missing == 3 and r.files["missing_ids"] == str(s.rd.missing_file)
+    assert s.rd.failed_file.exists()  # the audit's own
+
+
 def test_a_later_record_of_an_id_supersedes_the_earlier_one(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 8}, shards=1)
     rng = random.Random(3)

@@ -3,18 +3,16 @@
 Everything is checked on token ids (the stored packed uint32 ids, never re-tokenized text); the run's tokenizer
 is loaded only for its think / eos ids and to re-render a sample of prompts with the chat template. `Auditor`
 accumulates over records in a single pass — the merge feeds it as it writes — with memory in a few bytes per
-record; `audit_run` audits an existing merged dataset. Thresholds come from the job's [audit] table: breaking
-one fails the audit with a message that says what was seen and what to check.
+record, then `finish` turns the totals into an `AuditReport` (schema: `auditreport`; the checks: `checks`;
+re-rendering prompts: `reprompt`) and writes `failed_ids.txt`. Missing ids are the merge's (its manifest and
+`missing_ids.txt`). `audit_run` audits an existing merged dataset.
 
-The checks exist because of a run whose reasoning fields were silently empty for days: outputs that stop
-normally without a think-end id mean the reasoning sits in the content, and that must never pass unnoticed.
-
-The checks themselves, one function each, are in `checks`; the report's schema is in `auditreport`.
+An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched off by the
+template). Whitespace-only ids are ignored at the end of prompts and when deciding that a part is empty.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -24,51 +22,29 @@ from collections import Counter
 import msgspec
 import numpy as np
 
-from . import chat, checks
+from . import chat
 from .auditreport import (
-    AUDIT_FORMAT, AuditReport, Check, DatasetStats, Histogram, Integrity, Lengths, ReasoningCounts, Reprompt,
-    ShardStats, TokenSummary, TurnStats,
+    AUDIT_FORMAT, AuditReport, Check, DatasetStats, Histogram, Integrity, Lengths, ReasoningCounts, ShardStats,
+    TokenSummary, TurnStats,
 )
-from .files import atomic_write
+from .checks import run_checks
+from .files import atomic_write, sha256_file
 from .fmt import utc_now
-from .inputs import InputError, PromptReader
 from .merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
-from .plan import RunPlan, check_plan_inputs, load_run
-from .rundir import RunDir
+from .plan import RunPlan, load_run
 from .progress import read_progress
-from .records import OK, Record, is_nan_stop, pack_ids
-from .records import ends_with_stop, id_at as _id_at, last_meaningful as _last_meaningful, split_parts
-from .turns import turn_prompt
+from .records import OK, Record, all_blank, ends_with_stop, id_at, id_positions, is_nan_stop, last_meaningful, split_parts
+from .reprompt import rerender, sample_positions
+from .rundir import RunDir
 from .samples import SampleCollector
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
-__all__ = ["AuditReport", "Auditor", "Check", "audit_run", "split_parts"]
+__all__ = ["Auditor", "audit_run"]
 
 log = logging.getLogger(__name__)
 
 HIST_BINS = 30
 EXAMPLES = 5                     # ids quoted per kind of problem
-
-
-# ---------------------------------------------------------------------------------------------------
-# token-id helpers
-# ---------------------------------------------------------------------------------------------------
-def _find(packed: bytes, token: int, start: int = 0, end: int | None = None) -> int | None:
-    """First index in [start, end) of `token` in packed uint32 LE ids."""
-    needle = token.to_bytes(4, "little")
-    hi = len(packed) if end is None else 4 * end
-    i = packed.find(needle, 4 * start, hi)
-    while i != -1 and i % 4:
-        i = packed.find(needle, i + 1, hi)
-    return None if i == -1 else i // 4
-
-
-def _all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
-    for i in range(a, b):
-        if _id_at(packed, i) not in blank:
-            return False
-    return True
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,7 +88,7 @@ def _note(integ: Integrity, kind: str, rec_id: str) -> None:
 
 
 class Auditor:
-    """Audits records fed one at a time, in planned order; `finish` makes the report and writes the id files."""
+    """Audits records fed one at a time, in planned order; `finish` makes the report and writes failed_ids.txt."""
 
     def __init__(self, rd: RunDir, plan: RunPlan, *, tokenizer=None, info: chat.TokenInfo | None = None):
         self.rd, self.plan, self.spec = rd, plan, plan.spec.audit
@@ -132,8 +108,7 @@ class Auditor:
         self.failed_ids: list[str] = []
         self.problems: list[Check] = []   # failures found outside records (damaged merged file)
         self.examples: dict[str, list[str]] = {}
-        k = min(self.spec.reprompt_sample, plan.total)
-        self.sample_at = set(np.linspace(0, plan.total - 1, k).round().astype(int).tolist()) if k > 0 else set()
+        self.sample_at = sample_positions(plan.total, self.spec.reprompt_sample)
         self.sampled: dict[int, bytes] = {}
         self.turns: dict[tuple[str, int], TurnStats] = {}
         self.samples = SampleCollector([d.name for d in plan.datasets], {
@@ -218,20 +193,20 @@ class Auditor:
                     _note(self.integ, "unexpected_stop", rec.id)
         elif rec.finish != "length":
             _note(self.integ, "bad_finish", rec.id)
-        te_at = _find(out, info.think_end_id)
+        te_at = id_positions(out, info.think_end_id)
         if te_at != rec.reasoning_end:
             _note(self.integ, "split_mismatch", rec.id)
         if is_nan_stop(rec.finish, m):
             r.nan_stops += 1
             self._example("nan_stop", rec.id)
-        last_prompt = _last_meaningful(pk, self.blank)
+        last_prompt = last_meaningful(pk, self.blank)
         opened = last_prompt == info.think_start_id
         r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
-        model_opened = n > 0 and _id_at(out, 0) == info.think_start_id
-        if te_at is not None or _find(out, info.think_start_id) is not None:
+        model_opened = n > 0 and id_at(out, 0) == info.think_start_id
+        if te_at is not None or id_positions(out, info.think_start_id) is not None:
             r.think_tokens += 1
             self._example("think_tokens", rec.id)
         self.samples.offer(rec, (r0, r1, c0, c1), te_at is not None)
@@ -250,7 +225,7 @@ class Auditor:
         r.expected += 1
         if te_at is not None:
             r.think_end += 1
-            if _all_blank(out, r0, r1, self.blank):
+            if all_blank(out, r0, r1, self.blank):
                 r.empty_reasoning += 1
                 self._example("empty_reasoning", rec.id)
         if rec.finish == "stop":
@@ -260,14 +235,14 @@ class Auditor:
                 self._example("stopped_without_think_end", rec.id)
             else:
                 r.stopped_with_think_end += 1
-                if _all_blank(out, c0, c1, self.blank):
+                if all_blank(out, c0, c1, self.blank):
                     r.empty_content += 1
                     self._example("empty_content", rec.id)
         elif rec.finish == "length" and te_at is None:
             r.length_without_think_end += 1
         if opened:
             r.opened_by_template += 1
-            if _find(out, info.think_start_id, 0, te_at if te_at is not None else n) is not None:
+            if id_positions(out, info.think_start_id, 0, te_at if te_at is not None else n) is not None:
                 r.double_think_start += 1
                 self._example("double_think_start", rec.id)
 
@@ -277,31 +252,33 @@ class Auditor:
 
     # -----------------------------------------------------------------------------------------------
     def finish(self, manifest: MergeManifest) -> AuditReport:
+        """The report of everything added, with the merge's `manifest` (its missing ids); writes failed_ids.txt."""
         plan, rd = self.plan, self.rd
-        seen = np.frombuffer(bytes(self.seen), np.uint8)
-        missing_pos = np.flatnonzero(seen == 0)
         rd.merged_dir.mkdir(parents=True, exist_ok=True)
-        # missing_ids.txt is the merge's (it lists what it did not find); the audit writes failed_ids.txt
-        files = {"missing_ids": str(rd.missing_file), "failed_ids": str(rd.failed_file)}
-        missing_ids = []
-        for pos in missing_pos.tolist():
-            ref = self.refs.at(pos)
-            self.ds[plan.datasets[ref.dataset].name].stats.missing += 1
-            if len(missing_ids) < EXAMPLES:
-                missing_ids.append(ref.id)
         atomic_write(rd.failed_file, "".join(i + "\n" for i in self.failed_ids).encode())
+        files = {"missing_ids": str(rd.missing_file), "failed_ids": str(rd.failed_file)}
+        for name, acc in self.ds.items():
+            counts = manifest.datasets.get(name)
+            acc.stats.missing = counts.missing if counts is not None else 0
         tops = _hist_tops(list(self.ds.values()))
         datasets = [_finish_acc(a, tops) for a in self.ds.values()]
         overall = _finish_acc(_combine(list(self.ds.values()), "all", plan.total), tops)
         shards = self._shard_stats(manifest)
-        reprompt = self._reprompt()
-        checks = self._checks(manifest, datasets, overall, shards, reprompt, missing_ids)
+        reprompt, problem = rerender(self.tok, plan, self.refs, self.sampled)
+        if problem:
+            self.problem("source_files", problem)
+        checks = list(self.problems) + run_checks(
+            a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
+            integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
+            missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
+            failed_file=rd.failed_file, run=rd.root,
+        )
         info, model = self.info, plan.spec.model
         report = AuditReport(
             format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint,
             created=utc_now(),
             passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
-            present=int(seen.sum()), ok=overall.ok, failed=overall.failed, missing=len(missing_pos),
+            present=overall.records, ok=overall.ok, failed=overall.failed, missing=manifest.missing,
             duplicates=manifest.duplicates, damaged_frames=len(manifest.corrupt),
             tokens=TokenSummary(
                 tokenizer=model.tokenizer_path or model.path, think_start=model.think_start,
@@ -337,53 +314,6 @@ class Auditor:
                 host=prog.host if prog else None, engine_restarts=prog.engine_restarts if prog else None,
             ))
         return out
-
-    def _reprompt(self) -> Reprompt:
-        """Render the sampled prompts from their source lines again; the ids must equal the stored ones."""
-        rp = Reprompt(sampled=len(self.sampled))
-        if not self.sampled:
-            return rp
-        plan = self.plan
-        try:
-            check_plan_inputs(plan)
-        except InputError as e:  # a changed file would pair other lines with the stored ids
-            self.problem("source_files", f"{e}: the prompt files are not those the run was generated from, so "
-                                         "prompts cannot be re-rendered or paired with their records")
-            return rp
-        prompts, stored = [], []
-        with PromptReader() as reader:
-            for pos, packed in sorted(self.sampled.items()):
-                ref = self.refs.at(pos)
-                ds = plan.datasets[ref.dataset]
-                if ds.regenerate and ref.turn:  # its history holds earlier answers: the records are its source
-                    rp.sampled -= 1
-                    continue
-                try:
-                    prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-                    prompts.append(turn_prompt(prompt, 0, []) if ds.regenerate else prompt)
-                    stored.append(packed)
-                except (OSError, InputError) as e:
-                    rp.mismatched += 1
-                    if len(rp.examples) < EXAMPLES:
-                        rp.examples.append(f"{ref.id}: source line unreadable ({e})")
-        try:
-            rendered = chat.render_many(self.tok, plan.spec.model, prompts)
-        except chat.ChatError as e:
-            rp.mismatched += len(prompts)
-            rp.examples.append(f"rendering failed: {e}")
-            return rp
-        for p, ids, packed in zip(prompts, rendered, stored):
-            if pack_ids(ids) != packed:
-                rp.mismatched += 1
-                if len(rp.examples) < EXAMPLES:
-                    rp.examples.append(f"{p.id}: {len(ids)} ids rendered now, {len(packed) // 4} stored")
-        return rp
-
-    def _checks(self, manifest, datasets, overall, shards, reprompt, missing_ids) -> list[Check]:
-        facts = checks.Facts(audit=self.spec, plan=self.plan, rd=self.rd, info=self.info, manifest=manifest,
-                             overall=overall, datasets=datasets, shards=shards, integ=self.integ,
-                             reprompt=reprompt, missing_ids=missing_ids, examples=self.examples)
-        return list(self.problems) + checks.all_checks(facts)
 
 
 def _lengths(a: array) -> Lengths:
@@ -457,11 +387,7 @@ def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     if not path.exists():
         raise MergeError(f"{path} is missing although {rd.manifest_file} exists: run `toolkit merge {rd.root}` again")
     auditor = Auditor(rd, plan)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    if h.hexdigest() != manifest.sha256:
+    if sha256_file(path) != manifest.sha256:
         auditor.problem("merged_file", f"{path} differs from the sha256 in its manifest: it changed after the merge; "
                                        f"run `toolkit merge {rd.root}` again")
     try:

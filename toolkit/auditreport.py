@@ -1,16 +1,21 @@
-"""The audit report's schema: what `merged/audit.json` holds, typed.
+"""The audit report's schema: what `audit.json` holds, as typed Structs, and how to read it back.
 
-The auditor fills it, `report` renders it for the terminal and the browser, `status` and other readers decode it.
+The auditor (`audit`) fills an `AuditReport`; `report` writes it as audit.json, the terminal table and
+audit.html; anything else that reads audit.json (status, export, a person's script) decodes it with
+`read_report` without importing the auditor. Field names are the JSON names: changing one changes the format.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from .rundir import RunDir
 from .samples import DatasetSamples
 
-__all__ = ["AUDIT_FORMAT", "AuditReport", "Check", "DatasetStats", "Histogram", "Integrity", "Lengths",
-           "ReasoningCounts", "Reprompt", "ShardStats", "TokenSummary", "TurnStats", "modes_text"]
+__all__ = [
+    "AUDIT_FORMAT", "AuditReport", "Check", "DatasetStats", "Histogram", "Integrity", "Lengths", "ReasoningCounts",
+    "Reprompt", "ShardStats", "TokenSummary", "TurnStats", "modes_text", "read_report",
+]
 
 AUDIT_FORMAT = 1
 
@@ -171,6 +176,14 @@ class AuditReport(msgspec.Struct):
     files: dict[str, str] = {}
     turns: list[TurnStats] = []  # regenerated datasets only
     samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
+
+
+def read_report(rd: RunDir) -> AuditReport | None:
+    """The run's audit.json, typed; None when the run has not been audited."""
+    try:
+        return msgspec.json.decode(rd.audit_json.read_bytes(), type=AuditReport)
+    except FileNotFoundError:
+        return None
 
 
 def modes_text(r: ReasoningCounts) -> str:

@@ -34,7 +34,7 @@ from .inputs import InputError, PromptReader
 from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
 from .rundir import RunDir
-from .records import OK, Record, last_meaningful as _last_meaningful, split_parts
+from .records import OK, Record, last_meaningful, split_parts
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 from .turns import answer_message, turn_messages, user_turns
@@ -44,8 +44,6 @@ __all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
-DEFAULT_NAMES = {"jsonl": "records.jsonl", "parquet": "records.parquet", "tokens": "tokens.jsonl",
-                 "conversations": "conversations.jsonl"}  # in RUN/export/ when no output is given
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
@@ -88,7 +86,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = _last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            opened = last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             seqs.append(ids[r0:r1].tolist())
             seqs.append(ids[c0:c1].tolist())
@@ -100,7 +98,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = _last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            opened = last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             tc = r.tool_call_at if r.tool_call_at is not None and c0 <= r.tool_call_at < c1 else c1
             seqs += [ids[r0:r1].tolist(), ids[c0:tc].tolist(), ids[tc:c1].tolist()]
@@ -302,7 +300,7 @@ _TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversation
 
 def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
     """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl, ..."""
-    return RunDir(run_dir).export_dir / DEFAULT_NAMES.get(fmt, f"{fmt}.out")
+    return RunDir(run_dir).export_file(fmt)
 
 
 def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,

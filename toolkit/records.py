@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
+    "ends_with_stop", "last_meaningful", "all_blank", "id_at", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
     "PARTIAL",
 ]
 
@@ -102,12 +102,13 @@ def unpack_ids(data: bytes) -> list[int]:
     return a.tolist()
 
 
-def id_positions(packed: bytes, token_id: int) -> int | None:
-    """First index of `token_id` in packed ids, without unpacking them."""
+def id_positions(packed: bytes, token_id: int, start: int = 0, end: int | None = None) -> int | None:
+    """First index in [start, end) of `token_id` in packed ids, without unpacking them (None when absent)."""
     needle = token_id.to_bytes(4, "little")
-    i = packed.find(needle)
+    hi = len(packed) if end is None else 4 * end
+    i = packed.find(needle, 4 * start, hi)
     while i != -1 and i % 4:
-        i = packed.find(needle, i + 1)
+        i = packed.find(needle, i + 1, hi)
     return None if i == -1 else i // 4
 
 
@@ -185,6 +186,14 @@ def last_meaningful(packed: bytes, blank: frozenset[int]) -> int | None:
             return t
         i -= 4
     return None
+
+
+def all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
+    """Whether ids a .. b-1 of packed ids are all whitespace-only (True for an empty range)."""
+    for i in range(4 * a, 4 * b, 4):
+        if int.from_bytes(packed[i : i + 4], "little") not in blank:
+            return False
+    return True
 
 
 def ends_with_stop(rec: Record) -> bool:

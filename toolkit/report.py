@@ -97,7 +97,8 @@ def summary_table(report: AuditReport) -> str:
     if shown:
         lines.append("")
         if len(shown) < len(shards):
-            lines.append(f"shards with problems ({len(shown)} shown of {len(shards)}; all in audit.html):")
+            lines.append(f"shards with problems ({len(shown)} shown of {len(shards)}; all in "
+                         f"{_shown(report.files.get('html', '-'))}):")
         rows = [["shard", "done", "records", "ok", "failed", "missing", "dups", "damaged", "output tok", "tok/s", "host"]]
         for s in shown:
             rows.append([
@@ -114,7 +115,7 @@ def summary_table(report: AuditReport) -> str:
         lines.append(f"  {mark}  {c.name:<22}  {body[0][32:]}")
         lines += body[1:]
     files = report.files
-    lines += ["", f"report: {_shown(files.get('html', '-'))}  (and {_shown(files.get('json', 'audit.json'))})"]
+    lines += ["", f"report: {_shown(files.get('html', '-'))}  (and {_shown(files.get('json', '-'))})"]
     if report.missing:
         lines.append(f"missing ids: {_shown(files.get('missing_ids'))}")
     if report.failed:

@@ -14,7 +14,8 @@
     RUN/merged/missing_ids.txt   planned ids with no record (written by the merge)
     RUN/merged/failed_ids.txt    ids whose record is a failure (written by the audit)
     RUN/merged/audit.json        the audit report;  merged/audit.html  the same, for a browser
-    RUN/export/                  exports written without `-o`
+    RUN/export/                  exports written without `-o`: records.jsonl, records.parquet, tokens.jsonl,
+                                 conversations.jsonl (by format)
 
 No other module builds a path inside a run directory; each file has one writer, named above.
 """
@@ -30,6 +31,8 @@ from .files import shown_path
 __all__ = ["PLAN_FILE", "RunDir"]
 
 PLAN_FILE = "run.json"  # its presence is what makes a folder a run directory
+EXPORT_NAMES = {"jsonl": "records.jsonl", "parquet": "records.parquet", "tokens": "tokens.jsonl",
+                "conversations": "conversations.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,10 @@ class RunDir:
 
     def server_log_file(self, i: int) -> Path:
         return self.logs_dir / f"{i:05d}.server.log"
+
+    def export_file(self, fmt: str) -> Path:
+        """Where an export in format `fmt` goes when no output is given."""
+        return self.export_dir / EXPORT_NAMES.get(fmt, f"{fmt}.out")
 
     def job_folder(self, job: str = "%j") -> Path:
         """submitit's folder of one Slurm job (`%j` for the pattern submitit fills in)."""
