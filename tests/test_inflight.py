@@ -22,7 +22,7 @@ from toolkit.progress import read_progress
 from toolkit.records import PARTIAL, Record
 from toolkit.shardfile import read_done, read_shard
 from toolkit.concurrency import auto_target
-from toolkit.inflight import rid_maker
+from toolkit.inflight import continued_params, rid_maker
 from toolkit.worker import DONE, run_shard
 
 from jobfiles import make_job, write_prompts
@@ -182,6 +182,21 @@ def test_auto_target_is_capacity_plus_a_small_queue():
     assert auto_target(256, 100, 40, 1024) == 132  # waiting while below the limit: the KV cache is the limit
     assert auto_target(4096, 0, 0, 1024) == 1024
     assert auto_target(0, 0, 0, 1024) == 64  # the server does not say
+
+
+def test_auto_target_caps_at_max_concurrency_and_keeps_a_queue_of_at_least_two():
+    assert auto_target(4, 4, 0, 1024) == 6  # capacity // 8 is 0: the margin is 2
+    assert auto_target(256, 300, 5, 100) == 100  # never past client.max_concurrency
+    assert auto_target(256, 0, 7, 1024) == 288  # waiting with nothing running: the capacity, not 0
+
+
+def test_continued_params_take_off_what_was_generated():
+    params = {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}
+    assert continued_params(params, 0) is params
+    assert continued_params(params, 3) == {"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0.6}
+    assert continued_params(params, 6)["min_new_tokens"] == 0
+    assert continued_params(params, 10) is None  # the budget is used up
+    assert params == {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}  # the caller's are unchanged
 
 
 def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_the_load(tmp_path, kimi):

@@ -52,7 +52,7 @@ def rid_maker(sh: Shard, pos: int, made: list[str]):
     return make
 
 
-def _continued_params(params: dict, done: int) -> dict | None:
+def continued_params(params: dict, done: int) -> dict | None:
     """The sampling_params that go on from `done` tokens already generated (None: the budget is used up)."""
     if not done:
         return params
@@ -95,7 +95,7 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
     res = None
     try:
         while True:
-            sp = _continued_params(params, len(out))
+            sp = continued_params(params, len(out))
             if sp is None:  # already at max_new_tokens: what an uninterrupted request would have ended with
                 res = GenerateResult(output_ids=out, finish="length", matched=None, prompt_tokens=len(ids),
                                      completion_tokens=len(out), cached_tokens=cached or 0, latency_s=latency,

@@ -30,6 +30,7 @@ class EngineDied(Exception):
 class EngineHung(EngineDied):
     """Alive, but answering nothing: stopped without the grace a draining server gets."""
 
+
 class EngineUnreachable(Exception):
     """The engine is alive but cannot be reached: the shard cannot finish in this task."""
 
@@ -56,7 +57,7 @@ class Shard:
         self.chains: Chains | None = None  # regenerated datasets: the conversations' answers so far
         self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
         self.waiting_for: str | None = None  # what a stopping worker waits for (told to a second Ctrl-C)
-        self.partial: dict[str, Record] = {}  # PARTIAL records to continue, by id (see _generate)
+        self.partial: dict[str, Record] = {}  # PARTIAL records to continue, by id (see inflight._generate)
         self.stopping = False      # a stop signal came: nothing new is sent, what is in flight is saved
         self.rids: set[str] = set()  # rids in flight (aborted one by one on an engine the worker does not own)
         self.rid_seq = 0

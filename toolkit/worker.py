@@ -5,8 +5,8 @@ was written in), starts the engine, renders prompts with the chat template while
 them through `/generate` with bounded concurrency, and appends checked records in fsynced batches. An engine
 that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
 (nothing written is lost; the requests in flight are aborted and their partial outputs kept as PARTIAL records,
-continued from where they stopped next time: see inflight.save_in_flight and inflight._generate). A finished shard gets its `done`
-manifest.
+continued from where they stopped next time: see inflight.save_in_flight and inflight._generate). A finished
+shard gets its `done` manifest.
 
 Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
 recorded with its kind and generated again by the next run of the shard (the done manifest counts them; see
@@ -17,6 +17,10 @@ restarted like one that died. The render thread stays a bounded number of prompt
 
 Regenerated conversations (turns.py): turn k of a conversation waits until turn k-1 has a record, then is rendered
 with the answers of the turns before it (chains.py).
+
+The parts: feed.py renders prompts on a thread and hands them to the event loop; inflight.py sends them (rids,
+continuations, partial outputs at a stop, records); concurrency.py sizes and watches the requests in flight;
+shardstate.py holds what they share. This module keeps the shard's lifecycle.
 """
 
 from __future__ import annotations
