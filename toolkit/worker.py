@@ -36,6 +36,7 @@ from array import array
 from pathlib import Path
 
 from . import chat
+from .chains import Chains
 from .client import HttpClient, server_capacity
 from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from .engines import EngineError, make_engine
@@ -48,7 +49,6 @@ from .files import shown_path
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
 from .shardfile import ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
-from .chains import Chains
 from .shardstate import EngineDied, EngineHung, EngineUnreachable, Shard
 
 __all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
