@@ -128,3 +128,21 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
         server.close()
 
     asyncio.run(main())
+
+
+def test_the_errors_generate_raises_say_how_many_attempts_it_made():
+    assert client.RequestRejected(400, b"{}").attempts == 1  # declared, before generate sets it
+
+    async def main():
+        server, url = await _server([0, -1, -1])
+        http = client.HttpClient(url)
+        with pytest.raises(BadResponse) as bad:  # 200 "ok": not a /generate answer, not retried
+            await client.generate(http, [1, 2], {}, timeout=5, retries=2)
+        assert bad.value.attempts == 1
+        with pytest.raises(client.Unreachable) as gone:  # no answer, retried once
+            await client.generate(http, [1, 2], {}, timeout=0.3, retries=1, backoff_s=0.01)
+        assert gone.value.attempts == 2
+        http.close()
+        server.close()
+
+    asyncio.run(main())

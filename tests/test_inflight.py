@@ -21,7 +21,9 @@ from toolkit.engines.stub import start_standalone
 from toolkit.progress import read_progress
 from toolkit.records import PARTIAL, Record
 from toolkit.shardfile import read_done, read_shard
-from toolkit.worker import DONE, _auto_target, _rid_maker, run_shard
+from toolkit.concurrency import auto_target
+from toolkit.inflight import continued_params, rid_maker
+from toolkit.worker import DONE, run_shard
 
 from jobfiles import make_job, write_prompts
 
@@ -165,21 +167,36 @@ def test_rids_are_fixed_width_and_never_prefixes_of_each_other():
         Sh.shard = shard
         for pos in (0, 1, 10, 11, 100, 123456789):
             for _ in range(3):
-                _rid_maker(Sh, pos, made)()
+                rid_maker(Sh, pos, made)()
     Sh.rid_seq = 10**8 - 2  # the counter wraps, the width stays
     for _ in range(4):
-        _rid_maker(Sh, 5, made)()
+        rid_maker(Sh, 5, made)()
     assert len(set(made)) == len(made) and len({len(r) for r in made}) == 1
     ordered = sorted(made)
     assert not any(b.startswith(a) for a, b in zip(ordered, ordered[1:]))
 
 
 def test_auto_target_is_capacity_plus_a_small_queue():
-    assert _auto_target(8, 0, 0, 1024) == 10
-    assert _auto_target(256, 256, 10, 1024) == 288
-    assert _auto_target(256, 100, 40, 1024) == 132  # waiting while below the limit: the KV cache is the limit
-    assert _auto_target(4096, 0, 0, 1024) == 1024
-    assert _auto_target(0, 0, 0, 1024) == 64  # the server does not say
+    assert auto_target(8, 0, 0, 1024) == 10
+    assert auto_target(256, 256, 10, 1024) == 288
+    assert auto_target(256, 100, 40, 1024) == 132  # waiting while below the limit: the KV cache is the limit
+    assert auto_target(4096, 0, 0, 1024) == 1024
+    assert auto_target(0, 0, 0, 1024) == 64  # the server does not say
+
+
+def test_auto_target_caps_at_max_concurrency_and_keeps_a_queue_of_at_least_two():
+    assert auto_target(4, 4, 0, 1024) == 6  # capacity // 8 is 0: the margin is 2
+    assert auto_target(256, 300, 5, 100) == 100  # never past client.max_concurrency
+    assert auto_target(256, 0, 7, 1024) == 288  # waiting with nothing running: the capacity, not 0
+
+
+def test_continued_params_take_off_what_was_generated():
+    params = {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}
+    assert continued_params(params, 0) is params
+    assert continued_params(params, 3) == {"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0.6}
+    assert continued_params(params, 6)["min_new_tokens"] == 0
+    assert continued_params(params, 10) is None  # the budget is used up
+    assert params == {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}  # the caller's are unchanged
 
 
 def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_the_load(tmp_path, kimi):

@@ -39,9 +39,13 @@ log = logging.getLogger(__name__)
 class Unreachable(Exception):
     """No HTTP answer: connection refused/reset, or the request timed out."""
 
+    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
+
 
 class ServerError(Exception):
     """A 5xx answer (retryable)."""
+
+    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -50,6 +54,8 @@ class ServerError(Exception):
 
 class RequestRejected(Exception):
     """A 4xx answer: the server refused this request (e.g. prompt over the context length)."""
+
+    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -248,6 +254,8 @@ _resp_decoder = msgspec.json.Decoder(GenerateResponse)
 class BadResponse(Exception):
     """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
 
+    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
+
 
 class _Tail(msgspec.Struct):
     meta_info: MetaInfo
@@ -344,13 +352,13 @@ async def generate(
             raise RequestRejected(status, data)
         except (Unreachable, ServerError) as e:
             if attempt > retries or (engine_alive is not None and not engine_alive()):
-                e.attempts = attempt  # type: ignore[attr-defined]
+                e.attempts = attempt
                 raise
             delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             log.debug("retrying after %s (attempt %d, %.1f s)", e, attempt, delay)
             await asyncio.sleep(delay)
         except (RequestRejected, BadResponse) as e:
-            e.attempts = attempt  # type: ignore[attr-defined]
+            e.attempts = attempt
             raise
 
 

@@ -1,0 +1,195 @@
+"""Prompts to generate, rendered ahead of the requests: the render thread loads the tokenizer, renders the
+shard's prompts to input_ids in planned order and hands them, a batch at a time, to the event loop through a
+`Feed`, bounded by a `Budget`. Turns > 0 of regenerated conversations go to the chains (chains.py) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import chat
+from .inputs import PromptReader
+from .plan import PromptRef, RefSlice, RunPlan
+from .records import TEMPLATE
+from .turns import turn_prompt
+
+log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
+
+TodoItem = tuple[int, PromptRef]
+"""A prompt to generate: (planned position, ref)."""
+
+
+class LaterTurns(Protocol):
+    """Where turns > 0 go (chains.Chains): each waits for the answer of the turn before it."""
+
+    tok: Any
+    info: Any
+
+    def arrive(self, items: list[TodoItem]) -> None: ...
+
+
+@dataclass
+class RenderState:
+    """What the render thread and the event loop share: the tokenizer and its token info once loaded (set by the
+    thread), the chains of regenerated conversations (set before it starts), and the stop flag (set by the loop)."""
+
+    tok: Any = None
+    info: Any = None
+    chains: LaterTurns | None = None
+    stop: bool = False
+
+
+class Budget:
+    """How many rendered prompts may wait for a request: the render thread blocks in `acquire` past `cap`, the
+    event loop releases one per prompt it takes. Keeps the worker's memory flat however large the shard."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.used, self.closed = cap, 0, False
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.cap and not self.closed:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int = 1) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class Feed:
+    """Rendered prompts in planned order, filled by the render thread; prompts to redo come first."""
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.budget = budget or Budget(1 << 62)
+        self.items: deque = deque()
+        self.redo: deque = deque()
+        self.finished = False
+        self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
+        self.closed = False  # stopping: hand out nothing more
+        self.peak = 0  # most rendered prompts waiting at once
+        self.first = asyncio.get_running_loop().create_future()
+        self._event = asyncio.Event()
+
+    def put(self, items: list | None) -> None:
+        """Add a batch of rendered prompts, or mark the end (None)."""
+        if items is None:
+            self.finished = True
+        else:
+            self.items.extend(items)
+            self.peak = max(self.peak, len(self.items))
+            if not self.first.done():
+                first = next((item[2] for item in items if item[2] is not None), None)
+                if first is not None:
+                    self.first.set_result(first)
+        if self.finished and not self.first.done():
+            self.first.set_result(None)
+        self._event.set()
+
+    def later(self, item) -> None:
+        """A prompt that waited (see `pending`) is ready: it goes out before the others."""
+        self.redo.append(item)
+        self.pending -= 1
+        self._event.set()
+
+    def close(self) -> None:
+        """Stopping: hand out nothing more."""
+        self.closed = True
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.first.done():
+            self.first.set_exception(exc)
+        self.finished = True
+        self._event.set()
+
+    async def get(self):
+        while True:
+            if self.closed:
+                return None
+            if self.redo:
+                return self.redo.popleft()
+            if self.items:
+                self.budget.release()
+                return self.items.popleft()
+            if self.finished and not self.pending:
+                return None
+            self._event.clear()
+            await self._event.wait()
+
+
+class Todo:
+    """The prompts to generate as (planned position, ref) pairs, sliced a batch at a time: positions kept in a
+    compact array, refs decoded on demand."""
+
+    def __init__(self, refs: RefSlice, positions) -> None:
+        self.refs, self.positions = refs, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, s: slice) -> list[TodoItem]:
+        first = self.refs.first
+        return [(p, self.refs[p - first]) for p in self.positions[s]]
+
+
+def render_thread(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, state: RenderState) -> None:
+    """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
+    try:
+        _render_all(loop, feed, plan, todo, state)
+        loop.call_soon_threadsafe(feed.put, None)
+    except BaseException as e:  # surfaced in the event loop, not lost in a thread
+        loop.call_soon_threadsafe(feed.fail, e)
+
+
+def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, state: RenderState) -> None:
+    """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
+    tok = chat.load_tokenizer(plan.spec.model)
+    info = chat.token_info(tok, plan.spec.model)
+    state.info, state.tok = info, tok
+    chains = state.chains
+    if chains is not None:
+        chains.tok, chains.info = tok, info
+    log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
+             info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
+    with PromptReader() as reader:
+        for start in range(0, len(todo), chat.BATCH_SIZE):
+            batch = todo[start : start + chat.BATCH_SIZE]
+            feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
+            if state.stop:
+                break
+            later = [(pos, ref) for pos, ref in batch if ref.turn]  # need the answer of the turn before
+            if later:
+                batch = [(pos, ref) for pos, ref in batch if not ref.turn]
+                feed.budget.release(len(later))
+                loop.call_soon_threadsafe(chains.arrive, later)
+            prompts = []
+            for pos, ref in batch:
+                ds = plan.datasets[ref.dataset]
+                prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+                prompts.append(turn_prompt(prompt, 0, []) if ds.regenerate else prompt)
+            if not prompts:
+                continue
+            try:
+                rendered = [(ids, None) for ids in chat.render_many(tok, plan.spec.model, prompts)]
+            except chat.ChatError:  # find which prompts fail; the others still go out
+                rendered = []
+                for prompt in prompts:
+                    try:
+                        rendered.append((chat.render(tok, plan.spec.model, prompt), None))
+                    except chat.ChatError as e:
+                        rendered.append((None, (TEMPLATE, f"chat template: {e}")))
+            items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
+            loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
