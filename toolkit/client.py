@@ -63,7 +63,7 @@ class RequestRejected(Exception):
 
 
 def _message(body: bytes) -> str:
-    """The human part of SGLang's error bodies, whatever their form (§5.5 of the protocol notes)."""
+    """The human part of SGLang's error bodies, whatever their form (a string, an object, a list)."""
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:

@@ -3,7 +3,7 @@ as SGLang does (allow_abbrev), starts a child that ignores SIGTERM (like a sched
 parent), records what it saw, then becomes the toolkit's stub server. $FAKE_SGLANG_FAIL: print it as an error
 and exit 2 at once (a server that dies before it is ready). $FAKE_SGLANG_STUB_ARGS: more stub_server flags.
 
-Multi-node (`--nnodes N > 1`), as SGLang 0.5.23 behaves (sglang-protocol.md §1.4): rank 0 listens on
+Multi-node (`--nnodes N > 1`), as SGLang 0.5.23 behaves: rank 0 listens on
 --dist-init-addr (the rendezvous; the listening socket survives the exec into the stub server, so it lives
 exactly as long as rank 0) and serves the HTTP API; a rank >= 1 connects to that address (retrying, as
 torch.distributed does) and serves only a dummy health server on --host/--port answering 200 to everything (not on

@@ -61,7 +61,7 @@ class StubModel:
         generation_eos = _ids(_read_json(Path(cfg.model_path) / "generation_config.json").get("eos_token_id"))
         tokenizer_eos = _ids(tok.eos_token_id)
         # SGLang's stop set: config.json and generation_config.json eos ids, plus the tokenizer's eos unless
-        # the tokenizer is not initialised (protocol notes §1.3).
+        # the tokenizer is not initialised (SGLang's tokenizer manager with --skip-tokenizer-init).
         self.eos_ids = frozenset(config_eos + generation_eos + ([] if cfg.skip_tokenizer_init else tokenizer_eos))
         emitted = generation_eos or config_eos or tokenizer_eos
         if not emitted:

@@ -86,7 +86,7 @@ class Responses:
         return _json_encode(objs[0] if single else objs)
 
     def waiting_abort_object(self, item: Item, e2e: float) -> dict:
-        """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens (§5.5)."""
+        """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens, as SGLang answers."""
         m: dict[str, Any] = {"id": item.rid, "finish_reason": dict(ABORTED_WAITING)}
         if not self.v9:
             m.update(weight_version="default", weight_versions=[])
