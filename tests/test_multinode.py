@@ -165,7 +165,7 @@ def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, mo
                  "#SBATCH --cpus-per-task=64", "_log.out --nodes=1 --ntasks=1 "):  # the worker: one task, first node
         assert line in out, out
     assert "srun-args" not in out
-    params = slurm.shard_params(preflight(str(job)).plan, {})
+    params = slurm.shard_params(preflight(str(job)).plan, slurm.Resources())
     assert params["nodes"] == 2 and params["ntasks_per_node"] == 1 and params["srun_args"] == ["--nodes=1", "--ntasks=1"]
     # one node: nothing changes
     job1 = make_job(tmp_path / "one", toy_tokenizer("kimi"), engine={"kind": "sglang", "tp_size": 8})
