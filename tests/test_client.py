@@ -111,7 +111,7 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
         loop = asyncio.get_running_loop()
         assert await http.request("POST", "/generate", b"{}", timeout=5) == (200, b"ok")
         t0 = loop.time()
-        with pytest.raises(client.Unreachable, match="no answer within 0.5 s"):
+        with pytest.raises(client.TimedOut, match="no answer within 0.5 s"):  # a kind of Unreachable
             await http.request("POST", "/generate", b"{}", timeout=0.5)
         waited = loop.time() - t0
         assert 0.5 <= waited < 0.5 + 2 * http.SWEEP_S + 0.5
@@ -122,7 +122,7 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
             http.request("POST", "/generate", b"{}", timeout=5),
             return_exceptions=True,
         )
-        assert isinstance(results[0], client.Unreachable) and results[1] == (200, b"ok")
+        assert isinstance(results[0], client.TimedOut) and results[1] == (200, b"ok")
         assert not http._deadlines and not http._expired  # nothing left watched
         http.close()
         server.close()
@@ -144,5 +144,20 @@ def test_the_errors_generate_raises_say_how_many_attempts_it_made():
         assert gone.value.attempts == 2
         http.close()
         server.close()
+
+    asyncio.run(main())
+
+
+def test_a_refused_connection_is_unreachable_not_a_timeout():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        with pytest.raises(client.Unreachable) as e:
+            await client.HttpClient(f"http://127.0.0.1:{port}").request("GET", "/health", timeout=2)
+        assert not isinstance(e.value, client.TimedOut)
 
     asyncio.run(main())

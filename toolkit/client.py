@@ -26,6 +26,7 @@ __all__ = [
     "HttpClient",
     "RequestRejected",
     "ServerError",
+    "TimedOut",
     "Unreachable",
     "generate",
     "abort_requests",
@@ -40,6 +41,10 @@ class Unreachable(Exception):
     """No HTTP answer: connection refused/reset, or the request timed out."""
 
     attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
+
+
+class TimedOut(Unreachable):
+    """The server took the request but gave no answer within the request's timeout."""
 
 
 class ServerError(Exception):
@@ -132,7 +137,7 @@ class HttpClient:
                     expired = self._unwatch(conn[1])
                     conn[1].close()
                 if expired:
-                    raise Unreachable(f"{method} {path}: no answer within {timeout:g} s") from None
+                    raise TimedOut(f"{method} {path}: no answer within {timeout:g} s") from None
                 if fresh or conn is None:
                     raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from None
                 continue

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from .client import (
-    BadResponse, GenerateResult, HttpClient, RequestRejected, ServerError, Unreachable, abort_requests, generate,
+    BadResponse, GenerateResult, HttpClient, RequestRejected, ServerError, TimedOut, Unreachable, abort_requests,
+    generate,
 )
 from .feed import Feed
 from .plan import PromptRef
@@ -186,7 +187,7 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             if not engine.alive():
                 feed.redo.append(item)
                 raise EngineDied(str(e)) from None
-            if isinstance(e, Unreachable) and "no answer within" not in str(e):
+            if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
                 feed.redo.append(item)
                 raise EngineUnreachable(f"engine at {engine.url} unreachable after {c.retries} retries: {e}") from None
             sh.add(failed_record(ref.id, ds, pos, ids, str(e), e.attempts, _failure_kind(e)))
