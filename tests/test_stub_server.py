@@ -219,27 +219,20 @@ def test_sglang_flags_are_accepted_and_server_info_reports_the_setup(qwen3):
     assert "accepted without effect on the stub: cuda_graph_max_bs_decode, mem_fraction_static" in qwen3.log_text()
 
 
+def test_text_is_sliced_from_the_corpus_only_after_the_start_check(fleet, tokenizers):
+    """The fast text path (corpus slices instead of decode) is on for the toy tokenizers, checked at start, and
+    what it answers is exactly what the tokenizer decodes."""
+    for name, family in (("qwen3", "qwen3"), ("kimi", "kimi")):
+        stub = fleet[name].wait_ready()
+        assert "text sliced from the corpus (checked equal to decode)" in stub.log_text()
+        out = stub.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 64}})
+        assert out["text"] == tokenizers[family].decode(out["output_ids"], skip_special_tokens=True)
+
+
 def _parse(*args: str):
     from toolkit.engines.stub_server import parse_config
 
     return parse_config(["--model-path", "/m", *args])
-
-
-def test_fault_decisions_fire_on_the_requests_their_flags_name():
-    from toolkit.engines.stub_server import faults
-
-    numbers = range(1, 13)
-    due = lambda decide, *args: [n for n in numbers if decide(_parse(*args), n)]  # noqa: E731
-    assert due(faults.crash_due, "--crash-after", "3") == list(range(3, 13))
-    assert due(faults.fail_5xx_due, "--fail-5xx", "4:2") == [4, 5]
-    assert due(faults.hang_due, "--hang-after", "10") == [11, 12]
-    assert due(faults.hang_due, "--hang") == list(numbers)
-    assert due(faults.nan_due, "--nan-every", "5") == [5, 10]
-    for decide in (faults.crash_due, faults.fail_5xx_due, faults.hang_due, faults.nan_due):
-        assert due(decide) == [], "no flag, no fault"
-    assert faults.exit_at_start(_parse("--exit-at-start", "7")) == 7
-    assert faults.exit_at_start(_parse("--exit-at-start-if-exists", str(REPO / "no such file"))) is None
-    assert faults.exit_at_start(_parse("--exit-at-start-if-exists", str(REPO))) == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -583,6 +576,29 @@ def test_abort_returns_partial_output(fleet):
     assert slow.post("/abort_request", {"rid": "nobody"})[0::2] == (200, b"")
 
 
+def test_a_client_that_goes_away_aborts_its_request(fleet):
+    """SGLang's tokenizer manager aborts the request of a disconnected client: the stub cancels it (counted), frees
+    its rid at once, and counts only the tokens decoded until then; a stream is ended the same way."""
+    slow = fleet["slow"].wait_ready()  # --token-delay 0.01
+    before = json.loads(slow.get("/stub/counters")[2])
+    for stream in (False, True):
+        body = json.dumps({"input_ids": [81, 82], "rid": f"gone-{stream}", "stream": stream,
+                           "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
+        with socket.create_connection(("127.0.0.1", slow.port), timeout=5) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while any(r["num_total_reqs"] for r in _loads(slow)["loads"]):
+            assert time.monotonic() < deadline, "the request of a client that went away is still in flight"
+            time.sleep(0.02)
+        again = slow.generate({**json.loads(body), "stream": False, "sampling_params": {"max_new_tokens": 2}})
+        assert len(again["output_ids"]) == 2  # the rid is free again
+    after = json.loads(slow.get("/stub/counters")[2])
+    assert after["cancelled"] == before["cancelled"] + 1  # the non-streamed one (a stream has no queue slot)
+    assert 0 < after["generated_tokens"] - before["generated_tokens"] < 200
+
+
 def _post_all(stub, bodies: list[dict]) -> list[dict]:
     with ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(stub.generate, bodies))
@@ -787,3 +803,44 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
     assert len(out["output_ids"]) == 80 and out["meta_info"]["finish_reason"]["type"] == "length"
     assert slow.proc.wait(10) == 0
     assert "Gracefully exiting" in slow.log_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# fault decisions (pure functions of the configuration and the request number)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_request_faults_fire_on_the_requests_their_flags_name():
+    from toolkit.engines.stub_server import faults
+
+    cfg = _parse("--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6", "--nan-every", "3")
+    got = {n: faults.request_faults(cfg, n) for n in range(1, 8)}
+    assert [n for n, f in got.items() if f.fail_5xx] == [2, 3]
+    assert [n for n, f in got.items() if f.hang] == [5, 6, 7]  # after the 4th
+    assert [n for n, f in got.items() if f.crash] == [6, 7]  # from the 6th on
+    assert [n for n, f in got.items() if f.nan] == [3, 6]
+    assert got[1] == faults.RequestFaults()
+    plain = _parse()
+    assert all(faults.request_faults(plain, n) == faults.RequestFaults() for n in range(1, 50))
+    assert all(faults.request_faults(_parse("--hang"), n).hang for n in (1, 2, 100))
+
+
+def test_exit_at_start_decision():
+    from toolkit.engines.stub_server import faults
+
+    assert faults.exit_at_start(_parse()) is None
+    assert faults.exit_at_start(_parse("--exit-at-start", "7"))[0] == 7
+    cfg = _parse("--exit-at-start-if-exists", "/some/marker")
+    assert faults.exit_at_start(cfg, exists=lambda p: False) is None
+    code, message = faults.exit_at_start(cfg, exists=lambda p: p == "/some/marker")
+    assert code == 1 and "/some/marker" in message
+
+
+def test_sigterm_handler_drains_unless_ignored():
+    from toolkit.engines.stub_server import faults
+
+    seen = []
+    faults.sigterm_handler(_parse(), seen.append)("SIGTERM")
+    faults.sigterm_handler(_parse("--ignore-sigterm"), seen.append)("SIGTERM")
+    assert seen == ["SIGTERM"]
+

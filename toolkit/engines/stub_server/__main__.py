@@ -1,20 +1,27 @@
-"""`python -m toolkit.engines.stub_server`: the process lifecycle (logging, serving, start-up and shutdown)."""
+"""`python -m toolkit.engines.stub_server`: the process: logging (every line carries the stub's prefix),
+start-up (tokenizer "weights", load delay), serving, signals and the exit status."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 
-from . import faults
-from .config import LOG_PREFIX, StubConfig, parse_config
-from .http import Connection
-from .model import StubModel
-from .server import StubServer
+import uvicorn
 
-logger = logging.getLogger(__name__)
+from . import faults
+from .app import build_app
+from .config import LOG_PREFIX, StubConfig, parse_config
+from .engine import StubServer
+from .model import StubModel
+from .planning import load_model
+
+logger = logging.getLogger("toolkit.engines.stub_server")
+
 
 class _StubFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -44,29 +51,43 @@ def _route_transformers_logging() -> None:
         pass
 
 
-async def serve(cfg: StubConfig, model: StubModel, started: float) -> int:
-    server = StubServer(cfg, model, started)
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: SIGTERM starts the stub's drain (or is ignored), as in
+    SGLang, and the process exits 0 once drained instead of re-raising the signal."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def uvicorn_config(cfg: StubConfig, app) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_config=None, log_level=None, access_log=cfg.log_level == "debug",
+        lifespan="off", ws="none", backlog=1024,
+        timeout_keep_alive=cfg.keep_alive_timeout if cfg.keep_alive_timeout > 0 else 1 << 30,
+    )
+
+
+async def serve(cfg: StubConfig, model: StubModel, started: float, config: uvicorn.Config, sock) -> int:
+    srv = StubServer(cfg, model, started)
+    config.app = build_app(srv)
+    server = _Server(config)
     loop = asyncio.get_running_loop()
-    try:
-        listener = await loop.create_server(lambda: Connection(server), cfg.host, cfg.port, reuse_address=True,
-                                            backlog=1024)
-    except OSError as e:
-        logger.error("%s", e)  # e.g. [Errno 98] error while attempting to bind on address (...): address in use
-        return 1
-    faults.install_signal_handlers(loop, cfg, server.on_sigterm)
-    logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", cfg.host, cfg.port)
-    tasks = [loop.create_task(server.warmup()), loop.create_task(server.throughput_log()),
-             loop.create_task(server.drain_watchdog())]
-    await server.stop.wait()
-    listener.close()
-    for conn in list(server.connections):
-        if not conn.busy and conn.transport is not None:
-            conn.transport.close()
-    deadline = loop.time() + 2.0
-    while loop.time() < deadline and any(c.transport and c.transport.get_write_buffer_size()
-                                         for c in server.connections):
-        await asyncio.sleep(0.01)
-    for t in tasks:
+    on_signal = faults.sigterm_handler(cfg, srv.on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    serving = loop.create_task(server.serve(sockets=[sock]))
+    tasks = [loop.create_task(srv.warmup()), loop.create_task(srv.throughput_log()),
+             loop.create_task(srv.drain_watchdog())]
+    stopping = loop.create_task(srv.stop.wait())
+    await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    done, _ = await asyncio.wait((serving,), timeout=2.0 + 0.2)  # uvicorn polls should_exit every 0.1 s
+    if not done:  # connections still busy (a wedged request): drop them, which cancels their handlers
+        for conn in list(server.server_state.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+    await serving
+    for t in (*tasks, stopping):
         t.cancel()
     logger.info("Shutdown complete; exiting with status 0")
     return 0
@@ -81,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 "synthetic text from the tokenizer", cfg.version)
     if cfg.other_args:
         logger.info("SGLang flags accepted without effect on the stub: %s", ", ".join(sorted(cfg.other_args)))
-    code = faults.exit_at_start(cfg)
-    if code is not None:
-        return code
+    early = faults.exit_at_start(cfg)
+    if early is not None:
+        logger.error("%s", early[1])
+        return early[0]
     logger.info("server_args=%s", {f: getattr(cfg, f) for f in cfg.__struct_fields__ if f != "api_key"})
     logger.info("Load weight begin. avail mem=0.00 GB (stub: no weights; loading the tokenizer only)")
     t0 = time.monotonic()
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _route_transformers_logging()
     try:
-        model = StubModel(cfg)
+        model = load_model(cfg)
     except (OSError, ValueError) as e:
         logger.error("Cannot load the tokenizer of %s: %s. The stub needs the job's tokenizer even with "
                      "--skip-tokenizer-init; pass --tokenizer-path if it lives elsewhere.",
@@ -103,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                 "format %s; %d corpus tokens; text %s", model.vocab_size, model.think_start_id, model.think_end_id,
                 model.eos_id, sorted(model.eos_ids), model.tool_family or "none", len(model.corpus),
                 "sliced from the corpus (checked equal to decode)" if model.fast_text else "decoded per request")
-    faults.slow_load(cfg, t0)
+    rest = cfg.load_delay - (time.monotonic() - t0)
+    if rest > 0:
+        time.sleep(rest)
     logger.info("Load weight end. type=StubEngine, dtype=none, avail mem=0.00 GB, mem usage=0.00 GB.")
-    return asyncio.run(serve(cfg, model, started))
+    config = uvicorn_config(cfg, None)
+    sock = config.bind_socket()  # logs "Uvicorn running on ..."; a port in use exits 1, as uvicorn does
+    return asyncio.run(serve(cfg, model, started, config, sock))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The prefix cache behind `meta_info.cached_tokens` (SGLang's radix cache, coarsely)."""
+"""The prefix cache behind `meta_info.cached_tokens`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The stub's command line: StubConfig, the parser, and the SGLang flag profiles it accepts (per `--version`)."""
+"""The stub's command line: StubConfig, its parser, and the SGLang flag profiles it accepts (`--version`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Request validation: the 0.5.23 schema gate (serde-style texts), SGLang's ValueErrors, and the parsing and
-verification of sampling_params into `Sampling`."""
+"""Request validation of /generate: 0.5.23's schema gate (serde-style texts), SamplingParams with SGLang's
+defaults, and SamplingParams.verify's errors."""
 
 from __future__ import annotations
 

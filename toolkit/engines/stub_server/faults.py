@@ -1,134 +1,93 @@
 """Fault injection: every way the stub misbehaves on purpose, and the one place that decides when each fires.
 
-Per /generate request (numbered from 1): --crash-after, --fail-5xx, --hang / --hang-after, --nan-every. At
-start: --exit-at-start, --exit-at-start-if-exists, --load-delay (a slow start), --hang (never ready),
---warmup-fails. At shutdown: --ignore-sigterm. The `*_due` functions are the decisions (pure); the others
-carry a fault out.
+At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start-up: `--hang` (never ready),
+`--warmup-fails` (the process kills itself when the warm-up ends). Per /generate request, by its 1-based number:
+`--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503), `--hang-after N` (never answered,
+which also wedges /health*), `--nan-every N` (SGLang's NaN stop). At shutdown: `--ignore-sigterm`. The
+decisions are pure functions of the configuration (and the request number); the actions that end the process
+are here too, so that each fault logs the same line wherever it is triggered.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
-import time
-from typing import Any, Callable
+from typing import Callable, NoReturn
 
 import msgspec
 
 from .config import StubConfig
-from .model import Item, StubModel
 
 logger = logging.getLogger(__name__)
-_json_encode = msgspec.json.encode
-
-NAN_MATCHED = "NaN happened"
 
 
-# -- decisions ------------------------------------------------------------------------------------
-def crash_due(cfg: StubConfig, number: int) -> bool:
-    """--crash-after N: the N-th /generate request (and any later one) exits the process."""
-    return cfg.crash_after is not None and number >= cfg.crash_after
+class RequestFaults(msgspec.Struct, frozen=True):
+    """What happens to one /generate request, in the order the checks apply: crash, then 503, then NaN and
+    hang (after validation)."""
+
+    crash: bool = False
+    fail_5xx: bool = False
+    nan: bool = False
+    hang: bool = False
 
 
-def fail_5xx_due(cfg: StubConfig, number: int) -> bool:
-    """--fail-5xx START:COUNT: requests START..START+COUNT-1 get HTTP 503."""
-    return bool(cfg.fail_5xx) and cfg.fail_5xx[0] <= number < cfg.fail_5xx[0] + cfg.fail_5xx[1]
+NONE = RequestFaults()
 
 
-def hang_due(cfg: StubConfig, number: int) -> bool:
-    """--hang: every request; --hang-after N: those after the N-th never answer."""
-    return cfg.hang or (cfg.hang_after is not None and number > cfg.hang_after)
+def request_faults(cfg: StubConfig, number: int) -> RequestFaults:
+    """The faults of the `number`-th /generate request (counted from 1, every request counts)."""
+    crash = cfg.crash_after is not None and number >= cfg.crash_after
+    fail = cfg.fail_5xx is not None and cfg.fail_5xx[0] <= number < cfg.fail_5xx[0] + cfg.fail_5xx[1]
+    nan = bool(cfg.nan_every) and number % cfg.nan_every == 0
+    hang = cfg.hang or (cfg.hang_after is not None and number > cfg.hang_after)
+    if not (crash or fail or nan or hang):
+        return NONE
+    return RequestFaults(crash=crash, fail_5xx=fail, nan=nan, hang=hang)
 
 
-def nan_due(cfg: StubConfig, number: int) -> bool:
-    """--nan-every N: every N-th request ends in SGLang's NaN stop."""
-    return bool(cfg.nan_every) and number % cfg.nan_every == 0
+def exit_at_start(cfg: StubConfig, exists: Callable[[str], bool] = os.path.exists) -> tuple[int, str] | None:
+    """(exit status, log message) when the process is to exit at once, else None."""
+    if cfg.exit_at_start is not None:
+        return cfg.exit_at_start, f"Exiting at start with status {cfg.exit_at_start} (--exit-at-start)"
+    if cfg.exit_at_start_if_exists and exists(cfg.exit_at_start_if_exists):
+        return 1, f"Exiting at start with status 1: {cfg.exit_at_start_if_exists} exists (--exit-at-start-if-exists)"
+    return None
 
 
-# -- per /generate request ------------------------------------------------------------------------
-def crash(cfg: StubConfig, number: int) -> None:
+def fail_5xx_body(cfg: StubConfig, number: int) -> dict:
+    """The 503 answer of a request inside the --fail-5xx window (SGLang's HTTPException shape)."""
+    start, count = cfg.fail_5xx
+    msg = f"Injected failure (--fail-5xx {start}:{count}) of /generate request #{number}"
+    logger.warning(msg)
+    return {"object": "error", "message": msg, "type": "503", "param": None, "code": 503}
+
+
+def crash(cfg: StubConfig, number: int) -> NoReturn:
     logger.error("Injected crash (--crash-after %d) on /generate request #%d: exiting abruptly with status 1",
                  cfg.crash_after, number)
     logging.shutdown()
     os._exit(1)
 
 
-def fail_5xx_reply(cfg: StubConfig, number: int) -> tuple:
-    msg = f"Injected failure (--fail-5xx {cfg.fail_5xx[0]}:{cfg.fail_5xx[1]}) of /generate request #{number}"
-    logger.warning(msg)
-    body = {"object": "error", "message": msg, "type": "503", "param": None, "code": 503}
-    return 503, _json_encode(body), "application/json"
-
-
-def nan_stop(model: StubModel, item: Item) -> None:
-    """SGLang 0.5.23's NaN stop: the token sampled from NaN logits is replaced by a stop id and the output ends
-    there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"} (schedule_batch.py)."""
-    item.output = item.output[: len(item.output) // 2] + [model.eos_id]
-    item.finish = {"type": "stop", "matched": NAN_MATCHED}
-    item.trim, item.stop_str = 1, None
-
-
-def inject_nan(cfg: StubConfig, number: int, model: StubModel, items: list[Item]) -> None:
+def log_nan(cfg: StubConfig, number: int) -> None:
     logger.warning("Injected NaN (--nan-every %d) in /generate request #%d", cfg.nan_every, number)
-    for item in items:
-        nan_stop(model, item)
 
 
-async def hang_forever(server: Any, items: list[Item]) -> tuple:
-    """A wedged generation: the items stay in flight, unanswered, and /health* times out while any is."""
-    states = server.register(items, abortable=False)
-    logger.warning("Injected hang: /generate request #%d will never be answered", server.generate_count)
-    server.hung += 1
-    try:
-        await asyncio.get_running_loop().create_future()
-    finally:
-        server.hung -= 1
-        server.unregister(states)
+def log_hang(number: int) -> None:
+    logger.warning("Injected hang: /generate request #%d will never be answered", number)
 
 
-# -- start-up and shutdown ------------------------------------------------------------------------
-def exit_at_start(cfg: StubConfig) -> int | None:
-    """The status to exit with at once (--exit-at-start, --exit-at-start-if-exists), or None to go on."""
-    if cfg.exit_at_start is not None:
-        logger.error("Exiting at start with status %d (--exit-at-start)", cfg.exit_at_start)
-        return cfg.exit_at_start
-    if cfg.exit_at_start_if_exists and os.path.exists(cfg.exit_at_start_if_exists):
-        logger.error("Exiting at start with status 1: %s exists (--exit-at-start-if-exists)",
-                     cfg.exit_at_start_if_exists)
-        return 1
-    return None
+def fail_warmup() -> NoReturn:
+    """SGLang's failed warm-up: kill_process_tree of itself."""
+    logger.error("Initialization failed. warmup error: injected (--warmup-fails); killing the process tree")
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise SystemExit(1)  # not reached
 
 
-def slow_load(cfg: StubConfig, t0: float) -> None:
-    """--load-delay: the port stays closed until this many seconds after loading began (time.monotonic t0)."""
-    rest = cfg.load_delay - (time.monotonic() - t0)
-    if rest > 0:
-        time.sleep(rest)
-
-
-def never_ready(cfg: StubConfig) -> bool:
-    """--hang: the warm-up never ends."""
-    if cfg.hang:
-        logger.warning("Injected hang (--hang): the server will never become ready")
-        return True
-    return False
-
-
-def fail_warmup(cfg: StubConfig) -> None:
-    """--warmup-fails: the warm-up fails and the process kills itself, as SGLang's launcher does."""
-    if cfg.warmup_fails:
-        logger.error("Initialization failed. warmup error: injected (--warmup-fails); killing the process tree")
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def install_signal_handlers(loop: asyncio.AbstractEventLoop, cfg: StubConfig,
-                            on_sigterm: Callable[[str], None]) -> None:
-    """SIGTERM and SIGINT start the graceful drain, or with --ignore-sigterm are logged and ignored."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if cfg.ignore_sigterm:
-            loop.add_signal_handler(sig, logger.warning, "Received %s: ignored (--ignore-sigterm)", sig.name)
-        else:
-            loop.add_signal_handler(sig, on_sigterm, sig.name)
+def sigterm_handler(cfg: StubConfig, on_sigterm: Callable[[str], None]) -> Callable[[str], None]:
+    """What a SIGTERM or SIGINT does: the graceful drain, or (--ignore-sigterm) a log line and nothing else."""
+    if cfg.ignore_sigterm:
+        return lambda signame: logger.warning("Received %s: ignored (--ignore-sigterm)", signame)
+    return on_sigterm

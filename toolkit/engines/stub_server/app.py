@@ -1,0 +1,106 @@
+"""The HTTP layer: a FastAPI app over the stub's handlers (served by uvicorn, as SGLang is).
+
+Routes take the raw request body and hand it to the engine's own checks, so status codes and error texts are the
+stub's, not FastAPI's validation; answers are `Response(content=bytes)` of bytes the engine encoded (compact JSON,
+keys in SGLang's order). A handler that waits (token delay, queue, hang, a wedged health check) is raced against
+the client's disconnect, which cancels it, as SGLang's tokenizer manager aborts a request whose client went away;
+streams are cancelled by Starlette's own disconnect watch. Unknown paths and methods get FastAPI's 404 and 405.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from . import info
+from .engine import JSON, Reply, StubServer
+
+UNAUTHORIZED = b'{"error":"Unauthorized"}'
+
+
+def _response(reply: Reply) -> Response:
+    status, body, ctype = reply
+    return Response(content=body, status_code=status, media_type=ctype)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has disconnected (the body has been read by then, or there is none)."""
+    receive = request.receive
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def answer(request: Request, result: Any) -> Response:
+    """A Reply, a coroutine resolving to one (cancelled if the client goes away), or a stream of SSE events."""
+    if type(result) is tuple:
+        return _response(result)
+    if inspect.isasyncgen(result):
+        return StreamingResponse(result, media_type="text/event-stream")
+    work = asyncio.ensure_future(result)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler is cancelled (shutdown): so is the work
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not work.done():  # the client went away: abort the request, and let it unwind (counters, in-flight set)
+        work.cancel()
+        await asyncio.wait((work,))
+        return Response(status_code=499)  # nobody reads it
+    return _response(work.result())
+
+
+def _state_route(srv: StubServer, handler: Callable) -> Callable:
+    async def endpoint(request: Request) -> Response:
+        return await answer(request, handler(srv))
+
+    return endpoint
+
+
+def build_app(srv: StubServer):
+    """The ASGI app of one stub server (with --api-key, wrapped in SGLang's bearer check)."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    async def generate(request: Request) -> Response:
+        return await answer(request, srv.generate(await request.body()))
+
+    async def abort_request(request: Request) -> Response:
+        return _response(srv.abort_request(await request.body()))
+
+    async def v1_model(request: Request) -> Response:
+        return _response(info.v1_model(srv, request.path_params["name"]))
+
+    for path, (methods, handler) in info.routes(srv).items():
+        if path == "/generate":
+            endpoint = generate
+        elif path == "/abort_request":
+            endpoint = abort_request
+        else:
+            endpoint = _state_route(srv, handler)
+        app.add_api_route(path, endpoint, methods=list(methods), include_in_schema=False)
+    app.add_api_route("/v1/models/{name:path}", v1_model, methods=["GET"], include_in_schema=False)
+    key = srv.cfg.api_key
+    return with_api_key(app, key) if key else app
+
+
+def with_api_key(app, key: str):
+    """`Authorization: Bearer <key>` on every path but /health*, /ready* and /metrics* (and OPTIONS): else 401."""
+    expected = f"Bearer {key}".encode()
+    denied = Response(content=UNAUTHORIZED, status_code=401, media_type=JSON)
+
+    async def guarded(scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(info.AUTH_EXEMPT):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, expected):
+                await denied(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded
