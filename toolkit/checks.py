@@ -162,68 +162,67 @@ def reasoning_mode(r: ReasoningCounts, ok: int, closed_examples: Sequence[str], 
                   f"{r.in_reasoning} of {ok} ok outputs are in reasoning mode ({modes})")
 
 
+def _share_check(name: str, part: int, whole: int, limit: float, counted: str, when_failed: str, *,
+                 minimum: bool = False) -> Check:
+    """`part` of `whole` against a limit (a maximum, or with `minimum` a minimum): the message says
+    "<part> of <whole> <counted> (share, limit)", and adds `when_failed` only when the check fails."""
+    share = part / whole if whole else 0.0
+    passed = share >= limit if minimum else share <= limit
+    bound = f"minimum {limit:.0%}" if minimum else f"limit {limit:.1%}"
+    return _check(name, passed, share, limit,
+                  f"{part} of {whole} {counted} ({share:.1%}, {bound})" + ("" if passed else when_failed))
+
+
 def think_end_share(r: ReasoningCounts, limit: float, info: chat.TokenInfo, model: ModelSpec) -> Check:
     """Outputs holding the think-end id / ok outputs expected to reason, at least [audit] min_think_end_share."""
-    share = r.think_end / r.expected if r.expected else 0.0
-    return _check(
-        "think_end_share", share >= limit, share, limit,
-        f"{r.think_end} of {r.expected} ok outputs in reasoning mode hold the {_te(info, model)} ({share:.1%}, "
-        f"minimum {limit:.0%})" + ("" if share >= limit else
+    return _share_check(
+        "think_end_share", r.think_end, r.expected, limit,
+        f"ok outputs in reasoning mode hold the {_te(info, model)}",
         f"; of those without it, {r.length_without_think_end} hit max_new_tokens while reasoning (raise "
         f"max_new_tokens for those) and {r.stopped_without_think_end} stopped normally (see "
-        f"stop_without_think_end)"))
+        f"stop_without_think_end)", minimum=True)
 
 
 def stop_without_think_end(r: ReasoningCounts, limit: float, examples: Sequence[str], info: chat.TokenInfo,
                            model: ModelSpec) -> Check:
     """Outputs finished by a stop token without a think-end (the seed's failure), at most the limit."""
-    share = r.stopped_without_think_end / r.stopped if r.stopped else 0.0
-    return _check(
-        "stop_without_think_end", share <= limit, share, limit,
-        f"{r.stopped_without_think_end} of {r.stopped} outputs that ended with a stop token have no "
-        f"{_te(info, model)} ({share:.1%}, limit {limit:.1%})"
-        + ("" if share <= limit else
-           f": the model finished without ever writing the think-end, so reasoning and answer cannot be told "
-           f"apart: the reasoning sits in the content, mixed with the answer, and a reasoning field split from "
-           f"it is empty (e.g. {', '.join(examples)}). {_where(info, model)} {_what_to_check(info, model)}"))
+    return _share_check(
+        "stop_without_think_end", r.stopped_without_think_end, r.stopped, limit,
+        f"outputs that ended with a stop token have no {_te(info, model)}",
+        f": the model finished without ever writing the think-end, so reasoning and answer cannot be told "
+        f"apart: the reasoning sits in the content, mixed with the answer, and a reasoning field split from "
+        f"it is empty (e.g. {', '.join(examples)}). {_where(info, model)} {_what_to_check(info, model)}")
 
 
 def empty_reasoning(r: ReasoningCounts, limit: float, examples: Sequence[str], model: ModelSpec) -> Check:
     """Outputs with nothing but blanks before the think-end, at most the limit of those with a think-end."""
-    share = r.empty_reasoning / r.think_end if r.think_end else 0.0
-    return _check(
-        "empty_reasoning", share <= limit, share, limit,
-        f"{r.empty_reasoning} of {r.think_end} outputs with a think-end have empty reasoning ({share:.1%}, limit "
-        f"{limit:.1%})" + ("" if share <= limit else
+    return _share_check(
+        "empty_reasoning", r.empty_reasoning, r.think_end, limit,
+        "outputs with a think-end have empty reasoning",
         f" (e.g. {', '.join(examples)}): the model closes reasoning at once. "
         f"Check that thinking is enabled in chat_template_kwargs and the template does not pre-fill "
-        f"{model.think_start!r}{model.think_end!r}."))
+        f"{model.think_start!r}{model.think_end!r}.")
 
 
 def empty_content(r: ReasoningCounts, limit: float, examples: Sequence[str], info: chat.TokenInfo,
                   model: ModelSpec) -> Check:
     """Finished outputs with reasoning but nothing after the think-end, at most the limit."""
-    share = r.empty_content / r.stopped_with_think_end if r.stopped_with_think_end else 0.0
-    return _check(
-        "empty_content", share <= limit, share, limit,
-        f"{r.empty_content} of {r.stopped_with_think_end} finished outputs with reasoning have empty content "
-        f"({share:.1%}, limit {limit:.1%})" + ("" if share <= limit else
+    return _share_check(
+        "empty_content", r.empty_content, r.stopped_with_think_end, limit,
+        "finished outputs with reasoning have empty content",
         f" (e.g. {', '.join(examples)}): the answer after the {_te(info, model)} is missing. "
-        f"Check stop / stop_token_ids (a stop at the think-end or right after it) and [model] think_end."))
+        f"Check stop / stop_token_ids (a stop at the think-end or right after it) and [model] think_end.")
 
 
 def double_think_start(r: ReasoningCounts, limit: float, examples: Sequence[str], info: chat.TokenInfo,
                        model: ModelSpec) -> Check:
     """Outputs that open reasoning again although their prompt opened it, at most the limit of such prompts."""
-    share = r.double_think_start / r.opened_by_template if r.opened_by_template else 0.0
-    return _check(
-        "double_think_start", share <= limit, share, limit,
-        f"{r.double_think_start} of {r.opened_by_template} outputs whose prompt already opened reasoning "
-        f"contain another think-start id {info.think_start_id} ({share:.1%}, limit {limit:.1%})"
-        + ("" if share <= limit else
-           f" (e.g. {', '.join(examples)}): the template opens {model.think_start!r} and the model opens it again: "
-           f"the template does not match the model's training format. Check [model] chat_template / "
-           f"chat_template_kwargs."))
+    return _share_check(
+        "double_think_start", r.double_think_start, r.opened_by_template, limit,
+        f"outputs whose prompt already opened reasoning contain another think-start id {info.think_start_id}",
+        f" (e.g. {', '.join(examples)}): the template opens {model.think_start!r} and the model opens it again: "
+        f"the template does not match the model's training format. Check [model] chat_template / "
+        f"chat_template_kwargs.")
 
 
 def no_reasoning(r: ReasoningCounts, ok: int, limit: float, examples: Sequence[str], info: chat.TokenInfo,
