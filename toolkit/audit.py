@@ -200,7 +200,7 @@ class Auditor:
             r.nan_stops += 1
             self._example("nan_stop", rec.id)
         last_prompt = last_meaningful(pk, self.blank)
-        opened = last_prompt == info.think_start_id
+        opened = last_prompt is not None and last_prompt == info.think_start_id
         r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
@@ -210,7 +210,7 @@ class Auditor:
             r.think_tokens += 1
             self._example("think_tokens", rec.id)
         self.samples.offer(rec, (r0, r1, c0, c1), te_at is not None)
-        if last_prompt == info.think_end_id:
+        if last_prompt is not None and last_prompt == info.think_end_id:
             r.closed_by_template += 1
             self._example("closed_by_template", rec.id)
             return

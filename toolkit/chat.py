@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from . import records
 from .errors import BadInputError
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
         tool_call_start_id=tool_start_id,
         tool_call_end_id=tool_end_id,
         vocab_size=len(tok),
-        opens_reasoning=_ends_with(probe, think_start_id, blank_ids),
+        opens_reasoning=records.opens_reasoning(probe, think_start_id, blank_ids),
         blank_ids=blank_ids,
         template_knows_reasoning=_mentions(tok.chat_template, (model.think_start, model.think_end)),
         thinking_kwargs=_thinking_variables(tok.chat_template),
@@ -172,13 +173,13 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
 
 def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
     """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
-    return _ends_with(input_ids, info.think_start_id, info.blank_ids)
+    return records.opens_reasoning(input_ids, info.think_start_id, info.blank_ids)
 
 
 def reasoning_mode(input_ids: Sequence[int], info: TokenInfo) -> str:
     """OPENED, CLOSED, MODEL_OPENS or UNKNOWN: where a rendered prompt leaves the model, by its last token that is
     not whitespace only. Token ids decide, never text."""
-    last = _last_meaningful(input_ids, info.blank_ids)
+    last = records.last_meaningful(input_ids, info.blank_ids)
     if last is not None and last == info.think_start_id:
         return OPENED
     if last is not None and last == info.think_end_id:
@@ -195,13 +196,6 @@ def thinking_hint(info: TokenInfo, on: bool) -> str:
         return f"set [model] chat_template_kwargs = {{ {name} = {value} }}{also}"
     return (f"this template reads no thinking switch: use a chat template that {'opens' if on else 'closes'} "
             "reasoning ([model] chat_template)")
-
-
-def _last_meaningful(input_ids: Sequence[int], blank_ids: Sequence[int]) -> int | None:
-    for token in reversed(input_ids):
-        if token not in blank_ids:
-            return token
-    return None
 
 
 def _mentions(template: Any, texts: Sequence[str]) -> bool:
@@ -225,13 +219,6 @@ def _thinking_variables(template: Any) -> list[str]:
         except jinja2.TemplateError:
             found |= {v for v in THINKING_VARIABLES if re.search(rf"(?<![\w.'\"]){v}(?![\w'\"])", src)}
     return [v for v in THINKING_VARIABLES if v in found]
-
-
-def _ends_with(input_ids: Sequence[int], token_id: int, blank_ids: list[int]) -> bool:
-    for token in reversed(input_ids):
-        if token not in blank_ids:
-            return token == token_id
-    return False
 
 
 def render(tok: Any, model: Any, prompt: Any) -> list[int]:

@@ -34,7 +34,7 @@ from .inputs import InputError, PromptReader
 from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
 from .rundir import RunDir
-from .records import OK, Record, last_meaningful, split_parts
+from .records import OK, Record, opens_reasoning, split_parts
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 from .turns import answer_message, turn_messages, user_turns
@@ -86,7 +86,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             seqs.append(ids[r0:r1].tolist())
             seqs.append(ids[c0:c1].tolist())
@@ -98,7 +98,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = last_meaningful(r.prompt_ids, self.blank) == self.info.think_start_id
+            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             tc = r.tool_call_at if r.tool_call_at is not None and c0 <= r.tool_call_at < c1 else c1
             seqs += [ids[r0:r1].tolist(), ids[c0:tc].tolist(), ids[tc:c1].tolist()]

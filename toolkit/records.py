@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import warnings
 from array import array
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -19,7 +20,7 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "all_blank", "id_at", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
+    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
     "PARTIAL",
 ]
 
@@ -177,15 +178,24 @@ def id_at(packed: bytes, i: int) -> int:
     return int.from_bytes(packed[4 * i : 4 * i + 4], "little")
 
 
-def last_meaningful(packed: bytes, blank: frozenset[int]) -> int | None:
-    """The last id that is not whitespace-only."""
-    i = len(packed) - 4
-    while i >= 0:
-        t = int.from_bytes(packed[i : i + 4], "little")
+def last_meaningful(ids: bytes | Sequence[int], blank: Collection[int]) -> int | None:
+    """The last id that is not whitespace-only, of packed ids (bytes) or of a list of ids."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        for i in range(len(ids) - 4, -1, -4):
+            t = int.from_bytes(ids[i : i + 4], "little")
+            if t not in blank:
+                return t
+        return None
+    for t in reversed(ids):
         if t not in blank:
             return t
-        i -= 4
     return None
+
+
+def opens_reasoning(prompt: bytes | Sequence[int], think_start_id: int | None, blank: Collection[int]) -> bool:
+    """Whether a rendered prompt (packed or a list) leaves the model inside reasoning: its last id that is not
+    whitespace-only is the think-start id."""
+    return think_start_id is not None and last_meaningful(prompt, blank) == think_start_id
 
 
 def all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:

@@ -68,23 +68,28 @@ class RunDir:
         """The run directory as a user would type it: relative to the current directory when inside it."""
         return shown_path(self.root)
 
+    @staticmethod
+    def _numbered(folder: Path, i: int, suffix: str) -> Path:
+        """The file of shard `i` in `folder`: its number on five digits, then `suffix`."""
+        return folder / f"{i:05d}{suffix}"
+
     def shard_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.zst"
+        return self._numbered(self.shards_dir, i, ".zst")
 
     def done_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.done"
+        return self._numbered(self.shards_dir, i, ".done")
 
     def retry_file(self, i: int) -> Path:
-        return self.shards_dir / f"{i:05d}.retry"
+        return self._numbered(self.shards_dir, i, ".retry")
 
     def progress_file(self, i: int) -> Path:
-        return self.progress_dir / f"{i:05d}.json"
+        return self._numbered(self.progress_dir, i, ".json")
 
     def log_file(self, i: int) -> Path:
-        return self.logs_dir / f"{i:05d}.log"
+        return self._numbered(self.logs_dir, i, ".log")
 
     def server_log_file(self, i: int) -> Path:
-        return self.logs_dir / f"{i:05d}.server.log"
+        return self._numbered(self.logs_dir, i, ".server.log")
 
     def export_file(self, fmt: str) -> Path:
         """Where an export in format `fmt` goes when no output is given."""
