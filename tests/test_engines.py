@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.client import HttpClient
-from toolkit.engines import EngineError, make_engine
+from toolkit.engines.base import EngineError
+from toolkit.engines.kinds import make_engine
 from toolkit.engines.sglang import check_extra_args, substitute
 from toolkit.spec import SpecError, load_spec
 

@@ -1,7 +1,8 @@
 """The package's layout is one-way: no import cycle between toolkit modules.
 
 Every `import` and `from ... import` of a toolkit module counts, at module level or inside a function (a
-function-level import hides a cycle, it does not remove it).
+function-level import hides a cycle, it does not remove it), and so do the `__init__`s of the packages that hold
+the imported module, when they import anything themselves: Python runs them first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def import_graph() -> dict[str, set[str]]:
     """{module: toolkit modules it imports}; a package counts as its `__init__`."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
+    runs: dict[str, set[str]] = {m: set() for m in files}  # package __init__s an import runs on the way
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -41,7 +43,21 @@ def import_graph() -> dict[str, set[str]]:
                     t = t.rpartition(".")[0]
                 if t and t != mod:
                     graph[mod].add(t)
+                runs[mod].update(_packages_run(t, mod, files))
+    for mod, packages in runs.items():  # an __init__ that imports no toolkit module loads nothing more
+        graph[mod].update(p for p in packages if graph[p])
     return graph
+
+
+def _packages_run(target: str, mod: str, files: dict) -> set[str]:
+    """The packages whose `__init__` importing `target` runs, leaving out those that hold `mod` (already run)."""
+    run = set()
+    parent = target.rpartition(".")[0]
+    while parent:
+        if parent in files and not (mod == parent or mod.startswith(parent + ".")):
+            run.add(parent)
+        parent = parent.rpartition(".")[0]
+    return run
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -83,6 +99,8 @@ def test_no_import_cycles():
     graph = import_graph()
     assert {"toolkit.cli", "toolkit.merge", "toolkit.engines.base"} <= graph.keys()
     assert "toolkit.records" in graph["toolkit.merge"]  # the graph sees imports at all
+    assert _packages_run("toolkit.engines.sglang_flags", "toolkit.spec", {"toolkit", "toolkit.engines"}) == \
+        {"toolkit.engines"}, "importing a module runs the __init__ of its package"
     found = cycles(graph)
     shown = "\n".join("  " + " <-> ".join(c) + "\n    " + "; ".join(
         f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found)
@@ -155,3 +173,16 @@ def test_nothing_below_the_cli_parses_arguments():
             elif isinstance(node, ast.Attribute) and node.attr in ("Namespace",):
                 users.append(mod)
     assert not sorted(set(users)), f"modules below the CLI that use argparse: {sorted(set(users))}"
+
+
+def test_reading_a_spec_loads_no_engine_or_client():
+    """What the import graph says, checked in a fresh interpreter: the spec (a format) loads only formats."""
+    import subprocess
+    import sys
+
+    code = "import sys, toolkit.spec; print(sorted(m for m in sys.modules if m.startswith('toolkit')))"
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert "toolkit.spec" in loaded
+    above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.spec")
+             and m != "toolkit"]
+    assert not above, f"importing toolkit.spec loads modules above the formats: {above}"

@@ -39,7 +39,8 @@ from . import chat
 from .chains import Chains
 from .client import HttpClient, server_capacity
 from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
-from .engines import EngineError, make_engine
+from .engines.base import EngineError
+from .engines.kinds import make_engine
 from .errors import ToolkitError
 from .feed import Budget, Feed, RenderState, Todo, render_thread
 from .inflight import save_in_flight

@@ -1,24 +1,7 @@
-"""Inference engines the worker can drive: SGLang itself, a server started elsewhere, or the stand-in stub."""
+"""Inference engines the worker can drive: SGLang itself, a server started elsewhere, or the stand-in stub.
 
-from __future__ import annotations
-
-from pathlib import Path
-
-from .base import Engine, EngineError
-from .external import ExternalEngine
-from .sglang import SGLangEngine
-from .stub import StubEngine
-
-__all__ = ["Engine", "EngineError", "ExternalEngine", "SGLangEngine", "StubEngine", "make_engine"]
-
-
-def make_engine(spec, server_log: Path, *, probe_ids: list[int], shard: int = 0) -> Engine:
-    """The engine of `spec.engine.kind` (sglang, stub or external), not yet started."""
-    kind = spec.engine.kind
-    if kind == "sglang":
-        return SGLangEngine(spec, server_log, probe_ids=probe_ids)
-    if kind == "stub":
-        return StubEngine(spec, server_log, probe_ids=probe_ids, shard=shard)
-    if kind == "external":
-        return ExternalEngine(spec, server_log, probe_ids=probe_ids)
-    raise EngineError(f"unknown engine kind {kind!r}; use sglang, stub or external")
+`base` owns an engine's lifecycle (start, readiness, health, stop); `sglang`, `stub` and `external` are the
+kinds, `kinds.make_engine` picks one by `[engine] kind`. `sglang_flags` (SGLang's own flag table, read by the
+spec) and the stub's server (`stub_server`, a program of its own) live here too. This `__init__` imports
+nothing, so that reading a spec does not load the HTTP client.
+"""
