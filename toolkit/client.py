@@ -389,7 +389,6 @@ class EngineLoad(msgspec.Struct):
     waiting: int = 0          # requests queued for a running slot
     capacity: int = 0         # requests it can run at once (0: unknown)
     token_usage: float = 0.0  # share of the KV pool in use (the fullest rank)
-    gen_throughput: float = 0.0
 
 
 class _RankLoad(msgspec.Struct):
@@ -397,7 +396,6 @@ class _RankLoad(msgspec.Struct):
     num_waiting_reqs: int = 0
     max_running_requests: int | None = None
     token_usage: float = 0.0
-    gen_throughput: float = 0.0
 
 
 class _Loads(msgspec.Struct):
@@ -444,5 +442,4 @@ async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | 
     return EngineLoad(
         running=sum(r.num_running_reqs for r in ranks), waiting=sum(r.num_waiting_reqs for r in ranks),
         capacity=sum(r.max_running_requests or 0 for r in ranks), token_usage=max(r.token_usage for r in ranks),
-        gen_throughput=round(sum(r.gen_throughput for r in ranks), 1),
     )

@@ -37,9 +37,6 @@ def _failure_kind(e: Exception) -> str:
     return TIMEOUT  # Unreachable that is not a timeout stops the shard instead (see consume)
 
 
-RID_WIDTH = 36
-
-
 def rid_maker(sh: Shard, pos: int, made: list[str]):
     """A fresh rid per HTTP attempt, all of one width: SGLang's scheduler aborts by rid *prefix*, and strings of
     one length are never prefixes of each other. Unique by (process tag, sequence number); the shard and planned
@@ -232,7 +229,6 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info,
         cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
         error=error, failure=failure, segments=segments,
     )
-
 
 
 async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> None:

@@ -164,13 +164,6 @@ def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], erro
     )
 
 
-def finish_fields(finish_reason: Any) -> tuple[str | None, int | str | None]:
-    """(type, matched) of SGLang's finish_reason object, in the forms SGLang's tokenizer manager writes it."""
-    if not isinstance(finish_reason, dict):
-        return None, None
-    return finish_reason.get("type"), finish_reason.get("matched")
-
-
 # ---------------------------------------------------------------------------------------------------
 # reading an output on its ids: where reasoning and content are
 # ---------------------------------------------------------------------------------------------------

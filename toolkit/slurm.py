@@ -106,12 +106,6 @@ def job_ids(rd: RunDir) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 # the callables Slurm runs (pickled by submitit)
 # ---------------------------------------------------------------------------------------------------
-def _checkpointable():
-    import submitit
-
-    return submitit.helpers.Checkpointable
-
-
 def _log_to_stderr() -> None:
     """Inside a Slurm task: the toolkit's log lines go to the task's output (submitit's log file) too."""
     logger = logging.getLogger("toolkit")

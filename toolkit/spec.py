@@ -243,10 +243,6 @@ def _resolve(base: Path, p: str | None, where: str | None = None, source: Path |
     return str(q if q.is_absolute() else (base / q).resolve())
 
 
-def _error_path(err: msgspec.ValidationError) -> str:
-    return str(err)
-
-
 def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
     source = Path(path)
@@ -415,7 +411,3 @@ def check_engine_layout(e: EngineSpec, gpus_per_node: int, where: str = "[slurm]
 def _looks_local(p: str, base: Path) -> bool:
     """False only for a Hugging Face hub id (`org/name`) that is not also a local folder."""
     return (base / p).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", p) or p.startswith(".")
-
-
-def encode_spec(spec: JobSpec) -> bytes:
-    return msgspec.json.encode(spec)

@@ -222,16 +222,6 @@ async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
     return fut.result()
 
 
-async def _all(aws) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
     h = logging.FileHandler(path)

@@ -42,15 +42,6 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def port_is_free(port: int, host: str = LOOPBACK) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _die_with_parent() -> None:
     """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9 (Linux); and
     ignore SIGUSR2.

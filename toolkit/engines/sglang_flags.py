@@ -51,10 +51,6 @@ class Flag:
     def name(self) -> str:
         return self.options[0] if self.options[0].startswith("--") or len(self.options) == 1 else self.options[1]
 
-    @property
-    def takes_value(self) -> bool:
-        return self.nargs != 0
-
 
 @dataclass
 class Item:

@@ -438,8 +438,6 @@ class StubServer:
 def _pick(value: Any, i: int, default: Any) -> Any:
     if value is None:
         return default
-
-
     if isinstance(value, list):
         return value[i] if i < len(value) else default
     return value

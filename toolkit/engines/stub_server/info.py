@@ -22,7 +22,6 @@ from .engine import JSON, TEXT, Reply, StubServer
 logger = logging.getLogger(__name__)
 
 NOT_FOUND = (404, b'{"detail":"Not Found"}', JSON)
-NOT_ALLOWED = (405, b'{"detail":"Method Not Allowed"}', JSON)
 AUTH_EXEMPT = ("/health", "/ready", "/metrics")  # path prefixes that never need the api key (nor OPTIONS)
 _json_encode = msgspec.json.encode
 
