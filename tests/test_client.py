@@ -132,6 +132,8 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
 
 def test_the_errors_generate_raises_say_how_many_attempts_it_made():
     assert client.RequestRejected(400, b"{}").attempts == 1  # declared, before generate sets it
+    for kind in (client.Unreachable, client.TimedOut, client.ServerError, client.RequestRejected, BadResponse):
+        assert issubclass(kind, client.ClientError), "the worker catches every failed request as a ClientError"
 
     async def main():
         server, url = await _server([0, -1, -1])

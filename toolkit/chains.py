@@ -9,7 +9,7 @@ import asyncio
 from typing import Protocol
 
 from . import chat
-from .feed import Feed, TodoItem
+from .feed import Feed, Rendered, TodoItem
 from .inputs import PromptReader
 from .plan import PromptRef, RefSlice, RunPlan
 from .records import FAILURES, OK, PREVIOUS_TURN, REJECTED, TEMPLATE, Record, failed_record
@@ -99,15 +99,15 @@ class Chains:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="turns")
         return self._executor
 
-    def _render(self, pos: int, ref: PromptRef, history: list[Record]):
-        """(pos, ref, ids, err) of a turn > 0, rendered with the answers decoded from the turns before it."""
+    def _render(self, pos: int, ref: PromptRef, history: list[Record]) -> Rendered:
+        """A turn > 0, rendered with the answers decoded from the turns before it."""
         ds = self.plan.datasets[ref.dataset]
         try:
             prompt = self.reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
             answers = [answer_of(rec, self.tok, self.info) for rec in history]
-            return pos, ref, chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)), None
+            return Rendered(pos, ref, chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)))
         except chat.ChatError as e:
-            return pos, ref, None, (TEMPLATE, f"chat template: {e}")
+            return Rendered(pos, ref, None, (TEMPLATE, f"chat template: {e}"))
 
     def close(self) -> None:
         if hasattr(self, "_executor"):

@@ -22,6 +22,8 @@ import msgspec
 from .records import ids_from_json
 
 __all__ = [
+    "BadResponse",
+    "ClientError",
     "GenerateResult",
     "HttpClient",
     "RequestRejected",
@@ -37,30 +39,31 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class Unreachable(Exception):
-    """No HTTP answer: connection refused/reset, or the request timed out."""
+class ClientError(Exception):
+    """A request to the server that did not give a result. `attempts`: the HTTP attempts made (generate sets
+    it when it gives up on the request)."""
 
-    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
+    attempts: int = 1
+
+
+class Unreachable(ClientError):
+    """No HTTP answer: connection refused/reset, or the request timed out."""
 
 
 class TimedOut(Unreachable):
     """The server took the request but gave no answer within the request's timeout."""
 
 
-class ServerError(Exception):
+class ServerError(ClientError):
     """A 5xx answer (retryable)."""
-
-    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
         super().__init__(f"HTTP {status}: {_message(body)}")
 
 
-class RequestRejected(Exception):
+class RequestRejected(ClientError):
     """A 4xx answer: the server refused this request (e.g. prompt over the context length)."""
-
-    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -256,10 +259,8 @@ _req_encoder = msgspec.json.Encoder()
 _resp_decoder = msgspec.json.Decoder(GenerateResponse)
 
 
-class BadResponse(Exception):
+class BadResponse(ClientError):
     """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
-
-    attempts: int = 1  # the HTTP attempts made, set by generate when it gives up
 
 
 class _Tail(msgspec.Struct):

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from . import chat
 from .inputs import PromptReader
@@ -22,6 +22,16 @@ log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 TodoItem = tuple[int, PromptRef]
 """A prompt to generate: (planned position, ref)."""
+
+
+class Rendered(NamedTuple):
+    """A prompt rendered for a request: its planned position, its ref, and its input_ids, or instead the
+    (failure kind, message) of a chat template that could not render it."""
+
+    pos: int
+    ref: PromptRef
+    ids: list[int] | None
+    error: tuple[str, str] | None = None
 
 
 class LaterTurns(Protocol):
@@ -74,8 +84,8 @@ class Feed:
 
     def __init__(self, budget: Budget | None = None) -> None:
         self.budget = budget or Budget(1 << 62)
-        self.items: deque = deque()
-        self.redo: deque = deque()
+        self.items: deque[Rendered] = deque()
+        self.redo: deque[Rendered] = deque()
         self.finished = False
         self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
         self.closed = False  # stopping: hand out nothing more
@@ -83,7 +93,7 @@ class Feed:
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
 
-    def put(self, items: list | None) -> None:
+    def put(self, items: list[Rendered] | None) -> None:
         """Add a batch of rendered prompts, or mark the end (None)."""
         if items is None:
             self.finished = True
@@ -91,14 +101,14 @@ class Feed:
             self.items.extend(items)
             self.peak = max(self.peak, len(self.items))
             if not self.first.done():
-                first = next((item[2] for item in items if item[2] is not None), None)
+                first = next((item.ids for item in items if item.ids is not None), None)
                 if first is not None:
                     self.first.set_result(first)
         if self.finished and not self.first.done():
             self.first.set_result(None)
         self._event.set()
 
-    def later(self, item) -> None:
+    def later(self, item: Rendered) -> None:
         """A prompt that waited (see `pending`) is ready: it goes out before the others."""
         self.redo.append(item)
         self.pending -= 1
@@ -115,7 +125,7 @@ class Feed:
         self.finished = True
         self._event.set()
 
-    async def get(self):
+    async def get(self) -> Rendered | None:
         while True:
             if self.closed:
                 return None
@@ -191,5 +201,5 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, st
                         rendered.append((chat.render(tok, plan.spec.model, prompt), None))
                     except chat.ChatError as e:
                         rendered.append((None, (TEMPLATE, f"chat template: {e}")))
-            items = [(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
+            items = [Rendered(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
             loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from .client import (
-    BadResponse, GenerateResult, HttpClient, RequestRejected, ServerError, TimedOut, Unreachable, abort_requests,
+    BadResponse, ClientError, GenerateResult, HttpClient, RequestRejected, ServerError, TimedOut, Unreachable, abort_requests,
     generate,
 )
 from .feed import Feed
@@ -167,10 +167,10 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
         item = await feed.get()
         if item is None or sh.stopping:
             return
-        pos, ref, ids, err = item
+        pos, ref, ids = item.pos, item.ref, item.ids
         ds = sh.plan.datasets[ref.dataset].name
-        if err is not None:
-            kind, message = err
+        if item.error is not None:
+            kind, message = item.error
             sh.add(failed_record(ref.id, ds, pos, ids or [], message, 0, kind))
             continue
         prior = _prior(sh, ref.id, ids)
@@ -180,7 +180,7 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             sh.last_answer = time.monotonic()
             sh.add(failed_record(ref.id, ds, pos, ids, str(e), e.attempts, REJECTED))
             continue
-        except (Unreachable, ServerError, BadResponse) as e:
+        except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
             if not engine.alive():
                 feed.redo.append(item)
                 raise EngineDied(str(e)) from None
