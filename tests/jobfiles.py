@@ -8,7 +8,15 @@ from typing import Any
 
 import pydoc_data.topics
 
+from toolkit.pipeline import prepare_run
+
 _WORDS = " ".join(pydoc_data.topics.topics.values()).split()
+
+
+def prepared_run(job, **kw):
+    """(run directory, plan) of `job` after the pre-flight that run, check and submit share."""
+    prep = prepare_run(job, **kw)
+    return prep.run_dir, prep.plan
 
 
 def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0, tools_every: int = 0) -> Path:

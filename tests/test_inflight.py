@@ -16,7 +16,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from toolkit.cli import prepare_run
 from toolkit.engines.stub import start_standalone
 from toolkit.progress import read_progress
 from toolkit.records import PARTIAL, Record
@@ -25,7 +24,7 @@ from toolkit.concurrency import auto_target
 from toolkit.inflight import continued_params, rid_maker
 from toolkit.worker import DONE, run_shard
 
-from jobfiles import make_job, write_prompts
+from jobfiles import make_job, prepared_run, write_prompts
 
 SAME = ("output_ids", "finish", "matched_stop", "reasoning_end", "tool_call_at", "completion_tokens", "prompt_ids",
         "prompt_tokens", "status")
@@ -78,11 +77,11 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
     common = dict(prompts=prompts, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 400},
                   client={"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05})
-    ref, _ = prepare_run(make_job(tmp_path / "ref", kimi, **common))
+    ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
     assert run_shard(ref.root, 0) == DONE
     expected = {i: fields(r) for i, r in newest(ref.root).items()}
 
-    rd, _ = prepare_run(make_job(tmp_path / "stopped", kimi, **common))
+    rd, _ = prepared_run(make_job(tmp_path / "stopped", kimi, **common))
     partial_seen = 0
     for stop in range(2):
         proc = worker(rd)
@@ -114,7 +113,7 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
 def test_without_save_in_flight_a_stop_throws_the_requests_in_flight_away(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=12, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 400},
                    client={"concurrency": 4, "save_in_flight": False})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     proc = worker(rd)
     wait_for(lambda: generating(rd), what="records")
     proc.send_signal(signal.SIGUSR2)
@@ -133,10 +132,10 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
     try:
         common = dict(prompts=prompts, engine={"kind": "external", "url": url}, sampling={"max_new_tokens": 400},
                       client={"concurrency": 4, "request_timeout_s": 30, "retries": 2, "backoff_s": 0.05})
-        ref, _ = prepare_run(make_job(tmp_path / "ref", kimi, **common))
+        ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
         assert run_shard(ref.root, 0) == DONE
         expected = {i: fields(r) for i, r in newest(ref.root).items()}
-        rd, _ = prepare_run(make_job(tmp_path / "aborted", kimi, **common))
+        rd, _ = prepared_run(make_job(tmp_path / "aborted", kimi, **common))
         done = threading.Event()
 
         def aborter() -> None:
@@ -203,7 +202,7 @@ def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_t
     job = make_job(tmp_path, kimi, n=40, stub={"token_delay_s": 0.005, "fixed_output_tokens": 120},
                    engine={"extra_args": ["--max-running-requests", "3"]}, sampling={"max_new_tokens": 200},
                    client={"concurrency": "auto"})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     seen: list = []
     stop = threading.Event()
 
@@ -238,7 +237,7 @@ def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
     from toolkit.progress import Progress, write_progress
     from toolkit.status import format_status, run_status
 
-    rd, _ = prepare_run(make_job(tmp_path, kimi, n=4))
+    rd, _ = prepared_run(make_job(tmp_path, kimi, n=4))
     write_progress(rd.progress_file(0), Progress(shard=0, state="generating", total=4, done=1, running=12, queued=3,
                                                  kv_usage=0.41, capacity=12, in_flight_target=15, pid=os.getpid(),
                                                  host="here", started=time.time()))

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from jobfiles import make_job, process_running
+from jobfiles import make_job, prepared_run, process_running
 from toolkit.shardfile import read_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +66,6 @@ def _records(run: Path) -> list:
 
 @pytest.mark.slurm
 def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_leave_nothing(cluster, tmp_path, toy_tokenizer):
-    from toolkit.cli import prepare_run
-
     tok = toy_tokenizer("kimi")
     record = tmp_path / "rank{rank}.json"
     n = 120  # long enough that the shard is still generating when a rank is killed, on a loaded machine too
@@ -76,7 +74,7 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
     job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env,
                                                "max_restarts": 2, "shutdown_timeout_s": 10, "ready_timeout_s": 60},
                    model={"path": str(tok)}, slurm={"gpus_per_node": 1}, client={"concurrency": 2})
-    rd, _ = prepare_run(str(job))
+    rd, _ = prepared_run(str(job))
     run = Path(rd.root)
     out = tmp_path / "job.out"
     # As `toolkit submit` lays out a task of nodes = 2, on one node: the worker in a one-task step (submitit's

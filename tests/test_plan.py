@@ -8,12 +8,12 @@ import logging
 import pytest
 
 from toolkit.audit import audit_run
-from toolkit.cli import main as cli_main, prepare_run
+from toolkit.cli import main as cli_main
 from toolkit.export import ExportError, export_run
 from toolkit.plan import PlanError, load_run
 from toolkit.spec import SpecError, load_spec
 
-from jobfiles import make_job
+from jobfiles import make_job, prepared_run
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,10 @@ def kimi(toy_tokenizer):
 
 def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, kimi, caplog):
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 60}, client={"concurrency": 4})
-    rd, plan = prepare_run(job)
+    rd, plan = prepared_run(job)
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 900}, client={"concurrency": 8})
     with caplog.at_level(logging.INFO, logger="toolkit.plan"):
-        rd2, plan2 = prepare_run(job)
+        rd2, plan2 = prepared_run(job)
     assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
     _, pinned = load_run(rd.root)
     assert pinned.spec.engine.ready_timeout_s == 900 and pinned.spec.client.concurrency == 8
@@ -36,15 +36,15 @@ def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, ki
 
 def test_what_changes_the_output_stays_pinned(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
-    prepare_run(job)
+    prepared_run(job)
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 65})
     with pytest.raises(PlanError, match="differs in: sampling"):
-        prepare_run(job)
+        prepared_run(job)
 
 
 def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, kimi, capsys):
     job = make_job(tmp_path, kimi, n=4)
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     with pytest.raises(PlanError, match="is a file, not a run directory; it looks like a job spec"):
         load_run(job)
     with pytest.raises(SpecError, match="is a run directory, not a job spec"):

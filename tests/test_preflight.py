@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from toolkit import chat
-from toolkit.cli import main, prepare_run
+from toolkit.cli import main
 from toolkit.preflight import PreflightError, context_length, preflight
 from toolkit.spec import load_spec
 
-from jobfiles import make_job, write_prompts
+from jobfiles import make_job, prepared_run, write_prompts
 
 
 def check(job, capsys) -> tuple[int, str, str]:
@@ -49,7 +49,7 @@ def test_a_prompt_the_template_fails_on_is_named_by_file_line_and_id(tmp_path, t
     assert f"the chat template fails on 2 prompts: {prompts}:5 (id 'p0004'): TemplateError: " in err
     assert "unknown role bot" in err and f"{prompts}:31 (id 'p0030')" in err
     with pytest.raises(PreflightError):
-        prepare_run(job)
+        prepared_run(job)
     assert not (tmp_path / "run").exists()
 
 
@@ -81,7 +81,7 @@ def test_templates_that_close_reasoning_are_refused(tmp_path, real_tokenizer, ca
     assert f"set [model] chat_template_kwargs = {switch}" in err
     assert f"9 prompts (d: 9, e.g. {a}:1, {a}:2, {a}:3, {a}:4, {a}:5 (and 4 more))" in err
     with pytest.raises(PreflightError, match="closes reasoning"):
-        prepare_run(job)  # `toolkit run` refuses too, before any engine starts
+        prepared_run(job)  # `toolkit run` refuses too, before any engine starts
     # switched on, the same job passes
     on = {"deepseek-v3.1": {"thinking": True}}.get(name, {"enable_thinking": True})
     job = make_job(tmp_path, real_tokenizer(name), prompts=a, model={"chat_template_kwargs": on})
@@ -206,7 +206,7 @@ def test_auto_truncate_turns_the_refusal_into_a_warning(tmp_path, toy_tokenizer,
 
 def test_check_warns_of_another_run_in_output_dir(tmp_path, toy_tokenizer, capsys):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4)
-    prepare_run(job)
+    prepared_run(job)
     code, out, _ = check(job, capsys)
     assert code == 0 and "holds this run already" in out and "warning" not in out
     job.write_text(job.read_text().replace("max_new_tokens = 256", "max_new_tokens = 128"))

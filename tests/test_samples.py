@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 
-from toolkit.cli import main as cli_main, prepare_run
+from toolkit.cli import main as cli_main
 from toolkit.export import export_run
 from toolkit.plan import load_refs, plan_job
 from toolkit.shardfile import read_shard
 from toolkit.spec import load_spec
 from toolkit.worker import DONE, run_shard
 
-from jobfiles import make_job
+from jobfiles import make_job, prepared_run
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
 def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6},
                    audit={"max_length_share": 1.0})
-    rd, plan = prepare_run(job)
+    rd, plan = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     assert run_shard(rd.root, 0) == DONE  # resumed: nothing generated twice
     assert cli_main(["run", str(job)]) == 0  # the other shard, then merge and audit

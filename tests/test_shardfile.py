@@ -278,10 +278,10 @@ def test_a_stale_lock_file_is_taken_over_and_a_live_one_on_another_host_refused(
 
 
 def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, capsys, caplog):
-    from jobfiles import make_job
-    from toolkit.cli import main, prepare_run
+    from jobfiles import make_job, prepared_run
+    from toolkit.cli import main
 
-    rd, plan = prepare_run(make_job(tmp_path, toy_tokenizer("kimi"), n=4))
+    rd, plan = prepared_run(make_job(tmp_path, toy_tokenizer("kimi"), n=4))
     for flockless in (False, True):
         mp = pytest.MonkeyPatch()
         if flockless:

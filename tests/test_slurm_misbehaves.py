@@ -159,13 +159,13 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
 # ---------------------------------------------------------------------------------------------------
 def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokenizer):
     from jobfiles import make_job
-    from toolkit.cli import prepare_run
+    from jobfiles import prepared_run
     from toolkit.progress import read_progress
     from toolkit.retry import request_retry
     from toolkit.shardfile import ShardWriter, read_done, read_shard
     from toolkit.worker import DONE, run_shard
 
-    rd, plan = prepare_run(make_job(tmp_path, toy_tokenizer("kimi"), n=12, sampling={"max_new_tokens": 64}))
+    rd, plan = prepared_run(make_job(tmp_path, toy_tokenizer("kimi"), n=12, sampling={"max_new_tokens": 64}))
     assert run_shard(rd.root, 0) == DONE
     full = {r.id: r for r in read_shard(rd.shard_file(0))}
     total = read_done(rd.done_file(0)).output_tokens

@@ -11,7 +11,7 @@ from toolkit.plan import plan_job
 from toolkit.spec import load_spec
 from toolkit.turns import answer_message, turn_messages, user_turns
 
-from jobfiles import make_job
+from jobfiles import make_job, prepared_run
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -69,7 +69,7 @@ def test_a_conversation_without_a_user_turn_is_named(tmp_path, toy_tokenizer):
 # end to end with the stub engine
 # ---------------------------------------------------------------------------------------------------
 from toolkit import chat  # noqa: E402
-from toolkit.cli import main as cli_main, prepare_run  # noqa: E402
+from toolkit.cli import main as cli_main  # noqa: E402
 from toolkit.export import export_run  # noqa: E402
 from toolkit.inputs import scan_dataset  # noqa: E402
 from toolkit.records import unpack_ids  # noqa: E402
@@ -116,7 +116,7 @@ def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, t
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(5), sampling={"max_new_tokens": 96},
                     audit={"max_length_share": 1.0})
     assert cli_main(["run", str(job)]) == 0
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     recs = check_histories(job, rd)
     assert len(recs) == 12  # 2 + 3 + 2 + 3 + 2 turns
     audit = json.loads((rd.merged_dir / "audit.json").read_text())
@@ -142,13 +142,13 @@ def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer)
     """A shard killed midway: the next run renders each remaining turn from the answers in the shard file."""
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96},
                     stub={"crash_after": 5}, engine={"max_restarts": 0}, client={"concurrency": 2})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     with pytest.raises(ShardFailed):
         run_shard(rd.root, 0)
     first = [r.id for r in read_shard(rd.shard_file(0))]
     assert 0 < len(first) < 15
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == "done"
     recs = check_histories(job, rd)
     assert len(recs) == 15
@@ -157,7 +157,7 @@ def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer)
 def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_with_it(tmp_path, toy_tokenizer):
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
                     stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == "done"
     recs = {r.id: r for r in read_shard(rd.shard_file(0))}
     # requests 2 and 3 (the first turns of c0 and c1) get a 503: the turns after them cannot be rendered
@@ -166,6 +166,6 @@ def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_wit
         "c1/t2": "previous_turn", "c2/t0": None, "c2/t1": None}
     assert "turn 1 of this conversation failed (server_error)" in recs["c0/t1"].error
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == "done"
     check_histories(job, rd)

@@ -15,7 +15,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from toolkit.cli import prepare_run
 from toolkit.preflight import PreflightError
 from toolkit.engines.stub import start_standalone
 from toolkit.plan import PlanError, load_run
@@ -24,7 +23,7 @@ from toolkit.records import unpack_ids
 from toolkit.shardfile import read_done, read_shard
 from toolkit.worker import DONE, ShardFailed, run_shard
 
-from jobfiles import make_job, process_running, write_prompts
+from jobfiles import make_job, prepared_run, process_running, write_prompts
 
 
 def records(run: Path, shard: int = 0):
@@ -68,7 +67,7 @@ def kimi(toy_tokenizer):
 
 def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=10, sampling={"max_new_tokens": 200})
-    rd, plan = prepare_run(job)
+    rd, plan = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     recs = records(rd.root)
     assert sorted(r.id for r in recs) == [f"p{i:04d}" for i in range(10)]
@@ -94,7 +93,7 @@ def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
     """One request at a time, so the server admits prompts in planned order: each prompt's cached tokens are its
     longest common prefix with an earlier prompt (all share the chat template's opening), at most all but one."""
     job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 32}, client={"concurrency": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     recs = sorted(records(rd.root), key=lambda r: r.index)
     seen = [unpack_ids(recs[0].prompt_ids)]  # the readiness probe sent the first prompt before any
@@ -114,7 +113,7 @@ def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
 
     tok_dir = toy_tokenizer(family)
     job = make_job(tmp_path, tok_dir, n=16, sampling={"max_new_tokens": 400})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     spec = load_spec(job)
     tok = chat.load_tokenizer(spec.model)
@@ -153,12 +152,12 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
     try:
         common = dict(engine={"kind": "external", "url": url}, client={"concurrency": 4, "request_timeout_s": 30},
                       sampling={"max_new_tokens": 300}, sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
-        ref_rd, _ = prepare_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
+        ref_rd, _ = prepared_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
         assert run_shard(ref_rd.root, 0) == DONE
         expected = {r.id: comparable(r) for r in records(ref_rd.root)}
         assert len(expected) == n
 
-        rd, _ = prepare_run(make_job(tmp_path / "killed", kimi, prompts=prompts, **common))
+        rd, _ = prepared_run(make_job(tmp_path / "killed", kimi, prompts=prompts, **common))
         rng = random.Random(20261202)
         kills = 0
         progress_seen = []
@@ -190,7 +189,7 @@ def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kim
     job = make_job(tmp_path, kimi, n=1500, stub={"fixed_output_tokens": 8, "token_delay_s": 0.001},
                    sampling={"max_new_tokens": 16}, client={"concurrency": 4},
                    sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     assert len(records(rd.root)) == 1500
     line = next(x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x)
@@ -200,7 +199,7 @@ def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kim
 
 def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -220,7 +219,7 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
 
 def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 10}, engine={"max_restarts": 3})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     got = records(rd.root)
     assert sorted(r.id for r in got) == [f"p{i:04d}" for i in range(24)]
@@ -231,7 +230,7 @@ def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
 
 def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 3}, engine={"max_restarts": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     with pytest.raises(ShardFailed) as e:
         run_shard(rd.root, 0)
     assert "engine died 2 times" in str(e.value) and "max_restarts = 1" in str(e.value)
@@ -244,7 +243,7 @@ def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
 
 def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, stub={"hang": True}, engine={"ready_timeout_s": 4})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     t0 = time.monotonic()
     with pytest.raises(ShardFailed) as e:
         run_shard(rd.root, 0)
@@ -261,7 +260,7 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
 
     job = make_job(tmp_path, kimi, n=6, stub={"hang_after": 3},  # the probe and two prompts are answered
                    client={"concurrency": 2, "request_timeout_s": 1, "retries": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     t0 = time.monotonic()
     assert run_shard(rd.root, 0) == DONE
     assert time.monotonic() - t0 < 60
@@ -291,7 +290,7 @@ def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeou
     job = make_job(tmp_path, kimi, n=20, stub={"hang_after": 8},  # the probe and 7 prompts per engine start
                    engine={"hang_timeout_s": 2, "max_restarts": 4},
                    client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     t0 = time.monotonic()
     assert run_shard(rd.root, 0) == DONE
     assert time.monotonic() - t0 < 120
@@ -306,7 +305,7 @@ def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=16, stub={"token_delay_s": 0.005}, sampling={"max_new_tokens": 200},
                    engine={"hang_timeout_s": 2, "max_restarts": 2},
                    client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -331,7 +330,7 @@ def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
 
 def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, stub={"exit_at_start": 3}, engine={"ready_timeout_s": 600})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     t0 = time.monotonic()
     with pytest.raises(ShardFailed, match="exited with code 3 before it was ready"):
         run_shard(rd.root, 0)
@@ -340,7 +339,7 @@ def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
 
 def test_5xx_bursts_are_retried(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     got = records(rd.root)
     assert len(got) == 12 and all(r.status == "ok" for r in got)
@@ -352,7 +351,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     from toolkit.merge import load_manifest
 
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:12"}, client={"retries": 1, "concurrency": 2})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     failed = [r for r in records(rd.root) if r.status == "failed"]
     assert len(failed) >= 5 and {r.failure for r in failed} == {"server_error"}
@@ -387,7 +386,7 @@ def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
     from toolkit.merge import merge_run
 
     job = make_job(tmp_path, kimi, n=12, stub={"nan_every": 4}, client={"concurrency": 1})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     nan = [r for r in records(rd.root) if r.matched_stop == "NaN happened"]
     assert len(nan) == 3  # requests 4, 8, 12 (the probe is request 1)
@@ -411,7 +410,7 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
 
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, client={"concurrency": 1},
                    sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     before = {r.id: comparable(r) for r in records(rd.root)}
     frames = list(iter_frames(rd.shard_file(0)))
@@ -434,8 +433,8 @@ def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
     job = make_job(tmp_path, kimi, prompts=prompts, stub={"context_length": 1024}, sampling={"max_new_tokens": 100})
     with pytest.raises(PreflightError, match="3 prompts .* do not fit the context length 1,024"):
-        prepare_run(job)  # the pre-flight refuses them; past it (a server with a shorter context), the worker records them
-    rd, _ = prepare_run(job, check_tokenizer=False)
+        prepared_run(job)  # the pre-flight refuses them; past it (a server with a shorter context), the worker records them
+    rd, _ = prepared_run(job, check_tokenizer=False)
     assert run_shard(rd.root, 0) == DONE
     got = {r.id: r for r in records(rd.root)}
     failed = sorted(i for i, r in got.items() if r.status == "failed")
@@ -447,7 +446,7 @@ def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
 
 def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 300})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -465,14 +464,14 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
 
 def test_run_dir_with_another_fingerprint_is_refused(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4)
-    prepare_run(job)
+    prepared_run(job)
     job.write_text(job.read_text().replace("max_new_tokens = 256", "max_new_tokens = 128"))
     with pytest.raises(PlanError, match=r"differs in: sampling.*--new-run"):
-        prepare_run(job)
-    rd, plan = prepare_run(job, new_run=True)
+        prepared_run(job)
+    rd, plan = prepared_run(job, new_run=True)
     assert rd.root != tmp_path / "run" and load_run(rd.root)[1].fingerprint == plan.fingerprint
 
 
 def test_more_shards_than_prompts_is_refused(tmp_path, kimi):
     with pytest.raises(PlanError, match="3 shards for 2 prompts"):
-        prepare_run(make_job(tmp_path, kimi, n=2, shards=3))
+        prepared_run(make_job(tmp_path, kimi, n=2, shards=3))

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from toolkit.cli import main as cli_main, prepare_run
+from toolkit.cli import main as cli_main
 from toolkit.progress import read_progress
 from toolkit.shardfile import ShardWriter, read_shard
 from toolkit.worker import DONE, ShardFailed, run_shard
 
-from jobfiles import make_job
+from jobfiles import make_job, prepared_run
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def kimi(toy_tokenizer):
 
 def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp_path, kimi, monkeypatch):
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     import toolkit.shardfile as sf
 
     real, calls = os.write, {"n": 0}
@@ -52,7 +52,7 @@ def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp
 
 def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkeypatch, caplog):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     import toolkit.shardfile as sf
 
     real = os.open
@@ -70,7 +70,7 @@ def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkey
 
 def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplog):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
-    rd, plan = prepare_run(job)
+    rd, plan = prepared_run(job)
     other = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
     other.open()
     try:
@@ -87,7 +87,7 @@ def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 4000},
                    stub={"ignore_sigterm": True, "token_delay_s": 0.02, "fixed_output_tokens": 3000},  # a shutdown that hangs until SIGKILL
                    engine={"shutdown_timeout_s": 6})
-    rd, _ = prepare_run(job)
+    rd, _ = prepared_run(job)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = rd.log_file(0)

@@ -38,19 +38,12 @@ answer; status), 130 interrupted
 # ---------------------------------------------------------------------------------------------------
 # run, worker, check: local execution
 # ---------------------------------------------------------------------------------------------------
-def prepare_run(job: str, *, new_run: bool = False, check_tokenizer: bool = True):
-    """The pre-flight `run`, `check` and `submit` share (pipeline.prepare_run), and the job's run directory pinned:
-    (run directory, plan)."""
-    from .pipeline import prepare_run as prepare
-
-    prep = prepare(job, new_run=new_run, check_tokenizer=check_tokenizer)
-    return prep.run_dir, prep.plan
 
 
 def cmd_check(args) -> int:
-    from .pipeline import prepare_run as prepare
+    from .pipeline import prepare_run
 
-    pf = prepare(args.job, dry_run=True, print_warnings=False).preflight
+    pf = prepare_run(args.job, dry_run=True, print_warnings=False).preflight
     plan = pf.plan
     print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
@@ -77,7 +70,10 @@ def cmd_worker(args) -> int:
 
 
 def cmd_run(args) -> int:
-    rd, plan = prepare_run(args.job, new_run=args.new_run)
+    from .pipeline import prepare_run
+
+    prep = prepare_run(args.job, new_run=args.new_run)
+    rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     from .livebar import LiveBar
