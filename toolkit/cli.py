@@ -337,7 +337,7 @@ def _add_merge_commands(sub) -> None:
         formatter_class=fmt,
         description="Audit RUN/merged/records.zst: every planned id present once, reasoning split on the think-end id,\n"
         "truncation, stop tokens, token counts, prompts re-rendered from the source. Thresholds come from the\n"
-        "job's [audit] table. Writes RUN/merged/audit.json, audit.html, missing_ids.txt and failed_ids.txt.\n\n"
+        "job's [audit] table. Writes RUN/merged/audit.json, audit.html and failed_ids.txt (missing_ids.txt is the merge's).\n\n"
         "exit codes: 0 passed, 1 a check failed, 2 no merged dataset or unreadable run",
     )
     s.add_argument("run", help="run directory (merged with `toolkit merge`)")
