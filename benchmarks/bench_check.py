@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import resource
 import shutil
 import statistics
 import subprocess

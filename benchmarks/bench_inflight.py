@@ -74,9 +74,9 @@ def dataset_tokens(run: Path) -> tuple[int, int]:
 
 
 def stops(tmp: Path, prompts: Path, url: str, save: bool, n_stops: int, rng: random.Random) -> dict:
-    from toolkit.cli import prepare_run  # noqa: PLC0415
+    from toolkit.pipeline import prepare_run  # noqa: PLC0415
 
-    rd, _ = prepare_run(job_file(tmp, f"stops-{save}", prompts, url, {"concurrency": "auto", "save_in_flight": save}))
+    rd = prepare_run(job_file(tmp, f"stops-{save}", prompts, url, {"concurrency": "auto", "save_in_flight": save})).run_dir
     before = get(url, "/stub/counters")["generated_tokens"]
     landed = 0
     t0 = time.monotonic()
@@ -97,9 +97,9 @@ def stops(tmp: Path, prompts: Path, url: str, save: bool, n_stops: int, rng: ran
 
 
 def saturation(tmp: Path, prompts: Path, url: str, n: int, concurrency) -> dict:
-    from toolkit.cli import prepare_run  # noqa: PLC0415
+    from toolkit.pipeline import prepare_run  # noqa: PLC0415
 
-    rd, _ = prepare_run(job_file(tmp, f"sat-{concurrency}", prompts, url, {"concurrency": concurrency}))
+    rd = prepare_run(job_file(tmp, f"sat-{concurrency}", prompts, url, {"concurrency": concurrency})).run_dir
     c0 = get(url, "/stub/counters")
     samples: list[tuple[int, int]] = []
     done = threading.Event()

@@ -80,6 +80,12 @@ def child_cpu(argv: list[str], env=None) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a running process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4000)
@@ -88,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     import pydoc_data.topics
 
-    from toolkit.cli import prepare_run
+    from toolkit.pipeline import prepare_run
     from toolkit.engines.stub import start_standalone
 
     words = " ".join(pydoc_data.topics.topics.values()).split()
@@ -104,6 +110,7 @@ def main() -> None:
         sizes_n = [max(1, args.prompts // 8), args.prompts]
         cpu = {(who, n): [] for who in ("toolkit", "naive") for n in sizes_n}
         disk = {}
+        stub_cpu: list[float] = []  # the stub's CPU per request, over the toolkit's large runs
         for rep in range(args.repeat):
             for n in sizes_n:
                 part = work / f"prompts{n}.jsonl"
@@ -112,7 +119,10 @@ def main() -> None:
                 job = work / f"job{rep}-{n}.toml"
                 job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, key=key, concurrency=args.concurrency, prompts=part))
                 prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
+                stub_before = process_cpu(stub.pid)
                 cpu["toolkit", n].append(child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"]))
+                if n == sizes_n[-1]:
+                    stub_cpu.append((process_cpu(stub.pid) - stub_before) / n)
                 disk["toolkit", n] = (run / "shards" / "00000.zst").stat().st_size
                 out = work / f"naive{rep}-{n}.jsonl.gz"
                 cpu["naive", n].append(child_cpu([sys.executable, "-c", NAIVE, url, key, str(part), str(out),
@@ -134,6 +144,8 @@ def main() -> None:
         t, n = rows["toolkit"], rows["naive"]
         print(f"  ratios  : {n[0] / t[0]:4.1f}x less CPU per token all included, {n[1] / t[1]:4.1f}x per extra token, "
               f"{n[2] / t[2]:4.1f}x fewer bytes")
+        print(f"  stub    : {statistics.median(stub_cpu) * 1e6:6.0f} µs CPU per {OUTPUT_TOKENS}-token request "
+              f"(FastAPI on uvicorn, in its own process; not part of the figures above)")
         print("  all runs (CPU s): " + "  ".join(f"{who} {n}: {[round(x, 2) for x in v]}" for (who, n), v in cpu.items()))
     finally:
         os.killpg(stub.pid, 9)

@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     import pydoc_data.topics
 
-    from toolkit.cli import prepare_run
+    from toolkit.pipeline import prepare_run
     from toolkit.engines.stub import start_standalone
 
     words = " ".join(pydoc_data.topics.topics.values()).split()

@@ -186,3 +186,27 @@ def test_reading_a_spec_loads_no_engine_or_client():
     above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.spec")
              and m != "toolkit"]
     assert not above, f"importing toolkit.spec loads modules above the formats: {above}"
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent is a module, not a package
+        return False
+
+
+def test_the_benchmarks_and_scripts_import_names_the_package_has():
+    """Every `from toolkit... import name` in benchmarks/ and scripts/, also inside functions, names a module and
+    an attribute that exist: the suite does not run the benchmarks, so a rename would otherwise break them unseen."""
+    import importlib
+
+    broken = []
+    for path in sorted([*(PACKAGE.parent / "benchmarks").glob("*.py"), *(PACKAGE.parent / "scripts").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "toolkit":
+                module = importlib.import_module(node.module)
+                broken += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                           if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")]
+    assert not broken, "imports of names the toolkit does not have:\n  " + "\n  ".join(broken)
