@@ -56,7 +56,7 @@ class Chains:
         """Turns > 0 reached by the render thread: rendered now if the turn before has its answer, else later."""
         for pos, ref in items:
             self.feed.pending += 1
-            self.waiting.setdefault(self.key(ref), {})[ref.turn] = (pos, ref)
+            self.waiting.setdefault(self.key(ref), {})[ref.turn] = TodoItem(pos, ref)
             self._advance(self.key(ref))
 
     def recorded(self, rec: Record) -> None:

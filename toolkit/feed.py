@@ -20,8 +20,12 @@ from .turns import turn_prompt
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
-TodoItem = tuple[int, PromptRef]
-"""A prompt to generate: (planned position, ref)."""
+
+class TodoItem(NamedTuple):
+    """A prompt to generate: its planned position and its ref."""
+
+    pos: int
+    ref: PromptRef
 
 
 class Rendered(NamedTuple):
@@ -152,7 +156,7 @@ class Todo:
 
     def __getitem__(self, s: slice) -> list[TodoItem]:
         first = self.refs.first
-        return [(p, self.refs[p - first]) for p in self.positions[s]]
+        return [TodoItem(p, self.refs[p - first]) for p in self.positions[s]]
 
 
 def render_thread(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, state: RenderState) -> None:
@@ -180,9 +184,9 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, st
             feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
             if state.stop:
                 break
-            later = [(pos, ref) for pos, ref in batch if ref.turn]  # need the answer of the turn before
+            later = [item for item in batch if item.ref.turn]  # need the answer of the turn before
             if later:
-                batch = [(pos, ref) for pos, ref in batch if not ref.turn]
+                batch = [item for item in batch if not item.ref.turn]
                 feed.budget.release(len(later))
                 loop.call_soon_threadsafe(chains.arrive, later)
             prompts = []
