@@ -79,6 +79,7 @@ def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplo
         other.close()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "locked by another worker" in errors[0]
+    assert "shard 0 failed: " in rd.log_file(0).read_text()  # said in the shard's log too, where `logs` looks
     # the progress file belongs to the worker that holds the shard: the refused one leaves it alone
     assert read_progress(rd.progress_file(0)) is None
 

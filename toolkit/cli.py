@@ -59,14 +59,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from .worker import STOPPED, ShardFailed, run_shard
+    from .worker import STOPPED, run_shard
 
-    try:
-        result = run_shard(args.run, args.shard)
-    except ShardFailed as e:
-        log.error("%s", e)
-        return e.exit_code
-    return EXIT_STOPPED if result == STOPPED else EXIT_OK
+    return EXIT_STOPPED if run_shard(args.run, args.shard) == STOPPED else EXIT_OK
 
 
 def cmd_run(args) -> int:

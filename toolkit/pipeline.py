@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import audit, report
-from .merge import MergeError, finished_shards, merge_run
+from .merge import finished_shards, merge_run
 from .plan import RunPlan, create_run, load_run
 from .preflight import Preflight, preflight
 from .rundir import RunDir
@@ -69,8 +69,7 @@ def run_shards(run_dir: str | os.PathLike, shards, log) -> tuple[bool, list[int]
         try:
             if run_shard(run_dir, k) == STOPPED:
                 return True, failed
-        except ShardFailed as e:
-            log.error("shard %d failed: %s", k, e)
+        except ShardFailed:  # the worker has logged why
             failed.append(k)
     return False, failed
 
@@ -78,18 +77,14 @@ def run_shards(run_dir: str | os.PathLike, shards, log) -> tuple[bool, list[int]
 def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:
     """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
 
-    Returns 0 when the run merged completely and the audit passed, 1 otherwise, 2 when it cannot merge (e.g.
-    unfinished shards without `allow_incomplete`; the message says what to do).
+    Returns 0 when the run merged completely and the audit passed, 1 otherwise. Raises MergeError when it
+    cannot merge (e.g. unfinished shards without `allow_incomplete`; the message says what to do).
     """
     out = out or sys.stdout
     rd, plan = load_run(run_dir)
-    try:
-        finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
-        auditor = audit.Auditor(rd, plan)
-        manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
-    except MergeError as e:  # the final Slurm job reads this line in its log (`logs --failed`)
-        print(f"toolkit: error: {e}", file=sys.stderr)
-        return e.exit_code
+    finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
+    auditor = audit.Auditor(rd, plan)
+    manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
     result = auditor.finish(manifest)
     report.write_reports(rd, result)
     print(report.summary_table(result), file=out)

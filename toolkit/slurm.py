@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import signal
+import sys
 from typing import Any
 
 import msgspec
@@ -155,7 +156,11 @@ class MergeTask:
         from .pipeline import merge_and_audit
 
         _log_to_stderr()
-        code = merge_and_audit(self.run_dir)
+        try:
+            code = merge_and_audit(self.run_dir)
+        except ToolkitError as e:  # the job's own `toolkit: error:` line, which `logs --failed` shows as why
+            sys.stderr.write(f"toolkit: error: {e}\n")
+            raise RuntimeError(f"merge of {self.run_dir} refused (exit {e.exit_code})") from None
         if code != 0:
             rd = RunDir(self.run_dir)
             raise RuntimeError(f"merge/audit of {self.run_dir} failed (exit {code}); see "

@@ -62,11 +62,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 class ShardFailed(ToolkitError):
     """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
-    directory not writable, shard locked by another worker). `exit_code` is the command's (see cli)."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
+    directory not writable, shard locked by another worker). Exits 1, or 2 when the run directory cannot be
+    written (`exit_code=` given where it is raised)."""
 
 
 class _Stop(Exception):
@@ -310,10 +307,16 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     """
     try:
         return _run_shard(run_dir, shard)
-    except (OSError, RuntimeError) as e:
-        msg, code = _io_problem(e, RunDir(run_dir), shard)
-        _mark_failed(RunDir(run_dir), shard, msg)
-        raise ShardFailed(msg, code) from None
+    except (OSError, RuntimeError) as e:  # before the shard's log is open, or it cannot be
+        raise _failed(e, RunDir(run_dir), shard) from None
+
+
+def _failed(e: Exception, rd: RunDir, shard: int) -> ShardFailed:
+    """The ShardFailed of a file-system or lock error, logged, and the shard's progress marked failed."""
+    msg, code = _io_problem(e, rd, shard)
+    _mark_failed(rd, shard, msg)
+    log.error("shard %d failed: %s", shard, msg)
+    return ShardFailed(msg, exit_code=code)
 
 
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -385,7 +388,6 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
                 except ShardFailed as e:
                     sh.progress.error = str(e)
                     sh.save_progress("failed")
-                    log.error("shard %d failed: %s", shard, e)
                     raise
             sh.writer.flush()
         finally:
@@ -406,6 +408,11 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
             log.warning("shard %d: %d failures may pass when generated again (timeouts, 5xx, aborts, NaN); the next "
                         "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, rd.shown)
         return DONE
+    except ShardFailed as e:  # said once, in the shard's log
+        log.error("shard %d failed: %s", shard, e)
+        raise
+    except (OSError, RuntimeError) as e:
+        raise _failed(e, rd, shard) from None
     finally:
         logger.removeHandler(handler)
         handler.close()
