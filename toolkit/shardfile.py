@@ -44,6 +44,7 @@ __all__ = [
     "Damage",
     "DoneManifest",
     "Frame",
+    "LockHolder",
     "RetryRequest",
     "ShardLocked",
     "ShardWriter",
@@ -296,9 +297,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class LockHolder(msgspec.Struct):
+    """What a shard's lock file holds: who took it and when (`started` in epoch seconds, `since` for people)."""
+
+    host: str
+    pid: int
+    started: float
+    since: str = "?"
+
+
 class _LockFile:
-    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with O_CREAT|O_EXCL, holding
-    {"host", "pid", "started"}; touched at every batch written, removed when the writer closes."""
+    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with O_CREAT|O_EXCL, holding a
+    `LockHolder`; touched at every batch written, removed when the writer closes."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -313,8 +323,7 @@ class _LockFile:
                 self._judge()  # raises ShardLocked, or has moved a stale lock aside
                 continue
             now = time.time()
-            self.mine = msgspec.json.encode({"host": socket.gethostname(), "pid": os.getpid(), "started": now,
-                                             "since": local_time(now)})
+            self.mine = msgspec.json.encode(LockHolder(socket.gethostname(), os.getpid(), now, local_time(now)))
             try:
                 os.write(fd, self.mine)
                 os.fsync(fd)
@@ -336,9 +345,9 @@ class _LockFile:
         except FileNotFoundError:
             return  # released meanwhile: try again
         try:
-            info = msgspec.json.decode(seen)
-            host, pid, since = str(info["host"]), int(info["pid"]), info.get("since", "?")
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            holder = msgspec.json.decode(seen, type=LockHolder)
+            host, pid, since = holder.host, holder.pid, holder.since
+        except msgspec.DecodeError:  # msgspec.ValidationError included
             if age < 60:  # being written right now
                 raise self._refuse("its lock file is being written") from None
             host, pid, since = "", 0, "?"
