@@ -210,3 +210,23 @@ def test_the_benchmarks_and_scripts_import_names_the_package_has():
                 broken += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
                            if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")]
     assert not broken, "imports of names the toolkit does not have:\n  " + "\n  ".join(broken)
+
+
+def test_the_readme_names_every_module_in_its_layer():
+    """The README's table of layers says what LAYERS enforces: each module, by its name under toolkit/, in
+    backticks in the row of its layer (`engines/` stands for the engines package)."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    wrong = []
+    for name, modules in LAYERS:
+        row = re.search(rf"^\| {re.escape(name)} \|(.*)$", readme, re.M)
+        if row is None:
+            wrong.append(f"no row for the layer {name!r}")
+            continue
+        named = set(re.findall(r"`([\w/]+)`", row.group(1)))
+        for m in modules:
+            short = m.removeprefix("toolkit.").replace(".", "/")
+            if m not in ("toolkit", "toolkit.__main__") and short not in named and f"{short}/" not in named:
+                wrong.append(f"{m} is not named in the README's row {name!r}")
+    assert not wrong, "\n".join(wrong)
