@@ -225,12 +225,12 @@ class HttpClient:
 
 
 class MetaInfo(msgspec.Struct):
-    id: str | None = None
+    """The part of /generate's meta_info the worker keeps (the rest, e.g. e2e_latency, is skipped unread)."""
+
     finish_reason: Any = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int = 0
-    e2e_latency: float | None = None
 
 
 class GenerateResponse(msgspec.Struct):
