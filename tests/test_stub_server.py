@@ -589,7 +589,7 @@ def test_a_client_that_goes_away_aborts_its_request(fleet):
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             time.sleep(0.3)
         deadline = time.monotonic() + 5
-        while any(r["num_total_reqs"] for r in _loads(slow)["loads"]):
+        while any(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(slow)["loads"]):
             assert time.monotonic() < deadline, "the request of a client that went away is still in flight"
             time.sleep(0.02)
         again = slow.generate({**json.loads(body), "stream": False, "sampling_params": {"max_new_tokens": 2}})
@@ -623,12 +623,12 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
     with ThreadPoolExecutor(len(bodies)) as pool:
         pending = [pool.submit(q.generate, b) for b in bodies]
         deadline = time.monotonic() + 10
-        while sum(r["num_total_reqs"] for r in _loads(q)["loads"]) < 7:
+        while sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(q)["loads"]) < 7:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         time.sleep(0.2)
         loads = _loads(q)
-        assert loads["dp_rank_count"] == 2 and len(loads["loads"]) == 2
+        assert [r["dp_rank"] for r in loads["loads"]] == [0, 1]
         assert [r["num_running_reqs"] for r in loads["loads"]] == [2, 2]
         assert sum(r["num_waiting_reqs"] for r in loads["loads"]) == 3
         assert all(r["max_running_requests"] == 2 and 0 < r["token_usage"] < 1 for r in loads["loads"])
@@ -647,7 +647,7 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
     counters = json.loads(q.get("/stub/counters")[2])
     assert counters["generated_tokens"] == sum(len(o["output_ids"]) for o in outs) == counters["returned_tokens"]
     assert counters["aborted_running"] == 4 and counters["aborted_waiting"] == 3
-    assert sum(r["num_total_reqs"] for r in _loads(q)["loads"]) == 0
+    assert sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(q)["loads"]) == 0
 
 
 def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
@@ -736,6 +736,58 @@ def test_auth(fleet):
     assert stub.post("/generate", body, headers={"Authorization": "Bearer sekret"})[0] == 200
     assert stub.get("/health")[0] == 200 and stub.get("/ready")[0] == 200  # always exempt
     assert stub.get("/metrics")[0] == 404  # exempt from auth, and not enabled
+
+
+# The keys of GET /v1/loads, as each release builds its answer: 0.5.23 in sglang/srt/entrypoints/v1_loads.py with
+# rows from LoadSnapshot.to_dict (sglang/srt/managers/load_snapshot.py: every scalar field, then the sections that
+# are not None); 0.5.9 in the same v1_loads.py with rows from io_struct.GetLoadsReqOutput (timestamp and None
+# values left out, num_total_reqs added) and an aggregate. Neither release serves /get_loads.
+LOADS_TOP = {
+    "0.5.23": {"timestamp", "version", "accelerator", "num_accelerators", "loads"},
+    "0.5.9": {"timestamp", "version", "dp_rank_count", "loads", "aggregate"},
+}
+LOADS_ROW = {
+    "0.5.23": {"timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+               "num_used_tokens", "num_total_tokens", "num_active_tokens", "num_prealloc_ready_tokens",
+               "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+               "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us", "decode_moments",
+               "disaggregation", "queues"},
+    "0.5.9": {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens",
+              "token_usage", "gen_throughput", "cache_hit_rate", "utilization", "max_running_requests",
+              "disaggregation", "queues", "num_total_reqs"},
+}
+
+
+@pytest.mark.parametrize("name, version", [("kimi", "0.5.23"), ("v059", "0.5.9")])
+def test_v1_loads_has_the_shape_of_each_release_and_the_client_reads_both(fleet, name, version):
+    import asyncio
+
+    from toolkit.client import HttpClient, read_load
+
+    stub = fleet[name].wait_ready()
+    loads = _loads(stub)
+    assert set(loads) == LOADS_TOP[version]
+    assert loads["version"] == version and len(loads["loads"]) == 1
+    assert set(loads["loads"][0]) == LOADS_ROW[version]
+    assert isinstance(loads["timestamp"], str) and loads["timestamp"].endswith("+00:00")  # datetime.isoformat
+    if version == "0.5.23":
+        assert isinstance(loads["loads"][0]["timestamp"], float) and loads["num_accelerators"] >= 1
+        assert set(loads["loads"][0]["queues"]) == {"waiting", "grammar", "paused", "retracted", "prealloc_ready"}
+    else:
+        assert loads["aggregate"]["total_reqs"] == 0 and loads["dp_rank_count"] == 1
+        assert set(loads["loads"][0]["queues"]) == {"waiting", "grammar", "paused", "retracted"}
+    assert stub.get("/get_loads")[0] == 404
+
+    async def read():
+        http = HttpClient(f"http://127.0.0.1:{stub.port}")
+        try:
+            return await read_load(http)
+        finally:
+            http.close()
+
+    got = asyncio.run(read())
+    assert got is not None and got.running == 0 and got.waiting == 0
+    assert got.capacity == loads["loads"][0]["max_running_requests"] > 0
 
 
 def test_version_0_5_9_profile_without_tokenizer_init(fleet):

@@ -8,6 +8,7 @@ Each handler takes the server state and returns a Reply (status, body bytes, con
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import json
 import logging
 import sys
@@ -96,28 +97,65 @@ def server_info(srv: StubServer) -> Reply:
 
 
 def loads(srv: StubServer) -> Reply:
-    """GET /v1/loads (0.5.23): the load of each data-parallel rank, as SGLang's load snapshot reports it.
+    """GET /v1/loads: the load of each data-parallel rank, in the shape of the release the stub imitates.
 
-    The stub has one scheduler; with --dp-size N its requests are shared out over N ranks for the report.
+    0.5.23 (sglang/srt/entrypoints/v1_loads.py; the rows are managers/load_snapshot.py's LoadSnapshot.to_dict):
+    {timestamp, version, accelerator, num_accelerators, loads: [{timestamp (epoch float), dp_rank,
+    num_running_reqs, ..., max_running_requests, token_usage, ..., decode_moments, disaggregation, queues}]}.
+    0.5.9 (the same file then; rows from io_struct.GetLoadsReqOutput, timestamp and None values left out):
+    {timestamp, version, dp_rank_count, loads: [{dp_rank, num_running_reqs, ..., num_total_reqs}], aggregate}.
+    The stub has one scheduler; with --dp-size N its requests are shared out over N ranks for the report. It
+    has no GPU: `accelerator` is null and the `memory` section is left out, as SGLang does where it cannot
+    measure it.
     """
-    if srv.v9:
-        return NOT_FOUND  # assumed absent in the 0.5.9 profile: clients must do without it
     dp = max(1, srv.cfg.dp_size)
-    used, pool = srv.sched.used_tokens(), srv.pool
+    used, pool, now = srv.sched.used_tokens(), srv.pool, time.time()
     share = lambda total, i: total // dp + (i < total % dp)  # noqa: E731
     rows = []
     for i in range(dp):
-        running, waiting = share(len(srv.sched.running), i), share(len(srv.sched.waiting), i)
-        rank_used = share(used, i)
-        rows.append({
-            "dp_rank": i, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting, "num_used_tokens": rank_used,
-            "max_total_num_tokens": pool, "max_running_requests": srv.sched.max_running // dp,
-            "token_usage": round(rank_used / pool, 4), "gen_throughput": srv.sched.gen_throughput() / dp,
-            "cache_hit_rate": 0.0, "utilization": round(running / max(1, srv.sched.max_running // dp), 4),
-        })
-    body = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": srv.cfg.version,
-            "dp_rank_count": dp, "loads": rows}
+        running, waiting, rank_used = share(len(srv.sched.running), i), share(len(srv.sched.waiting), i), share(used, i)
+        limit = srv.sched.max_running // dp
+        core = {"num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": rank_used,
+                "max_total_num_tokens": pool, "token_usage": round(rank_used / pool, 4),
+                "gen_throughput": round(srv.sched.gen_throughput() / dp, 2), "cache_hit_rate": 0.0,
+                "utilization": round(running / max(1, limit), 4), "max_running_requests": limit}
+        queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
+        if srv.v9:
+            rows.append({"dp_rank": i, **core,
+                         "disaggregation": {"mode": "null", "prefill_prealloc_queue_reqs": 0,
+                                            "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
+                                            "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
+                                            "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+                         "queues": queues, "num_total_reqs": running + waiting})
+            continue
+        rows.append({"timestamp": now, "dp_rank": i, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                     "num_waiting_uncached_tokens": 0, "num_used_tokens": rank_used, "num_total_tokens": rank_used,
+                     "num_active_tokens": rank_used, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": pool,
+                     "max_running_requests": limit, "token_usage": core["token_usage"],
+                     "gen_throughput": core["gen_throughput"], "cache_hit_rate": 0.0,
+                     "utilization": core["utilization"], "total_prefill_uncached_tokens": 0,
+                     "total_prefill_busy_us": 0, "decode_moments": None,
+                     "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0,
+                                        "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
+                                        "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
+                                        "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+                     "queues": {**queues, "prealloc_ready": 0}})
+    stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    if srv.v9:
+        n = len(rows)
+        aggregate = {
+            "total_running_reqs": sum(r["num_running_reqs"] for r in rows),
+            "total_waiting_reqs": sum(r["num_waiting_reqs"] for r in rows),
+            "total_reqs": sum(r["num_total_reqs"] for r in rows),
+            "avg_token_usage": round(sum(r["token_usage"] for r in rows) / n, 4),
+            "avg_throughput": round(sum(r["gen_throughput"] for r in rows) / n, 2),
+            "avg_utilization": round(sum(r["utilization"] for r in rows) / n, 4),
+        }
+        body = {"timestamp": stamp, "version": srv.cfg.version, "dp_rank_count": n, "loads": rows,
+                "aggregate": aggregate}
+    else:
+        body = {"timestamp": stamp, "version": srv.cfg.version, "accelerator": None,
+                "num_accelerators": max(1, srv.cfg.tp_size), "loads": rows}
     return 200, _json_encode(body), JSON
 
 
@@ -189,7 +227,7 @@ def routes(srv: StubServer) -> dict[str, tuple[tuple[str, ...], Callable | None]
         "/server_info": (("GET",), server_info), "/get_server_info": (("GET",), server_info),
         "/v1/models": (("GET",), v1_models), "/generate": (("POST", "PUT"), None),
         "/abort_request": (("POST",), None), "/flush_cache": (("GET", "POST"), flush_cache),
-        "/v1/loads": (("GET",), loads), "/get_loads": (("GET",), loads),
+        "/v1/loads": (("GET",), loads),
         "/stub/counters": (("GET",), stub_counters),
     }
     if not srv.v9:
