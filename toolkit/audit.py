@@ -24,8 +24,17 @@ import numpy as np
 
 from . import chat
 from .auditreport import (
-    AUDIT_FORMAT, AuditReport, Check, DatasetStats, Histogram, Integrity, Lengths, ReasoningCounts, ShardStats,
-    TokenSummary, TurnStats,
+    AUDIT_FORMAT,
+    AuditReport,
+    Check,
+    DatasetStats,
+    Histogram,
+    Integrity,
+    Lengths,
+    ReasoningCounts,
+    ShardStats,
+    TokenSummary,
+    TurnStats,
 )
 from .checks import run_checks
 from .files import atomic_write, sha256_file
@@ -33,7 +42,17 @@ from .fmt import utc_now
 from .merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
 from .plan import RunPlan, load_run
 from .progress import read_progress
-from .records import OK, Record, all_blank, ends_with_stop, id_at, id_positions, is_nan_stop, last_meaningful, split_parts
+from .records import (
+    OK,
+    Record,
+    all_blank,
+    ends_with_stop,
+    id_at,
+    id_positions,
+    is_nan_stop,
+    last_meaningful,
+    split_parts,
+)
 from .reprompt import rerender, sample_positions
 from .rundir import RunDir
 from .samples import SampleCollector

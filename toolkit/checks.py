@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import chat
-from .fmt import ranges
 from .auditreport import Check, DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats, modes_text
+from .fmt import ranges
 from .records import NAN_MATCHED
 from .spec import AuditSpec, ModelSpec
 

@@ -33,8 +33,8 @@ from .errors import BadInputError
 from .inputs import InputError, PromptReader
 from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
-from .rundir import RunDir
 from .records import OK, Record, opens_reasoning, split_parts
+from .rundir import RunDir
 from .shardfile import decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 from .turns import answer_message, turn_messages, user_turns

@@ -13,14 +13,34 @@ import time
 import numpy as np
 
 from .client import (
-    BadResponse, ClientError, GenerateResult, HttpClient, RequestRejected, ServerError, TimedOut, Unreachable, abort_requests,
+    BadResponse,
+    ClientError,
+    GenerateResult,
+    HttpClient,
+    RequestRejected,
+    ServerError,
+    TimedOut,
+    Unreachable,
+    abort_requests,
     generate,
 )
 from .feed import Feed
 from .plan import PromptRef
 from .records import (
-    ABORTED, BAD_RESPONSE, FAILED, NAN, NAN_MATCHED, OK, PARTIAL, REJECTED, SERVER_ERROR, TIMEOUT, Record,
-    failed_record, pack_ids, split_output,
+    ABORTED,
+    BAD_RESPONSE,
+    FAILED,
+    NAN,
+    NAN_MATCHED,
+    OK,
+    PARTIAL,
+    REJECTED,
+    SERVER_ERROR,
+    TIMEOUT,
+    Record,
+    failed_record,
+    pack_ids,
+    split_output,
 )
 from .shardstate import EngineDied, EngineUnreachable, Shard
 

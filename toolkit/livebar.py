@@ -17,8 +17,8 @@ from typing import TextIO
 import msgspec
 
 from .plan import RunPlan
-from .rundir import RunDir
 from .progress import read_progress
+from .rundir import RunDir
 from .shardfile import read_done
 
 __all__ = ["LiveBar", "Snapshot", "snapshot"]

@@ -27,8 +27,8 @@ from .errors import BadInputError
 from .files import atomic_write, fsync_dir, sha256_file
 from .fmt import ranges, utc_now
 from .plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
-from .rundir import RunDir
 from .records import OK, Record
+from .rundir import RunDir
 from .shardfile import (
     CorruptShard,
     Damage,

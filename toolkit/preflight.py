@@ -28,8 +28,8 @@ from .errors import BadInputError
 from .inputs import scan_dataset
 from .plan import PlanError, PromptRef, RunPlan, load_run, plan_job
 from .rundir import RunDir
-from .turns import turn_prompt
 from .spec import JobSpec, SpecError, load_spec
+from .turns import turn_prompt
 
 __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
 

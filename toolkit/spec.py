@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import tomllib
 
 from .errors import BadInputError
 from .rundir import RunDir

@@ -28,8 +28,22 @@ from .rundir import RunDir
 from .shardfile import read_done
 from .slurmcmd import call
 from .states import (
-    ACTIVE, DEAD, UNKNOWN, MergeStatus, RunFacts, ShardFacts, ShardStatus, SlurmJob, SlurmView, Totals, exit_code,
-    index_jobs, is_unknown, needs_scontrol, run_states, totals,
+    ACTIVE,
+    DEAD,
+    UNKNOWN,
+    MergeStatus,
+    RunFacts,
+    ShardFacts,
+    ShardStatus,
+    SlurmJob,
+    SlurmView,
+    Totals,
+    exit_code,
+    index_jobs,
+    is_unknown,
+    needs_scontrol,
+    run_states,
+    totals,
 )
 from .states import slurm_view as view_of_answers
 

@@ -43,12 +43,12 @@ from .engines.base import EngineError
 from .engines.kinds import make_engine
 from .errors import ToolkitError
 from .feed import Budget, Feed, RenderState, Todo, render_thread
+from .files import shown_path
 from .inflight import save_in_flight
 from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
-from .rundir import RunDir
-from .files import shown_path
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
+from .rundir import RunDir
 from .shardfile import ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
 from .shardstate import EngineDied, EngineHung, EngineUnreachable, Shard
 

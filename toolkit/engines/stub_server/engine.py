@@ -21,8 +21,16 @@ from .cache import PrefixCache
 from .config import DEFAULT_MAX_RUNNING, StubConfig
 from .contract import ContractError, RequestError, check_contract, make_sampling, verify_sampling
 from .model import StubModel
-from .planning import IncrementalText, Item, finish_item, fake_logprob, item_text, nan_stop, plan_continuation, \
-    plan_output
+from .planning import (
+    IncrementalText,
+    Item,
+    fake_logprob,
+    finish_item,
+    item_text,
+    nan_stop,
+    plan_continuation,
+    plan_output,
+)
 from .scheduler import ABORTED, ABORTED_WAITING, InFlight, Scheduler
 
 logger = logging.getLogger(__name__)
