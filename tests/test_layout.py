@@ -120,7 +120,7 @@ LAYERS = [
                "toolkit.toolcalls", "toolkit.progress"]),
     ("formats", ["toolkit.shardfile", "toolkit.records", "toolkit.spec", "toolkit.inputs", "toolkit.files",
                  "toolkit.fmt", "toolkit.rundir", "toolkit.errors", "toolkit.slurmcmd",
-                 "toolkit.engines.sglang_flags", "toolkit.toy_tokenizer"]),
+                 "toolkit.engines.sglang_flags", "toolkit.engines.sglang_sampling", "toolkit.toy_tokenizer"]),
 ]
 
 
@@ -183,8 +183,12 @@ def test_reading_a_spec_loads_no_engine_or_client():
     code = "import sys, toolkit.spec; print(sorted(m for m in sys.modules if m.startswith('toolkit')))"
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert "toolkit.spec" in loaded
+    graph = import_graph()
+    empty_packages = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()
+                      and not graph[m]}  # a package __init__ that imports nothing loads nothing
+    assert "toolkit.engines" in empty_packages
     above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.spec")
-             and m != "toolkit"]
+             and m != "toolkit" and m not in empty_packages]
     assert not above, f"importing toolkit.spec loads modules above the formats: {above}"
 
 

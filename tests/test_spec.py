@@ -135,3 +135,54 @@ def test_unset_environment_variable_in_a_path_is_named(tmp_path, monkeypatch, ed
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     (tmp_path / "models" / "x").mkdir(parents=True)
     load_spec(p)  # set: the path resolves
+
+
+@pytest.mark.parametrize(
+    "sampling, dataset, expected",
+    [
+        ("top_p = 0.0", "", "dataset 'a': [sampling]: SGLang 0.5.23 refuses it with HTTP 400 for every request: "
+                            "top_p must be in (0, 1], got 0.0."),
+        ("repetition_penalty = 0.0", "", "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0."),
+        ("temperature = -0.5", "", "temperature must be a non-negative finite number, got -0.5."),
+        ("min_new_tokens = 100", "", "min_new_tokens must be in [0, max_new_tokens(64)], got 100."),
+        ('regex = "a+"\njson_schema = "{}"', "", "Only one of json_schema, regex, ebnf, or structural_tag"),
+        ("stop = [" + ", ".join(f'"s{i}"' for i in range(33)) + "]", "",
+         "at most 32 stop strings are allowed, got 33"),
+        ("sampling_seed = 9223372036854775807", "sampling = { sampling_seed = -9223372036854775808 }", None),
+        ("top_k = 20", "sampling = { top_k = 0 }", "top_k must be -1 (disable) or at least 1, got 0."),
+        ('temperature = "hot"', "", "`temperature`: invalid type: string \"hot\", expected f64"),
+        ("stop_token_ids = [1, 2.5]", "", "`stop_token_ids`: invalid type: floating point `2.5`, expected i64"),
+        ("beam_width = 4", "", "asks for beam search"),
+        ("choice = 1", "", "unknown sampling key(s) 'choice'"),
+    ],
+)
+def test_sampling_sglang_would_refuse_is_refused_before_any_gpu_time(tmp_path, sampling, dataset, expected):
+    """What SGLang's SamplingParams.verify (or its schema gate) refuses on every request is refused at load time,
+    with SGLang's own text, the key and the dataset named; a valid job with the same keys loads."""
+    text = BASE.replace("max_new_tokens = 64", "max_new_tokens = 64\n" + sampling, 1) + dataset + "\n"
+    p = write(tmp_path, text)
+    if expected is None:
+        assert load_spec(p).sampling_for("a")["sampling_seed"] == -(2**63)
+        return
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert str(p) in str(e.value) and expected in str(e.value)
+
+
+def test_the_release_the_engine_runs_judges_the_sampling(tmp_path, monkeypatch):
+    """0.5.9 allows repetition_penalty = 0 (0.5.23 refuses it); the stub is judged by the release it imitates."""
+    text = BASE.replace("max_new_tokens = 64", "max_new_tokens = 64\nrepetition_penalty = 0.0", 1)
+    with pytest.raises(SpecError, match=r"SGLang 0\.5\.23 refuses"):
+        load_spec(write(tmp_path, text))
+    monkeypatch.setenv("TOOLKIT_SGLANG_VERSION", "0.5.9")
+    assert load_spec(write(tmp_path, text)).sampling["repetition_penalty"] == 0.0
+    monkeypatch.delenv("TOOLKIT_SGLANG_VERSION")
+    assert load_spec(write(tmp_path, text + '[engine]\nkind = "stub"\n[engine.stub]\nversion = "0.5.9"\n'))
+
+
+def test_stop_strings_need_the_servers_tokenizer(tmp_path):
+    text = BASE.replace("max_new_tokens = 64", 'max_new_tokens = 64\nstop = ["END"]', 1)
+    assert load_spec(write(tmp_path, text))
+    with pytest.raises(SpecError, match=r"stop need the server's tokenizer, and \[engine\] extra_args has "
+                                        r"--skip-tokenizer-init"):
+        load_spec(write(tmp_path, text + '[engine]\nextra_args = ["--skip-tokenizer-init"]\n'))

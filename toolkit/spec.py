@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 import tomllib
 
+from .engines import sglang_sampling
 from .errors import BadInputError
 from .rundir import RunDir
 
@@ -25,17 +26,9 @@ __all__ = [
     "load_spec",
 ]
 
-# Every key SGLang's /generate `sampling_params` accepts (0.5.23 contract, sampling/sampling_params.py).
-# Anything else is a hard 400 on the server, so it is an error here, before a node is allocated.
-SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-        "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-        "no_stop_trim", "n", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "min_new_tokens", "sampling_seed", "logit_bias", "json_schema", "regex", "ebnf",
-        "structural_tag", "stream_interval", "custom_params",
-    }
-)
+# Every key SGLang's /generate `sampling_params` accepts (0.5.23: engines/sglang_sampling.py, read from its source).
+# Anything else is a hard error on the server, so it is an error here, before a node is allocated.
+SAMPLING_KEYS = frozenset(sglang_sampling.FIELDS) - sglang_sampling.NOT_TAKEN["0.5.23"]
 
 
 class SpecError(BadInputError):
@@ -222,6 +215,41 @@ def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_leve
         raise SpecError(f"{source}: {where}: `n` (samples per prompt) must be a positive integer, got {n!r}")
     if params.get("ignore_eos"):
         raise SpecError(f"{source}: {where}: `ignore_eos = true` would make every output run to max_new_tokens")
+    for key, value in params.items():
+        try:
+            sglang_sampling.check_types({key: value})
+        except sglang_sampling.TypeMismatch as e:
+            raise SpecError(f"{source}: {where}: `{key}`: {e} (SGLang's /generate would refuse every request: "
+                            "HTTP 400)") from None
+    if (params.get("beam_width") or 1) > 1:
+        raise SpecError(f"{source}: {where}: `beam_width = {params['beam_width']}` asks for beam search, which keeps "
+                        "the likeliest sequences instead of samples of the model's distribution; drafter data wants "
+                        "samples: remove it")
+
+
+def _check_requests(spec: JobSpec, source: Path) -> None:
+    """Each dataset's sampling_params as SGLang would judge them (SamplingParams.verify of the release the engine
+    runs), and with the engine's flags: a request SGLang refuses is refused for every prompt, after the weights
+    load, so it is refused here instead."""
+    e = spec.engine
+    release = _judged_release(e, source) or sglang_sampling.RELEASES[0]
+    if release not in sglang_sampling.RELEASES:
+        release = sglang_sampling.RELEASES[0]
+    skip_tokenizer = e.command is None and e.kind in ("sglang", "stub") and _has_flag(e, "skip_tokenizer_init")
+    for d in spec.datasets:
+        params = spec.sampling_for(d.name)
+        where = f"{source}: dataset {d.name!r}: [sampling]"
+        try:
+            sglang_sampling.verify(sglang_sampling.make_sampling(params), None, release)
+        except sglang_sampling.SamplingError as err:
+            raise SpecError(f"{where}: SGLang {release} refuses it with HTTP 400 for every request: {err}") from None
+        if skip_tokenizer:
+            needs = [k for k in ("stop", "stop_regex") if params.get(k)] + \
+                (["min_new_tokens"] if (params.get("min_new_tokens") or 0) > 0 else [])
+            if needs:
+                raise SpecError(f"{where}: {', '.join(needs)} need the server's tokenizer, and [engine] extra_args "
+                                "has --skip-tokenizer-init: SGLang refuses every such request; use stop_token_ids, "
+                                "or remove the flag")
 
 
 _VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
@@ -321,6 +349,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
     if e.kind in ("sglang", "stub") and e.command is None:
         _check_extra_args(e, source)
+    _check_requests(spec, source)
     m = spec.model
     # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
     def key(name: str) -> str | None:
@@ -346,18 +375,31 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
 def _check_extra_args(e: EngineSpec, source: Path) -> None:
     """`[engine] extra_args` as SGLang's own parser would take them (from its flag data: no sglang needed
     here), then against the flags the toolkit sets. The stub is judged by the release it imitates."""
-    from .engines.sglang_flags import VERSION_ENV, check_extra_args, versions
+    from .engines.sglang_flags import check_extra_args
 
-    if e.kind == "stub":
-        version = e.stub.version if e.stub.version in versions() else None
-    else:
-        version = os.environ.get(VERSION_ENV) or None
-        if version is not None and version not in versions():
-            raise SpecError(f"{source}: ${VERSION_ENV}={version}, but the toolkit knows the flags of SGLang "
-                            f"{', '.join(versions())} only (scripts/sglang_flags.py adds a release)")
-    problems = check_extra_args(e.extra_args, version=version, dp_size=e.dp_size, kind=e.kind)
+    problems = check_extra_args(e.extra_args, version=_judged_release(e, source), dp_size=e.dp_size, kind=e.kind)
     if problems:
         raise SpecError(f"{source}: [engine] extra_args: " + "; ".join(problems))
+
+
+def _judged_release(e: EngineSpec, source: Path) -> str | None:
+    """The SGLang release a job's engine is judged by: the stub's, or $TOOLKIT_SGLANG_VERSION, else None (the
+    newest the toolkit knows)."""
+    from .engines.sglang_flags import VERSION_ENV, versions
+
+    if e.kind == "stub":
+        return e.stub.version if e.stub.version in versions() else None
+    version = os.environ.get(VERSION_ENV) or None
+    if version is not None and version not in versions():
+        raise SpecError(f"{source}: ${VERSION_ENV}={version}, but the toolkit knows the flags of SGLang "
+                        f"{', '.join(versions())} only (scripts/sglang_flags.py adds a release)")
+    return version
+
+
+def _has_flag(e: EngineSpec, dest: str) -> bool:
+    from .engines.sglang_flags import flag_set
+
+    return any(item.flag.dest == dest for item in flag_set().parse(list(e.extra_args)).items)
 
 
 def _parallel_flags(e: EngineSpec) -> tuple[int, bool]:

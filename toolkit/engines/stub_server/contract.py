@@ -1,39 +1,12 @@
-"""Request validation of /generate: 0.5.23's schema gate (serde-style texts), SamplingParams with SGLang's
-defaults, and SamplingParams.verify's errors."""
+"""Request validation of /generate: 0.5.23's schema gate over the whole body (serde-style texts), and the
+sampling checks of engines/sglang_sampling (shared with the job spec) as the stub's errors."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-TOP_K_ALL = 1 << 30
-SAMPLING_EPS = 1e-6
-
-
-class Sampling(msgspec.Struct, kw_only=True):
-    """One request's sampling_params after SGLang's defaults and normalisation."""
-
-    max_new_tokens: int | None = 128
-    max_new_tokens_given: bool = False
-    stop: list[str] = []
-    stop_token_ids: frozenset[int] = frozenset()
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = TOP_K_ALL
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    n: int = 1
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stream_interval: int | None = None
-    logit_bias: dict[str, float] = {}
-    sampling_seed: int | None = None
-    grammars: int = 0
+from .. import sglang_sampling as sampling
+from ..sglang_sampling import Sampling
 
 
 class ContractError(ValueError):
@@ -44,43 +17,55 @@ class RequestError(ValueError):
     """SGLang's ValueError path: 400 {"error": {"message": "<text>"}} (or an SSE error event when streaming)."""
 
 
-SAMPLING_FIELDS = (
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
-    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
-)
-_SAMPLING_KINDS = {
-    "max_new_tokens": "int", "stop": "strs", "stop_token_ids": "ints", "stop_regex": "strs", "temperature": "float",
-    "top_p": "float", "top_k": "int", "min_p": "float", "frequency_penalty": "float", "presence_penalty": "float",
-    "repetition_penalty": "float", "min_new_tokens": "int", "n": "int", "json_schema": "str", "regex": "str",
-    "ebnf": "str", "structural_tag": "str", "ignore_eos": "bool", "skip_special_tokens": "bool",
-    "spaces_between_special_tokens": "bool", "no_stop_trim": "bool", "stream_interval": "int",
-    "logit_bias": "float_map", "sampling_seed": "int", "custom_params": "any", "beam_width": "int",
-}
+class ParseError(ValueError):
+    """A body FastAPI cannot parse into GenerateReqInput (`rid` not a string or list of strings, `input_ids` not
+    int64 ids): its RequestValidationError handler answers 400 {"object": "error", "message": ..., ...}. The
+    message follows pydantic's, whose exact words depend on the installed version."""
 
 
-def _unexpected(v: Any) -> str:
-    """serde's description of an unexpected JSON value."""
+def _input_ids_problem(v: Any) -> str | None:
+    """SGLang's validate_optional_list_i64_1d_2d (srt/utils/field_validators.py): what it raises, or None."""
+    def row(r: Any) -> str | None:
+        if not isinstance(r, list):
+            return f"must be list; got {type(r).__name__}"
+        if r and not isinstance(r[0], int):
+            return f"elements must be int; got {type(r[0]).__name__}"
+        bad = next((x for x in r if not isinstance(x, int) or not -(2**63) <= x < 2**63), None)
+        return None if bad is None else f"contains non-int64 element: {bad!r}"
+
     if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return f"boolean `{'true' if v else 'false'}`"
-    if isinstance(v, int):
-        return f"integer `{v}`"
-    if isinstance(v, float):
-        return f"floating point `{v}`"
-    if isinstance(v, str):
-        return f'string "{v}"'
-    if isinstance(v, list):
-        return "sequence"
-    if isinstance(v, dict):
-        return "map"
-    return type(v).__name__
+        return None
+    if not isinstance(v, list):
+        return f"must be list or null; got {type(v).__name__}"
+    if not v or isinstance(v[0], int):
+        return row(v)
+    if isinstance(v[0], list):
+        for i, r in enumerate(v):
+            problem = row(r)
+            if problem:
+                return f"row {i}: {problem}"
+        return None
+    return f"elements must be int or list; got {type(v[0]).__name__}"
+
+
+def parse_body(obj: Any) -> None:
+    """FastAPI's parse of the body into GenerateReqInput, before SGLang's own gate: ParseError."""
+    if type(obj) is not dict:
+        return  # the gate says what it wanted
+    problem = _input_ids_problem(obj.get("input_ids"))
+    if problem:
+        raise ParseError(f"1 validation error:\n  {{'type': 'value_error', 'loc': ('body', 'input_ids'), "
+                         f"'msg': 'Value error, {problem}'}}")
+    rid = obj.get("rid")
+    if rid is not None and not isinstance(rid, str) and not (
+            isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+        raise ParseError("2 validation errors:\n  {'type': 'string_type', 'loc': ('body', 'rid', 'str'), "
+                         "'msg': 'Input should be a valid string'}\n  {'type': 'list_type', 'loc': ('body', 'rid', "
+                         "'list[str]'), 'msg': 'Input should be a valid list'}")
 
 
 def _invalid(v: Any, expected: str) -> ContractError:
-    return ContractError(f"invalid type: {_unexpected(v)}, expected {expected}")
+    return ContractError(str(sampling.mismatch(v, expected)))
 
 
 def _want_int(v: Any, expected: str = "i64") -> None:
@@ -128,34 +113,11 @@ def _str_or_list(v: Any, what: str = "StringOrList") -> None:
         _want_str(v, f"a value or an array of values for {what}")
 
 
-def _sampling_params(v: Any) -> None:
-    for key, x in v.items():
-        kind = _SAMPLING_KINDS.get(key)
-        if kind is None:
-            listed = ", ".join(f"`{f}`" for f in SAMPLING_FIELDS)
-            raise ContractError(f"unknown field `{key}`, expected one of {listed}")
-        if x is None or kind == "any":
-            continue
-        if kind == "int":
-            _want_int(x)
-        elif kind == "float":
-            if type(x) not in (int, float):
-                raise _invalid(x, "f64")
-        elif kind == "bool":
-            _want_bool(x)
-        elif kind == "str":
-            _want_str(x)
-        elif kind == "strs":
-            _str_or_list(x)
-        elif kind == "ints":
-            for e in _want_seq(x):
-                _want_int(e)
-        elif kind == "float_map":
-            if type(x) is not dict:
-                raise _invalid(x, "a map")
-            for e in x.values():
-                if type(e) not in (int, float):
-                    raise _invalid(e, "f64")
+def _sampling_params(v: dict) -> None:
+    try:
+        sampling.check_types(v)
+    except sampling.TypeMismatch as e:
+        raise ContractError(str(e)) from None
 
 
 def check_contract(obj: Any) -> None:
@@ -197,36 +159,20 @@ def check_contract(obj: Any) -> None:
             _want_int(x)
 
 
-def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool, version: str) -> Sampling:
-    """SamplingParams(**raw) then verify(), with SGLang's defaults for absent or null keys."""
-    if preferred:
-        raw = {**preferred, **raw}
+def not_taken(obj: dict, version: str) -> str | None:
+    """A sampling field SamplingParams(**params) of `version` does not take (SGLang then answers 500), or None."""
+    raw = obj.get("sampling_params")
+    for params in raw if isinstance(raw, list) else [raw or {}]:
+        for key in params:
+            if key in sampling.NOT_TAKEN[version]:
+                return key
+    return None
+
+
+def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool) -> Sampling:
+    """SamplingParams(**raw) with SGLang's defaults, and the checks a server without a tokenizer adds."""
+    sp = sampling.make_sampling(raw, preferred)
     g = raw.get
-    sp = Sampling()
-    if "max_new_tokens" in raw:
-        sp.max_new_tokens = g("max_new_tokens")
-        sp.max_new_tokens_given = sp.max_new_tokens is not None
-    stop = g("stop")
-    sp.stop = [stop] if isinstance(stop, str) else list(stop or [])
-    sp.stop_token_ids = frozenset(x for x in (g("stop_token_ids") or ()) if x is not None)
-    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-        v = g(name)
-        if v is not None:
-            setattr(sp, name, float(v))
-    for name in ("min_new_tokens", "n", "stream_interval", "sampling_seed"):
-        v = g(name)
-        if v is not None:
-            setattr(sp, name, v)
-    top_k = g("top_k")
-    sp.top_k = TOP_K_ALL if top_k is None or top_k == -1 else top_k
-    for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-        v = g(name)
-        if v is not None:
-            setattr(sp, name, v)
-    sp.logit_bias = g("logit_bias") or {}
-    sp.grammars = sum(g(k) is not None for k in ("json_schema", "regex", "ebnf"))
-    if 0 <= sp.temperature < SAMPLING_EPS:  # greedy is top_k = 1
-        sp.temperature, sp.top_k = 1.0, 1
     if skip_tokenizer:
         if sp.stop:
             raise RequestError(f"stop={sp.stop!r} is unavailable when skip_tokenizer_init=True "
@@ -243,42 +189,8 @@ def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool, versi
 
 
 def verify_sampling(sp: Sampling, vocab_size: int, version: str) -> None:
-    """SGLang's SamplingParams.verify messages."""
-    t = sp.temperature
-    if not (t == t and abs(t) != float("inf")) or t < 0.0:
-        if version == "0.5.9":
-            raise RequestError(f"temperature must be non-negative, got {t}.")
-        raise RequestError(f"temperature must be a non-negative finite number, got {t}.")
-    if not 0.0 < sp.top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {sp.top_p}.")
-    if not 0.0 <= sp.min_p <= 1.0:
-        raise RequestError(f"min_p must be in [0, 1], got {sp.min_p}.")
-    if sp.top_k < 1:
-        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
-    if not -2.0 <= sp.frequency_penalty <= 2.0:
-        raise RequestError(f"frequency_penalty must be in [-2, 2], got {sp.frequency_penalty}.")
-    if not -2.0 <= sp.presence_penalty <= 2.0:
-        raise RequestError(f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}.")
-    if version == "0.5.9":
-        if not 0.0 <= sp.repetition_penalty <= 2.0:
-            raise RequestError(f"repetition_penalty must be in [0, 2], got {sp.repetition_penalty}.")
-    elif not 0.0 < sp.repetition_penalty <= 2.0:
-        raise RequestError(
-            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {sp.repetition_penalty}.")
-    if not 0 <= sp.min_new_tokens:
-        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {sp.min_new_tokens}.")
-    if sp.max_new_tokens is not None:
-        if sp.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be at least 0, got {sp.max_new_tokens}.")
-        if not sp.min_new_tokens <= sp.max_new_tokens:
-            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({sp.max_new_tokens})], "
-                               f"got {sp.min_new_tokens}.")
-    for token_id in sp.logit_bias:
-        try:
-            ok = 0 <= int(token_id) < vocab_size
-        except ValueError:
-            ok = False
-        if not ok:
-            raise RequestError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
-    if sp.grammars > 1:
-        raise RequestError("Only one of regex, json_schema, or ebnf can be set.")
+    """SGLang's SamplingParams.verify, as a RequestError."""
+    try:
+        sampling.verify(sp, vocab_size, version)
+    except sampling.SamplingError as e:
+        raise RequestError(str(e)) from None

@@ -19,7 +19,16 @@ import msgspec
 from . import faults
 from .cache import PrefixCache
 from .config import DEFAULT_MAX_RUNNING, StubConfig
-from .contract import ContractError, RequestError, check_contract, make_sampling, verify_sampling
+from .contract import (
+    ContractError,
+    ParseError,
+    RequestError,
+    check_contract,
+    make_sampling,
+    not_taken,
+    parse_body,
+    verify_sampling,
+)
 from .model import StubModel
 from .planning import (
     IncrementalText,
@@ -78,9 +87,10 @@ class StubServer:
             return 503, _json_encode(faults.fail_5xx_body(cfg, number)), JSON
         try:
             obj = _json_decode(body)
-        except msgspec.DecodeError as e:
-            err = {"object": "error", "message": f"JSON decode error: {e}", "type": "Bad Request", "param": None,
-                   "code": 400}
+            parse_body(obj)
+        except (msgspec.DecodeError, ParseError) as e:  # FastAPI's RequestValidationError, as SGLang answers it
+            message = f"JSON decode error: {e}" if isinstance(e, msgspec.DecodeError) else str(e)
+            err = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
             return 400, _json_encode(err), JSON
         try:
             check_contract(obj)
@@ -89,6 +99,11 @@ class StubServer:
                 logger.error("Exception in /generate (0.5.9 has no schema gate): %s", e)
                 return 500, b"Internal Server Error", TEXT
             return 400, _json_encode({"error": str(e)}), JSON
+        unknown = not_taken(obj, cfg.version)
+        if unknown is not None:  # SamplingParams(**params) raises a TypeError, which nobody catches
+            logger.error("Exception in /generate: SamplingParams.__init__() got an unexpected keyword argument %r",
+                         unknown)
+            return 500, b"Internal Server Error", TEXT
         stream = bool(obj.get("stream"))
         try:
             items, single = self.prepare(obj)
@@ -173,7 +188,7 @@ class StubServer:
         for i, prompt in enumerate(prompts):
             sp_dict = raw_sp[i] if isinstance(raw_sp, list) else (raw_sp or {})
             for j in range(n):
-                sp = make_sampling(sp_dict, cfg.preferred_sampling_params, cfg.skip_tokenizer_init, cfg.version)
+                sp = make_sampling(sp_dict, cfg.preferred_sampling_params, cfg.skip_tokenizer_init)
                 position = i * n + j
                 item = Item(rid=rids[position], index=position, prompt=prompt, sp=sp, budget=0,
                             return_logprob=bool(_pick(return_logprob, i, False)),

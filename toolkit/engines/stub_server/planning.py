@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .contract import Sampling
+from ..sglang_sampling import Sampling
 from .model import StubModel
 
 if TYPE_CHECKING:
