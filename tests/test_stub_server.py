@@ -50,14 +50,15 @@ def call(port: int, method: str, path: str, body=None, *, headers=None, timeout:
 class Stub:
     """One stub server process with its log file."""
 
-    def __init__(self, name: str, tokenizer: Path, args: list[str], log_dir: Path):
+    def __init__(self, name: str, tokenizer: Path, args: list[str], log_dir: Path, *, new_session: bool = False):
         self.name, self.port = name, free_port()
         self.log = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer),
                 "--host", "127.0.0.1", "--port", str(self.port), *args]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                         start_new_session=new_session)
 
     def log_text(self) -> str:
         return self.log.read_text(encoding="utf-8", errors="replace")
@@ -889,6 +890,32 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
     assert len(out["output_ids"]) == 80 and out["meta_info"]["finish_reason"]["type"] == "length"
     assert slow.proc.wait(10) == 0
     assert "Gracefully exiting" in slow.log_text()
+
+
+def test_sigterm_to_the_process_group_kills_without_draining(toy_tokenizer, tmp_path):
+    """As SGLang: a group SIGTERM ends the scheduler child at once, and the watchdog kills the server (SIGKILL)
+    within about a second, requests in flight unanswered; nothing of the group is left."""
+    from toolkit.engines.base import group_members
+
+    stub = Stub("group", toy_tokenizer("qwen3"), ["--token-delay", "0.05", "--warmup-delay", "0"], tmp_path,
+                new_session=True)  # its own process group, as the toolkit starts an engine
+    stub.wait_ready()
+    body = {"input_ids": [71, 72], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(stub.generate, body)  # 20 s of token delay
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.killpg(stub.proc.pid, signal.SIGTERM)
+        assert stub.proc.wait(10) == -signal.SIGKILL
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            pending.result(10)
+    log = stub.log_text()
+    assert "Subprocess scheduler_0" in log and "crashed with exit code -15" in log and "Gracefully exiting" not in log
+    deadline = time.monotonic() + 5
+    while group_members(stub.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_members(stub.proc.pid)
 
 
 # ------------------------------------------------------------------------------------------------

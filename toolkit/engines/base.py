@@ -42,13 +42,39 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, from /proc (Linux)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def wait_group_gone(pgid: int, timeout_s: float = 5.0) -> list[int]:
+    """Wait until a SIGKILLed process group has no live process left (a SIGKILL takes effect when the process
+    next runs, which a busy node may delay): the pids still there after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
 def _die_with_parent() -> None:
     """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9 (Linux); and
     ignore SIGUSR2.
 
     Slurm's `--signal=USR2@T` reaches every process of the job step, and SGLang has no USR2 handler: the
     default action would kill the server at once. The worker, not the signal, decides when the engine stops
-    (it drains, then SIGTERMs the group). SIG_IGN survives exec and is inherited by the server's children.
+    (it aborts and records what is in flight, then SIGTERMs the group). SIG_IGN survives exec and is inherited by
+    the server's children.
     """
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
@@ -130,7 +156,12 @@ class Engine:
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM the process group, wait `timeout_s` (default `shutdown_timeout_s`), then SIGKILL the group:
-        nothing left running. A SIGSTOPped group is continued, so it can act on the SIGTERM."""
+        nothing left running. A SIGSTOPped group is continued, so it can act on the SIGTERM.
+
+        SGLang does not drain on a group SIGTERM: its scheduler processes have no SIGTERM handler and end at once,
+        and its watchdog then kills the server's process tree within about a second (SIGKILL, so the exit code is
+        -9). Nothing is lost by it: the worker aborts the requests in flight and records their partial outputs
+        before it stops the engine."""
         proc = self.proc
         if proc is None:
             return
@@ -142,6 +173,9 @@ class Engine:
             log.warning("engine did not exit %g s after SIGTERM: killing it", grace)
         self.kill()
         proc.wait()
+        left = wait_group_gone(proc.pid)
+        if left:
+            log.warning("processes of the engine's group still running after SIGKILL: %s", left)
         log.info("engine stopped (exit code %s)", proc.returncode)
         self.proc = None
 

@@ -187,7 +187,7 @@ class SGLangEngine(Engine):
 
     def terminate(self) -> None:
         """SIGTERM to every process of every rank (`scancel --signal=TERM` on the step: srun itself would not
-        forward it but end the step, killing after Slurm's KillWait), so rank 0 drains as on one node."""
+        forward it but end the step, killing after Slurm's KillWait), so every rank ends as on one node."""
         if not self.multi_node:
             return super().terminate()
         if self.proc.poll() is None and not self._scancel("--signal=TERM"):

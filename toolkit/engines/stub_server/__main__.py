@@ -8,7 +8,9 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 import uvicorn
@@ -49,6 +51,42 @@ def _route_transformers_logging() -> None:
         hf_logging.set_verbosity_warning()
     except Exception:  # noqa: BLE001 - cosmetic only
         pass
+
+
+class Scheduler:
+    """SGLang's process layout where it decides how a SIGTERM ends: its HTTP process runs the scheduler in a child
+    process that installs no SIGTERM handler, and a watchdog thread (utils/watchdog.py, every second) that, when a
+    child dies with a non-zero code, SIGQUITs the server, which kills its process tree with SIGKILL.
+
+    So a SIGTERM to the server's pid alone drains (the stub's drain, as SGLang's), while a SIGTERM to the whole
+    process group (how the toolkit stops an engine) kills the child at once and the server within about a second,
+    without draining. The stub's "scheduler" is a shell that ends on its own once the stub is gone; with
+    --ignore-sigterm it ignores SIGTERM too, so that the whole engine waits for SIGKILL."""
+
+    def __init__(self, ignore_sigterm: bool, interval: float = 1.0):
+        script = ("trap '' TERM; " if ignore_sigterm else "") + f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done"
+        self.proc = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL)
+        self.interval = interval
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="subprocess-watchdog").start()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.interval):
+            code = self.proc.poll()
+            if code is None or code == 0:
+                continue
+            logger.error("Subprocess scheduler_0 (pid=%d) crashed with exit code %d. Triggering SIGQUIT for "
+                         "cleanup...", self.proc.pid, code)
+            logger.error("SIGQUIT received. It usually means one child failed.")
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def stop(self) -> None:
+        """After a graceful drain: the child's exit is expected, not a crash."""
+        self.stopped.set()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 class _Server(uvicorn.Server):
@@ -97,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     cfg = parse_config(argv)
     setup_logging(cfg.log_level)
-    started = time.time()
     logger.info("Stand-in SGLang server %s profile: a test double of the HTTP protocol, NOT a model; outputs are "
                 "synthetic text from the tokenizer", cfg.version)
     if cfg.other_args:
@@ -107,6 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", early[1])
         return early[0]
     logger.info("server_args=%s", {f: getattr(cfg, f) for f in cfg.__struct_fields__ if f != "api_key"})
+    scheduler = Scheduler(cfg.ignore_sigterm)
+    try:
+        return _start(cfg)
+    finally:
+        scheduler.stop()
+
+
+def _start(cfg: StubConfig) -> int:
+    """Load the "weights" (the tokenizer), then serve until stopped."""
+    started = time.time()
     logger.info("Load weight begin. avail mem=0.00 GB (stub: no weights; loading the tokenizer only)")
     t0 = time.monotonic()
     folder = cfg.tokenizer_path or cfg.model_path
