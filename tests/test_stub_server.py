@@ -52,6 +52,7 @@ class Stub:
 
     def __init__(self, name: str, tokenizer: Path, args: list[str], log_dir: Path, *, new_session: bool = False):
         self.name, self.port = name, free_port()
+        self.ready_path = "/health" if "0.5.9" in args else "/ready"
         self.log = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer),
@@ -77,7 +78,7 @@ class Stub:
     def wait_ready(self, deadline_s: float = 60.0) -> "Stub":
         self.wait_listening(deadline_s)
         end = time.monotonic() + deadline_s
-        while self.get("/health")[0] != 200:
+        while self.get(self.ready_path)[0] != 200:  # /health takes at least a second to answer 200
             assert time.monotonic() < end and self.proc.poll() is None, self.log_text()
             time.sleep(0.02)
         return self
@@ -432,6 +433,25 @@ def test_response_shape_and_stop_token_included_and_counted(qwen3, tokenizers):
     assert out["output_ids"][-1] == eos and out["output_ids"].count(eos) == 1
     assert out["text"] == tok.decode(out["output_ids"][:-1], skip_special_tokens=True)
     assert "<|im_end|>" not in out["text"]
+    # 0.5.23's order (tokenizer_manager.py): the cache breakdown only when tokens were cached
+    assert list(meta)[:5] == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions"]
+    assert meta["cached_tokens_details"] == ({"device": meta["cached_tokens"], "host": 0} if meta["cached_tokens"]
+                                             else None)
+    again = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4}})["meta_info"]
+    assert again["cached_tokens"] > 0 and again["cached_tokens_details"] == {"device": again["cached_tokens"],
+                                                                              "host": 0}
+
+
+def test_health_answers_200_after_a_second_as_sglang(qwen3):
+    """SGLang's /health and /health_generate send a 1-token generation and look for an answer after sleeping 1 s."""
+    for path in ("/health", "/health_generate"):
+        t0 = time.monotonic()
+        assert qwen3.get(path)[0] == 200
+        assert time.monotonic() - t0 >= 1.0
+    t0 = time.monotonic()
+    assert qwen3.get("/ready")[0] == 200 and time.monotonic() - t0 < 1.0
+    info = json.loads(qwen3.get("/model_info")[2])
+    assert info["preferred_sampling_params"] is None  # an object when --preferred-sampling-params is set
 
 
 def test_length_finish_and_the_silent_128_default(qwen3):
@@ -679,6 +699,8 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
     for o in queued:
         assert o["output_ids"] == [] and o["meta_info"]["completion_tokens"] == 0
         assert "prompt_tokens" not in o["meta_info"] and "cached_tokens" not in o["meta_info"]
+        assert o["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 0}]
+    assert sorted(o["meta_info"]["dp_rank"] for o in running) == [0, 0, 1, 1]  # --dp-size 2: each rank runs 2
     counters = json.loads(q.get("/stub/counters")[2])
     assert counters["generated_tokens"] == sum(len(o["output_ids"]) for o in outs) == counters["returned_tokens"]
     assert counters["aborted_running"] == 4 and counters["aborted_waiting"] == 3
@@ -769,6 +791,7 @@ def test_auth(fleet):
         assert (status, json.loads(data)) == (401, {"error": "Unauthorized"})
     assert stub.get("/model_info")[0] == 401
     assert stub.post("/generate", body, headers={"Authorization": "Bearer sekret"})[0] == 200
+    assert stub.post("/generate", body, headers={"Authorization": "bEaReR sekret"})[0] == 200  # any case, as SGLang
     assert stub.get("/health")[0] == 200 and stub.get("/ready")[0] == 200  # always exempt
     assert stub.get("/metrics")[0] == 404  # exempt from auth, and not enabled
 

@@ -372,9 +372,10 @@ async def abort_requests(http: HttpClient, rids: list[str] | None, *, timeout: f
     """POST /abort_request: every request of the server (`rids` None: `abort_all`), or each rid given.
 
     SGLang answers 200 with an empty body whatever it found; the requests it aborts while running end with
-    their partial output and finish_reason {"type": "abort", "message": "Aborted", "status_code": null}, those
-    still queued with "Abort in waiting queue" and no output. It matches a rid by prefix (so a rid must not be
-    the prefix of another one in flight). Raises Unreachable.
+    their partial output and finish_reason {"type": "abort", "message": "Aborted", "status_code": null,
+    "err_type": null}, those still queued with "Abort in waiting queue" (and usually no output: a request
+    retracted back to the queue keeps what it had already sent on). It matches a rid by prefix (so a rid must
+    not be the prefix of another one in flight). Raises Unreachable.
     """
     if rids is None:
         await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)

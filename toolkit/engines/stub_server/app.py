@@ -87,18 +87,21 @@ def build_app(srv: StubServer):
         app.add_api_route(path, endpoint, methods=list(methods), include_in_schema=False)
     app.add_api_route("/v1/models/{name:path}", v1_model, methods=["GET"], include_in_schema=False)
     key = srv.cfg.api_key
-    return with_api_key(app, key) if key else app
+    return with_api_key(app, key, srv.cfg.version) if key else app
 
 
-def with_api_key(app, key: str):
-    """`Authorization: Bearer <key>` on every path but /health*, /ready* and /metrics* (and OPTIONS): else 401."""
-    expected = f"Bearer {key}".encode()
+def with_api_key(app, key: str, version: str):
+    """`Authorization: Bearer <key>` (the scheme in any case) on every path but /health*, /metrics* (0.5.23:
+    /ready* too) and OPTIONS: else 401."""
+    expected = key.encode()
+    exempt = info.AUTH_EXEMPT[version]
     denied = Response(content=UNAUTHORIZED, status_code=401, media_type=JSON)
 
     async def guarded(scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(info.AUTH_EXEMPT):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(exempt):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, expected):
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, expected):
                 await denied(scope, receive, send)
                 return
         await app(scope, receive, send)

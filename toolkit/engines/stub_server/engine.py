@@ -63,6 +63,7 @@ class StubServer:
         self.exiting = False
         self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
         self.generate_count = 0
+        self.dispatched = 0  # sequences sent to a data-parallel rank, round robin
         self.served_name = cfg.served_model_name or cfg.model_path
         self.pool = cfg.max_total_tokens or 16 * cfg.context_length
         self.max_req_len = min(cfg.context_length - 1, self.pool - 1)
@@ -206,6 +207,9 @@ class StubServer:
             if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len > len(item.prompt):
                 raise RequestError(f"logprob_start_len ({item.logprob_start_len}) is superior to the number of "
                                    f"input tokens ({len(item.prompt)}).")
+            if cfg.dp_size > 1:  # round robin over the data-parallel ranks
+                item.dp_rank = self.dispatched % cfg.dp_size
+                self.dispatched += 1
             if self.prefix_cache is not None:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
@@ -238,22 +242,28 @@ class StubServer:
 
     # -- answers ---------------------------------------------------------------------------------
     def meta(self, item: Item, ids: list[int], finish: dict | None, e2e: float | None, first: bool) -> dict:
+        """meta_info in the order SGLang builds it (0.5.23: managers/tokenizer_manager.py, the output handler)."""
         m: dict[str, Any] = {"id": item.rid, "finish_reason": finish, "prompt_tokens": len(item.prompt)}
         done = finish is not None
-        if done:
-            m["weight_version"] = "default"
         if self.v9:
+            if done:
+                m["weight_version"] = "default"
             m["total_retractions"] = 0
+            m["completion_tokens"] = len(ids)
+            m["cached_tokens"] = item.cached
         else:
+            m["weight_version"] = "default"
             m["num_retractions"] = 0
+            if item.return_logprob:
+                self.add_logprobs(m, item, ids)
             m["reasoning_tokens"] = 0
-        m["completion_tokens"] = len(ids)
-        m["cached_tokens"] = item.cached
-        if done and not self.v9:
-            m["weight_versions"] = [{"version": "default", "start": 0, "end": len(ids)}]
-        if not self.v9:
-            m["dp_rank"] = None
-        if item.return_logprob:
+            m["completion_tokens"] = len(ids)
+            m["cached_tokens"] = item.cached
+            if done:
+                m["weight_versions"] = [{"version": "default", "start": 0, "end": len(ids)}]
+            m["cached_tokens_details"] = {"device": item.cached, "host": 0} if item.cached else None
+            m["dp_rank"] = item.dp_rank
+        if self.v9 and item.return_logprob:
             self.add_logprobs(m, item, ids)
         if e2e is not None:
             m["e2e_latency"] = round(e2e, 6)
@@ -330,10 +340,13 @@ class StubServer:
     def waiting_abort_object(self, item: Item, e2e: float) -> dict:
         """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens, as SGLang answers."""
         m: dict[str, Any] = {"id": item.rid, "finish_reason": dict(ABORTED_WAITING)}
-        if not self.v9:
-            m.update(weight_version="default", weight_versions=[])
-        m.update(e2e_latency=round(e2e, 6), completion_tokens=0)
-        out: dict[str, Any] = {} if self.cfg.skip_tokenizer_init else {"text": ""}
+        if self.v9:
+            m.update(e2e_latency=round(e2e, 6))
+        else:
+            m.update(weight_version="default", e2e_latency=round(e2e, 6),
+                     weight_versions=[{"version": "default", "start": 0, "end": 0}])
+        m["completion_tokens"] = 0
+        out: dict[str, Any] = {} if self.cfg.skip_tokenizer_init and self.v9 else {"text": ""}
         out.update(output_ids=[], meta_info=m)
         return out
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import json
 import logging
 import sys
 import time
@@ -23,22 +22,26 @@ from .engine import JSON, TEXT, Reply, StubServer
 logger = logging.getLogger(__name__)
 
 NOT_FOUND = (404, b'{"detail":"Not Found"}', JSON)
-AUTH_EXEMPT = ("/health", "/ready", "/metrics")  # path prefixes that never need the api key (nor OPTIONS)
+# Path prefixes that never need the api key (nor does OPTIONS): utils/auth.py of each release.
+AUTH_EXEMPT = {"0.5.23": ("/health", "/ready", "/metrics"), "0.5.9": ("/health", "/metrics")}
 _json_encode = msgspec.json.encode
 
 
 def health(srv: StubServer):
-    """/health and /health_generate: 503 while starting or exiting; a wedged generation times out."""
+    """/health and /health_generate: 503 at once while starting or exiting; else, as SGLang, a 1-token generation
+    is sent and the answer comes after whole seconds of waiting (it sleeps 1 s, then looks whether anything came
+    back: never sooner than 1 s), or 503 when nothing came back within the health-check timeout (wedged)."""
     if srv.exiting or srv.status == "starting":
         return 503, b"", None
+    return _health_generate(srv)
+
+
+async def _health_generate(srv: StubServer) -> Reply:
     if not srv.sched.hung:
+        await asyncio.sleep(1.0)
         srv.status = "up"
         return 200, b"", None
-    return _health_timeout(srv)
-
-
-async def _health_timeout(srv: StubServer) -> Reply:
-    await asyncio.sleep(srv.cfg.health_check_timeout)  # SGLang: no output within the timeout
+    await asyncio.sleep(max(1.0, srv.cfg.health_check_timeout))  # SGLang: no output within the timeout
     if not srv.sched.hung:
         srv.status = "up"
         return 200, b"", None
@@ -59,8 +62,8 @@ def model_info(srv: StubServer) -> Reply:
     if not srv.v9:
         info["served_model_name"] = srv.served_name
     info.update(tokenizer_path=cfg.tokenizer_path or cfg.model_path, is_generation=True,
-                preferred_sampling_params=json.dumps(cfg.preferred_sampling_params)
-                if cfg.preferred_sampling_params else None, weight_version="default")
+                preferred_sampling_params=cfg.preferred_sampling_params or None,  # parsed JSON, as SGLang's server args
+                weight_version="default")
     if not srv.v9:
         info.update(load_format="auto", reasoning_parser=cfg.reasoning_parser,
                     tool_call_parser=cfg.tool_call_parser, disaggregation_mode="null")

@@ -223,6 +223,7 @@ class Item(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    dp_rank: int | None = None  # the data-parallel rank that "ran" it (None without data parallelism)
 
 
 def finish_item(model: StubModel, item: Item) -> None:
@@ -260,10 +261,12 @@ NAN_MATCHED = "NaN happened"
 
 def nan_stop(model: StubModel, item: Item) -> None:
     """SGLang 0.5.23's NaN stop: the token sampled from NaN logits is replaced by a stop id and the output ends
-    there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"} (schedule_batch.py)."""
+    there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"} (schedule_batch.py). The
+    detokenizer trims a matched stop string only where the text holds it, so the replacement id stays in the text
+    (visible with skip_special_tokens = false)."""
     item.output = item.output[: len(item.output) // 2] + [model.eos_id]
     item.finish = {"type": "stop", "matched": NAN_MATCHED}
-    item.trim, item.stop_str = 1, None
+    item.trim, item.stop_str = 0, None
 
 
 def _first_stop_string(model: StubModel, ids: list[int], sp: Sampling) -> tuple[int | None, str | None]:
