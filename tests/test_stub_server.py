@@ -707,6 +707,13 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
     assert sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(q)["loads"]) == 0
 
 
+def test_abort_request_bodies_sglang_cannot_parse_are_400(qwen3):
+    for body in (b"", b"not json", b'{"rid": 5}', b'{"abort_all": "yes"}', b"[1]"):
+        status, _, data = qwen3.post("/abort_request", body)
+        assert status == 400 and json.loads(data)["object"] == "error", body
+    assert qwen3.post("/abort_request", {})[0::2] == (200, b"")  # parsed, aborts nothing
+
+
 def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
     """The scheduler matches an aborted rid by prefix: aborting "p1" also ends "p10" (so the toolkit's rids must
     not be prefixes of each other)."""

@@ -327,11 +327,19 @@ class StubServer:
         return self.output_object(it, it.output, it.finish, time.perf_counter() - t0)
 
     def abort_request(self, body: bytes) -> Reply:
+        """POST /abort_request: the body is parsed as SGLang's AbortReq (400 in the ErrorResponse shape when it
+        cannot be: no JSON, or `rid` / `abort_all` of the wrong type); then 200 and an empty body, whatever was
+        found ({} aborts nothing)."""
         try:
-            obj = _json_decode(body) if body else {}
-        except msgspec.DecodeError:
-            obj = {}
-        obj = obj if isinstance(obj, dict) else {}
+            obj = _json_decode(body)
+            if not isinstance(obj, dict):
+                raise ValueError("Input should be an object")
+            if not isinstance(obj.get("rid"), (str, type(None))) or not isinstance(obj.get("abort_all", False), bool):
+                raise ValueError("rid must be a string and abort_all a boolean")
+        except (msgspec.DecodeError, ValueError) as e:
+            err = {"object": "error", "message": f"1 validation error for AbortReq: {e}", "type": "Bad Request",
+                   "param": None, "code": 400}
+            return 400, _json_encode(err), JSON
         rid, abort_all = obj.get("rid") or "", bool(obj.get("abort_all"))
         if self.sched.abort(rid if isinstance(rid, str) else "", abort_all):
             logger.info("Abort request rid=%r abort_all=%s", rid, abort_all)
