@@ -235,7 +235,8 @@ def _check_requests(spec: JobSpec, source: Path) -> None:
     release = _judged_release(e, source) or sglang_sampling.RELEASES[0]
     if release not in sglang_sampling.RELEASES:
         release = sglang_sampling.RELEASES[0]
-    skip_tokenizer = e.command is None and e.kind in ("sglang", "stub") and _has_flag(e, "skip_tokenizer_init")
+    skip_tokenizer = e.command is None and e.kind in ("sglang", "stub") and _has_flag(e, "skip_tokenizer_init",
+                                                                                     release)
     for d in spec.datasets:
         params = spec.sampling_for(d.name)
         where = f"{source}: dataset {d.name!r}: [sampling]"
@@ -396,10 +397,11 @@ def _judged_release(e: EngineSpec, source: Path) -> str | None:
     return version
 
 
-def _has_flag(e: EngineSpec, dest: str) -> bool:
+def _has_flag(e: EngineSpec, dest: str, release: str) -> bool:
+    """Whether `[engine] extra_args` set SGLang's flag `dest`, read as that release's parser reads them."""
     from .engines.sglang_flags import flag_set
 
-    return any(item.flag.dest == dest for item in flag_set().parse(list(e.extra_args)).items)
+    return any(item.flag.dest == dest for item in flag_set(release).parse(list(e.extra_args)).items)
 
 
 def _parallel_flags(e: EngineSpec) -> tuple[int, bool]:
