@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["FIELDS", "MAX_STOP_COUNT", "NOT_TAKEN", "RELEASES", "Sampling", "SamplingError", "TypeMismatch", "check_types",
-           "make_sampling", "verify"]
+           "make_sampling", "verify", "want"]
 
 RELEASES = ("0.5.23", "0.5.9")  # newest first
 TOP_K_ALL = 1 << 30
@@ -98,7 +98,8 @@ def mismatch(v: Any, expected: str) -> TypeMismatch:
     return TypeMismatch(f"invalid type: {describe(v)}, expected {expected}")
 
 
-def _want(v: Any, kind: str) -> None:
+def want(v: Any, kind: str) -> None:
+    """TypeMismatch unless `v` is of `kind` (a value of FIELDS), with serde's text."""
     if kind == "int":
         if type(v) is not int:
             raise mismatch(v, "i64")
@@ -114,19 +115,19 @@ def _want(v: Any, kind: str) -> None:
     elif kind == "strs":
         if type(v) is list:
             for x in v:
-                _want(x, "str")
+                want(x, "str")
         elif type(v) is not str:
             raise mismatch(v, "a value or an array of values for StringOrList")
     elif kind == "ints":
         if type(v) is not list:
             raise mismatch(v, "a sequence")
         for x in v:
-            _want(x, "int")
+            want(x, "int")
     elif kind == "float_map":
         if type(v) is not dict:
             raise mismatch(v, "a map")
         for x in v.values():
-            _want(x, "float")
+            want(x, "float")
 
 
 def check_types(params: dict) -> None:
@@ -137,7 +138,7 @@ def check_types(params: dict) -> None:
             listed = ", ".join(f"`{f}`" for f in FIELDS)
             raise TypeMismatch(f"unknown field `{key}`, expected one of {listed}")
         if value is not None and kind != "any":
-            _want(value, kind)
+            want(value, kind)
 
 
 # ---------------------------------------------------------------------------------------------------

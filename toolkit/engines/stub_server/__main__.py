@@ -53,7 +53,7 @@ def _route_transformers_logging() -> None:
         pass
 
 
-class Scheduler:
+class SchedulerProcess:
     """SGLang's process layout where it decides how a SIGTERM ends: its HTTP process runs the scheduler in a child
     process that installs no SIGTERM handler, and a watchdog thread (utils/watchdog.py, every second) that, when a
     child dies with a non-zero code, SIGQUITs the server, which kills its process tree with SIGKILL.
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", early[1])
         return early[0]
     logger.info("server_args=%s", {f: getattr(cfg, f) for f in cfg.__struct_fields__ if f != "api_key"})
-    scheduler = Scheduler(cfg.ignore_sigterm)
+    scheduler = SchedulerProcess(cfg.ignore_sigterm)
     try:
         return _start(cfg)
     finally:

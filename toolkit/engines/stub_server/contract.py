@@ -3,6 +3,7 @@ sampling checks of engines/sglang_sampling (shared with the job spec) as the stu
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from .. import sglang_sampling as sampling
@@ -30,8 +31,12 @@ def _input_ids_problem(v: Any) -> str | None:
             return f"must be list; got {type(r).__name__}"
         if r and not isinstance(r[0], int):
             return f"elements must be int; got {type(r[0]).__name__}"
-        bad = next((x for x in r if not isinstance(x, int) or not -(2**63) <= x < 2**63), None)
-        return None if bad is None else f"contains non-int64 element: {bad!r}"
+        try:
+            array("q", r)  # as SGLang checks it: one pass in C over every id of a request
+            return None
+        except (TypeError, OverflowError):
+            bad = next(x for x in r if not isinstance(x, int) or not -(2**63) <= x < 2**63)
+            return f"contains non-int64 element: {bad!r}"
 
     if v is None:
         return None
@@ -78,11 +83,6 @@ def _want_bool(v: Any, expected: str = "a boolean") -> None:
         raise _invalid(v, expected)
 
 
-def _want_str(v: Any, expected: str = "a string") -> None:
-    if type(v) is not str:
-        raise _invalid(v, expected)
-
-
 def _want_seq(v: Any) -> list:
     if type(v) is not list:
         raise _invalid(v, "a sequence")
@@ -105,12 +105,11 @@ def _token_ids_or_list(v: Any) -> None:
             _token_ids(_want_seq(row))
 
 
-def _str_or_list(v: Any, what: str = "StringOrList") -> None:
-    if type(v) is list:
-        for x in v:
-            _want_str(x)
-    else:
-        _want_str(v, f"a value or an array of values for {what}")
+def _str_or_list(v: Any) -> None:
+    try:
+        sampling.want(v, "strs")
+    except sampling.TypeMismatch as e:
+        raise ContractError(str(e)) from None
 
 
 def _sampling_params(v: dict) -> None:

@@ -123,13 +123,15 @@ def loads(srv: StubServer) -> Reply:
                 "gen_throughput": round(srv.sched.gen_throughput() / dp, 2), "cache_hit_rate": 0.0,
                 "utilization": round(running / max(1, limit), 4), "max_running_requests": limit}
         queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
+        # no disaggregation; 0.5.23 renamed the first queue (prefill_prealloc -> prefill_bootstrap)
+        first_queue = "prefill_prealloc_queue_reqs" if srv.v9 else "prefill_bootstrap_queue_reqs"
+        disaggregation = {"mode": "null", first_queue: 0, "prefill_inflight_queue_reqs": 0,
+                          "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+                          "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+                          "kv_transfer_latency_ms": 0.0}
         if srv.v9:
-            rows.append({"dp_rank": i, **core,
-                         "disaggregation": {"mode": "null", "prefill_prealloc_queue_reqs": 0,
-                                            "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
-                                            "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
-                                            "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
-                         "queues": queues, "num_total_reqs": running + waiting})
+            rows.append({"dp_rank": i, **core, "disaggregation": disaggregation, "queues": queues,
+                         "num_total_reqs": running + waiting})
             continue
         rows.append({"timestamp": now, "dp_rank": i, "num_running_reqs": running, "num_waiting_reqs": waiting,
                      "num_waiting_uncached_tokens": 0, "num_used_tokens": rank_used, "num_total_tokens": rank_used,
@@ -137,11 +139,7 @@ def loads(srv: StubServer) -> Reply:
                      "max_running_requests": limit, "token_usage": core["token_usage"],
                      "gen_throughput": core["gen_throughput"], "cache_hit_rate": 0.0,
                      "utilization": core["utilization"], "total_prefill_uncached_tokens": 0,
-                     "total_prefill_busy_us": 0, "decode_moments": None,
-                     "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0,
-                                        "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
-                                        "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
-                                        "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+                     "total_prefill_busy_us": 0, "decode_moments": None, "disaggregation": disaggregation,
                      "queues": {**queues, "prealloc_ready": 0}})
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
     if srv.v9:
