@@ -220,7 +220,7 @@ def _check_sampling(params: dict[str, Any], where: str, source: str, *, top_leve
             sglang_sampling.check_types({key: value})
         except sglang_sampling.TypeMismatch as e:
             raise SpecError(f"{source}: {where}: `{key}`: {e} (SGLang's /generate would refuse every request: "
-                            "HTTP 400)") from None
+                            "HTTP 400); write it as that type") from None
     if (params.get("beam_width") or 1) > 1:
         raise SpecError(f"{source}: {where}: `beam_width = {params['beam_width']}` asks for beam search, which keeps "
                         "the likeliest sequences instead of samples of the model's distribution; drafter data wants "
@@ -243,7 +243,8 @@ def _check_requests(spec: JobSpec, source: Path) -> None:
         try:
             sglang_sampling.verify(sglang_sampling.make_sampling(params), None, release)
         except sglang_sampling.SamplingError as err:
-            raise SpecError(f"{where}: SGLang {release} refuses it with HTTP 400 for every request: {err}") from None
+            raise SpecError(f"{where}: SGLang {release} refuses it with HTTP 400 for every request: {err} Change "
+                            "that key in [sampling] or in the dataset's `sampling`.") from None
         if skip_tokenizer:
             needs = [k for k in ("stop", "stop_regex") if params.get(k)] + \
                 (["min_new_tokens"] if (params.get("min_new_tokens") or 0) > 0 else [])
