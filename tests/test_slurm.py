@@ -229,9 +229,14 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
     toolkit("submit", str(job), "--array-parallelism", "1")
     run = tmp_path / "run"
     try:
-        st = msgspec.json.decode(toolkit("status", str(run), "--json").stdout)
-        waiting = [s for s in st["shards"] if s["state"] == "pending"]
-        assert waiting and all(s["reason"] for s in waiting), st["shards"]
+        deadline = time.monotonic() + 20
+        while True:  # squeue says (None) until slurmctld's scheduler has looked at a new job; a busy one takes a while
+            st = msgspec.json.decode(toolkit("status", str(run), "--json").stdout)
+            waiting = [s for s in st["shards"] if s["state"] == "pending"]
+            if waiting and all(s["reason"] for s in waiting) and st["merge"]["reason"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert waiting and all(s["reason"] for s in waiting), [(s["state"], s["reason"]) for s in st["shards"]]
         assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
         assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
         table = toolkit("status", str(run)).stdout
