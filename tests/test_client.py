@@ -163,3 +163,54 @@ def test_a_refused_connection_is_unreachable_not_a_timeout():
         assert not isinstance(e.value, client.TimedOut)
 
     asyncio.run(main())
+
+
+def test_a_cancel_that_lands_as_the_connection_opens_is_raised_not_swallowed(monkeypatch):
+    """On Python 3.11, `asyncio.wait_for` returns the result of an inner future that completes in the very step in
+    which its caller is cancelled: the cancel is swallowed. The load poller cancelled at that moment polled on
+    forever, and a finished worker never exited. The client's connect must raise the cancel, and close the
+    connection it no longer needs."""
+    real_open = asyncio.open_connection
+    opened: list[asyncio.StreamWriter] = []
+
+    async def main():
+        server, url = await _server([0, 0])
+        http = client.HttpClient(url)
+        caller: asyncio.Task | None = None
+
+        async def open_then_cancel_the_caller(*args, **kwargs):
+            conn = await real_open(*args, **kwargs)
+            opened.append(conn[1])
+            caller.cancel()  # lands in the step in which the connection completes
+            return conn
+
+        monkeypatch.setattr(client.asyncio, "open_connection", open_then_cancel_the_caller)
+        caller = asyncio.ensure_future(http.request("GET", "/v1/loads", timeout=5))
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.05)
+        assert opened and opened[0].is_closing(), "the connection the cancelled request opened is closed"
+        assert not http._deadlines and not http._idle
+        monkeypatch.setattr(client.asyncio, "open_connection", real_open)
+        assert await http.request("GET", "/v1/loads", timeout=5) == (200, b"ok")  # the client goes on
+        http.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_that_does_not_open_in_time_times_out():
+    async def main():
+        async def never(*args, **kwargs):
+            await asyncio.sleep(3600)
+
+        http = client.HttpClient("http://127.0.0.1:9")
+        real_open = client.asyncio.open_connection
+        client.asyncio.open_connection = never
+        try:
+            with pytest.raises(client.TimedOut, match="no answer within 0.2 s"):
+                await http.request("GET", "/health", timeout=0.2)
+        finally:
+            client.asyncio.open_connection = real_open
+
+    asyncio.run(main())

@@ -114,7 +114,7 @@ LAYERS = [
     ("cluster", ["toolkit.slurm", "toolkit.status", "toolkit.states", "toolkit.retry", "toolkit.livebar"]),
     ("pipeline", ["toolkit.pipeline", "toolkit.preflight"]),
     ("stages", ["toolkit.worker", "toolkit.feed", "toolkit.inflight", "toolkit.concurrency", "toolkit.chains",
-                "toolkit.shardstate", "toolkit.merge", "toolkit.audit", "toolkit.auditreport", "toolkit.checks",
+                "toolkit.shardstate", "toolkit.exitguard", "toolkit.merge", "toolkit.audit", "toolkit.auditreport", "toolkit.checks",
                 "toolkit.reprompt", "toolkit.report", "toolkit.export", "toolkit.samples", "toolkit"]),
     ("parts", ["toolkit.client", "toolkit.engines", "toolkit.chat", "toolkit.plan", "toolkit.turns",
                "toolkit.toolcalls", "toolkit.progress"]),

@@ -31,7 +31,7 @@ typical session:
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
-answer; status), 130 interrupted
+answer; status), 5 a worker did not end in time after its work was over (ended; it resumes), 130 interrupted
 """
 
 

@@ -127,9 +127,7 @@ class HttpClient:
             conn = None if fresh or not self._idle else self._idle.pop()
             try:
                 if conn is None:
-                    conn = await asyncio.wait_for(
-                        asyncio.open_connection(self.host, self.port, limit=1 << 24), max(0.0, deadline - loop.time())
-                    )
+                    conn = await _connect(self.host, self.port, max(0.0, deadline - loop.time()))
                 reader, writer = conn
                 self._watch(writer, deadline, loop)
                 writer.write(head + body if body else head)
@@ -222,6 +220,32 @@ class HttpClient:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+
+
+async def _connect(host: str, port: int, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection within `timeout` s (asyncio.TimeoutError after it); a cancel at any moment is raised.
+
+    Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands in the step in which the connection
+    completes (it returns the connection instead), so a poller cancelled at that moment polls on and the worker's
+    final gather never returns. A connection that completes after the caller gave up is closed.
+    """
+    task = asyncio.ensure_future(asyncio.open_connection(host, port, limit=1 << 24))
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout)
+    except BaseException:
+        task.cancel()
+        task.add_done_callback(_close_connection)
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_close_connection)
+        raise asyncio.TimeoutError()
+    return task.result()
+
+
+def _close_connection(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result()[1].close()
 
 
 class MetaInfo(msgspec.Struct):

@@ -10,6 +10,7 @@ import logging
 import time
 
 from .client import HttpClient, Unreachable, read_load
+from .exitguard import cancel_and_wait
 from .feed import Feed
 from .inflight import consume
 from .shardstate import AUTO_START, EngineDied, EngineHung, Shard
@@ -135,6 +136,4 @@ async def pool(sh: Shard, feed: Feed, engine, info) -> None:
                 tasks.discard(t)
                 t.result()
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)

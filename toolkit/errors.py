@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_UNKNOWN", "ToolkitError"]
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN, EXIT_STUCK = 0, 1, 2, 3, 4, 5
 
 
 class ToolkitError(Exception):

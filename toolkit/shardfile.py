@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 import zlib
 from array import array
@@ -428,6 +429,7 @@ class ShardWriter:
         self._cctx = zstandard.ZstdCompressor(level=level)
         self._pending: list[Record] = []
         self._last_flush = time.monotonic()
+        self._flushing = threading.Lock()  # one flush at a time: the exit guard may flush from its own thread
         self._fd: int | None = None
         self._lockfile: _LockFile | None = None  # where flock is not available
         self.written = 0  # records in the file (before + this session), superseded ones included
@@ -559,6 +561,23 @@ class ShardWriter:
         return bool(self._pending) and time.monotonic() - self._last_flush >= self.flush_seconds
 
     def flush(self) -> None:
+        with self._flushing:
+            self._flush()
+
+    def flush_within(self, timeout_s: float) -> bool:
+        """Flush from another thread (the exit guard's), unless a flush under way does not end within `timeout_s`
+        or the file is closed: whether it flushed."""
+        if not self._flushing.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self._fd is None:
+                return False
+            self._flush()
+            return True
+        finally:
+            self._flushing.release()
+
+    def _flush(self) -> None:
         self._last_flush = time.monotonic()
         if not self._pending:
             return

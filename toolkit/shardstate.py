@@ -67,6 +67,7 @@ class Shard:
         self.live = 0              # consumers running (see pool)
         self.resized: asyncio.Event | None = None
         self.http: HttpClient | None = None  # the requests' client, one per engine start
+        self.exit_guard = None     # exitguard.ExitGuard of this run of the shard (bounds its end)
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress

@@ -91,6 +91,10 @@ class EngineSpec(_Config):
     # and is restarted like one that died (counted against max_restarts); its requests in flight go back to the queue.
     hang_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
+    # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker ends within
+    # shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight saving's 30 s), whatever its tasks
+    # do: past that it logs what did not finish, kills the engine and ends the process with exit code 5.
+    exit_grace_s: float = 60.0
     url: str | None = None
     api_key: str | None = None
     command: list[str] | None = None
@@ -336,6 +340,9 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     e = spec.engine
     if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
         raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
+    if e.exit_grace_s <= 0 or e.shutdown_timeout_s < 0:
+        raise SpecError(f"{source}: [engine] needs exit_grace_s > 0 and shutdown_timeout_s >= 0, got "
+                        f"{e.exit_grace_s:g} and {e.shutdown_timeout_s:g}")
     if e.nodes < 1:
         raise SpecError(f"{source}: [engine] nodes must be >= 1, got {e.nodes}")
     if e.nodes > 1:

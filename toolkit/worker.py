@@ -42,9 +42,10 @@ from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from .engines.base import EngineError
 from .engines.kinds import make_engine
 from .errors import ToolkitError
+from .exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from .feed import Budget, Feed, RenderState, Todo, render_thread
 from .files import shown_path
-from .inflight import save_in_flight
+from .inflight import ABORT_GRACE_S, save_in_flight
 from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
@@ -57,6 +58,7 @@ __all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
 log = logging.getLogger(__name__)
 
 DONE, STOPPED = "done", "stopped"
+RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -81,7 +83,7 @@ async def _generate_shard(sh: Shard, stop: asyncio.Event, feed: Feed, engine, ha
     c = sh.spec.client
     if c.concurrency == "auto":
         resize(sh, auto_target(sh.progress.capacity or 0, 0, 0, c.max_concurrency))
-    jobs = [pool(sh, feed, engine, info), watch(sh, engine, hang), watch_load(sh, engine)]
+    jobs = [_answer_all(sh, feed, engine, info), watch(sh, engine, hang), watch_load(sh, engine)]
     if not sh.spec.client.save_in_flight:
         await _race(stop, *jobs)
         return
@@ -89,6 +91,18 @@ async def _generate_shard(sh: Shard, stop: asyncio.Event, feed: Feed, engine, ha
     await _race(asyncio.Event(), *jobs, save_in_flight(sh, stop, feed, engine))
     if stop.is_set():
         raise _Stop()
+
+
+async def _answer_all(sh: Shard, feed: Feed, engine, info) -> None:
+    """Every prompt sent and answered (or the stop's aborts back): the shard's work is over, and the worker's end
+    is bounded from here (exitguard)."""
+    await pool(sh, feed, engine, info)
+    sh.exit_guard.arm(_exit_bound(sh.spec), "its prompts were all answered")
+
+
+def _exit_bound(spec) -> float:
+    """Seconds the worker may take to end once its work is over: stop its tasks, flush, stop the engine."""
+    return spec.engine.shutdown_timeout_s + spec.engine.exit_grace_s
 
 
 async def _race(stop: asyncio.Event, *aws) -> None:
@@ -103,15 +117,14 @@ async def _race(stop: asyncio.Event, *aws) -> None:
             t.result()
         # The consumers finishing is the normal end; the watcher never finishes on its own.
     finally:
-        for t in [*tasks, stopper]:
-            t.cancel()
-        await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        await cancel_and_wait([*tasks, stopper])
 
 
 async def _run(sh: Shard, todo: Todo) -> str:
     spec = sh.spec
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    guard = sh.exit_guard = ExitGuard(sh.shard, loop)
 
     def on_signal(sig: int) -> None:
         name = signal.Signals(sig).name
@@ -123,6 +136,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
                     else "are generated again next time")
         sh.progress.stop_signal = name
         stop.set()
+        guard.arm(ABORT_GRACE_S + _exit_bound(spec), f"{name} asked it to stop")
 
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -135,6 +149,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
     if not engine.is_model:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
     renderer = threading.Thread(target=render_thread, args=(loop, feed, sh.plan, todo, state), daemon=True, name="render")
+    guard.before_exit += [lambda: sh.writer.flush_within(5.0), lambda: _kill(engine)]
     sh.save_progress("loading")
     try:
         engine.start()
@@ -185,6 +200,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
     except _Stop:
         return STOPPED
     finally:
+        guard.arm(_exit_bound(spec), "the shard's work ended")
         log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
         state.stop = True
         feed.budget.close()
@@ -194,6 +210,28 @@ async def _run(sh: Shard, todo: Todo) -> str:
         await _stop_engine(sh, engine)
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        _account_for(renderer)
+
+
+def _account_for(renderer: threading.Thread) -> None:
+    """At the shard's end nothing it started may still run: no task but this one, the render thread ended."""
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if left:
+        log.error("%d task(s) still running at the end of the shard: %s; cancelling them", len(left),
+                  describe_tasks(left))
+        for t in left:
+            t.cancel()
+    if renderer.ident is not None:
+        renderer.join(RENDER_JOIN_S)
+        if renderer.is_alive():
+            log.warning("the render thread has not ended %g s after the shard's end; left behind (a daemon thread)",
+                        RENDER_JOIN_S)
+
+
+def _kill(engine) -> None:
+    """The exit guard's last word to the engine: SIGKILL to everything it runs (its GPUs are free at once)."""
+    if engine.proc is not None:
+        engine.kill()
 
 
 async def _stop_engine(sh: Shard, engine, timeout_s: float | None = None) -> None:
@@ -389,6 +427,9 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
                     sh.progress.error = str(e)
                     sh.save_progress("failed")
                     raise
+                finally:
+                    if sh.exit_guard is not None:  # the shard's event loop has returned: its end is not stuck
+                        sh.exit_guard.disarm()
             sh.writer.flush()
         finally:
             sh.writer.close()
