@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_UNKNOWN", "ToolkitError"]
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_OK", "EXIT_STOPPED",
+           "EXIT_UNKNOWN", "ToolkitError"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+EXIT_IN_PROGRESS = 5  # `status`: the run is still going (shards or the merge job pending or running), nothing failed
 
 
 class ToolkitError(Exception):
