@@ -67,8 +67,9 @@ def half_run(tmp_path, toy_tokenizer):
 
 def test_status_json_is_one_typed_object(half_run, capsys):
     s = half_run
-    assert cli_main(["status", str(s.root), "--json"]) == 0
+    assert cli_main(["status", str(s.root), "--json"]) == 5  # still going
     st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
+    assert st.exit == 5 and st.verdict == "in progress: shard 1 not finished"
     assert [(r.shard, r.state, r.done, r.total) for r in st.shards] == [(0, "completed", 9, 9), (1, "running", 7, 9)]
     one = st.shards[1]
     assert (one.node, one.tok_per_s, one.output_tokens) == ("gpu-17", 250.0, 5000) and 10 < one.eta_s < 40

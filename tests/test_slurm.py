@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from jobfiles import make_job, write_prompts
+from jobfiles import make_job, process_running, write_prompts
 from toolkit.rundir import RunDir
 from toolkit.shardfile import read_shard
 from toolkit.slurm import read_jobs
@@ -111,7 +111,7 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     broken.unlink()  # the cause is fixed
     before = len(read_jobs(RunDir(run)).submissions)
     r = toolkit("resubmit", str(run))
-    assert "resubmitting 1 shards without a done manifest: 1" in r.stdout
+    assert "resubmitting 1 shard: 1 without a done manifest" in r.stdout
     subs = read_jobs(RunDir(run)).submissions
     task = subs[-1].arrays[0].tasks[0]
     assert f"(1 shard task: {task} runs shard 1)" in r.stdout
@@ -160,8 +160,17 @@ def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
                     sampling={"max_new_tokens": 400}, client={"concurrency": 2})
     toolkit("submit", str(job), "--time", "1", "--signal-delay-s", "45")
     run = tmp_path / "run"
-    rows, merge = wait_run(run, timeout=300)
+    follow = subprocess.Popen([sys.executable, "-m", "toolkit", "logs", str(run), "0", "-f"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # from before the first attempt to the end
+    try:
+        rows, merge = wait_run(run, timeout=300)
+        out, err = follow.communicate(timeout=60)  # it ends by itself, once the shard is done
+    finally:
+        follow.kill()
     assert rows[0].state == "completed" and merge.state == "completed"
+    assert follow.returncode == 0 and "(shard 0 done: stopped following)" in err, err
+    assert "got SIGUSR2" in out and "shard 0 stopped with" in out and "shard 0 complete" in out, out
+    assert out.index("got SIGUSR2") < out.index("shard 0 complete")  # followed through the requeue
     written = _records(run)
     newest = {r.id: r for r in written}
     assert len(newest) == n and all(r.status == "ok" for r in newest.values())
@@ -231,7 +240,9 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
     try:
         deadline = time.monotonic() + 20
         while True:  # squeue says (None) until slurmctld's scheduler has looked at a new job; a busy one takes a while
-            st = msgspec.json.decode(toolkit("status", str(run), "--json").stdout)
+            r = toolkit("status", str(run), "--json", check=False)
+            assert r.returncode == 5, r.stderr  # still going
+            st = msgspec.json.decode(r.stdout)
             waiting = [s for s in st["shards"] if s["state"] == "pending"]
             if waiting and all(s["reason"] for s in waiting) and st["merge"]["reason"] or time.monotonic() > deadline:
                 break
@@ -239,8 +250,76 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
         assert waiting and all(s["reason"] for s in waiting), [(s["state"], s["reason"]) for s in st["shards"]]
         assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
         assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
-        table = toolkit("status", str(run)).stdout
+        table = toolkit("status", str(run), check=False).stdout
         assert "REASON" in table and re.search(r"^\s+\d+ pending .*(JobArrayTaskLimit|Priority|Resources)$", table, re.M)
         assert "merge: job " in table and "pending (Dependency)" in table
     finally:
         toolkit("cancel", str(run))
+
+
+def _slurmctld_pid_file() -> Path:
+    conf = Path(os.environ["SLURM_CONF"]).read_text()
+    return Path(re.search(r"^SlurmctldPidFile=(\S+)", conf, re.M).group(1))
+
+
+def _squeue_answers() -> bool:
+    return subprocess.run(["squeue", "-h"], capture_output=True, timeout=30).returncode == 0
+
+
+def test_with_slurmctld_down_and_slurmdbd_up_a_killed_worker_is_unknown_not_running(tmp_path, toy_tokenizer,
+                                                                                   monkeypatch, capsys):
+    """sacct (slurmdbd) still says RUNNING for a task whose worker was killed while slurmctld was down: status says
+    unknown (exit 4), takes no pace or ETA from the progress file, and shows that file as stale."""
+    import signal
+
+    from toolkit import progress as worker_progress
+    from toolkit.cli import main as cli_main
+    from toolkit.status import RunStatus
+
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=40, shards=1, stub={"token_delay_s": 0.01},
+                    sampling={"max_new_tokens": 400}, client={"concurrency": 2})
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    task = read_jobs(RunDir(run)).submissions[0].arrays[0].tasks[0]
+    deadline = time.time() + 120
+    while True:
+        progress = run / "progress" / "00000.json"
+        p = msgspec.json.decode(progress.read_bytes()) if progress.exists() else {}
+        sacct = subprocess.run(["sacct", "-n", "-P", "-X", "-j", task.split("_")[0], "--format=JobID,State"],
+                               capture_output=True, text=True).stdout
+        if p.get("state") == "generating" and f"{task}|RUNNING" in sacct:
+            break
+        assert time.time() < deadline, f"the task never ran: {p} {sacct}"
+        time.sleep(0.5)
+    pid_file = _slurmctld_pid_file()
+    ctld = int(pid_file.read_text())
+    os.kill(ctld, signal.SIGTERM)  # slurmctld down; slurmdbd stays up
+    try:
+        while process_running(ctld):
+            time.sleep(0.2)
+        os.kill(p["pid"], signal.SIGKILL)  # the worker dies, and nobody tells slurmctld
+        monkeypatch.setattr(worker_progress, "STALE_S", 3.0)
+        time.sleep(4)
+        assert cli_main(["status", str(run), "--json"]) == 4
+        st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
+        row = st.shards[0]
+        assert row.state == "unknown" and row.tok_per_s == 0 and row.eta_s is None, row
+        assert "sacct still says running" in row.reason and row.stale.startswith("progress file not written for ")
+        assert st.merge.state == "unknown" and st.exit == 4
+        assert cli_main(["status", str(run)]) == 4
+        table = capsys.readouterr().out
+        assert "    0 unknown " in table and "progress file not written for" in table
+    finally:  # slurmctld back, as slurm/start.sh starts it (it daemonizes; its output goes to its log)
+        conf = os.environ["SLURM_CONF"]
+        log = re.search(r"^SlurmctldLogFile=(\S+)", Path(conf).read_text(), re.M).group(1)
+        with open(log, "a") as out:
+            subprocess.run(["slurmctld", "-f", conf], check=True, stdin=subprocess.DEVNULL, stdout=out,
+                           stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not _squeue_answers():
+            assert time.time() < deadline, "slurmctld did not come back"
+            time.sleep(0.5)
+        toolkit("cancel", str(run), check=False)
+        while subprocess.run(["squeue", "-h", "-j", task.split("_")[0]], capture_output=True, text=True).stdout.strip():
+            assert time.time() < deadline + 60, "the killed task never left the queue"
+            time.sleep(1)  # the next tests start on an idle node

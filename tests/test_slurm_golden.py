@@ -161,7 +161,7 @@ def test_status_cancel_and_resubmit_ask_slurm_this(fake, tmp_path, toy_tokenizer
     assert "1 jobs of this run are still pending or running (1001_1 running)" in capsys.readouterr().err
     fake.squeue = ""
     assert cli_main(["resubmit", run, "-p", "gpu"]) == 0
-    assert "resubmitting 3 shards without a done manifest: 0-2" in capsys.readouterr().out
+    assert "resubmitting 3 shards: 0-2 without a done manifest" in capsys.readouterr().out
     text = normalize("# status\n" + status_calls + "\n# cancel\n" + cancel_calls + "\n# resubmit\n"
                      + calls_text(fake.calls) + "\n" + "\n".join(f"# sbatch script {i + 1}\n{s}"
                                                                 for i, s in enumerate(fake.scripts)), tmp_path)
@@ -187,3 +187,49 @@ def test_slurm_refusing_the_submission_exits_1(fake, tmp_path, toy_tokenizer, ca
     assert capsys.readouterr().err.strip().endswith(
         "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid qos specification; check "
         "`squeue --me` for jobs this command may already have submitted")
+
+
+def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenizer, capsys):
+    import msgspec
+
+    from toolkit.shardfile import DoneManifest
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job)]) == 0
+    rd = RunDir(tmp_path / "run")
+    for k, transient in ((0, 2), (1, 0)):  # shard 0 finished with 2 failures that may pass, 1 cleanly, 2 not at all
+        rd.done_file(k).write_bytes(msgspec.json.encode(DoneManifest(
+            shard=k, fingerprint="f", records=2, ok=2 - transient, failed=transient, prompt_tokens=1, output_tokens=1,
+            bytes=0, sha256="0", host="n1", finished="2026-01-01T00:00:00+00:00", transient=transient)))
+    capsys.readouterr()
+    assert cli_main(["retry", str(rd.root), "--slurm"]) == 0
+    out = capsys.readouterr().out
+    assert "retrying in 2 shards: 0, 2" in out
+    assert "resubmitting 2 shards: 2 without a done manifest; 0 with 2 failures that may pass" in out
+    assert "without a done manifest: 0" not in out
+
+
+def test_the_dry_run_of_one_shard_shows_the_plain_job_submit_sends(fake, tmp_path, toy_tokenizer, capsys):
+    """submitit sends a single task as a plain job (no --array, %j paths): the dry run shows exactly that."""
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=3, shards=1, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job), "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert "==> array 1 of 1: shards 0 (one job: runs shard 0, sent as a plain job (not an array)) <==" in dry
+    shown = dry.split("==> array 1 of 1")[1].split("\n", 1)[1].split("\n==> merge")[0]
+    assert "--array" not in shown and "%A_%a" not in shown and f"{tmp_path}/run/slurm/%j/%j_0_log.out" in shown
+    assert not fake.scripts, "a dry run submits nothing"
+    assert cli_main(["submit", str(job)]) == 0
+    sent = fake.scripts[0]
+    assert "(1 shard task: 1001 runs shard 0)" in capsys.readouterr().out
+    assert [x for x in sent.splitlines() if x.startswith("#SBATCH")] == \
+        [x for x in shown.splitlines() if x.startswith("#SBATCH")]
+
+
+def test_a_dry_run_of_a_submitted_run_is_refused_as_submit_refuses_it(fake, tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    assert cli_main(["submit", str(job)]) == 0
+    capsys.readouterr()
+    for dry in (["--dry-run"], []):
+        assert cli_main(["submit", str(job), *dry]) == 2
+        assert capsys.readouterr().err.strip() == (f"toolkit: error: {tmp_path / 'run'} was already submitted; use "
+                                                   f"`toolkit resubmit {tmp_path / 'run'}` for what is left")

@@ -65,7 +65,7 @@ def test_hung_sacct_falls_back_to_squeue_and_scontrol_within_its_bound(submitted
     assert time.monotonic() - t0 < 4, "one bounded sacct call, not 30 s"
     assert [(r.state, r.reason) for r in rows] == [("completed", None), ("failed", None), ("pending", "Priority")]
     assert rows[1].node == "n2" and merge.state == "pending" and merge.reason == "Dependency"
-    assert cli_main(["status", str(submitted_run.root)]) == 0  # known: one failed, others still to run
+    assert cli_main(["status", str(submitted_run.root)]) == 1  # known: one failed, so the run cannot complete
     out = capsys.readouterr().out
     assert "REASON" in out.splitlines()[1] and out.splitlines()[4].rstrip().endswith("Priority")
     assert "merge: job 71 pending (Dependency)" in out and "unknown" not in out
@@ -151,7 +151,7 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
         assert cli_main(["logs", str(s.root), "--failed"]) == 1
         assert "==> shard 1: dead" in capsys.readouterr().out
     else:
-        assert code == 0 and row.eta_s is not None
+        assert code == 5 and row.eta_s is not None  # still going
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,15 +6,15 @@ import datetime as dt
 
 import pytest
 
-from toolkit.errors import EXIT_UNKNOWN
+from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
 from toolkit.progress import Progress
 from toolkit.shardfile import DoneManifest
 from toolkit.slurm import ArrayJob, Submission
 from toolkit.slurmcmd import FAILED, TIMEOUT, SlurmAnswer
 from toolkit.states import (
-    ACTIVE, DEAD, UNKNOWN, MergeStatus, RunFacts, ShardFacts, SlurmJob, SlurmView, exit_code, expand, index_jobs,
-    merge_status, needs_scontrol, parse_sacct, parse_scontrol, parse_squeue, run_states, shard_status, slurm_view,
-    totals,
+    ACTIVE, DEAD, STALE, UNKNOWN, MergeStatus, RunFacts, ShardFacts, SlurmJob, SlurmView, exit_code, expand,
+    index_jobs, merge_status, needs_scontrol, parse_sacct, parse_scontrol, parse_squeue, run_states, shard_status,
+    slurm_view, totals, verdict,
 )
 
 NOW = 1_800_000_000.0
@@ -39,8 +39,9 @@ def done_manifest(shard: int, records: int = 4, failed: int = 0) -> DoneManifest
 
 
 def generating(shard: int = 0, **kw) -> Progress:
+    kw = {"started": NOW - 20, "updated": NOW - 1, **kw}
     return Progress(shard=shard, state="generating", total=4, done=2, output_tokens=200, tok_per_s=50.0,
-                    started=NOW - 20, updated=NOW - 1, host="n1", running=3, queued=1, kv_usage=0.5, **kw)
+                    host="n1", running=3, queued=1, kv_usage=0.5, **kw)
 
 
 def state(facts: ShardFacts, view: SlurmView | None = None, job: str | None = None, submitted: str = ""):
@@ -189,7 +190,86 @@ def test_run_states_follow_the_latest_submission_and_exit_codes():
     assert [r.state for r in rows] == ["completed", "running"] and rows[1].job == "80"
     assert merge == MergeStatus("81", "pending", False, "Dependency")
     assert totals(rows).shards == {"completed": 1, "running": 1} and totals(rows).done == 6
-    assert exit_code(rows, merge) == 0
-    rows[1].state = "failed"
-    assert exit_code(rows, MergeStatus("81", "cancelled", False)) == 1
+    assert exit_code(rows, merge) == EXIT_IN_PROGRESS
     assert exit_code(rows, MergeStatus("81", UNKNOWN, False, "why")) == EXIT_UNKNOWN
+    rows[1].state = "failed"  # known to have failed: the run cannot complete, whatever else is unknown
+    assert exit_code(rows, MergeStatus("81", "cancelled", False)) == EXIT_FAILED
+    assert exit_code(rows, MergeStatus("81", UNKNOWN, False, "why")) == EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------------------------------
+# what status says when the run is not complete and healthy (its exit code), stale answers
+# ---------------------------------------------------------------------------------------------------
+def completed(shard: int, transient: int = 0):
+    r = state(ShardFacts(shard, 4, done_manifest(shard, failed=transient), None))
+    r.transient = transient
+    return r
+
+
+@pytest.mark.parametrize("merge, rows, code, says", [
+    (MergeStatus("71", "completed", True, audit="passed"), None, EXIT_OK, "complete: every shard done, merged, audit"),
+    (MergeStatus(None, None, True, audit="passed"), None, EXIT_OK, "complete"),  # merged here: no merge job
+    (MergeStatus("71", "failed", True, audit="failed"), None, EXIT_FAILED,
+     "failed: merge job 71 failed; the audit failed"),
+    (MergeStatus("71", "failed", False), None, EXIT_FAILED, "failed: merge job 71 failed; `toolkit logs RUN --failed`"),
+    (MergeStatus(None, None, True, audit="failed"), None, EXIT_FAILED, "failed: the audit failed"),
+    (MergeStatus(None, None, False), None, EXIT_FAILED, "not complete: not merged: `toolkit merge RUN`"),
+    (MergeStatus(None, None, True, current=False, audit="passed"), None, EXIT_FAILED,
+     "not complete: merged before a shard finished again"),
+    (MergeStatus(None, None, True), None, EXIT_FAILED, "not complete: not audited: `toolkit audit RUN`"),
+    (MergeStatus(None, None, True, audit="passed"), "transient", EXIT_FAILED,
+     "not complete: 2 failures that may pass in shard 1: `toolkit retry RUN`"),
+    (MergeStatus("71", "pending", False, "Dependency"), None, EXIT_IN_PROGRESS, "in progress: merge job 71 pending"),
+    (MergeStatus("71", UNKNOWN, True, "why", audit="passed"), None, EXIT_OK, "complete"),  # the files say it all
+    (MergeStatus("71", UNKNOWN, False, "why"), None, EXIT_UNKNOWN, "unknown"),
+])
+def test_status_exits_0_only_when_the_run_is_complete_and_healthy(merge, rows, code, says):
+    shards = [completed(0), completed(1, transient=2 if rows == "transient" else 0)]
+    got, why = verdict(shards, merge, "RUN")
+    assert got == code and why.startswith(says), why
+    assert exit_code(shards, merge) == code
+
+
+def test_a_failed_or_stopped_shard_is_never_exit_0():
+    running = state(ShardFacts(2, 4, None, generating(2)), SlurmView(jobs={"70_2": SlurmJob("RUNNING", "n1")}),
+                    job="70_2")
+    failed = state(ShardFacts(1, 4, None, None), SlurmView(jobs={"70_1": SlurmJob("FAILED", "n1")}), job="70_1")
+    code, why = verdict([completed(0), failed, running], MergeStatus("71", "pending", False, "Dependency"), "RUN")
+    assert code == EXIT_FAILED and why.startswith("failed: shard 1 failed")  # the run cannot complete on its own
+    assert verdict([completed(0), running], MergeStatus("71", "pending", False), "RUN")[0] == EXIT_IN_PROGRESS
+    stopped = state(ShardFacts(1, 4, None, Progress(shard=1, state="stopped", total=4)))
+    code, why = verdict([completed(0), stopped], MergeStatus(None, None, False), "RUN")
+    assert code == EXIT_FAILED and "shard 1 stopped: `toolkit resubmit RUN` (or `toolkit run JOB`) resumes" in why
+
+
+def test_slurmctld_down_sacct_up_a_live_state_in_sacct_is_unknown():
+    """slurmdbd keeps the last state slurmctld told it: RUNNING stays RUNNING after the worker was killed."""
+    view = slurm_view(ok("sacct", "70_0|COMPLETED|n1\n70_1|RUNNING|n1\n70_2|FAILED|n1\n71|PENDING|None assigned\n"),
+                      down("squeue", "squeue failed (exit 1): Unable to contact slurm controller", problem=FAILED))
+    assert view.jobs == {"70_0": SlurmJob("COMPLETED", "n1"), "70_2": SlurmJob("FAILED", "n1")}  # final states hold
+    assert view.stale == {"70_1": "RUNNING", "71": "PENDING"}
+    stale_progress = generating(1, updated=NOW - 45)  # written 45 s ago by a worker since killed
+    r = state(ShardFacts(1, 4, None, stale_progress), view, job="70_1")
+    assert r.state == UNKNOWN and r.tok_per_s == 0.0 and r.eta_s is None and r.running is None
+    assert r.reason.startswith("squeue failed (exit 1): Unable to contact slurm controller; sacct still says running")
+    assert r.stale.startswith("progress file not written for 45 s")
+    m = merge_status(view, job="71", submitted=iso(NOW - 900), merged=False, now=NOW)
+    assert m.state == UNKNOWN and "sacct still says pending" in m.reason
+    assert exit_code([r], m) == EXIT_UNKNOWN
+    failed = state(ShardFacts(2, 4, None, None), view, job="70_2")
+    assert failed.state == "failed"
+
+
+def test_a_progress_file_far_older_than_its_refresh_is_stale():
+    old = generating(0, updated=NOW - 45)
+    local = state(ShardFacts(0, 4, None, old))  # `toolkit run` on another host: the file is all there is
+    assert local.state == STALE and local.tok_per_s == 0.0 and local.eta_s is None
+    assert local.stale == ("progress file not written for 45 s (a generating worker writes it every 2 s): its worker "
+                           "is dead or hung")
+    assert exit_code([local], MergeStatus(None, None, False)) == EXIT_FAILED
+    on_slurm = state(ShardFacts(0, 4, None, old), SlurmView(jobs={"70_0": SlurmJob("RUNNING", "n7")}), job="70_0")
+    assert on_slurm.state == "running" and on_slurm.eta_s is None and on_slurm.tok_per_s == 0.0 and on_slurm.stale
+    fresh = state(ShardFacts(0, 4, None, generating(0, updated=NOW - 5)))
+    assert fresh.state == "running" and fresh.stale is None and fresh.eta_s is not None
+    loading = Progress(shard=0, state="loading", total=4, updated=NOW - 900)  # weights load for minutes: not stale
+    assert state(ShardFacts(0, 4, None, loading)).stale is None

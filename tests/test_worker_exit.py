@@ -1,5 +1,5 @@
 """A worker always ends: a hundred one-prompt shards in a row end every time, with nothing they started left behind,
-and the exit guard ends a worker whose tasks do not end (exit 5, a log line naming what did not finish)."""
+and the exit guard ends a worker whose tasks do not end (exit 6, a log line naming what did not finish)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from jobfiles import make_job, prepared_run
 RUNS = 100
 
 # One process runs every shard in a row, as `toolkit run` does: a run that never ends is a hang (the process is
-# ended by the exit guard with exit 5, or by the test's timeout).
+# ended by the exit guard with exit 6, or by the test's timeout).
 _DRIVER = textwrap.dedent("""
     import json, sys, threading
     from toolkit.worker import run_shard
@@ -63,7 +63,7 @@ def test_a_hundred_one_prompt_shards_in_a_row_all_end_with_nothing_left_running(
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert r.returncode == 0, f"exit {r.returncode} (5: the exit guard ended a stuck worker)\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"exit {r.returncode} (6: the exit guard ended a stuck worker)\n{r.stderr[-3000:]}"
     runs = json.loads(r.stdout.strip().splitlines()[-1])
     assert [x["result"] for x in runs] == ["done"] * RUNS
     assert [x for x in runs if x["threads_left"]] == [], "a shard's threads outlived it"
@@ -136,7 +136,7 @@ def test_a_disarmed_guard_never_fires():
     assert exits == [] and not guard.fired
 
 
-def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_5_and_says_what_did_not_finish(tmp_path, kimi):
+def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_did_not_finish(tmp_path, kimi):
     """End to end: a background task of the worker that ignores its cancel (what Python 3.11's wait_for did) keeps
     the shard's final gather from returning; the exit guard ends the process within its bound, the record is
     flushed, and the log names the task."""

@@ -289,6 +289,7 @@ class Auditor:
         checks = list(self.problems) + run_checks(
             a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
             integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
+            continued=manifest.continued,
             missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
             failed_file=rd.failed_file, run=rd.root,
         )
@@ -306,7 +307,7 @@ class Auditor:
             ),
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
             turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
-            samples=self.samples.finish(self.tok, info.think_end_id),
+            samples=self.samples.finish(self.tok, info.think_end_id), continued=manifest.continued,
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:

@@ -165,7 +165,7 @@ class AuditReport(msgspec.Struct):
     ok: int
     failed: int
     missing: int
-    duplicates: int              # resolved by the merge (kept once)
+    duplicates: int              # resolved by the merge (kept once); partial outputs continued are not counted
     damaged_frames: int
     tokens: TokenSummary
     overall: DatasetStats
@@ -176,6 +176,7 @@ class AuditReport(msgspec.Struct):
     files: dict[str, str] = {}
     turns: list[TurnStats] = []  # regenerated datasets only
     samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
+    continued: int = 0           # partial outputs kept at a stop, superseded by their continuation (the merge's)
 
 
 def read_report(rd: RunDir) -> AuditReport | None:

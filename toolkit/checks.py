@@ -78,7 +78,7 @@ def _what_to_check(info: chat.TokenInfo, model: ModelSpec) -> str:
 # coverage and integrity of the merge
 # ---------------------------------------------------------------------------------------------------
 def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStats], duplicates: int,
-             missing_ids: Sequence[str], missing_file: Path, run: Path) -> Check:
+             missing_ids: Sequence[str], missing_file: Path, run: Path, continued: int = 0) -> Check:
     """Every planned prompt present exactly once, at its planned position (`missing_ids`: a few examples)."""
     planned, present = overall.planned, overall.records
     lost = planned - present
@@ -91,7 +91,8 @@ def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStat
             f"{_short(incomplete)}; {integ.seen_twice} present twice, {integ.id_mismatch} not at their planned "
             f"position. Finish the shards with `toolkit resubmit {run}`, then `toolkit merge {run}` again.")
     return _check("coverage", True, 1.0, 1.0, f"all {planned} planned prompts present exactly once "
-                  f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once)")
+                  f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once"
+                  + (f", {continued} partial outputs continued" if continued else "") + ")")
 
 
 def damaged_frames(corrupt: Sequence, run: Path) -> Check:
@@ -317,6 +318,7 @@ def run_checks(
     *, a: AuditSpec, model: ModelSpec, info: chat.TokenInfo, overall: DatasetStats, datasets: Sequence[DatasetStats],
     shards: Sequence[ShardStats], integ: Integrity, reprompt: Reprompt, corrupt: Sequence, duplicates: int,
     missing_ids: Sequence[str], examples: dict[str, list[str]], missing_file: Path, failed_file: Path, run: Path,
+    continued: int = 0,
 ) -> list[Check]:
     """Every check of an audit, in the report's order (reasoning checks or, without expect_reasoning, no_reasoning).
 
@@ -328,7 +330,7 @@ def run_checks(
         return examples.get(kind, [])
 
     checks = [
-        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run),
+        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run, continued),
         damaged_frames(corrupt, run),
         shard_checksums(shards),
         failed_share(overall, a.max_failed_share, failed_file, run),

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a run, shard or audit failed; 2 bad input (spec, prompt file, tokenizer, run dir)
 or usage; 3 a shard stopped early on a signal and wants to be requeued; 4 (`status`) the state of some shard
-or of the merge job cannot be known because Slurm did not answer; 130 interrupted.
+or of the merge job cannot be known because Slurm did not answer; 5 (`status`) the run is still going; 130
+interrupted. `status` exits 0 only for a run that is complete and healthy (states.verdict).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import logging
 import os
 import sys
 
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN, ToolkitError
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN, ToolkitError
 
-__all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN"]
+__all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
 
 log = logging.getLogger("toolkit.cli")
 
@@ -31,8 +32,32 @@ typical session:
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
-answer; status), 5 a worker did not end in time after its work was over (ended; it resumes), 130 interrupted
+answer; status), 5 still going (status), 6 a worker did not end in time once its work was over (ended by
+its exit guard; the shard resumes), 130 interrupted
 """
+
+RUN_HELP = """\
+Run every shard of JOB here, one after the other (no Slurm), then merge and audit.
+
+Where the run goes: output_dir and the runs `--new-run` made beside it (<output_dir>.<time>) are looked at, and the
+newest run of this same job (same fingerprint) among them is resumed, with or without --new-run: the same job is
+never generated twice. With none, output_dir is used when it holds no run; when it holds another job's run, `run`
+refuses, and `run --new-run` starts a new run directory beside it.
+
+A shard another process is generating (a second `toolkit run` of the job: its file is locked) is not run twice and
+not counted failed: it is waited for (and run here if that process ends without finishing it), and the run is
+merged once every shard is done."""
+
+STATUS_HELP = """\
+One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge job, and a last
+line that says what the exit code means:
+
+  0  complete and healthy: every shard done with no failure that may pass, merged after the last one, audit passed
+  1  failed (a shard failed, timed out, was cancelled, its worker is dead or its progress stale; the merge job or
+     the audit failed), or ended without completing (stopped shards, failures to retry, not merged, not audited)
+  4  the state of some shard or of the merge job is unknown: Slurm did not answer
+  5  still going: shards or the merge job pending or running, nothing failed yet"""
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,14 +178,13 @@ def cmd_submit(args) -> int:
 
 
 def _resubmit(run: str, resources) -> int:
-    from .fmt import ranges
-    from .slurm import format_submission, resubmit
+    from .slurm import format_submission, resubmit, why_unfinished
 
     rd, sub, missing = resubmit(run, resources)
     if sub is None:
-        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest")
+        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest, with no failure that may pass")
         return EXIT_OK
-    print(f"resubmitting {len(missing)} shards without a done manifest: {ranges(missing, sep=',')}")
+    print(f"resubmitting {len(missing)} shard{'s' if len(missing) != 1 else ''}: {why_unfinished(rd, missing)}")
     print(format_submission(rd, sub))
     return EXIT_OK
 
@@ -226,10 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("run", help="run every shard of a job here (no Slurm), then merge and audit")
+    s = sub.add_parser("run", help="run every shard of a job here (no Slurm), then merge and audit",
+                       description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("job", help="job spec (TOML), e.g. jobs/demo.toml")
     s.add_argument("--shards", type=int, nargs="+", metavar="K", help="only these shard indices")
-    s.add_argument("--new-run", action="store_true", help="start a new run directory if output_dir holds another run")
+    s.add_argument("--new-run", action="store_true",
+                   help="when output_dir holds another job's run, start a new one beside it (<output_dir>.<time>); "
+                        "a run of this job there is resumed instead")
     s.add_argument("--no-merge", action="store_true", help="stop after the shards")
     s.set_defaults(func=cmd_run)
 
@@ -271,7 +298,8 @@ def _add_slurm_commands(sub) -> None:
     s.add_argument("job", help="job spec (TOML)")
     _add_resource_flags(s)
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
-    s.add_argument("--new-run", action="store_true", help="a new run directory if output_dir holds another run")
+    s.add_argument("--new-run", action="store_true",
+                   help="when output_dir holds another job's run, a new run directory beside it (as `run --new-run`)")
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
@@ -287,7 +315,9 @@ def _add_slurm_commands(sub) -> None:
 def _add_status_commands(sub) -> None:
     from .status import UNKNOWN_LIMIT_S
 
-    s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA")
+    s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
+                       "when complete and healthy", description=STATUS_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("run", help="run directory")
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
     s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")

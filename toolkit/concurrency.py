@@ -13,6 +13,7 @@ from .client import HttpClient, Unreachable, read_load
 from .exitguard import cancel_and_wait
 from .feed import Feed
 from .inflight import consume
+from .progress import REFRESH_S
 from .shardstate import AUTO_START, EngineDied, EngineHung, Shard
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
@@ -59,7 +60,7 @@ async def watch(sh: Shard, engine, hang: HangWatch) -> None:
         await asyncio.sleep(0.25)
         if sh.writer.due():
             sh.writer.flush()
-        if time.monotonic() - last > 2.0:
+        if time.monotonic() - last > REFRESH_S:
             last = time.monotonic()
             sh.save_progress()
         if not engine.alive():

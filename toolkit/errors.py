@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError"]
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_OK", "EXIT_STOPPED",
+           "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN, EXIT_STUCK = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+EXIT_IN_PROGRESS = 5  # `status`: the run is still going (shards or the merge job pending or running), nothing failed
+EXIT_STUCK = 6        # a worker did not end in time once its work was over: the exit guard ended it (exitguard)
 
 
 class ToolkitError(Exception):

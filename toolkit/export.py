@@ -330,6 +330,9 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
             raise ExportError(f"{e}; the conversations export would pair records with other messages than they were "
                               "generated from") from None
     out_path = Path(output)
+    if out_path.is_dir():
+        raise ExportError(f"cannot write {output}: it is a folder; give a file name, e.g. "
+                          f"{out_path / default_output(run_dir, fmt).name}")
     if out_path.parent and not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")

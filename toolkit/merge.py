@@ -4,8 +4,9 @@ The merged dataset, `RUN/merged/records.zst`, has the format of a shard file (`r
 shard number MERGED. Memory stays flat whatever the run's size: shards are merged one at a time, in two
 passes. The first pass reads every frame and keeps, per planned position, where its record lives (frame
 number and index in the frame, in compact arrays); it resolves duplicates (an id written again, by a retry of a
-failed record or a task that ran twice: the record written last supersedes the earlier ones) and notes damaged
-frames, reading on past them to the next intact frame. The
+failed record or a task that ran twice: the record written last supersedes the earlier ones; a partial output
+kept at a stop and superseded by its continuation is counted apart, as continued, not as a duplicate) and notes
+damaged frames, reading on past them to the next intact frame. The
 second pass writes the records in planned order, decoding frames through a small cache bounded in bytes and
 reading a frame again when it was evicted. Every problem (duplicate, damaged or torn frame, record that is not
 the shard's, missing record) is counted and named in `merged/manifest.json`, never skipped in silence.
@@ -27,7 +28,7 @@ from .errors import BadInputError
 from .files import atomic_write, fsync_dir, sha256_file
 from .fmt import ranges, utc_now
 from .plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
-from .records import OK, Record
+from .records import OK, PARTIAL, Record
 from .rundir import RunDir
 from .shardfile import (
     CorruptShard,
@@ -79,12 +80,13 @@ class ShardMerge(msgspec.Struct):
     frames: int = 0
     records: int = 0             # records read (duplicates and foreign ones included)
     kept: int = 0
-    duplicates: int = 0
+    duplicates: int = 0          # records superseded by a later one of their id (partial outputs continued apart)
     foreign: int = 0             # records whose id or position this shard does not own
     missing: int = 0
     bytes: int = 0
     sha256: str | None = None
     matches_done: bool | None = None  # the file's sha256 equals its done manifest's (None: no manifest)
+    continued: int = 0           # partial outputs (kept at a stop) superseded by the record that continued them
 
 
 class DatasetCounts(msgspec.Struct):
@@ -120,6 +122,7 @@ class MergeManifest(msgspec.Struct):
     missing_ids: list[str] = []      # the first SAMPLE_IDS; all are in missing_ids.txt
     duplicate_ids: list[str] = []
     foreign_ids: list[str] = []
+    continued: int = 0               # partial outputs superseded by their continuation: not duplicates
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ class _Totals:
     def __init__(self, plan: RunPlan):
         self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
         self.records = self.ok = self.failed = self.prompt_tokens = self.output_tokens = 0
-        self.duplicates = self.foreign = self.missing = 0
+        self.duplicates = self.foreign = self.missing = self.continued = 0
         self.duplicate_ids: list[str] = []
         self.foreign_ids: list[str] = []
         self.missing_ids: list[str] = []
@@ -143,6 +146,7 @@ def _merge_shard(
     n, first = sp.count, sp.first
     frame_of = array("q", [-1]) * n      # frame number holding the kept record of each position
     item_of = array("i", [0]) * n        # index of that record in its frame
+    partial_at = bytearray(n)             # 1 where that record is a partial output (to be continued)
     offsets: list[int] = []               # frame number -> byte offset
     sizes: list[int] = []                 # frame number -> decompressed size
 
@@ -163,11 +167,14 @@ def _merge_shard(
                     if len(t.foreign_ids) < SAMPLE_IDS:
                         t.foreign_ids.append(h.id)
                     continue
-                if frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
+                if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
+                    sm.continued += 1
+                elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
                     sm.duplicates += 1
                     if len(t.duplicate_ids) < SAMPLE_IDS:
                         t.duplicate_ids.append(h.id)
                 frame_of[pos], item_of[pos] = fno, i
+                partial_at[pos] = h.status == PARTIAL
         for d in damage:
             (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
 
@@ -285,6 +292,7 @@ def merge_run(
                 _merge_shard(s, sm, path if readable else None, refs.shard(s.index), plan, t, corrupt, torn, emit,
                              missing_out, cache_bytes)
                 t.duplicates += sm.duplicates
+                t.continued += sm.continued
                 t.foreign += sm.foreign
                 t.missing += sm.missing
                 shards.append(sm)
@@ -306,7 +314,7 @@ def merge_run(
         planned=plan.total, records=t.records, ok=t.ok, failed=t.failed, missing=t.missing,
         duplicates=t.duplicates, foreign=t.foreign, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
         datasets=t.datasets, shards=shards, corrupt=corrupt, torn=torn, file=rd.merged_file.name, bytes=size, sha256=sha,
-        missing_ids=t.missing_ids, duplicate_ids=t.duplicate_ids, foreign_ids=t.foreign_ids,
+        missing_ids=t.missing_ids, duplicate_ids=t.duplicate_ids, foreign_ids=t.foreign_ids, continued=t.continued,
     )
     atomic_write(rd.manifest_file, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
     _log_problems(rd, manifest)
@@ -353,6 +361,8 @@ def _log_problems(rd: RunDir, m: MergeManifest) -> None:
                   p.offset, p.why)
     for p in m.torn:
         log.warning("shard %d: torn last frame in %s at byte %d (%s)", p.shard, p.file, p.offset, p.why)
+    if m.continued:
+        log.info("%d partial outputs (kept at a stop) superseded by the records that continued them", m.continued)
     if m.duplicates:
         log.warning("%d records superseded by a later record of the same id (e.g. %s)", m.duplicates, ", ".join(m.duplicate_ids[:3]))
     if m.foreign:

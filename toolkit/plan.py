@@ -6,6 +6,11 @@ shard map). `create_run` pins that plan into a run directory; a run directory ne
 a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
 the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
 
+Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as `<output_dir>.<time>`. `find_run`
+says where a job's run is: the newest run of the same fingerprint among output_dir and those beside it (resumed,
+with or without --new-run: the same job is never generated twice), else output_dir when it holds no run, else a
+new `<output_dir>.<time>` with --new-run; without it, a job whose output_dir holds another job's run is refused.
+
 The run directory's layout is in `rundir`.
 
 Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from the
@@ -14,9 +19,11 @@ input order, so every shard gets a similar mix of datasets and prompt lengths.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
+import re
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
@@ -34,7 +41,8 @@ from .turns import turn_id, user_turns
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PlanError", "PlannedRefs", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "load_run",
+    "PlanError", "PlannedRefs", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "find_run",
+    "load_run",
 ]
 
 PLAN_FORMAT = 1
@@ -282,27 +290,75 @@ class PlannedRefs:
         return self.shard(k)[pos - self.shards[k].first]
 
 
-def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
-    """Pin `plan` into its run directory; reuse the directory if it holds the same fingerprint."""
+_STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")  # the suffix --new-run gives a run beside output_dir
+
+
+def runs_in(output_dir: str | os.PathLike) -> list[tuple[Path, RunPlan | None]]:
+    """The run directories of an output_dir, oldest first: output_dir itself and the `<output_dir>.<time>` runs
+    --new-run made beside it, each with its plan (None: unreadable)."""
+    root = Path(output_dir)
+    found = []
+    beside = sorted(root.parent.glob(f"{glob.escape(root.name)}.*")) if root.parent.is_dir() else []
+    for path in [root, *beside]:
+        if (path == root or _STAMPED.fullmatch(path.name[len(root.name):])) and RunDir.is_run(path):
+            try:
+                found.append((path, load_run(path)[1]))
+            except PlanError:
+                found.append((path, None))
+    return sorted(found, key=lambda x: (x[1].created if x[1] else "", x[0] != root, x[0].name))
+
+
+def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
+    """(where the run of `plan` is or goes, whether it exists already): see the module's docstring. PlanError when
+    output_dir holds another job's run and no new run is asked for."""
     root = Path(plan.spec.output_dir)
-    if new_run and RunDir.is_run(root):
-        root = root.with_name(f"{root.name}.{file_stamp()}")
-        plan.spec.output_dir = str(root)
+    runs = runs_in(root)
+    same = [path for path, p in runs if p is not None and p.fingerprint == plan.fingerprint]
+    if same:
+        return same[-1], True
+    if not RunDir.is_run(root):
+        return root, False
+    if new_run:
+        path, n = root.with_name(f"{root.name}.{file_stamp()}"), 1
+        while path.exists():
+            n += 1
+            path = root.with_name(f"{root.name}.{file_stamp()}-{n}")
+        return path, False
+    try:
+        old = load_run(root)[1]
+    except PlanError as e:
+        raise PlanError(f"{root} holds a run directory that cannot be read ({e}); point `output_dir` elsewhere, or "
+                        "pass --new-run to start a new run directory beside it") from None
+    differs = sorted(k for k in plan.parts if old.parts.get(k) != plan.parts[k])
+    others = f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
+    raise PlanError(
+        f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but this job gives "
+        f"{plan.fingerprint} "
+        f"(differs in: {', '.join(differs) or 'format'}). Its records would not match: restore the job as it "
+        f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
+    )
+
+
+def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
+    """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
+    else create one. A file system that refuses the folder is a PlanError in one line."""
+    root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
-    if rd.plan_file.exists():
+    if exists:
         _, old = load_run(root)
-        if old.fingerprint != plan.fingerprint:
-            differs = sorted(k for k in plan.parts if old.parts.get(k) != plan.parts[k])
-            raise PlanError(
-                f"{root} holds run {old.fingerprint} but this job gives {plan.fingerprint} "
-                f"(differs in: {', '.join(differs) or 'format'}). Its records would not match: restore the job as it "
-                f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
-            )
+        if root != Path(plan.spec.output_dir):
+            log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
         update_settings(rd, old, plan.spec)
         return rd
-    rd.make_dirs()
-    atomic_write(rd.prompts_file, msgspec.msgpack.encode(refs))
-    atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
+    plan.spec.output_dir = str(root)
+    try:
+        rd.make_dirs()
+        atomic_write(rd.prompts_file, msgspec.msgpack.encode(refs))
+        atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
+    except OSError as e:
+        where = e.filename or root
+        raise PlanError(f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
+                        "output_dir at a folder this user can write") from None
     return rd
 
 

@@ -7,7 +7,9 @@ starts, in one function so that no command misses a check.
     render     EVERY prompt through the chat template (chat.render_many), failures named by file:line and id
     reasoning  where each rendered prompt leaves the model (chat.reasoning_mode), against [model] expect_reasoning
     lengths    each prompt plus its dataset's max_new_tokens against the model's context length, as SGLang checks
-    run dir    output_dir holding another job's run (run and submit refuse it; check tells in advance)
+    run dir    output_dir a folder this user can create and write (not under a file, not on a read-only file
+               system); holding another job's run (run and submit refuse it; check tells in advance), or runs of
+               this job (the newest is resumed: plan.find_run)
 
 Problems are collected across all stages that can run and raised as one `PreflightError`; what is worth knowing
 but does not stop the run comes back as warnings. Rendered ids are not kept: the worker renders again on its node.
@@ -26,7 +28,7 @@ from typing import Any
 from . import chat
 from .errors import BadInputError
 from .inputs import scan_dataset
-from .plan import PlanError, PromptRef, RunPlan, load_run, plan_job
+from .plan import PlanError, PromptRef, RunPlan, find_run, plan_job
 from .rundir import RunDir
 from .spec import JobSpec, SpecError, load_spec
 from .turns import turn_prompt
@@ -110,6 +112,7 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     the context with room to spare is not encoded whole: only its tail is, for its last tokens (`exact` encodes
     every prompt whole; the answers are the same)."""
     spec = load_spec(job)  # also judges [engine] extra_args as SGLang's parser would
+    check_output_dir(spec.output_dir, job)
     plan, refs = plan_job(spec)
     pf = Preflight(spec, plan, refs)
     if warn_other_run:
@@ -122,24 +125,36 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
 # ---------------------------------------------------------------------------------------------------
 # run directory
 # ---------------------------------------------------------------------------------------------------
+def check_output_dir(output_dir: str, job: Any) -> None:
+    """PlanError when the run directory could not be made there: a file in the way, or a folder this user cannot
+    write (permissions, a read-only file system). Nothing is created to find out."""
+    root = Path(output_dir)
+    p = root
+    while not (p.exists() or p.is_symlink()) and p.parent != p:
+        p = p.parent  # the nearest part of the path that exists: the run directory is made below it
+    problem = None
+    if not p.is_dir():
+        problem = f"{p} is a file, not a folder"
+    elif not os.access(p, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        problem = f"{p} is on a read-only file system" if read_only else f"{p} is not writable by this user"
+    elif p == root and RunDir.is_run(root):
+        unwritable = [d for d in RunDir(root).writable_dirs() if d.exists() and not os.access(d, os.W_OK | os.X_OK)]
+        if unwritable:
+            problem = f"{unwritable[0]} is not writable by this user"
+    if problem:
+        raise PlanError(f"{job}: output_dir {root}: {problem}, so the run directory cannot be written there; point "
+                        "output_dir at a folder this user can write")
+
+
 def _check_run_dir(pf: Preflight) -> None:
-    root = Path(pf.spec.output_dir)
-    if not RunDir.is_run(root):
-        return
     try:
-        _, old = load_run(root)
+        root, exists = find_run(pf.plan)
     except PlanError as e:
-        pf.warnings.append(f"output_dir {root} holds a run directory that cannot be read ({e})")
+        pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
-    if old.fingerprint == pf.plan.fingerprint:
+    if exists:
         pf.notes.append(f"run directory: {root} holds this run already; `toolkit run`/`submit` resume it")
-        return
-    differs = sorted(k for k in pf.plan.parts if old.parts.get(k) != pf.plan.parts[k])
-    pf.warnings.append(
-        f"output_dir {root} holds another run ({old.fingerprint}, job {old.name!r}; this job gives "
-        f"{pf.plan.fingerprint}, differs in: {', '.join(differs) or 'format'}): `toolkit run` and `submit` will refuse "
-        "it; pass --new-run to start a new run directory beside it, or point output_dir elsewhere"
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,11 @@ import msgspec
 
 from .files import atomic_write
 
-__all__ = ["Progress", "read_progress", "write_progress", "slurm_context", "worker_gone"]
+__all__ = ["Progress", "REFRESH_S", "STALE_S", "read_progress", "write_progress", "slurm_context", "stale_for",
+           "worker_gone"]
+
+REFRESH_S = 2.0   # a generating worker rewrites its progress file this often
+STALE_S = 30.0    # a generating worker's progress file older than this (15 refreshes missed) is stale
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -76,6 +80,16 @@ def read_progress(path: Path) -> Progress | None:
         return msgspec.json.decode(path.read_bytes(), type=Progress)
     except (FileNotFoundError, msgspec.DecodeError):
         return None
+
+
+def stale_for(p: Progress, now: float) -> float | None:
+    """How long a generating worker's progress file has gone unwritten, when that is far past its refresh
+    interval (the worker is dead or hung, whatever else says it runs); None while it is fresh, or not generating
+    (an engine loading its weights writes nothing for minutes)."""
+    if p.state != "generating" or not p.updated:
+        return None
+    age = now - p.updated
+    return age if age > STALE_S else None
 
 
 LIVE_STATES = ("starting", "loading", "generating")  # a worker writing these is (or should be) alive

@@ -79,7 +79,8 @@ def summary_table(report: AuditReport) -> str:
     lines = [
         f"audit of run {report.run} ({report.fingerprint}): {verdict}",
         f"{report.planned} planned, {report.ok} ok, {report.failed} failed, {report.missing} missing; "
-        f"{report.duplicates} duplicates kept once, {report.damaged_frames} damaged frames",
+        f"{report.duplicates} duplicates kept once, {report.continued} partial outputs continued, "
+        f"{report.damaged_frames} damaged frames",
         "",
     ]
     head = ["dataset", "planned", "ok", "failed", "missing", "prompt tok", "cached", "output tok", "out p50/p90/p99/max",
@@ -220,7 +221,8 @@ function hist(title, h, xmax, limits) {
 const main = document.getElementById('main');
 main.append($('h1', {}, `Audit of run ${R.run} `, $('span', {class: 'badge ' + (R.passed ? 'pass' : 'fail')}, R.passed ? 'PASSED' : 'FAILED')));
 main.append($('div', {class: 'muted'}, `fingerprint ${R.fingerprint} · ${R.created} · ${R.planned} planned, ${R.ok} ok, ` +
-  `${R.failed} failed, ${R.missing} missing, ${R.duplicates} duplicates kept once, ${R.damaged_frames} damaged frames`));
+  `${R.failed} failed, ${R.missing} missing, ${R.duplicates} duplicates kept once, ` +
+  `${R.continued} partial outputs continued, ${R.damaged_frames} damaged frames`));
 main.append($('h2', {}, 'Checks'));
 main.append(table('checks', ['', 'check', 'value', 'limit', 'what was seen'],
   R.checks.map(c => [c.passed ? 'ok' : 'FAIL', c.name, c.value === null ? '-' : (c.unit === 'share' ? pct(c.value) : c.value),

@@ -10,6 +10,7 @@
     RUN/logs/NNNNN.log           worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/jobs.json          the Slurm jobs submitted for this run
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
+    RUN/merge.lock               locked (flock) while the run is merged: a second merge waits for the first
     RUN/merged/records.zst       the merged dataset;  merged/manifest.json  what the merge found
     RUN/merged/missing_ids.txt   planned ids with no record (written by the merge)
     RUN/merged/failed_ids.txt    ids whose record is a failure (written by the audit)
@@ -51,6 +52,7 @@ class RunDir:
     jobs_file = property(lambda self: self.root / "slurm" / "jobs.json")
     merged_dir = property(lambda self: self.root / "merged")
     merged_file = property(lambda self: self.root / "merged" / "records.zst")
+    merge_lock = property(lambda self: self.root / "merge.lock")
     manifest_file = property(lambda self: self.root / "merged" / "manifest.json")
     missing_file = property(lambda self: self.root / "merged" / "missing_ids.txt")
     failed_file = property(lambda self: self.root / "merged" / "failed_ids.txt")
@@ -107,6 +109,10 @@ class RunDir:
         """submitit's logs of `job`, wherever submitit put them (an array task's folder is named after the array)."""
         return sorted(self.slurm_dir.glob(f"*/{job}_0_log.out"))
 
+    def writable_dirs(self) -> tuple[Path, ...]:
+        """The folders a run writes in (made by `make_dirs`)."""
+        return self.root, self.shards_dir, self.progress_dir, self.logs_dir, self.slurm_dir
+
     def make_dirs(self) -> None:
-        for d in (self.root, self.shards_dir, self.progress_dir, self.logs_dir, self.slurm_dir):
+        for d in self.writable_dirs():
             d.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ __all__ = [
     "RetryRequest",
     "ShardLocked",
     "ShardWriter",
+    "held_elsewhere",
     "intact_frames",
     "iter_frames",
     "needs_work",
@@ -411,6 +412,24 @@ def _flock_or_lockfile(fd: int, path: Path) -> _LockFile | None:
     lock = _LockFile(path.with_name(path.name + ".lock"))
     lock.acquire()
     return lock
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where the file system
+    has none, its lock file). Only looked at: a writer may take the lock the next moment (ShardLocked says so)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        return e.errno in NO_FLOCK and path.with_name(path.name + ".lock").exists()
+    finally:
+        os.close(fd)  # (releases the probe's lock)
+    return False
 
 
 class ShardWriter:

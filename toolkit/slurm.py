@@ -280,19 +280,42 @@ def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = Non
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
+_AT_LEAST = {"gpus_per_node": 0, "cpus_per_task": 1, "array_parallelism": 1, "signal_delay_s": 1}
+
+
+def _given(o: Resources, s, key: str):
+    """The value of resource `key`: the command line's when given (0 included), else the job's [slurm] table's."""
+    value = getattr(o, key)
+    return value if value is not None else getattr(s, key)
+
+
+def check_resources(plan: RunPlan, o: Resources) -> None:
+    """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`, `--array-parallelism 0` — and a
+    time limit not longer than the signal delay, whether a flag or the job's [slurm] table gives it."""
+    s = plan.spec.slurm
+    for key, least in _AT_LEAST.items():
+        value = _given(o, s, key)
+        if value is not None and value < least:
+            where = f"--{key.replace('_', '-')} {value}" if getattr(o, key) is not None else f"[slurm] {key} = {value}"
+            raise _refuse(f"{where}: must be at least {least}")
+    if s.merge_cpus < 1:
+        raise _refuse(f"[slurm] merge_cpus = {s.merge_cpus}: must be at least 1")
+    check_signal_delay(time_to_minutes(o.time or s.time), _given(o, s, "signal_delay_s"))
+
+
 def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
     s = plan.spec.slurm
+    check_resources(plan, o)
     params: dict[str, Any] = dict(
         job_name=f"{plan.name}-shards",
         time=time_to_minutes(o.time or s.time),
-        gpus_per_node=o.gpus_per_node if o.gpus_per_node is not None else s.gpus_per_node,
-        cpus_per_task=o.cpus_per_task or s.cpus_per_task,
-        signal_delay_s=o.signal_delay_s or s.signal_delay_s,
-        array_parallelism=o.array_parallelism or s.array_parallelism or 256,
+        gpus_per_node=_given(o, s, "gpus_per_node"),
+        cpus_per_task=_given(o, s, "cpus_per_task"),
+        signal_delay_s=_given(o, s, "signal_delay_s"),
+        array_parallelism=_given(o, s, "array_parallelism") or 256,
         setup=list(s.setup) + list(o.setup),
         stderr_to_stdout=True,
     )
-    check_signal_delay(params["time"], params["signal_delay_s"])
     # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
     params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
     for key in ("partition", "account", "qos", "mem"):
@@ -423,7 +446,7 @@ def _validate(plan: RunPlan, o: Resources) -> tuple[Resources, PartitionInfo]:
             f"--gpus-per-node {want} but the nodes of partition {name!r} have at most {gpus} GPUs; "
             f"lower it (and [engine] tp_size) or choose another partition"
         )
-    cpus = o.cpus_per_task or plan.spec.slurm.cpus_per_task
+    cpus = _given(o, plan.spec.slurm, "cpus_per_task")
     if part.cpus_per_node and cpus > part.cpus_per_node:
         raise _refuse(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
@@ -473,14 +496,17 @@ def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, Cluster
     return o, ClusterCheck(reachable=True, partition=part, max_array_size=max_array_size(config))
 
 
-def plan_dry_run(plan: RunPlan, options: Resources) -> DryRun:
+def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) -> DryRun:
     """What `submit` would send, without submitting or writing anything: submitit's scripts for each array and
-    for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once they are submitted)."""
-    rd = RunDir(plan.spec.output_dir)
+    for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once they are submitted), for
+    the shards submit would send (those without a done manifest of run directory `rd`). An array of one task is a
+    plain job, as submitit sends it."""
+    rd = rd or RunDir(plan.spec.output_dir)
+    check_resources(plan, options)
     o, cluster = check_cluster(plan, options)
-    arrays = _chunks(list(range(len(plan.shards))), cluster.max_array_size)
+    arrays = _chunks(_pending(rd, plan), cluster.max_array_size)
     params = shard_params(plan, o)
-    scripts = [sbatch_script(rd, params, array=len(a)) for a in arrays]
+    scripts = [sbatch_script(rd, params, array=len(a) if len(a) > 1 else None) for a in arrays]
     names = [DEPENDENCY_PLACEHOLDER] if len(arrays) == 1 else [f"{DEPENDENCY_PLACEHOLDER}_{i + 1}" for i in range(len(arrays))]
     merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + ":".join(names)))
     return DryRun(run_dir=rd.shown, prompts=plan.total, datasets=len(plan.datasets), shards=len(plan.shards),
@@ -503,8 +529,10 @@ def format_dry_run(d: DryRun) -> str:
                  + "; ".join(f"shards {ranges(a, sep=',')}" for a in d.arrays))
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script) in enumerate(zip(d.arrays, d.array_scripts)):
-        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} (task i runs shard "
-                     f"{shards[0]} + i) <==")
+        runs = (f"one job: runs shard {shards[0]}, sent as a plain job (not an array)" if len(shards) == 1 else
+                f"task i runs shard {shards[0]} + i" if shards == list(range(shards[0], shards[0] + len(shards))) else
+                "task i runs the i-th of them")
+        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs}) <==")
         lines.append(script.rstrip("\n"))
     lines.append(f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job id, "
                  "known once it is submitted <==")
@@ -552,17 +580,32 @@ def submit(job: str, resources: Resources | None = None, *, dry_run: bool = Fals
     from .pipeline import prepare_run
 
     o = resources or Resources()
+
+    def validate(plan: RunPlan, rd: RunDir):
+        _check_submittable(rd, plan)
+        check_resources(plan, o)
+        return plan_dry_run(plan, o, rd) if dry_run else validate_resources(plan, o)
+
+    prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True)
     if dry_run:
-        prep = prepare_run(job, dry_run=True, validate=lambda plan: plan_dry_run(plan, o))
         return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
-    prep = prepare_run(job, new_run=new_run, validate=lambda plan: validate_resources(plan, o))
     rd, plan, o = prep.run_dir, prep.plan, prep.validated
-    pending = [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, _pending(rd, plan), o))
+
+
+def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
+    """The shards of a run without a done manifest (all of them for a run not created yet)."""
+    return [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+
+
+def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
+    """`submit` (and its dry run) refuses a run already submitted, or with every shard done."""
+    if not RunDir.is_run(rd.root):
+        return
     if read_jobs(rd).submissions:
         raise _refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
-    if not pending:
+    if not _pending(rd, plan):
         raise _refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
-    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, pending, o))
 
 
 def live_jobs(rd: RunDir) -> dict[str, str]:
@@ -590,6 +633,26 @@ def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> 
         return rd, None, []
     o = validate_resources(plan, resources or Resources())
     return rd, _submit_arrays(rd, plan, missing, o), missing
+
+
+def why_unfinished(rd: RunDir, shards: list[int]) -> str:
+    """Why each of `shards` is (re)submitted, grouped: `0-2 without a done manifest; 4 with ids `toolkit retry --ids`
+    asked for; 5 with 3 failures that may pass` (a done manifest that counts transient failures: see
+    shardfile.needs_work)."""
+    missing, asked, transient = [], [], {}
+    for k in shards:
+        m = read_done(rd.done_file(k))
+        if m is not None:
+            transient[k] = m.transient
+        else:
+            (asked if rd.retry_file(k).exists() else missing).append(k)
+    parts = [f"{ranges(missing, sep=',')} without a done manifest"] if missing else []
+    if asked:
+        parts.append(f"{ranges(asked, sep=',')} with ids `toolkit retry --ids` asked for")
+    if transient:
+        n = sum(transient.values())
+        parts.append(f"{ranges(list(transient), sep=',')} with {n} failure{'s' if n != 1 else ''} that may pass")
+    return "; ".join(parts)
 
 
 def cancel(run_dir: str | os.PathLike) -> list[str]:

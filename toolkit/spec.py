@@ -93,7 +93,7 @@ class EngineSpec(_Config):
     shutdown_timeout_s: float = 60.0
     # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker ends within
     # shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight saving's 30 s), whatever its tasks
-    # do: past that it logs what did not finish, kills the engine and ends the process with exit code 5.
+    # do: past that it logs what did not finish, kills the engine and ends the process with exit code 6.
     exit_grace_s: float = 60.0
     url: str | None = None
     api_key: str | None = None

@@ -5,7 +5,10 @@ answers of squeue, sacct and `scontrol show job`, whether a local worker's pid i
 here. From Slurm's answers `slurm_view` builds one `SlurmView`; from it and a shard's files `shard_status`
 derives a `ShardStatus`, and `merge_status` the merge job's `MergeStatus`. A shard whose done manifest exists is
 completed whatever Slurm still says about its task; what no answer tells is `unknown`, with why, never guessed
-as `submitted` (except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet).
+as `submitted` (except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet). When slurmctld
+does not answer, sacct's rows of jobs still live (PENDING, RUNNING, ...) are what slurmdbd last heard, not what
+is: those states are unknown too. A generating worker's progress file far older than its refresh interval is
+stale: no pace or ETA is read from it. `verdict` gives `status`'s exit code and the sentence that explains it.
 """
 
 from __future__ import annotations
@@ -15,20 +18,29 @@ import re
 
 import msgspec
 
-from .errors import EXIT_UNKNOWN
-from .progress import Progress
+from .errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
+from .fmt import ranges
+from .progress import REFRESH_S, Progress, stale_for
 from .shardfile import DoneManifest
 from .slurmcmd import FAILED, SlurmAnswer
 
 __all__ = [
-    "ACTIVE", "DEAD", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts", "ShardStatus", "SlurmJob",
-    "SlurmView", "Totals", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status", "parse_sacct",
-    "parse_scontrol", "parse_squeue", "run_states", "shard_status", "slurm_view", "totals", "unknown_why",
+    "ACTIVE", "BAD_STATES", "DEAD", "STALE", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
+    "ShardStatus", "SlurmJob", "SlurmView", "Totals", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
+    "parse_sacct", "parse_scontrol", "parse_squeue", "run_states", "shard_status", "slurm_view", "totals", "unknown_why",
+    "verdict",
 ]
 
 UNKNOWN = "unknown"
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
+STALE = "stale"  # a local worker's progress says generating, but the file has not been written for far too long
 ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
+# States after which a shard does not finish without someone acting (resubmit, retry, resume).
+BAD_STATES = ("failed", DEAD, STALE, "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted",
+              "boot_fail", "deadline")
+# Slurm's states of a job that has ended: final, so sacct's word for them holds even when slurmctld is down.
+TERMINAL = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+                      "PREEMPTED", "TIMEOUT"})
 SACCT_LAG_S = 120  # a job neither squeue nor sacct knows this long after its submission is unknown, not submitted
 NO_SUCH_JOB = "Invalid job id specified"  # squeue/scontrol of ids all gone from slurmctld: not a failure
 _LOCAL_STATES = {"done": "completed", "generating": "running", "loading": "running", "starting": "running"}
@@ -53,6 +65,8 @@ class ShardStatus(msgspec.Struct):
     running: int | None = None    # requests the engine generates / keeps queued (its /v1/loads), while running
     queued: int | None = None
     kv_usage: float | None = None  # share of the engine's KV cache in use
+    transient: int = 0             # of the failed records, those that may pass when generated again (done manifest)
+    stale: str | None = None       # why the progress file is not believed (not written for far too long)
 
 
 class MergeStatus(msgspec.Struct):
@@ -60,6 +74,8 @@ class MergeStatus(msgspec.Struct):
     state: str | None    # its Slurm state, lower case
     merged: bool         # merged/manifest.json exists
     reason: str | None = None  # why it is pending, or why its state is unknown
+    current: bool = True       # the merge is newer than every shard's done manifest
+    audit: str | None = None   # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
 
 
 class Totals(msgspec.Struct):
@@ -86,6 +102,7 @@ class SlurmView(msgspec.Struct):
     jobs: dict[str, SlurmJob]    # {job or array-task id: state}
     sacct: str | None = None     # why sacct gave no answer (None: it answered)
     squeue: str | None = None    # why squeue gave no answer (None: it answered)
+    stale: dict[str, str] = {}   # {id: live state sacct last heard of} when slurmctld did not answer: not believed
 
 
 def expand(jid: str) -> list[str]:
@@ -183,6 +200,9 @@ def slurm_view(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
         st = view.jobs.get(j, SlurmJob("REQUEUED"))
         if st.state in ("PENDING", "REQUEUED"):
             view.jobs[j] = SlurmJob("REQUEUED", st.node, st.reason)
+    if view.squeue:  # slurmctld did not answer: a live state in sacct is only what slurmdbd heard last
+        view.stale = {j: st.state for j, st in view.jobs.items() if st.state not in TERMINAL}
+        view.jobs = {j: st for j, st in view.jobs.items() if j not in view.stale}
     return view
 
 
@@ -230,6 +250,9 @@ def unknown_why(view: SlurmView, job: str, submitted: str, now: float) -> str | 
     """Why the state of `job`, which no answer named, cannot be known (None: it is only submitted yet)."""
     if view.sacct and view.squeue:
         return f"{view.squeue}; {view.sacct}"
+    if job in view.stale:
+        return (f"{view.squeue}; sacct still says {view.stale[job].lower()}, which only slurmctld could confirm "
+                f"(slurmdbd keeps the last state it was told)")
     if view.sacct:
         return f"{view.sacct}; squeue and scontrol no longer know job {job}"
     if view.squeue:
@@ -257,6 +280,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     k, done = f.shard, f.done
     p = f.progress or Progress(shard=k, state="pending", total=f.total)
     error = p.error
+    stale_s = stale_for(p, now) if done is None else None
     known = view.jobs.get(job) if job else None
     node = known.node if known else None
     reason = known.reason if known and known.state in ("PENDING", "REQUEUED") else None
@@ -274,26 +298,35 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
     else:
         state = _LOCAL_STATES.get(p.state, p.state)
-    running = state == "running"
+        if state == "running" and stale_s is not None:  # the progress file is all there is to go by, and it is old
+            state = STALE
+    stale = None
+    if stale_s is not None and state in ("running", UNKNOWN, STALE):
+        stale = (f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
+                 f"{REFRESH_S:g} s): its worker is dead or hung")
+    running = state == "running" and stale is None
     return ShardStatus(
         shard=k, state=state, done=done.records if done else p.done, total=f.total,
         failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
         tok_per_s=p.tok_per_s if running else 0.0, eta_s=p.eta_s() if running else None,
-        job=job, node=node or (p.host or None), error=error, reason=reason,
-        **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
+        job=job, node=node or (p.host or None), error=error, reason=reason, transient=done.transient if done else 0,
+        stale=stale, **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
     )
 
 
-def merge_status(view: SlurmView, *, job: str | None, submitted: str, merged: bool, now: float) -> MergeStatus:
-    """The merge + audit job's state: what Slurm says, else unknown (with why) or only submitted."""
+def merge_status(view: SlurmView, *, job: str | None, submitted: str, merged: bool, now: float, current: bool = True,
+                 audit: str | None = None) -> MergeStatus:
+    """The merge + audit job's state: what Slurm says, else unknown (with why) or only submitted; and what the run
+    directory says of the merge (`merged`, `current`: newer than every done manifest; `audit`: its verdict)."""
+    files = {"merged": merged, "current": current, "audit": audit}
     if not job:
-        return MergeStatus(job=None, state=None, merged=merged)
+        return MergeStatus(job=None, state=None, **files)
     known = view.jobs.get(job)
     if known:
         reason = known.reason if known.state == "PENDING" and known.reason else None
-        return MergeStatus(job=job, state=known.state.lower(), merged=merged, reason=reason)
+        return MergeStatus(job=job, state=known.state.lower(), reason=reason, **files)
     why = unknown_why(view, job, submitted, now)
-    return MergeStatus(job=job, state=UNKNOWN if why else "submitted", merged=merged, reason=why)
+    return MergeStatus(job=job, state=UNKNOWN if why else "submitted", reason=why, **files)
 
 
 class RunFacts(msgspec.Struct):
@@ -305,6 +338,8 @@ class RunFacts(msgspec.Struct):
     view: SlurmView
     merged: bool                 # merged/manifest.json exists
     now: float                   # Unix time of the refresh
+    merged_current: bool = True  # merged/manifest.json is newer than every done manifest
+    audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
 
 
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
@@ -312,7 +347,7 @@ def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
                          submitted=f.jobs.submitted_at.get(f.jobs.task_of.get(s.shard, ""), ""), now=f.now,
                          run_shown=f.run_shown) for s in f.shards]
     return rows, merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
-                              now=f.now)
+                              now=f.now, current=f.merged_current, audit=f.audit)
 
 
 def totals(rows: list[ShardStatus]) -> Totals:
@@ -329,9 +364,61 @@ def is_unknown(rows: list[ShardStatus], merge: MergeStatus) -> bool:
 
 
 def exit_code(rows: list[ShardStatus], merge: MergeStatus) -> int:
-    """`status`'s exit: 0 all completed (or still going), 4 some state unknown, 1 the run ended with failures."""
-    if all(r.state == "completed" for r in rows) and merge.state != UNKNOWN:
-        return 0
+    """`status`'s exit code: see `verdict`."""
+    return verdict(rows, merge)[0]
+
+
+def _shards(rows: list[ShardStatus]) -> str:
+    return f"shard{'s' if len(rows) != 1 else ''} {ranges([r.shard for r in rows], sep=',', limit=8)}"
+
+
+def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN") -> tuple[int, str]:
+    """`status`'s exit code and the sentence that says why, the first that holds of:
+
+    0 (EXIT_OK) complete and healthy: every shard completed with no failure that may pass, merged after the last
+      shard finished, and the audit of that merge passed;
+    1 (EXIT_FAILED) failed: a shard failed, timed out, was cancelled, its worker is dead or stale, the merge job
+      failed or the audit did; (a shard still running does not change it: the run cannot complete on its own);
+    4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer);
+    5 (EXIT_IN_PROGRESS) still going: shards or the merge job pending or running;
+    1 (EXIT_FAILED) ended without completing: shards stopped, failures that may pass left, not merged (or merged
+      before a shard changed), not audited: what to run next is said."""
+    retry = [r for r in rows if r.state == "completed" and r.transient]
+    if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
+            and merge.audit == "passed"):
+        return EXIT_OK, "complete: every shard done, merged, audit passed"
+    problems = []
+    bad = [r for r in rows if r.state in BAD_STATES]
+    for st in dict.fromkeys(r.state for r in bad):
+        these = [r for r in bad if r.state == st]
+        problems.append(f"{_shards(these)} {st}")
+    if merge.job and merge.state in BAD_STATES:
+        problems.append(f"merge job {merge.job} {merge.state}")
+    if merge.merged and merge.current and merge.audit == "failed":
+        problems.append("the audit failed")
+    if problems:
+        return EXIT_FAILED, f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why"
     if is_unknown(rows, merge):
-        return EXIT_UNKNOWN
-    return 0 if any(r.state in ACTIVE for r in rows) else 1
+        return EXIT_UNKNOWN, "unknown: Slurm did not say the state of every job (see above)"
+    active = [r for r in rows if r.state in ACTIVE]
+    if active or merge.state in ACTIVE:
+        going = [f"{_shards(active)} not finished"] if active else []
+        if merge.state in ACTIVE:
+            going.append(f"merge job {merge.job} {merge.state}")
+        return EXIT_IN_PROGRESS, f"in progress: {'; '.join(going)}"
+    todo = []
+    unfinished = [r for r in rows if r.state != "completed"]
+    if unfinished:
+        todo.append(f"{_shards(unfinished)} {'/'.join(dict.fromkeys(r.state for r in unfinished))}: "
+                    f"`toolkit resubmit {run_shown}` (or `toolkit run JOB`) resumes them")
+    if retry:
+        todo.append(f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
+                    f"`toolkit retry {run_shown}`")
+    if not unfinished and not retry:
+        if not merge.merged:
+            todo.append(f"not merged: `toolkit merge {run_shown}`")
+        elif not merge.current:
+            todo.append(f"merged before a shard finished again: `toolkit merge {run_shown}`")
+        elif merge.audit is None:
+            todo.append(f"not audited: `toolkit audit {run_shown}`")
+    return EXIT_FAILED, f"not complete: {'; '.join(todo)}"

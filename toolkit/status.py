@@ -4,7 +4,8 @@ State comes from the files a run directory holds (done manifests, progress files
 to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct` (history, may lag a few
 seconds or have no row yet). Every Slurm command is bounded (slurmcmd.TIMEOUT_S); when sacct does not answer
 (slurmdbd down), `scontrol show job` tells what slurmctld still remembers; what nobody could tell is `unknown`,
-with why, never guessed as `submitted`, and `status` exits 4 (EXIT_UNKNOWN).
+with why, never guessed as `submitted`, and `status` exits 4 (EXIT_UNKNOWN). `status` exits 0 only for a run that is
+complete and healthy (states.verdict says each code).
 
 This module is the edge: it reads the files and asks Slurm (`read_facts`), then `states` derives every state
 from those facts with pure functions; it formats the table and follows the logs.
@@ -29,6 +30,7 @@ from .shardfile import read_done
 from .slurmcmd import call
 from .states import (
     ACTIVE,
+    BAD_STATES,
     DEAD,
     UNKNOWN,
     MergeStatus,
@@ -43,7 +45,9 @@ from .states import (
     is_unknown,
     needs_scontrol,
     run_states,
+    shard_status,
     totals,
+    verdict,
 )
 from .states import slurm_view as view_of_answers
 
@@ -51,20 +55,24 @@ __all__ = ["ACTIVE", "DEAD", "UNKNOWN", "MergeStatus", "RunStatus", "ShardStatus
            "format_status", "logs_command", "read_facts", "run_status", "slurm_view", "status_command",
            "status_report"]
 
-FINISHED = ("done", "failed", "stopped")  # progress states after which a shard's log grows no more
+FINISHED = ("done", "failed", "stopped")  # progress states after which an attempt's log grows no more
 
 
 class RunStatus(msgspec.Struct):
-    """`toolkit status RUN --json`: one object, the same figures as the table."""
+    """`toolkit status RUN --json`: one object, the same figures as the table, and the exit code with its reason."""
 
     run: str
     shards: list[ShardStatus]
     totals: Totals
     merge: MergeStatus
+    exit: int = 0
+    verdict: str = ""
 
 
 def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> RunStatus:
-    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals(rows), merge=merge)
+    code, why = verdict(rows, merge, rd.shown)
+    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals(rows), merge=merge, exit=code,
+                     verdict=why)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,14 +100,41 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     jobs = index_jobs(read_jobs(rd).submissions)
     view = slurm_view(jobs.job_ids)
     shards = []
+    last_done = 0.0
     for s in plan.shards:
         p = read_progress(rd.progress_file(s.index))
         done = read_done(rd.done_file(s.index))
+        if done is not None:
+            last_done = max(last_done, _mtime(rd.done_file(s.index)) or 0.0)
         local = done is None and s.index not in jobs.task_of and p is not None
         shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
                                  gone=worker_gone(p) if local else None))
-    return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=rd.manifest_file.exists(),
-                        now=time.time())
+    merged_at = _mtime(rd.manifest_file)
+    return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=merged_at is not None,
+                        now=time.time(), merged_current=merged_at is not None and merged_at >= last_done,
+                        audit=_audit_verdict(rd, merged_at))
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+class _Verdict(msgspec.Struct):
+    passed: bool  # of audit.json: only the verdict is read
+
+
+def _audit_verdict(rd: RunDir, merged_at: float | None) -> str | None:
+    """"passed" / "failed": the verdict of audit.json when it audits the current merge (written after it); else None."""
+    at = _mtime(rd.audit_json)
+    if merged_at is None or at is None or at < merged_at:
+        return None
+    try:
+        return "passed" if msgspec.json.decode(rd.audit_json.read_bytes(), type=_Verdict).passed else "failed"
+    except (OSError, msgspec.MsgspecError):
+        return "failed"  # an audit.json that cannot be read vouches for nothing
 
 
 def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus]:
@@ -128,19 +163,30 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> st
     lines = [f"run {rd.shown}", head]
     for r in rows:
         kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
+        why = "; ".join(x for x in (r.reason, r.stale) if x)
         lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
                       f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
-                      f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {r.reason or ''}").rstrip())
+                      f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}").rstrip())
     t = totals(rows)
     lines.append(f"total: {t.done}/{t.total} prompts, {t.failed} failed, {t.output_tokens:,} output tokens, "
                  f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
     if merge.job or merge.merged:
-        lines.append(f"merge: job {merge.job or '-'} {merge.state or ''}"
-                     + (f" ({merge.reason})" if merge.reason else "")
-                     + (f" ({rd.manifest_file.relative_to(rd.root).as_posix()} written)" if merge.merged else ""))
+        files = []
+        if merge.merged:
+            files.append(f"{rd.manifest_file.relative_to(rd.root).as_posix()} written"
+                         + ("" if merge.current else ", before a shard finished again"))
+            if merge.current:
+                files.append(f"audit {merge.audit}" if merge.audit else "not audited")
+        if merge.job:
+            lines.append(f"merge: job {merge.job} {merge.state or ''}" + (f" ({merge.reason})" if merge.reason else "")
+                         + (f" ({', '.join(files)})" if files else ""))
+        else:  # merged here (`toolkit run`, `toolkit merge`)
+            lines.append(f"merge: {', '.join(files)}")
     note = unknown_note(rows, merge)
     if note:
         lines.append(note)
+    code, why = verdict(rows, merge, rd.shown)
+    lines.append(f"run: {why} (exit {code})")
     return "\n".join(lines)
 
 
@@ -197,7 +243,7 @@ def status_command(run: str | os.PathLike, *, watch: bool = False, interval: flo
         else:
             finished = all(r.state not in ACTIVE for r in rows)
             if finished and merge.state not in ACTIVE:
-                return 0 if all(r.state == "completed" for r in rows) else 1
+                return exit_code(rows, merge)
         time.sleep(interval)
 
 
@@ -210,11 +256,12 @@ def _tail_lines(path: Path, n: int) -> list[str]:
     return log_tail(path, n).splitlines()
 
 
-def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5) -> None:
-    """Print the last `lines` lines, then what is appended, like `tail -f` (Ctrl-C to stop)."""
+def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5):
+    """Print the last `lines` lines, then what is appended, like `tail -f` (Ctrl-C to stop), until `stop_when()`
+    says something (which is returned)."""
     while not path.exists():
-        if stop_when and stop_when():
-            return
+        if stop_when and (end := stop_when()):
+            return end
         time.sleep(poll_s)
     for line in _tail_lines(path, lines):
         print(line)
@@ -226,38 +273,85 @@ def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5) 
             if chunk:
                 sys.stdout.write(chunk.decode("utf-8", "replace"))
                 sys.stdout.flush()
-            elif stop_when and stop_when():
+            elif stop_when and (end := stop_when()):
                 time.sleep(poll_s)  # the last lines are written just after the state changes
                 sys.stdout.write(f.read().decode("utf-8", "replace"))
                 sys.stdout.flush()
-                return
+                return end
             else:
                 time.sleep(poll_s)
 
 
-def shard_finished(rd: RunDir, shard: int) -> str | None:
-    """The state of a shard that has finished (done, failed, stopped), or None while it may still write."""
-    if read_done(rd.done_file(shard)) is not None:
-        return "done"
-    p = read_progress(rd.progress_file(shard))
-    return p.state if p is not None and p.state in FINISHED else None
+SLURM_ASK_S = 5.0  # `logs -f` asks Slurm about a stopped or failed attempt's task at most this often
 
 
-def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]]]:
-    """(how many records failed, the first `limit` as (id, error)), from the merged dataset or else the shards."""
-    from . import read_run
-    from .records import OK
+class ShardEnd:
+    """Whether a followed shard has ended for good, as a callable: its end ("done", "failed (task 12_0 failed)", ...)
+    or None while more attempts may still write its log.
+
+    A done manifest (or a done progress) ends it. An attempt that stopped or failed ends a shard run here (no Slurm
+    task: nothing requeues it); a shard with a Slurm task ends only when that task is no longer pending, running or
+    requeued (a stop at the time limit, a preemption or `scontrol requeue` comes back as a new attempt), asked at most
+    every SLURM_ASK_S; while Slurm does not answer, it goes on."""
+
+    def __init__(self, rd: RunDir, shard: int):
+        from .slurm import read_jobs
+
+        self.rd, self.shard = rd, shard
+        jobs = index_jobs(read_jobs(rd).submissions)
+        self.task = jobs.task_of.get(shard)
+        self.submitted = jobs.submitted_at.get(self.task or "", "")
+        self.asked, self.said = -SLURM_ASK_S, None
+
+    def __call__(self) -> str | None:
+        rd, k = self.rd, self.shard
+        if read_done(rd.done_file(k)) is not None:
+            return "done"
+        p = read_progress(rd.progress_file(k))
+        if p is None or p.state not in FINISHED:
+            return None
+        if p.state == "done" or self.task is None:
+            return p.state
+        if time.monotonic() - self.asked >= SLURM_ASK_S:
+            self.asked = time.monotonic()
+            view = slurm_view([self.task.split("_")[0]])
+            st = shard_status(ShardFacts(shard=k, total=p.total, done=None, progress=p), view, job=self.task,
+                              submitted=self.submitted, now=time.time(), run_shown=rd.shown)
+            going = st.state in ACTIVE or st.state == UNKNOWN
+            self.said = None if going else f"{p.state} (task {self.task} {st.state})"
+        return self.said
+
+
+def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], int]:
+    """(failed records, the first `limit` as (id, error), partial outputs to be continued): the newest record of each
+    id, from the merged dataset or else the shard files. A record a later one of its id superseded (a retry, a
+    continuation) is not counted, and a partial output kept at a stop is not a failure: the next attempt continues
+    it."""
+    from .records import OK, PARTIAL
+    from .shardfile import read_shard
 
     listed = rd.failed_file
     if rd.manifest_file.exists() and listed.exists() and listed.stat().st_size == 0:
-        return 0, []  # the audit of the merged run found none: no need to read every record
-    n, shown = 0, []
-    for rec in read_run(rd.root):
-        if rec.status != OK:
+        return 0, [], 0  # the audit of the merged run found none: no need to read every record
+    if rd.merged_file.exists():
+        files = [rd.merged_file]
+    else:
+        files = [p for k in range(len(load_run(rd.root)[1].shards)) if (p := rd.shard_file(k)).exists()]
+    n, shown, partial = 0, [], 0
+    for path in files:
+        newest: dict[str, tuple[str, str] | None] = {}
+        for rec in read_shard(path):
+            newest[rec.id] = None if rec.status == OK else (rec.status, rec.error or "(no message)")
+        for rid, bad in newest.items():
+            if bad is None:
+                continue
+            if bad[0] == PARTIAL:
+                partial += 1
+                continue
             n += 1
             if len(shown) < limit:
-                shown.append((rec.id, (rec.error or "(no message)").splitlines()[0]))
-    return n, shown
+                shown.append((rid, bad[1].splitlines()[0]))
+    return n, shown, partial
 
 
 _REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
@@ -272,9 +366,6 @@ def _reasons(log: Path, limit: int = 5) -> list[str]:
 def merge_log(rd: RunDir, job: str) -> Path:
     """submitit's log of the merge job (stdout and stderr together)."""
     return rd.job_log(job)
-
-
-BAD_STATES = ("failed", "dead", "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted", "boot_fail")
 
 
 def _print_failed(rd: RunDir, lines: int) -> int:
@@ -299,7 +390,14 @@ def _print_failed(rd: RunDir, lines: int) -> int:
             for line in _tail_lines(log, lines):
                 print(line)
         print()
-    n, recs = failed_records(rd, lines)
+    audit_bad = merge.merged and merge.current and merge.audit == "failed"
+    if audit_bad:
+        print(f"==> the audit of the merged run failed: {shown_path(rd.audit_json)} (`toolkit audit {rd.shown}` "
+              "prints its checks) <==\n")
+    n, recs, partial = failed_records(rd, lines)
+    if partial:
+        print(f"{partial} partial output{'s' if partial > 1 else ''} kept when an attempt stopped: not failures, the "
+              "next run of the shard continues them\n")
     if n:
         listed = rd.failed_file
         where = f"; all ids in {shown_path(listed)}" if listed.exists() else ""
@@ -308,7 +406,7 @@ def _print_failed(rd: RunDir, lines: int) -> int:
         width = max(len(i) for i, _ in recs)
         for rid, err in recs:
             print(f"{rid:<{width}}  {err}")
-    return 1 if bad or merge_bad else 0
+    return 1 if bad or merge_bad or audit_bad else 0
 
 
 def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None:
@@ -316,6 +414,8 @@ def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None
         print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
         if r.error:
             print(f"error: {r.error.splitlines()[0]}")
+        if r.stale:
+            print(f"why: {r.stale}")
         log = rd.log_file(r.shard)
         if not log.exists() and r.job:  # died before the worker started: submitit's own log says why
             log = next(iter(rd.job_logs(r.job)), log)
@@ -352,10 +452,10 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
     path = rd.server_log_file(shard) if server else rd.log_file(shard)
     if follow:
         try:
-            follow_file(path, lines=lines, stop_when=lambda: shard_finished(rd, shard))
+            end = follow_file(path, lines=lines, stop_when=ShardEnd(rd, shard))
         except KeyboardInterrupt:
             return 0
-        print(f"(shard {shard} {shard_finished(rd, shard)}: stopped following)", file=sys.stderr)
+        print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
         print(f"{path} does not exist yet (the shard has not started)", file=sys.stderr)

@@ -50,10 +50,10 @@ from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
 from .rundir import RunDir
-from .shardfile import ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
+from .shardfile import ShardLocked, ShardWriter, read_done, read_retry, read_shard, verify_done, write_done
 from .shardstate import EngineDied, EngineHung, EngineUnreachable, Shard
 
-__all__ = ["run_shard", "ShardFailed", "DONE", "STOPPED"]
+__all__ = ["run_shard", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,10 @@ class ShardFailed(ToolkitError):
     """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
     directory not writable, shard locked by another worker). Exits 1, or 2 when the run directory cannot be
     written (`exit_code=` given where it is raised)."""
+
+
+class ShardBusy(ShardFailed):
+    """Another worker holds the shard's file (its lock): the shard is being generated elsewhere."""
 
 
 class _Stop(Exception):
@@ -407,7 +411,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         try:
             done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
         except RuntimeError as e:  # another writer holds the shard (ShardLocked), or the file is another run's
-            raise ShardFailed(str(e)) from None
+            raise (ShardBusy if isinstance(e, ShardLocked) else ShardFailed)(str(e)) from None
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
