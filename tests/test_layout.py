@@ -119,7 +119,7 @@ LAYERS = [
     ("parts", ["toolkit.client", "toolkit.engines", "toolkit.chat", "toolkit.plan", "toolkit.turns",
                "toolkit.toolcalls", "toolkit.progress"]),
     ("formats", ["toolkit.shardfile", "toolkit.records", "toolkit.spec", "toolkit.inputs", "toolkit.files",
-                 "toolkit.fmt", "toolkit.rundir", "toolkit.errors", "toolkit.slurmcmd",
+                 "toolkit.fmt", "toolkit.rundir", "toolkit.errors", "toolkit.slurmcmd", "toolkit.specerrors",
                  "toolkit.engines.sglang_flags", "toolkit.engines.sglang_sampling", "toolkit.toy_tokenizer"]),
 ]
 

@@ -49,13 +49,14 @@ def test_minimal_spec_gets_defaults(tmp_path):
     "edit, expected",
     [
         (("max_new_tokens = 64", "temperature = 0.6"), "needs `max_new_tokens`"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\nseed = 1"), "unknown sampling key(s) 'seed'"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\ntop_pp = 1"), "SGLang's sampling_params accepts only"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\nseed = 1"), ":8: unknown sampling key `seed` in [sampling]; there is no `seed`: use `sampling_seed`"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\ntop_pp = 1"), ":8: unknown sampling key `top_pp` in [sampling]; did you mean `top_p`?"),
+        (("max_new_tokens = 64", "max_new_tokens = 64\nfrobnicate = 1"), "SGLang's sampling_params takes: "),
         (("max_new_tokens = 64", "max_new_tokens = 0"), "positive integer"),
         (("max_new_tokens = 64", "max_new_tokens = 64\nn = 0"), "`n` (samples per prompt) must be a positive integer"),
         (("max_new_tokens = 64", "max_new_tokens = 64\nn = 2\ntemperature = 0"), "identical greedy outputs"),
-        (('name = "t"', 'name = "t"\nbogus = 1'), "unknown field `bogus`"),
-        (('path = "tok"', 'path = "tok"\ntrust_remote = true'), "unknown field `trust_remote`"),
+        (('name = "t"', 'name = "t"\nbogus = 1'), "unknown key `bogus` at the top level; templates/job.toml lists every key"),
+        (('path = "tok"', 'path = "tok"\ntrust_remote = true'), ":6: unknown key `trust_remote` in [model]; did you mean `trust_remote_code`?"),
         (('path = "a.jsonl"', 'path = "missing.jsonl"'), "missing.jsonl does not exist"),
         (('path = "tok"', 'path = "nope/"'), "tokenizer path"),
         (('path = "tok"', 'path = "tok"\nchat_template = "t.jinja"'), "chat_template file"),
@@ -73,7 +74,49 @@ def test_bad_specs_are_named(tmp_path, edit, expected):
 
 def test_dataset_sampling_override_checked(tmp_path):
     p = write(tmp_path, BASE + 'sampling = { seed = 3 }\n')
-    with pytest.raises(SpecError, match=r"\[\[datasets\]\] #1 \('a'\) sampling: unknown sampling key"):
+    with pytest.raises(SpecError, match=r"job.toml:11: unknown sampling key `seed` in \[\[datasets\]\] #1 \('a'\) sampling"):
+        load_spec(p)
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (("[sampling]", "[client]\nconcurency = 8\n[sampling]"),
+         ":7: unknown key `concurency` in [client]; did you mean `concurrency`?"),
+        (("[sampling]", "[client]\nconcurrency = \"eight\"\n[sampling]"),
+         ':7: `concurrency` in [client] takes an integer or "auto", got "eight" (a string)'),
+        (("[sampling]", "[sharding]\nshards = \"2\"\n[sampling]"),
+         ':7: `shards` in [sharding] takes an integer, got "2" (a string)'),
+        (("[sampling]", "[engine]\nkind = \"sglan\"\n[sampling]"),
+         ':7: `kind` in [engine] takes one of "external", "sglang", "stub", got "sglan" (a string); did you mean "sglang"?'),
+        (("[sampling]", "[engine.stub]\nload_delay = 1\n[sampling]"),
+         ":7: unknown key `load_delay` in [engine.stub]; did you mean `load_delay_s`?"),
+        (("[sampling]", "[engine]\nextra_args = \"--x\"\n[sampling]"),
+         ":7: `extra_args` in [engine] takes a list of strings, got \"--x\" (a string)"),
+        (("max_new_tokens = 64", "max_new_token = 64"),
+         ":7: unknown sampling key `max_new_token` in [sampling]; did you mean `max_new_tokens`?"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\nsampling = { max_new_token = 4 }'),
+         ":11: unknown sampling key `max_new_token` in [[datasets]] #1 ('a') sampling; did you mean `max_new_tokens`?"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\nregenrate = true'),
+         ":11: unknown key `regenrate` in [[datasets]] #1 ('a'); did you mean `regenerate`?"),
+        (('name = "t"\n', 'name = 3\n'), ":2: `name` at the top level takes a string, got 3 (an integer)"),
+    ],
+)
+def test_a_wrong_key_is_named_with_its_table_line_and_what_it_takes(tmp_path, edit, expected):
+    """Not msgspec's `Object contains unknown field ... - at $.client`: the TOML key, its table, the file and line,
+    the closest known keys, and what a key takes."""
+    old, new = edit
+    p = write(tmp_path, BASE.replace(old, new, 1))
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert f"{p}{expected}" in str(e.value)
+    assert "$." not in str(e.value) and "Object contains" not in str(e.value)
+
+
+def test_unknown_keys_without_a_close_match_say_where_every_key_is_listed(tmp_path):
+    p = write(tmp_path, BASE.replace("[sampling]", "[client]\nwhatever = 1\nzzz = 2\n[sampling]"))
+    with pytest.raises(SpecError, match=r"job.toml:7: unknown key `whatever` in \[client\] \(and 1 more: `client.zzz`\); "
+                                        r"templates/job.toml lists every key"):
         load_spec(p)
 
 
@@ -153,7 +196,7 @@ def test_unset_environment_variable_in_a_path_is_named(tmp_path, monkeypatch, ed
         ('temperature = "hot"', "", "`temperature`: invalid type: string \"hot\", expected f64"),
         ("stop_token_ids = [1, 2.5]", "", "`stop_token_ids`: invalid type: floating point `2.5`, expected i64"),
         ("beam_width = 4", "", "asks for beam search"),
-        ("choice = 1", "", "unknown sampling key(s) 'choice'"),
+        ("choice = 1", "", "unknown sampling key `choice` in [sampling]"),
     ],
 )
 def test_sampling_sglang_would_refuse_is_refused_before_any_gpu_time(tmp_path, sampling, dataset, expected):

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 import tomllib
 
+from . import specerrors
 from .engines import sglang_sampling
 from .errors import BadInputError
 from .rundir import RunDir
@@ -294,14 +295,48 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
         raise SpecError(f"{source}: not UTF-8 text ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{source}: invalid TOML: {e}") from None
+    text = raw.decode("utf-8")
+    for unknown, where_listed in ((specerrors.unknown_keys(data, JobSpec), "; templates/job.toml lists every key"),
+                                  (_unknown_sampling_keys(data), "")):
+        if unknown:
+            first = unknown[0]
+            more = (f" (and {len(unknown) - 1} more: " + ", ".join(
+                f"`{'.'.join(str(p) for p in u.path)}`" for u in unknown[1:4]) + ")") if len(unknown) > 1 else ""
+            listed = "" if first.message.endswith("?") and not more else where_listed
+            raise SpecError(f"{_at(source, text, first.path)}: {first.message}{more}{listed}")
     try:
         spec = msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        if "Object contains unknown field" in msg:
-            msg += " (check the spelling; templates/job.toml lists every key)"
-        raise SpecError(f"{source}: {msg}") from None
+        problem = specerrors.explain_validation(e, data, JobSpec)
+        raise SpecError(f"{_at(source, text, problem.path)}: {problem.message}") from None
     return _validate(spec, source, check_paths=check_paths)
+
+
+def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
+    """Keys of [sampling] and of each dataset's `sampling` that SGLang's sampling_params does not take."""
+    tables: list[tuple] = [("sampling",)]
+    datasets = data.get("datasets")
+    if isinstance(datasets, list):
+        tables += [("datasets", i, "sampling") for i, d in enumerate(datasets) if isinstance(d, dict)]
+    problems = []
+    for path in tables:
+        params = specerrors.value_at(data, path)
+        if not isinstance(params, dict):
+            continue
+        for key in params:
+            if key not in SAMPLING_KEYS:
+                hint = ("; there is no `seed`: use `sampling_seed`, honoured only with --enable-deterministic-inference"
+                        if key == "seed" else specerrors.did_you_mean(key, SAMPLING_KEYS)
+                        or "; SGLang's sampling_params takes: " + ", ".join(sorted(SAMPLING_KEYS)))
+                problems.append(specerrors.KeyProblem((*path, key), f"unknown sampling key `{key}` "
+                                                                  f"{specerrors.where(path, data)}{hint}"))
+    return problems
+
+
+def _at(source: Path, text: str, path: tuple) -> str:
+    """`file:line` of the key at `path` in the spec's text (just the file when the line cannot be told)."""
+    line = specerrors.key_line(text, path)
+    return f"{source}:{line}" if line else str(source)
 
 
 def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
