@@ -253,7 +253,10 @@ def test_each_fault_fails_its_own_check(tmp_path, kimi, fault):
         assert max(by.values()) > 0.2 and "dataset" in check(r, name).message
     if fault == "failures":
         assert (s.rd.merged_dir / "failed_ids.txt").read_text().split() == [s.refs[2].id, s.refs[9].id]
-        assert r.overall.errors == {"server error N: boom": 2}
+        # counted by failure kind, shown with one real message (not folded into "server error N: boom")
+        assert r.overall.errors == {"rejected": 2}
+        assert r.overall.error_examples == {"rejected": "server error 500: boom"}
+        assert "rejected (2); e.g. 'server error 500: boom'" in check(r, name).message
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     assert dom.count("<script") == 2, "only the page's own scripts"
     # Failures: counted by kind, shown with a real message.
     failures = dom.split('<table id="failures">')[1].split("</table>")[0]
-    assert "server error N: boom" in failures and "server error 500: boom" in failures
+    assert ">rejected<" in failures and "server error 500: boom" in failures and "server error N" not in failures
     png = tmp_path / "audit.png"
     subprocess.run([chromium, *flags, f"--screenshot={png}", "--window-size=1200,1600", page.as_uri()],
                    capture_output=True, timeout=60, check=True)

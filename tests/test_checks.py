@@ -57,6 +57,13 @@ def test_failed_share():
     assert "2 of 10 prompts failed (20.0%, limit 10.0%): timeout (2). Ids in runs/r/f.txt" in bad.message
 
 
+def test_failed_share_names_failure_kinds_with_a_real_message():
+    msg = "SGLang's NaN stop (finish_reason matched 'NaN happened'): a token sampled from NaN logits after 41 tokens"
+    bad = checks.failed_share(stats(ok=0, failed=10, errors={"nan": 10}, error_examples={"nan": msg}), 0.1,
+                              RUN / "f.txt", RUN)
+    assert f"nan (10); e.g. {msg!r}" in bad.message and "'…'" not in bad.message
+
+
 def test_nan_stop():
     assert checks.nan_stop(ReasoningCounts(), [], RUN).passed
     bad = checks.nan_stop(ReasoningCounts(nan_stops=1, nan_failed=2), ["x"], RUN)

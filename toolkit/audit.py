@@ -76,6 +76,7 @@ class _Acc:
         self.stats = DatasetStats(name=name, planned=planned)
         self.finish: Counter = Counter()
         self.errors: Counter = Counter()
+        self.error_examples: dict[str, str] = {}  # failure kind -> the first real message of that kind
         self.r = ReasoningCounts()
         self.prompt_len, self.output_len = array("I"), array("I")
         self.reasoning_len, self.content_len = array("I"), array("I")
@@ -92,7 +93,8 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 
 def _error_kind(error: str | None) -> str:
-    """An error message with its particulars (numbers, quoted names) folded, to count failures by kind."""
+    """A failure without a kind (written by an older toolkit): its message with the particulars (numbers, quoted
+    names) folded, to count such failures by what they say."""
     if not error:
         return "(no message)"
     text = _QUOTED.sub("'…'", _DIGITS.sub("N", error.splitlines()[0]))
@@ -184,8 +186,9 @@ class Auditor:
         if rec.status != OK:
             st.failed += 1
             sh.failed += 1
-            kind = _error_kind(rec.error)
+            kind = rec.failure or _error_kind(rec.error)  # records of older toolkits carry no failure kind
             acc.errors[kind] += 1
+            acc.error_examples.setdefault(kind, (rec.error or "(no message)").splitlines()[0][:300])
             self.samples.error(rec.dataset, kind, rec.error)
             if rec.failure == "nan":
                 acc.r.nan_failed += 1
@@ -370,6 +373,7 @@ def _finish_acc(acc: _Acc, tops: dict[str, int] | None = None) -> DatasetStats:
     st.content_len = _lengths(acc.content_len)
     st.finish = dict(acc.finish.most_common())
     st.errors = dict(acc.errors.most_common(20))
+    st.error_examples = {k: acc.error_examples[k] for k in st.errors if k in acc.error_examples}
     st.length_share = acc.finish.get("length", 0) / st.ok if st.ok else 0.0
     st.reasoning = acc.r
     tops = tops or {}
@@ -389,6 +393,8 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
             setattr(s, f, getattr(s, f) + getattr(a.stats, f))
         out.finish.update(a.finish)
         out.errors.update(a.errors)
+        for k, v in a.error_examples.items():
+            out.error_examples.setdefault(k, v)
         for f in ReasoningCounts.__struct_fields__:
             setattr(out.r, f, getattr(out.r, f) + getattr(a.r, f))
         for f in ("prompt_len", "output_len", "reasoning_len", "content_len"):

@@ -84,7 +84,8 @@ class DatasetStats(msgspec.Struct):
     reasoning_len: Lengths = msgspec.field(default_factory=Lengths)
     content_len: Lengths = msgspec.field(default_factory=Lengths)
     finish: dict[str, int] = {}
-    errors: dict[str, int] = {}
+    errors: dict[str, int] = {}          # failed records per failure kind (`nan`, `server_error`, ...)
+    error_examples: dict[str, str] = {}  # failure kind -> one real message of that kind
     length_share: float = 0.0
     reasoning: ReasoningCounts = msgspec.field(default_factory=ReasoningCounts)
     histograms: dict[str, Histogram] = {}

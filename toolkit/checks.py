@@ -122,6 +122,9 @@ def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Pa
     planned = overall.planned
     share = overall.failed / planned if planned else 0.0
     top = ", ".join(f"{k} ({v})" for k, v in list(overall.errors.items())[:3])
+    first = next(iter(overall.errors), None)
+    if first is not None and overall.error_examples.get(first):
+        top += f"; e.g. {overall.error_examples[first]!r}"
     return _check(
         "failed_share", share <= limit, share, limit,
         f"{overall.failed} of {planned} prompts failed ({share:.1%}, limit {limit:.1%})"

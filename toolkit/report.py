@@ -303,7 +303,7 @@ if ((R.samples || []).some(d => d.outputs.length)) {
 const fails = [];
 for (const d of R.datasets) {
   const ex = ((R.samples || []).find(x => x.dataset === d.name) || {errors: {}}).errors;
-  for (const [kind, n] of Object.entries(d.errors)) fails.push([d.name, n, kind, ex[kind] || '-']);
+  for (const [kind, n] of Object.entries(d.errors)) fails.push([d.name, n, kind, (d.error_examples || {})[kind] || ex[kind] || '-']);
 }
 if (fails.length) {
   main.append($('h2', {}, 'Failures'));
