@@ -206,3 +206,25 @@ def test_toolkit_run_into_a_pipe_has_only_log_lines(tmp_path, toy_tokenizer):
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "prompts [" not in r.stderr and "\x1b" not in r.stderr
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", x) for x in r.stderr.splitlines())
+
+
+def test_commands_on_a_run_take_the_job_file_and_say_which_run_they_use(tmp_path, toy_tokenizer):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 6}, shards=1)
+    runs.write_run(s)
+    job = str(tmp_path / "job.toml")
+    for argv in (["merge", job], ["audit", job], ["status", job, "--json"], ["logs", job, "--failed"],
+                 ["export", job, "--format", "jsonl"]):
+        r = toolkit(*argv)
+        assert "looks like a job spec" not in r.stderr and "toolkit: error" not in r.stderr, (argv, r.stderr)
+        assert f"run directory: {s.root} (the newest run of job {job})" in r.stderr, (argv, r.stderr)
+    assert (s.root / "export" / "records.jsonl").exists()
+
+
+def test_a_job_file_without_a_run_yet_says_how_to_make_one(tmp_path, toy_tokenizer):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 2}, shards=1)
+    other = tmp_path / "other.toml"
+    other.write_text((tmp_path / "job.toml").read_text().replace('name = "synthetic-kimi"', 'name = "other"'))
+    r = toolkit("status", str(other))
+    assert r.returncode == 2
+    assert f"toolkit: error: {other}: job 'other' has no run in its output_dir {s.root} yet (it holds 1 run(s) of " \
+           f"other jobs); `toolkit run {other}` or `toolkit submit {other}` makes one" in r.stderr

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN, ToolkitError
 
@@ -303,12 +304,12 @@ def _add_slurm_commands(sub) -> None:
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     _add_resource_flags(s)
     s.set_defaults(func=cmd_resubmit)
 
     s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     s.set_defaults(func=cmd_cancel)
 
 
@@ -318,7 +319,7 @@ def _add_status_commands(sub) -> None:
     s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
                        "when complete and healthy", description=STATUS_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
     s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
     s.add_argument("--json", action="store_true",
@@ -329,7 +330,7 @@ def _add_status_commands(sub) -> None:
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("shard", type=int, nargs="?", help="shard index")
     s.add_argument("-f", "--follow", action="store_true",
                    help="keep printing what is appended, like tail -f; ends when the shard is done, failed or stopped")
@@ -351,7 +352,7 @@ def _add_merge_commands(sub) -> None:
         "(RUN/merged/audit.json, audit.html) unless --no-audit.\n\n"
         "exit codes: 0 merged and audit passed, 1 audit failed or records missing/damaged, 2 cannot merge",
     )
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("--allow-incomplete", action="store_true",
                    help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt")
     s.add_argument("--no-audit", action="store_true", help="only merge")
@@ -365,7 +366,7 @@ def _add_merge_commands(sub) -> None:
         "job's [audit] table. Writes RUN/merged/audit.json, audit.html and failed_ids.txt (missing_ids.txt is the merge's).\n\n"
         "exit codes: 0 passed, 1 a check failed, 2 no merged dataset or unreadable run",
     )
-    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
+    s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
     s.set_defaults(func=cmd_audit)
 
     s = sub.add_parser(
@@ -382,7 +383,7 @@ def _add_merge_commands(sub) -> None:
         "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
         "                 `content` and `reasoning_content` kept apart",
     )
-    s.add_argument("run", help="run directory (merged with `toolkit merge`)")
+    s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
     s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
     s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
                    "tokens.jsonl or conversations.jsonl)")
@@ -397,7 +398,7 @@ def _add_retry_command(sub) -> None:
         "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=retry.__doc__.split("\n", 2)[2],
     )
-    s.add_argument("run", help="run directory")
+    s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("--ids", metavar="FILE", help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
                                                 "permanent failures and ok records included")
     s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
@@ -419,6 +420,24 @@ def package_version() -> str:
 QUIET_TOKENIZER = {"check", "submit", "resubmit", "status", "logs", "merge", "audit", "export", "cancel"}
 
 
+# Commands on a run directory that also take the job file that made it (its newest run in output_dir).
+TAKES_A_JOB_FOR_ITS_RUN = {"status", "logs", "resubmit", "cancel", "retry", "merge", "audit", "export"}
+RUN_HELP_ARG = "run directory, or the job file (its newest run in output_dir)"
+
+
+def _run_arg(arg: str) -> str:
+    """A run directory as given, or the newest run of a job file (said on stderr, so scripts can tell)."""
+    from .files import shown_path
+    from .plan import run_of_job
+
+    p = Path(arg)
+    if not (p.is_file() and p.suffix == ".toml"):
+        return arg
+    run = run_of_job(p)
+    print(f"run directory: {shown_path(run)} (the newest run of job {p})", file=sys.stderr)
+    return str(run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -430,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.command in QUIET_TOKENIZER and not args.verbose
     logging.getLogger("toolkit.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
+        if args.command in TAKES_A_JOB_FOR_ITS_RUN:
+            args.run = _run_arg(args.run)
         return args.func(args)
     except ToolkitError as e:  # every toolkit error, with the exit code it carries
         print(f"toolkit: error: {e}", file=sys.stderr)

@@ -35,7 +35,7 @@ from .files import atomic_write, sha256_file
 from .fmt import file_stamp, utc_now
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .rundir import RunDir
-from .spec import JobSpec
+from .spec import JobSpec, load_spec
 from .turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
@@ -306,6 +306,19 @@ def runs_in(output_dir: str | os.PathLike) -> list[tuple[Path, RunPlan | None]]:
             except PlanError:
                 found.append((path, None))
     return sorted(found, key=lambda x: (x[1].created if x[1] else "", x[0] != root, x[0].name))
+
+
+def run_of_job(job: str | os.PathLike) -> Path:
+    """The run directory a job file stands for where a command wants a run: the newest run of that job (by name) in
+    its output_dir (and the runs --new-run made beside it). PlanError when it has none yet."""
+    spec = load_spec(job, check_paths=False)
+    runs = runs_in(spec.output_dir)
+    mine = [path for path, p in runs if p is not None and p.name == spec.name]
+    if not mine:
+        others = f" (it holds {len(runs)} run(s) of other jobs)" if runs else ""
+        raise PlanError(f"{job}: job {spec.name!r} has no run in its output_dir {spec.output_dir} yet{others}; "
+                        f"`toolkit run {job}` or `toolkit submit {job}` makes one")
+    return mine[-1]
 
 
 def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
