@@ -228,3 +228,12 @@ def test_a_job_file_without_a_run_yet_says_how_to_make_one(tmp_path, toy_tokeniz
     assert r.returncode == 2
     assert f"toolkit: error: {other}: job 'other' has no run in its output_dir {s.root} yet (it holds 1 run(s) of " \
            f"other jobs); `toolkit run {other}` or `toolkit submit {other}` makes one" in r.stderr
+
+
+def test_logs_without_a_shard_or_with_one_that_does_not_exist_is_a_toolkit_error(tmp_path, toy_tokenizer):
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 4}, shards=2)
+    r = toolkit("logs", str(s.root))
+    assert r.returncode == 2 and r.stderr.startswith("toolkit: error: which shard? the run ")
+    assert "has shards 0..1: e.g. `toolkit logs" in r.stderr
+    r = toolkit("logs", str(s.root), "7")
+    assert r.returncode == 2 and r.stderr.startswith("toolkit: error: no shard 7: the run ") and "has shards 0..1" in r.stderr

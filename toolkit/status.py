@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from .errors import EXIT_UNKNOWN  # some state cannot be known (Slurm did not answer)
+from .errors import EXIT_UNKNOWN, BadInputError  # EXIT_UNKNOWN: some state cannot be known (Slurm did not answer)
 from .files import shown_path
 from .plan import load_run
 from .progress import read_progress, worker_gone
@@ -432,6 +432,11 @@ def _retryable(rd: RunDir, plan) -> dict[int, int]:
     return out
 
 
+def _has_shards(rd: RunDir, plan) -> str:
+    n = len(plan.shards)
+    return f"the run {rd.shown} has only shard 0" if n == 1 else f"the run {rd.shown} has shards 0..{n - 1}"
+
+
 def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bool = False, server: bool = False,
                  failed: bool = False, lines: int = 40) -> int:
     """`toolkit logs`: a shard's worker (or engine) log, followed with `follow`; or with `failed` every failure."""
@@ -444,11 +449,10 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
         rc = _print_failed(rd, lines)
         return max(rc, 1 if retryable else 0)
     if shard is None:
-        print("which shard? e.g. `toolkit logs RUN 0`; --failed shows every failed shard", file=sys.stderr)
-        return 2
+        raise BadInputError(f"which shard? {_has_shards(rd, plan)}: e.g. `toolkit logs {rd.shown} 0`; --failed "
+                            "shows every failed record")
     if not 0 <= shard < len(plan.shards):
-        print(f"no shard {shard}: the run has shards 0..{len(plan.shards) - 1}", file=sys.stderr)
-        return 2
+        raise BadInputError(f"no shard {shard}: {_has_shards(rd, plan)}")
     path = rd.server_log_file(shard) if server else rd.log_file(shard)
     if follow:
         try:
