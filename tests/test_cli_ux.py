@@ -237,3 +237,21 @@ def test_logs_without_a_shard_or_with_one_that_does_not_exist_is_a_toolkit_error
     assert "has shards 0..1: e.g. `toolkit logs" in r.stderr
     r = toolkit("logs", str(s.root), "7")
     assert r.returncode == 2 and r.stderr.startswith("toolkit: error: no shard 7: the run ") and "has shards 0..1" in r.stderr
+
+
+def test_a_workers_first_lines_read_as_plain_english():
+    from toolkit.progress import Progress
+    from toolkit.worker import _resume_line, _where
+
+    assert _where(Progress(shard=0, total=1, host="vm")) == "on vm, not under Slurm"  # not `array None_None`
+    assert _where(Progress(shard=0, total=1, host="n1", gpus="0,1", job_id="12", array_job_id="10",
+                           array_task_id="3", restart_count=2)) == \
+        "on n1, GPUs 0,1, Slurm job 12 (array 10, task 3), requeued 2 times"
+    assert _where(Progress(shard=0, total=1, host="n1", job_id="12")) == "on n1, Slurm job 12"
+    assert _resume_line(30, 0, 30, 0, 0) == "30 prompts to generate"
+    # not "26 of 30 already recorded; 12 to generate" (26 + 12 > 30)
+    assert _resume_line(30, 26, 12, 8, 0) == \
+        "30 prompts: 26 have a record, 18 kept; 12 to generate: 4 never generated and 8 again (8 failures that may pass)"
+    assert _resume_line(1, 1, 1, 0, 1) == \
+        "1 prompt: 1 has a record, 0 kept; 1 to generate: 1 again (1 asked for by `toolkit retry`)"
+    assert _resume_line(30, 30, 0, 0, 0) == "30 prompts: all have a record; nothing to generate"

@@ -261,6 +261,41 @@ async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
     return fut.result()
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _where(p: Progress) -> str:
+    """Where this attempt runs, in words: host, GPUs, and the Slurm job when there is one."""
+    out = f"on {p.host}" + (f", GPUs {p.gpus}" if p.gpus else "")
+    if p.array_job_id and p.array_task_id is not None:
+        out += f", Slurm job {p.job_id} (array {p.array_job_id}, task {p.array_task_id})"
+    elif p.job_id:
+        out += f", Slurm job {p.job_id}"
+    else:
+        out += ", not under Slurm"
+    if p.restart_count:
+        out += f", requeued {_count(p.restart_count, 'time')}"
+    return out
+
+
+def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: int) -> str:
+    """What this attempt finds and does: e.g. `30 prompts: 26 have a record, 18 kept; 12 to generate: 4 never
+    generated and 8 again (8 failures that may pass)`."""
+    if not recorded:
+        return f"{_count(total, 'prompt')} to generate"
+    again = transient + asked
+    kept = recorded - again
+    if not todo:
+        return f"{_count(total, 'prompt')}: all have a record; nothing to generate"
+    why = ", ".join(x for x in (f"{transient} failure{'s' if transient != 1 else ''} that may pass" if transient else "",
+                                f"{asked} asked for by `toolkit retry`" if asked else "") if x)
+    parts = [f"{todo - again} never generated" if todo - again else "", f"{again} again ({why})" if again else ""]
+    return (f"{_count(total, 'prompt')}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} kept; "
+            f"{todo} to generate: "
+            + " and ".join(x for x in parts if x))
+
+
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
     h = logging.FileHandler(path)
@@ -402,9 +437,8 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
     sh = Shard(rd, plan, shard)
     try:
         ctx = sh.progress
-        log.info("shard %d of run %s (%s): %d prompts; host %s, GPUs %s, job %s, array %s_%s, requeues %d",
-                 shard, plan.name, plan.fingerprint, sh.sp.count, ctx.host, ctx.gpus, ctx.job_id,
-                 ctx.array_job_id, ctx.array_task_id, ctx.restart_count)
+        log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, "prompt"),
+                 _where(ctx))
         if _already_complete(rd, plan, shard):
             return DONE
         check_plan_inputs(plan)
@@ -419,9 +453,8 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
             sh.history = _turn_history(rd, plan, shard, redo)
             sh.recorded = len(done_ids) - len(redo)
             sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
-            log.info("%d of %d prompts already recorded; %d to generate (%d of them again: %d transient failures, "
-                     "%d asked by `toolkit retry`)", len(done_ids), sh.sp.count, len(todo), len(redo),
-                     len(redo & sh.writer.transient), len(redo - sh.writer.transient))
+            log.info("%s", _resume_line(sh.sp.count, len(done_ids), len(todo), len(redo & sh.writer.transient),
+                                        len(redo - sh.writer.transient)))
             sh.progress.resumed = sh.recorded
             result = DONE
             if todo:
