@@ -153,7 +153,7 @@ def test_the_length_rule_is_sglangs(tmp_path, toy_tokenizer):
         text = job.read_text().replace("max_new_tokens = 256", f"max_new_tokens = {mnt}")
         text = text.replace('kind = "stub"', f'kind = "sglang"\nextra_args = {json.dumps(flag.format(ctx).split(" "))}')
         (tmp_path / "j.toml").write_text(text)
-        return preflight(tmp_path / "j.toml").warnings
+        return [w for w in preflight(tmp_path / "j.toml").warnings if "cannot start SGLang" not in w]
 
     assert any("lowers their max_new_tokens" in w for w in run(n + 100, 100))
     assert any("lowers their max_new_tokens" in w for w in run(n + 101, 100, "--context-length {}"))
@@ -256,3 +256,36 @@ def test_prompts_measured_by_their_tail_give_the_exact_answers(tmp_path, real_to
         if n is None:
             n = max(lengths(job))
             assert n + 2000 > 6_000 and sum(results[0][0].values()) == 24  # the second context refuses some
+
+
+@pytest.fixture
+def no_sglang(monkeypatch):
+    """This Python as a login node has it: no `sglang` module to import."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+
+
+def test_check_notes_that_this_python_cannot_start_sglang_and_run_refuses_it(tmp_path, toy_tokenizer, capsys,
+                                                                             no_sglang):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=3, engine={"kind": "sglang"},
+                   stub={})
+    assert main(["check", str(job)]) == 0  # a login node that only submits needs no SGLang
+    out = capsys.readouterr().out
+    assert "warning: [engine] kind = \"sglang\": this Python (" in out
+    assert "cannot start SGLang (no module named 'sglang'); install it where the engine runs: pip install " \
+           "'toolkit[sglang]'. A login node that only submits needs none" in out
+    assert main(["run", str(job)]) == 2  # a local run would start it here: refused before anything is written
+    err = capsys.readouterr().err
+    assert "toolkit: error: [engine] kind = \"sglang\": this Python (" in err and "or run the job where SGLang is " \
+                                                                              "installed" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_sglang_note_for_the_stub_or_a_custom_launcher(tmp_path, toy_tokenizer, capsys, no_sglang):
+    tok = toy_tokenizer("kimi")
+    for i, engine in enumerate(({"kind": "stub"}, {"kind": "sglang", "command": ["my-launcher", "{port}"]})):
+        job = make_job(tmp_path / str(i), tok, n=2, engine=engine)
+        assert main(["check", str(job)]) == 0
+        assert "cannot start SGLang" not in capsys.readouterr().out

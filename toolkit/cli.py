@@ -93,7 +93,7 @@ def cmd_worker(args) -> int:
 def cmd_run(args) -> int:
     from .pipeline import prepare_run
 
-    prep = prepare_run(args.job, new_run=args.new_run)
+    prep = prepare_run(args.job, new_run=args.new_run, local=True)
     rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))

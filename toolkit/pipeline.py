@@ -25,7 +25,7 @@ from typing import Any
 from . import audit, report
 from .merge import finished_shards, merge_run
 from .plan import PlanError, RunPlan, create_run, find_run, load_run
-from .preflight import Preflight, preflight
+from .preflight import Preflight, preflight, require_engine_here
 from .rundir import RunDir
 from .spec import JobSpec
 
@@ -52,16 +52,19 @@ class PreparedRun:
 
 def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool = False,
                 check_tokenizer: bool = True, validate: Callable[[RunPlan, RunDir], Any] | None = None,
-                print_warnings: bool = True, as_submitted: bool = False) -> PreparedRun:
+                print_warnings: bool = True, as_submitted: bool = False, local: bool = False) -> PreparedRun:
     """The pre-flight of `job`, then `validate(plan, run_dir)` (e.g. the resources against the cluster; `run_dir`
     is where the run is or would go: plan.find_run), then its run directory created or resumed (the newest run of
     this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
     refusal comes before anything is written.
 
     With `dry_run` nothing is written, and another job's run in output_dir is a warning (creating the run refuses
-    it), unless `as_submitted` (submit's dry run refuses what submit refuses). Raises the pre-flight's errors
+    it), unless `as_submitted` (submit's dry run refuses what submit refuses). With `local` (the shards run here),
+    an engine this Python cannot start is refused. Raises the pre-flight's errors
     (ToolkitError, exit 2) and whatever `validate` raises."""
     pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
+    if local:  # run here: the engine must start here
+        require_engine_here(pf.spec)
     if print_warnings:
         pf.print_warnings()
     try:
@@ -86,7 +89,8 @@ def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger) -> tuple
     from .shardfile import held_elsewhere, read_done
     from .worker import STOPPED, ShardBusy, ShardFailed, run_shard
 
-    rd = RunDir(run_dir)
+    rd, plan = load_run(run_dir)
+    require_engine_here(plan.spec)
     todo, busy, failed = deque(shards), [], []
     while todo or busy:
         if not todo:  # every other shard is done here: wait for those generated elsewhere

@@ -17,6 +17,7 @@ but does not stop the run comes back as warnings. Rendered ids are not kept: the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -103,6 +104,25 @@ class Preflight:
             print(f"toolkit: warning: {w}", file=file or sys.stderr)
 
 
+def sglang_missing(spec: JobSpec) -> str | None:
+    """Why this Python cannot start the job's engine, when it is SGLang launched by the toolkit (`sys.executable -m
+    sglang.launch_server`) and no `sglang` module is importable here; None when it can (or launches otherwise)."""
+    e = spec.engine
+    if e.kind != "sglang" or e.command:
+        return None
+    if importlib.util.find_spec("sglang") is not None:
+        return None
+    return (f"[engine] kind = \"sglang\": this Python ({sys.executable}) cannot start SGLang (no module named "
+            "'sglang'); install it where the engine runs: pip install 'toolkit[sglang]'")
+
+
+def require_engine_here(spec: JobSpec) -> None:
+    """Before a local run: refuse an engine this Python cannot start (nothing is planned or written)."""
+    why = sglang_missing(spec)
+    if why:
+        raise PreflightError([why + ", or run the job where SGLang is installed"])
+
+
 def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_other_run: bool = True,
               exact: bool = False) -> Preflight:
     """Load, plan and verify `job` completely; raise SpecError / InputError / PlanError / ChatError (a stage that
@@ -115,6 +135,10 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     check_output_dir(spec.output_dir, job)
     plan, refs = plan_job(spec)
     pf = Preflight(spec, plan, refs)
+    missing = sglang_missing(spec)
+    if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
+        pf.warnings.append(f"{missing}. A login node that only submits needs none, but the Slurm tasks run this same "
+                           "Python unless [slurm] setup activates another environment: that one needs it")
     if warn_other_run:
         _check_run_dir(pf)
     if check_tokenizer:
