@@ -297,6 +297,29 @@ def _png_rows(path: Path) -> tuple[int, int, np.ndarray]:
     return width, height, rows[:, 1:]
 
 
+def test_sample_outputs_are_the_first_in_planned_order_each_beside_its_prompt(tmp_path, kimi):
+    import json
+
+    from toolkit.samples import SAMPLES, shorten
+
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 24}, shards=2)
+    runs.write_run(s, window=24)  # each shard's records written in an order far from the planned one
+    order = [r.index for r in read_merged_in_file_order(s)]
+    assert order != sorted(order), "the shards' files hold their records out of planned order"
+    merge_and_audit(s.root)
+    shown = report(s).samples[0].outputs
+    assert [o.id for o in shown] == [s.refs[i].id for i in range(SAMPLES)]
+    for o, i in zip(shown, range(SAMPLES)):
+        line = (tmp_path / "math.jsonl").read_text().splitlines()[s.refs[i].line - 1]
+        assert o.prompt == shorten(json.loads(line)["messages"][-1]["content"])
+
+
+def read_merged_in_file_order(s: runs.Synth):
+    from toolkit.shardfile import read_shard
+
+    return [r for sp in s.plan.shards for r in read_shard(s.rd.shard_file(sp.index))]
+
+
 def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     assert Path(chromium).exists(), "install Chromium: tests/install-browser.sh (apt-get install chromium)"
@@ -342,6 +365,7 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     assert f"&lt;/think&gt;  id {te}</span>" in samples and f"no think-end (id {te}) in this output" in samples
     assert f"&lt;|im_end|&gt;  id {s.eos} · finish stop" in samples
     assert 'alert("x")' in samples and "&lt;script&gt;alert" in samples and "&lt;b&gt;bold&lt;/b&gt; &amp; co" in samples
+    assert samples.count('<div class="part prompt">') == 6 and "last user message" in samples
     assert dom.count("<script") == 2, "only the page's own scripts"
     # Failures: counted by kind, shown with a real message.
     failures = dom.split('<table id="failures">')[1].split("</table>")[0]

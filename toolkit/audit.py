@@ -39,6 +39,7 @@ from .auditreport import (
 from .checks import run_checks
 from .files import atomic_write, sha256_file
 from .fmt import utc_now
+from .inputs import InputError, PromptReader
 from .merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
 from .plan import RunPlan, load_run
 from .progress import read_progress
@@ -55,7 +56,7 @@ from .records import (
 )
 from .reprompt import rerender, sample_positions
 from .rundir import RunDir
-from .samples import SampleCollector
+from .samples import SampleCollector, last_user_text
 from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 
 __all__ = ["Auditor", "audit_run"]
@@ -268,6 +269,24 @@ class Auditor:
                 r.double_think_start += 1
                 self._example("double_think_start", rec.id)
 
+    def _samples(self, *, trust_sources: bool) -> list:
+        """The report's sample outputs, each beside its prompt read from its source line (not when the prompt files
+        changed since the run was planned: a line would be another prompt)."""
+        plan = self.plan
+        with PromptReader() as reader:
+            def prompt_of(rec) -> str | None:
+                ref = self.refs.at(rec.index) if trust_sources else None
+                if ref is None:
+                    return None
+                ds = plan.datasets[ref.dataset]
+                try:
+                    prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+                except (OSError, InputError):
+                    return None
+                return last_user_text(prompt.messages, ref.turn if ds.regenerate else None)
+
+            return self.samples.finish(self.tok, self.info.think_end_id, prompt_of)
+
     def problem(self, name: str, message: str) -> None:
         """A failure found outside the records (e.g. a damaged merged file)."""
         self.problems.append(Check(name, False, None, None, message))
@@ -310,7 +329,7 @@ class Auditor:
             ),
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
             turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
-            samples=self.samples.finish(self.tok, info.think_end_id), continued=manifest.continued,
+            samples=self._samples(trust_sources=problem is None), continued=manifest.continued,
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:

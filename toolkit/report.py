@@ -144,6 +144,7 @@ th{background:#f6f8fa} td.l,th.l{text-align:left} tr.bad td{background:#ffebe9} 
 pre{white-space:pre-wrap;word-break:break-word;font:12.5px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;
   margin:3px 0;padding:6px 9px;border-radius:5px;max-height:220px;overflow:auto}
 .reasoning pre{background:#f6f8fa;color:#424a53} .content pre{background:#fff;border:1px solid #d8dee4}
+.prompt pre{background:#fff8c5;color:#3b2300;max-height:90px}
 pre.empty{color:#8c959f;font-style:italic}
 .gap{display:block;color:#8c959f;font-style:italic;margin:4px 0;padding:1px 0;text-align:center;border-top:1px dashed #d0d7de;border-bottom:1px dashed #d0d7de}
 .tok{display:inline-block;font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;padding:1px 8px;border-radius:10px;
@@ -279,7 +280,9 @@ function sample(s) {
   const stop = s.stop_token !== null
     ? $('span', {class: 'tok stop', title: 'the stop token SGLang matched (last output id)'}, `${s.stop_token}  id ${m} · finish ${s.finish}`)
     : $('span', {class: 'tok missing'}, (typeof m === 'string' ? `stop string ${JSON.stringify(m)}` : 'no stop token') + ` · finish ${s.finish}`);
-  return $('div', {class: 'sample'}, head,
+  const prompt = $('div', {class: 'part prompt'}, $('span', {class: 'label'}, 'prompt · last user message'),
+    s.prompt === null || s.prompt === undefined ? $('pre', {class: 'empty'}, '(source line not readable)') : $('pre', {}, s.prompt));
+  return $('div', {class: 'sample'}, head, prompt,
     part('reasoning', 'reasoning', s.reasoning_head, s.reasoning_tail, s.reasoning_omitted, s.reasoning_tokens),
     $('div', {}, te),
     part('content', 'content', s.content_head, s.content_tail, s.content_omitted, s.content_tokens),
@@ -287,7 +290,7 @@ function sample(s) {
 }
 if ((R.samples || []).some(d => d.outputs.length)) {
   main.append($('h2', {}, 'Sample outputs'));
-  main.append($('p', {class: 'note'}, 'The first outputs of each dataset (one swapped for an output that looks wrong, when ' +
+  main.append($('p', {class: 'note'}, 'The first outputs of each dataset in planned order, each under its prompt (its last user message, shortened; one swapped for an output that looks wrong, when ' +
     'there is one), decoded from merged/records.zst with the run\'s tokenizer and split where the audit splits them: ' +
     'at the think-end id. Long parts show their head and tail.'));
   const box = $('div', {id: 'samples'});
