@@ -85,7 +85,7 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     assert len(re.findall(r"^\s+\d+ completed ", status, re.M)) == 4 and f"merge: job {merge_id} completed" in status
     for k in range(4):
         log = toolkit("logs", str(run), str(k)).stdout
-        assert f"shard {k} of run" in log and f"array {array_id}_{k}" in log and "GPUs " in log
+        assert f"shard {k} of run" in log and f"(array {array_id}, task {k})" in log and "GPUs " in log
     assert "[stub-engine, not a model]" in toolkit("logs", str(run), "0", "--server").stdout
 
 
@@ -212,7 +212,7 @@ def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
         ({"args": ["--mem", "64G"]}, "--mem 64G (65536 MB) but the nodes of partition 'gpu' have at most"),
         ({"args": ["--time", "5", "--signal-delay-s", "300"]},
          "--time 00:05:00 (300 s) is not longer than --signal-delay-s 300: every task would be told to stop at once"),
-        ({"spec": ("[sampling]", "[sampling]\nseed = 1")}, "unknown sampling key(s) 'seed'"),
+        ({"spec": ("[sampling]", "[sampling]\nseed = 1")}, "unknown sampling key `seed` in [sampling]; there is no `seed`: use `sampling_seed`"),
         ({"line": b'{"id": "x", "messages": [{"role": "user"}]}\n'}, "prompts.jsonl:3: field `messages[0].content`"),
     ],
 )
