@@ -58,3 +58,15 @@ def real_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real-engine tier's model folder (tests/realsglang.py): built once per session by the SGLang venv.
+    A test of the tier fails, with what to run, when that venv is missing."""
+    import realsglang
+
+    why = realsglang.missing()
+    if why:
+        pytest.fail(why)
+    return realsglang.build_model(tmp_path_factory.mktemp("tiny-model"))
