@@ -104,3 +104,35 @@ def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
     assert "got SIGINT again: still stopping, waiting for the engine (pid" in text
     assert "SIGKILL after 6 s ([engine] shutdown_timeout_s)" in text
     assert proc.returncode == 3
+
+
+
+def _with_vocab_size(folder, vocab_size: int) -> None:
+    """Say in `folder`'s config.json that the model has `vocab_size` ids: fewer than its tokenizer makes, as
+    the tokenizer of another model (a wrong [model] tokenizer_path) gives."""
+    import json
+
+    config = folder / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": vocab_size}))
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_prompt_is_sent(tmp_path, kimi, capsys):
+    import shutil
+
+    from toolkit.chat import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(kimi, model)
+    size = len(load_tokenizer(type("M", (), {"path": str(model), "tokenizer_path": None, "chat_template": None,
+                                             "trust_remote_code": False, "chat_template_kwargs": {}})()))
+    job = make_job(tmp_path, model, n=4, sampling={"max_new_tokens": 64})
+    rd, _ = prepared_run(job)  # planned while the model folder was right
+    _with_vocab_size(model, size - 20)
+    assert cli_main(["check", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"the tokenizer makes {size:,} ids but the model has {size - 20:,}" in err
+    assert f"{model / 'config.json'} vocab_size" in err and "SGLang dies on a prompt holding one" in err
+    # The worker refuses it too, before a prompt reaches the engine: no record is written.
+    with pytest.raises(ShardFailed, match="outside its embedding"):
+        run_shard(rd.root, 0)
+    assert not rd.shard_file(0).exists() or list(read_shard(rd.shard_file(0))) == []

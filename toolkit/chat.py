@@ -171,6 +171,49 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
     return info
 
 
+# Where a model folder's config.json keeps the language model's vocabulary size (multimodal models nest it).
+_VOCAB_TABLES = ("", "text_config", "language_config", "llm_config")
+
+
+def model_vocab_size(model: Any) -> tuple[int | None, str]:
+    """(vocab_size of the model's config.json, where it was read), or (None, why not): the rows of the model's
+    embedding that hold trained weights."""
+    config = Path(model.path) / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, f"no readable {config}"
+    for table in _VOCAB_TABLES:
+        section = data.get(table) if table else data
+        value = section.get("vocab_size") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"{config} {table + '.' if table else ''}vocab_size"
+    return None, f"no vocab_size in {config}"
+
+
+def check_model_vocab(tok: Any, info: TokenInfo, model: Any) -> None:
+    """Refuse a tokenizer that makes ids the model has no trained row for: an id past SGLang's padded embedding
+    kills the whole server (an IndexError in its scheduler), one between vocab_size and the padding is read from
+    an untrained row without a word. Nothing to check when the model folder has no vocab_size."""
+    size, where = model_vocab_size(model)
+    if size is None or info.vocab_size <= size:
+        return
+    outside = range(size, info.vocab_size)
+    named = ", ".join(f"{i} {_token_name(tok, i)!r}" for i in list(outside)[:3]) + (", ..." if len(outside) > 3 else "")
+    raise ChatError(
+        f"the tokenizer makes {info.vocab_size:,} ids but the model has {size:,} ({where}): ids {size:,} to "
+        f"{info.vocab_size - 1:,} ({named}) are outside its embedding, and SGLang dies on a prompt holding one; "
+        "use the model's own tokenizer ([model] tokenizer_path) or fix the model's config.json"
+    )
+
+
+def _token_name(tok: Any, token_id: int) -> str:
+    try:
+        return str(tok.convert_ids_to_tokens(token_id))
+    except Exception:  # noqa: BLE001 - a name is only for the message
+        return "?"
+
+
 def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
     """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
     return records.opens_reasoning(input_ids, info.think_start_id, info.blank_ids)

@@ -172,6 +172,7 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, st
     """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
     tok = chat.load_tokenizer(plan.spec.model)
     info = chat.token_info(tok, plan.spec.model)
+    chat.check_model_vocab(tok, info, plan.spec.model)  # before any prompt can reach the engine
     state.info, state.tok = info, tok
     chains = state.chains
     if chains is not None:

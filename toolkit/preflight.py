@@ -188,6 +188,7 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
     spec, m = pf.spec, pf.spec.model
     tok = chat.load_tokenizer(m)
     info = pf.info = chat.token_info(tok, m)
+    chat.check_model_vocab(tok, info, m)
     ctx, source, truncate = context_length(spec, job)
     pf.context, pf.context_source = ctx, source
     if ctx is None:

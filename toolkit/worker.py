@@ -41,7 +41,7 @@ from .client import HttpClient, server_capacity
 from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from .engines.base import EngineError
 from .engines.kinds import make_engine
-from .errors import ToolkitError
+from .errors import BadInputError, ToolkitError
 from .exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from .feed import Budget, Feed, RenderState, Todo, render_thread
 from .files import shown_path
@@ -464,6 +464,10 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
                     sh.progress.error = str(e)
                     sh.save_progress("failed")
                     raise
+                except BadInputError as e:  # the tokenizer or model folder, found by the render thread
+                    sh.progress.error = str(e)
+                    sh.save_progress("failed")
+                    raise ShardFailed(str(e), exit_code=e.exit_code) from None
                 finally:
                     if sh.exit_guard is not None:  # the shard's event loop has returned: its end is not stuck
                         sh.exit_guard.disarm()
