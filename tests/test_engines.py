@@ -238,6 +238,77 @@ def test_sglang_engine_and_its_children_ignore_usr2_and_still_stop(tmp_path, toy
     assert e.proc is None and not process_running(seen["scheduler_pid"])
 
 
+def _ignored(pid: int) -> set[int]:
+    """The signals process `pid` ignores (SigIgn of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    return {sig for sig in range(1, 64) if mask >> (sig - 1) & 1}
+
+
+def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_aborted_and_stopped_it(tmp_path, toy_tokenizer):
+    """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
+    must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
+    from toolkit.client import abort_requests
+    from toolkit.engines.base import group_members
+
+    spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"token_delay_s": 0.02}))
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
+
+    async def go():
+        e.start()
+        http = HttpClient(e.url, api_key=e.api_key)
+        try:
+            await e.wait_ready(http, poll_s=0.2)
+            body = json.dumps({"rid": "r-long", "input_ids": [5, 6, 7],
+                               "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+            answer = asyncio.ensure_future(http.request("POST", "/generate", body, timeout=60))
+            await asyncio.sleep(0.5)
+            members = group_members(e.proc.pid)
+            assert len(members) >= 2, "the stub runs a scheduler child, as SGLang does"
+            assert all(signal.SIGTERM in _ignored(pid) for pid in members if pid != e.proc.pid)
+            for pid in members:
+                os.kill(pid, signal.SIGTERM)
+            await asyncio.sleep(1.5)  # the server's watchdog looks every second for a dead child
+            assert e.alive(), f"the engine died of Slurm's SIGTERM (exit code {e.exit_code()})"
+            await abort_requests(http, ["r-long"])
+            status, data = await answer
+            return status, json.loads(data)
+        finally:
+            http.close()
+
+    try:
+        status, out = asyncio.run(go())
+    finally:
+        e.stop()
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 4000
+    assert e.proc is None
+
+
+def test_an_engine_that_never_became_ready_is_killed_at_once(tmp_path, toy_tokenizer):
+    """Still loading, it holds nothing and ignores SIGTERM (SGLang installs its handler once it serves): no
+    shutdown_timeout_s of waiting for a SIGTERM that cannot work."""
+    import time
+
+    spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"load_delay_s": 120},
+                              engine={"shutdown_timeout_s": 120}))
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
+    e.start()
+    proc = e.proc
+    t0 = time.monotonic()
+    e.stop()
+    assert proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 60
+
+
+def test_sglang_starts_without_its_crash_diagnostics_unless_asked(tmp_path, toy_tokenizer):
+    """SGLang sleeps 5 s before "crash diagnostics" at every stop and crash unless both are 0."""
+    tok = toy_tokenizer("kimi")
+    env = make_engine(sglang_spec(tmp_path, tok), tmp_path / "a.log", probe_ids=[1]).command_env()
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "0" and env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    spec = sglang_spec(tmp_path / "b", tok, env={"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})
+    env = make_engine(spec, tmp_path / "b.log", probe_ids=[1]).command_env()
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1" and env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+
+
 # -- an engine over several nodes -------------------------------------------------------------------------------
 def multi_node_spec(tmp_path, tokenizer, nodes=2, gpus_per_node=8, **engine):
     job = make_job(tmp_path, tokenizer, n=2, engine={"kind": "sglang", "nodes": nodes, "tp_size": nodes * gpus_per_node,

@@ -398,8 +398,9 @@ async def abort_requests(http: HttpClient, rids: list[str] | None, *, timeout: f
     SGLang answers 200 with an empty body whatever it found; the requests it aborts while running end with
     their partial output and finish_reason {"type": "abort", "message": "Aborted", "status_code": null,
     "err_type": null}, those still queued with "Abort in waiting queue" (and usually no output: a request
-    retracted back to the queue keeps what it had already sent on). It matches a rid by prefix (so a rid must
-    not be the prefix of another one in flight). Raises Unreachable.
+    retracted back to the queue keeps what it had already sent on). Over HTTP only an exact rid aborts: the
+    tokenizer manager drops a rid that is not one in flight; its scheduler then matches by prefix, so a rid must
+    not be the prefix of another one in flight (inflight.rid_maker). Raises Unreachable.
     """
     if rids is None:
         await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)

@@ -58,8 +58,9 @@ def _failure_kind(e: Exception) -> str:
 
 
 def rid_maker(sh: Shard, pos: int, made: list[str]):
-    """A fresh rid per HTTP attempt, all of one width: SGLang's scheduler aborts by rid *prefix*, and strings of
-    one length are never prefixes of each other. Unique by (process tag, sequence number); the shard and planned
+    """A fresh rid per HTTP attempt, all of one width: an abort names one exact rid in flight over HTTP, but
+    SGLang's scheduler then aborts every rid it is a *prefix* of, and strings of one length are never prefixes of
+    each other. Unique by (process tag, sequence number); the shard and planned
     position are there for the server's log."""
     def make() -> str:
         sh.rid_seq += 1

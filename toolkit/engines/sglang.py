@@ -90,6 +90,17 @@ class SGLangEngine(Engine):
     def multi_node(self) -> bool:
         return self.engine.nodes > 1
 
+    # SGLang sleeps 5 s "before crash diagnostics" (py-spy dumps, CUDA core dumps) on every shutdown and every
+    # crash unless these are 0: a stop would take 5 s longer, and a crash be noticed 5 s late. Off by default;
+    # [engine] env (or the task's environment) turns them back on.
+    QUIET_CRASH_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+    def command_env(self) -> dict[str, str]:
+        env = super().command_env()
+        for k, v in self.QUIET_CRASH_ENV.items():
+            env.setdefault(k, v)
+        return env
+
     def before_launch(self, argv: list[str], env: dict[str, str]) -> None:
         """Once per engine: SGLang's own parser must accept the flags before a launch loads any weights."""
         if self.engine.command or self.argv_checked:

@@ -59,9 +59,11 @@ class SchedulerProcess:
     child dies with a non-zero code, SIGQUITs the server, which kills its process tree with SIGKILL.
 
     So a SIGTERM to the server's pid alone drains (the stub's drain, as SGLang's), while a SIGTERM to the whole
-    process group (how the toolkit stops an engine) kills the child at once and the server within about a second,
-    without draining. The stub's "scheduler" is a shell that ends on its own once the stub is gone; with
-    --ignore-sigterm it ignores SIGTERM too, so that the whole engine waits for SIGKILL."""
+    process group kills the child at once and the server within about a second, without draining, unless SIGTERM
+    was ignored when the server was started (as the toolkit starts engines): ignored signals stay ignored in
+    children, so the child lives on and the server drains. The stub's "scheduler" is a shell that ends on its own
+    once the stub is gone; with --ignore-sigterm it ignores SIGTERM too, so that the whole engine waits for
+    SIGKILL."""
 
     def __init__(self, ignore_sigterm: bool, interval: float = 1.0):
         script = ("trap '' TERM; " if ignore_sigterm else "") + f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done"
