@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib.util
 import io
+import sys
 import zipfile
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -15,6 +16,15 @@ import pytest
 from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, flag_set, versions
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    """scripts/sglang_flags.py as a module (registered first: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    return script
 
 
 def test_data_names_its_releases_and_sources():
@@ -62,9 +72,7 @@ def test_abbreviations_resolve_as_argparse_resolves_them():
 def test_generator_reads_a_wheel_without_importing_it(tmp_path):
     """The script on a tiny wheel: add_cli_args' own add_argument calls, a helper it hands the parser to, and
     dataclass fields (0.5.2x layout)."""
-    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     server_args = '''
 import argparse
 from sglang.srt.arg_groups.fields.parallel import Parallel
@@ -114,12 +122,85 @@ class Parallel(msgspec.Struct):
 
 
 def test_unsupported_source_stops_the_generator(tmp_path):
-    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("sglang/srt/server_args.py", "class ServerArgs:\n    def add_cli_args(parser):\n"
                                                 "        somewhere.register(parser)\n")
     with pytest.raises(script.Unsupported, match="cannot follow"):
         script.read_wheel(wheel)
+
+
+def test_generator_evaluates_choices_sglang_computes_at_import(tmp_path):
+    """Choices computed by code, as in 0.5.23 and 0.5.9: a helper reading a names module (its plugin branch not
+    taken), a class's dict keys, an Enum's names, a set with an env-gated member, a starred constant; what it
+    cannot follow is recorded as unknown, with the reason."""
+    script = _script()
+    server_args = '''
+import sys
+from sglang.srt.environ import envs
+from sglang.srt.parser.reasoning_parser import ReasoningParser
+from sglang.srt.choices import QUANT, BACKENDS
+DRAFT_QUANT = [*QUANT, "unquant"]
+
+def _parser_choices():
+    module = sys.modules.get("sglang.srt.parser.reasoning_parser")
+    if module is not None:
+        return list(module.ReasoningParser.DetectorMap)
+    from sglang.srt.parser.names import NAMES
+
+    return list(NAMES)
+
+def _modes():
+    from .modes import Mode
+    return list(Mode)
+
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        backends = set(BACKENDS)
+        if envs.SGLANG_ORACLE.get():
+            backends.add("oracle")
+        parser.add_argument("--backend", choices=backends)
+        names = _parser_choices()
+        parser.add_argument("--reasoning-parser", choices=["auto"] + names)
+        parser.add_argument("--old-parser", choices=list(ReasoningParser.DetectorMap.keys()))
+        parser.add_argument("--mode", choices=[m.name.lower() for m in _modes()])
+        parser.add_argument("--draft-quant", choices=DRAFT_QUANT)
+        parser.add_argument("--plugin", choices=registry.names())
+'''
+    files = {
+        "sglang/srt/server_args.py": server_args,
+        "sglang/srt/environ.py": "class EnvBool:\n    pass\nclass Envs:\n    SGLANG_ORACLE = EnvBool(False)\n"
+                                 "envs = Envs()\n",
+        "sglang/srt/parser/reasoning_parser.py": "class ReasoningParser:\n    DetectorMap: dict = {'r1': R1, 'qwen3': Q}\n",
+        "sglang/srt/parser/names.py": "NAMES = ['kimi_k2', 'qwen3']\n",
+        "sglang/srt/modes.py": "from enum import IntEnum\nclass Mode(IntEnum):\n    NONE = 0\n    ALL = 2\n",
+        "sglang/srt/choices.py": "QUANT = ['fp8', 'awq']\nBUILT_IN = frozenset({'pytorch', 'flashinfer'})\n"
+                                 "BACKENDS = set(BUILT_IN)\n",
+    }
+    wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    flags = {f["options"][0]: f for f in script.read_wheel(wheel)["flags"]}
+    assert flags["--backend"]["choices"] == ["flashinfer", "pytorch"], "a set's members sorted; no oracle by default"
+    assert flags["--reasoning-parser"]["choices"] == ["auto", "kimi_k2", "qwen3"]
+    assert flags["--old-parser"]["choices"] == ["r1", "qwen3"]
+    assert flags["--mode"]["choices"] == ["none", "all"]
+    assert flags["--draft-quant"]["choices"] == ["fp8", "awq", "unquant"]
+    assert "choices" not in flags["--plugin"] and "registry.names()" in flags["--plugin"]["choices_unknown"]
+    assert all("choices_unknown" not in f for o, f in flags.items() if o != "--plugin")
+
+
+def test_committed_data_knows_the_parser_choices_of_each_release():
+    for v in versions():
+        fs = flag_set(v)
+        assert not [f.options for f in fs.flags if f.choices_unknown], f"SGLang {v}: choices left unknown"
+    assert {"auto", "kimi_k2", "deepseek-r1", "qwen3"} <= set(flag_set("0.5.23").by_option["--reasoning-parser"].choices)
+    assert {"auto", "kimi_k2", "qwen3_coder"} <= set(flag_set("0.5.23").by_option["--tool-call-parser"].choices)
+    assert flag_set("0.5.23").by_option["--kv-canary-real-data"].choices == ("none", "partial", "all")
+    assert "token_oracle" not in flag_set("0.5.23").by_option["--sampling-backend"].choices
+    assert {"kimi_k2", "deepseek-r1"} <= set(flag_set("0.5.9").by_option["--reasoning-parser"].choices)
+    assert "auto" not in flag_set("0.5.9").by_option["--reasoning-parser"].choices
+    assert {"kimi_k2", "qwen25"} <= set(flag_set("0.5.9").by_option["--tool-call-parser"].choices)
