@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, flag_set, versions
+from jobfiles import make_job
+from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, check_extra_args, flag_set, versions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,3 +205,33 @@ def test_committed_data_knows_the_parser_choices_of_each_release():
     assert {"kimi_k2", "deepseek-r1"} <= set(flag_set("0.5.9").by_option["--reasoning-parser"].choices)
     assert "auto" not in flag_set("0.5.9").by_option["--reasoning-parser"].choices
     assert {"kimi_k2", "qwen25"} <= set(flag_set("0.5.9").by_option["--tool-call-parser"].choices)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--reasoning-parser", "kimi-k2"], "`--reasoning-parser`: invalid choice `kimi-k2`; did you mean `kimi_k2`"),
+    (["--tool-call-parser=qwen3-coder"], "`--tool-call-parser`: invalid choice `qwen3-coder`; did you mean `qwen3_coder`"),
+    (["--reasoning-parser", "nope"], "`--reasoning-parser`: invalid choice `nope` (choose from auto, apertus2509,"),
+    (["--sampling-backend", "token_oracle"], "`--sampling-backend`: invalid choice `token_oracle`"),
+    (["--kv-canary-real-data", "Partial"], "invalid choice `Partial`; did you mean `partial`?"),
+])
+def test_choices_sglang_computes_at_import_are_checked(extra, expected):
+    (problem,) = check_extra_args(extra)
+    assert expected in problem
+    assert check_extra_args(["--reasoning-parser", "auto", "--tool-call-parser", "kimi_k2"]) == []
+    assert check_extra_args(["--reasoning-parser", "auto"], version="0.5.9")[0].startswith(
+        "`--reasoning-parser`: invalid choice `auto`"), "0.5.9 has no auto"
+
+
+@pytest.mark.parametrize("kind", ["sglang", "stub"])
+def test_check_run_and_submit_refuse_an_unknown_parser_before_any_gpu_time(tmp_path, toy_tokenizer, capsys, kind):
+    from toolkit.cli import main
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"),
+                   engine={"kind": kind, "extra_args": ["--reasoning-parser", "kimi-k2"]})
+    for argv in (["check", str(job)], ["run", str(job)], ["submit", str(job), "--dry-run"], ["submit", str(job)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        line = next(x for x in err.splitlines() if str(job) in x)
+        assert f"{job}: [engine] extra_args: `--reasoning-parser`: invalid choice `kimi-k2`; did you mean `kimi_k2`" \
+               in line, (argv, err)
+    assert not (tmp_path / "run").exists()

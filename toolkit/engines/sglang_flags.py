@@ -229,7 +229,7 @@ class FlagSet:
             except ValueError:
                 return f"invalid {flag.type} value `{value}`"
         if flag.choices is not None and converted not in flag.choices and value not in map(str, flag.choices):
-            return f"invalid choice `{value}` (choose from {', '.join(map(str, flag.choices))})"
+            return _invalid_choice(value, [str(c) for c in flag.choices], self.version)
         return None
 
     def _unknown(self, option: str) -> str:
@@ -242,6 +242,16 @@ class FlagSet:
         if hints:
             return msg + f"; use {_or(hints)}, or remove it"
         return msg + "; remove it (`python -m sglang.launch_server --help` on a GPU node lists the flags)"
+
+
+def _invalid_choice(value: str, choices: list[str], version: str) -> str:
+    """Argparse's "invalid choice", with the closest choices first (a long list only when none is close)."""
+    close = difflib.get_close_matches(value, choices, n=3, cutoff=0.6)
+    close += [c for c in choices if c.lower() == value.lower() and c not in close]  # `Kimi_K2`: case matters
+    if not close:
+        return f"invalid choice `{value}` (choose from {', '.join(choices)})"
+    listed = f"choose from {', '.join(choices)}" if len(choices) <= 12 else f"{len(choices)} choices in SGLang {version}"
+    return f"invalid choice `{value}`; did you mean {_or([f'`{c}`' for c in close])}? ({listed})"
 
 
 def _or(options: list[str]) -> str:
