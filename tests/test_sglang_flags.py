@@ -6,12 +6,16 @@ import argparse
 import ast
 import importlib.util
 import io
+import json
+import os
+import subprocess
 import sys
 import zipfile
 from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
+import realsglang
 
 from jobfiles import make_job
 from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, check_extra_args, flag_set, versions
@@ -235,3 +239,33 @@ def test_check_run_and_submit_refuse_an_unknown_parser_before_any_gpu_time(tmp_p
         assert f"{job}: [engine] extra_args: `--reasoning-parser`: invalid choice `kimi-k2`; did you mean `kimi_k2`" \
                in line, (argv, err)
     assert not (tmp_path / "run").exists()
+
+
+# What real SGLang's own parser registers: run in the SGLang venv, printed as JSON (a set's choices sorted, as
+# the data stores them).
+REAL_PARSER = """
+import argparse, json
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+def choices(c):
+    return None if c is None else sorted(c, key=str) if isinstance(c, (set, frozenset)) else list(c)
+print(json.dumps([[a.option_strings, a.nargs, choices(a.choices)] for a in parser._actions], default=repr))
+"""
+
+
+@pytest.mark.sglang
+def test_the_data_is_what_real_sglang_registers():
+    """Every option of real SGLang 0.5.23 (ServerArgs.add_cli_args in its default environment: no plugin, no
+    SGLANG_* variables) has the data's option strings, nargs and choices, computed choices included."""
+    why = realsglang.missing()
+    if why:
+        pytest.fail(why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    r = subprocess.run([str(realsglang.python()), "-c", REAL_PARSER], capture_output=True, text=True, env=env,
+                       cwd=realsglang.python().parent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    real = {tuple(options): (nargs, choices) for options, nargs, choices in json.loads(r.stdout.splitlines()[-1])}
+    data = {f.options: (f.nargs, None if f.choices is None else list(f.choices)) for f in flag_set(realsglang.VERSION).flags}
+    assert sorted(real) == sorted(data), "the same options"
+    assert {o: v for o, v in real.items() if v != data[o]} == {}, "the same nargs and choices"
