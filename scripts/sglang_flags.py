@@ -20,10 +20,14 @@ records every option `ServerArgs.add_cli_args(parser)` registers:
 
 For each option it records the option strings, the destination, whether it takes a value (`nargs`: 0 for
 store_true/store_false/BooleanOptionalAction/deprecated switches, null for exactly one value, or '?', '*',
-'+'), the value type when it is int or float, and the choices when they are literal in the source (or a
-module-level literal constant). Anything the script does not understand stops it with an error, so a new
-SGLang release cannot silently lose flags. Run it with network access (it calls `pip download sglang==V
---no-deps`); commit the JSON it writes.
+'+'), the value type when it is int or float, and the choices. Choices are evaluated from the source as SGLang
+computes them at import in its default environment (no plugin loaded, environment variables unset; `Source`
+says what it follows): literals, constants and what they import from other modules of the wheel, class
+attributes (`ReasoningParser.DetectorMap`), Enum members, helper functions (`_reasoning_parser_choices()`)
+and local variables of add_cli_args. Choices it cannot evaluate are recorded as `choices_unknown` with the
+reason (and printed), never dropped. Anything else the script does not understand stops it with an error, so
+a new SGLang release cannot silently lose flags. Run it with network access (it calls `pip download
+sglang==V --no-deps`); commit the JSON it writes.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_VERSIONS = ("0.5.23", "0.5.9")
 OUT = Path(__file__).resolve().parents[1] / "toolkit" / "engines" / "sglang_flags.json"
 SERVER_ARGS = "sglang/srt/server_args.py"
 FIELDS_DIR = "sglang/srt/arg_groups/fields/"
-CHOICES_MODULE = "sglang/srt/arg_groups/choices.py"
 
 # Actions by name -> the nargs they default to (0: a switch). Anything else stops the script.
 ACTIONS = {
@@ -71,47 +75,432 @@ def _name(node: ast.AST) -> str:
     raise Unsupported(f"cannot name {ast.unparse(node)!r}")
 
 
-class Constants:
-    """Module-level literal constants, for `choices=SOME_CHOICES` (same module or arg_groups/choices.py)."""
+# ---------------------------------------------------------------------------------------------------
+# Choices: evaluated from the wheel's source, never imported
+# ---------------------------------------------------------------------------------------------------
+class Unresolved(Exception):
+    """Choices the source computes in a way this script cannot follow: recorded as unknown, never guessed."""
 
-    def __init__(self, *trees: ast.Module):
-        self.values: dict[str, object] = {}
-        for tree in trees:
-            for node in tree.body:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
-                for t in targets:
-                    if isinstance(t, ast.Name):
-                        try:
-                            self.values[t.id] = ast.literal_eval(node.value)
-                        except ValueError:
-                            pass
 
-    def literal(self, node: ast.AST | None):
-        """The literal value of `node`, or None when it is computed at run time (then it is not checked)."""
-        if node is None:
+@dataclass(frozen=True)
+class Module:
+    name: str
+
+
+@dataclass(frozen=True)
+class Class:
+    module: str
+    node: ast.ClassDef
+
+
+@dataclass(frozen=True)
+class Function:
+    module: str
+    node: ast.FunctionDef
+
+
+@dataclass(frozen=True)
+class Instance:
+    cls: Class
+    args: tuple
+    kwargs: tuple
+
+
+@dataclass(frozen=True)
+class Member:
+    """An Enum member (iterating an Enum class gives these)."""
+    name: str
+    value: object
+
+
+@dataclass
+class Scope:
+    module: str
+    names: dict = field(default_factory=dict)  # local bindings; an Unresolved value is raised when read
+
+
+@dataclass(frozen=True)
+class Returned:
+    value: object
+
+
+OPAQUE = object()  # a value nothing may read (a dict's values: its keys are what choices take)
+MUTATORS = {"append", "extend", "add", "update"}
+ITERABLES = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "sorted": sorted}
+ENUM_BASES = {"Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"}
+
+
+def _module_name(path: str) -> str:
+    return path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+
+
+class Source:
+    """The wheel's modules, evaluated just far enough to give a flag's choices as SGLang's default environment
+    computes them when `add_cli_args` runs: module constants and what they import, class attributes, Enum
+    members, helper functions without arguments, `envs.NAME.get()` as its declared default (the variable is
+    unset), `sys.modules.get(...)` as None (no plugin has imported a parser module), and the local variables
+    of `add_cli_args` up to the call. Anything else raises Unresolved."""
+
+    def __init__(self, z: zipfile.ZipFile):
+        self.z, self.names = z, set(z.namelist())
+        self.trees: dict[str, ast.Module] = {}
+        self.globals: dict[tuple[str, str], object] = {}
+        self.classes: dict[Class, dict] = {}
+        self.running: set[Function] = set()
+
+    def tree(self, module: str) -> ast.Module:
+        if module not in self.trees:
+            base = module.replace(".", "/")
+            path = next((p for p in (base + ".py", base + "/__init__.py") if p in self.names), None)
+            if path is None:
+                raise Unresolved(f"module {module} is not in the wheel")
+            self.trees[module] = ast.parse(self.z.read(path).decode("utf-8"))
+        return self.trees[module]
+
+    # -- names ------------------------------------------------------------------------------------------
+    def global_(self, module: str, name: str):
+        key = (module, name)
+        if key not in self.globals:
+            self.globals[key] = Unresolved(f"{module}.{name} refers to itself")
+            try:
+                self.globals[key] = self._module_binding(module, name)
+            except Unresolved as e:
+                self.globals[key] = e
+        value = self.globals[key]
+        if isinstance(value, Unresolved):
+            raise value
+        return value
+
+    def _module_binding(self, module: str, name: str):
+        """`name` after the module's top level has run: each statement that binds or changes it, in order."""
+        scope, found = Scope(module), False
+        for stmt in self.tree(module).body:
+            if name in _bound_names(stmt, top=True):
+                self.step(stmt, scope, only={name})
+                found = True
+            elif name in _bound_names(stmt, top=False):
+                raise Unresolved(f"{module}.{name} is bound conditionally (line {stmt.lineno})")
+        if not found:
+            if name in ITERABLES:
+                return ITERABLES[name]
+            submodule = f"{module}.{name}"
+            try:
+                self.tree(submodule)
+            except Unresolved:
+                raise Unresolved(f"{module} has no top-level {name}") from None
+            return Module(submodule)
+        return self.read(scope, name)
+
+    def read(self, scope: Scope, name: str):
+        if name in scope.names:
+            value = scope.names[name]
+            if isinstance(value, Unresolved):
+                raise value
+            return value
+        return self.global_(scope.module, name)
+
+    def imported(self, module: str, stmt: ast.ImportFrom, name: str):
+        package = module.split(".")
+        if stmt.level:
+            package = package[:len(package) - stmt.level + (1 if self._is_package(module) else 0)]
+        source = ".".join(package + ([stmt.module] if stmt.module else [])) if stmt.level else stmt.module
+        if source != "sglang" and not source.startswith("sglang."):
+            raise Unresolved(f"{name} comes from {source}, outside the wheel")
+        return self.global_(source, name)
+
+    def _is_package(self, module: str) -> bool:
+        return module.replace(".", "/") + "/__init__.py" in self.names
+
+    # -- statements -------------------------------------------------------------------------------------
+    def step(self, stmt: ast.stmt, scope: Scope, only: set[str] | None = None):
+        """Run one statement on `scope` (returns a Returned for `return`). `only`: at module level, bind just
+        these names (the rest of the module is never run)."""
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             return None
+        if isinstance(stmt, ast.Pass) or isinstance(stmt, ast.AnnAssign) and stmt.value is None:
+            return None
+        if isinstance(stmt, ast.Return):
+            return Returned(None if stmt.value is None else self.value(stmt.value, scope))
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            if not all(isinstance(t, ast.Name) for t in targets):
+                raise Unresolved(f"line {stmt.lineno}: assignment to {ast.unparse(targets[0])}")
+            value = self._lenient(stmt.value, scope)
+            for t in targets:
+                scope.names[t.id] = value
+            return None
+        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and isinstance(stmt.op, ast.Add):
+            scope.names[stmt.target.id] = self._lenient(ast.BinOp(stmt.target, ast.Add(), stmt.value), scope)
+            return None
+        if isinstance(stmt, ast.ImportFrom):
+            for alias in stmt.names:
+                if only is None or (alias.asname or alias.name) in only:
+                    scope.names[alias.asname or alias.name] = self._lenient_call(
+                        lambda a=alias: self.imported(scope.module, stmt, a.name))
+            return None
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                scope.names[alias.asname or alias.name.split(".")[0]] = Module(alias.name if alias.asname else
+                                                                               alias.name.split(".")[0])
+            return None
+        if isinstance(stmt, ast.ClassDef):
+            scope.names[stmt.name] = Class(scope.module, stmt)
+            return None
+        if isinstance(stmt, ast.FunctionDef):
+            scope.names[stmt.name] = Function(scope.module, stmt)
+            return None
+        if isinstance(stmt, ast.If):
+            for inner in stmt.body if self.value(stmt.test, scope) else stmt.orelse:
+                result = self.step(inner, scope)
+                if result is not None:
+                    return result
+            return None
+        if isinstance(stmt, ast.Expr) and _mutation(stmt):
+            target, method = stmt.value.func.value.id, stmt.value.func.attr
+            scope.names[target] = self._lenient_call(lambda: self._mutate(scope, target, method, stmt.value))
+            return None
+        raise Unresolved(f"line {stmt.lineno}: {type(stmt).__name__} statement {ast.unparse(stmt)[:60]!r}")
+
+    def step_leniently(self, stmt: ast.stmt, scope: Scope) -> None:
+        """A statement of add_cli_args: run it if possible, else every local it binds or changes is unknown."""
         try:
-            value = ast.literal_eval(node)
-        except ValueError:
-            if isinstance(node, ast.Name) and node.id in self.values:
-                value = self.values[node.id]
-            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-                left, right = self.literal(node.left), self.literal(node.right)
-                if left is None or right is None:
-                    return None
-                value = list(left) + list(right)
-            else:
-                return None
-        if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, (str, int, float)) for v in value):
+            self.step(stmt, scope)
+        except Unresolved as e:
+            for name in _bound_names(stmt, top=False):
+                scope.names[name] = e
+
+    def _mutate(self, scope: Scope, target: str, method: str, call: ast.Call):
+        old = self.read(scope, target)
+        args = [self.value(a, scope) for a in call.args]
+        if len(args) == 1 and (isinstance(old, list) and method in ("append", "extend")
+                               or isinstance(old, set) and method in ("add", "update")):
+            new = [args[0]] if method in ("append", "add") else self.iterate(args[0])
+            return old + new if isinstance(old, list) else old | set(new)
+        raise Unresolved(f"line {call.lineno}: {ast.unparse(call)}")
+
+    def _lenient(self, node: ast.AST, scope: Scope):
+        return self._lenient_call(lambda: self.value(node, scope))
+
+    @staticmethod
+    def _lenient_call(fn):
+        try:
+            return fn()
+        except Unresolved as e:
+            return e
+
+    # -- expressions ------------------------------------------------------------------------------------
+    def value(self, node: ast.AST, scope: Scope):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            items = []
+            for e in node.elts:
+                items += self.iterate(self.value(e.value, scope)) if isinstance(e, ast.Starred) else [self.value(e, scope)]
+            return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+        if isinstance(node, ast.Dict):
+            if any(k is None for k in node.keys):
+                raise Unresolved(f"line {node.lineno}: ** in a dict")
+            return {self.value(k, scope): OPAQUE for k in node.keys}
+        if isinstance(node, ast.Name):
+            return self.read(scope, node.id)
+        if isinstance(node, ast.Attribute):
+            return self.attribute(self.value(node.value, scope), node.attr)
+        if isinstance(node, ast.Call):
+            return self.call(node, scope)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.BitOr)):
+            left, right = self.value(node.left, scope), self.value(node.right, scope)
+            try:
+                return left + right if isinstance(node.op, ast.Add) else left | right
+            except TypeError:
+                raise Unresolved(f"line {node.lineno}: {ast.unparse(node)}") from None
+        if isinstance(node, (ast.ListComp, ast.SetComp)):
+            return self.comprehension(node, scope)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            return _compare(node.ops[0], self.value(node.left, scope), self.value(node.comparators[0], scope))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return not self.value(node.operand, scope)
+        raise Unresolved(f"line {getattr(node, 'lineno', '?')}: cannot evaluate {ast.unparse(node)!r}")
+
+    def attribute(self, obj, attr: str):
+        if isinstance(obj, Module):
+            return self.global_(obj.name, attr)
+        if isinstance(obj, Class):
+            return self.class_attr(obj, attr)
+        if isinstance(obj, Instance):
+            return self.class_attr(obj.cls, attr)
+        if isinstance(obj, Member) and attr in ("name", "value"):
+            value = getattr(obj, attr)
+            if isinstance(value, Unresolved):
+                raise value
+            return value
+        raise Unresolved(f"cannot read .{attr} of {_describe(obj)}")
+
+    def class_attr(self, cls: Class, attr: str):
+        names = self._class_body(cls)
+        if attr in names:
+            value = names[attr]
+            if isinstance(value, Unresolved):
+                raise value
+            return value
+        for base in cls.node.bases:
+            try:
+                parent = self.value(base, Scope(cls.module))
+            except Unresolved:
+                continue
+            if isinstance(parent, Class):
+                return self.class_attr(parent, attr)
+        raise Unresolved(f"class {cls.node.name} has no attribute {attr} this script can read")
+
+    def _class_body(self, cls: Class) -> dict:
+        if cls not in self.classes:
+            scope = Scope(cls.module)
+            for stmt in cls.node.body:
+                if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                    self.step_leniently(stmt, scope)
+            if _is_enum(cls.node):
+                scope.names = {k: Member(k, v) if not k.startswith("_") else v for k, v in scope.names.items()}
+            self.classes[cls] = scope.names
+        return self.classes[cls]
+
+    def call(self, node: ast.Call, scope: Scope):
+        f = node.func
+        if ast.unparse(f) == "sys.modules.get":
+            return None  # the default environment: no plugin has imported the module yet
+        if isinstance(f, ast.Attribute):
+            obj = self.value(f.value, scope)
+            if _is_env_field(obj) and f.attr == "get" and not node.args:
+                return _env_default(obj)
+            if isinstance(obj, dict) and f.attr == "keys" and not node.args:
+                return list(obj)
+            if isinstance(obj, str) and f.attr in ("lower", "upper") and not node.args:
+                return getattr(obj, f.attr)()
+            callee = self.attribute(obj, f.attr)
+        else:
+            callee = self.value(f, scope)
+        if callee in ITERABLES.values() and len(node.args) == 1 and not node.keywords:
+            return callee(self.iterate(self.value(node.args[0], scope)))
+        if isinstance(callee, Function) and not node.args and not node.keywords:
+            return self.run(callee)
+        if isinstance(callee, Class):
+            return Instance(callee, tuple(self._lenient(a, scope) for a in node.args),
+                            tuple((k.arg, self._lenient(k.value, scope)) for k in node.keywords))
+        raise Unresolved(f"line {node.lineno}: cannot evaluate the call {ast.unparse(node)[:80]!r}")
+
+    def run(self, fn: Function):
+        if fn in self.running:
+            raise Unresolved(f"{fn.module}.{fn.node.name}() calls itself")
+        self.running.add(fn)
+        try:
+            scope = Scope(fn.module)
+            for stmt in fn.node.body:
+                result = self.step(stmt, scope)
+                if result is not None:
+                    return result.value
+        finally:
+            self.running.discard(fn)
+        raise Unresolved(f"{fn.module}.{fn.node.name}() returns nothing")
+
+    def comprehension(self, node: ast.ListComp | ast.SetComp, scope: Scope):
+        if len(node.generators) != 1 or not isinstance(node.generators[0].target, ast.Name):
+            raise Unresolved(f"line {node.lineno}: comprehension {ast.unparse(node)[:60]!r}")
+        gen, out = node.generators[0], []
+        for item in self.iterate(self.value(gen.iter, scope)):
+            inner = Scope(scope.module, {**scope.names, gen.target.id: item})
+            if all(self.value(cond, inner) for cond in gen.ifs):
+                out.append(self.value(node.elt, inner))
+        return out if isinstance(node, ast.ListComp) else set(out)
+
+    def iterate(self, value) -> list:
+        if isinstance(value, (list, tuple, set, frozenset, dict)):
             return list(value)
-        return None
+        if isinstance(value, Class) and _is_enum(value.node):
+            return [v for v in self._class_body(value).values() if isinstance(v, Member)]
+        raise Unresolved(f"cannot iterate over {_describe(value)}")
+
+    def choices(self, node: ast.AST, scope: Scope) -> list:
+        """The choices argparse is given: plain values, a set's in sorted order."""
+        value = self.value(node, scope)
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else self.iterate(value)
+        if not all(isinstance(v, (str, int, float)) for v in items):
+            raise Unresolved(f"choices {ast.unparse(node)!r} are not plain strings or numbers")
+        return items
 
 
+NEW_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+              ast.DictComp, ast.GeneratorExp)
+
+
+def _same_scope(node: ast.AST):
+    """The nodes under `node` that run in its scope (a def or class is named there, its body is not)."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, NEW_SCOPES):
+            yield from _same_scope(child)
+
+
+def _bound_names(stmt: ast.stmt, top: bool) -> set[str]:
+    """The names a statement binds or changes: by itself (`top`), or anywhere inside it (then a compound
+    statement's names count too: bound conditionally)."""
+    if isinstance(stmt, (ast.If, ast.Try, ast.For, ast.While, ast.With)) and top:
+        return set()
+    names = set()
+    for n in [stmt, *_same_scope(stmt)] if not isinstance(stmt, NEW_SCOPES) else [stmt]:
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.Expr) and _mutation(n):
+            names.add(n.value.func.value.id)
+        elif isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name):
+            names.add(n.value.id)  # X[k] = v, X.a = v: X changes (and stops being known)
+    return names
+
+
+def _mutation(stmt: ast.Expr) -> bool:
+    call = stmt.value
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in MUTATORS
+            and isinstance(call.func.value, ast.Name))
+
+
+def _compare(op: ast.cmpop, left, right) -> bool:
+    ops = {ast.Is: lambda: left is right, ast.IsNot: lambda: left is not right, ast.Eq: lambda: left == right,
+           ast.NotEq: lambda: left != right, ast.In: lambda: left in right, ast.NotIn: lambda: left not in right}
+    if type(op) not in ops:
+        raise Unresolved(f"comparison {type(op).__name__}")
+    return ops[type(op)]()
+
+
+def _is_enum(node: ast.ClassDef) -> bool:
+    return any(_type_name(b) in ENUM_BASES for b in node.bases)
+
+
+def _is_env_field(obj) -> bool:
+    return isinstance(obj, Instance) and obj.cls.node.name.startswith("Env") and obj.cls.module == "sglang.srt.environ"
+
+
+def _env_default(obj: Instance):
+    default = obj.args[0] if obj.args else dict(obj.kwargs).get("default", Unresolved("an Env field without a default"))
+    if isinstance(default, Unresolved):
+        raise default
+    return default
+
+
+def _describe(obj) -> str:
+    return type(obj).__name__ if not isinstance(obj, (Module, Class, Function)) else repr(obj)[:80]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One flag
+# ---------------------------------------------------------------------------------------------------
 def _flag(options: list[str], dest: str, nargs, type_: str | None, choices, action: str, deprecated: str | None = None):
     entry = {"options": options, "dest": dest, "nargs": nargs}
     if type_ in ("int", "float"):
         entry["type"] = type_
-    if choices is not None:
+    if isinstance(choices, Unresolved):
+        entry["choices_unknown"] = str(choices)
+    elif choices is not None:
         entry["choices"] = choices
     if action not in ("store", "store_true"):
         entry["action"] = action
@@ -125,6 +514,16 @@ def _dest(options: list[str]) -> str:
     return (long or options)[0].lstrip("-").replace("-", "_")
 
 
+def _choices(node: ast.AST | None, source: Source, scope: Scope) -> list | Unresolved | None:
+    """The choices `node` gives argparse, or why they cannot be known from source (None: no choices)."""
+    if node is None:
+        return None
+    try:
+        return source.choices(node, scope)
+    except Unresolved as e:
+        return Unresolved(f"choices={ast.unparse(node)}: {e}")
+
+
 def _nargs_value(node: ast.AST | None, default):
     if node is None:
         return default
@@ -134,7 +533,7 @@ def _nargs_value(node: ast.AST | None, default):
     return value
 
 
-def from_add_argument(call: ast.Call, consts: Constants) -> list[dict]:
+def from_add_argument(call: ast.Call, source: Source, scope: Scope) -> list[dict]:
     """One `parser.add_argument(...)` call -> its flag(s)."""
     options = []
     for a in call.args:
@@ -161,7 +560,7 @@ def from_add_argument(call: ast.Call, consts: Constants) -> list[dict]:
                     pass
         if "error_message" in kw:
             action = "DeprecatedError"
-    out = [_flag(options, dest, nargs, type_, consts.literal(kw.get("choices")), action, deprecated)]
+    out = [_flag(options, dest, nargs, type_, _choices(kw.get("choices"), source, scope), action, deprecated)]
     if action == "BooleanOptionalAction":
         out[0]["options"] = options + ["--no-" + o[2:] for o in options if o.startswith("--")]
     return out
@@ -197,7 +596,7 @@ def _type_name(node: ast.AST) -> str:
         return ast.unparse(node)
 
 
-def from_field(name: str, annotation: ast.AST, consts: Constants, where: str) -> list[dict]:
+def from_field(name: str, annotation: ast.AST, source: Source, scope: Scope, where: str) -> list[dict]:
     """One `name: A[T, ...]` namespace field -> its flag (none for fields without CLI metadata)."""
     if not (isinstance(annotation, ast.Subscript) and _type_name(annotation.value) in ("A", "Annotated")):
         return []
@@ -218,7 +617,7 @@ def from_field(name: str, annotation: ast.AST, consts: Constants, where: str) ->
         return []
     cli_name = ast.literal_eval(meta["cli_name"]) if "cli_name" in meta else "--" + name.replace("_", "-")
     options = [cli_name] + (ast.literal_eval(meta["aliases"]) if "aliases" in meta else [])
-    explicit_choices = consts.literal(meta.get("choices"))
+    explicit_choices = _choices(meta.get("choices"), source, scope) or None  # arg_utils ignores choices=[]
     if "action" in meta:
         action = _name(meta["action"])
         if action not in ACTIONS:
@@ -231,7 +630,7 @@ def from_field(name: str, annotation: ast.AST, consts: Constants, where: str) ->
             kwargs = {k.value: v for k, v in zip(d.keys, d.values)}
         nargs = _nargs_value(kwargs.get("nargs"), ACTIONS[action])
         type_ = _name(kwargs["type"]) if "type" in kwargs else None
-        entry = _flag(options, name, nargs, type_, explicit_choices or consts.literal(kwargs.get("choices")), action)
+        entry = _flag(options, name, nargs, type_, explicit_choices or _choices(kwargs.get("choices"), source, scope), action)
         if action == "BooleanOptionalAction":
             entry["options"] = options + ["--no-" + o[2:] for o in options if o.startswith("--")]
         return [entry]
@@ -239,7 +638,11 @@ def from_field(name: str, annotation: ast.AST, consts: Constants, where: str) ->
     has_parser = "type_parser" in meta
     nargs_meta = _nargs_value(meta.get("nargs"), None)
     if isinstance(inner, ast.Subscript) and _type_name(inner.value) == "Literal":
-        values = consts.literal(inner.slice if isinstance(inner.slice, ast.Tuple) else ast.List([inner.slice]))
+        try:  # Literal[None, "a"] is allowed: argparse never matches a None choice, but arg_utils passes it
+            values = list(source.value(inner.slice, scope) if isinstance(inner.slice, ast.Tuple) else
+                          [source.value(inner.slice, scope)])
+        except Unresolved as e:
+            raise Unsupported(f"{where}: field {name}: Literal[{ast.unparse(inner.slice)}]: {e}") from None
         choices = explicit_choices or values
         type_ = None if has_parser else type(values[0]).__name__ if values else "str"
         return [_flag(options, name, None, type_, choices, "store")]
@@ -252,35 +655,45 @@ def from_field(name: str, annotation: ast.AST, consts: Constants, where: str) ->
     return [_flag(options, name, nargs_meta, type_, explicit_choices, "store")]
 
 
-def dataclass_flags(files: dict[str, str], server_args: ast.Module, consts_trees: list[ast.Module]) -> list[dict]:
+def _namespace_classes(source: Source) -> dict[str, tuple[str, ast.ClassDef]]:
+    """Every class of the modules under FIELDS_DIR, by name -> (module, its definition)."""
+    classes = {}
+    for path in sorted(source.names):
+        if path.startswith(FIELDS_DIR) and path.endswith(".py"):
+            module = _module_name(path)
+            for node in source.tree(module).body:
+                if isinstance(node, ast.ClassDef):
+                    classes[node.name] = (module, node)
+    return classes
+
+
+def _field_flags(source: Source, module: str, node: ast.ClassDef, where: str) -> list[dict]:
+    flags = []
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and not stmt.target.id.startswith("_"):
+            flags += from_field(stmt.target.id, stmt.annotation, source, Scope(module), where)
+    return flags
+
+
+def dataclass_flags(source: Source, server_args: ast.Module) -> list[dict]:
     """The flags of the namespaces `ServerArgs` collects, in the order of `_INPUT_NAMESPACES`."""
-    sources = None
+    namespaces = None
     for node in server_args.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets):
-            sources = [_name(e) for e in node.value.elts]
-    classes: dict[str, tuple[str, ast.ClassDef, Constants]] = {}
-    for path, text in files.items():
-        if path.startswith(FIELDS_DIR) and path.endswith(".py"):
-            tree = ast.parse(text)
-            consts = Constants(tree, *consts_trees)
-            for node in tree.body:
-                if isinstance(node, ast.ClassDef):
-                    classes[node.name] = (path, node, consts)
+            namespaces = [_name(e) for e in node.value.elts]
+    classes = _namespace_classes(source)
     own = [n for n in server_args.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs"]
-    if sources is None:  # a release where ServerArgs declares its fields itself
-        sources, classes["ServerArgs"] = ["ServerArgs"], (SERVER_ARGS, own[0], Constants(server_args, *consts_trees))
+    server_module = _module_name(SERVER_ARGS)
+    if namespaces is None:  # a release where ServerArgs declares its fields itself
+        namespaces, classes["ServerArgs"] = ["ServerArgs"], (server_module, own[0])
     flags = []
-    for cls in sources:
+    for cls in namespaces:
         if cls not in classes:
             raise Unsupported(f"namespace class {cls} of _INPUT_NAMESPACES not found under {FIELDS_DIR}")
-        path, node, consts = classes[cls]
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and not stmt.target.id.startswith("_"):
-                flags += from_field(stmt.target.id, stmt.annotation, consts, f"{path}: {cls}")
-    if own and sources != ["ServerArgs"]:
-        for stmt in own[0].body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and not stmt.target.id.startswith("_"):
-                flags += from_field(stmt.target.id, stmt.annotation, Constants(server_args, *consts_trees), SERVER_ARGS)
+        module, node = classes[cls]
+        flags += _field_flags(source, module, node, f"{module}: {cls}")
+    if own and namespaces != ["ServerArgs"]:
+        flags += _field_flags(source, server_module, own[0], SERVER_ARGS)
     return flags
 
 
@@ -299,50 +712,58 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return out
 
 
-def parser_flags(func: ast.FunctionDef, files: dict[str, str], tree: ast.Module, consts: Constants,
-                 consts_trees: list[ast.Module], seen: set[str]) -> tuple[list[dict], list[str]]:
-    """Every option `func(parser)` registers, following helper calls that receive the parser."""
+def _calls(stmt: ast.stmt) -> list[ast.Call]:
+    return sorted((n for n in ast.walk(stmt) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+
+
+def parser_flags(func: ast.FunctionDef, source: Source, tree: ast.Module, seen: set[str]) -> tuple[list[dict], list[str]]:
+    """Every option `func(parser)` registers, following helper calls that receive the parser. Its statements
+    are also run (leniently) in order, so choices held in a local variable are known at each call."""
     functions = _functions(tree)
     parser_name = func.args.args[0].arg if func.args.args else "parser"
+    scope = Scope(_module_name(SERVER_ARGS))
     flags, notes = [], []
-    for call in sorted((n for n in ast.walk(func) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
-        f = call.func
-        if isinstance(f, ast.Attribute) and f.attr == "add_argument":
-            flags += from_add_argument(call, consts)
-            continue
-        if isinstance(f, ast.Attribute) and f.attr in ("add_argument_group", "add_mutually_exclusive_group"):
-            raise Unsupported(f"line {call.lineno}: argument groups are not handled yet ({ast.unparse(f)})")
-        if not any(isinstance(a, ast.Name) and a.id == parser_name for a in call.args):
-            continue
-        called = ast.unparse(f)
-        if called.endswith("add_cli_args_from_dataclass"):
-            flags += dataclass_flags(files, tree, consts_trees)
-            notes.append("add_cli_args_from_dataclass(parser, ServerArgs): the fields of sglang/srt/arg_groups/fields/")
-            continue
-        target = functions.get(called) or functions.get(called.split(".")[-1])
-        if target is None or called in seen:
-            raise Unsupported(f"line {call.lineno}: add_cli_args hands the parser to {called}(), which this script "
-                              "cannot follow; extend parser_flags()")
-        more, more_notes = parser_flags(target, files, tree, consts, consts_trees, seen | {called})
-        flags += more
-        notes += [f"{called}(parser)"] + more_notes
+    for stmt in func.body:
+        for call in _calls(stmt):
+            more, more_notes = _call_flags(call, parser_name, functions, source, tree, scope, seen)
+            flags += more
+            notes += more_notes
+        source.step_leniently(stmt, scope)
     return flags, notes
+
+
+def _call_flags(call: ast.Call, parser_name: str, functions: dict, source: Source, tree: ast.Module, scope: Scope,
+                seen: set[str]) -> tuple[list[dict], list[str]]:
+    """The flags one call in add_cli_args (or a helper) registers: add_argument, or a call handed the parser."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == "add_argument":
+        return from_add_argument(call, source, scope), []
+    if isinstance(f, ast.Attribute) and f.attr in ("add_argument_group", "add_mutually_exclusive_group"):
+        raise Unsupported(f"line {call.lineno}: argument groups are not handled yet ({ast.unparse(f)})")
+    if not any(isinstance(a, ast.Name) and a.id == parser_name for a in call.args):
+        return [], []
+    called = ast.unparse(f)
+    if called.endswith("add_cli_args_from_dataclass"):
+        return dataclass_flags(source, tree), [
+            "add_cli_args_from_dataclass(parser, ServerArgs): the fields of sglang/srt/arg_groups/fields/"]
+    target = functions.get(called) or functions.get(called.split(".")[-1])
+    if target is None or called in seen:
+        raise Unsupported(f"line {call.lineno}: add_cli_args hands the parser to {called}(), which this script "
+                          "cannot follow; extend parser_flags()")
+    more, more_notes = parser_flags(target, source, tree, seen | {called})
+    return more, [f"{called}(parser)"] + more_notes
 
 
 def read_wheel(wheel: Path) -> dict:
     with zipfile.ZipFile(wheel) as z:
-        files = {n: z.read(n).decode("utf-8") for n in z.namelist()
-                 if n == SERVER_ARGS or n == CHOICES_MODULE or (n.startswith(FIELDS_DIR) and n.endswith(".py"))
-}
-    if SERVER_ARGS not in files:
-        raise Unsupported(f"{wheel.name} has no {SERVER_ARGS}")
-    tree = ast.parse(files[SERVER_ARGS])
-    consts_trees = [ast.parse(files[CHOICES_MODULE])] if CHOICES_MODULE in files else []
-    consts = Constants(tree, *consts_trees)
-    func = _functions(tree).get("ServerArgs.add_cli_args")
-    if func is None:
-        raise Unsupported(f"{wheel.name}: no ServerArgs.add_cli_args in {SERVER_ARGS}")
-    flags, notes = parser_flags(func, files, tree, consts, consts_trees, {"ServerArgs.add_cli_args"})
+        if SERVER_ARGS not in z.namelist():
+            raise Unsupported(f"{wheel.name} has no {SERVER_ARGS}")
+        source = Source(z)
+        tree = source.tree(_module_name(SERVER_ARGS))
+        func = _functions(tree).get("ServerArgs.add_cli_args")
+        if func is None:
+            raise Unsupported(f"{wheel.name}: no ServerArgs.add_cli_args in {SERVER_ARGS}")
+        flags, notes = parser_flags(func, source, tree, {"ServerArgs.add_cli_args"})
     flags.insert(0, {"options": ["-h", "--help"], "dest": "help", "nargs": 0, "action": "help"})
     seen: dict[str, list[str]] = {}
     for f in flags:
@@ -397,10 +818,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{wheel.name}: {e}") from None
             results[d.pop("version")] = d
             print(f"{wheel.name}: {len(d['flags'])} flags, {sum(len(f['options']) for f in d['flags'])} option strings")
+            for f in d["flags"]:
+                if "choices_unknown" in f:
+                    print(f"  warning: {f['options'][0]}: choices unknown ({f['choices_unknown']})", file=sys.stderr)
     ordered = dict(sorted(results.items(), key=lambda kv: tuple(int(x) for x in kv[0].split(".") if x.isdigit()), reverse=True))
     write({"about": "SGLang server flags per release, read from each wheel's source (never imported) by "
                     "scripts/sglang_flags.py; regenerate with it, do not edit by hand. nargs: 0 takes no value, "
-                    "null exactly one, '?', '*' or '+' as in argparse.",
+                    "null exactly one, '?', '*' or '+' as in argparse. choices: the values SGLang accepts, as its "
+                    "default environment computes them at import (no plugin loaded, environment variables unset; "
+                    "a set's in sorted order), including those computed by code (--reasoning-parser, "
+                    "--tool-call-parser). choices_unknown: SGLang computes the choices in a way the script cannot "
+                    "follow from source (the reason is given); the value is then not checked.",
            "versions": ordered}, args.output)
     print(f"wrote {args.output}")
     return 0

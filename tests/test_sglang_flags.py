@@ -6,15 +6,30 @@ import argparse
 import ast
 import importlib.util
 import io
+import json
+import os
+import subprocess
+import sys
 import zipfile
 from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
+import realsglang
 
-from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, flag_set, versions
+from jobfiles import make_job
+from toolkit.engines.sglang_flags import DATA_FILE, add_to_parser, check_extra_args, flag_set, versions
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    """scripts/sglang_flags.py as a module (registered first: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    return script
 
 
 def test_data_names_its_releases_and_sources():
@@ -62,9 +77,7 @@ def test_abbreviations_resolve_as_argparse_resolves_them():
 def test_generator_reads_a_wheel_without_importing_it(tmp_path):
     """The script on a tiny wheel: add_cli_args' own add_argument calls, a helper it hands the parser to, and
     dataclass fields (0.5.2x layout)."""
-    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     server_args = '''
 import argparse
 from sglang.srt.arg_groups.fields.parallel import Parallel
@@ -114,12 +127,145 @@ class Parallel(msgspec.Struct):
 
 
 def test_unsupported_source_stops_the_generator(tmp_path):
-    spec = importlib.util.spec_from_file_location("sglang_flags_script", REPO / "scripts" / "sglang_flags.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("sglang/srt/server_args.py", "class ServerArgs:\n    def add_cli_args(parser):\n"
                                                 "        somewhere.register(parser)\n")
     with pytest.raises(script.Unsupported, match="cannot follow"):
         script.read_wheel(wheel)
+
+
+def test_generator_evaluates_choices_sglang_computes_at_import(tmp_path):
+    """Choices computed by code, as in 0.5.23 and 0.5.9: a helper reading a names module (its plugin branch not
+    taken), a class's dict keys, an Enum's names, a set with an env-gated member, a starred constant; what it
+    cannot follow is recorded as unknown, with the reason."""
+    script = _script()
+    server_args = '''
+import sys
+from sglang.srt.environ import envs
+from sglang.srt.parser.reasoning_parser import ReasoningParser
+from sglang.srt.choices import QUANT, BACKENDS
+DRAFT_QUANT = [*QUANT, "unquant"]
+
+def _parser_choices():
+    module = sys.modules.get("sglang.srt.parser.reasoning_parser")
+    if module is not None:
+        return list(module.ReasoningParser.DetectorMap)
+    from sglang.srt.parser.names import NAMES
+
+    return list(NAMES)
+
+def _modes():
+    from .modes import Mode
+    return list(Mode)
+
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        backends = set(BACKENDS)
+        if envs.SGLANG_ORACLE.get():
+            backends.add("oracle")
+        parser.add_argument("--backend", choices=backends)
+        names = _parser_choices()
+        parser.add_argument("--reasoning-parser", choices=["auto"] + names)
+        parser.add_argument("--old-parser", choices=list(ReasoningParser.DetectorMap.keys()))
+        parser.add_argument("--mode", choices=[m.name.lower() for m in _modes()])
+        parser.add_argument("--draft-quant", choices=DRAFT_QUANT)
+        parser.add_argument("--plugin", choices=registry.names())
+'''
+    files = {
+        "sglang/srt/server_args.py": server_args,
+        "sglang/srt/environ.py": "class EnvBool:\n    pass\nclass Envs:\n    SGLANG_ORACLE = EnvBool(False)\n"
+                                 "envs = Envs()\n",
+        "sglang/srt/parser/reasoning_parser.py": "class ReasoningParser:\n    DetectorMap: dict = {'r1': R1, 'qwen3': Q}\n",
+        "sglang/srt/parser/names.py": "NAMES = ['kimi_k2', 'qwen3']\n",
+        "sglang/srt/modes.py": "from enum import IntEnum\nclass Mode(IntEnum):\n    NONE = 0\n    ALL = 2\n",
+        "sglang/srt/choices.py": "QUANT = ['fp8', 'awq']\nBUILT_IN = frozenset({'pytorch', 'flashinfer'})\n"
+                                 "BACKENDS = set(BUILT_IN)\n",
+    }
+    wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    flags = {f["options"][0]: f for f in script.read_wheel(wheel)["flags"]}
+    assert flags["--backend"]["choices"] == ["flashinfer", "pytorch"], "a set's members sorted; no oracle by default"
+    assert flags["--reasoning-parser"]["choices"] == ["auto", "kimi_k2", "qwen3"]
+    assert flags["--old-parser"]["choices"] == ["r1", "qwen3"]
+    assert flags["--mode"]["choices"] == ["none", "all"]
+    assert flags["--draft-quant"]["choices"] == ["fp8", "awq", "unquant"]
+    assert "choices" not in flags["--plugin"] and "registry.names()" in flags["--plugin"]["choices_unknown"]
+    assert all("choices_unknown" not in f for o, f in flags.items() if o != "--plugin")
+
+
+def test_committed_data_knows_the_parser_choices_of_each_release():
+    for v in versions():
+        fs = flag_set(v)
+        assert not [f.options for f in fs.flags if f.choices_unknown], f"SGLang {v}: choices left unknown"
+    assert {"auto", "kimi_k2", "deepseek-r1", "qwen3"} <= set(flag_set("0.5.23").by_option["--reasoning-parser"].choices)
+    assert {"auto", "kimi_k2", "qwen3_coder"} <= set(flag_set("0.5.23").by_option["--tool-call-parser"].choices)
+    assert flag_set("0.5.23").by_option["--kv-canary-real-data"].choices == ("none", "partial", "all")
+    assert "token_oracle" not in flag_set("0.5.23").by_option["--sampling-backend"].choices
+    assert {"kimi_k2", "deepseek-r1"} <= set(flag_set("0.5.9").by_option["--reasoning-parser"].choices)
+    assert "auto" not in flag_set("0.5.9").by_option["--reasoning-parser"].choices
+    assert {"kimi_k2", "qwen25"} <= set(flag_set("0.5.9").by_option["--tool-call-parser"].choices)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--reasoning-parser", "kimi-k2"], "`--reasoning-parser`: invalid choice `kimi-k2`; did you mean `kimi_k2`"),
+    (["--tool-call-parser=qwen3-coder"], "`--tool-call-parser`: invalid choice `qwen3-coder`; did you mean `qwen3_coder`"),
+    (["--reasoning-parser", "nope"], "`--reasoning-parser`: invalid choice `nope` (choose from auto, apertus2509,"),
+    (["--sampling-backend", "token_oracle"], "`--sampling-backend`: invalid choice `token_oracle`"),
+    (["--kv-canary-real-data", "Partial"], "invalid choice `Partial`; did you mean `partial`?"),
+])
+def test_choices_sglang_computes_at_import_are_checked(extra, expected):
+    (problem,) = check_extra_args(extra)
+    assert expected in problem
+    assert check_extra_args(["--reasoning-parser", "auto", "--tool-call-parser", "kimi_k2"]) == []
+    assert check_extra_args(["--reasoning-parser", "auto"], version="0.5.9")[0].startswith(
+        "`--reasoning-parser`: invalid choice `auto`"), "0.5.9 has no auto"
+
+
+@pytest.mark.parametrize("kind", ["sglang", "stub"])
+def test_check_run_and_submit_refuse_an_unknown_parser_before_any_gpu_time(tmp_path, toy_tokenizer, capsys, kind):
+    from toolkit.cli import main
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"),
+                   engine={"kind": kind, "extra_args": ["--reasoning-parser", "kimi-k2"]})
+    for argv in (["check", str(job)], ["run", str(job)], ["submit", str(job), "--dry-run"], ["submit", str(job)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        line = next(x for x in err.splitlines() if str(job) in x)
+        assert f"{job}: [engine] extra_args: `--reasoning-parser`: invalid choice `kimi-k2`; did you mean `kimi_k2`" \
+               in line, (argv, err)
+    assert not (tmp_path / "run").exists()
+
+
+# What real SGLang's own parser registers: run in the SGLang venv, printed as JSON (a set's choices sorted, as
+# the data stores them).
+REAL_PARSER = """
+import argparse, json
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+def choices(c):
+    return None if c is None else sorted(c, key=str) if isinstance(c, (set, frozenset)) else list(c)
+print(json.dumps([[a.option_strings, a.nargs, choices(a.choices)] for a in parser._actions], default=repr))
+"""
+
+
+@pytest.mark.sglang
+def test_the_data_is_what_real_sglang_registers():
+    """Every option of real SGLang 0.5.23 (ServerArgs.add_cli_args in its default environment: no plugin, no
+    SGLANG_* variables) has the data's option strings, nargs and choices, computed choices included."""
+    why = realsglang.missing()
+    if why:
+        pytest.fail(why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    r = subprocess.run([str(realsglang.python()), "-c", REAL_PARSER], capture_output=True, text=True, env=env,
+                       cwd=realsglang.python().parent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    real = {tuple(options): (nargs, choices) for options, nargs, choices in json.loads(r.stdout.splitlines()[-1])}
+    data = {f.options: (f.nargs, None if f.choices is None else list(f.choices)) for f in flag_set(realsglang.VERSION).flags}
+    assert sorted(real) == sorted(data), "the same options"
+    assert {o: v for o, v in real.items() if v != data[o]} == {}, "the same nargs and choices"

@@ -245,6 +245,11 @@ def _parse(*args: str):
     (["--trust-remote-code=yes"], "argument --trust-remote-code: ignored explicit argument 'yes'"),
     (["--mem-fraction-static"], "argument --mem-fraction-static: expected one argument"),
     (["--load-format", "nope"], "argument --load-format: invalid choice: 'nope'"),
+    # choices SGLang computes at import (its parser registries), from the same flag data
+    (["--reasoning-parser", "nope"], "argument --reasoning-parser: invalid choice: 'nope'"),
+    (["--tool-call-parser", "kimi-k2"], "argument --tool-call-parser: invalid choice: 'kimi-k2'"),
+    (["--version", "0.5.9", "--reasoning-parser", "auto"], "argument --reasoning-parser: invalid choice: 'auto'"),
+    (["--kv-canary-real-data", "some"], "argument --kv-canary-real-data: invalid choice: 'some'"),
     (["--load-del", "1"], "unrecognized arguments: --load-del 1"),  # the stub's own flags are never abbreviated
 ])
 def test_stub_refuses_what_sglang_refuses(capsys, args, message):

@@ -5,7 +5,8 @@ a job's `[engine] extra_args` will be accepted. `sglang_flags.json` holds every 
 release, read from the release's wheel by `scripts/sglang_flags.py` (regenerate it there; never edit it).
 `parse` walks an argv the way argparse does in SGLang's `ArgumentParser(prog="sglang serve")` — exact
 option strings first, `--flag=value`, then unique prefixes (`allow_abbrev`, argparse's default), values
-counted by `nargs`, int/float values and literal choices checked — so a flag SGLang would refuse is refused
+counted by `nargs`, int/float values and choices checked (those SGLang computes at import too, such as the
+parser names of `--reasoning-parser` and `--tool-call-parser`) — so a flag SGLang would refuse is refused
 here, before a node is allocated, and an abbreviation such as `--tp-s` is known to mean `--tp-size`.
 The stub server builds its SGLang part from the same data (`add_to_parser`).
 """
@@ -43,9 +44,10 @@ class Flag:
     dest: str
     nargs: int | str | None  # 0: a switch; None: exactly one value; '?', '*', '+', or a count
     type: str | None = None  # "int" or "float" when SGLang converts the value; else not checked
-    choices: tuple | None = None  # literal choices, when SGLang's source spells them out
+    choices: tuple | None = None  # the choices SGLang's parser is given (literal or computed at import)
     action: str = "store"
     deprecated: str | None = None
+    choices_unknown: str | None = None  # why the data has no choices for a flag whose SGLang parser has some
 
     @property
     def name(self) -> str:
@@ -94,7 +96,7 @@ def flag_set(version: str | None = None) -> FlagSet:
     return FlagSet(version, d["source"], [
         Flag(tuple(f["options"]), f["dest"], f["nargs"], f.get("type"),
              tuple(f["choices"]) if f.get("choices") is not None else None, f.get("action", "store"),
-             f.get("deprecated"))
+             f.get("deprecated"), f.get("choices_unknown"))
         for f in d["flags"]
     ])
 
@@ -227,7 +229,7 @@ class FlagSet:
             except ValueError:
                 return f"invalid {flag.type} value `{value}`"
         if flag.choices is not None and converted not in flag.choices and value not in map(str, flag.choices):
-            return f"invalid choice `{value}` (choose from {', '.join(map(str, flag.choices))})"
+            return _invalid_choice(value, [str(c) for c in flag.choices], self.version)
         return None
 
     def _unknown(self, option: str) -> str:
@@ -242,13 +244,23 @@ class FlagSet:
         return msg + "; remove it (`python -m sglang.launch_server --help` on a GPU node lists the flags)"
 
 
+def _invalid_choice(value: str, choices: list[str], version: str) -> str:
+    """Argparse's "invalid choice", with the closest choices first (a long list only when none is close)."""
+    close = difflib.get_close_matches(value, choices, n=3, cutoff=0.6)
+    close += [c for c in choices if c.lower() == value.lower() and c not in close]  # `Kimi_K2`: case matters
+    if not close:
+        return f"invalid choice `{value}` (choose from {', '.join(choices)})"
+    listed = f"choose from {', '.join(choices)}" if len(choices) <= 12 else f"{len(choices)} choices in SGLang {version}"
+    return f"invalid choice `{value}`; did you mean {_or([f'`{c}`' for c in close])}? ({listed})"
+
+
 def _or(options: list[str]) -> str:
     return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
 
 
 # -- the stub's parser ----------------------------------------------------------------------------------
 def add_to_parser(parser: argparse.ArgumentParser, flags: FlagSet, *, skip_dests: set[str]) -> list[Flag]:
-    """Register every flag of `flags` on `parser` (values kept as given, int/float converted, literal
+    """Register every flag of `flags` on `parser` (values kept as given, int/float converted,
     choices enforced), except those whose dest is in `skip_dests` (the caller models them itself).
     Returns the flags added."""
     added = []
@@ -321,6 +333,10 @@ def check_extra_args(extra: list[str], *, version: str | None = None, dp_size: i
         elif item.abbreviated:
             log.warning("[engine] extra_args: %s abbreviates %s; SGLang accepts it today, but spell it out: a new "
                         "flag with the same prefix would make it ambiguous", given, item.option)
+        if item.flag.choices_unknown:
+            log.warning("[engine] extra_args: %s %s is not checked: SGLang %s computes its choices in a way the "
+                        "flag data could not read (%s)", given, " ".join(item.values), flags.version,
+                        item.flag.choices_unknown)
         if item.flag.deprecated and item.flag.action != "DeprecatedError":
             log.warning("[engine] extra_args: %s is deprecated in SGLang %s (%s)", given, flags.version,
                         item.flag.deprecated)
