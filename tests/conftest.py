@@ -70,3 +70,35 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if why:
         pytest.fail(why)
     return realsglang.build_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def _served(tmp_path_factory, kind: str, model: Path):
+    import sys
+
+    import realsglang
+
+    tmp = tmp_path_factory.mktemp(f"served-{kind}")
+    if kind == "sglang":
+        job = realsglang.sglang_job(tmp, model, extra_args=realsglang.PROBE_ARGS)
+        python = str(realsglang.python())
+    else:
+        job = realsglang.stub_job(tmp, model)
+        python = sys.executable
+    return realsglang.Served(job, python, tmp / "server.log")
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tmp_path_factory, tiny_model):
+    """Real SGLang serving the tiny model, started once per session through the toolkit's launch path
+    (tests/real_sglang/serve.py), with the probe settings of realsglang.PROBE_ARGS."""
+    served = _served(tmp_path_factory, "sglang", tiny_model)
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="session")
+def stub_server(tmp_path_factory, tiny_model):
+    """The stub engine with the same model folder and settings as sglang_server."""
+    served = _served(tmp_path_factory, "stub", tiny_model)
+    yield served
+    served.stop()

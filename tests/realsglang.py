@@ -12,6 +12,7 @@ closes `</think>`, so whole-job tests relax the audit's content limits. What it 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,19 @@ CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_OPS)}
 RANDOM_MODEL_AUDIT = {"min_think_end_share": 0.0, "max_empty_content_share": 1.0, "max_length_share": 1.0,
                       "max_stop_without_think_end_share": 1.0, "max_empty_reasoning_share": 1.0,
                       "max_double_think_start_share": 1.0}
+
+
+# The probe servers (conformance suite): at most two requests run at once, so a third waits in the queue.
+PROBE_ARGS = ["--max-running-requests", "2"]
+# The stub beside them: the same context length as the tiny model (8,192) and a speed of the order of a real
+# server's on this CPU, so that requests are still in flight when a probe aborts them.
+STUB_PROBE = {"context_length": 8192, "token_delay_s": 0.004}
+
+
+def stub_job(tmp: Path, model: Path, **tables: dict[str, Any]) -> Path:
+    """The stub engine with the probe settings (realsglang.PROBE_ARGS, STUB_PROBE) on `model`'s tokenizer."""
+    engine = {"kind": "stub", "extra_args": list(PROBE_ARGS), "ready_timeout_s": 60, **tables.pop("engine", {})}
+    return make_job(tmp, model, n=4, engine=engine, stub={**STUB_PROBE, **tables.pop("stub", {})}, **tables)
 
 
 def python() -> Path:
@@ -87,3 +101,39 @@ def toolkit(*args: str, check: bool = True, timeout: float = 900, **kw) -> subpr
 def login_python() -> str:
     """The test environment's own Python: a login node's, without SGLang."""
     return sys.executable
+
+
+SERVE = HERE / "real_sglang" / "serve.py"
+
+
+class Served:
+    """An engine started by tests/real_sglang/serve.py: its url and key, and how its stop went."""
+
+    def __init__(self, job: Path, python: str, log: Path):
+        self.proc = subprocess.Popen([python, str(SERVE), str(job), str(log)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])})
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise AssertionError(f"the engine of {job} did not become ready; its log:\n{_tail(log)}")
+        info = json.loads(line)
+        self.url, self.api_key, self.pid, self.version = info["url"], info["api_key"], info["pid"], info["version"]
+        self.ready_s = info["ready_s"]
+        self.log = log
+        self.stopped: dict | None = None
+
+    def stop(self) -> dict:
+        """Stop the engine as a worker does: {"stop_s", "exit_code"}."""
+        if self.stopped is None:
+            self.proc.stdin.close()
+            self.stopped = json.loads(self.proc.stdout.readline() or "{}")
+            self.proc.wait(120)
+        return self.stopped
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"

@@ -159,8 +159,8 @@ def make_sampling(raw: dict, preferred: dict | None = None) -> Sampling:
     sp.stop_token_ids = frozenset(x for x in (g("stop_token_ids") or ()) if x is not None)
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         v = g(name)
-        if v is not None:
-            setattr(sp, name, float(v))
+        if v is not None:  # kept as given, as SamplingParams does: its errors print an int as an int ("got 0.")
+            setattr(sp, name, v)
     for name in ("min_new_tokens", "n", "beam_width", "stream_interval", "sampling_seed"):
         v = g(name)
         if v is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
+import json
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -64,15 +65,39 @@ def _state_route(srv: StubServer, handler: Callable) -> Callable:
     return endpoint
 
 
+def json_content(request: Request, body: bytes) -> bool:
+    """Whether FastAPI reads the body as JSON, as it decides for SGLang's typed routes: no content type, or an
+    application/json (or +json) one. A form-encoded body (what a bare `curl -d` sends) stays bytes."""
+    ctype = request.headers.get("content-type")
+    if not body or not ctype:
+        return True
+    main, _, sub = ctype.split(";")[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def not_an_object(body: bytes, model: str) -> Reply:
+    """FastAPI's validation error for a body that is not JSON, in SGLang's ErrorResponse shape."""
+    detail = (f"1 validation error:\n  {{'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should be a "
+              f"dictionary or an instance of {model}', 'input': {body[:200]!r}, 'ctx': {{'class_name': '{model}'}}}}")
+    err = {"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400}
+    return 400, json.dumps(err, separators=(",", ":")).encode(), JSON
+
+
 def build_app(srv: StubServer):
     """The ASGI app of one stub server (with --api-key, wrapped in SGLang's bearer check)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     async def generate(request: Request) -> Response:
-        return await answer(request, srv.generate(await request.body()))
+        body = await request.body()
+        if not json_content(request, body):
+            return _response(not_an_object(body, "GenerateReqInput"))
+        return await answer(request, srv.generate(body))
 
     async def abort_request(request: Request) -> Response:
-        return _response(srv.abort_request(await request.body()))
+        body = await request.body()
+        if not json_content(request, body):
+            return _response(not_an_object(body, "AbortReq"))
+        return _response(srv.abort_request(body))
 
     async def v1_model(request: Request) -> Response:
         return _response(info.v1_model(srv, request.path_params["name"]))

@@ -352,7 +352,8 @@ class StubServer:
             m.update(e2e_latency=round(e2e, 6))
         else:
             m.update(weight_version="default", e2e_latency=round(e2e, 6),
-                     weight_versions=[{"version": "default", "start": 0, "end": 0}])
+                     weight_versions=[{"version": "default", "start": 0, "end": 0}],
+                     response_sent_to_client_ts=time.time())
         m["completion_tokens"] = 0
         out: dict[str, Any] = {} if self.cfg.skip_tokenizer_init and self.v9 else {"text": ""}
         out.update(output_ids=[], meta_info=m)

@@ -91,7 +91,8 @@ def server_info(srv: StubServer) -> Reply:
         startup_time=round(time.time() - srv.started, 3), kv_events=None,
         internal_states=[{"last_gen_throughput": srv.sched.gen_throughput() / max(1, cfg.dp_size),
                           "memory_usage": {"weight": 0.0, "kvcache": 0.0},
-                          "effective_max_running_requests_per_dp": srv.sched.max_running // max(1, cfg.dp_size)}
+                          "effective_max_running_requests_per_dp": srv.sched.max_running // max(1, cfg.dp_size),
+                          "max_running_requests": srv.sched.max_running}
                          for _ in range(max(1, cfg.dp_size))],
         version=cfg.version, frontend="python",
         stub_engine="not a model: a test double of SGLang's HTTP protocol",
@@ -108,8 +109,7 @@ def loads(srv: StubServer) -> Reply:
     0.5.9 (the same file then; rows from io_struct.GetLoadsReqOutput, timestamp and None values left out):
     {timestamp, version, dp_rank_count, loads: [{dp_rank, num_running_reqs, ..., num_total_reqs}], aggregate}.
     The stub has one scheduler; with --dp-size N its requests are shared out over N ranks for the report. It
-    has no GPU: `accelerator` is null and the `memory` section is left out, as SGLang does where it cannot
-    measure it.
+    has no GPU: `accelerator` is null, and `memory` (0.5.23) says it holds no weights, its KV pool's capacity.
     """
     dp = max(1, srv.cfg.dp_size)
     used, pool, now = srv.sched.used_tokens(), srv.pool, time.time()
@@ -139,7 +139,9 @@ def loads(srv: StubServer) -> Reply:
                      "max_running_requests": limit, "token_usage": core["token_usage"],
                      "gen_throughput": core["gen_throughput"], "cache_hit_rate": 0.0,
                      "utilization": core["utilization"], "total_prefill_uncached_tokens": 0,
-                     "total_prefill_busy_us": 0, "decode_moments": None, "disaggregation": disaggregation,
+                     "total_prefill_busy_us": 0, "decode_moments": None,
+                     "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": pool},
+                     "disaggregation": disaggregation,
                      "queues": {**queues, "prealloc_ready": 0}})
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
     if srv.v9:
