@@ -371,3 +371,53 @@ def test_rank_launcher_runs_the_server_with_its_rank_and_reports_any_exit(tmp_pa
     assert r.returncode == 2 and "rank 0 must run on the worker's node gpu-a01" in r.stderr
     r = _rank(tmp_path, 2, sys.executable, "-c", "pass")
     assert r.returncode == 2 and "rank out of range" in r.stderr
+
+
+def _http_status(url: str) -> int | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None  # nothing listens
+
+
+def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_path, toy_tokenizer):
+    """As SGLang with --nnodes 2: rank 0 serves nothing (/ready and /health_generate do not answer 200) until rank 1
+    has joined it at --dist-init-addr; then it is ready, and records where rank 1 joined from."""
+    import subprocess
+    import time
+
+    from toolkit.engines.base import free_port
+    from toolkit.engines.sglang import dist_init_port
+
+    port, rendezvous = free_port(), dist_init_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).resolve().parents[1])]),
+           "FAKE_SGLANG_RECORD": str(tmp_path / "rank{rank}.json")}
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(toy_tokenizer("kimi")), "--host",
+            "127.0.0.1", "--port", str(port), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]
+    launch = lambda rank: subprocess.Popen([*argv, "--node-rank", str(rank)], env=env, start_new_session=True,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    ranks = [launch(0)]
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # longer than the stub's load and warm-up (1 s in all) would take, were it started
+        assert ranks[0].poll() is None
+        assert _http_status(url + "/ready") is None and _http_status(url + "/health_generate") is None
+        ranks.append(launch(1))  # on rank 0's node (the port is rank 0's): no dummy health server
+        deadline = time.monotonic() + 30
+        while _http_status(url + "/ready") != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _http_status(url + "/ready") == 200 and _http_status(url + "/health_generate") == 200
+        assert json.loads((tmp_path / "rank0.json").read_text())["joined"] == {"1": "127.0.0.1"}
+    finally:
+        for p in ranks:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
