@@ -302,7 +302,7 @@ def test_multi_node_needs_an_allocation_of_enough_nodes(tmp_path, toy_tokenizer,
 def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     import socket
 
-    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low, node_address
+    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low
 
     for _ in range(5):
         port = dist_init_port(4)
@@ -311,7 +311,86 @@ def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     with socket.socket() as s:  # a taken port is never chosen
         s.bind(("", 0))
         s.listen()
-    assert node_address([]).count(".") == 3
+
+
+@pytest.mark.parametrize("node_addr, resolved, routes, expected", [
+    ("10.1.2.3", ["127.0.1.1"], [], "10.1.2.3"),                 # Slurm's NodeAddr, whatever the name resolves to
+    ("gpu-a01", ["127.0.1.1", "10.1.2.3"], [], "10.1.2.3"),      # NodeAddr a name: its first non-loopback address
+    ("gpu-a01", ["127.0.1.1"], ["127.0.0.1", "10.1.2.3"], "10.1.2.3"),  # Debian's own name: the route to the others
+    ("", ["192.168.7.5"], [], "192.168.7.5"),                    # Slurm did not answer: the node's name
+    ("fd00::5", [], ["10.1.2.3"], "10.1.2.3"),                   # IPv6 (SGLang's rendezvous hangs on it): the route
+])
+def test_the_rendezvous_is_the_first_nodes_address_as_slurm_knows_it(node_addr, resolved, routes, expected):
+    from toolkit.engines.sglang import rendezvous_host
+
+    assert rendezvous_host("gpu-a01", node_addr, resolved, routes) == expected
+
+
+@pytest.mark.parametrize("node_addr, resolved, routes, said", [
+    ("127.0.0.1", [], [], "NodeAddr 127.0.0.1"),
+    ("gpu-a01", ["127.0.1.1"], [], "NodeAddr gpu-a01; gpu-a01 resolves to 127.0.1.1 here"),
+    ("", ["127.0.1.1"], ["127.0.0.1"], "no NodeAddr (Slurm did not answer); gpu-a01 resolves to 127.0.1.1 here; "
+                                       "its address toward the other nodes is 127.0.0.1"),
+    ("0.0.0.0", [], [], "NodeAddr 0.0.0.0"),
+])
+def test_a_first_node_known_only_by_loopback_is_an_error_not_a_rendezvous(node_addr, resolved, routes, said):
+    from toolkit.engines.sglang import rendezvous_host
+
+    with pytest.raises(EngineError) as err:
+        rendezvous_host("gpu-a01", node_addr, resolved, routes)
+    assert f"no address of gpu-a01, the first node (rank 0), that the other nodes can reach — {said}: " in str(err.value)
+    assert "NodeAddr= in slurm.conf" in str(err.value)
+
+
+def test_a_multi_node_engine_meets_at_the_first_nodes_nodeaddr_where_its_own_name_is_127_0_1_1(
+        tmp_path, toy_tokenizer, monkeypatch):
+    """As on a Debian node: its hostname resolves to 127.0.1.1 and the other node's name to nothing; Slurm knows
+    both by NodeAddr. The engine's --dist-init-addr is the first node's NodeAddr (issue 24: it was 127.0.1.1)."""
+    import socket
+    import subprocess
+
+    from toolkit.engines import sglang
+
+    e = make_engine(multi_node_spec(tmp_path, toy_tokenizer("kimi")), tmp_path / "server.log", probe_ids=[1])
+    for var, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+                       "SLURMD_NODENAME": "gpu-a01"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    nodes = ("NodeName=gpu-a01 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.3 NodeHostName=gpu-a01 Version=22.05.8\n"
+             "NodeName=gpu-a02 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.4 NodeHostName=gpu-a02 Version=22.05.8\n")
+    answers = {("scontrol", "show", "hostnames"): "gpu-a01\ngpu-a02\n", ("scontrol", "show", "node"): nodes}
+
+    def run(argv, **kw):
+        return subprocess.CompletedProcess(argv, 0, answers[tuple(argv[:3])], "")
+
+    def getaddrinfo(host, *a, **kw):
+        if host != "gpu-a01":
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+
+    monkeypatch.setattr(sglang.subprocess, "run", run)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-a01")
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: getaddrinfo(host)[0][4][0])
+    e._prepare_step()
+    assert e.dist_init_addr.rsplit(":", 1)[0] == "10.1.2.3" and e.first_host == "gpu-a01"
+    # Slurm knows the node only by its name, and here that name is loopback: said, not launched
+    answers[("scontrol", "show", "node")] = nodes.replace("NodeAddr=10.1.2.3", "NodeAddr=gpu-a01")
+    with pytest.raises(EngineError, match=r"NodeAddr gpu-a01; gpu-a01 resolves to 127\.0\.1\.1 here: only loopback"):
+        e._prepare_step()
+    # the worker on another node than the allocation's first: rank 0 could not run beside it
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu-a02")
+    with pytest.raises(EngineError, match="the worker runs on gpu-a02, not on the allocation's first node gpu-a01"):
+        e._prepare_step()
+
+
+def test_node_addrs_are_read_from_scontrol_show_node():
+    from toolkit.engines.sglang import parse_node_addrs
+
+    out = ("NodeName=host1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 Gres=gpu:2 NodeAddr=10.65.177.11 "
+           "NodeHostName=host1 Version=22.05.8 OS=Linux\nNodeName=host2 NodeAddr=10.65.177.12 NodeHostName=host2\n"
+           "Node nosuch not found\n")
+    assert parse_node_addrs(out) == {"host1": "10.65.177.11", "host2": "10.65.177.12"}
 
 
 @pytest.mark.parametrize("engine, slurm, message", [
