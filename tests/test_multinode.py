@@ -147,16 +147,18 @@ def _dry_run(job: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, monkeypatch, capsys):
-    """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step."""
-    from toolkit import slurm
+    """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step.
+    Pure: no Slurm command runs (a made-up cluster answers, or none does), and the layout is checked either way."""
+    from toolkit import slurm, slurmcmd
     from toolkit.cli import main
     from toolkit.preflight import preflight
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", "nodes": 2, "tp_size": 16},
                    slurm={"gpus_per_node": 8, "cpus_per_task": 64})
+    monkeypatch.setattr(slurmcmd, "call", lambda argv, timeout=None: pytest.fail(f"{argv} ran: this test is pure"))
+    monkeypatch.setattr(slurm, "slurm_config", lambda timeout=60: {"MaxArraySize": "1001"})
     monkeypatch.setattr(slurm, "partition_info", lambda name: slurm.PartitionInfo("gpu", 8, 0))
     monkeypatch.setattr(slurm, "partition_nodes", lambda name: 4)
-    monkeypatch.setattr(slurm, "max_array_size", lambda config=None: 1001)
     assert main(["submit", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
@@ -170,7 +172,16 @@ def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, mo
     assert main(["submit", str(job1), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--nodes=2" not in out and "ntasks" not in out
-    # --gpus-per-node on the command line is checked against the layout too
+    # --gpus-per-node on the command line is checked against the layout too, whether a cluster answers or not
+    assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2
+    assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
+
+    def no_cluster(timeout=60):
+        raise slurm.SlurmError("no cluster")
+
+    monkeypatch.setattr(slurm, "slurm_config", no_cluster)
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    assert "Slurm not reachable: not validated against a cluster (no cluster)" in capsys.readouterr().out
     assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2
     assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
 
