@@ -72,25 +72,27 @@ hosts_net_up() {
     done
 }
 
-# hosts_net_down [WAIT_S]: end every process left in the namespaces of this tag (SIGTERM, SIGKILL after WAIT_S),
-# then delete the namespaces, the veths and the bridge. Idempotent: what does not exist is skipped.
+# hosts_net_down [WAIT_S]: end every process left in the namespaces of this tag (SIGTERM, SIGKILL to what is left
+# after WAIT_S: slurmstepd ignores SIGTERM), then delete the namespaces, the veths and the bridge. Idempotent: what
+# does not exist is skipped.
 hosts_net_down() {
-    local wait_s=${1:-5} ns name pids deadline f
+    local wait_s=${1:-2} ns name pids deadline f
     local spaces=()
     for f in /run/netns/"$HOSTS_NET_TAG"-host*; do
         [[ -e $f ]] && spaces+=("${f##*/}")
     done
-    for ns in "${spaces[@]}"; do
-        pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
-        [[ -n ${pids// /} ]] || continue
+    _hosts_net_pids() { for ns in "${spaces[@]}"; do ip netns pids "$ns" 2>/dev/null; done | tr '\n' ' '; }
+    pids=$(_hosts_net_pids)
+    if [[ -n ${pids// /} ]]; then
         # shellcheck disable=SC2086
         kill -TERM $pids 2>/dev/null || true
         deadline=$((SECONDS + wait_s))
-        while [[ -n $(ip netns pids "$ns" 2>/dev/null) ]] && ((SECONDS < deadline)); do sleep 0.1; done
-        pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+        while pids=$(_hosts_net_pids) && [[ -n ${pids// /} ]] && ((SECONDS < deadline)); do sleep 0.1; done
         # shellcheck disable=SC2086
         [[ -z ${pids// /} ]] || kill -KILL $pids 2>/dev/null || true
-    done
+        deadline=$((SECONDS + 5))
+        while pids=$(_hosts_net_pids) && [[ -n ${pids// /} ]] && ((SECONDS < deadline)); do sleep 0.1; done
+    fi
     for ns in "${spaces[@]}"; do
         ip netns del "$ns" 2>/dev/null || true
     done

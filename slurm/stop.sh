@@ -71,7 +71,7 @@ remove_network() {
         if compgen -G "/run/netns/$HOSTS_NET_TAG-host*" >/dev/null || compgen -G "/sys/class/net/$HOSTS_NET_TAG[vb]*" >/dev/null
         then
             log "removing the hosts' network $HOSTS_NET_TAG (namespaces, veths, bridge $HOSTS_NET_BRIDGE)"
-            hosts_net_down 5 || { log "ERROR: $HOSTS_NET_ERROR"; status=1; }
+            hosts_net_down 2 || { log "ERROR: $HOSTS_NET_ERROR"; status=1; }
         fi
     done
     return $status
