@@ -80,6 +80,7 @@ if ((HOSTS)); then
         command -v "$cmd" >/dev/null || die "'$cmd' not found (the hosts need it): run slurm/install.sh first"
     done
     CTLD_ADDR=$HOSTS_NET_BRIDGE_ADDR   # the hosts reach the controller there; 127.0.0.1 is their own loopback
+    NS_HINT="the hosts need CAP_NET_ADMIN and CAP_SYS_ADMIN; SLURM_LOCAL_HOSTS=0 starts the cluster without them"
 else
     CTLD_ADDR=127.0.0.1
 fi
@@ -145,7 +146,7 @@ fi
 
 # ---------------------------------------------------------------- the hosts' network
 if ((HOSTS)); then
-    hosts_net_up || die "$HOSTS_NET_ERROR"
+    hosts_net_up || die "$HOSTS_NET_ERROR ($NS_HINT)"
     log "network $HOSTS_NET_SUBNET.0/24 up: bridge $HOSTS_NET_BRIDGE at $CTLD_ADDR, namespaces $HOSTS_NET_TAG-host[1-$HOSTS]"
 fi
 
@@ -305,7 +306,7 @@ for ((i = 1; i <= HOSTS; i++)); do
     nsenter --net="/run/netns/$(hosts_net_ns "$i")" -- unshare --uts --mount --propagation slave -- \
         /bin/sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -f "$3" -N "$1"' \
         sh "$h" "$DIR/hosts/$h.hosts" "$DIR/slurm.conf" </dev/null >>"$DIR/log/slurmd-$h.log" 2>&1 3>&- \
-        || die "could not start slurmd of $h in namespace $(hosts_net_ns "$i") (see $DIR/log/slurmd-$h.log)"
+        || die "could not start slurmd of $h in namespace $(hosts_net_ns "$i") (see $DIR/log/slurmd-$h.log; $NS_HINT)"
 done
 
 ALL_NODES=("$NODE" "${HOST_NAMES[@]}")
