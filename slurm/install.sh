@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install the Debian packages of the local Slurm cluster: slurmctld, slurmd, the client commands, munge, and the
-# accounting side (slurmdbd with its MySQL plugin, MariaDB server and client) that `sacct` needs.
+# Install the Debian packages of the local Slurm cluster: slurmctld, slurmd, the client commands, munge, the
+# accounting side (slurmdbd with its MySQL plugin, MariaDB server and client) that `sacct` needs, and for the
+# namespaced hosts iproute2 (`ip`) and mount (`nsenter` and `unshare` come with util-linux, which every Debian has).
 #
 # Idempotent: returns at once when every package is already installed. Packages are installed with their
 # services held back (a temporary policy-rc.d when the machine has none): slurm/start.sh starts the daemons itself.
@@ -10,6 +11,7 @@ set -euo pipefail
 PACKAGES=(
     slurmctld slurmd slurm-client munge
     slurmdbd slurm-wlm-mysql-plugin mariadb-server-core mariadb-client-core
+    iproute2 mount
 )
 
 log() { printf '[slurm/install] %s\n' "$*" >&2; }

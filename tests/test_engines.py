@@ -373,7 +373,7 @@ def test_multi_node_needs_an_allocation_of_enough_nodes(tmp_path, toy_tokenizer,
 def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     import socket
 
-    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low, node_address
+    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low
 
     for _ in range(5):
         port = dist_init_port(4)
@@ -382,7 +382,86 @@ def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     with socket.socket() as s:  # a taken port is never chosen
         s.bind(("", 0))
         s.listen()
-    assert node_address([]).count(".") == 3
+
+
+@pytest.mark.parametrize("node_addr, resolved, routes, expected", [
+    ("10.1.2.3", ["127.0.1.1"], [], "10.1.2.3"),                 # Slurm's NodeAddr, whatever the name resolves to
+    ("gpu-a01", ["127.0.1.1", "10.1.2.3"], [], "10.1.2.3"),      # NodeAddr a name: its first non-loopback address
+    ("gpu-a01", ["127.0.1.1"], ["127.0.0.1", "10.1.2.3"], "10.1.2.3"),  # Debian's own name: the route to the others
+    ("", ["192.168.7.5"], [], "192.168.7.5"),                    # Slurm did not answer: the node's name
+    ("fd00::5", [], ["10.1.2.3"], "10.1.2.3"),                   # IPv6 (SGLang's rendezvous hangs on it): the route
+])
+def test_the_rendezvous_is_the_first_nodes_address_as_slurm_knows_it(node_addr, resolved, routes, expected):
+    from toolkit.engines.sglang import rendezvous_host
+
+    assert rendezvous_host("gpu-a01", node_addr, resolved, routes) == expected
+
+
+@pytest.mark.parametrize("node_addr, resolved, routes, said", [
+    ("127.0.0.1", [], [], "NodeAddr 127.0.0.1"),
+    ("gpu-a01", ["127.0.1.1"], [], "NodeAddr gpu-a01; gpu-a01 resolves to 127.0.1.1 here"),
+    ("", ["127.0.1.1"], ["127.0.0.1"], "no NodeAddr (Slurm did not answer); gpu-a01 resolves to 127.0.1.1 here; "
+                                       "its address toward the other nodes is 127.0.0.1"),
+    ("0.0.0.0", [], [], "NodeAddr 0.0.0.0"),
+])
+def test_a_first_node_known_only_by_loopback_is_an_error_not_a_rendezvous(node_addr, resolved, routes, said):
+    from toolkit.engines.sglang import rendezvous_host
+
+    with pytest.raises(EngineError) as err:
+        rendezvous_host("gpu-a01", node_addr, resolved, routes)
+    assert f"no address of gpu-a01, the first node (rank 0), that the other nodes can reach — {said}: " in str(err.value)
+    assert "NodeAddr= in slurm.conf" in str(err.value)
+
+
+def test_a_multi_node_engine_meets_at_the_first_nodes_nodeaddr_where_its_own_name_is_127_0_1_1(
+        tmp_path, toy_tokenizer, monkeypatch):
+    """As on a Debian node: its hostname resolves to 127.0.1.1 and the other node's name to nothing; Slurm knows
+    both by NodeAddr. The engine's --dist-init-addr is the first node's NodeAddr (issue 24: it was 127.0.1.1)."""
+    import socket
+    import subprocess
+
+    from toolkit.engines import sglang
+
+    e = make_engine(multi_node_spec(tmp_path, toy_tokenizer("kimi")), tmp_path / "server.log", probe_ids=[1])
+    for var, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+                       "SLURMD_NODENAME": "gpu-a01"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    nodes = ("NodeName=gpu-a01 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.3 NodeHostName=gpu-a01 Version=22.05.8\n"
+             "NodeName=gpu-a02 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.4 NodeHostName=gpu-a02 Version=22.05.8\n")
+    answers = {("scontrol", "show", "hostnames"): "gpu-a01\ngpu-a02\n", ("scontrol", "show", "node"): nodes}
+
+    def run(argv, **kw):
+        return subprocess.CompletedProcess(argv, 0, answers[tuple(argv[:3])], "")
+
+    def getaddrinfo(host, *a, **kw):
+        if host != "gpu-a01":
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+
+    monkeypatch.setattr(sglang.subprocess, "run", run)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-a01")
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: getaddrinfo(host)[0][4][0])
+    e._prepare_step()
+    assert e.dist_init_addr.rsplit(":", 1)[0] == "10.1.2.3" and e.first_host == "gpu-a01"
+    # Slurm knows the node only by its name, and here that name is loopback: said, not launched
+    answers[("scontrol", "show", "node")] = nodes.replace("NodeAddr=10.1.2.3", "NodeAddr=gpu-a01")
+    with pytest.raises(EngineError, match=r"NodeAddr gpu-a01; gpu-a01 resolves to 127\.0\.1\.1 here: only loopback"):
+        e._prepare_step()
+    # the worker on another node than the allocation's first: rank 0 could not run beside it
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu-a02")
+    with pytest.raises(EngineError, match="the worker runs on gpu-a02, not on the allocation's first node gpu-a01"):
+        e._prepare_step()
+
+
+def test_node_addrs_are_read_from_scontrol_show_node():
+    from toolkit.engines.sglang import parse_node_addrs
+
+    out = ("NodeName=host1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 Gres=gpu:2 NodeAddr=10.65.177.11 "
+           "NodeHostName=host1 Version=22.05.8 OS=Linux\nNodeName=host2 NodeAddr=10.65.177.12 NodeHostName=host2\n"
+           "Node nosuch not found\n")
+    assert parse_node_addrs(out) == {"host1": "10.65.177.11", "host2": "10.65.177.12"}
 
 
 @pytest.mark.parametrize("engine, slurm, message", [
@@ -442,3 +521,53 @@ def test_rank_launcher_runs_the_server_with_its_rank_and_reports_any_exit(tmp_pa
     assert r.returncode == 2 and "rank 0 must run on the worker's node gpu-a01" in r.stderr
     r = _rank(tmp_path, 2, sys.executable, "-c", "pass")
     assert r.returncode == 2 and "rank out of range" in r.stderr
+
+
+def _http_status(url: str) -> int | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None  # nothing listens
+
+
+def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_path, toy_tokenizer):
+    """As SGLang with --nnodes 2: rank 0 serves nothing (/ready and /health_generate do not answer 200) until rank 1
+    has joined it at --dist-init-addr; then it is ready, and records where rank 1 joined from."""
+    import subprocess
+    import time
+
+    from toolkit.engines.base import free_port
+    from toolkit.engines.sglang import dist_init_port
+
+    port, rendezvous = free_port(), dist_init_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).resolve().parents[1])]),
+           "FAKE_SGLANG_RECORD": str(tmp_path / "rank{rank}.json")}
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(toy_tokenizer("kimi")), "--host",
+            "127.0.0.1", "--port", str(port), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]
+    launch = lambda rank: subprocess.Popen([*argv, "--node-rank", str(rank)], env=env, start_new_session=True,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    ranks = [launch(0)]
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # longer than the stub's load and warm-up (1 s in all) would take, were it started
+        assert ranks[0].poll() is None
+        assert _http_status(url + "/ready") is None and _http_status(url + "/health_generate") is None
+        ranks.append(launch(1))  # on rank 0's node (the port is rank 0's): no dummy health server
+        deadline = time.monotonic() + 30
+        while _http_status(url + "/ready") != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _http_status(url + "/ready") == 200 and _http_status(url + "/health_generate") == 200
+        assert json.loads((tmp_path / "rank0.json").read_text())["joined"] == {"1": "127.0.0.1"}
+    finally:
+        for p in ranks:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,3 +125,50 @@ def test_max_array_size_is_100(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0, f"sbatch --array=0-100 was accepted: {proc.stdout.strip()}"
     assert "array" in proc.stderr.lower(), f"unexpected sbatch error: {proc.stderr.strip()}"
+
+
+HOST_PROBE = """
+import json, os, socket, sys
+me = socket.gethostname()
+peers = dict(a.split("=", 1) for a in sys.argv[1:])  # name=NodeAddr of every host
+other = next(name for name in peers if name != me)
+def resolves(name):
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((peers[other], 9))  # no packet: the route picks this host's own address toward the other
+    mine = s.getsockname()[0]
+with socket.create_connection((peers[other], int(os.environ["SLURMD_PORT"])), timeout=5):
+    pass  # the other host's slurmd, over the subnet
+print(json.dumps({"host": me, "node": os.environ["SLURMD_NODENAME"], "own_name": resolves(me),
+                  "other": other, "other_name": resolves(other), "address": mine}))
+"""
+
+
+def test_two_hosts_have_their_own_names_and_addresses_and_know_each_other_only_through_slurm(tmp_path: Path) -> None:
+    """Partition `hosts`: two slurmds, each in its own network and UTS namespace (slurm/start.sh), as two machines of
+    a Debian cluster: its own hostname, which it resolves to 127.0.1.1; the other host reached at its NodeAddr on
+    the private subnet, which no name resolves to."""
+    env = slurm_env()
+    names = run(["sinfo", "-h", "-N", "-p", "hosts", "-o", "%N"], env).split()
+    assert len(names) == 2, f"partition hosts has {names}: start the cluster with slurm/start.sh (SLURM_LOCAL_HOSTS=2)"
+    addrs = {}
+    for name in names:
+        fields = dict(f.split("=", 1) for f in run(["scontrol", "show", "node", "-o", name], env).split() if "=" in f)
+        addrs[name] = fields["NodeAddr"]
+    config = run(["scontrol", "show", "config"], env).splitlines()
+    port = next(line.split("=", 1)[1].strip() for line in config if line.split("=", 1)[0].strip() == "SlurmdPort")
+    out = subprocess.run(
+        ["srun", "--partition=hosts", "--nodes=2", "--ntasks-per-node=1", "--time=1", f"--chdir={tmp_path}",
+         f"--export=ALL,SLURMD_PORT={port}", sys.executable, "-c", HOST_PROBE, *(f"{n}={a}" for n, a in addrs.items())],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = {r["host"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert sorted(seen) == sorted(names), out.stdout
+    for name, r in seen.items():
+        assert r["node"] == name, "each host's hostname is its node name"
+        assert r["address"] == addrs[name] and not addrs[name].startswith("127."), "its own address on the subnet"
+        assert r["own_name"] == "127.0.1.1", "its own name is 127.0.1.1, as on Debian"
+        assert r["other_name"] is None, "the other host has no name here: only Slurm's NodeAddr knows it"

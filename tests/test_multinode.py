@@ -1,10 +1,12 @@
 """An engine over several nodes, on the real local cluster: one srun step with a rank per node.
 
-The local cluster has one node, so the two ranks of `nodes = 2` run as two tasks of the step on that node
-($TOOLKIT_ENGINE_RANKS_PER_NODE=2; everything else — the worker in a one-task step as submitit runs it, the
-engine step with --overlap, rank flags, readiness through rank 0, dead-rank detection, restart, stop — is the
-real path). What one node cannot show: ranks on different hosts, the rendezvous address as seen from another
-node, GPUs split between nodes.
+The two ranks of `nodes = 2` run on the local cluster's two namespaced hosts (partition `hosts` of slurm/start.sh):
+`host1` and `host2`, each with its own hostname, network and address on a private subnet, and an /etc/hosts
+that maps its own name to 127.0.1.1 and knows no other host, as Debian nodes known to each other only through
+Slurm's NodeAddr. The worker runs in a one-task step on host1 as submitit runs it; the engine is one more step
+with --overlap, rank 0 on host1 and rank 1 on host2, which must join rank 0 at --dist-init-addr over the subnet
+before rank 0 (the fake `sglang` of tests/fake_sglang, as SGLang) answers /ready. What the hosts cannot show:
+GPUs split between nodes (theirs are fake), a real torch.distributed rendezvous.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import msgspec
 import pytest
 
 from jobfiles import make_job, prepared_run, process_running
+from toolkit.engines.sglang import parse_node_addrs
 from toolkit.shardfile import read_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +35,17 @@ FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 def cluster():
     if not os.environ.get("SLURM_CONF"):
         pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
+
+
+@pytest.fixture
+def hosts(cluster) -> dict[str, str]:
+    """The two namespaced hosts of the local cluster: {name: NodeAddr}, in order."""
+    names = subprocess.run(["sinfo", "-h", "-N", "-p", "hosts", "-o", "%N"], capture_output=True, text=True).stdout.split()
+    if len(names) < 2:
+        pytest.fail(f"partition hosts has {names or 'no nodes'}: this cluster was started without the two hosts; "
+                    "start it again with slurm/start.sh (SLURM_LOCAL_HOSTS=2, see slurm/README.md)")
+    out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(names[:2])], capture_output=True, text=True).stdout
+    return parse_node_addrs(out)
 
 
 def _json(path: Path) -> dict | None:
@@ -65,7 +79,11 @@ def _records(run: Path) -> list:
 
 
 @pytest.mark.slurm
-def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_leave_nothing(cluster, tmp_path, toy_tokenizer):
+def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_leave_nothing(
+        hosts, tmp_path, toy_tokenizer):
+    """Rank 0 on host1, rank 1 on host2; --dist-init-addr is host1's NodeAddr (issue 24: it was 127.0.1.1, where
+    rank 1 never joined), and rank 0 is ready only once rank 1 has joined it from host2's address."""
+    (first, first_addr), (second, second_addr) = list(hosts.items())[:2]
     tok = toy_tokenizer("kimi")
     record = tmp_path / "rank{rank}.json"
     n = 120  # long enough that the shard is still generating when a rank is killed, on a loaded machine too
@@ -77,19 +95,27 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
     rd, _ = prepared_run(str(job))
     run = Path(rd.root)
     out = tmp_path / "job.out"
-    # As `toolkit submit` lays out a task of nodes = 2, on one node: the worker in a one-task step (submitit's
-    # srun with srun_args), the allocation holding a task per rank.
+    # As `toolkit submit` lays out a task of nodes = 2: the worker in a one-task step on the first node
+    # (submitit's srun with srun_args), the allocation holding a node per rank.
     r = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=multinode-test", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-         "--gpus-per-node=1", "--time=5", f"--output={out}",
-         f"--export=ALL,PYTHONPATH={ROOT},TOOLKIT_ENGINE_RANKS_PER_NODE=2",
+        ["sbatch", "--parsable", "--job-name=multinode-test", "--partition=hosts", f"--nodelist={first},{second}",
+         "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=1", "--time=5", f"--output={out}",
+         f"--export=ALL,PYTHONPATH={ROOT}",
          "--wrap", f"srun --nodes=1 --ntasks=1 {sys.executable} -m toolkit worker {run} 0"],
         capture_output=True, text=True, check=True, cwd=ROOT)
     job_id = r.stdout.strip().split(";")[0]
     seen_pids: list[int] = []
     try:
-        r0, r1 = _wait(lambda: (lambda a, b: (a, b) if a and b else None)(
-            _json(tmp_path / "rank0.json"), _json(tmp_path / "rank1.json")), 90, "both ranks to start")
+        # the rendezvous is the first node's address as Slurm knows it, not 127.0.1.1 (its own name's there)
+        r0 = _wait(lambda: _json(tmp_path / "rank0.json"), 90, "rank 0 to start")
+        addr = dict(zip(r0["argv"], r0["argv"][1:]))["--dist-init-addr"]
+        host, port = addr.rsplit(":", 1)
+        assert host == first_addr, f"--dist-init-addr {addr}: not {first}'s NodeAddr {first_addr}"
+        assert 20000 <= int(port) < 32768
+        # rank 1 (which records once it has joined) and rank 0 (again, once every rank has joined it)
+        r0, r1 = _wait(lambda: (lambda a, b: (a, b) if a and a.get("joined") and b else None)(
+            _json(tmp_path / "rank0.json"), _json(tmp_path / "rank1.json")), 60, "rank 1 to join rank 0")
+        assert r0["joined"] == {"1": second_addr}, "rank 1 joined from the other host, over the subnet"
         # every rank started with the same line but for its rank, the rendezvous on the first node
         for rank, rec in ((0, r0), (1, r1)):
             argv = rec["argv"]
@@ -101,9 +127,7 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
         unranked = lambda argv: [a for i, a in enumerate(argv) if i == 0 or argv[i - 1] != "--node-rank"]
         assert unranked(r0["argv"]) == unranked(r1["argv"]), "the same line on every node but for its rank"
         assert r0["slurm_step_id"] == r1["slurm_step_id"] != "0", "both ranks are tasks of one step, not the worker's"
-        addr = dict(zip(r0["argv"], r0["argv"][1:]))["--dist-init-addr"]
-        host, port = addr.rsplit(":", 1)
-        assert 20000 <= int(port) < 32768 and not host.startswith("[")
+        assert (r0["host"], r1["host"]) == (first, second), "each rank on its own host, rank 0 beside the worker"
         step = f"{job_id}.{r0['slurm_step_id']}"
         assert _steps(job_id)[step].startswith("toolkit-engine-")
         # ready through rank 0 only: generation goes on
@@ -132,12 +156,13 @@ def test_two_ranks_serve_through_rank0_survive_usr2_restart_on_a_dead_rank_and_l
     assert "engine died mid-shard" in text
     recs = {x.id: x for x in _records(run)}  # the newest record of each id (a stop may leave partial ones)
     assert len(recs) == n and all(x.status == "ok" for x in recs.values())
-    # stop left nothing on the node: every rank, its children, srun
+    # stop left nothing on either host: every rank, its children, srun
     _wait(lambda: not any(process_running(p) for p in seen_pids), 20, "every engine process to be gone")
     server_log = (run / "logs" / "00000.server.log").read_text()
-    assert re.search(r"^0: toolkit: engine rank 0 of 2 on ", server_log, re.M)
-    assert re.search(r"^1: toolkit: engine rank 1 of 2 on ", server_log, re.M)
-    assert "1: toolkit: engine rank 1 of 2 on" in server_log and "killed by SIGKILL" in server_log
+    assert re.search(rf"^0: toolkit: engine rank 0 of 2 on {first}: ", server_log, re.M)
+    assert re.search(rf"^1: toolkit: engine rank 1 of 2 on {second}: ", server_log, re.M)
+    assert re.search(rf"^0: \[rank 0\] rank 1 joined from {re.escape(second_addr)}$", server_log, re.M)
+    assert "killed by SIGKILL" in server_log
     assert "--api-key ***" in server_log
 
 
@@ -147,16 +172,18 @@ def _dry_run(job: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, monkeypatch, capsys):
-    """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step."""
-    from toolkit import slurm
+    """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step.
+    Pure: no Slurm command runs (a made-up cluster answers, or none does), and the layout is checked either way."""
+    from toolkit import slurm, slurmcmd
     from toolkit.cli import main
     from toolkit.preflight import preflight
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", "nodes": 2, "tp_size": 16},
                    slurm={"gpus_per_node": 8, "cpus_per_task": 64})
+    monkeypatch.setattr(slurmcmd, "call", lambda argv, timeout=None: pytest.fail(f"{argv} ran: this test is pure"))
+    monkeypatch.setattr(slurm, "slurm_config", lambda timeout=60: {"MaxArraySize": "1001"})
     monkeypatch.setattr(slurm, "partition_info", lambda name: slurm.PartitionInfo("gpu", 8, 0))
     monkeypatch.setattr(slurm, "partition_nodes", lambda name: 4)
-    monkeypatch.setattr(slurm, "max_array_size", lambda config=None: 1001)
     assert main(["submit", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
@@ -170,7 +197,16 @@ def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, mo
     assert main(["submit", str(job1), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--nodes=2" not in out and "ntasks" not in out
-    # --gpus-per-node on the command line is checked against the layout too
+    # --gpus-per-node on the command line is checked against the layout too, whether a cluster answers or not
+    assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2
+    assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
+
+    def no_cluster(timeout=60):
+        raise slurm.SlurmError("no cluster")
+
+    monkeypatch.setattr(slurm, "slurm_config", no_cluster)
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    assert "Slurm not reachable: not validated against a cluster (no cluster)" in capsys.readouterr().out
     assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2
     assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
 

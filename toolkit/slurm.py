@@ -290,8 +290,11 @@ def _given(o: Resources, s, key: str):
 
 
 def check_resources(plan: RunPlan, o: Resources) -> None:
-    """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`, `--array-parallelism 0` — and a
-    time limit not longer than the signal delay, whether a flag or the job's [slurm] table gives it."""
+    """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`, `--array-parallelism 0` —, a
+    time limit not longer than the signal delay, whether a flag or the job's [slurm] table gives it, and a
+    `--gpus-per-node` that an engine of several nodes cannot be laid out on. Pure: no cluster is asked."""
+    from .spec import check_engine_layout
+
     s = plan.spec.slurm
     for key, least in _AT_LEAST.items():
         value = _given(o, s, key)
@@ -301,6 +304,10 @@ def check_resources(plan: RunPlan, o: Resources) -> None:
     if s.merge_cpus < 1:
         raise _refuse(f"[slurm] merge_cpus = {s.merge_cpus}: must be at least 1")
     check_signal_delay(time_to_minutes(o.time or s.time), _given(o, s, "signal_delay_s"))
+    if o.gpus_per_node is not None:  # [slurm] gpus_per_node was checked with the spec
+        problem = check_engine_layout(plan.spec.engine, o.gpus_per_node, where="--gpus-per-node")
+        if problem:
+            raise _refuse(problem)
 
 
 def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
@@ -455,7 +462,7 @@ def _validate(plan: RunPlan, o: Resources) -> tuple[Resources, PartitionInfo]:
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:
         raise _refuse(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
-    check_nodes(plan.spec.engine, name, want)
+    check_nodes(plan.spec.engine, name)
     return o, part
 
 
@@ -540,15 +547,11 @@ def format_dry_run(d: DryRun) -> str:
     return "\n".join(lines)
 
 
-def check_nodes(engine, partition: str, gpus_per_node: int) -> None:
-    """An engine of several nodes: the partition has that many, and tp_size fits them (SlurmError otherwise)."""
-    from .spec import check_engine_layout
-
+def check_nodes(engine, partition: str) -> None:
+    """An engine of several nodes: the partition has that many (SlurmError otherwise; the layout of its GPUs is
+    check_resources')."""
     if engine.nodes <= 1:
         return
-    problem = check_engine_layout(engine, gpus_per_node, where="--gpus-per-node")
-    if problem:
-        raise _refuse(problem)
     have = partition_nodes(partition)
     if have < engine.nodes:
         raise _refuse(f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); lower it "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -74,8 +75,8 @@ class SGLangEngine(Engine):
 
     kind = "sglang"
     argv_checked = False
-    # Ranks of a multi-node engine per node: 1 on a real cluster. More only to run every rank on one node where
-    # the cluster has a single one (the tests): $TOOLKIT_ENGINE_RANKS_PER_NODE.
+    # Ranks of a multi-node engine per node: 1 on a real cluster. More only to run every rank on one node of a
+    # cluster that has a single one, with a NodeAddr that is not loopback: $TOOLKIT_ENGINE_RANKS_PER_NODE.
     RANKS_PER_NODE_ENV = "TOOLKIT_ENGINE_RANKS_PER_NODE"
 
     def __init__(self, *args, **kwargs):
@@ -155,7 +156,8 @@ class SGLangEngine(Engine):
         super().start()
 
     def _prepare_step(self) -> None:
-        """Check the allocation; choose the rendezvous address (the first node, a free port) and the step name."""
+        """Check the allocation; choose the rendezvous address (the first node's address as Slurm knows it, a free
+        port there) and the step name."""
         n = self.engine.nodes
         job = os.environ.get("SLURM_JOB_ID")
         if not job or shutil.which("srun") is None:
@@ -167,7 +169,12 @@ class SGLangEngine(Engine):
             raise EngineError(f"[engine] nodes = {n}, but this task's allocation has {have} node(s): submit with "
                               f"`toolkit submit` (it asks for --nodes={n})")
         self.first_host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        ip = node_address(_allocation_hosts())
+        hosts = _allocation_hosts()
+        if hosts and hosts[0] != self.first_host:
+            raise EngineError(f"[engine] nodes = {n}: the worker runs on {self.first_host}, not on the allocation's "
+                              f"first node {hosts[0]}, where the engine's rank 0 runs (start the worker as "
+                              "`toolkit submit` does: one task on the first node)")
+        ip = rendezvous_host(**_rendezvous_facts(self.first_host, hosts))
         self.dist_init_addr = f"{ip}:{dist_init_port(self.engine.dp_size)}"
         self.step_name = f"toolkit-engine-{secrets.token_hex(4)}"
         self.step_id = None
@@ -246,30 +253,91 @@ def _allocation_hosts() -> list[str]:
     return out.stdout.split()
 
 
-def node_address(peers: list[str]) -> str:
-    """An IPv4 address of this node the other nodes can reach: its hostname's, unless that is loopback, else the
-    one the kernel would use toward another node of the allocation (SGLang's rendezvous hangs on IPv6-only or
-    unreachable addresses)."""
-    me = socket.gethostname()
+def _reachable_ipv4(text: str) -> bool:
+    """An IPv4 address another node could use: not loopback (Debian names a node 127.0.1.1), not 0.0.0.0."""
     try:
-        ip = socket.gethostbyname(me)
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return ip.version == 4 and not ip.is_loopback and not ip.is_unspecified
+
+
+def rendezvous_host(node: str, node_addr: str, resolved: list[str], routes: list[str]) -> str:
+    """The IPv4 address at which the other ranks reach rank 0 on `node`, the allocation's first node (SGLang's
+    `--dist-init-addr` host), chosen from what is known of that node — never a loopback address:
+
+    - `node_addr`: its NodeAddr as Slurm knows it (`scontrol show node`; "" when Slurm did not say), used when it
+      is an IPv4 address;
+    - `resolved`: the IPv4 addresses that NodeAddr (or the node's name) resolves to on the node itself, the first
+      that is not loopback (on Debian a node's own name is 127.0.1.1);
+    - `routes`: the node's own address toward each other node of the allocation (the source address the kernel
+      picks), the first that is not loopback.
+
+    EngineError when nothing but loopback (or IPv6, on which SGLang's rendezvous hangs) is known. Pure."""
+    if _reachable_ipv4(node_addr):
+        return node_addr
+    for ip in (*resolved, *routes):
+        if _reachable_ipv4(ip):
+            return ip
+    known = [f"NodeAddr {node_addr}" if node_addr else "no NodeAddr (Slurm did not answer)"]
+    if resolved:
+        known.append(f"{node_addr or node} resolves to {', '.join(resolved)} here")
+    if routes:
+        known.append(f"its address toward the other nodes is {', '.join(routes)}")
+    raise EngineError(
+        f"[engine] nodes > 1: no address of {node}, the first node (rank 0), that the other nodes can reach — "
+        f"{'; '.join(known)}: only loopback (or none) is known, and the other ranks could not join SGLang's "
+        f"rendezvous (--dist-init-addr) there. Give the node its network address in Slurm (NodeAddr= in "
+        f"slurm.conf) or in DNS / /etc/hosts instead of 127.0.1.1")
+
+
+def parse_node_addrs(scontrol_out: str) -> dict[str, str]:
+    """{NodeName: NodeAddr} from `scontrol show node -o` (one node a line). Pure."""
+    out = {}
+    for line in scontrol_out.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("NodeName") and fields.get("NodeAddr"):
+            out[fields["NodeName"]] = fields["NodeAddr"]
+    return out
+
+
+def _rendezvous_facts(node: str, hosts: list[str]) -> dict:
+    """What rendezvous_host chooses from, gathered on the first node `node` (of the allocation `hosts`): Slurm's
+    NodeAddr of every node, what the first one's resolves to here, and, when neither gives an address, the route
+    toward each other node."""
+    addrs: dict[str, str] = {}
+    try:
+        r = subprocess.run(["scontrol", "show", "node", "-o", ",".join(hosts or [node])], capture_output=True,
+                           text=True, timeout=30)
+        addrs = parse_node_addrs(r.stdout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("scontrol show node %s: %s", node, e)
+    node_addr = addrs.get(node, "")
+    resolved = [] if _reachable_ipv4(node_addr) else _ipv4_of(node_addr or node)
+    routes = []
+    if not any(_reachable_ipv4(ip) for ip in (node_addr, *resolved)):
+        for peer in hosts:
+            if peer != node:
+                routes += [_route_from(ip) for ip in _ipv4_of(addrs.get(peer) or peer)][:1]
+    return dict(node=node, node_addr=node_addr, resolved=resolved, routes=[r for r in routes if r])
+
+
+def _ipv4_of(name: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _route_from(peer_ip: str) -> str:
+    """This node's source address toward `peer_ip` ("" if there is no route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer_ip, 9))  # no packet is sent: this only picks the route
+            return s.getsockname()[0]
     except OSError:
-        ip = ""
-    if ip and not ip.startswith("127."):
-        return ip
-    names = {me, os.environ.get("SLURMD_NODENAME", "")}
-    for peer in peers:
-        if peer in names:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((peer, 9))  # no packet is sent: this only picks the route
-                addr = s.getsockname()[0]
-        except OSError:
-            continue
-        if not addr.startswith("127."):
-            return addr
-    return ip or LOOPBACK
+        return ""
 
 
 def ephemeral_low() -> int:

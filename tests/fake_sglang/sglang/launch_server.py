@@ -3,13 +3,16 @@ as SGLang does (allow_abbrev), starts a child that ignores SIGTERM (like a sched
 parent), records what it saw, then becomes the toolkit's stub server. $FAKE_SGLANG_FAIL: print it as an error
 and exit 2 at once (a server that dies before it is ready). $FAKE_SGLANG_STUB_ARGS: more stub_server flags.
 
-Multi-node (`--nnodes N > 1`), as SGLang 0.5.23 behaves: rank 0 listens on
---dist-init-addr (the rendezvous; the listening socket survives the exec into the stub server, so it lives
-exactly as long as rank 0) and serves the HTTP API; a rank >= 1 connects to that address (retrying, as
-torch.distributed does) and serves only a dummy health server on --host/--port answering 200 to everything (not on
-rank 0's node, where the port is rank 0's: every rank on one node, in the tests). Like SGLang, a rank >= 1 only logs
-SIGTERM and exits once rank 0 is gone (code 0 if it was told to stop, 1 otherwise).
-$FAKE_SGLANG_RECORD may hold `{rank}`: each rank records to its own file.
+Multi-node (`--nnodes N > 1`), as SGLang 0.5.23 behaves: rank 0 listens on the port of --dist-init-addr (the
+rendezvous) and waits until every other rank has joined there, as torch.distributed's init does, before it serves
+anything: until then its HTTP port is closed, so /ready and /health_generate do not answer 200. Then it serves the
+HTTP API; the listening socket and the ranks' connections survive the exec into the stub server, so they live
+exactly as long as rank 0. A rank >= 1 connects to --dist-init-addr over the network (retrying for 60 s, as
+torch.distributed does; a rank that never reaches it exits 1), says its rank, and serves only a dummy health server
+on --host/--port answering 200 to everything (not on rank 0's node, where the port is rank 0's). Like SGLang, a
+rank >= 1 only logs SIGTERM and exits once rank 0 is gone (code 0 if it was told to stop, 1 otherwise).
+$FAKE_SGLANG_RECORD may hold `{rank}`: each rank records to its own file. Rank 0 records again once every rank
+has joined, with the address each joined from (`joined`: {rank: peer IP}).
 """
 
 import argparse
@@ -55,6 +58,7 @@ if nnodes > 1 and rank >= 1:
     while True:
         try:
             rendezvous = socket.create_connection((host, int(port)), timeout=5)
+            rendezvous.sendall(f"{rank}\n".encode())
             break
         except OSError:
             if time.monotonic() > deadline:
@@ -90,14 +94,40 @@ if nnodes > 1 and rank >= 1:
     print(f"[rank {rank}] rank 0 is gone", flush=True)
     sys.exit(0 if told else 1)
 
-if nnodes > 1:  # rank 0: the rendezvous, alive as long as this process (kept across the exec below)
-    host, port = args.dist_init_addr.rsplit(":", 1)
+
+def rendezvous_rank0(port: int) -> dict[str, str]:
+    """Listen on `port` (every address, as torch's TCPStore) until each rank 1..nnodes-1 has joined: {rank: peer}.
+    The sockets are kept across the exec below, so they close when rank 0 does."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", int(port)))
+    listener.bind(("", port))
     listener.listen(64)
     listener.set_inheritable(True)
+    keep.append(listener)
+    print(f"[rank 0] waiting at {args.dist_init_addr} for ranks 1..{nnodes - 1}", flush=True)
+    joined: dict[str, str] = {}
+    while len(joined) < nnodes - 1:
+        conn, (peer, _) = listener.accept()
+        conn.settimeout(10)
+        try:
+            said = conn.makefile().readline().strip()
+        except OSError:
+            said = ""
+        if not said.isdigit() or not 1 <= int(said) < nnodes or said in joined:
+            conn.close()
+            continue
+        conn.settimeout(None)
+        conn.set_inheritable(True)
+        keep.append(conn)
+        joined[said] = peer
+        print(f"[rank 0] rank {said} joined from {peer}", flush=True)
+    return joined
+
+
+keep: list[socket.socket] = []  # open across the exec
 write_record()
+if nnodes > 1:  # rank 0: not ready before every rank has joined
+    write_record(joined=rendezvous_rank0(int(args.dist_init_addr.rsplit(":", 1)[1])))
 argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", args.model_path, "--host", args.host,
         "--port", str(args.port), "--context-length", str(args.context_length or 8192), "--warmup-delay", "0.5",
         "--load-delay", "0.5", *os.environ.get("FAKE_SGLANG_STUB_ARGS", "").split()]
