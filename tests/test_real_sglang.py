@@ -1,23 +1,247 @@
-"""The toolkit against real SGLang 0.5.23 on the CPU (tests/realsglang.py): what the stub stands in for."""
+"""The toolkit against real SGLang 0.5.23 on the CPU (tests/realsglang.py): what the stub stands in for.
+
+Each test drives the toolkit's own commands (with the SGLang venv's Python, as a GPU node runs them) against a
+real server: a whole job, exactness of the stored ids, stops by Slurm's signals and the resume, a crash and a
+hang of the engine, what it refuses, and an external server sized by `concurrency = "auto"`.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from realsglang import sglang_job, toolkit
+from jobfiles import write_prompts
+from realsglang import CPU_ENV, python, sglang_job, toolkit
+from toolkit.engines.base import group_members
+from toolkit.progress import read_progress
+from toolkit.records import unpack_ids
+from toolkit.rundir import RunDir
 from toolkit.shardfile import read_shard
 
 pytestmark = pytest.mark.sglang
 
 
-def test_a_whole_job_of_two_shards_check_run_merge_audit_and_every_export(tmp_path, tiny_model):
-    job = sglang_job(tmp_path, tiny_model, n=12, shards=2)
-    r = toolkit("check", str(job))
-    assert "ok" in r.stdout
+def _records(run: Path, shards: int = 1) -> list:
+    return [rec for k in range(shards) for rec in read_shard(run / "shards" / f"{k:05d}.zst")]
+
+
+def _newest(records: list) -> dict:
+    out = {}
+    for rec in records:
+        out[rec.id] = rec
+    return out
+
+
+def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the worker exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _run_in_background(job: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(python()), "-m", "toolkit", "run", str(job)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _generating(rd: RunDir, shard: int = 0, at_least: int = 0):
+    p = read_progress(rd.progress_file(shard))
+    return p if p is not None and p.state == "generating" and p.done >= at_least else None
+
+
+def _engine_pid(rd: RunDir, start: int) -> int:
+    """The pid of the engine's `start`-th launch, from the shard's log."""
+    pids = re.findall(r"engine sglang started: pid (\d+)", rd.log_file(0).read_text())
+    return int(pids[start - 1])
+
+
+def _post(url: str, key: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_whole_job_of_two_shards_check_run_merge_audit_every_export_and_exact_ids(tmp_path, tiny_model,
+                                                                                    sglang_server):
+    job = sglang_job(tmp_path, tiny_model, n=12, shards=2, sampling={"max_new_tokens": 48})
+    assert "ok" in toolkit("check", str(job)).stdout
     r = toolkit("run", str(job))
-    print(r.stdout, r.stderr)
     run = tmp_path / "run"
-    records = [rec for k in range(2) for rec in read_shard(run / "shards" / f"{k:05d}.zst")]
-    assert len(records) == 12
+    assert "audit of run t" in r.stdout and "PASSED" in r.stdout
+    records = _records(run, 2)
+    assert sorted(rec.id for rec in records) == [f"p{i:04d}" for i in range(12)]
+    assert all(rec.status == "ok" and 0 < rec.n_output <= 48 for rec in records)
+    for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet"), ("tokens", "tok.jsonl"),
+                      ("conversations", "conv.jsonl")):
+        # exports run on the login node: its Python, no SGLang
+        subprocess.run([sys.executable, "-m", "toolkit", "export", str(run), "--format", fmt, "-o", str(tmp_path / name)],
+                       check=True, capture_output=True)
+        assert (tmp_path / name).stat().st_size > 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 12
+    status = toolkit("status", str(run))
+    assert status.returncode == 0 and "shards: 2 completed" in status.stdout, status.stdout
+    # Exactness: the stored prompt and output ids, replayed through a server at temperature 0, give the same ids.
+    for rec in records:
+        code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
+                          {"input_ids": unpack_ids(rec.prompt_ids),
+                           "sampling_params": {"max_new_tokens": 48, "temperature": 0}})
+        assert code == 200 and out["output_ids"] == unpack_ids(rec.output_ids), rec.id
+
+
+def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the_resume_continues_it(tmp_path,
+                                                                                                   tiny_model):
+    # Long outputs (a request takes seconds on this CPU), so that a stop 3 s into generation finds them mid-way.
+    job = sglang_job(tmp_path, tiny_model, n=12, sampling={"max_new_tokens": 2000}, client={"concurrency": 4})
+    rd = RunDir(tmp_path / "run")
+    saved = {}
+    for attempt, how in enumerate(("SIGUSR2", "SIGTERM"), start=1):
+        proc = _run_in_background(job)
+        _wait(lambda: _generating(rd), 300, "generation", proc)
+        time.sleep(3)  # requests in flight, each with some tokens
+        engine = _engine_pid(rd, attempt)
+        # As Slurm does: the signal reaches every process of the step, the engine's included.
+        for pid in [proc.pid, *group_members(engine)]:
+            os.kill(pid, getattr(signal, how))
+        assert proc.wait(120) == 3, f"{how}: the worker exits 3 (stopped)"
+        p = read_progress(rd.progress_file(0))
+        assert p.state == "stopped" and p.stop_signal == how
+        saved[how] = p.partial_saved
+        assert not group_members(engine), f"{how}: the engine is gone"
+    assert saved["SIGUSR2"] > 0 and saved["SIGTERM"] > 0, saved
+    toolkit("run", str(job))
+    records = _records(rd.root)
+    newest = _newest(records)
+    assert sorted(newest) == [f"p{i:04d}" for i in range(12)]
+    assert all(rec.status == "ok" for rec in newest.values())
+    continued = [rec for rec in newest.values() if rec.segments > 1]
+    assert continued, "outputs stopped mid-way were continued, not generated again"
+    assert all(rec.n_output == rec.completion_tokens <= 2000 for rec in newest.values())
+    print(f"in flight saved: {saved}; {len(continued)} of 12 outputs continued")
+
+
+def _scheduler(engine: int) -> int:
+    for pid in group_members(engine):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "scheduler" in title:
+            return pid
+    raise AssertionError(f"no scheduler process in the engine's group: {group_members(engine)}")
+
+
+def test_a_killed_scheduler_and_a_stopped_engine_are_restarted_and_the_shard_completes(tmp_path, tiny_model):
+    job = sglang_job(tmp_path, tiny_model, n=24, sampling={"max_new_tokens": 300}, client={"concurrency": 4},
+                     engine={"hang_timeout_s": 8, "max_restarts": 2})
+    rd = RunDir(tmp_path / "run")
+    proc = _run_in_background(job)
+    try:
+        _wait(lambda: _generating(rd, at_least=2), 300, "two records", proc)
+        first = _engine_pid(rd, 1)
+        os.kill(_scheduler(first), signal.SIGKILL)  # a crash
+        t_kill = time.time()
+        _wait(lambda: read_progress(rd.progress_file(0)).engine_restarts >= 1, 60, "the crash noticed", proc)
+        noticed = time.time() - t_kill
+        done = read_progress(rd.progress_file(0)).done
+        _wait(lambda: _generating(rd, at_least=done + 1), 300, "generation after the restart", proc)
+        second = _engine_pid(rd, 2)
+        for pid in group_members(second):  # a hang: every process of the engine stopped
+            os.kill(pid, signal.SIGSTOP)
+        _wait(lambda: read_progress(rd.progress_file(0)).engine_restarts >= 2, 120, "the hang noticed", proc)
+        assert proc.wait(600) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(24)]
+    log = rd.log_file(0).read_text()
+    assert log.count("engine died mid-shard") == 2 and "shard 0 complete: 24 records" in log
+    stops = re.findall(r"engine stopped \(exit code (-?\d+)\)", log)
+    assert stops[-1] == "0", "the last stop is SGLang's own graceful shutdown"
+    t = [line[:23] for line in log.splitlines() if "rendered prompts waited" in line or "engine stopped" in line]
+    from datetime import datetime
+
+    stop_s = (datetime.fromisoformat(t[-1].replace(",", ".")) - datetime.fromisoformat(t[-2].replace(",", "."))).total_seconds()
+    print(f"crash noticed after {noticed:.1f} s; last engine stop took {stop_s:.1f} s")
+    assert noticed < 15, "a crash is noticed within seconds (no 5-s crash diagnostics)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_what_check_refuses_is_what_real_sglang_refuses(tmp_path, tiny_model, sglang_server):
+    # Sampling: the check gives SGLang's own words, the same the server answers.
+    job = sglang_job(tmp_path / "a", tiny_model, n=2, sampling={"top_p": 0})
+    r = toolkit("check", str(job), check=False)
+    code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
+                      {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "top_p": 0}})
+    assert r.returncode == 2 and code == 400 and out["error"]["message"] in r.stderr
+    # A prompt longer than the model's context: refused by check, and by the server.
+    prompts = write_prompts(tmp_path / "long.jsonl", 3)
+    words = " ".join(["Consider the following."] * 3000)  # about 12,000 tokens
+    with open(prompts, "a") as f:
+        f.write(json.dumps({"id": "long", "messages": [{"role": "user", "content": words}]}) + "\n")
+    job = sglang_job(tmp_path / "b", tiny_model, n=4, prompts=prompts, sampling={"max_new_tokens": 64})
+    r = toolkit("check", str(job), check=False)
+    assert r.returncode == 2 and "do not fit the context length 8,192" in r.stderr and "long.jsonl:4" in r.stderr
+    from toolkit.chat import load_tokenizer, render
+    from toolkit.inputs import scan_dataset
+    from toolkit.spec import load_spec
+
+    spec = load_spec(job)
+    tok = load_tokenizer(spec.model)
+    ids = render(tok, spec.model, list(scan_dataset(str(prompts), "d"))[3])
+    code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
+                      {"input_ids": ids, "sampling_params": {"max_new_tokens": 64}})
+    assert code == 400 and "context length" in out["error"]["message"]
+    # A flag value SGLang's own parser refuses, judged by SGLang itself in its environment.
+    from toolkit.engines.base import EngineError
+    from toolkit.engines.sglang import check_argv_with_sglang
+
+    with pytest.raises(EngineError, match="invalid choice: 'nope'"):
+        check_argv_with_sglang(["--model-path", str(tiny_model), "--reasoning-parser", "nope"],
+                               {**os.environ, **CPU_ENV}, python=str(python()))
+
+
+def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in_status(tmp_path, tiny_model,
+                                                                                       sglang_server):
+    job = sglang_job(tmp_path, tiny_model, n=24, sampling={"max_new_tokens": 200},
+                     engine={"kind": "external", "url": sglang_server.url, "api_key": sglang_server.api_key,
+                             "extra_args": [], "env": {}},
+                     client={"concurrency": "auto"})
+    rd = RunDir(tmp_path / "run")
+    # An external engine needs no SGLang here: the login node's own Python runs the job.
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    while proc.poll() is None:
+        p = read_progress(rd.progress_file(0)) if rd.progress_file(0).exists() else None
+        if p is not None and p.state == "generating" and p.running is not None:
+            status = subprocess.run([sys.executable, "-m", "toolkit", "status", str(rd.root)], capture_output=True,
+                                    text=True).stdout
+            seen.append((p.running, p.queued, p.capacity, p.in_flight_target, status))
+        time.sleep(0.5)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert seen, "the progress file showed the server's load while generating"
+    assert all(c == 2 for _, _, c, _, _ in seen), "capacity from /server_info: --max-running-requests 2"
+    assert any(run == 2 and target == 4 for run, _, _, target, _ in seen), seen[:3]
+    assert any(re.search(r"\b2/\d+\b", status) for *_, status in seen), "status shows RUN/QUEUE from /v1/loads"
+    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(24)]
