@@ -111,7 +111,7 @@ def test_a_whole_job_of_two_shards_check_run_merge_audit_every_export_and_exact_
 def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the_resume_continues_it(tmp_path,
                                                                                                    tiny_model):
     # Long outputs (a request takes seconds on this CPU), so that a stop 3 s into generation finds them mid-way.
-    job = sglang_job(tmp_path, tiny_model, n=12, sampling={"max_new_tokens": 2000}, client={"concurrency": 4})
+    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 800}, client={"concurrency": 4})
     rd = RunDir(tmp_path / "run")
     saved = {}
     for attempt, how in enumerate(("SIGUSR2", "SIGTERM"), start=1):
@@ -131,12 +131,12 @@ def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the
     toolkit("run", str(job))
     records = _records(rd.root)
     newest = _newest(records)
-    assert sorted(newest) == [f"p{i:04d}" for i in range(12)]
+    assert sorted(newest) == [f"p{i:04d}" for i in range(8)]
     assert all(rec.status == "ok" for rec in newest.values())
     continued = [rec for rec in newest.values() if rec.segments > 1]
     assert continued, "outputs stopped mid-way were continued, not generated again"
-    assert all(rec.n_output == rec.completion_tokens <= 2000 for rec in newest.values())
-    print(f"in flight saved: {saved}; {len(continued)} of 12 outputs continued")
+    assert all(rec.n_output == rec.completion_tokens <= 800 for rec in newest.values())
+    print(f"in flight saved: {saved}; {len(continued)} of 8 outputs continued")
 
 
 def _scheduler(engine: int) -> int:
@@ -151,7 +151,7 @@ def _scheduler(engine: int) -> int:
 
 
 def test_a_killed_scheduler_and_a_stopped_engine_are_restarted_and_the_shard_completes(tmp_path, tiny_model):
-    job = sglang_job(tmp_path, tiny_model, n=24, sampling={"max_new_tokens": 300}, client={"concurrency": 4},
+    job = sglang_job(tmp_path, tiny_model, n=12, sampling={"max_new_tokens": 200}, client={"concurrency": 4},
                      engine={"hang_timeout_s": 8, "max_restarts": 2})
     rd = RunDir(tmp_path / "run")
     proc = _run_in_background(job)
@@ -172,9 +172,9 @@ def test_a_killed_scheduler_and_a_stopped_engine_are_restarted_and_the_shard_com
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(24)]
+    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(12)]
     log = rd.log_file(0).read_text()
-    assert log.count("engine died mid-shard") == 2 and "shard 0 complete: 24 records" in log
+    assert log.count("engine died mid-shard") == 2 and "shard 0 complete: 12 records" in log
     stops = re.findall(r"engine stopped \(exit code (-?\d+)\)", log)
     assert stops[-1] == "0", "the last stop is SGLang's own graceful shutdown"
     t = [line[:23] for line in log.splitlines() if "rendered prompts waited" in line or "engine stopped" in line]
@@ -222,7 +222,7 @@ def test_what_check_refuses_is_what_real_sglang_refuses(tmp_path, tiny_model, sg
 
 def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in_status(tmp_path, tiny_model,
                                                                                        sglang_server):
-    job = sglang_job(tmp_path, tiny_model, n=24, sampling={"max_new_tokens": 200},
+    job = sglang_job(tmp_path, tiny_model, n=16, sampling={"max_new_tokens": 120},
                      engine={"kind": "external", "url": sglang_server.url, "api_key": sglang_server.api_key,
                              "extra_args": [], "env": {}},
                      client={"concurrency": "auto"})
@@ -244,4 +244,4 @@ def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in
     assert all(c == 2 for _, _, c, _, _ in seen), "capacity from /server_info: --max-running-requests 2"
     assert any(run == 2 and target == 4 for run, _, _, target, _ in seen), seen[:3]
     assert any(re.search(r"\b2/\d+\b", status) for *_, status in seen), "status shows RUN/QUEUE from /v1/loads"
-    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(24)]
+    assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(16)]
