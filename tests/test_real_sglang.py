@@ -245,3 +245,38 @@ def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in
     assert any(run == 2 and target == 4 for run, _, _, target, _ in seen), seen[:3]
     assert any(re.search(r"\b2/\d+\b", status) for *_, status in seen), "status shows RUN/QUEUE from /v1/loads"
     assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(16)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slurm
+@pytest.mark.parametrize("how", ["requeue", "scancel"])
+def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_flight(tmp_path, tiny_model, how):
+    """On the local cluster: Slurm's SIGTERM reaches every process of the step (the worker and SGLang) at once;
+    the share of the in-flight requests whose partial output reaches the shard file is measured."""
+    if not os.environ.get("SLURM_CONF"):
+        pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
+    from toolkit.slurm import read_jobs
+
+    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 800}, client={"concurrency": 4},
+                     slurm={"gpus_per_node": 1, "cpus_per_task": 2, "time": "00:20:00", "merge_cpus": 1})
+    toolkit("submit", str(job))
+    rd = RunDir(tmp_path / "run")
+    task = read_jobs(rd).submissions[0].arrays[0].tasks[0]
+    _wait(lambda: _generating(rd), 300, "generation under Slurm")
+    time.sleep(2)
+    if how == "requeue":
+        subprocess.run(["scontrol", "requeue", task], check=True)
+    else:
+        subprocess.run(["scancel", task], check=True)
+    log = rd.log_file(0)
+    _wait(lambda: re.search(r"shard 0 stopped with (\d+) of 8", log.read_text()), 120, "the stop")
+    text = log.read_text()
+    assert "got SIGTERM" in text
+    saved = int(re.search(r"aborting the (\d+) requests in flight", text).group(1)) if "aborting the" in text else 0
+    partial = [rec for rec in _records(rd.root) if rec.status == "partial"]
+    print(f"{how}: {saved} requests in flight at the SIGTERM, {len(partial)} partial outputs saved")
+    assert partial and len(partial) == saved, "every request in flight at the SIGTERM is saved"
+    if how == "requeue":  # the task comes back and continues them
+        _wait(lambda: "shard 0 complete" in log.read_text(), 420, "the requeued task to finish")
+        newest = _newest(_records(rd.root))
+        assert sorted(newest) == [f"p{i:04d}" for i in range(8)] and any(r.segments > 1 for r in newest.values())
