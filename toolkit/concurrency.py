@@ -9,12 +9,12 @@ import asyncio
 import logging
 import time
 
-from .client import HttpClient, Unreachable, read_load
+from .client import HttpClient, health_generate, read_load
 from .exitguard import cancel_and_wait
 from .feed import Feed
 from .inflight import consume
 from .progress import REFRESH_S
-from .shardstate import AUTO_START, EngineDied, EngineHung, Shard
+from .shardstate import AUTO_START, EngineDied, EngineHung, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -28,7 +28,7 @@ class HangWatch:
 
     def __init__(self, engine, hang_timeout_s: float):
         self.engine, self.hang_timeout_s = engine, hang_timeout_s
-        self.probe_timeout_s = min(30.0, max(2.0, hang_timeout_s))  # SGLang answers 503 after 20 s when wedged
+        self.probe_timeout_s = health_timeout(hang_timeout_s)
         self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         self.next_probe = 0.0
 
@@ -37,11 +37,7 @@ class HangWatch:
         stall = now - sh.last_answer
         if not sh.in_flight or stall < self.hang_timeout_s or now < self.next_probe:
             return
-        try:
-            status, _ = await self.http.get("/health_generate", timeout=self.probe_timeout_s)
-            why = None if status == 200 else f"answered {status}"
-        except Unreachable as e:
-            why = str(e)
+        why = await health_generate(self.http, timeout=self.probe_timeout_s)
         if why is None:  # generating, only slowly (long outputs): look again later
             log.info("no request answered for %.0f s (%d in flight), but /health_generate answers 200", stall, sh.in_flight)
             self.next_probe = time.monotonic() + self.hang_timeout_s

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from . import chat
 from .chains import Chains
-from .client import HttpClient, server_capacity
+from .client import Expect, HttpClient, server_limits
 from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from .engines.base import EngineError
 from .engines.kinds import make_engine
@@ -80,10 +80,12 @@ async def _generate_shard(sh: Shard, stop: asyncio.Event, feed: Feed, engine, ha
     """Send every prompt, watching the engine and its load; raises _Stop on a stop request. With
     client.save_in_flight the requests in flight are first aborted and their partial outputs recorded."""
     http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
-    try:  # what the server can run, before the first request goes out
-        sh.progress.capacity = await server_capacity(http) or None
+    try:  # what the server can run, and its length limit, before the first request goes out
+        limits = await server_limits(http)
     finally:
         http.close()
+    sh.progress.capacity = limits.capacity or None
+    sh.expect = Expect(vocab_size=info.vocab_size if info is not None else None, max_req_len=limits.max_req_len)
     c = sh.spec.client
     if c.concurrency == "auto":
         resize(sh, auto_target(sh.progress.capacity or 0, 0, 0, c.max_concurrency))
