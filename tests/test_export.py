@@ -197,3 +197,30 @@ def test_a_tool_call_the_model_made_is_a_structured_entry_of_the_answer(tmp_path
     assert all("tool_calls" not in r["conversations"][-1] for i, r in enumerate(rows) if i != 1)
     # the exact ids are untouched: the jsonl export still holds the section's ids
     assert jrows[1]["output_ids"][-len(tool_ids) - 1:-1] == tool_ids
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("format", "shard format 253"), ("fingerprint", "damaged header"), ("first frame", "checksum"),
+    ("last frame", "at byte"), ("cut", "bytes, its manifest says"),
+])
+def test_a_damaged_merged_file_is_one_line_and_nothing_is_exported(tmp_path, toy_tokenizer, capsys, damage, words):
+    from toolkit.shardfile import iter_frames
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 12}, shards=1)
+    runs.write_run(s)
+    merge_run(s.root)
+    merged = s.rd.merged_file
+    frames = list(iter_frames(merged))
+    data = bytearray(merged.read_bytes())
+    if damage == "cut":
+        data = data[:-7]
+    else:
+        at = {"format": 12, "fingerprint": 14, "first frame": frames[0].offset + 40, "last frame": frames[-1].end - 5}
+        data[at[damage]] = 253 if damage == "format" else data[at[damage]] ^ 0xC0
+    merged.write_bytes(bytes(data))
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("toolkit: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert words in err and f"toolkit merge {s.root}" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))

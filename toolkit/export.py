@@ -35,7 +35,7 @@ from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
 from .records import OK, Record, opens_reasoning, split_parts
 from .rundir import RunDir
-from .shardfile import decode_batch, iter_frames, read_header
+from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 from .turns import answer_message, turn_messages, user_turns
 
@@ -120,12 +120,17 @@ def _batch_decoder(tok: Any):
 
 
 def _batches(path: Path, include_failed: bool) -> Iterator[list[Record]]:
-    for frame in iter_frames(path):
+    """The merged records, frame by frame; CorruptShard on a damaged frame, a torn last one included (a merged
+    file is written whole: a frame cut short is damage, not a crash mid-write to read past)."""
+    tail: list = []
+    for frame in iter_frames(path, tail=tail):
         recs = decode_batch(frame)
         if not include_failed:
             recs = [r for r in recs if r.status == OK]
         if recs:
             yield recs
+    if tail:
+        raise CorruptShard(path, tail[0][0], tail[0][1])
 
 
 def _ids(packed: bytes) -> list[int]:
@@ -313,11 +318,18 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     rd, plan = load_run(run_dir)
-    load_manifest(rd)  # a merged dataset must exist
+    manifest = load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_file
     if not path.exists():
         raise ExportError(f"{path} is missing: run `toolkit merge {rd.root}` again")
-    head = read_header(path)
+    size = path.stat().st_size
+    if size != manifest.bytes:
+        raise ExportError(f"{path} has {size} bytes, its manifest says {manifest.bytes}: it changed after the merge; "
+                          f"run `toolkit merge {rd.root}` again")
+    try:
+        head = read_header(path)
+    except CorruptShard as e:
+        raise _damaged(rd, e) from None
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
     if output is None:
@@ -343,7 +355,15 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
             with open(tmp, "wb") as out:
                 n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd=rd)
         os.replace(tmp, out_path)
+    except CorruptShard as e:
+        tmp.unlink(missing_ok=True)
+        raise _damaged(rd, e) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return n
+
+
+def _damaged(rd: RunDir, e: CorruptShard) -> ExportError:
+    return ExportError(f"{rd.merged_file} is damaged ({e.why} at byte {e.offset}): nothing exported; run "
+                       f"`toolkit merge {rd.root}` again")

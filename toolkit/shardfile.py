@@ -136,7 +136,10 @@ def read_header(path: Path) -> tuple[str, int] | None:
         raise CorruptShard(path, 0, "not a shard file (bad header)")
     if fmt not in READS:
         raise CorruptShard(path, 0, f"shard format {fmt}, this toolkit reads formats {', '.join(map(str, READS))}")
-    return fp.rstrip(b"\0").decode(), shard
+    try:
+        return fp.rstrip(b"\0").decode("ascii"), shard
+    except UnicodeDecodeError:
+        raise CorruptShard(path, 0, f"damaged header (fingerprint {fp!r})") from None
 
 
 def read_frame(f: BinaryIO, offset: int, size: int, dctx: zstandard.ZstdDecompressor | None = None) -> Frame:
