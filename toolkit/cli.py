@@ -148,7 +148,7 @@ def cmd_export(args) -> int:
     from .files import shown_path
 
     output = args.output or export.default_output(args.run, args.format)
-    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
+    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force)
     print(f"wrote {n} records to {shown_path(output)} ({args.format})")
     return EXIT_OK
 
@@ -381,13 +381,18 @@ def _add_merge_commands(sub) -> None:
         "                 \"loss_mask\": 0 per prompt id, 1 per output id},\n"
         "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
         "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
-        "                 `content` and `reasoning_content` kept apart",
+        "                 `content` and `reasoning_content` kept apart\n\n"
+        "An ok record that fails the audit's checks of one record (token counts, max_new_tokens, vocabulary,\n"
+        "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
     s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
     s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
                    "tokens.jsonl or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
+    s.add_argument("--force", action="store_true", help="export ok records that fail the audit's record checks "
+                   "(counts, max_new_tokens, vocabulary, finish, reasoning split) too, with a warning; without it such "
+                   "records refuse the export")
     s.set_defaults(func=cmd_export)
 
 
