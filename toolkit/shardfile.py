@@ -23,6 +23,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -123,6 +124,14 @@ def _batch_bytes(comp: bytes, count: int) -> bytes:
 
 
 _HEADER_SIZE = _SKIP.size + _HEAD.size
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")  # what plan.fingerprint looks like
+
+
+def _damaged_fingerprint(fp: str, ours: str) -> bool:
+    """Whether a header's fingerprint other than `ours` is ours with a damaged byte (or two), rather than another
+    run's: not a fingerprint at all, or ours but for a character or two (another run's differs almost everywhere).
+    Ours with another shard number is a damaged byte too."""
+    return not _FINGERPRINT.fullmatch(fp) or len(fp) == len(ours) and sum(a != b for a, b in zip(fp, ours)) <= 2
 
 
 def read_header(path: Path) -> tuple[str, int] | None:
@@ -199,9 +208,10 @@ def _next_frame(f: BinaryIO, after: int, size: int, dctx) -> Frame | None:
     return None
 
 
-def scan(path: str | Path) -> Iterator[Frame | Damage]:
+def scan(path: str | Path, *, header: bool = True) -> Iterator[Frame | Damage]:
     """Every intact frame of a shard file, in file order, and a Damage for each stretch between them that holds
-    none (the last one `torn` when nothing intact follows it). A bad header raises CorruptShard at byte 0."""
+    none (the last one `torn` when nothing intact follows it). A bad header raises CorruptShard at byte 0 (with
+    `header` False it is not read: the frames after it are, for a salvage)."""
     path = Path(path)
     dctx = zstandard.ZstdDecompressor()
     with open(path, "rb") as f:
@@ -210,7 +220,8 @@ def scan(path: str | Path) -> Iterator[Frame | Damage]:
             if size:
                 yield Damage(0, size, "incomplete header", True)
             return
-        read_header(path)
+        if header:
+            read_header(path)
         pos = _HEADER_SIZE
         while pos < size:
             try:
@@ -496,20 +507,26 @@ class ShardWriter:
             self._write(_header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
             return done
-        head = read_header(self.path)
-        if head is None:  # killed while writing the header itself
+        damage: list[Damage] = []
+        try:
+            head = read_header(self.path)
+        except CorruptShard as e:
+            head = None
+            damage.append(Damage(0, _HEADER_SIZE, f"damaged header: {e.why}", False))
+        if head is None and not damage:  # killed while writing the header itself
             os.ftruncate(fd, 0)
             self._write(_header_bytes(self.fingerprint, self.shard))
             return done
-        fp, shard = head
-        if fp != self.fingerprint or shard != self.shard:
-            raise RuntimeError(
-                f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
-                "this run directory was planned for another job: use a new output_dir or --new-run"
-            )
+        if head is not None and head != (self.fingerprint, self.shard):
+            fp, shard = head
+            if not _damaged_fingerprint(fp, self.fingerprint):
+                raise RuntimeError(
+                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
+                    "this run directory was planned for another job: use a new output_dir or --new-run"
+                )
+            damage.append(Damage(0, _HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False))
         good: list[tuple[int, int]] = []  # (offset, end) of intact frames
-        damage: list[Damage] = []
-        for item in scan(self.path):
+        for item in scan(self.path, header=not damage):
             if isinstance(item, Damage):
                 damage.append(item)
                 continue
@@ -737,14 +754,40 @@ def write_retry(path: Path, request: RetryRequest) -> None:
 
 
 def read_retry(path: Path) -> RetryRequest | None:
+    """The retry request of a shard; None when there is none, or when it is damaged (said once, in one line)."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
     except FileNotFoundError:
         return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged retry request ({_why(e)}): ignored, so the ids it named are not generated "
+                            "again; ask again with `toolkit retry RUN --ids FILE`")
+        return None
 
 
 def read_done(path: Path) -> DoneManifest | None:
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
+    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=DoneManifest)
     except FileNotFoundError:
         return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged done manifest ({_why(e)}): the shard is taken as not finished; its next run "
+                            "checks its file and writes the manifest again")
+        return None
+
+
+_said_damaged: set[str] = set()
+
+
+def _damaged_once(path: Path, message: str) -> None:
+    """A damaged small file, said once per process (status --watch reads it every refresh)."""
+    key = f"{path}:{message}"
+    if key not in _said_damaged:
+        _said_damaged.add(key)
+        log.warning("%s: %s", path, message)
+
+
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
