@@ -32,6 +32,7 @@ import numpy as np
 
 from . import chat
 from .errors import EXIT_FAILED, BadInputError
+from .files import io_problem
 from .inputs import InputError, PromptReader
 from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
@@ -407,6 +408,9 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
     except CorruptShard as e:
         tmp.unlink(missing_ok=True)
         raise _damaged(rd, e) from None
+    except OSError as e:  # a full disk, say
+        tmp.unlink(missing_ok=True)
+        raise ExportError(io_problem(e, out_path, "export again"), exit_code=EXIT_FAILED) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -24,14 +24,15 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .errors import BadInputError
-from .files import atomic_write, sha256_file
+from .errors import EXIT_FAILED, BadInputError
+from .files import FULL, atomic_write, io_problem, sha256_file
 from .fmt import file_stamp, utc_now
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .rundir import RunDir
@@ -354,25 +355,47 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
-    else create one. A file system that refuses the folder is a PlanError in one line."""
+    else create one. A file system that refuses the folder, or is full, is a PlanError in one line, and a run
+    directory it could not finish is removed."""
     root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
     if exists:
         _, old = load_run(root)
         if root != Path(plan.spec.output_dir):
             log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
-        update_settings(rd, old, plan.spec)
+        try:
+            update_settings(rd, old, plan.spec)
+        except OSError as e:
+            raise PlanError(io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED) from None
         return rd
     plan.spec.output_dir = str(root)
+    fresh = not root.exists()
     try:
         rd.make_dirs()
         atomic_write(rd.prompts_file, msgspec.msgpack.encode(refs))
         atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
     except OSError as e:
+        _unmake(rd, fresh)
+        if e.errno in FULL:
+            raise PlanError(f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED) from None
         where = e.filename or root
         raise PlanError(f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
                         "output_dir at a folder this user can write") from None
     return rd
+
+
+def _unmake(rd: RunDir, fresh: bool) -> None:
+    """Remove what a run directory that could not be created holds: all of it when this planning made its folder,
+    else only what it adds (a folder that held no run may hold other things)."""
+    if fresh:
+        shutil.rmtree(rd.root, ignore_errors=True)
+        return
+    rd.prompts_file.unlink(missing_ok=True)
+    for sub in rd.writable_dirs()[1:]:
+        try:
+            sub.rmdir()
+        except OSError:
+            pass
 
 
 # Tables of a job that say how to run it, not what it makes: a run takes new values from the job when it is

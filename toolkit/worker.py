@@ -44,7 +44,7 @@ from .engines.kinds import make_engine
 from .errors import ToolkitError
 from .exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from .feed import Budget, Feed, RenderState, Todo, render_thread
-from .files import shown_path
+from .files import FULL, READ_ONLY, LogFile, shown_path
 from .inflight import ABORT_GRACE_S, save_in_flight
 from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
 from .progress import Progress, read_progress, write_progress
@@ -300,7 +300,7 @@ def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: in
 
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(path)
+    h = LogFile(path)
     h.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger("toolkit").addHandler(h)
     return h
@@ -398,20 +398,16 @@ def _failed(e: Exception, rd: RunDir, shard: int) -> ShardFailed:
     return ShardFailed(msg, exit_code=code)
 
 
-_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
-_FULL = {errno.ENOSPC, errno.EDQUOT}
-
-
 def _io_problem(e: Exception, rd: RunDir, shard: int) -> tuple[str, int]:
     """(one-line message saying what to do, exit code) of an error from the file system or the shard's lock."""
     if not isinstance(e, OSError):
         return str(e), 1
     where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
-    if e.errno in _FULL:
+    if e.errno in FULL:
         return (f"cannot write {where}: {what}; free space (or quota) on that file system, then run the shard again: "
                 "it resumes, nothing written is lost"), 1
-    if e.errno in _READ_ONLY:
+    if e.errno in READ_ONLY:
         return (f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job (a "
                 "read-only mount, or another user's folder): fix its permissions or move it"), 2
     return f"{where}: {what}; check the file system, then run the shard again (it resumes)", 1
