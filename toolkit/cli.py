@@ -28,8 +28,8 @@ typical session:
   toolkit status RUN --watch                 one row per shard (--json for scripts)
   toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
-  toolkit resubmit RUN                       only the shards without a done manifest
-  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN) again
+  toolkit resubmit RUN                       only the shards not finished (no done manifest, failures that may pass)
+  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN, ...) again
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
@@ -303,7 +303,8 @@ def _add_slurm_commands(sub) -> None:
                    help="when output_dir holds another job's run, a new run directory beside it (as `run --new-run`)")
     s.set_defaults(func=cmd_submit)
 
-    s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
+    s = sub.add_parser("resubmit", help="resubmit only the shards not finished (without a done manifest, or with "
+                       "failures that may pass), and a new merge job")
     s.add_argument("run", help=RUN_HELP_ARG)
     _add_resource_flags(s)
     s.set_defaults(func=cmd_resubmit)
