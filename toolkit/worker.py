@@ -32,7 +32,6 @@ import os
 import signal
 import threading
 import time
-from array import array
 from pathlib import Path
 
 from . import chat
@@ -46,7 +45,7 @@ from .exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from .feed import Budget, Feed, RenderState, Todo, render_thread
 from .files import FULL, READ_ONLY, LogFile, shown_path
 from .inflight import ABORT_GRACE_S, save_in_flight
-from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
+from .plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
 from .rundir import RunDir
@@ -150,7 +149,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
     feed = Feed(Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
     state = RenderState()
     if any(d.regenerate for d in sh.plan.datasets):
-        sh.chains = state.chains = Chains(sh, feed, todo.refs, sh.history)
+        sh.chains = state.chains = Chains(sh, feed, RefSlice(sh.rd, sh.sp.first, sh.sp.count), sh.history)
     engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
     if not engine.is_model:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
@@ -330,20 +329,22 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
 
 def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) -> Todo:
     """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
-    refs = RefSlice(rd, sh.sp.first, sh.sp.count)
-    positions = array("q")
-    owned = 0
-    for i in range(len(refs)):
-        rid = refs[i].id
-        if rid in done_ids:
+    refs = ShardRefs(rd, sh.sp)
+    if not done_ids:  # a fresh shard: every prompt, without reading a ref
+        return Todo(refs)
+    chosen = bytearray((len(refs) + 7) // 8)
+    owned = count = 0
+    for i, ref in enumerate(refs):
+        if ref.id in done_ids:
             owned += 1
-            if rid not in redo:
+            if ref.id not in redo:
                 continue
-        positions.append(sh.sp.first + i)
+        chosen[i >> 3] |= 1 << (i & 7)
+        count += 1
     if owned != len(done_ids):
-        unknown = set(done_ids) - {refs[i].id for i in range(len(refs))}
+        unknown = set(done_ids) - {ref.id for ref in refs}
         raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
-    return Todo(refs, positions)
+    return Todo(refs, chosen, count)
 
 
 def _resumed_tokens(sh: Shard, todo: Todo) -> int:
@@ -351,7 +352,7 @@ def _resumed_tokens(sh: Shard, todo: Todo) -> int:
     otok = sh.writer.output_tokens_at
     if otok is None:
         return 0
-    return sum(otok) - sum(otok[p - sh.sp.first] for p in todo.positions)
+    return sum(n for i, n in enumerate(otok) if i not in todo)
 
 
 def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
