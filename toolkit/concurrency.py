@@ -1,11 +1,12 @@
 """How many requests to keep in flight and whether the engine still answers: the target for concurrency "auto"
 from the server's load (/v1/loads) and capacity (/server_info), the pool of request slots that follows it, and the
-watch that flushes due batches, refreshes progress and notices an engine that died or hung.
+watch that flushes due batches, refreshes progress, hands freed memory back and notices an engine that died or hung.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import time
 
@@ -19,6 +20,22 @@ from .shardstate import AUTO_START, EngineDied, EngineHung, Shard, health_timeou
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
+TRIM_S = 5.0           # how often the memory the worker freed is handed back to the OS (malloc_trim)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts and the answers
+    churn through malloc's arenas (from the render thread, the tokenizer's threads and the event loop); what they
+    free stays there, a few MB more as the shard goes on, unless it is handed back."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _malloc_trim()
 
 
 class HangWatch:
@@ -50,15 +67,20 @@ class HangWatch:
 
 
 async def watch(sh: Shard, engine, hang: HangWatch) -> None:
-    """Flush due batches, refresh progress, and notice an engine that died or hung."""
-    last = 0.0
+    """Flush due batches, refresh progress, hand freed memory back to the OS, and notice an engine that died or
+    hung."""
+    last = trimmed = time.monotonic()
     while True:
         await asyncio.sleep(0.25)
         if sh.writer.due():
             sh.writer.flush()
-        if time.monotonic() - last > REFRESH_S:
-            last = time.monotonic()
+        now = time.monotonic()
+        if now - last > REFRESH_S:
+            last = now
             sh.save_progress()
+        if _TRIM is not None and now - trimmed > TRIM_S:
+            trimmed = now
+            _TRIM(0)
         if not engine.alive():
             raise EngineDied(f"engine exited with code {engine.exit_code()}")
         await hang.check(sh)
