@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from jobfiles import make_job, prepared_run, write_prompts
 from toolkit.shardfile import read_done, read_shard
 from toolkit.worker import DONE, ShardFailed, run_shard
-
-from jobfiles import make_job, prepared_run, write_prompts
 
 MARK = "POISONED"
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import runs
+from jobfiles import make_job, prepared_run
 from toolkit import files
 from toolkit.cli import main as cli_main
 from toolkit.merge import merge_run
 from toolkit.worker import DONE, run_shard
-
-import runs
-from jobfiles import make_job, prepared_run
 
 
 def _full(*args, **kwargs):
