@@ -137,6 +137,19 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     assert "==> 1 failed record (" in out and f"{s.refs[2].id}  server error 500: boom" in out
 
 
+def test_help_says_resubmit_takes_shards_with_failures_that_may_pass_too(capsys):
+    """resubmit (and retry --slurm) send a shard with failures that may pass although it has a done manifest: the
+    help does not say "only the shards without a done manifest"."""
+    from toolkit.cli import main as cli_main
+
+    for argv in (["--help"], ["resubmit", "--help"]):
+        with pytest.raises(SystemExit):
+            cli_main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "without a done manifest, and a new merge job" not in out and "only the shards without a done" not in out
+    assert "resubmit RUN only the shards not finished (no done manifest, failures that may pass)" in out
+
+
 def test_resubmit_names_the_shard_each_array_task_runs():
     assert describe_array(ArrayJob("152", [0, 1, 2, 3], [])) == \
         "Submitted batch job 152 (array of 4 shard tasks 152_[0-3]: task i runs shard i, shards 0-3)"

@@ -214,3 +214,21 @@ def test_a_connection_that_does_not_open_in_time_times_out():
             client.asyncio.open_connection = real_open
 
     asyncio.run(main())
+
+
+def test_a_length_finish_short_of_max_new_tokens_is_good_only_at_the_context_limit():
+    """SGLang clamps max_new_tokens to max_req_len - prompt - 1: a length finish short of max_new_tokens is right
+    there, and wrong anywhere else (judged only when the server said its max_req_len)."""
+    import numpy as np
+
+    ids = np.arange(5, dtype="<u4")
+    meta = client.MetaInfo(id="r", finish_reason={"type": "length", "length": 5}, completion_tokens=5)
+    limits = client.Expect(vocab_size=100, max_req_len=20)
+    assert client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=limits)["type"] == "length"
+    assert client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=5, expect=limits)["type"] == "length"
+    with pytest.raises(BadResponse, match=r"short of max_new_tokens = 64 and of the context limit \(3 prompt"):
+        client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=limits)
+    assert client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=client.Expect())
+    with pytest.raises(BadResponse, match=r"output id 4 outside the vocabulary \(4 ids\)"):
+        client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=client.Expect(vocab_size=4))
+    assert client.check_answer(ids, meta, rid=None, n_input=3, max_new_tokens=5)  # no rid sent: any id

@@ -197,3 +197,66 @@ def test_a_tool_call_the_model_made_is_a_structured_entry_of_the_answer(tmp_path
     assert all("tool_calls" not in r["conversations"][-1] for i, r in enumerate(rows) if i != 1)
     # the exact ids are untouched: the jsonl export still holds the section's ids
     assert jrows[1]["output_ids"][-len(tool_ids) - 1:-1] == tool_ids
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("format", "shard format 253"), ("fingerprint", "damaged header"), ("first frame", "checksum"),
+    ("last frame", "at byte"), ("cut", "bytes, its manifest says"),
+])
+def test_a_damaged_merged_file_is_one_line_and_nothing_is_exported(tmp_path, toy_tokenizer, capsys, damage, words):
+    from toolkit.shardfile import iter_frames
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 12}, shards=1)
+    runs.write_run(s)
+    merge_run(s.root)
+    merged = s.rd.merged_file
+    frames = list(iter_frames(merged))
+    data = bytearray(merged.read_bytes())
+    if damage == "cut":
+        data = data[:-7]
+    else:
+        at = {"format": 12, "fingerprint": 14, "first frame": frames[0].offset + 40, "last frame": frames[-1].end - 5}
+        data[at[damage]] = 253 if damage == "format" else data[at[damage]] ^ 0xC0
+    merged.write_bytes(bytes(data))
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("toolkit: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert words in err and f"toolkit merge {s.root}" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))
+
+
+def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, toy_tokenizer, capsys, caplog):
+    """Records stored ok by an older toolkit (or a server the worker did not check) that fail the audit's checks of
+    one record are not exported as data without a word: the export is refused, naming them; --force exports them
+    with a warning."""
+    import msgspec
+
+    from toolkit.records import pack_ids
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 8}, shards=1, sampling={"max_new_tokens": 400})
+
+    def plant(r):
+        if r.index == 1:  # an id outside the tokenizer
+            return msgspec.structs.replace(r, output_ids=pack_ids([s.info.vocab_size + 3]) + r.output_ids[4:])
+        if r.index == 4:  # more output ids than max_new_tokens
+            ids = unpack_ids(r.output_ids)
+            ids = ids[:-1] * (401 // len(ids) + 2) + ids[-1:]
+            return msgspec.structs.replace(r, output_ids=pack_ids(ids), completion_tokens=len(ids))
+        return r
+
+    runs.write_run(s, edit=plant)
+    merge_run(s.root)
+    from toolkit.audit import audit_run
+
+    checks = {c.name: c for c in audit_run(s.root).checks}
+    assert not checks["vocabulary"].passed and not checks["token_counts"].passed
+    assert "1 with more output ids than max_new_tokens (e.g. math-0004)" in checks["token_counts"].message
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 ok records fail the audit's record checks" in err, err
+    assert "more output ids than max_new_tokens (math-0004)" in err and "an id outside the tokenizer (math-0001)" in err
+    assert "--force" in err and not out.exists() and not list(tmp_path.glob(".*tmp"))
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(out), "--force"]) == 0
+    assert len(lines(out)) == 8 and "exporting them anyway (--force): 2 ok records" in caplog.text

@@ -245,3 +245,22 @@ def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
     assert (rows[0].running, rows[0].queued, rows[0].kv_usage) == (12, 3, 0.41)
     table = format_status(root, rows, merge)
     assert "RUN/QUEUE" in table and " 12/3 " in table and "41%" in table
+
+
+def test_the_watch_hands_freed_memory_back_while_generating(tmp_path, kimi, monkeypatch):
+    """What the rendered prompts and the answers free stays in malloc's arenas, a few MB more as a shard goes on,
+    unless it is handed back: the watch calls malloc_trim every TRIM_S (where the C library has it)."""
+    import sys as _sys
+
+    import toolkit.concurrency as concurrency
+
+    if _sys.platform == "linux":
+        assert concurrency._TRIM is not None  # glibc's, on the Linux the tests run on
+    calls = []
+    monkeypatch.setattr(concurrency, "_TRIM", lambda pad: calls.append(pad) or 0)
+    monkeypatch.setattr(concurrency, "TRIM_S", 0.3)
+    job = make_job(tmp_path, kimi, n=6, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 300},
+                   client={"concurrency": 2})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    assert calls and set(calls) == {0}

@@ -231,7 +231,7 @@ def _peak_rss_mb(args: list[str]) -> float:
 def test_merge_memory_stays_flat_for_a_run_ten_times_larger(tmp_path, kimi):
     runs_ = {}
     for name, n in (("small", 120), ("large", 1200)):
-        s = runs.plan_run(tmp_path / name, kimi, datasets={"math": n}, shards=4)
+        s = runs.plan_run(tmp_path / name, kimi, datasets={"math": n}, shards=4, sampling={"max_new_tokens": 8192})
         runs.write_run(s, runs.healthy(reasoning=(3700, 4100), content=(150, 250)), flush_records=16, window=64)
         runs_[name] = (s.root, sum(r.n_output for r in s.written.values()))
     (small_run, small_tokens), (large_run, large_tokens) = runs_["small"], runs_["large"]

@@ -71,3 +71,38 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
     bad = {c.name: c for c in report.checks if not c.passed}
     assert "source_files" in bad and "changed since the run was planned" in bad["source_files"].message
     assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl") == 4  # ids only: the sources are not read
+
+
+def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, kimi):
+    """A worker reads its shard's refs from prompts.msgpack as it goes (the shard's byte offset is in run.json;
+    a run planned before that is read from the start): what it holds does not grow with the shard."""
+    import tracemalloc
+
+    import msgspec
+
+    from jobfiles import write_prompts
+    from toolkit.feed import Todo
+    from toolkit.plan import RefSlice, ShardRefs, create_run, plan_job
+
+    job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)
+    plan, refs = plan_job(load_spec(job))
+    rd = create_run(plan, refs)
+    assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(refs)  # the file every reader knows
+    for sp in load_run(rd.root)[1].shards:
+        assert sp.refs_at > 0 and list(ShardRefs(rd, sp)) == refs[sp.first : sp.first + sp.count]
+        assert list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0))) == refs[sp.first : sp.first + sp.count]
+    sp = load_run(rd.root)[1].shards[1]
+
+    def peak_of(make) -> float:
+        tracemalloc.start()
+        try:
+            todo = make()
+            assert sum(len(b) for b in todo.batches(64)) == sp.count
+            return tracemalloc.get_traced_memory()[1] / 1e6
+        finally:
+            tracemalloc.stop()
+
+    streamed = peak_of(lambda: Todo(ShardRefs(rd, sp)))
+    assert streamed < 1.0, f"{streamed:.2f} MB held to read {sp.count:,} refs"
+    held = peak_of(lambda: Todo(RefSlice(rd, sp.first, sp.count)))  # what a worker held before
+    assert held > 4 * streamed

@@ -194,6 +194,24 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     assert "bytes" in verify_done(m, path)
 
 
+def test_done_counts_by_planned_position_equal_the_counts_by_id(tmp_path):
+    """write_done with the shard's positions (one byte per prompt) counts the newest record of each position as the
+    dict of ids does: records written again (once, or 300 times), a failure superseded by an ok record and the
+    reverse, records outside the positions ignored."""
+    path = tmp_path / "s.zst"
+    timeout = failed_record("p1", "d", 1, [1, 2], "no answer", 2, failure="timeout")
+    late_fail = failed_record("p4", "d", 4, [1, 2], "no answer", 2, failure="timeout")
+    stray = msgspec.structs.replace(rec(9), id="x", index=99)
+    write(path, [rec(0), timeout, rec(2), rec(3), rec(4), rec(1), late_fail, stray] + [rec(5)] * 300 + [rec(6)])
+    by_id = write_done(tmp_path / "a.done", path, 0, "f" * 16)
+    by_position = write_done(tmp_path / "b.done", path, 0, "f" * 16, positions=range(0, 7))
+    assert (by_id.records, by_id.ok, by_id.failed, by_id.transient) == (8, 7, 1, 1)  # the stray id counts here
+    assert (by_position.records, by_position.ok, by_position.failed, by_position.transient) == (7, 6, 1, 1)
+    assert by_position.prompt_tokens == by_id.prompt_tokens - stray.n_prompt
+    assert by_position.output_tokens == by_id.output_tokens - stray.n_output
+    assert by_position.superseded == 1 + 1 + 299 + 1  # p1, p4, p5 x 299, and the stray record
+
+
 def test_fingerprint_mismatch_refused(tmp_path):
     path = tmp_path / "s.zst"
     write(path, [rec(0)])

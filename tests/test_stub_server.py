@@ -973,6 +973,23 @@ def test_request_faults_fire_on_the_requests_their_flags_name():
     assert all(faults.request_faults(_parse("--hang"), n).hang for n in (1, 2, 100))
 
 
+def test_poison_fires_on_the_prompts_holding_its_text_after_the_first_requests():
+    from toolkit.engines.stub_server import faults
+
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    bad, good = [ord(c) for c in "a BAD one"], [ord(c) for c in "fine"]
+    cfg = _parse("--poison", "reset", "--poison-text", "BAD", "--poison-after", "1")
+    assert not faults.poisoned(cfg, 1, [bad], decode)  # within --poison-after
+    assert faults.poisoned(cfg, 2, [bad], decode) and faults.poisoned(cfg, 9, [good, bad], decode)
+    assert not faults.poisoned(cfg, 2, [good], decode)
+    assert not faults.health_broken(cfg, 9)  # one prompt's trouble: the server still generates
+    every = _parse("--poison", "truncate", "--poison-after", "2")
+    assert faults.poisoned(every, 3, [good], decode) and not faults.poisoned(every, 2, [good], decode)
+    assert faults.health_broken(every, 3) and not faults.health_broken(every, 2)
+    assert not faults.health_broken(_parse("--poison", "wrong_rid"), 5)  # answers, if wrong ones
+    assert not faults.poisoned(_parse(), 5, [bad], decode)
+
+
 def test_exit_at_start_decision():
     from toolkit.engines.stub_server import faults
 

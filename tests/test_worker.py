@@ -429,6 +429,56 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
     assert m.complete and (m.ok, m.missing, len(m.corrupt)) == (12, 0, 0)
 
 
+@pytest.mark.parametrize("field, at", [("format", 12), ("fingerprint", 14), ("fingerprint as hex", 14), ("shard", 30)])
+def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, field, at):
+    """The header's format, fingerprint (a byte that is no ASCII, or another hex digit) or shard number damaged:
+    salvaged like any other damage (the frames after it kept, the original kept aside), not a traceback."""
+    from toolkit.merge import merge_run
+
+    job = make_job(tmp_path, kimi, n=9, sampling={"max_new_tokens": 64}, client={"concurrency": 1})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    before = {r.id: comparable(r) for r in records(rd.root)}
+    data = bytearray(rd.shard_file(0).read_bytes())
+    data[at] = {"format": 253, "fingerprint": 0xE9, "shard": 7}.get(field, ord("0") if data[at] != ord("0") else ord("1"))
+    rd.shard_file(0).write_bytes(bytes(data))
+
+    assert run_shard(rd.root, 0) == DONE
+    log = rd.log_file(0).read_text()
+    assert "changed after the shard finished" in log and "at byte 0 (damaged header" in log
+    assert "all have a record; nothing to generate" in log
+    assert len(list(rd.shards_dir.glob("00000.zst.damaged-*"))) == 1
+    assert {r.id: comparable(r) for r in records(rd.root)} == before
+    m = merge_run(rd.root)
+    assert m.complete and (m.ok, m.missing, len(m.corrupt)) == (9, 0, 0)
+
+
+@pytest.mark.parametrize("which", ["done", "retry"])
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"shard": "zero"}'])
+def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_run_goes_on(tmp_path, kimi, caplog,
+                                                                                        capsys, which, content):
+    from toolkit.cli import main as cli_main
+
+    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    root = str(rd.root)
+    if which == "retry":
+        rd.done_file(0).unlink()  # as `toolkit retry --ids` leaves it
+    (rd.done_file(0) if which == "done" else rd.retry_file(0)).write_bytes(content)
+    said = []
+    for argv in (["status", root], ["logs", root, "--failed"], ["merge", root], ["retry", root]):
+        caplog.clear()
+        code = cli_main(argv)
+        assert "Traceback" not in capsys.readouterr().err, argv
+        said += [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert code == 0  # retry ran the shard here: nothing to generate, a new done manifest
+    assert len(said) == 1 and "\n" not in said[0], said  # once, in one line
+    assert ("damaged done manifest" if which == "done" else "damaged retry request") in said[0], said
+    assert read_done(rd.done_file(0)).records == 6 and not rd.retry_file(0).exists()
+    assert len(records(rd.root)) == 6
+
+
 def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
     job = make_job(tmp_path, kimi, prompts=prompts, stub={"context_length": 1024}, sampling={"max_new_tokens": 100})

@@ -134,6 +134,7 @@ class Integrity(msgspec.Struct):
     unexpected_stop: int = 0      # matched stop id neither an eos id nor a configured stop_token_id
     bad_finish: int = 0           # an ok record without a stop or length finish
     out_of_vocab: int = 0         # an id >= the tokenizer's size
+    over_max_new_tokens: int = 0  # more output ids than the dataset's max_new_tokens
     examples: dict[str, list[str]] = {}
 
 

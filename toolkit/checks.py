@@ -273,16 +273,18 @@ def stop_tokens(integ: Integrity) -> Check:
 
 
 def token_counts(integ: Integrity) -> Check:
-    """completion_tokens and prompt_tokens equal the stored ids everywhere."""
+    """completion_tokens and prompt_tokens equal the stored ids everywhere, and no output is longer than its
+    dataset's max_new_tokens."""
     ex = integ.examples
-    bad = integ.completion_mismatch + integ.prompt_mismatch
+    bad = integ.completion_mismatch + integ.prompt_mismatch + integ.over_max_new_tokens
+    kinds = ("completion_mismatch", "prompt_mismatch", "over_max_new_tokens")
     return _check(
         "token_counts", not bad, bad, 0,
-        f"{integ.completion_mismatch} records with completion_tokens != len(output_ids) and "
-        f"{integ.prompt_mismatch} with prompt_tokens != len(prompt_ids) (e.g. "
-        f"{', '.join(ex.get('completion_mismatch', []) + ex.get('prompt_mismatch', []))}): the server's counts "
-        f"disagree with the ids it returned; check the engine version" if bad else
-        "completion_tokens and prompt_tokens equal the stored ids everywhere")
+        f"{integ.completion_mismatch} records with completion_tokens != len(output_ids), "
+        f"{integ.prompt_mismatch} with prompt_tokens != len(prompt_ids) and {integ.over_max_new_tokens} with more "
+        f"output ids than max_new_tokens (e.g. {', '.join(i for k in kinds for i in ex.get(k, []))}): the server's "
+        f"counts disagree with the ids it returned; check the engine version" if bad else
+        "completion_tokens and prompt_tokens equal the stored ids everywhere, no output over max_new_tokens")
 
 
 def reasoning_split(integ: Integrity, info: chat.TokenInfo, model: ModelSpec) -> Check:

@@ -28,8 +28,8 @@ typical session:
   toolkit status RUN --watch                 one row per shard (--json for scripts)
   toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
-  toolkit resubmit RUN                       only the shards without a done manifest
-  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN) again
+  toolkit resubmit RUN                       only the shards not finished (no done manifest, failures that may pass)
+  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN, ...) again
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
@@ -148,7 +148,7 @@ def cmd_export(args) -> int:
     from .files import shown_path
 
     output = args.output or export.default_output(args.run, args.format)
-    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed)
+    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force)
     print(f"wrote {n} records to {shown_path(output)} ({args.format})")
     return EXIT_OK
 
@@ -303,7 +303,8 @@ def _add_slurm_commands(sub) -> None:
                    help="when output_dir holds another job's run, a new run directory beside it (as `run --new-run`)")
     s.set_defaults(func=cmd_submit)
 
-    s = sub.add_parser("resubmit", help="resubmit only the shards without a done manifest, and a new merge job")
+    s = sub.add_parser("resubmit", help="resubmit only the shards not finished (without a done manifest, or with "
+                       "failures that may pass), and a new merge job")
     s.add_argument("run", help=RUN_HELP_ARG)
     _add_resource_flags(s)
     s.set_defaults(func=cmd_resubmit)
@@ -381,13 +382,18 @@ def _add_merge_commands(sub) -> None:
         "                 \"loss_mask\": 0 per prompt id, 1 per output id},\n"
         "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
         "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
-        "                 `content` and `reasoning_content` kept apart",
+        "                 `content` and `reasoning_content` kept apart\n\n"
+        "An ok record that fails the audit's checks of one record (token counts, max_new_tokens, vocabulary,\n"
+        "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
     s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
     s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
                    "tokens.jsonl or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
+    s.add_argument("--force", action="store_true", help="export ok records that fail the audit's record checks "
+                   "(counts, max_new_tokens, vocabulary, finish, reasoning split) too, with a warning; without it such "
+                   "records refuse the export")
     s.set_defaults(func=cmd_export)
 
 

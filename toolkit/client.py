@@ -5,8 +5,11 @@ requests are large JSON arrays of ints, and per-token CPU is what limits a worke
 handling (loopback never goes through a proxy), no redirects and no cookies — only what SGLang's API needs.
 Responses are decoded with msgspec into typed Structs, reading `output_ids` and `meta_info` from the end of
 the body so the long `text` field is never walked; unknown `meta_info` keys are ignored.
-Retries with backoff cover connection errors and 5xx only; a 4xx is the request's own fault and is
-returned to the caller as a `RequestRejected`, never retried.
+Retries with backoff cover connection errors, 5xx and 429 (too many requests: a router's rate limit) only; any
+other 4xx is the request's own fault and is returned to the caller as a `RequestRejected`, never retried.
+Every 200 answer is checked against its request (`check_answer`): one that breaks SGLang's contract (another
+rid, more ids than max_new_tokens, a length finish short of it, ids outside the vocabulary, a finish reason of
+the wrong shape) is a `BadResponse` saying what is wrong, never a result.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ __all__ = [
     "TimedOut",
     "Unreachable",
     "generate",
+    "Expect",
+    "check_answer",
     "abort_requests",
     "EngineLoad",
+    "ServerLimits",
+    "health_generate",
     "read_load",
+    "server_limits",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,7 +63,7 @@ class TimedOut(Unreachable):
 
 
 class ServerError(ClientError):
-    """A 5xx answer (retryable)."""
+    """A 5xx or 429 answer, or a 200 whose abort carries a 5xx status_code (retryable)."""
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -63,7 +71,7 @@ class ServerError(ClientError):
 
 
 class RequestRejected(ClientError):
-    """A 4xx answer: the server refused this request (e.g. prompt over the context length)."""
+    """A 4xx answer but 429: the server refused this request (e.g. prompt over the context length)."""
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -251,6 +259,7 @@ def _close_connection(task: asyncio.Future) -> None:
 class MetaInfo(msgspec.Struct):
     """The part of /generate's meta_info the worker keeps (the rest, e.g. e2e_latency, is skipped unread)."""
 
+    id: Any = None  # the request's rid
     finish_reason: Any = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -318,7 +327,7 @@ def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
 
 def parse_response(body: bytes):
     """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
-    meta_info.completion_tokens (SGLang counts the stop token in both)."""
+    meta_info.completion_tokens (SGLang counts the stop token in both; an answer without it is refused)."""
     found = _split_body(body)
     if found is not None:
         raw, meta = found
@@ -328,11 +337,58 @@ def parse_response(body: bytes):
         except msgspec.DecodeError as e:
             raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
         raw, meta = resp.output_ids, resp.meta_info
+    if not isinstance(meta.completion_tokens, int):
+        raise BadResponse(f"meta_info has no completion_tokens (got {meta.completion_tokens!r})")
     try:
         ids = ids_from_json(raw, meta.completion_tokens)
     except ValueError as e:
         raise BadResponse(f"output_ids do not match meta_info.completion_tokens: {e}") from None
     return ids, meta
+
+
+class Expect(msgspec.Struct, frozen=True):
+    """What an answer is checked against besides its request: the tokenizer's size (every id below it) and
+    SGLang's max_req_len (a request's prompt + output + 1 never passes it: its scheduler clamps max_new_tokens
+    there, so a length finish short of max_new_tokens must reach it). None: not checked."""
+
+    vocab_size: int | None = None
+    max_req_len: int | None = None
+
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+def check_answer(ids, meta: MetaInfo, *, rid: str | None, n_input: int, max_new_tokens: int | None,
+                 expect: Expect | None = None) -> dict:
+    """The finish_reason of a 200 answer to the request (`rid`, `n_input` prompt ids, `max_new_tokens`), once the
+    answer is checked against it; BadResponse saying what breaks SGLang's contract. An abort that carries an
+    HTTP status code is that error, as SGLang's own HTTP layer turns it into one: ServerError (5xx) or
+    RequestRejected (4xx)."""
+    fr = meta.finish_reason
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
+        raise BadResponse(f"finish_reason {_short(fr)} is not an object whose type is stop, length or abort")
+    if rid is not None and meta.id != rid:
+        raise BadResponse(f"the answer of another request: meta_info.id {_short(meta.id)}, sent as rid {rid!r}")
+    n, kind = len(ids), fr["type"]
+    if max_new_tokens is not None and n > max_new_tokens:
+        raise BadResponse(f"{n} output ids, more than max_new_tokens = {max_new_tokens}")
+    limit = expect.max_req_len if expect else None
+    if kind == "length" and max_new_tokens is not None and limit and n < max_new_tokens and n_input + n + 1 < limit:
+        raise BadResponse(f"finish_reason length after {n} output ids, short of max_new_tokens = {max_new_tokens} "
+                          f"and of the context limit ({n_input} prompt + {n} output ids + 1 < {limit})")
+    vocab = expect.vocab_size if expect else None
+    if vocab is not None and n and int(ids.max()) >= vocab:
+        raise BadResponse(f"output id {int(ids.max())} outside the vocabulary ({vocab} ids)")
+    code = fr.get("status_code") if kind == "abort" else None
+    if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
+        body = msgspec.json.encode({"message": f"aborted with status_code {code}: {fr.get('message')}"})
+        raise (ServerError if code >= 500 else RequestRejected)(code, body)
+    return fr
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 async def generate(
@@ -346,27 +402,31 @@ async def generate(
     backoff_s: float = 1.0,
     backoff_max_s: float = 60.0,
     engine_alive=None,
+    expect: Expect | None = None,
 ) -> GenerateResult:
-    """POST one prompt to /generate and return its checked result.
+    """POST one prompt to /generate and return its result, checked against the request (`check_answer`).
 
-    Retries connection errors, timeouts and 5xx up to `retries` times with jittered exponential backoff;
-    raises RequestRejected on 4xx, and the last error when retries run out. `engine_alive`, when given, is
+    Retries connection errors, timeouts, 5xx and 429 up to `retries` times with jittered exponential backoff;
+    raises RequestRejected on another 4xx, BadResponse on an answer that breaks the contract, and the last error
+    when retries run out. `engine_alive`, when given, is
     called before each retry: once the engine is gone, retrying is pointless and the error is raised at once.
     `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid of a request
     the server may still hold (SGLang answers a duplicate in-flight rid with 400).
     """
     fixed = None if callable(rid) else _req_encoder.encode(_Request(input_ids, sampling_params, rid))
     loop = asyncio.get_running_loop()
+    max_new = sampling_params.get("max_new_tokens")
     attempt = 0
     while True:
         attempt += 1
-        body = fixed if fixed is not None else _req_encoder.encode(_Request(input_ids, sampling_params, rid()))
+        sent = rid() if callable(rid) else rid
+        body = fixed if fixed is not None else _req_encoder.encode(_Request(input_ids, sampling_params, sent))
         t0 = loop.time()
         try:
             status, data = await http.request("POST", "/generate", body, timeout=timeout)
             if status == 200:
                 ids, m = parse_response(data)
-                fr = m.finish_reason if isinstance(m.finish_reason, dict) else {}
+                fr = check_answer(ids, m, rid=sent, n_input=len(input_ids), max_new_tokens=max_new, expect=expect)
                 return GenerateResult(
                     output_ids=ids,
                     finish=fr.get("type"),
@@ -377,7 +437,7 @@ async def generate(
                     latency_s=round(loop.time() - t0, 4),
                     attempts=attempt,
                 )
-            if status >= 500:
+            if status >= 500 or status == 429:
                 raise ServerError(status, data)
             raise RequestRejected(status, data)
         except (Unreachable, ServerError) as e:
@@ -435,21 +495,42 @@ class _InternalState(msgspec.Struct):
 
 class _ServerInfo(msgspec.Struct):
     internal_states: list[_InternalState] = []
+    max_req_input_len: int | None = None
+
+
+class ServerLimits(msgspec.Struct):
+    """What /server_info says of the server's limits (0 and None: it does not say)."""
+
+    capacity: int = 0               # requests it can run at once
+    max_req_len: int | None = None  # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
 
 
 _loads_decoder = msgspec.json.Decoder(_Loads | list[_RankLoad])
 _info_decoder = msgspec.json.Decoder(_ServerInfo)
 
 
-async def server_capacity(http: HttpClient, *, timeout: float = 30.0) -> int:
-    """Requests the server can run at once: /server_info's effective_max_running_requests_per_dp summed over the
-    data-parallel ranks (0 when it does not say)."""
+async def server_limits(http: HttpClient, *, timeout: float = 30.0) -> ServerLimits:
+    """/server_info's effective_max_running_requests_per_dp summed over the data-parallel ranks, and its
+    max_req_input_len (SGLang's scheduler keeps it 5 below max_req_len)."""
     try:
         status, body = await http.get("/server_info", timeout=timeout)
         info = _info_decoder.decode(body) if status == 200 else None
     except (Unreachable, msgspec.DecodeError, msgspec.ValidationError):
-        return 0
-    return sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states) if info else 0
+        return ServerLimits()
+    if info is None:
+        return ServerLimits()
+    return ServerLimits(capacity=sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states),
+                        max_req_len=info.max_req_input_len + 5 if info.max_req_input_len else None)
+
+
+async def health_generate(http: HttpClient, *, timeout: float) -> str | None:
+    """None when GET /health_generate answers 200 within `timeout` s (the server generates: SGLang sends a 1-token
+    request through its scheduler), else why not, in words (`answered 503`, or the connection's error)."""
+    try:
+        status, _ = await http.get("/health_generate", timeout=timeout)
+    except Unreachable as e:
+        return str(e)
+    return None if status == 200 else f"answered {status}"
 
 
 async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | None:

@@ -1,24 +1,41 @@
 """How many requests to keep in flight and whether the engine still answers: the target for concurrency "auto"
 from the server's load (/v1/loads) and capacity (/server_info), the pool of request slots that follows it, and the
-watch that flushes due batches, refreshes progress and notices an engine that died or hung.
+watch that flushes due batches, refreshes progress, hands freed memory back and notices an engine that died or hung.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import time
 
-from .client import HttpClient, Unreachable, read_load
+from .client import HttpClient, health_generate, read_load
 from .exitguard import cancel_and_wait
 from .feed import Feed
 from .inflight import consume
 from .progress import REFRESH_S
-from .shardstate import AUTO_START, EngineDied, EngineHung, Shard
+from .shardstate import AUTO_START, EngineDied, EngineHung, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
+TRIM_S = 5.0           # how often the memory the worker freed is handed back to the OS (malloc_trim)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts and the answers
+    churn through malloc's arenas (from the render thread, the tokenizer's threads and the event loop); what they
+    free stays there, a few MB more as the shard goes on, unless it is handed back."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _malloc_trim()
 
 
 class HangWatch:
@@ -28,7 +45,7 @@ class HangWatch:
 
     def __init__(self, engine, hang_timeout_s: float):
         self.engine, self.hang_timeout_s = engine, hang_timeout_s
-        self.probe_timeout_s = min(30.0, max(2.0, hang_timeout_s))  # SGLang answers 503 after 20 s when wedged
+        self.probe_timeout_s = health_timeout(hang_timeout_s)
         self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         self.next_probe = 0.0
 
@@ -37,11 +54,7 @@ class HangWatch:
         stall = now - sh.last_answer
         if not sh.in_flight or stall < self.hang_timeout_s or now < self.next_probe:
             return
-        try:
-            status, _ = await self.http.get("/health_generate", timeout=self.probe_timeout_s)
-            why = None if status == 200 else f"answered {status}"
-        except Unreachable as e:
-            why = str(e)
+        why = await health_generate(self.http, timeout=self.probe_timeout_s)
         if why is None:  # generating, only slowly (long outputs): look again later
             log.info("no request answered for %.0f s (%d in flight), but /health_generate answers 200", stall, sh.in_flight)
             self.next_probe = time.monotonic() + self.hang_timeout_s
@@ -54,15 +67,20 @@ class HangWatch:
 
 
 async def watch(sh: Shard, engine, hang: HangWatch) -> None:
-    """Flush due batches, refresh progress, and notice an engine that died or hung."""
-    last = 0.0
+    """Flush due batches, refresh progress, hand freed memory back to the OS, and notice an engine that died or
+    hung."""
+    last = trimmed = time.monotonic()
     while True:
         await asyncio.sleep(0.25)
         if sh.writer.due():
             sh.writer.flush()
-        if time.monotonic() - last > REFRESH_S:
-            last = time.monotonic()
+        now = time.monotonic()
+        if now - last > REFRESH_S:
+            last = now
             sh.save_progress()
+        if _TRIM is not None and now - trimmed > TRIM_S:
+            trimmed = now
+            _TRIM(0)
         if not engine.alive():
             raise EngineDied(f"engine exited with code {engine.exit_code()}")
         await hang.check(sh)

@@ -4,7 +4,9 @@ Records are read frame by frame from `RUN/merged/records.zst` (planned order) an
 memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the reasoning is the
 output up to the think-end id (a think-start the model wrote at position 0 excluded), the content is what
 follows it; the stop token and the think-end are in neither (see `records.split_parts` for outputs without a
-think-end). Only ok records are exported unless `include_failed`.
+think-end). Only ok records are exported unless `include_failed`. Every ok record exported is checked as the
+audit checks one record on its own (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an
+export that meets one is refused, nothing written, unless `force` (then each kind is warned about).
 
 Formats:
   jsonl          id, dataset, sample, turn, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
@@ -29,13 +31,14 @@ import msgspec
 import numpy as np
 
 from . import chat
-from .errors import BadInputError
+from .errors import EXIT_FAILED, BadInputError
+from .files import io_problem
 from .inputs import InputError, PromptReader
 from .merge import MERGED, load_manifest
 from .plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
-from .records import OK, Record, opens_reasoning, split_parts
+from .records import OK, RECORD_CHECKS, Record, defects, id_positions, opens_reasoning, split_parts
 from .rundir import RunDir
-from .shardfile import decode_batch, iter_frames, read_header
+from .shardfile import CorruptShard, decode_batch, iter_frames, read_header
 from .toolcalls import parse_tool_calls
 from .turns import answer_message, turn_messages, user_turns
 
@@ -72,13 +75,44 @@ class JsonlRecord(msgspec.Struct):
     completion_tokens: int
 
 
-class _Text:
-    """Decodes the reasoning and content of a batch of records in one tokenizer call."""
+class _Tokens:
+    """The run's tokenizer and its token info, loaded once per export."""
 
     def __init__(self, plan: RunPlan):
         model = plan.spec.model
         self.tok = chat.load_tokenizer(model)
         self.info = chat.token_info(self.tok, model)
+
+
+class _Defects:
+    """The ok records that fail the audit's checks of one record (`records.defects`), as they are read."""
+
+    def __init__(self, plan: RunPlan, tokens: _Tokens):
+        self.info = tokens.info
+        self.max_new = {d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets}
+        self.found: dict[str, list[str]] = {}  # kind -> ids
+        self.count = 0
+
+    def check(self, rec: Record) -> None:
+        kinds = defects(rec, self.info.vocab_size, id_positions(rec.output_ids, self.info.think_end_id),
+                        self.max_new.get(rec.dataset))
+        self.count += bool(kinds)
+        for kind in kinds:
+            self.found.setdefault(kind, []).append(rec.id)
+
+    def summary(self) -> str:
+        """e.g. `2 ok records fail the audit's record checks: an id outside the tokenizer (p0003, p0007)`."""
+        parts = [f"{RECORD_CHECKS[k]} ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})"
+                 for k, ids in self.found.items()]
+        return (f"{self.count} ok record{'s' if self.count != 1 else ''} fail the audit's record checks: "
+                + "; ".join(parts))
+
+
+class _Text:
+    """Decodes the reasoning and content of a batch of records in one tokenizer call."""
+
+    def __init__(self, plan: RunPlan, tokens: _Tokens):
+        self.tok, self.info = tokens.tok, tokens.info
         self.blank = frozenset(self.info.blank_ids)
         self._decode = _batch_decoder(self.tok)
 
@@ -119,13 +153,21 @@ def _batch_decoder(tok: Any):
     return lambda seqs: tok.batch_decode(seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _batches(path: Path, include_failed: bool) -> Iterator[list[Record]]:
-    for frame in iter_frames(path):
+def _batches(path: Path, include_failed: bool, defects: _Defects) -> Iterator[list[Record]]:
+    """The merged records, frame by frame, each ok one checked (`defects`); CorruptShard on a damaged frame, a torn
+    last one included (a merged file is written whole: a frame cut short is damage, not a crash mid-write)."""
+    tail: list = []
+    for frame in iter_frames(path, tail=tail):
         recs = decode_batch(frame)
+        for r in recs:
+            if r.status == OK:
+                defects.check(r)
         if not include_failed:
             recs = [r for r in recs if r.status == OK]
         if recs:
             yield recs
+    if tail:
+        raise CorruptShard(path, tail[0][0], tail[0][1])
 
 
 def _ids(packed: bytes) -> list[int]:
@@ -173,16 +215,18 @@ def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
     return n
 
 
-def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
-    text, enc, n, refs = _Text(plan), msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
-    for recs in _batches(path, include_failed):
+def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
+                  defects: _Defects) -> int:
+    text, enc, n, refs = _Text(plan, tokens), msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
+    for recs in _batches(path, include_failed, defects):
         n += _write_lines(out, _jsonl_rows(recs, text.parts(recs), refs), enc)
     return n
 
 
-def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
+def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
+                   defects: _Defects) -> int:
     enc, n, refs = msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
-    for recs in _batches(path, include_failed):
+    for recs in _batches(path, include_failed, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": _sample(refs, r), "turn": _turn(refs, r), "input_ids": _ids(r.prompt_ids + r.output_ids),
              "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
@@ -191,8 +235,9 @@ def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: Run
     return n
 
 
-def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, **_) -> int:
-    text, enc, n = _Text(plan), msgspec.json.Encoder(), 0
+def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
+                          defects: _Defects) -> int:
+    text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
     refs, reader = PlannedRefs(rd, plan), PromptReader()
     chains: dict[tuple[int, int, int], list[dict[str, Any] | None]] = {}  # regenerated: answers so far
     skipped = 0
@@ -224,7 +269,7 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
             yield row
 
     with reader:
-        for recs in _batches(path, include_failed):
+        for recs in _batches(path, include_failed, defects):
             n += _write_lines(out, rows(recs), enc)
     skipped += len(chains)
     if skipped:
@@ -233,7 +278,8 @@ def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, 
     return n
 
 
-def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, rd: RunDir) -> int:
+def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, rd: RunDir, tokens: _Tokens,
+                    defects: _Defects) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -255,7 +301,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         values = np.frombuffer(b"".join(packed), "<u4")
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.uint32()))
 
-    text, n, refs = _Text(plan), 0, PlannedRefs(rd, plan)
+    text, n, refs = _Text(plan, tokens), 0, PlannedRefs(rd, plan)
     pending: list[Record] = []
     pending_text: list[tuple[str, str]] = []
 
@@ -285,7 +331,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         pending_text.clear()
 
     with pq.ParquetWriter(str(out_path), schema, compression="zstd") as writer:
-        for recs in _batches(path, include_failed):
+        for recs in _batches(path, include_failed, defects):
             pending.extend(recs)
             pending_text.extend(text.parts(recs))
             n += len(recs)
@@ -304,20 +350,28 @@ def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
 
 
 def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
-               include_failed: bool = False) -> int:
+               include_failed: bool = False, force: bool = False) -> int:
     """Write the merged records of a run to `output` in `fmt`; return how many records were written.
 
     Without `output`, the file is `default_output(run_dir, fmt)` (its folder is created). The file appears under
-    its name only when complete (written to a temporary name, then renamed).
+    its name only when complete (written to a temporary name, then renamed). Ok records that fail the audit's
+    record checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     rd, plan = load_run(run_dir)
-    load_manifest(rd)  # a merged dataset must exist
+    manifest = load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_file
     if not path.exists():
         raise ExportError(f"{path} is missing: run `toolkit merge {rd.root}` again")
-    head = read_header(path)
+    size = path.stat().st_size
+    if size != manifest.bytes:
+        raise ExportError(f"{path} has {size} bytes, its manifest says {manifest.bytes}: it changed after the merge; "
+                          f"run `toolkit merge {rd.root}` again")
+    try:
+        head = read_header(path)
+    except CorruptShard as e:
+        raise _damaged(rd, e) from None
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
     if output is None:
@@ -335,15 +389,34 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
                           f"{out_path / default_output(run_dir, fmt).name}")
     if out_path.parent and not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
+    tokens = _Tokens(plan)
+    found = _Defects(plan, tokens)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     try:
         if fmt == "parquet":
-            n = _export_parquet(path, plan, tmp, include_failed, rd)
+            n = _export_parquet(path, plan, tmp, include_failed, rd, tokens, found)
         else:
             with open(tmp, "wb") as out:
-                n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd=rd)
+                n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd, tokens, found)
+        if found.count and not force:
+            raise ExportError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
+                              f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force",
+                              exit_code=EXIT_FAILED)
+        if found.count:
+            log.warning("exporting them anyway (--force): %s", found.summary())
         os.replace(tmp, out_path)
+    except CorruptShard as e:
+        tmp.unlink(missing_ok=True)
+        raise _damaged(rd, e) from None
+    except OSError as e:  # a full disk, say
+        tmp.unlink(missing_ok=True)
+        raise ExportError(io_problem(e, out_path, "export again"), exit_code=EXIT_FAILED) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return n
+
+
+def _damaged(rd: RunDir, e: CorruptShard) -> ExportError:
+    return ExportError(f"{rd.merged_file} is damaged ({e.why} at byte {e.offset}): nothing exported; run "
+                       f"`toolkit merge {rd.root}` again")

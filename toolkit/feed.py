@@ -9,12 +9,13 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from . import chat
 from .inputs import PromptReader
-from .plan import PromptRef, RefSlice, RunPlan
+from .plan import PromptRef, RunPlan, ShardRefs
 from .records import TEMPLATE
 from .turns import turn_prompt
 
@@ -145,21 +146,34 @@ class Feed:
 
 
 class Todo:
-    """The prompts to generate as (planned position, ref) pairs, sliced a batch at a time: positions kept in a
-    compact array, refs decoded on demand."""
+    """The prompts of a shard to generate, in planned order, a batch at a time: the shard's refs read as they are
+    needed (plan.ShardRefs), and which to generate as one bit per prompt (None: every one). Nothing else is kept
+    per prompt: a worker's memory does not grow with its shard."""
 
-    def __init__(self, refs: RefSlice, positions) -> None:
-        self.refs, self.positions = refs, positions
+    def __init__(self, refs: ShardRefs, chosen: bytearray | None = None, count: int | None = None) -> None:
+        self.refs, self.chosen = refs, chosen
+        self.count = len(refs) if chosen is None else count
 
     def __len__(self) -> int:
-        return len(self.positions)
+        return self.count
 
-    def __getitem__(self, s: slice) -> list[TodoItem]:
-        first = self.refs.first
-        return [TodoItem(p, self.refs[p - first]) for p in self.positions[s]]
+    def __contains__(self, i: int) -> bool:
+        """Whether the shard's i-th prompt is to be generated."""
+        return self.chosen is None or bool(self.chosen[i >> 3] >> (i & 7) & 1)
+
+    def batches(self, size: int) -> Iterator[list[TodoItem]]:
+        batch: list[TodoItem] = []
+        for i, ref in enumerate(self.refs):
+            if i in self:
+                batch.append(TodoItem(self.refs.first + i, ref))
+                if len(batch) == size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
 
 
-def render_thread(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, state: RenderState) -> None:
+def render_thread(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState) -> None:
     """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
     try:
         _render_all(loop, feed, plan, todo, state)
@@ -168,7 +182,7 @@ def render_thread(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, 
         loop.call_soon_threadsafe(feed.fail, e)
 
 
-def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, state: RenderState) -> None:
+def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState) -> None:
     """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
     tok = chat.load_tokenizer(plan.spec.model)
     info = chat.token_info(tok, plan.spec.model)
@@ -180,8 +194,7 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: list[TodoItem] | Todo, st
     log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
              info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
     with PromptReader() as reader:
-        for start in range(0, len(todo), chat.BATCH_SIZE):
-            batch = todo[start : start + chat.BATCH_SIZE]
+        for batch in todo.batches(chat.BATCH_SIZE):
             feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
             if state.stop:
                 break

@@ -23,6 +23,7 @@ from .client import (
     Unreachable,
     abort_requests,
     generate,
+    health_generate,
 )
 from .feed import Feed
 from .plan import PromptRef
@@ -37,12 +38,13 @@ from .records import (
     REJECTED,
     SERVER_ERROR,
     TIMEOUT,
+    UNREACHABLE,
     Record,
     failed_record,
     pack_ids,
     split_output,
 )
-from .shardstate import EngineDied, EngineUnreachable, Shard
+from .shardstate import EngineDied, EngineUnreachable, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -54,7 +56,9 @@ def _failure_kind(e: Exception) -> str:
         return SERVER_ERROR
     if isinstance(e, BadResponse):
         return BAD_RESPONSE
-    return TIMEOUT  # Unreachable that is not a timeout stops the shard instead (see consume)
+    if isinstance(e, TimedOut):
+        return TIMEOUT
+    return UNREACHABLE  # one request's connection cut while the engine answers (see consume)
 
 
 def rid_maker(sh: Shard, pos: int, made: list[str]):
@@ -126,7 +130,7 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
                 res = await generate(
                     sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, made),
                     timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
-                    backoff_max_s=c.backoff_max_s, engine_alive=engine.alive,
+                    backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
                 )
             finally:
                 sh.in_flight -= 1
@@ -181,7 +185,6 @@ def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Gener
 
 
 async def consume(sh: Shard, feed: Feed, engine, info) -> None:
-    c = sh.spec.client
     while True:
         if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see pool)
             return
@@ -205,10 +208,10 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             if not engine.alive():
                 feed.redo.append(item)
                 raise EngineDied(str(e)) from None
+            message = str(e)
             if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
-                feed.redo.append(item)
-                raise EngineUnreachable(f"engine at {engine.url} unreachable after {c.retries} retries: {e}") from None
-            sh.add(failed_record(ref.id, ds, pos, ids, str(e), e.attempts, _failure_kind(e)))
+                message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
+            sh.add(failed_record(ref.id, ds, pos, ids, message, e.attempts, _failure_kind(e)))
             continue
         except asyncio.CancelledError:
             feed.redo.append(item)
@@ -219,6 +222,24 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
                 sh.progress.partial_saved += 1
             continue
         sh.add(_result_record(ref, ds, pos, ids, res.res, info, res.segments))
+
+
+async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
+    """A request whose connection failed past its retries: one poisoned request (the engine still generates:
+    /health_generate answers 200), whose failure is recorded and the shard goes on — the message saying so — or
+    an engine that cannot be reached (EngineUnreachable: the shard cannot finish in this task)."""
+    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+    try:
+        why = await health_generate(http, timeout=health_timeout(sh.spec.engine.hang_timeout_s))
+    finally:
+        http.close()
+    if why is not None:
+        if not engine.alive():
+            raise EngineDied(f"engine exited with code {engine.exit_code()}") from None
+        raise EngineUnreachable(f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
+                                f"attempts ({e}), and /health_generate {why}") from None
+    return (f"no complete answer after {e.attempts} attempts ({e}), while the engine answers /health_generate: "
+            "only this request fails; it is generated again by the next run of the shard (`toolkit retry`)")
 
 
 def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import msgspec
 
-from .errors import BadInputError
-from .files import atomic_write, fsync_dir, sha256_file
+from .errors import EXIT_FAILED, BadInputError
+from .files import atomic_write, fsync_dir, io_problem, sha256_file
 from .fmt import ranges, utc_now
 from .plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
 from .records import OK, PARTIAL, Record
@@ -247,9 +247,30 @@ def merge_run(
     """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
 
     Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
-    merged record, in planned order (the audit runs in the same pass this way).
+    merged record, in planned order (the audit runs in the same pass this way). A file system that fails it (full,
+    read-only) is a MergeError in one line, nothing left behind.
     """
     rd, plan = load_run(run_dir)
+    try:
+        return _merge_run(rd, plan, allow_incomplete, on_record, cache_bytes)
+    except OSError as e:
+        raise io_error(e, rd, "merge") from None
+
+
+def io_error(e: OSError, rd: RunDir, command: str) -> MergeError:
+    """The MergeError of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
+    return MergeError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"), exit_code=EXIT_FAILED)
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e`, naming `path` when it names no file (a failed write does not)."""
+    if e.filename is None:
+        e.filename = str(path)
+    return e
+
+
+def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Callable[[Record], None] | None,
+               cache_bytes: int) -> MergeManifest:
     done = finished_shards(rd, plan, allow_incomplete=allow_incomplete)
     refs = planned_refs(rd, plan)
     out_dir = rd.merged_dir
@@ -261,6 +282,9 @@ def merge_run(
         writer.open()
     except RuntimeError:
         raise MergeError(f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end") from None
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _named(e, rd.merged_file)
     t = _Totals(plan)
     corrupt: list[FrameProblem] = []
     torn: list[FrameProblem] = []
@@ -302,8 +326,13 @@ def merge_run(
         os.replace(tmp, rd.merged_file)
         os.replace(missing_tmp, rd.missing_file)
         fsync_dir(out_dir)
-    except BaseException:
-        writer.close()
+    except BaseException as e:
+        if isinstance(e, OSError):
+            _named(e, rd.merged_file)
+        try:
+            writer.close()
+        except OSError:  # the file system that failed the merge fails its last flush too
+            pass
         for p in (tmp, missing_tmp):
             p.unlink(missing_ok=True)
         raise

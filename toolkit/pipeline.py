@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import audit, report
-from .merge import finished_shards, merge_run
+from .merge import finished_shards, io_error, merge_run
 from .plan import PlanError, RunPlan, create_run, find_run, load_run
 from .preflight import Preflight, preflight, require_engine_here
 from .rundir import RunDir
@@ -140,8 +140,11 @@ def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = Fals
     with _merge_lock(rd):
         auditor = audit.Auditor(rd, plan)
         manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
-        result = auditor.finish(manifest)
-        report.write_reports(rd, result)
+        try:
+            result = auditor.finish(manifest)
+            report.write_reports(rd, result)
+        except OSError as e:
+            raise io_error(e, rd, "merge") from None
     print(report.summary_table(result), file=out)
     return 0 if result.passed else 1
 
@@ -176,7 +179,10 @@ def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> int:
     Raises MergeError when the run has no readable merged dataset.
     """
     rd, _ = load_run(run_dir)
-    result = audit.audit_run(rd.root)
-    report.write_reports(rd, result)
+    try:
+        result = audit.audit_run(rd.root)
+        report.write_reports(rd, result)
+    except OSError as e:
+        raise io_error(e, rd, "audit") from None
     print(report.summary_table(result), file=out or sys.stdout)
     return 0 if result.passed else 1

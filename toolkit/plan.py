@@ -24,14 +24,16 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from bisect import bisect_right
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .errors import BadInputError
-from .files import atomic_write, sha256_file
+from .errors import EXIT_FAILED, BadInputError
+from .files import FULL, atomic_write, io_problem, sha256_file
 from .fmt import file_stamp, utc_now
 from .inputs import InputError, Prompt, check_unique_ids, scan_dataset
 from .rundir import RunDir
@@ -71,6 +73,7 @@ class ShardPlan(msgspec.Struct):
     index: int
     first: int  # first planned position
     count: int
+    refs_at: int = 0  # byte offset of its first ref in prompts.msgpack (0: not recorded, by an older toolkit)
 
 
 class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -218,9 +221,97 @@ def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[Prom
     return [decode(r) for r in raw[first:end]]
 
 
+def _array_header(n: int) -> bytes:
+    """The msgpack header of an array of `n` items."""
+    if n < 16:
+        return bytes([0x90 | n])
+    return (b"\xdc" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdd" + n.to_bytes(4, "big"))
+
+
+def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
+    """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`), each shard's
+    refs back to back; sets each shard's `refs_at`, where its first ref starts, for `ShardRefs`."""
+    parts = [_array_header(len(refs))]
+    at = len(parts[0])
+    for sp in plan.shards:
+        items = msgspec.msgpack.encode(refs[sp.first : sp.first + sp.count])[len(_array_header(sp.count)):]
+        sp.refs_at = at
+        parts.append(items)
+        at += len(items)
+    return b"".join(parts)
+
+
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
+          0xca: 4, 0xcb: 8}  # msgpack types of a fixed size after their type byte: nil, bools, ints, floats
+
+
+def _item_end(buf: bytes, i: int) -> int:
+    """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings, numbers).
+    IndexError when `buf` ends first."""
+    b = buf[i]
+    if b < 0x80 or b >= 0xe0:
+        return i + 1
+    if 0xa0 <= b <= 0xbf:
+        end = i + 1 + (b & 0x1f)
+    elif 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
+        n, i = (b & 0x0f, i + 1) if b <= 0x9f else (int.from_bytes(buf[i + 1 : i + (3 if b == 0xdc else 5)], "big"),
+                                                      i + (3 if b == 0xdc else 5))
+        for _ in range(n):
+            i = _item_end(buf, i)
+        return i
+    elif b in (0xd9, 0xda, 0xdb):
+        size = {0xd9: 1, 0xda: 2, 0xdb: 4}[b]
+        end = i + 1 + size + int.from_bytes(buf[i + 1 : i + 1 + size], "big")
+    elif b in _FIXED:
+        end = i + 1 + _FIXED[b]
+    else:
+        raise ValueError(f"msgpack type 0x{b:02x} is not one a prompt ref holds")
+    if end > len(buf):
+        raise IndexError("the buffer ends inside the object")
+    return end
+
+
+class ShardRefs:
+    """The planned refs of one shard, read from prompts.msgpack in planned order a chunk at a time: a worker keeps
+    nothing per prompt, however large its shard (`RefSlice` gives random access, at a few bytes per prompt)."""
+
+    CHUNK = 1 << 18
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, sp: ShardPlan):
+        self.path, self.first, self.count, self.at = rd.prompts_file, sp.first, sp.count, sp.refs_at
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[PromptRef]:
+        with open(self.path, "rb") as f:
+            if self.at:
+                f.seek(self.at)
+                buf, i, skip = f.read(self.CHUNK), 0, 0
+            else:  # planned by an older toolkit: from the array's header on, past the refs of the shards before
+                buf = f.read(self.CHUNK)
+                i, skip = ({0xdc: 3, 0xdd: 5}.get(buf[0], 1) if buf else 0), self.first
+            for n in range(skip + self.count):
+                while True:
+                    try:
+                        end = _item_end(buf, i)
+                        break
+                    except IndexError:
+                        more = f.read(self.CHUNK)
+                        if not more:
+                            raise PlanError(f"{self.path} ends before the refs of positions {self.first}.."
+                                            f"{self.first + self.count - 1}: the run directory is damaged") from None
+                        buf, i = buf[i:] + more, 0
+                if n >= skip:
+                    yield self._decode(buf[i:end])
+                i = end
+
+
 class RefSlice:
-    """The planned refs of positions first .. first+count-1, kept as their msgpack bytes (a few bytes per prompt,
-    not a Python object each) and decoded one at a time: a worker's memory does not grow with its shard's size."""
+    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 40 bytes
+    a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated conversations,
+    which look turns up by position (a shard's prompts in order are read by `ShardRefs`, keeping nothing)."""
 
     _decode = msgspec.msgpack.Decoder(PromptRef).decode
 
@@ -354,25 +445,47 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
-    else create one. A file system that refuses the folder is a PlanError in one line."""
+    else create one. A file system that refuses the folder, or is full, is a PlanError in one line, and a run
+    directory it could not finish is removed."""
     root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
     if exists:
         _, old = load_run(root)
         if root != Path(plan.spec.output_dir):
             log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
-        update_settings(rd, old, plan.spec)
+        try:
+            update_settings(rd, old, plan.spec)
+        except OSError as e:
+            raise PlanError(io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED) from None
         return rd
     plan.spec.output_dir = str(root)
+    fresh = not root.exists()
     try:
         rd.make_dirs()
-        atomic_write(rd.prompts_file, msgspec.msgpack.encode(refs))
+        atomic_write(rd.prompts_file, refs_bytes(plan, refs))
         atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
     except OSError as e:
+        _unmake(rd, fresh)
+        if e.errno in FULL:
+            raise PlanError(f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED) from None
         where = e.filename or root
         raise PlanError(f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
                         "output_dir at a folder this user can write") from None
     return rd
+
+
+def _unmake(rd: RunDir, fresh: bool) -> None:
+    """Remove what a run directory that could not be created holds: all of it when this planning made its folder,
+    else only what it adds (a folder that held no run may hold other things)."""
+    if fresh:
+        shutil.rmtree(rd.root, ignore_errors=True)
+        return
+    rd.prompts_file.unlink(missing_ok=True)
+    for sub in rd.writable_dirs()[1:]:
+        try:
+            sub.rmdir()
+        except OSError:
+            pass
 
 
 # Tables of a job that say how to run it, not what it makes: a run takes new values from the job when it is

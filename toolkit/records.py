@@ -21,7 +21,7 @@ import numpy as np
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
     "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
-    "PARTIAL",
+    "PARTIAL", "RECORD_CHECKS", "defects",
 ]
 
 OK, FAILED = "ok", "failed"
@@ -228,3 +228,42 @@ def split_parts(rec: Record, think_start_id: int, opened: bool) -> tuple[int, in
             return start, tc, tc, end
         return start, end, end, end
     return 0, 0, 0, end
+
+
+# ---------------------------------------------------------------------------------------------------
+# what an ok record must hold on its own: the audit counts each (auditreport.Integrity), export refuses them
+# ---------------------------------------------------------------------------------------------------
+RECORD_CHECKS = {
+    "completion_mismatch": "completion_tokens is not the number of output ids",
+    "prompt_mismatch": "prompt_tokens is not the number of prompt ids",
+    "over_max_new_tokens": "more output ids than max_new_tokens",
+    "out_of_vocab": "an id outside the tokenizer",
+    "stop_mismatch": "a stop finish whose matched id is not the last output id",
+    "bad_finish": "a finish other than stop or length",
+    "split_mismatch": "reasoning_end is not the first think-end id",
+}
+
+
+def defects(rec: Record, vocab_size: int, think_end_at: int | None, max_new_tokens: int | None) -> list[str]:
+    """The RECORD_CHECKS an ok record fails, in their order. `think_end_at`: the index of the first think-end id of
+    its output (None: none); `max_new_tokens`: its dataset's."""
+    out, pk = rec.output_ids, rec.prompt_ids
+    n = len(out) >> 2
+    found = []
+    if rec.completion_tokens != n:
+        found.append("completion_mismatch")
+    if rec.prompt_tokens != len(pk) >> 2:
+        found.append("prompt_mismatch")
+    if max_new_tokens is not None and n > max_new_tokens:
+        found.append("over_max_new_tokens")
+    if n and int(np.frombuffer(out, "<u4").max()) >= vocab_size or pk and int(np.frombuffer(pk, "<u4").max()) >= vocab_size:
+        found.append("out_of_vocab")
+    m = rec.matched_stop
+    if rec.finish == "stop":
+        if isinstance(m, int) and not isinstance(m, bool) and not ends_with_stop(rec):
+            found.append("stop_mismatch")
+    elif rec.finish != "length":
+        found.append("bad_finish")
+    if think_end_at != rec.reasoning_end:
+        found.append("split_mismatch")
+    return found

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -123,6 +124,14 @@ def _batch_bytes(comp: bytes, count: int) -> bytes:
 
 
 _HEADER_SIZE = _SKIP.size + _HEAD.size
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")  # what plan.fingerprint looks like
+
+
+def _damaged_fingerprint(fp: str, ours: str) -> bool:
+    """Whether a header's fingerprint other than `ours` is ours with a damaged byte (or two), rather than another
+    run's: not a fingerprint at all, or ours but for a character or two (another run's differs almost everywhere).
+    Ours with another shard number is a damaged byte too."""
+    return not _FINGERPRINT.fullmatch(fp) or len(fp) == len(ours) and sum(a != b for a, b in zip(fp, ours)) <= 2
 
 
 def read_header(path: Path) -> tuple[str, int] | None:
@@ -136,7 +145,10 @@ def read_header(path: Path) -> tuple[str, int] | None:
         raise CorruptShard(path, 0, "not a shard file (bad header)")
     if fmt not in READS:
         raise CorruptShard(path, 0, f"shard format {fmt}, this toolkit reads formats {', '.join(map(str, READS))}")
-    return fp.rstrip(b"\0").decode(), shard
+    try:
+        return fp.rstrip(b"\0").decode("ascii"), shard
+    except UnicodeDecodeError:
+        raise CorruptShard(path, 0, f"damaged header (fingerprint {fp!r})") from None
 
 
 def read_frame(f: BinaryIO, offset: int, size: int, dctx: zstandard.ZstdDecompressor | None = None) -> Frame:
@@ -196,9 +208,10 @@ def _next_frame(f: BinaryIO, after: int, size: int, dctx) -> Frame | None:
     return None
 
 
-def scan(path: str | Path) -> Iterator[Frame | Damage]:
+def scan(path: str | Path, *, header: bool = True) -> Iterator[Frame | Damage]:
     """Every intact frame of a shard file, in file order, and a Damage for each stretch between them that holds
-    none (the last one `torn` when nothing intact follows it). A bad header raises CorruptShard at byte 0."""
+    none (the last one `torn` when nothing intact follows it). A bad header raises CorruptShard at byte 0 (with
+    `header` False it is not read: the frames after it are, for a salvage)."""
     path = Path(path)
     dctx = zstandard.ZstdDecompressor()
     with open(path, "rb") as f:
@@ -207,7 +220,8 @@ def scan(path: str | Path) -> Iterator[Frame | Damage]:
             if size:
                 yield Damage(0, size, "incomplete header", True)
             return
-        read_header(path)
+        if header:
+            read_header(path)
         pos = _HEADER_SIZE
         while pos < size:
             try:
@@ -466,7 +480,8 @@ class ShardWriter:
         aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
 
         With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output of the newest
-        record at position positions[i] (0 where none): what is already recorded, 8 bytes a prompt.
+        record at position positions[i] (0 where none): what is already recorded, 4 bytes a prompt (None while the
+        file holds no record: a fresh shard keeps nothing per prompt).
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -487,26 +502,32 @@ class ShardWriter:
         assert fd is not None
         size = os.fstat(fd).st_size
         done: dict[str, int] = {}
-        otok = self.output_tokens_at = array("q", bytes(8 * len(positions))) if positions is not None else None
+        otok = self.output_tokens_at = None
         first = positions.start if positions is not None else 0
         if size == 0:
             self._write(_header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
             return done
-        head = read_header(self.path)
-        if head is None:  # killed while writing the header itself
+        damage: list[Damage] = []
+        try:
+            head = read_header(self.path)
+        except CorruptShard as e:
+            head = None
+            damage.append(Damage(0, _HEADER_SIZE, f"damaged header: {e.why}", False))
+        if head is None and not damage:  # killed while writing the header itself
             os.ftruncate(fd, 0)
             self._write(_header_bytes(self.fingerprint, self.shard))
             return done
-        fp, shard = head
-        if fp != self.fingerprint or shard != self.shard:
-            raise RuntimeError(
-                f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
-                "this run directory was planned for another job: use a new output_dir or --new-run"
-            )
+        if head is not None and head != (self.fingerprint, self.shard):
+            fp, shard = head
+            if not _damaged_fingerprint(fp, self.fingerprint):
+                raise RuntimeError(
+                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
+                    "this run directory was planned for another job: use a new output_dir or --new-run"
+                )
+            damage.append(Damage(0, _HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False))
         good: list[tuple[int, int]] = []  # (offset, end) of intact frames
-        damage: list[Damage] = []
-        for item in scan(self.path):
+        for item in scan(self.path, header=not damage):
             if isinstance(item, Damage):
                 damage.append(item)
                 continue
@@ -514,7 +535,9 @@ class ShardWriter:
             for r in item.batch:
                 done[r.id] = item.offset
                 self.written += 1
-                if otok is not None and 0 <= r.index - first < len(otok):
+                if positions is not None and 0 <= r.index - first < len(positions):
+                    if otok is None:
+                        otok = self.output_tokens_at = array("I", bytes(4 * len(positions)))
                     otok[r.index - first] = r.n_output
                 if is_transient(r):
                     self.transient.add(r.id)
@@ -644,15 +667,18 @@ def needs_work(m: DoneManifest | None) -> bool:
 def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
     """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
 
-    `positions`, the shard's planned positions, lets the newest record of each be tracked in compact arrays (a
-    few bytes per prompt) rather than a dict of ids.
+    `positions`, the shard's planned positions, lets the newest record of each be told with one byte per prompt
+    (records outside them are ignored) rather than a dict of ids.
     """
-    counts = _PositionCounts(positions) if positions is not None else _IdCounts()
-    total = 0
-    for r in read_shard(shard_path):
-        total += 1
-        counts.add(r)
-    ok, failed, transient, ptok, otok = counts.totals()
+    if positions is not None:
+        totals, total = _count_positions(shard_path, positions)
+    else:
+        counts, total = _IdCounts(), 0
+        for r in read_shard(shard_path):
+            total += 1
+            counts.add(r)
+        totals = counts.totals()
+    ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
         output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
@@ -663,48 +689,79 @@ def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, po
     return m
 
 
-_ABSENT, _OK, _FAILED, _TRANSIENT = 0, 1, 2, 3
+class _Totals:
+    """What a done manifest counts of the records that count (the newest of each id)."""
+
+    def __init__(self) -> None:
+        self.ok = self.failed = self.transient = self.ptok = self.otok = 0
+
+    def add(self, r: Record) -> None:
+        if r.status == OK:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.transient += is_transient(r)
+        self.ptok += r.n_prompt
+        self.otok += r.n_output
 
 
 class _IdCounts:
     """The newest record's state per id, in a dict."""
 
     def __init__(self) -> None:
-        self.newest: dict[str, tuple[int, int, int]] = {}
+        self.newest: dict[str, tuple[bool, bool, int, int]] = {}
 
     def add(self, r: Record) -> None:
-        state = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
-        self.newest[r.id] = (state, r.n_prompt, r.n_output)
+        self.newest[r.id] = (r.status == OK, is_transient(r), r.n_prompt, r.n_output)
 
-    def totals(self) -> tuple[int, int, int, int, int]:
-        states = [v[0] for v in self.newest.values()]
-        return (states.count(_OK), len(states) - states.count(_OK), states.count(_TRANSIENT),
-                sum(v[1] for v in self.newest.values()), sum(v[2] for v in self.newest.values()))
-
-
-class _PositionCounts:
-    """The newest record's state per planned position, in arrays (records outside `positions` are ignored)."""
-
-    def __init__(self, positions: range) -> None:
-        from array import array
-
-        self.first = positions.start
-        self.state = bytearray(len(positions))
-        self.ptok = array("I", bytes(4 * len(positions)))
-        self.otok = array("I", bytes(4 * len(positions)))
-
-    def add(self, r: Record) -> None:
-        i = r.index - self.first
-        if 0 <= i < len(self.state):
-            self.state[i] = _OK if r.status == OK else _TRANSIENT if is_transient(r) else _FAILED
-            self.ptok[i], self.otok[i] = r.n_prompt, r.n_output
-
-    def totals(self) -> tuple[int, int, int, int, int]:
-        present = len(self.state) - self.state.count(_ABSENT)
-        ok = self.state.count(_OK)
-        return ok, present - ok, self.state.count(_TRANSIENT), sum(self.ptok), sum(self.otok)
+    def totals(self) -> _Totals:
+        t = _Totals()
+        for ok, transient, ptok, otok in self.newest.values():
+            t.ok += ok
+            t.failed += not ok
+            t.transient += transient
+            t.ptok += ptok
+            t.otok += otok
+        return t
 
 
+def _count_positions(shard_path: Path, positions: range) -> tuple[_Totals, int]:
+    """(totals of the newest record of each planned position, records read), with one byte per position: how many
+    records it has. While no position has two, one pass counts; else a second pass counts, for each position,
+    the record after which it has none left."""
+    first, n = positions.start, len(positions)
+    seen = bytearray(n)
+    more: dict[int, int] = {}  # positions with 255 records or more: their count (seen says 255)
+    once, total, again = _Totals(), 0, False
+    for r in read_shard(shard_path):
+        total += 1
+        i = r.index - first
+        if not 0 <= i < n:
+            continue
+        if seen[i] == 255:
+            more[i] = more.get(i, 255) + 1
+        else:
+            seen[i] += 1
+        if seen[i] > 1:
+            again = True
+        elif not again:
+            once.add(r)
+    if not again:
+        return once, total
+    newest = _Totals()
+    for r in read_shard(shard_path):
+        i = r.index - first
+        if not 0 <= i < n:
+            continue
+        if seen[i] == 255 and i in more:
+            more[i] -= 1
+            left = more[i]
+        else:
+            seen[i] -= 1
+            left = seen[i]
+        if not left:
+            newest.add(r)
+    return newest, total
 
 
 def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
@@ -734,14 +791,40 @@ def write_retry(path: Path, request: RetryRequest) -> None:
 
 
 def read_retry(path: Path) -> RetryRequest | None:
+    """The retry request of a shard; None when there is none, or when it is damaged (said once, in one line)."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
     except FileNotFoundError:
         return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged retry request ({_why(e)}): ignored, so the ids it named are not generated "
+                            "again; ask again with `toolkit retry RUN --ids FILE`")
+        return None
 
 
 def read_done(path: Path) -> DoneManifest | None:
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
+    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=DoneManifest)
     except FileNotFoundError:
         return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged done manifest ({_why(e)}): the shard is taken as not finished; its next run "
+                            "checks its file and writes the manifest again")
+        return None
+
+
+_said_damaged: set[str] = set()
+
+
+def _damaged_once(path: Path, message: str) -> None:
+    """A damaged small file, said once per process (status --watch reads it every refresh)."""
+    key = f"{path}:{message}"
+    if key not in _said_damaged:
+        _said_damaged.add(key)
+        log.warning("%s: %s", path, message)
+
+
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -11,7 +11,7 @@ import socket
 import time
 
 from .chains import Chains
-from .client import HttpClient
+from .client import Expect, HttpClient
 from .plan import RunPlan
 from .progress import Progress, slurm_context, write_progress
 from .records import OK, PARTIAL, Record
@@ -21,6 +21,11 @@ from .shardfile import ShardWriter
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 AUTO_START = 64        # concurrency "auto" before the server has said what it can run
+
+
+def health_timeout(hang_timeout_s: float) -> float:
+    """How long /health_generate may take to answer (SGLang answers 503 after 20 s when wedged)."""
+    return min(30.0, max(2.0, hang_timeout_s))
 
 
 class EngineDied(Exception):
@@ -67,6 +72,7 @@ class Shard:
         self.live = 0              # consumers running (see pool)
         self.resized: asyncio.Event | None = None
         self.http: HttpClient | None = None  # the requests' client, one per engine start
+        self.expect: Expect | None = None  # what every answer is checked against (the vocabulary, SGLang's limit)
         self.exit_guard = None     # exitguard.ExitGuard of this run of the shard (bounds its end)
 
     def save_progress(self, state: str | None = None) -> None:

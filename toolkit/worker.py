@@ -32,21 +32,20 @@ import os
 import signal
 import threading
 import time
-from array import array
 from pathlib import Path
 
 from . import chat
 from .chains import Chains
-from .client import HttpClient, server_capacity
+from .client import Expect, HttpClient, server_limits
 from .concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from .engines.base import EngineError
 from .engines.kinds import make_engine
 from .errors import BadInputError, ToolkitError
 from .exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from .feed import Budget, Feed, RenderState, Todo, render_thread
-from .files import shown_path
+from .files import FULL, READ_ONLY, LogFile, shown_path
 from .inflight import ABORT_GRACE_S, save_in_flight
-from .plan import RefSlice, RunPlan, check_plan_inputs, load_run
+from .plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
 from .progress import Progress, read_progress, write_progress
 from .records import OK, Record
 from .rundir import RunDir
@@ -80,10 +79,12 @@ async def _generate_shard(sh: Shard, stop: asyncio.Event, feed: Feed, engine, ha
     """Send every prompt, watching the engine and its load; raises _Stop on a stop request. With
     client.save_in_flight the requests in flight are first aborted and their partial outputs recorded."""
     http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
-    try:  # what the server can run, before the first request goes out
-        sh.progress.capacity = await server_capacity(http) or None
+    try:  # what the server can run, and its length limit, before the first request goes out
+        limits = await server_limits(http)
     finally:
         http.close()
+    sh.progress.capacity = limits.capacity or None
+    sh.expect = Expect(vocab_size=info.vocab_size if info is not None else None, max_req_len=limits.max_req_len)
     c = sh.spec.client
     if c.concurrency == "auto":
         resize(sh, auto_target(sh.progress.capacity or 0, 0, 0, c.max_concurrency))
@@ -148,7 +149,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
     feed = Feed(Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
     state = RenderState()
     if any(d.regenerate for d in sh.plan.datasets):
-        sh.chains = state.chains = Chains(sh, feed, todo.refs, sh.history)
+        sh.chains = state.chains = Chains(sh, feed, RefSlice(sh.rd, sh.sp.first, sh.sp.count), sh.history)
     engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
     if not engine.is_model:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
@@ -298,7 +299,7 @@ def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: in
 
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(path)
+    h = LogFile(path)
     h.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger("toolkit").addHandler(h)
     return h
@@ -328,20 +329,22 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
 
 def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) -> Todo:
     """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
-    refs = RefSlice(rd, sh.sp.first, sh.sp.count)
-    positions = array("q")
-    owned = 0
-    for i in range(len(refs)):
-        rid = refs[i].id
-        if rid in done_ids:
+    refs = ShardRefs(rd, sh.sp)
+    if not done_ids:  # a fresh shard: every prompt, without reading a ref
+        return Todo(refs)
+    chosen = bytearray((len(refs) + 7) // 8)
+    owned = count = 0
+    for i, ref in enumerate(refs):
+        if ref.id in done_ids:
             owned += 1
-            if rid not in redo:
+            if ref.id not in redo:
                 continue
-        positions.append(sh.sp.first + i)
+        chosen[i >> 3] |= 1 << (i & 7)
+        count += 1
     if owned != len(done_ids):
-        unknown = set(done_ids) - {refs[i].id for i in range(len(refs))}
+        unknown = set(done_ids) - {ref.id for ref in refs}
         raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
-    return Todo(refs, positions)
+    return Todo(refs, chosen, count)
 
 
 def _resumed_tokens(sh: Shard, todo: Todo) -> int:
@@ -349,7 +352,7 @@ def _resumed_tokens(sh: Shard, todo: Todo) -> int:
     otok = sh.writer.output_tokens_at
     if otok is None:
         return 0
-    return sum(otok) - sum(otok[p - sh.sp.first] for p in todo.positions)
+    return sum(n for i, n in enumerate(otok) if i not in todo)
 
 
 def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
@@ -396,20 +399,16 @@ def _failed(e: Exception, rd: RunDir, shard: int) -> ShardFailed:
     return ShardFailed(msg, exit_code=code)
 
 
-_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
-_FULL = {errno.ENOSPC, errno.EDQUOT}
-
-
 def _io_problem(e: Exception, rd: RunDir, shard: int) -> tuple[str, int]:
     """(one-line message saying what to do, exit code) of an error from the file system or the shard's lock."""
     if not isinstance(e, OSError):
         return str(e), 1
     where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
-    if e.errno in _FULL:
+    if e.errno in FULL:
         return (f"cannot write {where}: {what}; free space (or quota) on that file system, then run the shard again: "
                 "it resumes, nothing written is lost"), 1
-    if e.errno in _READ_ONLY:
+    if e.errno in READ_ONLY:
         return (f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job (a "
                 "read-only mount, or another user's folder): fix its permissions or move it"), 2
     return f"{where}: {what}; check the file system, then run the shard again (it resumes)", 1

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..client import HttpClient, Unreachable, parse_response
+from ..client import HttpClient, Unreachable, health_generate, parse_response
 
 __all__ = ["Engine", "EngineError", "free_port", "log_tail"]
 
@@ -250,7 +250,8 @@ class Engine:
         """One real 1-token /generate on known ids: readiness endpoints can pass while generation is broken.
 
         A 5xx or a dropped connection is retried a few times (a server can be briefly overloaded right after
-        warm-up); any other answer is final.
+        warm-up); any other answer is final. A probe never answered while /health_generate answers 200 is that
+        prompt's own trouble (its request will fail and be recorded so), not the engine's: it is let pass.
         """
         body = msgspec.json.encode({"input_ids": self.probe_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         for attempt in range(1, attempts + 1):
@@ -264,6 +265,10 @@ class Engine:
                 log.warning("probe /generate answered %s; retrying", status or data.decode())
                 await asyncio.sleep(1.0)
                 continue
+            if status == 0 and self.alive() and await health_generate(http, timeout=30.0) is None:
+                log.warning("the probe /generate on the first prompt's ids got no answer (%s), but /health_generate "
+                            "answers 200: going on; that prompt's own request says what becomes of it", data.decode())
+                return
             raise EngineError(f"engine reported ready but the probe /generate failed ({status or 'no answer'}): {data[:300]!r}")
         ids, _ = parse_response(data)
         if len(ids) != 1:

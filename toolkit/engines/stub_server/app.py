@@ -13,6 +13,8 @@ import asyncio
 import hmac
 import inspect
 import json
+import socket
+import struct
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -20,8 +22,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from . import info
 from .engine import JSON, Reply, StubServer
+from .faults import Cut
 
 UNAUTHORIZED = b'{"error":"Unauthorized"}'
+CUT = "toolkit.stub.cut"  # scope key: the faults.Cut of this request, carried out by with_cuts
 
 
 def _response(reply: Reply) -> Response:
@@ -37,9 +41,13 @@ async def _client_gone(request: Request) -> None:
 
 
 async def answer(request: Request, result: Any) -> Response:
-    """A Reply, a coroutine resolving to one (cancelled if the client goes away), or a stream of SSE events."""
+    """A Reply, a coroutine resolving to one (cancelled if the client goes away), a stream of SSE events, or a
+    faults.Cut (carried out by `with_cuts`)."""
     if type(result) is tuple:
         return _response(result)
+    if isinstance(result, Cut):
+        request.scope[CUT] = result
+        return Response(content=result.body, status_code=200, media_type=JSON)
     if inspect.isasyncgen(result):
         return StreamingResponse(result, media_type="text/event-stream")
     work = asyncio.ensure_future(result)
@@ -112,7 +120,52 @@ def build_app(srv: StubServer):
         app.add_api_route(path, endpoint, methods=list(methods), include_in_schema=False)
     app.add_api_route("/v1/models/{name:path}", v1_model, methods=["GET"], include_in_schema=False)
     key = srv.cfg.api_key
+    app = with_cuts(app)
     return with_api_key(app, key, srv.cfg.version) if key else app
+
+
+def with_cuts(app):
+    """Carry out a faults.Cut that a handler left in the request's scope: `reset` resets the connection before
+    anything is sent (RST: SO_LINGER 0, then close); `truncate` sends the headers and half the body, and the
+    server closes the connection when the app returns without completing the response. Needs uvicorn's own
+    `send` (its request cycle holds the transport), which this wrapper, outermost but for the api key, receives."""
+
+    async def cutting(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        done = False
+
+        async def send_or_cut(message) -> None:
+            nonlocal done
+            cut = scope.get(CUT)
+            if cut is None:
+                await send(message)
+                return
+            if done:
+                return
+            if cut.how == "reset":
+                done = True
+                _reset(getattr(getattr(send, "__self__", None), "transport", None))
+            elif message["type"] == "http.response.start":
+                await send(message)
+            else:
+                done = True
+                await send({"type": "http.response.body", "body": cut.body[: len(cut.body) // 2], "more_body": True})
+
+        await app(scope, receive, send_or_cut)
+
+    return cutting
+
+
+def _reset(transport) -> None:
+    """Reset a connection: the peer's next read fails with ECONNRESET. Without the transport, it is closed."""
+    if transport is None:
+        return  # uvicorn then closes the connection (a response never completed)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def with_api_key(app, key: str, version: str):

@@ -12,6 +12,20 @@ import msgspec
 LOG_PREFIX = "[stub-engine, not a model]"
 VERSIONS = ("0.5.23", "0.5.9")
 DEFAULT_MAX_RUNNING = 1024  # per DP rank, when --max-running-requests is not given
+# --poison KIND: how the answer of a poisoned prompt is spoiled (faults.spoil; faults.CUTS never answer)
+POISONS = {
+    "reset": "the connection is reset, nothing answered",
+    "truncate": "the headers and half the body, then the connection closes",
+    "wrong_rid": "meta_info.id is another request's rid",
+    "over_max": "more output_ids than max_new_tokens (completion_tokens agreeing)",
+    "early_length": "finish_reason length after a third of the output, short of max_new_tokens",
+    "out_of_vocab": "an output id outside the vocabulary",
+    "unknown_finish": "finish_reason of an unknown type",
+    "finish_string": "finish_reason as a string (\"stop\")",
+    "finish_null": "finish_reason null",
+    "no_completion_tokens": "meta_info without completion_tokens",
+    "abort_500": "finish_reason abort with status_code 500 and half the output",
+}
 
 
 class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,6 +70,10 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     hang_after: int | None = None
     crash_after: int | None = None
     fail_5xx: tuple[int, int] | None = None
+    fail_status: int = 503
+    poison: str | None = None  # a key of POISONS
+    poison_text: str | None = None
+    poison_after: int = 0
     nan_every: int | None = None
     exit_at_start: int | None = None
     exit_at_start_if_exists: str | None = None
@@ -170,6 +188,12 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--hang-after", type=int, help="/generate requests after the N-th never answer")
     a("--crash-after", type=int, help="exit abruptly (status 1) on the N-th /generate request")
     a("--fail-5xx", metavar="START:COUNT", help="/generate requests START..START+COUNT-1 get HTTP 503")
+    a("--fail-status", type=int, default=503, metavar="CODE",
+      help="the status of the --fail-5xx answers: 503, or 429 as a router that rate-limits answers")
+    a("--poison", choices=sorted(POISONS), help="spoil the answer of every /generate whose prompt holds "
+      "--poison-text (of every one, without it): " + "; ".join(f"{k}: {v}" for k, v in POISONS.items()))
+    a("--poison-text", metavar="TEXT", help="--poison only the requests whose prompt, decoded, holds TEXT")
+    a("--poison-after", type=int, default=0, metavar="N", help="--poison only after the first N /generate requests")
     a("--nan-every", type=int, metavar="N", help="every N-th /generate request ends in SGLang's NaN stop: half its "
       "output, then an EOS id, finish_reason {type: stop, matched: 'NaN happened'}")
     a("--exit-at-start", type=int, metavar="CODE", help="exit with CODE at once")
@@ -223,7 +247,8 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
         fixed_output_tokens=ns.fixed_output_tokens,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang, ignore_sigterm=ns.ignore_sigterm,
-        hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, nan_every=ns.nan_every,
+        hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, fail_status=ns.fail_status,
+        poison=ns.poison, poison_text=ns.poison_text, poison_after=ns.poison_after, nan_every=ns.nan_every,
         exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
         no_think_end=ns.no_think_end, double_think_start=ns.double_think_start,

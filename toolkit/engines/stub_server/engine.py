@@ -2,8 +2,8 @@
 delayed, streamed, batches, n > 1), /abort_request, and the process lifecycle (warm-up, SIGTERM drain).
 
 Handlers return a Reply `(status, body bytes, content type or None)`, a coroutine that resolves to one (the
-request waits: token delay, queue, hang), or an async iterator of SSE event bytes (a stream, HTTP 200). The
-HTTP layer only maps these onto the wire and cancels the coroutine or stream when the client goes away.
+request waits: token delay, queue, hang), an async iterator of SSE event bytes (a stream, HTTP 200), or a
+faults.Cut (--poison reset or truncate: the connection is cut). The HTTP layer only maps these onto the wire and cancels the coroutine or stream when the client goes away.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class StubServer:
         if fault.crash:
             faults.crash(cfg, number)
         if fault.fail_5xx:
-            return 503, _json_encode(faults.fail_5xx_body(cfg, number)), JSON
+            return cfg.fail_status, _json_encode(faults.fail_5xx_body(cfg, number)), JSON
         try:
             obj = _json_decode(body)
             parse_body(obj)
@@ -112,6 +112,12 @@ class StubServer:
             if stream:
                 return self.stream_error(str(e))
             return 400, _json_encode({"error": {"message": str(e)}}), JSON
+        if cfg.poison and faults.poisoned(cfg, number, [it.prompt for it in items], self.model.tokenizer.decode):
+            faults.log_poison(cfg, number)
+            if cfg.poison in faults.CUTS:
+                return faults.Cut(cfg.poison, self.render(items, single, t0))
+            for item in items:
+                item.poison = cfg.poison
         if fault.nan:
             faults.log_nan(cfg, number)
             for item in items:
@@ -291,6 +297,8 @@ class StubServer:
             out["text"] = item_text(self.model, item, ids, finish is item.finish)
         out["output_ids"] = ids
         out["meta_info"] = self.meta(item, ids, finish, e2e, first=False)
+        if item.poison:
+            faults.spoil(item.poison, out, item.budget, self.model.vocab_size)
         self.account(item, ids, e2e)
         return out
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from . import faults
 from .config import LOG_PREFIX
 from .engine import JSON, TEXT, Reply, StubServer
 
@@ -28,10 +29,11 @@ _json_encode = msgspec.json.encode
 
 
 def health(srv: StubServer):
-    """/health and /health_generate: 503 at once while starting or exiting; else, as SGLang, a 1-token generation
+    """/health and /health_generate: 503 at once while starting or exiting (or while --poison cuts every
+    generation); else, as SGLang, a 1-token generation
     is sent and the answer comes after whole seconds of waiting (it sleeps 1 s, then looks whether anything came
     back: never sooner than 1 s), or 503 when nothing came back within the health-check timeout (wedged)."""
-    if srv.exiting or srv.status == "starting":
+    if srv.exiting or srv.status == "starting" or faults.health_broken(srv.cfg, srv.generate_count):
         return 503, b"", None
     return _health_generate(srv)
 

@@ -224,6 +224,7 @@ class Item(msgspec.Struct, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     dp_rank: int | None = None  # the data-parallel rank that "ran" it (None without data parallelism)
+    poison: str | None = None  # --poison: how its answer is spoiled (faults.spoil)
 
 
 def finish_item(model: StubModel, item: Item) -> None:

@@ -1,0 +1,136 @@
+"""One bad request never blocks a shard, and a wrong answer is never good data: the worker against a stub that cuts
+the answer of one prompt every time (--poison reset / truncate), answers a prompt against SGLang's contract, rate
+limits (429), or stops generating altogether."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.shardfile import read_done, read_shard
+from toolkit.worker import DONE, ShardFailed, run_shard
+
+MARK = "POISONED"
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def newest(rd) -> dict:
+    return {r.id: r for r in read_shard(rd.shard_file(0))}
+
+
+def poisoned_prompts(path: Path, n: int, poisoned: tuple[int, ...]) -> Path:
+    """`n` prompts, those at `poisoned` holding the word the stub's --poison-text looks for."""
+    write_prompts(path, n)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for i in poisoned:
+        lines[i]["messages"][0]["content"] += f" {MARK}"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def poison_job(tmp_path, kimi, kind: str, *, n: int = 8, poisoned=(3,), **tables):
+    prompts = poisoned_prompts(tmp_path / "prompts.jsonl", n, poisoned)
+    tables.setdefault("client", {}).update({"concurrency": 2, "retries": 1})
+    return make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 64},
+                    stub={"extra_args": ["--poison", kind, "--poison-text", MARK]}, **tables)
+
+
+def fix_engine(rd) -> None:
+    plan = json.loads(rd.plan_file.read_text())
+    plan["spec"]["engine"]["stub"]["extra_args"] = []
+    rd.plan_file.write_text(json.dumps(plan))
+
+
+@pytest.mark.parametrize("kind", ["reset", "truncate"])
+def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shard_goes_on(tmp_path, kimi, kind):
+    """The connection of one prompt's request is reset (or its body cut) on every attempt while the engine answers
+    /health_generate and every other prompt: that prompt is a failed record of kind `unreachable` (transient) with
+    the reason, the shard completes, and so does every rerun; once the engine is fine the prompt is generated.
+    Prompt 0 is poisoned too: the engine's readiness probe, made on its ids, lets it pass."""
+    job = poison_job(tmp_path, kimi, kind, poisoned=(0, 3))
+    rd, _ = prepared_run(job)
+    for _ in range(2):  # every rerun goes on the same way: nothing blocks
+        assert run_shard(rd.root, 0) == DONE
+        got = newest(rd)
+        failed = {i: r for i, r in got.items() if r.status != "ok"}
+        assert sorted(failed) == ["p0000", "p0003"] and len(got) == 8
+        for r in failed.values():
+            assert r.failure == "unreachable" and r.attempts == 2
+            assert "no complete answer after 2 attempts" in r.error and "/health_generate" in r.error
+        assert read_done(rd.done_file(0)).transient == 2
+    log = rd.log_file(0).read_text()
+    assert "prompt p0003 (d) failed (unreachable)" in log and "probe /generate on the first prompt" in log
+
+    fix_engine(rd)
+    assert run_shard(rd.root, 0) == DONE
+    assert {r.status for r in newest(rd).values()} == {"ok"}
+
+
+def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_health_check(tmp_path, kimi):
+    """Every request cut and /health_generate failing: the engine, not a prompt, is at fault; the shard fails in
+    this task (the prompts in flight are not recorded failed) with a message naming a prompt and the health check."""
+    job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 64}, client={"concurrency": 1, "retries": 1},
+                   stub={"extra_args": ["--poison", "reset", "--poison-after", "3"]})  # probe + 2 prompts answered
+    rd, _ = prepared_run(job)
+    with pytest.raises(ShardFailed) as e:
+        run_shard(rd.root, 0)
+    msg = str(e.value)
+    assert "unreachable: prompt p0002 got no answer after 2 attempts" in msg
+    assert "/health_generate answered 503" in msg
+    got = newest(rd)
+    assert sorted(got) == ["p0000", "p0001"] and {r.status for r in got.values()} == {"ok"}
+
+
+def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=8, stub={"fail_5xx": "2:3", "extra_args": ["--fail-status", "429"]},
+                   client={"retries": 6, "concurrency": 2})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    got = newest(rd)
+    assert {r.status for r in got.values()} == {"ok"} and sum(r.attempts for r in got.values()) == 8 + 3
+
+    job = make_job(tmp_path / "past", kimi, n=8, stub={"fail_5xx": "2:30", "extra_args": ["--fail-status", "429"]},
+                   client={"retries": 1, "concurrency": 2})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == DONE
+    failed = [r for r in newest(rd).values() if r.status == "failed"]
+    assert len(failed) == 8 and {r.failure for r in failed} == {"server_error"}
+    assert all("HTTP 429" in r.error for r in failed)
+    assert read_done(rd.done_file(0)).transient == 8
+
+
+BAD_ANSWERS = {
+    # --poison kind: (failure kind, words of the reason)
+    "wrong_rid": ("bad_response", "the answer of another request: meta_info.id 'x"),
+    "over_max": ("bad_response", "output ids, more than max_new_tokens = 64"),
+    "early_length": ("bad_response", "finish_reason length after"),
+    "out_of_vocab": ("bad_response", "outside the vocabulary"),
+    "unknown_finish": ("bad_response", "finish_reason {'type': 'finished', 'matched': None} is not an object whose "
+                                       "type is stop, length or abort"),
+    "finish_string": ("bad_response", "finish_reason 'stop' is not an object"),
+    "finish_null": ("bad_response", "finish_reason None is not an object"),
+    "no_completion_tokens": ("bad_response", "meta_info has no completion_tokens"),
+    "abort_500": ("server_error", "HTTP 500: aborted with status_code 500: Internal server error"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_ANSWERS))
+def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(tmp_path, kimi, kind):
+    """Each way an answer can be wrong, checked against its request when it arrives: never stored ok."""
+    failure, words = BAD_ANSWERS[kind]
+    rd, _ = prepared_run(poison_job(tmp_path, kimi, kind, n=6))
+    assert run_shard(rd.root, 0) == DONE
+    got = newest(rd)
+    bad = got["p0003"]
+    assert (bad.status, bad.failure) == ("failed", failure), bad
+    assert words in bad.error, bad.error
+    assert bad.output_ids == b"" and bad.finish is None
+    assert all(r.status == "ok" for i, r in got.items() if i != "p0003")
+    assert read_done(rd.done_file(0)).transient == 1
