@@ -7,7 +7,7 @@ length against the context length. Target: well under a minute on a login node (
 The prompts are real English text (pydoc_data.topics) shaped like the datasets of a real job, eight kinds of chat
 lengths: short questions, math problems, multi-turn chats with a system prompt, long documents to summarise, tool
 use (a tools list and tool turns), code, multilingual-length prompts, and a few very long contexts. The tokenizer is
-a toy one (toolkit.toy_tokenizer, qwen3 family, 4,000 ids): Jinja rendering costs what it costs with a real
+a toy one (toolkit.stub.toy_tokenizer, qwen3 family, 4,000 ids): Jinja rendering costs what it costs with a real
 template; a real 150k-vocabulary tokenizer encodes somewhat slower per token.
 
 Each run is `python -m toolkit check JOB` in a fresh process (imports included): wall and CPU (user + system)
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="one more run in this process under cProfile")
     args = ap.parse_args()
 
-    from toolkit.toy_tokenizer import build_tokenizer
+    from toolkit.stub.toy_tokenizer import build_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bench-check-"))
     try:
@@ -141,7 +141,7 @@ def main() -> int:
             import cProfile
             import pstats
 
-            from toolkit.preflight import preflight
+            from toolkit.job.check import preflight
 
             prof = cProfile.Profile()
             prof.runcall(preflight, job)

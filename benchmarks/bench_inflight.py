@@ -67,14 +67,14 @@ def worker(run: Path) -> subprocess.Popen:
 
 
 def dataset_tokens(run: Path) -> tuple[int, int]:
-    from toolkit.shardfile import read_shard  # noqa: PLC0415
+    from toolkit.formats.frames import read_shard  # noqa: PLC0415
 
     newest = {r.id: r for r in read_shard(run / "shards" / "00000.zst")}
     return sum(r.n_output for r in newest.values() if r.status == "ok"), max(r.segments for r in newest.values())
 
 
 def stops(tmp: Path, prompts: Path, url: str, save: bool, n_stops: int, rng: random.Random) -> dict:
-    from toolkit.pipeline import prepare_run  # noqa: PLC0415
+    from toolkit.job.prepare import prepare_run  # noqa: PLC0415
 
     rd = prepare_run(job_file(tmp, f"stops-{save}", prompts, url, {"concurrency": "auto", "save_in_flight": save})).run_dir
     before = get(url, "/stub/counters")["generated_tokens"]
@@ -97,7 +97,7 @@ def stops(tmp: Path, prompts: Path, url: str, save: bool, n_stops: int, rng: ran
 
 
 def saturation(tmp: Path, prompts: Path, url: str, n: int, concurrency) -> dict:
-    from toolkit.pipeline import prepare_run  # noqa: PLC0415
+    from toolkit.job.prepare import prepare_run  # noqa: PLC0415
 
     rd = prepare_run(job_file(tmp, f"sat-{concurrency}", prompts, url, {"concurrency": concurrency})).run_dir
     c0 = get(url, "/stub/counters")

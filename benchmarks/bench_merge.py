@@ -32,12 +32,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit import chat  # noqa: E402
-from toolkit.plan import create_run, plan_job  # noqa: E402
-from toolkit.records import OK, Record  # noqa: E402
-from toolkit.shardfile import ShardWriter, write_done  # noqa: E402
-from toolkit.spec import load_spec  # noqa: E402
-from toolkit.toy_tokenizer import build_tokenizer, corpus  # noqa: E402
+from toolkit.formats.manifests import write_done  # noqa: E402
+from toolkit.formats.records import OK, Record  # noqa: E402
+from toolkit.formats.shardfile import ShardWriter  # noqa: E402
+from toolkit.job import chat  # noqa: E402
+from toolkit.job.plan import create_run, plan_job  # noqa: E402
+from toolkit.job.spec import load_spec  # noqa: E402
+from toolkit.stub.toy_tokenizer import build_tokenizer, corpus  # noqa: E402
 
 OUTPUT_TOKENS = 4096
 IN_FLIGHT = 64        # a worker's concurrency: how far completion order strays from planned order
@@ -75,7 +76,7 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
     plan, refs = plan_job(spec)
     rd = create_run(plan, refs)
     info = chat.token_info(tok, spec.model)
-    from toolkit.inputs import read_prompt_at
+    from toolkit.job.inputs import read_prompt_at
 
     ds = plan.datasets[0]
     prompt_ids = chat.render_many(tok, spec.model, (read_prompt_at(ds.path, ds.name, r.line, r.offset, r.length) for r in refs))
@@ -161,7 +162,7 @@ def main() -> None:
         print(f"marginal merge+audit rate (large - small, start-up excluded): {(t_l - t_s) / (c_l - c_s) / 1e6:.1f} M "
               f"tokens/s per core; peak RSS large/small {r_l:.0f}/{r_s:.0f} MB")
 
-        from toolkit.export import export_run
+        from toolkit.dataset.export import export_run
 
         run, tokens = runs["large"]
         for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet")):

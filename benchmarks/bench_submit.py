@@ -43,8 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.rundir import RunDir  # noqa: E402
-from toolkit.slurm import read_jobs  # noqa: E402
+from toolkit.cluster.jobs import read_jobs  # noqa: E402
+from toolkit.formats.rundir import RunDir  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 SUBMIT_TARGET_S = 10.0

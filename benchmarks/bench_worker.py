@@ -94,8 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     import pydoc_data.topics
 
-    from toolkit.pipeline import prepare_run
     from toolkit.engines.stub import start_standalone
+    from toolkit.job.prepare import prepare_run
 
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate toolkit/engines/sglang_flags.json: the command-line flags of SGLang's server, per release.
+"""Regenerate toolkit/engines/sglang_contract/sglang_flags.json: the command-line flags of SGLang's server, per release.
 
     python scripts/sglang_flags.py                      # the default releases, downloaded from PyPI
     python scripts/sglang_flags.py 0.5.23 0.5.9         # these releases

@@ -1,6 +1,6 @@
 """Shared pytest fixtures.
 
-Tokenizers: small real Hugging Face tokenizers built once per session by toolkit.toy_tokenizer.
+Tokenizers: small real Hugging Face tokenizers built once per session by toolkit.stub.toy_tokenizer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def toy_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
 
     The folder is shared by the whole session: copy it before changing anything in it.
     """
-    from toolkit.toy_tokenizer import build_tokenizer
+    from toolkit.stub.toy_tokenizer import build_tokenizer
 
     built: dict[str, Path] = {}
 
@@ -46,7 +46,7 @@ REAL_TEMPLATES: dict[str, str] = {
 def real_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`real_tokenizer(name)` -> folder of a toy tokenizer carrying the real chat template `name` (a key of
     REAL_TEMPLATES), built once per session. Copy it before changing anything in it."""
-    from toolkit.toy_tokenizer import build_tokenizer
+    from toolkit.stub.toy_tokenizer import build_tokenizer
 
     built: dict[str, Path] = {}
 

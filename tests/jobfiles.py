@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
+import pydoc_data.topics
 from pathlib import Path
 from typing import Any
 
-import pydoc_data.topics
-
-from toolkit.pipeline import prepare_run
+from toolkit.job.prepare import prepare_run
 
 _WORDS = " ".join(pydoc_data.topics.topics.values()).split()
 

@@ -18,15 +18,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from toolkit import chat
-from toolkit.inputs import PromptReader
-from toolkit.rundir import RunDir
-from toolkit.plan import PromptRef, RunPlan, create_run, load_refs, plan_job
-from toolkit.records import OK, Record, failed_record, pack_ids
-from toolkit.shardfile import ShardWriter, write_done
-from toolkit.spec import load_spec
-
 from jobfiles import toml_value, write_prompts
+from toolkit.formats.manifests import write_done
+from toolkit.formats.records import OK, Record, failed_record, pack_ids
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardfile import ShardWriter
+from toolkit.job import chat
+from toolkit.job.inputs import PromptReader
+from toolkit.job.plan import PromptRef, RunPlan, create_run, load_refs, plan_job
+from toolkit.job.spec import load_spec
 
 THINKING_KWARGS = {"kimi": {"thinking": True}, "qwen3": {"enable_thinking": True}, "deepseek": {}}
 
@@ -70,7 +70,7 @@ _POOLS: dict[tuple[str, int], np.ndarray] = {}
 
 def text_pool(tok: Any, key: str, chars: int = 120_000) -> np.ndarray:
     """The first `chars` characters of English text that ships with Python, as token ids without control tokens."""
-    from toolkit.toy_tokenizer import corpus
+    from toolkit.stub.toy_tokenizer import corpus
 
     if (key, chars) not in _POOLS:
         ids = np.array(tok("".join(corpus())[:chars], add_special_tokens=False)["input_ids"], np.uint32)

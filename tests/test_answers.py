@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from jobfiles import make_job, prepared_run, write_prompts
-from toolkit.shardfile import read_done, read_shard
-from toolkit.worker import DONE, ShardFailed, run_shard
+from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
+from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 MARK = "POISONED"
 

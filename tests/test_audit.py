@@ -14,13 +14,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from toolkit.audit import AuditReport, audit_run
-from toolkit.cli import main as cli_main
-from toolkit.pipeline import merge_and_audit
-from toolkit.records import Record, pack_ids, unpack_ids
-
 import runs
 from jobfiles import make_job
+from toolkit.cli import main as cli_main
+from toolkit.dataset.audit import AuditReport, audit_run
+from toolkit.dataset.finish import merge_and_audit
+from toolkit.formats.records import Record, pack_ids, unpack_ids
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_the_seed_bug_fails_the_audit_with_the_reasoning_message(tmp_path, kimi,
 
 
 def test_audit_json_reads_back_typed_without_the_auditor(tmp_path, kimi):
-    from toolkit.auditreport import read_report
+    from toolkit.dataset.audit_report import read_report
 
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)
     runs.write_run(s, failed=[])
@@ -163,7 +162,7 @@ def test_outputs_are_counted_per_reasoning_mode(tmp_path, toy_tokenizer):
 
 def test_nan_stops_fail_their_own_check(tmp_path, kimi):
     """SGLang's NaN stop: an ok record from an older run, and a failed record of kind nan, both counted."""
-    from toolkit.records import NAN_MATCHED
+    from toolkit.formats.records import NAN_MATCHED
 
     s = runs.plan_run(tmp_path, kimi)
     healthy = runs.healthy()
@@ -300,7 +299,7 @@ def _png_rows(path: Path) -> tuple[int, int, np.ndarray]:
 def test_sample_outputs_are_the_first_in_planned_order_each_beside_its_prompt(tmp_path, kimi):
     import json
 
-    from toolkit.samples import SAMPLES, shorten
+    from toolkit.dataset.examples import SAMPLES, shorten
 
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 24}, shards=2)
     runs.write_run(s, window=24)  # each shard's records written in an order far from the planned one
@@ -315,7 +314,7 @@ def test_sample_outputs_are_the_first_in_planned_order_each_beside_its_prompt(tm
 
 
 def read_merged_in_file_order(s: runs.Synth):
-    from toolkit.shardfile import read_shard
+    from toolkit.formats.frames import read_shard
 
     return [r for sp in s.plan.shards for r in read_shard(s.rd.shard_file(sp.index))]
 

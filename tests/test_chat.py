@@ -1,4 +1,4 @@
-"""toolkit.chat and toolkit.toy_tokenizer on real tokenizers of the three families, built into tmp dirs."""
+"""toolkit.job.chat and toolkit.stub.toy_tokenizer on real tokenizers of the three families, built into tmp dirs."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from toolkit import chat
-from toolkit.chat import ChatError
-from toolkit.spec import ModelSpec as Model
-from toolkit.toy_tokenizer import build_tokenizer
-from toolkit.toy_tokenizer import main as toy_tokenizer_cli
+from toolkit.job import chat
+from toolkit.job.chat import ChatError
+from toolkit.job.spec import ModelSpec as Model
+from toolkit.stub.toy_tokenizer import build_tokenizer
+from toolkit.stub.toy_tokenizer import main as toy_tokenizer_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ EOS = {"kimi": "<|im_end|>", "qwen3": "<|im_end|>", "deepseek": "<｜end▁of▁
 
 
 class Prompt(msgspec.Struct):
-    """Mirror of toolkit.inputs.Prompt."""
+    """Mirror of toolkit.job.inputs.Prompt."""
 
     id: str
     dataset: str
@@ -353,7 +353,7 @@ def test_reserved_chat_template_kwargs(toy_tokenizer):
 
 
 def test_importing_chat_does_not_import_transformers():
-    code = "import sys, toolkit.chat; print('transformers' in sys.modules)"
+    code = "import sys, toolkit.job.chat; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -402,7 +402,7 @@ def test_demo_tokenizer_is_the_kimi_toy(toy_tokenizer):
 
     demo = ROOT / "jobs" / "demo" / "tokenizer"
     fresh = toy_tokenizer("kimi")
-    stale = f"{demo} is stale; regenerate it with python -m toolkit.toy_tokenizer --family kimi {demo}"
+    stale = f"{demo} is stale; regenerate it with python -m toolkit.stub.toy_tokenizer --family kimi {demo}"
     for name in ("config.json", "generation_config.json"):
         assert json.loads((demo / name).read_text()) == json.loads((fresh / name).read_text()), stale
     old, new = AutoTokenizer.from_pretrained(demo), AutoTokenizer.from_pretrained(fresh)

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import checks
-from toolkit.auditreport import DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats
-from toolkit.chat import TokenInfo
-from toolkit.merge import FrameProblem
-from toolkit.spec import AuditSpec, ModelSpec
+from toolkit.dataset import audit_checks as checks
+from toolkit.dataset.audit_report import DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats
+from toolkit.dataset.merge import FrameProblem
+from toolkit.job.chat import TokenInfo
+from toolkit.job.spec import AuditSpec, ModelSpec
 
 RUN = Path("runs/r")
 INFO = TokenInfo(think_start_id=10, think_end_id=11, eos_ids=[2], tool_call_start_id=None, tool_call_end_id=None,

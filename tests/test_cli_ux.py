@@ -19,7 +19,7 @@ def test_check_prints_no_torch_advisory_and_no_tokenizer_chatter():
     r = toolkit("check", "jobs/demo.toml")
     assert r.returncode == 0, r.stderr
     assert "PyTorch was not found" not in r.stderr + r.stdout
-    assert "INFO toolkit.chat" not in r.stderr  # the tokenizer's load lines are debug detail on a login node
+    assert "INFO toolkit.job.chat" not in r.stderr  # the tokenizer's load lines are debug detail on a login node
     assert "jobs/demo.toml: ok" in r.stdout and "think '<think>' 3993 / '</think>' 3994" in r.stdout
 
 
@@ -49,9 +49,10 @@ import pytest  # noqa: E402
 
 import runs  # noqa: E402
 from toolkit.cli import main as cli_main  # noqa: E402
-from toolkit.progress import Progress, write_progress  # noqa: E402
-from toolkit.slurm import ArrayJob, Jobs, Submission, describe_array  # noqa: E402
-from toolkit.status import RunStatus  # noqa: E402
+from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
+from toolkit.cluster.status import RunStatus  # noqa: E402
+from toolkit.cluster.submit import describe_array  # noqa: E402
+from toolkit.formats.progress import Progress, write_progress  # noqa: E402
 
 
 @pytest.fixture
@@ -115,7 +116,7 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     s = half_run
     write_progress(s.rd.progress_file(1), Progress(shard=1, state="failed", total=9, done=7,
                                                    error="engine died 3 times (limit engine.max_restarts = 2)"))
-    s.rd.log_file(1).write_text("ERROR toolkit.worker: engine died mid-shard\n")
+    s.rd.log_file(1).write_text("ERROR toolkit.worker.run: engine died mid-shard\n")
     sub = Submission(submitted="now", arrays=[ArrayJob("70", [0, 1], ["70_0", "70_1"])], merge_job_id="71")
     s.rd.jobs_file.parent.mkdir(parents=True, exist_ok=True)
     s.rd.jobs_file.write_bytes(msgspec.json.encode(Jobs([sub])))
@@ -123,10 +124,11 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     mlog.parent.mkdir(parents=True)
     mlog.write_text("submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not finished (no done manifest): 1\n"
                     "Traceback (most recent call last):\nRuntimeError: merge/audit failed (exit 2)\n")
-    import toolkit.status
+    import toolkit.cluster.status
+    import toolkit.cluster.verdicts
 
-    J = toolkit.status.SlurmJob
-    monkeypatch.setattr(toolkit.status, "slurm_view", lambda ids: toolkit.status.SlurmView(jobs={
+    J = toolkit.cluster.verdicts.SlurmJob
+    monkeypatch.setattr(toolkit.cluster.status, "slurm_view", lambda ids: toolkit.cluster.verdicts.SlurmView(jobs={
         "70_0": J("COMPLETED", "n1"), "70_1": J("FAILED", "n2"), "71": J("FAILED", "n1")}))
     assert cli_main(["logs", str(s.root), "--failed"]) == 1
     out = capsys.readouterr().out
@@ -168,7 +170,7 @@ import io  # noqa: E402
 import logging  # noqa: E402
 
 from jobfiles import make_job  # noqa: E402
-from toolkit.livebar import LiveBar  # noqa: E402
+from toolkit.cluster.livebar import LiveBar  # noqa: E402
 
 
 class FakeTTY(io.StringIO):
@@ -253,8 +255,8 @@ def test_logs_without_a_shard_or_with_one_that_does_not_exist_is_a_toolkit_error
 
 
 def test_a_workers_first_lines_read_as_plain_english():
-    from toolkit.progress import Progress
-    from toolkit.worker import _resume_line, _where
+    from toolkit.formats.progress import Progress
+    from toolkit.worker.run import _resume_line, _where
 
     assert _where(Progress(shard=0, total=1, host="vm")) == "on vm, not under Slurm"  # not `array None_None`
     assert _where(Progress(shard=0, total=1, host="n1", gpus="0,1", job_id="12", array_job_id="10",

@@ -1,4 +1,4 @@
-"""toolkit.client.parse_response: SGLang's /generate answers, read from the end or decoded in full, agree."""
+"""toolkit.engines.client.parse_response: SGLang's /generate answers, read from the end or decoded in full, agree."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from toolkit import client
-from toolkit.client import BadResponse, parse_response
+from toolkit.engines import client
+from toolkit.engines.client import BadResponse, parse_response
 
 META = {
     "id": "3f0c",

@@ -12,10 +12,10 @@ import pytest
 
 import runs
 from jobfiles import make_job, prepared_run
-from toolkit import files
 from toolkit.cli import main as cli_main
-from toolkit.merge import merge_run
-from toolkit.worker import DONE, run_shard
+from toolkit.dataset.merge import merge_run
+from toolkit.formats import files
+from toolkit.worker.run import DONE, run_shard
 
 
 def _full(*args, **kwargs):
@@ -73,7 +73,7 @@ def test_merge_audit_and_export_on_a_full_disk(merged, monkeypatch, capsys):
 
     assert cli_main(["merge", root]) == 0
     capsys.readouterr()
-    import toolkit.export as export
+    import toolkit.dataset.export as export
 
     out = s.root / "out.jsonl"
     with monkeypatch.context() as m:

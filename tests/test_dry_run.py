@@ -81,7 +81,7 @@ def test_dry_run_time_formats(tmp_path, toy_tokenizer):
 
 
 def test_the_shown_time_is_what_slurm_reads():
-    from toolkit.slurm import slurm_time, time_to_minutes
+    from toolkit.cluster.resources import slurm_time, time_to_minutes
 
     for t in ("24:00:00", "00:10:00", "2-00:00:00", "90", "1-12:30:00"):
         assert time_to_minutes(slurm_time(time_to_minutes(t))) == time_to_minutes(t)

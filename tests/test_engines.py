@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.client import HttpClient
+from jobfiles import make_job, process_running
 from toolkit.engines.base import EngineError
+from toolkit.engines.client import HttpClient
 from toolkit.engines.kinds import make_engine
 from toolkit.engines.sglang import check_extra_args, substitute
-from toolkit.spec import SpecError, load_spec
-
-from jobfiles import make_job, process_running
+from toolkit.job.spec import load_spec
+from toolkit.job.specerrors import SpecError
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 
@@ -248,8 +248,8 @@ def _ignored(pid: int) -> set[int]:
 def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_aborted_and_stopped_it(tmp_path, toy_tokenizer):
     """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
     must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
-    from toolkit.client import abort_requests
     from toolkit.engines.base import group_members
+    from toolkit.engines.client import abort_requests
 
     spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"token_delay_s": 0.02}))
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.cli import main as cli_main
-from toolkit.export import JsonlRecord, export_run
-from toolkit.merge import merge_run
-from toolkit.records import unpack_ids
-
 import runs
+from toolkit.cli import main as cli_main
+from toolkit.dataset.export import JsonlRecord, export_run
+from toolkit.dataset.merge import merge_run
+from toolkit.formats.records import unpack_ids
 
 FIELDS = ["id", "dataset", "sample", "turn", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
           "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
@@ -204,7 +203,7 @@ def test_a_tool_call_the_model_made_is_a_structured_entry_of_the_answer(tmp_path
     ("last frame", "at byte"), ("cut", "bytes, its manifest says"),
 ])
 def test_a_damaged_merged_file_is_one_line_and_nothing_is_exported(tmp_path, toy_tokenizer, capsys, damage, words):
-    from toolkit.shardfile import iter_frames
+    from toolkit.formats.frames import iter_frames
 
     s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 12}, shards=1)
     runs.write_run(s)
@@ -232,7 +231,7 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
     with a warning."""
     import msgspec
 
-    from toolkit.records import pack_ids
+    from toolkit.formats.records import pack_ids
 
     s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 8}, shards=1, sampling={"max_new_tokens": 400})
 
@@ -247,7 +246,7 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
 
     runs.write_run(s, edit=plant)
     merge_run(s.root)
-    from toolkit.audit import audit_run
+    from toolkit.dataset.audit import audit_run
 
     checks = {c.name: c for c in audit_run(s.root).checks}
     assert not checks["vocabulary"].passed and not checks["token_counts"].passed

@@ -2,8 +2,8 @@
 
 import re
 
-from toolkit.fmt import file_stamp, ranges, utc_now
-from toolkit.rundir import RunDir
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.text import file_stamp, ranges, utc_now
 
 
 def test_ranges_people_and_slurm():

@@ -16,15 +16,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from toolkit.engines.stub import start_standalone
-from toolkit.progress import read_progress
-from toolkit.records import PARTIAL, Record
-from toolkit.shardfile import read_done, read_shard
-from toolkit.concurrency import auto_target
-from toolkit.inflight import continued_params, rid_maker
-from toolkit.worker import DONE, run_shard
-
 from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.engines.stub import start_standalone
+from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress
+from toolkit.formats.records import PARTIAL, Record
+from toolkit.worker.concurrency import auto_target
+from toolkit.worker.inflight import continued_params, rid_maker
+from toolkit.worker.run import DONE, run_shard
 
 SAME = ("output_ids", "finish", "matched_stop", "reasoning_end", "tool_call_at", "completion_tokens", "prompt_ids",
         "prompt_tokens", "status")
@@ -234,8 +234,8 @@ def test_records_written_before_segments_still_decode():
 
 
 def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
-    from toolkit.progress import Progress, write_progress
-    from toolkit.status import format_status, run_status
+    from toolkit.cluster.status import format_status, run_status
+    from toolkit.formats.progress import Progress, write_progress
 
     rd, _ = prepared_run(make_job(tmp_path, kimi, n=4))
     write_progress(rd.progress_file(0), Progress(shard=0, state="generating", total=4, done=1, running=12, queued=3,
@@ -252,7 +252,7 @@ def test_the_watch_hands_freed_memory_back_while_generating(tmp_path, kimi, monk
     unless it is handed back: the watch calls malloc_trim every TRIM_S (where the C library has it)."""
     import sys as _sys
 
-    import toolkit.concurrency as concurrency
+    import toolkit.worker.concurrency as concurrency
 
     if _sys.platform == "linux":
         assert concurrency._TRIM is not None  # glibc's, on the Linux the tests run on

@@ -2,7 +2,7 @@
 
 import pytest
 
-from toolkit.inputs import InputError, check_unique_ids, read_prompt_at, scan_dataset
+from toolkit.job.inputs import InputError, check_unique_ids, read_prompt_at, scan_dataset
 
 
 def scan(tmp_path, data: bytes, name="ds"):
@@ -83,8 +83,8 @@ def test_every_duplicate_id_is_found(tmp_path):
 
 
 def plan_files(tmp_path, files: dict[str, bytes]):
-    from toolkit.plan import plan_job
-    from toolkit.spec import load_spec
+    from toolkit.job.plan import plan_job
+    from toolkit.job.spec import load_spec
 
     (tmp_path / "tok").mkdir()
     lines = ['name = "t"', 'output_dir = "out"', "[model]", 'path = "tok"', "[sampling]", "max_new_tokens = 8"]

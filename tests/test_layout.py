@@ -36,7 +36,7 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join(base + ([node.module] if node.module else []))
                 else:
                     base = node.module or ""
-                # `from . import audit` imports the module toolkit.audit; `from .merge import X` imports toolkit.merge
+                # `from . import audit` imports the module toolkit.dataset.audit; `from .merge import X` imports toolkit.dataset.merge
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             for t in targets:
                 while t and t not in files:  # `import toolkit.x.y` -> the innermost toolkit module it names
@@ -97,9 +97,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"toolkit.cli", "toolkit.merge", "toolkit.engines.base"} <= graph.keys()
-    assert "toolkit.records" in graph["toolkit.merge"]  # the graph sees imports at all
-    assert _packages_run("toolkit.engines.sglang_flags", "toolkit.spec", {"toolkit", "toolkit.engines"}) == \
+    assert {"toolkit.cli", "toolkit.dataset.merge", "toolkit.engines.base"} <= graph.keys()
+    assert "toolkit.formats.records" in graph["toolkit.dataset.merge"]  # the graph sees imports at all
+    assert _packages_run("toolkit.engines.sglang_contract.flags", "toolkit.job.spec", {"toolkit", "toolkit.engines"}) == \
         {"toolkit.engines"}, "importing a module runs the __init__ of its package"
     found = cycles(graph)
     shown = "\n".join("  " + " <-> ".join(c) + "\n    " + "; ".join(
@@ -107,21 +107,27 @@ def test_no_import_cycles():
     assert not found, f"import cycles between toolkit modules:\n{shown}"
 
 
-# The layers, top to bottom; a module may import its own layer or any layer below it, never one above.
-# A module is placed by the longest name here that is it or a package holding it.
+# The packages, in layers top to bottom: a module may import its own layer or any layer below it, never one above.
+# A module is placed by the longest name here that is it or a package holding it. The layers follow where code
+# runs: the command line; what runs a job (on Slurm, or here); what runs on a GPU node (worker) and what makes a
+# dataset of its shards (dataset); what a job is (job); the engines and their HTTP client; the on-disk formats.
 LAYERS = [
     ("command line", ["toolkit.cli", "toolkit.__main__"]),
-    ("cluster", ["toolkit.slurm", "toolkit.status", "toolkit.states", "toolkit.retry", "toolkit.livebar"]),
-    ("pipeline", ["toolkit.pipeline", "toolkit.preflight"]),
-    ("stages", ["toolkit.worker", "toolkit.feed", "toolkit.inflight", "toolkit.concurrency", "toolkit.chains",
-                "toolkit.shardstate", "toolkit.exitguard", "toolkit.merge", "toolkit.audit", "toolkit.auditreport", "toolkit.checks",
-                "toolkit.reprompt", "toolkit.report", "toolkit.export", "toolkit.samples", "toolkit"]),
-    ("parts", ["toolkit.client", "toolkit.engines", "toolkit.chat", "toolkit.plan", "toolkit.turns",
-               "toolkit.toolcalls", "toolkit.progress"]),
-    ("formats", ["toolkit.shardfile", "toolkit.records", "toolkit.spec", "toolkit.inputs", "toolkit.files",
-                 "toolkit.fmt", "toolkit.rundir", "toolkit.errors", "toolkit.slurmcmd", "toolkit.specerrors",
-                 "toolkit.engines.sglang_flags", "toolkit.engines.sglang_sampling", "toolkit.toy_tokenizer"]),
+    ("running", ["toolkit.cluster", "toolkit.pipeline"]),
+    ("stages", ["toolkit.worker", "toolkit.dataset", "toolkit"]),
+    ("job", ["toolkit.job"]),
+    ("engines", ["toolkit.engines", "toolkit.stub"]),
+    ("formats", ["toolkit.formats", "toolkit.errors"]),
 ]
+# Rooms of one layer that do not use each other: the worker never reads a merged dataset and the dataset never
+# generates; Slurm and a run here are two ways of running the same steps; the stub is a program of its own, which
+# the engines start by name (`python -m toolkit.stub`) and nothing imports.
+APART = [("toolkit.worker", "toolkit.dataset"), ("toolkit.cluster", "toolkit.pipeline")]
+NOT_IMPORTED = ["toolkit.stub"]
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def layer_of(module: str) -> int | None:
@@ -148,18 +154,26 @@ def test_imports_run_one_way():
         "\n  ".join(upward)
 
 
+def test_rooms_of_a_layer_keep_apart_and_nothing_imports_the_stub():
+    graph = import_graph()
+    crossing = [f"{a} imports {b}" for a in sorted(graph) for b in sorted(graph[a]) for x, y in APART
+                if _inside(a, x) and _inside(b, y) or _inside(a, y) and _inside(b, x)]
+    crossing += [f"{a} imports {b} (a separate program: start it by name)" for a in sorted(graph)
+                 for b in sorted(graph[a]) for s in NOT_IMPORTED if _inside(b, s) and not _inside(a, s)]
+    assert not crossing, "\n  ".join(["imports between rooms that keep apart:", *crossing])
+
+
 def test_layer_check_can_fail():
-    assert layer_of("toolkit.engines.stub_server.app") == layer_of("toolkit.engines")
-    assert layer_of("toolkit.engines.sglang_flags") == len(LAYERS) - 1
-    assert layer_of("toolkit.cli") < layer_of("toolkit.worker") < layer_of("toolkit.records")
+    assert layer_of("toolkit.stub.app") == layer_of("toolkit.engines.sglang_contract.flags") == len(LAYERS) - 2
+    assert layer_of("toolkit.cli") < layer_of("toolkit.worker.run") < layer_of("toolkit.formats.records")
     assert layer_of("toolkit.not_placed") is None
 
 
 def test_nothing_below_the_cli_parses_arguments():
     """argparse belongs to the command line; the separate programs (stub server, rank launcher, toy tokenizer)
     and the SGLang flag checker, which mirrors SGLang's own parser, have command lines of their own."""
-    own_programs = ("toolkit.cli", "toolkit.engines.stub_server", "toolkit.engines.rank", "toolkit.engines.sglang",
-                    "toolkit.engines.sglang_flags", "toolkit.toy_tokenizer")
+    own_programs = ("toolkit.cli", "toolkit.stub", "toolkit.engines.rank", "toolkit.engines.sglang",
+                    "toolkit.engines.sglang_contract.flags", "toolkit.stub.toy_tokenizer")
     users = []
     for path in PACKAGE.rglob("*.py"):
         mod = _module_name(path)
@@ -180,16 +194,16 @@ def test_reading_a_spec_loads_no_engine_or_client():
     import subprocess
     import sys
 
-    code = "import sys, toolkit.spec; print(sorted(m for m in sys.modules if m.startswith('toolkit')))"
+    code = "import sys, toolkit.job.spec; print(sorted(m for m in sys.modules if m.startswith('toolkit')))"
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert "toolkit.spec" in loaded
+    assert "toolkit.job.spec" in loaded
     graph = import_graph()
     empty_packages = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()
                       and not graph[m]}  # a package __init__ that imports nothing loads nothing
     assert "toolkit.engines" in empty_packages
-    above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.spec")
+    above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.job.spec")
              and m != "toolkit" and m not in empty_packages]
-    assert not above, f"importing toolkit.spec loads modules above the formats: {above}"
+    assert not above, f"importing toolkit.job.spec loads modules above the formats: {above}"
 
 
 def _is_module(name: str) -> bool:

@@ -12,14 +12,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+import runs
 from toolkit import read_run
 from toolkit.cli import main as cli_main
-from toolkit.merge import MERGED, MergeError, load_manifest, merge_run
-from toolkit.pipeline import merge_and_audit
-from toolkit.records import OK
-from toolkit.shardfile import iter_frames, read_header, read_shard
-
-import runs
+from toolkit.dataset.finish import merge_and_audit
+from toolkit.dataset.merge import MERGED, MergeError, load_manifest, merge_run
+from toolkit.formats.frames import iter_frames, read_header, read_shard
+from toolkit.formats.records import OK
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,7 +99,7 @@ def test_allow_incomplete_merges_a_partial_run_and_lists_what_is_missing(tmp_pat
 
 
 def test_missing_ids_are_the_merges_alone_the_audit_takes_its_counts(tmp_path, kimi):
-    from toolkit.audit import audit_run
+    from toolkit.dataset.audit import audit_run
 
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 12}, shards=3)
     runs.write_run(s, done=[0, 1, 2], skip=[1, 2, 5])

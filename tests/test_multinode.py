@@ -25,7 +25,7 @@ import pytest
 
 from jobfiles import make_job, prepared_run, process_running
 from toolkit.engines.sglang import parse_node_addrs
-from toolkit.shardfile import read_shard
+from toolkit.formats.frames import read_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
@@ -174,23 +174,24 @@ def _dry_run(job: Path, *args: str) -> subprocess.CompletedProcess:
 def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, monkeypatch, capsys):
     """nodes = 2: --nodes=2 --ntasks-per-node=1, GPUs and CPUs per node as for one; the worker in a one-task step.
     Pure: no Slurm command runs (a made-up cluster answers, or none does), and the layout is checked either way."""
-    from toolkit import slurm, slurmcmd
     from toolkit.cli import main
-    from toolkit.preflight import preflight
+    from toolkit.cluster import commands as slurmcmd
+    from toolkit.cluster import resources
+    from toolkit.job.check import preflight
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), engine={"kind": "sglang", "nodes": 2, "tp_size": 16},
                    slurm={"gpus_per_node": 8, "cpus_per_task": 64})
     monkeypatch.setattr(slurmcmd, "call", lambda argv, timeout=None: pytest.fail(f"{argv} ran: this test is pure"))
-    monkeypatch.setattr(slurm, "slurm_config", lambda timeout=60: {"MaxArraySize": "1001"})
-    monkeypatch.setattr(slurm, "partition_info", lambda name: slurm.PartitionInfo("gpu", 8, 0))
-    monkeypatch.setattr(slurm, "partition_nodes", lambda name: 4)
+    monkeypatch.setattr(resources, "slurm_config", lambda timeout=60: {"MaxArraySize": "1001"})
+    monkeypatch.setattr(resources, "partition_info", lambda name: resources.PartitionInfo("gpu", 8, 0))
+    monkeypatch.setattr(resources, "partition_nodes", lambda name: 4)
     assert main(["submit", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --cpus-per-task=64", "_log.out --nodes=1 --ntasks=1 "):  # the worker: one task, first node
         assert line in out, out
     assert "srun-args" not in out
-    params = slurm.shard_params(preflight(str(job)).plan, slurm.Resources())
+    params = resources.shard_params(preflight(str(job)).plan, resources.Resources())
     assert params["nodes"] == 2 and params["ntasks_per_node"] == 1 and params["srun_args"] == ["--nodes=1", "--ntasks=1"]
     # one node: nothing changes
     job1 = make_job(tmp_path / "one", toy_tokenizer("kimi"), engine={"kind": "sglang", "tp_size": 8})
@@ -202,9 +203,9 @@ def test_each_array_task_allocates_the_engines_nodes(tmp_path, toy_tokenizer, mo
     assert "uses 16 GPUs, 8 per node, but --gpus-per-node = 4" in capsys.readouterr().err
 
     def no_cluster(timeout=60):
-        raise slurm.SlurmError("no cluster")
+        raise resources.SlurmError("no cluster")
 
-    monkeypatch.setattr(slurm, "slurm_config", no_cluster)
+    monkeypatch.setattr(resources, "slurm_config", no_cluster)
     assert main(["submit", str(job), "--dry-run"]) == 0
     assert "Slurm not reachable: not validated against a cluster (no cluster)" in capsys.readouterr().out
     assert main(["submit", str(job), "--dry-run", "--gpus-per-node", "4"]) == 2

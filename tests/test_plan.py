@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from toolkit.audit import audit_run
-from toolkit.cli import main as cli_main
-from toolkit.export import ExportError, export_run
-from toolkit.plan import PlanError, load_run
-from toolkit.spec import SpecError, load_spec
-
 from jobfiles import make_job, prepared_run
+from toolkit.cli import main as cli_main
+from toolkit.dataset.audit import audit_run
+from toolkit.dataset.export import ExportError, export_run
+from toolkit.job.plan import PlanError, load_run
+from toolkit.job.spec import load_spec
+from toolkit.job.specerrors import SpecError
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, ki
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 60}, client={"concurrency": 4})
     rd, plan = prepared_run(job)
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 900}, client={"concurrency": 8})
-    with caplog.at_level(logging.INFO, logger="toolkit.plan"):
+    with caplog.at_level(logging.INFO, logger="toolkit.job.plan"):
         rd2, plan2 = prepared_run(job)
     assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
     _, pinned = load_run(rd.root)
@@ -81,8 +81,8 @@ def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, 
     import msgspec
 
     from jobfiles import write_prompts
-    from toolkit.feed import Todo
-    from toolkit.plan import RefSlice, ShardRefs, create_run, plan_job
+    from toolkit.job.plan import RefSlice, ShardRefs, create_run, plan_job
+    from toolkit.worker.feed import Todo
 
     job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)
     plan, refs = plan_job(load_spec(job))

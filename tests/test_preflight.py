@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import chat
-from toolkit.cli import main
-from toolkit.preflight import PreflightError, context_length, preflight
-from toolkit.spec import load_spec
-
 from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.cli import main
+from toolkit.job import chat
+from toolkit.job.check import PreflightError, context_length, preflight
+from toolkit.job.spec import load_spec
 
 
 def check(job, capsys) -> tuple[int, str, str]:
@@ -27,7 +26,7 @@ def lengths(job) -> list[int]:
     """Rendered length of every prompt of the job's one dataset, in file order."""
     spec = load_spec(job)
     tok = chat.load_tokenizer(spec.model)
-    from toolkit.inputs import scan_dataset
+    from toolkit.job.inputs import scan_dataset
 
     return [len(ids) for ids in chat.render_many(tok, spec.model, list(scan_dataset(spec.datasets[0].path, "d")))]
 
@@ -216,16 +215,16 @@ def test_check_warns_of_another_run_in_output_dir(tmp_path, toy_tokenizer, capsy
 
 
 def test_submit_and_its_dry_run_run_the_same_preflight(tmp_path, real_tokenizer, monkeypatch):
-    from toolkit import slurm
+    from toolkit.cluster import resources, submit
 
     def no_slurm(*a, **k):
         raise AssertionError("Slurm was asked before the pre-flight ended")
 
-    monkeypatch.setattr(slurm, "_run", no_slurm)
+    monkeypatch.setattr(resources, "slurm_output", no_slurm)
     job = make_job(tmp_path, real_tokenizer("deepseek-v3.1"), n=3)
     for dry_run in (True, False):
         with pytest.raises(PreflightError, match=r"closes reasoning .* \{ thinking = true \}"):
-            slurm.submit(str(job), {}, dry_run=dry_run)
+            submit.submit(str(job), {}, dry_run=dry_run)
     assert not (tmp_path / "run").exists()
 
 

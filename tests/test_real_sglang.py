@@ -18,14 +18,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from realsglang import CPU_ENV, python, sglang_job, toolkit
 
 from jobfiles import write_prompts
-from realsglang import CPU_ENV, python, sglang_job, toolkit
 from toolkit.engines.base import group_members
-from toolkit.progress import read_progress
-from toolkit.records import unpack_ids
-from toolkit.rundir import RunDir
-from toolkit.shardfile import read_shard
+from toolkit.formats.frames import read_shard
+from toolkit.formats.progress import read_progress
+from toolkit.formats.records import unpack_ids
+from toolkit.formats.rundir import RunDir
 
 pytestmark = pytest.mark.sglang
 
@@ -201,9 +201,9 @@ def test_what_check_refuses_is_what_real_sglang_refuses(tmp_path, tiny_model, sg
     job = sglang_job(tmp_path / "b", tiny_model, n=4, prompts=prompts, sampling={"max_new_tokens": 64})
     r = toolkit("check", str(job), check=False)
     assert r.returncode == 2 and "do not fit the context length 8,192" in r.stderr and "long.jsonl:4" in r.stderr
-    from toolkit.chat import load_tokenizer, render
-    from toolkit.inputs import scan_dataset
-    from toolkit.spec import load_spec
+    from toolkit.job.chat import load_tokenizer, render
+    from toolkit.job.inputs import scan_dataset
+    from toolkit.job.spec import load_spec
 
     spec = load_spec(job)
     tok = load_tokenizer(spec.model)
@@ -255,7 +255,7 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
     the share of the in-flight requests whose partial output reaches the shard file is measured."""
     if not os.environ.get("SLURM_CONF"):
         pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
-    from toolkit.slurm import read_jobs
+    from toolkit.cluster.jobs import read_jobs
 
     job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 800}, client={"concurrency": 4},
                      slurm={"gpus_per_node": 1, "cpus_per_task": 2, "time": "00:20:00", "merge_cpus": 1})

@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from toolkit.cli import main as cli_main
-from toolkit.export import export_run
-
 from jobfiles import make_job
+from toolkit.cli import main as cli_main
+from toolkit.dataset.export import export_run
 
 # template -> (chat_template_kwargs, the reasoning mode its prompts leave the model in)
 CASES = {

@@ -6,7 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from toolkit.records import id_positions, ids_from_json, pack_ids, split_output
+from toolkit.formats.records import id_positions, ids_from_json, pack_ids, split_output
 
 
 def test_ids_from_json_matches_a_json_decoder():
@@ -37,7 +37,7 @@ def test_positions_are_token_aligned():
 
 
 def test_records_written_before_failure_kinds_still_decode():
-    from toolkit.records import TRANSIENT, Record, failed_record, is_transient
+    from toolkit.formats.records import TRANSIENT, Record, failed_record, is_transient
 
     old = ["p1", "d", 0, "failed", b"", b"", None, None, None, None, 3, 0, 0, 0.0, 2, "HTTP 503: busy"]  # 16 fields
     r = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=Record)
@@ -49,7 +49,7 @@ def test_records_written_before_failure_kinds_still_decode():
 
 
 def test_last_meaningful_and_opens_reasoning_read_packed_ids_and_lists_alike():
-    from toolkit.records import last_meaningful, opens_reasoning
+    from toolkit.formats.records import last_meaningful, opens_reasoning
 
     blank = frozenset({9, 10})
     for ids in ([1, 2, 7, 9, 10], [7], [3, 7, 10, 10, 10]):

@@ -15,8 +15,8 @@ import pytest
 import runs
 from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
-from toolkit.pipeline import merge_and_audit
-from toolkit.shardfile import read_shard
+from toolkit.dataset.finish import merge_and_audit
+from toolkit.formats.frames import read_shard
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,14 +7,13 @@ from collections import Counter
 
 import pytest
 
-from toolkit.cli import main as cli_main
-from toolkit.export import export_run
-from toolkit.plan import load_refs, plan_job
-from toolkit.shardfile import read_shard
-from toolkit.spec import load_spec
-from toolkit.worker import DONE, run_shard
-
 from jobfiles import make_job, prepared_run
+from toolkit.cli import main as cli_main
+from toolkit.dataset.export import export_run
+from toolkit.formats.frames import read_shard
+from toolkit.job.plan import load_refs, plan_job
+from toolkit.job.spec import load_spec
+from toolkit.worker.run import DONE, run_shard
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
-"""SGLang's sampling contract as data (toolkit.engines.sglang_sampling): the differences between releases."""
+"""SGLang's sampling contract as data (toolkit.engines.sglang_contract.sampling): the differences between releases."""
 
 import pytest
 
-from toolkit.engines.sglang_sampling import (
+from toolkit.engines.sglang_contract.sampling import (
     FIELDS,
     NOT_TAKEN,
     SamplingError,

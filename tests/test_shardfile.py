@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import zstandard
 
-from toolkit.records import OK, Record, failed_record, pack_ids, unpack_ids
-from toolkit.shardfile import (
-    CorruptShard, Damage, ShardWriter, intact_frames, iter_frames, read_done, read_shard, scan, verify_done, write_done,
-)
+from toolkit.formats.frames import CorruptShard, Damage, intact_frames, iter_frames, read_shard, scan
+from toolkit.formats.manifests import read_done, verify_done, write_done
+from toolkit.formats.records import OK, Record, failed_record, pack_ids, unpack_ids
+from toolkit.formats.shardfile import ShardWriter
 
 
 def rec(i: int) -> Record:
@@ -225,7 +225,7 @@ def test_second_writer_is_refused(tmp_path):
     w.open()
     code = f"""
 import sys
-from toolkit.shardfile import ShardWriter
+from toolkit.formats.shardfile import ShardWriter
 try:
     ShardWriter({str(path)!r}, "f" * 16, 0).open()
 except RuntimeError as e:
@@ -245,8 +245,8 @@ import os  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 
-from toolkit import shardfile  # noqa: E402
-from toolkit.shardfile import ShardLocked  # noqa: E402
+from toolkit.formats import frames, locks  # noqa: E402
+from toolkit.formats.locks import ShardLocked  # noqa: E402
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_without_flock_a_lock_file_keeps_one_writer_per_shard(tmp_path, no_flock
     w.add(rec(0))
     w.close()
     assert not (tmp_path / "00000.zst.lock").exists(), "released with the writer"
-    assert write(path, [rec(1)]) == {"p0": shardfile._HEADER_SIZE}
+    assert write(path, [rec(1)]) == {"p0": frames.HEADER_SIZE}
     assert [r.id for r in read_shard(path)] == ["p0", "p1"]
 
 
@@ -289,7 +289,7 @@ def test_a_stale_lock_file_is_taken_over_and_a_live_one_on_another_host_refused(
         ShardWriter(path, "f" * 16, 0).open()
     msg = str(e.value)
     assert "pid 4242 on host gpu-17 holds it since now" in msg and f"rm {lock}" in msg and "\n" not in msg
-    old = time.time() - shardfile.STALE_LOCK_S - 60
+    old = time.time() - locks.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     write(path, [rec(1)])  # another host's lock untouched for longer than the bound: taken over
     assert [r.id for r in read_shard(path)] == ["p0", "p1"] and not lock.exists()

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from jobfiles import make_job, process_running, write_prompts
-from toolkit.rundir import RunDir
-from toolkit.shardfile import read_shard
-from toolkit.slurm import read_jobs
-from toolkit.status import run_status
+from toolkit.cluster.jobs import read_jobs
+from toolkit.cluster.status import run_status
+from toolkit.formats.frames import read_shard
+from toolkit.formats.rundir import RunDir
 
 pytestmark = pytest.mark.slurm
 
@@ -272,9 +272,9 @@ def test_with_slurmctld_down_and_slurmdbd_up_a_killed_worker_is_unknown_not_runn
     unknown (exit 4), takes no pace or ETA from the progress file, and shows that file as stale."""
     import signal
 
-    from toolkit import progress as worker_progress
     from toolkit.cli import main as cli_main
-    from toolkit.status import RunStatus
+    from toolkit.cluster.status import RunStatus
+    from toolkit.formats import progress as worker_progress
 
     job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=40, shards=1, stub={"token_delay_s": 0.01},
                     sampling={"max_new_tokens": 400}, client={"concurrency": 2})

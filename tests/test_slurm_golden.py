@@ -17,8 +17,8 @@ import pytest
 
 from jobfiles import make_job
 from toolkit.cli import main as cli_main
-from toolkit.rundir import RunDir
-from toolkit.slurm import read_jobs
+from toolkit.cluster.jobs import read_jobs
+from toolkit.formats.rundir import RunDir
 
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "slurm"
 SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 4, "cpus_per_task": 8, "mem": "16G",
@@ -87,7 +87,7 @@ def fake(monkeypatch, tmp_path):
 
     fake_subprocess = types.SimpleNamespace(Popen=Popen, PIPE=subprocess.PIPE, DEVNULL=subprocess.DEVNULL,
                                             TimeoutExpired=subprocess.TimeoutExpired)
-    monkeypatch.setattr("toolkit.slurmcmd.subprocess", fake_subprocess)
+    monkeypatch.setattr("toolkit.cluster.commands.subprocess", fake_subprocess)
     monkeypatch.setattr(submitit.core.utils, "CommandFunction", CommandFunction)
     monkeypatch.delenv("SLURM_CONF", raising=False)
     bin_dir = tmp_path / "bin"  # submitit builds an executor only where it finds srun
@@ -192,7 +192,7 @@ def test_slurm_refusing_the_submission_exits_1(fake, tmp_path, toy_tokenizer, ca
 def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenizer, capsys):
     import msgspec
 
-    from toolkit.shardfile import DoneManifest
+    from toolkit.formats.manifests import DoneManifest
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
     assert cli_main(["submit", str(job)]) == 0

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 import runs
-import toolkit.slurmcmd
+import toolkit.cluster.commands
 from toolkit.cli import main as cli_main
-from toolkit.slurm import ArrayJob, Jobs, Submission
-from toolkit.status import RunStatus, run_status
+from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
+from toolkit.cluster.status import RunStatus, run_status
 
 HANG = "#!/bin/sh\nsleep 60\n"
 SLURMCTLD_DOWN = ("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\n"
@@ -36,7 +36,7 @@ def fake_slurm(tmp: Path, monkeypatch, **scripts: str) -> None:
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_CONF", raising=False)
-    monkeypatch.setattr(toolkit.slurmcmd, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(toolkit.cluster.commands, "TIMEOUT_S", 1.0)
 
 
 def prints(text: str) -> str:
@@ -121,7 +121,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from toolkit.progress import Progress, write_progress  # noqa: E402
+from toolkit.formats.progress import Progress, write_progress  # noqa: E402
 
 
 def dead_pid() -> int:
@@ -158,12 +158,13 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
 # a resumed shard's output tokens count what is already recorded
 # ---------------------------------------------------------------------------------------------------
 def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokenizer):
-    from jobfiles import make_job
-    from jobfiles import prepared_run
-    from toolkit.progress import read_progress
-    from toolkit.retry import request_retry
-    from toolkit.shardfile import ShardWriter, read_done, read_shard
-    from toolkit.worker import DONE, run_shard
+    from jobfiles import make_job, prepared_run
+    from toolkit.cluster.retry import request_retry
+    from toolkit.formats.frames import read_shard
+    from toolkit.formats.manifests import read_done
+    from toolkit.formats.progress import read_progress
+    from toolkit.formats.shardfile import ShardWriter
+    from toolkit.worker.run import DONE, run_shard
 
     rd, plan = prepared_run(make_job(tmp_path, toy_tokenizer("kimi"), n=12, sampling={"max_new_tokens": 64}))
     assert run_shard(rd.root, 0) == DONE

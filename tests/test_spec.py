@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.spec import SpecError, load_spec
+from toolkit.job.spec import load_spec
+from toolkit.job.specerrors import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The state of shards and of the merge job, from hand-built facts (toolkit.states: no files, no Slurm)."""
+"""The state of shards and of the merge job, from hand-built facts (toolkit.cluster.verdicts: no files, no Slurm)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,35 @@ import datetime as dt
 
 import pytest
 
-from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
-from toolkit.progress import Progress
-from toolkit.shardfile import DoneManifest
-from toolkit.slurm import ArrayJob, Submission
-from toolkit.slurmcmd import FAILED, TIMEOUT, SlurmAnswer
-from toolkit.states import (
-    ACTIVE, DEAD, STALE, UNKNOWN, MergeStatus, RunFacts, ShardFacts, SlurmJob, SlurmView, exit_code, expand,
-    index_jobs, merge_status, needs_scontrol, parse_sacct, parse_scontrol, parse_squeue, run_states, shard_status,
-    slurm_view, totals, verdict,
+from toolkit.cluster.commands import FAILED, TIMEOUT, SlurmAnswer
+from toolkit.cluster.jobs import ArrayJob, Submission
+from toolkit.cluster.verdicts import (
+    ACTIVE,
+    DEAD,
+    STALE,
+    UNKNOWN,
+    MergeStatus,
+    RunFacts,
+    ShardFacts,
+    SlurmJob,
+    SlurmView,
+    exit_code,
+    expand,
+    index_jobs,
+    merge_status,
+    needs_scontrol,
+    parse_sacct,
+    parse_scontrol,
+    parse_squeue,
+    run_states,
+    shard_status,
+    slurm_view,
+    totals,
+    verdict,
 )
+from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
+from toolkit.formats.manifests import DoneManifest
+from toolkit.formats.progress import Progress
 
 NOW = 1_800_000_000.0
 

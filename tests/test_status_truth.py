@@ -13,15 +13,16 @@ import msgspec
 import pytest
 
 import runs
-import toolkit.status
+import toolkit.cluster.logs
+import toolkit.cluster.status
 from toolkit.cli import main as cli_main
-from toolkit.merge import merge_run
-from toolkit.pipeline import merge_and_audit
-from toolkit.progress import Progress, write_progress
-from toolkit.records import PARTIAL, Record
-from toolkit.slurm import ArrayJob, Jobs, Submission
-from toolkit.states import SlurmJob, SlurmView
-from toolkit.status import RunStatus
+from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
+from toolkit.cluster.status import RunStatus
+from toolkit.cluster.verdicts import SlurmJob, SlurmView
+from toolkit.dataset.finish import merge_and_audit
+from toolkit.dataset.merge import merge_run
+from toolkit.formats.progress import Progress, write_progress
+from toolkit.formats.records import PARTIAL, Record
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def submitted(s: runs.Synth, shards: list[int], merge_job: str = "71") -> None:
 
 def slurm_says(monkeypatch, **states: str) -> None:
     """Slurm's answer for every job, e.g. `slurm_says(mp, **{"70_0": "COMPLETED", "71": "FAILED"})`."""
-    monkeypatch.setattr(toolkit.status, "slurm_view",
+    monkeypatch.setattr(toolkit.cluster.status, "slurm_view",
                         lambda ids: SlurmView(jobs={j: SlurmJob(st, "n1") for j, st in states.items()}))
 
 
@@ -111,7 +112,7 @@ def test_partial_outputs_continued_are_counted_as_continued(tmp_path, kimi, caps
     assert merge_and_audit(s.root) == 0
     summary = capsys.readouterr().out
     assert "6 planned, 6 ok, 0 failed, 0 missing; 1 duplicates kept once, 2 partial outputs continued" in summary
-    from toolkit.auditreport import read_report
+    from toolkit.dataset.audit_report import read_report
 
     report = read_report(s.rd)
     assert report.continued == 2 and report.duplicates == 1
@@ -142,9 +143,9 @@ def test_logs_follow_goes_on_through_requeues_until_the_shard_is_done(tmp_path, 
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 4}, shards=1)
     submitted(s, [0])
     slurm = {"70_0": "RUNNING"}
-    monkeypatch.setattr(toolkit.status, "slurm_view",
+    monkeypatch.setattr(toolkit.cluster.status, "slurm_view",
                         lambda ids: SlurmView(jobs={j: SlurmJob(st, "n1") for j, st in slurm.items()}))
-    monkeypatch.setattr(toolkit.status, "SLURM_ASK_S", 0.1)
+    monkeypatch.setattr(toolkit.cluster.logs, "SLURM_ASK_S", 0.1)
     log = s.rd.log_file(0)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("attempt 1\n")
@@ -188,14 +189,14 @@ def test_logs_follow_ends_when_the_task_failed_for_good(tmp_path, kimi, capsys, 
 def test_why_shards_are_resubmitted_is_said_per_shard(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 9}, shards=3)
     runs.write_run(s, done=[1, 2], failed=[4, 5, 7])  # (a failed record of runs.record is `rejected`: permanent)
-    from toolkit.shardfile import read_done
-    from toolkit.slurm import why_unfinished
+    from toolkit.cluster.submit import why_unfinished
+    from toolkit.formats.manifests import read_done
 
     m = read_done(s.rd.done_file(1))
     s.rd.done_file(1).write_bytes(msgspec.json.encode(msgspec.structs.replace(m, transient=2)))
     assert why_unfinished(s.rd, [0, 1]) == "0 without a done manifest; 1 with 2 failures that may pass"
     assert why_unfinished(s.rd, [1]) == "1 with 2 failures that may pass"
-    from toolkit.retry import request_retry
+    from toolkit.cluster.retry import request_retry
 
     request_retry(s.root, [s.refs[7].id])  # shard 2 loses its done manifest: `retry --ids` asked for one of its ids
     assert why_unfinished(s.rd, [0, 1, 2]) == ("0 without a done manifest; 2 with ids `toolkit retry --ids` asked for; "

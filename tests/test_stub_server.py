@@ -55,7 +55,7 @@ class Stub:
         self.ready_path = "/health" if "0.5.9" in args else "/ready"
         self.log = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(tokenizer),
+        argv = [sys.executable, "-m", "toolkit.stub", "--model-path", str(tokenizer),
                 "--host", "127.0.0.1", "--port", str(self.port), *args]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -232,7 +232,7 @@ def test_text_is_sliced_from_the_corpus_only_after_the_start_check(fleet, tokeni
 
 
 def _parse(*args: str):
-    from toolkit.engines.stub_server import parse_config
+    from toolkit.stub import parse_config
 
     return parse_config(["--model-path", "/m", *args])
 
@@ -267,8 +267,8 @@ def test_stub_takes_sglangs_abbreviations_and_the_imitated_releases_flags():
 
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.9"])
 def test_stub_accepts_every_flag_of_the_release_it_imitates(version):
-    from toolkit.engines.sglang_flags import flag_set
-    from toolkit.engines.stub_server import build_parser
+    from toolkit.engines.sglang_contract.flags import flag_set
+    from toolkit.stub import build_parser
 
     parser = build_parser(version)
     for f in flag_set(version).flags:
@@ -832,7 +832,7 @@ LOADS_ROW = {
 def test_v1_loads_has_the_shape_of_each_release_and_the_client_reads_both(fleet, name, version):
     import asyncio
 
-    from toolkit.client import HttpClient, read_load
+    from toolkit.engines.client import HttpClient, read_load
 
     stub = fleet[name].wait_ready()
     loads = _loads(stub)
@@ -959,7 +959,7 @@ def test_sigterm_to_the_process_group_kills_without_draining(toy_tokenizer, tmp_
 
 
 def test_request_faults_fire_on_the_requests_their_flags_name():
-    from toolkit.engines.stub_server import faults
+    from toolkit.stub import faults
 
     cfg = _parse("--fail-5xx", "2:2", "--hang-after", "4", "--crash-after", "6", "--nan-every", "3")
     got = {n: faults.request_faults(cfg, n) for n in range(1, 8)}
@@ -974,7 +974,7 @@ def test_request_faults_fire_on_the_requests_their_flags_name():
 
 
 def test_poison_fires_on_the_prompts_holding_its_text_after_the_first_requests():
-    from toolkit.engines.stub_server import faults
+    from toolkit.stub import faults
 
     decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
     bad, good = [ord(c) for c in "a BAD one"], [ord(c) for c in "fine"]
@@ -991,7 +991,7 @@ def test_poison_fires_on_the_prompts_holding_its_text_after_the_first_requests()
 
 
 def test_exit_at_start_decision():
-    from toolkit.engines.stub_server import faults
+    from toolkit.stub import faults
 
     assert faults.exit_at_start(_parse()) is None
     assert faults.exit_at_start(_parse("--exit-at-start", "7"))[0] == 7
@@ -1002,7 +1002,7 @@ def test_exit_at_start_decision():
 
 
 def test_sigterm_handler_drains_unless_ignored():
-    from toolkit.engines.stub_server import faults
+    from toolkit.stub import faults
 
     seen = []
     faults.sigterm_handler(_parse(), seen.append)("SIGTERM")

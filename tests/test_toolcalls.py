@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from toolkit.toolcalls import parse_tool_calls
+from toolkit.job.toolcalls import parse_tool_calls
 
 
 def fn(call):

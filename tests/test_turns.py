@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from toolkit.inputs import InputError
-from toolkit.plan import plan_job
-from toolkit.spec import load_spec
-from toolkit.turns import answer_message, turn_messages, user_turns
-
 from jobfiles import make_job, prepared_run
+from toolkit.job.inputs import InputError
+from toolkit.job.plan import plan_job
+from toolkit.job.spec import load_spec
+from toolkit.job.turns import answer_message, turn_messages, user_turns
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -68,14 +67,14 @@ def test_a_conversation_without_a_user_turn_is_named(tmp_path, toy_tokenizer):
 # ---------------------------------------------------------------------------------------------------
 # end to end with the stub engine
 # ---------------------------------------------------------------------------------------------------
-from toolkit import chat  # noqa: E402
 from toolkit.cli import main as cli_main  # noqa: E402
-from toolkit.export import export_run  # noqa: E402
-from toolkit.inputs import scan_dataset  # noqa: E402
-from toolkit.records import unpack_ids  # noqa: E402
-from toolkit.shardfile import read_shard  # noqa: E402
-from toolkit.turns import answer_of, turn_prompt  # noqa: E402
-from toolkit.worker import ShardFailed, run_shard  # noqa: E402
+from toolkit.dataset.export import export_run  # noqa: E402
+from toolkit.formats.frames import read_shard  # noqa: E402
+from toolkit.formats.records import unpack_ids  # noqa: E402
+from toolkit.job import chat  # noqa: E402
+from toolkit.job.inputs import scan_dataset  # noqa: E402
+from toolkit.job.turns import answer_of, turn_prompt  # noqa: E402
+from toolkit.worker.run import ShardFailed, run_shard  # noqa: E402
 
 
 def chats(k: int) -> list[list[dict]]:

@@ -15,15 +15,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from toolkit.preflight import PreflightError
-from toolkit.engines.stub import start_standalone
-from toolkit.plan import PlanError, load_run
-from toolkit.progress import read_progress
-from toolkit.records import unpack_ids
-from toolkit.shardfile import read_done, read_shard
-from toolkit.worker import DONE, ShardFailed, run_shard
-
 from jobfiles import make_job, prepared_run, process_running, write_prompts
+from toolkit.engines.stub import start_standalone
+from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress
+from toolkit.formats.records import unpack_ids
+from toolkit.job.check import PreflightError
+from toolkit.job.plan import PlanError, load_run
+from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 
 def records(run: Path, shard: int = 0):
@@ -108,8 +108,8 @@ def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
 
 @pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
 def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
-    from toolkit import chat
-    from toolkit.spec import load_spec
+    from toolkit.job import chat
+    from toolkit.job.spec import load_spec
 
     tok_dir = toy_tokenizer(family)
     job = make_job(tmp_path, tok_dir, n=16, sampling={"max_new_tokens": 400})
@@ -256,7 +256,7 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
     """A server that stops answering (alive, but wedged): each request times out, is retried, and is recorded
     failed naming the timeout; the shard completes, but a timeout may pass: the done manifest counts it, and the
     next run of the shard generates those prompts again in place, so merge has no failed record."""
-    from toolkit.merge import merge_run
+    from toolkit.dataset.merge import merge_run
 
     job = make_job(tmp_path, kimi, n=6, stub={"hang_after": 3},  # the probe and two prompts are answered
                    client={"concurrency": 2, "request_timeout_s": 1, "retries": 1})
@@ -348,7 +348,7 @@ def test_5xx_bursts_are_retried(tmp_path, kimi):
 
 def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kimi, capsys):
     from toolkit.cli import main as cli_main
-    from toolkit.merge import load_manifest
+    from toolkit.dataset.merge import load_manifest
 
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:12"}, client={"retries": 1, "concurrency": 2})
     rd, _ = prepared_run(job)
@@ -359,7 +359,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert read_done(rd.done_file(0)).transient == len(failed)
     assert cli_main(["logs", str(rd.root), "--failed"]) == 1
     assert f"{len(failed)} failed records that may pass" in capsys.readouterr().out
-    from toolkit.pipeline import merge_and_audit
+    from toolkit.dataset.finish import merge_and_audit
 
     assert merge_and_audit(rd.root) == 1  # failed_share is over its limit, and says what to run
     assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()
@@ -383,7 +383,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
 
 
 def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
-    from toolkit.merge import merge_run
+    from toolkit.dataset.merge import merge_run
 
     job = make_job(tmp_path, kimi, n=12, stub={"nan_every": 4}, client={"concurrency": 1})
     rd, _ = prepared_run(job)
@@ -405,8 +405,8 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
     """The done manifest's sha256 is checked: a damaged file is salvaged (intact frames kept, the original kept
     aside) and only the damaged frame's records are generated again. A bit flip in a descriptor's record count is
     caught like any other damage."""
-    from toolkit.merge import merge_run
-    from toolkit.shardfile import iter_frames
+    from toolkit.dataset.merge import merge_run
+    from toolkit.formats.frames import iter_frames
 
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, client={"concurrency": 1},
                    sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60})
@@ -433,7 +433,7 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
 def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, field, at):
     """The header's format, fingerprint (a byte that is no ASCII, or another hex digit) or shard number damaged:
     salvaged like any other damage (the frames after it kept, the original kept aside), not a traceback."""
-    from toolkit.merge import merge_run
+    from toolkit.dataset.merge import merge_run
 
     job = make_job(tmp_path, kimi, n=9, sampling={"max_new_tokens": 64}, client={"concurrency": 1})
     rd, _ = prepared_run(job)

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from toolkit.cli import main as cli_main
-from toolkit.progress import read_progress
-from toolkit.shardfile import ShardWriter, read_shard
-from toolkit.worker import DONE, ShardFailed, run_shard
-
 from jobfiles import make_job, prepared_run
+from toolkit.cli import main as cli_main
+from toolkit.formats.frames import read_shard
+from toolkit.formats.progress import read_progress
+from toolkit.formats.shardfile import ShardWriter
+from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def kimi(toy_tokenizer):
 def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp_path, kimi, monkeypatch):
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64})
     rd, _ = prepared_run(job)
-    import toolkit.shardfile as sf
+    import toolkit.formats.shardfile as sf
 
     real, calls = os.write, {"n": 0}
 
@@ -53,7 +53,7 @@ def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp
 def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkeypatch, caplog):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
     rd, _ = prepared_run(job)
-    import toolkit.shardfile as sf
+    import toolkit.formats.shardfile as sf
 
     real = os.open
 
@@ -119,7 +119,7 @@ def _with_vocab_size(folder, vocab_size: int) -> None:
 def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_prompt_is_sent(tmp_path, kimi, capsys):
     import shutil
 
-    from toolkit.chat import load_tokenizer
+    from toolkit.job.chat import load_tokenizer
 
     model = tmp_path / "model"
     shutil.copytree(kimi, model)

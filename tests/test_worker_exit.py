@@ -10,16 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from toolkit.engines.stub import start_standalone
-from toolkit.exitguard import EXIT_STUCK, ExitGuard
-from toolkit.rundir import RunDir
-from toolkit.shardfile import read_done
-
 from jobfiles import make_job, prepared_run
+from toolkit.engines.stub import start_standalone
+from toolkit.formats.manifests import read_done
+from toolkit.formats.rundir import RunDir
+from toolkit.worker.exitguard import EXIT_STUCK, ExitGuard
 
 RUNS = 100
 
@@ -27,7 +25,7 @@ RUNS = 100
 # ended by the exit guard with exit 6, or by the test's timeout).
 _DRIVER = textwrap.dedent("""
     import json, sys, threading
-    from toolkit.worker import run_shard
+    from toolkit.worker.run import run_shard
     run, n = sys.argv[1], int(sys.argv[2])
     baseline = {t.ident for t in threading.enumerate()}
     out = []
@@ -147,7 +145,7 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
         rd, _ = prepared_run(job)
         deaf = textwrap.dedent("""
             import asyncio, sys
-            from toolkit import worker
+            from toolkit.worker import run as worker
             async def deaf_watch_load(sh, engine):
                 while True:
                     try:
@@ -169,7 +167,7 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
     log = RunDir(rd.root).log_file(0).read_text()
     assert "the worker has not ended" in log and "after its prompts were all answered" in log
     assert "deaf_watch_load" in log, log[-2000:]
-    from toolkit.shardfile import read_shard
+    from toolkit.formats.frames import read_shard
 
     recs = list(read_shard(rd.shard_file(0)))
     assert [x.status for x in recs] == ["ok"], "the record answered before the hang was flushed"
@@ -178,6 +176,6 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
 
 
 def run_shard_again(rd) -> str:
-    from toolkit.worker import run_shard
+    from toolkit.worker.run import run_shard
 
     return run_shard(rd.root, 0)

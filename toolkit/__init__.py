@@ -1,6 +1,6 @@
 """toolkit: turn a reasoning model served by SGLang into a training dataset, through raw token ids, on Slurm.
 
-Reader API: `read_run(run_dir)` and `read_shard(path)` iterate `Record`s (see toolkit.records).
+Reader API: `read_run(run_dir)` and `read_shard(path)` iterate `Record`s (see toolkit.formats.records).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from .records import Record, unpack_ids
-from .shardfile import read_shard
+from toolkit.formats.frames import read_shard
+from toolkit.formats.records import Record, unpack_ids
 
 __all__ = ["Record", "read_run", "read_shard", "unpack_ids"]
 
@@ -37,7 +37,7 @@ def read_run(run_dir: str | Path) -> Iterator[Record]:
 
     Shard files may hold a record twice (a task that ran twice); the merged dataset never does.
     """
-    from .plan import load_run
+    from toolkit.job.plan import load_run
 
     rd, plan = load_run(run_dir)
     merged = rd.merged_file

@@ -3,7 +3,7 @@
 Exit codes: 0 success; 1 a run, shard or audit failed; 2 bad input (spec, prompt file, tokenizer, run dir)
 or usage; 3 a shard stopped early on a signal and wants to be requeued; 4 (`status`) the state of some shard
 or of the merge job cannot be known because Slurm did not answer; 5 (`status`) the run is still going; 130
-interrupted. `status` exits 0 only for a run that is complete and healthy (states.verdict).
+interrupted. `status` exits 0 only for a run that is complete and healthy (cluster.verdicts.verdict).
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_STOPPED, EXIT_UNKNOWN, ToolkitError
+from toolkit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_IN_PROGRESS,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_UNKNOWN,
+    ToolkitError,
+)
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
 
@@ -67,7 +75,7 @@ line that says what the exit code means:
 
 
 def cmd_check(args) -> int:
-    from .pipeline import prepare_run
+    from toolkit.job.prepare import prepare_run
 
     pf = prepare_run(args.job, dry_run=True, print_warnings=False).preflight
     plan = pf.plan
@@ -85,20 +93,20 @@ def cmd_check(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from .worker import STOPPED, run_shard
+    from toolkit.worker.run import STOPPED, run_shard
 
     return EXIT_STOPPED if run_shard(args.run, args.shard) == STOPPED else EXIT_OK
 
 
 def cmd_run(args) -> int:
-    from .pipeline import prepare_run
+    from toolkit.job.prepare import prepare_run
 
     prep = prepare_run(args.job, new_run=args.new_run, local=True)
     rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
-    from .livebar import LiveBar
-    from .pipeline import run_shards
+    from toolkit.cluster.livebar import LiveBar
+    from toolkit.pipeline import run_shards
 
     with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
         stopped, failed = run_shards(rd.root, shards, log)
@@ -115,7 +123,7 @@ def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, a
         return EXIT_FAILED
     if not merge:
         return EXIT_OK
-    from .pipeline import merge_and_audit
+    from toolkit.dataset.finish import merge_and_audit
 
     return merge_and_audit(rd.root)
 
@@ -124,9 +132,9 @@ def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, a
 # merge, audit, export
 # ---------------------------------------------------------------------------------------------------
 def cmd_merge(args) -> int:
-    from .merge import merge_run
-    from .pipeline import merge_and_audit
-    from .rundir import RunDir
+    from toolkit.dataset.finish import merge_and_audit
+    from toolkit.dataset.merge import merge_run
+    from toolkit.formats.rundir import RunDir
 
     if not args.no_audit:
         return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
@@ -138,14 +146,14 @@ def cmd_merge(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from .pipeline import audit_and_report
+    from toolkit.dataset.finish import audit_and_report
 
     return audit_and_report(args.run)
 
 
 def cmd_export(args) -> int:
-    from . import export
-    from .files import shown_path
+    from toolkit.dataset import export
+    from toolkit.formats.files import shown_path
 
     output = args.output or export.default_output(args.run, args.format)
     n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force)
@@ -158,7 +166,7 @@ def cmd_export(args) -> int:
 # ---------------------------------------------------------------------------------------------------
 def _resources(args):
     """The resource flags of a command line, as the Slurm layer takes them."""
-    from .slurm import Resources
+    from toolkit.cluster.resources import Resources
 
     return Resources(partition=args.partition, account=args.account, qos=args.qos, time=args.time,
                      gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
@@ -167,8 +175,8 @@ def _resources(args):
 
 
 def cmd_submit(args) -> int:
-    from .rundir import RunDir
-    from .slurm import format_dry_run, format_submission, submit
+    from toolkit.cluster.submit import format_dry_run, format_submission, submit
+    from toolkit.formats.rundir import RunDir
 
     r = submit(args.job, _resources(args), dry_run=args.dry_run, new_run=args.new_run)
     if r.submission is None:
@@ -179,7 +187,7 @@ def cmd_submit(args) -> int:
 
 
 def _resubmit(run: str, resources) -> int:
-    from .slurm import format_submission, resubmit, why_unfinished
+    from toolkit.cluster.submit import format_submission, resubmit, why_unfinished
 
     rd, sub, missing = resubmit(run, resources)
     if sub is None:
@@ -195,7 +203,7 @@ def cmd_resubmit(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from .slurm import cancel
+    from toolkit.cluster.submit import cancel
 
     ids = cancel(args.run)
     print(f"cancelled {', '.join(ids)}" if ids else "nothing was submitted for this run")
@@ -203,8 +211,8 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_retry(args) -> int:
-    from .files import shown_path
-    from .retry import read_ids, request_retry
+    from toolkit.cluster.retry import read_ids, request_retry
+    from toolkit.formats.files import shown_path
 
     rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
     if not shards:
@@ -214,7 +222,7 @@ def cmd_retry(args) -> int:
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
     if args.slurm:
         return _resubmit(args.run, _resources(args))
-    from .pipeline import run_shards
+    from toolkit.pipeline import run_shards
 
     stopped, failed = run_shards(rd.root, shards, log)
     return _after_shards(rd, stopped, failed)
@@ -224,14 +232,14 @@ def cmd_retry(args) -> int:
 # status, logs
 # ---------------------------------------------------------------------------------------------------
 def cmd_status(args) -> int:
-    from .status import status_command
+    from toolkit.cluster.status import status_command
 
     return status_command(args.run, watch=args.watch, interval=args.interval, as_json=args.json,
                           unknown_limit_s=args.unknown_limit_s)
 
 
 def cmd_logs(args) -> int:
-    from .status import logs_command
+    from toolkit.cluster.logs import logs_command
 
     return logs_command(args.run, args.shard, follow=args.follow, server=args.server, failed=args.failed,
                         lines=args.lines)
@@ -315,7 +323,7 @@ def _add_slurm_commands(sub) -> None:
 
 
 def _add_status_commands(sub) -> None:
-    from .status import UNKNOWN_LIMIT_S
+    from toolkit.cluster.status import UNKNOWN_LIMIT_S
 
     s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
                        "when complete and healthy", description=STATUS_HELP,
@@ -398,7 +406,7 @@ def _add_merge_commands(sub) -> None:
 
 
 def _add_retry_command(sub) -> None:
-    from . import retry
+    from toolkit.cluster import retry
 
     s = sub.add_parser(
         "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
@@ -433,8 +441,8 @@ RUN_HELP_ARG = "run directory, or the job file (its newest run in output_dir)"
 
 def _run_arg(arg: str) -> str:
     """A run directory as given, or the newest run of a job file (said on stderr, so scripts can tell)."""
-    from .files import shown_path
-    from .plan import run_of_job
+    from toolkit.formats.files import shown_path
+    from toolkit.job.plan import run_of_job
 
     p = Path(arg)
     if not (p.is_file() and p.suffix == ".toml"):
@@ -453,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     quiet = args.command in QUIET_TOKENIZER and not args.verbose
-    logging.getLogger("toolkit.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
+    logging.getLogger("toolkit.job.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
         if args.command in TAKES_A_JOB_FOR_ITS_RUN:
             args.run = _run_arg(args.run)

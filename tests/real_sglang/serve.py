@@ -15,9 +15,9 @@ import json
 import sys
 import time
 
-from toolkit.client import HttpClient
+from toolkit.engines.client import HttpClient
 from toolkit.engines.kinds import make_engine
-from toolkit.spec import load_spec
+from toolkit.job.spec import load_spec
 
 
 def main() -> None:

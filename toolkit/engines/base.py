@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..client import HttpClient, Unreachable, health_generate, parse_response
+from toolkit.engines.client import HttpClient, Unreachable, health_generate, parse_response
 
 __all__ = ["Engine", "EngineError", "free_port", "log_tail"]
 

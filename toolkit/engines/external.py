@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Engine
+from toolkit.engines.base import Engine
 
 __all__ = ["ExternalEngine"]
 

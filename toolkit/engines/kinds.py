@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Engine, EngineError
-from .external import ExternalEngine
-from .sglang import SGLangEngine
-from .stub import StubEngine
+from toolkit.engines.base import Engine, EngineError
+from toolkit.engines.external import ExternalEngine
+from toolkit.engines.sglang import SGLangEngine
+from toolkit.engines.stub import StubEngine
 
 __all__ = ["KINDS", "make_engine"]
 

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 
-from .base import _die_with_parent
+from toolkit.engines.base import _die_with_parent
 
 __all__ = ["rank_argv", "main"]
 

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 
-from .base import LOOPBACK, Engine, EngineError
-from .sglang_flags import MANAGED, check_extra_args
+from toolkit.engines.base import LOOPBACK, Engine, EngineError
+from toolkit.engines.sglang_contract.flags import MANAGED, check_extra_args
 
 __all__ = ["SGLangEngine", "MANAGED", "check_extra_args"]
 
@@ -108,7 +108,7 @@ class SGLangEngine(Engine):
             return
         server = self.server_argv()
         if self.multi_node:
-            from .rank import rank_argv
+            from toolkit.engines.rank import rank_argv
 
             server = rank_argv(server, rank=0, nnodes=self.engine.nodes, dist_init_addr=self.dist_init_addr)
         check_argv_with_sglang(server[3:], env, python=server[0], secret=self.api_key)

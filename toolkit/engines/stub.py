@@ -1,4 +1,4 @@
-"""The `stub` engine: the toolkit's stand-in for SGLang's protocol (engines/stub_server), launched like a server.
+"""The `stub` engine: the toolkit's stand-in for SGLang's protocol (toolkit.stub), launched like a server.
 
 It is a test double of the protocol, not a model: outputs are synthetic, built from the job's tokenizer.
 It runs the demo job and the test suite on CPU nodes, and every log line it writes says what it is.
@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from .base import LOOPBACK, Engine, free_port
+from toolkit.engines.base import LOOPBACK, Engine, free_port
 
 __all__ = ["StubEngine", "start_standalone"]
 
@@ -27,7 +27,7 @@ class StubEngine(Engine):
     def argv(self) -> list[str]:
         m, s = self.spec.model, self.engine.stub
         argv = [
-            sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", m.path,
+            sys.executable, "-m", "toolkit.stub", "--model-path", m.path,
             "--host", LOOPBACK, "--port", str(self.port), "--api-key", self.api_key or "",
             "--think-start", m.think_start, "--think-end", m.think_end,
             "--context-length", str(s.context_length), "--version", s.version,
@@ -58,11 +58,11 @@ def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tu
     """Start a stub server on its own, in its own session, and wait until /health_generate answers 200.
 
     For what drives a stub from outside a worker (benchmarks, tests of `external` engines): the caller owns
-    the process and kills its group. `args` are stub_server flags (e.g. "--fixed-output-tokens", "4096").
+    the process and kills its group. `args` are toolkit.stub flags (e.g. "--fixed-output-tokens", "4096").
     """
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", str(model_path), "--host", LOOPBACK,
+        [sys.executable, "-m", "toolkit.stub", "--model-path", str(model_path), "--host", LOOPBACK,
          "--port", str(port), *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

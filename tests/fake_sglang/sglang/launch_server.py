@@ -128,7 +128,7 @@ keep: list[socket.socket] = []  # open across the exec
 write_record()
 if nnodes > 1:  # rank 0: not ready before every rank has joined
     write_record(joined=rendezvous_rank0(int(args.dist_init_addr.rsplit(":", 1)[1])))
-argv = [sys.executable, "-m", "toolkit.engines.stub_server", "--model-path", args.model_path, "--host", args.host,
+argv = [sys.executable, "-m", "toolkit.stub", "--model-path", args.model_path, "--host", args.host,
         "--port", str(args.port), "--context-length", str(args.context_length or 8192), "--warmup-delay", "0.5",
         "--load-delay", "0.5", *os.environ.get("FAKE_SGLANG_STUB_ARGS", "").split()]
 if args.api_key:

@@ -1,5 +1,5 @@
 """A stand-in for `sglang.srt.server_args`: `ServerArgs.add_cli_args(parser)` registers SGLang's real flags,
-read from the toolkit's flag data (toolkit/engines/sglang_flags.json), as plain argparse options. Version:
+read from the toolkit's flag data (toolkit/engines/sglang_contract/sglang_flags.json), as plain argparse options. Version:
 $FAKE_SGLANG_VERSION, else the newest in the data."""
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[4] / "toolkit" / "engines" / "sglang_flags.json"
+DATA = Path(__file__).resolve().parents[4] / "toolkit" / "engines" / "sglang_contract" / "sglang_flags.json"
 
 
 class ServerArgs:

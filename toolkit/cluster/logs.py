@@ -1,0 +1,254 @@
+"""`toolkit logs`: a shard's worker log (tail, `-f` through requeues until the shard is done or failed for good),
+its server log, the merge job's, and `--failed`: why each failed shard or record failed."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from toolkit.cluster import status  # Slurm is asked through it: tests replace its calls
+from toolkit.cluster.status import unknown_note
+from toolkit.cluster.verdicts import (
+    ACTIVE,
+    BAD_STATES,
+    UNKNOWN,
+    ShardFacts,
+    ShardStatus,
+    index_jobs,
+    shard_status,
+)
+from toolkit.errors import BadInputError
+from toolkit.formats.files import shown_path
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress
+from toolkit.formats.rundir import RunDir
+from toolkit.job.plan import load_run
+
+FINISHED = ("done", "failed", "stopped")  # progress states after which an attempt's log grows no more
+
+
+# ---------------------------------------------------------------------------------------------------
+# logs
+# ---------------------------------------------------------------------------------------------------
+def _tail_lines(path: Path, n: int) -> list[str]:
+    from toolkit.engines.base import log_tail
+
+    return log_tail(path, n).splitlines()
+
+
+def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5):
+    """Print the last `lines` lines, then what is appended, like `tail -f` (Ctrl-C to stop), until `stop_when()`
+    says something (which is returned)."""
+    while not path.exists():
+        if stop_when and (end := stop_when()):
+            return end
+        time.sleep(poll_s)
+    for line in _tail_lines(path, lines):
+        print(line)
+    sys.stdout.flush()
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode("utf-8", "replace"))
+                sys.stdout.flush()
+            elif stop_when and (end := stop_when()):
+                time.sleep(poll_s)  # the last lines are written just after the state changes
+                sys.stdout.write(f.read().decode("utf-8", "replace"))
+                sys.stdout.flush()
+                return end
+            else:
+                time.sleep(poll_s)
+
+
+SLURM_ASK_S = 5.0  # `logs -f` asks Slurm about a stopped or failed attempt's task at most this often
+
+
+class ShardEnd:
+    """Whether a followed shard has ended for good, as a callable: its end ("done", "failed (task 12_0 failed)", ...)
+    or None while more attempts may still write its log.
+
+    A done manifest (or a done progress) ends it. An attempt that stopped or failed ends a shard run here (no Slurm
+    task: nothing requeues it); a shard with a Slurm task ends only when that task is no longer pending, running or
+    requeued (a stop at the time limit, a preemption or `scontrol requeue` comes back as a new attempt), asked at most
+    every SLURM_ASK_S; while Slurm does not answer, it goes on."""
+
+    def __init__(self, rd: RunDir, shard: int):
+        from toolkit.cluster.jobs import read_jobs
+
+        self.rd, self.shard = rd, shard
+        jobs = index_jobs(read_jobs(rd).submissions)
+        self.task = jobs.task_of.get(shard)
+        self.submitted = jobs.submitted_at.get(self.task or "", "")
+        self.asked, self.said = -SLURM_ASK_S, None
+
+    def __call__(self) -> str | None:
+        rd, k = self.rd, self.shard
+        if read_done(rd.done_file(k)) is not None:
+            return "done"
+        p = read_progress(rd.progress_file(k))
+        if p is None or p.state not in FINISHED:
+            return None
+        if p.state == "done" or self.task is None:
+            return p.state
+        if time.monotonic() - self.asked >= SLURM_ASK_S:
+            self.asked = time.monotonic()
+            view = status.slurm_view([self.task.split("_")[0]])
+            st = shard_status(ShardFacts(shard=k, total=p.total, done=None, progress=p), view, job=self.task,
+                              submitted=self.submitted, now=time.time(), run_shown=rd.shown)
+            going = st.state in ACTIVE or st.state == UNKNOWN
+            self.said = None if going else f"{p.state} (task {self.task} {st.state})"
+        return self.said
+
+
+def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], int]:
+    """(failed records, the first `limit` as (id, error), partial outputs to be continued): the newest record of each
+    id, from the merged dataset or else the shard files. A record a later one of its id superseded (a retry, a
+    continuation) is not counted, and a partial output kept at a stop is not a failure: the next attempt continues
+    it."""
+    from toolkit.formats.frames import read_shard
+    from toolkit.formats.records import OK, PARTIAL
+
+    listed = rd.failed_file
+    if rd.manifest_file.exists() and listed.exists() and listed.stat().st_size == 0:
+        return 0, [], 0  # the audit of the merged run found none: no need to read every record
+    if rd.merged_file.exists():
+        files = [rd.merged_file]
+    else:
+        files = [p for k in range(len(load_run(rd.root)[1].shards)) if (p := rd.shard_file(k)).exists()]
+    n, shown, partial = 0, [], 0
+    for path in files:
+        newest: dict[str, tuple[str, str] | None] = {}
+        for rec in read_shard(path):
+            newest[rec.id] = None if rec.status == OK else (rec.status, rec.error or "(no message)")
+        for rid, bad in newest.items():
+            if bad is None:
+                continue
+            if bad[0] == PARTIAL:
+                partial += 1
+                continue
+            n += 1
+            if len(shown) < limit:
+                shown.append((rid, bad[1].splitlines()[0]))
+    return n, shown, partial
+
+
+_REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
+
+
+def _reasons(log: Path, limit: int = 5) -> list[str]:
+    """The lines of a merge job's log that say why it failed (the toolkit's errors, failed audit checks)."""
+    with open(log, errors="replace") as f:
+        return [line.rstrip("\n") for line in f if _REASON.search(line)][:limit]
+
+
+def merge_log(rd: RunDir, job: str) -> Path:
+    """submitit's log of the merge job (stdout and stderr together)."""
+    return rd.job_log(job)
+
+
+def _print_failed(rd: RunDir, lines: int) -> int:
+    """Failed shards (state, error, log tail), a failed merge job's log, then the failed records."""
+    _, rows, merge = status.run_status(rd.root)
+    bad = [r for r in rows if r.state in BAD_STATES]
+    merge_bad = bool(merge.job) and (merge.state or "") in BAD_STATES
+    note = unknown_note(rows, merge)
+    if note:
+        print(note)
+    if not bad:
+        print("no failed shards" + (" among those whose state is known" if note else ""))
+    _print_failed_shards(rd, bad, lines)
+    if merge_bad:
+        log = merge_log(rd, merge.job)
+        print(f"==> merge job {merge.job}: {merge.state} ({shown_path(log)}) <==")
+        if not log.exists():
+            print(f"(no log at {log})")
+        else:
+            for line in _reasons(log):
+                print(f"why: {line}")
+            for line in _tail_lines(log, lines):
+                print(line)
+        print()
+    audit_bad = merge.merged and merge.current and merge.audit == "failed"
+    if audit_bad:
+        print(f"==> the audit of the merged run failed: {shown_path(rd.audit_json)} (`toolkit audit {rd.shown}` "
+              "prints its checks) <==\n")
+    n, recs, partial = failed_records(rd, lines)
+    if partial:
+        print(f"{partial} partial output{'s' if partial > 1 else ''} kept when an attempt stopped: not failures, the "
+              "next run of the shard continues them\n")
+    if n:
+        listed = rd.failed_file
+        where = f"; all ids in {shown_path(listed)}" if listed.exists() else ""
+        print(f"==> {n} failed record{'s' if n > 1 else ''} (prompts the server refused or that errored; "
+              f"{len(recs)} shown{where}) <==")
+        width = max(len(i) for i, _ in recs)
+        for rid, err in recs:
+            print(f"{rid:<{width}}  {err}")
+    return 1 if bad or merge_bad or audit_bad else 0
+
+
+def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None:
+    for r in bad:
+        print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
+        if r.error:
+            print(f"error: {r.error.splitlines()[0]}")
+        if r.stale:
+            print(f"why: {r.stale}")
+        log = rd.log_file(r.shard)
+        if not log.exists() and r.job:  # died before the worker started: submitit's own log says why
+            log = next(iter(rd.job_logs(r.job)), log)
+        for line in _tail_lines(log, lines):
+            print(line)
+        print()
+
+
+def _retryable(rd: RunDir, plan) -> dict[int, int]:
+    """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
+    out = {}
+    for s in plan.shards:
+        m = read_done(rd.done_file(s.index))
+        if m is not None and m.transient:
+            out[s.index] = m.transient
+    return out
+
+
+def _has_shards(rd: RunDir, plan) -> str:
+    n = len(plan.shards)
+    return f"the run {rd.shown} has only shard 0" if n == 1 else f"the run {rd.shown} has shards 0..{n - 1}"
+
+
+def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bool = False, server: bool = False,
+                 failed: bool = False, lines: int = 40) -> int:
+    """`toolkit logs`: a shard's worker (or engine) log, followed with `follow`; or with `failed` every failure."""
+    rd, plan = load_run(run)
+    if failed:
+        retryable = _retryable(rd, plan)
+        if retryable:
+            print(f"{sum(retryable.values())} failed records that may pass (timeouts, 5xx, aborts, NaN) in shards "
+                  f"{', '.join(map(str, retryable))}: `toolkit retry {rd.shown}` generates them again")
+        rc = _print_failed(rd, lines)
+        return max(rc, 1 if retryable else 0)
+    if shard is None:
+        raise BadInputError(f"which shard? {_has_shards(rd, plan)}: e.g. `toolkit logs {rd.shown} 0`; --failed "
+                            "shows every failed record")
+    if not 0 <= shard < len(plan.shards):
+        raise BadInputError(f"no shard {shard}: {_has_shards(rd, plan)}")
+    path = rd.server_log_file(shard) if server else rd.log_file(shard)
+    if follow:
+        try:
+            end = follow_file(path, lines=lines, stop_when=ShardEnd(rd, shard))
+        except KeyboardInterrupt:
+            return 0
+        print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
+        return 0
+    if not path.exists():
+        print(f"{path} does not exist yet (the shard has not started)", file=sys.stderr)
+        return 1
+    for line in _tail_lines(path, lines):
+        print(line)
+    return 0

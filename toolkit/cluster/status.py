@@ -1,0 +1,235 @@
+"""`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, and an exit code that
+says whether the run is complete and healthy.
+
+State comes from the files a run directory holds (done manifests, progress files) and, for runs submitted
+to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct` (history, may lag a few
+seconds or have no row yet). Every Slurm command is bounded (cluster.commands.TIMEOUT_S); when sacct does not
+answer (slurmdbd down), `scontrol show job` tells what slurmctld still remembers; what nobody could tell is
+`unknown`, with why, never guessed as `submitted`, and `status` exits 4 (EXIT_UNKNOWN). `status` exits 0 only for
+a run that is complete and healthy (cluster.verdicts says each code).
+
+This module is the edge: it reads the files and asks Slurm (`read_facts`), then cluster.verdicts derives every
+state from those facts with pure functions; it formats the table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from toolkit.cluster.commands import call
+from toolkit.cluster.verdicts import (
+    ACTIVE,
+    UNKNOWN,
+    MergeStatus,
+    RunFacts,
+    ShardFacts,
+    ShardStatus,
+    SlurmView,
+    Totals,
+    exit_code,
+    index_jobs,
+    is_unknown,
+    needs_scontrol,
+    run_states,
+    totals,
+    verdict,
+)
+from toolkit.cluster.verdicts import slurm_view as view_of_answers
+from toolkit.errors import EXIT_UNKNOWN
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress, worker_gone
+from toolkit.formats.rundir import RunDir
+from toolkit.job.plan import load_run
+
+
+class RunStatus(msgspec.Struct):
+    """`toolkit status RUN --json`: one object, the same figures as the table, and the exit code with its reason."""
+
+    run: str
+    shards: list[ShardStatus]
+    totals: Totals
+    merge: MergeStatus
+    exit: int = 0
+    verdict: str = ""
+
+
+def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> RunStatus:
+    code, why = verdict(rows, merge, rd.shown)
+    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals(rows), merge=merge, exit=code,
+                     verdict=why)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the edge: Slurm's answers and the run's files
+# ---------------------------------------------------------------------------------------------------
+def slurm_view(ids: list[str]) -> SlurmView:
+    """What Slurm says of `ids` (jobs, array jobs): squeue and sacct, and `scontrol show job` for each when sacct
+    does not answer but slurmctld does. Every command is bounded (cluster.commands.TIMEOUT_S)."""
+    if not ids:
+        return view_of_answers(None, None)
+    joined = ",".join(ids)
+    sacct = call(["sacct", "-n", "-P", "-X", "-D", "-j", joined, "--format=JobID,State,NodeList"])
+    squeue = call(["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T|%N|%r"])
+    scontrol = ({j: call(["scontrol", "show", "job", "-o", j]) for j in ids}
+                if needs_scontrol(sacct, squeue) else None)
+    return view_of_answers(sacct, squeue, scontrol)
+
+
+def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
+    """Everything one refresh reads: jobs.json, each shard's done manifest and progress, whether a local worker
+    is gone, Slurm's answers, the time."""
+    from toolkit.cluster.jobs import read_jobs
+
+    rd, plan = load_run(run_dir)
+    jobs = index_jobs(read_jobs(rd).submissions)
+    view = slurm_view(jobs.job_ids)
+    shards = []
+    last_done = 0.0
+    for s in plan.shards:
+        p = read_progress(rd.progress_file(s.index))
+        done = read_done(rd.done_file(s.index))
+        if done is not None:
+            last_done = max(last_done, _mtime(rd.done_file(s.index)) or 0.0)
+        local = done is None and s.index not in jobs.task_of and p is not None
+        shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
+                                 gone=worker_gone(p) if local else None))
+    merged_at = _mtime(rd.manifest_file)
+    return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=merged_at is not None,
+                        now=time.time(), merged_current=merged_at is not None and merged_at >= last_done,
+                        audit=_audit_verdict(rd, merged_at))
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+class _Verdict(msgspec.Struct):
+    passed: bool  # of audit.json: only the verdict is read
+
+
+def _audit_verdict(rd: RunDir, merged_at: float | None) -> str | None:
+    """"passed" / "failed": the verdict of audit.json when it audits the current merge (written after it); else None."""
+    at = _mtime(rd.audit_json)
+    if merged_at is None or at is None or at < merged_at:
+        return None
+    try:
+        return "passed" if msgspec.json.decode(rd.audit_json.read_bytes(), type=_Verdict).passed else "failed"
+    except (OSError, msgspec.MsgspecError):
+        return "failed"  # an audit.json that cannot be read vouches for nothing
+
+
+def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus]:
+    rd, facts = read_facts(run_dir)
+    rows, merge = run_states(facts)
+    return rd, rows, merge
+
+
+# ---------------------------------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------------------------------
+def _fmt_eta(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _fmt_load(r: ShardStatus) -> str:
+    return "-" if r.running is None else f"{r.running}/{r.queued if r.queued is not None else '-'}"
+
+
+def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> str:
+    head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
+            f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
+    lines = [f"run {rd.shown}", head]
+    for r in rows:
+        kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
+        why = "; ".join(x for x in (r.reason, r.stale) if x)
+        lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
+                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
+                      f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}").rstrip())
+    t = totals(rows)
+    lines.append(f"total: {t.done}/{t.total} prompts, {t.failed} failed, {t.output_tokens:,} output tokens, "
+                 f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
+    if merge.job or merge.merged:
+        files = []
+        if merge.merged:
+            files.append(f"{rd.manifest_file.relative_to(rd.root).as_posix()} written"
+                         + ("" if merge.current else ", before a shard finished again"))
+            if merge.current:
+                files.append(f"audit {merge.audit}" if merge.audit else "not audited")
+        if merge.job:
+            lines.append(f"merge: job {merge.job} {merge.state or ''}" + (f" ({merge.reason})" if merge.reason else "")
+                         + (f" ({', '.join(files)})" if files else ""))
+        else:  # merged here (`toolkit run`, `toolkit merge`)
+            lines.append(f"merge: {', '.join(files)}")
+    note = unknown_note(rows, merge)
+    if note:
+        lines.append(note)
+    code, why = verdict(rows, merge, rd.shown)
+    lines.append(f"run: {why} (exit {code})")
+    return "\n".join(lines)
+
+
+def unknown_note(rows: list[ShardStatus], merge: MergeStatus) -> str | None:
+    """One line when Slurm could not tell some states: which, why, and that nothing was guessed."""
+    unknown = [r for r in rows if r.state == UNKNOWN]
+    whys = list(dict.fromkeys(r.reason for r in unknown if r.reason))
+    if merge.state == UNKNOWN and merge.reason:
+        whys = list(dict.fromkeys([*whys, merge.reason]))
+    if not unknown and merge.state != UNKNOWN:
+        return None
+    what = f"{len(unknown)} shard{'s' if len(unknown) != 1 else ''}" + (" and the merge job" if merge.state == UNKNOWN else "")
+    return (f"slurm: the state of {what} is unknown ({whys[0] if whys else 'Slurm did not answer'}"
+            f"{f'; and {len(whys) - 1} more' if len(whys) > 1 else ''}); DONE and OUT TOKENS come from the run "
+            f"directory and are current. Check that slurmctld (squeue) and slurmdbd (sacct) answer, then run status "
+            f"again (exit {EXIT_UNKNOWN})")
+
+
+UNKNOWN_LIMIT_S = 600.0  # --watch gives up after the state has been unknown this long
+
+
+def status_command(run: str | os.PathLike, *, watch: bool = False, interval: float = 5.0, as_json: bool = False,
+                   unknown_limit_s: float = UNKNOWN_LIMIT_S) -> int:
+    """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run ends."""
+    unknown_since: float | None = None
+    while True:
+        rd, rows, merge = run_status(run)
+        if as_json:  # with --watch: one compact object per line, per refresh
+            text = msgspec.json.encode(status_report(rd, rows, merge)).decode()
+            if not watch:
+                text = msgspec.json.format(text, indent=2)
+        else:
+            text = format_status(rd, rows, merge)
+        if not watch:
+            print(text)
+            return exit_code(rows, merge)
+        unknown = is_unknown(rows, merge)
+        if not unknown:
+            unknown_since = None
+        elif unknown_since is None:
+            unknown_since = time.monotonic()
+        if unknown and not as_json:
+            waited = time.monotonic() - unknown_since
+            text += (f"\nstill refreshing every {interval:g} s: the state has been unknown for {waited:.0f} s; "
+                     f"gives up (exit {EXIT_UNKNOWN}) after {unknown_limit_s:.0f} s")
+        sys.stdout.write(("" if as_json else "\x1b[H\x1b[2J") + text + "\n")
+        sys.stdout.flush()
+        if unknown:
+            if time.monotonic() - unknown_since >= unknown_limit_s:
+                print(f"toolkit: error: the state of the run stayed unknown for {unknown_limit_s:.0f} s (Slurm does "
+                      f"not answer); `toolkit status {rd.shown}` once it does", file=sys.stderr)
+                return EXIT_UNKNOWN
+        else:
+            finished = all(r.state not in ACTIVE for r in rows)
+            if finished and merge.state not in ACTIVE:
+                return exit_code(rows, merge)
+        time.sleep(interval)

@@ -1,0 +1,300 @@
+"""Putting a run on the cluster: `submit` (one array task per shard through submitit, split at the cluster's
+MaxArraySize, and a merge-and-audit job with an `afterany` dependency on them), its dry run, `resubmit` and
+`cancel`, and what they print.
+
+The run is validated and planned first (spec, every prompt line, tokenizer and template; sglang is never imported
+here). What was submitted is appended to `RUN/slurm/jobs.json` (cluster.jobs). Time limits and preemption:
+tasks get `--signal=USR2@<signal_delay_s>` and `--requeue`; the task objects (cluster.tasks) stop, write what
+they have and hand over to submitit's checkpointing, which requeues them; a requeued task resumes its shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import msgspec
+
+from toolkit.cluster import resources  # Slurm is asked through the module: tests replace its calls
+from toolkit.cluster.jobs import ArrayJob, Submission, append_submission, job_ids, live_jobs, read_jobs
+from toolkit.cluster.resources import (
+    PartitionInfo,
+    Resources,
+    SlurmError,
+    check_resources,
+    merge_params,
+    refuse,
+    shard_params,
+    validate_on_cluster,
+    validate_resources,
+)
+from toolkit.cluster.tasks import MergeTask, ShardTask
+from toolkit.formats.manifests import needs_work, read_done
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.text import ranges, utc_now
+from toolkit.job.plan import RunPlan, load_run
+
+log = logging.getLogger(__name__)
+
+
+def _executor(rd: RunDir, params: dict[str, Any], *, script_only: bool = False):
+    """submitit's executor for the run; `script_only`: one that only renders scripts (no Slurm needed)."""
+    import submitit
+
+    cls = submitit.SlurmExecutor
+    if script_only:
+        class _ScriptOnly(cls):  # submitit refuses to build an executor where `srun` is missing
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
+
+        cls = _ScriptOnly
+    ex = cls(folder=str(rd.job_folder()), max_num_timeout=20)
+    ex.update_parameters(**params)
+    return ex
+
+
+def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = None) -> str:
+    """The sbatch script submitit writes for these parameters (an array of `array` tasks, or one job), rendered by
+    submitit itself (as `map_array` and `submit` do), so what a dry run shows is what is submitted."""
+    ex = _executor(rd, params, script_only=True)
+    if array is not None:
+        ex.parameters["map_count"] = array
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        return _submit_arrays_unguarded(rd, plan, shards, o)
+    except (FailedJobError, FailedSubmissionError) as e:  # sbatch itself refused (submitit's error holds its output)
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        said = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "no message")
+        raise SlurmError(f"sbatch failed: {said}; check `squeue --me` for jobs this command may already have "
+                         "submitted") from None
+
+
+def _submit_arrays_unguarded(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
+    params = shard_params(plan, o)
+    limit = resources.max_array_size()
+    arrays = []
+    ex = _executor(rd, params)
+    for chunk in _chunks(shards, limit):
+        jobs = ex.map_array(ShardTask(str(rd.root)), chunk)
+        arrays.append(ArrayJob(jobs[0].job_id.split("_")[0], chunk, [str(j.job_id) for j in jobs]))
+    dep = "afterany:" + ":".join(a.job_id for a in arrays)
+    mex = _executor(rd, merge_params(plan, o, dep))
+    merge_job = mex.submit(MergeTask(str(rd.root)))
+    sub = Submission(
+        submitted=utc_now(),
+        arrays=arrays, merge_job_id=str(merge_job.job_id), sbatch={k: v for k, v in params.items() if k != "setup"},
+    )
+    append_submission(rd, sub)
+    return sub
+
+
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no cluster answers
+
+
+DEPENDENCY_PLACEHOLDER = "ARRAY_JOB_ID"
+
+
+PROBE_TIMEOUT_S = 20           # a dry run waits this long for a cluster to answer
+
+
+class ClusterCheck(msgspec.Struct):
+    reachable: bool
+    why: str = ""                           # why not reachable
+    partition: PartitionInfo | None = None  # as validated
+    max_array_size: int = DEFAULT_MAX_ARRAY_SIZE
+
+
+class DryRun(msgspec.Struct):
+    run_dir: str
+    prompts: int
+    datasets: int
+    shards: int
+    fingerprint: str
+    cluster: ClusterCheck
+    arrays: list[list[int]]     # the shards of each array
+    array_scripts: list[str]    # the sbatch script of each array, as submitit writes it
+    merge_script: str
+
+
+def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
+    """Validate against the cluster when one answers (a bad partition or size still raises SlurmError)."""
+    try:  # (a SLURM_CONF that does not exist is said at once: cluster.commands.call)
+        config = resources.slurm_config(timeout=PROBE_TIMEOUT_S)
+    except SlurmError as e:
+        return options, ClusterCheck(reachable=False, why=str(e).splitlines()[0])
+    o, part = validate_on_cluster(plan, options)
+    return o, ClusterCheck(reachable=True, partition=part, max_array_size=resources.max_array_size(config))
+
+
+def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) -> DryRun:
+    """What `submit` would send, without submitting or writing anything: submitit's scripts for each array and
+    for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once they are submitted), for
+    the shards submit would send (those without a done manifest of run directory `rd`). An array of one task is a
+    plain job, as submitit sends it."""
+    rd = rd or RunDir(plan.spec.output_dir)
+    check_resources(plan, options)
+    o, cluster = check_cluster(plan, options)
+    arrays = _chunks(_pending(rd, plan), cluster.max_array_size)
+    params = shard_params(plan, o)
+    scripts = [sbatch_script(rd, params, array=len(a) if len(a) > 1 else None) for a in arrays]
+    names = [DEPENDENCY_PLACEHOLDER] if len(arrays) == 1 else [f"{DEPENDENCY_PLACEHOLDER}_{i + 1}" for i in range(len(arrays))]
+    merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + ":".join(names)))
+    return DryRun(run_dir=rd.shown, prompts=plan.total, datasets=len(plan.datasets), shards=len(plan.shards),
+                  fingerprint=plan.fingerprint, cluster=cluster, arrays=arrays, array_scripts=scripts,
+                  merge_script=merge)
+
+
+def format_dry_run(d: DryRun) -> str:
+    c = d.cluster
+    lines = [f"dry run: {d.prompts} prompts in {d.datasets} datasets -> {d.shards} shards, fingerprint {d.fingerprint}",
+             f"run directory would be: {d.run_dir}"]
+    if c.reachable and c.partition:
+        p = c.partition
+        lines.append(f"validated against the cluster: partition {p.name} (nodes with up to {p.gpus_per_node} GPUs, "
+                     f"{p.cpus_per_node or '?'} CPUs), MaxArraySize {c.max_array_size}")
+    else:
+        lines.append(f"Slurm not reachable: not validated against a cluster ({c.why}); MaxArraySize assumed "
+                     f"{c.max_array_size}")
+    lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
+                 + "; ".join(f"shards {ranges(a, sep=',')}" for a in d.arrays))
+    lines.append("nothing submitted. The scripts submitit will write and sbatch:")
+    for i, (shards, script) in enumerate(zip(d.arrays, d.array_scripts)):
+        runs = (f"one job: runs shard {shards[0]}, sent as a plain job (not an array)" if len(shards) == 1 else
+                f"task i runs shard {shards[0]} + i" if shards == list(range(shards[0], shards[0] + len(shards))) else
+                "task i runs the i-th of them")
+        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs}) <==")
+        lines.append(script.rstrip("\n"))
+    lines.append(f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job id, "
+                 "known once it is submitted <==")
+    lines.append(d.merge_script.rstrip("\n"))
+    return "\n".join(lines)
+
+
+class SubmitResult(msgspec.Struct):
+    """What `submit` did: the run, and its submission (None with dry_run: `dry_run` says what it would send)."""
+
+    run_dir: str
+    plan: RunPlan
+    submission: Submission | None = None
+    dry_run: DryRun | None = None
+
+
+def submit(job: str, resources: Resources | None = None, *, dry_run: bool = False,
+           new_run: bool = False) -> SubmitResult:
+    """Validate and plan `job` (the pre-flight `run` and `check` share), then submit its arrays and merge job, or
+    with dry_run only render them (another run in output_dir is then a warning; a real submission is refused
+    there)."""
+    from toolkit.job.prepare import prepare_run
+
+    o = resources or Resources()
+
+    def validate(plan: RunPlan, rd: RunDir):
+        _check_submittable(rd, plan)
+        check_resources(plan, o)
+        return plan_dry_run(plan, o, rd) if dry_run else validate_resources(plan, o)
+
+    prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True)
+    if dry_run:
+        return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
+    rd, plan, o = prep.run_dir, prep.plan, prep.validated
+    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, _pending(rd, plan), o))
+
+
+def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
+    """The shards of a run without a done manifest (all of them for a run not created yet)."""
+    return [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+
+
+def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
+    """`submit` (and its dry run) refuses a run already submitted, or with every shard done."""
+    if not RunDir.is_run(rd.root):
+        return
+    if read_jobs(rd).submissions:
+        raise refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+    if not _pending(rd, plan):
+        raise refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
+
+
+def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:
+    """Submit one array over exactly the shards without a done manifest (or with transient failures left, see
+    formats.manifests.needs_work), and a new merge job."""
+    rd, plan = load_run(run_dir)
+    live = live_jobs(rd)
+    if live:
+        shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
+        raise SlurmError(f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them or "
+                         f"`toolkit cancel {rd.root}` first")
+    missing = [k for k in range(len(plan.shards)) if needs_work(read_done(rd.done_file(k)))]
+    if not missing:
+        return rd, None, []
+    o = validate_resources(plan, resources or Resources())
+    return rd, _submit_arrays(rd, plan, missing, o), missing
+
+
+def why_unfinished(rd: RunDir, shards: list[int]) -> str:
+    """Why each of `shards` is (re)submitted, grouped: `0-2 without a done manifest; 4 with ids `toolkit retry --ids`
+    asked for; 5 with 3 failures that may pass` (a done manifest that counts transient failures: see
+    formats.manifests.needs_work)."""
+    missing, asked, transient = [], [], {}
+    for k in shards:
+        m = read_done(rd.done_file(k))
+        if m is not None:
+            transient[k] = m.transient
+        else:
+            (asked if rd.retry_file(k).exists() else missing).append(k)
+    parts = [f"{ranges(missing, sep=',')} without a done manifest"] if missing else []
+    if asked:
+        parts.append(f"{ranges(asked, sep=',')} with ids `toolkit retry --ids` asked for")
+    if transient:
+        n = sum(transient.values())
+        parts.append(f"{ranges(list(transient), sep=',')} with {n} failure{'s' if n != 1 else ''} that may pass")
+    return "; ".join(parts)
+
+
+def cancel(run_dir: str | os.PathLike) -> list[str]:
+    rd, _ = load_run(run_dir)
+    ids = job_ids(rd)
+    if ids:
+        resources.slurm_output(["scancel", *ids])
+    return ids
+
+
+MAPPED = 8  # array task -> shard pairs named in full
+
+
+JOBS_FILE = RunDir(".").jobs_file.as_posix()  # as a run directory holds it: slurm/jobs.json
+
+
+def describe_array(a: ArrayJob) -> str:
+    """Which shard each task of an array runs, in words: `Submitted batch job 7 (array of 3 shard tasks: ...)`."""
+    n, first = len(a.shards), a.shards[0]
+    task = lambda i: a.tasks[i] if i < len(a.tasks) else f"{a.job_id}_{i}"  # noqa: E731
+    if n == 1:  # submitit sends a single task as a plain job
+        return f"Submitted batch job {a.job_id} (1 shard task: {task(0)} runs shard {first})"
+    if a.shards == list(range(first, first + n)):
+        which = "task i runs shard i" if first == 0 else f"task i runs shard {first} + i"
+        return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
+               f"shards {ranges(a.shards, sep=',')})"
+    pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
+    more = f", ... ({n - MAPPED} more; the mapping is in {JOBS_FILE})" if n > MAPPED else ""
+    return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
+
+
+def format_submission(rd: RunDir, sub: Submission) -> str:
+    """What `submit` and `resubmit` print: the jobs, like sbatch, then how to watch them."""
+    lines = [describe_array(a) for a in sub.arrays]
+    lines.append(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
+    lines += [f"run directory: {rd.shown}", "watch it with:", f"  toolkit status {rd.shown} --watch",
+              f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f", f"  toolkit logs {rd.shown} --failed"]
+    return "\n".join(lines)

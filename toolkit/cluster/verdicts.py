@@ -1,0 +1,424 @@
+"""The state of each shard and of the merge job, derived from facts already read: pure functions, no I/O.
+
+`cluster.status` reads the facts at the edge (the run's done manifests and progress files, `slurm/jobs.json`, the
+answers of squeue, sacct and `scontrol show job`, whether a local worker's pid is gone, the time) and hands them
+here. From Slurm's answers `slurm_view` builds one `SlurmView`; from it and a shard's files `shard_status`
+derives a `ShardStatus`, and `merge_status` the merge job's `MergeStatus`. A shard whose done manifest exists is
+completed whatever Slurm still says about its task; what no answer tells is `unknown`, with why, never guessed
+as `submitted` (except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet). When slurmctld
+does not answer, sacct's rows of jobs still live (PENDING, RUNNING, ...) are what slurmdbd last heard, not what
+is: those states are unknown too. A generating worker's progress file far older than its refresh interval is
+stale: no pace or ETA is read from it. `verdict` gives `status`'s exit code and the sentence that explains it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+import msgspec
+
+from toolkit.cluster.commands import FAILED, SlurmAnswer
+from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
+from toolkit.formats.manifests import DoneManifest
+from toolkit.formats.progress import REFRESH_S, Progress, stale_for
+from toolkit.formats.text import ranges
+
+__all__ = [
+    "ACTIVE", "BAD_STATES", "DEAD", "STALE", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
+    "ShardStatus", "SlurmJob", "SlurmView", "Totals", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
+    "parse_sacct", "parse_scontrol", "parse_squeue", "run_states", "shard_status", "slurm_view", "totals", "unknown_why",
+    "verdict",
+]
+
+UNKNOWN = "unknown"
+DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
+STALE = "stale"  # a local worker's progress says generating, but the file has not been written for far too long
+ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
+# States after which a shard does not finish without someone acting (resubmit, retry, resume).
+BAD_STATES = ("failed", DEAD, STALE, "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted",
+              "boot_fail", "deadline")
+# Slurm's states of a job that has ended: final, so sacct's word for them holds even when slurmctld is down.
+TERMINAL = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+                      "PREEMPTED", "TIMEOUT"})
+SACCT_LAG_S = 120  # a job neither squeue nor sacct knows this long after its submission is unknown, not submitted
+NO_SUCH_JOB = "Invalid job id specified"  # squeue/scontrol of ids all gone from slurmctld: not a failure
+_LOCAL_STATES = {"done": "completed", "generating": "running", "loading": "running", "starting": "running"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------------
+class ShardStatus(msgspec.Struct):
+    shard: int
+    state: str          # pending running completed failed cancelled requeued timeout stopped incomplete ...
+    done: int
+    total: int
+    failed: int
+    output_tokens: int
+    tok_per_s: float
+    eta_s: float | None
+    job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
+    node: str | None
+    error: str | None
+    reason: str | None = None  # why a pending task waits (squeue's REASON), or why the state is unknown
+    running: int | None = None    # requests the engine generates / keeps queued (its /v1/loads), while running
+    queued: int | None = None
+    kv_usage: float | None = None  # share of the engine's KV cache in use
+    transient: int = 0             # of the failed records, those that may pass when generated again (done manifest)
+    stale: str | None = None       # why the progress file is not believed (not written for far too long)
+
+
+class MergeStatus(msgspec.Struct):
+    job: str | None      # Slurm id of the run's (latest) merge + audit job
+    state: str | None    # its Slurm state, lower case
+    merged: bool         # merged/manifest.json exists
+    reason: str | None = None  # why it is pending, or why its state is unknown
+    current: bool = True       # the merge is newer than every shard's done manifest
+    audit: str | None = None   # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
+
+
+class Totals(msgspec.Struct):
+    done: int
+    total: int
+    failed: int
+    output_tokens: int
+    tok_per_s: float
+    shards: dict[str, int]   # shards per state
+
+
+# ---------------------------------------------------------------------------------------------------
+# what Slurm said
+# ---------------------------------------------------------------------------------------------------
+class SlurmJob(msgspec.Struct):
+    state: str                   # Slurm's word, upper case: PENDING RUNNING COMPLETED REQUEUED ...
+    node: str | None = None
+    reason: str | None = None    # why a pending job waits (squeue %r: Priority, Resources, Dependency, ...)
+
+
+class SlurmView(msgspec.Struct):
+    """What Slurm said about a run's jobs in one refresh, and what it could not say."""
+
+    jobs: dict[str, SlurmJob]    # {job or array-task id: state}
+    sacct: str | None = None     # why sacct gave no answer (None: it answered)
+    squeue: str | None = None    # why squeue gave no answer (None: it answered)
+    stale: dict[str, str] = {}   # {id: live state sacct last heard of} when slurmctld did not answer: not believed
+
+
+def expand(jid: str) -> list[str]:
+    """`12_[3-5,7%2]` -> ['12_3', '12_4', '12_5', '12_7']; other ids unchanged."""
+    m = re.fullmatch(r"(\d+)_\[([^\]]+)\]", jid)
+    if not m:
+        return [jid]
+    base, spec = m.group(1), m.group(2).split("%")[0]
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out += [f"{base}_{i}" for i in range(int(a), int(b or a) + 1)]
+    return out
+
+
+def _lines(a: SlurmAnswer) -> tuple[list[str], str | None]:
+    """(the answer's lines, why there is no answer): ids Slurm no longer knows are an empty answer."""
+    if a.ok:
+        return a.out.splitlines(), None
+    if a.problem == FAILED and NO_SUCH_JOB in a.why:
+        return [], None
+    return [], a.why
+
+
+def _reason(r: str) -> str | None:
+    r = r.strip()
+    return None if r in ("", "None", "(null)") else r.strip("()")
+
+
+def parse_sacct(lines: list[str]) -> tuple[dict[str, SlurmJob], set[str]]:
+    """`sacct -n -P -X -D --format=JobID,State,NodeList` rows: ({id: job}, ids that were requeued)."""
+    jobs: dict[str, SlurmJob] = {}
+    requeued: set[str] = set()
+    for line in lines:
+        parts = line.split("|")
+        if len(parts) < 3 or not parts[1]:
+            continue
+        jid, state, node = parts[0], parts[1].split()[0], parts[2]
+        for j in expand(jid):
+            if state == "REQUEUED":
+                requeued.add(j)
+            jobs[j] = SlurmJob(state, None if node in ("", "None assigned") else node)
+    return jobs, requeued
+
+
+def parse_squeue(lines: list[str]) -> dict[str, SlurmJob]:
+    """`squeue -h -r -o %i|%T|%N|%r` rows: {id: job}."""
+    jobs = {}
+    for line in lines:
+        parts = line.split("|")
+        if len(parts) >= 4:
+            jobs[parts[0]] = SlurmJob(parts[1], parts[2] or None, _reason(parts[3]))
+    return jobs
+
+
+def parse_scontrol(lines: list[str], job_id: str) -> dict[str, SlurmJob]:
+    """`scontrol show job -o ID` lines: what slurmctld still remembers of a job (MinJobAge after it ended)."""
+    jobs = {}
+    for line in lines:
+        f = dict(x.split("=", 1) for x in line.split() if "=" in x)
+        if "JobState" not in f:
+            continue
+        node = f.get("NodeList")
+        node = None if node in (None, "", "(null)") else node
+        state = SlurmJob(f["JobState"], node, _reason(f.get("Reason", "")))
+        task = f.get("ArrayTaskId")
+        ids = expand(f"{f['ArrayJobId']}_[{task}]") if task and f.get("ArrayJobId") else [f.get("JobId", job_id)]
+        for j in ids:
+            jobs[j] = state
+    return jobs
+
+
+def needs_scontrol(sacct: SlurmAnswer, squeue: SlurmAnswer) -> bool:
+    """When sacct did not answer but squeue did, slurmctld is asked about the jobs that left the queue."""
+    return _lines(sacct)[1] is not None and _lines(squeue)[1] is None
+
+
+def slurm_view(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
+               scontrol: dict[str, SlurmAnswer] | None = None) -> SlurmView:
+    """One view of the answers: squeue for live jobs (slurmctld), sacct for the rest (slurmdbd; REQUEUED kept
+    visible), `scontrol show job` ({job id: answer}) for what slurmctld still knows when sacct did not answer.
+    No answers at all (None): nothing was asked (a run never submitted)."""
+    view = SlurmView(jobs={})
+    if sacct is None or squeue is None:
+        return view
+    lines, view.sacct = _lines(sacct)
+    view.jobs, requeued = parse_sacct(lines)
+    lines, view.squeue = _lines(squeue)
+    view.jobs.update(parse_squeue(lines))
+    if view.sacct and not view.squeue:
+        for jid, answer in (scontrol or {}).items():
+            for j, st in parse_scontrol(_lines(answer)[0], jid).items():
+                view.jobs.setdefault(j, st)
+    for j in requeued:
+        st = view.jobs.get(j, SlurmJob("REQUEUED"))
+        if st.state in ("PENDING", "REQUEUED"):
+            view.jobs[j] = SlurmJob("REQUEUED", st.node, st.reason)
+    if view.squeue:  # slurmctld did not answer: a live state in sacct is only what slurmdbd heard last
+        view.stale = {j: st.state for j, st in view.jobs.items() if st.state not in TERMINAL}
+        view.jobs = {j: st for j, st in view.jobs.items() if j not in view.stale}
+    return view
+
+
+# ---------------------------------------------------------------------------------------------------
+# what was submitted
+# ---------------------------------------------------------------------------------------------------
+class JobsIndex(msgspec.Struct):
+    """jobs.json arranged for status: the task that runs each shard (later submissions win), and the merge job."""
+
+    task_of: dict[int, str]          # {shard: Slurm task id}
+    submitted_at: dict[str, str]     # {task id: ISO time of its submission}
+    merge_job: str | None = None
+    merge_submitted: str = ""
+
+    @property
+    def job_ids(self) -> list[str]:
+        """The jobs to ask Slurm about: each array once, and the merge job."""
+        return sorted({t.split("_")[0] for t in self.task_of.values()} | ({self.merge_job} if self.merge_job else set()))
+
+
+def index_jobs(submissions) -> JobsIndex:
+    """`submissions`: slurm.Jobs.submissions, oldest first."""
+    idx = JobsIndex(task_of={}, submitted_at={})
+    for sub in submissions:
+        for a in sub.arrays:
+            for i, k in enumerate(a.shards):
+                idx.task_of[k] = a.tasks[i] if a.tasks else f"{a.job_id}_{i}"
+                idx.submitted_at[idx.task_of[k]] = sub.submitted
+        if sub.merge_job_id:
+            idx.merge_job, idx.merge_submitted = sub.merge_job_id, sub.submitted
+    return idx
+
+
+# ---------------------------------------------------------------------------------------------------
+# the states
+# ---------------------------------------------------------------------------------------------------
+def _age_s(submitted: str, now: float) -> float | None:
+    try:
+        return now - _dt.datetime.fromisoformat(submitted).timestamp()
+    except ValueError:
+        return None
+
+
+def unknown_why(view: SlurmView, job: str, submitted: str, now: float) -> str | None:
+    """Why the state of `job`, which no answer named, cannot be known (None: it is only submitted yet)."""
+    if view.sacct and view.squeue:
+        return f"{view.squeue}; {view.sacct}"
+    if job in view.stale:
+        return (f"{view.squeue}; sacct still says {view.stale[job].lower()}, which only slurmctld could confirm "
+                f"(slurmdbd keeps the last state it was told)")
+    if view.sacct:
+        return f"{view.sacct}; squeue and scontrol no longer know job {job}"
+    if view.squeue:
+        return f"{view.squeue}; sacct has no row for job {job}"
+    age = _age_s(submitted, now)
+    if age is not None and age > SACCT_LAG_S:
+        return f"neither squeue nor sacct knows job {job}, submitted {age / 60:.0f} min ago"
+    return None
+
+
+class ShardFacts(msgspec.Struct):
+    """What the run directory says of one shard, as read."""
+
+    shard: int
+    total: int                       # prompts it owns
+    done: DoneManifest | None        # its done manifest
+    progress: Progress | None        # its progress file
+    gone: str | None = None          # why its local worker is gone (progress.worker_gone), when it is
+
+
+def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
+                 run_shown: str) -> ShardStatus:
+    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, else (no Slurm
+    job: `toolkit run`) its progress file and whether its local worker is still alive."""
+    k, done = f.shard, f.done
+    p = f.progress or Progress(shard=k, state="pending", total=f.total)
+    error = p.error
+    stale_s = stale_for(p, now) if done is None else None
+    known = view.jobs.get(job) if job else None
+    node = known.node if known else None
+    reason = known.reason if known and known.state in ("PENDING", "REQUEUED") else None
+    if done is not None:
+        state, reason = "completed", None
+    elif known:
+        state = known.state.lower()
+        if state == "completed":  # the task ended without finishing the shard (e.g. stopped, not requeued)
+            state = "incomplete"
+    elif job:
+        reason = unknown_why(view, job, submitted, now)
+        state = UNKNOWN if reason else "submitted"  # submitted: sacct has no row yet
+    elif f.gone:
+        state = DEAD
+        error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
+    else:
+        state = _LOCAL_STATES.get(p.state, p.state)
+        if state == "running" and stale_s is not None:  # the progress file is all there is to go by, and it is old
+            state = STALE
+    stale = None
+    if stale_s is not None and state in ("running", UNKNOWN, STALE):
+        stale = (f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
+                 f"{REFRESH_S:g} s): its worker is dead or hung")
+    running = state == "running" and stale is None
+    return ShardStatus(
+        shard=k, state=state, done=done.records if done else p.done, total=f.total,
+        failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
+        tok_per_s=p.tok_per_s if running else 0.0, eta_s=p.eta_s() if running else None,
+        job=job, node=node or (p.host or None), error=error, reason=reason, transient=done.transient if done else 0,
+        stale=stale, **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
+    )
+
+
+def merge_status(view: SlurmView, *, job: str | None, submitted: str, merged: bool, now: float, current: bool = True,
+                 audit: str | None = None) -> MergeStatus:
+    """The merge + audit job's state: what Slurm says, else unknown (with why) or only submitted; and what the run
+    directory says of the merge (`merged`, `current`: newer than every done manifest; `audit`: its verdict)."""
+    files = {"merged": merged, "current": current, "audit": audit}
+    if not job:
+        return MergeStatus(job=None, state=None, **files)
+    known = view.jobs.get(job)
+    if known:
+        reason = known.reason if known.state == "PENDING" and known.reason else None
+        return MergeStatus(job=job, state=known.state.lower(), reason=reason, **files)
+    why = unknown_why(view, job, submitted, now)
+    return MergeStatus(job=job, state=UNKNOWN if why else "submitted", reason=why, **files)
+
+
+class RunFacts(msgspec.Struct):
+    """Everything `status` reads of a run in one refresh."""
+
+    run_shown: str
+    shards: list[ShardFacts]
+    jobs: JobsIndex
+    view: SlurmView
+    merged: bool                 # merged/manifest.json exists
+    now: float                   # Unix time of the refresh
+    merged_current: bool = True  # merged/manifest.json is newer than every done manifest
+    audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
+
+
+def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
+    rows = [shard_status(s, f.view, job=f.jobs.task_of.get(s.shard),
+                         submitted=f.jobs.submitted_at.get(f.jobs.task_of.get(s.shard, ""), ""), now=f.now,
+                         run_shown=f.run_shown) for s in f.shards]
+    return rows, merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
+                              now=f.now, current=f.merged_current, audit=f.audit)
+
+
+def totals(rows: list[ShardStatus]) -> Totals:
+    by_state: dict[str, int] = {}
+    for r in rows:
+        by_state[r.state] = by_state.get(r.state, 0) + 1
+    return Totals(done=sum(r.done for r in rows), total=sum(r.total for r in rows), failed=sum(r.failed for r in rows),
+                  output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
+                  shards=dict(sorted(by_state.items())))
+
+
+def is_unknown(rows: list[ShardStatus], merge: MergeStatus) -> bool:
+    return any(r.state == UNKNOWN for r in rows) or merge.state == UNKNOWN
+
+
+def exit_code(rows: list[ShardStatus], merge: MergeStatus) -> int:
+    """`status`'s exit code: see `verdict`."""
+    return verdict(rows, merge)[0]
+
+
+def _shards(rows: list[ShardStatus]) -> str:
+    return f"shard{'s' if len(rows) != 1 else ''} {ranges([r.shard for r in rows], sep=',', limit=8)}"
+
+
+def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN") -> tuple[int, str]:
+    """`status`'s exit code and the sentence that says why, the first that holds of:
+
+    0 (EXIT_OK) complete and healthy: every shard completed with no failure that may pass, merged after the last
+      shard finished, and the audit of that merge passed;
+    1 (EXIT_FAILED) failed: a shard failed, timed out, was cancelled, its worker is dead or stale, the merge job
+      failed or the audit did; (a shard still running does not change it: the run cannot complete on its own);
+    4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer);
+    5 (EXIT_IN_PROGRESS) still going: shards or the merge job pending or running;
+    1 (EXIT_FAILED) ended without completing: shards stopped, failures that may pass left, not merged (or merged
+      before a shard changed), not audited: what to run next is said."""
+    retry = [r for r in rows if r.state == "completed" and r.transient]
+    if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
+            and merge.audit == "passed"):
+        return EXIT_OK, "complete: every shard done, merged, audit passed"
+    problems = []
+    bad = [r for r in rows if r.state in BAD_STATES]
+    for st in dict.fromkeys(r.state for r in bad):
+        these = [r for r in bad if r.state == st]
+        problems.append(f"{_shards(these)} {st}")
+    if merge.job and merge.state in BAD_STATES:
+        problems.append(f"merge job {merge.job} {merge.state}")
+    if merge.merged and merge.current and merge.audit == "failed":
+        problems.append("the audit failed")
+    if problems:
+        return EXIT_FAILED, f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why"
+    if is_unknown(rows, merge):
+        return EXIT_UNKNOWN, "unknown: Slurm did not say the state of every job (see above)"
+    active = [r for r in rows if r.state in ACTIVE]
+    if active or merge.state in ACTIVE:
+        going = [f"{_shards(active)} not finished"] if active else []
+        if merge.state in ACTIVE:
+            going.append(f"merge job {merge.job} {merge.state}")
+        return EXIT_IN_PROGRESS, f"in progress: {'; '.join(going)}"
+    todo = []
+    unfinished = [r for r in rows if r.state != "completed"]
+    if unfinished:
+        todo.append(f"{_shards(unfinished)} {'/'.join(dict.fromkeys(r.state for r in unfinished))}: "
+                    f"`toolkit resubmit {run_shown}` (or `toolkit run JOB`) resumes them")
+    if retry:
+        todo.append(f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
+                    f"`toolkit retry {run_shown}`")
+    if not unfinished and not retry:
+        if not merge.merged:
+            todo.append(f"not merged: `toolkit merge {run_shown}`")
+        elif not merge.current:
+            todo.append(f"merged before a shard finished again: `toolkit merge {run_shown}`")
+        elif merge.audit is None:
+            todo.append(f"not audited: `toolkit audit {run_shown}`")
+    return EXIT_FAILED, f"not complete: {'; '.join(todo)}"

@@ -1,0 +1,77 @@
+"""The end that `run`, `retry`, the final Slurm job and the `merge` and `audit` commands share: merge the shards,
+audit the merged records in the same pass, write the reports, print the summary. Two merges of one run wait for
+each other (the run's merge lock)."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+
+from toolkit.dataset import audit, report
+from toolkit.dataset.merge import finished_shards, io_error, merge_run
+from toolkit.formats.rundir import RunDir
+from toolkit.job.plan import load_run
+
+__all__ = ["audit_and_report", "merge_and_audit"]
+
+
+def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:
+    """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
+
+    Returns 0 when the run merged completely and the audit passed, 1 otherwise. Raises MergeError when it
+    cannot merge (e.g. unfinished shards without `allow_incomplete`; the message says what to do).
+    """
+    out = out or sys.stdout
+    rd, plan = load_run(run_dir)
+    finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
+    with _merge_lock(rd):
+        auditor = audit.Auditor(rd, plan)
+        manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
+        try:
+            result = auditor.finish(manifest)
+            report.write_reports(rd, result)
+        except OSError as e:
+            raise io_error(e, rd, "merge") from None
+    print(report.summary_table(result), file=out)
+    return 0 if result.passed else 1
+
+
+class _merge_lock:
+    """Held while a run is merged and audited: a second merge of the run (another `toolkit run` finishing at the
+    same time) waits for the first, then merges again, instead of failing."""
+
+    def __init__(self, rd: RunDir):
+        self.path = rd.merge_lock
+
+    def __enter__(self):
+        self.fd: int | None = None
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger("toolkit.dataset.merge").info("another merge of this run is under way: waiting for it to end")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no flock here, or a run directory not writable: merge_run says what it cannot do
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> int:
+    """Audit a merged run, write the reports, print the summary: 0 when the audit passed, 1 otherwise.
+
+    Raises MergeError when the run has no readable merged dataset.
+    """
+    rd, _ = load_run(run_dir)
+    try:
+        result = audit.audit_run(rd.root)
+        report.write_reports(rd, result)
+    except OSError as e:
+        raise io_error(e, rd, "audit") from None
+    print(report.summary_table(result), file=out or sys.stdout)
+    return 0 if result.passed else 1

@@ -1,0 +1,404 @@
+"""Merge: the shard files of a run into one dataset, in planned order, exactly once by id, with a manifest.
+
+The merged dataset, `RUN/merged/records.zst`, has the format of a shard file (`read_shard` reads it) with
+shard number MERGED. Memory stays flat whatever the run's size: shards are merged one at a time, in two
+passes. The first pass reads every frame and keeps, per planned position, where its record lives (frame
+number and index in the frame, in compact arrays); it resolves duplicates (an id written again, by a retry of a
+failed record or a task that ran twice: the record written last supersedes the earlier ones; a partial output
+kept at a stop and superseded by its continuation is counted apart, as continued, not as a duplicate) and notes
+damaged frames, reading on past them to the next intact frame. The
+second pass writes the records in planned order, decoding frames through a small cache bounded in bytes and
+reading a frame again when it was evicted. Every problem (duplicate, damaged or torn frame, record that is not
+the shard's, missing record) is counted and named in `merged/manifest.json`, never skipped in silence.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
+from toolkit.formats.frames import CorruptShard, Damage, decode_batch, intact_frames, read_frame_at, read_header
+from toolkit.formats.manifests import DoneManifest, read_done
+from toolkit.formats.records import OK, PARTIAL, Record
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardfile import ShardWriter
+from toolkit.formats.text import ranges, utc_now
+from toolkit.job.plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
+
+__all__ = [
+    "MERGED",
+    "FrameProblem",
+    "MergeError",
+    "MergeManifest",
+    "finished_shards",
+    "load_manifest",
+    "merge_run",
+    "planned_refs",
+]
+
+log = logging.getLogger(__name__)
+
+MERGED = 2**32 - 1             # shard number in the merged file's header
+MANIFEST_FORMAT = 1
+CACHE_BYTES = 64 << 20         # decoded frames kept by the second pass
+MERGED_FLUSH_RECORDS = 128     # records per frame of the merged file
+SAMPLE_IDS = 100               # ids listed in the manifest per kind of problem (all are counted)
+
+
+class MergeError(BadInputError):
+    """A run that cannot be merged as asked; the message says why and what to do."""
+
+
+class FrameProblem(msgspec.Struct):
+    shard: int
+    file: str
+    offset: int      # byte offset of the frame in the shard file
+    why: str
+
+
+class ShardMerge(msgspec.Struct):
+    index: int
+    file: str
+    done: bool                   # has a done manifest of this run
+    frames: int = 0
+    records: int = 0             # records read (duplicates and foreign ones included)
+    kept: int = 0
+    duplicates: int = 0          # records superseded by a later one of their id (partial outputs continued apart)
+    foreign: int = 0             # records whose id or position this shard does not own
+    missing: int = 0
+    bytes: int = 0
+    sha256: str | None = None
+    matches_done: bool | None = None  # the file's sha256 equals its done manifest's (None: no manifest)
+    continued: int = 0           # partial outputs (kept at a stop) superseded by the record that continued them
+
+
+class DatasetCounts(msgspec.Struct):
+    planned: int
+    ok: int = 0
+    failed: int = 0
+    missing: int = 0
+
+
+class MergeManifest(msgspec.Struct):
+    format: int
+    run: str
+    fingerprint: str
+    created: str
+    allow_incomplete: bool
+    complete: bool               # every planned prompt present exactly once and no damaged frame
+    planned: int
+    records: int
+    ok: int
+    failed: int
+    missing: int
+    duplicates: int
+    foreign: int
+    prompt_tokens: int
+    output_tokens: int
+    datasets: dict[str, DatasetCounts]
+    shards: list[ShardMerge]
+    corrupt: list[FrameProblem]  # damaged frames inside a file (their records are missing)
+    torn: list[FrameProblem]     # incomplete last frames (a write cut short)
+    file: str
+    bytes: int
+    sha256: str
+    missing_ids: list[str] = []      # the first SAMPLE_IDS; all are in missing_ids.txt
+    duplicate_ids: list[str] = []
+    foreign_ids: list[str] = []
+    continued: int = 0               # partial outputs superseded by their continuation: not duplicates
+
+
+# ---------------------------------------------------------------------------------------------------
+# merging
+# ---------------------------------------------------------------------------------------------------
+class _Totals:
+    def __init__(self, plan: RunPlan):
+        self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
+        self.records = self.ok = self.failed = self.prompt_tokens = self.output_tokens = 0
+        self.duplicates = self.foreign = self.missing = self.continued = 0
+        self.duplicate_ids: list[str] = []
+        self.foreign_ids: list[str] = []
+        self.missing_ids: list[str] = []
+
+
+def _merge_shard(
+    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
+    corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
+    missing_out, cache_bytes: int,
+) -> None:
+    n, first = sp.count, sp.first
+    frame_of = array("q", [-1]) * n      # frame number holding the kept record of each position
+    item_of = array("i", [0]) * n        # index of that record in its frame
+    partial_at = bytearray(n)             # 1 where that record is a partial output (to be continued)
+    offsets: list[int] = []               # frame number -> byte offset
+    sizes: list[int] = []                 # frame number -> decompressed size
+
+    # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
+    if path is not None:
+        damage: list[Damage] = []
+        for frame in intact_frames(path, damage):
+            recs = decode_batch(frame)  # decoded and counted by read_frame, so the second pass cannot fail on it
+            fno = len(offsets)
+            offsets.append(frame.offset)
+            sizes.append(len(frame.data))
+            sm.frames += 1
+            for i, h in enumerate(recs):
+                sm.records += 1
+                pos = h.index - first
+                if not 0 <= pos < n or refs[pos].id != h.id:
+                    sm.foreign += 1
+                    if len(t.foreign_ids) < SAMPLE_IDS:
+                        t.foreign_ids.append(h.id)
+                    continue
+                if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
+                    sm.continued += 1
+                elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
+                    sm.duplicates += 1
+                    if len(t.duplicate_ids) < SAMPLE_IDS:
+                        t.duplicate_ids.append(h.id)
+                frame_of[pos], item_of[pos] = fno, i
+                partial_at[pos] = h.status == PARTIAL
+        for d in damage:
+            (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
+
+    # Pass 2: records in planned order, frames decoded through a cache bounded in bytes.
+    uses = [0] * len(offsets)
+    for fno in frame_of:
+        if fno >= 0:
+            uses[fno] += 1
+    cache: OrderedDict[int, list[Record]] = OrderedDict()
+    cached = 0
+    for pos in range(n):
+        fno = frame_of[pos]
+        if fno < 0:
+            sm.missing += 1
+            ref = refs[pos]
+            t.datasets[plan.datasets[ref.dataset].name].missing += 1
+            if len(t.missing_ids) < SAMPLE_IDS:
+                t.missing_ids.append(ref.id)
+            missing_out.write(ref.id + "\n")
+            continue
+        batch = cache.get(fno)
+        if batch is None:
+            batch = decode_batch(read_frame_at(path, offsets[fno]))
+            cache[fno] = batch
+            cached += sizes[fno]
+            while cached > cache_bytes and len(cache) > 1:
+                old, _ = cache.popitem(last=False)
+                cached -= sizes[old]
+        else:
+            cache.move_to_end(fno)
+        rec = batch[item_of[pos]]
+        uses[fno] -= 1
+        if not uses[fno]:
+            del cache[fno]
+            cached -= sizes[fno]
+        sm.kept += 1
+        emit(rec)
+
+
+def planned_refs(rd: RunDir, plan: RunPlan) -> PlannedRefs:
+    """The plan's prompt refs; MergeError when the run directory does not hold them."""
+    try:
+        return PlannedRefs(rd, plan)
+    except PlanError as e:
+        raise MergeError(str(e)) from None
+
+
+def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False) -> dict[int, DoneManifest]:
+    """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
+    not_done, done = [], {}
+    for s in plan.shards:
+        m = read_done(rd.done_file(s.index))
+        if m is not None and m.fingerprint == plan.fingerprint:
+            done[s.index] = m
+        else:
+            not_done.append(s.index)
+    if not_done and not allow_incomplete:
+        raise MergeError(
+            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
+            f"{ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
+            f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
+        )
+    return done
+
+
+def merge_run(
+    run_dir: str | os.PathLike, *, allow_incomplete: bool = False,
+    on_record: Callable[[Record], None] | None = None, cache_bytes: int = CACHE_BYTES,
+) -> MergeManifest:
+    """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
+
+    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
+    merged record, in planned order (the audit runs in the same pass this way). A file system that fails it (full,
+    read-only) is a MergeError in one line, nothing left behind.
+    """
+    rd, plan = load_run(run_dir)
+    try:
+        return _merge_run(rd, plan, allow_incomplete, on_record, cache_bytes)
+    except OSError as e:
+        raise io_error(e, rd, "merge") from None
+
+
+def io_error(e: OSError, rd: RunDir, command: str) -> MergeError:
+    """The MergeError of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
+    return MergeError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"), exit_code=EXIT_FAILED)
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e`, naming `path` when it names no file (a failed write does not)."""
+    if e.filename is None:
+        e.filename = str(path)
+    return e
+
+
+def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Callable[[Record], None] | None,
+               cache_bytes: int) -> MergeManifest:
+    done = finished_shards(rd, plan, allow_incomplete=allow_incomplete)
+    refs = planned_refs(rd, plan)
+    out_dir = rd.merged_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{rd.merged_file.name}.tmp"
+    _clear_stale(tmp)
+    writer = ShardWriter(tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9)
+    try:
+        writer.open()
+    except RuntimeError:
+        raise MergeError(f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end") from None
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _named(e, rd.merged_file)
+    t = _Totals(plan)
+    corrupt: list[FrameProblem] = []
+    torn: list[FrameProblem] = []
+    shards: list[ShardMerge] = []
+
+    def emit(rec: Record) -> None:
+        writer.add(rec)
+        c = t.datasets.setdefault(rec.dataset, DatasetCounts(planned=0))
+        if rec.status == OK:
+            c.ok += 1
+            t.ok += 1
+        else:
+            c.failed += 1
+            t.failed += 1
+        t.records += 1
+        t.prompt_tokens += len(rec.prompt_ids) >> 2
+        t.output_tokens += len(rec.output_ids) >> 2
+        if on_record is not None:
+            on_record(rec)
+
+    missing_tmp = out_dir / f".{rd.missing_file.name}.tmp"
+    try:
+        with open(missing_tmp, "w") as missing_out:
+            for s in plan.shards:
+                path = rd.shard_file(s.index)
+                sm = ShardMerge(index=s.index, file=str(path), done=s.index in done)
+                readable = _check_file(path, s.index, plan, sm, done, corrupt)
+                log.info("merging shard %d (%d planned records)", s.index, s.count)
+                _merge_shard(s, sm, path if readable else None, refs.shard(s.index), plan, t, corrupt, torn, emit,
+                             missing_out, cache_bytes)
+                t.duplicates += sm.duplicates
+                t.continued += sm.continued
+                t.foreign += sm.foreign
+                t.missing += sm.missing
+                shards.append(sm)
+        writer.close()
+        sha = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, rd.merged_file)
+        os.replace(missing_tmp, rd.missing_file)
+        fsync_dir(out_dir)
+    except BaseException as e:
+        if isinstance(e, OSError):
+            _named(e, rd.merged_file)
+        try:
+            writer.close()
+        except OSError:  # the file system that failed the merge fails its last flush too
+            pass
+        for p in (tmp, missing_tmp):
+            p.unlink(missing_ok=True)
+        raise
+    manifest = MergeManifest(
+        format=MANIFEST_FORMAT, run=plan.name, fingerprint=plan.fingerprint, created=utc_now(),
+        allow_incomplete=allow_incomplete,
+        complete=not (t.missing or corrupt or t.foreign) and t.records == plan.total,
+        planned=plan.total, records=t.records, ok=t.ok, failed=t.failed, missing=t.missing,
+        duplicates=t.duplicates, foreign=t.foreign, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
+        datasets=t.datasets, shards=shards, corrupt=corrupt, torn=torn, file=rd.merged_file.name, bytes=size, sha256=sha,
+        missing_ids=t.missing_ids, duplicate_ids=t.duplicate_ids, foreign_ids=t.foreign_ids, continued=t.continued,
+    )
+    atomic_write(rd.manifest_file, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
+    _log_problems(rd, manifest)
+    return manifest
+
+
+def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest], corrupt: list[FrameProblem]) -> bool:
+    """Size and checksum of a shard file; False when it is absent or not this shard's (then reported)."""
+    if not path.exists():
+        return False
+    sm.bytes = path.stat().st_size
+    if sm.done:
+        sm.sha256 = sha256_file(path)
+        sm.matches_done = sm.sha256 == done[k].sha256
+    try:
+        head = read_header(path)
+    except CorruptShard as e:
+        corrupt.append(FrameProblem(k, str(path), e.offset, e.why))
+        return False
+    if head is not None and head != (plan.fingerprint, k):
+        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's shard {k}"))
+        return False
+    return True
+
+
+def _clear_stale(tmp: Path) -> None:
+    """Remove the temporary file of a merge that was killed; refuse if a merge still holds it."""
+    try:
+        fd = os.open(tmp, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise MergeError(f"another merge of this run is writing {tmp}; wait for it to end") from None
+    finally:
+        os.close(fd)
+    tmp.unlink(missing_ok=True)
+
+
+def _log_problems(rd: RunDir, m: MergeManifest) -> None:
+    for p in m.corrupt:
+        log.error("shard %d: damaged frame in %s at byte %d (%s); its records are counted missing", p.shard, p.file,
+                  p.offset, p.why)
+    for p in m.torn:
+        log.warning("shard %d: torn last frame in %s at byte %d (%s)", p.shard, p.file, p.offset, p.why)
+    if m.continued:
+        log.info("%d partial outputs (kept at a stop) superseded by the records that continued them", m.continued)
+    if m.duplicates:
+        log.warning("%d records superseded by a later record of the same id (e.g. %s)", m.duplicates, ", ".join(m.duplicate_ids[:3]))
+    if m.foreign:
+        log.error("%d records do not belong to their shard's plan (e.g. %s); left out", m.foreign,
+                  ", ".join(m.foreign_ids[:3]))
+    if m.missing:
+        log.warning("%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.missing_file)
+    log.info("merged %d records (%d ok, %d failed) into %s", m.records, m.ok, m.failed, rd.merged_file)
+
+
+def load_manifest(rd: RunDir) -> MergeManifest:
+    path = rd.manifest_file
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=MergeManifest)
+    except FileNotFoundError:
+        raise MergeError(f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` first") from None
+    except msgspec.MsgspecError as e:
+        raise MergeError(f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again") from None

@@ -1,0 +1,176 @@
+"""The lock a shard file's writer holds: two tasks never interleave frames.
+
+flock on the shard file where the file system has it. Where it does not (older NFS, Lustre mounted without flock:
+ENOLCK, EOPNOTSUPP, ENOSYS), an exclusive lock file `NNNNN.zst.lock` created with O_CREAT|O_EXCL stands in
+(`LockFile`): it names host, pid and start time (a `LockHolder`), a stale one is taken over (same host and pid
+gone, or another host's untouched for STALE_LOCK_S), any other is refused with how to remove it. Where flock
+works but is node-local, the Slurm array runs one task per shard.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+
+from toolkit.formats.text import local_time
+
+log = logging.getLogger(__name__)
+
+class ShardLocked(RuntimeError):
+    """Another writer holds this shard file (or may): the message says who and what to do."""
+
+
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})  # file systems without flock
+STALE_LOCK_S = 2 * 3600  # another host's lock file untouched this long is stale (its writer touches it per batch)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LockHolder(msgspec.Struct):
+    """What a shard's lock file holds: who took it and when (`started` in epoch seconds, `since` for people)."""
+
+    host: str
+    pid: int
+    started: float
+    since: str = "?"
+
+
+class LockFile:
+    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with O_CREAT|O_EXCL, holding a
+    `LockHolder`; touched at every batch written, removed when the writer closes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.held = False
+        self.mine = b""
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._judge()  # raises ShardLocked, or has moved a stale lock aside
+                continue
+            now = time.time()
+            self.mine = msgspec.json.encode(LockHolder(socket.gethostname(), os.getpid(), now, local_time(now)))
+            try:
+                os.write(fd, self.mine)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.held = True
+            return
+        raise ShardLocked(f"{self.path}: other writers keep taking this shard's lock file; is the shard submitted twice?")
+
+    def _refuse(self, why: str) -> ShardLocked:
+        return ShardLocked(f"{self.path.parent / self.path.name[:-5]} is locked by another worker of this shard: {why} "
+                           f"(this file system has no flock, so the lock file {self.path.name} stands in). If no task "
+                           f"of this shard runs any more (squeue, ps), remove it: rm {self.path}")
+
+    def _judge(self) -> None:
+        try:
+            seen = self.path.read_bytes()
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released meanwhile: try again
+        try:
+            holder = msgspec.json.decode(seen, type=LockHolder)
+            host, pid, since = holder.host, holder.pid, holder.since
+        except msgspec.DecodeError:  # msgspec.ValidationError included
+            if age < 60:  # being written right now
+                raise self._refuse("its lock file is being written") from None
+            host, pid, since = "", 0, "?"
+        if host == socket.gethostname():
+            if _pid_alive(pid):
+                raise self._refuse(f"pid {pid} on this host holds it since {since}")
+            log.warning("%s: taking over the lock of pid %d on this host, which is gone", self.path, pid)
+        elif host:
+            if age < STALE_LOCK_S:
+                raise self._refuse(f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago")
+            log.warning("%s: taking over the lock of pid %d on host %s, untouched for %.0f s (over %d s)",
+                        self.path, pid, host, age, STALE_LOCK_S)
+        else:
+            log.warning("%s: taking over an unreadable lock file untouched for %.0f s", self.path, age)
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # atomic: of two takers, one moves the stale lock
+        except FileNotFoundError:
+            return
+        if aside.read_bytes() != seen:  # moved the fresh lock of a faster taker: put it back, and refuse
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            aside.unlink()
+            raise self._refuse("another worker took it over at the same moment")
+        aside.unlink()
+
+    def touch(self) -> None:
+        if self.held:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                if self.path.read_bytes() == self.mine:
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def flock_or_lockfile(fd: int, path: Path) -> LockFile | None:
+    """Lock `fd` (the shard file) for this writer: flock, or where the file system has none, a lock file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        raise ShardLocked(
+            f"{path} is locked by another worker of this shard (a task still running, or a requeue "
+            "racing the old one); wait for it to end or cancel it"
+        ) from None
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise ShardLocked(f"{path}: cannot lock it ({e.strerror}); check the file system it is on") from None
+        log.warning("%s: this file system has no flock (%s): an exclusive lock file stands in", path, e.strerror)
+    lock = LockFile(path.with_name(path.name + ".lock"))
+    lock.acquire()
+    return lock
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where the file system
+    has none, its lock file). Only looked at: a writer may take the lock the next moment (ShardLocked says so)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        return e.errno in NO_FLOCK and path.with_name(path.name + ".lock").exists()
+    finally:
+        os.close(fd)  # (releases the probe's lock)
+    return False
+
+

@@ -1,0 +1,203 @@
+"""What lies beside a shard file: its `done` manifest (written when the shard is complete, trusted only while the
+file keeps its size and sha256) and the retry requests `toolkit retry --ids` leaves for the next run."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import msgspec
+
+from toolkit.formats.files import atomic_write, sha256_file
+from toolkit.formats.frames import read_shard
+from toolkit.formats.records import OK, Record, is_transient
+from toolkit.formats.text import utc_now
+
+log = logging.getLogger(__name__)
+
+class DoneManifest(msgspec.Struct):
+    shard: int
+    fingerprint: str
+    records: int                 # distinct ids (the newest record of each)
+    ok: int
+    failed: int
+    prompt_tokens: int
+    output_tokens: int
+    bytes: int
+    sha256: str
+    host: str
+    finished: str
+    transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
+    superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
+
+
+def needs_work(m: DoneManifest | None) -> bool:
+    """Whether a shard with this done manifest still has prompts to generate (none, or transient failures)."""
+    return m is None or m.transient > 0
+
+
+def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
+    """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
+
+    `positions`, the shard's planned positions, lets the newest record of each be told with one byte per prompt
+    (records outside them are ignored) rather than a dict of ids.
+    """
+    if positions is not None:
+        totals, total = _count_positions(shard_path, positions)
+    else:
+        counts, total = _IdCounts(), 0
+        for r in read_shard(shard_path):
+            total += 1
+            counts.add(r)
+        totals = counts.totals()
+    ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
+    m = DoneManifest(
+        shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
+        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
+        finished=utc_now(),
+        transient=transient, superseded=total - ok - failed,
+    )
+    atomic_write(path, msgspec.json.encode(m))
+    return m
+
+
+class _Totals:
+    """What a done manifest counts of the records that count (the newest of each id)."""
+
+    def __init__(self) -> None:
+        self.ok = self.failed = self.transient = self.ptok = self.otok = 0
+
+    def add(self, r: Record) -> None:
+        if r.status == OK:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.transient += is_transient(r)
+        self.ptok += r.n_prompt
+        self.otok += r.n_output
+
+
+class _IdCounts:
+    """The newest record's state per id, in a dict."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, tuple[bool, bool, int, int]] = {}
+
+    def add(self, r: Record) -> None:
+        self.newest[r.id] = (r.status == OK, is_transient(r), r.n_prompt, r.n_output)
+
+    def totals(self) -> _Totals:
+        t = _Totals()
+        for ok, transient, ptok, otok in self.newest.values():
+            t.ok += ok
+            t.failed += not ok
+            t.transient += transient
+            t.ptok += ptok
+            t.otok += otok
+        return t
+
+
+def _count_positions(shard_path: Path, positions: range) -> tuple[_Totals, int]:
+    """(totals of the newest record of each planned position, records read), with one byte per position: how many
+    records it has. While no position has two, one pass counts; else a second pass counts, for each position,
+    the record after which it has none left."""
+    first, n = positions.start, len(positions)
+    seen = bytearray(n)
+    more: dict[int, int] = {}  # positions with 255 records or more: their count (seen says 255)
+    once, total, again = _Totals(), 0, False
+    for r in read_shard(shard_path):
+        total += 1
+        i = r.index - first
+        if not 0 <= i < n:
+            continue
+        if seen[i] == 255:
+            more[i] = more.get(i, 255) + 1
+        else:
+            seen[i] += 1
+        if seen[i] > 1:
+            again = True
+        elif not again:
+            once.add(r)
+    if not again:
+        return once, total
+    newest = _Totals()
+    for r in read_shard(shard_path):
+        i = r.index - first
+        if not 0 <= i < n:
+            continue
+        if seen[i] == 255 and i in more:
+            more[i] -= 1
+            left = more[i]
+        else:
+            seen[i] -= 1
+            left = seen[i]
+        if not left:
+            newest.add(r)
+    return newest, total
+
+
+def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
+    """None when the shard file is exactly what its done manifest describes, else what differs."""
+    try:
+        size = shard_path.stat().st_size
+    except FileNotFoundError:
+        return f"{shard_path} is gone"
+    if size != m.bytes:
+        return f"{shard_path} has {size} bytes, its done manifest says {m.bytes}"
+    sha = sha256_file(shard_path)
+    if sha != m.sha256:
+        return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
+    return None
+
+
+class RetryRequest(msgspec.Struct):
+    """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record lies
+    before byte `before` of the shard file (records written since are the retry's own)."""
+
+    before: int
+    ids: list[str]
+
+
+def write_retry(path: Path, request: RetryRequest) -> None:
+    atomic_write(path, msgspec.json.encode(request))
+
+
+def read_retry(path: Path) -> RetryRequest | None:
+    """The retry request of a shard; None when there is none, or when it is damaged (said once, in one line)."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
+    except FileNotFoundError:
+        return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged retry request ({_why(e)}): ignored, so the ids it named are not generated "
+                            "again; ask again with `toolkit retry RUN --ids FILE`")
+        return None
+
+
+def read_done(path: Path) -> DoneManifest | None:
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
+    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=DoneManifest)
+    except FileNotFoundError:
+        return None
+    except msgspec.DecodeError as e:  # (ValidationError included)
+        _damaged_once(path, f"damaged done manifest ({_why(e)}): the shard is taken as not finished; its next run "
+                            "checks its file and writes the manifest again")
+        return None
+
+
+_said_damaged: set[str] = set()
+
+
+def _damaged_once(path: Path, message: str) -> None:
+    """A damaged small file, said once per process (status --watch reads it every refresh)."""
+    key = f"{path}:{message}"
+    if key not in _said_damaged:
+        _said_damaged.add(key)
+        log.warning("%s: %s", path, message)
+
+
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

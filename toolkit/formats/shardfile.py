@@ -1,0 +1,235 @@
+"""Shard files: append-only, crash-safe files of records (`ShardWriter`).
+
+A batch is written with one `write` and fsynced, so a crash at any instruction leaves at most a torn last
+batch, which `ShardWriter.open` detects and cuts off; a damaged file is salvaged (its intact frames kept, the
+original set aside). A writer holds the shard's lock (formats.locks). The format and its readers are
+formats.frames; the done manifest and retry requests beside a shard file are formats.manifests.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from array import array
+from pathlib import Path
+
+import zstandard
+
+from toolkit.formats.files import fsync_dir
+from toolkit.formats.frames import (
+    HEADER_SIZE,
+    CorruptShard,
+    Damage,
+    batch_bytes,
+    batch_encoder,
+    damaged_fingerprint,
+    header_bytes,
+    read_header,
+    scan,
+)
+from toolkit.formats.locks import LockFile, flock_or_lockfile
+from toolkit.formats.records import PARTIAL, Record, is_transient
+from toolkit.formats.text import file_stamp
+
+log = logging.getLogger(__name__)
+
+class ShardWriter:
+    """Appends batches of records to one shard file; resumes a file left by an earlier (killed) attempt.
+
+    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame, salvages a
+    file damaged in the middle (see `open`) and returns the ids already written, so the caller generates only
+    the rest. A record of an id written again later supersedes the earlier one (the newest attempt counts).
+    """
+
+    def __init__(self, path: str | Path, fingerprint: str, shard: int, *, flush_records: int = 64,
+                 flush_seconds: float = 10.0, level: int = 3):
+        self.path = Path(path)
+        self.fingerprint, self.shard = fingerprint, shard
+        self.flush_records, self.flush_seconds = flush_records, flush_seconds
+        self._cctx = zstandard.ZstdCompressor(level=level)
+        self._pending: list[Record] = []
+        self._last_flush = time.monotonic()
+        self._flushing = threading.Lock()  # one flush at a time: the exit guard may flush from its own thread
+        self._fd: int | None = None
+        self._lockfile: LockFile | None = None  # where flock is not available
+        self.written = 0  # records in the file (before + this session), superseded ones included
+        self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
+        self.partial: dict[str, Record] = {}  # ids whose newest record is PARTIAL, with it: continued, not redone
+        self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
+        self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
+
+    def open(self, positions: range | None = None) -> dict[str, int]:
+        """Lock and recover the file; return {id: byte offset of the frame of its newest record} for every id
+        already recorded (records not kept); `transient` names those whose newest record should be redone.
+
+        Damage in the middle of the file (a frame that fails its checks, intact frames after it) is salvaged:
+        every intact frame is copied to a new file (temporary name, fsync, rename), the damaged original is kept
+        aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
+
+        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output of the newest
+        record at position positions[i] (0 where none): what is already recorded, 4 bytes a prompt (None while the
+        file holds no record: a fresh shard keeps nothing per prompt).
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self._lockfile = flock_or_lockfile(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        try:
+            return self._recover(positions)
+        except BaseException:
+            self.close()  # the lock (and lock file) go with it
+            raise
+
+    def _recover(self, positions: range | None) -> dict[str, int]:
+        fd = self._fd
+        assert fd is not None
+        size = os.fstat(fd).st_size
+        done: dict[str, int] = {}
+        otok = self.output_tokens_at = None
+        first = positions.start if positions is not None else 0
+        if size == 0:
+            self._write(header_bytes(self.fingerprint, self.shard))
+            fsync_dir(self.path.parent)
+            return done
+        damage: list[Damage] = []
+        try:
+            head = read_header(self.path)
+        except CorruptShard as e:
+            head = None
+            damage.append(Damage(0, HEADER_SIZE, f"damaged header: {e.why}", False))
+        if head is None and not damage:  # killed while writing the header itself
+            os.ftruncate(fd, 0)
+            self._write(header_bytes(self.fingerprint, self.shard))
+            return done
+        if head is not None and head != (self.fingerprint, self.shard):
+            fp, shard = head
+            if not damaged_fingerprint(fp, self.fingerprint):
+                raise RuntimeError(
+                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
+                    "this run directory was planned for another job: use a new output_dir or --new-run"
+                )
+            damage.append(Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False))
+        good: list[tuple[int, int]] = []  # (offset, end) of intact frames
+        for item in scan(self.path, header=not damage):
+            if isinstance(item, Damage):
+                damage.append(item)
+                continue
+            good.append((item.offset, item.end))
+            for r in item.batch:
+                done[r.id] = item.offset
+                self.written += 1
+                if positions is not None and 0 <= r.index - first < len(positions):
+                    if otok is None:
+                        otok = self.output_tokens_at = array("I", bytes(4 * len(positions)))
+                    otok[r.index - first] = r.n_output
+                if is_transient(r):
+                    self.transient.add(r.id)
+                else:
+                    self.transient.discard(r.id)
+                if r.status == PARTIAL:
+                    self.partial[r.id] = r
+                else:
+                    self.partial.pop(r.id, None)
+        if damage and not damage[-1].torn or len(damage) > 1:
+            done = self._salvage(good, damage, done)
+        elif damage:
+            off, why = damage[0].offset, damage[0].why
+            log.warning("%s: dropping a torn last frame at byte %d (%s); its records will be generated again",
+                        self.path, off, why)
+            os.ftruncate(fd, off)
+            os.fsync(fd)
+        return done
+
+    def _salvage(self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]) -> dict[str, int]:
+        """Rewrite the file with its intact frames only (the original kept aside); offsets in `done` follow."""
+        bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
+        self.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
+        log.error("%s: damaged frames at %s; keeping its %d intact frames, generating the records of the damaged "
+                  "ones again; the damaged file is kept as %s", self.path, bad, len(good), self.damaged.name)
+        tmp = self.path.with_name(f".{self.path.name}.salvage")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        if self._lockfile is None:  # (with a lock file, the shard's lock covers this file too)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        old, self._fd = self._fd, fd
+        moved: dict[int, int] = {}
+        pos = HEADER_SIZE
+        self._write(header_bytes(self.fingerprint, self.shard), sync=False)
+        with open(self.path, "rb") as f:
+            for start, end in good:
+                f.seek(start)
+                self._write(f.read(end - start), sync=False)
+                moved[start] = pos
+                pos += end - start
+        os.fsync(fd)
+        os.link(self.path, self.damaged)
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        assert old is not None
+        os.close(old)
+        return {k: moved[v] for k, v in done.items()}
+
+    def _write(self, data: bytes, *, sync: bool = True) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        if sync:
+            os.fsync(self._fd)
+
+    def add(self, record: Record) -> None:
+        self._pending.append(record)
+        if len(self._pending) >= self.flush_records:
+            self.flush()
+
+    def due(self) -> bool:
+        return bool(self._pending) and time.monotonic() - self._last_flush >= self.flush_seconds
+
+    def flush(self) -> None:
+        with self._flushing:
+            self._flush()
+
+    def flush_within(self, timeout_s: float) -> bool:
+        """Flush from another thread (the exit guard's), unless a flush under way does not end within `timeout_s`
+        or the file is closed: whether it flushed."""
+        if not self._flushing.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self._fd is None:
+                return False
+            self._flush()
+            return True
+        finally:
+            self._flushing.release()
+
+    def _flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        comp = self._cctx.compress(batch_encoder.encode(batch))
+        self._write(batch_bytes(comp, len(batch)))
+        self.written += len(batch)
+        if self._lockfile is not None:
+            self._lockfile.touch()
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+            if self._lockfile is not None:
+                self._lockfile.release()
+                self._lockfile = None
+
+

@@ -1,0 +1,460 @@
+"""Pre-flight: everything `toolkit check`, `run` and `submit` (with or without --dry-run) verify before any engine
+starts, in one function so that no command misses a check.
+
+    spec       the TOML, every key and path (spec.load_spec); the engine's extra args
+    inputs     every line of every prompt file, every id unique (plan.plan_job: all bad lines at once)
+    tokenizer  loaded as the model loads it; think, tool-call and eos ids (chat.token_info)
+    render     EVERY prompt through the chat template (chat.render_many), failures named by file:line and id
+    reasoning  where each rendered prompt leaves the model (chat.reasoning_mode), against [model] expect_reasoning
+    lengths    each prompt plus its dataset's max_new_tokens against the model's context length, as SGLang checks
+    run dir    output_dir a folder this user can create and write (not under a file, not on a read-only file
+               system); holding another job's run (run and submit refuse it; check tells in advance), or runs of
+               this job (the newest is resumed: plan.find_run)
+
+Problems are collected across all stages that can run and raised as one `PreflightError`; what is worth knowing
+but does not stop the run comes back as warnings. Rendered ids are not kept: the worker renders again on its node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import BadInputError
+from toolkit.formats.rundir import RunDir
+from toolkit.job import chat
+from toolkit.job.inputs import scan_dataset
+from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, plan_job
+from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.specerrors import SpecError
+from toolkit.job.turns import turn_prompt
+
+__all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
+
+SHOWN = 5  # places listed per problem and dataset; the rest are counted
+CHUNK = 4096  # prompts read and rendered at a time (memory stays flat whatever the dataset size)
+# SGLang's scheduler refuses an input of max_req_input_len = min(context_len - 1, kv_pool - 1) - 5 tokens or more
+# (SGLang 0.5.23, srt/managers/tp_worker.py and managers/utils.py); the KV pool is unknown before the engine starts, so it is taken as large.
+SCHEDULER_MARGIN = 6
+UNBOUNDED = 10**9  # tokenizer_config model_max_length of a tokenizer without a limit (transformers' 1e30 sentinel)
+
+MODE_WORDS = {
+    chat.OPENED: "opened by the template",
+    chat.CLOSED: "closed by the template",
+    chat.MODEL_OPENS: "left for the model to open",
+    chat.UNKNOWN: "unknown (the template never mentions the think tokens)",
+}
+
+
+class PreflightError(BadInputError):
+    """A job that must not start: one or more problems, each naming what to change."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems))
+
+
+@dataclass
+class _Places:
+    """A count of prompts with some property, and the first SHOWN of them (file:line and a detail)."""
+
+    count: int = 0
+    first: list[str] = field(default_factory=list)
+
+    def add(self, place: str) -> None:
+        self.count += 1
+        if len(self.first) < SHOWN:
+            self.first.append(place)
+
+
+@dataclass
+class Preflight:
+    spec: JobSpec
+    plan: RunPlan
+    refs: list[PromptRef]
+    info: chat.TokenInfo | None = None
+    modes: dict[str, int] = field(default_factory=dict)  # reasoning mode -> prompts
+    context: int | None = None
+    context_source: str = ""
+    longest: tuple[int, str] | None = None  # (prompt + max_new_tokens, dataset) of the tightest prompt
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> list[str]:
+        """What `check` prints after its ok line."""
+        lines = []
+        if self.modes:
+            lines.append("reasoning: " + ", ".join(f"{n:,} {MODE_WORDS[m]}" for m, n in self.modes.items() if n)
+                         + f" (expect_reasoning = {str(self.spec.model.expect_reasoning).lower()})")
+        if self.context is not None and self.longest is not None:
+            total, ds = self.longest
+            lines.append(f"lengths: every prompt + max_new_tokens fits the context length {self.context:,} "
+                         f"({self.context_source}); the longest at most {total:,} tokens (dataset {ds!r}; prompts far "
+                         "from the limit are bounded by their UTF-8 length)")
+        return lines + self.notes
+
+    def print_warnings(self, file=None) -> None:
+        for w in self.warnings:
+            print(f"toolkit: warning: {w}", file=file or sys.stderr)
+
+
+def sglang_missing(spec: JobSpec) -> str | None:
+    """Why this Python cannot start the job's engine, when it is SGLang launched by the toolkit (`sys.executable -m
+    sglang.launch_server`) and no `sglang` module is importable here; None when it can (or launches otherwise)."""
+    e = spec.engine
+    if e.kind != "sglang" or e.command:
+        return None
+    if importlib.util.find_spec("sglang") is not None:
+        return None
+    return (f"[engine] kind = \"sglang\": this Python ({sys.executable}) cannot start SGLang (no module named "
+            "'sglang'); install it where the engine runs: pip install 'toolkit[sglang]'")
+
+
+def require_engine_here(spec: JobSpec) -> None:
+    """Before a local run: refuse an engine this Python cannot start (nothing is planned or written)."""
+    why = sglang_missing(spec)
+    if why:
+        raise PreflightError([why + ", or run the job where SGLang is installed"])
+
+
+def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_other_run: bool = True,
+              exact: bool = False) -> Preflight:
+    """Load, plan and verify `job` completely; raise SpecError / InputError / PlanError / ChatError (a stage that
+    cannot go on) or PreflightError (every problem of the render, reasoning and length checks).
+
+    Every prompt is rendered. Encoding the text is most of the cost, so a prompt whose UTF-8 length already fits
+    the context with room to spare is not encoded whole: only its tail is, for its last tokens (`exact` encodes
+    every prompt whole; the answers are the same)."""
+    spec = load_spec(job)  # also judges [engine] extra_args as SGLang's parser would
+    check_output_dir(spec.output_dir, job)
+    plan, refs = plan_job(spec)
+    pf = Preflight(spec, plan, refs)
+    missing = sglang_missing(spec)
+    if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
+        pf.warnings.append(f"{missing}. A login node that only submits needs none, but the Slurm tasks run this same "
+                           "Python unless [slurm] setup activates another environment: that one needs it")
+    if warn_other_run:
+        _check_run_dir(pf)
+    if check_tokenizer:
+        _check_prompts(pf, job, exact)
+    return pf
+
+
+# ---------------------------------------------------------------------------------------------------
+# run directory
+# ---------------------------------------------------------------------------------------------------
+def check_output_dir(output_dir: str, job: Any) -> None:
+    """PlanError when the run directory could not be made there: a file in the way, or a folder this user cannot
+    write (permissions, a read-only file system). Nothing is created to find out."""
+    root = Path(output_dir)
+    p = root
+    while not (p.exists() or p.is_symlink()) and p.parent != p:
+        p = p.parent  # the nearest part of the path that exists: the run directory is made below it
+    problem = None
+    if not p.is_dir():
+        problem = f"{p} is a file, not a folder"
+    elif not os.access(p, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        problem = f"{p} is on a read-only file system" if read_only else f"{p} is not writable by this user"
+    elif p == root and RunDir.is_run(root):
+        unwritable = [d for d in RunDir(root).writable_dirs() if d.exists() and not os.access(d, os.W_OK | os.X_OK)]
+        if unwritable:
+            problem = f"{unwritable[0]} is not writable by this user"
+    if problem:
+        raise PlanError(f"{job}: output_dir {root}: {problem}, so the run directory cannot be written there; point "
+                        "output_dir at a folder this user can write")
+
+
+def _check_run_dir(pf: Preflight) -> None:
+    try:
+        root, exists = find_run(pf.plan)
+    except PlanError as e:
+        pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
+        return
+    if exists:
+        pf.notes.append(f"run directory: {root} holds this run already; `toolkit run`/`submit` resume it")
+
+
+# ---------------------------------------------------------------------------------------------------
+# render, reasoning, lengths
+# ---------------------------------------------------------------------------------------------------
+def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
+    spec, m = pf.spec, pf.spec.model
+    tok = chat.load_tokenizer(m)
+    info = pf.info = chat.token_info(tok, m)
+    chat.check_model_vocab(tok, info, m)
+    ctx, source, truncate = context_length(spec, job)
+    pf.context, pf.context_source = ctx, source
+    if ctx is None:
+        pf.warnings.append(f"{source}: prompt lengths are not checked against it; set --context-length in "
+                           "[engine] extra_args to have them checked")
+    failed = _Places()
+    modes = {mode: 0 for mode in chat.MODES}
+    refused_mode = chat.CLOSED if m.expect_reasoning else chat.OPENED
+    refused: dict[str, _Places] = {}  # dataset -> prompts whose reasoning mode goes against expect_reasoning
+    model_opens: dict[str, _Places] = {}  # expect_reasoning = false: prompts the model may open reasoning for
+    too_long: dict[str, _Places] = {}  # refused by SGLang (or truncated, with --allow-auto-truncate)
+    clamped: dict[str, _Places] = {}  # accepted, but the scheduler lowers max_new_tokens by a token or two
+    tightest = None
+    bounded = None if exact else _bound_holds(tok)
+    for d in spec.datasets:
+        mnt = spec.sampling_for(d.name)["max_new_tokens"]
+        for chunk in _chunks(scan_dataset(d.path, d.name), CHUNK):
+            if d.regenerate:  # the first turn is what is known before generation; later ones hold its answers
+                chunk = [turn_prompt(p, 0, []) for p in chunk]
+            for p, (n, ids) in zip(chunk, _measure(tok, m, chunk, d.path, failed, ctx, mnt, bounded)):
+                if ids is None:
+                    continue
+                mode = chat.reasoning_mode(ids, info)
+                modes[mode] += 1
+                place = f"{d.path}:{p.line}"
+                if mode == refused_mode:
+                    refused.setdefault(d.name, _Places()).add(place)
+                elif mode == chat.MODEL_OPENS and not m.expect_reasoning:
+                    model_opens.setdefault(d.name, _Places()).add(place)
+                if ctx is None:
+                    continue
+                if tightest is None or n + mnt > tightest[0]:
+                    tightest = (n + mnt, d.name)
+                # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input + max_new_tokens > context; input >= the scheduler's
+                # max_req_input_len; then the scheduler's clamp of max_new_tokens to max_req_len - input - 1.
+                if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
+                    too_long.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
+                elif n + mnt > ctx - 2:
+                    clamped.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
+    pf.modes, pf.longest = modes, tightest
+    problems: list[str] = []
+    if failed.count:
+        problems.append(
+            f"the chat template fails on {failed.count:,} prompt{_s(failed.count)}: " + "; ".join(failed.first)
+            + _more(failed) + "; fix these prompts' messages/tools or the [model] chat template"
+        )
+    hint_on, hint_off = chat.thinking_hint(info, True), chat.thinking_hint(info, False)
+    if refused and m.expect_reasoning:
+        problems.append(
+            f"the chat template closes reasoning (the prompt ends with {m.think_end!r}) in {_counted(refused)}: the "
+            f"model would answer without reasoning, but [model] expect_reasoning = true: {hint_on}, or set "
+            "expect_reasoning = false for data without reasoning"
+        )
+    if refused and not m.expect_reasoning:
+        problems.append(
+            f"the chat template opens reasoning (the prompt ends with {m.think_start!r}) in {_counted(refused)}, but "
+            f"[model] expect_reasoning = false: {hint_off}, or set expect_reasoning = true for reasoning data"
+        )
+    if model_opens:
+        pf.warnings.append(
+            f"{_counted(model_opens)} end at the assistant turn of a template that knows the think tokens: the model "
+            f"may open reasoning itself although expect_reasoning = false (the audit checks the outputs). To switch "
+            f"thinking off: {hint_off}"
+        )
+    if m.expect_reasoning and modes[chat.UNKNOWN]:
+        pf.warnings.append(
+            f"the chat template never mentions the think tokens {m.think_start!r} / {m.think_end!r}: cannot tell "
+            f"whether its {modes[chat.UNKNOWN]:,} prompts leave the model reasoning; check [model] think_start / "
+            "think_end and chat_template (the audit checks the outputs)"
+        )
+    if too_long and truncate:
+        pf.warnings.append(
+            f"{_counted(too_long)} do not fit the context length {ctx:,} ({source}) with their dataset's "
+            "max_new_tokens; with --allow-auto-truncate SGLang cuts the prompt or lowers max_new_tokens: those records "
+            "would not hold what the model saw, or get shorter outputs"
+        )
+    elif too_long:
+        problems.append(
+            f"{_counted(too_long, mnt_of=spec)} do not fit the context length {ctx:,} ({source}) with their dataset's "
+            "max_new_tokens: SGLang refuses a prompt whose length plus max_new_tokens exceeds it (or that reaches "
+            f"context length - {SCHEDULER_MARGIN}). Raise the context length (--context-length in [engine] extra_args, "
+            "if the model supports it), lower max_new_tokens for that dataset ([[datasets]] sampling), or drop the lines"
+        )
+    if clamped:
+        pf.warnings.append(
+            f"{_counted(clamped)} leave less than max_new_tokens room in the context length {ctx:,}: SGLang's "
+            "scheduler lowers their max_new_tokens by a token or two"
+        )
+    if problems:
+        raise PreflightError([f"{job}: {p}" for p in problems])
+
+
+def _measure(tok: Any, model: Any, prompts: list, path: str, failed: _Places, ctx: int | None, mnt: int,
+             bounded: str | None) -> list[tuple[int, list[int] | None]]:
+    """(length or an upper bound of it, ids ending like the prompt's) per prompt; (0, None) for a prompt the template
+    fails on (recorded in `failed`). The length is exact, and the ids all of them, unless `bounded` (see
+    _bound_holds) and the prompt's UTF-8 length + 1 (more than the tokenizer can make of it) fits with room to spare:
+    then it is that bound, and the ids those of the text's last TAIL characters or so."""
+    texts = _texts(tok, model, prompts, path, failed)
+    whole: list[int] = []
+    tails: list[int] = []
+    tail_texts: list[str] = []
+    out: list[tuple[int, list[int] | None]] = [(0, None)] * len(prompts)
+    for i, text in enumerate(texts):
+        if text is None:
+            continue
+        if bounded is not None:
+            bound = len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
+            tail = _tail(text)
+            if tail is not None and (ctx is None or (bound + mnt <= ctx - 2 and bound < ctx - SCHEDULER_MARGIN)):
+                out[i] = (bound, [])
+                tails.append(i)
+                tail_texts.append(tail)
+                continue
+        whole.append(i)
+    for i, ids in zip(whole, chat.encode_texts(tok, [texts[i] for i in whole])):
+        out[i] = (len(ids), ids)
+    for i, ids in zip(tails, chat.encode_texts(tok, tail_texts)):
+        out[i] = (out[i][0], ids)
+    return out
+
+
+TAIL = 256  # characters of a prompt's end encoded to find its last tokens
+
+
+def _tail(text: str) -> str | None:
+    """The end of `text` from a whitespace at least TAIL characters before its end: tokenizers split text at
+    whitespace (and at special tokens) before anything else, so the tokens of the tail's end are the prompt's.
+    None when the text is short (encoding it whole costs as much) or has no such whitespace."""
+    if len(text) < 4 * TAIL:
+        return None
+    end = len(text) - TAIL
+    cut = max(text.rfind(" ", end - TAIL, end), text.rfind("\n", end - TAIL, end))
+    if cut < 0 or not text[cut:].strip():
+        return None
+    return text[cut:]
+
+
+def _bound_holds(tok: Any) -> str | None:
+    """How to bound a prompt's token count by its bytes: "" (UTF-8 bytes + 1), "NFC" (the bytes of its NFC form + 1),
+    or None (no bound: encode every prompt whole). A fast tokenizer makes at most one token per byte of the text it
+    normalizes (byte-level BPE, byte fallback; one more for a prefix space); NFKC/NFKD or replacements could lengthen
+    the text, so such tokenizers get no bound."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or getattr(tok, "split_special_tokens", False):
+        return None
+    normalizer = backend.normalizer
+    if normalizer is None:
+        return ""
+    try:
+        names = [type(n).__name__ for n in normalizer] if type(normalizer).__name__ == "Sequence" else [type(normalizer).__name__]
+    except TypeError:
+        return None
+    if not set(names) <= {"NFC", "Strip"}:
+        return None
+    return "NFC" if "NFC" in names else ""
+
+
+def _texts(tok: Any, model: Any, prompts: list, path: str, failed: _Places) -> list[str | None]:
+    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`)."""
+    try:
+        return chat.render_texts(tok, model, prompts)
+    except chat.ChatError:
+        pass
+    out: list[str | None] = []
+    for p in prompts:
+        try:
+            out.append(chat.render_texts(tok, model, [p])[0])
+        except chat.ChatError as e:
+            cause = e.__cause__ or e
+            failed.add(f"{path}:{p.line} (id {p.id!r}): {type(cause).__name__}: {cause}")
+            out.append(None)
+    return out
+
+
+def _chunks(items, size: int):
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
+def _more(places: _Places) -> str:
+    return f" (and {places.count - len(places.first):,} more)" if places.count > len(places.first) else ""
+
+
+def _counted(by_dataset: dict[str, _Places], *, mnt_of: JobSpec | None = None) -> str:
+    """'14 prompts (math: 12, e.g. a.jsonl:3, a.jsonl:9 ...; chat: 2, e.g. ...)'."""
+    total = sum(p.count for p in by_dataset.values())
+    parts = []
+    for name, places in by_dataset.items():
+        mnt = f" with max_new_tokens {mnt_of.sampling_for(name)['max_new_tokens']:,}" if mnt_of is not None else ""
+        parts.append(f"{name}: {places.count:,}{mnt}, e.g. {', '.join(places.first)}{_more(places)}")
+    return f"{total:,} prompt{_s(total)} ({'; '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# context length
+# ---------------------------------------------------------------------------------------------------
+def context_length(spec: JobSpec, job: Any = "job") -> tuple[int | None, str, bool]:
+    """(context length, where it comes from, whether SGLang auto-truncates): --context-length in the engine's
+    extra args, else the stub's [engine.stub] context_length, else the model folder's config.json
+    (max_position_embeddings, at the top or in text_config; model_max_length only as a last resort). None (with
+    the reason as the source) when it cannot be found."""
+    e = spec.engine
+    args = list(e.extra_args)
+    if e.kind == "stub":
+        args = list(e.stub.extra_args) + args  # the stub's argv puts both after its own --context-length
+    truncate = e.kind == "sglang" and "--allow-auto-truncate" in args
+    if e.kind != "external":  # an external server was started elsewhere: its flags are not ours
+        value = _flag_value(args, "--context-length")
+        if value is not None:
+            try:
+                n = int(value)
+            except ValueError:
+                raise SpecError(f"{job}: [engine] extra_args: --context-length {value!r} is not an integer") from None
+            return n, "--context-length in [engine] extra_args", truncate
+        if e.kind == "stub":
+            return e.stub.context_length, "[engine.stub] context_length", truncate
+    return _config_context_length(spec) + (truncate,)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    value = None
+    for i, a in enumerate(args):  # the last one wins, as argparse does
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _config_context_length(spec: JobSpec) -> tuple[int | None, str]:
+    m = spec.model
+    config = Path(m.path) / "config.json"
+    data = _read_json(config)
+    if data is not None:
+        for table, where in ((data, ""), (data.get("text_config"), "text_config.")):
+            if isinstance(table, dict) and _positive(table.get("max_position_embeddings")):
+                return int(table["max_position_embeddings"]), f"{config} {where}max_position_embeddings"
+    for path in (config, Path(m.tokenizer_path or m.path) / "tokenizer_config.json"):
+        value = (_read_json(path) or {}).get("model_max_length")
+        if _positive(value) and value < UNBOUNDED:
+            return int(value), f"{path} model_max_length"
+    if data is None:
+        return None, f"cannot find the model's context length: no --context-length in [engine] extra_args and no {config}"
+    return None, (f"cannot find the model's context length: no --context-length in [engine] extra_args and no "
+                  f"max_position_embeddings in {config}")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

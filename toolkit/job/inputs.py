@@ -1,0 +1,213 @@
+"""Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is spent.
+
+A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`, or a
+single user turn, `{"id": ..., "prompt": "..."}`. `id` is optional; the default id, `<dataset>:<line>`, is stable
+as long as the file is. Errors name the file, the line and the field, and say what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from toolkit.errors import BadInputError
+
+__all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "check_unique_ids"]
+
+
+_FIX = "fix or remove the line, then run again"
+SHOWN = 10  # bad lines listed in one error; the rest are counted
+
+
+class InputError(BadInputError):
+    """A prompt file that cannot be used; `str()` names the file, line and field.
+
+    One error may stand for many (see `many`): then `errors` holds each of them, first to last.
+    """
+
+    def __init__(self, path: str | Path, line: int | None, field: str | None, problem: str, *,
+                 message: str | None = None, errors: list[InputError] | None = None):
+        self.path, self.line, self.field, self.problem = str(path), line, field, problem
+        self.errors = errors if errors is not None else [self]
+        where = f"{path}:{line}" if line else str(path)
+        what = f" field `{field}`:" if field else ""
+        super().__init__(message or f"{where}:{what} {problem}")
+
+    @classmethod
+    def many(cls, errors: list[InputError], *, shown: int = SHOWN) -> InputError:
+        """One error for `errors` (at least one): itself when alone, else a count and the first `shown` of them."""
+        errors = [e for err in errors for e in err.errors]
+        if len(errors) == 1:
+            return errors[0]
+        dups = sum(e.field == "id" and e.problem.startswith("duplicate id") for e in errors)
+        per_file: dict[str, int] = {}
+        for e in errors:
+            if not (e.field == "id" and e.problem.startswith("duplicate id")):
+                per_file[e.path] = per_file.get(e.path, 0) + 1
+        parts = []
+        if per_file:
+            bad = len(errors) - dups
+            files = ", ".join(f"{p}: {n:,}" for p, n in per_file.items())
+            parts.append(f"{bad:,} bad line{'s' * (bad != 1)} in {len(per_file)} prompt file{'s' * (len(per_file) != 1)} "
+                         f"({files})")
+        if dups:
+            parts.append(f"{dups:,} duplicate id{'s' * (dups != 1)}")
+        head = " and ".join(parts) + (f"; the first {shown}:" if len(errors) > shown else ":")
+        lines = [str(e).removesuffix(f"; {_FIX}") for e in errors[:shown]]
+        if len(errors) > shown:
+            lines.append(f"... and {len(errors) - shown:,} more")
+        message = head + "".join(f"\n  {line}" for line in lines) + "\nfix or remove these lines, then run again"
+        first = errors[0]
+        return cls(first.path, first.line, first.field, first.problem, message=message, errors=errors)
+
+
+class Prompt(msgspec.Struct):
+    id: str
+    dataset: str
+    line: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    offset: int = 0  # byte offset of the line in its file
+    length: int = 0  # byte length of the line, newline excluded
+
+
+
+
+def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(path, lineno, None, f"not valid UTF-8 (byte {e.start} of the line); re-encode the file as UTF-8") from None
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise InputError(path, lineno, None, f"malformed JSON ({e}); {_FIX}") from None
+    if not isinstance(obj, dict):
+        raise InputError(path, lineno, None, f"expected a JSON object, got {type(obj).__name__}; {_FIX}")
+    pid = obj.get("id")
+    if pid is None:
+        pid = f"{dataset}:{lineno}"
+    elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        raise InputError(path, lineno, "id", f"must be a string or an integer, got {type(pid).__name__}; {_FIX}")
+    elif isinstance(pid, str) and not pid:
+        raise InputError(path, lineno, "id", f"must not be empty; {_FIX}")
+    pid = str(pid)
+    has_messages, has_prompt = "messages" in obj, "prompt" in obj
+    if has_messages == has_prompt:
+        raise InputError(
+            path, lineno, "messages",
+            ("has both `messages` and `prompt`" if has_messages else "missing: a line needs `messages` (a chat) or `prompt` (one user turn)")
+            + f"; {_FIX}",
+        )
+    if has_prompt:
+        text = obj["prompt"]
+        if not isinstance(text, str):
+            raise InputError(path, lineno, "prompt", f"must be a string, got {type(text).__name__}; {_FIX}")
+        messages = [{"role": "user", "content": text}]
+    else:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InputError(path, lineno, "messages", f"must be a non-empty list of {{role, content}} objects; {_FIX}")
+        for i, m in enumerate(messages):
+            f = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise InputError(path, lineno, f, f"must be an object, got {type(m).__name__}; {_FIX}")
+            role = m.get("role")
+            if not isinstance(role, str) or not role:
+                raise InputError(path, lineno, f + ".role", f"missing or not a string (got {role!r}); {_FIX}")
+            if "content" not in m and not m.get("tool_calls"):
+                raise InputError(path, lineno, f + ".content", f"missing; {_FIX}")
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise InputError(path, lineno, f + ".content", f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}")
+    tools = obj.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
+    return Prompt(id=pid, dataset=dataset, line=lineno, messages=messages, tools=tools or None)
+
+
+def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None) -> Iterator[Prompt]:
+    """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
+
+    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on.
+    """
+    path = str(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(path, None, None, f"prompt file of dataset {dataset!r} not found; check [[datasets]] path") from None
+    n = bad = 0
+    offset = 0
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            length = len(raw)
+            body = raw.rstrip(b"\r\n")
+            if body.strip():
+                try:
+                    p = _parse_line(body, path, dataset, lineno)
+                except InputError as e:
+                    if errors is None:
+                        raise
+                    errors.append(e)
+                    bad += 1
+                else:
+                    p.offset, p.length = offset, len(body)
+                    n += 1
+                    yield p
+            offset += length
+    if n == 0 and bad == 0:
+        raise InputError(path, None, None, f"dataset {dataset!r} has no prompts; add prompts or remove it from the job")
+
+
+def read_prompt_at(path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
+    """Re-read one prompt the plan located at (offset, length); see PromptReader for many."""
+    with PromptReader() as reader:
+        return reader.read(path, dataset, line, offset, length)
+
+
+class PromptReader:
+    """Reads planned prompts by (offset, length), keeping each file open: workers read thousands."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def read(self, path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
+        path = str(path)
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
+        f.seek(offset)
+        p = _parse_line(f.read(length), path, dataset, line)
+        p.offset, p.length = offset, length
+        return p
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> PromptReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str],
+                     errors: list[InputError] | None = None) -> None:
+    """Find every id used twice, within or across datasets, naming both places: raise on the first, or with an
+    `errors` list, append each there."""
+    seen: dict[str, tuple[str, int]] = {}
+    for p in prompts:
+        prev = seen.setdefault(p.id, (p.dataset, p.line))
+        if prev != (p.dataset, p.line):
+            e = InputError(
+                paths[p.dataset], p.line, "id",
+                f"duplicate id {p.id!r}: already used at {paths[prev[0]]}:{prev[1]}; ids must be unique across the job",
+            )
+            if errors is None:
+                raise e
+            errors.append(e)

@@ -1,0 +1,542 @@
+"""Planning a run: the run directory, the shard map and the fingerprint, all fixed before any GPU work.
+
+`plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and computes
+a fingerprint of everything that changes the output (model, tokenizer, template, sampling, input files,
+shard map). `create_run` pins that plan into a run directory; a run directory never changes its plan, and
+a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
+the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
+
+Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as `<output_dir>.<time>`. `find_run`
+says where a job's run is: the newest run of the same fingerprint among output_dir and those beside it (resumed,
+with or without --new-run: the same job is never generated twice), else output_dir when it holds no run, else a
+new `<output_dir>.<time>` with --new-run; without it, a job whose output_dir holds another job's run is refused.
+
+The run directory's layout is in `rundir`.
+
+Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from the
+input order, so every shard gets a similar mix of datasets and prompt lengths.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import re
+import shutil
+from bisect import bisect_right
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.text import file_stamp, utc_now
+from toolkit.job.inputs import InputError, Prompt, check_unique_ids, scan_dataset
+from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.turns import turn_id, user_turns
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PlanError", "PlannedRefs", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "find_run",
+    "load_run",
+]
+
+PLAN_FORMAT = 1
+
+
+class PlanError(BadInputError):
+    """A plan that cannot be made or a run directory that does not match."""
+
+
+class DatasetPlan(msgspec.Struct):
+    name: str
+    path: str
+    sha256: str
+    prompts: int
+    samples: int = 1  # outputs planned per prompt ([sampling] n)
+    regenerate: bool = False  # one record per user turn of each conversation (turns.py)
+    conversations: int = 0  # regenerate: conversations of the file (prompts counts their turns)
+
+    @property
+    def planned(self) -> int:
+        """Planned records of the dataset: one per (prompt, sample)."""
+        return self.prompts * self.samples
+
+
+class ShardPlan(msgspec.Struct):
+    index: int
+    first: int  # first planned position
+    count: int
+    refs_at: int = 0  # byte offset of its first ref in prompts.msgpack (0: not recorded, by an older toolkit)
+
+
+class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
+    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1 samples
+    dataset: int     # index into RunPlan.datasets
+    line: int
+    offset: int
+    length: int
+    sample: int = 0  # sample index of the prompt (0 .. n-1)
+    turn: int = 0    # regenerated datasets: the user turn this record answers (0 .. turns-1)
+
+
+def sample_id(prompt_id: str, sample: int, samples: int) -> str:
+    """The stable record id of sample `sample` of a prompt: its id when there is one sample, else `id#k`."""
+    return prompt_id if samples == 1 else f"{prompt_id}#{sample}"
+
+
+class RunPlan(msgspec.Struct):
+    format: int
+    name: str
+    fingerprint: str
+    parts: dict[str, str]
+    created: str
+    total: int
+    spec: JobSpec
+    datasets: list[DatasetPlan]
+    shards: list[ShardPlan]
+
+
+_TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")
+
+
+def _hash_folder_meta(folder: str) -> str:
+    """Hash the small files of a model/tokenizer folder (tokenizer, template, configs), never the weights."""
+    p = Path(folder)
+    h = hashlib.sha256()
+    if not p.is_dir():
+        h.update(folder.encode())  # a hub id: its name is all we can pin without downloading
+        return h.hexdigest()
+    for f in sorted(p.iterdir()):
+        if f.is_file() and f.name.endswith(_TOKENIZER_SUFFIXES) and f.stat().st_size < (64 << 20):
+            h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(msgspec.json.encode(obj, order="deterministic")).hexdigest()
+
+
+def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
+    """Validate every prompt line and make the shard plan and fingerprint (no run directory yet)."""
+    prompts: list[Prompt] = []
+    datasets: list[DatasetPlan] = []
+    errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
+    n_turns: list[int] = []  # records per sample of each prompt: 1, or its user turns when regenerated
+    for d in spec.datasets:
+        before = len(prompts)
+        for p in scan_dataset(d.path, d.name, errors):
+            turns = user_turns(p.messages) if d.regenerate else 1
+            if not turns:
+                errors.append(InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
+                                         "([[datasets]] regenerate = true); fix or remove the line, then run again"))
+            p.messages, p.tools = [], None  # only where each prompt lives is kept: memory stays small
+            prompts.append(p)
+            n_turns.append(turns)
+        count = len(prompts) - before
+        datasets.append(DatasetPlan(d.name, d.path, sha256_file(d.path), sum(n_turns[before:]),
+                                    spec.samples_for(d.name), d.regenerate, count if d.regenerate else 0))
+    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
+    if errors:
+        order = {d.path: i for i, d in enumerate(spec.datasets)}
+        errors.sort(key=lambda e: (order.get(e.path, len(order)), e.line or 0))
+        raise InputError.many(errors)
+    s = spec.sharding.shards
+    if s > len(prompts):
+        raise PlanError(f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most {len(prompts)}")
+    index = {d.name: i for i, d in enumerate(spec.datasets)}
+    samples = [d.samples for d in datasets]
+    refs: list[PromptRef] = []
+    shards: list[ShardPlan] = []
+    for k in range(s):
+        first = len(refs)
+        # The samples of a prompt stay together, in one shard: they share the server's prefix cache.
+        for i in range(k, len(prompts), s):
+            p, turns = prompts[i], n_turns[i]
+            ds = index[p.dataset]
+            refs.extend(
+                PromptRef(turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate), ds, p.line, p.offset,
+                          p.length, j, t)
+                for j in range(samples[ds]) for t in range(turns)
+            )
+        shards.append(ShardPlan(k, first, len(refs) - first))
+    n = len(refs)
+    if len({r.id for r in refs}) != n:  # e.g. a prompt id "a#1" beside a prompt "a" with n = 2 samples
+        seen: set[str] = set()
+        dup = next(r for r in refs if r.id in seen or seen.add(r.id))
+        raise PlanError(f"record id {dup.id!r} is planned twice: a prompt id collides with a sample (#k) or turn "
+                        f"(/tk) id of another prompt; rename the prompt ids of dataset {datasets[dup.dataset].name!r}")
+    m = spec.model
+    parts = {
+        "model": _digest([m.path, _hash_folder_meta(m.path)]),
+        "tokenizer": _digest([m.tokenizer_path, _hash_folder_meta(m.tokenizer_path or m.path)]),
+        "template": _digest(
+            [sha256_file(m.chat_template) if m.chat_template else None, m.chat_template_kwargs, m.think_start, m.think_end, m.tool_call_start]
+        ),
+        "sampling": _digest([spec.sampling, {d.name: d.sampling for d in spec.datasets}]),
+        "inputs": _digest([[d.name, d.sha256] for d in datasets]),
+        "shards": _digest([s, [r.id for r in refs]]),
+    }
+    fingerprint = _digest(parts)[:16]
+    plan = RunPlan(
+        format=PLAN_FORMAT,
+        name=spec.name,
+        fingerprint=fingerprint,
+        parts=parts,
+        created=utc_now(),
+        total=n,
+        spec=spec,
+        datasets=datasets,
+        shards=shards,
+    )
+    return plan, refs
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
+    rd = RunDir(run_dir)
+    if rd.root.is_file():
+        hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan and run it, "
+                "and print the run directory to give here") if rd.root.suffix == ".toml" else ""
+        raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
+    try:
+        plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
+    except FileNotFoundError:
+        raise PlanError(f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or `toolkit run`") from None
+    except msgspec.ValidationError as e:
+        raise PlanError(f"{rd.plan_file}: unreadable run plan ({e})") from None
+    return rd, plan
+
+
+def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[PromptRef]:
+    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded)."""
+    raw = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
+    end = len(raw) if count is None else first + count
+    decode = msgspec.msgpack.Decoder(PromptRef).decode
+    return [decode(r) for r in raw[first:end]]
+
+
+def _array_header(n: int) -> bytes:
+    """The msgpack header of an array of `n` items."""
+    if n < 16:
+        return bytes([0x90 | n])
+    return (b"\xdc" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdd" + n.to_bytes(4, "big"))
+
+
+def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
+    """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`), each shard's
+    refs back to back; sets each shard's `refs_at`, where its first ref starts, for `ShardRefs`."""
+    parts = [_array_header(len(refs))]
+    at = len(parts[0])
+    for sp in plan.shards:
+        items = msgspec.msgpack.encode(refs[sp.first : sp.first + sp.count])[len(_array_header(sp.count)):]
+        sp.refs_at = at
+        parts.append(items)
+        at += len(items)
+    return b"".join(parts)
+
+
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
+          0xca: 4, 0xcb: 8}  # msgpack types of a fixed size after their type byte: nil, bools, ints, floats
+
+
+def _item_end(buf: bytes, i: int) -> int:
+    """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings, numbers).
+    IndexError when `buf` ends first."""
+    b = buf[i]
+    if b < 0x80 or b >= 0xe0:
+        return i + 1
+    if 0xa0 <= b <= 0xbf:
+        end = i + 1 + (b & 0x1f)
+    elif 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
+        n, i = (b & 0x0f, i + 1) if b <= 0x9f else (int.from_bytes(buf[i + 1 : i + (3 if b == 0xdc else 5)], "big"),
+                                                      i + (3 if b == 0xdc else 5))
+        for _ in range(n):
+            i = _item_end(buf, i)
+        return i
+    elif b in (0xd9, 0xda, 0xdb):
+        size = {0xd9: 1, 0xda: 2, 0xdb: 4}[b]
+        end = i + 1 + size + int.from_bytes(buf[i + 1 : i + 1 + size], "big")
+    elif b in _FIXED:
+        end = i + 1 + _FIXED[b]
+    else:
+        raise ValueError(f"msgpack type 0x{b:02x} is not one a prompt ref holds")
+    if end > len(buf):
+        raise IndexError("the buffer ends inside the object")
+    return end
+
+
+class ShardRefs:
+    """The planned refs of one shard, read from prompts.msgpack in planned order a chunk at a time: a worker keeps
+    nothing per prompt, however large its shard (`RefSlice` gives random access, at a few bytes per prompt)."""
+
+    CHUNK = 1 << 18
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, sp: ShardPlan):
+        self.path, self.first, self.count, self.at = rd.prompts_file, sp.first, sp.count, sp.refs_at
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[PromptRef]:
+        with open(self.path, "rb") as f:
+            if self.at:
+                f.seek(self.at)
+                buf, i, skip = f.read(self.CHUNK), 0, 0
+            else:  # planned by an older toolkit: from the array's header on, past the refs of the shards before
+                buf = f.read(self.CHUNK)
+                i, skip = ({0xdc: 3, 0xdd: 5}.get(buf[0], 1) if buf else 0), self.first
+            for n in range(skip + self.count):
+                while True:
+                    try:
+                        end = _item_end(buf, i)
+                        break
+                    except IndexError:
+                        more = f.read(self.CHUNK)
+                        if not more:
+                            raise PlanError(f"{self.path} ends before the refs of positions {self.first}.."
+                                            f"{self.first + self.count - 1}: the run directory is damaged") from None
+                        buf, i = buf[i:] + more, 0
+                if n >= skip:
+                    yield self._decode(buf[i:end])
+                i = end
+
+
+class RefSlice:
+    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 40 bytes
+    a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated conversations,
+    which look turns up by position (a shard's prompts in order are read by `ShardRefs`, keeping nothing)."""
+
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, first: int, count: int):
+        from array import array
+
+        data = rd.prompts_file.read_bytes()
+        raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        sizes = [len(r) for r in raw]
+        del raw
+        start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
+        self.first = first
+        self._ends = array("Q")
+        end = 0
+        for n in sizes[first : first + count]:
+            end += n
+            self._ends.append(end)
+        self._data = data[start : start + end]
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> PromptRef:
+        begin = self._ends[i - 1] if i else 0
+        return self._decode(self._data[begin : self._ends[i]])
+
+
+class PlannedRefs:
+    """Every planned prompt ref by position, decoded one shard at a time: a run may plan millions of prompts.
+
+    What merge, audit and export look a record's planned prompt up in. PlanError when `prompts.msgpack` is
+    missing or does not hold the plan's prompts.
+    """
+
+    _decode = msgspec.msgpack.Decoder(PromptRef).decode
+
+    def __init__(self, rd: RunDir, plan: RunPlan):
+        try:
+            data = rd.prompts_file.read_bytes()
+        except FileNotFoundError:
+            raise PlanError(f"{rd.prompts_file} is missing: the run directory is damaged; plan the job again") from None
+        self._raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        if len(self._raw) != plan.total:
+            raise PlanError(f"{rd.prompts_file} holds {len(self._raw)} prompts but {rd.plan_file.name} plans {plan.total}")
+        self.shards = plan.shards
+        self._firsts = [s.first for s in plan.shards]
+        self._k = -1
+        self._refs: list[PromptRef] = []
+
+    def shard_of(self, pos: int) -> int:
+        """The index (in the plan's shard list) of the shard that owns planned position `pos`."""
+        return bisect_right(self._firsts, pos) - 1
+
+    def shard(self, k: int) -> list[PromptRef]:
+        """The refs of shard `k`, in planned order (the last shard asked for is kept decoded)."""
+        if k != self._k:
+            s = self.shards[k]
+            self._refs = [self._decode(r) for r in self._raw[s.first : s.first + s.count]]
+            self._k = k
+        return self._refs
+
+    def at(self, pos: int) -> PromptRef | None:
+        """The ref of planned position `pos`; None outside the plan."""
+        if not 0 <= pos < len(self._raw):
+            return None
+        k = self.shard_of(pos)
+        return self.shard(k)[pos - self.shards[k].first]
+
+
+_STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")  # the suffix --new-run gives a run beside output_dir
+
+
+def runs_in(output_dir: str | os.PathLike) -> list[tuple[Path, RunPlan | None]]:
+    """The run directories of an output_dir, oldest first: output_dir itself and the `<output_dir>.<time>` runs
+    --new-run made beside it, each with its plan (None: unreadable)."""
+    root = Path(output_dir)
+    found = []
+    beside = sorted(root.parent.glob(f"{glob.escape(root.name)}.*")) if root.parent.is_dir() else []
+    for path in [root, *beside]:
+        if (path == root or _STAMPED.fullmatch(path.name[len(root.name):])) and RunDir.is_run(path):
+            try:
+                found.append((path, load_run(path)[1]))
+            except PlanError:
+                found.append((path, None))
+    return sorted(found, key=lambda x: (x[1].created if x[1] else "", x[0] != root, x[0].name))
+
+
+def run_of_job(job: str | os.PathLike) -> Path:
+    """The run directory a job file stands for where a command wants a run: the newest run of that job (by name) in
+    its output_dir (and the runs --new-run made beside it). PlanError when it has none yet."""
+    spec = load_spec(job, check_paths=False)
+    runs = runs_in(spec.output_dir)
+    mine = [path for path, p in runs if p is not None and p.name == spec.name]
+    if not mine:
+        others = f" (it holds {len(runs)} run(s) of other jobs)" if runs else ""
+        raise PlanError(f"{job}: job {spec.name!r} has no run in its output_dir {spec.output_dir} yet{others}; "
+                        f"`toolkit run {job}` or `toolkit submit {job}` makes one")
+    return mine[-1]
+
+
+def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
+    """(where the run of `plan` is or goes, whether it exists already): see the module's docstring. PlanError when
+    output_dir holds another job's run and no new run is asked for."""
+    root = Path(plan.spec.output_dir)
+    runs = runs_in(root)
+    same = [path for path, p in runs if p is not None and p.fingerprint == plan.fingerprint]
+    if same:
+        return same[-1], True
+    if not RunDir.is_run(root):
+        return root, False
+    if new_run:
+        path, n = root.with_name(f"{root.name}.{file_stamp()}"), 1
+        while path.exists():
+            n += 1
+            path = root.with_name(f"{root.name}.{file_stamp()}-{n}")
+        return path, False
+    try:
+        old = load_run(root)[1]
+    except PlanError as e:
+        raise PlanError(f"{root} holds a run directory that cannot be read ({e}); point `output_dir` elsewhere, or "
+                        "pass --new-run to start a new run directory beside it") from None
+    differs = sorted(k for k in plan.parts if old.parts.get(k) != plan.parts[k])
+    others = f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
+    raise PlanError(
+        f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but this job gives "
+        f"{plan.fingerprint} "
+        f"(differs in: {', '.join(differs) or 'format'}). Its records would not match: restore the job as it "
+        f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
+    )
+
+
+def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
+    """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
+    else create one. A file system that refuses the folder, or is full, is a PlanError in one line, and a run
+    directory it could not finish is removed."""
+    root, exists = find_run(plan, new_run=new_run)
+    rd = RunDir(root)
+    if exists:
+        _, old = load_run(root)
+        if root != Path(plan.spec.output_dir):
+            log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
+        try:
+            update_settings(rd, old, plan.spec)
+        except OSError as e:
+            raise PlanError(io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED) from None
+        return rd
+    plan.spec.output_dir = str(root)
+    fresh = not root.exists()
+    try:
+        rd.make_dirs()
+        atomic_write(rd.prompts_file, refs_bytes(plan, refs))
+        atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
+    except OSError as e:
+        _unmake(rd, fresh)
+        if e.errno in FULL:
+            raise PlanError(f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED) from None
+        where = e.filename or root
+        raise PlanError(f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
+                        "output_dir at a folder this user can write") from None
+    return rd
+
+
+def _unmake(rd: RunDir, fresh: bool) -> None:
+    """Remove what a run directory that could not be created holds: all of it when this planning made its folder,
+    else only what it adds (a folder that held no run may hold other things)."""
+    if fresh:
+        shutil.rmtree(rd.root, ignore_errors=True)
+        return
+    rd.prompts_file.unlink(missing_ok=True)
+    for sub in rd.writable_dirs()[1:]:
+        try:
+            sub.rmdir()
+        except OSError:
+            pass
+
+
+# Tables of a job that say how to run it, not what it makes: a run takes new values from the job when it is
+# planned again (`toolkit run`, `toolkit submit` on the same job), and the change is logged. Everything in the
+# fingerprint (model, template, sampling, inputs, shards) stays pinned.
+SETTINGS_TABLES = ("engine", "client", "slurm", "audit")
+SETTINGS_KEYS = {"sharding": ("flush_records", "flush_seconds")}
+# [engine] keys whose change may change how outputs are made (not only how the engine is run): warned about.
+ENGINE_OUTPUT_KEYS = ("kind", "tp_size", "dp_size", "extra_args", "command", "url", "stub")
+
+
+def settings_changes(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
+    """(table.key, old value, new value) of every run setting that differs between two specs."""
+    changes = []
+    keys = [(t, None) for t in SETTINGS_TABLES] + [(t, k) for t, ks in SETTINGS_KEYS.items() for k in ks]
+    for table, only in keys:
+        a, b = msgspec.to_builtins(getattr(old, table)), msgspec.to_builtins(getattr(new, table))
+        for key in sorted(set(a) | set(b)):
+            if (only is None or key == only) and a.get(key) != b.get(key):
+                changes.append((f"{table}.{key}", a.get(key), b.get(key)))
+    return changes
+
+
+def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, Any, Any]]:
+    """Take the job's run settings into an existing run (same fingerprint), log each change, rewrite run.json."""
+    changes = settings_changes(old.spec, spec)
+    if not changes:
+        return changes
+    for table in SETTINGS_TABLES:
+        setattr(old.spec, table, getattr(spec, table))
+    for table, ks in SETTINGS_KEYS.items():
+        for k in ks:
+            setattr(getattr(old.spec, table), k, getattr(getattr(spec, table), k))
+    atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(old), indent=2))
+    for key, a, b in changes:
+        log.info("run %s: setting %s changed from %r to %r", rd.shown, key, a, b)
+        if key.split(".")[0] == "engine" and key.split(".")[1] in ENGINE_OUTPUT_KEYS:
+            log.warning("run %s: %s changed: records written before and after were made by differently configured "
+                        "engines", rd.shown, key)
+    return changes
+
+
+def check_plan_inputs(plan: RunPlan) -> None:
+    """Refuse to generate from an input file that changed since planning (its records would not match)."""
+    for d in plan.datasets:
+        try:
+            now = sha256_file(d.path)
+        except FileNotFoundError:
+            raise InputError(d.path, None, None, f"prompt file of dataset {d.name!r} is gone since the run was planned") from None
+        if now != d.sha256:
+            raise InputError(
+                d.path, None, None,
+                f"changed since the run was planned (sha256 {d.sha256[:12]} -> {now[:12]}); restore it or plan a new run",
+            )

@@ -1,0 +1,64 @@
+"""The start that `run`, `check` and `submit` share: the pre-flight of a job (spec, every prompt line, tokenizer,
+every prompt rendered, reasoning, lengths), then its run directory pinned (not with `dry_run`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.formats.rundir import RunDir
+from toolkit.job.check import Preflight, preflight, require_engine_here
+from toolkit.job.plan import PlanError, RunPlan, create_run, find_run
+from toolkit.job.spec import JobSpec
+
+__all__ = ["PreparedRun", "prepare_run"]
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A job that passed the pre-flight, and its run directory (created unless prepared with `dry_run`)."""
+
+    preflight: Preflight
+    run_dir: RunDir
+    created: bool          # False with dry_run: `run_dir` is where the run would be, nothing was written
+    validated: Any = None  # what the caller's `validate` returned
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.preflight.plan
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.preflight.spec
+
+
+def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool = False,
+                check_tokenizer: bool = True, validate: Callable[[RunPlan, RunDir], Any] | None = None,
+                print_warnings: bool = True, as_submitted: bool = False, local: bool = False) -> PreparedRun:
+    """The pre-flight of `job`, then `validate(plan, run_dir)` (e.g. the resources against the cluster; `run_dir`
+    is where the run is or would go: plan.find_run), then its run directory created or resumed (the newest run of
+    this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
+    refusal comes before anything is written.
+
+    With `dry_run` nothing is written, and another job's run in output_dir is a warning (creating the run refuses
+    it), unless `as_submitted` (submit's dry run refuses what submit refuses). With `local` (the shards run here),
+    an engine this Python cannot start is refused. Raises the pre-flight's errors
+    (ToolkitError, exit 2) and whatever `validate` raises."""
+    pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
+    if local:  # run here: the engine must start here
+        require_engine_here(pf.spec)
+    if print_warnings:
+        pf.print_warnings()
+    try:
+        root, _ = find_run(pf.plan, new_run=new_run)
+    except PlanError:
+        if not dry_run or as_submitted:
+            raise
+        root = Path(pf.spec.output_dir)  # `check`: the pre-flight has warned
+    validated = validate(pf.plan, RunDir(root)) if validate is not None else None
+    if dry_run:
+        return PreparedRun(pf, RunDir(root), created=False, validated=validated)
+    return PreparedRun(pf, create_run(pf.plan, pf.refs, new_run=new_run), created=True, validated=validated)

@@ -1,0 +1,345 @@
+"""Job specs: the TOML file a user writes, decoded into typed Structs and validated at load time.
+
+A job spec says which model to serve, how to start the engine, how to sample, which prompt files to
+generate for and how many shards to cut them into. Everything is checked here, before any GPU time is
+spent: unknown keys, wrong types, sampling keys SGLang would reject, missing paths."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import tomllib
+
+from toolkit.engines.layout import check_engine_layout
+from toolkit.formats.rundir import RunDir
+from toolkit.job import specerrors
+from toolkit.job.sglang_checks import SAMPLING_KEYS, check_engine_args, check_requests, check_sampling
+from toolkit.job.specerrors import SpecError
+
+
+class _Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config table: unknown keys are errors, not silently ignored."""
+
+
+class ModelSpec(_Config):
+    path: str
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+    tool_call_start: str | None = None
+    # The data must hold reasoning: prompts the template renders with reasoning closed are refused before any
+    # engine starts, and the audit fails a run whose outputs hold none. False: non-thinking data (the audit then
+    # checks that outputs hold no think tokens).
+    expect_reasoning: bool = True
+
+
+class StubSpec(_Config):
+    """Options of the `stub` engine: a stand-in for SGLang's protocol, not a model (see toolkit.stub)."""
+
+    load_delay_s: float = 0.0
+    warmup_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fixed_output_tokens: int | None = None
+    context_length: int = 32768
+    crash_after: int | None = None
+    hang: bool = False
+    ignore_sigterm: bool = False
+    hang_after: int | None = None
+    fail_5xx: str | None = None
+    nan_every: int | None = None  # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")
+    exit_at_start: int | None = None
+    exit_at_start_if_exists: str | None = None
+    no_think_end: bool = False
+    double_think_start: bool = False
+    version: str = "0.5.23"
+    extra_args: list[str] = []
+
+
+class EngineSpec(_Config):
+    kind: Literal["sglang", "stub", "external"] = "sglang"
+    tp_size: int = 1
+    dp_size: int = 1
+    # Nodes of one engine (one array task): SGLang runs on each through `srun`, rank 0 serving HTTP on the first
+    # node beside the worker; tp_size then counts the GPUs of all nodes (see engine_gpus).
+    nodes: int = 1
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    ready_timeout_s: float = 3600.0
+    max_restarts: int = 3
+    # No request answered for this long while some are in flight, and /health_generate fails: the engine is hung,
+    # and is restarted like one that died (counted against max_restarts); its requests in flight go back to the queue.
+    hang_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 60.0
+    # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker ends within
+    # shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight saving's 30 s), whatever its tasks
+    # do: past that it logs what did not finish, kills the engine and ends the process with exit code 6.
+    exit_grace_s: float = 60.0
+    url: str | None = None
+    api_key: str | None = None
+    command: list[str] | None = None
+    stub: StubSpec = msgspec.field(default_factory=StubSpec)
+
+
+class ClientSpec(_Config):
+    # Requests in flight. "auto": sized from what the server says it can run (/server_info, then /v1/loads as it
+    # generates): its running capacity plus a small waiting queue, so the engine never waits for a request.
+    concurrency: int | Literal["auto"] = 64
+    max_concurrency: int = 1024         # "auto" never goes above this
+    # On a stop signal, abort the requests in flight and keep their partial outputs (continued on the next run)
+    # instead of throwing them away.
+    save_in_flight: bool = True
+    request_timeout_s: float = 3600.0
+    retries: int = 5
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+
+class DatasetSpec(_Config):
+    name: str
+    path: str
+    sampling: dict[str, Any] = {}
+    # Regenerate every assistant turn of each conversation, one record per user turn, feeding the model its own
+    # earlier answers (see turns.py); the source's assistant messages are never sent.
+    regenerate: bool = False
+
+
+class ShardingSpec(_Config):
+    shards: int = 1
+    flush_records: int = 64
+    flush_seconds: float = 10.0
+
+
+class SlurmSpec(_Config):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"
+    gpus_per_node: int = 8
+    cpus_per_task: int = 16
+    mem: str | None = None
+    array_parallelism: int | None = None
+    setup: list[str] = []
+    signal_delay_s: int = 300
+    merge_time: str = "02:00:00"
+    merge_cpus: int = 2
+    merge_mem: str | None = None
+    extra: dict[str, str | int | bool] = {}
+
+
+class AuditSpec(_Config):
+    """Thresholds the audit enforces; breaking one fails the run's final job."""
+
+    min_think_end_share: float = 0.9
+    max_stop_without_think_end_share: float = 0.01
+    max_empty_reasoning_share: float = 0.05
+    max_empty_content_share: float = 0.2
+    max_double_think_start_share: float = 0.01
+    max_length_share: float = 0.2
+    max_failed_share: float = 0.01
+    max_reasoning_share: float = 0.01    # expect_reasoning = false: outputs that hold a think token
+    reprompt_sample: int = 64
+
+
+class JobSpec(_Config):
+    name: str
+    output_dir: str
+    model: ModelSpec
+    sampling: dict[str, Any]
+    datasets: list[DatasetSpec]
+    engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
+    client: ClientSpec = msgspec.field(default_factory=ClientSpec)
+    sharding: ShardingSpec = msgspec.field(default_factory=ShardingSpec)
+    slurm: SlurmSpec = msgspec.field(default_factory=SlurmSpec)
+    audit: AuditSpec = msgspec.field(default_factory=AuditSpec)
+
+    def sampling_for(self, dataset: str) -> dict[str, Any]:
+        """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per dataset."""
+        for d in self.datasets:
+            if d.name == dataset:
+                return {**self.sampling, **d.sampling}
+        raise KeyError(dataset)
+
+    def samples_for(self, dataset: str) -> int:
+        """How many independent samples each prompt of `dataset` gets ([sampling] n)."""
+        return int(self.sampling_for(dataset).get("n", 1))
+
+    def request_sampling(self, dataset: str, sample: int) -> dict[str, Any]:
+        """The sampling_params of one request: sample `sample` of a prompt of `dataset`.
+
+        Each sample is its own request, so `n` is not sent; a `sampling_seed` is offset by the sample index so
+        that seeded samples differ (and stay reproducible).
+        """
+        params = self.sampling_for(dataset)
+        params.pop("n", None)
+        if sample and isinstance(params.get("sampling_seed"), int):
+            params["sampling_seed"] += sample
+        return params
+
+
+_VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+
+
+def _resolve(base: Path, p: str | None, where: str | None = None, source: Path | None = None) -> str | None:
+    """`p` with ~ and environment variables expanded, relative to `base`. With `where`, a variable that is not set
+    is an error naming the key (os.path.expandvars would leave `${DATA_ROOT}` in the path)."""
+    if p is None:
+        return None
+    expanded = os.path.expandvars(os.path.expanduser(p))
+    if where is not None:
+        for m in _VAR.finditer(expanded):
+            name = m.group(1) or m.group(2)
+            if name not in os.environ:
+                raise SpecError(f"{source}: {where}: environment variable {name} is not set "
+                                "(export it, or write the path out)")
+    q = Path(expanded)
+    return str(q if q.is_absolute() else (base / q).resolve())
+
+
+def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
+    """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
+    source = Path(path)
+    if source.is_dir():
+        what = "a run directory" if RunDir.is_run(source) else "a folder"
+        raise SpecError(f"{source}: is {what}, not a job spec (a .toml file); commands on a run directory are "
+                        "status, logs, resubmit, merge, audit and export")
+    try:
+        raw = source.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"{source}: job spec not found; see jobs/ for examples or templates/job.toml to start from") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{source}: not UTF-8 text ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{source}: invalid TOML: {e}") from None
+    text = raw.decode("utf-8")
+    for unknown, where_listed in ((specerrors.unknown_keys(data, JobSpec), "; templates/job.toml lists every key"),
+                                  (_unknown_sampling_keys(data), "")):
+        if unknown:
+            first = unknown[0]
+            more = (f" (and {len(unknown) - 1} more: " + ", ".join(
+                f"`{'.'.join(str(p) for p in u.path)}`" for u in unknown[1:4]) + ")") if len(unknown) > 1 else ""
+            listed = "" if first.message.endswith("?") and not more else where_listed
+            raise SpecError(f"{_at(source, text, first.path)}: {first.message}{more}{listed}")
+    try:
+        spec = msgspec.convert(data, JobSpec)
+    except msgspec.ValidationError as e:
+        problem = specerrors.explain_validation(e, data, JobSpec)
+        raise SpecError(f"{_at(source, text, problem.path)}: {problem.message}") from None
+    return _validate(spec, source, check_paths=check_paths)
+
+
+def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
+    """Keys of [sampling] and of each dataset's `sampling` that SGLang's sampling_params does not take."""
+    tables: list[tuple] = [("sampling",)]
+    datasets = data.get("datasets")
+    if isinstance(datasets, list):
+        tables += [("datasets", i, "sampling") for i, d in enumerate(datasets) if isinstance(d, dict)]
+    problems = []
+    for path in tables:
+        params = specerrors.value_at(data, path)
+        if not isinstance(params, dict):
+            continue
+        for key in params:
+            if key not in SAMPLING_KEYS:
+                hint = ("; there is no `seed`: use `sampling_seed`, honoured only with --enable-deterministic-inference"
+                        if key == "seed" else specerrors.did_you_mean(key, SAMPLING_KEYS)
+                        or "; SGLang's sampling_params takes: " + ", ".join(sorted(SAMPLING_KEYS)))
+                problems.append(specerrors.KeyProblem((*path, key), f"unknown sampling key `{key}` "
+                                                                  f"{specerrors.where(path, data)}{hint}"))
+    return problems
+
+
+def _at(source: Path, text: str, path: tuple) -> str:
+    """`file:line` of the key at `path` in the spec's text (just the file when the line cannot be told)."""
+    line = specerrors.key_line(text, path)
+    return f"{source}:{line}" if line else str(source)
+
+
+def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
+    base = source.resolve().parent
+    if not spec.name or "/" in spec.name:
+        raise SpecError(f"{source}: `name` must be a non-empty name without '/', got {spec.name!r}")
+    check_sampling(spec.sampling, "[sampling]", str(source), top_level=True)
+    if not spec.datasets:
+        raise SpecError(f"{source}: no [[datasets]]: add at least one prompt file")
+    seen: set[str] = set()
+    for i, d in enumerate(spec.datasets):
+        where = f"[[datasets]] #{i + 1} ({d.name!r})"
+        if d.name in seen:
+            raise SpecError(f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique")
+        seen.add(d.name)
+        check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
+        d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
+        if check_paths and not Path(d.path).is_file():
+            raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
+    for d in spec.datasets:
+        params = spec.sampling_for(d.name)
+        if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
+            raise SpecError(
+                f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 would be {params['n']} "
+                "identical greedy outputs; set a temperature > 0 or n = 1"
+            )
+    if spec.sharding.shards < 1:
+        raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
+    if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:
+        raise SpecError(f"{source}: [sharding] flush_records must be >= 1 and flush_seconds > 0")
+    c = spec.client
+    if (c.concurrency != "auto" and c.concurrency < 1) or c.max_concurrency < 1 or c.retries < 0 \
+            or c.request_timeout_s <= 0:
+        raise SpecError(f"{source}: [client] needs concurrency >= 1 (or \"auto\"), max_concurrency >= 1, "
+                        "retries >= 0, request_timeout_s > 0")
+    e = spec.engine
+    if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
+        raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
+    if e.exit_grace_s <= 0 or e.shutdown_timeout_s < 0:
+        raise SpecError(f"{source}: [engine] needs exit_grace_s > 0 and shutdown_timeout_s >= 0, got "
+                        f"{e.exit_grace_s:g} and {e.shutdown_timeout_s:g}")
+    if e.nodes < 1:
+        raise SpecError(f"{source}: [engine] nodes must be >= 1, got {e.nodes}")
+    if e.nodes > 1:
+        if e.kind != "sglang" or e.command is not None:
+            raise SpecError(f"{source}: [engine] nodes = {e.nodes} needs kind = \"sglang\" without `command`: only "
+                            "the toolkit's own SGLang launch starts one rank per node")
+        problem = check_engine_layout(e, spec.slurm.gpus_per_node)
+        if problem:
+            raise SpecError(f"{source}: {problem}")
+    if e.kind == "external" and not e.url:
+        raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
+    if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
+        raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
+    if e.kind in ("sglang", "stub") and e.command is None:
+        check_engine_args(e, source)
+    check_requests(spec, source)
+    m = spec.model
+    # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
+    def key(name: str) -> str | None:
+        return name if check_paths else None
+
+    m.path = _resolve(base, m.path, key("[model] path"), source) if _looks_local(m.path, base) else m.path
+    if m.tokenizer_path is not None:
+        m.tokenizer_path = (_resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
+                            if _looks_local(m.tokenizer_path, base) else m.tokenizer_path)
+    m.chat_template = _resolve(base, m.chat_template, key("[model] chat_template"), source)
+    if check_paths and m.chat_template and not Path(m.chat_template).is_file():
+        raise SpecError(f"{source}: [model] chat_template file {m.chat_template} does not exist")
+    tok = m.tokenizer_path or m.path
+    if check_paths and e.kind != "external" and _looks_local(tok, base) and not Path(tok).exists():
+        raise SpecError(
+            f"{source}: [model] tokenizer path {tok} does not exist "
+            f"(set `tokenizer_path` if the tokenizer lives apart from the weights)"
+        )
+    spec.output_dir = _resolve(base, spec.output_dir, key("output_dir"), source)
+    return spec
+
+
+def _looks_local(p: str, base: Path) -> bool:
+    """False only for a Hugging Face hub id (`org/name`) that is not also a local folder."""
+    return (base / p).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", p) or p.startswith(".")

@@ -1,0 +1,24 @@
+"""Stand-in SGLang server: a test double of SGLang's native HTTP protocol, not of a model.
+
+The toolkit's `stub` engine runs it for dry runs on CPU nodes and as the test suite's engine:
+
+    python -m toolkit.stub --model-path DIR --host 127.0.0.1 --port P [options]
+
+It speaks the wire contract of SGLang 0.5.23 (or of 0.5.9 with `--version 0.5.9`): the start-up sequence
+(port closed while "loading weights", health 503 during warm-up, then 200), `/generate` with SGLang's
+validation errors, response shape, stop-token and finish-reason rules, streaming, batches and `n > 1`,
+`/abort_request`, auth, `/metrics` and graceful SIGTERM drain. Outputs are invented, deterministically, from
+the job's own tokenizer: English text from Python's help topics as "reasoning", the think-end token, an
+answer, sometimes a tool-call section, then EOS (see `planning.plan_output`). Fault injection flags
+(`--crash-after`, `--fail-5xx`, `--hang-after`, ...; see `faults`) make it misbehave on purpose. Every log
+line says it is the stub.
+
+Modules: `config` (command line), `contract` (request validation), `model` (token material of the tokenizer),
+`planning` (what the "model" writes and where it stops), `cache` (prefix cache), `scheduler` (running limit,
+queue, aborts, counters), `faults` (fault injection), `engine` (state and /generate), `info` (the other
+endpoints and the route table), `app` (the FastAPI routes, served by uvicorn), and `__main__` (the process).
+"""
+
+from toolkit.stub.config import StubConfig, build_parser, parse_config
+
+__all__ = ["StubConfig", "build_parser", "parse_config"]

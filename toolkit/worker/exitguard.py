@@ -1,0 +1,156 @@
+"""The bound on a worker's end: once a shard's work is over, the process ends within a bounded time, whatever its
+event loop and tasks do.
+
+A shard's work is over when every prompt sent has been answered, when a stop signal came, or when the shard
+failed. From then on the worker only has to stop its tasks, flush its file and stop the engine; a task that does not
+end (a cancel swallowed, a call that never returns) would otherwise hold the node, and its GPUs, until the job's time
+limit, deaf to SIGTERM and SIGINT. `ExitGuard` is a thread of its own, outside the event loop: armed with a bound
+when the work is over and disarmed when the shard's event loop has returned, it ends the process if the bound passes
+first — after logging which tasks did not finish and where they wait, flushing the records not yet written and
+killing the engine — with exit code EXIT_STUCK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from toolkit.errors import EXIT_STUCK
+
+__all__ = ["EXIT_STUCK", "ExitGuard", "cancel_and_wait", "describe_tasks"]
+
+log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
+
+
+
+def describe_tasks(tasks) -> str:
+    """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is doing."""
+    out = []
+    for t in tasks:
+        coro = t.get_coro()
+        name = getattr(coro, "__qualname__", None) or repr(coro)
+        try:
+            frames = t.get_stack()
+        except RuntimeError:
+            frames = []
+        where = (f" waiting at {os.path.basename(frames[-1].f_code.co_filename)}:{frames[-1].f_lineno} in "
+                 f"{frames[-1].f_code.co_name}") if frames else ""
+        out.append(f"{name}{where}" + (" (cancel requested)" if _cancelling(t) else ""))
+    return "; ".join(out) or "none"
+
+
+def _cancelling(t: asyncio.Task) -> bool:
+    cancelling = getattr(t, "cancelling", None)  # Python >= 3.11
+    return bool(cancelling()) if cancelling is not None else False
+
+
+class ExitGuard:
+    """Ends the process when the work of a shard is over and its event loop has not returned within a bound.
+
+    `arm(seconds, why)` starts the clock (a later arm with an earlier deadline brings it forward; never later);
+    `disarm()` stops it. `before_exit` callbacks (flush what is buffered, kill the engine) run in the guard's thread,
+    each bounded by what it does itself, before `os._exit(EXIT_STUCK)`.
+    """
+
+    def __init__(self, shard: int, loop: asyncio.AbstractEventLoop, *, exit: Callable[[int], None] = os._exit):
+        self.shard, self.loop = shard, loop
+        self.before_exit: list[Callable[[], None]] = []
+        self._exit = exit
+        self._deadline: float | None = None
+        self._why = ""
+        self._armed_at = 0.0
+        self._cond = threading.Condition()
+        self._disarmed = False
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    def arm(self, seconds: float, why: str) -> None:
+        with self._cond:
+            if self._disarmed:
+                return
+            deadline = time.monotonic() + seconds
+            if self._deadline is not None and self._deadline <= deadline:
+                return
+            self._deadline, self._why, self._armed_at = deadline, why, time.monotonic()
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name=f"exit-guard-{self.shard}", daemon=True)
+                self._thread.start()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._disarmed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._disarmed:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._disarmed:
+                return
+            why, waited = self._why, time.monotonic() - self._armed_at
+        self.fired = True
+        self._fire(why, waited)
+
+    def _fire(self, why: str, waited: float) -> None:
+        try:
+            tasks = describe_tasks(asyncio.all_tasks(self.loop))
+        except RuntimeError as e:  # the loop's task set changed too often while it was read
+            tasks = f"(could not list them: {e})"
+        where = _thread_stack(self.loop)
+        log.error("shard %d: the worker has not ended %.0f s after %s; still running: %s%s. Ending the process "
+                  "(exit %d): the engine is killed; what was written is kept, and the shard resumes from it when run "
+                  "again", self.shard, waited, why, tasks, f"; the event loop's thread is at {where}" if where else "",
+                  EXIT_STUCK)
+        for step in self.before_exit:
+            try:
+                step()
+            except Exception as e:  # each step is best effort: the process ends whatever happens
+                log.error("shard %d: before ending the process, %s failed: %s", self.shard,
+                          getattr(step, "__name__", step), e)
+        for h in logging.getLogger("toolkit").handlers:
+            try:
+                h.flush()
+            except Exception:
+                pass
+        sys.stderr.flush()
+        self._exit(EXIT_STUCK)
+
+
+def _thread_stack(loop: asyncio.AbstractEventLoop) -> str:
+    """file:line (function) where the thread running `loop` is now, when it can be told."""
+    ident = getattr(loop, "_thread_id", None)  # set by asyncio while the loop runs
+    frame = sys._current_frames().get(ident) if ident else None
+    if frame is None:
+        return ""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+CANCEL_WAIT_S = 10.0  # how long cancelled tasks may take to end before they are reported and left behind
+
+
+async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel `tasks` and wait until they end, at most `timeout_s`: a task that does not end when cancelled (a
+    swallowed cancel) is logged, with where it waits, and left behind instead of blocking its caller forever."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in done:
+        if not t.cancelled():
+            t.exception()  # retrieved: its caller has already seen the error that matters
+    if pending:
+        log.error("%d task(s) did not end %g s after they were cancelled: %s", len(pending), timeout_s,
+                  describe_tasks(pending))

@@ -1,0 +1,300 @@
+"""One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt + output so
+far, `segments` counting the requests that brought output), the partial outputs kept at a stop, and the records
+of what came back. `consume` is one request slot: it takes prompts from the feed until the feed is empty or the
+shard stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from toolkit.engines.client import (
+    BadResponse,
+    ClientError,
+    GenerateResult,
+    HttpClient,
+    RequestRejected,
+    ServerError,
+    TimedOut,
+    Unreachable,
+    abort_requests,
+    generate,
+    health_generate,
+)
+from toolkit.formats.records import (
+    ABORTED,
+    BAD_RESPONSE,
+    FAILED,
+    NAN,
+    NAN_MATCHED,
+    OK,
+    PARTIAL,
+    REJECTED,
+    SERVER_ERROR,
+    TIMEOUT,
+    UNREACHABLE,
+    Record,
+    failed_record,
+    pack_ids,
+    split_output,
+)
+from toolkit.job.plan import PromptRef
+from toolkit.worker.feed import Feed
+from toolkit.worker.shard import EngineDied, EngineUnreachable, Shard, health_timeout
+
+log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
+
+ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
+
+
+def _failure_kind(e: Exception) -> str:
+    if isinstance(e, ServerError):
+        return SERVER_ERROR
+    if isinstance(e, BadResponse):
+        return BAD_RESPONSE
+    if isinstance(e, TimedOut):
+        return TIMEOUT
+    return UNREACHABLE  # one request's connection cut while the engine answers (see consume)
+
+
+def rid_maker(sh: Shard, pos: int, made: list[str]):
+    """A fresh rid per HTTP attempt, all of one width: an abort names one exact rid in flight over HTTP, but
+    SGLang's scheduler then aborts every rid it is a *prefix* of, and strings of one length are never prefixes of
+    each other. Unique by (process tag, sequence number); the shard and planned
+    position are there for the server's log."""
+    def make() -> str:
+        sh.rid_seq += 1
+        rid = f"tk-{sh.rid_tag}-{sh.shard % 100000:05d}-{pos % 10**10:010d}-{sh.rid_seq % 10**8:08d}"
+        made.append(rid)
+        sh.rids.add(rid)
+        return rid
+    return make
+
+
+def continued_params(params: dict, done: int) -> dict | None:
+    """The sampling_params that go on from `done` tokens already generated (None: the budget is used up)."""
+    if not done:
+        return params
+    params = dict(params)
+    left = params["max_new_tokens"] - done
+    if left <= 0:
+        return None
+    params["max_new_tokens"] = left
+    if params.get("min_new_tokens"):
+        params["min_new_tokens"] = max(0, params["min_new_tokens"] - done)
+    return params
+
+
+class _Generated:
+    """The outcome of _generate: the (combined) result, how many requests it took, and whether it is partial."""
+
+    __slots__ = ("res", "segments", "partial")
+
+    def __init__(self, res: GenerateResult, segments: int, partial: bool):
+        self.res, self.segments, self.partial = res, segments, partial
+
+
+async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None):
+    """One prompt's /generate, continued across aborts: an abort that leaves partial output (the server's own,
+    or the worker's at a stop) goes on from where it stopped, with input_ids = prompt + output so far and
+    max_new_tokens reduced by its length; the combined output is token for token what the server produced. An
+    abort that brought nothing new is retried, up to client.retries. `prior` is a PARTIAL record to continue.
+
+    While the worker stops (sh.stopping), the output so far comes back as partial; so it does when the aborts
+    without progress run out and there is output to keep.
+    """
+    c = sh.spec.client
+    params = sh.spec.request_sampling(ds, ref.sample)
+    out = np.frombuffer(prior.output_ids, dtype="<u4").copy() if prior else np.zeros(0, dtype="<u4")
+    segments = prior.segments if prior else 0
+    attempts = prior.attempts if prior else 0
+    latency = prior.latency_s if prior else 0.0
+    cached = prior.cached_tokens if prior else None
+    stalled = 0
+    res = None
+    try:
+        while True:
+            sp = continued_params(params, len(out))
+            if sp is None:  # already at max_new_tokens: what an uninterrupted request would have ended with
+                res = GenerateResult(output_ids=out, finish="length", matched=None, prompt_tokens=len(ids),
+                                     completion_tokens=len(out), cached_tokens=cached or 0, latency_s=latency,
+                                     attempts=attempts)
+                return _Generated(res, max(segments, 1), False)
+            sh.in_flight += 1
+            made: list[str] = []
+            try:
+                res = await generate(
+                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, made),
+                    timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
+                    backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
+                )
+            finally:
+                sh.in_flight -= 1
+                sh.rids.difference_update(made)
+            sh.last_answer = time.monotonic()
+            attempts += res.attempts
+            latency += res.latency_s
+            new = res.output_ids
+            sh.tokens += len(new)
+            if cached is None:
+                cached = res.cached_tokens
+            if len(new):
+                segments += 1
+                out = np.concatenate([out, new]) if len(out) else new
+            if segments > 1 or prior is not None:
+                res = GenerateResult(output_ids=out, finish=res.finish, matched=res.matched, prompt_tokens=len(ids),
+                                     completion_tokens=len(out), cached_tokens=cached, latency_s=round(latency, 4),
+                                     attempts=attempts)
+            else:
+                res.attempts = attempts
+            if res.finish != "abort":
+                return _Generated(res, max(segments, 1), False)
+            if sh.stopping:
+                return _Generated(res, segments, True)
+            if not len(new):
+                stalled += 1
+                if stalled > c.retries:
+                    return _Generated(res, segments, len(out) > 0)
+            log.warning("prompt %s aborted by the server (%s) after %d tokens; %s", ref.id, res.matched, len(out),
+                        "continuing from there" if len(out) else "retrying")
+    except BaseException:
+        # Unanswered (engine died, cancelled): what was generated so far is continued when it is sent again.
+        if len(out) > (prior.n_output if prior else 0) and res is not None:
+            sh.partial[ref.id] = _partial_record(ref, ds, pos, ids, _Generated(res, segments, True), None)
+        elif prior is not None:
+            sh.partial[ref.id] = prior
+        raise
+
+
+def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Generated, info) -> Record:
+    """A PARTIAL record: the output so far of a request stopped mid-way, continued by the next run."""
+    res, out = g.res, g.res.output_ids
+    reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id) if info else (None, None)
+    return Record(
+        id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=out.tobytes(),
+        reasoning_end=reasoning_end, tool_call_at=tool_call_at, finish="abort", matched_stop=None,
+        prompt_tokens=len(ids), completion_tokens=len(out), cached_tokens=res.cached_tokens,
+        latency_s=round(res.latency_s, 4), attempts=res.attempts,
+        error=f"stopped after {len(out)} generated tokens; continued from there on the next run of the shard",
+        failure=PARTIAL, segments=g.segments,
+    )
+
+
+async def consume(sh: Shard, feed: Feed, engine, info) -> None:
+    while True:
+        if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see pool)
+            return
+        item = await feed.get()
+        if item is None or sh.stopping:
+            return
+        pos, ref, ids = item.pos, item.ref, item.ids
+        ds = sh.plan.datasets[ref.dataset].name
+        if item.error is not None:
+            kind, message = item.error
+            sh.add(failed_record(ref.id, ds, pos, ids or [], message, 0, kind))
+            continue
+        prior = _prior(sh, ref.id, ids)
+        try:
+            res = await _generate(sh, ids, ds, ref, engine, pos, prior)
+        except RequestRejected as e:
+            sh.last_answer = time.monotonic()
+            sh.add(failed_record(ref.id, ds, pos, ids, str(e), e.attempts, REJECTED))
+            continue
+        except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
+            if not engine.alive():
+                feed.redo.append(item)
+                raise EngineDied(str(e)) from None
+            message = str(e)
+            if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
+                message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
+            sh.add(failed_record(ref.id, ds, pos, ids, message, e.attempts, _failure_kind(e)))
+            continue
+        except asyncio.CancelledError:
+            feed.redo.append(item)
+            raise
+        if res.partial:
+            if res.res.completion_tokens > (prior.n_output if prior else 0):  # else the stored one says it all
+                sh.add(_partial_record(ref, ds, pos, ids, res, info))
+                sh.progress.partial_saved += 1
+            continue
+        sh.add(_result_record(ref, ds, pos, ids, res.res, info, res.segments))
+
+
+async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
+    """A request whose connection failed past its retries: one poisoned request (the engine still generates:
+    /health_generate answers 200), whose failure is recorded and the shard goes on — the message saying so — or
+    an engine that cannot be reached (EngineUnreachable: the shard cannot finish in this task)."""
+    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+    try:
+        why = await health_generate(http, timeout=health_timeout(sh.spec.engine.hang_timeout_s))
+    finally:
+        http.close()
+    if why is not None:
+        if not engine.alive():
+            raise EngineDied(f"engine exited with code {engine.exit_code()}") from None
+        raise EngineUnreachable(f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
+                                f"attempts ({e}), and /health_generate {why}") from None
+    return (f"no complete answer after {e.attempts} attempts ({e}), while the engine answers /health_generate: "
+            "only this request fails; it is generated again by the next run of the shard (`toolkit retry`)")
+
+
+def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:
+    """The PARTIAL record to continue for this prompt, if any (and if it was made from the same prompt ids)."""
+    prior = sh.partial.pop(id, None)
+    if prior is not None and prior.prompt_ids != pack_ids(ids):
+        log.warning("prompt %s: its partial output was made from other prompt ids; generating it from scratch", id)
+        return None
+    return prior
+
+
+def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1) -> Record:
+    """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN stop."""
+    out = res.output_ids
+    reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
+    failure = error = None
+    if res.finish == "abort":
+        failure, error = ABORTED, "aborted by the server"
+    elif res.finish == "stop" and res.matched == NAN_MATCHED:
+        failure = NAN
+        error = (f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN logits was "
+                 f"replaced by a stop id after {len(out) - 1} tokens; the output is not the model's")
+        log.warning("prompt %s: %s; recorded failed, it is generated again on the next run (`toolkit retry`)", ref.id, error)
+    return Record(
+        id=ref.id, dataset=ds, index=pos, status=OK if failure is None else FAILED,
+        prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
+        tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
+        prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
+        cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
+        error=error, failure=failure, segments=segments,
+    )
+
+
+async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> None:
+    """On a stop request: send nothing new, abort every request in flight so that each comes back with its
+    partial output (recorded PARTIAL by the consumers, continued next time), and return once they are back, or
+    after ABORT_GRACE_S. The engine is still up (it ignores SIGUSR2; the worker stops it afterwards)."""
+    await stop.wait()
+    sh.stopping = True
+    feed.close()
+    n = sh.in_flight
+    if n:
+        owned = engine.kind != "external"  # abort_all would also end other clients' requests on a shared server
+        log.warning("stopping: aborting the %d requests in flight (%s) to keep their partial outputs", n,
+                    "abort_all" if owned else "by rid")
+        http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+        try:
+            await abort_requests(http, None if owned else sorted(sh.rids))
+        except Unreachable as e:
+            log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
+            return
+        finally:
+            http.close()
+    deadline = time.monotonic() + ABORT_GRACE_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time", sh.in_flight,
+                ABORT_GRACE_S)

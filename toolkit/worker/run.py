@@ -1,0 +1,503 @@
+"""The shard worker: what one Slurm array task does — engine → chat → client → records → shard file.
+
+`run_shard(run_dir, shard)` resumes the shard's file (every id already written is skipped, whatever order it
+was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
+them through `/generate` with bounded concurrency, and appends checked records in fsynced batches. An engine
+that dies mid-shard is restarted (up to `engine.max_restarts`); SIGTERM / SIGUSR2 / SIGINT stop it cleanly
+(nothing written is lost; the requests in flight are aborted and their partial outputs kept as PARTIAL records,
+continued from where they stopped next time: see inflight.save_in_flight and inflight._generate). A finished
+shard gets its `done` manifest.
+
+Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
+recorded with its kind and generated again by the next run of the shard (the done manifest counts them; see
+records.TRANSIENT); ids `toolkit retry` names are generated again too. A done manifest is trusted only when the
+shard file still has its size and sha256; a damaged file is salvaged (formats.shardfile.ShardWriter.open). An engine that
+stops answering (requests in flight, none answered for `engine.hang_timeout_s`, `/health_generate` failing) is
+restarted like one that died. The render thread stays a bounded number of prompts ahead of the requests.
+
+Regenerated conversations (turns.py): turn k of a conversation waits until turn k-1 has a record, then is rendered
+with the answers of the turns before it (worker.turn_order).
+
+The parts: feed.py renders prompts on a thread and hands them to the event loop; inflight.py sends them (rids,
+continuations, partial outputs at a stop, records); concurrency.py sizes and watches the requests in flight;
+worker.shard holds what they share. This module keeps the shard's lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from toolkit.engines.base import EngineError
+from toolkit.engines.client import Expect, HttpClient, server_limits
+from toolkit.engines.kinds import make_engine
+from toolkit.errors import BadInputError, ToolkitError
+from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
+from toolkit.formats.frames import read_shard
+from toolkit.formats.locks import ShardLocked
+from toolkit.formats.manifests import read_done, read_retry, verify_done, write_done
+from toolkit.formats.progress import Progress, read_progress, write_progress
+from toolkit.formats.records import OK, Record
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardfile import ShardWriter
+from toolkit.job import chat
+from toolkit.job.plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
+from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
+from toolkit.worker.exitguard import ExitGuard, cancel_and_wait, describe_tasks
+from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread
+from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
+from toolkit.worker.shard import EngineDied, EngineHung, EngineUnreachable, Shard
+from toolkit.worker.turn_order import Chains
+
+__all__ = ["run_shard", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
+
+log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
+
+DONE, STOPPED = "done", "stopped"
+RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class ShardFailed(ToolkitError):
+    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
+    directory not writable, shard locked by another worker). Exits 1, or 2 when the run directory cannot be
+    written (`exit_code=` given where it is raised)."""
+
+
+class ShardBusy(ShardFailed):
+    """Another worker holds the shard's file (its lock): the shard is being generated elsewhere."""
+
+
+class _Stop(Exception):
+    pass
+
+
+async def _generate_shard(sh: Shard, stop: asyncio.Event, feed: Feed, engine, hang, info) -> None:
+    """Send every prompt, watching the engine and its load; raises _Stop on a stop request. With
+    client.save_in_flight the requests in flight are first aborted and their partial outputs recorded."""
+    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
+    try:  # what the server can run, and its length limit, before the first request goes out
+        limits = await server_limits(http)
+    finally:
+        http.close()
+    sh.progress.capacity = limits.capacity or None
+    sh.expect = Expect(vocab_size=info.vocab_size if info is not None else None, max_req_len=limits.max_req_len)
+    c = sh.spec.client
+    if c.concurrency == "auto":
+        resize(sh, auto_target(sh.progress.capacity or 0, 0, 0, c.max_concurrency))
+    jobs = [_answer_all(sh, feed, engine, info), watch(sh, engine, hang), watch_load(sh, engine)]
+    if not sh.spec.client.save_in_flight:
+        await _race(stop, *jobs)
+        return
+    # The stopper finishing (the grace over) or the consumers all returning ends the race.
+    await _race(asyncio.Event(), *jobs, save_in_flight(sh, stop, feed, engine))
+    if stop.is_set():
+        raise _Stop()
+
+
+async def _answer_all(sh: Shard, feed: Feed, engine, info) -> None:
+    """Every prompt sent and answered (or the stop's aborts back): the shard's work is over, and the worker's end
+    is bounded from here (exitguard)."""
+    await pool(sh, feed, engine, info)
+    sh.exit_guard.arm(_exit_bound(sh.spec), "its prompts were all answered")
+
+
+def _exit_bound(spec) -> float:
+    """Seconds the worker may take to end once its work is over: stop its tasks, flush, stop the engine."""
+    return spec.engine.shutdown_timeout_s + spec.engine.exit_grace_s
+
+
+async def _race(stop: asyncio.Event, *aws) -> None:
+    """Run `aws` until the first finishes (raising its error); a stop request cancels them all."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            raise _Stop()
+        for t in done:
+            t.result()
+        # The consumers finishing is the normal end; the watcher never finishes on its own.
+    finally:
+        await cancel_and_wait([*tasks, stopper])
+
+
+async def _run(sh: Shard, todo: Todo) -> str:
+    spec = sh.spec
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    guard = sh.exit_guard = ExitGuard(sh.shard, loop)
+
+    def on_signal(sig: int) -> None:
+        name = signal.Signals(sig).name
+        if stop.is_set():
+            log.warning("got %s again: still stopping, %s", name, sh.waiting_for or "saving and writing what is done")
+            return
+        log.warning("got %s: stopping; what is done is written, prompts in flight %s", name,
+                    "are saved as partial outputs and continued next time" if spec.client.save_in_flight
+                    else "are generated again next time")
+        sh.progress.stop_signal = name
+        stop.set()
+        guard.arm(ABORT_GRACE_S + _exit_bound(spec), f"{name} asked it to stop")
+
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    most = _max_in_flight(spec)
+    feed = Feed(Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
+    state = RenderState()
+    if any(d.regenerate for d in sh.plan.datasets):
+        sh.chains = state.chains = Chains(sh, feed, RefSlice(sh.rd, sh.sp.first, sh.sp.count), sh.history)
+    engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
+    if not engine.is_model:
+        log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
+    renderer = threading.Thread(target=render_thread, args=(loop, feed, sh.plan, todo, state), daemon=True, name="render")
+    guard.before_exit += [lambda: sh.writer.flush_within(5.0), lambda: _kill(engine)]
+    sh.save_progress("loading")
+    try:
+        engine.start()
+    except EngineError as e:  # refused before launch (e.g. SGLang's parser rejects the command line)
+        raise ShardFailed(str(e)) from None
+    renderer.start()
+    ready_once = False
+    try:
+        while True:
+            http = sh.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=most)
+            hang = HangWatch(engine, spec.engine.hang_timeout_s)
+            try:
+                await _race(stop, engine.wait_ready(http))
+                probe = await _race_value(stop, feed.first)
+                if probe is not None:
+                    engine.probe_ids = probe
+                    await engine.probe(http)
+                ready_once = True
+                if not sh.t_gen:
+                    sh.t_gen = time.monotonic()
+                sh.save_progress("generating")
+                log.info("generating %d prompts (%d to continue from a partial output) with concurrency %s",
+                         len(todo), len(sh.partial), spec.client.concurrency)
+                sh.last_answer = time.monotonic()
+                await _generate_shard(sh, stop, feed, engine, hang, state.info)
+                return DONE
+            except (EngineDied, EngineError) as e:
+                if not ready_once or isinstance(e, EngineError) and engine.alive():
+                    raise ShardFailed(str(e)) from None
+                sh.writer.flush()
+                sh.progress.engine_restarts += 1
+                if sh.progress.engine_restarts > spec.engine.max_restarts:
+                    from toolkit.engines.base import log_tail
+
+                    raise ShardFailed(
+                        f"engine died {sh.progress.engine_restarts} times (limit engine.max_restarts = "
+                        f"{spec.engine.max_restarts}); last: {e}. Last lines of {engine.server_log}:\n{log_tail(engine.server_log)}"
+                    ) from None
+                log.error("engine died mid-shard (%s): restart %d of %d", e, sh.progress.engine_restarts, spec.engine.max_restarts)
+                sh.save_progress("loading")
+                await _stop_engine(sh, engine, 0.0 if isinstance(e, EngineHung) else None)
+                engine.start()
+            except EngineUnreachable as e:
+                raise ShardFailed(str(e)) from None
+            finally:
+                http.close()
+                hang.close()
+    except _Stop:
+        return STOPPED
+    finally:
+        guard.arm(_exit_bound(spec), "the shard's work ended")
+        log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
+        state.stop = True
+        feed.budget.close()
+        if sh.chains is not None:
+            sh.chains.close()
+        sh.writer.flush()
+        await _stop_engine(sh, engine)
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        _account_for(renderer)
+
+
+def _account_for(renderer: threading.Thread) -> None:
+    """At the shard's end nothing it started may still run: no task but this one, the render thread ended."""
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if left:
+        log.error("%d task(s) still running at the end of the shard: %s; cancelling them", len(left),
+                  describe_tasks(left))
+        for t in left:
+            t.cancel()
+    if renderer.ident is not None:
+        renderer.join(RENDER_JOIN_S)
+        if renderer.is_alive():
+            log.warning("the render thread has not ended %g s after the shard's end; left behind (a daemon thread)",
+                        RENDER_JOIN_S)
+
+
+def _kill(engine) -> None:
+    """The exit guard's last word to the engine: SIGKILL to everything it runs (its GPUs are free at once)."""
+    if engine.proc is not None:
+        engine.kill()
+
+
+async def _stop_engine(sh: Shard, engine, timeout_s: float | None = None) -> None:
+    """Stop the engine on a thread, so the event loop still answers signals (a second Ctrl-C is told what it waits
+    for) while the engine drains."""
+    grace = engine.engine.shutdown_timeout_s if timeout_s is None else timeout_s
+    pid = engine.proc.pid if engine.proc is not None else None
+    sh.waiting_for = (f"waiting for the engine (pid {pid}) to exit: SIGTERM sent, SIGKILL after {grace:g} s "
+                   "([engine] shutdown_timeout_s)") if pid else None
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, timeout_s)
+    finally:
+        sh.waiting_for = None
+
+
+def _max_in_flight(spec) -> int:
+    c = spec.client
+    return c.max_concurrency if c.concurrency == "auto" else c.concurrency
+
+
+async def _race_value(stop: asyncio.Event, fut: asyncio.Future):
+    await _race(stop, asyncio.shield(fut))
+    return fut.result()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _where(p: Progress) -> str:
+    """Where this attempt runs, in words: host, GPUs, and the Slurm job when there is one."""
+    out = f"on {p.host}" + (f", GPUs {p.gpus}" if p.gpus else "")
+    if p.array_job_id and p.array_task_id is not None:
+        out += f", Slurm job {p.job_id} (array {p.array_job_id}, task {p.array_task_id})"
+    elif p.job_id:
+        out += f", Slurm job {p.job_id}"
+    else:
+        out += ", not under Slurm"
+    if p.restart_count:
+        out += f", requeued {_count(p.restart_count, 'time')}"
+    return out
+
+
+def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: int) -> str:
+    """What this attempt finds and does: e.g. `30 prompts: 26 have a record, 18 kept; 12 to generate: 4 never
+    generated and 8 again (8 failures that may pass)`."""
+    if not recorded:
+        return f"{_count(total, 'prompt')} to generate"
+    again = transient + asked
+    kept = recorded - again
+    if not todo:
+        return f"{_count(total, 'prompt')}: all have a record; nothing to generate"
+    why = ", ".join(x for x in (f"{transient} failure{'s' if transient != 1 else ''} that may pass" if transient else "",
+                                f"{asked} asked for by `toolkit retry`" if asked else "") if x)
+    parts = [f"{todo - again} never generated" if todo - again else "", f"{again} again ({why})" if again else ""]
+    return (f"{_count(total, 'prompt')}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} kept; "
+            f"{todo} to generate: "
+            + " and ".join(x for x in parts if x))
+
+
+def _attach_log(path: Path) -> logging.Handler:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h = LogFile(path)
+    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger("toolkit").addHandler(h)
+    return h
+
+
+def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
+    """Whether the shard's done manifest can be trusted to say there is nothing to do: its file unchanged (size
+    and sha256), no transient failure left, no retry asked. An untrusted manifest is removed (merge and status
+    must not take the shard as complete while it is being redone)."""
+    m = read_done(rd.done_file(shard))
+    if m is None or m.fingerprint != plan.fingerprint:
+        return False
+    changed = verify_done(m, rd.shard_file(shard))
+    if changed:
+        log.error("shard %d: %s: the file changed after the shard finished; checking it, salvaging what is intact "
+                  "and generating the rest", shard, changed)
+    elif rd.retry_file(shard).exists():
+        log.info("shard %d: `toolkit retry` asked for records to be generated again", shard)
+    elif m.transient:
+        log.info("shard %d finished with %d failures that may pass: generating them again", shard, m.transient)
+    else:
+        log.info("shard %d is already complete (%d records): nothing to do", shard, m.records)
+        return True
+    rd.done_file(shard).unlink(missing_ok=True)
+    return False
+
+
+def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) -> Todo:
+    """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
+    refs = ShardRefs(rd, sh.sp)
+    if not done_ids:  # a fresh shard: every prompt, without reading a ref
+        return Todo(refs)
+    chosen = bytearray((len(refs) + 7) // 8)
+    owned = count = 0
+    for i, ref in enumerate(refs):
+        if ref.id in done_ids:
+            owned += 1
+            if ref.id not in redo:
+                continue
+        chosen[i >> 3] |= 1 << (i & 7)
+        count += 1
+    if owned != len(done_ids):
+        unknown = set(done_ids) - {ref.id for ref in refs}
+        raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
+    return Todo(refs, chosen, count)
+
+
+def _resumed_tokens(sh: Shard, todo: Todo) -> int:
+    """Output tokens of the records this attempt keeps: every newest record but those it generates again."""
+    otok = sh.writer.output_tokens_at
+    if otok is None:
+        return 0
+    return sum(n for i, n in enumerate(otok) if i not in todo)
+
+
+def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
+    """Recorded ids to generate again: transient failures, and those a retry request names that were not
+    recorded again since it was made."""
+    redo = set(writer.transient)
+    req = read_retry(rd.retry_file(shard))
+    if req is not None:
+        redo.update(i for i in req.ids if done_ids.get(i, req.before) < req.before)
+    return redo
+
+
+def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict[str, Record]:
+    """Regenerated datasets: the newest record of each turn already in the shard file, when it is ok and not to be
+    redone — the answers later turns are rendered with."""
+    regenerated = {d.name for d in plan.datasets if d.regenerate}
+    if not regenerated:
+        return {}
+    newest: dict[str, Record] = {}
+    for rec in read_shard(rd.shard_file(shard)):
+        if rec.dataset in regenerated:
+            newest[rec.id] = rec
+    return {i: r for i, r in newest.items() if r.status == OK and i not in redo}
+
+
+def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
+    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
+
+    After STOPPED, the progress file's `stop_signal` names the signal that stopped it. A disk that is full, a run
+    directory that cannot be written, a shard file another worker holds: a ShardFailed saying what to do, and the
+    shard's progress says failed (where it can still be written). Nothing written before is lost.
+    """
+    try:
+        return _run_shard(run_dir, shard)
+    except (OSError, RuntimeError) as e:  # before the shard's log is open, or it cannot be
+        raise _failed(e, RunDir(run_dir), shard) from None
+
+
+def _failed(e: Exception, rd: RunDir, shard: int) -> ShardFailed:
+    """The ShardFailed of a file-system or lock error, logged, and the shard's progress marked failed."""
+    msg, code = _io_problem(e, rd, shard)
+    _mark_failed(rd, shard, msg)
+    log.error("shard %d failed: %s", shard, msg)
+    return ShardFailed(msg, exit_code=code)
+
+
+def _io_problem(e: Exception, rd: RunDir, shard: int) -> tuple[str, int]:
+    """(one-line message saying what to do, exit code) of an error from the file system or the shard's lock."""
+    if not isinstance(e, OSError):
+        return str(e), 1
+    where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
+    what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+    if e.errno in FULL:
+        return (f"cannot write {where}: {what}; free space (or quota) on that file system, then run the shard again: "
+                "it resumes, nothing written is lost"), 1
+    if e.errno in READ_ONLY:
+        return (f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job (a "
+                "read-only mount, or another user's folder): fix its permissions or move it"), 2
+    return f"{where}: {what}; check the file system, then run the shard again (it resumes)", 1
+
+
+def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
+    """Best effort: the shard's progress file says failed and why (it may itself be unwritable)."""
+    try:
+        p = read_progress(rd.progress_file(shard)) or Progress(shard=shard, total=0)
+        p.state, p.error = "failed", msg
+        write_progress(rd.progress_file(shard), p)
+    except (OSError, ValueError):
+        pass
+
+
+def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
+    rd, plan = load_run(run_dir)
+    if not 0 <= shard < len(plan.shards):
+        raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
+    handler = _attach_log(rd.log_file(shard))
+    logger = logging.getLogger("toolkit")
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    sh = Shard(rd, plan, shard)
+    try:
+        ctx = sh.progress
+        log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, "prompt"),
+                 _where(ctx))
+        if _already_complete(rd, plan, shard):
+            return DONE
+        check_plan_inputs(plan)
+        try:
+            done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+        except RuntimeError as e:  # another writer holds the shard (ShardLocked), or the file is another run's
+            raise (ShardBusy if isinstance(e, ShardLocked) else ShardFailed)(str(e)) from None
+        try:
+            redo = _redo_ids(rd, shard, sh.writer, done_ids)
+            todo = _plan_todo(rd, sh, done_ids, redo)
+            sh.progress.resumed_tokens = _resumed_tokens(sh, todo)
+            sh.history = _turn_history(rd, plan, shard, redo)
+            sh.recorded = len(done_ids) - len(redo)
+            sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
+            log.info("%s", _resume_line(sh.sp.count, len(done_ids), len(todo), len(redo & sh.writer.transient),
+                                        len(redo - sh.writer.transient)))
+            sh.progress.resumed = sh.recorded
+            result = DONE
+            if todo:
+                try:
+                    result = asyncio.run(_run(sh, todo))
+                except ShardFailed as e:
+                    sh.progress.error = str(e)
+                    sh.save_progress("failed")
+                    raise
+                except BadInputError as e:  # the tokenizer or model folder, found by the render thread
+                    sh.progress.error = str(e)
+                    sh.save_progress("failed")
+                    raise ShardFailed(str(e), exit_code=e.exit_code) from None
+                finally:
+                    if sh.exit_guard is not None:  # the shard's event loop has returned: its end is not stuck
+                        sh.exit_guard.disarm()
+            sh.writer.flush()
+        finally:
+            sh.writer.close()
+        if result == STOPPED:
+            sh.save_progress("stopped")
+            log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
+                     shard, sh.recorded, sh.sp.count)
+            return STOPPED
+        m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint,
+                       positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+        if m.records != sh.sp.count:
+            raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
+        rd.retry_file(shard).unlink(missing_ok=True)
+        sh.save_progress("done")
+        log.info("shard %d complete: %d records (%d failed), %d output tokens", shard, m.records, m.failed, m.output_tokens)
+        if m.transient:
+            log.warning("shard %d: %d failures may pass when generated again (timeouts, 5xx, aborts, NaN); the next "
+                        "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, rd.shown)
+        return DONE
+    except ShardFailed as e:  # said once, in the shard's log
+        log.error("shard %d failed: %s", shard, e)
+        raise
+    except (OSError, RuntimeError) as e:
+        raise _failed(e, rd, shard) from None
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(old_level)
