@@ -18,7 +18,7 @@ import runs
 from jobfiles import make_job
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit import AuditReport, audit_run
-from toolkit.dataset.finish import merge_and_audit
+from toolkit.dataset.finish import AuditFailed, merge_and_audit
 from toolkit.formats.records import Record, pack_ids, unpack_ids
 
 
@@ -44,7 +44,8 @@ def test_the_seed_bug_fails_the_audit_with_the_reasoning_message(tmp_path, kimi,
     """Outputs that stop normally without any think-end: the reasoning would sit in the content, silently."""
     s = runs.plan_run(tmp_path, kimi)
     runs.write_run(s, runs.no_think_end)
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     out = " ".join(capsys.readouterr().out.split())  # the terminal table wraps long messages
     r = report(s)
     assert not r.passed and failing(r) == {"think_end_share", "stop_without_think_end"}
@@ -65,7 +66,7 @@ def test_audit_json_reads_back_typed_without_the_auditor(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)
     runs.write_run(s, failed=[])
     assert read_report(s.rd) is None
-    assert merge_and_audit(s.root) == 0
+    assert merge_and_audit(s.root).passed
     r = read_report(s.rd)
     assert r == report(s) and r.passed and r.files["json"] == str(s.rd.audit_json)
 
@@ -74,7 +75,7 @@ def test_audit_json_reads_back_typed_without_the_auditor(tmp_path, kimi):
 def test_a_healthy_run_passes_with_exact_statistics(tmp_path, toy_tokenizer, family, capsys):
     s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"math": 12, "chat": 9}, shards=3)
     written = runs.write_run(s, failed=[])
-    assert merge_and_audit(s.root) == 0
+    assert merge_and_audit(s.root).passed
     r = report(s)
     assert r.passed and failing(r) == set() and (r.planned, r.present, r.ok, r.missing) == (21, 21, 21, 0)
     assert ": PASSED" in capsys.readouterr().out
@@ -101,7 +102,8 @@ def test_a_run_whose_template_closed_reasoning_fails_and_names_the_kwarg(tmp_pat
     """thinking = false closes reasoning in the prompt: the outputs hold none, and that must not pass."""
     s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}})
     runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos))
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     r = report(s)
     assert r.overall.reasoning.closed_by_template == 18 and r.overall.reasoning.expected == 0
     assert "reasoning_mode" in failing(r) and "think_end_share" in failing(r)
@@ -114,7 +116,7 @@ def test_a_run_whose_template_closed_reasoning_fails_and_names_the_kwarg(tmp_pat
 def test_non_thinking_data_passes_with_expect_reasoning_false(tmp_path, kimi):
     s = runs.plan_run(tmp_path, kimi, model={"chat_template_kwargs": {"thinking": False}, "expect_reasoning": False})
     runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos))
-    assert merge_and_audit(s.root) == 0
+    assert merge_and_audit(s.root).passed
     r = report(s)
     names = {c.name for c in r.checks}
     assert "no_reasoning" in names and not names & {"reasoning_mode", "think_end_share", "stop_without_think_end"}
@@ -127,7 +129,8 @@ def test_expect_reasoning_false_fails_when_outputs_hold_think_tokens(tmp_path, k
         lambda s, pos, rng: runs.Out(s.text(rng, 50) + [s.eos], "stop", s.eos),
         p3=lambda s, pos, rng: runs.Out([s.info.think_start_id, *s.text(rng, 20), s.info.think_end_id, s.eos], "stop", s.eos),
     ))
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     r = report(s)
     assert failing(r) == {"no_reasoning"} and r.overall.reasoning.think_tokens == 1
     c = check(r, "no_reasoning")
@@ -139,7 +142,8 @@ def test_no_vacuous_audit_when_no_output_is_in_reasoning_mode(tmp_path, toy_toke
     not '0 of 0 ok outputs in reasoning mode (100%)'."""
     s = runs.plan_run(tmp_path, toy_tokenizer("qwen3"), "qwen3")
     runs.write_run(s, lambda s, pos, rng: runs.Out(s.text(rng, 50), "length", None))
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     r = report(s)
     rc = r.overall.reasoning
     assert (rc.mode_model_opens, rc.in_reasoning, rc.expected) == (18, 0, 18)
@@ -151,7 +155,7 @@ def test_outputs_are_counted_per_reasoning_mode(tmp_path, toy_tokenizer):
     for family, field in (("kimi", "mode_opened"), ("qwen3", "mode_model_opens")):
         s = runs.plan_run(tmp_path / family, toy_tokenizer(family), family)
         runs.write_run(s)
-        assert merge_and_audit(s.root) == 0
+        assert merge_and_audit(s.root).passed
         r = report(s)
         rc = r.overall.reasoning
         assert getattr(rc, field) == 18 == rc.in_reasoning == rc.expected and rc.closed_by_template == 0
@@ -177,7 +181,8 @@ def test_nan_stops_fail_their_own_check(tmp_path, kimi):
         return rec
 
     runs.write_run(s, runs.mix(healthy, p2=nan_out), failed=[5], edit=plant)
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     r = report(s)
     assert "nan_stop" in failing(r)
     c = check(r, "nan_stop")
@@ -243,7 +248,8 @@ def test_each_fault_fails_its_own_check(tmp_path, kimi, fault):
     outputs, edit, failed, name, words = FAULTS[fault]
     s = runs.plan_run(tmp_path, kimi)
     runs.write_run(s, outputs, edit=edit, failed=failed)
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     r = report(s)
     assert failing(r) == {name}
     assert words in check(r, name).message
@@ -305,7 +311,8 @@ def test_sample_outputs_are_the_first_in_planned_order_each_beside_its_prompt(tm
     runs.write_run(s, window=24)  # each shard's records written in an order far from the planned one
     order = [r.index for r in read_merged_in_file_order(s)]
     assert order != sorted(order), "the shards' files hold their records out of planned order"
-    merge_and_audit(s.root)
+    with pytest.raises(AuditFailed):  # the audit fails, and its reports are written
+        merge_and_audit(s.root)
     shown = report(s).samples[0].outputs
     assert [o.id for o in shown] == [s.refs[i].id for i in range(SAMPLES)]
     for o, i in zip(shown, range(SAMPLES)):
@@ -331,7 +338,8 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
         return runs.Out([*ids, *s.text(rng, 30), s.info.think_end_id, *s.text(rng, 20), s.eos], "stop", s.eos)
 
     runs.write_run(s, runs.mix(runs.healthy(), p4=runs.no_think_end, **{f"p{first}": with_markup}), failed=[7])
-    merge_and_audit(s.root)
+    with pytest.raises(AuditFailed):  # the audit fails, and its reports are written
+        merge_and_audit(s.root)
     page = s.rd.merged_dir / "audit.html"
     assert b"http://" not in page.read_bytes().replace(b"http://www.w3.org/2000/svg", b"")  # self-contained
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

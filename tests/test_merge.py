@@ -15,7 +15,7 @@ import pytest
 import runs
 from toolkit import read_run
 from toolkit.cli import main as cli_main
-from toolkit.dataset.finish import merge_and_audit
+from toolkit.dataset.finish import AuditFailed, merge_and_audit
 from toolkit.dataset.merge import MERGED, MergeError, load_manifest, merge_run
 from toolkit.formats.frames import iter_frames, read_header, read_shard
 from toolkit.formats.records import OK
@@ -168,7 +168,8 @@ def test_a_damaged_frame_is_reported_with_shard_and_offset(tmp_path, kimi, capsy
     assert m.missing == 3 and m.missing_ids == lost and not m.complete
     assert [r.index for r in merged(s)] == [*range(15), *range(18, 24)]
 
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     out = capsys.readouterr().out
     assert "FAIL  damaged_frames" in out and f"at byte {offsets[1]}" in out and "shard 1" in out
     assert "FAIL  shard_checksums" in out and "FAIL  coverage" in out

@@ -13,7 +13,7 @@ import zstandard
 from toolkit.formats.frames import CorruptShard, Damage, intact_frames, iter_frames, read_shard, scan
 from toolkit.formats.manifests import read_done, verify_done, write_done
 from toolkit.formats.records import OK, Record, failed_record, pack_ids, unpack_ids
-from toolkit.formats.shardfile import ShardWriter
+from toolkit.formats.shardfile import ForeignShard, ShardWriter
 
 
 def rec(i: int) -> Record:
@@ -215,7 +215,7 @@ def test_done_counts_by_planned_position_equal_the_counts_by_id(tmp_path):
 def test_fingerprint_mismatch_refused(tmp_path):
     path = tmp_path / "s.zst"
     write(path, [rec(0)])
-    with pytest.raises(RuntimeError, match="belongs to run ffffffffffffffff"):
+    with pytest.raises(ForeignShard, match="belongs to run ffffffffffffffff"):
         ShardWriter(path, "a" * 16, 0).open()
 
 
@@ -225,10 +225,11 @@ def test_second_writer_is_refused(tmp_path):
     w.open()
     code = f"""
 import sys
+from toolkit.formats.locks import ShardLocked
 from toolkit.formats.shardfile import ShardWriter
 try:
     ShardWriter({str(path)!r}, "f" * 16, 0).open()
-except RuntimeError as e:
+except ShardLocked as e:
     print(e); sys.exit(7)
 """
     r = subprocess.run(["python", "-c", code], capture_output=True, text=True)

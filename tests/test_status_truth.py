@@ -19,7 +19,7 @@ from toolkit.cli import main as cli_main
 from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
 from toolkit.cluster.status import RunStatus
 from toolkit.cluster.verdicts import SlurmJob, SlurmView
-from toolkit.dataset.finish import merge_and_audit
+from toolkit.dataset.finish import AuditFailed, merge_and_audit
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.progress import Progress, write_progress
 from toolkit.formats.records import PARTIAL, Record
@@ -56,7 +56,8 @@ def status(root, capsys) -> tuple[int, str, RunStatus]:
 def test_a_failed_merge_job_and_a_failed_audit_are_not_exit_0(tmp_path, kimi, capsys, monkeypatch):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 8}, shards=2, audit={"max_failed_share": 0.05})
     runs.write_run(s, failed=[1, 2])  # 2 of 8 failed: over the audit's limit
-    assert merge_and_audit(s.root) == 1
+    with pytest.raises(AuditFailed):
+        merge_and_audit(s.root)
     capsys.readouterr()
     submitted(s, [0, 1])
     slurm_says(monkeypatch, **{"70_0": "COMPLETED", "70_1": "COMPLETED", "71": "FAILED"})
@@ -74,7 +75,7 @@ def test_exit_0_needs_every_shard_merged_and_audited_after_it_finished(tmp_path,
     runs.write_run(s)
     code, table, _ = status(s.root, capsys)
     assert code == 1 and table.splitlines()[-1] == f"run: not complete: not merged: `toolkit merge {s.rd.shown}` (exit 1)"
-    assert merge_and_audit(s.root) == 0
+    assert merge_and_audit(s.root).passed
     capsys.readouterr()
     code, table, st = status(s.root, capsys)
     assert code == 0 and st.verdict == "complete: every shard done, merged, audit passed"
@@ -109,7 +110,7 @@ def test_partial_outputs_continued_are_counted_as_continued(tmp_path, kimi, caps
     m = merge_run(s.root)
     assert (m.continued, m.duplicates, m.failed) == (2, 1, 0) and m.shards[0].continued == 2
     assert m.duplicate_ids == [s.refs[4].id]
-    assert merge_and_audit(s.root) == 0
+    assert merge_and_audit(s.root).passed
     summary = capsys.readouterr().out
     assert "6 planned, 6 ok, 0 failed, 0 missing; 1 duplicates kept once, 2 partial outputs continued" in summary
     from toolkit.dataset.audit_report import read_report

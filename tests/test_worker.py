@@ -359,9 +359,10 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert read_done(rd.done_file(0)).transient == len(failed)
     assert cli_main(["logs", str(rd.root), "--failed"]) == 1
     assert f"{len(failed)} failed records that may pass" in capsys.readouterr().out
-    from toolkit.dataset.finish import merge_and_audit
+    from toolkit.dataset.finish import AuditFailed, merge_and_audit
 
-    assert merge_and_audit(rd.root) == 1  # failed_share is over its limit, and says what to run
+    with pytest.raises(AuditFailed):  # failed_share is over its limit, and says what to run
+        merge_and_audit(rd.root)
     assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()
     capsys.readouterr()
 

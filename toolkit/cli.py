@@ -125,7 +125,8 @@ def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, a
         return EXIT_OK
     from toolkit.dataset.finish import merge_and_audit
 
-    return merge_and_audit(rd.root)
+    merge_and_audit(rd.root)
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,22 +134,28 @@ def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, a
 # ---------------------------------------------------------------------------------------------------
 def cmd_merge(args) -> int:
     from toolkit.dataset.finish import merge_and_audit
-    from toolkit.dataset.merge import merge_run
+    from toolkit.dataset.merge import MergeError, merge_run
     from toolkit.formats.rundir import RunDir
 
     if not args.no_audit:
-        return merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
+        merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
+        return EXIT_OK
     m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
     print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
           f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
           f"{len(m.corrupt)} damaged frames")
-    return EXIT_OK if not (m.corrupt or m.foreign) and (m.complete or args.allow_incomplete) else EXIT_FAILED
+    if m.corrupt or m.foreign or not (m.complete or args.allow_incomplete):
+        raise MergeError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
+                         "incomplete: see the line above; `toolkit audit` says what each check finds",
+                         exit_code=EXIT_FAILED)
+    return EXIT_OK
 
 
 def cmd_audit(args) -> int:
     from toolkit.dataset.finish import audit_and_report
 
-    return audit_and_report(args.run)
+    audit_and_report(args.run)
+    return EXIT_OK
 
 
 def cmd_export(args) -> int:

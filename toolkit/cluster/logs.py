@@ -20,7 +20,7 @@ from toolkit.cluster.verdicts import (
     index_jobs,
     shard_status,
 )
-from toolkit.errors import BadInputError
+from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
@@ -247,8 +247,7 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
-        print(f"{path} does not exist yet (the shard has not started)", file=sys.stderr)
-        return 1
+        raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
     for line in _tail_lines(path, lines):
         print(line)
     return 0

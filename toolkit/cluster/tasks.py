@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 
 from toolkit.errors import ToolkitError
-from toolkit.formats.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +31,16 @@ class ShardTask:
         self.run_dir = run_dir
 
     def __call__(self, shard: int) -> str:
-        from toolkit.formats.progress import read_progress
-        from toolkit.worker.run import STOPPED, run_shard
+        from toolkit.worker.run import run_shard
 
         _log_to_stderr()
         submitit_handler = signal.getsignal(signal.SIGUSR2)
         result = run_shard(self.run_dir, shard)  # raises ShardFailed: the task fails, Slurm shows FAILED
-        if result == STOPPED:
-            rd = RunDir(self.run_dir)
-            p = read_progress(rd.progress_file(shard))
-            if p is not None and p.stop_signal == "SIGUSR2" and callable(submitit_handler):
-                # Let submitit do what it does on its signal: checkpoint (this same call) and requeue.
-                signal.signal(signal.SIGUSR2, submitit_handler)
-                submitit_handler(signal.SIGUSR2, None)
-        return result
+        if result.stop_signal == "SIGUSR2" and callable(submitit_handler):
+            # Let submitit do what it does on its signal: checkpoint (this same call) and requeue.
+            signal.signal(signal.SIGUSR2, submitit_handler)
+            submitit_handler(signal.SIGUSR2, None)
+        return str(result)
 
     def checkpoint(self, shard: int):
         import submitit
@@ -52,23 +48,20 @@ class ShardTask:
         return submitit.helpers.DelayedSubmission(ShardTask(self.run_dir), shard)
 
 
+class MergeJobFailed(ToolkitError):
+    """The run's final job ended with a non-zero exit: `toolkit merge` said why, in the job's log."""
+
+
 class MergeTask:
-    """The run's final job: merge every shard and audit the result (fails the job when the audit fails)."""
+    """The run's final job: `toolkit merge RUN` (merge every shard, then audit), run as the command line runs it,
+    so that what goes wrong is said once, as the command says it, in the job's log; its exit code fails the job
+    (Slurm shows FAILED) when the merge is refused or the audit fails."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
 
     def __call__(self) -> int:
-        from toolkit.dataset.finish import merge_and_audit
-
-        _log_to_stderr()
-        try:
-            code = merge_and_audit(self.run_dir)
-        except ToolkitError as e:  # the job's own `toolkit: error:` line, which `logs --failed` shows as why
-            sys.stderr.write(f"toolkit: error: {e}\n")
-            raise RuntimeError(f"merge of {self.run_dir} refused (exit {e.exit_code})") from None
-        if code != 0:
-            rd = RunDir(self.run_dir)
-            raise RuntimeError(f"merge/audit of {self.run_dir} failed (exit {code}); see "
-                               f"{rd.audit_json.relative_to(rd.root).as_posix()}")
-        return code
+        code = subprocess.run([sys.executable, "-m", "toolkit", "merge", self.run_dir], stdin=subprocess.DEVNULL).returncode
+        if code:
+            raise MergeJobFailed(f"toolkit merge {self.run_dir} exited {code}", exit_code=code)
+        return 0

@@ -10,18 +10,33 @@ import os
 import sys
 
 from toolkit.dataset import audit, report
+from toolkit.dataset.audit_report import AuditReport
 from toolkit.dataset.merge import finished_shards, io_error, merge_run
+from toolkit.errors import ToolkitError
+from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
 
-__all__ = ["audit_and_report", "merge_and_audit"]
+__all__ = ["AuditFailed", "audit_and_report", "merge_and_audit"]
 
 
-def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> int:
+class AuditFailed(ToolkitError):
+    """The run was audited and the audit failed: the summary printed before says which checks, and why."""
+
+
+def _passed(rd: RunDir, result: AuditReport) -> AuditReport:
+    if not result.passed:
+        failed = [c.name for c in result.checks if not c.passed]
+        raise AuditFailed(f"the audit of run {result.run} failed ({', '.join(failed) or 'incomplete'}); what each "
+                          f"check found is above and in {shown_path(rd.audit_html)}")
+    return result
+
+
+def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> AuditReport:
     """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
 
-    Returns 0 when the run merged completely and the audit passed, 1 otherwise. Raises MergeError when it
-    cannot merge (e.g. unfinished shards without `allow_incomplete`; the message says what to do).
+    Returns the audit's report when it passed; raises AuditFailed when it did not, MergeError when the run cannot
+    be merged (e.g. unfinished shards without `allow_incomplete`; the message says what to do).
     """
     out = out or sys.stdout
     rd, plan = load_run(run_dir)
@@ -35,7 +50,7 @@ def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = Fals
         except OSError as e:
             raise io_error(e, rd, "merge") from None
     print(report.summary_table(result), file=out)
-    return 0 if result.passed else 1
+    return _passed(rd, result)
 
 
 class _merge_lock:
@@ -62,10 +77,10 @@ class _merge_lock:
             os.close(self.fd)
 
 
-def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> int:
-    """Audit a merged run, write the reports, print the summary: 0 when the audit passed, 1 otherwise.
+def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> AuditReport:
+    """Audit a merged run, write the reports, print the summary; the report when the audit passed.
 
-    Raises MergeError when the run has no readable merged dataset.
+    Raises AuditFailed when it did not, MergeError when the run has no readable merged dataset.
     """
     rd, _ = load_run(run_dir)
     try:
@@ -74,4 +89,4 @@ def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> int:
     except OSError as e:
         raise io_error(e, rd, "audit") from None
     print(report.summary_table(result), file=out or sys.stdout)
-    return 0 if result.passed else 1
+    return _passed(rd, result)

@@ -27,6 +27,7 @@ import msgspec
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, Damage, decode_batch, intact_frames, read_frame_at, read_header
+from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import DoneManifest, read_done
 from toolkit.formats.records import OK, PARTIAL, Record
 from toolkit.formats.rundir import RunDir
@@ -272,7 +273,7 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
     writer = ShardWriter(tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9)
     try:
         writer.open()
-    except RuntimeError:
+    except ShardLocked:
         raise MergeError(f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end") from None
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -23,16 +23,29 @@ from pathlib import Path
 import msgspec
 
 from toolkit.engines.client import HttpClient, Unreachable, health_generate, parse_response
+from toolkit.errors import ToolkitError
 
-__all__ = ["Engine", "EngineError", "free_port", "log_tail"]
+__all__ = ["Engine", "EngineDied", "EngineError", "EngineHung", "EngineUnreachable", "free_port", "log_tail"]
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
 
-class EngineError(Exception):
+class EngineError(ToolkitError):
     """The engine could not be started, never became ready, or died."""
+
+
+class EngineDied(EngineError):
+    """The engine's process ended mid-shard: the worker restarts it (up to `[engine] max_restarts`)."""
+
+
+class EngineHung(EngineDied):
+    """Alive, but answering nothing: stopped without the grace a draining server gets, then restarted."""
+
+
+class EngineUnreachable(EngineError):
+    """The engine is alive but cannot be reached: the shard cannot finish in this task."""
 
 
 def free_port(host: str = LOOPBACK) -> int:

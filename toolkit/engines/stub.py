@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from toolkit.engines.base import LOOPBACK, Engine, free_port
+from toolkit.engines.base import LOOPBACK, Engine, EngineError, free_port
 
 __all__ = ["StubEngine", "start_standalone"]
 
@@ -77,5 +77,5 @@ def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tu
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the stub server at {url} did not become ready within {timeout_s:g} s "
+    raise EngineError(f"the stub server at {url} did not become ready within {timeout_s:g} s "
                        f"(exit code {proc.poll()})")

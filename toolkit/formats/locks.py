@@ -19,11 +19,12 @@ from pathlib import Path
 
 import msgspec
 
+from toolkit.errors import ToolkitError
 from toolkit.formats.text import local_time
 
 log = logging.getLogger(__name__)
 
-class ShardLocked(RuntimeError):
+class ShardLocked(ToolkitError):
     """Another writer holds this shard file (or may): the message says who and what to do."""
 
 

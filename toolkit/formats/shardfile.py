@@ -18,6 +18,7 @@ from pathlib import Path
 
 import zstandard
 
+from toolkit.errors import BadInputError
 from toolkit.formats.files import fsync_dir
 from toolkit.formats.frames import (
     HEADER_SIZE,
@@ -35,6 +36,11 @@ from toolkit.formats.records import PARTIAL, Record, is_transient
 from toolkit.formats.text import file_stamp
 
 log = logging.getLogger(__name__)
+
+class ForeignShard(BadInputError):
+    """A shard file that belongs to another run (another fingerprint or shard): the run directory was planned for
+    another job. Nothing is written to it."""
+
 
 class ShardWriter:
     """Appends batches of records to one shard file; resumes a file left by an earlier (killed) attempt.
@@ -111,7 +117,7 @@ class ShardWriter:
         if head is not None and head != (self.fingerprint, self.shard):
             fp, shard = head
             if not damaged_fingerprint(fp, self.fingerprint):
-                raise RuntimeError(
+                raise ForeignShard(
                     f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
                     "this run directory was planned for another job: use a new output_dir or --new-run"
                 )

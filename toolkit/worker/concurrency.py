@@ -10,12 +10,13 @@ import ctypes
 import logging
 import time
 
+from toolkit.engines.base import EngineDied, EngineHung
 from toolkit.engines.client import HttpClient, health_generate, read_load
 from toolkit.formats.progress import REFRESH_S
 from toolkit.worker.exitguard import cancel_and_wait
 from toolkit.worker.feed import Feed
 from toolkit.worker.inflight import consume
-from toolkit.worker.shard import AUTO_START, EngineDied, EngineHung, Shard, health_timeout
+from toolkit.worker.shard import AUTO_START, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 

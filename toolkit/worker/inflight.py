@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from toolkit.engines.base import EngineDied, EngineUnreachable
 from toolkit.engines.client import (
     BadResponse,
     ClientError,
@@ -44,7 +45,7 @@ from toolkit.formats.records import (
 )
 from toolkit.job.plan import PromptRef
 from toolkit.worker.feed import Feed
-from toolkit.worker.shard import EngineDied, EngineUnreachable, Shard, health_timeout
+from toolkit.worker.shard import Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 

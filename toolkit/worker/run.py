@@ -34,10 +34,10 @@ import threading
 import time
 from pathlib import Path
 
-from toolkit.engines.base import EngineError
+from toolkit.engines.base import EngineDied, EngineError, EngineHung, EngineUnreachable
 from toolkit.engines.client import Expect, HttpClient, server_limits
 from toolkit.engines.kinds import make_engine
-from toolkit.errors import BadInputError, ToolkitError
+from toolkit.errors import EXIT_BAD_INPUT, BadInputError, ToolkitError
 from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
 from toolkit.formats.frames import read_shard
 from toolkit.formats.locks import ShardLocked
@@ -45,21 +45,34 @@ from toolkit.formats.manifests import read_done, read_retry, verify_done, write_
 from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.records import OK, Record
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardfile import ShardWriter
+from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.job import chat
 from toolkit.job.plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
 from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from toolkit.worker.exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread
 from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
-from toolkit.worker.shard import EngineDied, EngineHung, EngineUnreachable, Shard
+from toolkit.worker.shard import Shard
 from toolkit.worker.turn_order import Chains
 
-__all__ = ["run_shard", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
+__all__ = ["run_shard", "Outcome", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 DONE, STOPPED = "done", "stopped"
+
+
+class Outcome(str):
+    """How a shard's run ended: DONE or STOPPED (a str: `run_shard(...) == DONE` reads as it says), with the signal
+    that stopped it (`stop_signal`: SIGUSR2, SIGTERM, SIGINT; None when done)."""
+
+    stop_signal: str | None = None
+
+    @classmethod
+    def stopped(cls, signal_name: str | None) -> Outcome:
+        out = cls(STOPPED)
+        out.stop_signal = signal_name
+        return out
 RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -184,8 +197,10 @@ async def _run(sh: Shard, todo: Todo) -> str:
                 sh.last_answer = time.monotonic()
                 await _generate_shard(sh, stop, feed, engine, hang, state.info)
                 return DONE
-            except (EngineDied, EngineError) as e:
-                if not ready_once or isinstance(e, EngineError) and engine.alive():
+            except EngineUnreachable as e:
+                raise ShardFailed(str(e)) from None
+            except EngineError as e:  # died or hung: restarted; refused or never ready: the shard cannot go on here
+                if not ready_once or not isinstance(e, EngineDied) and engine.alive():
                     raise ShardFailed(str(e)) from None
                 sh.writer.flush()
                 sh.progress.engine_restarts += 1
@@ -200,8 +215,6 @@ async def _run(sh: Shard, todo: Todo) -> str:
                 sh.save_progress("loading")
                 await _stop_engine(sh, engine, 0.0 if isinstance(e, EngineHung) else None)
                 engine.start()
-            except EngineUnreachable as e:
-                raise ShardFailed(str(e)) from None
             finally:
                 http.close()
                 hang.close()
@@ -381,40 +394,36 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
     return {i: r for i, r in newest.items() if r.status == OK and i not in redo}
 
 
-def run_shard(run_dir: str | os.PathLike, shard: int) -> str:
+def run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
     """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
 
-    After STOPPED, the progress file's `stop_signal` names the signal that stopped it. A disk that is full, a run
+    A STOPPED outcome names the signal that stopped it (so does the progress file). A disk that is full, a run
     directory that cannot be written, a shard file another worker holds: a ShardFailed saying what to do, and the
     shard's progress says failed (where it can still be written). Nothing written before is lost.
     """
     try:
         return _run_shard(run_dir, shard)
-    except (OSError, RuntimeError) as e:  # before the shard's log is open, or it cannot be
+    except OSError as e:  # before the shard's log is open, or it cannot be
         raise _failed(e, RunDir(run_dir), shard) from None
 
 
-def _failed(e: Exception, rd: RunDir, shard: int) -> ShardFailed:
-    """The ShardFailed of a file-system or lock error, logged, and the shard's progress marked failed."""
-    msg, code = _io_problem(e, rd, shard)
-    _mark_failed(rd, shard, msg)
-    log.error("shard %d failed: %s", shard, msg)
-    return ShardFailed(msg, exit_code=code)
-
-
-def _io_problem(e: Exception, rd: RunDir, shard: int) -> tuple[str, int]:
-    """(one-line message saying what to do, exit code) of an error from the file system or the shard's lock."""
-    if not isinstance(e, OSError):
-        return str(e), 1
+def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed:
+    """The ShardFailed of a file-system error, saying what to do (exit 2 for a run directory this job cannot
+    write), logged, and the shard's progress marked failed."""
     where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     if e.errno in FULL:
-        return (f"cannot write {where}: {what}; free space (or quota) on that file system, then run the shard again: "
-                "it resumes, nothing written is lost"), 1
-    if e.errno in READ_ONLY:
-        return (f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job (a "
-                "read-only mount, or another user's folder): fix its permissions or move it"), 2
-    return f"{where}: {what}; check the file system, then run the shard again (it resumes)", 1
+        failed = ShardFailed(f"cannot write {where}: {what}; free space (or quota) on that file system, then run the "
+                             "shard again: it resumes, nothing written is lost")
+    elif e.errno in READ_ONLY:
+        failed = ShardFailed(f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job "
+                             "(a read-only mount, or another user's folder): fix its permissions or move it",
+                             exit_code=EXIT_BAD_INPUT)
+    else:
+        failed = ShardFailed(f"{where}: {what}; check the file system, then run the shard again (it resumes)")
+    _mark_failed(rd, shard, str(failed))
+    log.error("shard %d failed: %s", shard, failed)
+    return failed
 
 
 def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
@@ -427,7 +436,7 @@ def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
         pass
 
 
-def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
+def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
     rd, plan = load_run(run_dir)
     if not 0 <= shard < len(plan.shards):
         raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
@@ -442,12 +451,14 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, "prompt"),
                  _where(ctx))
         if _already_complete(rd, plan, shard):
-            return DONE
+            return Outcome(DONE)
         check_plan_inputs(plan)
         try:
             done_ids = sh.writer.open(positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
-        except RuntimeError as e:  # another writer holds the shard (ShardLocked), or the file is another run's
-            raise (ShardBusy if isinstance(e, ShardLocked) else ShardFailed)(str(e)) from None
+        except ShardLocked as e:  # another writer holds the shard
+            raise ShardBusy(str(e)) from None
+        except ForeignShard as e:  # the file is another run's
+            raise ShardFailed(str(e), exit_code=e.exit_code) from None
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
@@ -480,7 +491,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
             sh.save_progress("stopped")
             log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
                      shard, sh.recorded, sh.sp.count)
-            return STOPPED
+            return Outcome.stopped(sh.progress.stop_signal)
         m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint,
                        positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
         if m.records != sh.sp.count:
@@ -491,11 +502,11 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> str:
         if m.transient:
             log.warning("shard %d: %d failures may pass when generated again (timeouts, 5xx, aborts, NaN); the next "
                         "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, rd.shown)
-        return DONE
+        return Outcome(DONE)
     except ShardFailed as e:  # said once, in the shard's log
         log.error("shard %d failed: %s", shard, e)
         raise
-    except (OSError, RuntimeError) as e:
+    except OSError as e:
         raise _failed(e, rd, shard) from None
     finally:
         logger.removeHandler(handler)

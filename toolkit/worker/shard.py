@@ -28,18 +28,6 @@ def health_timeout(hang_timeout_s: float) -> float:
     return min(30.0, max(2.0, hang_timeout_s))
 
 
-class EngineDied(Exception):
-    pass
-
-
-class EngineHung(EngineDied):
-    """Alive, but answering nothing: stopped without the grace a draining server gets."""
-
-
-class EngineUnreachable(Exception):
-    """The engine is alive but cannot be reached: the shard cannot finish in this task."""
-
-
 class Shard:
     """State of one shard run inside one task."""
 
