@@ -311,8 +311,7 @@ def test_sample_outputs_are_the_first_in_planned_order_each_beside_its_prompt(tm
     runs.write_run(s, window=24)  # each shard's records written in an order far from the planned one
     order = [r.index for r in read_merged_in_file_order(s)]
     assert order != sorted(order), "the shards' files hold their records out of planned order"
-    with pytest.raises(AuditFailed):  # the audit fails, and its reports are written
-        merge_and_audit(s.root)
+    merge_and_audit(s.root)
     shown = report(s).samples[0].outputs
     assert [o.id for o in shown] == [s.refs[i].id for i in range(SAMPLES)]
     for o, i in zip(shown, range(SAMPLES)):
