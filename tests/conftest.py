@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """A test that needs the local cluster or real SGLang is slow by nature: `-m "not slow"` leaves it out."""
+    for item in items:
+        if item.get_closest_marker("slurm") or item.get_closest_marker("sglang"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def toy_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`toy_tokenizer(family)` -> folder of a tokenizer of that family (kimi, qwen3, deepseek), built once.

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,7 @@ def toolkit(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_check_prints_no_torch_advisory_and_no_tokenizer_chatter():
     r = toolkit("check", "jobs/demo.toml")
     assert r.returncode == 0, r.stderr
@@ -80,6 +83,7 @@ def test_status_json_is_one_typed_object(half_run, capsys):
     assert st.merge.job is None and st.merge.merged is False and st.run == str(s.root.resolve())
 
 
+@pytest.mark.slow
 def test_logs_follow_ends_by_itself_when_the_shard_is_done(half_run):
     s = half_run
     log = s.rd.log_file(1)
@@ -215,6 +219,7 @@ def test_no_bar_when_stderr_is_not_a_terminal(half_run):
     assert plain.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_toolkit_run_into_a_pipe_has_only_log_lines(tmp_path, toy_tokenizer):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=2, sampling={"max_new_tokens": 32})
     r = toolkit("run", str(job), "--no-merge")
@@ -223,6 +228,7 @@ def test_toolkit_run_into_a_pipe_has_only_log_lines(tmp_path, toy_tokenizer):
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", x) for x in r.stderr.splitlines())
 
 
+@pytest.mark.slow
 def test_commands_on_a_run_take_the_job_file_and_say_which_run_they_use(tmp_path, toy_tokenizer):
     s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 6}, shards=1)
     runs.write_run(s)

@@ -91,6 +91,7 @@ def test_planning_on_a_full_disk_leaves_no_run_directory(tmp_path, toy_tokenizer
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_log_file_on_a_full_disk_is_said_once_not_a_traceback_per_line(tmp_path, toy_tokenizer, capsys):
     """/dev/full takes nothing: the shard's log lines cannot be kept, which is said once; the shard goes on."""
     if not Path("/dev/full").exists():

@@ -136,6 +136,7 @@ def test_zero_from_the_job_table_is_refused_too(tmp_path, kimi, capsys, no_slurm
 # ---------------------------------------------------------------------------------------------------
 # several runs in one output_dir
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_new_run_twice_resumes_the_new_run_and_plain_run_takes_the_newest(tmp_path, kimi, capsys):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 32})
     assert cli_main(["run", str(job)]) == 0
@@ -168,6 +169,7 @@ def test_run_help_says_what_it_does_with_several_runs(capsys):
 # ---------------------------------------------------------------------------------------------------
 # two `toolkit run` of one job at once
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_runs_of_one_job_at_once_share_the_shards_and_merge(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=8, shards=2, stub={"token_delay_s": 0.04, "fixed_output_tokens": 100},
                    sampling={"max_new_tokens": 100}, client={"concurrency": 2})

@@ -235,12 +235,27 @@ async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
     finally:
         http.close()
     if why is not None:
-        if not engine.alive():
+        if await _ends_within(engine, DYING_S):
             raise EngineDied(f"engine exited with code {engine.exit_code()}") from None
         raise EngineUnreachable(f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
                                 f"attempts ({e}), and /health_generate {why}") from None
     return (f"no complete answer after {e.attempts} attempts ({e}), while the engine answers /health_generate: "
             "only this request fails; it is generated again by the next run of the shard (`toolkit retry`)")
+
+
+# A dying engine refuses connections before its process ends: a multi-node engine whose rank died is ended by
+# srun (--kill-on-bad-exit), seconds after rank 0 closed its port. Waited for before calling it unreachable.
+DYING_S = 30.0
+
+
+async def _ends_within(engine, seconds: float) -> bool:
+    """Whether the engine's process ends within `seconds` (at once if it has ended)."""
+    deadline = time.monotonic() + seconds
+    while engine.alive():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:

@@ -70,6 +70,7 @@ def post(url: str, path: str, body: dict) -> None:
         r.read()
 
 
+@pytest.mark.slow
 def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, kimi):
     """SIGUSR2 twice mid-shard, resumed each time: partial records are written at each stop (never ok), and the
     finished shard holds, token for token, what an uninterrupted run writes, some records in several segments."""
@@ -110,6 +111,7 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
     assert m.records == n and m.failed == 0 and m.transient == 0
 
 
+@pytest.mark.slow
 def test_without_save_in_flight_a_stop_throws_the_requests_in_flight_away(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=12, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 400},
                    client={"concurrency": 4, "save_in_flight": False})
@@ -123,6 +125,7 @@ def test_without_save_in_flight_a_stop_throws_the_requests_in_flight_away(tmp_pa
     assert all(r.segments == 1 for r in records(rd.root))
 
 
+@pytest.mark.slow
 def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
     """The server aborts everything (abort_all) again and again while the worker runs: each aborted request goes
     on from its partial output, and the records equal those of a run without aborts."""
@@ -198,6 +201,7 @@ def test_continued_params_take_off_what_was_generated():
     assert params == {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}  # the caller's are unchanged
 
 
+@pytest.mark.slow
 def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_the_load(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=40, stub={"token_delay_s": 0.005, "fixed_output_tokens": 120},
                    engine={"extra_args": ["--max-running-requests", "3"]}, sampling={"max_new_tokens": 200},
@@ -247,6 +251,7 @@ def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
     assert "RUN/QUEUE" in table and " 12/3 " in table and "41%" in table
 
 
+@pytest.mark.slow
 def test_the_watch_hands_freed_memory_back_while_generating(tmp_path, kimi, monkeypatch):
     """What the rendered prompts and the answers free stays in malloc's arenas, a few MB more as a shard goes on,
     unless it is handed back: the watch calls malloc_trim every TRIM_S (where the C library has it)."""

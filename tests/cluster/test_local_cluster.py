@@ -1,7 +1,7 @@
 """The local Slurm cluster of slurm/start.sh: GPU array jobs, accounting and the limits the toolkit relies on.
 
 Needs a running cluster and SLURM_CONF in the environment:
-    eval "$(slurm/start.sh)" && python -m pytest tests/test_local_cluster.py -q
+    eval "$(slurm/start.sh)" && python -m pytest tests/cluster/test_local_cluster.py -q
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, 
     assert "not a job spec" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
     assert cli_main(["run", str(job)]) == 0
@@ -73,6 +74,7 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
     assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl") == 4  # ids only: the sources are not read
 
 
+@pytest.mark.slow
 def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, kimi):
     """A worker reads its shard's refs from prompts.msgpack as it goes (the shard's byte offset is in run.json;
     a run planned before that is read from the start): what it holds does not grow with the shard."""

@@ -325,6 +325,7 @@ def read_merged_in_file_order(s: runs.Synth):
     return [r for sp in s.plan.shards for r in read_shard(s.rd.shard_file(sp.index))]
 
 
+@pytest.mark.slow
 def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     assert Path(chromium).exists(), "install Chromium: tests/install-browser.sh (apt-get install chromium)"
@@ -389,6 +390,7 @@ def test_audit_html_renders_in_a_headless_browser(tmp_path, kimi):
 # ---------------------------------------------------------------------------------------------------
 # end to end: the stub engine plays the seed's bug
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_toolkit_run_with_a_stub_that_never_closes_reasoning_fails_the_audit(tmp_path, kimi, capsys):
     job = make_job(tmp_path, kimi, n=8, shards=2, model={"path": str(kimi), "chat_template_kwargs": {"thinking": True}},
                    stub={"no_think_end": True}, sampling={"max_new_tokens": 96})

@@ -7,7 +7,7 @@ import pytest
 from toolkit.job.spec import load_spec
 from toolkit.job.specerrors import SpecError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = """
 name = "t"

@@ -19,7 +19,7 @@ from toolkit.engines.sglang import check_extra_args, substitute
 from toolkit.job.spec import load_spec
 from toolkit.job.specerrors import SpecError
 
-FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
+FAKE_SGLANG = Path(__file__).parents[1] / "fake_sglang"
 
 
 def sglang_spec(tmp_path, tokenizer, **engine):
@@ -122,10 +122,11 @@ def test_custom_command_placeholders():
     assert argv == ["srv", "--addr=127.0.0.1:9", "/m", "--key", "K", '{"json": 1}']
 
 
+@pytest.mark.slow
 def test_sglang_lifecycle_ready_probe_and_group_kill(tmp_path, toy_tokenizer):
     """The real launch path, with a stand-in `sglang` package that parses SGLang's flags strictly."""
     record = tmp_path / "seen.json"
-    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).parents[1])]),
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).parents[2])]),
            "FAKE_SGLANG_RECORD": str(record), "ENGINE_MARKER": "yes", "http_proxy": "http://192.0.2.1:9",
            "HTTP_PROXY": "http://192.0.2.1:9"}
     spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env, shutdown_timeout_s=3)
@@ -211,6 +212,7 @@ def _send_usr2_then_check_alive(e, tmp_path):
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_stub_engine_ignores_slurms_usr2_and_still_stops(tmp_path, toy_tokenizer):
     spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi")))
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
@@ -222,9 +224,10 @@ def test_stub_engine_ignores_slurms_usr2_and_still_stops(tmp_path, toy_tokenizer
     assert e.proc is None and not process_running(pid)
 
 
+@pytest.mark.slow
 def test_sglang_engine_and_its_children_ignore_usr2_and_still_stop(tmp_path, toy_tokenizer):
     record = tmp_path / "seen.json"
-    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).parents[1])]),
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).parents[2])]),
            "FAKE_SGLANG_RECORD": str(record)}
     spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), env=env, shutdown_timeout_s=3)
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
@@ -245,6 +248,7 @@ def _ignored(pid: int) -> set[int]:
     return {sig for sig in range(1, 64) if mask >> (sig - 1) & 1}
 
 
+@pytest.mark.slow
 def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_aborted_and_stopped_it(tmp_path, toy_tokenizer):
     """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
     must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
@@ -500,7 +504,7 @@ def _rank(tmp_path, procid, *server, host="gpu-a01"):
     import subprocess
 
     env = {**os.environ, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": host,
-           "PYTHONPATH": str(Path(__file__).parents[1])}
+           "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run([sys.executable, "-m", "toolkit.engines.rank", "--nnodes", "2", "--dist-init-addr",
                            "10.1.2.3:23456", "--first-host", "gpu-a01", "--", *server],
                           env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -536,6 +540,7 @@ def _http_status(url: str) -> int | None:
         return None  # nothing listens
 
 
+@pytest.mark.slow
 def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_path, toy_tokenizer):
     """As SGLang with --nnodes 2: rank 0 serves nothing (/ready and /health_generate do not answer 200) until rank 1
     has joined it at --dist-init-addr; then it is ready, and records where rank 1 joined from."""
@@ -546,7 +551,7 @@ def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_pa
     from toolkit.engines.sglang import dist_init_port
 
     port, rendezvous = free_port(), dist_init_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).resolve().parents[1])]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(Path(__file__).resolve().parents[2])]),
            "FAKE_SGLANG_RECORD": str(tmp_path / "rank{rank}.json")}
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(toy_tokenizer("kimi")), "--host",
             "127.0.0.1", "--port", str(port), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]

@@ -20,7 +20,7 @@ import realsglang
 from jobfiles import make_job
 from toolkit.engines.sglang_contract.flags import DATA_FILE, add_to_parser, check_extra_args, flag_set, versions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
@@ -45,6 +45,7 @@ def test_data_names_its_releases_and_sources():
     assert flag_set().version == "0.5.23"
 
 
+@pytest.mark.slow
 def test_abbreviations_resolve_as_argparse_resolves_them():
     """Every prefix of every option: the emulation and argparse (on the same flags) agree on what it means."""
     fs = flag_set("0.5.23")

@@ -20,7 +20,7 @@ from toolkit.dataset.merge import MERGED, MergeError, load_manifest, merge_run
 from toolkit.formats.frames import iter_frames, read_header, read_shard
 from toolkit.formats.records import OK
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,7 @@ def _peak_rss_mb(args: list[str]) -> float:
     return int(proc.stderr.rsplit("VmHWM", 1)[1].split()[0]) / 1024
 
 
+@pytest.mark.slow
 def test_merge_memory_stays_flat_for_a_run_ten_times_larger(tmp_path, kimi):
     runs_ = {}
     for name, n in (("small", 120), ("large", 1200)):

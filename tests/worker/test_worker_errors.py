@@ -24,6 +24,7 @@ def kimi(toy_tokenizer):
     return toy_tokenizer("kimi")
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp_path, kimi, monkeypatch):
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64})
     rd, _ = prepared_run(job)
@@ -84,6 +85,7 @@ def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplo
     assert read_progress(rd.progress_file(0)) is None
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 4000},
                    stub={"ignore_sigterm": True, "token_delay_s": 0.02, "fixed_output_tokens": 3000},  # a shutdown that hangs until SIGKILL
@@ -116,6 +118,7 @@ def _with_vocab_size(folder, vocab_size: int) -> None:
     config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": vocab_size}))
 
 
+@pytest.mark.slow
 def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_prompt_is_sent(tmp_path, kimi, capsys):
     import shutil
 

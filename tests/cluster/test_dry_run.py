@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jobfiles import make_job
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 8, "cpus_per_task": 32, "mem": "200G",
          "array_parallelism": 16, "signal_delay_s": 120, "setup": ["module load cuda/12.4", "source ~/venv/bin/activate"],
          "merge_time": "90", "merge_cpus": 4, "merge_mem": "16G"}
@@ -39,6 +41,7 @@ def sbatch(script: str) -> list[str]:
     return [x for x in script.splitlines() if x.startswith("#SBATCH")]
 
 
+@pytest.mark.slow
 def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_tokenizer):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=64, shards=64, slurm=SLURM)
     r = dry_run(job, no_slurm_env(tmp_path))
@@ -71,6 +74,7 @@ def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_t
     assert not run.exists(), "a dry run writes nothing"
 
 
+@pytest.mark.slow
 def test_dry_run_time_formats(tmp_path, toy_tokenizer):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "2-00:00:00"})
     env = no_slurm_env(tmp_path)
@@ -88,6 +92,7 @@ def test_the_shown_time_is_what_slurm_reads():
     assert slurm_time(1440) == "24:00:00" and slurm_time(1) == "00:01:00"
 
 
+@pytest.mark.slow
 def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
     import time
 
@@ -102,6 +107,7 @@ def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_a_time_limit_not_longer_than_the_signal_delay_is_refused_without_a_cluster(tmp_path, toy_tokenizer):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "00:02:00"})
     r = dry_run(job, no_slurm_env(tmp_path))

@@ -17,7 +17,7 @@ from toolkit.job.spec import ModelSpec as Model
 from toolkit.stub.toy_tokenizer import build_tokenizer
 from toolkit.stub.toy_tokenizer import main as toy_tokenizer_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TOOLS = [
     {

@@ -140,6 +140,7 @@ def test_logs_failed_lists_the_newest_record_of_each_id_only(tmp_path, kimi, cap
 # ---------------------------------------------------------------------------------------------------
 # logs -f: until the shard is done or failed for good, not at the first requeue
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_logs_follow_goes_on_through_requeues_until_the_shard_is_done(tmp_path, kimi, capsys, monkeypatch):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 4}, shards=1)
     submitted(s, [0])

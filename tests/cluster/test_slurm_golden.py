@@ -20,7 +20,7 @@ from toolkit.cli import main as cli_main
 from toolkit.cluster.jobs import read_jobs
 from toolkit.formats.rundir import RunDir
 
-GOLDEN = Path(__file__).resolve().parent / "fixtures" / "slurm"
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
 SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 4, "cpus_per_task": 8, "mem": "16G",
          "array_parallelism": 2, "signal_delay_s": 120, "setup": ["module load cuda/12.4"],
          "merge_time": "90", "merge_cpus": 2, "merge_mem": "8G"}

@@ -22,6 +22,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_real_template_gives_split_reasoning_and_content(tmp_path, real_tokenizer, name):
     kwargs, mode = CASES[name]

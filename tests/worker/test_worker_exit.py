@@ -42,6 +42,7 @@ def kimi(toy_tokenizer):
     return toy_tokenizer("kimi")
 
 
+@pytest.mark.slow
 def test_a_hundred_one_prompt_shards_in_a_row_all_end_with_nothing_left_running(tmp_path, kimi):
     proc, url = start_standalone(str(kimi), "--context-length", "32768")
     try:
@@ -134,6 +135,7 @@ def test_a_disarmed_guard_never_fires():
     assert exits == [] and not guard.fired
 
 
+@pytest.mark.slow
 def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_did_not_finish(tmp_path, kimi):
     """End to end: a background task of the worker that ignores its cancel (what Python 3.11's wait_for did) keeps
     the shard's final gather from returning; the exit guard ends the process within its bound, the record is

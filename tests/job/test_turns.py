@@ -111,6 +111,7 @@ def check_histories(job, rd):
     return recs
 
 
+@pytest.mark.slow
 def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, toy_tokenizer):
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(5), sampling={"max_new_tokens": 96},
                     audit={"max_length_share": 1.0})
@@ -137,6 +138,7 @@ def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, t
     assert last["input_ids"] == unpack_ids(recs["c1/t2"].prompt_ids) + unpack_ids(recs["c1/t2"].output_ids)
 
 
+@pytest.mark.slow
 def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer):
     """A shard killed midway: the next run renders each remaining turn from the answers in the shard file."""
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96},
@@ -153,6 +155,7 @@ def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer)
     assert len(recs) == 15
 
 
+@pytest.mark.slow
 def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_with_it(tmp_path, toy_tokenizer):
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
                     stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0})

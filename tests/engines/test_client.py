@@ -104,6 +104,7 @@ async def _server(delays: list[float]):
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
     async def main():
         server, url = await _server([0, -1, 0.3, -1, 0])
@@ -130,6 +131,7 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_the_errors_generate_raises_say_how_many_attempts_it_made():
     assert client.RequestRejected(400, b"{}").attempts == 1  # declared, before generate sets it
     for kind in (client.Unreachable, client.TimedOut, client.ServerError, client.RequestRejected, BadResponse):

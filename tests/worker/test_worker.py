@@ -65,6 +65,7 @@ def kimi(toy_tokenizer):
     return toy_tokenizer("kimi")
 
 
+@pytest.mark.slow
 def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=10, sampling={"max_new_tokens": 200})
     rd, plan = prepared_run(job)
@@ -89,6 +90,7 @@ def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
     assert "stub-engine, not a model" in rd.server_log_file(0).read_text()
 
 
+@pytest.mark.slow
 def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
     """One request at a time, so the server admits prompts in planned order: each prompt's cached tokens are its
     longest common prefix with an earlier prompt (all share the chat template's opening), at most all but one."""
@@ -106,6 +108,7 @@ def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
     assert recs[0].cached_tokens == recs[0].prompt_tokens - 1 and all(r.cached_tokens > 0 for r in recs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek"])
 def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
     from toolkit.job import chat
@@ -144,6 +147,7 @@ def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
     assert tool_seen, "some outputs should carry a tool-call section"
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
     """kill -9 of the worker at 20+ random moments, then a restart: every prompt once, records byte-identical."""
     n = 80
@@ -182,6 +186,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         os.killpg(stub.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kimi):
     """Rendering is far faster than generating: without backpressure every prompt of the shard would be rendered and
     held before the requests catch up (54,000 prompts at 100,000 in a shard). The bound: max(4 x concurrency,
@@ -197,6 +202,7 @@ def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kim
     assert 0 < peak <= 512, line
 
 
+@pytest.mark.slow
 def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
     rd, _ = prepared_run(job)
@@ -217,6 +223,7 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     assert not any(process_running(int(pid)) for pid in children), "the engine must die with its worker"
 
 
+@pytest.mark.slow
 def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 10}, engine={"max_restarts": 3})
     rd, _ = prepared_run(job)
@@ -228,6 +235,7 @@ def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
     assert "engine died mid-shard" in rd.log_file(0).read_text()
 
 
+@pytest.mark.slow
 def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 3}, engine={"max_restarts": 1})
     rd, _ = prepared_run(job)
@@ -241,6 +249,7 @@ def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
     assert 2 <= len(kept) < 24 and len({r.id for r in kept}) == len(kept)
 
 
+@pytest.mark.slow
 def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, stub={"hang": True}, engine={"ready_timeout_s": 4})
     rd, _ = prepared_run(job)
@@ -252,6 +261,7 @@ def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
     assert "stub-engine" in str(e.value)
 
 
+@pytest.mark.slow
 def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_and_a_rerun_fills_the_holes(tmp_path, kimi):
     """A server that stops answering (alive, but wedged): each request times out, is retried, and is recorded
     failed naming the timeout; the shard completes, but a timeout may pass: the done manifest counts it, and the
@@ -284,6 +294,7 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
     assert "nothing to do" in rd.log_file(0).read_text().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeout(tmp_path, kimi):
     """--hang-after: the server stays up but answers nothing; /health_generate fails (here: no answer within its
     bounded timeout), the engine is restarted and the requests in flight go back to the queue, not to failed."""
@@ -301,6 +312,7 @@ def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeou
     assert "engine hung: no request answered for" in log and "/health_generate" in log
 
 
+@pytest.mark.slow
 def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=16, stub={"token_delay_s": 0.005}, sampling={"max_new_tokens": 200},
                    engine={"hang_timeout_s": 2, "max_restarts": 2},
@@ -328,6 +340,7 @@ def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
     assert not process_running(int(engine[0]))
 
 
+@pytest.mark.slow
 def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, stub={"exit_at_start": 3}, engine={"ready_timeout_s": 600})
     rd, _ = prepared_run(job)
@@ -337,6 +350,7 @@ def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_5xx_bursts_are_retried(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2})
     rd, _ = prepared_run(job)
@@ -346,6 +360,7 @@ def test_5xx_bursts_are_retried(tmp_path, kimi):
     assert sum(r.attempts for r in got) == 12 + 5
 
 
+@pytest.mark.slow
 def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kimi, capsys):
     from toolkit.cli import main as cli_main
     from toolkit.dataset.merge import load_manifest
@@ -383,6 +398,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert cli_main(["retry", str(rd.root)]) == 0 and "nothing to retry" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
     from toolkit.dataset.merge import merge_run
 
@@ -401,6 +417,7 @@ def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
     assert (m.ok, m.failed) == (12, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["data", "count"])
 def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kimi, damage):
     """The done manifest's sha256 is checked: a damaged file is salvaged (intact frames kept, the original kept
@@ -430,6 +447,7 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
     assert m.complete and (m.ok, m.missing, len(m.corrupt)) == (12, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, at", [("format", 12), ("fingerprint", 14), ("fingerprint as hex", 14), ("shard", 30)])
 def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, field, at):
     """The header's format, fingerprint (a byte that is no ASCII, or another hex digit) or shard number damaged:
@@ -454,6 +472,7 @@ def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, fiel
     assert m.complete and (m.ok, m.missing, len(m.corrupt)) == (9, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["done", "retry"])
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"shard": "zero"}'])
 def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_run_goes_on(tmp_path, kimi, caplog,
@@ -480,6 +499,7 @@ def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_ru
     assert len(records(rd.root)) == 6
 
 
+@pytest.mark.slow
 def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
     job = make_job(tmp_path, kimi, prompts=prompts, stub={"context_length": 1024}, sampling={"max_new_tokens": 100})
@@ -495,6 +515,7 @@ def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     assert read_done(rd.done_file(0)).failed == 3
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 300})
     rd, _ = prepared_run(job)

@@ -55,6 +55,7 @@ def submitted_run(tmp_path, toy_tokenizer):
     return s
 
 
+@pytest.mark.slow
 def test_hung_sacct_falls_back_to_squeue_and_scontrol_within_its_bound(submitted_run, tmp_path, monkeypatch, capsys):
     fake_slurm(tmp_path, monkeypatch, sacct=HANG,
                squeue=prints("70_2|PENDING||(Priority)\n71|PENDING||(Dependency)"),
@@ -85,6 +86,7 @@ def test_unreachable_slurm_is_unknown_not_submitted_and_exits_4(submitted_run, t
     assert "(exit 4)" in out and "submitted" not in out
 
 
+@pytest.mark.slow
 def test_hung_slurm_says_unknown_with_the_bound_it_waited(submitted_run, tmp_path, monkeypatch, capsys):
     fake_slurm(tmp_path, monkeypatch, sacct=HANG, squeue=HANG, scontrol=HANG)
     t0 = time.monotonic()
@@ -94,6 +96,7 @@ def test_hung_slurm_says_unknown_with_the_bound_it_waited(submitted_run, tmp_pat
     assert "squeue did not answer in 1 s; sacct did not answer in 1 s" in out
 
 
+@pytest.mark.slow
 def test_watch_keeps_refreshing_an_unknown_state_and_gives_up_at_its_limit(submitted_run, tmp_path, monkeypatch, capsys):
     fake_slurm(tmp_path, monkeypatch, sacct=SLURMDBD_DOWN, squeue=SLURMCTLD_DOWN, scontrol=SLURMCTLD_DOWN)
     t0 = time.monotonic()
@@ -157,6 +160,7 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
 # ---------------------------------------------------------------------------------------------------
 # a resumed shard's output tokens count what is already recorded
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokenizer):
     from jobfiles import make_job, prepared_run
     from toolkit.cluster.retry import request_retry
@@ -214,6 +218,7 @@ FAKE_SBATCH = ("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Inv
                "combination specified' >&2\nexit 1\n")
 
 
+@pytest.mark.slow
 def test_sbatch_refusing_is_one_line_not_a_traceback(tmp_path, toy_tokenizer, monkeypatch):
     from jobfiles import make_job
 
@@ -221,8 +226,8 @@ def test_sbatch_refusing_is_one_line_not_a_traceback(tmp_path, toy_tokenizer, mo
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2,
                    slurm={"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00"})
     r = subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job), "-A", "nope"], capture_output=True,
-                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr  # as sbatch exits when Slurm refuses
     assert r.stderr.strip().splitlines()[-1] == (
         "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid account or "

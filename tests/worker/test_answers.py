@@ -49,6 +49,7 @@ def fix_engine(rd) -> None:
     rd.plan_file.write_text(json.dumps(plan))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["reset", "truncate"])
 def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shard_goes_on(tmp_path, kimi, kind):
     """The connection of one prompt's request is reset (or its body cut) on every attempt while the engine answers
@@ -74,6 +75,7 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
     assert {r.status for r in newest(rd).values()} == {"ok"}
 
 
+@pytest.mark.slow
 def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_health_check(tmp_path, kimi):
     """Every request cut and /health_generate failing: the engine, not a prompt, is at fault; the shard fails in
     this task (the prompts in flight are not recorded failed) with a message naming a prompt and the health check."""
@@ -89,6 +91,7 @@ def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_th
     assert sorted(got) == ["p0000", "p0001"] and {r.status for r in got.values()} == {"ok"}
 
 
+@pytest.mark.slow
 def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=8, stub={"fail_5xx": "2:3", "extra_args": ["--fail-status", "429"]},
                    client={"retries": 6, "concurrency": 2})
@@ -122,6 +125,7 @@ BAD_ANSWERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_ANSWERS))
 def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(tmp_path, kimi, kind):
     """Each way an answer can be wrong, checked against its request when it arrives: never stored ok."""
@@ -135,3 +139,35 @@ def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(t
     assert bad.output_ids == b"" and bad.finish is None
     assert all(r.status == "ok" for i, r in got.items() if i != "p0003")
     assert read_done(rd.done_file(0)).transient == 1
+
+
+@pytest.mark.slow
+def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_not_unreachable(monkeypatch):
+    """A multi-node engine whose rank died closes rank 0's port seconds before srun ends the step: a request refused
+    meanwhile waits for the process to end (EngineDied: restarted) before calling the engine unreachable."""
+    import asyncio
+    import socket
+    import time as _time
+    from types import SimpleNamespace
+
+    from toolkit.engines.base import EngineDied, EngineUnreachable
+    from toolkit.engines.client import Unreachable
+    from toolkit.worker import inflight
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connections are refused
+
+    def engine(ends_after: float | None):
+        t0 = _time.monotonic()
+        return SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, exit_code=lambda: -9,
+                               alive=lambda: ends_after is None or _time.monotonic() - t0 < ends_after)
+
+    sh = SimpleNamespace(spec=SimpleNamespace(engine=SimpleNamespace(hang_timeout_s=5.0)))
+    refused = Unreachable("POST /generate: ConnectionRefusedError")
+    refused.attempts = 4
+    with pytest.raises(EngineDied):
+        asyncio.run(inflight._poisoned(sh, engine(ends_after=1.5), "p1", refused))
+    monkeypatch.setattr(inflight, "DYING_S", 1.0)
+    with pytest.raises(EngineUnreachable, match="prompt p1 got no answer"):
+        asyncio.run(inflight._poisoned(sh, engine(ends_after=None), "p1", refused))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFIX = "[stub-engine, not a model]"
 CONTEXT = 8192
 MAX_REQ_INPUT_LEN = CONTEXT - 1 - 5
@@ -157,6 +157,7 @@ def tid(tok, token: str) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_start_up_states_then_idle_sigterm_exits_zero(fleet, toy_tokenizer, tmp_path):
     # (`fleet` only to start the other servers now: their start-up overlaps this test's waiting)
     stub = Stub("lifecycle", toy_tokenizer("qwen3"),
@@ -206,6 +207,7 @@ def test_exit_at_start_modes(toy_tokenizer, tmp_path):
     assert str(marker) in b.log_text() and all(line.startswith(PREFIX) for line in b.log_text().splitlines())
 
 
+@pytest.mark.slow
 def test_warmup_failure_kills_the_server(fleet):
     stub = fleet["warmup_fails"]
     assert stub.proc.wait(60) != 0
@@ -342,6 +344,7 @@ def test_a_body_fastapi_cannot_parse_is_a_400_error_response(qwen3, body, words)
      "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
     ("v059", {"regex": "a", "structural_tag": "{}"}, 200, None),
 ])
+@pytest.mark.slow
 def test_sampling_fields_and_checks_of_each_release(fleet, name, params, status, words):
     stub = fleet[name].wait_ready()
     got, _, data = stub.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, **params}})
@@ -400,6 +403,7 @@ def test_bad_json_body_is_a_400_error_object(qwen3):
     assert status == 400 and body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request"
 
 
+@pytest.mark.slow
 def test_duplicate_in_flight_rid_is_rejected(fleet):
     slow = fleet["slow"].wait_ready()
     body = {"input_ids": [3, 4, 5], "rid": "same-rid", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
@@ -447,6 +451,7 @@ def test_response_shape_and_stop_token_included_and_counted(qwen3, tokenizers):
                                                                               "host": 0}
 
 
+@pytest.mark.slow
 def test_health_answers_200_after_a_second_as_sglang(qwen3):
     """SGLang's /health and /health_generate send a 1-token generation and look for an answer after sleeping 1 s."""
     for path in ("/health", "/health_generate"):
@@ -719,6 +724,7 @@ def test_abort_request_bodies_sglang_cannot_parse_are_400(qwen3):
     assert qwen3.post("/abort_request", {})[0::2] == (200, b"")  # parsed, aborts nothing
 
 
+@pytest.mark.slow
 def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
     """The scheduler matches an aborted rid by prefix: aborting "p1" also ends "p10" (so the toolkit's rids must
     not be prefixes of each other)."""
@@ -735,6 +741,7 @@ def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
     assert kinds == ["abort", "abort", "length"]
 
 
+@pytest.mark.slow
 def test_continuation_of_an_aborted_output_is_the_uninterrupted_output(fleet, tokenizers):
     """prompt + partial output, max_new_tokens reduced by the partial's length: the stub writes on where it was
     cut, so partial + continuation == the output of one uninterrupted request, finish reason included."""
@@ -795,6 +802,7 @@ def test_misc_endpoints(qwen3, fleet):
     assert call(qwen3.port, "PUT", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})[0] == 200
 
 
+@pytest.mark.slow
 def test_auth(fleet):
     stub = fleet["qwen3_auth"].wait_ready()
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
@@ -828,6 +836,7 @@ LOADS_ROW = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, version", [("kimi", "0.5.23"), ("v059", "0.5.9")])
 def test_v1_loads_has_the_shape_of_each_release_and_the_client_reads_both(fleet, name, version):
     import asyncio
@@ -860,6 +869,7 @@ def test_v1_loads_has_the_shape_of_each_release_and_the_client_reads_both(fleet,
     assert got.capacity == loads["loads"][0]["max_running_requests"] > 0
 
 
+@pytest.mark.slow
 def test_version_0_5_9_profile_without_tokenizer_init(fleet):
     old = fleet["v059"].wait_ready()
     assert old.get("/ready")[0] == 404
@@ -886,6 +896,7 @@ def test_version_0_5_9_profile_without_tokenizer_init(fleet):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_5xx_burst_then_hang_then_crash(fleet):
     stub = fleet["faults"].wait_ready()
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}
@@ -909,6 +920,7 @@ def test_5xx_burst_then_hang_then_crash(fleet):
     assert "Injected crash" in stub.log_text() and "Health check failed" in stub.log_text()
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
     slow = fleet["slow"].wait_ready()
     body = {"input_ids": [71, 72], "sampling_params": {"max_new_tokens": 80, "ignore_eos": True}}
@@ -927,6 +939,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
     assert "Gracefully exiting" in slow.log_text()
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_kills_without_draining(toy_tokenizer, tmp_path):
     """As SGLang: a group SIGTERM ends the scheduler child at once, and the watchdog kills the server (SIGKILL)
     within about a second, requests in flight unanswered; nothing of the group is left."""
@@ -990,6 +1003,7 @@ def test_poison_fires_on_the_prompts_holding_its_text_after_the_first_requests()
     assert not faults.poisoned(_parse(), 5, [bad], decode)
 
 
+@pytest.mark.slow
 def test_exit_at_start_decision():
     from toolkit.stub import faults
 
@@ -1001,6 +1015,7 @@ def test_exit_at_start_decision():
     assert code == 1 and "/some/marker" in message
 
 
+@pytest.mark.slow
 def test_sigterm_handler_drains_unless_ignored():
     from toolkit.stub import faults
 

@@ -27,8 +27,8 @@ from jobfiles import make_job, prepared_run, process_running
 from toolkit.engines.sglang import parse_node_addrs
 from toolkit.formats.frames import read_shard
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_SGLANG = Path(__file__).parents[1] / "fake_sglang"
 
 
 @pytest.fixture

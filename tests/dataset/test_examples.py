@@ -47,6 +47,7 @@ def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
     assert spec.sampling_for("d")["sampling_seed"] == 100  # the spec itself is unchanged
 
 
+@pytest.mark.slow
 def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6},
                    audit={"max_length_share": 1.0})
