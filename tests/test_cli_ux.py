@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -276,3 +277,16 @@ def test_a_workers_first_lines_read_as_plain_english():
     assert _resume_line(1, 1, 1, 0, 1) == \
         "1 prompt: 1 has a record, 0 kept; 1 to generate: 1 again (1 asked for by `toolkit retry`)"
     assert _resume_line(30, 30, 0, 0, 0) == "30 prompts: all have a record; nothing to generate"
+
+
+def test_every_argument_of_every_command_says_what_it_takes():
+    """`toolkit COMMAND --help` describes each argument: none is listed bare (as `check`'s `job` once was)."""
+    from toolkit.cli import build_parser
+
+    bare = []
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if not action.help and not isinstance(action, argparse._HelpAction):
+                bare.append(f"{name} {action.dest}")
+    assert not bare, f"arguments without help text: {bare}"

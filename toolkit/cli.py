@@ -23,6 +23,7 @@ from toolkit.errors import (
     EXIT_UNKNOWN,
     ToolkitError,
 )
+from toolkit.formats.files import shown_path
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
 
@@ -83,7 +84,7 @@ def cmd_check(args) -> int:
           f"fingerprint {plan.fingerprint}")
     info, m = pf.info, pf.spec.model
     if info is not None:
-        print(f"tokenizer {m.tokenizer_path or m.path}: {info.vocab_size} ids; think {m.think_start!r} "
+        print(f"tokenizer {shown_path(m.tokenizer_path or m.path)}: {info.vocab_size} ids; think {m.think_start!r} "
               f"{info.think_start_id} / {m.think_end!r} {info.think_end_id}, eos {list(info.eos_ids)}")
     for line in pf.summary():
         print(line)
@@ -160,7 +161,6 @@ def cmd_audit(args) -> int:
 
 def cmd_export(args) -> int:
     from toolkit.dataset import export
-    from toolkit.formats.files import shown_path
 
     output = args.output or export.default_output(args.run, args.format)
     n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force)
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
                        "chat template, reasoning mode, lengths against the context length, run directory")
-    s.add_argument("job")
+    s.add_argument("job", help="job spec (TOML) to check, e.g. jobs/demo.toml; nothing is written")
     s.set_defaults(func=cmd_check)
 
     _add_slurm_commands(sub)
@@ -295,12 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_resource_flags(s) -> None:
     g = s.add_argument_group("resources (override the job's [slurm] table)")
-    g.add_argument("-p", "--partition")
-    g.add_argument("-A", "--account")
-    g.add_argument("-q", "--qos")
+    g.add_argument("-p", "--partition", help="Slurm partition, as sbatch -p")
+    g.add_argument("-A", "--account", help="account to charge, as sbatch -A")
+    g.add_argument("-q", "--qos", help="quality of service, as sbatch -q")
     g.add_argument("-t", "--time", help="time limit per array task, e.g. 24:00:00")
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("-c", "--cpus-per-task", type=int)
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node of each task (the engine's tp × pp × dp over its nodes)")
+    g.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task, as sbatch -c")
     g.add_argument("--mem", help="memory per task, e.g. 200G")
     g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
     g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
@@ -402,7 +402,9 @@ def _add_merge_commands(sub) -> None:
         "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
-    s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"])
+    s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"],
+                   help="jsonl or parquet: one row per record; tokens: input_ids + loss_mask; conversations: chat rows "
+                   "with reasoning_content (SpecForge)")
     s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
                    "tokens.jsonl or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import BadInputError
+from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat
 from toolkit.job.inputs import scan_dataset
@@ -179,7 +180,7 @@ def _check_run_dir(pf: Preflight) -> None:
         pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
     if exists:
-        pf.notes.append(f"run directory: {root} holds this run already; `toolkit run`/`submit` resume it")
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` resume it")
 
 
 # ---------------------------------------------------------------------------------------------------
