@@ -377,15 +377,41 @@ def test_multi_node_needs_an_allocation_of_enough_nodes(tmp_path, toy_tokenizer,
 def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     import socket
 
-    from toolkit.engines.sglang import _tcp_free, dist_init_port, ephemeral_low
+    from toolkit.engines.base import ephemeral_low, tcp_free
+    from toolkit.engines.sglang import dist_init_port
 
     for _ in range(5):
         port = dist_init_port(4)
         assert 20000 <= port and port + 12 < ephemeral_low()
-        assert all(_tcp_free(p) for p in range(port, port + 12))
+        assert all(tcp_free(p) for p in range(port, port + 12))
     with socket.socket() as s:  # a taken port is never chosen
         s.bind(("", 0))
         s.listen()
+
+
+def test_an_engines_port_is_below_the_ephemeral_range_and_a_taken_one_is_passed_over():
+    """A server binds its port once loaded: a port of the ephemeral range could be an outgoing connection's by then."""
+    import random
+    import socket
+
+    from toolkit.engines.base import ephemeral_low, free_port, tcp_free
+
+    class Picks(random.Random):
+        def __init__(self, ports):
+            super().__init__()
+            self.ports = list(ports)
+
+        def randint(self, a, b):
+            return self.ports.pop(0)
+
+    taken = free_port()
+    assert 20000 <= taken < ephemeral_low()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        assert not tcp_free(taken)
+        other = free_port()
+        assert free_port(rng=Picks([taken, other])) == other
 
 
 @pytest.mark.parametrize("node_addr, resolved, routes, expected", [

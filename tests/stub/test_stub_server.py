@@ -22,16 +22,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from toolkit.engines.base import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "[stub-engine, not a model]"
 CONTEXT = 8192
 MAX_REQ_INPUT_LEN = CONTEXT - 1 - 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(port: int, method: str, path: str, body=None, *, headers=None, timeout: float = 10.0):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -48,11 +49,37 @@ class EngineUnreachable(EngineError):
     """The engine is alive but cannot be reached: the shard cannot finish in this task."""
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nothing listens on right now (checked by binding it)."""
+def free_port(block: int = 1, *, rng: random.Random | None = None) -> int:
+    """The first of `block` consecutive TCP ports nothing listens on (checked by binding each), picked at random
+    below the ephemeral range. A server binds its port only once it has loaded (seconds for the stub, minutes for
+    SGLang): a port from the ephemeral range could meanwhile be taken by any outgoing connection on the node, and
+    the server would die of "Address already in use"; ports below that range are handed out only on request."""
+    rng = rng or random.Random()
+    high = ephemeral_low() - block - 1
+    for _ in range(200):
+        port = rng.randint(20000, max(20001, high))
+        if all(tcp_free(p) for p in range(port, port + block)):
+            return port
+    raise EngineError(f"no {block} free port(s) below the ephemeral range ({ephemeral_low()}) on this node")
+
+
+def ephemeral_low() -> int:
+    """The first port of the range the kernel picks outgoing connections' ports from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def tcp_free(port: int) -> bool:
+    """Whether nothing listens on `port` on any address of this node (binding it succeeds)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def group_members(pgid: int) -> list[int]:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from toolkit.engines.base import LOOPBACK, Engine, EngineError
+from toolkit.engines.base import LOOPBACK, Engine, EngineError, free_port
 from toolkit.engines.sglang_contract.flags import MANAGED, check_extra_args
 
 __all__ = ["SGLangEngine", "MANAGED", "check_extra_args"]
@@ -340,32 +340,8 @@ def _route_from(peer_ip: str) -> str:
         return ""
 
 
-def ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def dist_init_port(dp_size: int = 1, *, rng: random.Random | None = None) -> int:
     """A rendezvous port free on this node, below the ephemeral range (so no outgoing connection takes it
     meanwhile), as SGLang picks its own NCCL port; SGLang also uses the next few ports (the scheduler and
     detokenizer ports it derives from --dist-init-addr, one more per data-parallel replica): those are free too."""
-    rng = rng or random.Random()
-    block = 8 + dp_size
-    high = ephemeral_low() - block - 1
-    for _ in range(200):
-        port = rng.randint(20000, max(20001, high))
-        if all(_tcp_free(p) for p in range(port, port + block)):
-            return port
-    raise EngineError("no free block of ports below the ephemeral range for the engine's rendezvous")
-
-
-def _tcp_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
+    return free_port(8 + dp_size, rng=rng)
