@@ -232,3 +232,14 @@ def test_sbatch_refusing_is_one_line_not_a_traceback(tmp_path, toy_tokenizer, mo
     assert r.stderr.strip().splitlines()[-1] == (
         "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid account or "
         "account/partition combination specified; check `squeue --me` for jobs this command may already have submitted")
+
+
+@pytest.mark.parametrize("command", ["status", "resubmit", "cancel"])
+def test_a_damaged_jobs_file_is_one_line_naming_it_and_what_to_do(submitted_run, tmp_path, monkeypatch, capsys, command):
+    fake_slurm(tmp_path, monkeypatch, sacct=prints(""), squeue=prints(""), scontrol=prints(""),
+               scancel="#!/bin/sh\nexit 0\n", sbatch="#!/bin/sh\nexit 1\n")
+    submitted_run.rd.jobs_file.write_bytes(b'{"submissions": [{"submitted": "2026-')  # cut by a full disk
+    assert cli_main([command, str(submitted_run.root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("toolkit: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "jobs.json is damaged" in err and "squeue --me" in err

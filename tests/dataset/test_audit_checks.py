@@ -55,6 +55,8 @@ def test_failed_share():
     bad = checks.failed_share(stats(ok=8, failed=2, errors={"timeout": 2}), 0.1, RUN / "f.txt", RUN)
     assert not bad.passed and bad.value == 0.2
     assert "2 of 10 prompts failed (20.0%, limit 10.0%): timeout (2). Ids in runs/r/f.txt" in bad.message
+    # what `toolkit retry` generates again is every kind that may pass, the unreachable and wrong answers too
+    assert "may pass (aborted, bad_response, nan, server_error, timeout, unreachable) again" in bad.message
 
 
 def test_failed_share_names_failure_kinds_with_a_real_message():

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from toolkit.cluster import resources  # Slurm is asked through the module: tests replace its calls
+from toolkit.errors import BadInputError
 from toolkit.formats.files import atomic_write
 from toolkit.formats.rundir import RunDir
 
@@ -32,11 +33,21 @@ class Jobs(msgspec.Struct):
     submissions: list[Submission] = []
 
 
+class DamagedJobs(BadInputError):
+    """jobs.json is not what the toolkit wrote: which Slurm jobs belong to the run is unknown."""
+
+
 def read_jobs(rd: RunDir) -> Jobs:
     try:
         return msgspec.json.decode(rd.jobs_file.read_bytes(), type=Jobs)
     except FileNotFoundError:
         return Jobs()
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DamagedJobs(
+            f"{rd.jobs_file} is damaged ({e}): it is the record of which Slurm jobs this run submitted. Restore it "
+            f"(e.g. from a backup), or move it aside: the shard files and progress are unaffected, but the jobs it "
+            f"listed are then unknown to the toolkit (find them with `squeue --me`, `scancel` those still running)"
+        ) from None
 
 
 def append_submission(rd: RunDir, sub: Submission) -> None:

@@ -24,6 +24,7 @@ from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
+from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
 
@@ -229,7 +230,7 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
     if failed:
         retryable = _retryable(rd, plan)
         if retryable:
-            print(f"{sum(retryable.values())} failed records that may pass (timeouts, 5xx, aborts, NaN) in shards "
+            print(f"{sum(retryable.values())} failed records that may pass ({MAY_PASS}) in shards "
                   f"{', '.join(map(str, retryable))}: `toolkit retry {rd.shown}` generates them again")
         rc = _print_failed(rd, lines)
         return max(rc, 1 if retryable else 0)

@@ -45,7 +45,7 @@ from toolkit.dataset.audit_report import (
     ShardStats,
     modes_text,
 )
-from toolkit.formats.records import NAN_MATCHED
+from toolkit.formats.records import MAY_PASS, NAN_MATCHED
 from toolkit.formats.text import ranges
 from toolkit.job import chat
 from toolkit.job.spec import AuditSpec, ModelSpec
@@ -137,7 +137,7 @@ def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Pa
         "failed_share", share <= limit, share, limit,
         f"{overall.failed} of {planned} prompts failed ({share:.1%}, limit {limit:.1%})"
         + (f": {top}. Ids in {failed_file}; `toolkit retry {run}` generates the failures "
-           f"that may pass (timeouts, 5xx, aborts, NaN) again, `toolkit retry {run} --ids "
+           f"that may pass ({MAY_PASS}) again, `toolkit retry {run} --ids "
            f"{failed_file}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "is_transient", "is_nan_stop", "OK", "FAILED",
+    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS", "is_transient", "is_nan_stop", "OK", "FAILED",
     "PARTIAL", "RECORD_CHECKS", "defects",
 ]
 
@@ -48,6 +48,8 @@ FAILURES = {
     ABORTED: True, NAN: True, PREVIOUS_TURN: True, PARTIAL: True,
 }  # kind -> transient
 TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
+# The kinds of failure that may pass when generated again, as messages name them (a partial output is not a failure)
+MAY_PASS = ", ".join(sorted(TRANSIENT - {PARTIAL, PREVIOUS_TURN}))
 NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
 
 

@@ -43,7 +43,7 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import read_done, read_retry, verify_done, write_done
 from toolkit.formats.progress import Progress, read_progress, write_progress
-from toolkit.formats.records import OK, Record
+from toolkit.formats.records import MAY_PASS, OK, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.job import chat
@@ -500,8 +500,8 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
         sh.save_progress("done")
         log.info("shard %d complete: %d records (%d failed), %d output tokens", shard, m.records, m.failed, m.output_tokens)
         if m.transient:
-            log.warning("shard %d: %d failures may pass when generated again (timeouts, 5xx, aborts, NaN); the next "
-                        "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, rd.shown)
+            log.warning("shard %d: %d failures may pass when generated again (%s); the next "
+                        "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, MAY_PASS, rd.shown)
         return Outcome(DONE)
     except ShardFailed as e:  # said once, in the shard's log
         log.error("shard %d failed: %s", shard, e)
