@@ -168,7 +168,7 @@ def main() -> None:
         for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet")):
             out = tmp / name
             c0, w0 = cpu_now(), time.perf_counter()
-            n = export_run(run, fmt, out)
+            n = export_run(run, fmt, out).rows
             cpu, wall = cpu_now() - c0, time.perf_counter() - w0
             print(f"export {fmt:7s}: {n} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
                   f"({tokens / wall / 1e6:.2f} M tokens/s), CPU {cpu:.1f} s ({tokens / cpu / 1e6:.2f} M tokens/s per "

@@ -60,7 +60,7 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
     audit = json.loads((rd.merged_dir / "audit.json").read_text())
     assert audit["passed"] and audit["planned"] == 10 and audit["datasets"][0]["planned"] == 10
     out = tmp_path / "out.jsonl"
-    assert export_run(rd.root, "jsonl", out) == 10
+    assert export_run(rd.root, "jsonl", out).rows == 10
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted((r["id"], r["sample"]) for r in rows) == sorted((f"p{i:04d}#{k}", k) for i in range(5) for k in range(2))
     export_run(rd.root, "tokens", tmp_path / "t.jsonl")

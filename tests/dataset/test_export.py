@@ -13,7 +13,7 @@ from toolkit.dataset.export import JsonlRecord, export_run
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.records import unpack_ids
 
-FIELDS = ["id", "dataset", "sample", "turn", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
+FIELDS = ["id", "dataset", "sample", "turn", "segments", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
           "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
 
 
@@ -39,7 +39,7 @@ def stored(s: runs.Synth, include_failed: bool = False):
 def test_jsonl_has_exactly_the_documented_fields_and_round_trips_ids(kimi_run, tmp_path):
     s = kimi_run
     out = tmp_path / "out.jsonl"
-    assert export_run(s.root, "jsonl", out) == 13
+    assert export_run(s.root, "jsonl", out).rows == 13
     rows = lines(out)
     assert list(JsonlRecord.__struct_fields__) == FIELDS
     assert all(list(row) == FIELDS for row in rows)
@@ -63,7 +63,7 @@ def test_jsonl_has_exactly_the_documented_fields_and_round_trips_ids(kimi_run, t
 def test_failed_records_only_with_include_failed(kimi_run, tmp_path):
     s = kimi_run
     out = tmp_path / "all.jsonl"
-    assert export_run(s.root, "jsonl", out, include_failed=True) == 14
+    assert export_run(s.root, "jsonl", out, include_failed=True).rows == 14
     rows = lines(out)
     assert [r["id"] for r in rows] == [r.id for r in stored(s, include_failed=True)]
     bad = rows[3]
@@ -77,7 +77,7 @@ def test_parquet_has_the_same_columns_and_ids(kimi_run, tmp_path):
 
     s = kimi_run
     export_run(s.root, "jsonl", tmp_path / "a.jsonl", include_failed=True)
-    assert export_run(s.root, "parquet", tmp_path / "a.parquet", include_failed=True) == 14
+    assert export_run(s.root, "parquet", tmp_path / "a.parquet", include_failed=True).rows == 14
     table = pq.read_table(tmp_path / "a.parquet")
     assert table.column_names == FIELDS
     import pyarrow as pa
@@ -108,11 +108,14 @@ def test_a_stop_string_goes_to_matched_stop_str_in_both_formats(tmp_path, toy_to
     assert pq.read_table(tmp_path / "s.parquet").to_pylist() == rows
 
 
+TRAINING = lambda s: [r for r in stored(s) if r.index not in (2, 6)]  # noqa: E731  (truncated, no think-end)
+
+
 def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run, tmp_path):
     s = kimi_run
-    assert export_run(s.root, "tokens", tmp_path / "t.jsonl") == 13
-    for row, rec in zip(lines(tmp_path / "t.jsonl"), stored(s), strict=True):
-        assert list(row) == ["id", "dataset", "sample", "turn", "input_ids", "loss_mask"]
+    assert export_run(s.root, "tokens", tmp_path / "t.jsonl").rows == 11
+    for row, rec in zip(lines(tmp_path / "t.jsonl"), TRAINING(s), strict=True):
+        assert list(row) == ["id", "dataset", "sample", "turn", "segments", "input_ids", "loss_mask"]
         assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
         assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)
@@ -121,9 +124,10 @@ def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run
 def test_conversations_are_the_source_messages_then_the_answer(kimi_run, tmp_path):
     s = kimi_run
     export_run(s.root, "jsonl", tmp_path / "j.jsonl")
-    assert export_run(s.root, "conversations", tmp_path / "c.jsonl") == 13
+    assert export_run(s.root, "conversations", tmp_path / "c.jsonl").rows == 11
     tool_rows = 0
-    for row, j in zip(lines(tmp_path / "c.jsonl"), lines(tmp_path / "j.jsonl"), strict=True):
+    kept = [j for j in lines(tmp_path / "j.jsonl") if j["id"] in {r.id for r in TRAINING(s)}]
+    for row, j in zip(lines(tmp_path / "c.jsonl"), kept, strict=True):
         src = next(json.loads(x) for x in Path(s.plan.datasets[0 if j["dataset"] == "math" else 1].path).read_text().splitlines()
                    if json.loads(x)["id"] == row["id"])
         assert row["id"] == j["id"]
@@ -150,7 +154,7 @@ def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, cap
     assert cli_main(["export", str(s.root), "--format", "jsonl"]) == 0
     out = capsys.readouterr().out
     path = s.root / "export" / "records.jsonl"
-    assert len(lines(path)) == 13 and out.startswith("wrote 13 records to ")
+    assert len(lines(path)) == 13 and out.startswith("wrote 13 rows (13 records) to ")
     assert Path(out.split(" to ")[1].split()[0]).resolve() == path.resolve()
     assert cli_main(["export", str(s.root), "--format", "tokens"]) == 0
     assert (s.root / "export" / "tokens.jsonl").exists() and "export/tokens.jsonl" in capsys.readouterr().out
@@ -159,7 +163,7 @@ def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, cap
 def test_export_command(kimi_run, tmp_path, capsys):
     s = kimi_run
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "x.jsonl")]) == 0
-    assert "wrote 13 records" in capsys.readouterr().out
+    assert "wrote 11 rows (11 records)" in capsys.readouterr().out
     assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "no" / "x.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
@@ -258,4 +262,6 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
     assert "more output ids than max_new_tokens (math-0004)" in err and "an id outside the tokenizer (math-0001)" in err
     assert "--force" in err and not out.exists() and not list(tmp_path.glob(".*tmp"))
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(out), "--force"]) == 0
-    assert len(lines(out)) == 8 and "exporting them anyway (--force): 2 ok records" in caplog.text
+    assert len(lines(out)) == 7 and "exporting them anyway (--force): 2 ok records" in caplog.text
+    # the planted output (ids repeated past max_new_tokens) is a repetition loop: not training data
+    assert [(r["id"], r["reason"]) for r in lines(tmp_path / "out_skipped.jsonl")] == [("math-0004", "degenerate")]
