@@ -49,7 +49,8 @@ def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6},
+    job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6,
+                                                           "sampling_seed": 3},
                    audit={"max_length_share": 1.0})
     rd, plan = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
