@@ -9,7 +9,7 @@ import pytest
 
 import runs
 from toolkit.cli import main as cli_main
-from toolkit.dataset.export import JsonlRecord, export_run
+from toolkit.dataset.export import ExportError, JsonlRecord, Selection, export_run
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.records import unpack_ids
 
@@ -118,7 +118,9 @@ def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run
         assert list(row) == ["id", "dataset", "sample", "turn", "segments", "input_ids", "loss_mask"]
         assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
-        assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)
+        # the template opened reasoning: the think-start it wrote after the assistant header is supervised too
+        assert p[-1] == s.info.think_start_id
+        assert row["input_ids"] == p + o and row["loss_mask"] == [0] * (len(p) - 1) + [1] * (1 + len(o))
 
 
 def test_conversations_are_the_source_messages_then_the_answer(kimi_run, tmp_path):
@@ -265,3 +267,62 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
     assert len(lines(out)) == 7 and "exporting them anyway (--force): 2 ok records" in caplog.text
     # the planted output (ids repeated past max_new_tokens) is a repetition loop: not training data
     assert [(r["id"], r["reason"]) for r in lines(tmp_path / "out_skipped.jsonl")] == [("math-0004", "degenerate")]
+
+
+def test_what_is_not_training_data_goes_to_the_skipped_file_and_every_planned_id_is_accounted_for(kimi_run, tmp_path,
+                                                                                                   capsys):
+    s = kimi_run
+    out = tmp_path / "c.jsonl"
+    assert cli_main(["export", str(s.root), "--format", "conversations", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "14 planned: 11 exported, 2 skipped (" in printed and "1 failed (rejected 1)" in printed
+    skipped = {r["id"]: r for r in lines(tmp_path / "c_skipped.jsonl")}
+    ids = [r.id for r in stored(s, include_failed=True)]
+    assert (skipped[ids[2]]["reason"], skipped[ids[6]]["reason"], skipped[ids[3]]["reason"]) == (
+        "truncated", "no_think_end", "rejected")
+    assert (skipped[ids[3]]["status"], skipped[ids[3]]["error"]) == ("failed", "server error 500: boom")
+    exported = {r["id"] for r in lines(out)}
+    assert sorted(exported | set(skipped)) == sorted(ids) and not exported & set(skipped)
+    summary = json.loads((tmp_path / "c_summary.json").read_text())
+    assert (summary["planned"], summary["exported"], summary["skipped"], summary["failed"], summary["missing"]) == (
+        14, 11, 2, 1, 0)
+    assert summary["skipped_by_reason"] == {"truncated": 1, "no_think_end": 1}
+    # --include-truncated keeps what a user wants: the cut output, not the one that never ended its reasoning
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"),
+                     "--include-truncated"]) == 0
+    assert {r["id"] for r in lines(tmp_path / "t.jsonl")} == exported | {ids[2]}
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "all"]) == 0
+    assert len(lines(tmp_path / "t.jsonl")) == 13
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "x"]) == 2
+    assert "unknown reason x" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "tokens", "conversations"])
+def test_filters_work_on_every_format_and_every_row_says_where_it_comes_from(kimi_run, tmp_path, fmt):
+    s = kimi_run
+    out = tmp_path / ("o.parquet" if fmt == "parquet" else "o.jsonl")
+
+    def rows(**kw) -> list[dict]:
+        summary = export_run(s.root, fmt, out, select=Selection(**kw))
+        assert summary.exported + summary.skipped + summary.failed + summary.missing + summary.filtered == summary.planned
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(out).to_pylist()
+        return lines(out)
+
+    # a conversation turn needs an answer: the two outputs without one stay out of it even when included
+    n = 11 if fmt == "conversations" else 13
+    every = rows(include=frozenset({"truncated", "no_think_end"}))
+    assert len(every) == n and all({"dataset", "sample", "turn", "segments"} <= set(r) for r in every)
+    assert all((r["sample"], r["turn"], r["segments"]) == (0, 0, 1) for r in every)
+    tools = rows(datasets=frozenset({"tools"}), include=frozenset({"truncated", "no_think_end"}))
+    assert {r["dataset"] for r in tools} == {"tools"} and len(tools) == sum(r["dataset"] == "tools" for r in every)
+    cut = rows(finish=frozenset({"length"}), include=frozenset({"truncated"}))
+    assert [r["id"] for r in cut] == ([] if fmt == "conversations" else [stored(s)[2].id])
+    assert rows(mode="non-reasoning") == []  # the template opens reasoning: every output is in reasoning mode
+    assert len(rows(mode="reasoning", include=frozenset({"truncated", "no_think_end"}))) == n
+    assert len(rows(samples=frozenset({0}), include=frozenset({"truncated", "no_think_end"}))) == n
+    assert rows(samples=frozenset({1})) == [] and rows(turns=frozenset({1})) == []
+    with pytest.raises(ExportError, match="no dataset nope in run"):
+        export_run(s.root, fmt, out, select=Selection(datasets=frozenset({"nope"})))

@@ -8,15 +8,28 @@ think-end). Only ok records are exported unless `include_failed`. Every ok recor
 audit checks one record on its own (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an
 export that meets one is refused, nothing written, unless `force` (then each kind is warned about).
 
-Formats:
-  jsonl          id, dataset, sample, turn, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
-                 finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
+What is exported (`Selection`): the planned records the filters select (dataset, sample, turn; finish reason and
+reasoning mode of ok ones). `tokens` and `conversations` are training formats: records that are not training data
+(`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
+inside a part, reasoning where none is expected; in conversations also an answer with no text, or think markers
+written as text) are left out unless included by reason. Every selected record is accounted for once, in
+`ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
+`<name>_summary.json`, with each record left out and why in `<name>_skipped.jsonl`.
+
+Formats (every one carries dataset, sample, turn and segments):
+  jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
+                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
-  tokens         {"id", "dataset", "sample", "turn", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
-                 speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
-  conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
-                 (plus "tools" when the prompt had tools), SpecForge-style chat JSONL; a tool-call section the model
-                 wrote is a structured "tool_calls" list of the answer (toolcalls.py), not markup in its content
+  tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
+                 layout speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on; the mask covers
+                 the assistant turn after its header (`loss_mask`)
+  conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments", "conversations": [source
+                 messages..., {"role": "assistant", "content", "reasoning_content"}]} (plus "tools" when the prompt
+                 had tools): SpecForge's chat JSONL; a tool-call section the model wrote is a structured
+                 "tool_calls" list of the answer (toolcalls.py), not markup in its content. A regenerated
+                 conversation is one row with every turn (plus "turns"), written only when every turn is training
+                 data; assistant messages of a source history (not regenerated) keep their content, not their
+                 reasoning, and the generated answer is the last message (the row trains with only its last turn)
 """
 
 from __future__ import annotations
@@ -390,12 +403,29 @@ def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens
     return n
 
 
+def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int]) -> list[int]:
+    """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
+    the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
+    the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
+    tool-call section, and the stop token — and 0 on the rest of the prompt (system, tools, user turns, earlier
+    turns, the header). This is the span SpecForge's parsers supervise (from the end of the assistant header to
+    its end-of-turn token, inclusive) with `train_only_last_turn`."""
+    n = len(prompt) >> 2
+    head = n
+    if opens_reasoning(prompt, think_start_id, blank):
+        head = n - 1
+        while id_at(prompt, head) != think_start_id:
+            head -= 1
+    return [0] * head + [1] * (n - head + n_output)
+
+
 def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     enc, n = msgspec.json.Encoder(), 0
+    ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
-             "input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
+             "input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank)}
             for r, ref in zip(recs, refs)
         ), enc)
     return n
@@ -454,7 +484,8 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
         last = ref.turn + 1 >= user_turns(prompt.messages)
         if last:
             del chains[key]
-        if not (acc.sel.turns is None and last or acc.sel.turns is not None and ref.turn in acc.sel.turns):
+        if not acc.selected(r, ref) or not (acc.sel.turns is None and last or acc.sel.turns is not None
+                                            and ref.turn in acc.sel.turns):
             return
         turns = chain.turns[: ref.turn + 1]
         if [t[1].turn for t in turns] != list(range(ref.turn + 1)):  # a turn is missing from the merged dataset
