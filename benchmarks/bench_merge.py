@@ -92,11 +92,14 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
             reasoning = int(nprng.integers(OUTPUT_TOKENS // 4, OUTPUT_TOKENS * 9 // 10))
             content = OUTPUT_TOKENS - reasoning - 2
             a, b = nprng.integers(0, len(pool) - OUTPUT_TOKENS, 2)
-            out = np.concatenate([pool[a : a + reasoning], [te], pool[b : b + content], [eos]]).astype("<u4")
+            cut = pos % 10 == 0  # a tenth cut by max_new_tokens (the audit looks for repetition loops in those)
+            out = np.concatenate([pool[a : a + reasoning], [te], pool[b : b + content + cut],
+                                  [] if cut else [eos]]).astype("<u4")
             p = prompt_ids[pos]
             w.add(Record(
                 id=refs[pos].id, dataset=ds.name, index=pos, status=OK, prompt_ids=np.array(p, "<u4").tobytes(),
-                output_ids=out.tobytes(), reasoning_end=reasoning, tool_call_at=None, finish="stop", matched_stop=eos,
+                output_ids=out.tobytes(), reasoning_end=reasoning, tool_call_at=None, finish="length" if cut else "stop",
+                matched_stop=None if cut else eos,
                 prompt_tokens=len(p), completion_tokens=OUTPUT_TOKENS, cached_tokens=0,
                 latency_s=round(rng.uniform(20, 90), 3), attempts=1,
             ))

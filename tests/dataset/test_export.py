@@ -265,8 +265,8 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
     assert "--force" in err and not out.exists() and not list(tmp_path.glob(".*tmp"))
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(out), "--force"]) == 0
     assert len(lines(out)) == 7 and "exporting them anyway (--force): 2 ok records" in caplog.text
-    # the planted output (ids repeated past max_new_tokens) is a repetition loop: not training data
-    assert [(r["id"], r["reason"]) for r in lines(tmp_path / "out_skipped.jsonl")] == [("math-0004", "degenerate")]
+    # the planted output repeats its reasoning, think-end included: a second think-end is not training data
+    assert [(r["id"], r["reason"]) for r in lines(tmp_path / "out_skipped.jsonl")] == [("math-0004", "think_marker")]
 
 
 def test_what_is_not_training_data_goes_to_the_skipped_file_and_every_planned_id_is_accounted_for(kimi_run, tmp_path,

@@ -39,7 +39,7 @@ from toolkit.dataset.audit_report import (
 )
 from toolkit.dataset.examples import SampleCollector, last_user_text
 from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
-from toolkit.dataset.quality import repetition_loop
+from toolkit.dataset.quality import record_loop
 from toolkit.dataset.rerender import rerender, sample_positions
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
@@ -245,7 +245,7 @@ class Auditor:
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
-        loop = repetition_loop(np.frombuffer(out, "<u4")[: n - 1 if ends_with_stop(rec) else n])
+        loop = record_loop(rec)
         if loop is not None:
             st.degenerate += 1
             self._example("degenerate", rec.id)

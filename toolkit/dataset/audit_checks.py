@@ -26,8 +26,8 @@ Checks (name: what must hold; [audit] key):
   double_think_start      a think-start in the output although the prompt ends with one / such prompts
                           <= max_double_think_start_share
   length_share            finished by length / ok, per dataset, <= max_length_share
-  degenerate              outputs in a repetition loop (quality.repetition_loop: one span of ids repeated over most
-                          of the tail) / ok, per dataset, <= max_degenerate_share
+  degenerate              outputs cut by max_new_tokens in a repetition loop (quality.record_loop: one span of ids
+                          repeated over most of the tail) / ok, per dataset, <= max_degenerate_share
   identical_samples       n > 1 at temperature > 0: samples whose output ids equal an earlier sample's of the same
                           prompt / samples compared, per dataset, <= max_identical_sample_share
   stop_tokens, token_counts, reasoning_split, vocabulary, prompt_rerender: no exception at all (a `stop` finish

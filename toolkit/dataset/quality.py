@@ -7,9 +7,10 @@ everything), an empty answer, a think marker left inside a part, reasoning in a 
 output SGLang stopped on NaN logits, or a repetition loop. Each is named by one reason, decided on token ids only,
 the same way by the audit and by every export.
 
-Repetition loops (`repetition_loop`): reasoning models fall into loops that repeat a span of tokens until
-max_new_tokens. Defined precisely: take the output without its stop token; its tail is its last
-min(len, LOOP_WINDOW) ids. The output loops with period p when 1 <= p <= min(LOOP_MAX_PERIOD, len(tail) // 4) and
+Repetition loops (`repetition_loop`, `record_loop`): reasoning models fall into loops that repeat a span of tokens
+until max_new_tokens, so only outputs cut by max_new_tokens (finish_reason length) are looked at (which also keeps
+the audit fast: most outputs stop). Defined precisely: the tail of an output is its last min(len, LOOP_WINDOW)
+ids. The output loops with period p when 1 <= p <= min(LOOP_MAX_PERIOD, len(tail) // 4) and
 at least LOOP_MATCH of the tail positions j >= p hold the id p positions before them (tail[j] == tail[j - p]): all
 but a tenth of the tail is one span of p ids repeated at least four times (the tenth tolerates a counter that
 changes each time round). Outputs shorter than LOOP_MIN_TOKENS are never loops. The smallest such p is the
@@ -25,7 +26,8 @@ import numpy as np
 from toolkit.formats.records import OK, Record, all_blank, ends_with_stop, id_positions, is_nan_stop, split_parts
 
 __all__ = [
-    "LOOP_MATCH", "LOOP_MAX_PERIOD", "LOOP_MIN_TOKENS", "LOOP_WINDOW", "SKIP_REASONS", "Judge", "repetition_loop",
+    "LOOP_MATCH", "LOOP_MAX_PERIOD", "LOOP_MIN_TOKENS", "LOOP_WINDOW", "SKIP_REASONS", "Judge", "record_loop",
+    "repetition_loop",
 ]
 
 LOOP_WINDOW = 512       # tail ids looked at
@@ -36,7 +38,7 @@ LOOP_MATCH = 0.9        # share of tail positions that must repeat the id one pe
 # Why an ok record is not training data, in the order they are decided (the first that holds is the reason).
 SKIP_REASONS = {
     "nan": "stopped by SGLang on NaN logits (it ends in an EOS the model never wrote)",
-    "degenerate": "a repetition loop: one span of ids repeated over most of the output's tail",
+    "degenerate": "a repetition loop: cut by max_new_tokens, one span of ids repeated over most of the tail",
     "truncated": "cut by max_new_tokens (finish_reason length)",
     "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is no answer",
     "empty_reasoning": "nothing but blanks before the think-end",
@@ -57,12 +59,19 @@ def repetition_loop(ids: np.ndarray) -> int | None:
     top = min(LOOP_MAX_PERIOD, t // 4)
     # At period p, the ids not copied from p before are the first p and the misses: a tail with more distinct ids
     # than top + (1 - LOOP_MATCH) * t cannot loop at any period up to top (most text is ruled out here).
-    if len(np.unique(tail)) > top + (1 - LOOP_MATCH) * t:
+    if len(set(tail.tolist())) > top + (1 - LOOP_MATCH) * t:
         return None
     for p in range(1, top + 1):
         if np.count_nonzero(tail[p:] == tail[:-p]) >= LOOP_MATCH * (t - p):
             return p
     return None
+
+
+def record_loop(rec: Record) -> int | None:
+    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it stopped)."""
+    if rec.finish != "length":
+        return None
+    return repetition_loop(np.frombuffer(rec.output_ids, "<u4"))
 
 
 class Judge:
@@ -74,20 +83,16 @@ class Judge:
         self.blank = frozenset(blank_ids)
         self.expect_reasoning = expect_reasoning
 
-    def loop_period(self, rec: Record) -> int | None:
-        ids = np.frombuffer(rec.output_ids, "<u4")
-        return repetition_loop(ids[:-1] if ends_with_stop(rec) else ids)
-
-    def skip_reason(self, rec: Record, opened: bool, loop: int | None = None) -> str | None:
+    def skip_reason(self, rec: Record, opened: bool) -> str | None:
         """The first of SKIP_REASONS that holds for ok record `rec` (None: training data). `opened`: its prompt
-        ends with the think-start id; `loop`: its `loop_period` when already known."""
+        ends with the think-start id."""
         if rec.status != OK:
             raise ValueError(f"{rec.id}: only ok records are judged, this one is {rec.status}")
         out = rec.output_ids
         n = len(out) >> 2
         if is_nan_stop(rec.finish, rec.matched_stop):
             return "nan"
-        if (loop if loop is not None else self.loop_period(rec)) is not None:
+        if record_loop(rec) is not None:
             return "degenerate"
         if rec.finish == "length":
             return "truncated"
