@@ -326,3 +326,40 @@ def test_filters_work_on_every_format_and_every_row_says_where_it_comes_from(kim
     assert rows(samples=frozenset({1})) == [] and rows(turns=frozenset({1})) == []
     with pytest.raises(ExportError, match="no dataset nope in run"):
         export_run(s.root, fmt, out, select=Selection(datasets=frozenset({"nope"})))
+
+
+def test_the_loss_mask_starts_after_the_assistant_header():
+    from toolkit.dataset.export import loss_mask
+    from toolkit.formats.records import pack_ids
+
+    ts, nl = 90, 7
+    # DeepSeek-R1's template ends the prompt with "<think>\n": the think-start and the newline after it are the
+    # assistant turn's, as SpecForge counts them
+    assert loss_mask(pack_ids([1, 2, 3, ts, nl]), 4, ts, frozenset({nl})) == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    # Qwen3's prompt ends at the header: the model writes the think-start itself, in its output
+    assert loss_mask(pack_ids([1, 2, 3, nl]), 2, ts, frozenset({nl})) == [0, 0, 0, 0, 1, 1]
+    # a think-start earlier in the prompt (a history) is not the turn's
+    assert loss_mask(pack_ids([ts, 5, 6]), 1, ts, frozenset()) == [0, 0, 0, 1]
+
+
+def test_a_nan_stop_is_named_in_the_skipped_file_whether_it_was_stored_failed_or_ok(tmp_path, toy_tokenizer):
+    import msgspec
+
+    from toolkit.formats.records import NAN_MATCHED
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 4}, shards=1)
+
+    def nan(r):
+        if r.status != "ok":  # as the worker stores it now: a failed record of kind nan
+            return msgspec.structs.replace(r, failure="nan", error="NaN happened")
+        if r.index == 2:  # as an older toolkit stored it: ok, finish stop, matched "NaN happened"
+            return msgspec.structs.replace(r, matched_stop=NAN_MATCHED)
+        return r
+
+    runs.write_run(s, failed=[1], edit=nan)
+    merge_run(s.root)
+    summary = export_run(s.root, "tokens", tmp_path / "t.jsonl", force=True)
+    assert (summary.exported, summary.skipped, summary.failed) == (2, 1, 1)
+    assert (summary.skipped_by_reason, summary.failed_by_kind) == ({"nan": 1}, {"nan": 1})
+    skipped = sorted((r["status"], r["reason"]) for r in lines(tmp_path / "t_skipped.jsonl"))
+    assert skipped == [("failed", "nan"), ("skipped", "nan")]

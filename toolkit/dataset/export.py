@@ -512,8 +512,9 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
         for r, p in zip(recs, parts):
             ref = acc.ref(r)
             ds = plan.datasets[ref.dataset]
-            if not ds.regenerate and not acc.selected(r, ref):
-                continue
+            if not acc.selected(r, ref) and (not ds.regenerate or acc.sel.datasets is not None
+                                             and ds.name not in acc.sel.datasets):
+                continue  # (a regenerated turn not selected may still be the history of one that is)
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
             why = acc.outcome(r)
             answer = answer_of(r, p) if why is None else None
