@@ -363,3 +363,12 @@ def test_a_nan_stop_is_named_in_the_skipped_file_whether_it_was_stored_failed_or
     assert (summary.skipped_by_reason, summary.failed_by_kind) == ({"nan": 1}, {"nan": 1})
     skipped = sorted((r["status"], r["reason"]) for r in lines(tmp_path / "t_skipped.jsonl"))
     assert skipped == [("failed", "nan"), ("skipped", "nan")]
+
+
+def test_the_export_help_names_every_reason(capsys):
+    from toolkit.dataset.export import EXPORT_REASONS
+
+    with pytest.raises(SystemExit):
+        cli_main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(reason in text for reason in EXPORT_REASONS)
