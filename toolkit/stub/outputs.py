@@ -75,15 +75,19 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
     With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
     outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
-    4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do. The stub is
+    4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do (the other
+    outputs are the same as without it). The stub is
     deterministic: samples of one prompt differ only by their `sampling_seed` (the toolkit offsets it per sample)
     or their index in a request with n > 1; with `identical_samples` not even then.
     """
     if cfg.identical_samples:  # a sampler that ignores the seed and the sample index
         sp, sample = msgspec.structs.replace(sp, sampling_seed=None), 0
-    rng = random.Random(output_seed(prompt, sp, sample))
-    if cfg.degenerate_fraction and rng.random() < cfg.degenerate_fraction:
-        return _loop(model, prompt, rng, budget)
+    seed = output_seed(prompt, sp, sample)
+    rng = random.Random(seed)
+    if cfg.degenerate_fraction:  # its own draw: the outputs that do not loop are those of a run without loops
+        looping = random.Random(seed ^ 0x100B)
+        if looping.random() < cfg.degenerate_fraction:
+            return _loop(model, prompt, looping, budget)
     fixed = cfg.fixed_output_tokens
     scale = sp.max_new_tokens if sp.max_new_tokens is not None else min(budget, 2048)
     scale = max(1, min(scale, budget) if scale else 1)
