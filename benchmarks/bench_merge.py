@@ -2,7 +2,8 @@
 
 A run of >= 50 M output tokens is written straight to shard files (no engine): 4,096-token outputs cut from
 English text (pydoc_data.topics) encoded with a toy Kimi-style tokenizer — reasoning, the think-end id, an
-answer, EOS — each record at its own random offsets, records in the order a worker with 64 requests in flight
+answer, EOS (a tenth cut by max_new_tokens instead: no EOS, finish length, so the audit's repetition-loop check
+runs on them) — each record at its own random offsets, records in the order a worker with 64 requests in flight
 completes them, frames of 64 records as the worker writes them. `toolkit merge RUN` (merge and audit, the run's
 final job) then runs in a subprocess that reports its CPU time and its peak RSS (VmHWM); the same is done on a
 run ten times smaller to show memory does not depend on run size. Exports run in-process on the large run.
