@@ -2,7 +2,8 @@
 
 A run of >= 50 M output tokens is written straight to shard files (no engine): 4,096-token outputs cut from
 English text (pydoc_data.topics) encoded with a toy Kimi-style tokenizer — reasoning, the think-end id, an
-answer, EOS — each record at its own random offsets, records in the order a worker with 64 requests in flight
+answer, EOS (a tenth cut by max_new_tokens instead: no EOS, finish length, so the audit's repetition-loop check
+runs on them) — each record at its own random offsets, records in the order a worker with 64 requests in flight
 completes them, frames of 64 records as the worker writes them. `toolkit merge RUN` (merge and audit, the run's
 final job) then runs in a subprocess that reports its CPU time and its peak RSS (VmHWM); the same is done on a
 run ten times smaller to show memory does not depend on run size. Exports run in-process on the large run.
@@ -92,11 +93,14 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
             reasoning = int(nprng.integers(OUTPUT_TOKENS // 4, OUTPUT_TOKENS * 9 // 10))
             content = OUTPUT_TOKENS - reasoning - 2
             a, b = nprng.integers(0, len(pool) - OUTPUT_TOKENS, 2)
-            out = np.concatenate([pool[a : a + reasoning], [te], pool[b : b + content], [eos]]).astype("<u4")
+            cut = pos % 10 == 0  # a tenth cut by max_new_tokens (the audit looks for repetition loops in those)
+            out = np.concatenate([pool[a : a + reasoning], [te], pool[b : b + content + cut],
+                                  [] if cut else [eos]]).astype("<u4")
             p = prompt_ids[pos]
             w.add(Record(
                 id=refs[pos].id, dataset=ds.name, index=pos, status=OK, prompt_ids=np.array(p, "<u4").tobytes(),
-                output_ids=out.tobytes(), reasoning_end=reasoning, tool_call_at=None, finish="stop", matched_stop=eos,
+                output_ids=out.tobytes(), reasoning_end=reasoning, tool_call_at=None, finish="length" if cut else "stop",
+                matched_stop=None if cut else eos,
                 prompt_tokens=len(p), completion_tokens=OUTPUT_TOKENS, cached_tokens=0,
                 latency_s=round(rng.uniform(20, 90), 3), attempts=1,
             ))
@@ -168,7 +172,7 @@ def main() -> None:
         for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet")):
             out = tmp / name
             c0, w0 = cpu_now(), time.perf_counter()
-            n = export_run(run, fmt, out)
+            n = export_run(run, fmt, out).rows
             cpu, wall = cpu_now() - c0, time.perf_counter() - w0
             print(f"export {fmt:7s}: {n} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
                   f"({tokens / wall / 1e6:.2f} M tokens/s), CPU {cpu:.1f} s ({tokens / cpu / 1e6:.2f} M tokens/s per "

@@ -49,7 +49,8 @@ def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6},
+    job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6,
+                                                           "sampling_seed": 3},
                    audit={"max_length_share": 1.0})
     rd, plan = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
@@ -60,7 +61,7 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
     audit = json.loads((rd.merged_dir / "audit.json").read_text())
     assert audit["passed"] and audit["planned"] == 10 and audit["datasets"][0]["planned"] == 10
     out = tmp_path / "out.jsonl"
-    assert export_run(rd.root, "jsonl", out) == 10
+    assert export_run(rd.root, "jsonl", out).rows == 10
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted((r["id"], r["sample"]) for r in rows) == sorted((f"p{i:04d}#{k}", k) for i in range(5) for k in range(2))
     export_run(rd.root, "tokens", tmp_path / "t.jsonl")

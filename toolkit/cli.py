@@ -163,8 +163,21 @@ def cmd_export(args) -> int:
     from toolkit.dataset import export
 
     output = args.output or export.default_output(args.run, args.format)
-    n = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force)
-    print(f"wrote {n} records to {shown_path(output)} ({args.format})")
+    include = set(args.include or [])
+    if args.include_truncated:
+        include.add("truncated")
+    if "all" in include:
+        include = set(export.EXPORT_REASONS)  # an unknown name is refused by export_run
+    select = export.Selection(
+        datasets=frozenset(args.dataset) if args.dataset else None, finish=frozenset(args.finish) if args.finish else None,
+        mode=args.mode, samples=frozenset(args.sample) if args.sample is not None else None,
+        turns=frozenset(args.turn) if args.turn is not None else None, include=frozenset(include) if include else None)
+    s = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force,
+                          select=select)
+    print(f"wrote {s.rows} rows ({s.exported} records) to {shown_path(output)} ({args.format})")
+    print(s.line())
+    print(f"left out, with the reason per id: {shown_path(s.skipped_file)}; summary: "
+          f"{shown_path(export.side_file(Path(output), 'summary', '.json'))}")
     return EXIT_OK
 
 
@@ -389,15 +402,21 @@ def _add_merge_commands(sub) -> None:
         "export", help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or conversations",
         formatter_class=fmt,
         description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
-        "  jsonl          one object per record: id, dataset, sample, turn, status, error, prompt_ids, output_ids,\n"
-        "                 reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
+        "  jsonl          one object per record: id, dataset, sample, turn, segments, status, error, prompt_ids,\n"
+        "                 output_ids, reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
         "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
         "  parquet        the same columns and types (needs pyarrow)\n"
-        "  tokens         {\"id\", \"dataset\", \"sample\", \"turn\", \"input_ids\": prompt + output,\n"
-        "                 \"loss_mask\": 0 per prompt id, 1 per output id},\n"
+        "  tokens         {\"id\", \"dataset\", \"sample\", \"turn\", \"segments\", \"input_ids\": prompt + output,\n"
+        "                 \"loss_mask\": 1 on the assistant turn after its header (a think-start the template\n"
+        "                 wrote, then every output id), 0 on the rest of the prompt},\n"
         "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
-        "  conversations  SpecForge-style chat JSONL: the source messages, then the assistant turn with\n"
-        "                 `content` and `reasoning_content` kept apart\n\n"
+        "  conversations  SpecForge's chat JSONL (id, status, conversations; dataset, sample, turn, segments):\n"
+        "                 the source messages, then the assistant turn with `content` and `reasoning_content`\n\n"
+        "tokens and conversations leave out records that are not training data (truncated, a repetition loop,\n"
+        "no think-end, an empty part, a think marker inside a part, reasoning where none is expected, a NaN\n"
+        "stop); --include REASON keeps them. Every selected record is accounted for: printed, and beside the\n"
+        "output in NAME_skipped.jsonl (each record left out, with its reason) and NAME_summary.json\n"
+        "(exported + skipped + failed + missing + filtered == planned).\n\n"
         "An ok record that fails the audit's checks of one record (token counts, max_new_tokens, vocabulary,\n"
         "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
     )
@@ -408,6 +427,20 @@ def _add_merge_commands(sub) -> None:
     s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
                    "tokens.jsonl or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
+    s.add_argument("--include-truncated", action="store_true",
+                   help="keep outputs cut by max_new_tokens in tokens and conversations (--include truncated)")
+    s.add_argument("--include", action="append", metavar="REASON",
+                   help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, degenerate, "
+                   "truncated, no_think_end, empty_reasoning, empty_content, think_marker, reasoning, other_turn, "
+                   "text_think_marker, empty_answer")
+    s.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
+    s.add_argument("--finish", action="append", choices=["stop", "length"], help="only ok outputs with this finish "
+                   "reason (repeatable)")
+    s.add_argument("--mode", choices=["reasoning", "non-reasoning"], help="only ok outputs in this reasoning mode "
+                   "(reasoning: the prompt or the model opened it, or the output holds the think-end id)")
+    s.add_argument("--sample", action="append", type=int, metavar="K", help="only sample K of each prompt (repeatable)")
+    s.add_argument("--turn", action="append", type=int, metavar="K", help="only turn K (from 0) of regenerated "
+                   "conversations (repeatable); a conversations row then ends at that turn")
     s.add_argument("--force", action="store_true", help="export ok records that fail the audit's record checks "
                    "(counts, max_new_tokens, vocabulary, finish, reasoning split) too, with a warning; without it such "
                    "records refuse the export")

@@ -169,7 +169,8 @@ def _all(model: ModelSpec, **kw) -> list:
 
 def test_run_checks_order_and_the_reasoning_switch():
     common = ["coverage", "damaged_frames", "shard_checksums", "failed_share", "nan_stop"]
-    tail = ["length_share", "stop_tokens", "token_counts", "reasoning_split", "vocabulary", "prompt_rerender"]
+    tail = ["length_share", "degenerate", "identical_samples", "stop_tokens", "token_counts", "reasoning_split",
+            "vocabulary", "prompt_rerender"]
     assert [c.name for c in _all(MODEL)] == common + [
         "reasoning_mode", "think_end_share", "stop_without_think_end", "empty_reasoning", "empty_content",
         "double_think_start"] + tail

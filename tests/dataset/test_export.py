@@ -9,11 +9,11 @@ import pytest
 
 import runs
 from toolkit.cli import main as cli_main
-from toolkit.dataset.export import JsonlRecord, export_run
+from toolkit.dataset.export import ExportError, JsonlRecord, Selection, export_run
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.records import unpack_ids
 
-FIELDS = ["id", "dataset", "sample", "turn", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
+FIELDS = ["id", "dataset", "sample", "turn", "segments", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
           "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
 
 
@@ -39,7 +39,7 @@ def stored(s: runs.Synth, include_failed: bool = False):
 def test_jsonl_has_exactly_the_documented_fields_and_round_trips_ids(kimi_run, tmp_path):
     s = kimi_run
     out = tmp_path / "out.jsonl"
-    assert export_run(s.root, "jsonl", out) == 13
+    assert export_run(s.root, "jsonl", out).rows == 13
     rows = lines(out)
     assert list(JsonlRecord.__struct_fields__) == FIELDS
     assert all(list(row) == FIELDS for row in rows)
@@ -63,7 +63,7 @@ def test_jsonl_has_exactly_the_documented_fields_and_round_trips_ids(kimi_run, t
 def test_failed_records_only_with_include_failed(kimi_run, tmp_path):
     s = kimi_run
     out = tmp_path / "all.jsonl"
-    assert export_run(s.root, "jsonl", out, include_failed=True) == 14
+    assert export_run(s.root, "jsonl", out, include_failed=True).rows == 14
     rows = lines(out)
     assert [r["id"] for r in rows] == [r.id for r in stored(s, include_failed=True)]
     bad = rows[3]
@@ -77,7 +77,7 @@ def test_parquet_has_the_same_columns_and_ids(kimi_run, tmp_path):
 
     s = kimi_run
     export_run(s.root, "jsonl", tmp_path / "a.jsonl", include_failed=True)
-    assert export_run(s.root, "parquet", tmp_path / "a.parquet", include_failed=True) == 14
+    assert export_run(s.root, "parquet", tmp_path / "a.parquet", include_failed=True).rows == 14
     table = pq.read_table(tmp_path / "a.parquet")
     assert table.column_names == FIELDS
     import pyarrow as pa
@@ -108,22 +108,28 @@ def test_a_stop_string_goes_to_matched_stop_str_in_both_formats(tmp_path, toy_to
     assert pq.read_table(tmp_path / "s.parquet").to_pylist() == rows
 
 
+TRAINING = lambda s: [r for r in stored(s) if r.index not in (2, 6)]  # noqa: E731  (truncated, no think-end)
+
+
 def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run, tmp_path):
     s = kimi_run
-    assert export_run(s.root, "tokens", tmp_path / "t.jsonl") == 13
-    for row, rec in zip(lines(tmp_path / "t.jsonl"), stored(s), strict=True):
-        assert list(row) == ["id", "dataset", "sample", "turn", "input_ids", "loss_mask"]
+    assert export_run(s.root, "tokens", tmp_path / "t.jsonl").rows == 11
+    for row, rec in zip(lines(tmp_path / "t.jsonl"), TRAINING(s), strict=True):
+        assert list(row) == ["id", "dataset", "sample", "turn", "segments", "input_ids", "loss_mask"]
         assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
-        assert row["input_ids"] == p + o and row["loss_mask"] == [0] * len(p) + [1] * len(o)
+        # the template opened reasoning: the think-start it wrote after the assistant header is supervised too
+        assert p[-1] == s.info.think_start_id
+        assert row["input_ids"] == p + o and row["loss_mask"] == [0] * (len(p) - 1) + [1] * (1 + len(o))
 
 
 def test_conversations_are_the_source_messages_then_the_answer(kimi_run, tmp_path):
     s = kimi_run
     export_run(s.root, "jsonl", tmp_path / "j.jsonl")
-    assert export_run(s.root, "conversations", tmp_path / "c.jsonl") == 13
+    assert export_run(s.root, "conversations", tmp_path / "c.jsonl").rows == 11
     tool_rows = 0
-    for row, j in zip(lines(tmp_path / "c.jsonl"), lines(tmp_path / "j.jsonl"), strict=True):
+    kept = [j for j in lines(tmp_path / "j.jsonl") if j["id"] in {r.id for r in TRAINING(s)}]
+    for row, j in zip(lines(tmp_path / "c.jsonl"), kept, strict=True):
         src = next(json.loads(x) for x in Path(s.plan.datasets[0 if j["dataset"] == "math" else 1].path).read_text().splitlines()
                    if json.loads(x)["id"] == row["id"])
         assert row["id"] == j["id"]
@@ -150,7 +156,7 @@ def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, cap
     assert cli_main(["export", str(s.root), "--format", "jsonl"]) == 0
     out = capsys.readouterr().out
     path = s.root / "export" / "records.jsonl"
-    assert len(lines(path)) == 13 and out.startswith("wrote 13 records to ")
+    assert len(lines(path)) == 13 and out.startswith("wrote 13 rows (13 records) to ")
     assert Path(out.split(" to ")[1].split()[0]).resolve() == path.resolve()
     assert cli_main(["export", str(s.root), "--format", "tokens"]) == 0
     assert (s.root / "export" / "tokens.jsonl").exists() and "export/tokens.jsonl" in capsys.readouterr().out
@@ -159,7 +165,7 @@ def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, cap
 def test_export_command(kimi_run, tmp_path, capsys):
     s = kimi_run
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "x.jsonl")]) == 0
-    assert "wrote 13 records" in capsys.readouterr().out
+    assert "wrote 11 rows (11 records)" in capsys.readouterr().out
     assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "no" / "x.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
@@ -258,4 +264,111 @@ def test_ok_records_the_audit_fails_refuse_the_export_unless_forced(tmp_path, to
     assert "more output ids than max_new_tokens (math-0004)" in err and "an id outside the tokenizer (math-0001)" in err
     assert "--force" in err and not out.exists() and not list(tmp_path.glob(".*tmp"))
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(out), "--force"]) == 0
-    assert len(lines(out)) == 8 and "exporting them anyway (--force): 2 ok records" in caplog.text
+    assert len(lines(out)) == 7 and "exporting them anyway (--force): 2 ok records" in caplog.text
+    # the planted output repeats its reasoning, think-end included: a second think-end is not training data
+    assert [(r["id"], r["reason"]) for r in lines(tmp_path / "out_skipped.jsonl")] == [("math-0004", "think_marker")]
+
+
+def test_what_is_not_training_data_goes_to_the_skipped_file_and_every_planned_id_is_accounted_for(kimi_run, tmp_path,
+                                                                                                   capsys):
+    s = kimi_run
+    out = tmp_path / "c.jsonl"
+    assert cli_main(["export", str(s.root), "--format", "conversations", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "14 planned: 11 exported, 2 skipped (" in printed and "1 failed (rejected 1)" in printed
+    skipped = {r["id"]: r for r in lines(tmp_path / "c_skipped.jsonl")}
+    ids = [r.id for r in stored(s, include_failed=True)]
+    assert (skipped[ids[2]]["reason"], skipped[ids[6]]["reason"], skipped[ids[3]]["reason"]) == (
+        "truncated", "no_think_end", "rejected")
+    assert (skipped[ids[3]]["status"], skipped[ids[3]]["error"]) == ("failed", "server error 500: boom")
+    exported = {r["id"] for r in lines(out)}
+    assert sorted(exported | set(skipped)) == sorted(ids) and not exported & set(skipped)
+    summary = json.loads((tmp_path / "c_summary.json").read_text())
+    assert (summary["planned"], summary["exported"], summary["skipped"], summary["failed"], summary["missing"]) == (
+        14, 11, 2, 1, 0)
+    assert summary["skipped_by_reason"] == {"truncated": 1, "no_think_end": 1}
+    # --include-truncated keeps what a user wants: the cut output, not the one that never ended its reasoning
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"),
+                     "--include-truncated"]) == 0
+    assert {r["id"] for r in lines(tmp_path / "t.jsonl")} == exported | {ids[2]}
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "all"]) == 0
+    assert len(lines(tmp_path / "t.jsonl")) == 13
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "x"]) == 2
+    assert "unknown reason x" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "tokens", "conversations"])
+def test_filters_work_on_every_format_and_every_row_says_where_it_comes_from(kimi_run, tmp_path, fmt):
+    s = kimi_run
+    out = tmp_path / ("o.parquet" if fmt == "parquet" else "o.jsonl")
+
+    def rows(**kw) -> list[dict]:
+        summary = export_run(s.root, fmt, out, select=Selection(**kw))
+        assert summary.exported + summary.skipped + summary.failed + summary.missing + summary.filtered == summary.planned
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(out).to_pylist()
+        return lines(out)
+
+    # a conversation turn needs an answer: the two outputs without one stay out of it even when included
+    n = 11 if fmt == "conversations" else 13
+    every = rows(include=frozenset({"truncated", "no_think_end"}))
+    assert len(every) == n and all({"dataset", "sample", "turn", "segments"} <= set(r) for r in every)
+    assert all((r["sample"], r["turn"], r["segments"]) == (0, 0, 1) for r in every)
+    tools = rows(datasets=frozenset({"tools"}), include=frozenset({"truncated", "no_think_end"}))
+    assert {r["dataset"] for r in tools} == {"tools"} and len(tools) == sum(r["dataset"] == "tools" for r in every)
+    cut = rows(finish=frozenset({"length"}), include=frozenset({"truncated"}))
+    assert [r["id"] for r in cut] == ([] if fmt == "conversations" else [stored(s)[2].id])
+    assert rows(mode="non-reasoning") == []  # the template opens reasoning: every output is in reasoning mode
+    assert len(rows(mode="reasoning", include=frozenset({"truncated", "no_think_end"}))) == n
+    assert len(rows(samples=frozenset({0}), include=frozenset({"truncated", "no_think_end"}))) == n
+    assert rows(samples=frozenset({1})) == [] and rows(turns=frozenset({1})) == []
+    with pytest.raises(ExportError, match="no dataset nope in run"):
+        export_run(s.root, fmt, out, select=Selection(datasets=frozenset({"nope"})))
+
+
+def test_the_loss_mask_starts_after_the_assistant_header():
+    from toolkit.dataset.export import loss_mask
+    from toolkit.formats.records import pack_ids
+
+    ts, nl = 90, 7
+    # DeepSeek-R1's template ends the prompt with "<think>\n": the think-start and the newline after it are the
+    # assistant turn's, as SpecForge counts them
+    assert loss_mask(pack_ids([1, 2, 3, ts, nl]), 4, ts, frozenset({nl})) == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    # Qwen3's prompt ends at the header: the model writes the think-start itself, in its output
+    assert loss_mask(pack_ids([1, 2, 3, nl]), 2, ts, frozenset({nl})) == [0, 0, 0, 0, 1, 1]
+    # a think-start earlier in the prompt (a history) is not the turn's
+    assert loss_mask(pack_ids([ts, 5, 6]), 1, ts, frozenset()) == [0, 0, 0, 1]
+
+
+def test_a_nan_stop_is_named_in_the_skipped_file_whether_it_was_stored_failed_or_ok(tmp_path, toy_tokenizer):
+    import msgspec
+
+    from toolkit.formats.records import NAN_MATCHED
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 4}, shards=1)
+
+    def nan(r):
+        if r.status != "ok":  # as the worker stores it now: a failed record of kind nan
+            return msgspec.structs.replace(r, failure="nan", error="NaN happened")
+        if r.index == 2:  # as an older toolkit stored it: ok, finish stop, matched "NaN happened"
+            return msgspec.structs.replace(r, matched_stop=NAN_MATCHED)
+        return r
+
+    runs.write_run(s, failed=[1], edit=nan)
+    merge_run(s.root)
+    summary = export_run(s.root, "tokens", tmp_path / "t.jsonl", force=True)
+    assert (summary.exported, summary.skipped, summary.failed) == (2, 1, 1)
+    assert (summary.skipped_by_reason, summary.failed_by_kind) == ({"nan": 1}, {"nan": 1})
+    skipped = sorted((r["status"], r["reason"]) for r in lines(tmp_path / "t_skipped.jsonl"))
+    assert skipped == [("failed", "nan"), ("skipped", "nan")]
+
+
+def test_the_export_help_names_every_reason(capsys):
+    from toolkit.dataset.export import EXPORT_REASONS
+
+    with pytest.raises(SystemExit):
+        cli_main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(reason in text for reason in EXPORT_REASONS)

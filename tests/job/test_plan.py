@@ -71,7 +71,7 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
     report = audit_run(rd.root)
     bad = {c.name: c for c in report.checks if not c.passed}
     assert "source_files" in bad and "changed since the run was planned" in bad["source_files"].message
-    assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl") == 4  # ids only: the sources are not read
+    assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl").rows == 4  # ids only: the sources are not read
 
 
 @pytest.mark.slow

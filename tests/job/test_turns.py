@@ -122,7 +122,7 @@ def test_every_turn_is_generated_from_the_models_own_earlier_answers(tmp_path, t
     audit = json.loads((rd.merged_dir / "audit.json").read_text())
     assert [(t["turn"], t["ok"]) for t in audit["turns"]] == [(1, 5), (2, 5), (3, 2)]
     out = tmp_path / "c.jsonl"
-    assert export_run(rd.root, "conversations", out) == 5
+    assert export_run(rd.root, "conversations", out).rows == 5
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)] and [r["turns"] for r in rows] == [2, 3, 2, 3, 2]
     spec = load_spec(job)

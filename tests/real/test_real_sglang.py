@@ -92,9 +92,11 @@ def test_a_whole_job_of_two_shards_check_run_merge_audit_every_export_and_exact_
     assert all(rec.status == "ok" and 0 < rec.n_output <= 48 for rec in records)
     for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet"), ("tokens", "tok.jsonl"),
                       ("conversations", "conv.jsonl")):
-        # exports run on the login node: its Python, no SGLang
-        subprocess.run([sys.executable, "-m", "toolkit", "export", str(run), "--format", fmt, "-o", str(tmp_path / name)],
-                       check=True, capture_output=True)
+        # exports run on the login node: its Python, no SGLang. A random model's outputs are not training data (cut by
+        # max_new_tokens, no think-end): the training formats keep them only when asked to
+        keep = ["--include", "all"] if fmt in ("tokens", "conversations") else []
+        subprocess.run([sys.executable, "-m", "toolkit", "export", str(run), "--format", fmt, "-o", str(tmp_path / name),
+                        *keep], check=True, capture_output=True)
         assert (tmp_path / name).stat().st_size > 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 12

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -114,6 +115,7 @@ FLEET = {
     "queue": ("kimi", ["--token-delay", "0.01", "--max-running-requests", "2", "--dp-size", "2"]),
     "warmup_fails": ("qwen3", ["--warmup-delay", "0.3", "--warmup-fails"]),
     "no_cache": ("qwen3", ["--disable-radix-cache"]),
+    "loops": ("kimi", ["--degenerate-fraction", "0.3", "--identical-samples"]),
 }
 
 
@@ -1020,3 +1022,28 @@ def test_sigterm_handler_drains_unless_ignored():
     faults.sigterm_handler(_parse("--ignore-sigterm"), seen.append)("SIGTERM")
     assert seen == ["SIGTERM"]
 
+
+
+@pytest.mark.slow
+def test_loops_and_identical_samples_on_request(fleet, tokenizers):
+    """--degenerate-fraction: that share of outputs repeat one short span until max_new_tokens, the others are the
+    outputs of a stub without it; --identical-samples: the samples of a prompt are the same even when seeded."""
+    from toolkit.dataset.quality import repetition_loop
+
+    tok, plain, loops = tokenizers["kimi"], fleet["kimi"].wait_ready(), fleet["loops"].wait_ready()
+    looped = 0
+    for i in range(24):
+        body = {"input_ids": chat_ids(tok, f"Question {i}: why is the sky blue?"),
+                "sampling_params": {"max_new_tokens": 300, "temperature": 0.7}}
+        a, b = plain.generate(body), loops.generate(body)
+        if a["output_ids"] == b["output_ids"]:
+            continue
+        looped += 1
+        assert b["meta_info"]["finish_reason"]["type"] == "length" and len(b["output_ids"]) == 300
+        assert repetition_loop(np.array(b["output_ids"], np.uint32)) is not None
+    assert 2 <= looped <= 16
+    body = {"input_ids": chat_ids(tok, "Name a colour."),
+            "sampling_params": {"max_new_tokens": 60, "temperature": 0.7, "n": 2, "sampling_seed": 4}}
+    same = [o["output_ids"] for o in loops.generate(body)]
+    differ = [o["output_ids"] for o in plain.generate(body)]
+    assert same[0] == same[1] and differ[0] != differ[1]

@@ -13,6 +13,7 @@ template). Whitespace-only ids are ignored at the end of prompts and when decidi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ from toolkit.dataset.audit_report import (
 )
 from toolkit.dataset.examples import SampleCollector, last_user_text
 from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
+from toolkit.dataset.quality import record_loop
 from toolkit.dataset.rerender import rerender, sample_positions
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
@@ -136,6 +138,13 @@ class Auditor:
         self.turns: dict[tuple[str, int], TurnStats] = {}
         self.max_new = {d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets}
         self.samples = SampleCollector([d.name for d in plan.datasets], self.max_new)
+        # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset, line); its samples
+        # are adjacent in planned order), by turn and hash of their ids -> the first sample's id
+        self.sampled_at = {i for i, d in enumerate(plan.datasets)
+                           if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
+                           and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0}
+        self.prompt_at: tuple[int, int] | None = None
+        self.outputs_seen: dict[tuple[int, bytes], str] = {}
 
     def _example(self, kind: str, rec_id: str) -> None:
         ex = self.examples.setdefault(kind, [])
@@ -150,7 +159,23 @@ class Auditor:
             return
         if not self.seen[pos] and self.plan.datasets[ref.dataset].regenerate:
             self._add_turn(rec, ref.turn)
+        if not self.seen[pos] and rec.status == OK and ref.dataset in self.sampled_at:
+            self._compare_sample(rec, ref)
         self._add(rec, pos)
+
+    def _compare_sample(self, rec: Record, ref) -> None:
+        """Count an ok sample whose output ids equal an earlier sample's of the same prompt (and turn)."""
+        at = (ref.dataset, ref.line)
+        if at != self.prompt_at:
+            self.prompt_at, self.outputs_seen = at, {}
+        key = (ref.turn, hashlib.blake2b(rec.output_ids, digest_size=16).digest())
+        st = self.ds[rec.dataset].stats
+        if any(k[0] == ref.turn for k in self.outputs_seen):
+            st.samples_compared += 1
+        first = self.outputs_seen.setdefault(key, rec.id)
+        if first != rec.id:
+            st.identical_samples += 1
+            self._example("identical_samples", f"{rec.id} = {first}")
 
     def _add_turn(self, rec: Record, turn: int) -> None:
         t = self.turns.get((rec.dataset, turn))
@@ -220,6 +245,11 @@ class Auditor:
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
+        loop = record_loop(rec)
+        if loop is not None:
+            st.degenerate += 1
+            self._example("degenerate", rec.id)
+            self.samples.loop(rec, (r0, r1, c0, c1), te_at is not None, loop)
         model_opened = n > 0 and id_at(out, 0) == info.think_start_id
         if te_at is not None or id_positions(out, info.think_start_id) is not None:
             r.think_tokens += 1
@@ -400,7 +430,8 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
     out = _Acc(name, planned)
     s = out.stats
     for a in accs:
-        for f in ("records", "ok", "failed", "missing", "prompt_tokens", "cached_tokens", "output_tokens"):
+        for f in ("records", "ok", "failed", "missing", "prompt_tokens", "cached_tokens", "output_tokens", "degenerate",
+                  "identical_samples", "samples_compared"):
             setattr(s, f, getattr(s, f) + getattr(a.stats, f))
         out.finish.update(a.finish)
         out.errors.update(a.errors)

@@ -26,6 +26,10 @@ Checks (name: what must hold; [audit] key):
   double_think_start      a think-start in the output although the prompt ends with one / such prompts
                           <= max_double_think_start_share
   length_share            finished by length / ok, per dataset, <= max_length_share
+  degenerate              outputs cut by max_new_tokens in a repetition loop (quality.record_loop: one span of ids
+                          repeated over most of the tail) / ok, per dataset, <= max_degenerate_share
+  identical_samples       n > 1 at temperature > 0: samples whose output ids equal an earlier sample's of the same
+                          prompt / samples compared, per dataset, <= max_identical_sample_share
   stop_tokens, token_counts, reasoning_split, vocabulary, prompt_rerender: no exception at all (a `stop` finish
                           ends with its matched id; completion/prompt_tokens equal the ids; reasoning_end is the first
                           think-end; every id inside the tokenizer; `reprompt_sample` prompts re-render identically)
@@ -51,7 +55,8 @@ from toolkit.job import chat
 from toolkit.job.spec import AuditSpec, ModelSpec
 
 __all__ = [
-    "coverage", "damaged_frames", "double_think_start", "empty_content", "empty_reasoning", "failed_share",
+    "coverage", "damaged_frames", "degenerate", "double_think_start", "empty_content", "empty_reasoning",
+    "failed_share", "identical_samples",
     "length_share", "nan_stop", "no_reasoning", "prompt_rerender", "reasoning_mode", "reasoning_split", "run_checks",
     "shard_checksums", "stop_tokens", "stop_without_think_end", "think_end_share", "token_counts", "vocabulary",
 ]
@@ -266,6 +271,40 @@ def length_share(datasets: Sequence[DatasetStats], limit: float) -> Check:
            f"at most {worst:.1%} of a dataset's outputs hit max_new_tokens (limit {limit:.0%})"))
 
 
+def degenerate(datasets: Sequence[DatasetStats], limit: float, examples: Sequence[str]) -> Check:
+    """Outputs in a repetition loop / ok outputs, per dataset, at most [audit] max_degenerate_share."""
+    share = {d.name: d.degenerate / d.ok for d in datasets if d.ok}
+    over = [d for d in datasets if d.ok and share[d.name] > limit]
+    worst = max(share.values(), default=0.0)
+    counts = "; ".join(f"dataset {d.name!r}: {d.degenerate} of {d.ok} outputs ({share[d.name]:.1%})"
+                       for d in datasets if d.degenerate) or "no output"
+    return _check(
+        "degenerate", not over, worst, limit,
+        f"{counts} in a repetition loop (one span of ids repeated over most of the tail; limit {limit:.0%})"
+        + (f" (e.g. {', '.join(examples)}): the model loops until max_new_tokens. Check the sampling ([sampling] "
+           f"temperature, repetition_penalty as the model's card recommends); the training exports leave them out"
+           if over else (f" (e.g. {', '.join(examples)}), left out of the training exports" if examples else "")))
+
+
+def identical_samples(datasets: Sequence[DatasetStats], limit: float, examples: Sequence[str]) -> Check:
+    """n > 1 at temperature > 0: samples token-identical to an earlier sample of their prompt, at most the limit of
+    the samples compared, per dataset."""
+    share = {d.name: d.identical_samples / d.samples_compared for d in datasets if d.samples_compared}
+    over = [d for d in datasets if d.samples_compared and share[d.name] > limit]
+    worst = max(share.values(), default=0.0)
+    if not share:
+        return _check("identical_samples", True, 0.0, limit, "no dataset samples a prompt more than once at a "
+                                                             "temperature above 0")
+    return _check(
+        "identical_samples", not over, worst, limit,
+        "; ".join(f"dataset {d.name!r}: {d.identical_samples} of {d.samples_compared} samples ({share[d.name]:.1%}) "
+                  f"repeat an earlier sample of their prompt token for token" for d in datasets if d.samples_compared)
+        + f" (limit {limit:.0%})"
+        + (f" (e.g. {', '.join(examples)}): the samples do not differ although the temperature is above 0. Check "
+           f"that the server samples (a sampling_seed without --enable-deterministic-inference, a server that "
+           f"ignores the temperature)" if over else ""))
+
+
 def stop_tokens(integ: Integrity) -> Check:
     """Every `stop` finish ends with its matched id, and every ok record finished by a stop or by length."""
     ex = integ.examples
@@ -362,6 +401,8 @@ def run_checks(
         checks.append(no_reasoning(r, overall.ok, a.max_reasoning_share, ex("think_tokens"), info, model))
     return checks + [
         length_share(datasets, a.max_length_share),
+        degenerate(datasets, a.max_degenerate_share, ex("degenerate")),
+        identical_samples(datasets, a.max_identical_sample_share, ex("identical_samples")),
         stop_tokens(integ),
         token_counts(integ),
         reasoning_split(integ, info, model),

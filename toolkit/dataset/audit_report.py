@@ -87,6 +87,9 @@ class DatasetStats(msgspec.Struct):
     errors: dict[str, int] = {}          # failed records per failure kind (`nan`, `server_error`, ...)
     error_examples: dict[str, str] = {}  # failure kind -> one real message of that kind
     length_share: float = 0.0
+    degenerate: int = 0                  # ok outputs in a repetition loop (dataset.quality.repetition_loop)
+    identical_samples: int = 0           # n > 1 at temperature > 0: ok samples token-identical to an earlier sample
+    samples_compared: int = 0            # ... of the ok samples that had an earlier sample of their prompt to match
     reasoning: ReasoningCounts = msgspec.field(default_factory=ReasoningCounts)
     histograms: dict[str, Histogram] = {}
 

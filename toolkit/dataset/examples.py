@@ -7,8 +7,9 @@ nothing about whether the text looks right: a few outputs, decoded with the run'
 records, split where the audit splits them (at the think-end id) with the think-end and the stop token shown,
 let a reader see it. The first ok records of each dataset in planned order (not in the order the shards wrote
 them) are shown, each beside its prompt (the last user message, shortened), and one that looks wrong (a stop
-without think-end, empty reasoning or content, a truncation) when there is one. Long parts are cut to their
-head and tail, counted in tokens.
+without think-end, empty reasoning or content, a truncation) when there is one, and the first output in a
+repetition loop (`quality.repetition_loop`) when there is one. Long parts are cut to their head and tail, counted
+in tokens.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class SampleCollector:
         self.firsts: dict[str, list[_Pick]] = {d: [] for d in datasets}
         self.odd: dict[str, _Pick | None] = {d: None for d in datasets}
         self.errors: dict[str, dict[str, str]] = {d: {} for d in datasets}
+        self.loops: dict[str, _Pick | None] = {d: None for d in datasets}
         self.max_new_tokens = max_new_tokens
 
     def offer(self, rec: Record, parts: tuple[int, int, int, int], has_think_end: bool) -> None:
@@ -101,6 +103,13 @@ class SampleCollector:
         if why and (odd is None or rec.index < odd.rec.index):
             self.odd[rec.dataset] = _Pick(rec, parts, has_think_end, why)
 
+    def loop(self, rec: Record, parts: tuple[int, int, int, int], has_think_end: bool, period: int) -> None:
+        """A record in a repetition loop of `period` ids: the lowest one of each dataset is shown as well."""
+        best = self.loops[rec.dataset]
+        if best is None or rec.index < best.rec.index:
+            self.loops[rec.dataset] = _Pick(rec, parts, has_think_end,
+                                            f"repetition loop: a span of {period} ids repeated over the tail")
+
     def error(self, dataset: str, kind: str, message: str | None) -> None:
         self.errors[dataset].setdefault(kind, (message or "(no message)")[:1000])
 
@@ -115,6 +124,9 @@ class SampleCollector:
                 picks[-1] = odd  # show one that looks wrong in place of the last ordinary one
             for p in picks:
                 p.why = _looks_wrong(p.rec, p.parts, p.has_think_end) or p.why
+            loop = self.loops[name]
+            if loop is not None:
+                picks = [p for p in picks if p.rec.index != loop.rec.index] + [loop]
             out.append(DatasetSamples(dataset=name, max_new_tokens=self.max_new_tokens.get(name),
                                       outputs=[_sample(tok, p, think_end_id, prompt_of(p.rec)) for p in picks],
                                       errors=self.errors[name]))

@@ -8,15 +8,28 @@ think-end). Only ok records are exported unless `include_failed`. Every ok recor
 audit checks one record on its own (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an
 export that meets one is refused, nothing written, unless `force` (then each kind is warned about).
 
-Formats:
-  jsonl          id, dataset, sample, turn, status, error, prompt_ids, output_ids, reasoning_end, reasoning, content,
-                 finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
+What is exported (`Selection`): the planned records the filters select (dataset, sample, turn; finish reason and
+reasoning mode of ok ones). `tokens` and `conversations` are training formats: records that are not training data
+(`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
+inside a part, reasoning where none is expected; in conversations also an answer with no text, or think markers
+written as text) are left out unless included by reason. Every selected record is accounted for once, in
+`ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
+`<name>_summary.json`, with each record left out and why in `<name>_skipped.jsonl`.
+
+Formats (every one carries dataset, sample, turn and segments):
+  jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
+                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
-  tokens         {"id", "dataset", "sample", "turn", "input_ids": prompt + output, "loss_mask": 0 per prompt id, 1 per output id}: the layout
-                 speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on
-  conversations  {"id", "conversations": [source messages..., {"role": "assistant", "content", "reasoning_content"}]}
-                 (plus "tools" when the prompt had tools), SpecForge-style chat JSONL; a tool-call section the model
-                 wrote is a structured "tool_calls" list of the answer (toolcalls.py), not markup in its content
+  tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
+                 layout speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on; the mask covers
+                 the assistant turn after its header (`loss_mask`)
+  conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments", "conversations": [source
+                 messages..., {"role": "assistant", "content", "reasoning_content"}]} (plus "tools" when the prompt
+                 had tools): SpecForge's chat JSONL; a tool-call section the model wrote is a structured
+                 "tool_calls" list of the answer (toolcalls.py), not markup in its content. A regenerated
+                 conversation is one row with every turn (plus "turns"), written only when every turn is training
+                 data; assistant messages of a source history (not regenerated) keep their content, not their
+                 reasoning, and the generated answer is the last message (the row trains with only its last turn)
 """
 
 from __future__ import annotations
@@ -31,18 +44,28 @@ import msgspec
 import numpy as np
 
 from toolkit.dataset.merge import MERGED, load_manifest
+from toolkit.dataset.quality import SKIP_REASONS, Judge
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import io_problem
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
-from toolkit.formats.records import OK, RECORD_CHECKS, Record, defects, id_positions, opens_reasoning, split_parts
+from toolkit.formats.records import (
+    OK,
+    RECORD_CHECKS,
+    Record,
+    defects,
+    id_at,
+    id_positions,
+    opens_reasoning,
+    split_parts,
+)
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader
-from toolkit.job.plan import PlannedRefs, RunPlan, check_plan_inputs, load_run
+from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs, load_run
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
-__all__ = ["FORMATS", "ExportError", "JsonlRecord", "export_run"]
+__all__ = ["FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow", "export_run"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +84,7 @@ class JsonlRecord(msgspec.Struct):
     dataset: str
     sample: int
     turn: int
+    segments: int                   # requests the output took (> 1: continued after an abort or a stop)
     status: str
     error: str | None
     prompt_ids: list[int]
@@ -153,23 +177,6 @@ def _batch_decoder(tok: Any):
     return lambda seqs: tok.batch_decode(seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _batches(path: Path, include_failed: bool, defects: _Defects) -> Iterator[list[Record]]:
-    """The merged records, frame by frame, each ok one checked (`defects`); CorruptShard on a damaged frame, a torn
-    last one included (a merged file is written whole: a frame cut short is damage, not a crash mid-write)."""
-    tail: list = []
-    for frame in iter_frames(path, tail=tail):
-        recs = decode_batch(frame)
-        for r in recs:
-            if r.status == OK:
-                defects.check(r)
-        if not include_failed:
-            recs = [r for r in recs if r.status == OK]
-        if recs:
-            yield recs
-    if tail:
-        raise CorruptShard(path, tail[0][0], tail[0][1])
-
-
 def _ids(packed: bytes) -> list[int]:
     return np.frombuffer(packed, "<u4").tolist()
 
@@ -183,24 +190,198 @@ def stop_columns(matched: int | str | None) -> tuple[int | None, str | None]:
     return None, str(matched)
 
 
-def _sample(refs: PlannedRefs, r: Record) -> int:
-    ref = refs.at(r.index)
-    return ref.sample if ref is not None else 0
+# ---------------------------------------------------------------------------------------------------
+# what is exported: the filters, the reasons a record is not training data, and the account of every planned id
+# ---------------------------------------------------------------------------------------------------
+MODES = ("reasoning", "non-reasoning")
+OTHER_TURN = "other_turn"  # a regenerated conversation is written whole or not at all
+EXPORT_REASONS = {**SKIP_REASONS, OTHER_TURN: "another turn of its conversation is failed or not training data",
+                  "text_think_marker": "<think> or </think> written as text in the reasoning or the answer",
+                  "empty_answer": "an answer with no text (a tool call alone): a conversation turn needs content"}
 
 
-def _turn(refs: PlannedRefs, r: Record) -> int:
-    ref = refs.at(r.index)
-    return ref.turn if ref is not None else 0
+class Selection(msgspec.Struct, frozen=True):
+    """Which records an export holds: each filter None (all) or the values kept. `include`: reasons of
+    `EXPORT_REASONS` whose records are exported anyway (None: the format's default)."""
+
+    datasets: frozenset[str] | None = None
+    finish: frozenset[str] | None = None
+    mode: str | None = None                  # "reasoning" | "non-reasoning"
+    samples: frozenset[int] | None = None
+    turns: frozenset[int] | None = None
+    include: frozenset[str] | None = None
+
+    def planned(self, ref: PromptRef, dataset: str) -> bool:
+        """Whether a planned record is selected by what the plan knows of it (dataset, sample, turn)."""
+        return ((self.datasets is None or dataset in self.datasets) and (self.samples is None or ref.sample in self.samples)
+                and (self.turns is None or ref.turn in self.turns))
 
 
-def _jsonl_rows(recs: list[Record], texts: list[tuple[str, str]], refs: PlannedRefs) -> Iterator[JsonlRecord]:
-    for r, (reasoning, content) in zip(recs, texts):
+class ExportSummary(msgspec.Struct):
+    """What an export did with every planned record it selects: `exported + skipped + failed + missing + filtered ==
+    planned`. Written beside the export as `<name>_summary.json`."""
+
+    format: str
+    output: str
+    skipped_file: str
+    planned: int = 0           # planned records the --dataset / --sample / --turn filters select
+    exported: int = 0          # records written (rows of a regenerated conversation count each turn they hold)
+    rows: int = 0              # rows (lines) written
+    skipped: int = 0           # ok records that are not training data (skipped file, with the reason)
+    failed: int = 0            # failed records not exported (skipped file, with their failure kind)
+    missing: int = 0           # planned records the merged dataset does not hold (merged with --allow-incomplete)
+    filtered: int = 0          # ok records --finish / --mode leave out
+    skipped_by_reason: dict[str, int] = {}
+    failed_by_kind: dict[str, int] = {}
+
+    def line(self) -> str:
+        """e.g. `44 planned: 39 exported, 4 skipped (truncated 3, degenerate 1), 1 failed (server_error 1)`."""
+        def by(counts: dict[str, int]) -> str:
+            return f" ({', '.join(f'{k} {v}' for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))})" if counts else ""
+
+        parts = [f"{self.exported} exported", f"{self.skipped} skipped{by(self.skipped_by_reason)}",
+                 f"{self.failed} failed{by(self.failed_by_kind)}"]
+        if self.missing:
+            parts.append(f"{self.missing} missing")
+        if self.filtered:
+            parts.append(f"{self.filtered} left out by --finish/--mode")
+        return f"{self.planned} planned: " + ", ".join(parts)
+
+
+class SkippedRow(msgspec.Struct):
+    """One line of the skipped file: a selected record that is not in the export, and why."""
+
+    id: str
+    dataset: str
+    sample: int
+    turn: int
+    status: str                # "skipped" (ok, not training data) or "failed"
+    reason: str                # a key of EXPORT_REASONS, or the failure kind of a failed record
+    finish_reason: str | None
+    completion_tokens: int
+    error: str | None = None
+
+
+def side_file(out_path: Path, what: str, suffix: str) -> Path:
+    """A file beside the export: `conversations.jsonl` -> `conversations_skipped.jsonl`, `conversations_summary.json`."""
+    stem = out_path.name[: -len(out_path.suffix)] if out_path.suffix else out_path.name
+    return out_path.with_name(f"{stem}_{what}{suffix}")
+
+
+class _Account:
+    """Decides for each record whether the export holds it, counts every selected record once, and writes the
+    skipped file."""
+
+    def __init__(self, plan: RunPlan, refs: PlannedRefs, sel: Selection, include: frozenset[str], include_failed: bool,
+                 tokens: _Tokens, summary: ExportSummary, skipped_out):
+        self.plan, self.refs, self.sel, self.include = plan, refs, sel, include
+        self.include_failed = include_failed
+        info = tokens.info
+        self.judge = Judge(info.think_start_id, info.think_end_id, info.blank_ids, plan.spec.model.expect_reasoning)
+        self.blank = frozenset(info.blank_ids)
+        self.summary, self.out = summary, skipped_out
+        self.enc = msgspec.json.Encoder()
+        self.seen = 0
+        for k in range(len(plan.shards)):
+            for ref in refs.shard(k):
+                summary.planned += sel.planned(ref, plan.datasets[ref.dataset].name)
+
+    def ref(self, rec: Record) -> PromptRef:
+        ref = self.refs.at(rec.index)
+        if ref is None or ref.id != rec.id:
+            raise ExportError(f"record {rec.id} is not the planned record at position {rec.index}: the merged "
+                              f"dataset does not match the plan; merge again")
+        return ref
+
+    def selected(self, rec: Record, ref: PromptRef) -> bool:
+        return self.sel.planned(ref, rec.dataset)
+
+    def outcome(self, rec: Record) -> str | None:
+        """None: export it; "failed", "filtered", or the reason it is not training data."""
+        if rec.status != OK:
+            return None if self.include_failed else "failed"
+        opened = opens_reasoning(rec.prompt_ids, self.judge.ts, self.blank)
+        sel = self.sel
+        if sel.finish is not None and rec.finish not in sel.finish:
+            return "filtered"
+        if sel.mode is not None:
+            in_reasoning = (opened or rec.reasoning_end is not None
+                            or (rec.n_output > 0 and id_at(rec.output_ids, 0) == self.judge.ts))
+            if sel.mode != ("reasoning" if in_reasoning else "non-reasoning"):
+                return "filtered"
+        reason = self.judge.skip_reason(rec, opened)
+        return None if reason is None or reason in self.include else reason
+
+    def exported(self, n: int = 1) -> None:
+        self.summary.exported += n
+
+    def left_out(self, rec: Record, ref: PromptRef, outcome: str) -> None:
+        """Count a selected record that is not exported; write it to the skipped file unless a filter left it out."""
+        s = self.summary
+        if outcome == "filtered":
+            s.filtered += 1
+            return
+        failed = rec.status != OK
+        if failed:
+            kind = rec.failure or "failed"
+            s.failed += 1
+            s.failed_by_kind[kind] = s.failed_by_kind.get(kind, 0) + 1
+        else:
+            s.skipped += 1
+            s.skipped_by_reason[outcome] = s.skipped_by_reason.get(outcome, 0) + 1
+        row = SkippedRow(id=rec.id, dataset=rec.dataset, sample=ref.sample, turn=ref.turn,
+                         status="failed" if failed else "skipped", reason=rec.failure or "failed" if failed else outcome,
+                         finish_reason=rec.finish, completion_tokens=rec.completion_tokens, error=rec.error)
+        self.out.write(self.enc.encode(row) + b"\n")
+
+    def finish(self) -> None:
+        s = self.summary
+        s.missing = s.planned - s.exported - s.skipped - s.failed - s.filtered
+
+
+def _batches(path: Path, defects: _Defects) -> Iterator[list[Record]]:
+    """The merged records, frame by frame, each ok one checked (`defects`); CorruptShard on a damaged frame, a torn
+    last one included (a merged file is written whole: a frame cut short is damage, not a crash mid-write)."""
+    tail: list = []
+    for frame in iter_frames(path, tail=tail):
+        recs = decode_batch(frame)
+        for r in recs:
+            if r.status == OK:
+                defects.check(r)
+        if recs:
+            yield recs
+    if tail:
+        raise CorruptShard(path, tail[0][0], tail[0][1])
+
+
+def _kept(path: Path, acc: _Account, defects: _Defects) -> Iterator[tuple[list[Record], list[PromptRef]]]:
+    """The selected records an export of one row per record holds, batch by batch, with their planned refs; every
+    other selected record is accounted for (`acc`)."""
+    for recs in _batches(path, defects):
+        keep, refs = [], []
+        for r in recs:
+            ref = acc.ref(r)
+            if not acc.selected(r, ref):
+                continue
+            why = acc.outcome(r)
+            if why is None:
+                keep.append(r)
+                refs.append(ref)
+            else:
+                acc.left_out(r, ref, why)
+        if keep:
+            acc.exported(len(keep))
+            yield keep, refs
+
+
+def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str, str]]) -> Iterator[JsonlRecord]:
+    for r, ref, (reasoning, content) in zip(recs, refs, texts):
         stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
-            id=r.id, dataset=r.dataset, sample=_sample(refs, r), turn=_turn(refs, r), status=r.status, error=r.error, prompt_ids=_ids(r.prompt_ids),
-            output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end, reasoning=reasoning, content=content,
-            finish_reason=r.finish, matched_stop=stop_id, matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens,
-            completion_tokens=r.completion_tokens,
+            id=r.id, dataset=r.dataset, sample=ref.sample, turn=ref.turn, segments=r.segments, status=r.status,
+            error=r.error, prompt_ids=_ids(r.prompt_ids), output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end,
+            reasoning=reasoning, content=content, finish_reason=r.finish, matched_stop=stop_id,
+            matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
         )
 
 
@@ -215,71 +396,160 @@ def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
     return n
 
 
-def _export_jsonl(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
-                  defects: _Defects) -> int:
-    text, enc, n, refs = _Text(plan, tokens), msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
-    for recs in _batches(path, include_failed, defects):
-        n += _write_lines(out, _jsonl_rows(recs, text.parts(recs), refs), enc)
+def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+    text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
+    for recs, refs in _kept(path, acc, defects):
+        n += _write_lines(out, _jsonl_rows(recs, refs, text.parts(recs)), enc)
     return n
 
 
-def _export_tokens(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
-                   defects: _Defects) -> int:
-    enc, n, refs = msgspec.json.Encoder(), 0, PlannedRefs(rd, plan)
-    for recs in _batches(path, include_failed, defects):
+def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int]) -> list[int]:
+    """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
+    the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
+    the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
+    tool-call section, and the stop token — and 0 on the rest of the prompt (system, tools, user turns, earlier
+    turns, the header). This is the span SpecForge's parsers supervise (from the end of the assistant header to
+    its end-of-turn token, inclusive) with `train_only_last_turn`."""
+    n = len(prompt) >> 2
+    head = n
+    if opens_reasoning(prompt, think_start_id, blank):
+        head = n - 1
+        while id_at(prompt, head) != think_start_id:
+            head -= 1
+    return [0] * head + [1] * (n - head + n_output)
+
+
+def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+    enc, n = msgspec.json.Encoder(), 0
+    ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
+    for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
-            {"id": r.id, "dataset": r.dataset, "sample": _sample(refs, r), "turn": _turn(refs, r), "input_ids": _ids(r.prompt_ids + r.output_ids),
-             "loss_mask": [0] * r.n_prompt + [1] * r.n_output}
-            for r in recs
+            {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
+             "input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank)}
+            for r, ref in zip(recs, refs)
         ), enc)
     return n
 
 
-def _export_conversations(path: Path, plan: RunPlan, out, include_failed: bool, rd: RunDir, tokens: _Tokens,
-                          defects: _Defects) -> int:
-    text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
-    refs, reader = PlannedRefs(rd, plan), PromptReader()
-    chains: dict[tuple[int, int, int], list[dict[str, Any] | None]] = {}  # regenerated: answers so far
-    skipped = 0
+def has_think_marker(text: str) -> bool:
+    """`<think>` or `</think>` written as text, in any case (what SpecForge's strict validation refuses)."""
+    low = text.lower()
+    return "<think>" in low or "</think>" in low
 
-    def rows(recs: list[Record]) -> Iterator[dict]:
-        nonlocal skipped
-        for r, (reasoning, content, section) in zip(recs, text.parts_and_tools(recs)):
-            ref = refs.at(r.index)
+
+def _text_problem(answer: dict[str, Any]) -> str | None:
+    """What makes a decoded answer unfit for a conversation turn, seen on its text."""
+    if has_think_marker(answer["content"]) or has_think_marker(answer["reasoning_content"]):
+        return "text_think_marker"
+    if not answer["content"].strip():
+        return "empty_answer"
+    return None
+
+
+def _visible(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message of the history as a trainer's multi-turn rows hold it: its visible content, no
+    reasoning."""
+    if message.get("role") != "assistant" or "reasoning_content" not in message:
+        return message
+    return {k: v for k, v in message.items() if k != "reasoning_content"}
+
+
+class _Chain:
+    """The turns of one regenerated conversation read so far: (record, ref, answer or None, why not)."""
+
+    def __init__(self) -> None:
+        self.turns: list[tuple[Record, PromptRef, dict[str, Any] | None, str | None]] = []
+        self.done = -1  # the last turn accounted for (a row ending at it written, or left out)
+
+
+def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+    text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
+    reader = PromptReader()
+    chains: dict[tuple[int, int, int], _Chain] = {}
+
+    def base(r: Record, ref: PromptRef, prompt) -> dict[str, Any]:
+        return {"id": r.id, "status": "success", "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn,
+                "segments": r.segments}
+
+    def answer_of(r: Record, parts: tuple[str, str, str]) -> dict[str, Any] | None:
+        reasoning, content, section = parts
+        if r.status != OK:
+            return None
+        return answer_message(reasoning, content, parse_tool_calls(section) if section else None)
+
+    def regenerated(r: Record, ref: PromptRef, prompt, why: str | None, answer) -> Iterator[dict]:
+        key = (ref.dataset, ref.line, ref.sample)
+        chain = chains.setdefault(key, _Chain())
+        chain.turns.append((r, ref, answer, why))
+        last = ref.turn + 1 >= user_turns(prompt.messages)
+        if last:
+            del chains[key]
+        if not acc.selected(r, ref) or not (acc.sel.turns is None and last or acc.sel.turns is not None
+                                            and ref.turn in acc.sel.turns):
+            return
+        turns = chain.turns[: ref.turn + 1]
+        if [t[1].turn for t in turns] != list(range(ref.turn + 1)):  # a turn is missing from the merged dataset
+            return
+        bad = next((t for t in turns if t[3] is not None), None)
+        selected = [t for t in turns[chain.done + 1:] if acc.selected(t[0], t[1])]
+        chain.done = ref.turn
+        if bad is not None:
+            for rec, tref, _, twhy in selected:
+                acc.left_out(rec, tref, twhy if twhy is not None else OTHER_TURN)
+            return
+        acc.exported(len(selected))
+        answers = [t[2] for t in turns]
+        row = base(r, ref, prompt)
+        row["id"] = r.id.rsplit("/t", 1)[0]
+        row["turns"] = len(turns)
+        row["segments"] = sum(t[0].segments for t in turns)
+        row["conversations"] = [*turn_messages(prompt.messages, ref.turn, answers), answers[-1]]
+        if prompt.tools:
+            row["tools"] = prompt.tools
+        yield row
+
+    def rows(recs: list[Record], parts: list[tuple[str, str, str]]) -> Iterator[dict]:
+        for r, p in zip(recs, parts):
+            ref = acc.ref(r)
             ds = plan.datasets[ref.dataset]
+            if not acc.selected(r, ref) and (not ds.regenerate or acc.sel.datasets is not None
+                                             and ds.name not in acc.sel.datasets):
+                continue  # (a regenerated turn not selected may still be the history of one that is)
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-            answer = answer_message(reasoning, content, parse_tool_calls(section) if section else None)
-            if ds.regenerate:  # one row per conversation, once its last turn is read
-                key = (ref.dataset, ref.line, ref.sample)
-                chain = chains.setdefault(key, [])
-                chain += [None] * (ref.turn - len(chain)) + [answer if r.status == OK else None]
-                if ref.turn + 1 < user_turns(prompt.messages):
-                    continue
-                del chains[key]
-                if None in chain:
-                    skipped += 1
-                    continue
-                messages = [*turn_messages(prompt.messages, len(chain) - 1, chain), chain[-1]]
-                row: dict[str, Any] = {"id": r.id.rsplit("/t", 1)[0], "sample": ref.sample, "turns": len(chain),
-                                       "conversations": messages}
-            else:
-                row = {"id": r.id, "sample": ref.sample, "conversations": [*prompt.messages, answer]}
+            why = acc.outcome(r)
+            answer = answer_of(r, p) if why is None else None
+            if answer is not None:
+                why = _text_problem(answer)
+                if why is not None and why in acc.include:
+                    why = None
+                answer = answer if why is None else None
+            if ds.regenerate:
+                yield from regenerated(r, ref, prompt, why if r.status == OK or why is not None else "failed", answer)
+                continue
+            if why is not None:
+                acc.left_out(r, ref, why)
+                continue
+            acc.exported()
+            row = base(r, ref, prompt)
+            if r.status != OK:  # --include-failed
+                row["status"] = "failed"
+                answer = answer_message("", "")
+            row["conversations"] = [*(_visible(m) for m in prompt.messages), answer]
             if prompt.tools:
                 row["tools"] = prompt.tools
             yield row
 
     with reader:
-        for recs in _batches(path, include_failed, defects):
-            n += _write_lines(out, rows(recs), enc)
-    skipped += len(chains)
-    if skipped:
-        log.warning("%d regenerated conversations left out: a turn of each is failed or missing "
-                    "(`toolkit retry` generates them again)", skipped)
+        for recs in _batches(path, defects):
+            n += _write_lines(out, rows(recs, text.parts_and_tools(recs)), enc)
+    for chain in chains.values():  # conversations whose later turns the merged dataset does not hold
+        for rec, ref, _, why in chain.turns[chain.done + 1:]:
+            if acc.selected(rec, ref):
+                acc.left_out(rec, ref, why if why is not None else OTHER_TURN)
     return n
 
 
-def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: bool, rd: RunDir, tokens: _Tokens,
-                    defects: _Defects) -> int:
+def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -287,7 +557,8 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         raise ExportError("the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] extra)") from None
     ids_type = pa.list_(pa.uint32())
     schema = pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("turn", pa.int32()), ("status", pa.string()), ("error", pa.string()),
+        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("turn", pa.int32()),
+        ("segments", pa.int32()), ("status", pa.string()), ("error", pa.string()),
         ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
         ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
         ("matched_stop", pa.int64()), ("matched_stop_str", pa.string()), ("prompt_tokens", pa.int64()),
@@ -301,8 +572,9 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         values = np.frombuffer(b"".join(packed), "<u4")
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.uint32()))
 
-    text, n, refs = _Text(plan, tokens), 0, PlannedRefs(rd, plan)
+    text, n = _Text(plan, tokens), 0
     pending: list[Record] = []
+    pending_refs: list[PromptRef] = []
     pending_text: list[tuple[str, str]] = []
 
     def flush(writer) -> None:
@@ -311,8 +583,9 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         cols = [
             pa.array([r.id for r in pending], pa.string()),
             pa.array([r.dataset for r in pending], pa.string()),
-            pa.array([_sample(refs, r) for r in pending], pa.int32()),
-            pa.array([_turn(refs, r) for r in pending], pa.int32()),
+            pa.array([ref.sample for ref in pending_refs], pa.int32()),
+            pa.array([ref.turn for ref in pending_refs], pa.int32()),
+            pa.array([r.segments for r in pending], pa.int32()),
             pa.array([r.status for r in pending], pa.string()),
             pa.array([r.error for r in pending], pa.string()),
             id_lists([r.prompt_ids for r in pending]),
@@ -328,11 +601,13 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
         ]
         writer.write_table(pa.Table.from_arrays(cols, schema=schema))
         pending.clear()
+        pending_refs.clear()
         pending_text.clear()
 
     with pq.ParquetWriter(str(out_path), schema, compression="zstd") as writer:
-        for recs in _batches(path, include_failed, defects):
+        for recs, refs in _kept(path, acc, defects):
             pending.extend(recs)
+            pending_refs.extend(refs)
             pending_text.extend(text.parts(recs))
             n += len(recs)
             if len(pending) >= PARQUET_ROWS:
@@ -342,6 +617,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, include_failed: b
 
 
 _TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversations": _export_conversations}
+TRAINING_FORMATS = ("tokens", "conversations")  # records that are not training data are skipped by default
 
 
 def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
@@ -350,15 +626,29 @@ def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
 
 
 def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
-               include_failed: bool = False, force: bool = False) -> int:
-    """Write the merged records of a run to `output` in `fmt`; return how many records were written.
+               include_failed: bool = False, force: bool = False, select: Selection | None = None) -> ExportSummary:
+    """Write the merged records of a run that `select` selects to `output` in `fmt`; return the account of every
+    selected planned record (`ExportSummary`), also written beside the output as `<name>_summary.json`, with the
+    records left out and why in `<name>_skipped.jsonl`.
 
-    Without `output`, the file is `default_output(run_dir, fmt)` (its folder is created). The file appears under
-    its name only when complete (written to a temporary name, then renamed). Ok records that fail the audit's
-    record checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
+    Records that are not training data (`quality.SKIP_REASONS`) are left out of `tokens` and `conversations` unless
+    `select.include` names their reason; `jsonl` and `parquet` hold every ok record unless `select.include` is
+    given. Without `output`, the file is `default_output(run_dir, fmt)` (its folder is created). The files appear
+    under their names only when complete (written to temporary names, then renamed). Ok records that fail the
+    audit's record checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    select = select or Selection()
+    if select.mode is not None and select.mode not in MODES:
+        raise ExportError(f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}")
+    unknown = sorted((select.include or frozenset()) - set(EXPORT_REASONS))
+    if unknown:
+        raise ExportError(f"unknown reason {', '.join(unknown)} to include; choose among {', '.join(EXPORT_REASONS)}")
+    if select.include is not None:
+        include = select.include
+    else:
+        include = frozenset() if fmt in TRAINING_FORMATS else frozenset(EXPORT_REASONS)
     rd, plan = load_run(run_dir)
     manifest = load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_file
@@ -389,32 +679,49 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
                           f"{out_path / default_output(run_dir, fmt).name}")
     if out_path.parent and not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
+    known = {d.name for d in plan.datasets}
+    if select.datasets is not None and not select.datasets <= known:
+        raise ExportError(f"no dataset {', '.join(sorted(select.datasets - known))} in run {rd.root}; its datasets: "
+                          f"{', '.join(d.name for d in plan.datasets)}")
     tokens = _Tokens(plan)
     found = _Defects(plan, tokens)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    skipped_path, summary_path = side_file(out_path, "skipped", ".jsonl"), side_file(out_path, "summary", ".json")
+    summary = ExportSummary(format=fmt, output=str(out_path), skipped_file=str(skipped_path))
+    tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for p in (out_path, skipped_path, summary_path)]
+    tmp, skipped_tmp, summary_tmp = tmps
     try:
-        if fmt == "parquet":
-            n = _export_parquet(path, plan, tmp, include_failed, rd, tokens, found)
-        else:
-            with open(tmp, "wb") as out:
-                n = _TEXT_WRITERS[fmt](path, plan, out, include_failed, rd, tokens, found)
+        with open(skipped_tmp, "wb") as skipped_out:
+            acc = _Account(plan, PlannedRefs(rd, plan), select, include, include_failed, tokens, summary, skipped_out)
+            if fmt == "parquet":
+                summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
+            else:
+                with open(tmp, "wb") as out:
+                    summary.rows = _TEXT_WRITERS[fmt](path, plan, out, acc, tokens, found)
+            acc.finish()
         if found.count and not force:
             raise ExportError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
                               f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force",
                               exit_code=EXIT_FAILED)
         if found.count:
             log.warning("exporting them anyway (--force): %s", found.summary())
-        os.replace(tmp, out_path)
+        summary_tmp.write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+        for t, final in zip(tmps, (out_path, skipped_path, summary_path)):
+            os.replace(t, final)
     except CorruptShard as e:
-        tmp.unlink(missing_ok=True)
+        _unlink(tmps)
         raise _damaged(rd, e) from None
     except OSError as e:  # a full disk, say
-        tmp.unlink(missing_ok=True)
+        _unlink(tmps)
         raise ExportError(io_problem(e, out_path, "export again"), exit_code=EXIT_FAILED) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink(tmps)
         raise
-    return n
+    return summary
+
+
+def _unlink(paths: list[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
 
 
 def _damaged(rd: RunDir, e: CorruptShard) -> ExportError:

@@ -232,12 +232,12 @@ main.append(table('checks', ['', 'check', 'value', 'limit', 'what was seen'],
 const ds = R.datasets.length > 1 ? [...R.datasets, R.overall] : R.datasets;
 main.append($('h2', {}, 'Datasets'));
 main.append(table('datasets', ['dataset', 'planned', 'ok', 'failed', 'missing', 'prompt tokens', 'cached', 'output tokens',
-  'output p50', 'p90', 'p99', 'max', 'reasoning p50', 'content p50', 'think-end', 'length', 'finish reasons'],
+  'output p50', 'p90', 'p99', 'max', 'reasoning p50', 'content p50', 'think-end', 'length', 'loops', 'finish reasons'],
   ds.map(d => [d.name, d.planned, d.ok, d.failed, d.missing, d.prompt_tokens,
     d.prompt_tokens ? pct(d.cached_tokens / d.prompt_tokens) : '-', d.output_tokens, d.output_len.p50,
     d.output_len.p90, d.output_len.p99, d.output_len.max, d.reasoning_len.p50, d.content_len.p50,
     d.reasoning.expected ? pct(d.reasoning.think_end / d.reasoning.expected) : '-', pct(d.length_share),
-    Object.entries(d.finish).map(([k, v]) => `${k} ${v}`).join(', ')]), [0, 16]));
+    d.degenerate || 0, Object.entries(d.finish).map(([k, v]) => `${k} ${v}`).join(', ')]), [0, 17]));
 
 // Length histograms: one x scale per column, shared by every dataset; max_new_tokens marked on the outputs.
 const limitsOf = {};

@@ -42,13 +42,14 @@ class StubEngine(Engine):
             ("--load-delay", s.load_delay_s), ("--warmup-delay", s.warmup_delay_s), ("--token-delay", s.token_delay_s),
             ("--fixed-output-tokens", s.fixed_output_tokens), ("--crash-after", s.crash_after),
             ("--hang-after", s.hang_after), ("--fail-5xx", s.fail_5xx), ("--exit-at-start", s.exit_at_start),
-            ("--nan-every", s.nan_every),
+            ("--nan-every", s.nan_every), ("--degenerate-fraction", s.degenerate_fraction),
         ):
             if value:
                 argv += [flag, str(value)]
         if s.exit_at_start_if_exists:
             argv += ["--exit-at-start-if-exists", s.exit_at_start_if_exists.replace("{shard}", str(self.shard))]
-        for flag, on in (("--hang", s.hang), ("--ignore-sigterm", s.ignore_sigterm), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start)):
+        for flag, on in (("--hang", s.hang), ("--ignore-sigterm", s.ignore_sigterm), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start),
+                         ("--identical-samples", s.identical_samples)):
             if on:
                 argv.append(flag)
         return argv + list(s.extra_args) + list(self.engine.extra_args)

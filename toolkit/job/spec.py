@@ -58,6 +58,8 @@ class StubSpec(_Config):
     exit_at_start_if_exists: str | None = None
     no_think_end: bool = False
     double_think_start: bool = False
+    degenerate_fraction: float = 0.0  # share of outputs that fall into a repetition loop until max_new_tokens
+    identical_samples: bool = False   # samples of one prompt (n > 1) token-identical even with a sampling_seed
     version: str = "0.5.23"
     extra_args: list[str] = []
 
@@ -144,6 +146,8 @@ class AuditSpec(_Config):
     max_length_share: float = 0.2
     max_failed_share: float = 0.01
     max_reasoning_share: float = 0.01    # expect_reasoning = false: outputs that hold a think token
+    max_degenerate_share: float = 0.02   # outputs in a repetition loop (dataset.quality), per dataset
+    max_identical_sample_share: float = 0.01  # n > 1, temperature > 0: samples token-identical to an earlier one
     reprompt_sample: int = 64
 
 

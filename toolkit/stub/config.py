@@ -80,6 +80,8 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     warmup_fails: bool = False
     no_think_end: bool = False
     double_think_start: bool = False
+    degenerate_fraction: float = 0.0
+    identical_samples: bool = False
     other_args: dict[str, Any] = {}  # SGLang flags that are accepted, echoed in /server_info, and otherwise ignored
 
 
@@ -201,6 +203,10 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--warmup-fails", action="store_true", help="the warm-up fails: the process kills itself when it ends")
     a("--no-think-end", action="store_true", help="outputs never contain the think-end token")
     a("--double-think-start", action="store_true", help="emit think-start even when the prompt opened it")
+    a("--degenerate-fraction", type=float, default=0.0, help="share of outputs that fall into a repetition loop (a "
+      "short span repeated) until max_new_tokens")
+    a("--identical-samples", action="store_true", help="samples of one prompt are token-identical, even with a "
+      "sampling_seed (a sampler that ignores it)")
     p.own_actions = set(p._actions) - before
     clash = [o for act in p.own_actions for o in act.option_strings if o in flags]
     assert not clash, f"stub flags {clash} are SGLang {version} flags too: rename them"
@@ -252,6 +258,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
         no_think_end=ns.no_think_end, double_think_start=ns.double_think_start,
+        degenerate_fraction=ns.degenerate_fraction, identical_samples=ns.identical_samples,
         other_args={k: v for k, v in other.items() if v not in (None, False)},
     )
     return cfg

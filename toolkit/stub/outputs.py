@@ -73,9 +73,21 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     contiguous runs of the help-topics token stream at PRNG-chosen offsets. The total length is a PRNG
     fraction of max_new_tokens (the budget); `truncate_fraction` of outputs are drawn longer than it, and
     `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
-    With --fixed-output-tokens N the total is exactly N and there is no tool call.
+    With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
+    outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
+    4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do (the other
+    outputs are the same as without it). The stub is
+    deterministic: samples of one prompt differ only by their `sampling_seed` (the toolkit offsets it per sample)
+    or their index in a request with n > 1; with `identical_samples` not even then.
     """
-    rng = random.Random(output_seed(prompt, sp, sample))
+    if cfg.identical_samples:  # a sampler that ignores the seed and the sample index
+        sp, sample = msgspec.structs.replace(sp, sampling_seed=None), 0
+    seed = output_seed(prompt, sp, sample)
+    rng = random.Random(seed)
+    if cfg.degenerate_fraction:  # its own draw: the outputs that do not loop are those of a run without loops
+        looping = random.Random(seed ^ 0x100B)
+        if looping.random() < cfg.degenerate_fraction:
+            return _loop(model, prompt, looping, budget)
     fixed = cfg.fixed_output_tokens
     scale = sp.max_new_tokens if sp.max_new_tokens is not None else min(budget, 2048)
     scale = max(1, min(scale, budget) if scale else 1)
@@ -136,6 +148,23 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
         written -= drop
     if (sp.ignore_eos or model.eos_id not in model.eos_ids) and written < budget:
         run(budget - written)  # nothing stops it: the model writes on past its EOS
+    return segments
+
+
+def _loop(model: StubModel, prompt: list[int], rng: random.Random, budget: int) -> Segments:
+    """A degenerate output: [think-start], some reasoning, then one short span repeated past `budget`."""
+    corpus, size = model.corpus, len(model.corpus)
+    opened = model.prompt_ends_with(prompt, model.think_start_id)
+    segments: Segments = [] if opened or model.think_start_id is None else [(-1, [model.think_start_id])]
+    lead = max(1, min(rng.randint(8, 40), budget // 20))
+    start = rng.randrange(size - lead - 24)
+    segments.append((start, corpus[start:start + lead]))
+    span = rng.randint(4, 24)
+    at = rng.randrange(size - span)
+    written = lead + len(segments) - 1
+    while written <= budget:
+        segments.append((at, corpus[at:at + span]))
+        written += span
     return segments
 
 

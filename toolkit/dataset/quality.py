@@ -1,0 +1,114 @@
+"""What an ok record must be to be training data: repetition loops on token ids, and the reasons an output is kept
+out of the training exports (`skip_reason`).
+
+A record the server answered is not always something a drafter should learn from: an output cut by
+max_new_tokens, reasoning that never ended (no think-end: the answer is missing and the reasoning field holds
+everything), an empty answer, a think marker left inside a part, reasoning in a run that must have none, an
+output SGLang stopped on NaN logits, or a repetition loop. Each is named by one reason, decided on token ids only,
+the same way by the audit and by every export.
+
+Repetition loops (`repetition_loop`, `record_loop`): reasoning models fall into loops that repeat a span of tokens
+until max_new_tokens, so only outputs cut by max_new_tokens (finish_reason length) are looked at (which also keeps
+the audit fast: most outputs stop). Defined precisely: the tail of an output is its last min(len, LOOP_WINDOW)
+ids. The output loops with period p when 1 <= p <= min(LOOP_MAX_PERIOD, len(tail) // 4) and
+at least LOOP_MATCH of the tail positions j >= p hold the id p positions before them (tail[j] == tail[j - p]): all
+but a tenth of the tail is one span of p ids repeated at least four times (the tenth tolerates a counter that
+changes each time round). Outputs shorter than LOOP_MIN_TOKENS are never loops. The smallest such p is the
+loop's period. Normal text repeats a token now and then, never most of its tail at one fixed distance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from toolkit.formats.records import OK, Record, all_blank, ends_with_stop, id_positions, is_nan_stop, split_parts
+
+__all__ = [
+    "LOOP_MATCH", "LOOP_MAX_PERIOD", "LOOP_MIN_TOKENS", "LOOP_WINDOW", "SKIP_REASONS", "Judge", "record_loop",
+    "repetition_loop",
+]
+
+LOOP_WINDOW = 512       # tail ids looked at
+LOOP_MIN_TOKENS = 64    # shorter outputs are never called loops
+LOOP_MAX_PERIOD = 128   # longest repeated span looked for
+LOOP_MATCH = 0.9        # share of tail positions that must repeat the id one period before
+
+# Why an ok record is not training data, in the order they are decided (the first that holds is the reason).
+SKIP_REASONS = {
+    "nan": "stopped by SGLang on NaN logits (it ends in an EOS the model never wrote)",
+    "degenerate": "a repetition loop: cut by max_new_tokens, one span of ids repeated over most of the tail",
+    "truncated": "cut by max_new_tokens (finish_reason length)",
+    "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is no answer",
+    "empty_reasoning": "nothing but blanks before the think-end",
+    "empty_content": "nothing but blanks after the think-end, and no tool call",
+    "think_marker": "a think-start or think-end id inside the reasoning or the answer",
+    "reasoning": "a think token although [model] expect_reasoning = false",
+}
+
+
+def repetition_loop(ids: np.ndarray) -> int | None:
+    """The period of the repetition loop that ends `ids` (an output's ids, stop token excluded), or None; see the
+    module's docstring for the definition."""
+    n = len(ids)
+    if n < LOOP_MIN_TOKENS:
+        return None
+    tail = ids[-LOOP_WINDOW:]
+    t = len(tail)
+    top = min(LOOP_MAX_PERIOD, t // 4)
+    # At period p, the ids not copied from p before are the first p and the misses: a tail with more distinct ids
+    # than top + (1 - LOOP_MATCH) * t cannot loop at any period up to top (most text is ruled out here).
+    if len(set(tail.tolist())) > top + (1 - LOOP_MATCH) * t:
+        return None
+    for p in range(1, top + 1):
+        if np.count_nonzero(tail[p:] == tail[:-p]) >= LOOP_MATCH * (t - p):
+            return p
+    return None
+
+
+def record_loop(rec: Record) -> int | None:
+    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it stopped)."""
+    if rec.finish != "length":
+        return None
+    return repetition_loop(np.frombuffer(rec.output_ids, "<u4"))
+
+
+class Judge:
+    """Decides, on token ids, why an ok record is not training data (`skip_reason`), for one run's tokenizer and
+    its [model] expect_reasoning."""
+
+    def __init__(self, think_start_id: int, think_end_id: int, blank_ids: Collection[int], expect_reasoning: bool):
+        self.ts, self.te = think_start_id, think_end_id
+        self.blank = frozenset(blank_ids)
+        self.expect_reasoning = expect_reasoning
+
+    def skip_reason(self, rec: Record, opened: bool) -> str | None:
+        """The first of SKIP_REASONS that holds for ok record `rec` (None: training data). `opened`: its prompt
+        ends with the think-start id."""
+        if rec.status != OK:
+            raise ValueError(f"{rec.id}: only ok records are judged, this one is {rec.status}")
+        out = rec.output_ids
+        n = len(out) >> 2
+        if is_nan_stop(rec.finish, rec.matched_stop):
+            return "nan"
+        if record_loop(rec) is not None:
+            return "degenerate"
+        if rec.finish == "length":
+            return "truncated"
+        te = rec.reasoning_end
+        if not self.expect_reasoning:
+            if te is not None or id_positions(out, self.ts) is not None:
+                return "reasoning"
+            return "empty_content" if all_blank(out, 0, n - ends_with_stop(rec), self.blank) else None
+        if te is None:
+            return "no_think_end"
+        r0, r1, c0, c1 = split_parts(rec, self.ts, opened)
+        if all_blank(out, r0, r1, self.blank):
+            return "empty_reasoning"
+        if all_blank(out, c0, c1, self.blank) and rec.tool_call_at is None:
+            return "empty_content"
+        if (id_positions(out, self.ts, r0) is not None or id_positions(out, self.te, te + 1) is not None
+                or (opened and r0 == 1)):
+            return "think_marker"
+        return None
