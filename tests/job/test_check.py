@@ -279,7 +279,7 @@ def test_check_notes_that_this_python_cannot_start_sglang_and_run_refuses_it(tmp
     err = capsys.readouterr().err
     assert "toolkit: error: [engine] kind = \"sglang\": this Python (" in err and "or run the job where SGLang is " \
                                                                               "installed" in err
-    assert not (tmp_path / "run").exists()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["check.msgpack"]  # what check kept, and no run
 
 
 def test_no_sglang_note_for_the_stub_or_a_custom_launcher(tmp_path, toy_tokenizer, capsys, no_sglang):

@@ -2,6 +2,8 @@
 
     RUN/run.json                 resolved spec, fingerprint, shard plan
     RUN/prompts.msgpack          where each planned prompt lives (dataset, line, byte offset), in planned order
+    RUN/check.msgpack            what the pre-flight learned rendering the prompts (check_cache); `check` writes it
+                                 in a folder that holds no run yet too
     RUN/shards/NNNNN.zst         append-only record frames;  shards/NNNNN.done  completion manifest
     RUN/shards/NNNNN.zst.lock    the shard's lock where flock does not work;  NNNNN.zst.damaged-STAMP  a
                                  damaged file kept aside when its intact frames were salvaged
@@ -45,6 +47,7 @@ class RunDir:
 
     plan_file = property(lambda self: self.root / PLAN_FILE)
     prompts_file = property(lambda self: self.root / "prompts.msgpack")
+    check_file = property(lambda self: self.root / "check.msgpack")
     shards_dir = property(lambda self: self.root / "shards")
     progress_dir = property(lambda self: self.root / "progress")
     logs_dir = property(lambda self: self.root / "logs")

@@ -4,7 +4,9 @@ starts, in one function so that no command misses a check.
     spec       the TOML, every key and path (spec.load_spec); the engine's extra args
     inputs     every line of every prompt file, every id unique (plan.plan_job: all bad lines at once)
     tokenizer  loaded as the model loads it; think, tool-call and eos ids (chat.token_info)
-    render     EVERY prompt through the chat template (chat.render_many), failures named by file:line and id
+    render     EVERY prompt through the chat template, on every core (render_pool), failures named by file:line
+               and id; what it learned is kept in the run directory (check_cache), so that the same inputs,
+               tokenizer and template are not rendered again by the next check, run or submit
     reasoning  where each rendered prompt leaves the model (chat.reasoning_mode), against [model] expect_reasoning
     lengths    each prompt plus its dataset's max_new_tokens against the model's context length, as SGLang checks
     run dir    output_dir a folder this user can create and write (not under a file, not on a read-only file
@@ -21,7 +23,6 @@ import importlib.util
 import json
 import os
 import sys
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,20 +30,14 @@ from typing import Any
 from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
-from toolkit.job import chat
-from toolkit.job.inputs import scan_dataset
+from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, plan_job
+from toolkit.job.render_pool import SCHEDULER_MARGIN, SHOWN, Outcome, Places
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
-from toolkit.job.turns import turn_prompt
 
 __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
 
-SHOWN = 5  # places listed per problem and dataset; the rest are counted
-CHUNK = 4096  # prompts read and rendered at a time (memory stays flat whatever the dataset size)
-# SGLang's scheduler refuses an input of max_req_input_len = min(context_len - 1, kv_pool - 1) - 5 tokens or more
-# (SGLang 0.5.23, srt/managers/tp_worker.py and managers/utils.py); the KV pool is unknown before the engine starts, so it is taken as large.
-SCHEDULER_MARGIN = 6
 UNBOUNDED = 10**9  # tokenizer_config model_max_length of a tokenizer without a limit (transformers' 1e30 sentinel)
 
 MODE_WORDS = {
@@ -63,19 +58,6 @@ class PreflightError(BadInputError):
 
 
 @dataclass
-class _Places:
-    """A count of prompts with some property, and the first SHOWN of them (file:line and a detail)."""
-
-    count: int = 0
-    first: list[str] = field(default_factory=list)
-
-    def add(self, place: str) -> None:
-        self.count += 1
-        if len(self.first) < SHOWN:
-            self.first.append(place)
-
-
-@dataclass
 class Preflight:
     spec: JobSpec
     plan: RunPlan
@@ -87,6 +69,7 @@ class Preflight:
     longest: tuple[int, str] | None = None  # (prompt + max_new_tokens, dataset) of the tightest prompt
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    learned: check_cache.CheckCache | None = None  # what the render stage learned, to keep (prepare.keep_learned)
 
     def summary(self) -> list[str]:
         """What `check` prints after its ok line."""
@@ -188,48 +171,74 @@ def _check_run_dir(pf: Preflight) -> None:
 # ---------------------------------------------------------------------------------------------------
 def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
     spec, m = pf.spec, pf.spec.model
-    tok = chat.load_tokenizer(m)
-    info = pf.info = chat.token_info(tok, m)
-    chat.check_model_vocab(tok, info, m)
     ctx, source, truncate = context_length(spec, job)
     pf.context, pf.context_source = ctx, source
     if ctx is None:
         pf.warnings.append(f"{source}: prompt lengths are not checked against it; set --context-length in "
                            "[engine] extra_args to have them checked")
-    failed = _Places()
+    key = check_cache.render_key(pf.plan, ctx, source, truncate, exact)
+    cached = check_cache.load(RunDir(_run_root(pf.plan)).check_file, key)
+    mnts = [spec.sampling_for(d.name)["max_new_tokens"] for d in spec.datasets]
+    keys = [check_cache.dataset_key(dp, mnt) for dp, mnt in zip(pf.plan.datasets, mnts)]
+    outcomes: list[Outcome | None] = [cached.outcomes.get(k) if cached else None for k in keys]
+    todo = [i for i, o in enumerate(outcomes) if o is None]
+    if cached is not None:
+        pf.info = cached.info  # the same tokenizer, template and model files: the same ids, checked before
+    if todo:
+        tok = chat.load_tokenizer(m)
+        if pf.info is None:
+            pf.info = chat.token_info(tok, m)
+            chat.check_model_vocab(tok, pf.info, m)
+        _measure_datasets(pf, tok, todo, outcomes, mnts, exact)
+        pf.learned = check_cache.CheckCache(check_cache.FORMAT, pf.plan.fingerprint, key, pf.info,
+                                            dict(zip(keys, outcomes)))
+    _judge(pf, job, [o for o in outcomes if o is not None], truncate)
+
+
+def _run_root(plan: RunPlan) -> Path:
+    """Where the run of `plan` is or would go (output_dir when another job's run is there)."""
+    try:
+        return find_run(plan)[0]
+    except PlanError:
+        return Path(plan.spec.output_dir)
+
+
+def _measure_datasets(pf: Preflight, tok: Any, todo: list[int], outcomes: list[Outcome | None], mnts: list[int],
+                      exact: bool) -> None:
+    """Render and measure every prompt of the datasets `todo` (positions in the job), on all cores."""
+    spec, m = pf.spec, pf.spec.model
+    bounded, anchored = (None, False) if exact else render_pool.bound_kind(tok, m)
+    setting = render_pool.Setting(m, pf.info, pf.context, bounded, anchored)
+    work = [render_pool.Slice(i, d.path, d.name, d.regenerate, mnts[i], offset, size, line)
+            for i in todo for d in [spec.datasets[i]] for offset, size, line in render_pool.slices(d.path)]
+    total = sum(pf.plan.datasets[i].conversations if spec.datasets[i].regenerate else pf.plan.datasets[i].prompts
+                for i in todo)
+    for i in todo:
+        outcomes[i] = Outcome(modes={mode: 0 for mode in chat.MODES})
+    for s, outcome in zip(work, render_pool.measure(tok, setting, work, total=total)):
+        outcomes[s.dataset].merge(outcome)
+
+
+def _judge(pf: Preflight, job: Any, outcomes: list[Outcome], truncate: bool) -> None:
+    """The problems and warnings of the measured datasets (in the job's order)."""
+    spec, m, ctx, source = pf.spec, pf.spec.model, pf.context, pf.context_source
+    failed = Places()
     modes = {mode: 0 for mode in chat.MODES}
-    refused_mode = chat.CLOSED if m.expect_reasoning else chat.OPENED
-    refused: dict[str, _Places] = {}  # dataset -> prompts whose reasoning mode goes against expect_reasoning
-    model_opens: dict[str, _Places] = {}  # expect_reasoning = false: prompts the model may open reasoning for
-    too_long: dict[str, _Places] = {}  # refused by SGLang (or truncated, with --allow-auto-truncate)
-    clamped: dict[str, _Places] = {}  # accepted, but the scheduler lowers max_new_tokens by a token or two
+    refused: dict[str, Places] = {}  # dataset -> prompts whose reasoning mode goes against expect_reasoning
+    model_opens: dict[str, Places] = {}  # expect_reasoning = false: prompts the model may open reasoning for
+    too_long: dict[str, Places] = {}  # refused by SGLang (or truncated, with --allow-auto-truncate)
+    clamped: dict[str, Places] = {}  # accepted, but the scheduler lowers max_new_tokens by a token or two
     tightest = None
-    bounded = None if exact else _bound_holds(tok)
-    for d in spec.datasets:
-        mnt = spec.sampling_for(d.name)["max_new_tokens"]
-        for chunk in _chunks(scan_dataset(d.path, d.name), CHUNK):
-            if d.regenerate:  # the first turn is what is known before generation; later ones hold its answers
-                chunk = [turn_prompt(p, 0, []) for p in chunk]
-            for p, (n, ids) in zip(chunk, _measure(tok, m, chunk, d.path, failed, ctx, mnt, bounded)):
-                if ids is None:
-                    continue
-                mode = chat.reasoning_mode(ids, info)
-                modes[mode] += 1
-                place = f"{d.path}:{p.line}"
-                if mode == refused_mode:
-                    refused.setdefault(d.name, _Places()).add(place)
-                elif mode == chat.MODEL_OPENS and not m.expect_reasoning:
-                    model_opens.setdefault(d.name, _Places()).add(place)
-                if ctx is None:
-                    continue
-                if tightest is None or n + mnt > tightest[0]:
-                    tightest = (n + mnt, d.name)
-                # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input + max_new_tokens > context; input >= the scheduler's
-                # max_req_input_len; then the scheduler's clamp of max_new_tokens to max_req_len - input - 1.
-                if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
-                    too_long.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
-                elif n + mnt > ctx - 2:
-                    clamped.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
+    for d, o in zip(spec.datasets, outcomes):
+        failed.merge(o.failed)
+        for mode, n in o.modes.items():
+            modes[mode] += n
+        for table, places in ((refused, o.refused), (model_opens, o.model_opens), (too_long, o.too_long),
+                              (clamped, o.clamped)):
+            if places.count:
+                table[d.name] = places
+        if o.longest and (tightest is None or o.longest > tightest[0]):
+            tightest = (o.longest, d.name)
     pf.modes, pf.longest = modes, tightest
     problems: list[str] = []
     if failed.count:
@@ -237,6 +246,7 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
             f"the chat template fails on {failed.count:,} prompt{_s(failed.count)}: " + "; ".join(failed.first)
             + _more(failed) + "; fix these prompts' messages/tools or the [model] chat template"
         )
+    info = pf.info
     hint_on, hint_off = chat.thinking_hint(info, True), chat.thinking_hint(info, False)
     if refused and m.expect_reasoning:
         problems.append(
@@ -283,109 +293,15 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
         raise PreflightError([f"{job}: {p}" for p in problems])
 
 
-def _measure(tok: Any, model: Any, prompts: list, path: str, failed: _Places, ctx: int | None, mnt: int,
-             bounded: str | None) -> list[tuple[int, list[int] | None]]:
-    """(length or an upper bound of it, ids ending like the prompt's) per prompt; (0, None) for a prompt the template
-    fails on (recorded in `failed`). The length is exact, and the ids all of them, unless `bounded` (see
-    _bound_holds) and the prompt's UTF-8 length + 1 (more than the tokenizer can make of it) fits with room to spare:
-    then it is that bound, and the ids those of the text's last TAIL characters or so."""
-    texts = _texts(tok, model, prompts, path, failed)
-    whole: list[int] = []
-    tails: list[int] = []
-    tail_texts: list[str] = []
-    out: list[tuple[int, list[int] | None]] = [(0, None)] * len(prompts)
-    for i, text in enumerate(texts):
-        if text is None:
-            continue
-        if bounded is not None:
-            bound = len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
-            tail = _tail(text)
-            if tail is not None and (ctx is None or (bound + mnt <= ctx - 2 and bound < ctx - SCHEDULER_MARGIN)):
-                out[i] = (bound, [])
-                tails.append(i)
-                tail_texts.append(tail)
-                continue
-        whole.append(i)
-    for i, ids in zip(whole, chat.encode_texts(tok, [texts[i] for i in whole])):
-        out[i] = (len(ids), ids)
-    for i, ids in zip(tails, chat.encode_texts(tok, tail_texts)):
-        out[i] = (out[i][0], ids)
-    return out
-
-
-TAIL = 256  # characters of a prompt's end encoded to find its last tokens
-
-
-def _tail(text: str) -> str | None:
-    """The end of `text` from a whitespace at least TAIL characters before its end: tokenizers split text at
-    whitespace (and at special tokens) before anything else, so the tokens of the tail's end are the prompt's.
-    None when the text is short (encoding it whole costs as much) or has no such whitespace."""
-    if len(text) < 4 * TAIL:
-        return None
-    end = len(text) - TAIL
-    cut = max(text.rfind(" ", end - TAIL, end), text.rfind("\n", end - TAIL, end))
-    if cut < 0 or not text[cut:].strip():
-        return None
-    return text[cut:]
-
-
-def _bound_holds(tok: Any) -> str | None:
-    """How to bound a prompt's token count by its bytes: "" (UTF-8 bytes + 1), "NFC" (the bytes of its NFC form + 1),
-    or None (no bound: encode every prompt whole). A fast tokenizer makes at most one token per byte of the text it
-    normalizes (byte-level BPE, byte fallback; one more for a prefix space); NFKC/NFKD or replacements could lengthen
-    the text, so such tokenizers get no bound."""
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None or getattr(tok, "split_special_tokens", False):
-        return None
-    normalizer = backend.normalizer
-    if normalizer is None:
-        return ""
-    try:
-        names = [type(n).__name__ for n in normalizer] if type(normalizer).__name__ == "Sequence" else [type(normalizer).__name__]
-    except TypeError:
-        return None
-    if not set(names) <= {"NFC", "Strip"}:
-        return None
-    return "NFC" if "NFC" in names else ""
-
-
-def _texts(tok: Any, model: Any, prompts: list, path: str, failed: _Places) -> list[str | None]:
-    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`)."""
-    try:
-        return chat.render_texts(tok, model, prompts)
-    except chat.ChatError:
-        pass
-    out: list[str | None] = []
-    for p in prompts:
-        try:
-            out.append(chat.render_texts(tok, model, [p])[0])
-        except chat.ChatError as e:
-            cause = e.__cause__ or e
-            failed.add(f"{path}:{p.line} (id {p.id!r}): {type(cause).__name__}: {cause}")
-            out.append(None)
-    return out
-
-
-def _chunks(items, size: int):
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 def _s(n: int) -> str:
     return "" if n == 1 else "s"
 
 
-def _more(places: _Places) -> str:
+def _more(places: Places) -> str:
     return f" (and {places.count - len(places.first):,} more)" if places.count > len(places.first) else ""
 
 
-def _counted(by_dataset: dict[str, _Places], *, mnt_of: JobSpec | None = None) -> str:
+def _counted(by_dataset: dict[str, Places], *, mnt_of: JobSpec | None = None) -> str:
     """'14 prompts (math: 12, e.g. a.jsonl:3, a.jsonl:9 ...; chat: 2, e.g. ...)'."""
     total = sum(p.count for p in by_dataset.values())
     parts = []

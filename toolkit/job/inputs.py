@@ -7,7 +7,7 @@ as long as the file is. Errors name the file, the line and the field, and say wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import msgspec
 
 from toolkit.errors import BadInputError
 
-__all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "check_unique_ids"]
+__all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
 
 
 _FIX = "fix or remove the line, then run again"
@@ -139,27 +139,34 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
         f = open(path, "rb")
     except FileNotFoundError:
         raise InputError(path, None, None, f"prompt file of dataset {dataset!r} not found; check [[datasets]] path") from None
-    n = bad = 0
-    offset = 0
+    n = 0
+    before = len(errors) if errors is not None else 0
     with f:
-        for lineno, raw in enumerate(f, start=1):
-            length = len(raw)
-            body = raw.rstrip(b"\r\n")
-            if body.strip():
-                try:
-                    p = _parse_line(body, path, dataset, lineno)
-                except InputError as e:
-                    if errors is None:
-                        raise
-                    errors.append(e)
-                    bad += 1
-                else:
-                    p.offset, p.length = offset, len(body)
-                    n += 1
-                    yield p
-            offset += length
-    if n == 0 and bad == 0:
+        for p in scan_lines(f, path, dataset, errors=errors):
+            n += 1
+            yield p
+    if n == 0 and (errors is None or len(errors) == before):
         raise InputError(path, None, None, f"dataset {dataset!r} has no prompts; add prompts or remove it from the job")
+
+
+def scan_lines(lines: Iterable[bytes], path: str, dataset: str, *, first_line: int = 1, offset: int = 0,
+               errors: list[InputError] | None = None) -> Iterator[Prompt]:
+    """The prompts of consecutive lines of a JSONL file (each with its newline), the first being line `first_line`
+    at byte `offset`: a slice of a file read on its own (see scan_dataset for the rest)."""
+    for lineno, raw in enumerate(lines, start=first_line):
+        length = len(raw)
+        body = raw.rstrip(b"\r\n")
+        if body.strip():
+            try:
+                p = _parse_line(body, path, dataset, lineno)
+            except InputError as e:
+                if errors is None:
+                    raise
+                errors.append(e)
+            else:
+                p.offset, p.length = offset, len(body)
+                yield p
+        offset += length
 
 
 def read_prompt_at(path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.formats.rundir import RunDir
+from toolkit.job import check_cache
 from toolkit.job.check import Preflight, preflight, require_engine_here
 from toolkit.job.plan import PlanError, RunPlan, create_run, find_run
 from toolkit.job.spec import JobSpec
@@ -46,19 +47,24 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
     With `dry_run` nothing is written, and another job's run in output_dir is a warning (creating the run refuses
     it), unless `as_submitted` (submit's dry run refuses what submit refuses). With `local` (the shards run here),
     an engine this Python cannot start is refused. Raises the pre-flight's errors
-    (ToolkitError, exit 2) and whatever `validate` raises."""
+    (ToolkitError, exit 2) and whatever `validate` raises.
+
+    What the pre-flight learned rendering the prompts is kept in the run directory once nothing refuses the job
+    (check_cache); with `dry_run` too, making the folder where the run would go, but not in another job's run."""
     pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
     if local:  # run here: the engine must start here
         require_engine_here(pf.spec)
     if print_warnings:
         pf.print_warnings()
+    ours = True
     try:
         root, _ = find_run(pf.plan, new_run=new_run)
     except PlanError:
         if not dry_run or as_submitted:
             raise
-        root = Path(pf.spec.output_dir)  # `check`: the pre-flight has warned
+        root, ours = Path(pf.spec.output_dir), False  # `check`: the pre-flight has warned
     validated = validate(pf.plan, RunDir(root)) if validate is not None else None
-    if dry_run:
-        return PreparedRun(pf, RunDir(root), created=False, validated=validated)
-    return PreparedRun(pf, create_run(pf.plan, pf.refs, new_run=new_run), created=True, validated=validated)
+    rd = RunDir(root) if dry_run else create_run(pf.plan, pf.refs, new_run=new_run)
+    if pf.learned is not None and ours:  # kept where the run is or goes, never in another job's run
+        check_cache.save(rd.check_file, pf.learned)
+    return PreparedRun(pf, rd, created=not dry_run, validated=validated)

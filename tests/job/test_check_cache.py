@@ -1,0 +1,110 @@
+"""What `check` learned is kept in the run directory: the same inputs are not rendered again by a second check,
+by submit or by run; a changed prompt file renders its own dataset again, a changed template every dataset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.cli import main
+from toolkit.formats.rundir import RunDir
+from toolkit.job import chat, render_pool
+
+
+@pytest.fixture
+def rendered(monkeypatch):
+    """The prompts rendered (by dataset), and the tokenizers loaded, in this process (one render process)."""
+    monkeypatch.setenv(render_pool.ENV_PROCESSES, "1")
+    seen = {"prompts": {}, "loads": 0}
+    render, load = chat.render_texts, chat.load_tokenizer
+
+    def counting_render(tok, model, prompts, **kw):
+        prompts = list(prompts)
+        for p in prompts:
+            seen["prompts"][p.dataset] = seen["prompts"].get(p.dataset, 0) + 1
+        return render(tok, model, prompts, **kw)
+
+    def counting_load(model):
+        seen["loads"] += 1
+        return load(model)
+
+    monkeypatch.setattr(chat, "render_texts", counting_render)
+    monkeypatch.setattr(chat, "load_tokenizer", counting_load)
+
+    def take():
+        out = dict(seen)
+        seen["prompts"], seen["loads"] = {}, 0
+        return out
+
+    return take
+
+
+def job_of_two(tmp_path, tok, **tables):
+    a = write_prompts(tmp_path / "a.jsonl", 20)
+    b = write_prompts(tmp_path / "b.jsonl", 30, prefix="q")
+    job = make_job(tmp_path, tok, prompts=a, **tables)
+    job.write_text(job.read_text() + f'[[datasets]]\nname = "e"\npath = "{b}"\n')
+    return job, a, b
+
+
+def check(job, capsys):
+    code = main(["check", str(job)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_a_second_check_and_submit_render_nothing_again(tmp_path, toy_tokenizer, capsys, rendered):
+    job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    first = check(job, capsys)
+    assert rendered() == {"prompts": {"d": 20, "e": 30}, "loads": 1}
+    assert (tmp_path / "run" / "check.msgpack").is_file() and not RunDir.is_run(tmp_path / "run")
+    assert check(job, capsys) == first  # the same report, from what was kept
+    assert rendered() == {"prompts": {}, "loads": 0}  # nothing rendered, no tokenizer loaded
+    rd, _ = prepared_run(job)  # what `submit` and `run` do before the run directory
+    assert rendered() == {"prompts": {}, "loads": 0} and RunDir.is_run(rd.root)
+    assert rd.check_file.is_file()
+
+
+def test_a_changed_line_renders_its_dataset_again(tmp_path, toy_tokenizer, capsys, rendered):
+    job, a, b = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    check(job, capsys)
+    rendered()
+    lines = b.read_text().splitlines()
+    row = json.loads(lines[7])
+    row["messages"][0]["content"] = "A question changed since the last check."
+    lines[7] = json.dumps(row)
+    b.write_text("\n".join(lines) + "\n")
+    check(job, capsys)
+    assert rendered() == {"prompts": {"e": 30}, "loads": 1}
+    check(job, capsys)
+    assert rendered()["prompts"] == {}
+
+
+def test_a_changed_template_or_context_renders_everything_again(tmp_path, toy_tokenizer, capsys, rendered):
+    job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    check(job, capsys)
+    rendered()
+    job2, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"), model={"chat_template_kwargs": {"thinking": True}})
+    check(job2, capsys)
+    assert rendered()["prompts"] == {"d": 20, "e": 30}
+    job3, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"), model={"chat_template_kwargs": {"thinking": True}},
+                            stub={"context_length": 9000})
+    check(job3, capsys)
+    assert rendered()["prompts"] == {"d": 20, "e": 30}
+
+
+def test_a_failed_check_keeps_nothing_and_a_damaged_file_is_ignored(tmp_path, toy_tokenizer, capsys, rendered):
+    job, a, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    good = a.read_text()
+    a.write_text(good.replace('"role": "user"', '"role": "bot"', 1))
+    assert main(["check", str(job)]) == 2
+    assert not (tmp_path / "run").exists()
+    a.write_text(good)
+    check(job, capsys)
+    rendered()
+    (tmp_path / "run" / "check.msgpack").write_bytes(b"\x93not a cache")
+    check(job, capsys)
+    assert rendered()["prompts"] == {"d": 20, "e": 30}
