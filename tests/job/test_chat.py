@@ -519,3 +519,28 @@ def test_toy_tokenizer_extra_special_tokens(tmp_path):
     assert len(tok.encode("<|begin_of_image|>", add_special_tokens=False)) == 1 and len(tok) == 4000
     with pytest.raises(ValueError, match="has no template of its own; pass chat_template="):
         build_tokenizer(tmp_path / "y", "minimax")
+
+
+@pytest.mark.parametrize("name", sorted(REAL_TEMPLATES))
+def test_the_direct_text_renderer_gives_apply_chat_templates_text(real_tokenizer, name):
+    """chat.text_renderer (what the pre-flight renders with) against render_texts (apply_chat_template), on chats
+    with tools, tool turns, reasoning fields, None values, and thinking switched both ways."""
+    chats = [full_chat(name), [{"role": "user", "content": "Hi."}],
+             [{"role": "system", "content": "S."}, {"role": "user", "content": [{"type": "text", "text": "Parts."}]}],
+             [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A.", "reasoning": "R.",
+                                                  "tool_calls": None}, {"role": "user", "content": "Again?"}]]
+    for kwargs in ({}, {"thinking": False, "enable_thinking": False}, {"thinking": True, "enable_thinking": True}):
+        model = Model(path=str(real_tokenizer(name)), chat_template_kwargs=kwargs)
+        tok = chat.load_tokenizer(model)
+        render = chat.text_renderer(tok, model)
+        for messages in chats:
+            for tools in (None, TOOLS):
+                try:
+                    want = chat.render_texts(tok, model, [prompt(messages=messages, tools=tools)])[0]
+                except ChatError as e:  # the template refuses the chat: the same error, both ways
+                    want = f"{type(e.__cause__).__name__}: {e.__cause__}"
+                try:
+                    got = render(messages, tools)
+                except Exception as e:
+                    got = f"{type(e).__name__}: {e}"
+                assert got == want, (kwargs, messages, tools)

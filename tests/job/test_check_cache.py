@@ -18,19 +18,18 @@ def rendered(monkeypatch):
     """The prompts rendered (by dataset), and the tokenizers loaded, in this process (one render process)."""
     monkeypatch.setenv(render_pool.ENV_PROCESSES, "1")
     seen = {"prompts": {}, "loads": 0}
-    render, load = chat.render_texts, chat.load_tokenizer
+    texts, load = render_pool._texts, chat.load_tokenizer
 
-    def counting_render(tok, model, prompts, **kw):
-        prompts = list(prompts)
+    def counting_texts(tok, model, prompts, *a, **kw):
         for p in prompts:
             seen["prompts"][p.dataset] = seen["prompts"].get(p.dataset, 0) + 1
-        return render(tok, model, prompts, **kw)
+        return texts(tok, model, prompts, *a, **kw)
 
     def counting_load(model):
         seen["loads"] += 1
         return load(model)
 
-    monkeypatch.setattr(chat, "render_texts", counting_render)
+    monkeypatch.setattr(render_pool, "_texts", counting_texts)
     monkeypatch.setattr(chat, "load_tokenizer", counting_load)
 
     def take():

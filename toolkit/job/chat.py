@@ -320,6 +320,30 @@ def render_texts(tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: in
     return out
 
 
+def text_renderer(tok: Any, model: Any) -> Any:
+    """A function (messages, tools) -> the text render_texts gives for a prompt read from a JSONL line (plain
+    JSON values), without apply_chat_template's work per call: the same compiled template, called with what
+    transformers passes it (its special tokens, the kwargs, messages without None values and with reasoning
+    fields aliased). None when this transformers lacks those parts. The pre-flight compares its text with
+    render_texts' on a prompt of every slice it renders, and uses it only where they agree."""
+    try:
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
+    except ImportError:
+        return None
+    kwargs = {**tok.special_tokens_map, **model.chat_template_kwargs}
+    compiled: dict[bool, Any] = {}
+
+    def render(messages: list[dict], tools: list[dict] | None) -> str:
+        key = tools is not None
+        template = compiled.get(key)
+        if template is None:
+            template = compiled[key] = _compile_jinja_template(tok.get_chat_template(None, tools))
+        chat = _alias_reasoning_fields([{k: v for k, v in m.items() if v is not None} for m in messages])
+        return template.render(messages=chat, tools=tools, documents=None, add_generation_prompt=True, **kwargs)
+
+    return render
+
+
 def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of texts from render_texts: the ids render() gives for their prompts."""
     return _encode_chats(tok, texts) if texts else []

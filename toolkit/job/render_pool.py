@@ -116,6 +116,14 @@ class Slice(msgspec.Struct, frozen=True, array_like=True):
     first_line: int
 
 
+class _Memo:
+    """What one process keeps from slice to slice: the ids of the prompt ends met, and its text renderer."""
+
+    def __init__(self) -> None:
+        self.ends: dict[str, list[int]] = {}
+        self.renderer: Any = False  # chat.text_renderer once made (None: this transformers has none)
+
+
 class _Failure(msgspec.Struct, frozen=True):
     """A slice that raised a toolkit error, carried back to the parent as its message."""
 
@@ -173,7 +181,7 @@ def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
         if workers > 1 and len(work) > 1 and sum(s.size for s in work) >= POOL_MIN_BYTES:
             results = _pooled(tok, setting, work, min(workers, len(work)))
         else:
-            memo: dict[str, list[int]] = {}
+            memo = _Memo()
             results = (_measure_slice(tok, setting, s, memo) for s in work)
         for r in results:
             if isinstance(r, _Failure):
@@ -211,14 +219,14 @@ _worker: dict[str, Any] = {}
 def _init_worker(tok: Any, setting: Setting) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tok=tok if tok is not None else chat.load_tokenizer(setting.model), setting=setting, memo={})
+    _worker.update(tok=tok if tok is not None else chat.load_tokenizer(setting.model), setting=setting, memo=_Memo())
 
 
 def _work(s: Slice) -> Outcome | _Failure:
     return _measure_slice(_worker["tok"], _worker["setting"], s, _worker["memo"])
 
 
-def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: dict[str, list[int]]) -> Outcome | _Failure:
+def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome | _Failure:
     """Read, render and measure the prompts of one slice; a toolkit error comes back as a _Failure."""
     try:
         with open(s.path, "rb") as f:
@@ -233,11 +241,11 @@ def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: dict[str, list[in
     return _outcome(tok, setting, s, prompts, memo)
 
 
-def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: dict[str, list[int]]) -> Outcome:
+def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: _Memo) -> Outcome:
     m, info, ctx, mnt = setting.model, setting.info, setting.context, s.max_new_tokens
     out = Outcome(prompts=len(prompts), modes={mode: 0 for mode in chat.MODES})
     refused_mode = chat.CLOSED if m.expect_reasoning else chat.OPENED
-    texts = _texts(tok, m, prompts, s.path, out.failed)
+    texts = _texts(tok, m, prompts, s.path, out.failed, memo)
     for p, (n, ids) in zip(prompts, _lengths(tok, setting, texts, mnt, memo)):
         if ids is None:
             continue
@@ -262,7 +270,7 @@ def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: dict[str
 
 
 def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
-             memo: dict[str, list[int]]) -> list[tuple[int, list[int] | None]]:
+             memo: _Memo) -> list[tuple[int, list[int] | None]]:
     """(length or an upper bound of it, ids ending like the prompt's) per text; (0, None) for a prompt the template
     failed on. The length is exact, and the ids all of them, unless `setting.bounded` (see bound_kind) and the
     text's UTF-8 length + 1 (more than the tokenizer can make of it) fits with room to spare: then it is that bound,
@@ -277,12 +285,12 @@ def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
             bound = len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
             if ctx is None or (bound + mnt <= ctx - 2 and bound < ctx - SCHEDULER_MARGIN):
                 end = _ending(text, setting.model)
-                ids = memo.get(end)
+                ids = memo.ends.get(end)
                 if ids is None:
                     ids = chat.encode_texts(tok, [end])[0] if end else []
-                    if len(memo) > 4096:
-                        memo.clear()
-                    memo[end] = ids
+                    if len(memo.ends) > 4096:
+                        memo.ends.clear()
+                    memo.ends[end] = ids
                 out[i] = (bound, ids)
                 continue
         whole.append(i)
@@ -331,13 +339,33 @@ def bound_kind(tok: Any, model: Any) -> tuple[str | None, bool]:
     return ("NFC" if "NFC" in names else ""), anchored
 
 
-def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places) -> list[str | None]:
-    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`)."""
+def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo: _Memo) -> list[str | None]:
+    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`).
+
+    chat.text_renderer when it gives render_texts' text for the slice's first prompt (checked in every slice),
+    else render_texts itself."""
+    if memo.renderer is False:
+        memo.renderer = chat.text_renderer(tok, model)
+    direct = memo.renderer
+    if direct is not None and prompts:
+        try:
+            same = chat.render_texts(tok, model, prompts[:1]) == [direct(prompts[0].messages, prompts[0].tools)]
+        except Exception:  # noqa: BLE001 - the template fails on it: said below, by the slower path
+            same = False
+        if same:
+            out: list[str | None] = []
+            for p in prompts:
+                try:
+                    out.append(direct(p.messages, p.tools))
+                except Exception as exc:  # noqa: BLE001 - the template's own errors, said as render_texts says them
+                    failed.add(f"{path}:{p.line} (id {p.id!r}): {type(exc).__name__}: {exc}")
+                    out.append(None)
+            return out
     try:
         return list(chat.render_texts(tok, model, prompts))
     except chat.ChatError:
         pass
-    out: list[str | None] = []
+    out = []
     for p in prompts:
         try:
             out.append(chat.render_texts(tok, model, [p])[0])
