@@ -137,3 +137,21 @@ def test_a_quick_job_draws_nothing(monkeypatch):
     bar.update(10)
     bar.close()
     assert term.getvalue() == ""
+
+
+def test_a_slice_whose_file_changed_since_planning_is_an_error_naming_it(tmp_path, toy_tokenizer):
+    from toolkit.job import chat
+    from toolkit.job.spec import ModelSpec
+
+    model = ModelSpec(path=str(toy_tokenizer("kimi")))
+    tok = chat.load_tokenizer(model)
+    setting = render_pool.Setting(model, chat.token_info(tok, model), 4096, *render_pool.bound_kind(tok, model))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    work = [render_pool.Slice(0, str(path), "d", False, 64, offset, size, line)
+            for offset, size, line in render_pool.slices(str(path), size=8)]
+    assert len(work) == 2
+    with pytest.raises(render_pool.RenderPoolError) as e:
+        list(render_pool.measure(tok, setting, work, total=2, workers=1))
+    assert str(e.value).startswith(f"{path}:2: field `prompt`: must be a string, got int")
+    assert str(e.value).endswith("(the file changed while the job was being checked)")

@@ -234,8 +234,8 @@ def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome
             data = f.read(s.size)
         prompts = list(scan_lines(io.BytesIO(data), s.path, s.name, first_line=s.first_line, offset=s.offset))
     except (OSError, BadInputError) as e:
-        return _Failure(f"{s.path}: {e}; it changed since the job was planned: run the command again"
-                        if isinstance(e, BadInputError) else f"{s.path}: cannot read it ({e})")
+        return _Failure(f"{e} (the file changed while the job was being checked)" if isinstance(e, BadInputError)
+                        else f"{s.path}: cannot read it ({e}); check the file, then run the command again")
     if s.regenerate:  # the first turn is what is known before generation; later ones hold its answers
         prompts = [turn_prompt(p, 0, []) for p in prompts]
     return _outcome(tok, setting, s, prompts, memo)
