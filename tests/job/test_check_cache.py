@@ -107,3 +107,17 @@ def test_a_failed_check_keeps_nothing_and_a_damaged_file_is_ignored(tmp_path, to
     (tmp_path / "run" / "check.msgpack").write_bytes(b"\x93not a cache")
     check(job, capsys)
     assert rendered()["prompts"] == {"d": 20, "e": 30}
+
+
+def test_nothing_is_kept_in_another_jobs_run_nor_beside_it_by_a_dry_run(tmp_path, toy_tokenizer, capsys, rendered):
+    from toolkit.job.prepare import prepare_run
+
+    job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    rd, _ = prepared_run(job)  # a run of this job in output_dir
+    kept = rd.check_file.read_bytes()
+    other = make_job(tmp_path / "other", toy_tokenizer("kimi"), n=5, name="other")
+    other.write_text(other.read_text().replace(str(tmp_path / "other" / "run"), str(tmp_path / "run")))
+    assert main(["check", str(other)]) == 0 and "holds another run" in capsys.readouterr().out
+    prepare_run(other, dry_run=True, as_submitted=True, new_run=True)  # submit --dry-run --new-run
+    assert rd.check_file.read_bytes() == kept  # the other job's run keeps its own
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == ["run"]  # no run beside it

@@ -44,13 +44,14 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
     this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
     refusal comes before anything is written.
 
-    With `dry_run` nothing is written, and another job's run in output_dir is a warning (creating the run refuses
-    it), unless `as_submitted` (submit's dry run refuses what submit refuses). With `local` (the shards run here),
-    an engine this Python cannot start is refused. Raises the pre-flight's errors
-    (ToolkitError, exit 2) and whatever `validate` raises.
+    With `dry_run` no run is written (only what the pre-flight learned, see below), and another job's run in
+    output_dir is a warning (creating the run refuses it), unless `as_submitted` (submit's dry run refuses what
+    submit refuses). With `local` (the shards run here), an engine this Python cannot start is refused. Raises the
+    pre-flight's errors (ToolkitError, exit 2) and whatever `validate` raises.
 
     What the pre-flight learned rendering the prompts is kept in the run directory once nothing refuses the job
-    (check_cache); with `dry_run` too, making the folder where the run would go, but not in another job's run."""
+    (check_cache); with `dry_run` too, in output_dir (made if need be) or the run of this job found beside it,
+    never in another job's run."""
     pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
     if local:  # run here: the engine must start here
         require_engine_here(pf.spec)
@@ -65,6 +66,8 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
         root, ours = Path(pf.spec.output_dir), False  # `check`: the pre-flight has warned
     validated = validate(pf.plan, RunDir(root)) if validate is not None else None
     rd = RunDir(root) if dry_run else create_run(pf.plan, pf.refs, new_run=new_run)
+    if dry_run and not (root == Path(pf.spec.output_dir) or RunDir.is_run(root)):
+        ours = False  # a new run beside output_dir (--new-run) is not made by a dry run, not even for this
     if pf.learned is not None and ours:  # kept where the run is or goes, never in another job's run
         check_cache.save(rd.check_file, pf.learned)
     return PreparedRun(pf, rd, created=not dry_run, validated=validated)
