@@ -69,7 +69,7 @@ class Preflight:
     longest: tuple[int, str] | None = None  # (prompt + max_new_tokens, dataset) of the tightest prompt
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    learned: check_cache.CheckCache | None = None  # what the render stage learned, to keep (prepare.keep_learned)
+    learned: check_cache.CheckCache | None = None  # what the render stage learned (prepare_run keeps it)
 
     def summary(self) -> list[str]:
         """What `check` prints after its ok line."""
