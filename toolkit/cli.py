@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
                        "chat template, reasoning mode, lengths against the context length, run directory")
-    s.add_argument("job", help="job spec (TOML) to check, e.g. jobs/demo.toml; nothing is written")
+    s.add_argument("job", help="job spec (TOML) to check, e.g. jobs/demo.toml; it writes only what it learned "
+                   "(check.msgpack in output_dir), so that `submit` renders nothing again")
     s.set_defaults(func=cmd_check)
 
     _add_slurm_commands(sub)
