@@ -54,7 +54,7 @@ def test_a_prompt_the_template_fails_on_is_named_by_file_line_and_id(tmp_path, t
 
 def test_check_reports_every_bad_line(tmp_path, toy_tokenizer, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n' + '{"prompt": 1}\n' * 12 + '{"id": "d:1", "prompt": "dup"}\n')
+    prompts.write_text('{"id": "a", "prompt": "ok"}\n' + '{"prompt": 1}\n' * 12 + '{"id": "a", "prompt": "dup"}\n')
     code, _, err = check(make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts), capsys)
     assert code == 2 and f"12 bad lines in 1 prompt file ({prompts}: 12) and 1 duplicate id; the first 10:" in err
     assert "... and 3 more" in err
@@ -139,7 +139,8 @@ def test_over_long_prompts_are_refused_with_what_to_do(tmp_path, toy_tokenizer, 
             f"({n[7]:,} tokens), {prompts}:12 ({n[11]:,} tokens)) do not fit the context length 1,024 "
             "([engine.stub] context_length)") in err
     assert "Raise the context length (--context-length in [engine] extra_args" in err
-    assert "lower max_new_tokens for that dataset" in err and "or drop the lines" in err
+    assert "lower max_new_tokens for that dataset" in err and "drop the lines" in err
+    assert 'or skip them, each reported ([inputs] on_too_long = "skip")' in err
 
 
 def test_the_length_rule_is_sglangs(tmp_path, toy_tokenizer):

@@ -217,11 +217,21 @@ def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
 
 
 def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
-    """`submit` (and its dry run) refuses a run already submitted, or with every shard done."""
+    """`submit` (and its dry run) refuses a run already submitted, or with every shard done. A run the job grows
+    (`plan` has more shards than the run holds: job.grow) is submitted again for its new shards and those left,
+    once no job of it is pending or running."""
     if not RunDir.is_run(rd.root):
         return
+    _, pinned = load_run(rd.root)
+    grows = len(plan.shards) > len(pinned.shards)
     if read_jobs(rd).submissions:
-        raise refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+        if not grows:
+            raise refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+        live = live_jobs(rd)
+        if live:
+            shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
+            raise refuse(f"the job's prompt files gained prompts, but {len(live)} jobs of its run {rd.root} are still "
+                         f"pending or running ({shown}); wait for them or `toolkit cancel {rd.root}`, then submit again")
     if not _pending(rd, plan):
         raise refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
 

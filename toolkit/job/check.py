@@ -30,8 +30,9 @@ from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat
+from toolkit.job.grow import grown_plan
 from toolkit.job.inputs import scan_dataset
-from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, plan_job
+from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, load_run, plan_job
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
 from toolkit.job.turns import turn_prompt
@@ -87,6 +88,7 @@ class Preflight:
     longest: tuple[int, str] | None = None  # (prompt + max_new_tokens, dataset) of the tightest prompt
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    too_long: dict[tuple[str, int], str] = field(default_factory=dict)  # on_too_long = "skip": (dataset, line) -> why
 
     def summary(self) -> list[str]:
         """What `check` prints after its ok line."""
@@ -141,11 +143,30 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
         pf.warnings.append(f"{missing}. A login node that only submits needs none, but the Slurm tasks run this same "
                            "Python unless [slurm] setup activates another environment: that one needs it")
-    if warn_other_run:
-        _check_run_dir(pf)
     if check_tokenizer:
         _check_prompts(pf, job, exact)
+        if pf.too_long:  # [inputs] on_too_long = "skip": planned again without them
+            pf.plan, pf.refs = plan_job(spec, exclude=pf.too_long)
+    pf.warnings += skipped_warnings(pf.plan)
+    if warn_other_run:
+        _check_run_dir(pf)
     return pf
+
+
+def skipped_warnings(plan: RunPlan) -> list[str]:
+    """What the plan left out ([inputs] on_bad_line / on_too_long = "skip"), per prompt file: counted, the first
+    lines named with why."""
+    out = []
+    for d in plan.datasets:
+        if not d.skipped_lines:
+            continue
+        kinds = [f"{n:,} {what} ([inputs] {key} = \"skip\")" for n, what, key in
+                 ((d.bad_lines, "bad", "on_bad_line"), (d.too_long, "too long", "on_too_long")) if n]
+        shown = "; ".join(f"{d.path}:{s.line}: {s.reason}" for s in d.skipped[:SHOWN])
+        more = f" (and {d.skipped_lines - SHOWN:,} more)" if d.skipped_lines > SHOWN else ""
+        out.append(f"skipped {d.skipped_lines:,} line{_s(d.skipped_lines)} of dataset {d.name!r}, "
+                   f"{' and '.join(kinds)}: {shown}{more}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,8 +200,26 @@ def _check_run_dir(pf: Preflight) -> None:
     except PlanError as e:
         pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
-    if exists:
+    if not exists:
+        return
+    _, run = load_run(root)
+    if run.same_job(pf.plan):
         pf.notes.append(f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` resume it")
+        return
+    try:
+        grown, _, diff = grown_plan(RunDir(root), run, pf.plan, pf.refs)
+    except PlanError as e:
+        pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
+        return
+    added = len(grown.shards) - len(run.shards)
+    if added:
+        g = grown.grown[-1]
+        pf.notes.append(f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add its {g.prompts:,} new "
+                        f"prompt{_s(g.prompts)} ({g.records:,} records) in {added} new shard{_s(added)} and generate "
+                        "only those")
+    else:
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run already (its prompt files changed, not its prompts); "
+                        "`toolkit run`/`submit` resume it")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,9 +244,11 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
     clamped: dict[str, _Places] = {}  # accepted, but the scheduler lowers max_new_tokens by a token or two
     tightest = None
     bounded = None if exact else _bound_holds(tok)
+    skip_long = spec.inputs.on_too_long == "skip"
     for d in spec.datasets:
         mnt = spec.sampling_for(d.name)["max_new_tokens"]
-        for chunk in _chunks(scan_dataset(d.path, d.name), CHUNK):
+        bad: list = []  # lines the plan skipped ([inputs] on_bad_line = "skip"; else it has raised)
+        for chunk in _chunks(scan_dataset(d.path, d.name, bad), CHUNK):
             if d.regenerate:  # the first turn is what is known before generation; later ones hold its answers
                 chunk = [turn_prompt(p, 0, []) for p in chunk]
             for p, (n, ids) in zip(chunk, _measure(tok, m, chunk, d.path, failed, ctx, mnt, bounded)):
@@ -222,14 +263,18 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
                     model_opens.setdefault(d.name, _Places()).add(place)
                 if ctx is None:
                     continue
-                if tightest is None or n + mnt > tightest[0]:
-                    tightest = (n + mnt, d.name)
                 # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input + max_new_tokens > context; input >= the scheduler's
                 # max_req_input_len; then the scheduler's clamp of max_new_tokens to max_req_len - input - 1.
                 if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
+                    if skip_long:
+                        pf.too_long[(d.name, p.line)] = (f"too long: {n:,} tokens + max_new_tokens {mnt:,} do not fit "
+                                                         f"the context length {ctx:,}")
+                        continue
                     too_long.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
                 elif n + mnt > ctx - 2:
                     clamped.setdefault(d.name, _Places()).add(f"{place} ({n:,} tokens)")
+                if tightest is None or n + mnt > tightest[0]:
+                    tightest = (n + mnt, d.name)
     pf.modes, pf.longest = modes, tightest
     problems: list[str] = []
     if failed.count:
@@ -272,7 +317,8 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
             f"{_counted(too_long, mnt_of=spec)} do not fit the context length {ctx:,} ({source}) with their dataset's "
             "max_new_tokens: SGLang refuses a prompt whose length plus max_new_tokens exceeds it (or that reaches "
             f"context length - {SCHEDULER_MARGIN}). Raise the context length (--context-length in [engine] extra_args, "
-            "if the model supports it), lower max_new_tokens for that dataset ([[datasets]] sampling), or drop the lines"
+            "if the model supports it), lower max_new_tokens for that dataset ([[datasets]] sampling), drop the lines, or "
+            "skip them, each reported ([inputs] on_too_long = \"skip\")"
         )
     if clamped:
         pf.warnings.append(

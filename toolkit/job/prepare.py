@@ -11,7 +11,8 @@ from typing import Any
 
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import Preflight, preflight, require_engine_here
-from toolkit.job.plan import PlanError, RunPlan, create_run, find_run
+from toolkit.job.grow import grow_run, grown_plan
+from toolkit.job.plan import PlanError, RunPlan, create_run, find_run, load_run
 from toolkit.job.spec import JobSpec
 
 __all__ = ["PreparedRun", "prepare_run"]
@@ -25,10 +26,12 @@ class PreparedRun:
     run_dir: RunDir
     created: bool          # False with dry_run: `run_dir` is where the run would be, nothing was written
     validated: Any = None  # what the caller's `validate` returned
+    run_plan: RunPlan | None = None  # the plan the run holds (or would hold, with dry_run); None: the job's own
 
     @property
     def plan(self) -> RunPlan:
-        return self.preflight.plan
+        """The run's plan: the job's own for a new run, else the run's as pinned (grown by the job's new prompts)."""
+        return self.run_plan or self.preflight.plan
 
     @property
     def spec(self) -> JobSpec:
@@ -52,13 +55,20 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
         require_engine_here(pf.spec)
     if print_warnings:
         pf.print_warnings()
+    run = None
     try:
-        root, _ = find_run(pf.plan, new_run=new_run)
+        root, exists = find_run(pf.plan, new_run=new_run)
+        run = load_run(root)[1] if exists else None
+        grows = run is not None and not run.same_job(pf.plan)
+        target = pf.plan if run is None else grown_plan(RunDir(root), run, pf.plan, pf.refs)[0] if grows else run
     except PlanError:
         if not dry_run or as_submitted:
             raise
-        root = Path(pf.spec.output_dir)  # `check`: the pre-flight has warned
-    validated = validate(pf.plan, RunDir(root)) if validate is not None else None
+        root, target, grows = Path(pf.spec.output_dir), pf.plan, False  # `check`: the pre-flight has warned
+    validated = validate(target, RunDir(root)) if validate is not None else None
     if dry_run:
-        return PreparedRun(pf, RunDir(root), created=False, validated=validated)
-    return PreparedRun(pf, create_run(pf.plan, pf.refs, new_run=new_run), created=True, validated=validated)
+        return PreparedRun(pf, RunDir(root), created=False, validated=validated, run_plan=target)
+    if grows:
+        grow_run(RunDir(root), run, pf.plan, pf.refs)  # the job's new prompts, into its run
+    rd = create_run(pf.plan, pf.refs, new_run=new_run)
+    return PreparedRun(pf, rd, created=True, validated=validated, run_plan=load_run(rd.root)[1])
