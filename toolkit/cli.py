@@ -81,8 +81,9 @@ def cmd_check(args) -> int:
     pf = prepare_run(args.job, dry_run=True, print_warnings=False).preflight
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
-    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets"
-          f"{f' ({skipped} lines skipped)' if skipped else ''}, {len(plan.shards)} shards, fingerprint {plan.fingerprint}")
+    said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
+    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
+          f"fingerprint {plan.fingerprint}")
     info, m = pf.info, pf.spec.model
     if info is not None:
         print(f"tokenizer {shown_path(m.tokenizer_path or m.path)}: {info.vocab_size} ids; think {m.think_start!r} "

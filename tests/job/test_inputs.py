@@ -176,3 +176,26 @@ def test_identical_lines_without_ids_are_numbered_by_occurrence(tmp_path):
     assert [p.id for p in prompts] == [base, prompts[1].id, f"{base}-2", f"{base}-3"]
     plan, refs = plan_files(tmp_path, {"ds": line * 2})  # planned as two prompts, ids unique
     assert [r.id for r in refs] == [base, f"{base}-2"] and plan.total == 2
+
+
+@pytest.mark.slow
+def test_a_run_with_skipped_lines_says_them_in_its_audit(tmp_path, toy_tokenizer, capsys):
+    import json
+
+    from jobfiles import make_job, write_prompts
+    from toolkit.cli import main as cli_main
+    from toolkit.dataset.audit_report import read_report
+    from toolkit.formats.rundir import RunDir
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
+    prompts.write_text(prompts.read_text() + '{"prompt": 5}\n')
+    job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts, inputs={"on_bad_line": "skip"},
+                   sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert f"inputs skipped in d: 1 line (1 bad), not planned\n  {prompts}:6: field `prompt`: must be a string" in out
+    report = read_report(RunDir(tmp_path / "run"))
+    assert report.passed and report.planned == 5
+    assert [(s.dataset, s.bad_lines, s.too_long) for s in report.skipped_inputs] == [("d", 1, 0)]
+    data = json.loads((tmp_path / "run" / "merged" / "audit.json").read_text())
+    assert data["skipped_inputs"][0]["examples"] == [f"{prompts}:6: field `prompt`: must be a string, got int"]

@@ -78,7 +78,8 @@ def _skipped_inputs(report: AuditReport) -> list[str]:
     out = []
     for s in report.skipped_inputs:
         kinds = [f"{n} {what}" for n, what in ((s.bad_lines, "bad"), (s.too_long, "too long")) if n]
-        out.append(f"inputs skipped in {s.dataset}: {s.bad_lines + s.too_long} lines ({', '.join(kinds)}), not planned"
+        n = s.bad_lines + s.too_long
+        out.append(f"inputs skipped in {s.dataset}: {n} line{'s' * (n != 1)} ({', '.join(kinds)}), not planned"
                    + "".join(f"\n  {e}" for e in s.examples[:3]))
     return out
 

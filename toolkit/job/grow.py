@@ -210,7 +210,7 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef]) -
     grown.total = len(out)
     grown.spec.datasets = plan.spec.datasets
     grown.spec.inputs = plan.spec.inputs
-    grown.parts = {**grown.parts, "inputs": plan.parts["inputs"],
+    grown.parts = {**grown.parts, "inputs": plan.parts["inputs"], "sampling": plan.parts["sampling"],
                    "shards": _digest([run.spec.sharding.shards, [r.id for r in out]])}
     grown.aliases.append(plan.fingerprint)
     return grown, out, diff

@@ -514,14 +514,20 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     )
 
 
-# What a job may change and still be planned again into its run (grow.py): its prompt files, hence its shard map.
-GROWABLE_PARTS = ("inputs", "shards")
+# What a job may change and still be planned again into its run (grow.py): its prompt files (and datasets, whose
+# sampling is compared one by one), hence its shard map.
+GROWABLE_PARTS = ("inputs", "shards", "sampling")
 
 
 def may_grow(run: RunPlan, plan: RunPlan) -> bool:
     """Whether `plan` is the job `run` holds with other prompt files only: same name, model, tokenizer, template,
-    sampling and shard count. Whether the prompts it had are all still there, unchanged, is grow.py's to say."""
-    return (run.name == plan.name and run.spec.sharding.shards == plan.spec.sharding.shards
+    shard count, sampling, and the same settings for each dataset the run has (a dataset may be added). Whether
+    the prompts it had are all still there, unchanged, is grow.py's to say."""
+    old, new = run.spec, plan.spec
+    theirs = {d.name: d for d in new.datasets}
+    return (run.name == plan.name and old.sharding.shards == new.sharding.shards and old.sampling == new.sampling
+            and all(d.name in theirs and (d.sampling, d.regenerate) == (theirs[d.name].sampling, theirs[d.name].regenerate)
+                    for d in old.datasets)
             and all(run.parts.get(k) == v for k, v in plan.parts.items() if k not in GROWABLE_PARTS))
 
 
