@@ -171,3 +171,21 @@ def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(t
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {"8": "PENDING"})
     with pytest.raises(SlurmError, match=r"gained prompts, but 1 jobs of its run .* are still pending or running"):
         submit_mod.submit(str(job), dry_run=True)
+
+
+def test_the_plan_does_not_grow_under_a_shard_being_generated(tmp_path, kimi):
+    import fcntl
+    import os
+
+    job = make_job(tmp_path, kimi, n=4)
+    rd, _ = prepared_run(job)
+    rd.shard_file(0).write_bytes(b"")
+    fd = os.open(rd.shard_file(0), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a worker generating shard 0
+        append(tmp_path / "prompts.jsonl", new_lines(1))
+        with pytest.raises(PlanError, match="shard 0 of its run is being generated .* wait for it to end"):
+            prepared_run(job)
+    finally:
+        os.close(fd)
+    assert len(prepared_run(job)[1].shards) == 2  # once it has ended
