@@ -207,19 +207,19 @@ def _check_run_dir(pf: Preflight) -> None:
         pf.notes.append(f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` resume it")
         return
     try:
-        grown, _, diff = grown_plan(RunDir(root), run, pf.plan, pf.refs)
+        grown = grown_plan(RunDir(root), run, pf.plan, pf.refs)[0]
     except PlanError as e:
         pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
     added = len(grown.shards) - len(run.shards)
     if added:
         g = grown.grown[-1]
-        pf.notes.append(f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add its {g.prompts:,} new "
-                        f"prompt{_s(g.prompts)} ({g.records:,} records) in {added} new shard{_s(added)} and generate "
-                        "only those")
+        pf.notes.append(f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add its "
+                        f"{g.prompts:,} new prompt{_s(g.prompts)} ({g.records:,} records) in {added} new "
+                        f"shard{_s(added)} and generate only those")
     else:
-        pf.notes.append(f"run directory: {shown_path(root)} holds this run already (its prompt files changed, not its prompts); "
-                        "`toolkit run`/`submit` resume it")
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run already (its prompt files changed, not its "
+                        "prompts); `toolkit run`/`submit` resume it")
 
 
 # ---------------------------------------------------------------------------------------------------

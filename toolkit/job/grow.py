@@ -157,7 +157,8 @@ def compare(run: RunPlan, run_refs: list[PromptRef], plan: RunPlan, refs: list[P
     return diff
 
 
-def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef]) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
+def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan,
+               refs: list[PromptRef]) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
     """The run's plan with the job's prompts (`plan`, `refs`) taken in: new shards for the added ones, refs of the
     moved ones updated (nothing is written). PlanError naming the changed and removed prompts."""
     run_refs = load_refs(rd)
