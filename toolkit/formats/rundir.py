@@ -1,6 +1,6 @@
 """The run directory: every path and file name of a run, in one place.
 
-    RUN/run.json                 resolved spec, fingerprint, shard plan
+    RUN/run.json                 resolved spec, fingerprint, shard plan (new shards appended when the job grows)
     RUN/prompts.msgpack          where each planned prompt lives (dataset, line, byte offset), in planned order
     RUN/shards/NNNNN.zst         append-only record frames;  shards/NNNNN.done  completion manifest
     RUN/shards/NNNNN.zst.lock    the shard's lock where flock does not work;  NNNNN.zst.damaged-STAMP  a

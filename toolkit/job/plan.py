@@ -2,8 +2,9 @@
 
 `plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and computes
 a fingerprint of everything that changes the output (model, tokenizer, template, sampling, input files,
-shard map). `create_run` pins that plan into a run directory; a run directory never changes its plan, and
-a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
+shard map). `create_run` pins that plan into a run directory; a job whose fingerprint differs is refused there
+(unless a new run is asked for), except the same job with other prompt files (`may_grow`), which `grow` plans into
+the run: what is planned never moves, new prompts get new shards. Run settings that do not change
 the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
 
 Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as `<output_dir>.<time>`. `find_run`
