@@ -189,3 +189,26 @@ def test_the_plan_does_not_grow_under_a_shard_being_generated(tmp_path, kimi):
     finally:
         os.close(fd)
     assert len(prepared_run(job)[1].shards) == 2  # once it has ended
+
+
+@pytest.mark.slow
+def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsys):
+    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    rd, _ = load_run(tmp_path / "run")
+    old = {r.id: r for r in read_shard(rd.merged_file)}
+    src = tmp_path / "prompts.jsonl"
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
+    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    capsys.readouterr()
+    assert cli_main(["run", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{src}:2: id 'p0001' (its messages or tools changed; was line 2)" in err and "--allow-changed" in err
+    assert cli_main(["run", str(job), "--allow-changed"]) == 0
+    new = {r.id: r for r in read_shard(rd.merged_file)}
+    assert set(new) == set(old) and new["p0001"].prompt_ids != old["p0001"].prompt_ids
+    assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")  # only it was generated again
+    assert len(list(read_shard(rd.shard_file(0)))) == 7 and not rd.retry_file(0).exists()
+    assert read_report(rd).passed  # the re-rendered prompts match their records

@@ -12,6 +12,10 @@ When a job whose model, tokenizer, template, sampling and shard count are the ru
   reordered): the run's refs point at the new place; nothing is generated again;
 - changed (same id, other content or dataset) or removed (an id the files no longer have): named by file:line and
   id, and refused; the run is left as it was (restore the lines, give changed prompts new ids, or plan a new run).
+  With `allow_changed` (`--allow-changed`), prompts whose messages or tools changed (same id, same dataset) are
+  generated again: their refs point at the new lines and each of their shards gets a retry request for their
+  records (formats.manifests, as `toolkit retry --ids` asks), so the worker writes new records that the merge
+  keeps over the old ones. Removed prompts stay refused: their records cannot be taken out of a pinned plan.
 
 `fingerprint` stays the run's (its shard files and manifests carry it); the fingerprint the grown job gives is
 added to `aliases`, so that the same job is resumed there from then on. A run planned by a toolkit whose ids came
@@ -29,7 +33,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write
 from toolkit.formats.locks import held_elsewhere
-from toolkit.formats.manifests import read_done
+from toolkit.formats.manifests import RetryRequest, read_done, read_retry, write_retry
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import (
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["InputsDiff", "compare", "grow_run", "grown_plan"]
 
 SHOWN = 10  # prompts named per kind of change; the rest are counted
+_ALLOW = "pass --allow-changed to generate the changed prompts again (their new records replace the old), "
 
 
 @dataclass
@@ -90,13 +95,16 @@ class InputsDiff:
     added: list[tuple[str, int, str]] = field(default_factory=list)
     removed: list[tuple[str, int, str]] = field(default_factory=list)
     changed: list[tuple[str, int, str, str]] = field(default_factory=list)  # ..., what changed
+    rewritten: set[str] = field(default_factory=set)  # ids of the changed prompts only their content changed in
     moved: int = 0
     legacy: bool = False  # the run was planned with line-number ids (plan format 1)
     new_datasets: list[str] = field(default_factory=list)
 
-    @property
-    def refused(self) -> bool:
-        return bool(self.removed or self.changed)
+    def refused(self, allow_changed: bool = False) -> bool:
+        """Whether the job cannot be planned into the run: prompts removed, or changed (unless `allow_changed` and
+        only their content changed)."""
+        return bool(self.removed or self.changed and not (allow_changed and self.legacy is False
+                                                          and len(self.rewritten) == len(self.changed)))
 
     def describe(self, run: RunPlan, plan: RunPlan) -> str:
         """Which files, lines and ids differ, one kind per line."""
@@ -144,10 +152,11 @@ def compare(run: RunPlan, run_refs: list[PromptRef], plan: RunPlan, refs: list[P
             diff.removed.append((p.dataset, p.line, pid))
         elif q.dataset != p.dataset:
             diff.changed.append((q.dataset, q.line, pid, f"now in dataset {q.dataset!r}, was in {p.dataset!r}"))
-        elif q.digest != p.digest:
-            diff.changed.append((q.dataset, q.line, pid, f"its messages or tools changed; was line {p.line}"))
         elif len(q.refs) != len(p.refs):
             diff.changed.append((q.dataset, q.line, pid, f"{len(q.refs)} records instead of {len(p.refs)}"))
+        elif q.digest != p.digest:
+            diff.changed.append((q.dataset, q.line, pid, f"its messages or tools changed; was line {p.line}"))
+            diff.rewritten.add(pid)
         elif any((a.line, a.offset, a.length) != (b.line, b.offset, b.length) for a, b in zip(p.refs, q.refs)):
             diff.moved += 1
     diff.added = [(q.dataset, q.line, pid) for pid, q in theirs.items() if pid not in mine]
@@ -157,21 +166,23 @@ def compare(run: RunPlan, run_refs: list[PromptRef], plan: RunPlan, refs: list[P
     return diff
 
 
-def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan,
-               refs: list[PromptRef]) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
+def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *,
+               allow_changed: bool = False) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
     """The run's plan with the job's prompts (`plan`, `refs`) taken in: new shards for the added ones, refs of the
-    moved ones updated (nothing is written). PlanError naming the changed and removed prompts."""
+    moved (and, with `allow_changed`, the changed) ones updated; nothing is written. PlanError naming the changed
+    and removed prompts."""
     run_refs = load_refs(rd)
     diff = compare(run, run_refs, plan, refs)
-    if diff.refused:
+    if diff.refused(allow_changed):
         what = "prompt files changed since the run was planned" if diff.legacy else "some prompts changed or are gone"
         legacy = (" It was planned by an older toolkit, whose ids came from line numbers: it resumes while its prompts "
                   "stay where they were, and cannot grow (its ids are kept)." if diff.legacy else "")
         raise PlanError(
             f"{rd.root} holds this job's run {run.fingerprint}, but its {what} (differs in: inputs):\n  "
             f"{diff.describe(run, plan)}\nA run's records belong to the prompts it planned.{legacy} Restore those "
-            "lines (a prompt edited on purpose is a new prompt: give it a new id, and keep the old line), point "
-            "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
+            "lines (a prompt edited on purpose is a new prompt: give it a new id, and keep the old line), "
+            f"{_ALLOW if diff.rewritten and not diff.removed and not diff.legacy else ''}point `output_dir` elsewhere, "
+            "or pass --new-run to start a new run directory beside it."
         )
     grown = msgspec.convert(msgspec.to_builtins(run), RunPlan)
     if diff.legacy:  # nothing to take in: the job planned again, exactly as it was
@@ -217,10 +228,12 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan,
     return grown, out, diff
 
 
-def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef]) -> RunPlan:
+def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *,
+             allow_changed: bool = False) -> RunPlan:
     """Take the job's prompts into its run (see the module's docstring) and pin the grown plan; the plan as pinned.
-    PlanError (nothing written) for changed or removed prompts, or a shard being generated."""
-    grown, out, diff = grown_plan(rd, run, plan, refs)
+    PlanError (nothing written) for changed (unless `allow_changed`) or removed prompts, or a shard being
+    generated."""
+    grown, out, diff = grown_plan(rd, run, plan, refs, allow_changed=allow_changed)
     busy = [s.index for s in run.shards if read_done(rd.done_file(s.index)) is None
             and held_elsewhere(rd.shard_file(s.index))]
     if busy and not diff.legacy:
@@ -231,6 +244,10 @@ def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef]) -> 
     if not diff.legacy:
         atomic_write(rd.prompts_file, refs_bytes(grown, out))
     atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(grown), indent=2))
+    if diff.rewritten:
+        _ask_again(rd, grown, out, diff.rewritten)
+        log.warning("run %s: %d prompts changed (same ids, other messages or tools; --allow-changed): their records "
+                    "are generated again", rd.shown, len(diff.rewritten))
     if diff.legacy:
         log.info("run %s: planned by an older toolkit (ids from line numbers); resumed with its ids", rd.shown)
     if diff.moved:
@@ -242,3 +259,20 @@ def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef]) -> 
                  f", datasets {', '.join(g.datasets)}" if g.datasets else "", "s" * (len(g.shards) != 1),
                  ranges(g.shards, sep=","))
     return grown
+
+
+def _ask_again(rd: RunDir, plan: RunPlan, refs: list[PromptRef], prompts: set[str]) -> None:
+    """A retry request for the records of `prompts` in each of their shards (its done manifest removed): the worker
+    generates them again, and the merge keeps the newest record of each id."""
+    by_shard: dict[int, list[str]] = {}
+    for sp in plan.shards:
+        for r in refs[sp.first : sp.first + sp.count]:
+            d = plan.datasets[r.dataset]
+            if _base_id(r, d.samples, d.regenerate) in prompts:
+                by_shard.setdefault(sp.index, []).append(r.id)
+    for k, ids in by_shard.items():
+        old = read_retry(rd.retry_file(k))
+        keep = [i for i in old.ids if i not in set(ids)] if old else []
+        path = rd.shard_file(k)
+        write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + ids))
+        rd.done_file(k).unlink(missing_ok=True)

@@ -40,7 +40,8 @@ class PreparedRun:
 
 def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool = False,
                 check_tokenizer: bool = True, validate: Callable[[RunPlan, RunDir], Any] | None = None,
-                print_warnings: bool = True, as_submitted: bool = False, local: bool = False) -> PreparedRun:
+                print_warnings: bool = True, as_submitted: bool = False, local: bool = False,
+                allow_changed: bool = False) -> PreparedRun:
     """The pre-flight of `job`, then `validate(plan, run_dir)` (e.g. the resources against the cluster; `run_dir`
     is where the run is or would go: plan.find_run), then its run directory created or resumed (the newest run of
     this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
@@ -48,7 +49,9 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
 
     With `dry_run` nothing is written, and another job's run in output_dir is a warning (creating the run refuses
     it), unless `as_submitted` (submit's dry run refuses what submit refuses). With `local` (the shards run here),
-    an engine this Python cannot start is refused. Raises the pre-flight's errors
+    an engine this Python cannot start is refused. A run of this job whose prompt files changed takes the job's new
+    prompts (job.grow; with `allow_changed`, prompts whose content changed are generated again). Raises the
+    pre-flight's errors
     (ToolkitError, exit 2) and whatever `validate` raises."""
     pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
     if local:  # run here: the engine must start here
@@ -60,7 +63,8 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
         root, exists = find_run(pf.plan, new_run=new_run)
         run = load_run(root)[1] if exists else None
         grows = run is not None and not run.same_job(pf.plan)
-        target = pf.plan if run is None else grown_plan(RunDir(root), run, pf.plan, pf.refs)[0] if grows else run
+        target = (pf.plan if run is None else run if not grows
+                  else grown_plan(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed)[0])
     except PlanError:
         if not dry_run or as_submitted:
             raise
@@ -69,6 +73,6 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
     if dry_run:
         return PreparedRun(pf, RunDir(root), created=False, validated=validated, run_plan=target)
     if grows:
-        grow_run(RunDir(root), run, pf.plan, pf.refs)  # the job's new prompts, into its run
+        grow_run(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed)  # the job's new prompts, into its run
     rd = create_run(pf.plan, pf.refs, new_run=new_run)
     return PreparedRun(pf, rd, created=True, validated=validated, run_plan=load_run(rd.root)[1])
