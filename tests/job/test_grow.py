@@ -77,6 +77,8 @@ def test_changed_and_removed_prompts_are_named_and_refused(tmp_path, kimi):
     assert f"1 prompt removed:\n    {src}:6 (was): id 'p0005'" in msg
     assert "give it a new id" in msg and "--new-run" in msg
     assert (rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()) == pinned  # nothing written
+    rd2, plan2 = prepared_run(job, new_run=True)  # what the refusal offers: a new run beside it, of the job as it is
+    assert rd2.root != rd.root and rd2.root.name.startswith("run.") and plan2.total == 7
 
 
 def test_reordered_and_edited_around_prompts_keep_their_records(tmp_path, kimi):

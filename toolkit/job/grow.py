@@ -55,7 +55,7 @@ SHOWN = 10  # prompts named per kind of change; the rest are counted
 _ALLOW = "pass --allow-changed to generate the changed prompts again (their new records replace the old), "
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prompt:
     """Where one prompt of a plan is, and what it says: the refs of its samples and turns, in planned order."""
 
@@ -103,8 +103,9 @@ class InputsDiff:
     def refused(self, allow_changed: bool = False) -> bool:
         """Whether the job cannot be planned into the run: prompts removed, or changed (unless `allow_changed` and
         only their content changed)."""
-        return bool(self.removed or self.changed and not (allow_changed and self.legacy is False
-                                                          and len(self.rewritten) == len(self.changed)))
+        if self.removed:
+            return True
+        return bool(self.changed) and not (allow_changed and not self.legacy and len(self.rewritten) == len(self.changed))
 
     def describe(self, run: RunPlan, plan: RunPlan) -> str:
         """Which files, lines and ids differ, one kind per line."""
@@ -201,7 +202,7 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
     out: list[PromptRef] = []
     for r in run_refs:
         now = where[r.id]
-        out.append(PromptRef(r.id, r.dataset, now.line, now.offset, now.length, r.sample, r.turn, r.digest))
+        out.append(PromptRef(r.id, r.dataset, now.line, now.offset, now.length, r.sample, r.turn, now.digest))
     theirs = _prompts(plan, refs)
     added = [theirs[pid].refs for _, _, pid in diff.added]
     records = sum(len(a) for a in added)
@@ -228,12 +229,12 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
     return grown, out, diff
 
 
-def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *,
-             allow_changed: bool = False) -> RunPlan:
+def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *, allow_changed: bool = False,
+             computed: tuple[RunPlan, list[PromptRef], InputsDiff] | None = None) -> RunPlan:
     """Take the job's prompts into its run (see the module's docstring) and pin the grown plan; the plan as pinned.
     PlanError (nothing written) for changed (unless `allow_changed`) or removed prompts, or a shard being
-    generated."""
-    grown, out, diff = grown_plan(rd, run, plan, refs, allow_changed=allow_changed)
+    generated. `computed`: what `grown_plan` gave for these arguments."""
+    grown, out, diff = computed or grown_plan(rd, run, plan, refs, allow_changed=allow_changed)
     busy = [s.index for s in run.shards if read_done(rd.done_file(s.index)) is None
             and held_elsewhere(rd.shard_file(s.index))]
     if busy and not diff.legacy:

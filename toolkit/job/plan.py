@@ -379,7 +379,7 @@ class ShardRefs:
 
 
 class RefSlice:
-    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 40 bytes
+    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 60 bytes
     a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated conversations,
     which look turns up by position (a shard's prompts in order are read by `ShardRefs`, keeping nothing)."""
 
@@ -491,7 +491,7 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     if same:
         return same[-1], True
     kin = [path for path, p in runs if p is not None and may_grow(p, plan)]
-    if kin:  # the same job with other prompt files: planned again into its run (grow.py)
+    if kin and not new_run:  # the same job with other prompt files: planned again into its run (grow.py)
         return kin[-1], True
     if not RunDir.is_run(root):
         return root, False

@@ -63,16 +63,16 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
         root, exists = find_run(pf.plan, new_run=new_run)
         run = load_run(root)[1] if exists else None
         grows = run is not None and not run.same_job(pf.plan)
-        target = (pf.plan if run is None else run if not grows
-                  else grown_plan(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed)[0])
+        grown = grown_plan(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed) if grows else None
+        target = pf.plan if run is None else grown[0] if grown else run
     except PlanError:
         if not dry_run or as_submitted:
             raise
-        root, target, grows = Path(pf.spec.output_dir), pf.plan, False  # `check`: the pre-flight has warned
+        root, target, grows, grown = Path(pf.spec.output_dir), pf.plan, False, None  # `check`: warned already
     validated = validate(target, RunDir(root)) if validate is not None else None
     if dry_run:
         return PreparedRun(pf, RunDir(root), created=False, validated=validated, run_plan=target)
-    if grows:
-        grow_run(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed)  # the job's new prompts, into its run
+    if grows:  # the job's new prompts, into its run
+        grow_run(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed, computed=grown)
     rd = create_run(pf.plan, pf.refs, new_run=new_run)
     return PreparedRun(pf, rd, created=True, validated=validated, run_plan=load_run(rd.root)[1])
