@@ -137,13 +137,17 @@ def legacy(rd) -> None:
 
 
 @pytest.mark.slow
-def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kimi):
+def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kimi, capsys):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(line + "\n" for line in new_lines(5)))
     job = make_job(tmp_path, kimi, prompts=src, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
     rd, _ = prepared_run(job)
     legacy(rd)
     fingerprint = load_run(rd.root)[1].fingerprint
+    capsys.readouterr()
+    assert cli_main(["check", str(job)]) == 0
+    assert "holds this run, planned with ids from line numbers (kept); `toolkit run`/`submit` resume it" in \
+        capsys.readouterr().out
     assert cli_main(["run", str(job)]) == 0  # resumed, not refused as another job's run
     _, plan = load_run(rd.root)
     assert plan.fingerprint == fingerprint and plan.format == 1 and len(plan.aliases) == 1

@@ -207,12 +207,15 @@ def _check_run_dir(pf: Preflight) -> None:
         pf.notes.append(f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` resume it")
         return
     try:
-        grown = grown_plan(RunDir(root), run, pf.plan, pf.refs)[0]
+        grown, _, diff = grown_plan(RunDir(root), run, pf.plan, pf.refs)
     except PlanError as e:
         pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
     added = len(grown.shards) - len(run.shards)
-    if added:
+    if diff.legacy:
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run, planned with ids from line numbers (kept); "
+                        "`toolkit run`/`submit` resume it")
+    elif added:
         g = grown.grown[-1]
         pf.notes.append(f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add its "
                         f"{g.prompts:,} new prompt{_s(g.prompts)} ({g.records:,} records) in {added} new "
