@@ -2,7 +2,14 @@
 
 import pytest
 
-from toolkit.job.inputs import InputError, check_unique_ids, content_digest, read_prompt_at, scan_dataset
+from toolkit.job.inputs import (
+    InputError,
+    check_unique_ids,
+    content_digest,
+    prompt_id,
+    read_prompt_at,
+    scan_dataset,
+)
 
 
 def scan(tmp_path, data: bytes, name="ds"):
@@ -167,6 +174,9 @@ def test_ids_without_an_id_follow_the_content_not_the_line(tmp_path):
                              b'{"messages": [{"role": "user", "content": "beta"}]}\n')
     assert same[0].id == first[0].id and same[1].id != first[1].id
     assert first[2].id == "g" and first[2].digest == content_digest([{"role": "user", "content": "gamma"}], None)
+    # a pass that needs no ids does not hash: the id is derived when a message needs it
+    unhashed = list(scan_dataset(tmp_path / "ds.jsonl", "ds", digest=False))
+    assert unhashed[0].id == "" and unhashed[0].digest == "" and prompt_id(unhashed[0]) == same[0].id
 
 
 def test_identical_lines_without_ids_are_numbered_by_occurrence(tmp_path):

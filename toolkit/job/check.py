@@ -31,7 +31,7 @@ from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat
 from toolkit.job.grow import grown_plan
-from toolkit.job.inputs import scan_dataset
+from toolkit.job.inputs import prompt_id, scan_dataset
 from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, load_run, plan_job
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
@@ -251,8 +251,10 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
     for d in spec.datasets:
         mnt = spec.sampling_for(d.name)["max_new_tokens"]
         bad: list = []  # lines the plan skipped ([inputs] on_bad_line = "skip"; else it has raised)
-        for chunk in _chunks(scan_dataset(d.path, d.name, bad), CHUNK):
+        for chunk in _chunks(scan_dataset(d.path, d.name, bad, digest=False), CHUNK):
             if d.regenerate:  # the first turn is what is known before generation; later ones hold its answers
+                for p in chunk:
+                    p.id = prompt_id(p)  # of the conversation, not of its first turn
                 chunk = [turn_prompt(p, 0, []) for p in chunk]
             for p, (n, ids) in zip(chunk, _measure(tok, m, chunk, d.path, failed, ctx, mnt, bounded)):
                 if ids is None:
@@ -410,7 +412,7 @@ def _texts(tok: Any, model: Any, prompts: list, path: str, failed: _Places) -> l
             out.append(chat.render_texts(tok, model, [p])[0])
         except chat.ChatError as e:
             cause = e.__cause__ or e
-            failed.add(f"{path}:{p.line} (id {p.id!r}): {type(cause).__name__}: {cause}")
+            failed.add(f"{path}:{p.line} (id {prompt_id(p)!r}): {type(cause).__name__}: {cause}")
             out.append(None)
     return out
 

@@ -22,8 +22,8 @@ import msgspec
 
 from toolkit.errors import BadInputError
 
-__all__ = ["InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "read_prompt_at", "scan_dataset",
-           "check_unique_ids"]
+__all__ = ["InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "prompt_id", "read_prompt_at",
+           "scan_dataset", "check_unique_ids"]
 
 
 _FIX = "fix or remove the line, then run again"
@@ -101,7 +101,7 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
         body["tools"] = tools
     return hashlib.sha256(msgspec.json.encode(body, order="deterministic")).hexdigest()[:DIGEST_HEX]
 
-def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
+def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool = True) -> Prompt:
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -151,16 +151,19 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
     tools = tools or None
-    digest = content_digest(messages, tools)
-    return Prompt(id=f"{dataset}:{digest}" if pid is None else str(pid), dataset=dataset, line=lineno,
-                  messages=messages, tools=tools, digest=digest, named=pid is not None)
+    hashed = content_digest(messages, tools) if digest else ""
+    return Prompt(id=str(pid) if pid is not None else f"{dataset}:{hashed}" if digest else "", dataset=dataset,
+                  line=lineno, messages=messages, tools=tools, digest=hashed, named=pid is not None)
 
 
-def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None) -> Iterator[Prompt]:
+def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None, *,
+                 digest: bool = True) -> Iterator[Prompt]:
     """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
 
     A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on. Lines
     without an id whose content an earlier one of the file has get the occurrence's number: `<id>-2`, `<id>-3`.
+    Without `digest`, contents are not hashed (a pass that needs no ids and no digests): lines without an id have
+    the id "" (`prompt_id` derives it when it is needed).
     """
     path = str(path)
     try:
@@ -176,7 +179,7 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
             body = raw.rstrip(b"\r\n")
             if body.strip():
                 try:
-                    p = _parse_line(body, path, dataset, lineno)
+                    p = _parse_line(body, path, dataset, lineno, digest)
                 except InputError as e:
                     if errors is None:
                         raise
@@ -184,7 +187,7 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
                     bad += 1
                 else:
                     p.offset, p.length = offset, len(body)
-                    if not p.named:
+                    if not p.named and digest:
                         k = seen[p.id] = seen.get(p.id, 0) + 1
                         if k > 1:
                             p.id = f"{p.id}-{k}"
@@ -227,6 +230,11 @@ class PromptReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def prompt_id(p: Prompt) -> str:
+    """The prompt's id, derived from its content if it was scanned without `digest` (repeats are not numbered)."""
+    return p.id or f"{p.dataset}:{content_digest(p.messages, p.tools)}"
 
 
 def duplicate_id(path: str, line: int, pid: str, prev_path: str, prev_line: int) -> InputError:
