@@ -80,7 +80,9 @@ def cmd_check(args) -> int:
 
     pf = prepare_run(args.job, dry_run=True, print_warnings=False).preflight
     plan = pf.plan
-    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets, {len(plan.shards)} shards, "
+    skipped = sum(d.skipped_lines for d in plan.datasets)
+    said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
+    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
     info, m = pf.info, pf.spec.model
     if info is not None:
@@ -102,7 +104,7 @@ def cmd_worker(args) -> int:
 def cmd_run(args) -> int:
     from toolkit.job.prepare import prepare_run
 
-    prep = prepare_run(args.job, new_run=args.new_run, local=True)
+    prep = prepare_run(args.job, new_run=args.new_run, local=True, allow_changed=args.allow_changed)
     rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
@@ -198,7 +200,8 @@ def cmd_submit(args) -> int:
     from toolkit.cluster.submit import format_dry_run, format_submission, submit
     from toolkit.formats.rundir import RunDir
 
-    r = submit(args.job, _resources(args), dry_run=args.dry_run, new_run=args.new_run)
+    r = submit(args.job, _resources(args), dry_run=args.dry_run, new_run=args.new_run,
+               allow_changed=args.allow_changed)
     if r.submission is None:
         print(format_dry_run(r.dry_run))
     else:
@@ -287,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when output_dir holds another job's run, start a new one beside it (<output_dir>.<time>); "
                         "a run of this job there is resumed instead")
     s.add_argument("--no-merge", action="store_true", help="stop after the shards")
+    _add_allow_changed(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("worker", help="generate one shard of a planned run (what each Slurm array task runs)")
@@ -321,6 +325,12 @@ def _add_resource_flags(s) -> None:
     g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
 
 
+def _add_allow_changed(s) -> None:
+    s.add_argument("--allow-changed", action="store_true",
+                   help="prompts of the job's run whose messages or tools changed in their files (same id) are "
+                        "generated again, their new records replacing the old (without it they are named and refused)")
+
+
 def _add_slurm_commands(sub) -> None:
     s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
                        description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
@@ -330,6 +340,7 @@ def _add_slurm_commands(sub) -> None:
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
     s.add_argument("--new-run", action="store_true",
                    help="when output_dir holds another job's run, a new run directory beside it (as `run --new-run`)")
+    _add_allow_changed(s)
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("resubmit", help="resubmit only the shards not finished (without a done manifest, or with "

@@ -89,6 +89,29 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     assert "[stub-engine, not a model]" in toolkit("logs", str(run), "0", "--server").stdout
 
 
+def test_a_grown_job_submitted_again_sends_only_its_new_shard(tmp_path, toy_tokenizer):
+    from toolkit.dataset.audit_report import read_report
+    from toolkit.dataset.merge import load_manifest
+
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2)
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    wait_run(run)
+    first = RunDir(run).shard_file(0).read_bytes()
+    with open(tmp_path / "prompts.jsonl", "a") as f:
+        f.writelines(f'{{"prompt": "An appended question {i}: what is {i} times {i}?"}}\n' for i in range(3))
+    r = toolkit("submit", str(job))
+    array_id = submitted_ids(r.stdout)[0]
+    assert f"Submitted batch job {array_id} (1 shard task: {array_id} runs shard 2)" in r.stdout
+    rows, merge = wait_run(run)
+    assert [x.state for x in rows] == ["completed"] * 3 and [x.done for x in rows][2] == 3
+    assert merge.state == "completed" and merge.merged
+    assert RunDir(run).shard_file(0).read_bytes() == first  # nothing generated again
+    m = load_manifest(RunDir(run))
+    assert (m.planned, m.records, m.missing, m.duplicates) == (11, 11, 0, 0)
+    assert read_report(RunDir(run)).passed
+
+
 def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_path, toy_tokenizer):
     broken = tmp_path / "BROKEN-1"
     broken.write_text("node has no GPU driver\n")

@@ -54,7 +54,7 @@ def test_a_prompt_the_template_fails_on_is_named_by_file_line_and_id(tmp_path, t
 
 def test_check_reports_every_bad_line(tmp_path, toy_tokenizer, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n' + '{"prompt": 1}\n' * 12 + '{"id": "d:1", "prompt": "dup"}\n')
+    prompts.write_text('{"id": "a", "prompt": "ok"}\n' + '{"prompt": 1}\n' * 12 + '{"id": "a", "prompt": "dup"}\n')
     code, _, err = check(make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts), capsys)
     assert code == 2 and f"12 bad lines in 1 prompt file ({prompts}: 12) and 1 duplicate id; the first 10:" in err
     assert "... and 3 more" in err
@@ -139,7 +139,36 @@ def test_over_long_prompts_are_refused_with_what_to_do(tmp_path, toy_tokenizer, 
             f"({n[7]:,} tokens), {prompts}:12 ({n[11]:,} tokens)) do not fit the context length 1,024 "
             "([engine.stub] context_length)") in err
     assert "Raise the context length (--context-length in [engine] extra_args" in err
-    assert "lower max_new_tokens for that dataset" in err and "or drop the lines" in err
+    assert "lower max_new_tokens for that dataset" in err and "drop the lines" in err
+    assert 'or skip them, each reported ([inputs] on_too_long = "skip")' in err
+
+
+def test_over_long_prompts_are_skipped_and_named_with_on_too_long_skip(tmp_path, toy_tokenizer, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts, stub={"context_length": 1024},
+                   sampling={"max_new_tokens": 100}, inputs={"on_too_long": "skip"})
+    n = lengths(job)
+    code, out, _ = check(job, capsys)
+    assert code == 0, out
+    assert "ok — 9 prompts in 1 datasets (3 lines skipped), 1 shards" in out
+    assert (f"warning: skipped 3 lines of dataset 'd', 3 too long ([inputs] on_too_long = \"skip\"): {prompts}:4: too "
+            f"long: {n[3]:,} tokens + max_new_tokens 100 do not fit the context length 1,024; {prompts}:8: ") in out
+    rd, plan = prepared_run(job)  # what `run` and `submit` plan: without them
+    assert plan.total == 9 and plan.datasets[0].too_long == 3
+    assert [s.line for s in plan.datasets[0].skipped] == [4, 8, 12]
+
+
+def test_bad_lines_skipped_are_said_by_check_and_submit(tmp_path, toy_tokenizer, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    prompts.write_text(prompts.read_text() + '{"prompt": 5}\n')
+    job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts, inputs={"on_bad_line": "skip"})
+    code, out, _ = check(job, capsys)
+    said = (f"skipped 1 line of dataset 'd', 1 bad ([inputs] on_bad_line = \"skip\"): {prompts}:7: field `prompt`: "
+            "must be a string, got int")
+    assert code == 0 and "6 prompts in 1 datasets (1 line skipped)" in out and f"warning: {said}" in out
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "dry run: 6 prompts" in out and f"toolkit: warning: {said}" in err
 
 
 def test_the_length_rule_is_sglangs(tmp_path, toy_tokenizer):

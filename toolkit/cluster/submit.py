@@ -191,7 +191,7 @@ class SubmitResult(msgspec.Struct):
 
 
 def submit(job: str, resources: Resources | None = None, *, dry_run: bool = False,
-           new_run: bool = False) -> SubmitResult:
+           new_run: bool = False, allow_changed: bool = False) -> SubmitResult:
     """Validate and plan `job` (the pre-flight `run` and `check` share), then submit its arrays and merge job, or
     with dry_run only render them (another run in output_dir is then a warning; a real submission is refused
     there)."""
@@ -204,11 +204,15 @@ def submit(job: str, resources: Resources | None = None, *, dry_run: bool = Fals
         check_resources(plan, o)
         return plan_dry_run(plan, o, rd) if dry_run else validate_resources(plan, o)
 
-    prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True)
+    prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True,
+                       allow_changed=allow_changed)
     if dry_run:
         return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
     rd, plan, o = prep.run_dir, prep.plan, prep.validated
-    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, _pending(rd, plan), o))
+    pending = _pending(rd, plan)
+    if not pending:  # the job's prompt files changed, but neither new nor changed prompts: nothing to generate
+        raise _all_done(rd)
+    return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, pending, o))
 
 
 def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
@@ -217,13 +221,27 @@ def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
 
 
 def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
-    """`submit` (and its dry run) refuses a run already submitted, or with every shard done."""
+    """`submit` (and its dry run) refuses a run already submitted, or with every shard done. A run whose job's prompt
+    files changed (`plan` is the run's plan grown by them: job.grow) is submitted again for its new shards and
+    those left, once no job of it is pending or running."""
     if not RunDir.is_run(rd.root):
         return
+    _, pinned = load_run(rd.root)
+    grows = plan.aliases != pinned.aliases
     if read_jobs(rd).submissions:
-        raise refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
-    if not _pending(rd, plan):
-        raise refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
+        if not grows:
+            raise refuse(f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is left")
+        live = live_jobs(rd)
+        if live:
+            shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
+            raise refuse(f"the job's prompt files gained prompts, but {len(live)} jobs of its run {rd.root} are still "
+                         f"pending or running ({shown}); wait for them or `toolkit cancel {rd.root}`, then submit again")
+    if not grows and not _pending(rd, plan):
+        raise _all_done(rd)
+
+
+def _all_done(rd: RunDir) -> SlurmError:
+    return refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
 
 
 def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:

@@ -34,6 +34,7 @@ from toolkit.dataset.audit_report import (
     Lengths,
     ReasoningCounts,
     ShardStats,
+    SkippedInputs,
     TokenSummary,
     TurnStats,
 )
@@ -352,6 +353,9 @@ class Auditor:
             overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
             turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
             samples=self._samples(trust_sources=problem is None), continued=manifest.continued,
+            skipped_inputs=[SkippedInputs(d.name, d.path, d.bad_lines, d.too_long,
+                                          [f"{d.path}:{x.line}: {x.reason}" for x in d.skipped])
+                            for d in plan.datasets if d.skipped_lines],
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:

@@ -14,7 +14,7 @@ from toolkit.formats.rundir import RunDir
 
 __all__ = [
     "AUDIT_FORMAT", "AuditReport", "Check", "DatasetStats", "Histogram", "Integrity", "Lengths", "ReasoningCounts",
-    "Reprompt", "ShardStats", "TokenSummary", "TurnStats", "modes_text", "read_report",
+    "Reprompt", "ShardStats", "SkippedInputs", "TokenSummary", "TurnStats", "modes_text", "read_report",
 ]
 
 AUDIT_FORMAT = 1
@@ -158,6 +158,16 @@ class TokenSummary(msgspec.Struct):
     template_opens_reasoning: bool
 
 
+class SkippedInputs(msgspec.Struct):
+    """Prompt lines of one dataset the plan left out ([inputs] on_bad_line / on_too_long = "skip")."""
+
+    dataset: str
+    path: str
+    bad_lines: int
+    too_long: int
+    examples: list[str] = []  # `file:line: reason` of the first of them
+
+
 class AuditReport(msgspec.Struct):
     format: int
     run: str
@@ -182,6 +192,7 @@ class AuditReport(msgspec.Struct):
     turns: list[TurnStats] = []  # regenerated datasets only
     samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
     continued: int = 0           # partial outputs kept at a stop, superseded by their continuation (the merge's)
+    skipped_inputs: list[SkippedInputs] = []  # prompt lines left out of the plan, per dataset that has any
 
 
 def read_report(rd: RunDir) -> AuditReport | None:

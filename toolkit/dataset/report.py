@@ -73,6 +73,17 @@ def _shown(path) -> str:
     return shown_path(path) if path else "-"
 
 
+def _skipped_inputs(report: AuditReport) -> list[str]:
+    """The prompt lines the plan left out, per dataset, with the first of them: never silently."""
+    out = []
+    for s in report.skipped_inputs:
+        kinds = [f"{n} {what}" for n, what in ((s.bad_lines, "bad"), (s.too_long, "too long")) if n]
+        n = s.bad_lines + s.too_long
+        out.append(f"inputs skipped in {s.dataset}: {n} line{'s' * (n != 1)} ({', '.join(kinds)}), not planned"
+                   + "".join(f"\n  {e}" for e in s.examples[:3]))
+    return out
+
+
 def summary_table(report: AuditReport) -> str:
     """The audit as a few plain-text tables for a terminal or a job log."""
     verdict = "PASSED" if report.passed else "FAILED"
@@ -81,6 +92,7 @@ def summary_table(report: AuditReport) -> str:
         f"{report.planned} planned, {report.ok} ok, {report.failed} failed, {report.missing} missing; "
         f"{report.duplicates} duplicates kept once, {report.continued} partial outputs continued, "
         f"{report.damaged_frames} damaged frames",
+        *_skipped_inputs(report),
         "",
     ]
     head = ["dataset", "planned", "ok", "failed", "missing", "prompt tok", "cached", "output tok", "out p50/p90/p99/max",

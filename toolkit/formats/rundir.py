@@ -1,6 +1,6 @@
 """The run directory: every path and file name of a run, in one place.
 
-    RUN/run.json                 resolved spec, fingerprint, shard plan
+    RUN/run.json                 resolved spec, fingerprint, shard plan (new shards appended when the job grows)
     RUN/prompts.msgpack          where each planned prompt lives (dataset, line, byte offset), in planned order
     RUN/check.msgpack            what the pre-flight learned rendering the prompts (check_cache); `check` writes it
                                  in a folder that holds no run yet too

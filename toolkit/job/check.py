@@ -31,7 +31,8 @@ from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat, check_cache, render_pool
-from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, plan_job
+from toolkit.job.grow import grown_plan
+from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, load_run, plan_job
 from toolkit.job.render_pool import SCHEDULER_MARGIN, SHOWN, Outcome, Places
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
@@ -70,6 +71,7 @@ class Preflight:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     learned: check_cache.CheckCache | None = None  # what the render stage learned (prepare_run keeps it)
+    too_long: dict[tuple[str, int], str] = field(default_factory=dict)  # on_too_long = "skip": (dataset, line) -> why
 
     def summary(self) -> list[str]:
         """What `check` prints after its ok line."""
@@ -124,11 +126,30 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
         pf.warnings.append(f"{missing}. A login node that only submits needs none, but the Slurm tasks run this same "
                            "Python unless [slurm] setup activates another environment: that one needs it")
-    if warn_other_run:
-        _check_run_dir(pf)
     if check_tokenizer:
         _check_prompts(pf, job, exact)
+        if pf.too_long:  # [inputs] on_too_long = "skip": planned again without them
+            pf.plan, pf.refs = plan_job(spec, exclude=pf.too_long)
+    pf.warnings += skipped_warnings(pf.plan)
+    if warn_other_run:
+        _check_run_dir(pf)
     return pf
+
+
+def skipped_warnings(plan: RunPlan) -> list[str]:
+    """What the plan left out ([inputs] on_bad_line / on_too_long = "skip"), per prompt file: counted, the first
+    lines named with why."""
+    out = []
+    for d in plan.datasets:
+        if not d.skipped_lines:
+            continue
+        kinds = [f"{n:,} {what} ([inputs] {key} = \"skip\")" for n, what, key in
+                 ((d.bad_lines, "bad", "on_bad_line"), (d.too_long, "too long", "on_too_long")) if n]
+        shown = "; ".join(f"{d.path}:{s.line}: {s.reason}" for s in d.skipped[:SHOWN])
+        more = f" (and {d.skipped_lines - SHOWN:,} more)" if d.skipped_lines > SHOWN else ""
+        out.append(f"skipped {d.skipped_lines:,} line{_s(d.skipped_lines)} of dataset {d.name!r}, "
+                   f"{' and '.join(kinds)}: {shown}{more}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,8 +183,29 @@ def _check_run_dir(pf: Preflight) -> None:
     except PlanError as e:
         pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
         return
-    if exists:
+    if not exists:
+        return
+    _, run = load_run(root)
+    if run.same_job(pf.plan):
         pf.notes.append(f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` resume it")
+        return
+    try:
+        grown, _, diff = grown_plan(RunDir(root), run, pf.plan, pf.refs)
+    except PlanError as e:
+        pf.warnings.append(f"{e} (`toolkit run` and `submit` will refuse it)")
+        return
+    added = len(grown.shards) - len(run.shards)
+    if diff.legacy:
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run, planned with ids from line numbers (kept); "
+                        "`toolkit run`/`submit` resume it")
+    elif added:
+        g = grown.grown[-1]
+        pf.notes.append(f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add its "
+                        f"{g.prompts:,} new prompt{_s(g.prompts)} ({g.records:,} records) in {added} new "
+                        f"shard{_s(added)} and generate only those")
+    else:
+        pf.notes.append(f"run directory: {shown_path(root)} holds this run already (its prompt files changed, not its "
+                        "prompts); `toolkit run`/`submit` resume it")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,7 +250,8 @@ def _measure_datasets(pf: Preflight, tok: Any, todo: list[int], outcomes: list[O
     """Render and measure every prompt of the datasets `todo` (positions in the job), on all cores."""
     spec, m = pf.spec, pf.spec.model
     bounded, anchored = (None, False) if exact else render_pool.bound_kind(tok, m)
-    setting = render_pool.Setting(m, pf.info, pf.context, bounded, anchored)
+    setting = render_pool.Setting(m, pf.info, pf.context, bounded, anchored,
+                                  skip_bad=spec.inputs.on_bad_line == "skip", skip_long=spec.inputs.on_too_long == "skip")
     work = [render_pool.Slice(i, d.path, d.name, d.regenerate, mnts[i], offset, size, line)
             for i in todo for d in [spec.datasets[i]] for offset, size, line in render_pool.slices(d.path)]
     total = sum(pf.plan.datasets[i].conversations if spec.datasets[i].regenerate else pf.plan.datasets[i].prompts
@@ -239,6 +282,8 @@ def _judge(pf: Preflight, job: Any, outcomes: list[Outcome], truncate: bool) -> 
                 table[d.name] = places
         if o.longest and (tightest is None or o.longest > tightest[0]):
             tightest = (o.longest, d.name)
+        for line, why in o.skipped_long:  # [inputs] on_too_long = "skip": the plan leaves them out (preflight)
+            pf.too_long[(d.name, line)] = why
     pf.modes, pf.longest = modes, tightest
     problems: list[str] = []
     if failed.count:
@@ -282,7 +327,8 @@ def _judge(pf: Preflight, job: Any, outcomes: list[Outcome], truncate: bool) -> 
             f"{_counted(too_long, mnt_of=spec)} do not fit the context length {ctx:,} ({source}) with their dataset's "
             "max_new_tokens: SGLang refuses a prompt whose length plus max_new_tokens exceeds it (or that reaches "
             f"context length - {SCHEDULER_MARGIN}). Raise the context length (--context-length in [engine] extra_args, "
-            "if the model supports it), lower max_new_tokens for that dataset ([[datasets]] sampling), or drop the lines"
+            "if the model supports it), lower max_new_tokens for that dataset ([[datasets]] sampling), drop the lines, or "
+            "skip them, each reported ([inputs] on_too_long = \"skip\")"
         )
     if clamped:
         pf.warnings.append(

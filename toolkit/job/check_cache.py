@@ -55,7 +55,8 @@ def render_key(plan: Any, context: int | None, source: str, truncate: bool, exac
     m = plan.spec.model
     parts = plan.parts
     return _digest([FORMAT, parts["model"], parts["tokenizer"], parts["template"], m.trust_remote_code,
-                    m.expect_reasoning, context, source, truncate, exact, [_version(n) for n in LIBRARIES]])
+                    m.expect_reasoning, context, source, truncate, exact, [_version(n) for n in LIBRARIES],
+                    plan.spec.inputs.on_bad_line, plan.spec.inputs.on_too_long])
 
 
 def dataset_key(dataset: Any, max_new_tokens: int) -> str:

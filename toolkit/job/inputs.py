@@ -1,12 +1,19 @@
 """Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is spent.
 
 A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`, or a
-single user turn, `{"id": ..., "prompt": "..."}`. `id` is optional; the default id, `<dataset>:<line>`, is stable
-as long as the file is. Errors name the file, the line and the field, and say what to do.
+single user turn, `{"id": ..., "prompt": "..."}`. Errors name the file, the line and the field, and say what to do.
+
+`id` is optional. A line without one gets an id derived from its content, `<dataset>:<digest>`: the first 16 hex
+digits of the sha256 of its messages (and tools) as canonical JSON (keys sorted, no spaces; a `prompt` line hashes
+as the one user message it stands for). Editing other lines or reordering the file does not change it. Lines of
+one dataset with the same content and no id are each a prompt of their own: the second gets `<dataset>:<digest>-2`,
+the third `-3`, in file order (`scan_dataset` numbers them). Every prompt's `digest` is what tells, when a job is
+planned again into its run, whether a prompt with an id of its own changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +22,12 @@ import msgspec
 
 from toolkit.errors import BadInputError
 
-__all__ = ["InputError", "Prompt", "PromptReader", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
+__all__ = ["InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "prompt_id", "read_prompt_at",
+           "scan_dataset", "scan_lines", "check_unique_ids"]
 
 
 _FIX = "fix or remove the line, then run again"
+SKIP_HINT = '[inputs] on_bad_line = "skip"'
 SHOWN = 10  # bad lines listed in one error; the rest are counted
 
 
@@ -35,6 +44,11 @@ class InputError(BadInputError):
         where = f"{path}:{line}" if line else str(path)
         what = f" field `{field}`:" if field else ""
         super().__init__(message or f"{where}:{what} {problem}")
+
+    @property
+    def reason(self) -> str:
+        """What is wrong with the line, without its place or the advice: `field `id`: must not be empty`."""
+        return (f"field `{self.field}`: " if self.field else "") + self.problem.removesuffix(f"; {_FIX}")
 
     @classmethod
     def many(cls, errors: list[InputError], *, shown: int = SHOWN) -> InputError:
@@ -59,7 +73,8 @@ class InputError(BadInputError):
         lines = [str(e).removesuffix(f"; {_FIX}") for e in errors[:shown]]
         if len(errors) > shown:
             lines.append(f"... and {len(errors) - shown:,} more")
-        message = head + "".join(f"\n  {line}" for line in lines) + "\nfix or remove these lines, then run again"
+        message = (head + "".join(f"\n  {line}" for line in lines) + "\nfix or remove these lines, then run again "
+                   f"(or skip them, each reported: {SKIP_HINT})")
         first = errors[0]
         return cls(first.path, first.line, first.field, first.problem, message=message, errors=errors)
 
@@ -72,11 +87,21 @@ class Prompt(msgspec.Struct):
     tools: list[dict[str, Any]] | None = None
     offset: int = 0  # byte offset of the line in its file
     length: int = 0  # byte length of the line, newline excluded
+    digest: str = ""  # content_digest of its messages and tools
+    named: bool = True  # the line gives its id; False: the id is derived from the content
 
 
+DIGEST_HEX = 16  # hex digits of a content digest: 64 bits, no collision expected among billions of prompts
 
 
-def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
+def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """What a prompt says, hashed: sha256 of its messages (and tools, when it has any) as canonical JSON."""
+    body: dict[str, Any] = {"messages": messages}
+    if tools:
+        body["tools"] = tools
+    return hashlib.sha256(msgspec.json.encode(body, order="deterministic")).hexdigest()[:DIGEST_HEX]
+
+def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool = True) -> Prompt:
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -89,12 +114,11 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
         raise InputError(path, lineno, None, f"expected a JSON object, got {type(obj).__name__}; {_FIX}")
     pid = obj.get("id")
     if pid is None:
-        pid = f"{dataset}:{lineno}"
+        pass
     elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
         raise InputError(path, lineno, "id", f"must be a string or an integer, got {type(pid).__name__}; {_FIX}")
     elif isinstance(pid, str) and not pid:
         raise InputError(path, lineno, "id", f"must not be empty; {_FIX}")
-    pid = str(pid)
     has_messages, has_prompt = "messages" in obj, "prompt" in obj
     if has_messages == has_prompt:
         raise InputError(
@@ -126,13 +150,20 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int) -> Prompt:
     tools = obj.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
-    return Prompt(id=pid, dataset=dataset, line=lineno, messages=messages, tools=tools or None)
+    tools = tools or None
+    hashed = content_digest(messages, tools) if digest else ""
+    return Prompt(id=str(pid) if pid is not None else f"{dataset}:{hashed}" if digest else "", dataset=dataset,
+                  line=lineno, messages=messages, tools=tools, digest=hashed, named=pid is not None)
 
 
-def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None) -> Iterator[Prompt]:
+def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None, *,
+                 digest: bool = True) -> Iterator[Prompt]:
     """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
 
-    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on.
+    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on. Lines
+    without an id whose content an earlier one of the file has get the occurrence's number: `<id>-2`, `<id>-3`.
+    Without `digest`, contents are not hashed (a pass that needs no ids and no digests): lines without an id have
+    the id "" (`prompt_id` derives it when it is needed).
     """
     path = str(path)
     try:
@@ -142,7 +173,7 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
     n = 0
     before = len(errors) if errors is not None else 0
     with f:
-        for p in scan_lines(f, path, dataset, errors=errors):
+        for p in scan_lines(f, path, dataset, errors=errors, digest=digest, seen={}):
             n += 1
             yield p
     if n == 0 and (errors is None or len(errors) == before):
@@ -150,21 +181,27 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
 
 
 def scan_lines(lines: Iterable[bytes], path: str, dataset: str, *, first_line: int = 1, offset: int = 0,
-               errors: list[InputError] | None = None) -> Iterator[Prompt]:
+               errors: list[InputError] | None = None, digest: bool = False,
+               seen: dict[str, int] | None = None) -> Iterator[Prompt]:
     """The prompts of consecutive lines of a JSONL file (each with its newline), the first being line `first_line`
-    at byte `offset`: a slice of a file read on its own (see scan_dataset for the rest)."""
+    at byte `offset`: a slice of a file read on its own (see scan_dataset for the rest). With `seen` (derived id ->
+    occurrences so far, over the whole file), repeated contents without an id are numbered."""
     for lineno, raw in enumerate(lines, start=first_line):
         length = len(raw)
         body = raw.rstrip(b"\r\n")
         if body.strip():
             try:
-                p = _parse_line(body, path, dataset, lineno)
+                p = _parse_line(body, path, dataset, lineno, digest)
             except InputError as e:
                 if errors is None:
                     raise
                 errors.append(e)
             else:
                 p.offset, p.length = offset, len(body)
+                if not p.named and digest and seen is not None:
+                    k = seen[p.id] = seen.get(p.id, 0) + 1
+                    if k > 1:
+                        p.id = f"{p.id}-{k}"
                 yield p
         offset += length
 
@@ -203,6 +240,17 @@ class PromptReader:
         self.close()
 
 
+def prompt_id(p: Prompt) -> str:
+    """The prompt's id, derived from its content if it was scanned without `digest` (repeats are not numbered)."""
+    return p.id or f"{p.dataset}:{content_digest(p.messages, p.tools)}"
+
+
+def duplicate_id(path: str, line: int, pid: str, prev_path: str, prev_line: int) -> InputError:
+    """The error of a line whose id an earlier line (`prev_path`:`prev_line`) uses."""
+    return InputError(path, line, "id", f"duplicate id {pid!r}: already used at {prev_path}:{prev_line}; ids must be "
+                                        "unique across the job")
+
+
 def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str],
                      errors: list[InputError] | None = None) -> None:
     """Find every id used twice, within or across datasets, naming both places: raise on the first, or with an
@@ -211,10 +259,7 @@ def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, 
     for p in prompts:
         prev = seen.setdefault(p.id, (p.dataset, p.line))
         if prev != (p.dataset, p.line):
-            e = InputError(
-                paths[p.dataset], p.line, "id",
-                f"duplicate id {p.id!r}: already used at {paths[prev[0]]}:{prev[1]}; ids must be unique across the job",
-            )
+            e = duplicate_id(paths[p.dataset], p.line, p.id, paths[prev[0]], prev[1])
             if errors is None:
                 raise e
             errors.append(e)

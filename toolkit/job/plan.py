@@ -2,8 +2,9 @@
 
 `plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and computes
 a fingerprint of everything that changes the output (model, tokenizer, template, sampling, input files,
-shard map). `create_run` pins that plan into a run directory; a run directory never changes its plan, and
-a job whose fingerprint differs is refused there (unless a new run is asked for). Run settings that do not change
+shard map). `create_run` pins that plan into a run directory; a job whose fingerprint differs is refused there
+(unless a new run is asked for), except the same job with other prompt files (`may_grow`), which `grow` plans into
+the run: what is planned never moves, new prompts get new shards. Run settings that do not change
 the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
 
 Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as `<output_dir>.<time>`. `find_run`
@@ -36,7 +37,7 @@ from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
-from toolkit.job.inputs import InputError, Prompt, check_unique_ids, scan_dataset
+from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.turns import turn_id, user_turns
 
@@ -47,11 +48,26 @@ __all__ = [
     "load_run",
 ]
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: ids of lines without one derived from their content, and refs carry content digests
 
 
 class PlanError(BadInputError):
     """A plan that cannot be made or a run directory that does not match."""
+
+
+class SkippedLine(msgspec.Struct):
+    """A prompt line left out of the run, and why (what its error would have said)."""
+
+    line: int
+    reason: str
+
+
+SKIPPED_KEPT = 20  # skipped lines kept in run.json per dataset, with their reason; the rest are counted
+
+
+def _note_skipped(dp: DatasetPlan, line: int, reason: str) -> None:
+    if len(dp.skipped) < SKIPPED_KEPT:
+        dp.skipped.append(SkippedLine(line, reason))
 
 
 class DatasetPlan(msgspec.Struct):
@@ -62,6 +78,13 @@ class DatasetPlan(msgspec.Struct):
     samples: int = 1  # outputs planned per prompt ([sampling] n)
     regenerate: bool = False  # one record per user turn of each conversation (turns.py)
     conversations: int = 0  # regenerate: conversations of the file (prompts counts their turns)
+    bad_lines: int = 0  # lines left out: [inputs] on_bad_line = "skip"
+    too_long: int = 0   # prompts left out: [inputs] on_too_long = "skip"
+    skipped: list[SkippedLine] = []  # the first SKIPPED_KEPT of those lines, with why
+
+    @property
+    def skipped_lines(self) -> int:
+        return self.bad_lines + self.too_long
 
     @property
     def planned(self) -> int:
@@ -84,6 +107,7 @@ class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
     length: int
     sample: int = 0  # sample index of the prompt (0 .. n-1)
     turn: int = 0    # regenerated datasets: the user turn this record answers (0 .. turns-1)
+    digest: str = ""  # the prompt's content digest (inputs.content_digest; "": planned by an older toolkit)
 
 
 def sample_id(prompt_id: str, sample: int, samples: int) -> str:
@@ -101,6 +125,24 @@ class RunPlan(msgspec.Struct):
     spec: JobSpec
     datasets: list[DatasetPlan]
     shards: list[ShardPlan]
+    # The job planned again into this run with other inputs (grow.py): each time, the fingerprint that job gives on
+    # its own (resumed here from then on) and what was added. `fingerprint` stays the run's: its files carry it.
+    aliases: list[str] = []
+    grown: list[Growth] = []
+
+    def same_job(self, other: RunPlan) -> bool:
+        """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown since."""
+        return other.fingerprint == self.fingerprint or other.fingerprint in self.aliases
+
+
+class Growth(msgspec.Struct):
+    """One time a run took the prompts its job's files gained (grow.py)."""
+
+    at: str
+    prompts: int         # prompts added (records: samples and turns of each)
+    records: int
+    shards: list[int]    # the shards added for them
+    datasets: list[str] = []  # datasets the job gained
 
 
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")
@@ -123,26 +165,54 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(msgspec.json.encode(obj, order="deterministic")).hexdigest()
 
 
-def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
-    """Validate every prompt line and make the shard plan and fingerprint (no run directory yet)."""
+def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -> tuple[RunPlan, list[PromptRef]]:
+    """Validate every prompt line and make the shard plan and fingerprint (no run directory yet).
+
+    A line that cannot be used is an InputError (every one of every file at once), or, with [inputs] on_bad_line =
+    "skip", left out and counted in its DatasetPlan. `exclude` leaves out more lines, (dataset, line) -> why (the
+    pre-flight's prompts too long for the context, with [inputs] on_too_long = "skip")."""
+    exclude = exclude or {}
+    skip_bad = spec.inputs.on_bad_line == "skip"
     prompts: list[Prompt] = []
     datasets: list[DatasetPlan] = []
     errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
     n_turns: list[int] = []  # records per sample of each prompt: 1, or its user turns when regenerated
+    paths = {d.name: d.path for d in spec.datasets}
+    seen: dict[str, tuple[str, int]] = {}  # id -> (dataset, line) of its first use
     for d in spec.datasets:
         before = len(prompts)
-        for p in scan_dataset(d.path, d.name, errors):
+        dp = DatasetPlan(d.name, d.path, sha256_file(d.path), 0, spec.samples_for(d.name), d.regenerate)
+        bad: list[InputError] = []
+        for p in scan_dataset(d.path, d.name, bad):
             turns = user_turns(p.messages) if d.regenerate else 1
             if not turns:
-                errors.append(InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
-                                         "([[datasets]] regenerate = true); fix or remove the line, then run again"))
+                bad.append(InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
+                                      "([[datasets]] regenerate = true); fix or remove the line, then run again"))
+                continue
+            prev = seen.setdefault(p.id, (d.name, p.line))
+            if prev != (d.name, p.line):
+                bad.append(duplicate_id(d.path, p.line, p.id, paths[prev[0]], prev[1]))
+                continue
+            why = exclude.get((d.name, p.line))
+            if why is not None:
+                dp.too_long += 1
+                _note_skipped(dp, p.line, why)
+                continue
             p.messages, p.tools = [], None  # only where each prompt lives is kept: memory stays small
             prompts.append(p)
             n_turns.append(turns)
+        if skip_bad:
+            dp.bad_lines = len(bad)
+            for e in sorted(bad, key=lambda e: e.line or 0):
+                _note_skipped(dp, e.line or 0, e.reason)
+        else:
+            errors += bad
         count = len(prompts) - before
-        datasets.append(DatasetPlan(d.name, d.path, sha256_file(d.path), sum(n_turns[before:]),
-                                    spec.samples_for(d.name), d.regenerate, count if d.regenerate else 0))
-    check_unique_ids(prompts, {d.name: d.path for d in spec.datasets}, errors)
+        if not count and not bad or not count and skip_bad:
+            raise InputError(d.path, None, None, f"dataset {d.name!r} has no prompts left: all {dp.skipped_lines:,} "
+                             "of its lines are skipped; fix them, or remove the dataset from the job")
+        dp.prompts, dp.conversations = sum(n_turns[before:]), count if d.regenerate else 0
+        datasets.append(dp)
     if errors:
         order = {d.path: i for i, d in enumerate(spec.datasets)}
         errors.sort(key=lambda e: (order.get(e.path, len(order)), e.line or 0))
@@ -162,7 +232,7 @@ def plan_job(spec: JobSpec) -> tuple[RunPlan, list[PromptRef]]:
             ds = index[p.dataset]
             refs.extend(
                 PromptRef(turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate), ds, p.line, p.offset,
-                          p.length, j, t)
+                          p.length, j, t, p.digest)
                 for j in range(samples[ds]) for t in range(turns)
             )
         shards.append(ShardPlan(k, first, len(refs) - first))
@@ -309,7 +379,7 @@ class ShardRefs:
 
 
 class RefSlice:
-    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 40 bytes
+    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 60 bytes
     a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated conversations,
     which look turns up by position (a shard's prompts in order are read by `ShardRefs`, keeping nothing)."""
 
@@ -417,9 +487,12 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     output_dir holds another job's run and no new run is asked for."""
     root = Path(plan.spec.output_dir)
     runs = runs_in(root)
-    same = [path for path, p in runs if p is not None and p.fingerprint == plan.fingerprint]
+    same = [path for path, p in runs if p is not None and p.same_job(plan)]
     if same:
         return same[-1], True
+    kin = [path for path, p in runs if p is not None and may_grow(p, plan)]
+    if kin and not new_run:  # the same job with other prompt files: planned again into its run (grow.py)
+        return kin[-1], True
     if not RunDir.is_run(root):
         return root, False
     if new_run:
@@ -433,14 +506,64 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     except PlanError as e:
         raise PlanError(f"{root} holds a run directory that cannot be read ({e}); point `output_dir` elsewhere, or "
                         "pass --new-run to start a new run directory beside it") from None
-    differs = sorted(k for k in plan.parts if old.parts.get(k) != plan.parts[k])
     others = f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
     raise PlanError(
         f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but this job gives "
         f"{plan.fingerprint} "
-        f"(differs in: {', '.join(differs) or 'format'}). Its records would not match: restore the job as it "
+        f"(differs in: {differences(old, plan)}). Its records would not match: restore the job as it "
         f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
     )
+
+
+# What a job may change and still be planned again into its run (grow.py): its prompt files (and datasets, whose
+# sampling is compared one by one), hence its shard map.
+GROWABLE_PARTS = ("inputs", "shards", "sampling")
+
+
+def may_grow(run: RunPlan, plan: RunPlan) -> bool:
+    """Whether `plan` is the job `run` holds with other prompt files only: same name, model, tokenizer, template,
+    shard count, sampling, and the same settings for each dataset the run has (a dataset may be added). Whether
+    the prompts it had are all still there, unchanged, is grow.py's to say."""
+    old, new = run.spec, plan.spec
+    theirs = {d.name: d for d in new.datasets}
+    return (run.name == plan.name and old.sharding.shards == new.sharding.shards and old.sampling == new.sampling
+            and all(d.name in theirs and (d.sampling, d.regenerate) == (theirs[d.name].sampling, theirs[d.name].regenerate)
+                    for d in old.datasets)
+            and all(run.parts.get(k) == v for k, v in plan.parts.items() if k not in GROWABLE_PARTS))
+
+
+def _keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The keys whose values differ between two tables, `key: old -> new`."""
+    return [f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def differences(run: RunPlan, plan: RunPlan) -> str:
+    """What differs between a run's plan and a job's, part by part, down to the keys and files: `sampling
+    (max_new_tokens: 64 -> 65); inputs (data/math.jsonl: sha256 3f1a.. -> 9c2e..)`."""
+    said = []
+    for part in sorted(k for k in plan.parts if run.parts.get(k) != plan.parts[k]):
+        detail: list[str] = []
+        old, new = run.spec, plan.spec
+        if part == "sampling":
+            detail = _keys(old.sampling, new.sampling)
+            ds_old = {d.name: d.sampling for d in old.datasets}
+            for d in new.datasets:
+                detail += _keys(ds_old.get(d.name, {}), d.sampling, f"[[datasets]] {d.name!r} ")
+        elif part in ("model", "tokenizer", "template"):
+            detail = _keys(msgspec.to_builtins(old.model), msgspec.to_builtins(new.model))
+            if not detail:
+                detail = [f"the files of {old.model.tokenizer_path or old.model.path}"]
+        elif part == "inputs":
+            was = {d.name: d for d in run.datasets}
+            now = {d.name: d for d in plan.datasets}
+            detail = [f"dataset {n!r} removed" for n in was if n not in now]
+            detail += [f"dataset {n!r} added" for n in now if n not in was]
+            detail += [f"{d.path}: sha256 {was[n].sha256[:12]} -> {d.sha256[:12]}"
+                       for n, d in now.items() if n in was and was[n].sha256 != d.sha256]
+        elif part == "shards" and old.sharding.shards != new.sharding.shards:
+            detail = [f"[sharding] shards: {old.sharding.shards} -> {new.sharding.shards}"]
+        said.append(part + (f" ({'; '.join(detail)})" if detail else ""))
+    return ", ".join(said) or "format"
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
@@ -451,6 +574,9 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
     rd = RunDir(root)
     if exists:
         _, old = load_run(root)
+        if not old.same_job(plan):  # job.prepare grows the run first (grow.grow_run)
+            raise PlanError(f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's new "
+                            "prompts must be taken into it first (grow.grow_run)")
         if root != Path(plan.spec.output_dir):
             log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
         try:

@@ -12,7 +12,8 @@ from typing import Any
 from toolkit.formats.rundir import RunDir
 from toolkit.job import check_cache
 from toolkit.job.check import Preflight, preflight, require_engine_here
-from toolkit.job.plan import PlanError, RunPlan, create_run, find_run
+from toolkit.job.grow import grow_run, grown_plan
+from toolkit.job.plan import PlanError, RunPlan, create_run, find_run, load_run
 from toolkit.job.spec import JobSpec
 
 __all__ = ["PreparedRun", "prepare_run"]
@@ -26,10 +27,12 @@ class PreparedRun:
     run_dir: RunDir
     created: bool          # False with dry_run: `run_dir` is where the run would be, nothing was written
     validated: Any = None  # what the caller's `validate` returned
+    run_plan: RunPlan | None = None  # the plan the run holds (or would hold, with dry_run); None: the job's own
 
     @property
     def plan(self) -> RunPlan:
-        return self.preflight.plan
+        """The run's plan: the job's own for a new run, else the run's as pinned (grown by the job's new prompts)."""
+        return self.run_plan or self.preflight.plan
 
     @property
     def spec(self) -> JobSpec:
@@ -38,7 +41,8 @@ class PreparedRun:
 
 def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool = False,
                 check_tokenizer: bool = True, validate: Callable[[RunPlan, RunDir], Any] | None = None,
-                print_warnings: bool = True, as_submitted: bool = False, local: bool = False) -> PreparedRun:
+                print_warnings: bool = True, as_submitted: bool = False, local: bool = False,
+                allow_changed: bool = False) -> PreparedRun:
     """The pre-flight of `job`, then `validate(plan, run_dir)` (e.g. the resources against the cluster; `run_dir`
     is where the run is or would go: plan.find_run), then its run directory created or resumed (the newest run of
     this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
@@ -46,8 +50,10 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
 
     With `dry_run` no run is written (only what the pre-flight learned, see below), and another job's run in
     output_dir is a warning (creating the run refuses it), unless `as_submitted` (submit's dry run refuses what
-    submit refuses). With `local` (the shards run here), an engine this Python cannot start is refused. Raises the
-    pre-flight's errors (ToolkitError, exit 2) and whatever `validate` raises.
+    submit refuses). With `local` (the shards run here), an engine this Python cannot start is refused. A run of
+    this job whose prompt files changed takes the job's new prompts (job.grow; with `allow_changed`, prompts whose
+    content changed are generated again). Raises the pre-flight's errors (ToolkitError, exit 2) and whatever
+    `validate` raises.
 
     What the pre-flight learned rendering the prompts is kept in the run directory once nothing refuses the job
     (check_cache); with `dry_run` too, in output_dir (made if need be) or the run of this job found beside it,
@@ -57,17 +63,28 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
         require_engine_here(pf.spec)
     if print_warnings:
         pf.print_warnings()
-    ours = True
+    run, ours = None, True
     try:
-        root, _ = find_run(pf.plan, new_run=new_run)
+        root, exists = find_run(pf.plan, new_run=new_run)
+        run = load_run(root)[1] if exists else None
+        grows = run is not None and not run.same_job(pf.plan)
+        grown = grown_plan(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed) if grows else None
+        target = pf.plan if run is None else grown[0] if grown else run
     except PlanError:
         if not dry_run or as_submitted:
             raise
-        root, ours = Path(pf.spec.output_dir), False  # `check`: the pre-flight has warned
-    validated = validate(pf.plan, RunDir(root)) if validate is not None else None
-    rd = RunDir(root) if dry_run else create_run(pf.plan, pf.refs, new_run=new_run)
-    if dry_run and not (root == Path(pf.spec.output_dir) or RunDir.is_run(root)):
-        ours = False  # a new run beside output_dir (--new-run) is not made by a dry run, not even for this
-    if pf.learned is not None and ours:  # kept where the run is or goes, never in another job's run
+        root, target, grows, grown = Path(pf.spec.output_dir), pf.plan, False, None  # `check`: warned already
+        ours = False
+    validated = validate(target, RunDir(root)) if validate is not None else None
+    if dry_run:
+        if not (root == Path(pf.spec.output_dir) or RunDir.is_run(root)):
+            ours = False  # a new run beside output_dir (--new-run) is not made by a dry run, not even for this
+        if pf.learned is not None and ours:  # kept where the run is or goes, never in another job's run
+            check_cache.save(RunDir(root).check_file, pf.learned)
+        return PreparedRun(pf, RunDir(root), created=False, validated=validated, run_plan=target)
+    if grows:  # the job's new prompts, into its run
+        grow_run(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed, computed=grown)
+    rd = create_run(pf.plan, pf.refs, new_run=new_run)
+    if pf.learned is not None:
         check_cache.save(rd.check_file, pf.learned)
-    return PreparedRun(pf, rd, created=not dry_run, validated=validated)
+    return PreparedRun(pf, rd, created=True, validated=validated, run_plan=load_run(rd.root)[1])

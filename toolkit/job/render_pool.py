@@ -29,7 +29,7 @@ import msgspec
 
 from toolkit.errors import BadInputError
 from toolkit.job import chat
-from toolkit.job.inputs import scan_lines
+from toolkit.job.inputs import prompt_id, scan_lines
 from toolkit.job.spec import ModelSpec
 from toolkit.job.turns import turn_prompt
 
@@ -84,6 +84,7 @@ class Outcome(msgspec.Struct):
     too_long: Places = msgspec.field(default_factory=Places)     # refused by SGLang (or cut, with auto-truncate)
     clamped: Places = msgspec.field(default_factory=Places)      # the scheduler lowers their max_new_tokens a bit
     longest: int = 0  # the largest prompt length (or bound) + max_new_tokens; 0 without a context length
+    skipped_long: list[tuple[int, str]] = []  # on_too_long = "skip": (line, why) of each prompt that does not fit
 
     def merge(self, other: Outcome) -> None:
         self.prompts += other.prompts
@@ -92,6 +93,7 @@ class Outcome(msgspec.Struct):
         for name in ("failed", "refused", "model_opens", "too_long", "clamped"):
             getattr(self, name).merge(getattr(other, name))
         self.longest = max(self.longest, other.longest)
+        self.skipped_long += other.skipped_long
 
 
 class Setting(msgspec.Struct, frozen=True):
@@ -102,6 +104,8 @@ class Setting(msgspec.Struct, frozen=True):
     context: int | None
     bounded: str | None  # see bound_kind: None encodes every prompt whole
     anchored: bool  # think_start and think_end are added tokens: a prompt's end is read from its text (_ending)
+    skip_bad: bool = False   # [inputs] on_bad_line = "skip": the plan left bad lines out, and so does measuring
+    skip_long: bool = False  # [inputs] on_too_long = "skip": too long prompts are kept apart (Outcome.skipped_long)
 
 
 class Slice(msgspec.Struct, frozen=True, array_like=True):
@@ -233,11 +237,15 @@ def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome
         with open(s.path, "rb") as f:
             f.seek(s.offset)
             data = f.read(s.size)
-        prompts = list(scan_lines(io.BytesIO(data), s.path, s.name, first_line=s.first_line, offset=s.offset))
+        skipped: list | None = [] if setting.skip_bad else None  # the plan reported them already
+        prompts = list(scan_lines(io.BytesIO(data), s.path, s.name, first_line=s.first_line, offset=s.offset,
+                                  errors=skipped))
     except (OSError, BadInputError) as e:
         return _Failure(f"{e} (the file changed while the job was being checked)" if isinstance(e, BadInputError)
                         else f"{s.path}: cannot read it ({e}); check the file, then run the command again")
     if s.regenerate:  # the first turn is what is known before generation; later ones hold its answers
+        for p in prompts:
+            p.id = prompt_id(p)  # of the conversation, not of its first turn
         prompts = [turn_prompt(p, 0, []) for p in prompts]
     return _outcome(tok, setting, s, prompts, memo)
 
@@ -259,14 +267,18 @@ def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: _Memo) -
             out.model_opens.add(place)
         if ctx is None:
             continue
-        out.longest = max(out.longest, n + mnt)
         # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input +
         # max_new_tokens > context; input >= the scheduler's max_req_input_len; then the scheduler's clamp of
         # max_new_tokens to max_req_len - input - 1.
         if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
+            if setting.skip_long:
+                out.skipped_long.append((p.line, f"too long: {n:,} tokens + max_new_tokens {mnt:,} do not fit the "
+                                                 f"context length {ctx:,}"))
+                continue
             out.too_long.add(f"{place} ({n:,} tokens)")
         elif n + mnt > ctx - 2:
             out.clamped.add(f"{place} ({n:,} tokens)")
+        out.longest = max(out.longest, n + mnt)
     return out
 
 
@@ -359,7 +371,7 @@ def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo:
                 try:
                     out.append(direct(p.messages, p.tools))
                 except Exception as exc:  # noqa: BLE001 - the template's own errors, said as render_texts says them
-                    failed.add(f"{path}:{p.line} (id {p.id!r}): {type(exc).__name__}: {exc}")
+                    failed.add(f"{path}:{p.line} (id {prompt_id(p)!r}): {type(exc).__name__}: {exc}")
                     out.append(None)
             return out
     try:
@@ -372,7 +384,7 @@ def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo:
             out.append(chat.render_texts(tok, model, [p])[0])
         except chat.ChatError as e:
             cause = e.__cause__ or e
-            failed.add(f"{path}:{p.line} (id {p.id!r}): {type(cause).__name__}: {cause}")
+            failed.add(f"{path}:{p.line} (id {prompt_id(p)!r}): {type(cause).__name__}: {cause}")
             out.append(None)
     return out
 

@@ -112,6 +112,14 @@ class DatasetSpec(_Config):
     regenerate: bool = False
 
 
+class InputsSpec(_Config):
+    """What a prompt line that cannot be used does: "fail" stops the job before any GPU time (every such line named),
+    "skip" leaves it out of the run, each one reported (file:line: reason) by `check`, `run`, `submit` and the audit."""
+
+    on_bad_line: Literal["fail", "skip"] = "fail"  # malformed JSON, a missing or wrong field, a duplicate id, ...
+    on_too_long: Literal["fail", "skip"] = "fail"  # its length + max_new_tokens does not fit the context length
+
+
 class ShardingSpec(_Config):
     shards: int = 1
     flush_records: int = 64
@@ -157,6 +165,7 @@ class JobSpec(_Config):
     model: ModelSpec
     sampling: dict[str, Any]
     datasets: list[DatasetSpec]
+    inputs: InputsSpec = msgspec.field(default_factory=InputsSpec)
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     client: ClientSpec = msgspec.field(default_factory=ClientSpec)
     sharding: ShardingSpec = msgspec.field(default_factory=ShardingSpec)
