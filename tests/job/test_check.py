@@ -158,7 +158,9 @@ def test_over_long_prompts_are_skipped_and_named_with_on_too_long_skip(tmp_path,
     assert [s.line for s in plan.datasets[0].skipped] == [4, 8, 12]
 
 
-def test_bad_lines_skipped_are_said_by_check_and_submit(tmp_path, toy_tokenizer, capsys):
+def test_bad_lines_skipped_are_said_by_check_and_submit(tmp_path, toy_tokenizer, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_CONF", raising=False)  # the dry run without a cluster: the same on every machine
+    monkeypatch.setenv("PATH", "/nonexistent")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
     prompts.write_text(prompts.read_text() + '{"prompt": 5}\n')
     job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts, inputs={"on_bad_line": "skip"})

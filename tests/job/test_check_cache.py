@@ -121,3 +121,16 @@ def test_nothing_is_kept_in_another_jobs_run_nor_beside_it_by_a_dry_run(tmp_path
     prepare_run(other, dry_run=True, as_submitted=True, new_run=True)  # submit --dry-run --new-run
     assert rd.check_file.read_bytes() == kept  # the other job's run keeps its own
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == ["run"]  # no run beside it
+
+
+def test_a_dry_run_of_submit_writes_nothing_but_reads_what_check_kept(tmp_path, toy_tokenizer, capsys, rendered,
+                                                                       monkeypatch):
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no cluster answers: the same on every machine
+    job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    assert not (tmp_path / "run").exists(), "a dry run writes nothing"
+    check(job, capsys)
+    rendered()
+    assert main(["submit", str(job), "--dry-run"]) == 0
+    assert rendered() == {"prompts": {}, "loads": 0}

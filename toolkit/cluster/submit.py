@@ -205,7 +205,7 @@ def submit(job: str, resources: Resources | None = None, *, dry_run: bool = Fals
         return plan_dry_run(plan, o, rd) if dry_run else validate_resources(plan, o)
 
     prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True,
-                       allow_changed=allow_changed)
+                       allow_changed=allow_changed, keep_learned=False)  # a dry run writes nothing
     if dry_run:
         return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
     rd, plan, o = prep.run_dir, prep.plan, prep.validated

@@ -42,7 +42,7 @@ class PreparedRun:
 def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool = False,
                 check_tokenizer: bool = True, validate: Callable[[RunPlan, RunDir], Any] | None = None,
                 print_warnings: bool = True, as_submitted: bool = False, local: bool = False,
-                allow_changed: bool = False) -> PreparedRun:
+                allow_changed: bool = False, keep_learned: bool = True) -> PreparedRun:
     """The pre-flight of `job`, then `validate(plan, run_dir)` (e.g. the resources against the cluster; `run_dir`
     is where the run is or would go: plan.find_run), then its run directory created or resumed (the newest run of
     this job in output_dir; a new one beside it with `new_run` when output_dir holds another job's run). Every
@@ -56,8 +56,8 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
     `validate` raises.
 
     What the pre-flight learned rendering the prompts is kept in the run directory once nothing refuses the job
-    (check_cache); with `dry_run` too, in output_dir (made if need be) or the run of this job found beside it,
-    never in another job's run."""
+    (check_cache); with `dry_run` too (unless not `keep_learned`: a dry run of submit writes nothing), in output_dir
+    (made if need be) or the run of this job found beside it, never in another job's run."""
     pf = preflight(job, check_tokenizer=check_tokenizer, warn_other_run=dry_run and not as_submitted)
     if local:  # run here: the engine must start here
         require_engine_here(pf.spec)
@@ -79,7 +79,7 @@ def prepare_run(job: str | os.PathLike, *, new_run: bool = False, dry_run: bool 
     if dry_run:
         if not (root == Path(pf.spec.output_dir) or RunDir.is_run(root)):
             ours = False  # a new run beside output_dir (--new-run) is not made by a dry run, not even for this
-        if pf.learned is not None and ours:  # kept where the run is or goes, never in another job's run
+        if pf.learned is not None and ours and keep_learned:  # where the run is or goes, never in another job's
             check_cache.save(RunDir(root).check_file, pf.learned)
         return PreparedRun(pf, RunDir(root), created=False, validated=validated, run_plan=target)
     if grows:  # the job's new prompts, into its run
