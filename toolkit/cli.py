@@ -21,6 +21,7 @@ from toolkit.errors import (
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_UNKNOWN,
+    BadInputError,
     ToolkitError,
 )
 from toolkit.formats.files import shown_path
@@ -94,6 +95,16 @@ def cmd_check(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    if args.claim is not None:
+        from toolkit.worker.claims import run_claims
+
+        if args.shard is not None:
+            raise BadInputError("give a SHARD or --claim K ..., not both")
+        r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
+                       task=f"worker {args.worker} (pid {os.getpid()})")
+        return EXIT_STOPPED if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
+    if args.shard is None:
+        raise BadInputError("give a SHARD, or --claim K ... to claim shards one after another")
     from toolkit.worker.run import STOPPED, run_shard
 
     return EXIT_STOPPED if run_shard(args.run, args.shard) == STOPPED else EXIT_OK
@@ -110,7 +121,7 @@ def cmd_run(args) -> int:
     from toolkit.pipeline import run_shards
 
     with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
-        stopped, failed = run_shards(rd.root, shards, log)
+        stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
     return _after_shards(rd, stopped, failed, merge=not args.no_merge,
                          again=f", then `toolkit run {args.job}` again to resume them")
 
@@ -287,11 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when output_dir holds another job's run, start a new one beside it (<output_dir>.<time>); "
                         "a run of this job there is resumed instead")
     s.add_argument("--no-merge", action="store_true", help="stop after the shards")
+    s.add_argument("--parallel", type=int, metavar="N",
+                   help="workers at once, each with its own engine of tp_size x dp_size GPUs (default: as many as the "
+                        "GPUs in CUDA_VISIBLE_DEVICES, or the machine's, hold; 1 without GPUs)")
     s.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("worker", help="generate one shard of a planned run (what each Slurm array task runs)")
+    s = sub.add_parser("worker", help="generate one shard of a planned run, or claim shards one after another with "
+                       "one engine (--claim: what each Slurm array task runs)")
     s.add_argument("run", help="run directory")
-    s.add_argument("shard", type=int, help="shard index")
+    s.add_argument("shard", type=int, nargs="?", help="shard index")
+    s.add_argument("--claim", type=int, nargs="+", metavar="K", help="claim these shards one after another")
+    s.add_argument("--worker", type=int, default=0, help="with --claim: this worker's number (where it starts)")
+    s.add_argument("--workers", type=int, default=1, help="with --claim: how many workers share the shards")
+    s.add_argument("--group", help="with --claim: the name of the workers sharing the shards (a shard failed in "
+                   "one of them is not claimed again by the others)")
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
