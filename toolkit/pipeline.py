@@ -12,11 +12,14 @@ run, dataset.finish ends it).
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
@@ -117,7 +120,10 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         argv = [sys.executable, "-m", "toolkit", "worker", str(rd.root), "--claim", *map(str, pool),
                 "--worker", str(i), "--workers", str(len(slices)), "--group", group]
-        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        threading.Thread(target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log").start()
+        procs.append(proc)
     told: list[int] = []
 
     def forward(sig, _frame):
@@ -165,6 +171,28 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
                   "; ".join(died) or "the workers ended")
         failed += left
     return False, busy
+
+
+_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ([A-Z]+) ([\w.]+): (.*)")
+
+
+def _relay(stream, log: logging.Logger) -> None:
+    """A worker process's log lines, through this process's logging: as they were written (time, level, logger),
+    so the console shows them as its own, above the live bar when there is one."""
+    for line in stream:
+        line = line.rstrip("\n")
+        m = _LINE.fullmatch(line)
+        if m is None:  # a line that is not a log record (a traceback's): as this run's
+            log.warning("%s", line)
+            continue
+        when = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+        level = logging.getLevelName(m.group(3))
+        record = logging.makeLogRecord({"name": m.group(4), "levelno": level if isinstance(level, int) else 20,
+                                        "levelname": m.group(3), "msg": m.group(5), "created": when,
+                                        "msecs": int(m.group(2))})
+        logger = logging.getLogger(m.group(4))
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
 
 
 def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:

@@ -161,7 +161,7 @@ def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses
     from toolkit.formats.progress import read_progress
 
     n = 48
-    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=8, stub={"token_delay_s": 0.003},
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=8, stub={"token_delay_s": 0.02},
                     sampling={"max_new_tokens": 300}, client={"concurrency": 2}, slurm={"array_parallelism": 2})
     r = toolkit("submit", str(job))
     array_id = submitted_ids(r.stdout)[0]
@@ -173,7 +173,7 @@ def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses
         assert time.time() < deadline, "no task went on to a second shard"
         for k in range(8):
             p = read_progress(rd.progress_file(k))
-            if p is not None and p.state == "generating" and p.task_shards >= 2 and p.done >= 2:
+            if p is not None and p.state == "generating" and p.task_shards >= 2 and p.done >= 1:
                 victim = p
         time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", victim.task], check=True)
@@ -235,8 +235,8 @@ def test_tasks_are_no_more_than_max_array_size(tmp_path, toy_tokenizer):
     # What the dry run showed is what was submitted (but for the parallelism flag given here).
     shown = dry.split("==> array 1 of 1")[1].split("\n", 1)[1].split("\n==> ")[0]
     sent = (tmp_path / "run" / "slurm" / ids[0] / f"{ids[0]}_submission.sh").read_text()
-    assert "#SBATCH --array=0-2%3" in sent and "#SBATCH --array=0-99%256" in shown
-    assert sent.replace("0-2%3\n", "0-99%256\n", 1).strip() == shown.strip()
+    assert "#SBATCH --array=0-2%3" in sent and "#SBATCH --array=0-99%100" in shown
+    assert sent.replace("0-2%3\n", "0-99%100\n", 1).strip() == shown.strip()
     assert "validated against the cluster: partition gpu (nodes with up to 4 GPUs, 8 CPUs)" in dry
 
 
@@ -285,10 +285,13 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
                 break
             time.sleep(0.5)
         assert waiting and all(s["reason"] for s in waiting), [(s["state"], s["reason"]) for s in st["shards"]]
-        assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
+        # the one task waits as squeue says, or runs: the shards it has not claimed yet wait for it
+        claim = "not claimed yet: 1 of the 1 tasks of array "
+        assert all(s["reason"] in ("JobArrayTaskLimit", "Priority", "Resources", "None") or
+                   s["reason"].startswith(claim) for s in waiting), [s["reason"] for s in waiting]
         assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
         table = toolkit("status", str(run), check=False).stdout
-        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(JobArrayTaskLimit|Priority|Resources)$", table, re.M)
+        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(Priority|Resources|not claimed yet: .*)$", table, re.M)
         assert "merge: job " in table and "pending (Dependency)" in table
     finally:
         toolkit("cancel", str(run))

@@ -265,6 +265,8 @@ def pool_state(view: SlurmView, array: str, tasks: list[str], submitted: str, no
     (with why) or only submitted."""
     known = {t: view.jobs[t] for t in tasks if t in view.jobs}
     live = [t for t, j in known.items() if j.state.lower() in ACTIVE]
+    if live and all(known[t].state in ("PENDING", "REQUEUED") for t in live):  # why they wait, as squeue says
+        return "pending", known[live[0]].reason or f"not claimed yet: the tasks of array {array} are pending"
     if live:
         return "pending", f"not claimed yet: {len(live)} of the {len(tasks)} tasks of array {array} claim shards as they free up"
     if len(known) == len(tasks):
