@@ -33,20 +33,22 @@ def starts(run: Path) -> int:
 
 
 def one(checkout: Path, tmp: Path, load_s: float, tokenizer: Path) -> tuple[int, float]:
+    """One run submitted with the toolkit of `checkout`: (engine starts, seconds to a merged, audited run)."""
     job = make_job(tmp, tokenizer, n=64, shards=8, stub={"load_delay_s": load_s, "token_delay_s": 0.002},
                    sampling={"max_new_tokens": 64},
                    slurm={"partition": "gpu", "gpus_per_node": 1, "cpus_per_task": 1, "time": "00:20:00",
                           "merge_cpus": 1, "array_parallelism": 2})
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     t0 = time.monotonic()
+    # (from `tmp`: `python -m` puts the working folder first on the path, before PYTHONPATH)
     r = subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job)], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, cwd=tmp)
     if r.returncode:
         raise SystemExit(f"submit failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     run = tmp / "run"
     while True:
         s = subprocess.run([sys.executable, "-m", "toolkit", "status", str(run)], capture_output=True, text=True,
-                           env=env, timeout=120)
+                           env=env, timeout=120, cwd=tmp)
         if s.returncode == 0:
             break
         if s.returncode not in (4, 5) or time.monotonic() - t0 > 1200:

@@ -166,3 +166,29 @@ def test_gpus_split_between_workers():
     assert split_gpus([], 8, None) == (1, [[]]) and split_gpus([], 8, 3) == (3, [[], [], []])
     with pytest.raises(ValueError, match="one engine needs 8 GPUs but 4 are visible"):
         split_gpus(["0", "1", "2", "3"], 8, None)
+
+
+def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_group(tmp_path, kimi):
+    import fcntl
+
+    import msgspec
+
+    from toolkit.formats.manifests import DoneManifest
+    from toolkit.formats.progress import Progress, write_progress
+    from toolkit.worker.claims import candidates
+
+    rd, plan = prepared_run(make_job(tmp_path, kimi, n=10, shards=5))
+    pool = list(range(5))
+    rd.done_file(0).parent.mkdir(parents=True, exist_ok=True)
+    rd.done_file(0).write_bytes(msgspec.json.encode(DoneManifest(
+        shard=0, fingerprint=plan.fingerprint, records=2, ok=2, failed=0, prompt_tokens=1, output_tokens=1, bytes=0,
+        sha256="0", host="h", finished="2026-01-01T00:00:00+00:00")))
+    write_progress(rd.progress_file(1), Progress(shard=1, total=2, state="failed", group="g"))
+    write_progress(rd.progress_file(3), Progress(shard=3, total=2, done=1, state="stopped", group="g"))
+    rd.shard_file(2).write_bytes(b"")
+    with open(rd.shard_file(2), "rb") as held:  # another worker holds shard 2
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert candidates(rd, plan, pool, skip=set(), group="g") == [Candidate(3, 1), Candidate(4, 2)]
+        # a shard failed in another group (an earlier submission) is offered again; `skip` leaves one out
+        assert candidates(rd, plan, pool, skip={4}, group="h") == [Candidate(1, 2), Candidate(3, 1)]
+    assert [c.shard for c in candidates(rd, plan, pool, skip=set(), group="g")] == [2, 3, 4]
