@@ -48,7 +48,9 @@ its exit guard; the shard resumes), 130 interrupted
 """
 
 RUN_HELP = """\
-Run every shard of JOB here, one after the other (no Slurm), then merge and audit.
+Run every shard of JOB here (no Slurm), then merge and audit. As many workers run as the visible GPUs
+(CUDA_VISIBLE_DEVICES, else the machine's) hold engines of tp_size x pp_size x dp_size GPUs, each on its own GPUs
+(one without GPUs; --parallel N chooses); each starts its engine once and claims shards one after another.
 
 Where the run goes: output_dir and the runs `--new-run` made beside it (<output_dir>.<time>) are looked at, and the
 newest run of this same job (same fingerprint) among them is resumed, with or without --new-run: the same job is
@@ -335,7 +337,8 @@ def _add_resource_flags(s) -> None:
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node of each task (the engine's tp × pp × dp over its nodes)")
     g.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task, as sbatch -c")
     g.add_argument("--mem", help="memory per task, e.g. 200G")
-    g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
+    g.add_argument("--array-parallelism", type=int, help="array tasks at once (%%N): each starts its engine once "
+                   "and claims shards one after another")
     g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
     g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
 
