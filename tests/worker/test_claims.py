@@ -73,6 +73,12 @@ def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
     # claiming again finds nothing to do and starts nothing
     again = run_claims(rd.root, [0, 1, 2, 3], task="w1", group="g2")
     assert again.done == [] and again.engine_starts == 0 and all_engine_starts(rd) == 1
+    # a done shard whose file changed since is checked again (salvaged, and what is missing generated)
+    with open(rd.shard_file(2), "ab") as f:
+        f.write(b"\0torn")
+    third = run_claims(rd.root, [0, 1, 2, 3], task="w2", group="g3")
+    assert third.done == [2] and "the file changed after the shard finished" in rd.log_file(2).read_text()
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
 
 
 def claiming_worker(rd, pool: list[int], i: int, n: int, group: str) -> subprocess.Popen:

@@ -22,7 +22,7 @@ import os
 import msgspec
 
 from toolkit.formats.locks import held_elsewhere
-from toolkit.formats.manifests import needs_work, read_done
+from toolkit.formats.manifests import needs_work, read_done, verify_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import RunPlan, load_run
@@ -60,15 +60,17 @@ def slurm_group() -> str | None:
     return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
 
 
-def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], group: str | None) -> list[Candidate]:
+def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], group: str | None,
+               recheck: set[int] = frozenset()) -> list[Candidate]:
     """The shards of `pool` a free worker may claim: unfinished (no done manifest, or failures that may pass, or
-    ids `toolkit retry` asked for), not held by another worker right now, not failed in this group, not in
-    `skip`; each with the prompts it has left, as its progress file says."""
+    ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer matches), not held by
+    another worker right now, not failed in this group, not in `skip`; each with the prompts it has left, as its
+    progress file says."""
     out = []
     for k in pool:
         if k in skip:
             continue
-        if not needs_work(read_done(rd.done_file(k))) and not rd.retry_file(k).exists():
+        if not needs_work(read_done(rd.done_file(k))) and not rd.retry_file(k).exists() and k not in recheck:
             continue
         if held_elsewhere(rd.shard_file(k)):
             continue
@@ -80,22 +82,36 @@ def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], gr
     return out
 
 
+def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
+    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed since (size,
+    sha256). Running them again checks the file, salvages what is intact and generates the rest (worker.run)."""
+    out = set()
+    for k in pool:
+        m = read_done(rd.done_file(k))
+        if m is not None and (m.fingerprint != plan.fingerprint or verify_done(m, rd.shard_file(k))):
+            out.add(k)
+    return out
+
+
 def _busy(rd: RunDir, pool: list[int]) -> list[int]:
     return [k for k in pool if read_done(rd.done_file(k)) is None and held_elsewhere(rd.shard_file(k))]
 
 
 def run_claims(run_dir: str | os.PathLike, pool: list[int], *, worker: int = 0, workers: int = 1,
-               task: str | None = None, group: str | None = None, keep_going: bool = True) -> ClaimResult:
+               task: str | None = None, group: str | None = None, keep_going: bool = True,
+               verify: bool = True) -> ClaimResult:
     """Claim shards of `pool` one after another with one engine, until none is left or a signal stops it.
     Worker `worker` of `workers` starts at its own place in the pool (worker.policy.start_of). With `keep_going`
-    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised)."""
+    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised).
+    With `verify`, done manifests are first checked against their files (`untrusted`: read once, at the start)."""
     return asyncio.run(_claims(run_dir, pool, worker=worker, workers=workers, task=task, group=group,
-                               keep_going=keep_going))
+                               keep_going=keep_going, verify=verify))
 
 
 async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: str | None, group: str | None,
-                  keep_going: bool) -> ClaimResult:
+                  keep_going: bool, verify: bool) -> ClaimResult:
     rd, plan = load_run(run_dir)
+    recheck = untrusted(rd, plan, pool) if verify else set()
     session = EngineSession(keep=True, task=task, group=group)
     loop = asyncio.get_running_loop()
     session.install_signals(loop)
@@ -106,12 +122,13 @@ async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: 
     last = pool[start] if pool else 0
     try:
         while not session.stop.is_set():
-            k = pick(candidates(rd, plan, pool, skip=skip, group=group), pool, start)
+            k = pick(candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start)
             if k is None:
                 break
             last = k
             log.info("%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
                      task or "worker", k, len(session.served) + 1, session.starts)
+            recheck.discard(k)
             try:
                 out = await run_shard_in(run_dir, k, session)
             except ShardBusy:  # another worker took it the moment before
