@@ -198,3 +198,40 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
         # a shard failed in another group (an earlier submission) is offered again; `skip` leaves one out
         assert candidates(rd, plan, pool, skip={4}, group="h") == [Candidate(1, 2), Candidate(3, 1)]
     assert [c.shard for c in candidates(rd, plan, pool, skip=set(), group="g")] == [2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id_once(tmp_path, kimi):
+    """SIGTERM to `toolkit run` with two workers mid-run: it is passed on, each worker stops its shard (what is in
+    flight kept as partial outputs), the run exits 3 with no engine left; the next `toolkit run` claims what is
+    left and merges every id once."""
+    n = 32
+    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
+                   client={"concurrency": 2})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    rd, _ = prepared_run(job)
+    deadline = time.time() + 90
+    while time.time() < deadline:  # both workers generating, a few records in
+        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+        if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("two workers never generated at once")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert out.count("got SIGTERM: stopping") == 2, out
+    ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+    stopped = [p for p in ps if p is not None and p.state == "stopped"]
+    assert len(stopped) == 2 and all(p.stop_signal == "SIGTERM" for p in stopped)
+    assert not any(p is not None and p.state in ("loading", "generating") for p in ps)
+    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    assert not left.strip(), "no engine outlives its worker"
+    r = toolkit_run(job, "--parallel", "2", gpus=None)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))
