@@ -157,15 +157,14 @@ def test_help_says_resubmit_takes_shards_with_failures_that_may_pass_too(capsys)
     assert "resubmit RUN only the shards not finished (no done manifest, failures that may pass)" in out
 
 
-def test_resubmit_names_the_shard_each_array_task_runs():
-    assert describe_array(ArrayJob("152", [0, 1, 2, 3], [])) == \
-        "Submitted batch job 152 (array of 4 shard tasks 152_[0-3]: task i runs shard i, shards 0-3)"
-    assert describe_array(ArrayJob("160", [1, 5, 7], ["160_0", "160_1", "160_2"])) == \
-        "Submitted batch job 160 (array of 3 shard tasks: 160_0 = shard 1, 160_1 = shard 5, 160_2 = shard 7)"
-    assert describe_array(ArrayJob("161", [100, 101], [])).endswith("task i runs shard 100 + i, shards 100-101)")
-    assert describe_array(ArrayJob("162", [4], ["162"])) == "Submitted batch job 162 (1 shard task: 162 runs shard 4)"
-    many = describe_array(ArrayJob("163", list(range(0, 40, 2)), []))
-    assert "163_7 = shard 14, ... (12 more" in many and "163_8" not in many
+def test_submit_says_tasks_claim_the_shards():
+    claim = "each starts its engine once and claims unfinished shards one after another until none is left"
+    assert describe_array(ArrayJob("152", [0, 1, 2, 3, 4, 5, 6, 7], ["152_0", "152_1"], claims=True)) == \
+        f"Submitted batch job 152 (array of 2 tasks 152_[0-1] claiming shards 0-7: {claim})"
+    assert describe_array(ArrayJob("160", [1, 5, 7], ["160_0", "160_1", "160_2"], claims=True)) == \
+        f"Submitted batch job 160 (array of 3 tasks 160_[0-2] claiming shards 1,5,7: {claim})"
+    assert describe_array(ArrayJob("162", [4, 9], ["162"], claims=True)) == \
+        "Submitted batch job 162 (1 task claiming shards 4,9: it starts its engine once and runs them one after another)"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from toolkit.errors import (
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_UNKNOWN,
+    BadInputError,
     ToolkitError,
 )
 from toolkit.formats.files import shown_path
@@ -47,7 +48,9 @@ its exit guard; the shard resumes), 130 interrupted
 """
 
 RUN_HELP = """\
-Run every shard of JOB here, one after the other (no Slurm), then merge and audit.
+Run every shard of JOB here (no Slurm), then merge and audit. As many workers run as the visible GPUs
+(CUDA_VISIBLE_DEVICES, else the machine's) hold engines of tp_size x pp_size x dp_size GPUs, each on its own GPUs
+(one without GPUs; --parallel N chooses); each starts its engine once and claims shards one after another.
 
 Where the run goes: output_dir and the runs `--new-run` made beside it (<output_dir>.<time>) are looked at, and the
 newest run of this same job (same fingerprint) among them is resumed, with or without --new-run: the same job is
@@ -96,6 +99,16 @@ def cmd_check(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    if args.claim is not None:
+        from toolkit.worker.claims import run_claims
+
+        if args.shard is not None:
+            raise BadInputError("give a SHARD or --claim K ..., not both")
+        r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
+                       task=f"worker {args.worker} (pid {os.getpid()})")
+        return EXIT_STOPPED if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
+    if args.shard is None:
+        raise BadInputError("give a SHARD, or --claim K ... to claim shards one after another")
     from toolkit.worker.run import STOPPED, run_shard
 
     return EXIT_STOPPED if run_shard(args.run, args.shard) == STOPPED else EXIT_OK
@@ -112,7 +125,7 @@ def cmd_run(args) -> int:
     from toolkit.pipeline import run_shards
 
     with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
-        stopped, failed = run_shards(rd.root, shards, log)
+        stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
     return _after_shards(rd, stopped, failed, merge=not args.no_merge,
                          again=f", then `toolkit run {args.job}` again to resume them")
 
@@ -291,11 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "a run of this job there is resumed instead")
     s.add_argument("--no-merge", action="store_true", help="stop after the shards")
     _add_allow_changed(s)
+    s.add_argument("--parallel", type=int, metavar="N",
+                   help="workers at once, each with its own engine of tp_size x dp_size GPUs (default: as many as the "
+                        "GPUs in CUDA_VISIBLE_DEVICES, or the machine's, hold; 1 without GPUs)")
     s.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("worker", help="generate one shard of a planned run (what each Slurm array task runs)")
+    s = sub.add_parser("worker", help="generate one shard of a planned run, or claim shards one after another with "
+                       "one engine (--claim: what each Slurm array task runs)")
     s.add_argument("run", help="run directory")
-    s.add_argument("shard", type=int, help="shard index")
+    s.add_argument("shard", type=int, nargs="?", help="shard index")
+    s.add_argument("--claim", type=int, nargs="+", metavar="K", help="claim these shards one after another")
+    s.add_argument("--worker", type=int, default=0, help="with --claim: this worker's number (where it starts)")
+    s.add_argument("--workers", type=int, default=1, help="with --claim: how many workers share the shards")
+    s.add_argument("--group", help="with --claim: the name of the workers sharing the shards (a shard failed in "
+                   "one of them is not claimed again by the others)")
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
@@ -320,7 +342,8 @@ def _add_resource_flags(s) -> None:
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node of each task (the engine's tp × pp × dp over its nodes)")
     g.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task, as sbatch -c")
     g.add_argument("--mem", help="memory per task, e.g. 200G")
-    g.add_argument("--array-parallelism", type=int, help="at most this many shard tasks at once (%%N)")
+    g.add_argument("--array-parallelism", type=int, help="array tasks at once (%%N): each starts its engine once "
+                   "and claims shards one after another")
     g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
     g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
 

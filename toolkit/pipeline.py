@@ -1,68 +1,225 @@
-"""A job run here, shard after shard (`toolkit run`, `toolkit retry`): `run_shards`.
+"""A job run here (`toolkit run`, `toolkit retry`): `run_shards`, with as many workers as the machine's GPUs hold
+engines.
 
-A shard another worker is generating (its file locked: a second `toolkit run` of the same job) is not run twice
-nor called failed: it is waited for, taken over if that worker ends without finishing it, and the run is merged
-once every shard is done (job.prepare starts a run, dataset.finish ends it).
+Each worker starts its engine once and claims the run's unfinished shards one after another (worker.claims), as a
+Slurm array task does: one worker runs in this process; several (`--parallel N`, or by default as many as the
+visible GPUs hold engines of tp_size x dp_size GPUs: engines.layout.split_gpus) run as `toolkit worker RUN
+--claim ...` processes, each with its own GPUs in CUDA_VISIBLE_DEVICES. A shard another process holds (its file
+locked: a second `toolkit run` of the same job) is not run twice nor called failed: it is waited for, taken over
+if that process ends without finishing it, and the run is merged once every shard is done (job.prepare starts a
+run, dataset.finish ends it).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
-from collections import deque
 
+from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
+from toolkit.errors import EXIT_STOPPED, BadInputError
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
 from toolkit.job.plan import load_run
 
-__all__ = ["run_shards"]
+__all__ = ["run_shards", "workers_here"]
 
 BUSY_POLL_S = 2.0  # how often a shard being generated elsewhere is looked at
+NVIDIA_SMI_S = 10.0
 
 
-def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger) -> tuple[bool, list[int]]:
-    """Run `shards` of a run here, one after the other: (stopped by a signal, shards that failed). A shard whose
-    file another worker holds is waited for once the others are done, and run here if that worker ends without
-    finishing it."""
-    from toolkit.formats.locks import held_elsewhere
-    from toolkit.formats.manifests import read_done
-    from toolkit.worker.run import STOPPED, ShardBusy, ShardFailed, run_shard
+def _count_gpus() -> int:
+    """The GPUs nvidia-smi lists (0 where there is none, or it does not answer)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
 
+
+def workers_here(spec, parallel: int | None, env: dict[str, str] | None = None) -> list[list[str]]:
+    """The GPUs of each worker this machine runs: one list per worker (empty lists: no GPU known). An `external`
+    engine is one server: one worker unless `parallel` says otherwise."""
+    env = os.environ if env is None else env
+    if spec.engine.kind == "external":
+        return [[] for _ in range(parallel or 1)]
+    try:
+        _, slices = split_gpus(visible_gpus(env, _count_gpus), engine_gpus(spec.engine), parallel)
+    except ValueError as e:
+        raise BadInputError(f"{e} (set --parallel, or CUDA_VISIBLE_DEVICES)") from None
+    return slices
+
+
+def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
+               parallel: int | None = 1) -> tuple[bool, list[int]]:
+    """Run `shards` of a run here: (stopped by a signal, shards that failed). `parallel`: workers at once (None:
+    as many as the GPUs hold). A shard whose file another process holds is waited for once the others are done,
+    and run here if that process ends without finishing it."""
     rd, plan = load_run(run_dir)
     require_engine_here(plan.spec)
-    todo, busy, failed = deque(shards), [], []
-    while todo or busy:
-        if not todo:  # every other shard is done here: wait for those generated elsewhere
-            time.sleep(BUSY_POLL_S)
-            for k in [b for b in busy if not held_elsewhere(rd.shard_file(b))]:
-                busy.remove(k)
-                if read_done(rd.done_file(k)) is None:
+    pool = list(dict.fromkeys(shards))
+    slices = workers_here(plan.spec, parallel)
+    group = f"run {os.getpid()}"
+    if len(slices) > 1:
+        log.info("%d workers, each with its own engine%s, claim %d shards", len(slices),
+                 " on GPUs " + "; ".join(",".join(s) for s in slices) if any(slices) else "", len(pool))
+    failed: list[int] = []
+    while True:
+        if len(slices) == 1:
+            stopped, busy = _claim_here(rd, pool, group, failed, slices[0], log)
+        else:
+            stopped, busy = _claim_in_workers(rd, pool, group, failed, slices, log)
+        if stopped:
+            return True, failed
+        if not busy:
+            return False, failed
+        freed = _wait_for(rd, busy, log)
+        pool = [k for k in freed if k not in failed]
+        if not pool:
+            return False, failed
+
+
+def _claim_here(rd: RunDir, pool: list[int], group: str, failed: list[int], gpus: list[str],
+                log: logging.Logger) -> tuple[bool, list[int]]:
+    from toolkit.worker.claims import run_claims
+
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus:  # the engine this process starts inherits them
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        r = run_claims(rd.root, pool, task=f"worker 0 (pid {os.getpid()})", group=group)
+    finally:
+        if gpus and before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        elif gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    failed += [k for k in r.failed if k not in failed]
+    for k in r.busy:
+        _say_busy(rd, k, log)
+    return r.stopped is not None, r.busy
+
+
+def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int], slices: list[list[str]],
+                      log: logging.Logger) -> tuple[bool, list[int]]:
+    """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is passed on to
+    them (each stops its shard cleanly)."""
+    from toolkit.formats.manifests import read_done
+    from toolkit.formats.progress import read_progress
+
+    done_before = sum(read_done(rd.done_file(k)) is not None for k in pool)
+    procs = []
+    for i, gpus in enumerate(slices):
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        argv = [sys.executable, "-m", "toolkit", "worker", str(rd.root), "--claim", *map(str, pool),
+                "--worker", str(i), "--workers", str(len(slices)), "--group", group]
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        threading.Thread(target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log").start()
+        procs.append(proc)
+    told: list[int] = []
+
+    def forward(sig, _frame):
+        told.append(sig)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    codes = []
+    try:  # (Ctrl-C reaches the workers by themselves: they share this terminal's process group)
+        for p in procs:
+            while True:
+                try:
+                    codes.append(p.wait())
+                    break
+                except KeyboardInterrupt:  # the workers stop on theirs; wait for them
+                    told.append(signal.SIGINT)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for k in pool:
+        p = read_progress(rd.progress_file(k))
+        if read_done(rd.done_file(k)) is None and p is not None and p.state == "failed" and p.group == group \
+                and k not in failed:
+            failed.append(k)
+    if told or EXIT_STOPPED in codes:
+        return True, []
+    from toolkit.formats.locks import held_elsewhere
+
+    busy = [k for k in pool if read_done(rd.done_file(k)) is None and k not in failed
+            and held_elsewhere(rd.shard_file(k))]
+    for k in busy:
+        _say_busy(rd, k, log)
+    left = [k for k in pool if read_done(rd.done_file(k)) is None and k not in failed and k not in busy]
+    died = [f"worker {i} ({'killed by ' + signal.Signals(-c).name if c < 0 else f'exit {c}'})"
+            for i, c in enumerate(codes) if c not in (0, 1)]
+    progressed = sum(read_done(rd.done_file(k)) is not None for k in pool) > done_before
+    if left and progressed:  # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
+        log.warning("shards %s were left unfinished (%s); claiming them again", ",".join(map(str, left)),
+                    "; ".join(died) or "their workers ended")
+        busy += left
+    elif left:
+        log.error("shards %s were left unfinished and no shard finished this round (%s)", ",".join(map(str, left)),
+                  "; ".join(died) or "the workers ended")
+        failed += left
+    return False, busy
+
+
+_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ([A-Z]+) ([\w.]+): (.*)")
+
+
+def _relay(stream, log: logging.Logger) -> None:
+    """A worker process's log lines, through this process's logging: as they were written (time, level, logger),
+    so the console shows them as its own, above the live bar when there is one."""
+    for line in stream:
+        line = line.rstrip("\n")
+        m = _LINE.fullmatch(line)
+        if m is None:  # a line that is not a log record (a traceback's): as this run's
+            log.warning("%s", line)
+            continue
+        when = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+        level = logging.getLevelName(m.group(3))
+        record = logging.makeLogRecord({"name": m.group(4), "levelno": level if isinstance(level, int) else 20,
+                                        "levelname": m.group(3), "msg": m.group(5), "created": when,
+                                        "msecs": int(m.group(2))})
+        logger = logging.getLogger(m.group(4))
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
+
+
+def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
+    """Wait until the shards other processes hold are released: those left unfinished, to run here."""
+    from toolkit.formats.locks import held_elsewhere
+    from toolkit.formats.manifests import read_done
+
+    while True:
+        free = [b for b in busy if not held_elsewhere(rd.shard_file(b))]
+        if free:
+            left = [k for k in free if read_done(rd.done_file(k)) is None]
+            for k in free:
+                if k in left:
                     log.info("shard %d: its other worker ended without finishing it; running it here", k)
-                    todo.append(k)
                 else:
                     log.info("shard %d was finished elsewhere", k)
-            continue
-        k = todo.popleft()
-        if held_elsewhere(rd.shard_file(k)):
-            _say_busy(rd, k, log, busy)
-            continue
-        log.info("shard %d", k)
-        try:
-            if run_shard(run_dir, k) == STOPPED:
-                return True, failed
-        except ShardBusy:  # taken the moment before this worker tried
-            _say_busy(rd, k, log, busy)
-        except ShardFailed:  # the worker has logged why
-            failed.append(k)
-    return False, failed
+            still = [b for b in busy if b not in free]
+            if left or not still:
+                return left + still
+            busy = still
+        time.sleep(BUSY_POLL_S)
 
 
-def _say_busy(rd: RunDir, k: int, log: logging.Logger, busy: list[int]) -> None:
+def _say_busy(rd: RunDir, k: int, log: logging.Logger) -> None:
     from toolkit.formats.progress import read_progress
 
     p = read_progress(rd.progress_file(k))
     who = f"pid {p.pid} on {p.host}, {p.state}" if p is not None and p.pid and p.host else "another worker"
     log.warning("shard %d is being generated elsewhere (%s; its file is locked): not run here; this run waits for "
                 "it and merges once every shard is done", k, who)
-    busy.append(k)

@@ -48,12 +48,15 @@ def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_t
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "Slurm not reachable: not validated against a cluster" in out
-    assert "1 job array(s) (MaxArraySize 1001): shards 0-63" in out
+    # as many tasks as run at once (array_parallelism = 16), each claiming the 64 shards one after another
+    assert "1 job array(s) (MaxArraySize 1001): 16 tasks claiming shards 0-63" in out
+    assert ("==> array 1 of 1: shards 0-63 (16 tasks at once: each task starts its engine once and claims unfinished "
+            "shards one after another until none is left) <==") in out
     run = tmp_path / "run"
     array, merge = scripts(out)
     log = f"{run}/slurm/%A_%a/%A_%a_0_log.out"
     assert sbatch(array) == [
-        "#SBATCH --array=0-63%16", "#SBATCH --cpus-per-task=32", "#SBATCH --gpus-per-node=8",
+        "#SBATCH --array=0-15%16", "#SBATCH --cpus-per-task=32", "#SBATCH --gpus-per-node=8",
         "#SBATCH --job-name=t-shards", "#SBATCH --mem=200G", "#SBATCH --nodes=1", "#SBATCH --open-mode=append",
         f"#SBATCH --output={log}", "#SBATCH --partition=gpu", "#SBATCH --requeue", "#SBATCH --signal=USR2@120",
         "#SBATCH --time=24:00:00", "#SBATCH --wckey=submitit",

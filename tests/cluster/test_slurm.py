@@ -72,7 +72,7 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     assert f"run directory: {run}" in r.stdout and f"toolkit status {run}" in r.stdout
     rows, merge = wait_run(run)
     assert [x.state for x in rows] == ["completed"] * 4
-    assert [x.job for x in rows] == [f"{array_id}_{i}" for i in range(4)]
+    assert {x.job for x in rows} <= {f"{array_id}_{i}" for i in range(4)}  # the task that claimed each
     assert sum(x.done for x in rows) == 16 and merge.state == "completed" and merge.merged
     # The merge job started only after the last shard task ended.
     for _ in range(30):
@@ -85,7 +85,7 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     assert len(re.findall(r"^\s+\d+ completed ", status, re.M)) == 4 and f"merge: job {merge_id} completed" in status
     for k in range(4):
         log = toolkit("logs", str(run), str(k)).stdout
-        assert f"shard {k} of run" in log and f"(array {array_id}, task {k})" in log and "GPUs " in log
+        assert f"shard {k} of run" in log and f"(array {array_id}, task " in log and "GPUs " in log
     assert "[stub-engine, not a model]" in toolkit("logs", str(run), "0", "--server").stdout
 
 
@@ -115,8 +115,9 @@ def test_a_grown_job_submitted_again_sends_only_its_new_shard(tmp_path, toy_toke
 def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_path, toy_tokenizer):
     broken = tmp_path / "BROKEN-1"
     broken.write_text("node has no GPU driver\n")
+    # shards slow enough that task 1 claims shard 1 (its first) before another task is free to take it
     job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=9, shards=3,
-                    stub={"exit_at_start_if_exists": str(tmp_path / "BROKEN-{shard}")})
+                    stub={"exit_at_start_if_exists": str(tmp_path / "BROKEN-{shard}"), "token_delay_s": 0.03})
     toolkit("submit", str(job))
     run = tmp_path / "run"
     rows, merge = wait_run(run)
@@ -137,7 +138,7 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     assert "resubmitting 1 shard: 1 without a done manifest" in r.stdout
     subs = read_jobs(RunDir(run)).submissions
     task = subs[-1].arrays[0].tasks[0]
-    assert f"(1 shard task: {task} runs shard 1)" in r.stdout
+    assert f"Submitted batch job {task} (1 task claiming shards 1:" in r.stdout
     assert len(subs) == before + 1 and [a.shards for a in subs[-1].arrays] == [[1]]
     again = toolkit("resubmit", str(run), check=False)
     assert again.returncode == 1 and "still pending or running" in again.stderr
@@ -176,6 +177,42 @@ def test_scontrol_requeue_resumes_and_nothing_is_lost(tmp_path, toy_tokenizer):
     assert "requeued" in seen or "pending" in seen
 
 
+def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses_nothing(tmp_path, toy_tokenizer):
+    """8 shards at parallelism 2: two tasks, each starting its engine once and claiming shards until none is left;
+    one of them requeued mid-shard (`scontrol requeue`): its shard is claimed again and every id is merged once."""
+    from toolkit.dataset.merge import merge_run
+    from toolkit.formats.progress import read_progress
+
+    n = 48
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=8, stub={"token_delay_s": 0.02},
+                    sampling={"max_new_tokens": 300}, client={"concurrency": 2}, slurm={"array_parallelism": 2})
+    r = toolkit("submit", str(job))
+    array_id = submitted_ids(r.stdout)[0]
+    assert f"array of 2 tasks {array_id}_[0-1] claiming shards 0-7" in r.stdout
+    run, rd = tmp_path / "run", RunDir(tmp_path / "run")
+    deadline = time.time() + 180
+    victim = None
+    while victim is None:  # a task busy with its second shard or later, a few records in
+        assert time.time() < deadline, "no task went on to a second shard"
+        for k in range(8):
+            p = read_progress(rd.progress_file(k))
+            if p is not None and p.state == "generating" and p.task_shards >= 2 and p.done >= 1:
+                victim = p
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", victim.task], check=True)
+    rows, merge = wait_run(run, timeout=300)
+    assert [x.state for x in rows] == ["completed"] * 8 and merge.state == "completed"
+    status = toolkit("status", str(run)).stdout
+    assert re.search(r"^tasks: 2, [23] engine starts in all$", status, re.M), status
+    starts = sum(p.read_text().count("===== toolkit: engine start #") for p in (run / "logs").glob("*.server.log"))
+    assert 2 <= starts <= 3, "one start per task, and one more for the requeued task if it found shards left"
+    again = read_progress(rd.progress_file(victim.shard))
+    assert again.state == "done" and (again.task != victim.task or again.restart_count >= 1)
+    merge_run(run)
+    ids = [rec.id for rec in read_shard(rd.merged_file)]
+    assert len(ids) == n and sorted(ids) == sorted(f"p{i:04d}" for i in range(n))
+
+
 def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
     """--time 1 with the signal 45 s before it: the task stops at ~15 s, submitit requeues it, it resumes."""
     n = 60
@@ -206,23 +243,23 @@ def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
     assert progress["restart_count"] >= 1
 
 
-def test_arrays_are_split_at_max_array_size(tmp_path, toy_tokenizer):
+def test_tasks_are_no_more_than_max_array_size(tmp_path, toy_tokenizer):
     job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=130, shards=130)
     dry = toolkit("submit", str(job), "--dry-run").stdout
-    assert "2 job array(s) (MaxArraySize 100): shards 0-99; shards 100-129" in dry
+    # as many tasks as may run at once (256 by default), within MaxArraySize, claiming all 130 shards
+    assert "1 job array(s) (MaxArraySize 100): 100 tasks claiming shards 0-129" in dry
     assert "#SBATCH --gpus-per-node=1" in dry and "#SBATCH --signal=USR2@" in dry
     assert not (tmp_path / "run").exists(), "a dry run plans nothing on disk"
-    r = toolkit("submit", str(job), "--array-parallelism", "1")
+    r = toolkit("submit", str(job), "--array-parallelism", "3")
     ids = submitted_ids(r.stdout)
     toolkit("cancel", str(tmp_path / "run"))
     subs = read_jobs(RunDir(tmp_path / "run")).submissions
-    assert [len(a.shards) for a in subs[0].arrays] == [100, 30] and len(ids) == 3
-    assert subs[0].arrays[1].shards[0] == 100
+    assert [(len(a.shards), len(a.tasks), a.claims) for a in subs[0].arrays] == [(130, 3, True)] and len(ids) == 2
     # What the dry run showed is what was submitted (but for the parallelism flag given here).
-    shown = dry.split("==> array 1 of 2")[1].split("\n", 1)[1].split("\n==> ")[0]
+    shown = dry.split("==> array 1 of 1")[1].split("\n", 1)[1].split("\n==> ")[0]
     sent = (tmp_path / "run" / "slurm" / ids[0] / f"{ids[0]}_submission.sh").read_text()
-    assert "#SBATCH --array=0-99%1" in sent and "#SBATCH --array=0-99%100" in shown
-    assert sent.replace("%1\n", "%100\n", 1).strip() == shown.strip()
+    assert "#SBATCH --array=0-2%3" in sent and "#SBATCH --array=0-99%100" in shown
+    assert sent.replace("0-2%3\n", "0-99%100\n", 1).strip() == shown.strip()
     assert "validated against the cluster: partition gpu (nodes with up to 4 GPUs, 8 CPUs)" in dry
 
 
@@ -271,10 +308,13 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
                 break
             time.sleep(0.5)
         assert waiting and all(s["reason"] for s in waiting), [(s["state"], s["reason"]) for s in st["shards"]]
-        assert {s["reason"] for s in waiting} <= {"JobArrayTaskLimit", "Priority", "Resources", "None"}
+        # the one task waits as squeue says, or runs: the shards it has not claimed yet wait for it
+        claim = "not claimed yet: 1 of the 1 tasks of array "
+        assert all(s["reason"] in ("JobArrayTaskLimit", "Priority", "Resources", "None") or
+                   s["reason"].startswith(claim) for s in waiting), [s["reason"] for s in waiting]
         assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
         table = toolkit("status", str(run), check=False).stdout
-        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(JobArrayTaskLimit|Priority|Resources)$", table, re.M)
+        assert "REASON" in table and re.search(r"^\s+\d+ pending .*(Priority|Resources|not claimed yet: .*)$", table, re.M)
         assert "merge: job " in table and "pending (Dependency)" in table
     finally:
         toolkit("cancel", str(run))

@@ -126,14 +126,16 @@ def test_submit_sends_one_throttled_array_and_a_merge_job_after_it(fake, tmp_pat
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
     assert cli_main(["submit", str(job), "--time", "2:00:00"]) == 0
     out = capsys.readouterr().out
-    assert "Submitted batch job 1001 (array of 3 shard tasks 1001_[0-2]: task i runs shard i, shards 0-2)" in out
+    assert ("Submitted batch job 1001 (array of 2 tasks 1001_[0-1] claiming shards 0-2: each starts its engine once "
+            "and claims unfinished shards one after another until none is left)") in out
     assert "Submitted batch job 1002 (merge + audit, after 1001)" in out
     array, merge = fake.scripts
-    assert "#SBATCH --array=0-2%2" in array and "#SBATCH --time=02:00:00" in array
+    assert "#SBATCH --array=0-1%2" in array and "#SBATCH --time=02:00:00" in array
     assert "#SBATCH --dependency=afterany:1001" in merge and "#SBATCH --time=01:30:00" in merge
     check_golden("submit.txt", submitted(fake, tmp_path))
     subs = read_jobs(RunDir(tmp_path / "run")).submissions
-    assert [(a.job_id, a.shards, a.tasks) for a in subs[0].arrays] == [("1001", [0, 1, 2], ["1001_0", "1001_1", "1001_2"])]
+    assert [(a.job_id, a.shards, a.tasks, a.claims) for a in subs[0].arrays] == \
+        [("1001", [0, 1, 2], ["1001_0", "1001_1"], True)]
     assert subs[0].merge_job_id == "1002"
 
 
@@ -144,10 +146,19 @@ def test_status_cancel_and_resubmit_ask_slurm_this(fake, tmp_path, toy_tokenizer
     fake.calls.clear()
     fake.scripts.clear()
 
-    fake.sacct = "1001_0|COMPLETED|n1\n1001_1|FAILED|n2\n1001_2|TIMEOUT|n1\n1002|CANCELLED by 0|\n"
+    from toolkit.formats.progress import Progress, write_progress
+
+    rd = RunDir(run)  # task 1001_1 failed on shard 1; 1001_0 ran out of time on shard 2; nobody took shard 0
+    write_progress(rd.progress_file(1), Progress(shard=1, total=2, state="failed", task="1001_1", group="1001",
+                                                 host="n2", task_engine_starts=1, task_shards=1))
+    write_progress(rd.progress_file(2), Progress(shard=2, total=2, state="generating", task="1001_0", group="1001",
+                                                 host="n1", task_engine_starts=1, task_shards=1))
+    fake.sacct = "1001_0|TIMEOUT|n1\n1001_1|FAILED|n2\n1002|CANCELLED by 0|\n"
     assert cli_main(["status", run]) == 1
     out = capsys.readouterr().out
-    assert "    1 failed" in out and "    2 timeout" in out and "merge: job 1002 cancelled" in out
+    assert "    0 incomplete" in out and "no task of array 1001 claimed it before they all ended" in out
+    assert "    1 failed      1001_1" in out and "    2 timeout     1001_0" in out and "merge: job 1002 cancelled" in out
+    assert "tasks: 2, 2 engine starts in all" in out and "  1001_0 on n1: shards 2 (engine started 1 time)" in out
     status_calls = calls_text(fake.calls)
     fake.calls.clear()
 
@@ -214,13 +225,15 @@ def test_the_dry_run_of_one_shard_shows_the_plain_job_submit_sends(fake, tmp_pat
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=3, shards=1, name="golden", slurm=SLURM)
     assert cli_main(["submit", str(job), "--dry-run"]) == 0
     dry = capsys.readouterr().out
-    assert "==> array 1 of 1: shards 0 (one job: runs shard 0, sent as a plain job (not an array)) <==" in dry
+    assert ("==> array 1 of 1: shards 0 (one job, sent as a plain job (not an array): it starts its engine once and "
+            "claims unfinished shards one after another until none is left) <==") in dry
     shown = dry.split("==> array 1 of 1")[1].split("\n", 1)[1].split("\n==> merge")[0]
     assert "--array" not in shown and "%A_%a" not in shown and f"{tmp_path}/run/slurm/%j/%j_0_log.out" in shown
     assert not fake.scripts, "a dry run submits nothing"
     assert cli_main(["submit", str(job)]) == 0
     sent = fake.scripts[0]
-    assert "(1 shard task: 1001 runs shard 0)" in capsys.readouterr().out
+    assert "(1 task claiming shards 0: it starts its engine once and runs them one after another)" in \
+        capsys.readouterr().out
     assert [x for x in sent.splitlines() if x.startswith("#SBATCH")] == \
         [x for x in shown.splitlines() if x.startswith("#SBATCH")]
 

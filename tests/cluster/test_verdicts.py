@@ -58,9 +58,9 @@ def done_manifest(shard: int, records: int = 4, failed: int = 0) -> DoneManifest
 
 
 def generating(shard: int = 0, **kw) -> Progress:
-    kw = {"started": NOW - 20, "updated": NOW - 1, **kw}
-    return Progress(shard=shard, state="generating", total=4, done=2, output_tokens=200, tok_per_s=50.0,
-                    host="n1", running=3, queued=1, kv_usage=0.5, **kw)
+    kw = {"started": NOW - 20, "updated": NOW - 1, "state": "generating", "host": "n1", **kw}
+    return Progress(shard=shard, total=4, done=2, output_tokens=200, tok_per_s=50.0, running=3, queued=1,
+                    kv_usage=0.5, **kw)
 
 
 def state(facts: ShardFacts, view: SlurmView | None = None, job: str | None = None, submitted: str = ""):
@@ -292,3 +292,57 @@ def test_a_progress_file_far_older_than_its_refresh_is_stale():
     assert fresh.state == "running" and fresh.stale is None and fresh.eta_s is not None
     loading = Progress(shard=0, state="loading", total=4, updated=NOW - 900)  # weights load for minutes: not stale
     assert state(ShardFacts(0, 4, None, loading)).stale is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# claiming arrays: tasks take shards as they come (worker.claims)
+# ---------------------------------------------------------------------------------------------------
+def claim_facts(progress: dict[int, Progress], sacct: dict[str, str], done: tuple[int, ...] = ()) -> RunFacts:
+    sub = Submission(submitted=iso(NOW - 60), arrays=[ArrayJob("12", [0, 1, 2, 3], ["12_0", "12_1"], claims=True)],
+                     merge_job_id="13")
+    view = SlurmView(jobs={j: SlurmJob(s, "n1" if s == "RUNNING" else None) for j, s in sacct.items()})
+    shards = [ShardFacts(shard=k, total=4, done=done_manifest(k) if k in done else None, progress=progress.get(k))
+              for k in range(4)]
+    return RunFacts(run_shown="RUN", shards=shards, jobs=index_jobs([sub]), view=view, merged=False, now=NOW)
+
+
+def claimed(shard: int, task: str, group: str = "12", **kw) -> Progress:
+    p = generating(shard, task=task, group=group, **{"task_engine_starts": 1, **kw})
+    return p
+
+
+def test_a_claiming_array_is_asked_about_once_and_each_shard_shows_the_task_that_took_it():
+    f = claim_facts({1: claimed(1, "12_0", task_shards=2), 2: claimed(2, "12_1")},
+                    {"12_0": "RUNNING", "12_1": "RUNNING"}, done=(0,))
+    assert f.jobs.job_ids == ["12", "13"] and f.jobs.pool_of == {0: "12", 1: "12", 2: "12", 3: "12"}
+    rows, _ = run_states(f)
+    assert [(r.state, r.job) for r in rows] == [("completed", None), ("running", "12_0"), ("running", "12_1"),
+                                                ("pending", None)]
+    assert rows[3].reason == "not claimed yet: 2 of the 2 tasks of array 12 claim shards as they free up"
+
+
+def test_a_shard_of_an_earlier_submission_or_no_task_left_is_not_running():
+    old = claimed(3, "9_1", group="9", state="stopped")  # an attempt of an earlier array: not this one's
+    rows, _ = run_states(claim_facts({3: old}, {"12_0": "COMPLETED", "12_1": "PREEMPTED"}))
+    assert rows[3].state == "incomplete" and rows[3].job is None and rows[3].node is None
+    assert rows[3].reason == "no task of array 12 claimed it before they all ended"
+    assert verdict(rows, MergeStatus(job=None, state=None, merged=False))[0] == EXIT_FAILED
+    # a stopped attempt of a task Slurm requeued: requeued, and claimed again by whichever task is free
+    rows, _ = run_states(claim_facts({3: claimed(3, "12_1", state="stopped")}, {"12_0": "RUNNING", "12_1": "REQUEUED"}))
+    assert (rows[3].state, rows[3].job) == ("requeued", "12_1")
+    # nobody answered: unknown, with why
+    f = claim_facts({}, {})
+    f.view = SlurmView(jobs={}, sacct="sacct did not answer", squeue="squeue did not answer")
+    assert run_states(f)[0][0].state == UNKNOWN
+
+
+def test_tasks_list_what_each_took_and_its_engine_starts():
+    from toolkit.cluster.verdicts import task_rows
+
+    f = claim_facts({0: claimed(0, "12_0", task_shards=1, host="n1", state="done"),
+                     1: claimed(1, "12_0", task_shards=2, host="n1"),
+                     2: claimed(2, "12_1", task_shards=1, host="n2", state="stopped"),
+                     3: claimed(3, "12_1", task_shards=1, host="n2", restart_count=1, task_engine_starts=1)}, {})
+    rows = task_rows(f.shards, running={1, 3})
+    assert [(t.task, t.node, t.shards, t.engine_starts, t.working_on) for t in rows] == [
+        ("12_0", "n1", [0, 1], 1, 1), ("12_1", "n2", [2, 3], 2, 3)]  # a requeued task started its engine again

@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 class ArrayJob(msgspec.Struct):
     job_id: str
-    shards: list[int]      # array task i runs shards[i]
+    shards: list[int]      # claims: the pool its tasks claim shards from; else array task i runs shards[i]
     tasks: list[str] = []  # Slurm id of each task: "123_4", or "123" when submitit sent a single job
+    claims: bool = False   # its tasks claim shards one after another (worker.claims); False: one shard per task
 
 
 class Submission(msgspec.Struct):

@@ -18,6 +18,7 @@ from toolkit.cluster.verdicts import (
     ShardFacts,
     ShardStatus,
     index_jobs,
+    pool_state,
     shard_status,
 )
 from toolkit.errors import BadInputError, ToolkitError
@@ -84,7 +85,9 @@ class ShardEnd:
         self.rd, self.shard = rd, shard
         jobs = index_jobs(read_jobs(rd).submissions)
         self.task = jobs.task_of.get(shard)
-        self.submitted = jobs.submitted_at.get(self.task or "", "")
+        self.array = jobs.pool_of.get(shard)  # a claiming array: any of its tasks may take the shard up again
+        self.pool_tasks = jobs.pool_tasks.get(self.array or "", [])
+        self.submitted = jobs.submitted_at.get(self.task or self.array or "", "")
         self.asked, self.said = -SLURM_ASK_S, None
 
     def __call__(self) -> str | None:
@@ -94,9 +97,15 @@ class ShardEnd:
         p = read_progress(rd.progress_file(k))
         if p is None or p.state not in FINISHED:
             return None
-        if p.state == "done" or self.task is None:
+        if p.state == "done" or self.task is None and self.array is None:
             return p.state
-        if time.monotonic() - self.asked >= SLURM_ASK_S:
+        if time.monotonic() - self.asked >= SLURM_ASK_S and self.array is not None:
+            self.asked = time.monotonic()
+            view = status.slurm_view([self.array])
+            state, _ = pool_state(view, self.array, self.pool_tasks, self.submitted, time.time())
+            going = state in ("pending", "submitted", UNKNOWN)
+            self.said = None if going else f"{p.state} (no task of array {self.array} left to take it up)"
+        elif time.monotonic() - self.asked >= SLURM_ASK_S:
             self.asked = time.monotonic()
             view = status.slurm_view([self.task.split("_")[0]])
             st = shard_status(ShardFacts(shard=k, total=p.total, done=None, progress=p), view, job=self.task,

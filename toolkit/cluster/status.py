@@ -30,12 +30,14 @@ from toolkit.cluster.verdicts import (
     ShardFacts,
     ShardStatus,
     SlurmView,
+    TaskStatus,
     Totals,
     exit_code,
     index_jobs,
     is_unknown,
     needs_scontrol,
     run_states,
+    task_rows,
     totals,
     verdict,
 )
@@ -56,12 +58,14 @@ class RunStatus(msgspec.Struct):
     merge: MergeStatus
     exit: int = 0
     verdict: str = ""
+    tasks: list[TaskStatus] = []  # the workers of the newest submission or run: shards taken, engine starts
 
 
-def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> RunStatus:
+def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
+                  tasks: list[TaskStatus] | None = None) -> RunStatus:
     code, why = verdict(rows, merge, rd.shown)
     return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals(rows), merge=merge, exit=code,
-                     verdict=why)
+                     verdict=why, tasks=tasks or [])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,7 +99,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
         done = read_done(rd.done_file(s.index))
         if done is not None:
             last_done = max(last_done, _mtime(rd.done_file(s.index)) or 0.0)
-        local = done is None and s.index not in jobs.task_of and p is not None
+        local = done is None and s.index not in jobs.task_of and s.index not in jobs.pool_of and p is not None
         shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
                                  gone=worker_gone(p) if local else None))
     merged_at = _mtime(rd.manifest_file)
@@ -127,9 +131,15 @@ def _audit_verdict(rd: RunDir, merged_at: float | None) -> str | None:
 
 
 def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus]:
+    rd, rows, merge, _ = run_status_tasks(run_dir)
+    return rd, rows, merge
+
+
+def run_status_tasks(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus]]:
+    """`run_status`, and the workers of the newest submission or run (task_rows)."""
     rd, facts = read_facts(run_dir)
     rows, merge = run_states(facts)
-    return rd, rows, merge
+    return rd, rows, merge, task_rows(facts.shards, {r.shard for r in rows if r.state == "running"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,7 +156,21 @@ def _fmt_load(r: ShardStatus) -> str:
     return "-" if r.running is None else f"{r.running}/{r.queued if r.queued is not None else '-'}"
 
 
-def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> str:
+def format_tasks(tasks: list[TaskStatus]) -> list[str]:
+    """`tasks: 12_0 on vm: shards 0,2,5 (engine started 1 time), now 5; ...`: who took which shard."""
+    if not tasks:
+        return []
+    out = []
+    for t in tasks:
+        starts = f"engine started {t.engine_starts} time{'s' if t.engine_starts != 1 else ''}"
+        now = f", now shard {t.working_on}" if t.working_on is not None else ""
+        out.append(f"  {t.task}{f' on {t.node}' if t.node else ''}: shards {','.join(map(str, t.shards))} ({starts}{now})")
+    total = sum(t.engine_starts for t in tasks)
+    return [f"tasks: {len(tasks)}, {total} engine start{'s' if total != 1 else ''} in all", *out]
+
+
+def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
+                  tasks: list[TaskStatus] | None = None) -> str:
     head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
             f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
     lines = [f"run {rd.shown}", head]
@@ -159,6 +183,7 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus) -> st
     t = totals(rows)
     lines.append(f"total: {t.done}/{t.total} prompts, {t.failed} failed, {t.output_tokens:,} output tokens, "
                  f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
+    lines += format_tasks(tasks or [])
     if merge.job or merge.merged:
         files = []
         if merge.merged:
@@ -202,13 +227,13 @@ def status_command(run: str | os.PathLike, *, watch: bool = False, interval: flo
     """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run ends."""
     unknown_since: float | None = None
     while True:
-        rd, rows, merge = run_status(run)
+        rd, rows, merge, tasks = run_status_tasks(run)
         if as_json:  # with --watch: one compact object per line, per refresh
-            text = msgspec.json.encode(status_report(rd, rows, merge)).decode()
+            text = msgspec.json.encode(status_report(rd, rows, merge, tasks)).decode()
             if not watch:
                 text = msgspec.json.format(text, indent=2)
         else:
-            text = format_status(rd, rows, merge)
+            text = format_status(rd, rows, merge, tasks)
         if not watch:
             print(text)
             return exit_code(rows, merge)

@@ -1,11 +1,12 @@
-"""Putting a run on the cluster: `submit` (one array task per shard through submitit, split at the cluster's
-MaxArraySize, and a merge-and-audit job with an `afterany` dependency on them), its dry run, `resubmit` and
-`cancel`, and what they print.
+"""Putting a run on the cluster: `submit` (a submitit array of as many tasks as may run at once, each claiming
+the run's unfinished shards one after another with one engine, and a merge-and-audit job with an `afterany`
+dependency on it), its dry run, `resubmit` and `cancel`, and what they print.
 
 The run is validated and planned first (spec, every prompt line, tokenizer and template; sglang is never imported
 here). What was submitted is appended to `RUN/slurm/jobs.json` (cluster.jobs). Time limits and preemption:
 tasks get `--signal=USR2@<signal_delay_s>` and `--requeue`; the task objects (cluster.tasks) stop, write what
-they have and hand over to submitit's checkpointing, which requeues them; a requeued task resumes its shard.
+they have and hand over to submitit's checkpointing, which requeues them; a requeued task claims again, and its
+shard is resumed by whichever task is free first.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from toolkit.cluster.resources import (
     validate_on_cluster,
     validate_resources,
 )
-from toolkit.cluster.tasks import MergeTask, ShardTask
+from toolkit.cluster.tasks import ClaimTask, MergeTask
 from toolkit.formats.manifests import needs_work, read_done
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import ranges, utc_now
@@ -64,10 +65,6 @@ def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = Non
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def _chunks(items: list[int], size: int) -> list[list[int]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
 def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
@@ -80,14 +77,18 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -
                          "submitted") from None
 
 
+def workers_for(params: dict[str, Any], shards: list[int], max_array_size: int) -> int:
+    """Array tasks for a pool of `shards`: as many as may run at once (`array_parallelism`), no more than there
+    are shards, within the cluster's MaxArraySize."""
+    return max(1, min(int(params.get("array_parallelism") or 1), len(shards), max_array_size))
+
+
 def _submit_arrays_unguarded(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
     params = shard_params(plan, o)
-    limit = resources.max_array_size()
-    arrays = []
+    n = workers_for(params, shards, resources.max_array_size())
     ex = _executor(rd, params)
-    for chunk in _chunks(shards, limit):
-        jobs = ex.map_array(ShardTask(str(rd.root)), chunk)
-        arrays.append(ArrayJob(jobs[0].job_id.split("_")[0], chunk, [str(j.job_id) for j in jobs]))
+    jobs = ex.map_array(ClaimTask(str(rd.root), shards, n), list(range(n)))
+    arrays = [ArrayJob(jobs[0].job_id.split("_")[0], shards, [str(j.job_id) for j in jobs], claims=True)]
     dep = "afterany:" + ":".join(a.job_id for a in arrays)
     mex = _executor(rd, merge_params(plan, o, dep))
     merge_job = mex.submit(MergeTask(str(rd.root)))
@@ -122,9 +123,10 @@ class DryRun(msgspec.Struct):
     shards: int
     fingerprint: str
     cluster: ClusterCheck
-    arrays: list[list[int]]     # the shards of each array
+    arrays: list[list[int]]     # the pool of shards each array's tasks claim
     array_scripts: list[str]    # the sbatch script of each array, as submitit writes it
     merge_script: str
+    tasks: list[int] = []       # the tasks of each array (the run's parallelism)
 
 
 def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
@@ -145,14 +147,15 @@ def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) ->
     rd = rd or RunDir(plan.spec.output_dir)
     check_resources(plan, options)
     o, cluster = check_cluster(plan, options)
-    arrays = _chunks(_pending(rd, plan), cluster.max_array_size)
+    pool = _pending(rd, plan)
     params = shard_params(plan, o)
-    scripts = [sbatch_script(rd, params, array=len(a) if len(a) > 1 else None) for a in arrays]
-    names = [DEPENDENCY_PLACEHOLDER] if len(arrays) == 1 else [f"{DEPENDENCY_PLACEHOLDER}_{i + 1}" for i in range(len(arrays))]
-    merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + ":".join(names)))
+    arrays = [pool] if pool else []
+    tasks = [workers_for(params, a, cluster.max_array_size) for a in arrays]
+    scripts = [sbatch_script(rd, params, array=n if n > 1 else None) for n in tasks]
+    merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + DEPENDENCY_PLACEHOLDER))
     return DryRun(run_dir=rd.shown, prompts=plan.total, datasets=len(plan.datasets), shards=len(plan.shards),
                   fingerprint=plan.fingerprint, cluster=cluster, arrays=arrays, array_scripts=scripts,
-                  merge_script=merge)
+                  merge_script=merge, tasks=tasks)
 
 
 def format_dry_run(d: DryRun) -> str:
@@ -167,13 +170,13 @@ def format_dry_run(d: DryRun) -> str:
         lines.append(f"Slurm not reachable: not validated against a cluster ({c.why}); MaxArraySize assumed "
                      f"{c.max_array_size}")
     lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
-                 + "; ".join(f"shards {ranges(a, sep=',')}" for a in d.arrays))
+                 + "; ".join(f"{_tasks(n)} claiming shards {ranges(a, sep=',')}" for a, n in zip(d.arrays, d.tasks)))
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
-    for i, (shards, script) in enumerate(zip(d.arrays, d.array_scripts)):
-        runs = (f"one job: runs shard {shards[0]}, sent as a plain job (not an array)" if len(shards) == 1 else
-                f"task i runs shard {shards[0]} + i" if shards == list(range(shards[0], shards[0] + len(shards))) else
-                "task i runs the i-th of them")
-        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs}) <==")
+    for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
+        runs = ("one job, sent as a plain job (not an array): it starts" if n == 1 else
+                f"{n} tasks at once: each task starts")
+        lines.append(f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs} its engine "
+                     "once and claims unfinished shards one after another until none is left) <==")
         lines.append(script.rstrip("\n"))
     lines.append(f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job id, "
                  "known once it is submitted <==")
@@ -288,25 +291,22 @@ def cancel(run_dir: str | os.PathLike) -> list[str]:
     return ids
 
 
-MAPPED = 8  # array task -> shard pairs named in full
-
-
 JOBS_FILE = RunDir(".").jobs_file.as_posix()  # as a run directory holds it: slurm/jobs.json
 
 
+def _tasks(n: int) -> str:
+    return f"{n} task" + ("" if n == 1 else "s")
+
+
 def describe_array(a: ArrayJob) -> str:
-    """Which shard each task of an array runs, in words: `Submitted batch job 7 (array of 3 shard tasks: ...)`."""
-    n, first = len(a.shards), a.shards[0]
-    task = lambda i: a.tasks[i] if i < len(a.tasks) else f"{a.job_id}_{i}"  # noqa: E731
+    """What an array's tasks run, in words: `Submitted batch job 7 (array of 2 tasks 7_[0-1] claiming shards 0-7:
+    ...)`."""
+    n, shards = len(a.tasks) or 1, ranges(a.shards, sep=",")
+    claim = "each starts its engine once and claims unfinished shards one after another until none is left"
     if n == 1:  # submitit sends a single task as a plain job
-        return f"Submitted batch job {a.job_id} (1 shard task: {task(0)} runs shard {first})"
-    if a.shards == list(range(first, first + n)):
-        which = "task i runs shard i" if first == 0 else f"task i runs shard {first} + i"
-        return f"Submitted batch job {a.job_id} (array of {n} shard tasks {a.job_id}_[0-{n - 1}]: {which}, " \
-               f"shards {ranges(a.shards, sep=',')})"
-    pairs = ", ".join(f"{task(i)} = shard {k}" for i, k in enumerate(a.shards[:MAPPED]))
-    more = f", ... ({n - MAPPED} more; the mapping is in {JOBS_FILE})" if n > MAPPED else ""
-    return f"Submitted batch job {a.job_id} (array of {n} shard tasks: {pairs}{more})"
+        return f"Submitted batch job {a.job_id} (1 task claiming shards {shards}: it starts its engine once and " \
+               "runs them one after another)"
+    return f"Submitted batch job {a.job_id} (array of {n} tasks {a.job_id}_[0-{n - 1}] claiming shards {shards}: {claim})"
 
 
 def format_submission(rd: RunDir, sub: Submission) -> str:

@@ -1,5 +1,7 @@
-"""The callables Slurm runs, pickled by submitit: `ShardTask` (one array task: a shard, resumed after a requeue)
-and `MergeTask` (the run's final job: merge and audit)."""
+"""The callables Slurm runs, pickled by submitit: `ClaimTask` (one array task: starts its engine once and claims
+shards of the run's pool one after another, worker.claims; requeued on a time limit or preemption), `ShardTask`
+(one task, one shard: what runs submitted before claims ran) and `MergeTask` (the run's final job: merge and
+audit)."""
 
 from __future__ import annotations
 
@@ -36,16 +38,45 @@ class ShardTask:
         _log_to_stderr()
         submitit_handler = signal.getsignal(signal.SIGUSR2)
         result = run_shard(self.run_dir, shard)  # raises ShardFailed: the task fails, Slurm shows FAILED
-        if result.stop_signal == "SIGUSR2" and callable(submitit_handler):
-            # Let submitit do what it does on its signal: checkpoint (this same call) and requeue.
-            signal.signal(signal.SIGUSR2, submitit_handler)
-            submitit_handler(signal.SIGUSR2, None)
+        _requeue_if_stopped(result.stop_signal, submitit_handler)
         return str(result)
 
     def checkpoint(self, shard: int):
         import submitit
 
         return submitit.helpers.DelayedSubmission(ShardTask(self.run_dir), shard)
+
+
+def _requeue_if_stopped(stop_signal: str | None, submitit_handler) -> None:
+    if stop_signal == "SIGUSR2" and callable(submitit_handler):
+        # Let submitit do what it does on its signal: checkpoint (this same call) and requeue.
+        signal.signal(signal.SIGUSR2, submitit_handler)
+        submitit_handler(signal.SIGUSR2, None)
+
+
+class ClaimTask:
+    """Array task `worker` of `workers`: one engine, the shards of `pool` claimed one after another until none is
+    left; on SIGUSR2 (time limit or preemption) stops cleanly and requeues (the requeued task claims again: its
+    shard is free, and resumed by whichever task takes it). A shard that fails fails the task."""
+
+    def __init__(self, run_dir: str, pool: list[int], workers: int):
+        self.run_dir, self.pool, self.workers = run_dir, list(pool), workers
+
+    def __call__(self, worker: int) -> str:
+        from toolkit.worker.claims import run_claims, slurm_group, slurm_task
+
+        _log_to_stderr()
+        submitit_handler = signal.getsignal(signal.SIGUSR2)
+        result = run_claims(self.run_dir, self.pool, worker=worker, workers=self.workers, task=slurm_task(),
+                            group=slurm_group(), keep_going=False,  # raises ShardFailed: Slurm shows FAILED
+                            verify=False)  # (submitted: the shards without a done manifest, and failures that may pass)
+        _requeue_if_stopped(result.stopped, submitit_handler)
+        return f"shards done: {result.done}; engine starts: {result.engine_starts}"
+
+    def checkpoint(self, worker: int):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(ClaimTask(self.run_dir, self.pool, self.workers), worker)
 
 
 class MergeJobFailed(ToolkitError):

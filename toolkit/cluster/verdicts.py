@@ -26,8 +26,9 @@ from toolkit.formats.text import ranges
 
 __all__ = [
     "ACTIVE", "BAD_STATES", "DEAD", "STALE", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
-    "ShardStatus", "SlurmJob", "SlurmView", "Totals", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
-    "parse_sacct", "parse_scontrol", "parse_squeue", "run_states", "shard_status", "slurm_view", "totals", "unknown_why",
+    "ShardStatus", "SlurmJob", "SlurmView", "TaskStatus", "Totals", "claimed_by", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
+    "parse_sacct", "parse_scontrol", "parse_squeue", "pool_state", "run_states", "shard_status", "slurm_view",
+    "task_rows", "totals", "unknown_why",
     "verdict",
 ]
 
@@ -210,30 +211,69 @@ def slurm_view(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
 # what was submitted
 # ---------------------------------------------------------------------------------------------------
 class JobsIndex(msgspec.Struct):
-    """jobs.json arranged for status: the task that runs each shard (later submissions win), and the merge job."""
+    """jobs.json arranged for status (later submissions win): the task that runs each shard of an array of one
+    shard per task, the array whose tasks claim each shard of a claiming array (its pool), and the merge job."""
 
     task_of: dict[int, str]          # {shard: Slurm task id}
-    submitted_at: dict[str, str]     # {task id: ISO time of its submission}
+    submitted_at: dict[str, str]     # {task or array job id: ISO time of its submission}
     merge_job: str | None = None
     merge_submitted: str = ""
+    pool_of: dict[int, str] = {}     # {shard: array job id whose tasks claim it}
+    pool_tasks: dict[str, list[str]] = {}  # {array job id: its task ids}
 
     @property
     def job_ids(self) -> list[str]:
         """The jobs to ask Slurm about: each array once, and the merge job."""
-        return sorted({t.split("_")[0] for t in self.task_of.values()} | ({self.merge_job} if self.merge_job else set()))
+        return sorted({t.split("_")[0] for t in self.task_of.values()} | set(self.pool_of.values())
+                      | ({self.merge_job} if self.merge_job else set()))
 
 
 def index_jobs(submissions) -> JobsIndex:
     """`submissions`: slurm.Jobs.submissions, oldest first."""
-    idx = JobsIndex(task_of={}, submitted_at={})
+    idx = JobsIndex(task_of={}, submitted_at={}, pool_of={}, pool_tasks={})
     for sub in submissions:
         for a in sub.arrays:
+            if a.claims:
+                idx.pool_tasks[a.job_id] = list(a.tasks) or [a.job_id]
+                idx.submitted_at[a.job_id] = sub.submitted
+                for k in a.shards:
+                    idx.pool_of[k] = a.job_id
+                    idx.task_of.pop(k, None)
+                for t in idx.pool_tasks[a.job_id]:
+                    idx.submitted_at[t] = sub.submitted
+                continue
             for i, k in enumerate(a.shards):
                 idx.task_of[k] = a.tasks[i] if a.tasks else f"{a.job_id}_{i}"
                 idx.submitted_at[idx.task_of[k]] = sub.submitted
+                idx.pool_of.pop(k, None)
         if sub.merge_job_id:
             idx.merge_job, idx.merge_submitted = sub.merge_job_id, sub.submitted
     return idx
+
+
+def claimed_by(p: Progress | None, array: str) -> str | None:
+    """The task of claiming array `array` that works (or worked) on a shard, as its progress file says; None when
+    no task of that array has claimed it."""
+    if p is None or not p.task or p.group != array:
+        return None
+    return p.task
+
+
+def pool_state(view: SlurmView, array: str, tasks: list[str], submitted: str, now: float) -> tuple[str, str | None]:
+    """The state of a shard no task of claiming array `array` has claimed yet, from its tasks: pending while one of
+    them is pending or running (it will claim it), incomplete once they have all ended without it, else unknown
+    (with why) or only submitted."""
+    known = {t: view.jobs[t] for t in tasks if t in view.jobs}
+    live = [t for t, j in known.items() if j.state.lower() in ACTIVE]
+    if live and all(known[t].state in ("PENDING", "REQUEUED") for t in live):  # why they wait, as squeue says
+        return "pending", known[live[0]].reason or f"not claimed yet: the tasks of array {array} are pending"
+    if live:
+        return "pending", f"not claimed yet: {len(live)} of the {len(tasks)} tasks of array {array} claim shards as they free up"
+    if len(known) == len(tasks):
+        return "incomplete", f"no task of array {array} claimed it before they all ended"
+    missing = next(t for t in tasks if t not in known)
+    why = unknown_why(view, missing, submitted, now)
+    return (UNKNOWN, why) if why else ("submitted", f"not claimed yet: array {array} submitted")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -274,11 +314,14 @@ class ShardFacts(msgspec.Struct):
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
-                 run_shown: str) -> ShardStatus:
-    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, else (no Slurm
+                 run_shown: str, pool: tuple[str, str | None] | None = None) -> ShardStatus:
+    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then `pool` (the
+    state and reason of a shard no task of its claiming array has claimed yet: pool_state), else (no Slurm
     job: `toolkit run`) its progress file and whether its local worker is still alive."""
     k, done = f.shard, f.done
     p = f.progress or Progress(shard=k, state="pending", total=f.total)
+    if pool is not None and job is None:  # the progress file, if any, is of an earlier submission's attempt
+        p = msgspec.structs.replace(p, host="", error=None, state="pending")
     error = p.error
     stale_s = stale_for(p, now) if done is None else None
     known = view.jobs.get(job) if job else None
@@ -293,6 +336,9 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     elif job:
         reason = unknown_why(view, job, submitted, now)
         state = UNKNOWN if reason else "submitted"  # submitted: sacct has no row yet
+    elif pool is not None:
+        state, reason = pool
+        error = None
     elif f.gone:
         state = DEAD
         error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
@@ -342,12 +388,56 @@ class RunFacts(msgspec.Struct):
     audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
 
 
+def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
+    array = f.jobs.pool_of.get(s.shard)
+    if array is None:
+        job = f.jobs.task_of.get(s.shard)
+        return shard_status(s, f.view, job=job, submitted=f.jobs.submitted_at.get(job or "", ""), now=f.now,
+                            run_shown=f.run_shown)
+    submitted = f.jobs.submitted_at.get(array, "")
+    job = claimed_by(s.progress, array)
+    pool = None if job else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
+    return shard_status(s, f.view, job=job, submitted=submitted, now=f.now, run_shown=f.run_shown, pool=pool)
+
+
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
-    rows = [shard_status(s, f.view, job=f.jobs.task_of.get(s.shard),
-                         submitted=f.jobs.submitted_at.get(f.jobs.task_of.get(s.shard, ""), ""), now=f.now,
-                         run_shown=f.run_shown) for s in f.shards]
+    rows = [_row(s, f) for s in f.shards]
     return rows, merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
                               now=f.now, current=f.merged_current, audit=f.audit)
+
+
+class TaskStatus(msgspec.Struct):
+    """One worker of the newest claiming group (a Slurm array job, or one `toolkit run`), as the progress files of
+    the shards it took say."""
+
+    task: str                  # `12_3`, or `worker 1 (pid 4242)` of `toolkit run`
+    node: str | None
+    shards: list[int]          # the shards it took, in the order it took them (those no other task took since)
+    engine_starts: int         # engine starts, summed over its attempts (a requeued task starts its engine again)
+    working_on: int | None = None  # the shard it loads or generates now
+
+
+def task_rows(shards: list[ShardFacts], running: set[int] = frozenset()) -> list[TaskStatus]:
+    """The workers of the newest group and what each took, from the shards' progress files; `running`: the shards
+    whose state is running (the shard a worker works on now is one of them)."""
+    ps = [f.progress for f in shards if f.progress is not None and f.progress.task and f.progress.group]
+    if not ps:
+        return []
+    newest = max(ps, key=lambda p: p.updated).group
+    by_task: dict[str, list[Progress]] = {}
+    for p in ps:
+        if p.group == newest:
+            by_task.setdefault(p.task, []).append(p)
+    rows = []
+    for task, mine in by_task.items():
+        starts: dict[int, int] = {}
+        for p in mine:
+            starts[p.restart_count] = max(starts.get(p.restart_count, 0), p.task_engine_starts)
+        mine.sort(key=lambda p: (p.restart_count, p.task_shards, p.started))
+        now = [p.shard for p in mine if p.shard in running]
+        rows.append(TaskStatus(task=task, node=mine[-1].host or None, shards=[p.shard for p in mine],
+                               engine_starts=sum(starts.values()), working_on=now[-1] if now else None))
+    return sorted(rows, key=lambda r: (len(r.task), r.task))
 
 
 def totals(rows: list[ShardStatus]) -> Totals:

@@ -53,3 +53,33 @@ def check_engine_layout(e: Any, gpus_per_node: int, where: str = "[slurm] gpus_p
         return (f"[engine] nodes = {n} with {layout} uses {total} GPUs, {total // n} per node, but {where} = "
                 f"{gpus_per_node}: SGLang's --tp-size counts the GPUs of all nodes; {fix}")
     return None
+
+
+def visible_gpus(env: dict[str, str], count_gpus=None) -> list[str]:
+    """The GPUs this machine lets a job use: CUDA_VISIBLE_DEVICES's list when it is set (empty: none), else the
+    indices of the GPUs `count_gpus()` finds (nvidia-smi), else none."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    n = count_gpus() if count_gpus is not None else 0
+    return [str(i) for i in range(n)]
+
+
+def split_gpus(gpus: list[str], per_worker: int, parallel: int | None) -> tuple[int, list[list[str]]]:
+    """How many workers run on one machine and the GPUs of each: as many as `gpus` hold `per_worker` each (one
+    when no GPU is known), or `parallel` when given; each worker gets its own `per_worker` GPUs (no GPUs when none
+    are known). Raises ValueError, saying why, when `parallel` workers do not fit the GPUs."""
+    per = max(1, per_worker)
+    if parallel is not None and parallel < 1:
+        raise ValueError(f"--parallel {parallel}: give at least 1")
+    if not gpus:
+        n = parallel or 1
+        return n, [[] for _ in range(n)]
+    fits = len(gpus) // per
+    if fits < 1:
+        raise ValueError(f"one engine needs {per} GPUs but {len(gpus)} are visible ({','.join(gpus)})")
+    n = parallel or fits
+    if n > fits:
+        raise ValueError(f"--parallel {n} needs {n * per} GPUs ({per} per engine) but {len(gpus)} are visible "
+                         f"({','.join(gpus)}); at most --parallel {fits}")
+    return n, [gpus[i * per:(i + 1) * per] for i in range(n)]

@@ -4,7 +4,8 @@ flock on the shard file where the file system has it. Where it does not (older N
 ENOLCK, EOPNOTSUPP, ENOSYS), an exclusive lock file `NNNNN.zst.lock` created with O_CREAT|O_EXCL stands in
 (`LockFile`): it names host, pid and start time (a `LockHolder`), a stale one is taken over (same host and pid
 gone, or another host's untouched for STALE_LOCK_S), any other is refused with how to remove it. Where flock
-works but is node-local, the Slurm array runs one task per shard.
+works but is node-local, two tasks on two nodes could take the same shard (worker.claims: the lock is the claim);
+the merge keeps each id once, but the work is done twice.
 """
 
 from __future__ import annotations

@@ -48,6 +48,11 @@ class Progress(msgspec.Struct, kw_only=True):
     capacity: int | None = None      # requests it can run at once
     in_flight_target: int | None = None  # requests the worker keeps in flight ([client] concurrency, or "auto")
     partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued next time)
+    # the worker that runs this attempt, which claims shards one after another with one engine (worker.claims)
+    task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of `toolkit run`
+    task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a requeue restarts it)
+    task_shards: int = 0             # shards that worker has taken so far, this one included
+    group: str | None = None         # the workers sharing one pool of shards (a Slurm array job, one `toolkit run`)
 
     def eta_s(self) -> float | None:
         """Seconds left at this attempt's pace (None before it has a pace)."""

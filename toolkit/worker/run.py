@@ -55,7 +55,7 @@ from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
 from toolkit.worker.shard import Shard
 from toolkit.worker.turn_order import Chains
 
-__all__ = ["run_shard", "Outcome", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
+__all__ = ["run_shard", "run_shard_in", "EngineSession", "Outcome", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -141,43 +141,117 @@ async def _race(stop: asyncio.Event, *aws) -> None:
         await cancel_and_wait([*tasks, stopper])
 
 
-async def _run(sh: Shard, todo: Todo) -> str:
-    spec = sh.spec
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    guard = sh.exit_guard = ExitGuard(sh.shard, loop)
+class EngineSession:
+    """The engine one worker keeps across the shards it runs: started for the first shard with prompts to generate,
+    restarted when it dies, and — with `keep` (a worker claiming shards one after another, worker.claims) — left
+    running when a shard is done, for the next; stopped when a shard stops or fails, or when the worker closes the
+    session. It also owns the stop request: a signal stops the shard being run and the worker after it."""
 
-    def on_signal(sig: int) -> None:
+    def __init__(self, *, keep: bool = False, task: str | None = None, group: str | None = None):
+        self.keep = keep
+        self.task = task              # who works (`12_3` on Slurm, `worker 2` here): written into progress files
+        self.group = group            # the workers sharing its pool (worker.claims): written into progress files
+        self.engine = None            # engines.base.Engine, once a shard needed one
+        self.served: list[int] = []   # shards run in this session, in order
+        self.first_shard: int | None = None  # the shard whose server log the engine writes
+        self.stop: asyncio.Event | None = None
+        self.stop_signal: str | None = None
+        self.current: Shard | None = None
+        self.waiting_for: str | None = None
+
+    @property
+    def starts(self) -> int:
+        """Engine starts in this session (restarts after a crash included)."""
+        return self.engine.starts if self.engine is not None else 0
+
+    def engine_for(self, sh: Shard):
+        if self.engine is None:
+            self.first_shard = sh.shard
+            self.engine = make_engine(sh.spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
+        return self.engine
+
+    def install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def remove_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
-        if stop.is_set():
-            log.warning("got %s again: still stopping, %s", name, sh.waiting_for or "saving and writing what is done")
+        sh = self.current
+        if self.stop.is_set():
+            waiting = (sh.waiting_for if sh is not None else None) or self.waiting_for
+            log.warning("got %s again: still stopping, %s", name, waiting or "saving and writing what is done")
             return
+        self.stop_signal = name
+        if sh is None:  # between shards: no shard is claimed after this
+            log.warning("got %s: stopping; no further shard is started", name)
+            self.stop.set()
+            return
+        spec = sh.spec
         log.warning("got %s: stopping; what is done is written, prompts in flight %s", name,
                     "are saved as partial outputs and continued next time" if spec.client.save_in_flight
                     else "are generated again next time")
         sh.progress.stop_signal = name
-        stop.set()
-        guard.arm(ABORT_GRACE_S + _exit_bound(spec), f"{name} asked it to stop")
+        self.stop.set()
+        if sh.exit_guard is not None:
+            sh.exit_guard.arm(ABORT_GRACE_S + _exit_bound(spec), f"{name} asked it to stop")
 
-    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    async def close(self, spec, shard: int) -> None:
+        """Stop the engine if it still runs, within the exit bound (exitguard)."""
+        engine = self.engine
+        if engine is None or engine.proc is None or not engine.alive():
+            return
+        guard = ExitGuard(shard, asyncio.get_running_loop())
+        guard.before_exit.append(lambda: _kill(engine))
+        guard.arm(_exit_bound(spec), "its last shard ended")
+        grace = spec.engine.shutdown_timeout_s
+        self.waiting_for = (f"waiting for the engine (pid {engine.proc.pid}) to exit: SIGTERM sent, SIGKILL after "
+                            f"{grace:g} s ([engine] shutdown_timeout_s)")
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop, None)
+        finally:
+            self.waiting_for = None
+            guard.disarm()
+
+
+async def _run(sh: Shard, todo: Todo, session: EngineSession) -> str:
+    spec = sh.spec
+    loop = asyncio.get_running_loop()
+    stop = session.stop
+    if stop.is_set():  # a signal came while the shard was being opened: nothing started
+        sh.progress.stop_signal = session.stop_signal
+        return STOPPED
+    guard = sh.exit_guard = ExitGuard(sh.shard, loop)
+    session.current = sh
     most = _max_in_flight(spec)
     feed = Feed(Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
     state = RenderState()
     if any(d.regenerate for d in sh.plan.datasets):
         sh.chains = state.chains = Chains(sh, feed, RefSlice(sh.rd, sh.sp.first, sh.sp.count), sh.history)
-    engine = make_engine(spec, sh.rd.server_log_file(sh.shard), probe_ids=[], shard=sh.shard)
+    engine = session.engine_for(sh)
     if not engine.is_model:
         log.warning("engine is the STUB: a stand-in for SGLang's protocol, NOT a model; its outputs are synthetic")
     renderer = threading.Thread(target=render_thread, args=(loop, feed, sh.plan, todo, state), daemon=True, name="render")
     guard.before_exit += [lambda: sh.writer.flush_within(5.0), lambda: _kill(engine)]
-    sh.save_progress("loading")
-    try:
-        engine.start()
-    except EngineError as e:  # refused before launch (e.g. SGLang's parser rejects the command line)
-        raise ShardFailed(str(e)) from None
+    running = engine.starts > 0 and engine.alive()
+    keep = False
+    if running:  # claimed after another shard: the engine serves on
+        pid = f"pid {engine.proc.pid}, " if engine.proc is not None else ""
+        log.info("engine %s already running (%sstarted %s in this task, its log %s): no new start",
+                 engine.kind, pid, _count(engine.starts, "time"), shown_path(engine.server_log))
+        sh.save_progress("loading")
+    else:
+        sh.save_progress("loading")
+        try:
+            engine.start()
+        except EngineError as e:  # refused before launch (e.g. SGLang's parser rejects the command line)
+            raise ShardFailed(str(e)) from None
     renderer.start()
-    ready_once = False
+    ready_once = running
     try:
         while True:
             http = sh.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=most)
@@ -196,6 +270,7 @@ async def _run(sh: Shard, todo: Todo) -> str:
                          len(todo), len(sh.partial), spec.client.concurrency)
                 sh.last_answer = time.monotonic()
                 await _generate_shard(sh, stop, feed, engine, hang, state.info)
+                keep = session.keep and engine.alive()
                 return DONE
             except EngineUnreachable as e:
                 raise ShardFailed(str(e)) from None
@@ -228,9 +303,9 @@ async def _run(sh: Shard, todo: Todo) -> str:
         if sh.chains is not None:
             sh.chains.close()
         sh.writer.flush()
-        await _stop_engine(sh, engine)
-        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        if not keep:
+            await _stop_engine(sh, engine)
+        session.current = None
         _account_for(renderer)
 
 
@@ -401,8 +476,23 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
     directory that cannot be written, a shard file another worker holds: a ShardFailed saying what to do, and the
     shard's progress says failed (where it can still be written). Nothing written before is lost.
     """
+    async def one() -> Outcome:
+        session = EngineSession()
+        loop = asyncio.get_running_loop()
+        session.install_signals(loop)
+        try:
+            return await run_shard_in(run_dir, shard, session)
+        finally:
+            session.remove_signals(loop)
+
+    return asyncio.run(one())
+
+
+async def run_shard_in(run_dir: str | os.PathLike, shard: int, session: EngineSession) -> Outcome:
+    """`run_shard` inside a running event loop, with the engine of `session` (started here when it has none;
+    left running after a shard done when the session keeps it)."""
     try:
-        return _run_shard(run_dir, shard)
+        return await _run_shard(run_dir, shard, session)
     except OSError as e:  # before the shard's log is open, or it cannot be
         raise _failed(e, RunDir(run_dir), shard) from None
 
@@ -436,7 +526,7 @@ def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
         pass
 
 
-def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
+async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSession) -> Outcome:
     rd, plan = load_run(run_dir)
     if not 0 <= shard < len(plan.shards):
         raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
@@ -446,6 +536,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     sh = Shard(rd, plan, shard)
+    sh.session = session
     try:
         ctx = sh.progress
         log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, "prompt"),
@@ -459,6 +550,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
             raise ShardBusy(str(e)) from None
         except ForeignShard as e:  # the file is another run's
             raise ShardFailed(str(e), exit_code=e.exit_code) from None
+        session.served.append(shard)
         try:
             redo = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
@@ -472,7 +564,7 @@ def _run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
             result = DONE
             if todo:
                 try:
-                    result = asyncio.run(_run(sh, todo))
+                    result = await _run(sh, todo, session)
                 except ShardFailed as e:
                     sh.progress.error = str(e)
                     sh.save_progress("failed")

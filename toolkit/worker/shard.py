@@ -62,6 +62,7 @@ class Shard:
         self.http: HttpClient | None = None  # the requests' client, one per engine start
         self.expect: Expect | None = None  # what every answer is checked against (the vocabulary, SGLang's limit)
         self.exit_guard = None     # exitguard.ExitGuard of this run of the shard (bounds its end)
+        self.session = None        # run.EngineSession: the engine this worker keeps across the shards it runs
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
@@ -70,6 +71,10 @@ class Shard:
         p.done = self.recorded
         p.output_tokens = p.resumed_tokens + self.tokens  # the shard's total; the rate is this attempt's alone
         p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
+        if self.session is not None:
+            p.task, p.group = self.session.task, self.session.group
+            p.task_engine_starts = self.session.starts
+            p.task_shards = len(self.session.served)
         write_progress(self.rd.progress_file(self.shard), p)
 
     def add(self, record: Record) -> None:

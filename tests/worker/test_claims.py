@@ -1,0 +1,237 @@
+"""Workers that claim shards: one engine start per worker, shards taken one after another, exactly once under
+kill -9; the policy that picks the next shard; `toolkit run` with a worker per engine's worth of GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job, prepared_run
+from toolkit.dataset.merge import merge_run
+from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress
+from toolkit.worker.claims import run_claims
+from toolkit.worker.policy import Candidate, pick, start_of
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def engine_starts(server_log: Path) -> int:
+    return server_log.read_text().count("===== toolkit: engine start #") if server_log.exists() else 0
+
+
+def all_engine_starts(rd) -> int:
+    return sum(engine_starts(p) for p in rd.logs_dir.glob("*.server.log"))
+
+
+def merged_ids(rd) -> list[str]:
+    merge_run(rd.root)
+    return [r.id for r in read_shard(rd.merged_file)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the policy (the simulation in benchmarks/bench_claims_sim.py calls the same function)
+# ---------------------------------------------------------------------------------------------------
+def test_the_shard_with_most_prompts_left_is_claimed_first_ties_in_the_workers_own_order():
+    pool = [0, 1, 2, 3, 4, 5]
+    fresh = [Candidate(k, 10) for k in pool]
+    assert pick(fresh, pool, start_of(0, 2, pool)) == 0 and pick(fresh, pool, start_of(1, 2, pool)) == 3
+    assert [start_of(i, 6, pool) for i in range(6)] == pool  # as many workers as shards: worker i takes shard i
+    # a shard half done by a preempted task waits until the fresh ones are taken
+    assert pick([Candidate(0, 4), Candidate(4, 10)], pool, 0) == 4
+    assert pick([Candidate(1, 3), Candidate(5, 3)], pool, start_of(1, 2, pool)) == 5
+    assert pick([], pool, 0) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# one engine for every shard a worker claims
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
+    rd, plan = prepared_run(make_job(tmp_path, kimi, n=16, shards=4, sampling={"max_new_tokens": 32}))
+    r = run_claims(rd.root, [0, 1, 2, 3], task="w0", group="g")
+    assert sorted(r.done) == [0, 1, 2, 3] and not r.failed and r.stopped is None
+    assert r.engine_starts == 1 and all_engine_starts(rd) == 1
+    ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+    assert [(p.state, p.task, p.group, p.task_engine_starts) for p in ps] == [("done", "w0", "g", 1)] * 4
+    assert sorted(p.task_shards for p in ps) == [1, 2, 3, 4]
+    second = next(k for k, p in enumerate(ps) if p.task_shards == 2)
+    assert "already running" in rd.log_file(second).read_text()
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
+    # claiming again finds nothing to do and starts nothing
+    again = run_claims(rd.root, [0, 1, 2, 3], task="w1", group="g2")
+    assert again.done == [] and again.engine_starts == 0 and all_engine_starts(rd) == 1
+    # a done shard whose file changed since is checked again (salvaged, and what is missing generated)
+    with open(rd.shard_file(2), "ab") as f:
+        f.write(b"\0torn")
+    third = run_claims(rd.root, [0, 1, 2, 3], task="w2", group="g3")
+    assert third.done == [2] and "the file changed after the shard finished" in rd.log_file(2).read_text()
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
+
+
+def claiming_worker(rd, pool: list[int], i: int, n: int, group: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "toolkit", "worker", str(rd.root), "--claim", *map(str, pool), "--worker", str(i),
+            "--workers", str(n), "--group", group]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_id_once(tmp_path, kimi):
+    n, shards = 36, 6
+    rd, plan = prepared_run(make_job(tmp_path, kimi, n=n, shards=shards, stub={"token_delay_s": 0.01},
+                                     sampling={"max_new_tokens": 200}, client={"concurrency": 2}))
+    pool = list(range(shards))
+    workers = [claiming_worker(rd, pool, i, 2, "g") for i in range(2)]
+    try:
+        deadline = time.time() + 90
+        victim = None
+        while time.time() < deadline and victim is None:  # worker 0 starts with shard 0
+            p = read_progress(rd.progress_file(0))
+            if p is not None and p.state == "generating" and p.done >= 1 and p.pid == workers[0].pid:
+                victim = p
+            time.sleep(0.1)
+        assert victim is not None, "worker 0 never generated shard 0"
+        workers[0].send_signal(signal.SIGKILL)
+        workers[0].wait()
+        assert read_done(rd.done_file(0)) is None, "killed mid-shard"
+        assert workers[1].wait(timeout=240) == 0
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    # the other worker took the dead one's shard up (its lock went with it), with its one engine
+    p0 = read_progress(rd.progress_file(0))
+    assert p0.state == "done" and p0.pid == workers[1].pid and p0.resumed >= 1
+    assert all(read_done(rd.done_file(k)) is not None for k in pool)
+    assert {read_progress(rd.progress_file(k)).task_engine_starts for k in pool if
+            read_progress(rd.progress_file(k)).pid == workers[1].pid} == {1}
+    ids = merged_ids(rd)
+    assert len(ids) == n and sorted(ids) == sorted(f"p{i:04d}" for i in range(n))
+
+
+# ---------------------------------------------------------------------------------------------------
+# `toolkit run` on one box: a worker per engine's worth of GPUs
+# ---------------------------------------------------------------------------------------------------
+def toolkit_run(job: Path, *args: str, gpus: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return subprocess.run([sys.executable, "-m", "toolkit", "run", str(job), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, parallel, expected", [(1, None, ["0", "1", "2", "3"]), (2, None, ["0,1", "2,3"]),
+                                                     (1, "2", ["0", "1"])])
+def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(tmp_path, kimi, tp, parallel, expected):
+    job = make_job(tmp_path, kimi, n=24, shards=8, sampling={"max_new_tokens": 32}, engine={"tp_size": tp})
+    r = toolkit_run(job, *(["--parallel", parallel] if parallel else []), gpus="0,1,2,3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "audit of run" in r.stdout and "PASSED" in r.stdout
+    rd, _ = prepared_run(job)
+    ps = [read_progress(rd.progress_file(k)) for k in range(8)]
+    tasks = {p.task for p in ps}
+    assert len(tasks) <= len(expected) and {p.gpus for p in ps} <= set(expected)
+    assert len({p.group for p in ps}) == 1
+    # one engine start per worker that took a shard, never one per shard
+    assert all_engine_starts(rd) == len(tasks) and all(p.task_engine_starts == 1 for p in ps)
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(24))
+
+
+@pytest.mark.slow
+def test_more_workers_than_the_gpus_hold_is_refused_before_any_engine_starts(tmp_path, kimi):
+    job = make_job(tmp_path, kimi, n=4, shards=2, engine={"tp_size": 2})
+    r = toolkit_run(job, "--parallel", "3", gpus="0,1,2,3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("--parallel 3 needs 6 GPUs (2 per engine) but 4 are visible (0,1,2,3); at most --parallel 2"
+            in r.stderr), r.stderr
+
+
+def test_gpus_split_between_workers():
+    from toolkit.engines.layout import split_gpus, visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == ["0", "1", "2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == [] and visible_gpus({}, lambda: 2) == ["0", "1"]
+    assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 8, None) == (1, [["0", "1", "2", "3", "4", "5", "6", "7"]])
+    assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 2, None)[0] == 4
+    assert split_gpus(["4", "5", "6"], 1, 2) == (2, [["4"], ["5"]])  # the visible ids, not 0..n-1
+    assert split_gpus([], 8, None) == (1, [[]]) and split_gpus([], 8, 3) == (3, [[], [], []])
+    with pytest.raises(ValueError, match="one engine needs 8 GPUs but 4 are visible"):
+        split_gpus(["0", "1", "2", "3"], 8, None)
+
+
+def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_group(tmp_path, kimi):
+    import fcntl
+
+    import msgspec
+
+    from toolkit.formats.manifests import DoneManifest
+    from toolkit.formats.progress import Progress, write_progress
+    from toolkit.worker.claims import candidates
+
+    rd, plan = prepared_run(make_job(tmp_path, kimi, n=10, shards=5))
+    pool = list(range(5))
+    rd.done_file(0).parent.mkdir(parents=True, exist_ok=True)
+    rd.done_file(0).write_bytes(msgspec.json.encode(DoneManifest(
+        shard=0, fingerprint=plan.fingerprint, records=2, ok=2, failed=0, prompt_tokens=1, output_tokens=1, bytes=0,
+        sha256="0", host="h", finished="2026-01-01T00:00:00+00:00")))
+    write_progress(rd.progress_file(1), Progress(shard=1, total=2, state="failed", group="g"))
+    write_progress(rd.progress_file(3), Progress(shard=3, total=2, done=1, state="stopped", group="g"))
+    rd.shard_file(2).write_bytes(b"")
+    with open(rd.shard_file(2), "rb") as held:  # another worker holds shard 2
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert candidates(rd, plan, pool, skip=set(), group="g") == [Candidate(3, 1), Candidate(4, 2)]
+        # a shard failed in another group (an earlier submission) is offered again; `skip` leaves one out
+        assert candidates(rd, plan, pool, skip={4}, group="h") == [Candidate(1, 2), Candidate(3, 1)]
+    assert [c.shard for c in candidates(rd, plan, pool, skip=set(), group="g")] == [2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id_once(tmp_path, kimi):
+    """SIGTERM to `toolkit run` with two workers mid-run: it is passed on, each worker stops its shard (what is in
+    flight kept as partial outputs), the run exits 3 with no engine left; the next `toolkit run` claims what is
+    left and merges every id once."""
+    n = 32
+    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
+                   client={"concurrency": 2})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    rd, _ = prepared_run(job)
+    deadline = time.time() + 90
+    while time.time() < deadline:  # both workers generating, a few records in
+        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+        if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("two workers never generated at once")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert out.count("got SIGTERM: stopping") == 2, out
+    ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+    stopped = [p for p in ps if p is not None and p.state == "stopped"]
+    assert len(stopped) == 2 and all(p.stop_signal == "SIGTERM" for p in stopped)
+    assert not any(p is not None and p.state in ("loading", "generating") for p in ps)
+    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    assert not left.strip(), "no engine outlives its worker"
+    r = toolkit_run(job, "--parallel", "2", gpus=None)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))

@@ -1,0 +1,161 @@
+"""A worker that claims shards: one engine, started once, serving shard after shard of a pool until none is left.
+
+The unit of work is the shard (resume, exactly-once, status); the unit of allocation is the worker (a Slurm array
+task, or one of `toolkit run`'s workers). A worker starts its engine for the first shard it claims and keeps it
+running: it then claims the next unfinished shard nobody holds (worker.policy.pick chooses which), until none is
+left, and exits. To claim a shard is to take its file's lock (formats.locks): a second worker is refused it, and a
+worker that dies (kill -9, a node lost, a requeue) releases it with its process, so the shard is claimed again by
+whichever worker is free next, and resumed from what its file holds.
+
+A shard that fails in a worker is not claimed again by the workers of the same group (one Slurm array job, or one
+`toolkit run`): it waits for `toolkit resubmit` or the next `toolkit run`, as a failed one-shard task did. A stop
+signal (time limit, preemption, Ctrl-C) stops the shard being run and the worker after it; the requeued task claims
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import msgspec
+
+from toolkit.formats.locks import held_elsewhere
+from toolkit.formats.manifests import needs_work, read_done, verify_done
+from toolkit.formats.progress import read_progress
+from toolkit.formats.rundir import RunDir
+from toolkit.job.plan import RunPlan, load_run
+from toolkit.worker.policy import Candidate, pick, start_of
+from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, run_shard_in
+
+__all__ = ["ClaimResult", "candidates", "run_claims", "slurm_group", "slurm_task"]
+
+log = logging.getLogger("toolkit.worker.claims")
+
+RACES = 3  # a shard lost this many times to another worker taking it the same moment is left to it
+
+
+class ClaimResult(msgspec.Struct):
+    """What one claiming worker did."""
+
+    done: list[int] = []       # shards it finished (or found finished)
+    failed: list[int] = []     # shards that failed in it
+    busy: list[int] = []       # unfinished shards other workers held when it found nothing left to claim
+    stopped: str | None = None  # the signal that stopped it (None: it ran out of shards, or failed)
+    engine_starts: int = 0
+
+
+def slurm_task() -> str | None:
+    """This Slurm task's name, `12_3` for an array task, `12` for a job; None outside Slurm."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
+def slurm_group() -> str | None:
+    """The group of workers sharing a pool under Slurm: the array job (or the job)."""
+    env = os.environ
+    return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
+
+
+def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], group: str | None,
+               recheck: set[int] = frozenset()) -> list[Candidate]:
+    """The shards of `pool` a free worker may claim: unfinished (no done manifest, or failures that may pass, or
+    ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer matches), not held by
+    another worker right now, not failed in this group, not in `skip`; each with the prompts it has left, as its
+    progress file says."""
+    out = []
+    for k in pool:
+        if k in skip:
+            continue
+        if not needs_work(read_done(rd.done_file(k))) and not rd.retry_file(k).exists() and k not in recheck:
+            continue
+        if held_elsewhere(rd.shard_file(k)):
+            continue
+        p = read_progress(rd.progress_file(k))
+        if group is not None and p is not None and p.state == "failed" and p.group == group:
+            continue
+        total = plan.shards[k].count
+        out.append(Candidate(k, max(0, total - (p.done if p is not None and p.state != "done" else 0))))
+    return out
+
+
+def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
+    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed since (size,
+    sha256). Running them again checks the file, salvages what is intact and generates the rest (worker.run)."""
+    out = set()
+    for k in pool:
+        m = read_done(rd.done_file(k))
+        if m is not None and (m.fingerprint != plan.fingerprint or verify_done(m, rd.shard_file(k))):
+            out.add(k)
+    return out
+
+
+def _busy(rd: RunDir, pool: list[int]) -> list[int]:
+    return [k for k in pool if read_done(rd.done_file(k)) is None and held_elsewhere(rd.shard_file(k))]
+
+
+def run_claims(run_dir: str | os.PathLike, pool: list[int], *, worker: int = 0, workers: int = 1,
+               task: str | None = None, group: str | None = None, keep_going: bool = True,
+               verify: bool = True) -> ClaimResult:
+    """Claim shards of `pool` one after another with one engine, until none is left or a signal stops it.
+    Worker `worker` of `workers` starts at its own place in the pool (worker.policy.start_of). With `keep_going`
+    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised).
+    With `verify`, done manifests are first checked against their files (`untrusted`: read once, at the start)."""
+    return asyncio.run(_claims(run_dir, pool, worker=worker, workers=workers, task=task, group=group,
+                               keep_going=keep_going, verify=verify))
+
+
+async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: str | None, group: str | None,
+                  keep_going: bool, verify: bool) -> ClaimResult:
+    rd, plan = load_run(run_dir)
+    recheck = untrusted(rd, plan, pool) if verify else set()
+    session = EngineSession(keep=True, task=task, group=group)
+    loop = asyncio.get_running_loop()
+    session.install_signals(loop)
+    start = start_of(worker, workers, pool)
+    result = ClaimResult()
+    skip: set[int] = set()
+    races: dict[int, int] = {}
+    last = pool[start] if pool else 0
+    try:
+        while not session.stop.is_set():
+            k = pick(candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start)
+            if k is None:
+                break
+            last = k
+            log.info("%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
+                     task or "worker", k, len(session.served) + 1, session.starts)
+            recheck.discard(k)
+            try:
+                out = await run_shard_in(run_dir, k, session)
+            except ShardBusy:  # another worker took it the moment before
+                races[k] = races.get(k, 0) + 1
+                if races[k] >= RACES:
+                    skip.add(k)
+                continue
+            except ShardFailed:
+                result.failed.append(k)
+                skip.add(k)
+                if not keep_going:
+                    raise
+                continue
+            if out == STOPPED:
+                result.stopped = out.stop_signal or session.stop_signal or "stop"
+                break
+            result.done.append(k)
+        if session.stop.is_set() and result.stopped is None:
+            result.stopped = session.stop_signal or "stop"
+        result.busy = _busy(rd, pool) if result.stopped is None else []
+    finally:
+        result.engine_starts = session.starts
+        try:
+            await session.close(plan.spec, last)
+        finally:
+            session.remove_signals(loop)
+            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s)%s", task or "worker",
+                     len(result.done), len(result.failed), session.starts,
+                     f"; stopped by {result.stopped}" if result.stopped else "")
+    return result
