@@ -102,7 +102,7 @@ def test_a_grown_job_submitted_again_sends_only_its_new_shard(tmp_path, toy_toke
         f.writelines(f'{{"prompt": "An appended question {i}: what is {i} times {i}?"}}\n' for i in range(3))
     r = toolkit("submit", str(job))
     array_id = submitted_ids(r.stdout)[0]
-    assert f"Submitted batch job {array_id} (1 shard task: {array_id} runs shard 2)" in r.stdout
+    assert f"Submitted batch job {array_id} (1 task claiming shards 2: " in r.stdout
     rows, merge = wait_run(run)
     assert [x.state for x in rows] == ["completed"] * 3 and [x.done for x in rows][2] == 3
     assert merge.state == "completed" and merge.merged

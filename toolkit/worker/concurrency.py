@@ -141,6 +141,7 @@ async def pool(sh: Shard, feed: Feed, engine, info) -> None:
         finally:
             sh.live -= 1
 
+    resized: asyncio.Future | None = None
     try:
         while True:
             while sh.live < sh.target and not sh.stopping and not (feed.finished and not feed.items and not feed.redo):
@@ -155,5 +156,5 @@ async def pool(sh: Shard, feed: Feed, engine, info) -> None:
             for t in done - {resized}:
                 tasks.discard(t)
                 t.result()
-    finally:
-        await cancel_and_wait(tasks)
+    finally:  # cancelled while it waits (the engine died), the watcher of resizes ends with the consumers
+        await cancel_and_wait([*tasks, *([resized] if resized is not None else [])])

@@ -158,6 +158,7 @@ class EngineSession:
         self.stop_signal: str | None = None
         self.current: Shard | None = None
         self.waiting_for: str | None = None
+        self.last_log: Path | None = None  # the log of the shard run last: the engine's final stop is said there
 
     @property
     def starts(self) -> int:
@@ -201,10 +202,19 @@ class EngineSession:
             sh.exit_guard.arm(ABORT_GRACE_S + _exit_bound(spec), f"{name} asked it to stop")
 
     async def close(self, spec, shard: int) -> None:
-        """Stop the engine if it still runs, within the exit bound (exitguard)."""
+        """Stop the engine if it still runs, within the exit bound (exitguard); said in the last shard's log too."""
         engine = self.engine
         if engine is None or engine.proc is None or not engine.alive():
             return
+        handler = _attach_log(self.last_log) if self.last_log is not None else None
+        try:
+            await self._stop(spec, shard, engine)
+        finally:
+            if handler is not None:
+                logging.getLogger("toolkit").removeHandler(handler)
+                handler.close()
+
+    async def _stop(self, spec, shard: int, engine) -> None:
         guard = ExitGuard(shard, asyncio.get_running_loop())
         guard.before_exit.append(lambda: _kill(engine))
         guard.arm(_exit_bound(spec), "its last shard ended")
@@ -531,6 +541,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
     if not 0 <= shard < len(plan.shards):
         raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
     handler = _attach_log(rd.log_file(shard))
+    session.last_log = rd.log_file(shard)
     logger = logging.getLogger("toolkit")
     old_level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:
