@@ -50,6 +50,7 @@ def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_t
     assert "Slurm not reachable: not validated against a cluster" in out
     # as many tasks as run at once (array_parallelism = 16), each claiming the 64 shards one after another
     assert "1 job array(s) (MaxArraySize 1001): 16 tasks claiming shards 0-63" in out
+    assert "note:" not in out  # 16 tasks share 64 shards: each loads the model once for four
     assert ("==> array 1 of 1: shards 0-63 (16 tasks at once: each task starts its engine once and claims unfinished "
             "shards one after another until none is left) <==") in out
     run = tmp_path / "run"
@@ -81,8 +82,12 @@ def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_t
 def test_dry_run_time_formats(tmp_path, toy_tokenizer):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "2-00:00:00"})
     env = no_slurm_env(tmp_path)
-    array, merge = scripts(dry_run(job, env).stdout)
+    out = dry_run(job, env).stdout
+    array, merge = scripts(out)
     assert "#SBATCH --time=48:00:00" in sbatch(array) and "#SBATCH --array=0-1%2" in sbatch(array)
+    # a task per shard is said, with how to load the model once per node instead
+    assert ("note: 2 tasks for 2 shards: each loads the model for one shard. To load it once per node, set "
+            "--array-parallelism (or [slurm] array_parallelism) to the nodes the run may hold at once") in out
     array, _ = scripts(dry_run(job, env, "--time", "45").stdout)
     assert "#SBATCH --time=00:45:00" in sbatch(array)
 

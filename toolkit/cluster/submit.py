@@ -171,6 +171,7 @@ def format_dry_run(d: DryRun) -> str:
                      f"{c.max_array_size}")
     lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
                  + "; ".join(f"{_tasks(n)} claiming shards {ranges(a, sep=',')}" for a, n in zip(d.arrays, d.tasks)))
+    lines += [one_shard_each(n, len(a)) for a, n in zip(d.arrays, d.tasks) if one_shard_each(n, len(a))]
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
         runs = ("one job, sent as a plain job (not an array): it starts" if n == 1 else
@@ -309,9 +310,18 @@ def describe_array(a: ArrayJob) -> str:
     return f"Submitted batch job {a.job_id} (array of {n} tasks {a.job_id}_[0-{n - 1}] claiming shards {shards}: {claim})"
 
 
+def one_shard_each(tasks: int, shards: int) -> str:
+    """A note when an array has a task per shard: each task loads the model for a single shard."""
+    if tasks < 2 or tasks < shards:
+        return ""
+    return (f"note: {tasks} tasks for {shards} shards: each loads the model for one shard. To load it once per node, "
+            "set --array-parallelism (or [slurm] array_parallelism) to the nodes the run may hold at once")
+
+
 def format_submission(rd: RunDir, sub: Submission) -> str:
     """What `submit` and `resubmit` print: the jobs, like sbatch, then how to watch them."""
     lines = [describe_array(a) for a in sub.arrays]
+    lines += [one_shard_each(len(a.tasks), len(a.shards)) for a in sub.arrays if one_shard_each(len(a.tasks), len(a.shards))]
     lines.append(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
     lines += [f"run directory: {rd.shown}", "watch it with:", f"  toolkit status {rd.shown} --watch",
               f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f", f"  toolkit logs {rd.shown} --failed"]
