@@ -214,9 +214,11 @@ def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses
 
 
 def test_time_limit_signal_requeues_and_finishes(tmp_path, toy_tokenizer):
-    """--time 1 with the signal 45 s before it: the task stops at ~15 s, submitit requeues it, it resumes."""
+    """--time 1 with the signal 45 s before it: the task stops at ~15 s, submitit requeues it, it resumes.
+    The shard takes about a minute undisturbed: Slurm sends the signal up to half a minute late, and it must still
+    come mid-shard."""
     n = 60
-    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=1, stub={"token_delay_s": 0.004},
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=1, stub={"token_delay_s": 0.008},
                     sampling={"max_new_tokens": 400}, client={"concurrency": 2})
     toolkit("submit", str(job), "--time", "1", "--signal-delay-s", "45")
     run = tmp_path / "run"
