@@ -171,7 +171,7 @@ def format_dry_run(d: DryRun) -> str:
                      f"{c.max_array_size}")
     lines.append(f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
                  + "; ".join(f"{_tasks(n)} claiming shards {ranges(a, sep=',')}" for a, n in zip(d.arrays, d.tasks)))
-    lines += [one_shard_each(n, len(a)) for a, n in zip(d.arrays, d.tasks) if one_shard_each(n, len(a))]
+    lines += [note for a, n in zip(d.arrays, d.tasks) if (note := one_shard_each(n, len(a)))]
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
         runs = ("one job, sent as a plain job (not an array): it starts" if n == 1 else
@@ -321,7 +321,7 @@ def one_shard_each(tasks: int, shards: int) -> str:
 def format_submission(rd: RunDir, sub: Submission) -> str:
     """What `submit` and `resubmit` print: the jobs, like sbatch, then how to watch them."""
     lines = [describe_array(a) for a in sub.arrays]
-    lines += [one_shard_each(len(a.tasks), len(a.shards)) for a in sub.arrays if one_shard_each(len(a.tasks), len(a.shards))]
+    lines += [note for a in sub.arrays if (note := one_shard_each(len(a.tasks), len(a.shards)))]
     lines.append(f"Submitted batch job {sub.merge_job_id} (merge + audit, after {', '.join(a.job_id for a in sub.arrays)})")
     lines += [f"run directory: {rd.shown}", "watch it with:", f"  toolkit status {rd.shown} --watch",
               f"  toolkit logs {rd.shown} {sub.arrays[0].shards[0]} -f", f"  toolkit logs {rd.shown} --failed"]

@@ -165,26 +165,26 @@ def write_retry(path: Path, request: RetryRequest) -> None:
 
 def read_retry(path: Path) -> RetryRequest | None:
     """The retry request of a shard; None when there is none, or when it is damaged (said once, in one line)."""
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=RetryRequest)
-    except FileNotFoundError:
-        return None
-    except msgspec.DecodeError as e:  # (ValidationError included)
-        _damaged_once(path, f"damaged retry request ({_why(e)}): ignored, so the ids it named are not generated "
-                            "again; ask again with `toolkit retry RUN --ids FILE`")
-        return None
+    return _read_or_none(path, RetryRequest, "damaged retry request ({why}): ignored, so the ids it named are not "
+                                             "generated again; ask again with `toolkit retry RUN --ids FILE`")
 
 
 def read_done(path: Path) -> DoneManifest | None:
     """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
     shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
+    return _read_or_none(path, DoneManifest, "damaged done manifest ({why}): the shard is taken as not finished; its "
+                                             "next run checks its file and writes the manifest again")
+
+
+def _read_or_none(path: Path, schema: type, damaged: str):
+    """`path` decoded as `schema`; None when it does not exist, or when it is damaged: then `damaged` (with {why})
+    is said once, in one line."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=DoneManifest)
+        return msgspec.json.decode(path.read_bytes(), type=schema)
     except FileNotFoundError:
         return None
     except msgspec.DecodeError as e:  # (ValidationError included)
-        _damaged_once(path, f"damaged done manifest ({_why(e)}): the shard is taken as not finished; its next run "
-                            "checks its file and writes the manifest again")
+        _damaged_once(path, damaged.format(why=_why(e)))
         return None
 
 
