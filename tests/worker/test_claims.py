@@ -69,6 +69,9 @@ def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
     assert sorted(p.task_shards for p in ps) == [1, 2, 3, 4]
     second = next(k for k, p in enumerate(ps) if p.task_shards == 2)
     assert "already running" in rd.log_file(second).read_text()
+    logs = [rd.log_file(k).read_text() for k in range(4)]  # the tokenizer too is loaded once for the four
+    assert sum(t.count("loaded tokenizer") for t in logs) == 1
+    assert sum(t.count("tokenizer kept from this task's previous shard") for t in logs) == 3
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
     # claiming again finds nothing to do and starts nothing
     again = run_claims(rd.root, [0, 1, 2, 3], task="w1", group="g2")

@@ -51,7 +51,7 @@ class LaterTurns(Protocol):
 @dataclass
 class RenderState:
     """What the render thread and the event loop share: the tokenizer and its token info once loaded (set by the
-    thread), the chains of regenerated conversations (set before it starts), and the stop flag (set by the loop)."""
+    thread, or beforehand when the worker's session kept them from its previous shard), the chains of regenerated conversations (set before it starts), and the stop flag (set by the loop)."""
 
     tok: Any = None
     info: Any = None
@@ -183,11 +183,16 @@ def render_thread(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderStat
 
 
 def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState) -> None:
-    """Load the tokenizer, then render `todo` in batches and feed them to the event loop."""
-    tok = chat.load_tokenizer(plan.spec.model)
-    info = chat.token_info(tok, plan.spec.model)
-    chat.check_model_vocab(tok, info, plan.spec.model)  # before any prompt can reach the engine
-    state.info, state.tok = info, tok
+    """Load the tokenizer (unless the state holds it: a claiming worker's next shard), then render `todo` in
+    batches and feed them to the event loop."""
+    if state.tok is None:
+        tok = chat.load_tokenizer(plan.spec.model)
+        info = chat.token_info(tok, plan.spec.model)
+        chat.check_model_vocab(tok, info, plan.spec.model)  # before any prompt can reach the engine
+        state.info, state.tok = info, tok
+    else:
+        log.info("tokenizer kept from this task's previous shard: not loaded again")
+    tok, info = state.tok, state.info
     chains = state.chains
     if chains is not None:
         chains.tok, chains.info = tok, info

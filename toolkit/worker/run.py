@@ -33,6 +33,9 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from toolkit.engines.base import EngineDied, EngineError, EngineHung, EngineUnreachable
 from toolkit.engines.client import Expect, HttpClient, server_limits
@@ -159,6 +162,18 @@ class EngineSession:
         self.current: Shard | None = None
         self.waiting_for: str | None = None
         self.last_log: Path | None = None  # the log of the shard run last: the engine's final stop is said there
+        self.tokenizer: tuple[bytes, Any, Any] | None = None  # (key, tokenizer, token info) of the last shard's run
+
+    def kept_tokenizer(self, plan) -> tuple[Any, Any]:
+        """(tokenizer, token info) loaded for an earlier shard of this session with the same model, tokenizer and
+        template, or (None, None): the render thread loads it then."""
+        if self.tokenizer is not None and self.tokenizer[0] == _tokenizer_key(plan):
+            return self.tokenizer[1], self.tokenizer[2]
+        return None, None
+
+    def keep_tokenizer(self, plan, tok, info) -> None:
+        if tok is not None and info is not None:
+            self.tokenizer = (_tokenizer_key(plan), tok, info)
 
     @property
     def starts(self) -> int:
@@ -228,6 +243,11 @@ class EngineSession:
             guard.disarm()
 
 
+def _tokenizer_key(plan) -> bytes:
+    """What a loaded tokenizer and its token info depend on: the [model] table and the digests of its folders."""
+    return msgspec.json.encode([plan.spec.model, plan.parts["tokenizer"], plan.parts["template"]])
+
+
 async def _run(sh: Shard, todo: Todo, session: EngineSession) -> str:
     spec = sh.spec
     loop = asyncio.get_running_loop()
@@ -240,6 +260,7 @@ async def _run(sh: Shard, todo: Todo, session: EngineSession) -> str:
     most = _max_in_flight(spec)
     feed = Feed(Budget(max(4 * most, 2 * chat.BATCH_SIZE)))
     state = RenderState()
+    state.tok, state.info = session.kept_tokenizer(sh.plan)
     if any(d.regenerate for d in sh.plan.datasets):
         sh.chains = state.chains = Chains(sh, feed, RefSlice(sh.rd, sh.sp.first, sh.sp.count), sh.history)
     engine = session.engine_for(sh)
@@ -309,6 +330,7 @@ async def _run(sh: Shard, todo: Todo, session: EngineSession) -> str:
         guard.arm(_exit_bound(spec), "the shard's work ended")
         log.info("at most %d rendered prompts waited for a request (bound %d)", feed.peak, feed.budget.cap)
         state.stop = True
+        session.keep_tokenizer(sh.plan, state.tok, state.info)
         feed.budget.close()
         if sh.chains is not None:
             sh.chains.close()
