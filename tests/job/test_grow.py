@@ -14,7 +14,7 @@ from toolkit.dataset.audit_report import read_report
 from toolkit.dataset.merge import load_manifest
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import read_shard
-from toolkit.formats.manifests import read_done
+from toolkit.formats.manifests import RetryRequest, read_done, write_retry
 from toolkit.job.plan import PlanError, _digest, load_refs, load_run, refs_bytes
 
 
@@ -220,3 +220,29 @@ def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsy
     assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")  # only it was generated again
     assert len(list(read_shard(rd.shard_file(0)))) == 7 and not rd.retry_file(0).exists()
     assert read_report(rd).passed  # the re-rendered prompts match their records
+
+
+@pytest.mark.slow
+def test_a_grown_or_changed_run_is_exported_only_after_it_is_merged_again(tmp_path, kimi, capsys):
+    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 16}, audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    rd, _ = load_run(tmp_path / "run")
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 0
+    append(tmp_path / "prompts.jsonl", new_lines(2))
+    prepared_run(job)  # the plan grows; nothing is generated or merged yet
+    out.unlink()
+    capsys.readouterr()
+    assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "the run plans 8 records in 2 shards, the merge had 6 in 1 (the job grew)" in err
+    assert f"toolkit merge {rd.root}" in err and not out.exists()
+    assert cli_main(["run", str(job)]) == 0
+    assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 8
+    # a shard asked for some of its records again (as `toolkit retry --ids` or --allow-changed do) is not exported
+    # from the older merge
+    write_retry(rd.retry_file(0), RetryRequest(before=rd.shard_file(0).stat().st_size, ids=["p0001"]))
+    capsys.readouterr()
+    assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 2
+    assert "shard 0 changed since (records written, or asked for again)" in capsys.readouterr().err

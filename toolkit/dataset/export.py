@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from toolkit.dataset.merge import MERGED, load_manifest
+from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
 from toolkit.dataset.quality import SKIP_REASONS, Judge
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import io_problem
@@ -59,6 +59,7 @@ from toolkit.formats.records import (
     split_parts,
 )
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.text import ranges
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader
 from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs, load_run
@@ -625,6 +626,24 @@ def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
     return RunDir(run_dir).export_file(fmt)
 
 
+def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | None:
+    """What the run gained or changed since its merged dataset was made (grown by new prompts, a shard written to
+    or asked to generate records again since), or None when the merge is of the run as it is. Reads no record."""
+    if manifest.planned != plan.total or len(manifest.shards) != len(plan.shards):
+        return (f"the run plans {plan.total} records in {len(plan.shards)} shards, the merge had "
+                f"{manifest.planned} in {len(manifest.shards)} (the job grew)")
+    changed = []
+    for m in manifest.shards:
+        path = rd.shard_file(m.index)
+        size = path.stat().st_size if path.exists() else 0
+        if size != m.bytes or rd.retry_file(m.index).exists():
+            changed.append(m.index)
+    if changed:
+        return (f"shard{'s' * (len(changed) != 1)} {ranges(changed, sep=',')} changed since "
+                "(records written, or asked for again)")
+    return None
+
+
 def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
                include_failed: bool = False, force: bool = False, select: Selection | None = None) -> ExportSummary:
     """Write the merged records of a run that `select` selects to `output` in `fmt`; return the account of every
@@ -664,6 +683,10 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
         raise _damaged(rd, e) from None
     if head != (plan.fingerprint, MERGED):
         raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
+    stale = stale_merge(rd, plan, manifest)
+    if stale:
+        raise ExportError(f"{path} is older than the run: {stale}; nothing exported. Run `toolkit merge {rd.root}` "
+                          "once the run is complete (`--allow-incomplete` to merge what is there), then export")
     if output is None:
         output = default_output(run_dir, fmt)
         Path(output).parent.mkdir(exist_ok=True)
