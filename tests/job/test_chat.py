@@ -544,3 +544,29 @@ def test_the_direct_text_renderer_gives_apply_chat_templates_text(real_tokenizer
                 except Exception as e:
                     got = f"{type(e).__name__}: {e}"
                 assert got == want, (kwargs, messages, tools)
+
+
+def test_a_fast_tokenizers_word_cache_is_bounded_others_are_left_alone(toy_tokenizer, monkeypatch):
+    """The BPE word cache grows with the distinct words a worker meets (its memory with the shard's size:
+    benchmarks/bench_worker_memory.py); load_tokenizer bounds it, and a tokenizer without one is left as it is."""
+    class BPE:
+        def __init__(self):
+            self.capacity = None
+
+        def _resize_cache(self, n):
+            self.capacity = n
+
+    class Backend:
+        model = BPE()
+
+    class Fast:
+        backend_tokenizer = Backend()
+
+    fast = Fast()
+    chat._bound_word_cache(fast)
+    assert fast.backend_tokenizer.model.capacity == chat.WORD_CACHE == 1000
+    chat._bound_word_cache(object())  # e.g. a tiktoken-based tokenizer of remote code: nothing to bound
+    seen = []
+    monkeypatch.setattr(chat, "_bound_word_cache", seen.append)
+    tok = chat.load_tokenizer(Model(path=str(toy_tokenizer("kimi"))))
+    assert seen == [tok] and hasattr(tok.backend_tokenizer.model, "_resize_cache")
