@@ -246,3 +246,52 @@ def test_a_grown_or_changed_run_is_exported_only_after_it_is_merged_again(tmp_pa
     capsys.readouterr()
     assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 2
     assert "shard 0 changed since (records written, or asked for again)" in capsys.readouterr().err
+
+
+class Crash(BaseException):
+    """A kill between two writes (what kill -9 would leave)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["prompts", "plan", "retry"])
+def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(tmp_path, kimi, monkeypatch, at):
+    """The prompt index, the plan and the retry requests of changed prompts change together: a crash between two of
+    their writes is finished by the next command, so a changed prompt is never left with its old answer."""
+    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    assert cli_main(["run", str(job)]) == 0
+    rd, _ = load_run(tmp_path / "run")
+    old = {r.id: r for r in read_shard(rd.merged_file)}
+    src = tmp_path / "prompts.jsonl"
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
+    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    append(src, new_lines(2))
+    import toolkit.formats.pending as pending
+
+    real_write, real_retry = pending.atomic_write, pending.write_retry
+
+    def crashing_write(path, data, **kw):
+        if at == "prompts" and path == rd.prompts_file or at == "plan" and path == rd.plan_file:
+            raise Crash
+        return real_write(path, data, **kw)
+
+    def crashing_retry(path, request):
+        if at == "retry":
+            raise Crash
+        return real_retry(path, request)
+
+    monkeypatch.setattr(pending, "atomic_write", crashing_write)
+    monkeypatch.setattr(pending, "write_retry", crashing_retry)
+    with pytest.raises(Crash):
+        prepared_run(job, allow_changed=True)
+    monkeypatch.undo()
+    assert rd.pending_file.exists()
+    # the next command finishes the change first: here a plain run, which no longer needs --allow-changed
+    assert cli_main(["run", str(job)]) == 0
+    assert not rd.pending_file.exists() and not rd.retry_file(0).exists()
+    new = {r.id: r for r in read_shard(rd.merged_file)}
+    assert len(new) == 8 and set(old) < set(new)
+    assert new["p0001"].prompt_ids != old["p0001"].prompt_ids  # generated again from its new messages
+    assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")
+    assert read_report(rd).passed

@@ -48,6 +48,7 @@ class RunDir:
     plan_file = property(lambda self: self.root / PLAN_FILE)
     prompts_file = property(lambda self: self.root / "prompts.msgpack")
     check_file = property(lambda self: self.root / "check.msgpack")
+    pending_file = property(lambda self: self.root / "pending.msgpack")  # formats.pending: a change being made
     shards_dir = property(lambda self: self.root / "shards")
     progress_dir = property(lambda self: self.root / "progress")
     logs_dir = property(lambda self: self.root / "logs")

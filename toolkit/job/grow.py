@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from toolkit.formats.files import atomic_write
+from toolkit.formats import pending
 from toolkit.formats.locks import held_elsewhere
-from toolkit.formats.manifests import RetryRequest, read_done, read_retry, write_retry
+from toolkit.formats.manifests import RetryRequest, read_done, read_retry
+from toolkit.formats.pending import PendingChange
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import (
@@ -242,11 +243,13 @@ def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *, 
                         f"{ranges(busy, sep=',')} of its run {'are' if len(busy) != 1 else 'is'} being generated "
                         "(its file is locked): the plan cannot change under a worker; wait for it to end (or stop "
                         "it), then run again")
-    if not diff.legacy:
-        atomic_write(rd.prompts_file, refs_bytes(grown, out))
-    atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(grown), indent=2))
+    change = PendingChange(
+        what=_what(run, grown, diff), plan=msgspec.json.format(msgspec.json.encode(grown), indent=2),
+        prompts=None if diff.legacy else refs_bytes(grown, out),
+        retries=_ask_again(rd, grown, out, diff.rewritten) if diff.rewritten else {},
+    )
+    pending.apply(rd, change)  # the prompt index, the plan and the retry requests change together
     if diff.rewritten:
-        _ask_again(rd, grown, out, diff.rewritten)
         log.warning("run %s: %d prompts changed (same ids, other messages or tools; --allow-changed): their records "
                     "are generated again", rd.shown, len(diff.rewritten))
     if diff.legacy:
@@ -262,8 +265,18 @@ def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *, 
     return grown
 
 
-def _ask_again(rd: RunDir, plan: RunPlan, refs: list[PromptRef], prompts: set[str]) -> None:
-    """A retry request for the records of `prompts` in each of their shards (its done manifest removed): the worker
+def _what(run: RunPlan, grown: RunPlan, diff: InputsDiff) -> str:
+    """The change in words, for the log of a command that finishes it after a crash."""
+    parts = []
+    if grown.total > run.total:
+        parts.append(f"{grown.total - run.total} records added in new shards")
+    if diff.rewritten:
+        parts.append(f"{len(diff.rewritten)} changed prompts generated again")
+    return "the job's prompts taken into the run" + (f": {', '.join(parts)}" if parts else "")
+
+
+def _ask_again(rd: RunDir, plan: RunPlan, refs: list[PromptRef], prompts: set[str]) -> dict[int, RetryRequest]:
+    """A retry request for the records of `prompts` in each of their shards (whose done manifest goes): the worker
     generates them again, and the merge keeps the newest record of each id."""
     by_shard: dict[int, list[str]] = {}
     for sp in plan.shards:
@@ -271,9 +284,10 @@ def _ask_again(rd: RunDir, plan: RunPlan, refs: list[PromptRef], prompts: set[st
             d = plan.datasets[r.dataset]
             if _base_id(r, d.samples, d.regenerate) in prompts:
                 by_shard.setdefault(sp.index, []).append(r.id)
+    requests = {}
     for k, ids in by_shard.items():
         old = read_retry(rd.retry_file(k))
         keep = [i for i in old.ids if i not in set(ids)] if old else []
         path = rd.shard_file(k)
-        write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + ids))
-        rd.done_file(k).unlink(missing_ok=True)
+        requests[k] = RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + ids)
+    return requests

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.formats import pending
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
@@ -274,6 +275,12 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
         hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan and run it, "
                 "and print the run directory to give here") if rd.root.suffix == ".toml" else ""
         raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
+    if rd.pending_file.exists():  # a change a crash interrupted (formats.pending): finished before anything is read
+        try:
+            pending.finish(rd)
+        except (OSError, msgspec.DecodeError) as e:
+            raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here ({e}); run "
+                            f"the command again where {rd.pending_file.name} can be read and the run written") from None
     try:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:
