@@ -295,3 +295,16 @@ def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(t
     assert new["p0001"].prompt_ids != old["p0001"].prompt_ids  # generated again from its new messages
     assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")
     assert read_report(rd).passed
+
+
+def test_a_damaged_pending_change_is_refused_in_one_line_not_guessed_at(tmp_path, kimi, capsys):
+    rd, _ = prepared_run(make_job(tmp_path, kimi, n=4))
+    pinned = rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()
+    rd.pending_file.write_bytes(b"\x93not a change")
+    with pytest.raises(PlanError) as e:
+        load_run(rd.root)
+    assert f"{rd.pending_file} is damaged" in str(e.value) and "--new-run" in str(e.value)
+    assert cli_main(["status", str(rd.root)]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "Traceback" not in err
+    assert (rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()) == pinned and rd.pending_file.exists()

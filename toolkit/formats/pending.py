@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class PendingChange(msgspec.Struct):
-    what: str                          # for the log: "growing the run by 3 prompts"
+    what: str                          # the change in words, for the log of a command that finishes it
     plan: bytes                        # run.json as it becomes
     prompts: bytes | None = None       # prompts.msgpack as it becomes (None: unchanged)
     retries: dict[int, RetryRequest] = {}  # shard -> its retry request; the shard's done manifest is removed
@@ -36,9 +36,9 @@ def apply(rd: RunDir, change: PendingChange) -> None:
 
 
 def finish(rd: RunDir) -> None:
-    """Finish a change that a crash interrupted after it was pinned (nothing to do when there is none). A pending
-    file that cannot be read was never complete (it is written atomically): it cannot occur, and is left for a
-    person to look at rather than guessed at."""
+    """Finish a change that a crash interrupted after it was pinned (nothing to do when there is none). The pending
+    file is written atomically, so one that cannot be decoded was damaged afterwards (the disk): msgspec's
+    DecodeError, which `plan.load_run` turns into a refusal, rather than a guess at what the change was."""
     try:
         data = rd.pending_file.read_bytes()
     except FileNotFoundError:

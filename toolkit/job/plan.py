@@ -278,9 +278,13 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
     if rd.pending_file.exists():  # a change a crash interrupted (formats.pending): finished before anything is read
         try:
             pending.finish(rd)
-        except (OSError, msgspec.DecodeError) as e:
-            raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here ({e}); run "
-                            f"the command again where {rd.pending_file.name} can be read and the run written") from None
+        except OSError as e:
+            raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here "
+                            f"({e.strerror or e}): run the command again as a user who can write the run "
+                            "directory") from None
+        except msgspec.DecodeError as e:
+            raise PlanError(f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was interrupted "
+                            "and cannot be finished; plan the job into a new run (`--new-run`)") from None
     try:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:

@@ -51,7 +51,8 @@ class LaterTurns(Protocol):
 @dataclass
 class RenderState:
     """What the render thread and the event loop share: the tokenizer and its token info once loaded (set by the
-    thread, or beforehand when the worker's session kept them from its previous shard), the chains of regenerated conversations (set before it starts), and the stop flag (set by the loop)."""
+    thread, or beforehand when the worker's session kept them from its previous shard), the chains of regenerated
+    conversations (set before it starts), and the stop flag (set by the loop)."""
 
     tok: Any = None
     info: Any = None
