@@ -144,7 +144,7 @@ def check_held(run: Path) -> tuple[int, Counter]:
     for line in out.splitlines():
         _, state, reason = line.split("|", 2)
         states[f"{state} ({reason})"] += 1
-    tasks = sum(len(a.shards) for a in sub.arrays)
+    tasks = sum(len(a.tasks) or 1 for a in sub.arrays)  # claiming arrays: as many tasks as may run at once
     pending = sum(n for s, n in states.items() if s.startswith("PENDING"))
     if pending != tasks:
         raise SystemExit(f"expected {tasks} pending array tasks of {run}, squeue shows {dict(states)}")
