@@ -214,3 +214,14 @@ def test_a_stop_string_ends_the_output_where_it_is_written(http):
     n = len(out["output_ids"])
     assert 0 < n < len(ids) and out["output_ids"] == ids[:n] and out["meta_info"]["completion_tokens"] == n
     assert word not in out["text"] and text.startswith(out["text"])
+
+
+def test_a_sampled_request_sent_again_draws_another_output_a_greedy_one_does_not(http):
+    """n samples of a prompt are n requests (the toolkit sends no `n`): without a sampling_seed each must be its
+    own draw, or every sample of a prompt would be the same (the audit's identical_samples check)."""
+    ids = [15, 16, 17, 18]
+    sampled = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    outs = [http.generate(sampled, ids=ids)[1]["output_ids"] for _ in range(3)]
+    assert len({tuple(o) for o in outs}) == 3
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    assert http.generate(greedy, ids=ids)[1]["output_ids"] == http.generate(greedy, ids=ids)[1]["output_ids"]

@@ -474,34 +474,43 @@ def test_length_finish_and_the_silent_128_default(qwen3):
 
 
 def test_request_stops_and_ignore_eos(qwen3, tokenizers):
+    """On one seeded output (a request repeated gives the same output only when seeded or greedy)."""
     ids = chat_ids(tokenizers["qwen3"], "Explain closures.")
-    whole = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000}})
+    whole = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 7}})
     full = whole["output_ids"]
     stop = full[len(full) // 2]
-    cut = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "stop_token_ids": [stop]}})
+    cut = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 7, "stop_token_ids": [stop]}})
     assert cut["output_ids"] == full[:full.index(stop) + 1]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     word = whole["text"][len(whole["text"]) // 2:][:6]
-    by_text = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "stop": [word]}})
+    by_text = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 7, "stop": [word]}})
     assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
     assert whole["text"].startswith(by_text["text"]) and word not in by_text["text"]
     assert full[:len(by_text["output_ids"])] == by_text["output_ids"]
     # ignore_eos also disables stop_token_ids: the model writes on past its EOS up to max_new_tokens
-    longer = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True,
+    longer = qwen3.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 7, "ignore_eos": True,
                                                                     "stop_token_ids": [stop]}})
     assert len(longer["output_ids"]) == 4000 and longer["output_ids"][:len(full)] == full
     assert longer["meta_info"]["finish_reason"] == {"type": "length", "length": 4000}
 
 
-def test_outputs_are_deterministic_across_processes(fleet, qwen3, tokenizers):
+def test_outputs_are_deterministic_across_processes_and_repeated_sampling_draws_anew(fleet, qwen3, tokenizers):
+    """A fresh process answers a prompt as any other does; a sampled request without a seed sent again draws
+    another output, as a real server does (so n samples sent as n requests differ); seeded or greedy, never."""
     other = fleet["qwen3_auth"].wait_ready()
     auth = {"Authorization": "Bearer sekret"}
     for text in ("first prompt", "second prompt"):
-        body = {"input_ids": chat_ids(tokenizers["qwen3"], text), "sampling_params": {"max_new_tokens": 300,
-                                                                                      "temperature": 0.6}}
+        ids = chat_ids(tokenizers["qwen3"], text)
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 300, "temperature": 0.6}}
         a, b = qwen3.generate(body), qwen3.generate(body)
         c = other.generate(body, headers=auth)
-        assert a["output_ids"] == b["output_ids"] == c["output_ids"] and a["text"] == c["text"]
+        assert a["output_ids"] == c["output_ids"] and a["text"] == c["text"]  # each process's first draw
+        assert b["output_ids"] != a["output_ids"]  # drawn again
+        for sampling in ({"max_new_tokens": 300, "temperature": 0.6, "sampling_seed": 3},
+                         {"max_new_tokens": 300, "temperature": 0}):
+            seeded = [qwen3.generate({"input_ids": ids, "sampling_params": sampling}) for _ in range(2)]
+            seeded.append(other.generate({"input_ids": ids, "sampling_params": sampling}, headers=auth))
+            assert seeded[0]["output_ids"] == seeded[1]["output_ids"] == seeded[2]["output_ids"]
     x = qwen3.generate({"input_ids": [1, 2, 3]})["output_ids"]
     y = qwen3.generate({"input_ids": [1, 2, 4]})["output_ids"]
     assert x != y
@@ -573,9 +582,10 @@ def test_kimi_tool_sections_use_kimi_tokens(fleet, tokenizers):
 
 
 def test_batch_and_parallel_samples(qwen3):
-    a = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50}})
-    b = qwen3.generate({"input_ids": [41, 42], "sampling_params": {"max_new_tokens": 50}})
-    batch = qwen3.generate({"input_ids": [[31, 32], [41, 42]], "rid": "bat", "sampling_params": {"max_new_tokens": 50}})
+    a = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50, "sampling_seed": 5}})
+    b = qwen3.generate({"input_ids": [41, 42], "sampling_params": {"max_new_tokens": 50, "sampling_seed": 5}})
+    batch = qwen3.generate({"input_ids": [[31, 32], [41, 42]], "rid": "bat",
+                            "sampling_params": {"max_new_tokens": 50, "sampling_seed": 5}})
     assert isinstance(batch, list) and [o["output_ids"] for o in batch] == [a["output_ids"], b["output_ids"]]
     assert [o["meta_info"]["id"] for o in batch] == ["bat_0", "bat_1"] and "index" not in batch[0]
     samples = qwen3.generate({"input_ids": [31, 32], "sampling_params": {"max_new_tokens": 50, "n": 3,
@@ -592,7 +602,7 @@ def test_text_prompts_are_tokenized(qwen3, tokenizers):
 
 
 def test_streaming_sse(qwen3):
-    body = {"input_ids": [51, 52, 53], "sampling_params": {"max_new_tokens": 40}}
+    body = {"input_ids": [51, 52, 53], "sampling_params": {"max_new_tokens": 40, "sampling_seed": 1}}
     plain = qwen3.generate(body)
     status, headers, data = qwen3.post("/generate", {**body, "stream": True})
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
@@ -616,12 +626,12 @@ def test_streaming_sse(qwen3):
 def test_fixed_output_tokens_and_token_delay(fleet, tokenizers):
     slow, tok = fleet["slow"].wait_ready(), tokenizers["qwen3"]  # --fixed-output-tokens 40 --token-delay 0.01
     started = time.monotonic()
-    out = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 100}})
+    out = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 100, "sampling_seed": 1}})
     assert time.monotonic() - started >= 0.4
     ids = out["output_ids"]
     assert len(ids) == 40 and ids[0] == tid(tok, "<think>") and tid(tok, "</think>") in ids
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tid(tok, "<|im_end|>")}
-    short = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 25}})
+    short = slow.generate({"input_ids": chat_ids(tok, "bench"), "sampling_params": {"max_new_tokens": 25, "sampling_seed": 1}})
     assert short["output_ids"] == ids[:25] and short["meta_info"]["finish_reason"] == {"type": "length", "length": 25}
 
 
@@ -742,25 +752,32 @@ def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
 @pytest.mark.slow
 def test_continuation_of_an_aborted_output_is_the_uninterrupted_output(fleet, tokenizers):
     """prompt + partial output, max_new_tokens reduced by the partial's length: the stub writes on where it was
-    cut, so partial + continuation == the output of one uninterrupted request, finish reason included."""
+    cut, so partial + continuation == the output of one uninterrupted request, finish reason included. Without a
+    sampling_seed, a prompt sent again draws another output, and what is continued is the draw that was cut."""
     q = fleet["queue"].wait_ready()
+    kimi = fleet["kimi"].wait_ready()  # the same outputs as `queue` (its flags change timing, not outputs)
     tok = tokenizers["kimi"]
-    for i in range(3):
+    for i in range(4):
         prompt = chat_ids(tok, f"continue me {i}")
-        params = {"max_new_tokens": 120}
-        whole = q.generate({"input_ids": prompt, "sampling_params": params})
+        params = {"max_new_tokens": 120} if i % 2 else {"max_new_tokens": 120, "sampling_seed": 11}
+        if i % 2:  # seedless: the aborted request is the prompt's second draw
+            q.generate({"input_ids": prompt, "sampling_params": params})
+            kimi.generate({"input_ids": prompt, "sampling_params": params})
+            whole = kimi.generate({"input_ids": prompt, "sampling_params": params})
+        else:
+            whole = q.generate({"input_ids": prompt, "sampling_params": params})
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(q.generate, {"input_ids": prompt, "sampling_params": params, "rid": f"c{i}"})
-            time.sleep(0.05 + 0.1 * i)
+            time.sleep(0.05 + 0.05 * i)
             q.post("/abort_request", {"rid": f"c{i}"})
             part = pending.result(10)["output_ids"]
         assert 2 <= len(part) < len(whole["output_ids"]), (len(part), len(whole["output_ids"]))
         rest = q.generate({"input_ids": prompt + part,
-                           "sampling_params": {"max_new_tokens": params["max_new_tokens"] - len(part)}})
+                           "sampling_params": {**params, "max_new_tokens": params["max_new_tokens"] - len(part)}})
         assert part + rest["output_ids"] == whole["output_ids"]
         assert rest["meta_info"]["finish_reason"]["type"] == whole["meta_info"]["finish_reason"]["type"]
         assert rest["meta_info"]["prompt_tokens"] == len(prompt) + len(part)
-    assert json.loads(q.get("/stub/counters")[2])["continued"] >= 3
+    assert json.loads(q.get("/stub/counters")[2])["continued"] >= 4
 
 
 def test_cached_tokens_follow_a_prefix_cache(qwen3, fleet, tokenizers):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -76,9 +77,9 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
     outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
     4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do (the other
-    outputs are the same as without it). The stub is
-    deterministic: samples of one prompt differ only by their `sampling_seed` (the toolkit offsets it per sample)
-    or their index in a request with n > 1; with `identical_samples` not even then.
+    outputs are the same as without it). The plan is a function of its arguments: samples of one prompt differ by
+    their `sampling_seed` (the toolkit offsets it per sample) or by `sample` (their index in a request with n > 1,
+    and the draw of a seedless request sent again: `Draws`); with `identical_samples` by neither.
     """
     if cfg.identical_samples:  # a sampler that ignores the seed and the sample index
         sp, sample = msgspec.structs.replace(sp, sampling_seed=None), 0
@@ -194,7 +195,7 @@ def drop_planned(segments: Segments, n: int) -> Segments:
 
 
 def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
-                      sample: int) -> Segments | None:
+                      sample: int, drawn=None) -> Segments | None:
     """The rest of an output when `prompt` is an earlier prompt plus the start of what the stub wrote for it.
 
     A request aborted mid-generation is continued by sending `input_ids = prompt + partial output` with
@@ -205,7 +206,8 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
     output can begin (at a think-start, or after a think-start / think-end that ends a prompt, give or take
     newline tokens), so a plain prompt costs a few list scans. A last token that is a think-start is not taken
     for a one-token output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus
-    the think-start its output begins with. None: not a continuation.
+    the think-start its output begins with. `drawn(head, sp)`, when given, is the sample numbers already drawn
+    for an earlier prompt (see `Draws`): the output continued may be any of them. None: not a continuation.
     """
     n = len(prompt)
     cands: set[int] = set()
@@ -220,18 +222,54 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
         sp0 = msgspec.structs.replace(
             sp, max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
             min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0)
-        segments = plan_output(model, cfg, head, sp0, budget + p, sample)
-        got, need = 0, prompt[k:]
-        for _, ids in segments:  # compare the plan's first p tokens with the tail, segment by segment
-            m = min(len(ids), p - got)
-            if ids[:m] != need[got:got + m]:
-                break
-            got += m
+        for drawn_sample in (drawn(head, sp0) if drawn is not None else (sample,)):
+            segments = plan_output(model, cfg, head, sp0, budget + p, drawn_sample)
+            got, need = 0, prompt[k:]
+            for _, ids in segments:  # compare the plan's first p tokens with the tail, segment by segment
+                m = min(len(ids), p - got)
+                if ids[:m] != need[got:got + m]:
+                    break
+                got += m
+                if got == p:
+                    break
             if got == p:
-                break
-        if got == p:
-            return drop_planned(segments, p)
+                return drop_planned(segments, p)
     return None
+
+
+class Draws:
+    """Requests that sample (not greedy) without a `sampling_seed`: a real server draws another output each time
+    the same prompt comes with the same params, so n samples sent as n requests differ. The stub numbers them: the
+    first request of a prompt and its params gets the output it always gets (sample 0 of a request), the next one
+    the next sample, and so on, remembered for the last `size` prompts. A request with a seed, or greedy, or with
+    `identical_samples` set, is answered the same every time."""
+
+    def __init__(self, size: int = 1 << 16) -> None:
+        self.size = size
+        self._count: OrderedDict[int, int] = OrderedDict()
+
+    @staticmethod
+    def applies(sp: Sampling) -> bool:
+        return sp.sampling_seed is None and sp.top_k != 1
+
+    def draw(self, prompt: list[int], sp: Sampling, index: int, n: int) -> int:
+        """The sample number of sequence `index` of a request of `n` sequences (a new draw per request)."""
+        if not self.applies(sp):
+            return index
+        key = output_seed(prompt, sp, 0)
+        drawn = self._count.pop(key, 0)
+        self._count[key] = drawn + 1
+        if len(self._count) > self.size:
+            self._count.popitem(last=False)
+        return index + n * drawn
+
+    def drawn(self, index: int, n: int):
+        """For plan_continuation: the sample numbers sequence `index` may have been given for `head`."""
+        def numbers(head: list[int], sp: Sampling) -> list[int]:
+            if not self.applies(sp):
+                return [index]
+            return [index + n * d for d in range(max(1, self._count.get(output_seed(head, sp, 0), 0)))]
+        return numbers
 
 
 class Item(msgspec.Struct, kw_only=True):

@@ -31,6 +31,7 @@ from toolkit.stub.contract import (
 )
 from toolkit.stub.model import StubModel
 from toolkit.stub.outputs import (
+    Draws,
     IncrementalText,
     Item,
     fake_logprob,
@@ -64,6 +65,7 @@ class StubServer:
         self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
         self.generate_count = 0
         self.dispatched = 0  # sequences sent to a data-parallel rank, round robin
+        self.draws = Draws()  # sampled requests without a seed: another output each time (outputs.Draws)
         self.served_name = cfg.served_model_name or cfg.model_path
         self.pool = cfg.max_total_tokens or 16 * cfg.context_length
         self.max_req_len = min(cfg.context_length - 1, self.pool - 1)
@@ -220,11 +222,13 @@ class StubServer:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
             if cfg.token_delay > 0:  # only a delayed request can be aborted mid-way, and so continued
-                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
+                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget, item.index % n,
+                                             self.draws.drawn(item.index % n, n))
             if segments is not None:
                 self.sched.counters["continued"] += 1
             else:
-                segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, item.index % n)
+                sample = self.draws.draw(item.prompt, item.sp, item.index % n, n)
+                segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, sample)
             item.segments = segments
             item.planned = [t for _, ids in item.segments for t in ids]
             finish_item(model, item)
