@@ -166,6 +166,63 @@ def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_de
     assert "--api-key ***" in server_log
 
 
+def _sbatch_worker(run: Path, first: str, second: str, out: Path) -> str:
+    """As `toolkit submit` lays out a task of nodes = 2: the worker in a one-task step on the first node."""
+    r = subprocess.run(
+        ["sbatch", "--parsable", "--requeue", "--open-mode=append", "--job-name=multinode-test", "--partition=hosts", f"--nodelist={first},{second}",
+         "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=1", "--time=5", f"--output={out}",
+         f"--export=ALL,PYTHONPATH={ROOT}",
+         "--wrap", f"srun --nodes=1 --ntasks=1 {sys.executable} -m toolkit worker {run} 0"],
+        capture_output=True, text=True, check=True, cwd=ROOT)
+    return r.stdout.strip().split(";")[0]
+
+
+def _job_over(job_id: str, timeout: float) -> None:
+    _wait(lambda: job_id not in subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True,
+                                               text=True).stdout.split(), timeout, f"job {job_id} to end")
+
+
+@pytest.mark.slurm
+def test_sigterm_to_every_step_of_a_two_host_task_keeps_what_is_in_flight_and_the_next_task_continues_it(
+        hosts, tmp_path, toy_tokenizer):
+    """Preemption, `scancel` and `scontrol requeue` send SIGTERM to every process of every step: the worker, srun,
+    each rank's launcher and server. The engine must outlive it long enough for the worker to abort what is in
+    flight and record the partial outputs; the next task continues them on a new two-rank engine."""
+    (first, _), (second, _) = list(hosts.items())[:2]
+    tok = toy_tokenizer("kimi")
+    n = 40
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(ROOT)]), "FAKE_SGLANG_RECORD": str(tmp_path / "rank{rank}.json"),
+           "FAKE_SGLANG_STUB_ARGS": "--token-delay 0.02 --fixed-output-tokens 150"}
+    job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env,
+                                               "shutdown_timeout_s": 10, "ready_timeout_s": 60},
+                   model={"path": str(tok)}, slurm={"gpus_per_node": 1}, client={"concurrency": 2},
+                   sampling={"max_new_tokens": 400})
+    rd, _ = prepared_run(str(job))
+    run = Path(rd.root)
+    out = tmp_path / "job.out"
+    job_id = _sbatch_worker(run, first, second, out)
+    try:
+        _wait(lambda: len(_records(run)) >= 2, 120, "records from the two-rank engine")
+        time.sleep(1.0)  # requests in flight, some way into their 150 tokens
+        subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to every step, SIGKILL after KillWait
+        _job_over(job_id, 240)  # the requeued job runs the shard again, on a new two-rank engine
+    finally:
+        subprocess.run(["scancel", job_id])
+    text = out.read_text()
+    progress = msgspec.json.decode((run / "progress" / "00000.json").read_bytes())
+    assert progress["state"] == "done" and progress["restart_count"] >= 1, (progress, text)
+    log = (run / "logs" / "00000.log").read_text()
+    assert "got SIGTERM" in log and re.search(r"aborting the \d+ requests in flight", log), log
+    assert "could not abort" not in log and "still unanswered" not in log, log
+    written = _records(run)
+    newest = {r.id: r for r in written}
+    assert len(newest) == n and all(r.status == "ok" for r in newest.values())
+    partial = [r for r in written if r.status == "partial"]
+    assert partial and all(newest[r.id] is not r for r in partial), "the in-flight outputs were kept as partial"
+    assert max(r.segments for r in newest.values()) == 2  # ... and continued where the SIGTERM cut them
+    assert all(len(r.output_ids) == 4 * 150 for r in newest.values())
+
+
 def _dry_run(job: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job), "--dry-run", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)

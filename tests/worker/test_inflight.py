@@ -133,7 +133,9 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
     stub, url = start_standalone(str(kimi), "--context-length", "32768", "--token-delay", "0.004")
     try:
-        common = dict(prompts=prompts, engine={"kind": "external", "url": url}, sampling={"max_new_tokens": 400},
+        # seeded: one server answers both runs, and a sampled request without a seed sent again draws anew
+        common = dict(prompts=prompts, engine={"kind": "external", "url": url},
+                      sampling={"max_new_tokens": 400, "sampling_seed": 7},
                       client={"concurrency": 4, "request_timeout_s": 30, "retries": 2, "backoff_s": 0.05})
         ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
         assert run_shard(ref.root, 0) == DONE

@@ -154,8 +154,10 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
     stub, url = start_stub(kimi, "--token-delay", "0.005")
     try:
+        # seeded: one server answers every run, and a sampled request without a seed sent again draws anew
         common = dict(engine={"kind": "external", "url": url}, client={"concurrency": 4, "request_timeout_s": 30},
-                      sampling={"max_new_tokens": 300}, sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
+                      sampling={"max_new_tokens": 300, "sampling_seed": 7},
+                      sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
         ref_rd, _ = prepared_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
         assert run_shard(ref_rd.root, 0) == DONE
         expected = {r.id: comparable(r) for r in records(ref_rd.root)}
