@@ -32,6 +32,15 @@ def new_lines(n: int, start: int = 0) -> list[str]:
     return [json.dumps({"prompt": f"An appended question number {start + i}: what is {i} + {i}?"}) for i in range(n)]
 
 
+def edit_second_prompt(src):
+    """Its second prompt's message changed in place (same id, other content): the prompt file."""
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
+    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    return src
+
+
 @pytest.mark.slow
 def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(tmp_path, kimi, capsys):
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
@@ -205,11 +214,7 @@ def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsy
     assert cli_main(["run", str(job)]) == 0
     rd, _ = load_run(tmp_path / "run")
     old = {r.id: r for r in read_shard(rd.merged_file)}
-    src = tmp_path / "prompts.jsonl"
-    lines = src.read_text().splitlines()
-    row = json.loads(lines[1])
-    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
-    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    src = edit_second_prompt(tmp_path / "prompts.jsonl")
     capsys.readouterr()
     assert cli_main(["run", str(job)]) == 2
     err = capsys.readouterr().err
@@ -261,11 +266,7 @@ def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(t
     assert cli_main(["run", str(job)]) == 0
     rd, _ = load_run(tmp_path / "run")
     old = {r.id: r for r in read_shard(rd.merged_file)}
-    src = tmp_path / "prompts.jsonl"
-    lines = src.read_text().splitlines()
-    row = json.loads(lines[1])
-    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
-    src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    src = edit_second_prompt(tmp_path / "prompts.jsonl")
     append(src, new_lines(2))
     import toolkit.formats.pending as pending
 

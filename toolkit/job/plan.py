@@ -275,16 +275,15 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
         hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan and run it, "
                 "and print the run directory to give here") if rd.root.suffix == ".toml" else ""
         raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
-    if rd.pending_file.exists():  # a change a crash interrupted (formats.pending): finished before anything is read
-        try:
-            pending.finish(rd)
-        except OSError as e:
-            raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here "
-                            f"({e.strerror or e}): run the command again as a user who can write the run "
-                            "directory") from None
-        except msgspec.DecodeError as e:
-            raise PlanError(f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was interrupted "
-                            "and cannot be finished; plan the job into a new run (`--new-run`)") from None
+    try:  # a change a crash interrupted (formats.pending) is finished before anything is read
+        pending.finish(rd)
+    except OSError as e:
+        raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here "
+                        f"({e.strerror or e}): run the command again as a user who can write the run "
+                        "directory") from None
+    except msgspec.DecodeError as e:
+        raise PlanError(f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was interrupted "
+                        "and cannot be finished; plan the job into a new run (`--new-run`)") from None
     try:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:

@@ -195,7 +195,7 @@ def drop_planned(segments: Segments, n: int) -> Segments:
 
 
 def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
-                      sample: int, drawn=None) -> Segments | None:
+                      drawn) -> Segments | None:
     """The rest of an output when `prompt` is an earlier prompt plus the start of what the stub wrote for it.
 
     A request aborted mid-generation is continued by sending `input_ids = prompt + partial output` with
@@ -206,8 +206,8 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
     output can begin (at a think-start, or after a think-start / think-end that ends a prompt, give or take
     newline tokens), so a plain prompt costs a few list scans. A last token that is a think-start is not taken
     for a one-token output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus
-    the think-start its output begins with. `drawn(head, sp)`, when given, is the sample numbers already drawn
-    for an earlier prompt (see `Draws`): the output continued may be any of them. None: not a continuation.
+    the think-start its output begins with. `drawn(head, sp)` is the sample numbers already drawn for an earlier
+    prompt (`Draws.drawn`): the output continued may be any of them. None: not a continuation.
     """
     n = len(prompt)
     cands: set[int] = set()
@@ -222,8 +222,8 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
         sp0 = msgspec.structs.replace(
             sp, max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
             min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0)
-        for drawn_sample in (drawn(head, sp0) if drawn is not None else (sample,)):
-            segments = plan_output(model, cfg, head, sp0, budget + p, drawn_sample)
+        for sample in drawn(head, sp0):
+            segments = plan_output(model, cfg, head, sp0, budget + p, sample)
             got, need = 0, prompt[k:]
             for _, ids in segments:  # compare the plan's first p tokens with the tail, segment by segment
                 m = min(len(ids), p - got)

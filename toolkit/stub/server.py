@@ -222,7 +222,7 @@ class StubServer:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
             if cfg.token_delay > 0:  # only a delayed request can be aborted mid-way, and so continued
-                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget, item.index % n,
+                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget,
                                              self.draws.drawn(item.index % n, n))
             if segments is not None:
                 self.sched.counters["continued"] += 1
