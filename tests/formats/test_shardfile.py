@@ -4,6 +4,7 @@ are exclusive."""
 import random
 import struct
 import subprocess
+import sys
 import zlib
 
 import msgspec
@@ -232,7 +233,7 @@ try:
 except ShardLocked as e:
     print(e); sys.exit(7)
 """
-    r = subprocess.run(["python", "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     w.close()
     assert r.returncode == 7 and "locked by another worker" in r.stdout
 
