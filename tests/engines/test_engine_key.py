@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from keyscan import files_holding, on_command_lines, watch_run
 
 from jobfiles import make_job
-from keyscan import files_holding, on_command_lines, watch_run
 from toolkit.engines.base import EngineError
-from toolkit.engines.keys import LogPump
+from toolkit.engines.keys import PREFIX, LogPump, sweep
 from toolkit.engines.kinds import make_engine
 from toolkit.engines.stub import start_standalone
 from toolkit.job.spec import load_spec
@@ -67,6 +67,20 @@ def test_the_log_pump_masks_a_key_cut_between_two_reads(tmp_path):
     text = log.read_text()
     assert key not in text and "'api_key': '" + "*" * 32 + "'" in text
     assert text.endswith("tail " + key[:5]), "a start of the key at the very end is written once the pipe closes"
+
+
+def test_key_folders_of_processes_that_are_gone_are_swept(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{PREFIX}{gone.pid}-abcd"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-efgh"
+    parent = tmp_path / f"{PREFIX}{os.getppid()}-ijkl"
+    other = tmp_path / "toolkit-engine-key-x-1"
+    for folder in (dead, live, parent, other):
+        folder.mkdir()
+        (folder / "server-args.yaml").write_text('api-key: "k"\n')
+    assert sweep(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and parent.exists() and other.exists()
 
 
 def external_job(tmp_path, tok, url: str, **engine):

@@ -4,7 +4,7 @@ A process's command line is readable by every user of its node (`ps`, /proc/PID/
 often readable by a whole group. So each start of an engine draws a fresh key (it guards only that server and is
 worth nothing once the server is gone) and hands it over in a file only the user can read: a folder of its own,
 mode 0700, made in the node's temporary directory ($TMPDIR, else /tmp), holding files of mode 0600, removed when
-the engine stops. SGLang and the stub read it as `--config FILE` (SGLang's YAML server arguments, `api-key:`).
+the engine stops (the folder of a process killed before it could is removed by the next start on the node). SGLang and the stub read it as `--config FILE` (SGLang's YAML server arguments, `api-key:`).
 
 A multi-node engine's ranks run on other nodes, whose temporary directory is not this one: the key travels to them
 in the environment of the `srun` step (KEY_ENV; a process's environment is readable only by its user), and each
@@ -29,11 +29,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["KEY_ENV", "KeyFiles", "LogPump", "mask"]
+__all__ = ["KEY_ENV", "KeyFiles", "LogPump", "mask", "sweep"]
 
 log = logging.getLogger(__name__)
 
 KEY_ENV = "TOOLKIT_ENGINE_API_KEY"
+PREFIX = "toolkit-engine-key-"  # then the pid of the process that made the folder
 CONFIG_NAME = "server-args.yaml"
 KEY_NAME = "api-key"
 
@@ -54,7 +55,8 @@ class KeyFiles:
 
     def __init__(self, key: str):
         self.key = key
-        self.folder = Path(tempfile.mkdtemp(prefix="toolkit-engine-key-"))  # mode 0700, this user's only
+        sweep(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))  # mode 0700, this user's only
 
     def _write(self, name: str, text: str) -> Path:
         path = self.folder / name
@@ -74,6 +76,25 @@ class KeyFiles:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def sweep(tmp: Path) -> list[Path]:
+    """Remove the key folders of this user's processes that are gone: killed (SIGKILL: a worker killed -9, a rank
+    of a step Slurm cancelled) before they could remove their own. Their keys guarded servers that are gone too.
+    The folders removed."""
+    removed = []
+    for folder in tmp.glob(PREFIX + "*-*"):
+        try:
+            pid = int(folder.name[len(PREFIX):].split("-", 1)[0])
+            if folder.stat().st_uid != os.getuid() or pid == os.getpid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except (ValueError, OSError):  # not ours, or that process lives (or another user's has its pid)
+            continue
+    return removed
 
 
 class LogPump:
