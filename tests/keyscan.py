@@ -42,11 +42,27 @@ def files_holding(root: Path, secret: str) -> list[str]:
     return [str(p) for p in sorted(root.rglob("*")) if p.is_file() and needle in p.read_bytes()]
 
 
-def server_with_config(marker: str) -> tuple[int, list[str]] | None:
-    """(pid, argv) of a running process whose command line holds `marker` and `--config` (an engine the toolkit
-    started), or None."""
+def parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = parent_of(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+def server_with_config(marker: str, ancestor: int) -> tuple[int, list[str]] | None:
+    """(pid, argv) of a running process started (at any depth) by `ancestor` whose command line holds `marker` and
+    `--config` (an engine the toolkit started), or None."""
     for pid, argv in cmdlines().items():
-        if any(marker in a for a in argv) and "--config" in argv:
+        if any(marker in a for a in argv) and "--config" in argv and descends_from(pid, ancestor):
             return pid, argv
     return None
 
@@ -73,7 +89,7 @@ def status_of(url: str, key: str | None, path: str = "/server_info") -> int:
 
 
 def watch_run(proc: subprocess.Popen, marker: str, timeout: float) -> dict:
-    """While `proc` (a `toolkit run`) runs: find the engine (its command line holds `marker`), read its key, and
+    """While `proc` (a `toolkit run`) runs: find its engine (its command line holds `marker`), read its key, and
     look at every process's command line again and again until `proc` ends. {"key", "argv", "folder", "scans",
     "found" (command lines that held the key), "unauthorized", "authorized" (statuses of /server_info without and
     with the key)}."""
@@ -81,7 +97,7 @@ def watch_run(proc: subprocess.Popen, marker: str, timeout: float) -> dict:
     seen: dict = {"scans": 0, "found": []}
     while proc.poll() is None and time.monotonic() < deadline:
         if "key" not in seen:
-            server = server_with_config(marker)
+            server = server_with_config(marker, proc.pid)
             if server is not None:
                 pid, argv = server
                 try:

@@ -19,7 +19,7 @@ from toolkit.engines.base import EngineError
 from toolkit.engines.keys import PREFIX, LogPump, sweep
 from toolkit.engines.kinds import make_engine
 from toolkit.engines.stub import start_standalone
-from toolkit.job.spec import load_spec
+from toolkit.job.spec import key_source_warnings, load_spec
 from toolkit.job.specerrors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,6 +166,14 @@ def test_the_engine_reads_the_key_where_the_job_says(tmp_path, toy_tokenizer, mo
     monkeypatch.delenv("TK_TEST_KEY")
     with pytest.raises(EngineError, match="export it before `toolkit run` or `toolkit submit`"):
         e.start()
+
+
+def test_a_command_that_puts_the_key_on_its_command_line_is_warned_about(tmp_path, toy_tokenizer):
+    command = ["srv", "--port", "{port}", "--api-key", "{api_key}"]
+    spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), n=2, engine={"kind": "sglang", "command": command}))
+    assert any("{api_key} puts the engine's key on its command line" in w for w in key_source_warnings(spec.engine))
+    spec.engine.command = ["srv", "--port", "{port}", "--api-key-file", "{api_key_file}"]
+    assert key_source_warnings(spec.engine) == []
 
 
 @pytest.mark.parametrize("engine, message", [

@@ -390,8 +390,12 @@ def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool
 
 
 def key_source_warnings(e: EngineSpec) -> list[str]:
-    """What may keep an external server's key from the worker, or open it to others, as seen from here: the
-    variable `api_key_env` names unset, a key file other users may read."""
+    """What may keep an engine's key from the worker, or open it to others, as seen from here: a custom `command`
+    that puts it on its command line, the variable `api_key_env` names unset, a key file other users may read."""
+    if e.command and any("{api_key}" in a for a in e.command):
+        return ["[engine] command: {api_key} puts the engine's key on its command line, where every user of the node "
+                "can read it (ps): use {api_key_file} or {config_file} (files only you can read, removed when the "
+                "engine stops), or $TOOLKIT_ENGINE_API_KEY"]
     if e.kind != "external":
         return []
     if e.api_key_env is not None and not os.environ.get(e.api_key_env):
