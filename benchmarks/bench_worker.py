@@ -37,7 +37,7 @@ path = "{tokenizer}"
 [engine]
 kind = "external"
 url = "{url}"
-api_key = "{key}"
+api_key_env = "BENCH_SERVER_KEY"
 [client]
 concurrency = {concurrency}
 [sampling]
@@ -100,6 +100,7 @@ def main() -> None:
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     key = "benchkey"
+    os.environ["BENCH_SERVER_KEY"] = key  # the workers read the server's key from their environment
     stub, url = start_standalone(str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", str(OUTPUT_TOKENS),
                                  "--context-length", "32768")
     try:
@@ -117,7 +118,7 @@ def main() -> None:
                 part.write_text("".join(prompts.read_text().splitlines(keepends=True)[:n]))
                 run = work / f"run{rep}-{n}"
                 job = work / f"job{rep}-{n}.toml"
-                job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, key=key, concurrency=args.concurrency, prompts=part))
+                job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, concurrency=args.concurrency, prompts=part))
                 prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
                 stub_before = process_cpu(stub.pid)
                 cpu["toolkit", n].append(child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"]))

@@ -35,7 +35,7 @@ path = "{tokenizer}"
 [engine]
 kind = "external"
 url = "{url}"
-api_key = "{key}"
+api_key_env = "BENCH_SERVER_KEY"
 [client]
 concurrency = {concurrency}
 [sampling]
@@ -80,6 +80,7 @@ def main() -> None:
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-memory-"))
     key = "benchkey"
+    os.environ["BENCH_SERVER_KEY"] = key  # the workers read the server's key from their environment
     stub, url = start_standalone(str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", "16",
                                  "--context-length", "32768")
     try:
@@ -92,7 +93,7 @@ def main() -> None:
                     f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[k : k + 40])}) + "\n")
             run = work / f"run{n}"
             job = work / f"job{n}.toml"
-            job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, key=key, concurrency=args.concurrency,
+            job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, concurrency=args.concurrency,
                                       prompts=prompts))
             prepare_run(str(job))  # planning happens on the login node: not the worker's memory
             peaks[n] = peak_rss_mb(["worker", str(run), "0"])

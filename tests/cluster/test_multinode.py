@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import keyscan
 import msgspec
 import pytest
 
@@ -124,8 +125,16 @@ def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_de
             assert flags["--tp-size"] == "2" and flags["--host"] == "127.0.0.1"
             assert rec["usr2_ignored"] and rec["env_marker"] == "yes"
             seen_pids += [rec["pid"], rec["scheduler_pid"]]
-        unranked = lambda argv: [a for i, a in enumerate(argv) if i == 0 or argv[i - 1] != "--node-rank"]
+        unranked = lambda argv: [a for i, a in enumerate(argv) if i == 0 or argv[i - 1] not in ("--node-rank", "--config")]
         assert unranked(r0["argv"]) == unranked(r1["argv"]), "the same line on every node but for its rank"
+        # the key: in a 0600 file each rank wrote on its own node from the step's environment, which the server
+        # does not inherit; on no command line of either host
+        configs = [dict(zip(rec["argv"], rec["argv"][1:]))["--config"] for rec in (r0, r1)]
+        assert configs[0] != configs[1] and all(rec["config_mode"] == "0o600" for rec in (r0, r1))
+        assert not r0["key_in_env"] and not r1["key_in_env"]
+        key = keyscan.key_of(r0["argv"])
+        assert keyscan.key_of(r1["argv"]) == key and len(key) == 32
+        assert keyscan.on_command_lines(key) == []
         assert r0["slurm_step_id"] == r1["slurm_step_id"] != "0", "both ranks are tasks of one step, not the worker's"
         assert (r0["host"], r1["host"]) == (first, second), "each rank on its own host, rank 0 beside the worker"
         step = f"{job_id}.{r0['slurm_step_id']}"
@@ -163,7 +172,9 @@ def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_de
     assert re.search(rf"^1: toolkit: engine rank 1 of 2 on {second}: ", server_log, re.M)
     assert re.search(rf"^0: \[rank 0\] rank 1 joined from {re.escape(second_addr)}$", server_log, re.M)
     assert "killed by SIGKILL" in server_log
-    assert "--api-key ***" in server_log
+    assert "--config" in server_log and "--api-key" not in server_log
+    assert keyscan.files_holding(tmp_path, key) == [], "the key in no file of the run, its logs, the job's output"
+    assert not any(Path(c).exists() for c in configs), "each rank removed its key file when its server ended"
 
 
 def _sbatch_worker(run: Path, first: str, second: str, out: Path) -> str:

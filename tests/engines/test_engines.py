@@ -14,6 +14,7 @@ import pytest
 from jobfiles import make_job, process_running
 from toolkit.engines.base import EngineError
 from toolkit.engines.client import HttpClient
+from toolkit.engines.keys import KEY_ENV, KeyFiles
 from toolkit.engines.kinds import make_engine
 from toolkit.engines.sglang import check_extra_args, substitute
 from toolkit.job.spec import load_spec
@@ -32,16 +33,26 @@ def test_sglang_argv_is_complete_and_not_a_shell_string(tmp_path, toy_tokenizer)
     tok = toy_tokenizer("kimi")
     spec = sglang_spec(tmp_path, tok, extra_args=["--mem-fraction-static", "0.85"])
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
-    e.port, e.api_key = 31234, "k" * 32
-    argv = e.argv()
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    pairs = dict(zip(argv[3::1], argv[4::1]))
-    assert pairs["--model-path"] == str(tok)
-    assert pairs["--tp-size"] == "8" and pairs["--dp-size"] == "2"
-    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "31234" and pairs["--api-key"] == "k" * 32
-    assert "--nccl-port" not in argv, "SGLang picks its own NCCL port, one per data-parallel replica"
-    assert "--trust-remote-code" in argv and argv[-2:] == ["--mem-fraction-static", "0.85"]
-    assert all(isinstance(a, str) and a for a in argv)
+    e.port, e.api_key = 31234, "0" * 32
+    e.key_files = KeyFiles(e.api_key)
+    try:
+        argv = e.argv()
+        assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+        pairs = dict(zip(argv[3::1], argv[4::1]))
+        assert pairs["--model-path"] == str(tok)
+        assert pairs["--tp-size"] == "8" and pairs["--dp-size"] == "2"
+        assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "31234"
+        assert "--api-key" not in argv and not any("0" * 32 in a for a in argv), "no key on the command line"
+        config = Path(pairs["--config"])  # SGLang's YAML server arguments: quoted, so a key of digits stays text
+        assert config.read_text() == 'api-key: "00000000000000000000000000000000"\n'
+        assert config.stat().st_mode & 0o777 == 0o600 and config.parent.stat().st_mode & 0o777 == 0o700
+        assert "--nccl-port" not in argv, "SGLang picks its own NCCL port, one per data-parallel replica"
+        assert "--trust-remote-code" in argv and argv[-4:-2] == ["--mem-fraction-static", "0.85"]
+        assert all(isinstance(a, str) and a for a in argv)
+        assert e.key_env() == {}, "one node: the key is in the file only"
+    finally:
+        e.discard_key()
+    assert not config.parent.exists()
 
 
 def test_extra_args_may_not_fight_the_toolkit():
@@ -120,6 +131,22 @@ def test_custom_command_placeholders():
     argv = substitute(["srv", "--addr={host}:{port}", "{model_path}", "--key", "{api_key}", '{"json": 1}'],
                       host="127.0.0.1", port="9", model_path="/m", api_key="K")
     assert argv == ["srv", "--addr=127.0.0.1:9", "/m", "--key", "K", '{"json": 1}']
+
+
+def test_a_custom_command_gets_the_key_in_files_or_its_environment(tmp_path, toy_tokenizer):
+    command = ["srv", "--port", "{port}", "--key-file", "{api_key_file}", "--config", "{config_file}"]
+    spec = sglang_spec(tmp_path, toy_tokenizer("kimi"), command=command)
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
+    e.port, e.api_key = 31234, "f" * 32
+    e.key_files = KeyFiles(e.api_key)
+    try:
+        argv = e.argv()
+        assert argv[:3] == ["srv", "--port", "31234"] and not any("f" * 32 in a for a in argv)
+        assert Path(argv[4]).read_text() == "f" * 32 + "\n" and Path(argv[4]).stat().st_mode & 0o777 == 0o600
+        assert Path(argv[6]).read_text() == f'api-key: "{"f" * 32}"\n'
+        assert e.key_env() == {KEY_ENV: "f" * 32}
+    finally:
+        e.discard_key()
 
 
 @pytest.mark.slow
@@ -331,9 +358,10 @@ def test_multi_node_argv_golden(tmp_path, toy_tokenizer):
     e.port, e.api_key = 31234, "k" * 32
     e.dist_init_addr, e.first_host, e.step_name = "10.1.2.3:23456", "gpu-a01", "toolkit-engine-0f0f0f0f"
     py = sys.executable
+    # no key: each rank writes the file --config reads on its own node, from the step's environment
     server = [py, "-m", "sglang.launch_server", "--model-path", str(tok), "--tp-size", "16", "--dp-size", "1",
-              "--host", "127.0.0.1", "--port", "31234", "--api-key", "k" * 32, "--trust-remote-code",
-              "--mem-fraction-static", "0.85"]
+              "--host", "127.0.0.1", "--port", "31234", "--trust-remote-code", "--mem-fraction-static", "0.85"]
+    assert e.key_env() == {KEY_ENV: "k" * 32}
     assert e.argv() == [
         "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=1", "--mpi=none",
         "--label", "--unbuffered", "--job-name=toolkit-engine-0f0f0f0f",
@@ -526,25 +554,33 @@ def test_rank_flags_are_the_toolkits():
     assert "--nccl-init-addr is set by the toolkit" in problems[2]
 
 
-def _rank(tmp_path, procid, *server, host="gpu-a01"):
+def _rank(tmp_path, procid, *server, host="gpu-a01", key="SECRET"):
     import subprocess
 
-    env = {**os.environ, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": host,
-           "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": host, KEY_ENV: key,
+           "PYTHONPATH": str(Path(__file__).parents[2]), "TMPDIR": str(tmp_path)}
     return subprocess.run([sys.executable, "-m", "toolkit.engines.rank", "--nnodes", "2", "--dist-init-addr",
                            "10.1.2.3:23456", "--first-host", "gpu-a01", "--", *server],
                           env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
 
 
 def test_rank_launcher_runs_the_server_with_its_rank_and_reports_any_exit(tmp_path):
-    show = [sys.executable, "-c", "import json, signal, sys; print(json.dumps([sys.argv[1:], "
-            "signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN]))", "--api-key", "SECRET"]
-    r = _rank(tmp_path, 1, *show)
+    show = [sys.executable, "-c", "import json, os, signal, sys; c = sys.argv[-1]; print(json.dumps([sys.argv[1:], "
+            "signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, open(c).read(), oct(os.stat(c).st_mode & 0o777), "
+            f"'{KEY_ENV}' in os.environ]))", "--mem-fraction-static", "0.8"]
+    r = _rank(tmp_path, 1, *show, key="0123abcd")
     assert r.returncode == 1 and "exited (code 0) although nobody stopped it" in r.stderr, "srun must end the step"
-    args, usr2_ignored = json.loads(r.stdout.splitlines()[-1])
-    assert args == ["--api-key", "SECRET", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:23456"]
+    args, usr2_ignored, config, mode, key_in_env = json.loads(r.stdout.splitlines()[-1])
+    assert args[:-1] == ["--mem-fraction-static", "0.8", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+                         "10.1.2.3:23456", "--config"]
+    assert config == 'api-key: "0123abcd"\n' and mode == "0o600", "the key in a file of this node only the user reads"
+    assert not key_in_env, "the server's environment does not hold the key"
+    assert not Path(args[-1]).exists() and not Path(args[-1]).parent.exists(), "the file goes when the server ends"
+    assert Path(args[-1]).is_relative_to(tmp_path), "in the node's temporary directory ($TMPDIR)"
     assert usr2_ignored
-    assert "engine rank 1 of 2 on gpu-a01" in r.stdout and "SECRET" not in r.stdout.splitlines()[0]
+    assert "engine rank 1 of 2 on gpu-a01" in r.stdout and "0123abcd" not in r.stdout.splitlines()[0]
+    r = _rank(tmp_path, 1, *show, key="")
+    assert r.returncode == 2 and "no API key in the step's environment" in r.stderr, "never a server without a key"
     r = _rank(tmp_path, 0, sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert r.returncode == 137 and "killed by SIGKILL" in r.stderr
     r = _rank(tmp_path, 0, sys.executable, "-c", "pass", host="gpu-a02")

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from keyscan import files_holding, watch_run
 from realsglang import CPU_ENV, python, sglang_job, toolkit
 
 from jobfiles import write_prompts
@@ -226,13 +227,14 @@ def test_what_check_refuses_is_what_real_sglang_refuses(tmp_path, tiny_model, sg
 def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in_status(tmp_path, tiny_model,
                                                                                        sglang_server):
     job = sglang_job(tmp_path, tiny_model, n=16, sampling={"max_new_tokens": 120},
-                     engine={"kind": "external", "url": sglang_server.url, "api_key": sglang_server.api_key,
+                     engine={"kind": "external", "url": sglang_server.url, "api_key_env": "TEST_SGLANG_KEY",
                              "extra_args": [], "env": {}},
                      client={"concurrency": "auto"})
     rd = RunDir(tmp_path / "run")
     # An external engine needs no SGLang here: the login node's own Python runs the job.
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TEST_SGLANG_KEY": sglang_server.api_key})
     seen = []
     while proc.poll() is None:
         p = read_progress(rd.progress_file(0)) if rd.progress_file(0).exists() else None
@@ -248,6 +250,31 @@ def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in
     assert any(run == 2 and target == 4 for run, _, _, target, _ in seen), seen[:3]
     assert any(re.search(r"\b2/\d+\b", status) for *_, status in seen), "status shows RUN/QUEUE from /v1/loads"
     assert sorted(_newest(_records(rd.root))) == [f"p{i:04d}" for i in range(16)]
+    assert files_holding(rd.root, sglang_server.api_key) == [], "the server's key is kept nowhere in the run"
+
+
+def test_real_sglang_gets_its_key_on_no_command_line_and_leaves_it_in_no_file_of_the_run(tmp_path, tiny_model):
+    """SGLang reads the key from the 0600 file `--config` names: no process's command line holds it while the job
+    runs, /generate answers 401 without it and 200 with it, and SGLang's own log line of its server arguments
+    (which holds the key) reaches the server log masked."""
+    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 48})
+    proc = subprocess.Popen([str(python()), "-m", "toolkit", "run", str(job)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = watch_run(proc, "sglang.launch_server", timeout=600)
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    key = seen.get("key")
+    assert key, f"no SGLang started with --config seen: {seen}"
+    assert seen["scans"] >= 3 and seen["found"] == [], seen["found"]
+    assert (seen["unauthorized"], seen["authorized"]) == (401, 200)
+    assert not seen["folder"].exists(), "the key's folder goes when the engine stops"
+    run = tmp_path / "run"
+    server_log = (run / "logs" / "00000.server.log").read_text()
+    assert "server_args=" in server_log and "'api_key': '" + "*" * 32 + "'" in server_log
+    assert files_holding(run, key) == [] and key not in out
 
 
 # ---------------------------------------------------------------------------------------------------------------

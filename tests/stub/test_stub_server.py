@@ -265,6 +265,24 @@ def test_stub_takes_sglangs_abbreviations_and_the_imitated_releases_flags():
     assert cfg.incremental_streaming_output and cfg.other_args == {"cuda_graph_max_bs": 8}
 
 
+def test_stub_reads_server_arguments_from_a_config_file_as_sglang_does(tmp_path, capsys):
+    """SGLang's --config FILE: YAML keys are flags (a switch when true), the command line wins; how the toolkit
+    hands an engine its key without a command line."""
+    config = tmp_path / "args.yaml"
+    config.write_text('api-key: "0123"\nenable-metrics: true\ntrust-remote-code: false\nmax-running-requests: 3\n'
+                      'tp-size: 2\n')
+    cfg = _parse("--config", str(config), "--tp-size", "4")
+    assert cfg.api_key == "0123", "quoted in YAML: digits stay text"
+    assert cfg.enable_metrics and not cfg.trust_remote_code and cfg.max_running_requests == 3
+    assert cfg.tp_size == 4 and "config" not in cfg.other_args
+    for args, message in ((["--config", str(tmp_path / "args.txt")], "config file must be YAML format"),
+                          (["--config", str(config), "--config", str(config)], "only one allowed"),
+                          (["--config", str(tmp_path / "none.yaml")], "cannot read")):
+        with pytest.raises(SystemExit) as e:
+            _parse(*args)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.9"])
 def test_stub_accepts_every_flag_of_the_release_it_imitates(version):
     from toolkit.engines.sglang_contract.flags import flag_set

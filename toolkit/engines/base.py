@@ -1,8 +1,9 @@
 """The engine lifecycle every server kind shares: launch, wait until really ready, probe, stop.
 
 An engine is started in its own process group (so nothing it spawns outlives it), on 127.0.0.1 and a free
-port the toolkit chose and checked, with a per-task random API key, its output going to the shard's server
-log. Readiness is `/ready` (SGLang >= 0.5.23) or `/health_generate` returning 200 — never an open port or
+port the toolkit chose and checked, with a random API key drawn at each start and handed over in a file only the
+user can read (toolkit.engines.keys: never on a command line), its output going to the shard's server log with the
+key masked. Readiness is `/ready` (SGLang >= 0.5.23) or `/health_generate` returning 200 — never an open port or
 `/v1/models`, which answer before warm-up ends — followed by one real 1-token `/generate`. The wait is
 bounded and fails fast, with the server log's tail, when the process exits.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from toolkit.engines.client import HttpClient, Unreachable, health_generate, parse_response
+from toolkit.engines.keys import KEY_ENV, KeyFiles, LogPump, mask
 from toolkit.errors import ToolkitError
 
 __all__ = ["Engine", "EngineDied", "EngineError", "EngineHung", "EngineUnreachable", "free_port", "log_tail"]
@@ -31,6 +33,7 @@ __all__ = ["Engine", "EngineDied", "EngineError", "EngineHung", "EngineUnreachab
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+PUMP_JOIN_S = 5.0  # how long a stop waits for the engine's last output to reach its log
 
 
 class EngineError(ToolkitError):
@@ -153,6 +156,8 @@ class Engine:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.api_key: str | None = None
+        self.key_files: KeyFiles | None = None  # where this start's key lives, until the engine stops
+        self.pump: LogPump | None = None  # the engine's output on its way to the server log, the key masked
         self.url = ""
         self.version: str | None = None
         self.starts = 0
@@ -160,7 +165,13 @@ class Engine:
 
     # -- launching ---------------------------------------------------------------------------------
     def argv(self) -> list[str]:
+        """The server's command line: never the key itself (`self.key_files` says where it is)."""
         raise NotImplementedError
+
+    def key_env(self) -> dict[str, str]:
+        """Environment that carries the key to a launch that cannot read this node's key files (ranks on other
+        nodes, a custom launch command): none by default."""
+        return {}
 
     def before_launch(self, argv: list[str], env: dict[str, str]) -> None:
         """Called with the argv and environment just before the server process is started (raise EngineError
@@ -177,22 +188,46 @@ class Engine:
     def start(self) -> None:
         """Launch the server process (in its own process group); returns at once."""
         self.port = free_port()
+        self.discard_key()  # a previous start's: each start has its own key
         self.api_key = secrets.token_hex(16)
+        self.key_files = KeyFiles(self.api_key)
         self.url = f"http://{LOOPBACK}:{self.port}"
+        try:
+            self._launch()
+        except BaseException:
+            self.discard_key()
+            raise
+        log.info("engine %s started: pid %d, %s, log %s", self.kind, self.proc.pid, self.url, self.server_log)
+
+    def _launch(self) -> None:
         argv = self.argv()
         env = self.command_env()
+        env.pop(KEY_ENV, None)
         self.before_launch(argv, env)
+        env.update(self.key_env())
         self.server_log.parent.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         self.ready = False
         with open(self.server_log, "ab") as out:
             out.write(f"\n===== toolkit: engine start #{self.starts}: {_redact(argv, self.api_key)}\n".encode())
-            out.flush()
+        read_fd, write_fd = os.pipe()
+        try:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True, preexec_fn=_die_with_parent,
             )
-        log.info("engine %s started: pid %d, %s, log %s", self.kind, self.proc.pid, self.url, self.server_log)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self.pump = LogPump(read_fd, self.server_log, self.api_key)
+
+    def discard_key(self) -> None:
+        """Remove this start's key files (the engine is stopped, or never started)."""
+        if self.key_files is not None:
+            self.key_files.remove()
+            self.key_files = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -225,6 +260,11 @@ class Engine:
         left = wait_group_gone(proc.pid)
         if left:
             log.warning("processes of the engine's group still running after SIGKILL: %s", left)
+        if self.pump is not None and not self.pump.join(PUMP_JOIN_S):
+            log.warning("the engine's output pipe is still open %g s after its group ended (a process outside "
+                        "the group holds it); what it writes still reaches the server log", PUMP_JOIN_S)
+        self.pump = None
+        self.discard_key()
         log.info("engine stopped (exit code %s)", proc.returncode)
         self.proc = None
 
@@ -237,11 +277,12 @@ class Engine:
             pass
 
     def kill(self) -> None:
-        """SIGKILL the process group: also reaches children that outlived the leader."""
+        """SIGKILL the process group: also reaches children that outlived the leader. The key files go too."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.discard_key()
 
     # -- readiness ---------------------------------------------------------------------------------
     async def wait_ready(self, http: HttpClient, *, poll_s: float = 1.0) -> None:
@@ -316,4 +357,5 @@ class Engine:
 
 
 def _redact(argv: list[str], secret: str | None) -> str:
-    return " ".join("***" if secret and a == secret else a for a in argv)
+    """The command line as logged: a key a custom `command` put on it (`{api_key}`) masked wherever it stands."""
+    return " ".join(a.replace(secret, mask(secret)) if secret else a for a in argv)

@@ -3,8 +3,11 @@
     python -m toolkit.engines.rank --nnodes N --dist-init-addr HOST:PORT --first-host NODE -- python -m sglang.launch_server ...
 
 It reads its rank from Slurm (`SLURM_PROCID`: one task per node, so the node rank), appends `--nnodes N
---node-rank R --dist-init-addr HOST:PORT` to the server's command line and runs it as its child, in a process
-group of its own, with SIGUSR2 ignored (Slurm's `--signal=USR2@T` reaches every process of the step; the worker
+--node-rank R --dist-init-addr HOST:PORT` to the server's command line, and `--config FILE`: the engine's API key,
+which reaches every node in the step's environment ($TOOLKIT_ENGINE_API_KEY), written to a file only the user can
+read on this node (the first node's temporary directory is not this one's), taken out of the server's environment,
+and removed when the server ends (toolkit.engines.keys). It runs the server as its child, in a process group of its
+own, with SIGUSR2 ignored (Slurm's `--signal=USR2@T` reaches every process of the step; the worker
 decides when the engine stops) and SIGKILL on the launcher's death. Rank 0 must run on the worker's node (it
 serves HTTP on 127.0.0.1 there); it refuses to start anywhere else.
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 
 from toolkit.engines.base import _die_with_parent
+from toolkit.engines.keys import KEY_ENV, KeyFiles
 
 __all__ = ["rank_argv", "main"]
 
@@ -37,7 +41,7 @@ def _redacted(argv: list[str]) -> str:
     out, hide = [], False
     for a in argv:
         out.append("***" if hide else a)
-        hide = a == "--api-key"
+        hide = a == "--api-key"  # never on the line the toolkit makes (the key is in --config's file); a safeguard
     return " ".join(out)
 
 
@@ -66,7 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tag}: rank 0 must run on the worker's node {args.first_host} (it serves HTTP on 127.0.0.1 there)",
               file=sys.stderr, flush=True)
         return 2
-    cmd = rank_argv(server, rank=rank, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
+    key = os.environ.pop(KEY_ENV, "")
+    if not key:
+        print(f"{tag}: no API key in the step's environment (${KEY_ENV}): srun did not pass the worker's environment "
+              "on (--export); the server would be open to every user of the node", file=sys.stderr, flush=True)
+        return 2
+    files = KeyFiles(key)
+    try:
+        return _serve(rank_argv(server, rank=rank, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
+                      + ["--config", str(files.config())], tag)
+    finally:
+        files.remove()
+
+
+def _serve(cmd: list[str], tag: str) -> int:
+    """Run the server `cmd` until it exits (forwarding SIGTERM, SIGINT, SIGHUP to its group): the exit code."""
     print(f"{tag}: {_redacted(cmd)}", flush=True)
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
     stopping = []

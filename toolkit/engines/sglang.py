@@ -14,6 +14,7 @@ import sys
 import time
 
 from toolkit.engines.base import LOOPBACK, Engine, EngineError, free_port
+from toolkit.engines.keys import KEY_ENV
 from toolkit.engines.sglang_contract.flags import MANAGED, check_extra_args
 
 __all__ = ["SGLangEngine", "MANAGED", "check_extra_args"]
@@ -21,7 +22,9 @@ __all__ = ["SGLangEngine", "MANAGED", "check_extra_args"]
 log = logging.getLogger(__name__)
 
 def substitute(template: list[str], **values: str) -> list[str]:
-    """Fill `{host}` `{port}` `{model_path}` `{api_key}` placeholders of a custom launch argv."""
+    """Fill the placeholders of a custom launch argv: `{host}` `{port}` `{model_path}`, and for the key
+    `{api_key_file}` `{config_file}` (files only the user can read) or `{api_key}` (the key itself: on a command
+    line, readable by every user of the node)."""
     out = []
     for a in template:
         for k, v in values.items():
@@ -115,16 +118,16 @@ class SGLangEngine(Engine):
         self.argv_checked = True
 
     def server_argv(self) -> list[str]:
-        """The SGLang command line of this node (of each node, before its rank flags, with nodes > 1)."""
+        """The SGLang command line of this node (of each node, before its rank flags, with nodes > 1), without the
+        key: `argv` (or each rank) adds `--config FILE`, the file that holds it."""
         m, e = self.spec.model, self.engine
         if e.command:
-            return substitute(e.command, host=LOOPBACK, port=str(self.port), model_path=m.path, api_key=self.api_key or "")
+            return self.custom_argv()
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", m.path]
         if m.tokenizer_path:
             argv += ["--tokenizer-path", m.tokenizer_path]
         argv += [
-            "--tp-size", str(e.tp_size), "--dp-size", str(e.dp_size),
-            "--host", LOOPBACK, "--port", str(self.port), "--api-key", self.api_key or "",
+            "--tp-size", str(e.tp_size), "--dp-size", str(e.dp_size), "--host", LOOPBACK, "--port", str(self.port),
             # No --nccl-port: SGLang picks a free one below the ephemeral range itself, one per data-parallel
             # replica (a pinned port is bound once per replica, so dp_size > 1 could not start).
         ]
@@ -132,12 +135,33 @@ class SGLangEngine(Engine):
             argv.append("--trust-remote-code")
         return argv + list(e.extra_args)
 
+    def custom_argv(self) -> list[str]:
+        """[engine] command with its placeholders filled; a key file is written only when the command names it."""
+        command = self.engine.command or []
+        files = {name: (lambda: "") for name in ("api_key_file", "config_file")}
+        if self.key_files is not None:
+            files = {"api_key_file": self.key_files.plain, "config_file": self.key_files.config}
+        values = {name: str(make()) for name, make in files.items() if any("{" + name + "}" in a for a in command)}
+        if any("{api_key}" in a for a in command):
+            log.warning("[engine] command puts the engine's key on its command line ({api_key}), where every user "
+                        "of the node can read it: use {api_key_file} or {config_file} (files only you can read), "
+                        "or $%s", KEY_ENV)
+        return substitute(command, host=LOOPBACK, port=str(self.port), model_path=self.spec.model.path,
+                          api_key=self.api_key or "", **values)
+
     def argv(self) -> list[str]:
         server = self.server_argv()
-        if not self.multi_node:
+        if self.engine.command:
             return server
+        if not self.multi_node:
+            return [*server, "--config", str(self.key_files.config())] if self.key_files is not None else server
         return [*self.srun_argv(), sys.executable, "-m", "toolkit.engines.rank", "--nnodes", str(self.engine.nodes),
                 "--dist-init-addr", self.dist_init_addr, "--first-host", self.first_host, "--", *server]
+
+    def key_env(self) -> dict[str, str]:
+        """The ranks of a multi-node engine write their own key file on their own node from the step's
+        environment (a custom command may read it too)."""
+        return {KEY_ENV: self.api_key or ""} if self.multi_node or self.engine.command else {}
 
     # -- several nodes -----------------------------------------------------------------------------
     def srun_argv(self) -> list[str]:

@@ -28,12 +28,14 @@ class StubEngine(Engine):
         m, s = self.spec.model, self.engine.stub
         argv = [
             sys.executable, "-m", "toolkit.stub", "--model-path", m.path,
-            "--host", LOOPBACK, "--port", str(self.port), "--api-key", self.api_key or "",
+            "--host", LOOPBACK, "--port", str(self.port),
             "--think-start", m.think_start, "--think-end", m.think_end,
             "--context-length", str(s.context_length), "--version", s.version,
             "--tp-size", str(self.engine.tp_size), "--dp-size", str(self.engine.dp_size),
             "--drain-poll", "0.2",  # SGLang polls every 5 s while draining; the stub need not make tests wait
         ]
+        if self.key_files is not None:  # the key, in the file SGLang's --config reads (toolkit.engines.keys)
+            argv += ["--config", str(self.key_files.config())]
         if m.tokenizer_path:
             argv += ["--tokenizer-path", m.tokenizer_path]
         if m.trust_remote_code:

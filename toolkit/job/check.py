@@ -34,7 +34,7 @@ from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.grow import grown_plan
 from toolkit.job.plan import PlanError, PromptRef, RunPlan, find_run, load_run, plan_job
 from toolkit.job.render_pool import SCHEDULER_MARGIN, SHOWN, Outcome, Places
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.spec import JobSpec, key_source_warnings, load_spec
 from toolkit.job.specerrors import SpecError
 
 __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
@@ -130,7 +130,7 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
         _check_prompts(pf, job, exact)
         if pf.too_long:  # [inputs] on_too_long = "skip": planned again without them
             pf.plan, pf.refs = plan_job(spec, exclude=pf.too_long)
-    pf.warnings += skipped_warnings(pf.plan)
+    pf.warnings += skipped_warnings(pf.plan) + key_source_warnings(spec.engine)
     if warn_other_run:
         _check_run_dir(pf)
     return pf

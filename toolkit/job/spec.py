@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,7 +85,13 @@ class EngineSpec(_Config):
     # do: past that it logs what did not finish, kills the engine and ends the process with exit code 6.
     exit_grace_s: float = 60.0
     url: str | None = None
-    api_key: str | None = None
+    # kind = "external": where the worker reads the server's key when it starts, never the key itself (the job file
+    # and the run's run.json are read by others): an environment variable's name, or a file only the user can read.
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    api_key: str | None = None  # the key in clear: refused in a job file (read only from run.json of older runs)
+    # A custom launch argv: placeholders {host} {port} {model_path}, and for the key {api_key_file} or {config_file}
+    # (files only the user can read; $TOOLKIT_ENGINE_API_KEY holds it too), or {api_key} (on the command line: warned).
     command: list[str] | None = None
     stub: StubSpec = msgspec.field(default_factory=StubSpec)
 
@@ -197,6 +204,10 @@ class JobSpec(_Config):
 
 
 _VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CLEAR_KEY = ("a key written here stays in clear in the job file and in the run's run.json, for whoever reads them "
+             "(and travels with every copy of the run): put it in an environment variable and name it "
+             "(`api_key_env = \"NAME\"`), or in a file only you can read (`api_key_file = \"PATH\"`)")
 
 
 def _resolve(base: Path, p: str | None, where: str | None = None, source: Path | None = None) -> str | None:
@@ -233,6 +244,9 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{source}: invalid TOML: {e}") from None
     text = raw.decode("utf-8")
+    engine = data.get("engine")
+    if isinstance(engine, dict) and "api_key" in engine:
+        raise SpecError(f"{_at(source, text, ('engine', 'api_key'))}: [engine] api_key: {CLEAR_KEY}")
     for unknown, where_listed in ((specerrors.unknown_keys(data, JobSpec), "; templates/job.toml lists every key"),
                                   (_unknown_sampling_keys(data), "")):
         if unknown:
@@ -326,6 +340,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             raise SpecError(f"{source}: {problem}")
     if e.kind == "external" and not e.url:
         raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
+    _check_key_source(e, source, base, check_paths)
     if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
         raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
     if e.kind in ("sglang", "stub") and e.command is None:
@@ -351,6 +366,51 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         )
     spec.output_dir = _resolve(base, spec.output_dir, key("output_dir"), source)
     return spec
+
+
+def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool) -> None:
+    """[engine] api_key_env / api_key_file: only for an external server (the toolkit draws the key of an engine it
+    starts), one of the two, a valid name, a file that exists (its path resolved like every path of the job)."""
+    given = [k for k in ("api_key_env", "api_key_file") if getattr(e, k) is not None]
+    if not given:
+        return
+    if e.kind != "external":
+        raise SpecError(f"{source}: [engine] {given[0]} is for kind = \"external\": an engine the toolkit starts "
+                        "gets a fresh key at each start, in a file only you can read; remove it")
+    if len(given) > 1:
+        raise SpecError(f"{source}: [engine] api_key_env and api_key_file are both set: keep the one the key is in")
+    if e.api_key_env is not None and not _ENV_NAME.fullmatch(e.api_key_env):
+        raise SpecError(f"{source}: [engine] api_key_env = {e.api_key_env!r} is not an environment variable's name "
+                        "(letters, digits and _): name the variable that holds the key, not the key")
+    if e.api_key_file is not None:
+        e.api_key_file = _resolve(base, e.api_key_file, "[engine] api_key_file" if check_paths else None, source)
+        if check_paths and not Path(e.api_key_file).is_file():
+            raise SpecError(f"{source}: [engine] api_key_file {e.api_key_file} does not exist (or is not a file): "
+                            "write the server's key there, readable only by you (chmod 600)")
+
+
+def key_source_warnings(e: EngineSpec) -> list[str]:
+    """What may keep an engine's key from the worker, or open it to others, as seen from here: a custom `command`
+    that puts it on its command line, the variable `api_key_env` names unset, a key file other users may read."""
+    if e.command and any("{api_key}" in a for a in e.command):
+        return ["[engine] command: {api_key} puts the engine's key on its command line, where every user of the node "
+                "can read it (ps): use {api_key_file} or {config_file} (files only you can read, removed when the "
+                "engine stops), or $TOOLKIT_ENGINE_API_KEY"]
+    if e.kind != "external":
+        return []
+    if e.api_key_env is not None and not os.environ.get(e.api_key_env):
+        return [f"[engine] api_key_env: the environment variable {e.api_key_env} is not set here; the worker reads "
+                "the server's key from it, so set it where the worker runs (export it before `toolkit run` or "
+                "`toolkit submit`, whose sbatch passes this environment on, or in [slurm] setup)"]
+    if e.api_key_file is not None:
+        try:
+            mode = os.stat(e.api_key_file).st_mode
+        except OSError:
+            return []
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            return [f"[engine] api_key_file {e.api_key_file} may be read by other users (mode "
+                    f"{stat.filemode(mode)}): `chmod 600 {e.api_key_file}`"]
+    return []
 
 
 def _looks_local(p: str, base: Path) -> bool:

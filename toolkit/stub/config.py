@@ -215,10 +215,55 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     return p
 
 
+def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """SGLang's `--config FILE` (srt/utils/server_args_config_parser.py): the YAML file's server arguments, each
+    `key: value` read as `--key value` (a switch when true, left out when false; a list as several values),
+    placed before the command line's own, which win. The toolkit hands the engine its API key so (`api-key:`)."""
+    at = [i for i, a in enumerate(argv) if a == "--config"]
+    if not at:
+        return argv
+    if len(at) > 1:
+        parser.error("--config: multiple config files specified, only one allowed")
+    i = at[0]
+    if i == len(argv) - 1:
+        parser.error("--config: no config file specified after it")
+    path = argv[i + 1]
+    if not path.lower().endswith((".yaml", ".yml")):
+        parser.error(f"--config: config file must be YAML format (.yaml or .yml), got {path}")
+    import yaml  # transformers' dependency; only a --config needs it
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config: cannot read {path}: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config: {path} must hold a mapping of server arguments at its root")
+    switches = {o[2:].replace("-", "_") for act in parser._actions if act.nargs == 0
+                for o in act.option_strings if o.startswith("--")}
+    args: list[str] = []
+    for key, value in data.items():
+        flag = f"--{key}"
+        if isinstance(value, bool):
+            if str(key).replace("-", "_") in switches:
+                args += [flag] if value else []
+            else:
+                args += [flag, str(value).lower()]
+        elif isinstance(value, list):
+            args += [flag, *(str(v) for v in value)] if value else []
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args + argv[:i] + argv[i + 2:]
+
+
 def parse_config(argv: list[str] | None) -> StubConfig:
-    """Parse the command line as SGLang would (a flag SGLang refuses makes the stub exit 2, like SGLang)."""
+    """Parse the command line as SGLang would (a flag SGLang refuses makes the stub exit 2, like SGLang); a
+    `--config FILE` is read as SGLang reads it (merge_config_file)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_profile(argv))
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(merge_config_file(argv, parser))
     fail_5xx = None
     if ns.fail_5xx:
         try:

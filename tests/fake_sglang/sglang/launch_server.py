@@ -1,6 +1,7 @@
 """Parses its command line with SGLang's flags (`sglang.srt.server_args`, the stand-in built from the flag data)
 as SGLang does (allow_abbrev), starts a child that ignores SIGTERM (like a scheduler that would outlive its
-parent), records what it saw, then becomes the toolkit's stub server. $FAKE_SGLANG_FAIL: print it as an error
+parent), records what it saw, then becomes the toolkit's stub server (given the same --config file, which holds
+the API key). $FAKE_SGLANG_FAIL: print it as an error
 and exit 2 at once (a server that dies before it is ready). $FAKE_SGLANG_STUB_ARGS: more stub_server flags.
 
 Multi-node (`--nnodes N > 1`), as SGLang 0.5.23 behaves: rank 0 listens on the port of --dist-init-addr (the
@@ -41,7 +42,9 @@ record = {"argv": sys.argv[1:], "scheduler_pid": child.pid, "pid": os.getpid(), 
           "no_proxy": os.environ.get("NO_PROXY"), "env_marker": os.environ.get("ENGINE_MARKER"),
           "usr2_ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, "rank": rank,
           "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
-          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname()}
+          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname(),
+          "config_mode": oct(os.stat(args.config).st_mode & 0o777) if args.config else None,
+          "key_in_env": any(k == "TOOLKIT_ENGINE_API_KEY" for k in os.environ)}
 
 
 def write_record(**more) -> None:
@@ -133,4 +136,6 @@ argv = [sys.executable, "-m", "toolkit.stub", "--model-path", args.model_path, "
         "--load-delay", "0.5", *os.environ.get("FAKE_SGLANG_STUB_ARGS", "").split()]
 if args.api_key:
     argv += ["--api-key", args.api_key]
+if args.config:  # SGLang reads its server arguments (the toolkit's: the API key) from it; the stub reads it the same
+    argv += ["--config", args.config]
 os.execv(sys.executable, argv)
