@@ -101,6 +101,19 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
         body["tools"] = tools
     return hashlib.sha256(msgspec.json.encode(body, order="deterministic")).hexdigest()[:DIGEST_HEX]
 
+_INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+def _empty(content: Any) -> bool:
+    """Whether a message's content holds nothing: no text (blank), no parts, or only blank text parts."""
+    if isinstance(content, str):
+        return not content.strip()
+    if isinstance(content, list):
+        return all(isinstance(part, dict) and part.get("type", "text") == "text"
+                   and not str(part.get("text") or "").strip() for part in content)
+    return content is None
+
+
 def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool = True) -> Prompt:
     try:
         raw.decode("utf-8")
@@ -130,6 +143,8 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
         text = obj["prompt"]
         if not isinstance(text, str):
             raise InputError(path, lineno, "prompt", f"must be a string, got {type(text).__name__}; {_FIX}")
+        if not text.strip():
+            raise InputError(path, lineno, "prompt", f"is empty: nothing for the model to answer; {_FIX}")
         messages = [{"role": "user", "content": text}]
     else:
         messages = obj["messages"]
@@ -147,6 +162,12 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise InputError(path, lineno, f + ".content", f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}")
+            if role == "user" and _empty(content):
+                raise InputError(path, lineno, f + ".content", f"is empty: a user message needs text; {_FIX}")
+        if all(m["role"] in _INSTRUCTION_ROLES for m in messages):
+            raise InputError(path, lineno, "messages", "has no user message, only instructions "
+                             f"({', '.join(sorted({m['role'] for m in messages}))}): nothing for the model to "
+                             f"answer; {_FIX}")
     tools = obj.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
