@@ -22,8 +22,8 @@ import msgspec
 
 from toolkit.errors import BadInputError
 
-__all__ = ["InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "prompt_id", "read_prompt_at",
-           "scan_dataset", "scan_lines", "check_unique_ids"]
+__all__ = ["ExtraReader", "InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "extra_fields",
+           "prompt_id", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
 
 
 _FIX = "fix or remove the line, then run again"
@@ -259,6 +259,36 @@ class PromptReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+LINE_FIELDS = frozenset({"id", "messages", "prompt", "tools"})  # what a prompt line says to the toolkit
+_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def extra_fields(raw: bytes) -> dict[str, Any]:
+    """The fields of a prompt line besides LINE_FIELDS (a dataset's `source`, `category`, ...), as the line has
+    them; the messages are not decoded."""
+    return {k: msgspec.json.decode(v) for k, v in _raw_fields(raw).items() if k not in LINE_FIELDS}
+
+
+class ExtraReader:
+    """The extra fields of planned prompt lines, read at the (offset, length) the plan pinned, files kept open."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def read(self, path: str | Path, offset: int, length: int) -> dict[str, Any]:
+        path = str(path)
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
+        f.seek(offset)
+        return extra_fields(f.read(length))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def prompt_id(p: Prompt) -> str:
