@@ -18,8 +18,10 @@ def prepared_run(job, **kw):
     return prep.run_dir, prep.plan
 
 
-def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0, tools_every: int = 0) -> Path:
-    """`n` prompts of real English words; every `long_every`-th one is long (to exceed a small context)."""
+def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0, tools_every: int = 0,
+                  extra: Any = None) -> Path:
+    """`n` prompts of real English words; every `long_every`-th one is long (to exceed a small context);
+    `extra(i)`: more fields of line i (a dataset's own, e.g. `source`)."""
     tools = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
     with open(path, "w") as f:
@@ -30,6 +32,8 @@ def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0,
             line: dict[str, Any] = {"id": f"{prefix}{i:04d}", "messages": [{"role": "user", "content": " ".join(words)}]}
             if tools_every and i % tools_every == 0:
                 line["tools"] = tools
+            if extra is not None:
+                line.update(extra(i))
             f.write(json.dumps(line) + "\n")
     return path
 

@@ -80,8 +80,10 @@ def text_pool(tok: Any, key: str, chars: int = 120_000) -> np.ndarray:
 
 def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict[str, int] | None = None,
              shards: int = 3, audit: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
-             model: dict[str, Any] | None = None, pool_chars: int = 120_000) -> Synth:
-    """Plan a run in `tmp/run` with one prompt file per dataset ({name: prompts}); no shard written yet."""
+             model: dict[str, Any] | None = None, pool_chars: int = 120_000,
+             extra: Callable[[int], dict[str, Any]] | None = None) -> Synth:
+    """Plan a run in `tmp/run` with one prompt file per dataset ({name: prompts}); no shard written yet. `extra(i)`:
+    more fields of line i of each file."""
     datasets = datasets or {"math": 10, "chat": 8}
     tmp.mkdir(parents=True, exist_ok=True)
     m = {"path": str(tokenizer), "chat_template_kwargs": THINKING_KWARGS[family], **(model or {})}
@@ -93,7 +95,8 @@ def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict
     if audit:
         lines += ["[audit]"] + [f"{k} = {toml_value(v)}" for k, v in audit.items()]
     for name, n in datasets.items():
-        path = write_prompts(tmp / f"{name}.jsonl", n, prefix=f"{name}-", tools_every=4 if name == "tools" else 0)
+        path = write_prompts(tmp / f"{name}.jsonl", n, prefix=f"{name}-", tools_every=4 if name == "tools" else 0,
+                             extra=extra)
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{path}"']
     job = tmp / "job.toml"
     job.write_text("\n".join(lines) + "\n")

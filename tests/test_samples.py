@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
@@ -11,6 +15,7 @@ from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.export import export_run
 from toolkit.formats.frames import read_shard
+from toolkit.formats.progress import read_progress
 from toolkit.job.plan import load_refs, plan_job
 from toolkit.job.spec import load_spec
 from toolkit.worker.run import DONE, run_shard
@@ -66,3 +71,38 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
     assert sorted((r["id"], r["sample"]) for r in rows) == sorted((f"p{i:04d}#{k}", k) for i in range(5) for k in range(2))
     export_run(rd.root, "tokens", tmp_path / "t.jsonl")
     assert {json.loads(x)["sample"] for x in (tmp_path / "t.jsonl").read_text().splitlines()} == {0, 1}
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_run_again_with_samples_and_no_seed_passes_the_audit(tmp_path, kimi):
+    """Each Ctrl-C stops the run with requests in flight (their partial outputs kept); the stub started again
+    must draw sample 1 as sample 1 (not as a twin of sample 0) and continue each partial from the draw it was cut
+    from (no second think-start): the run then passes its audit, identical_samples and double_think_start
+    included."""
+    job = make_job(tmp_path, kimi, n=10, shards=1, stub={"token_delay_s": 0.01},
+                   sampling={"max_new_tokens": 400, "min_new_tokens": 100, "n": 2, "temperature": 0.8},
+                   client={"concurrency": 4}, audit={"max_length_share": 1.0})
+    rd, _ = prepared_run(job)
+    saved = 0
+    for at_least in (4, 10):  # two interruptions, at two moments
+        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            p = read_progress(rd.progress_file(0))
+            if p is not None and p.state == "generating" and p.done >= at_least:
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        p = read_progress(rd.progress_file(0))
+        assert p.state == "stopped" and p.done < 20, p
+        saved += p.partial_saved
+    assert saved > 0, "the interruptions should leave partial outputs to continue"
+    assert cli_main(["run", str(job)]) == 0
+    audit = json.loads((rd.merged_dir / "audit.json").read_text())
+    checks = {c["name"]: c for c in audit["checks"]}
+    assert audit["passed"] and audit["planned"] == 20, checks
+    for name in ("identical_samples", "double_think_start"):
+        assert checks[name]["passed"] and checks[name]["value"] == 0, checks[name]

@@ -1,6 +1,8 @@
 """toolkit: turn a reasoning model served by SGLang into a training dataset, through raw token ids, on Slurm.
 
-Reader API: `read_run(run_dir)` and `read_shard(path)` iterate `Record`s (see toolkit.formats.records).
+Reader API: `read_run(run_dir)` iterates a run's `Record`s, the newest of each id (see toolkit.formats.records);
+`read_rows(run_dir)` the same with their text, as rows of the jsonl export; `to_dataset(run_dir)` gives a Hugging
+Face `datasets.Dataset`; `read_shard(path)` iterates every record of one file as written.
 """
 
 from __future__ import annotations
@@ -8,11 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from toolkit.formats.frames import read_shard
 from toolkit.formats.records import Record, unpack_ids
 
-__all__ = ["Record", "read_run", "read_shard", "unpack_ids"]
+__all__ = ["Record", "read_rows", "read_run", "read_shard", "to_dataset", "unpack_ids"]
 
 
 class _NoTorchAdvice(logging.Filter):
@@ -33,18 +36,25 @@ _quiet_transformers()
 
 
 def read_run(run_dir: str | Path) -> Iterator[Record]:
-    """Every record of a run: the merged dataset if it exists, else each shard file in shard order.
+    """The newest record of each planned id of a run, in planned order: from the merged dataset when it is the run
+    as it is, else from the shard files, a record written again or a partial output continued counting once (its
+    newest attempt). See toolkit.dataset.reader."""
+    from toolkit.dataset.reader import read_run as newest
 
-    Shard files may hold a record twice (a task that ran twice); the merged dataset never does.
-    """
-    from toolkit.job.plan import load_run
+    return newest(run_dir)
 
-    rd, plan = load_run(run_dir)
-    merged = rd.merged_file
-    if merged.exists():
-        yield from read_shard(merged)
-        return
-    for s in plan.shards:
-        path = rd.shard_file(s.index)
-        if path.exists():
-            yield from read_shard(path)
+
+def read_rows(run_dir: str | Path, *, ok_only: bool = False) -> Iterator[Any]:
+    """`read_run`'s records as rows of the jsonl export (`JsonlRecord`): sample, turn, the reasoning and the
+    answer (`content`) as text, and the prompt line's other fields (`meta`)."""
+    from toolkit.dataset.reader import read_rows as rows
+
+    return rows(run_dir, ok_only=ok_only)
+
+
+def to_dataset(run_dir: str | Path, *, ok_only: bool = True, cache_dir: str | Path | None = None) -> Any:
+    """`read_rows` as a Hugging Face `datasets.Dataset` (needs `pip install datasets`); ok records unless
+    `ok_only=False`; `cache_dir`: where `datasets` keeps its Arrow files."""
+    from toolkit.dataset.reader import to_dataset as dataset
+
+    return dataset(run_dir, ok_only=ok_only, cache_dir=cache_dir)

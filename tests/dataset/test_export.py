@@ -14,7 +14,7 @@ from toolkit.dataset.merge import merge_run
 from toolkit.formats.records import unpack_ids
 
 FIELDS = ["id", "dataset", "sample", "turn", "segments", "status", "error", "prompt_ids", "output_ids", "reasoning_end", "reasoning",
-          "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens"]
+          "content", "finish_reason", "matched_stop", "matched_stop_str", "prompt_tokens", "completion_tokens", "meta"]
 
 
 def lines(path: Path) -> list[dict]:
@@ -87,6 +87,7 @@ def test_parquet_has_the_same_columns_and_ids(kimi_run, tmp_path):
     assert table.schema.field("matched_stop").type == pa.int64()
     assert table.schema.field("matched_stop_str").type == pa.string()
     for row, want in zip(table.to_pylist(), lines(tmp_path / "a.jsonl"), strict=True):
+        row["meta"] = json.loads(row["meta"])  # an object in jsonl, JSON text in parquet
         assert row == want  # same values, same types: the stop id is an int in both
 
 
@@ -105,7 +106,41 @@ def test_a_stop_string_goes_to_matched_stop_str_in_both_formats(tmp_path, toy_to
     export_run(s.root, "parquet", tmp_path / "s.parquet")
     rows = lines(tmp_path / "s.jsonl")
     assert [(r["matched_stop"], r["matched_stop_str"]) for r in rows] == [(None, "</answer>"), (s.eos, None)] * 2
-    assert pq.read_table(tmp_path / "s.parquet").to_pylist() == rows
+    assert [{**r, "meta": json.loads(r["meta"])} for r in pq.read_table(tmp_path / "s.parquet").to_pylist()] == rows
+
+
+def _extra(i: int) -> dict:
+    """A dataset's own fields on prompt line i: some lines have none, values of every JSON kind."""
+    if i % 3 == 2:
+        return {}
+    return {"source": f"gsm8k/{i}", "category": ["algebra", "geometry"][i % 2], "difficulty": i / 4,
+            "tags": ["a", i], "extra": {"nested": True, "note": None}}
+
+
+def test_a_prompt_lines_other_fields_follow_it_into_jsonl_and_parquet(tmp_path, toy_tokenizer, caplog):
+    import pyarrow.parquet as pq
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 5, "chat": 4}, shards=2, extra=_extra,
+                      sampling={"n": 2, "temperature": 0.7})
+    runs.write_run(s)
+    merge_run(s.root)
+    export_run(s.root, "jsonl", tmp_path / "m.jsonl")
+    export_run(s.root, "parquet", tmp_path / "m.parquet")
+    rows = lines(tmp_path / "m.jsonl")
+    assert len(rows) == 18
+    for row in rows:  # ids: "<dataset>-<line number from 0>#<sample>"
+        assert row["meta"] == _extra(int(row["id"].split("-")[1].split("#")[0])), row["id"]
+    assert {r["meta"].get("source") for r in rows} >= {"gsm8k/0", "gsm8k/1"} and {} in [r["meta"] for r in rows]
+    table = pq.read_table(tmp_path / "m.parquet").to_pylist()
+    assert [json.loads(r["meta"]) for r in table] == [r["meta"] for r in rows]
+    # the prompt file changed since planning: its lines can no longer be trusted at their offsets
+    math = tmp_path / "math.jsonl"
+    math.write_text(math.read_text().replace("gsm8k", "GSM8K"))
+    export_run(s.root, "jsonl", tmp_path / "n.jsonl")
+    after = lines(tmp_path / "n.jsonl")
+    assert all(r["meta"] is None for r in after if r["dataset"] == "math")
+    assert [r["meta"] for r in after if r["dataset"] == "chat"] == [r["meta"] for r in rows if r["dataset"] == "chat"]
+    assert f"{math} changed or is gone since the run was planned" in caplog.text
 
 
 TRAINING = lambda s: [r for r in stored(s) if r.index not in (2, 6)]  # noqa: E731  (truncated, no think-end)

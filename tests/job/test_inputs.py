@@ -44,6 +44,17 @@ def test_both_forms_and_default_ids(tmp_path):
         (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "messages", "both"),
         (b'{"id": [1], "prompt": "x"}', "id", "string or an integer"),
         (b'{"prompt": "x", "tools": "calc"}', "tools", "list of tool objects"),
+        (b'{"prompt": ""}', "prompt", "is empty"),
+        (b'{"prompt": " \\n "}', "prompt", "is empty"),
+        (b'{"messages": [{"role": "user", "content": ""}]}', "messages[0].content", "is empty"),
+        (b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": null}]}',
+         "messages[1].content", "is empty"),
+        (b'{"messages": [{"role": "user", "content": []}]}', "messages[0].content", "is empty"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "  "}]}]}', "messages[0].content",
+         "is empty"),
+        (b'{"messages": [{"role": "system", "content": "Be brief."}]}', "messages", "only instructions (system)"),
+        (b'{"messages": [{"role": "system", "content": "A"}, {"role": "developer", "content": "B"}]}', "messages",
+         "has no user message"),
     ],
 )
 def test_bad_lines(tmp_path, line, field, words):
@@ -209,3 +220,25 @@ def test_a_run_with_skipped_lines_says_them_in_its_audit(tmp_path, toy_tokenizer
     assert [(s.dataset, s.bad_lines, s.too_long) for s in report.skipped_inputs] == [("d", 1, 0)]
     data = json.loads((tmp_path / "run" / "merged" / "audit.json").read_text())
     assert data["skipped_inputs"][0]["examples"] == [f"{prompts}:6: field `prompt`: must be a string, got int"]
+
+
+def test_check_refuses_empty_and_system_only_prompts_naming_file_line_and_field(tmp_path, toy_tokenizer, capsys):
+    """Before any GPU time: `toolkit check` lists each empty or system-only prompt with its place, in one error."""
+    from jobfiles import make_job
+    from toolkit.cli import main as cli_main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join([
+        '{"id": "a", "prompt": "What is 2 + 2?"}',
+        '{"id": "b", "prompt": ""}',
+        '{"id": "c", "messages": [{"role": "system", "content": "Answer in French."}]}',
+        '{"id": "d", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": " "}]}',
+    ]) + "\n")
+    job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=prompts)
+    assert cli_main(["check", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "3 bad lines in 1 prompt file" in err
+    assert f"{prompts}:2: field `prompt`: is empty" in err
+    assert f"{prompts}:3: field `messages`: has no user message, only instructions (system)" in err
+    assert f"{prompts}:4: field `messages[1].content`: is empty" in err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.zst"))

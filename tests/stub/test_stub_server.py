@@ -534,6 +534,21 @@ def test_outputs_are_deterministic_across_processes_and_repeated_sampling_draws_
     assert x != y
 
 
+def test_a_rid_naming_its_sample_is_answered_the_same_by_any_process(fleet, qwen3, tokenizers):
+    """The worker's rids name the sample they ask for: a stub that served samples 0 and 1 and a fresh one asked
+    for sample 1 only answer it alike, and unlike sample 0 (a restarted run's sample 1 is no twin of sample 0)."""
+    from toolkit.engines.rids import make_rid
+
+    other = fleet["qwen3_auth"].wait_ready()
+    ids = chat_ids(tokenizers["qwen3"], "a prompt asked for twice, in two processes")
+    params = {"max_new_tokens": 200, "temperature": 0.8}
+    s0, s1 = (qwen3.generate({"input_ids": ids, "sampling_params": params, "rid": make_rid("aaaaaa", 0, k, k, k)})
+              for k in (0, 1))
+    again = other.generate({"input_ids": ids, "sampling_params": params, "rid": make_rid("bbbbbb", 0, 1, 1, 1)},
+                           headers={"Authorization": "Bearer sekret"})
+    assert again["output_ids"] == s1["output_ids"] != s0["output_ids"]
+
+
 def test_truncation_share_and_tool_calls_at_default_sizes(qwen3, tokenizers):
     tok = tokenizers["qwen3"]
     tool_start, think_end = tid(tok, "<tool_call>"), tid(tok, "</think>")

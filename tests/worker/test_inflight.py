@@ -170,11 +170,11 @@ def test_rids_are_fixed_width_and_never_prefixes_of_each_other():
     for shard in (0, 7, 12345):
         Sh.shard = shard
         for pos in (0, 1, 10, 11, 100, 123456789):
-            for _ in range(3):
-                rid_maker(Sh, pos, made)()
+            for sample in (0, 1, 12):
+                rid_maker(Sh, pos, sample, made)()
     Sh.rid_seq = 10**8 - 2  # the counter wraps, the width stays
     for _ in range(4):
-        rid_maker(Sh, 5, made)()
+        rid_maker(Sh, 5, 0, made)()
     assert len(set(made)) == len(made) and len({len(r) for r in made}) == 1
     ordered = sorted(made)
     assert not any(b.startswith(a) for a, b in zip(ordered, ordered[1:]))

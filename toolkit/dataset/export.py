@@ -18,8 +18,9 @@ written as text) are left out unless included by reason. Every selected record i
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
-                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
-  parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
+                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens, meta
+                 (the prompt line's other fields, e.g. a dataset's `source` and `category`: `_Meta`)
+  parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64, meta as JSON text)
   tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
                  layout speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on; the mask covers
                  the assistant turn after its header (`loss_mask`)
@@ -46,7 +47,7 @@ import numpy as np
 from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
 from toolkit.dataset.quality import SKIP_REASONS, Judge
 from toolkit.errors import EXIT_FAILED, BadInputError
-from toolkit.formats.files import io_problem
+from toolkit.formats.files import io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
 from toolkit.formats.records import (
     OK,
@@ -61,7 +62,7 @@ from toolkit.formats.records import (
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import ranges
 from toolkit.job import chat
-from toolkit.job.inputs import InputError, PromptReader
+from toolkit.job.inputs import ExtraReader, InputError, PromptReader
 from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs, load_run
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
@@ -98,6 +99,31 @@ class JsonlRecord(msgspec.Struct):
     matched_stop_str: str | None    # the stop string SGLang matched, when the stop was a string
     prompt_tokens: int
     completion_tokens: int
+    meta: dict[str, Any] | None = None  # the prompt line's other fields (`_Meta`); None: its file changed
+
+
+class _Meta:
+    """The fields a prompt line holds besides id, messages, prompt and tools (a dataset's `source`, `category`,
+    ...), carried into each record's row: re-read from the line at the byte offset the plan pinned. A prompt file
+    gone or changed since the run was planned gives None for its records, said once."""
+
+    def __init__(self, plan: RunPlan):
+        self.datasets = plan.datasets
+        self.reader = ExtraReader()
+        self.usable: dict[int, bool] = {}
+
+    def of(self, ref: PromptRef) -> dict[str, Any] | None:
+        d = ref.dataset
+        if d not in self.usable:
+            ds = self.datasets[d]
+            try:
+                self.usable[d] = sha256_file(ds.path) == ds.sha256
+            except FileNotFoundError:
+                self.usable[d] = False
+            if not self.usable[d]:
+                log.warning("%s changed or is gone since the run was planned: the rows of dataset %s carry no "
+                            "fields of their prompt lines (meta is null)", ds.path, ds.name)
+        return self.reader.read(self.datasets[d].path, ref.offset, ref.length) if self.usable[d] else None
 
 
 class _Tokens:
@@ -375,7 +401,8 @@ def _kept(path: Path, acc: _Account, defects: _Defects) -> Iterator[tuple[list[R
             yield keep, refs
 
 
-def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str, str]]) -> Iterator[JsonlRecord]:
+def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str, str]],
+                meta: _Meta) -> Iterator[JsonlRecord]:
     for r, ref, (reasoning, content) in zip(recs, refs, texts):
         stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
@@ -383,6 +410,7 @@ def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str
             error=r.error, prompt_ids=_ids(r.prompt_ids), output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end,
             reasoning=reasoning, content=content, finish_reason=r.finish, matched_stop=stop_id,
             matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
+            meta=meta.of(ref),
         )
 
 
@@ -398,9 +426,9 @@ def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
 
 
 def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
-    text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
+    text, enc, n, meta = _Text(plan, tokens), msgspec.json.Encoder(), 0, _Meta(plan)
     for recs, refs in _kept(path, acc, defects):
-        n += _write_lines(out, _jsonl_rows(recs, refs, text.parts(recs)), enc)
+        n += _write_lines(out, _jsonl_rows(recs, refs, text.parts(recs), meta), enc)
     return n
 
 
@@ -563,7 +591,7 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, to
         ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
         ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
         ("matched_stop", pa.int64()), ("matched_stop_str", pa.string()), ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()), ("meta", pa.string()),  # meta: the jsonl export's object, as JSON
     ])
 
     def id_lists(packed: list[bytes]) -> pa.Array:
@@ -573,7 +601,8 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, to
         values = np.frombuffer(b"".join(packed), "<u4")
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.uint32()))
 
-    text, n = _Text(plan, tokens), 0
+    text, n, meta = _Text(plan, tokens), 0, _Meta(plan)
+    as_json = msgspec.json.Encoder().encode
     pending: list[Record] = []
     pending_refs: list[PromptRef] = []
     pending_text: list[tuple[str, str]] = []
@@ -599,6 +628,8 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, to
             pa.array([stop_columns(r.matched_stop)[1] for r in pending], pa.string()),
             pa.array([r.prompt_tokens for r in pending], pa.int64()),
             pa.array([r.completion_tokens for r in pending], pa.int64()),
+            pa.array([None if (m := meta.of(ref)) is None else as_json(m).decode() for ref in pending_refs],
+                     pa.string()),
         ]
         writer.write_table(pa.Table.from_arrays(cols, schema=schema))
         pending.clear()

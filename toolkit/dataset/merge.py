@@ -19,7 +19,7 @@ import logging
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -43,7 +43,9 @@ __all__ = [
     "finished_shards",
     "load_manifest",
     "merge_run",
+    "newest_records",
     "planned_refs",
+    "scan_shard",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,78 +133,109 @@ class _Totals:
         self.missing_ids: list[str] = []
 
 
+class ShardScan:
+    """Where the newest record of each planned position of one shard file lives, and what else was found there.
+
+    The one reading of "the newest record of an id wins": a record written again (a retry of a failed record, a
+    task that ran twice) supersedes the earlier ones; a partial output kept at a stop and superseded by its
+    continuation is counted apart, as continued, not as a duplicate. Only positions are kept, not records.
+    """
+
+    def __init__(self, n: int):
+        self.frame_of = array("q", [-1]) * n  # frame number holding the kept record of each position
+        self.item_of = array("i", [0]) * n    # index of that record in its frame
+        self.partial_at = bytearray(n)         # 1 where that record is a partial output (to be continued)
+        self.offsets: list[int] = []           # frame number -> byte offset
+        self.sizes: list[int] = []             # frame number -> decompressed size
+        self.records = self.duplicates = self.continued = self.foreign = 0
+        self.duplicate_ids: list[str] = []     # the first SAMPLE_IDS
+        self.foreign_ids: list[str] = []
+        self.damage: list[Damage] = []
+
+
+def scan_shard(path: Path | None, first: int, refs: list[PromptRef]) -> ShardScan:
+    """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs` in order):
+    every intact frame read, the newest record of each position located, damaged frames noted and read past."""
+    n = len(refs)
+    sc = ShardScan(n)
+    if path is None:
+        return sc
+    frame_of, item_of, partial_at = sc.frame_of, sc.item_of, sc.partial_at
+    for frame in intact_frames(path, sc.damage):
+        recs = decode_batch(frame)  # decoded and counted here, so the second pass cannot fail on it
+        fno = len(sc.offsets)
+        sc.offsets.append(frame.offset)
+        sc.sizes.append(len(frame.data))
+        for i, h in enumerate(recs):
+            sc.records += 1
+            pos = h.index - first
+            if not 0 <= pos < n or refs[pos].id != h.id:
+                sc.foreign += 1
+                if len(sc.foreign_ids) < SAMPLE_IDS:
+                    sc.foreign_ids.append(h.id)
+                continue
+            if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
+                sc.continued += 1
+            elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
+                sc.duplicates += 1
+                if len(sc.duplicate_ids) < SAMPLE_IDS:
+                    sc.duplicate_ids.append(h.id)
+            frame_of[pos], item_of[pos] = fno, i
+            partial_at[pos] = h.status == PARTIAL
+    return sc
+
+
+def newest_records(path: Path | None, sc: ShardScan, cache_bytes: int = CACHE_BYTES) -> Iterator[Record | None]:
+    """Pass 2: the newest record of each planned position in planned order (None where there is none), frames
+    decoded through a cache bounded in bytes."""
+    uses = [0] * len(sc.offsets)
+    for fno in sc.frame_of:
+        if fno >= 0:
+            uses[fno] += 1
+    cache: OrderedDict[int, list[Record]] = OrderedDict()
+    cached = 0
+    for pos, fno in enumerate(sc.frame_of):
+        if fno < 0:
+            yield None
+            continue
+        batch = cache.get(fno)
+        if batch is None:
+            batch = decode_batch(read_frame_at(path, sc.offsets[fno]))
+            cache[fno] = batch
+            cached += sc.sizes[fno]
+            while cached > cache_bytes and len(cache) > 1:
+                old, _ = cache.popitem(last=False)
+                cached -= sc.sizes[old]
+        else:
+            cache.move_to_end(fno)
+        rec = batch[sc.item_of[pos]]
+        uses[fno] -= 1
+        if not uses[fno]:
+            del cache[fno]
+            cached -= sc.sizes[fno]
+        yield rec
+
+
 def _merge_shard(
     sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
     missing_out, cache_bytes: int,
 ) -> None:
-    n, first = sp.count, sp.first
-    frame_of = array("q", [-1]) * n      # frame number holding the kept record of each position
-    item_of = array("i", [0]) * n        # index of that record in its frame
-    partial_at = bytearray(n)             # 1 where that record is a partial output (to be continued)
-    offsets: list[int] = []               # frame number -> byte offset
-    sizes: list[int] = []                 # frame number -> decompressed size
-
-    # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
-    if path is not None:
-        damage: list[Damage] = []
-        for frame in intact_frames(path, damage):
-            recs = decode_batch(frame)  # decoded and counted by read_frame, so the second pass cannot fail on it
-            fno = len(offsets)
-            offsets.append(frame.offset)
-            sizes.append(len(frame.data))
-            sm.frames += 1
-            for i, h in enumerate(recs):
-                sm.records += 1
-                pos = h.index - first
-                if not 0 <= pos < n or refs[pos].id != h.id:
-                    sm.foreign += 1
-                    if len(t.foreign_ids) < SAMPLE_IDS:
-                        t.foreign_ids.append(h.id)
-                    continue
-                if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
-                    sm.continued += 1
-                elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
-                    sm.duplicates += 1
-                    if len(t.duplicate_ids) < SAMPLE_IDS:
-                        t.duplicate_ids.append(h.id)
-                frame_of[pos], item_of[pos] = fno, i
-                partial_at[pos] = h.status == PARTIAL
-        for d in damage:
-            (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
-
-    # Pass 2: records in planned order, frames decoded through a cache bounded in bytes.
-    uses = [0] * len(offsets)
-    for fno in frame_of:
-        if fno >= 0:
-            uses[fno] += 1
-    cache: OrderedDict[int, list[Record]] = OrderedDict()
-    cached = 0
-    for pos in range(n):
-        fno = frame_of[pos]
-        if fno < 0:
+    sc = scan_shard(path, sp.first, refs)
+    sm.frames, sm.records, sm.foreign = len(sc.offsets), sc.records, sc.foreign
+    sm.duplicates, sm.continued = sc.duplicates, sc.continued
+    t.foreign_ids += sc.foreign_ids[:SAMPLE_IDS - len(t.foreign_ids)]
+    t.duplicate_ids += sc.duplicate_ids[:SAMPLE_IDS - len(t.duplicate_ids)]
+    for d in sc.damage:
+        (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
+    for ref, rec in zip(refs, newest_records(path, sc, cache_bytes)):
+        if rec is None:
             sm.missing += 1
-            ref = refs[pos]
             t.datasets[plan.datasets[ref.dataset].name].missing += 1
             if len(t.missing_ids) < SAMPLE_IDS:
                 t.missing_ids.append(ref.id)
             missing_out.write(ref.id + "\n")
             continue
-        batch = cache.get(fno)
-        if batch is None:
-            batch = decode_batch(read_frame_at(path, offsets[fno]))
-            cache[fno] = batch
-            cached += sizes[fno]
-            while cached > cache_bytes and len(cache) > 1:
-                old, _ = cache.popitem(last=False)
-                cached -= sizes[old]
-        else:
-            cache.move_to_end(fno)
-        rec = batch[item_of[pos]]
-        uses[fno] -= 1
-        if not uses[fno]:
-            del cache[fno]
-            cached -= sizes[fno]
         sm.kept += 1
         emit(rec)
 

@@ -22,8 +22,8 @@ import msgspec
 
 from toolkit.errors import BadInputError
 
-__all__ = ["InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "prompt_id", "read_prompt_at",
-           "scan_dataset", "scan_lines", "check_unique_ids"]
+__all__ = ["ExtraReader", "InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "extra_fields",
+           "prompt_id", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
 
 
 _FIX = "fix or remove the line, then run again"
@@ -101,6 +101,19 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
         body["tools"] = tools
     return hashlib.sha256(msgspec.json.encode(body, order="deterministic")).hexdigest()[:DIGEST_HEX]
 
+_INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+def _empty(content: Any) -> bool:
+    """Whether a message's content holds nothing: no text (blank), no parts, or only blank text parts."""
+    if isinstance(content, str):
+        return not content.strip()
+    if isinstance(content, list):
+        return all(isinstance(part, dict) and part.get("type", "text") == "text"
+                   and not str(part.get("text") or "").strip() for part in content)
+    return content is None
+
+
 def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool = True) -> Prompt:
     try:
         raw.decode("utf-8")
@@ -130,6 +143,8 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
         text = obj["prompt"]
         if not isinstance(text, str):
             raise InputError(path, lineno, "prompt", f"must be a string, got {type(text).__name__}; {_FIX}")
+        if not text.strip():
+            raise InputError(path, lineno, "prompt", f"is empty: nothing for the model to answer; {_FIX}")
         messages = [{"role": "user", "content": text}]
     else:
         messages = obj["messages"]
@@ -147,6 +162,12 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise InputError(path, lineno, f + ".content", f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}")
+            if role == "user" and _empty(content):
+                raise InputError(path, lineno, f + ".content", f"is empty: a user message needs text; {_FIX}")
+        if all(m["role"] in _INSTRUCTION_ROLES for m in messages):
+            raise InputError(path, lineno, "messages", "has no user message, only instructions "
+                             f"({', '.join(sorted({m['role'] for m in messages}))}): nothing for the model to "
+                             f"answer; {_FIX}")
     tools = obj.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
@@ -238,6 +259,36 @@ class PromptReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+LINE_FIELDS = frozenset({"id", "messages", "prompt", "tools"})  # what a prompt line says to the toolkit
+_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def extra_fields(raw: bytes) -> dict[str, Any]:
+    """The fields of a prompt line besides LINE_FIELDS (a dataset's `source`, `category`, ...), as the line has
+    them; the messages are not decoded."""
+    return {k: msgspec.json.decode(v) for k, v in _raw_fields(raw).items() if k not in LINE_FIELDS}
+
+
+class ExtraReader:
+    """The extra fields of planned prompt lines, read at the (offset, length) the plan pinned, files kept open."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+
+    def read(self, path: str | Path, offset: int, length: int) -> dict[str, Any]:
+        path = str(path)
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
+        f.seek(offset)
+        return extra_fields(f.read(length))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def prompt_id(p: Prompt) -> str:

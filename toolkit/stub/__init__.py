@@ -7,8 +7,9 @@ The toolkit's `stub` engine runs it for dry runs on CPU nodes and as the test su
 It speaks the wire contract of SGLang 0.5.23 (or of 0.5.9 with `--version 0.5.9`): the start-up sequence
 (port closed while "loading weights", health 503 during warm-up, then 200), `/generate` with SGLang's
 validation errors, response shape, stop-token and finish-reason rules, streaming, batches and `n > 1`,
-`/abort_request`, auth, `/metrics` and graceful SIGTERM drain. Outputs are invented, reproducibly (a prompt sent
-again without a sampling_seed draws its next output, as a sampling server does: `outputs.Draws`), from
+`/abort_request`, auth, `/metrics` and graceful SIGTERM drain. Outputs are invented, reproducibly, from what the
+request asks for (a prompt sent again without a sampling_seed draws another output, as a sampling server does,
+unless its rid names the sample it asks for: `outputs.Draws`), from
 the job's own tokenizer: English text from Python's help topics as "reasoning", the think-end token, an
 answer, sometimes a tool-call section, then EOS (see `planning.plan_output`). Fault injection flags
 (`--crash-after`, `--fail-5xx`, `--hang-after`, ...; see `faults`) make it misbehave on purpose. Every log

@@ -94,6 +94,7 @@ class StubModel:
         if any(t in control for t in ids):
             ids, offsets = [t for t in ids if t not in control], None
         self.corpus = ids
+        self.corpus_ids = frozenset(ids)
         if offsets and len(offsets) == len(ids):
             # cut[i]: where token i starts (the end of token i-1); a cut inside one character is unsafe.
             self.cuts = [0] + [end for _, end in offsets]

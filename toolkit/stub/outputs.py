@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from toolkit.engines.rids import rid_sample
 from toolkit.engines.sglang_contract.sampling import Sampling
 from toolkit.stub.model import StubModel
 
@@ -64,7 +65,7 @@ Segments = list  # [(corpus offset, or -1 for control tokens, [ids])]: the plan 
 
 
 def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
-                sample: int) -> Segments:
+                sample: int, within: str | None = None) -> Segments:
     """What the "model" writes for this prompt, before the server cuts at a stop or at `budget`.
 
     Rule: seed a PRNG from (prompt ids, sampling params). The output is [think-start] + reasoning +
@@ -79,7 +80,9 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do (the other
     outputs are the same as without it). The plan is a function of its arguments: samples of one prompt differ by
     their `sampling_seed` (the toolkit offsets it per sample) or by `sample` (their index in a request with n > 1,
-    and the draw of a seedless request sent again: `Draws`); with `identical_samples` by neither.
+    and the draw of a seedless request sent again: `Draws`); with `identical_samples` by neither. `within`
+    ("reasoning" or "answer") says the prompt ends inside an output of the stub's (`open_section`): it goes on
+    from there, never opening its reasoning again.
     """
     if cfg.identical_samples:  # a sampler that ignores the seed and the sample index
         sp, sample = msgspec.structs.replace(sp, sampling_seed=None), 0
@@ -100,10 +103,11 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
         total = max(1, min(scale, round(scale * rng.uniform(0.08, 0.95))))
     total = max(total, sp.min_new_tokens)
 
-    thinking = model.think_end_id is not None and not model.prompt_ends_with(prompt, model.think_end_id)
+    thinking = (model.think_end_id is not None and within != "answer"
+                and not model.prompt_ends_with(prompt, model.think_end_id))
     head, end, sep = [], [], []
     if thinking:
-        opened = model.prompt_ends_with(prompt, model.think_start_id)
+        opened = within == "reasoning" or model.prompt_ends_with(prompt, model.think_start_id)
         if not opened or cfg.double_think_start:
             head = [model.think_start_id]
         if not cfg.no_think_end:
@@ -234,15 +238,41 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
                     break
             if got == p:
                 return drop_planned(segments, p)
+    within = open_section(model, prompt)
+    if within is not None:  # a draw not known here (sent to another process): it goes on all the same
+        return plan_output(model, cfg, prompt, sp, budget, 0, within)
     return None
+
+
+def open_section(model: StubModel, prompt: list[int]) -> str | None:
+    """Where a prompt that ends inside an output of the stub's stands: "reasoning" (a think-start, then only
+    corpus text) or "answer" (a think-start, corpus text, the think-end, then corpus text); None for any other
+    prompt (a prompt the template ends with a think-start or think-end is not inside an output)."""
+    if model.think_start_id is None:
+        return None
+    starts = _positions(prompt, model.think_start_id)
+    if not starts:
+        return None
+    tail = prompt[starts[-1] + 1:]
+    if not tail or tail[-1] == model.think_end_id:
+        return None
+    words, sep = model.corpus_ids, set(model.sep_ids)
+    if model.think_end_id in tail:
+        e = tail.index(model.think_end_id)
+        before, after = tail[:e], tail[e + 1:]
+        ok = all(t in words for t in before) and all(t in words or t in sep for t in after)
+        return "answer" if ok else None
+    return "reasoning" if all(t in words for t in tail) else None
 
 
 class Draws:
     """Requests that sample (not greedy) without a `sampling_seed`: a real server draws another output each time
-    the same prompt comes with the same params, so n samples sent as n requests differ. The stub numbers them: the
-    first request of a prompt and its params gets the output it always gets (sample 0 of a request), the next one
-    the next sample, and so on, remembered for the last `size` prompts. A request with a seed, or greedy, or with
-    `identical_samples` set, is answered the same every time."""
+    the same prompt comes with the same params, so n samples sent as n requests differ. Which output a request
+    gets depends on the request alone where it can: a rid that names its sample (`engines.rids`, as the worker's
+    do) draws that sample, in any process, and so does the continuation of its partial output. Any other request
+    is numbered: the first of a prompt and its params gets the output it always gets (sample 0 of a request), the
+    next one the next sample, and so on, remembered for the last `size` prompts. A request with a seed, or greedy,
+    or with `identical_samples` set, is answered the same every time."""
 
     def __init__(self, size: int = 1 << 16) -> None:
         self.size = size
@@ -252,10 +282,13 @@ class Draws:
     def applies(sp: Sampling) -> bool:
         return sp.sampling_seed is None and sp.top_k != 1
 
-    def draw(self, prompt: list[int], sp: Sampling, index: int, n: int) -> int:
+    def draw(self, prompt: list[int], sp: Sampling, index: int, n: int, rid: str | None = None) -> int:
         """The sample number of sequence `index` of a request of `n` sequences (a new draw per request)."""
         if not self.applies(sp):
             return index
+        named = rid_sample(rid)
+        if named is not None:
+            return index + n * named
         key = output_seed(prompt, sp, 0)
         drawn = self._count.pop(key, 0)
         self._count[key] = drawn + 1
@@ -263,11 +296,15 @@ class Draws:
             self._count.popitem(last=False)
         return index + n * drawn
 
-    def drawn(self, index: int, n: int):
+    def drawn(self, index: int, n: int, rid: str | None = None):
         """For plan_continuation: the sample numbers sequence `index` may have been given for `head`."""
+        named = rid_sample(rid)
+
         def numbers(head: list[int], sp: Sampling) -> list[int]:
             if not self.applies(sp):
                 return [index]
+            if named is not None:
+                return [index + n * named]
             return [index + n * d for d in range(max(1, self._count.get(output_seed(head, sp, 0), 0)))]
         return numbers
 

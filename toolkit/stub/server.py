@@ -223,11 +223,11 @@ class StubServer:
             segments = None
             if cfg.token_delay > 0:  # only a delayed request can be aborted mid-way, and so continued
                 segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget,
-                                             self.draws.drawn(item.index % n, n))
+                                             self.draws.drawn(item.index % n, n, item.rid))
             if segments is not None:
                 self.sched.counters["continued"] += 1
             else:
-                sample = self.draws.draw(item.prompt, item.sp, item.index % n, n)
+                sample = self.draws.draw(item.prompt, item.sp, item.index % n, n, item.rid)
                 segments = plan_output(model, cfg, item.prompt, item.sp, item.budget, sample)
             item.segments = segments
             item.planned = [t for _, ids in item.segments for t in ids]

@@ -26,6 +26,7 @@ from toolkit.engines.client import (
     generate,
     health_generate,
 )
+from toolkit.engines.rids import make_rid
 from toolkit.formats.records import (
     ABORTED,
     BAD_RESPONSE,
@@ -62,14 +63,12 @@ def _failure_kind(e: Exception) -> str:
     return UNREACHABLE  # one request's connection cut while the engine answers (see consume)
 
 
-def rid_maker(sh: Shard, pos: int, made: list[str]):
-    """A fresh rid per HTTP attempt, all of one width: an abort names one exact rid in flight over HTTP, but
-    SGLang's scheduler then aborts every rid it is a *prefix* of, and strings of one length are never prefixes of
-    each other. Unique by (process tag, sequence number); the shard and planned
-    position are there for the server's log."""
+def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
+    """A fresh rid per HTTP attempt (engines/rids: one width, so an abort by rid never takes another request
+    with it; naming the sample asked for)."""
     def make() -> str:
         sh.rid_seq += 1
-        rid = f"tk-{sh.rid_tag}-{sh.shard % 100000:05d}-{pos % 10**10:010d}-{sh.rid_seq % 10**8:08d}"
+        rid = make_rid(sh.rid_tag, sh.shard, pos, sample, sh.rid_seq)
         made.append(rid)
         sh.rids.add(rid)
         return rid
@@ -129,7 +128,7 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
             made: list[str] = []
             try:
                 res = await generate(
-                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, made),
+                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
                     timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
                     backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
                 )

@@ -1,0 +1,133 @@
+"""A run's records for Python code (`toolkit.read_run`, `read_rows`, `to_dataset`): the newest record of each
+planned id, in planned order, whether the run is merged or not.
+
+When the merged dataset is the run as it is (`export.stale_merge` finds nothing newer), it is read; else every
+shard file is read through merge's own newest-wins scan (`merge.scan_shard`, `merge.newest_records`): a record
+written again (a retry, a task that ran twice) supersedes the earlier ones, and a partial output kept at a stop
+is superseded by the record that continued it. A record whose newest attempt is a partial output never continued
+comes as it is, with status "partial". Nothing in the run directory is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from toolkit.dataset.export import JsonlRecord, _jsonl_rows, _Meta, _Text, _Tokens, stale_merge
+from toolkit.dataset.merge import MERGED, MergeError, load_manifest, newest_records, scan_shard
+from toolkit.formats.frames import CorruptShard, read_header, read_shard
+from toolkit.formats.records import OK, Record
+from toolkit.formats.rundir import RunDir
+from toolkit.job.plan import PlannedRefs, RunPlan, load_run
+
+__all__ = ["read_rows", "read_run", "to_dataset"]
+
+log = logging.getLogger(__name__)
+
+ROWS_BATCH = 256  # records decoded to text in one tokenizer call
+
+
+def _merge_is_current(rd: RunDir, plan: RunPlan) -> bool:
+    """Whether merged/records.zst holds the run as it is: intact header, the size its manifest says, nothing
+    written to a shard since."""
+    path = rd.merged_file
+    if not path.exists():
+        return False
+    try:
+        manifest = load_manifest(rd)
+        if path.stat().st_size != manifest.bytes or read_header(path) != (plan.fingerprint, MERGED):
+            return False
+    except (MergeError, CorruptShard):
+        return False
+    return stale_merge(rd, plan, manifest) is None
+
+
+def _newest(rd: RunDir, plan: RunPlan, refs: PlannedRefs) -> Iterator[Record]:
+    if _merge_is_current(rd, plan):
+        yield from read_shard(rd.merged_file)
+        return
+    for s in plan.shards:
+        path = rd.shard_file(s.index)
+        if not path.exists():
+            continue
+        try:
+            head = read_header(path)
+        except CorruptShard as e:
+            log.warning("%s: damaged header (%s at byte %d); its records are left out", path, e.why, e.offset)
+            continue
+        if head is not None and head != (plan.fingerprint, s.index):
+            log.warning("%s is a file of run %s shard %s, not of this run's shard %d; left out", path, *head, s.index)
+            continue
+        sc = scan_shard(path, s.first, refs.shard(s.index))
+        yield from (rec for rec in newest_records(path, sc) if rec is not None)
+
+
+def read_run(run_dir: str | os.PathLike) -> Iterator[Record]:
+    """The newest record of each planned id of a run, in planned order (see the module's docstring)."""
+    rd, plan = load_run(run_dir)
+    yield from _newest(rd, plan, PlannedRefs(rd, plan))
+
+
+def read_rows(run_dir: str | os.PathLike, *, ok_only: bool = False) -> Iterator[JsonlRecord]:
+    """`read_run`'s records as rows of the `jsonl` export: sample, turn, the reasoning and the answer (`content`)
+    decoded with the run's tokenizer, and the prompt line's other fields (`meta`). `ok_only`: ok records only."""
+    rd, plan = load_run(run_dir)
+    refs = PlannedRefs(rd, plan)
+    tokens = _Tokens(plan)
+    text, meta = _Text(plan, tokens), _Meta(plan)
+    batch: list[Record] = []
+
+    def rows() -> Iterator[JsonlRecord]:
+        planned = [refs.at(r.index) for r in batch]
+        yield from _jsonl_rows(batch, planned, text.parts(batch), meta)
+        batch.clear()
+
+    for rec in _newest(rd, plan, refs):
+        if ok_only and rec.status != OK:
+            continue
+        batch.append(rec)
+        if len(batch) >= ROWS_BATCH:
+            yield from rows()
+    yield from rows()
+
+
+def _row_dicts(run_dir: str, ok_only: bool, state: tuple) -> Iterator[dict[str, Any]]:
+    encode = msgspec.json.Encoder().encode
+    for row in read_rows(run_dir, ok_only=ok_only):
+        d = msgspec.structs.asdict(row)
+        d["meta"] = None if row.meta is None else encode(row.meta).decode()  # as the parquet export has it
+        yield d
+
+
+def _state(run_dir: str | os.PathLike) -> tuple:
+    """What the rows are read from, by size and time: `datasets` caches a dataset made from a generator under a
+    hash of its arguments, so a run that changed must give other arguments."""
+    rd, plan = load_run(run_dir)
+    files = [rd.merged_file, rd.manifest_file, *(rd.shard_file(s.index) for s in plan.shards)]
+    files += [d.path for d in plan.datasets]
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            continue
+        out.append((str(f), st.st_size, st.st_mtime_ns))
+    return (plan.fingerprint, tuple(out))
+
+
+def to_dataset(run_dir: str | os.PathLike, *, ok_only: bool = True, cache_dir: str | os.PathLike | None = None):
+    """`read_rows` as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip install
+    datasets`), columns as the parquet export's (`meta` as JSON text). `ok_only` (default): ok records only.
+    `cache_dir`: where `datasets` keeps its Arrow files (default: its own cache)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("to_dataset needs the `datasets` package: pip install datasets "
+                          "(or read the records with toolkit.read_rows)") from None
+    kwargs = {"run_dir": str(run_dir), "ok_only": ok_only, "state": _state(run_dir)}
+    return datasets.Dataset.from_generator(_row_dicts, gen_kwargs=kwargs,
+                                           cache_dir=None if cache_dir is None else str(cache_dir))
