@@ -1,0 +1,127 @@
+"""Never spin: a prompt whose failure may pass but recurs every time (a 503, a NaN stop, a reset connection, a
+request that never answers) is tried [client] max_tries times, then its failure is final for the run and the shard
+is done; every loop of the worker ends with a fault that always recurs; the readiness probe is none of the job's
+prompts, so a prompt's bad answer is that prompt's failure, never the engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import read_progress
+
+REPO = Path(__file__).resolve().parents[2]
+
+# prompt position -> (the stub's poison kind, the failure kind it is recorded with)
+ALWAYS = {2: ("status_503", "server_error"), 5: ("nan", "nan"), 7: ("reset", "unreachable"), 9: ("hang", "timeout")}
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def marked_prompts(path: Path, n: int, marks: dict[int, str]) -> Path:
+    """`n` prompts; the one at position i holds the word marks[i] (what a --poison-prompt rule looks for)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_prompts(path, n)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, word in marks.items():
+        lines[i]["messages"][0]["content"] += f" {word}"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def mark(kind: str) -> str:
+    return f"ALWAYS{kind.upper().replace('_', '')}"
+
+
+def always_job(tmp: Path, kimi, faults: dict[int, str], *, n: int = 12, shards: int = 2, max_tries: int = 3,
+               poison: bool = True, **tables) -> Path:
+    """A greedy job (outputs repeat exactly) whose prompts at `faults` get the stub's poison of that kind on every
+    request (with `poison` False: the same prompts, a healthy engine)."""
+    prompts = marked_prompts(tmp / "prompts.jsonl", n, {i: mark(k) for i, k in faults.items()})
+    rules = [a for k in dict.fromkeys(faults.values()) for a in ("--poison-prompt", f"{k}={mark(k)}")]
+    client = {"concurrency": 2, "retries": 1, "request_timeout_s": 2.0, "backoff_s": 0.05, "backoff_max_s": 0.2,
+              "max_tries": max_tries, **tables.pop("client", {})}
+    tables.setdefault("audit", {"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0})  # (a few tiny outputs)
+    return make_job(tmp, kimi, prompts=prompts, shards=shards, sampling={"max_new_tokens": 48, "temperature": 0},
+                    stub={"extra_args": rules if poison else []}, client=client, **tables)
+
+
+def toolkit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def newest(rd, shards: int) -> dict:
+    return {r.id: r for k in range(shards) for r in read_shard(rd.shard_file(k))}
+
+
+def every_record(rd, shards: int) -> list:
+    return [r for k in range(shards) for r in read_shard(rd.shard_file(k))]
+
+
+def clean_outputs(tmp: Path, kimi, faults: dict[int, str], n: int = 12) -> dict[str, bytes]:
+    """The outputs of the same job on a healthy engine: what every record that did not fail must hold."""
+    job = always_job(tmp, kimi, faults, n=n, poison=False)
+    r = toolkit("run", str(job))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rd, _ = prepared_run(job)
+    return {i: rec.output_ids for i, rec in newest(rd, 2).items()}
+
+
+@pytest.mark.slow
+def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their_count(tmp_path, kimi):
+    """One prompt always answered 503, one always a NaN stop, one whose connection is always reset, one never
+    answered: `toolkit run` ends by itself, each of them failed 3 times and final (the shard done), every other
+    record exactly what a healthy engine gives; `status` names the failures and `toolkit retry`, which starts a
+    fresh count."""
+    faults = {i: k for i, (k, _) in ALWAYS.items()}
+    expected = clean_outputs(tmp_path / "clean", kimi, faults)
+    job = always_job(tmp_path / "run", kimi, faults)
+    r = toolkit("run", str(job))
+    out = r.stdout + r.stderr
+    rd, _ = prepared_run(job)
+    got = newest(rd, 2)
+    assert len(got) == 12
+    for i, (_, failure) in ALWAYS.items():
+        rec = got[f"p{i:04d}"]
+        assert (rec.status, rec.failure, rec.tries, rec.final) == ("failed", failure, 3, True), rec
+        assert rec.error.startswith(f"failed 3 times: {failure}; last: "), rec.error
+    for i, rec in got.items():
+        if rec.status == "ok":
+            assert rec.output_ids == expected[i], i
+    assert sum(rec.status == "ok" for rec in got.values()) == 12 - len(ALWAYS)
+    # three tries of each, each written (the count lives in the records), then nothing more
+    tries = [rec for rec in every_record(rd, 2) if rec.status != "ok"]
+    assert sorted((rec.id, rec.tries) for rec in tries) == sorted((f"p{i:04d}", t) for i in ALWAYS for t in (1, 2, 3))
+    dones = [read_done(rd.done_file(k)) for k in range(2)]
+    assert all(m is not None for m in dones), out
+    assert sum(m.given_up for m in dones) == 4 and sum(m.transient for m in dones) == 0
+    assert sum(m.failed for m in dones) == 4
+    assert all(read_progress(rd.progress_file(k)).state == "done" for k in range(2))
+    assert "failed 3 times: nan" in out or "failed 3 times: nan" in rd.log_file(0).read_text() + rd.log_file(1).read_text()
+    assert rd.merged_file.exists(), out  # merged and audited: the run ended with its failures
+
+    st = toolkit("status", str(rd.root))
+    assert st.returncode == 1, st.stdout + st.stderr
+    assert "4 failures that may pass" in st.stdout and f"toolkit retry {rd.shown}" in st.stdout, st.stdout
+
+    # `toolkit retry` gives them a fresh budget: tried 3 more times (counted from 1 again), final again
+    r = toolkit("retry", str(rd.root))
+    got = newest(rd, 2)
+    again = [rec for rec in every_record(rd, 2) if rec.status != "ok"]
+    assert len(again) == 2 * len(tries), r.stdout + r.stderr
+    assert all(got[f"p{i:04d}"].tries == 3 and got[f"p{i:04d}"].final for i in ALWAYS)
+    assert sum(rec.tries == 1 for rec in again) == 2 * len(ALWAYS)
