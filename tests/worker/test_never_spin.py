@@ -125,3 +125,86 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
     assert len(again) == 2 * len(tries), r.stdout + r.stderr
     assert all(got[f"p{i:04d}"].tries == 3 and got[f"p{i:04d}"].final for i in ALWAYS)
     assert sum(rec.tries == 1 for rec in again) == 2 * len(ALWAYS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# every loop of the worker ends when its fault recurs every time
+# ---------------------------------------------------------------------------------------------------
+EVERY = "EVERYONE"  # a word every prompt of these jobs holds
+LOOPS = {
+    # the loop: (what the stub does, job tables, what becomes of each shard, words in the worker's output)
+    "retry of failures that may pass": (["--poison-prompt", f"status_503={EVERY}"], {}, "done", "failed 3 times"),
+    "reconnect of a reset connection": (["--poison-prompt", f"reset={EVERY}"], {}, "done", "failed 3 times"),
+    "continuation of aborts": (["--poison-prompt", f"abort_500={EVERY}"], {}, "done", "failed 3 times"),
+    "engine restart": ([], {"stub": {"crash_after": 2}, "engine": {"max_restarts": 1}}, "failed",
+                       "engine died 2 times"),
+    "engine start (never ready)": (["--hang"], {"engine": {"ready_timeout_s": 2}}, "failed", "not ready after 2 s"),
+    "readiness probe": (["--poison", "no_completion_tokens"], {}, "failed", "probe /generate breaks SGLang's protocol"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_every_loop_of_a_claiming_worker_ends_when_its_fault_always_recurs(tmp_path, kimi, loop):
+    """A claiming worker over two shards whose fault recurs on every request (or every engine start): it ends by
+    itself, within a bound, having claimed each shard once; a shard is done with its prompts failed (final, with the
+    count) or failed in this worker, never claimed again; no traceback."""
+    args, tables, outcome, words = LOOPS[loop]
+    stub = {"extra_args": args, **tables.pop("stub", {})}
+    prompts = marked_prompts(tmp_path / "prompts.jsonl", 6, {i: EVERY for i in range(6)})
+    engine = {"max_restarts": 2, **tables.pop("engine", {})}
+    job = make_job(tmp_path, kimi, prompts=prompts, shards=2, sampling={"max_new_tokens": 32}, stub=stub,
+                   engine=engine, client={"concurrency": 2, "retries": 1, "backoff_s": 0.05, "backoff_max_s": 0.1})
+    rd, _ = prepared_run(job)
+    r = toolkit("worker", str(rd.root), "--claim", "0", "1", timeout=180)  # a worker that spins fails here
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out, out
+    assert out.count("claims shard 0") == 1 and out.count("claims shard 1") == 1, out
+    logs = out + rd.log_file(0).read_text() + rd.log_file(1).read_text()
+    assert words in logs, logs
+    if outcome == "done":
+        assert r.returncode == 0, out
+        got = newest(rd, 2)
+        assert len(got) == 6 and all(rec.status == "failed" and rec.final and rec.tries == 3 for rec in got.values())
+        assert all(read_done(rd.done_file(k)).given_up == 3 for k in range(2))
+    else:
+        assert r.returncode == 1, out
+        assert all(read_progress(rd.progress_file(k)).state == "failed" for k in range(2))
+        assert "2 failed" in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# on the local Slurm cluster
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_on_slurm_prompts_that_always_fail_end_the_array_and_the_merge_job_runs(tmp_path, kimi):
+    """The same four prompts on the cluster, the array's tasks claiming two shards: the array ends by itself, the merge job
+    runs, and `status` says what failed and that `toolkit retry` generates it again."""
+    import time
+
+    from toolkit.cluster.status import run_status
+
+    if not os.environ.get("SLURM_CONF"):
+        pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
+    faults = {i: k for i, (k, _) in ALWAYS.items()}
+    job = always_job(tmp_path, kimi, faults, slurm={"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00",
+                                                    "merge_cpus": 1})
+    r = toolkit("submit", str(job), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rd, _ = prepared_run(job)
+    active = ("pending", "running", "submitted", "requeued", "configuring", "completing")
+    deadline = time.time() + 300
+    while True:  # until every task and the merge job have left the queue (a spinning task would hold it)
+        _, rows, merge = run_status(rd.root)
+        if all(x.state not in active for x in rows) and merge.state not in (*active, None):
+            break
+        assert time.time() < deadline, f"the run did not end: {[(x.shard, x.state) for x in rows]}, merge {merge}"
+        time.sleep(1.0)
+    assert [x.state for x in rows] == ["completed", "completed"] and merge.merged, (rows, merge)
+    got = newest(rd, 2)
+    assert sorted(i for i, rec in got.items() if rec.status != "ok") == sorted(f"p{i:04d}" for i in ALWAYS)
+    assert all(got[f"p{i:04d}"].error.startswith(f"failed 3 times: {f}") for i, (_, f) in ALWAYS.items())
+    st = toolkit("status", str(rd.root))
+    assert st.returncode == 1 and "4 failures that may pass in shards 0-1" in st.stdout, st.stdout
+    assert f"`toolkit retry {rd.shown}`" in st.stdout, st.stdout
