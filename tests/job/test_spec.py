@@ -64,10 +64,12 @@ def test_minimal_spec_gets_defaults(tmp_path):
         (('path = "tok"', 'path = "tok"\nchat_template = "t.jinja"'), "chat_template file"),
         (("max_new_tokens = 64", "max_new_tokens = \"many\""), "positive integer"),
         (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 0'),
-         "[client] max_tries must be between 1 and 100 (tries of a prompt whose failure may pass, within a run), got 0"),
+         "[client] max_tries must be between 1 and 100 (tries of a prompt whose failure may pass, within a run), "
+         "got 0"),
         (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 1000'), "max_tries must be between 1 and 100"),
         (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = "3"'), "`max_tries` in [client]"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nbackoff_s = -1'), "backoff_s and backoff_max_s must be >= 0"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nbackoff_s = -1'),
+         "backoff_s and backoff_max_s must be >= 0"),
     ],
 )
 def test_bad_specs_are_named(tmp_path, edit, expected):

@@ -111,7 +111,8 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
     assert sum(m.given_up for m in dones) == 4 and sum(m.transient for m in dones) == 0
     assert sum(m.failed for m in dones) == 4
     assert all(read_progress(rd.progress_file(k)).state == "done" for k in range(2))
-    assert "failed 3 times: nan" in out or "failed 3 times: nan" in rd.log_file(0).read_text() + rd.log_file(1).read_text()
+    logs = out + rd.log_file(0).read_text() + rd.log_file(1).read_text()
+    assert "failed 3 times: nan" in logs and "final for this run: `toolkit retry" in logs
     assert rd.merged_file.exists(), out  # merged and audited: the run ended with its failures
 
     st = toolkit("status", str(rd.root))
@@ -179,8 +180,8 @@ def test_every_loop_of_a_claiming_worker_ends_when_its_fault_always_recurs(tmp_p
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_on_slurm_prompts_that_always_fail_end_the_array_and_the_merge_job_runs(tmp_path, kimi):
-    """The same four prompts on the cluster, the array's tasks claiming two shards: the array ends by itself, the merge job
-    runs, and `status` says what failed and that `toolkit retry` generates it again."""
+    """The same four prompts on the cluster, the array's tasks claiming two shards: the array ends by itself, the
+    merge job runs, and `status` says what failed and that `toolkit retry` generates it again."""
     import time
 
     from toolkit.cluster.status import run_status

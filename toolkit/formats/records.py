@@ -20,7 +20,8 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS", "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED",
+    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
+    "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED",
     "PARTIAL", "RECORD_CHECKS", "defects",
 ]
 

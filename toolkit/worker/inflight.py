@@ -198,12 +198,12 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             return
         if item.error is not None:
             kind, message = item.error
-            ref = item.ref
-            sh.add(failed_record(ref.id, sh.plan.datasets[ref.dataset].name, item.pos, item.ids or [], message, 0, kind))
+            ds = sh.plan.datasets[item.ref.dataset].name
+            sh.add(failed_record(item.ref.id, ds, item.pos, item.ids or [], message, 0, kind))
             continue
         try:
             while True:  # bounded: every failed try counts (sh.tries), the last one is final (_settle)
-                rec = await _answer(sh, feed, item, engine, info)
+                rec = await _answer(sh, item, engine, info)
                 if rec is None or not await _settle(sh, rec):
                     break
         except BaseException:  # cancelled, or the engine died: the prompt goes out again after the restart
@@ -211,7 +211,7 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             raise
 
 
-async def _answer(sh: Shard, feed: Feed, item, engine, info) -> Record | None:
+async def _answer(sh: Shard, item, engine, info) -> Record | None:
     """One try of a prompt: its record, or None when what came back is a partial output (recorded here)."""
     pos, ref, ids = item.pos, item.ref, item.ids
     ds = sh.plan.datasets[ref.dataset].name

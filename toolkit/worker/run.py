@@ -631,8 +631,8 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
             log.warning("shard %d: %d failures may pass when generated again (%s); the next "
                         "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, MAY_PASS, rd.shown)
         if m.given_up:
-            log.warning("shard %d: %d failures that may pass (%s) failed every one of their tries ([client] max_tries = "
-                        "%d) and are final for this run: `toolkit retry %s` generates them again",
+            log.warning("shard %d: %d failures that may pass (%s) failed every one of their tries ([client] "
+                        "max_tries = %d) and are final for this run: `toolkit retry %s` generates them again",
                         shard, m.given_up, MAY_PASS, plan.spec.client.max_tries, rd.shown)
         return Outcome(DONE)
     except ShardFailed as e:  # said once, in the shard's log

@@ -34,7 +34,8 @@ class Chains:
         self.plan = sh.plan
         self.tok = self.info = None
         self.answers: dict[tuple, dict[int, Record]] = {}  # conversation -> {turn: its ok record}
-        self.failed: dict[tuple, tuple[int, str, str, bool]] = {}  # conversation -> (turn, kind, error, final) of a failed turn
+        # conversation -> (turn, kind, error, final: given up for the run) of a failed turn
+        self.failed: dict[tuple, tuple[int, str, str, bool]] = {}
         self.waiting: dict[tuple, dict[int, TodoItem]] = {}
         self.reader = PromptReader()
         self.loop = asyncio.get_running_loop()
