@@ -209,3 +209,46 @@ def test_on_slurm_prompts_that_always_fail_end_the_array_and_the_merge_job_runs(
     st = toolkit("status", str(rd.root))
     assert st.returncode == 1 and "4 failures that may pass in shards 0-1" in st.stdout, st.stdout
     assert f"`toolkit retry {rd.shown}`" in st.stdout, st.stdout
+
+
+@pytest.mark.slow
+def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_it_afresh(tmp_path, kimi):
+    """The count lives in the records, not in a process: a worker stopped (SIGTERM) while it waits to try a prompt
+    again leaves its first try recorded; the next run (a requeued task) goes on with tries 2 and 3, then the failure
+    is final. `toolkit retry --ids` asks for it again with a fresh count: tries 1 to 3 again."""
+    import signal
+    import time
+
+    job = always_job(tmp_path, kimi, {1: "status_503"}, n=4, shards=1, sharding={"flush_records": 1},
+                     client={"backoff_s": 60.0, "backoff_max_s": 60.0})
+    rd, _ = prepared_run(job)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    def first_try_recorded() -> bool:
+        return rd.shard_file(0).exists() and any(rec.id == "p0001" for rec in every_record(rd, 1))
+
+    while not first_try_recorded():
+        assert time.time() < deadline and proc.poll() is None, "the first try was never recorded"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # while it waits 60 s to try p0001 again
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out
+    first = [rec for rec in every_record(rd, 1) if rec.id == "p0001"]
+    assert [(rec.tries, rec.final) for rec in first] == [(1, False)] and read_done(rd.done_file(0)) is None
+
+    plan = json.loads(rd.plan_file.read_text())  # the job's backoff shortened, as a job planned again would
+    plan["spec"]["client"].update(backoff_s=0.05, backoff_max_s=0.1)
+    rd.plan_file.write_text(json.dumps(plan))
+    r = toolkit("worker", str(rd.root), "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    tries = [(rec.tries, rec.final) for rec in every_record(rd, 1) if rec.id == "p0001"]
+    assert tries == [(1, False), (2, False), (3, True)]
+    assert read_done(rd.done_file(0)).given_up == 1
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text("p0001\n")
+    r = toolkit("retry", str(rd.root), "--ids", str(ids))
+    tries = [(rec.tries, rec.final) for rec in every_record(rd, 1) if rec.id == "p0001"]
+    assert tries == [(1, False), (2, False), (3, True)] * 2, r.stdout + r.stderr
