@@ -4,10 +4,11 @@ Without `--ids`, the shards whose done manifest counts transient failures (timeo
 aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones, are run again: the worker regenerates a
 shard's transient failures on every run; the failures that may pass given up after [client] max_tries tries
 (records.is_given_up) get a retry request, as with `--ids`, which starts their count afresh. With `--ids FILE`
-(one id per line, e.g. `merged/failed_ids.txt`), those ids are generated again whatever their status: each of their shards gets a retry request (`shards/NNNNN.retry`,
-which the worker reads and removes once the shard completes) and loses its done manifest. The new records are
-appended; merge keeps the newest record of each id. The shards run here, one after the other, then the run is
-merged and audited (like `toolkit run`); `--slurm` submits them instead (like `toolkit resubmit`).
+(one id per line, e.g. `merged/failed_ids.txt`), those ids are generated again whatever their status: each of
+their shards gets a retry request (`shards/NNNNN.retry`, which the worker reads and removes once the shard
+completes) and loses its done manifest. The new records are appended; merge keeps the newest record of each id.
+The shards run here, one after the other, then the run is merged and audited (like `toolkit run`); `--slurm`
+submits them instead (like `toolkit resubmit`).
 """
 
 from __future__ import annotations
