@@ -14,8 +14,8 @@ again.
 
 The claim loop ends: each turn either finishes a shard (never claimed again by this worker: a shard run ends with
 no failure that may pass left, each tried at most [client] max_tries times, see worker.inflight), fails it (not
-claimed again in the group), loses it to another worker (at most RACES times, then left to it), or stops; so a
-worker claims at most (RACES + 1) times per shard of its pool.
+claimed again in the group), loses it to another worker (left to it after RACES such races), or stops; so a
+worker claims each shard of its pool at most RACES times.
 """
 
 from __future__ import annotations
