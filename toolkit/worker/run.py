@@ -9,8 +9,9 @@ continued from where they stopped next time: see inflight.save_in_flight and inf
 shard gets its `done` manifest.
 
 Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
-recorded with its kind and generated again by the next run of the shard (the done manifest counts them; see
-records.TRANSIENT); ids `toolkit retry` names are generated again too. A done manifest is trusted only when the
+recorded with its kind and tried again in the same run of the shard, up to `client.max_tries` tries counted in the
+records (inflight.consume), then final for the run (records.is_given_up); ids `toolkit retry` names are generated
+again, with a fresh count. A done manifest is trusted only when the
 shard file still has its size and sha256; a damaged file is salvaged (formats.shardfile.ShardWriter.open). An engine that
 stops answering (requests in flight, none answered for `engine.hang_timeout_s`, `/health_generate` failing) is
 restarted like one that died. The render thread stays a bounded number of prompts ahead of the requests.
