@@ -136,7 +136,7 @@ LOOPS = {
     # the loop: (what the stub does, job tables, what becomes of each shard, words in the worker's output)
     "retry of failures that may pass": (["--poison-prompt", f"status_503={EVERY}"], {}, "done", "failed 3 times"),
     "reconnect of a reset connection": (["--poison-prompt", f"reset={EVERY}"], {}, "done", "failed 3 times"),
-    "continuation of aborts": (["--poison-prompt", f"abort_500={EVERY}"], {}, "done", "failed 3 times"),
+    "continuation of aborts": (["--poison-prompt", f"abort_empty={EVERY}"], {}, "done", "failed 3 times: aborted"),
     "engine restart": ([], {"stub": {"crash_after": 2}, "engine": {"max_restarts": 1}}, "failed",
                        "engine died 2 times"),
     "engine start (never ready)": (["--hang"], {"engine": {"ready_timeout_s": 2}}, "failed", "not ready after 2 s"),

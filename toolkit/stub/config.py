@@ -25,6 +25,7 @@ POISONS = {
     "finish_null": "finish_reason null",
     "no_completion_tokens": "meta_info without completion_tokens",
     "abort_500": "finish_reason abort with status_code 500 and half the output",
+    "abort_empty": "finish_reason abort (\"Abort in waiting queue\") with no output, as a request aborted before it ran",
     "status_503": "HTTP 503, as an overloaded server answers",
     "nan": "SGLang's NaN stop: half the output, then an EOS id, finish_reason matched 'NaN happened'",
     "hang": "never answered (the other requests and /health* still are)",

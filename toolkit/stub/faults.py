@@ -121,6 +121,11 @@ def spoil(kind: str, out: dict, budget: int, vocab_size: int) -> None:
         meta["finish_reason"] = None
     elif kind == "no_completion_tokens":
         del meta["completion_tokens"]
+    elif kind == "abort_empty":
+        out["output_ids"] = []
+        meta["completion_tokens"] = 0
+        meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                                 "err_type": None}
     elif kind == "abort_500":
         ids = out["output_ids"] = ids[: len(ids) // 2]
         meta["completion_tokens"] = len(ids)
