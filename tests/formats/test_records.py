@@ -60,3 +60,34 @@ def test_last_meaningful_and_opens_reasoning_read_packed_ids_and_lists_alike():
         assert last_meaningful(nothing, blank) is None and last_meaningful(pack_ids(nothing), blank) is None
         assert not opens_reasoning(nothing, None, blank), "no think-start id and no meaningful id: not opened"
     assert last_meaningful(pack_ids([70000, 2 ** 32 - 1, 9]), blank) == 2 ** 32 - 1
+
+
+def test_records_written_before_tries_were_counted_decode_as_one_try_not_final(tmp_path):
+    """A record without `tries` and `final` (written before failures that may pass were bounded) counts as one failed
+    try, still transient: the next run goes on counting from it. A final one is a failure, not transient, and the
+    done manifest counts it apart (`given_up`)."""
+    from toolkit.formats.manifests import needs_work, write_done
+    from toolkit.formats.records import Record, failed_record, is_given_up, is_transient
+    from toolkit.formats.shardfile import ShardWriter
+
+    old = ["p1", "d", 0, "failed", b"", b"", None, None, None, None, 3, 0, 0, 0.0, 2, "timed out", "timeout", 1]
+    r = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=Record)
+    assert (r.tries, r.final) == (1, False) and is_transient(r) and not is_given_up(r)
+
+    path = tmp_path / "00000.zst"
+    w = ShardWriter(path, "f" * 16, 0)
+    w.open()
+    again = failed_record("p1", "d", 0, [1], "failed 3 times: timeout; last: ...", 2, "timeout", final=True)
+    again.tries = 3
+    later = failed_record("p2", "d", 1, [1], "no answer", 2, "timeout")
+    later.tries = 2
+    for rec in (r, failed_record("p2", "d", 1, [1], "no answer", 2, "timeout"), again, later):
+        w.add(rec)
+    w.close()
+    assert is_given_up(again) and not is_transient(again)
+    w = ShardWriter(path, "f" * 16, 0)
+    w.open()
+    assert w.transient == {"p2"} and w.tries == {"p2": 2}  # the newest record of each id counts
+    w.close()
+    m = write_done(tmp_path / "00000.done", path, 0, "f" * 16)
+    assert (m.records, m.failed, m.transient, m.given_up, m.superseded) == (2, 2, 1, 1, 2) and needs_work(m)

@@ -43,6 +43,7 @@ def test_demo_job_loads_with_resolved_paths():
 def test_minimal_spec_gets_defaults(tmp_path):
     spec = load_spec(write(tmp_path, BASE))
     assert spec.sharding.shards == 1 and spec.engine.kind == "sglang"
+    assert spec.client.max_tries == 3  # a failure that may pass: tried 3 times within a run, then final
     assert spec.output_dir == str(tmp_path / "out")
 
 
@@ -62,6 +63,13 @@ def test_minimal_spec_gets_defaults(tmp_path):
         (('path = "tok"', 'path = "nope/"'), "tokenizer path"),
         (('path = "tok"', 'path = "tok"\nchat_template = "t.jinja"'), "chat_template file"),
         (("max_new_tokens = 64", "max_new_tokens = \"many\""), "positive integer"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 0'),
+         "[client] max_tries must be between 1 and 100 (tries of a prompt whose failure may pass, within a run), "
+         "got 0"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 1000'), "max_tries must be between 1 and 100"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = "3"'), "`max_tries` in [client]"),
+        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nbackoff_s = -1'),
+         "backoff_s and backoff_max_s must be >= 0"),
     ],
 )
 def test_bad_specs_are_named(tmp_path, edit, expected):

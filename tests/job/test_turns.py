@@ -157,8 +157,12 @@ def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer)
 
 @pytest.mark.slow
 def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_with_it(tmp_path, toy_tokenizer):
+    """A turn whose failure is final for the run (here after [client] max_tries = 1 try) fails the turns after it,
+    final too; `toolkit retry` generates them all again, each rendered with the new answers."""
+    from toolkit.cluster.retry import request_retry
+
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
-                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0})
+                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "max_tries": 1})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == "done"
     recs = {r.id: r for r in read_shard(rd.shard_file(0))}
@@ -166,8 +170,23 @@ def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_wit
     assert {i: r.failure for i, r in recs.items()} == {
         "c0/t0": "server_error", "c0/t1": "previous_turn", "c1/t0": "server_error", "c1/t1": "previous_turn",
         "c1/t2": "previous_turn", "c2/t0": None, "c2/t1": None}
+    assert all(r.final == (r.status == "failed") for r in recs.values())
     assert "turn 1 of this conversation failed (server_error)" in recs["c0/t1"].error
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96})
     rd, _ = prepared_run(job)
+    request_retry(rd.root)
     assert run_shard(rd.root, 0) == "done"
     check_histories(job, rd)
+
+
+@pytest.mark.slow
+def test_a_turn_that_fails_once_is_tried_again_before_the_turns_after_it_are_rendered(tmp_path, toy_tokenizer):
+    """Within max_tries, a failed turn is tried again in the same run; the turns after it wait for its answer, so
+    the conversation completes in one run, each turn rendered with the answers before it."""
+    job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
+                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "backoff_s": 0.05})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0) == "done"
+    failed = [(r.id, r.tries) for r in read_shard(rd.shard_file(0)) if r.status != "ok"]
+    assert failed == [("c0/t0", 1), ("c0/t0", 2)]  # requests 2 and 3: c0's first turn twice, then it passes
+    assert len(check_histories(job, rd)) == 7

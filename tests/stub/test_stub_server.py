@@ -1097,3 +1097,24 @@ def test_loops_and_identical_samples_on_request(fleet, tokenizers):
     same = [o["output_ids"] for o in loops.generate(body)]
     differ = [o["output_ids"] for o in plain.generate(body)]
     assert same[0] == same[1] and differ[0] != differ[1]
+
+
+def test_poison_prompt_rules_fire_on_their_prompts_every_time():
+    from toolkit.stub import faults
+
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    nan, hang, good = ([ord(c) for c in t] for t in ("a NANX one", "a HANGX one", "fine"))
+    cfg = _parse("--poison-prompt", "nan=NANX", "--poison-prompt", "hang=HANGX")
+    assert cfg.poison_prompts == (("nan", "NANX"), ("hang", "HANGX"))
+    assert all(faults.poison_of(cfg, n, [nan], decode) == "nan" for n in (1, 2, 50))  # from the first request on
+    assert faults.poison_of(cfg, 3, [hang], decode) == "hang" and faults.poison_of(cfg, 3, [good], decode) is None
+    assert not faults.health_broken(cfg, 9)  # the other prompts, and /health*, still answer
+    both = _parse("--poison", "reset", "--poison-text", "NANX", "--poison-prompt", "status_503=NANX")
+    assert faults.poison_of(both, 1, [nan], decode) == "reset"  # --poison first
+
+
+@pytest.mark.parametrize("rule", ["nan", "nan=", "bogus=X", "=X"])
+def test_a_poison_prompt_rule_that_cannot_be_read_is_refused(rule, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse("--poison-prompt", rule)
+    assert e.value.code == 2 and "--poison-prompt wants KIND=TEXT" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobfiles import make_job, prepared_run, write_prompts
+from toolkit.cluster.retry import request_retry
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.worker.run import DONE, ShardFailed, run_shard
@@ -39,7 +40,8 @@ def poisoned_prompts(path: Path, n: int, poisoned: tuple[int, ...]) -> Path:
 def poison_job(tmp_path, kimi, kind: str, *, n: int = 8, poisoned=(3,), **tables):
     prompts = poisoned_prompts(tmp_path / "prompts.jsonl", n, poisoned)
     tables.setdefault("client", {}).update({"concurrency": 2, "retries": 1})
-    return make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 64},
+    sampling = tables.pop("sampling", {"max_new_tokens": 64})
+    return make_job(tmp_path, kimi, prompts=prompts, sampling=sampling,
                     stub={"extra_args": ["--poison", kind, "--poison-text", MARK]}, **tables)
 
 
@@ -53,24 +55,29 @@ def fix_engine(rd) -> None:
 @pytest.mark.parametrize("kind", ["reset", "truncate"])
 def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shard_goes_on(tmp_path, kimi, kind):
     """The connection of one prompt's request is reset (or its body cut) on every attempt while the engine answers
-    /health_generate and every other prompt: that prompt is a failed record of kind `unreachable` (transient) with
-    the reason, the shard completes, and so does every rerun; once the engine is fine the prompt is generated.
-    Prompt 0 is poisoned too: the engine's readiness probe, made on its ids, lets it pass."""
+    /health_generate and every other prompt: that prompt is tried [client] max_tries times, then it is a failed
+    record of kind `unreachable`, final for the run, with the reason and the count; the shard completes, and a rerun
+    finds nothing to do (no spin). Prompt 0, the shard's first, is poisoned too: the readiness probe is none of the
+    job's prompts, so it passes. Once the engine is fine, `toolkit retry` generates them (a fresh count)."""
     job = poison_job(tmp_path, kimi, kind, poisoned=(0, 3))
     rd, _ = prepared_run(job)
-    for _ in range(2):  # every rerun goes on the same way: nothing blocks
-        assert run_shard(rd.root, 0) == DONE
-        got = newest(rd)
-        failed = {i: r for i, r in got.items() if r.status != "ok"}
-        assert sorted(failed) == ["p0000", "p0003"] and len(got) == 8
-        for r in failed.values():
-            assert r.failure == "unreachable" and r.attempts == 2
-            assert "no complete answer after 2 attempts" in r.error and "/health_generate" in r.error
-        assert read_done(rd.done_file(0)).transient == 2
+    assert run_shard(rd.root, 0) == DONE
+    got = newest(rd)
+    failed = {i: r for i, r in got.items() if r.status != "ok"}
+    assert sorted(failed) == ["p0000", "p0003"] and len(got) == 8
+    for r in failed.values():
+        assert (r.failure, r.attempts, r.tries, r.final) == ("unreachable", 2, 3, True)
+        assert r.error.startswith("failed 3 times: unreachable; last: no complete answer after 2 attempts")
+        assert "/health_generate" in r.error
+    m = read_done(rd.done_file(0))
+    assert (m.given_up, m.transient, m.failed) == (2, 0, 2)
+    size = rd.shard_file(0).stat().st_size
+    assert run_shard(rd.root, 0) == DONE and rd.shard_file(0).stat().st_size == size  # nothing left to try
     log = rd.log_file(0).read_text()
-    assert "prompt p0003 (d) failed (unreachable)" in log and "probe /generate on the first prompt" in log
+    assert "prompt p0003 (d) failed (unreachable), try 1 of 3" in log and "probe /generate" not in log
 
     fix_engine(rd)
+    request_retry(rd.root)
     assert run_shard(rd.root, 0) == DONE
     assert {r.status for r in newest(rd).values()} == {"ok"}
 
@@ -101,13 +108,14 @@ def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection
     assert {r.status for r in got.values()} == {"ok"} and sum(r.attempts for r in got.values()) == 8 + 3
 
     job = make_job(tmp_path / "past", kimi, n=8, stub={"fail_5xx": "2:30", "extra_args": ["--fail-status", "429"]},
-                   client={"retries": 1, "concurrency": 2})
+                   client={"retries": 1, "concurrency": 2, "max_tries": 1})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0) == DONE
     failed = [r for r in newest(rd).values() if r.status == "failed"]
     assert len(failed) == 8 and {r.failure for r in failed} == {"server_error"}
-    assert all("HTTP 429" in r.error for r in failed)
-    assert read_done(rd.done_file(0)).transient == 8
+    assert all("HTTP 429" in r.error and r.error.startswith("failed once: server_error") for r in failed)
+    m = read_done(rd.done_file(0))
+    assert (m.transient, m.given_up) == (0, 8)
 
 
 BAD_ANSWERS = {
@@ -125,20 +133,37 @@ BAD_ANSWERS = {
 }
 
 
+@pytest.fixture(scope="module")
+def healthy_outputs(tmp_path_factory, kimi) -> dict[str, bytes]:
+    """The outputs of the poisoned jobs' prompts (greedy) from an engine without poison."""
+    tmp = tmp_path_factory.mktemp("healthy")
+    job = poison_job(tmp, kimi, "reset", n=6, poisoned=(0, 3), sampling={"max_new_tokens": 64, "temperature": 0})
+    rd, _ = prepared_run(job)
+    fix_engine(rd)
+    assert run_shard(rd.root, 0) == DONE
+    return {i: r.output_ids for i, r in newest(rd).items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_ANSWERS))
-def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(tmp_path, kimi, kind):
-    """Each way an answer can be wrong, checked against its request when it arrives: never stored ok."""
+def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(tmp_path, kimi, kind, healthy_outputs):
+    """Each way an answer can be wrong, checked against its request when it arrives: never stored ok. The shard's
+    first prompt is poisoned too: the readiness probe is not that prompt, so its bad answer is its own failure,
+    never the engine's. Both are tried max_tries times, then final; the run ends, every other record exact."""
     failure, words = BAD_ANSWERS[kind]
-    rd, _ = prepared_run(poison_job(tmp_path, kimi, kind, n=6))
+    rd, _ = prepared_run(poison_job(tmp_path, kimi, kind, n=6, poisoned=(0, 3),
+                                    sampling={"max_new_tokens": 64, "temperature": 0}))
     assert run_shard(rd.root, 0) == DONE
     got = newest(rd)
-    bad = got["p0003"]
-    assert (bad.status, bad.failure) == ("failed", failure), bad
-    assert words in bad.error, bad.error
-    assert bad.output_ids == b"" and bad.finish is None
-    assert all(r.status == "ok" for i, r in got.items() if i != "p0003")
-    assert read_done(rd.done_file(0)).transient == 1
+    for i in ("p0000", "p0003"):
+        bad = got[i]
+        assert (bad.status, bad.failure, bad.tries, bad.final) == ("failed", failure, 3, True), bad
+        assert words in bad.error and bad.error.startswith(f"failed 3 times: {failure}"), bad.error
+        assert bad.output_ids == b"" and bad.finish is None
+    assert all(r.status == "ok" and r.output_ids == healthy_outputs[i] for i, r in got.items()
+               if i not in ("p0000", "p0003"))
+    m = read_done(rd.done_file(0))
+    assert (m.transient, m.given_up) == (0, 2)
 
 
 @pytest.mark.slow

@@ -222,8 +222,8 @@ def _retryable(rd: RunDir, plan) -> dict[int, int]:
     out = {}
     for s in plan.shards:
         m = read_done(rd.done_file(s.index))
-        if m is not None and m.transient:
-            out[s.index] = m.transient
+        if m is not None and (m.transient or m.given_up):  # given up after [client] max_tries: retry starts afresh
+            out[s.index] = m.transient + m.given_up
     return out
 
 

@@ -2,11 +2,13 @@
 
 Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the retries,
 aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones, are run again: the worker regenerates a
-shard's transient failures on every run. With `--ids FILE` (one id per line, e.g. `merged/failed_ids.txt`), those
-ids are generated again whatever their status: each of their shards gets a retry request (`shards/NNNNN.retry`,
-which the worker reads and removes once the shard completes) and loses its done manifest. The new records are
-appended; merge keeps the newest record of each id. The shards run here, one after the other, then the run is
-merged and audited (like `toolkit run`); `--slurm` submits them instead (like `toolkit resubmit`).
+shard's transient failures on every run; the failures that may pass given up after [client] max_tries tries
+(records.is_given_up) get a retry request, as with `--ids`, which starts their count afresh. With `--ids FILE`
+(one id per line, e.g. `merged/failed_ids.txt`), those ids are generated again whatever their status: each of
+their shards gets a retry request (`shards/NNNNN.retry`, which the worker reads and removes once the shard
+completes) and loses its done manifest. The new records are appended; merge keeps the newest record of each id.
+The shards run here, one after the other, then the run is merged and audited (like `toolkit run`); `--slurm`
+submits them instead (like `toolkit resubmit`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from bisect import bisect_right
 from pathlib import Path
 
 from toolkit.errors import BadInputError
+from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, write_retry
+from toolkit.formats.records import is_given_up
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import RunPlan, load_refs, load_run
 
@@ -49,11 +53,27 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
     return by_shard
 
 
+def given_up_ids(rd: RunDir, k: int) -> list[str]:
+    """Ids of shard `k` whose newest record is a failure that may pass, given up for the run after [client]
+    max_tries tries (records.is_given_up)."""
+    newest: dict[str, bool] = {}
+    for r in read_shard(rd.shard_file(k)):
+        newest[r.id] = is_given_up(r)
+    return [i for i, gave_up in newest.items() if gave_up]
+
+
 def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
-    """Ask for records to be generated again; return the shards to run. `ids` None: every transient failure."""
+    """Ask for records to be generated again, each with a fresh count of tries; return the shards to run. `ids`
+    None: every failure that may pass (those given up after [client] max_tries tries included)."""
     rd, plan = load_run(run_dir)
     if ids is None:
-        return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+        ids = []
+        for s in plan.shards:
+            m = read_done(rd.done_file(s.index))
+            if m is not None and m.given_up:
+                ids += given_up_ids(rd, s.index)
+        if not ids:
+            return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
     for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):
         path = rd.shard_file(k)
         old = read_retry(rd.retry_file(k))

@@ -355,7 +355,8 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         shard=k, state=state, done=done.records if done else p.done, total=f.total,
         failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
         tok_per_s=p.tok_per_s if running else 0.0, eta_s=p.eta_s() if running else None,
-        job=job, node=node or (p.host or None), error=error, reason=reason, transient=done.transient if done else 0,
+        job=job, node=node or (p.host or None), error=error, reason=reason,
+        transient=done.transient + done.given_up if done else 0,  # (given up after max_tries: retry starts afresh)
         stale=stale, **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
     )
 
@@ -487,7 +488,9 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     if merge.merged and merge.current and merge.audit == "failed":
         problems.append("the audit failed")
     if problems:
-        return EXIT_FAILED, f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why"
+        also = (f"; {sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
+                f"`toolkit retry {run_shown}`" if retry else "")
+        return EXIT_FAILED, f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why{also}"
     if is_unknown(rows, merge):
         return EXIT_UNKNOWN, "unknown: Slurm did not say the state of every job (see above)"
     active = [r for r in rows if r.state in ACTIVE]

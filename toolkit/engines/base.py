@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.engines.client import HttpClient, Unreachable, health_generate, parse_response
+from toolkit.engines.client import BadResponse, HttpClient, Unreachable, health_generate, parse_response
 from toolkit.engines.keys import KEY_ENV, KeyFiles, LogPump, mask
 from toolkit.errors import ToolkitError
 
@@ -330,9 +330,11 @@ class Engine:
     async def probe(self, http: HttpClient, *, attempts: int = 5) -> None:
         """One real 1-token /generate on known ids: readiness endpoints can pass while generation is broken.
 
-        A 5xx or a dropped connection is retried a few times (a server can be briefly overloaded right after
-        warm-up); any other answer is final. A probe never answered while /health_generate answers 200 is that
-        prompt's own trouble (its request will fail and be recorded so), not the engine's: it is let pass.
+        The ids are the probe conversation's (chat.probe_ids), none of the job's prompts: a prompt whose answer is
+        bad every time fails as that prompt's record, never as the engine. A 5xx or a dropped connection is retried
+        a few times (a server can be briefly overloaded right after warm-up); any other answer is final, and one
+        that breaks the protocol is an EngineError saying so. A probe never answered while /health_generate answers
+        200 is let pass: the prompts' own requests say what becomes of them.
         """
         body = msgspec.json.encode({"input_ids": self.probe_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         for attempt in range(1, attempts + 1):
@@ -347,11 +349,15 @@ class Engine:
                 await asyncio.sleep(1.0)
                 continue
             if status == 0 and self.alive() and await health_generate(http, timeout=30.0) is None:
-                log.warning("the probe /generate on the first prompt's ids got no answer (%s), but /health_generate "
-                            "answers 200: going on; that prompt's own request says what becomes of it", data.decode())
+                log.warning("the probe /generate got no answer (%s), but /health_generate answers 200: going on; the "
+                            "prompts' own requests say what becomes of them", data.decode())
                 return
             raise EngineError(f"engine reported ready but the probe /generate failed ({status or 'no answer'}): {data[:300]!r}")
-        ids, _ = parse_response(data)
+        try:
+            ids, _ = parse_response(data)
+        except BadResponse as e:
+            raise EngineError(f"engine reported ready but its answer to the probe /generate breaks SGLang's protocol: "
+                              f"{e}") from None
         if len(ids) != 1:
             raise EngineError(f"probe asked for 1 token and got {len(ids)}")
 

@@ -11,7 +11,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.frames import read_shard
-from toolkit.formats.records import OK, Record, is_transient
+from toolkit.formats.records import OK, Record, is_given_up, is_transient
 from toolkit.formats.text import utc_now
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ class DoneManifest(msgspec.Struct):
     finished: str
     transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
     superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
+    given_up: int = 0            # failures that may pass, final for this run after client.max_tries tries (counted in
+                                 # `failed`, not in `transient`): `toolkit retry` generates them again
 
 
 def needs_work(m: DoneManifest | None) -> bool:
@@ -52,11 +54,12 @@ def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, po
             counts.add(r)
         totals = counts.totals()
     ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
+    given_up = totals.given_up
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
         output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
         finished=utc_now(),
-        transient=transient, superseded=total - ok - failed,
+        transient=transient, superseded=total - ok - failed, given_up=given_up,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
@@ -66,7 +69,7 @@ class _Totals:
     """What a done manifest counts of the records that count (the newest of each id)."""
 
     def __init__(self) -> None:
-        self.ok = self.failed = self.transient = self.ptok = self.otok = 0
+        self.ok = self.failed = self.transient = self.given_up = self.ptok = self.otok = 0
 
     def add(self, r: Record) -> None:
         if r.status == OK:
@@ -74,6 +77,7 @@ class _Totals:
         else:
             self.failed += 1
             self.transient += is_transient(r)
+            self.given_up += is_given_up(r)
         self.ptok += r.n_prompt
         self.otok += r.n_output
 
@@ -82,17 +86,18 @@ class _IdCounts:
     """The newest record's state per id, in a dict."""
 
     def __init__(self) -> None:
-        self.newest: dict[str, tuple[bool, bool, int, int]] = {}
+        self.newest: dict[str, tuple[bool, bool, bool, int, int]] = {}
 
     def add(self, r: Record) -> None:
-        self.newest[r.id] = (r.status == OK, is_transient(r), r.n_prompt, r.n_output)
+        self.newest[r.id] = (r.status == OK, is_transient(r), is_given_up(r), r.n_prompt, r.n_output)
 
     def totals(self) -> _Totals:
         t = _Totals()
-        for ok, transient, ptok, otok in self.newest.values():
+        for ok, transient, given_up, ptok, otok in self.newest.values():
             t.ok += ok
             t.failed += not ok
             t.transient += transient
+            t.given_up += given_up
             t.ptok += ptok
             t.otok += otok
         return t

@@ -20,7 +20,8 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS", "is_transient", "is_nan_stop", "OK", "FAILED",
+    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
+    "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED",
     "PARTIAL", "RECORD_CHECKS", "defects",
 ]
 
@@ -77,6 +78,11 @@ class Record(msgspec.Struct, array_like=True):
     error: str | None = None
     failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
     segments: int = 1               # requests the output took: > 1 when continued after an abort or a stop
+    # Failed generations of this id in the current budget (since the run began, or since `toolkit retry` asked for
+    # it), this one included when it failed; what bounds a failure that may pass (client.max_tries) across
+    # requeues, tasks and resubmits. A PARTIAL record carries the count of the failures before it.
+    tries: int = 1
+    final: bool = False             # a failure that may pass, given up for this run after `tries` tries
 
     @property
     def n_output(self) -> int:
@@ -153,16 +159,22 @@ def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: 
 
 
 def is_transient(record: Record) -> bool:
-    """A failed record worth generating again (see TRANSIENT)."""
-    return record.status != OK and record.failure in TRANSIENT
+    """A failed record worth generating again (see TRANSIENT), not given up for this run (`final`)."""
+    return record.status != OK and record.failure in TRANSIENT and not record.final
+
+
+def is_given_up(record: Record) -> bool:
+    """A failure that may pass, final for this run: it failed client.max_tries times (`toolkit retry` starts over)."""
+    return record.status != OK and record.final
 
 
 def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int,
-                  failure: str | None = None) -> Record:
+                  failure: str | None = None, *, final: bool = False) -> Record:
     return Record(
         id=id, dataset=dataset, index=index, status=FAILED, prompt_ids=pack_ids(prompt_ids), output_ids=b"",
         reasoning_end=None, tool_call_at=None, finish=None, matched_stop=None, prompt_tokens=len(prompt_ids),
         completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error, failure=failure,
+        final=final,
     )
 
 

@@ -64,6 +64,7 @@ class ShardWriter:
         self.written = 0  # records in the file (before + this session), superseded ones included
         self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
         self.partial: dict[str, Record] = {}  # ids whose newest record is PARTIAL, with it: continued, not redone
+        self.tries: dict[str, int] = {}  # ids of `transient`: the failed tries their newest record counts (.tries)
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
         self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
 
@@ -137,8 +138,10 @@ class ShardWriter:
                     otok[r.index - first] = r.n_output
                 if is_transient(r):
                     self.transient.add(r.id)
+                    self.tries[r.id] = r.tries
                 else:
                     self.transient.discard(r.id)
+                    self.tries.pop(r.id, None)
                 if r.status == PARTIAL:
                     self.partial[r.id] = r
                 else:

@@ -144,6 +144,12 @@ def _bound_word_cache(tok: Any) -> None:
         resize(WORD_CACHE)
 
 
+def probe_ids(tok: Any, model: Any) -> list[int]:
+    """The input_ids of the one-message probe conversation (PROBE_MESSAGES): what the worker's readiness probe sends,
+    a prompt that is none of the job's, so that one prompt's bad answer is never taken for the engine's."""
+    return _render_one(tok, model, PROBE_MESSAGES, None)
+
+
 def token_info(tok: Any, model: Any) -> TokenInfo:
     """Resolve and check the think, tool-call and eos token ids of `tok`; probe whether prompts open reasoning."""
     think_start_id = _required_single(tok, model.think_start, "think_start")

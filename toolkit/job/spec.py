@@ -96,6 +96,9 @@ class EngineSpec(_Config):
     stub: StubSpec = msgspec.field(default_factory=StubSpec)
 
 
+MAX_TRIES = 100  # [client] max_tries above this is a typo, not a bound
+
+
 class ClientSpec(_Config):
     # Requests in flight. "auto": sized from what the server says it can run (/server_info, then /v1/loads as it
     # generates): its running capacity plus a small waiting queue, so the engine never waits for a request.
@@ -108,6 +111,11 @@ class ClientSpec(_Config):
     retries: int = 5
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
+    # Tries of a prompt within a run while it fails in a way that may pass (timeout, 5xx, reset, NaN stop, abort):
+    # each try is a request with its own `retries`; the next try waits backoff_s * 2^(tries-1) (at most
+    # backoff_max_s). Past the last one the failure is final for the run ("failed 3 times: nan") and the shard is
+    # done; `toolkit retry` starts a fresh count.
+    max_tries: int = 3
 
 
 class DatasetSpec(_Config):
@@ -323,6 +331,12 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             or c.request_timeout_s <= 0:
         raise SpecError(f"{source}: [client] needs concurrency >= 1 (or \"auto\"), max_concurrency >= 1, "
                         "retries >= 0, request_timeout_s > 0")
+    if c.max_tries < 1 or c.max_tries > MAX_TRIES:
+        raise SpecError(f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt whose "
+                        f"failure may pass, within a run), got {c.max_tries}")
+    if c.backoff_s < 0 or c.backoff_max_s < 0:
+        raise SpecError(f"{source}: [client] backoff_s and backoff_max_s must be >= 0, got {c.backoff_s:g} and "
+                        f"{c.backoff_max_s:g}")
     e = spec.engine
     if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
         raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")

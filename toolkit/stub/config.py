@@ -25,6 +25,10 @@ POISONS = {
     "finish_null": "finish_reason null",
     "no_completion_tokens": "meta_info without completion_tokens",
     "abort_500": "finish_reason abort with status_code 500 and half the output",
+    "abort_empty": "finish_reason abort (\"Abort in waiting queue\") with no output, as a request aborted before it ran",
+    "status_503": "HTTP 503, as an overloaded server answers",
+    "nan": "SGLang's NaN stop: half the output, then an EOS id, finish_reason matched 'NaN happened'",
+    "hang": "never answered (the other requests and /health* still are)",
 }
 
 
@@ -74,6 +78,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     poison: str | None = None  # a key of POISONS
     poison_text: str | None = None
     poison_after: int = 0
+    poison_prompts: tuple[tuple[str, str], ...] = ()  # (kind, text): --poison-prompt KIND=TEXT, every time
     nan_every: int | None = None
     exit_at_start: int | None = None
     exit_at_start_if_exists: str | None = None
@@ -196,6 +201,9 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
       "--poison-text (of every one, without it): " + "; ".join(f"{k}: {v}" for k, v in POISONS.items()))
     a("--poison-text", metavar="TEXT", help="--poison only the requests whose prompt, decoded, holds TEXT")
     a("--poison-after", type=int, default=0, metavar="N", help="--poison only after the first N /generate requests")
+    a("--poison-prompt", action="append", default=[], metavar="KIND=TEXT", help="spoil the answer of every /generate "
+      "whose prompt, decoded, holds TEXT, the way KIND (a --poison kind) says, every time; repeatable (the first "
+      "that matches applies)")
     a("--nan-every", type=int, metavar="N", help="every N-th /generate request ends in SGLang's NaN stop: half its "
       "output, then an EOS id, finish_reason {type: stop, matched: 'NaN happened'}")
     a("--exit-at-start", type=int, metavar="CODE", help="exit with CODE at once")
@@ -271,6 +279,13 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         except ValueError:
             parser.error(f"--fail-5xx wants START:COUNT (two integers), got {ns.fail_5xx!r}")
         fail_5xx = (start, count)
+    rules = []
+    for rule in ns.poison_prompt:
+        kind, eq, text = rule.partition("=")
+        if not eq or not text or kind not in POISONS:
+            parser.error(f"--poison-prompt wants KIND=TEXT with KIND one of {', '.join(sorted(POISONS))} and a "
+                         f"non-empty TEXT, got {rule!r}")
+        rules.append((kind, text))
     preferred = None
     if ns.preferred_sampling_params:
         try:
@@ -299,7 +314,8 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         fixed_output_tokens=ns.fixed_output_tokens,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang, ignore_sigterm=ns.ignore_sigterm,
         hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, fail_status=ns.fail_status,
-        poison=ns.poison, poison_text=ns.poison_text, poison_after=ns.poison_after, nan_every=ns.nan_every,
+        poison=ns.poison, poison_text=ns.poison_text, poison_after=ns.poison_after, poison_prompts=tuple(rules),
+        nan_every=ns.nan_every,
         exit_at_start=ns.exit_at_start,
         exit_at_start_if_exists=ns.exit_at_start_if_exists, warmup_fails=ns.warmup_fails,
         no_think_end=ns.no_think_end, double_think_start=ns.double_think_start,

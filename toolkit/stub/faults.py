@@ -5,7 +5,9 @@ At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start
 `--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503, or `--fail-status`), `--hang-after N`
 (never answered, which also wedges /health*), `--nan-every N` (SGLang's NaN stop). Per prompt: `--poison KIND`
 spoils the answer of every /generate whose prompt holds `--poison-text` (of every one, without it) after the first
-`--poison-after`: its connection cut (`reset`, `truncate`) or an answer that breaks SGLang's contract (POISONS). At
+`--poison-after`: its connection cut (`reset`, `truncate`), an answer that breaks SGLang's contract, a 503, a NaN stop
+or no answer at all (POISONS); `--poison-prompt KIND=TEXT` (repeatable) does the same to every prompt holding TEXT,
+every time, so several prompts can each fail their own way in one run. At
 shutdown: `--ignore-sigterm`. The decisions are pure functions of the configuration (and the request number, or
 the prompt); the actions that end the process are here too, so that each fault logs the same line wherever it is
 triggered.
@@ -68,14 +70,32 @@ def poisoned(cfg: StubConfig, number: int, prompts: list[list[int]], decode: Cal
     return cfg.poison_text is None or any(cfg.poison_text in decode(p) for p in prompts)
 
 
+def poison_of(cfg: StubConfig, number: int, prompts: list[list[int]], decode: Callable[[list[int]], str]) -> str | None:
+    """The poison kind of the `number`-th /generate request, of these prompts: --poison's, else that of the first
+    --poison-prompt rule whose text a prompt holds (deterministic: the same prompt gets it every time); None."""
+    if poisoned(cfg, number, prompts, decode):
+        return cfg.poison
+    if cfg.poison_prompts:
+        texts = [decode(p) for p in prompts]
+        for kind, text in cfg.poison_prompts:
+            if any(text in t for t in texts):
+                return kind
+    return None
+
+
 def health_broken(cfg: StubConfig, number: int) -> bool:
     """A cut on every request (no --poison-text) past --poison-after breaks generation itself: /health* fails."""
     return cfg.poison in CUTS and cfg.poison_text is None and number > cfg.poison_after
 
 
-def log_poison(cfg: StubConfig, number: int) -> None:
-    logger.warning("Injected poison (--poison %s) in /generate request #%d: %s", cfg.poison, number,
-                   POISONS[cfg.poison])
+def log_poison(kind: str, number: int) -> None:
+    logger.warning("Injected poison (%s) in /generate request #%d: %s", kind, number, POISONS[kind])
+
+
+def poison_503_body(number: int) -> dict:
+    """The answer of a request poisoned with status_503 (SGLang's HTTPException shape)."""
+    return {"object": "error", "message": f"Injected failure (poison status_503) of /generate request #{number}",
+            "type": "503", "param": None, "code": 503}
 
 
 def spoil(kind: str, out: dict, budget: int, vocab_size: int) -> None:
@@ -101,6 +121,11 @@ def spoil(kind: str, out: dict, budget: int, vocab_size: int) -> None:
         meta["finish_reason"] = None
     elif kind == "no_completion_tokens":
         del meta["completion_tokens"]
+    elif kind == "abort_empty":
+        out["output_ids"] = []
+        meta["completion_tokens"] = 0
+        meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                                 "err_type": None}
     elif kind == "abort_500":
         ids = out["output_ids"] = ids[: len(ids) // 2]
         meta["completion_tokens"] = len(ids)

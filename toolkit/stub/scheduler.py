@@ -63,14 +63,15 @@ class Scheduler:
                 state.aborted.set()
         return True
 
-    async def hang(self, rids: list[str]) -> None:
-        """Wedged forever (until the client goes away)."""
+    async def hang(self, rids: list[str], *, wedge: bool = True) -> None:
+        """Never answered (until the client goes away); with `wedge` generation as a whole is stuck (/health* fails),
+        without it only these requests are (--poison hang: the others, and /health*, still answer)."""
         states = self.register(rids, abortable=False)
-        self.hung += 1
+        self.hung += wedge
         try:
             await asyncio.get_running_loop().create_future()
         finally:
-            self.hung -= 1
+            self.hung -= wedge
             self.unregister(states)
 
     # -- load ------------------------------------------------------------------------------------

@@ -114,12 +114,20 @@ class StubServer:
             if stream:
                 return self.stream_error(str(e))
             return 400, _json_encode({"error": {"message": str(e)}}), JSON
-        if cfg.poison and faults.poisoned(cfg, number, [it.prompt for it in items], self.model.tokenizer.decode):
-            faults.log_poison(cfg, number)
-            if cfg.poison in faults.CUTS:
-                return faults.Cut(cfg.poison, self.render(items, single, t0))
+        kind = faults.poison_of(cfg, number, [it.prompt for it in items], self.model.tokenizer.decode)
+        if kind is not None:
+            faults.log_poison(kind, number)
+            if kind in faults.CUTS:
+                return faults.Cut(kind, self.render(items, single, t0))
+            if kind == "status_503":
+                return 503, _json_encode(faults.poison_503_body(number)), JSON
+            if kind == "hang":
+                return self.sched.hang([it.rid for it in items], wedge=False)
             for item in items:
-                item.poison = cfg.poison
+                if kind == "nan":
+                    nan_stop(self.model, item)
+                else:
+                    item.poison = kind
         if fault.nan:
             faults.log_nan(cfg, number)
             for item in items:

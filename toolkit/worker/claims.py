@@ -11,6 +11,11 @@ A shard that fails in a worker is not claimed again by the workers of the same g
 `toolkit run`): it waits for `toolkit resubmit` or the next `toolkit run`, as a failed one-shard task did. A stop
 signal (time limit, preemption, Ctrl-C) stops the shard being run and the worker after it; the requeued task claims
 again.
+
+The claim loop ends: each turn either finishes a shard (never claimed again by this worker: a shard run ends with
+no failure that may pass left, each tried at most [client] max_tries times, see worker.inflight), fails it (not
+claimed again in the group), loses it to another worker (left to it after RACES such races), or stops; so a
+worker claims each shard of its pool at most RACES times.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: 
                 result.stopped = out.stop_signal or session.stop_signal or "stop"
                 break
             result.done.append(k)
+            skip.add(k)  # done here: this worker has nothing more to give it (its failures that may pass are final)
         if session.stop.is_set() and result.stopped is None:
             result.stopped = session.stop_signal or "stop"
         result.busy = _busy(rd, pool) if result.stopped is None else []

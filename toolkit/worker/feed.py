@@ -96,6 +96,9 @@ class Feed:
         self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
         self.closed = False  # stopping: hand out nothing more
         self.peak = 0  # most rendered prompts waiting at once
+        # The readiness probe's input_ids (chat.probe_ids), set by the render thread before its first batch; `first`
+        # resolves to them once a prompt is rendered (there is something to send), or to None when none will be.
+        self.probe: list[int] | None = None
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
 
@@ -106,16 +109,19 @@ class Feed:
         else:
             self.items.extend(items)
             self.peak = max(self.peak, len(self.items))
-            if not self.first.done():
-                first = next((item.ids for item in items if item.ids is not None), None)
-                if first is not None:
-                    self.first.set_result(first)
+            if not self.first.done() and any(item.ids is not None for item in items):
+                self.first.set_result(self.probe)
         if self.finished and not self.first.done():
             self.first.set_result(None)
         self._event.set()
 
+    def set_probe(self, ids: list[int]) -> None:
+        self.probe = ids
+
     def later(self, item: Rendered) -> None:
         """A prompt that waited (see `pending`) is ready: it goes out before the others."""
+        if not self.first.done() and item.ids is not None:
+            self.first.set_result(self.probe)
         self.redo.append(item)
         self.pending -= 1
         self._event.set()
@@ -199,6 +205,7 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState)
         chains.tok, chains.info = tok, info
     log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
              info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
+    loop.call_soon_threadsafe(feed.set_probe, chat.probe_ids(tok, plan.spec.model))  # before the first batch
     with PromptReader() as reader:
         for batch in todo.batches(chat.BATCH_SIZE):
             feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests

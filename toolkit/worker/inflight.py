@@ -38,6 +38,7 @@ from toolkit.formats.records import (
     REJECTED,
     SERVER_ERROR,
     TIMEOUT,
+    TRANSIENT,
     UNREACHABLE,
     Record,
     failed_record,
@@ -185,43 +186,93 @@ def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Gener
 
 
 async def consume(sh: Shard, feed: Feed, engine, info) -> None:
+    """One request slot: take prompts from the feed and record what comes back, until the feed is empty or the shard
+    stops. A prompt whose failure may pass is tried again here, after a backoff, up to client.max_tries tries in all
+    (counted in its records: `_settle`); then its failure is final for the run."""
     while True:
         if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see pool)
             return
         item = await feed.get()
         if item is None or sh.stopping:
             return
-        pos, ref, ids = item.pos, item.ref, item.ids
-        ds = sh.plan.datasets[ref.dataset].name
         if item.error is not None:
             kind, message = item.error
-            sh.add(failed_record(ref.id, ds, pos, ids or [], message, 0, kind))
+            ds = sh.plan.datasets[item.ref.dataset].name
+            sh.add(failed_record(item.ref.id, ds, item.pos, item.ids or [], message, 0, kind))
             continue
-        prior = _prior(sh, ref.id, ids)
         try:
-            res = await _generate(sh, ids, ds, ref, engine, pos, prior)
-        except RequestRejected as e:
-            sh.last_answer = time.monotonic()
-            sh.add(failed_record(ref.id, ds, pos, ids, str(e), e.attempts, REJECTED))
-            continue
-        except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
-            if not engine.alive():
-                feed.redo.append(item)
-                raise EngineDied(str(e)) from None
-            message = str(e)
-            if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
-                message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
-            sh.add(failed_record(ref.id, ds, pos, ids, message, e.attempts, _failure_kind(e)))
-            continue
-        except asyncio.CancelledError:
+            while True:  # bounded: every failed try counts (sh.tries), the last one is final (_settle)
+                rec = await _answer(sh, item, engine, info)
+                if rec is None or not await _settle(sh, rec):
+                    break
+        except BaseException:  # cancelled, or the engine died: the prompt goes out again after the restart
             feed.redo.append(item)
             raise
-        if res.partial:
-            if res.res.completion_tokens > (prior.n_output if prior else 0):  # else the stored one says it all
-                sh.add(_partial_record(ref, ds, pos, ids, res, info))
-                sh.progress.partial_saved += 1
-            continue
-        sh.add(_result_record(ref, ds, pos, ids, res.res, info, res.segments))
+
+
+async def _answer(sh: Shard, item, engine, info) -> Record | None:
+    """One try of a prompt: its record, or None when what came back is a partial output (recorded here)."""
+    pos, ref, ids = item.pos, item.ref, item.ids
+    ds = sh.plan.datasets[ref.dataset].name
+    prior = _prior(sh, ref.id, ids)
+    try:
+        res = await _generate(sh, ids, ds, ref, engine, pos, prior)
+    except RequestRejected as e:
+        sh.last_answer = time.monotonic()
+        return failed_record(ref.id, ds, pos, ids, str(e), e.attempts, REJECTED)
+    except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
+        if not engine.alive():
+            raise EngineDied(str(e)) from None  # (the item goes back to the feed: see consume)
+        message = str(e)
+        if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
+            message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
+        return failed_record(ref.id, ds, pos, ids, message, e.attempts, _failure_kind(e))
+    if res.partial and not sh.stopping:  # the server's aborts ran out without progress: a failed try (aborted)
+        return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
+    if res.partial:
+        if res.res.completion_tokens > (prior.n_output if prior else 0):  # else the stored one says it all
+            rec = _partial_record(ref, ds, pos, ids, res, info)
+            rec.tries = sh.tries.get(ref.id, 0)
+            sh.add(rec)
+            sh.progress.partial_saved += 1
+        return None
+    return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
+
+
+async def _settle(sh: Shard, rec: Record) -> bool:
+    """Record one try's outcome; whether to try the prompt again (after the backoff, already waited). A failure that
+    may pass counts one more try of its id (Record.tries); at client.max_tries it is final for this run. A stop
+    during the backoff leaves the try recorded as it is: the next run of the shard goes on counting from it."""
+    c = sh.spec.client
+    if rec.status == OK or rec.failure not in TRANSIENT:
+        sh.add(rec)
+        sh.tries.pop(rec.id, None)
+        return False
+    tries = rec.tries = sh.tries.get(rec.id, 0) + 1
+    if tries >= c.max_tries:
+        rec.final = True
+        rec.error = f"failed {_times(tries)}: {rec.failure}; last: {rec.error}"
+        sh.add(rec)
+        sh.tries.pop(rec.id, None)
+        return False
+    sh.tries[rec.id] = tries
+    delay = min(c.backoff_max_s, c.backoff_s * 2 ** (tries - 1))
+    sh.add(rec, settled=False)
+    log.warning("prompt %s (%s) failed (%s), try %d of %d ([client] max_tries): %s; trying again in %.1f s",
+                rec.id, rec.dataset, rec.failure, tries, c.max_tries, rec.error, delay)
+    return await _backoff(sh, delay)
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+async def _backoff(sh: Shard, seconds: float) -> bool:
+    """Wait `seconds` unless the shard stops meanwhile; whether it did not stop."""
+    deadline = time.monotonic() + seconds
+    while not sh.stopping and (left := deadline - time.monotonic()) > 0:  # bounded by the deadline
+        await asyncio.sleep(min(0.1, left))
+    return not sh.stopping
 
 
 async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
@@ -239,7 +290,7 @@ async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
         raise EngineUnreachable(f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
                                 f"attempts ({e}), and /health_generate {why}") from None
     return (f"no complete answer after {e.attempts} attempts ({e}), while the engine answers /health_generate: "
-            "only this request fails; it is generated again by the next run of the shard (`toolkit retry`)")
+            "only this request fails")
 
 
 # A dying engine refuses connections before its process ends: a multi-node engine whose rank died is ended by
@@ -277,7 +328,6 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info,
         failure = NAN
         error = (f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN logits was "
                  f"replaced by a stop id after {len(out) - 1} tokens; the output is not the model's")
-        log.warning("prompt %s: %s; recorded failed, it is generated again on the next run (`toolkit retry`)", ref.id, error)
     return Record(
         id=ref.id, dataset=ds, index=pos, status=OK if failure is None else FAILED,
         prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,

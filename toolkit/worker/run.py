@@ -9,8 +9,9 @@ continued from where they stopped next time: see inflight.save_in_flight and inf
 shard gets its `done` manifest.
 
 Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
-recorded with its kind and generated again by the next run of the shard (the done manifest counts them; see
-records.TRANSIENT); ids `toolkit retry` names are generated again too. A done manifest is trusted only when the
+recorded with its kind and tried again in the same run of the shard, up to `client.max_tries` tries counted in the
+records (inflight.consume), then final for the run (records.is_given_up); ids `toolkit retry` names are generated
+again, with a fresh count. A done manifest is trusted only when the
 shard file still has its size and sha256; a damaged file is salvaged (formats.shardfile.ShardWriter.open). An engine that
 stops answering (requests in flight, none answered for `engine.hang_timeout_s`, `/health_generate` failing) is
 restarted like one that died. The render thread stays a bounded number of prompts ahead of the requests.
@@ -478,14 +479,17 @@ def _resumed_tokens(sh: Shard, todo: Todo) -> int:
     return sum(n for i, n in enumerate(otok) if i not in todo)
 
 
-def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> set[str]:
+def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> tuple[set[str], dict[str, int]]:
     """Recorded ids to generate again: transient failures, and those a retry request names that were not
-    recorded again since it was made."""
+    recorded again since it was made; and the failed tries each has had in its budget (Record.tries): none for
+    those the retry request names (a fresh budget), the newest record's count for the others."""
     redo = set(writer.transient)
+    asked: set[str] = set()
     req = read_retry(rd.retry_file(shard))
     if req is not None:
-        redo.update(i for i in req.ids if done_ids.get(i, req.before) < req.before)
-    return redo
+        asked = {i for i in req.ids if done_ids.get(i, req.before) < req.before}
+        redo |= asked
+    return redo, {i: writer.tries[i] for i in redo if i in writer.tries and i not in asked}
 
 
 def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict[str, Record]:
@@ -585,7 +589,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
             raise ShardFailed(str(e), exit_code=e.exit_code) from None
         session.served.append(shard)
         try:
-            redo = _redo_ids(rd, shard, sh.writer, done_ids)
+            redo, sh.tries = _redo_ids(rd, shard, sh.writer, done_ids)
             todo = _plan_todo(rd, sh, done_ids, redo)
             sh.progress.resumed_tokens = _resumed_tokens(sh, todo)
             sh.history = _turn_history(rd, plan, shard, redo)
@@ -627,6 +631,10 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
         if m.transient:
             log.warning("shard %d: %d failures may pass when generated again (%s); the next "
                         "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, MAY_PASS, rd.shown)
+        if m.given_up:
+            log.warning("shard %d: %d failures that may pass (%s) failed every one of their tries ([client] "
+                        "max_tries = %d) and are final for this run: `toolkit retry %s` generates them again",
+                        shard, m.given_up, MAY_PASS, plan.spec.client.max_tries, rd.shown)
         return Outcome(DONE)
     except ShardFailed as e:  # said once, in the shard's log
         log.error("shard %d failed: %s", shard, e)

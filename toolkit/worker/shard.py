@@ -51,6 +51,7 @@ class Shard:
         self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
         self.waiting_for: str | None = None  # what a stopping worker waits for (told to a second Ctrl-C)
         self.partial: dict[str, Record] = {}  # PARTIAL records to continue, by id (see inflight._generate)
+        self.tries: dict[str, int] = {}  # failed tries so far of ids redone in this budget (Record.tries)
         self.stopping = False      # a stop signal came: nothing new is sent, what is in flight is saved
         self.rids: set[str] = set()  # rids in flight (aborted one by one on an engine the worker does not own)
         self.rid_seq = 0
@@ -77,12 +78,14 @@ class Shard:
             p.task_shards = len(self.session.served)
         write_progress(self.rd.progress_file(self.shard), p)
 
-    def add(self, record: Record) -> None:
-        if record.status not in (OK, PARTIAL):
+    def add(self, record: Record, *, settled: bool = True) -> None:
+        """Write `record`. Not `settled`: a failed try that is tried again in this run (inflight.consume), written
+        so that its count survives a kill, but neither counted as done nor told to the turns after it."""
+        if record.status not in (OK, PARTIAL) and settled:
             self.progress.failed += 1
             log.warning("prompt %s (%s) failed (%s): %s", record.id, record.dataset, record.failure, record.error)
-        self.recorded += record.status != PARTIAL  # a partial record is continued, not done
+        self.recorded += record.status != PARTIAL and settled  # a partial record is continued, not done
         self.writer.add(record)
-        if (self.chains is not None and record.status != PARTIAL  # a partial turn is no answer yet, nor a failure
+        if (settled and self.chains is not None and record.status != PARTIAL  # a partial turn is no answer yet
                 and self.plan.datasets[self.chains.dataset_of(record)].regenerate):
             self.chains.recorded(record)

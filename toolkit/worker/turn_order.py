@@ -34,7 +34,8 @@ class Chains:
         self.plan = sh.plan
         self.tok = self.info = None
         self.answers: dict[tuple, dict[int, Record]] = {}  # conversation -> {turn: its ok record}
-        self.failed: dict[tuple, tuple[int, str, str]] = {}  # conversation -> (turn, kind, error) of a failed turn
+        # conversation -> (turn, kind, error, final: given up for the run) of a failed turn
+        self.failed: dict[tuple, tuple[int, str, str, bool]] = {}
         self.waiting: dict[tuple, dict[int, TodoItem]] = {}
         self.reader = PromptReader()
         self.loop = asyncio.get_running_loop()
@@ -67,7 +68,8 @@ class Chains:
         else:
             transient = FAILURES.get(rec.failure or "", False)
             self.failed[key] = (ref.turn, PREVIOUS_TURN if transient else (rec.failure or REJECTED),
-                                f"turn {ref.turn + 1} of this conversation failed ({rec.failure}): {rec.error}")
+                                f"turn {ref.turn + 1} of this conversation failed ({rec.failure}): {rec.error}",
+                                rec.final)
         self._advance(key)
 
     def _advance(self, key: tuple) -> None:
@@ -79,9 +81,9 @@ class Chains:
         if failed is not None and failed[0] < turn:
             pos, ref = waiting.pop(turn)
             self.feed.pending -= 1
-            _, kind, why = failed
+            _, kind, why, final = failed  # a turn given up for the run gives up the turns after it
             ds = self.plan.datasets[ref.dataset].name
-            self.sh.add(failed_record(ref.id, ds, pos, [], why, 0, kind))  # cascades to the turns after it
+            self.sh.add(failed_record(ref.id, ds, pos, [], why, 0, kind, final=final))  # cascades to the turns after it
             return
         known = self.answers.get(key, {})
         if any(t not in known for t in range(turn)):
