@@ -495,7 +495,7 @@ def _add_merge_commands(sub) -> None:
     s.add_argument("--include", action="append", metavar="REASON",
                    help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, degenerate, "
                    "truncated, no_think_end, empty_reasoning, empty_content, think_marker, reasoning, other_turn, "
-                   "text_think_marker, empty_answer")
+                   "text_think_marker, unreadable_tool_call, empty_answer")
     s.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     s.add_argument("--finish", action="append", choices=["stop", "length"], help="only ok outputs with this finish "
                    "reason (repeatable)")

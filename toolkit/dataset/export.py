@@ -777,7 +777,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         raise ExportError(f"{path} is older than the run: {stale}; nothing exported. Run `toolkit merge {rd.root}` "
                           "once the run is complete (`--allow-incomplete` to merge what is there), then export")
     out_path = output_path(run_dir, fmt, output, trainer)
-    if output is None or (out_path.parent.parent.is_dir() and not out_path.parent.exists()):
+    if output is None or (os.fspath(output).endswith(("/", os.sep)) and out_path.parent.parent.is_dir()):
         out_path.parent.mkdir(exist_ok=True)
     if fmt == "conversations":  # pairs records with their source messages: the files must be those planned
         try:
@@ -813,7 +813,9 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         info = tokens.info
         stops = [tokens.tok.convert_ids_to_tokens(i) for i in info.eos_ids]
         think = tokens.tok.convert_ids_to_tokens(info.think_start_id)
-        reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name)
+        reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
+                           think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
+                           kwargs=dict(plan.spec.model.chat_template_kwargs))
         trip_path, reg_path = side_file(out_path, "roundtrip", ".jsonl"), side_file(out_path, "specforge_template", ".py")
         summary.roundtrip_file, summary.registration_file = str(trip_path), str(reg_path)
         finals += [trip_path, reg_path]

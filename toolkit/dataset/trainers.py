@@ -41,8 +41,10 @@ TRAINERS = {
     "speculators": Trainer("speculators", False, "tokens_speculators.jsonl"),
 }
 
-# Message fields SpecForge's thinking parser keeps (`specforge/data/parse.py`, ThinkingParser.standard_keys).
+# Message fields SpecForge's parsers keep (`specforge/data/parse.py`, standard_keys): the thinking parser's, the
+# general parser's.
 _KEPT = ("role", "content", "tool_calls", "reasoning_content", "name", "tool_call_id")
+_KEPT_GENERAL = ("role", "content", "tool_calls")
 
 # SpecForge 0.2.0's built-in registrations whose header a toolkit model may share (`specforge/data/template.py`):
 # name -> (assistant header, end of turn, system prompt, parser type, enable_thinking).
@@ -68,6 +70,7 @@ class Registration(msgspec.Struct, frozen=True):
     end_of_turn_token: str | None
     parser_type: str           # "thinking" when the template writes an assistant message's reasoning_content
     enable_thinking: bool
+    ignore_token: list[str] | None = None  # an empty think block the template writes after the header (thinking off)
 
     def python(self) -> str:
         """The registration as a Python file SpecForge's process imports (or a script runs) before training."""
@@ -84,6 +87,7 @@ class Registration(msgspec.Struct, frozen=True):
             f"        end_of_turn_token={self.end_of_turn_token!r},\n"
             f"        parser_type={self.parser_type!r},\n"
             f"        enable_thinking={self.enable_thinking!r},\n"
+            f"        ignore_token={self.ignore_token!r},\n"
             "    ),\n"
             "    override=True,\n"
             ")\n"
@@ -102,15 +106,21 @@ def _after(a: str, b: str) -> str:
     return b[n:]
 
 
-def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = "toolkit-model") -> Registration:
+def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = "toolkit-model", *,
+                 think_end: str = "", kwargs: dict[str, Any] | None = None) -> Registration:
     """The registration of the tokenizer's chat template: the assistant header is what the generation prompt adds
     to a user turn (a think-start the template writes there, and what follows it, left to the supervised span as
     the model's output starts it); the end of turn is the stop token written right after an answer; the parser
-    reads reasoning when the template writes an assistant message's `reasoning_content`."""
+    reads reasoning (`thinking`) when the template reads an assistant message's `reasoning_content` (a general parser
+    drops it before the template sees it)."""
     user = [{"role": "user", "content": "QUESTION"}]
-    header = _after(_render(tok, user, generation=False), _render(tok, user, generation=True))
+    kwargs = kwargs or {}
+    header = _after(_render(tok, user, generation=False, **kwargs), _render(tok, user, generation=True, **kwargs))
+    ignore = None
     if think_start and think_start in header:
-        header = header[: header.index(think_start)]
+        header, written = header[: header.index(think_start)], header[header.index(think_start):]
+        if think_end and think_end in written:  # reasoning closed by the template: not the model's, not supervised
+            ignore = [written]
     answered = _render(tok, [*user, {"role": "assistant", "content": "ANSWER", "reasoning_content": "REASONING"}],
                        generation=False)
     end = None
@@ -119,9 +129,11 @@ def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = 
         if s and tail.startswith(s):
             end = s
             break
-    thinking = "REASONING" in answered
+    source = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+    thinking = "REASONING" in answered or "reasoning_content" in (source or "")  # (some write it on later turns only)
     return Registration(name=name, assistant_header=header, end_of_turn_token=end,
-                        parser_type="thinking" if thinking else "general", enable_thinking=thinking)
+                        parser_type="thinking" if thinking else "general", enable_thinking=thinking,
+                        ignore_token=ignore)
 
 
 def writes_default_system(tok: Any) -> bool:
@@ -154,10 +166,10 @@ def builtin_problems(reg: Registration, default_system: bool) -> list[str]:
     return out
 
 
-def sanitized(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as SpecForge's thinking parser hands it to the chat template: its known fields only, tool-call
-    arguments given as a JSON string parsed to an object (an unreadable one becomes {})."""
-    out = {k: message[k] for k in _KEPT if k in message}
+def sanitized(message: dict[str, Any], thinking: bool = True) -> dict[str, Any]:
+    """A message as SpecForge's parser (thinking or general) hands it to the chat template: its known fields only,
+    tool-call arguments given as a JSON string parsed to an object (an unreadable one becomes {})."""
+    out = {k: message[k] for k in (_KEPT if thinking else _KEPT_GENERAL) if k in message}
     calls = out.get("tool_calls")
     if isinstance(calls, list):
         clean = []
@@ -201,7 +213,8 @@ class RoundTrip:
         kwargs = {"enable_thinking": True} if self.reg.enable_thinking else {}
         self.rows += 1
         try:
-            text = self.tok.apply_chat_template([sanitized(m) for m in messages], tokenize=False,
+            thinking = self.reg.parser_type == "thinking"
+            text = self.tok.apply_chat_template([sanitized(m, thinking) for m in messages], tokenize=False,
                                                 add_generation_prompt=False, tools=tools or None, **kwargs)
         except Exception:  # noqa: BLE001 - the template refuses the row: it cannot reach the stored ids
             return 0
