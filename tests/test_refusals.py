@@ -4,7 +4,6 @@ submission leaves nothing behind, two `toolkit run` of one job share the work, s
 from __future__ import annotations
 
 import json
-
 import os
 import re
 import subprocess

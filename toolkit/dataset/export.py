@@ -74,7 +74,8 @@ from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs,
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow", "export_run"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow",
+           "export_run"]
 
 log = logging.getLogger(__name__)
 
@@ -816,7 +817,8 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
                            think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
                            kwargs=dict(plan.spec.model.chat_template_kwargs))
-        trip_path, reg_path = side_file(out_path, "roundtrip", ".jsonl"), side_file(out_path, "specforge_template", ".py")
+        trip_path = side_file(out_path, "roundtrip", ".jsonl")
+        reg_path = side_file(out_path, "specforge_template", ".py")
         summary.roundtrip_file, summary.registration_file = str(trip_path), str(reg_path)
         finals += [trip_path, reg_path]
         summary.warnings += builtin_problems(reg, writes_default_system(tokens.tok))
