@@ -448,7 +448,7 @@ def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: f
 def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     enc, n = msgspec.json.Encoder(), 0
     ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
-    think = TRAINERS[acc.summary.trainer or "specforge"].supervise_think_start
+    think = acc.summary.supervise_think_start is not False
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,

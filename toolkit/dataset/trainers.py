@@ -160,7 +160,8 @@ def builtin_problems(reg: Registration, default_system: bool) -> list[str]:
         if header != reg.assistant_header:
             why.append(f"takes {header[len(reg.assistant_header):]!r} after the header as part of it (not supervised)")
         if end != reg.end_of_turn_token:
-            why.append(f"ends a turn at {end!r}, the model at {reg.end_of_turn_token!r}")
+            why.append(f"ends a turn at {end!r}, the model at {reg.end_of_turn_token!r}" if end else
+                       f"names no end of turn, the model ends it at {reg.end_of_turn_token!r}")
         if why:
             out.append(f"SpecForge's built-in {name!r} " + "; ".join(why))
     return out
