@@ -7,11 +7,14 @@ Row by row: the ids each trainer's loader produces equal the ids the run stored,
 toolkit documents for that trainer (docs/dataset.md): SpecForge supervises from the end of the template's assistant
 header (a think-start the template wrote included), speculators from the end of the generation prompt. The
 conversations export's own round trip (which rows keep the exact ids) agrees with what SpecForge's loader does.
+And SpecForge's own training loop runs a few CPU steps from the tokens export (train_steps.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -158,6 +161,20 @@ def test_kimi_tokens_export_is_identical_through_both_trainers_loaders_tool_call
         assert same == total and tool_rows >= 1
     regenerated = [i for i in kimi_run.stored if "/t1" in i]
     assert regenerated  # multi-turn conversations were regenerated and exported turn by turn
+
+
+def test_specforge_trains_a_draft_on_the_tokens_export_for_a_few_cpu_steps(kimi_run, tmp_path):
+    """SpecForge's own training loop (offline features, one CPU rank) over the exact rows; the hidden states are the
+    tiny target's, captured by the test (train_steps.py says what stands in for what)."""
+    out = tmp_path / "tokens.jsonl"
+    export_run(kimi_run.root, output=out)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    steps = trainertier.train(out, kimi_run.tokenizer, tmp_path / "train", 4, port)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 and math.isfinite(m["grad_norm"]) for m in steps)
+    assert json.loads((tmp_path / "train" / "out.json").read_text())["features"] == len(lines(out))
 
 
 def test_kimi_conversations_report_their_round_trip_as_specforge_loads_them(kimi_run, tmp_path, capsys):
