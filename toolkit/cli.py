@@ -40,6 +40,7 @@ typical session:
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
   toolkit resubmit RUN                       only the shards not finished (no done manifest, failures that may pass)
   toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN, ...) again
+  toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids + loss mask, for training
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
