@@ -47,6 +47,7 @@ from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
 from toolkit.dataset.quality import SKIP_REASONS, Judge
 from toolkit.dataset.trainers import (
     TRAINERS,
+    Registration,
     RoundTrip,
     builtin_problems,
     registration,
@@ -814,9 +815,16 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         info = tokens.info
         stops = [tokens.tok.convert_ids_to_tokens(i) for i in info.eos_ids]
         think = tokens.tok.convert_ids_to_tokens(info.think_start_id)
-        reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
-                           think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
-                           kwargs=dict(plan.spec.model.chat_template_kwargs))
+        try:
+            reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
+                               think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
+                               kwargs=dict(plan.spec.model.chat_template_kwargs))
+        except Exception as e:  # noqa: BLE001 - a template that refuses the probe conversation
+            reg = Registration(name=plan.spec.name, assistant_header="", end_of_turn_token=None,
+                               parser_type="thinking", enable_thinking=True)
+            summary.warnings.append(f"the chat template refuses a probe conversation ({type(e).__name__}: {e}): no "
+                                    "SpecForge registration could be read from it; the round trip assumes its "
+                                    "thinking parser")
         trip_path = side_file(out_path, "roundtrip", ".jsonl")
         reg_path = side_file(out_path, "specforge_template", ".py")
         summary.roundtrip_file, summary.registration_file = str(trip_path), str(reg_path)
