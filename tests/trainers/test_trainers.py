@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -177,6 +178,21 @@ def test_specforge_trains_a_draft_on_the_tokens_export_for_a_few_cpu_steps(kimi_
     assert json.loads((tmp_path / "train" / "out.json").read_text())["features"] == len(lines(out))
 
 
+def test_the_specforge_config_of_the_docs_loads_with_its_schema_and_reads_the_tokens_export(kimi_run, tmp_path):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "dataset.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    tokens = tmp_path / "tokens.jsonl"
+    export_run(kimi_run.root, output=tokens)
+    config = tmp_path / "run.yaml"
+    config.write_text(block.replace("MODEL", str(kimi_run.tokenizer)).replace("RUN/export/tokens.jsonl", str(tokens))
+                      .replace("CONTROL_DIR", str(tmp_path / "control")))
+    r = subprocess.run([str(trainertier.python()), "-c", "import sys; from specforge.config import load_config; "
+                        "c = load_config(sys.argv[1], []); print(c.mode, c.data.prompts_path)", str(config)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["online", str(tokens)]
+
+
 def test_kimi_conversations_report_their_round_trip_as_specforge_loads_them(kimi_run, tmp_path, capsys):
     r = through_conversations(kimi_run, tmp_path, capsys)
     print(f"kimi-k2-thinking, conversations -> specforge: {r['identical']}/{r['rows']} rows identical, "
@@ -204,11 +220,13 @@ def test_deepseek_r1_tokens_are_exact_where_its_template_drops_the_reasoning_fro
                                                                                                 real_tokenizer, capsys):
     run = make_run(tmp_path / "run", real_tokenizer("deepseek-r1-distill"), regenerate=False, tools=False)
     run.tool_start = -1
+    figures = []
     for trainer in ("specforge", "speculators"):
         same, total, _ = through_tokens(run, tmp_path, trainer)
-        print(f"deepseek-r1-distill, tokens -> {trainer}: {same}/{total} rows identical")
+        figures.append(f"deepseek-r1-distill, tokens -> {trainer}: {same}/{total} rows identical (ids and mask)")
         assert same == total
     r = through_conversations(run, tmp_path, capsys)
+    print("\n".join(figures))
     print(f"deepseek-r1-distill, conversations -> specforge: {r['identical']}/{r['rows']} rows identical")
     assert r["identical"] == 0  # the template writes no reasoning for an assistant turn: no row keeps the model's ids
     assert "train on the tokens export instead" in r["printed"].err
@@ -219,10 +237,12 @@ def test_a_non_reasoning_run_is_exact_through_both_loaders(tmp_path, real_tokeni
                                                                      "expect_reasoning": False})
     tok = chat.load_tokenizer(load_spec(run.job).model)
     run.tool_start = tok.convert_tokens_to_ids("<tool_call>")
+    figures = []
     for trainer in ("specforge", "speculators"):
         same, total, _ = through_tokens(run, tmp_path, trainer)
-        print(f"qwen3 (thinking off), tokens -> {trainer}: {same}/{total} rows identical")
+        figures.append(f"qwen3 (thinking off), tokens -> {trainer}: {same}/{total} rows identical (ids and mask)")
         assert same == total
     r = through_conversations(run, tmp_path, capsys)
+    print("\n".join(figures))
     print(f"qwen3 (thinking off), conversations -> specforge: {r['identical']}/{r['rows']} rows identical")
     assert r["masks"] == r["identical"]
