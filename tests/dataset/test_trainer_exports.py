@@ -64,12 +64,20 @@ def tool_section(s: runs.Synth, calls: str) -> list[int]:
     return s.tok(calls, add_special_tokens=False)["input_ids"]
 
 
+CALLS = {
+    "kimi": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.calc:0<|tool_call_argument_begin|>"
+             "{ARGS}<|tool_call_end|><|tool_calls_section_end|>"),
+    "deepseek": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n{ARGS}\n```"
+                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+}
+
+
+@pytest.mark.parametrize("family", ["kimi", "deepseek"])
 def test_conversations_keep_tool_call_answers_leave_out_unreadable_calls_and_write_tools_on_every_row(tmp_path,
                                                                                                       toy_tokenizer,
-                                                                                                      capsys):
-    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"tools": 8}, shards=1)
-    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.calc:0<|tool_call_argument_begin|>"
-            '{ARGS}<|tool_call_end|><|tool_calls_section_end|>')
+                                                                                                      capsys, family):
+    s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"tools": 8}, shards=1)
+    call = CALLS[family]
     healthy = runs.healthy()
 
     def out(args: str, content: bool = False):
@@ -99,6 +107,7 @@ def test_conversations_keep_tool_call_answers_leave_out_unreadable_calls_and_wri
     assert "1 tool calls have arguments SpecForge would train re-serialised" in printed.out
     trip = lines(s.root / "export" / "conversations_roundtrip.jsonl")
     assert [t["id"] for t in trip] == list(rows)
+    assert {t["id"]: t["arguments_reformatted"] for t in trip if t["arguments_reformatted"]} == {ids[1]: 1}
     assert summary["roundtrip_rows"] == len(rows) and summary["roundtrip_identical"] == sum(t["identical"] for t in trip)
     assert (f"round trip as SpecForge renders the rows: {summary['roundtrip_identical']} of {len(rows)} rows give the "
             "model's exact ids") in printed.out

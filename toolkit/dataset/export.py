@@ -505,13 +505,15 @@ class _Checks:
         self.reformatted = 0
 
     def row(self, row: dict[str, Any], last: Record) -> None:
+        reformatted = 0
         for m in row["conversations"]:
             for call in m.get("tool_calls") or ():
                 args = call.get("function", {}).get("arguments")
-                if isinstance(args, str) and not trainer_json(args):
-                    self.reformatted += 1
+                reformatted += isinstance(args, str) and not trainer_json(args)
+        self.reformatted += reformatted
         at = self.trip.check(row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids))
-        self.out.write(self.enc.encode({"id": row["id"], "identical": at is None, "first_difference": at}) + b"\n")
+        self.out.write(self.enc.encode({"id": row["id"], "identical": at is None, "first_difference": at,
+                                        "arguments_reformatted": reformatted}) + b"\n")
 
 
 def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
