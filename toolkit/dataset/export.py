@@ -11,9 +11,9 @@ export that meets one is refused, nothing written, unless `force` (then each kin
 What is exported (`Selection`): the planned records the filters select (dataset, sample, turn; finish reason and
 reasoning mode of ok ones). `tokens` and `conversations` are training formats: records that are not training data
 (`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
-inside a part, reasoning where none is expected; in conversations also an answer with no text, or think markers
-written as text) are left out unless included by reason. Every selected record is accounted for once, in
-`ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
+inside a part, reasoning where none is expected; in conversations also an answer with neither text nor a tool
+call, an unreadable tool call, or think markers written as text) are left out unless included by reason. Every
+selected record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
 `<name>_summary.json`, with each record left out and why in `<name>_skipped.jsonl`.
 
 Formats (every one carries dataset, sample, turn and segments):
@@ -21,12 +21,15 @@ Formats (every one carries dataset, sample, turn and segments):
                  content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64)
   tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
-                 layout speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on; the mask covers
-                 the assistant turn after its header (`loss_mask`)
+                 default and recommended format, the model's exact ids that SpecForge's and speculators' loaders take
+                 as they are; the mask covers the assistant turn after its header for SpecForge, the output only for
+                 speculators (`loss_mask`, `trainers.TRAINERS`)
   conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments", "conversations": [source
-                 messages..., {"role": "assistant", "content", "reasoning_content"}]} (plus "tools" when the prompt
-                 had tools): SpecForge's chat JSONL; a tool-call section the model wrote is a structured
-                 "tool_calls" list of the answer (toolcalls.py), not markup in its content. A regenerated
+                 messages..., {"role": "assistant", "content", "reasoning_content"}], "tools"} (tools [] when the
+                 prompt had none): SpecForge's chat JSONL, with its round trip through the chat template as
+                 SpecForge renders it measured per row and the SpecForge registration of the template beside it; a
+                 tool-call section the model wrote is a structured "tool_calls" list of the answer (toolcalls.py),
+                 not markup in its content. A regenerated
                  conversation is one row with every turn (plus "turns"), written only when every turn is training
                  data; assistant messages of a source history (not regenerated) keep their content, not their
                  reasoning, and the generated answer is the last message (the row trains with only its last turn)
