@@ -13,8 +13,9 @@ reasoning mode of ok ones). `tokens` and `conversations` are training formats: r
 (`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
 inside a part, reasoning where none is expected; in conversations also an answer with neither text nor a tool
 call, an unreadable tool call, or think markers written as text) are left out unless included by reason. Every
-selected record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
-`<name>_summary.json`, with each record left out and why in `<name>_skipped.jsonl`.
+selected record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered ==
+planned), written beside the output as `<name>_summary.json`, with each record left out and why in
+`<name>_skipped.jsonl`.
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
