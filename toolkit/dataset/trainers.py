@@ -163,7 +163,8 @@ def builtin_problems(reg: Registration, default_system: bool) -> list[str]:
             why.append(f"ends a turn at {end!r}, the model at {reg.end_of_turn_token!r}" if end else
                        f"names no end of turn, the model ends it at {reg.end_of_turn_token!r}")
         if why:
-            out.append(f"SpecForge's built-in {name!r} " + "; ".join(why))
+            out.append(f"SpecForge's built-in {name!r} " + "; ".join(why) + ": train with the registration written "
+                       "beside the export instead")
     return out
 
 
