@@ -17,6 +17,7 @@ install-test:
 	bash slurm/install.sh
 	bash tests/install-browser.sh
 	PYTHON=$(PYTHON) bash tests/real_sglang/install.sh
+	PYTHON=$(PYTHON) bash tests/trainers/install.sh
 
 test: install-test
 	env=$$(bash slurm/start.sh) && eval "$$env" && $(PYTHON) -m pytest -q; rc=$$?; bash slurm/stop.sh; exit $$rc

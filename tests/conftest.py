@@ -12,9 +12,10 @@ import pytest
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """A test that needs the local cluster or real SGLang is slow by nature: `-m "not slow"` leaves it out."""
+    """A test that needs the local cluster, real SGLang or the trainers is slow by nature: `-m "not slow"` leaves it
+    out."""
     for item in items:
-        if item.get_closest_marker("slurm") or item.get_closest_marker("sglang"):
+        if item.get_closest_marker("slurm") or item.get_closest_marker("sglang") or item.get_closest_marker("trainers"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "jobs.md"]
-RUNNABLE = re.compile(r"toolkit (check jobs/demo\.toml|run jobs/demo\.toml|status runs/demo|export runs/demo --format \w+)$")
+RUNNABLE = re.compile(r"toolkit (check jobs/demo\.toml|run jobs/demo\.toml|status runs/demo|export runs/demo( --format \w+)?)$")
 FINGERPRINT = re.compile(r"\b[0-9a-f]{16}\b")
 
 

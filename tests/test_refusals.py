@@ -3,6 +3,7 @@ submission leaves nothing behind, two `toolkit run` of one job share the work, s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -79,17 +80,30 @@ def test_output_dir_on_a_read_only_file_system_is_refused_at_check(tmp_path, kim
             one_line_error(capsys)
 
 
-def test_export_to_an_existing_folder_is_one_line(tmp_path, kimi, capsys):
+def test_export_into_a_folder_writes_the_default_name_there_and_a_failed_audit_is_a_warning(tmp_path, kimi, capsys):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 4}, shards=1)
     runs.write_run(s)
     assert merge_and_audit(s.root).passed
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
     capsys.readouterr()
-    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", f"{out_dir}/"]) == 2
-    assert f"cannot write {out_dir}/: it is a folder; give a file name, e.g. {out_dir / 'records.jsonl'}" in \
-        one_line_error(capsys)
-    assert not any(out_dir.iterdir()) and not list(tmp_path.glob(".exports*"))
+    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(out_dir)]) == 0
+    assert (out_dir / "records.jsonl").is_file() and "warning" not in capsys.readouterr().err
+    # a path ending with a slash is a folder too (made when its parent exists); no --format: the exact-ids tokens
+    assert cli_main(["export", str(s.root), "-o", f"{tmp_path / 'new'}/"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "new" / "tokens.jsonl").is_file() and "(tokens, the default: the model's exact ids" in out
+    assert not (tmp_path / "new").is_file()
+    # a failed audit: the export is written, with a warning line naming the failed checks
+    audit = s.root / "merged" / "audit.json"
+    report = json.loads(audit.read_text())
+    report["passed"] = False
+    report["checks"][0]["passed"] = False
+    audit.write_text(json.dumps(report))
+    assert cli_main(["export", str(s.root), "-o", str(out_dir)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: the audit of run {s.root} failed ({report['checks'][0]['name']})" in err
+    assert err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ typical session:
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
   toolkit resubmit RUN                       only the shards not finished (no done manifest, failures that may pass)
   toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN, ...) again
+  toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids + loss mask, for training
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
@@ -177,7 +178,7 @@ def cmd_audit(args) -> int:
 def cmd_export(args) -> int:
     from toolkit.dataset import export
 
-    output = args.output or export.default_output(args.run, args.format)
+    fmt = args.format or export.DEFAULT_FORMAT
     include = set(args.include or [])
     if args.include_truncated:
         include.add("truncated")
@@ -187,12 +188,32 @@ def cmd_export(args) -> int:
         datasets=frozenset(args.dataset) if args.dataset else None, finish=frozenset(args.finish) if args.finish else None,
         mode=args.mode, samples=frozenset(args.sample) if args.sample is not None else None,
         turns=frozenset(args.turn) if args.turn is not None else None, include=frozenset(include) if include else None)
-    s = export.export_run(args.run, args.format, args.output, include_failed=args.include_failed, force=args.force,
-                          select=select)
-    print(f"wrote {s.rows} rows ({s.exported} records) to {shown_path(output)} ({args.format})")
+    think = None if args.think_start is None else args.think_start == "supervised"
+    s = export.export_run(args.run, fmt, args.output, include_failed=args.include_failed, force=args.force,
+                          select=select, trainer=args.trainer, supervise_think_start=think)
+    output = Path(s.output)
+    for w in s.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    what = fmt if args.format else f"{fmt}, the default: the model's exact ids"
+    if fmt == "tokens":
+        what += (f"; loss mask for {s.trainer}, the template's think-start "
+                 f"{'supervised' if s.supervise_think_start else 'not supervised'}")
+    print(f"wrote {s.rows} rows ({s.exported} records) to {shown_path(output)} ({what})")
     print(s.line())
     print(f"left out, with the reason per id: {shown_path(s.skipped_file)}; summary: "
-          f"{shown_path(export.side_file(Path(output), 'summary', '.json'))}")
+          f"{shown_path(export.side_file(output, 'summary', '.json'))}")
+    if fmt == "conversations":
+        differ = s.roundtrip_rows - s.roundtrip_identical
+        print(f"round trip as SpecForge renders the rows: {s.roundtrip_identical} of {s.roundtrip_rows} rows give the "
+              f"model's exact ids, {differ} differ (per row: {shown_path(s.roundtrip_file)})")
+        if s.arguments_reformatted:
+            print(f"{s.arguments_reformatted} tool calls have arguments SpecForge would train re-serialised (not as "
+                  "json.dumps writes them)")
+        print(f"SpecForge chat-template registration of this model: {shown_path(s.registration_file)} (import it "
+              "before training; data.chat_template = its name)")
+        if differ:
+            print(f"warning: {differ} rows would not train on the model's ids: train on the tokens export instead "
+                  f"(`toolkit export {args.run}`)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -441,12 +462,14 @@ def _add_merge_commands(sub) -> None:
         "                 output_ids, reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
         "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
         "  parquet        the same columns and types (needs pyarrow)\n"
-        "  tokens         {\"id\", \"dataset\", \"sample\", \"turn\", \"segments\", \"input_ids\": prompt + output,\n"
-        "                 \"loss_mask\": 1 on the assistant turn after its header (a think-start the template\n"
-        "                 wrote, then every output id), 0 on the rest of the prompt},\n"
-        "                 the layout EAGLE-3 / SpecForge draft-model trainers consume\n"
-        "  conversations  SpecForge's chat JSONL (id, status, conversations; dataset, sample, turn, segments):\n"
-        "                 the source messages, then the assistant turn with `content` and `reasoning_content`\n\n"
+        "  tokens         the default: {\"id\", \"dataset\", \"sample\", \"turn\", \"segments\", \"input_ids\": prompt +\n"
+        "                 output, \"loss_mask\"}, the model's exact ids, which SpecForge's and speculators' loaders\n"
+        "                 take as they are; the mask: 1 on every output id, and for SpecForge also on a\n"
+        "                 think-start the template wrote after its assistant header (--trainer, --think-start)\n"
+        "  conversations  SpecForge's chat JSONL (id, status, conversations, tools; dataset, sample, turn,\n"
+        "                 segments): the source messages, then the assistant turn with `content` and\n"
+        "                 `reasoning_content`; SpecForge tokenizes them again: the export measures per row\n"
+        "                 whether that gives the model's ids, and writes the SpecForge registration of the template\n\n"
         "tokens and conversations leave out records that are not training data (truncated, a repetition loop,\n"
         "no think-end, an empty part, a think marker inside a part, reasoning where none is expected, a NaN\n"
         "stop); --include REASON keeps them. Every selected record is accounted for: printed, and beside the\n"
@@ -456,18 +479,26 @@ def _add_merge_commands(sub) -> None:
         "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
-    s.add_argument("--format", required=True, choices=["jsonl", "parquet", "tokens", "conversations"],
-                   help="jsonl or parquet: one row per record; tokens: input_ids + loss_mask; conversations: chat rows "
-                   "with reasoning_content (SpecForge)")
-    s.add_argument("-o", "--output", help="output file (default: RUN/export/records.jsonl, records.parquet, "
-                   "tokens.jsonl or conversations.jsonl)")
+    s.add_argument("--format", choices=["jsonl", "parquet", "tokens", "conversations"],
+                   help="tokens (the default, recommended for training): input_ids + loss_mask, the model's exact ids; "
+                   "jsonl or parquet: one row per record; conversations: chat rows with reasoning_content (SpecForge "
+                   "renders and tokenizes them again: the export says how many rows keep the exact ids)")
+    s.add_argument("--trainer", choices=["specforge", "speculators"], default="specforge",
+                   help="tokens: the trainer whose loss-mask rule to follow (default specforge; speculators leaves the "
+                   "template's think-start unsupervised) and the default file name")
+    s.add_argument("--think-start", choices=["supervised", "unsupervised"],
+                   help="tokens: whether a think-start the chat template wrote at the end of the prompt is in the loss "
+                   "mask (default: the trainer's rule)")
+    s.add_argument("-o", "--output", help="output file, or a folder (existing, or ending with /) to write the default "
+                   "name into (default: RUN/export/tokens.jsonl, tokens_speculators.jsonl, records.jsonl, "
+                   "records.parquet or conversations.jsonl)")
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
     s.add_argument("--include-truncated", action="store_true",
                    help="keep outputs cut by max_new_tokens in tokens and conversations (--include truncated)")
     s.add_argument("--include", action="append", metavar="REASON",
                    help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, degenerate, "
                    "truncated, no_think_end, empty_reasoning, empty_content, think_marker, reasoning, other_turn, "
-                   "text_think_marker, empty_answer")
+                   "text_think_marker, unreadable_tool_call, empty_answer")
     s.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     s.add_argument("--finish", action="append", choices=["stop", "length"], help="only ok outputs with this finish "
                    "reason (repeatable)")

@@ -11,10 +11,11 @@ export that meets one is refused, nothing written, unless `force` (then each kin
 What is exported (`Selection`): the planned records the filters select (dataset, sample, turn; finish reason and
 reasoning mode of ok ones). `tokens` and `conversations` are training formats: records that are not training data
 (`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
-inside a part, reasoning where none is expected; in conversations also an answer with no text, or think markers
-written as text) are left out unless included by reason. Every selected record is accounted for once, in
-`ExportSummary` (exported + skipped + failed + missing + filtered == planned), written beside the output as
-`<name>_summary.json`, with each record left out and why in `<name>_skipped.jsonl`.
+inside a part, reasoning where none is expected; in conversations also an answer with neither text nor a tool
+call, an unreadable tool call, or think markers written as text) are left out unless included by reason. Every
+selected record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered ==
+planned), written beside the output as `<name>_summary.json`, with each record left out and why in
+`<name>_skipped.jsonl`.
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
@@ -22,12 +23,15 @@ Formats (every one carries dataset, sample, turn and segments):
                  (the prompt line's other fields, e.g. a dataset's `source` and `category`: `_Meta`)
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64, meta as JSON text)
   tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
-                 layout speculative-decoding trainers (EAGLE-3, SpecForge) train a draft model on; the mask covers
-                 the assistant turn after its header (`loss_mask`)
+                 default and recommended format, the model's exact ids that SpecForge's and speculators' loaders take
+                 as they are; the mask covers the assistant turn after its header for SpecForge, the output only for
+                 speculators (`loss_mask`, `trainers.TRAINERS`)
   conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments", "conversations": [source
-                 messages..., {"role": "assistant", "content", "reasoning_content"}]} (plus "tools" when the prompt
-                 had tools): SpecForge's chat JSONL; a tool-call section the model wrote is a structured
-                 "tool_calls" list of the answer (toolcalls.py), not markup in its content. A regenerated
+                 messages..., {"role": "assistant", "content", "reasoning_content"}], "tools"} (tools [] when the
+                 prompt had none): SpecForge's chat JSONL, with its round trip through the chat template as
+                 SpecForge renders it measured per row and the SpecForge registration of the template beside it; a
+                 tool-call section the model wrote is a structured "tool_calls" list of the answer (toolcalls.py),
+                 not markup in its content. A regenerated
                  conversation is one row with every turn (plus "turns"), written only when every turn is training
                  data; assistant messages of a source history (not regenerated) keep their content, not their
                  reasoning, and the generated answer is the last message (the row trains with only its last turn)
@@ -46,6 +50,15 @@ import numpy as np
 
 from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
 from toolkit.dataset.quality import SKIP_REASONS, Judge
+from toolkit.dataset.trainers import (
+    TRAINERS,
+    Registration,
+    RoundTrip,
+    builtin_problems,
+    registration,
+    trainer_json,
+    writes_default_system,
+)
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
@@ -67,11 +80,13 @@ from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs,
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
-__all__ = ["FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow", "export_run"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow",
+           "export_run"]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
+DEFAULT_FORMAT = "tokens"  # the recommended one: the model's exact ids, which each trainer's loader takes as they are
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
@@ -224,7 +239,9 @@ MODES = ("reasoning", "non-reasoning")
 OTHER_TURN = "other_turn"  # a regenerated conversation is written whole or not at all
 EXPORT_REASONS = {**SKIP_REASONS, OTHER_TURN: "another turn of its conversation is failed or not training data",
                   "text_think_marker": "<think> or </think> written as text in the reasoning or the answer",
-                  "empty_answer": "an answer with no text (a tool call alone): a conversation turn needs content"}
+                  "unreadable_tool_call": "a tool-call section whose calls cannot be read (a trainer would train an "
+                                          "empty call)",
+                  "empty_answer": "an answer with no text and no tool call"}
 
 
 class Selection(msgspec.Struct, frozen=True):
@@ -260,6 +277,15 @@ class ExportSummary(msgspec.Struct):
     filtered: int = 0          # ok records --finish / --mode leave out
     skipped_by_reason: dict[str, int] = {}
     failed_by_kind: dict[str, int] = {}
+    trainer: str | None = None         # tokens: the trainer whose loss-mask rule the export follows
+    supervise_think_start: bool | None = None  # tokens: a think-start the template wrote is in the loss mask
+    audit: str = "none"                # the run's audit: "passed", "failed" or "none" (not run)
+    roundtrip_rows: int = 0            # conversations: rows rendered again as SpecForge renders them
+    roundtrip_identical: int = 0       # ... of which give the model's exact ids
+    roundtrip_file: str | None = None  # conversations: per row, whether the render gives the exact ids
+    registration_file: str | None = None  # conversations: the SpecForge chat-template registration of the model
+    arguments_reformatted: int = 0     # conversations: tool calls whose arguments SpecForge would re-serialise
+    warnings: list[str] = []
 
     def line(self) -> str:
         """e.g. `44 planned: 39 exported, 4 skipped (truncated 3, degenerate 1), 1 failed (server_error 1)`."""
@@ -309,6 +335,7 @@ class _Account:
         self.summary, self.out = summary, skipped_out
         self.enc = msgspec.json.Encoder()
         self.seen = 0
+        self.checks: _Checks | None = None  # conversations: the round trip of each row
         for k in range(len(plan.shards)):
             for ref in refs.shard(k):
                 summary.planned += sel.planned(ref, plan.datasets[ref.dataset].name)
@@ -432,16 +459,19 @@ def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens
     return n
 
 
-def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int]) -> list[int]:
+def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int],
+              supervise_think_start: bool = True) -> list[int]:
     """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
     the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
     the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
     tool-call section, and the stop token — and 0 on the rest of the prompt (system, tools, user turns, earlier
     turns, the header). This is the span SpecForge's parsers supervise (from the end of the assistant header to
-    its end-of-turn token, inclusive) with `train_only_last_turn`."""
+    its end-of-turn token, inclusive) with `train_only_last_turn`. `supervise_think_start=False` leaves the
+    template's think-start and its blanks out (0): the whole prompt unsupervised, speculators' rule (it masks from
+    the end of the rendered generation prompt)."""
     n = len(prompt) >> 2
     head = n
-    if opens_reasoning(prompt, think_start_id, blank):
+    if supervise_think_start and opens_reasoning(prompt, think_start_id, blank):
         head = n - 1
         while id_at(prompt, head) != think_start_id:
             head -= 1
@@ -451,10 +481,12 @@ def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: f
 def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     enc, n = msgspec.json.Encoder(), 0
     ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
+    think = acc.summary.supervise_think_start is not False
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
-             "input_ids": _ids(r.prompt_ids + r.output_ids), "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank)}
+             "input_ids": _ids(r.prompt_ids + r.output_ids),
+             "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank, think)}
             for r, ref in zip(recs, refs)
         ), enc)
     return n
@@ -470,7 +502,10 @@ def _text_problem(answer: dict[str, Any]) -> str | None:
     """What makes a decoded answer unfit for a conversation turn, seen on its text."""
     if has_think_marker(answer["content"]) or has_think_marker(answer["reasoning_content"]):
         return "text_think_marker"
-    if not answer["content"].strip():
+    calls = answer.get("tool_calls") or []
+    if any("raw" in c for c in calls):
+        return "unreadable_tool_call"
+    if not answer["content"].strip() and not calls:
         return "empty_answer"
     return None
 
@@ -491,10 +526,33 @@ class _Chain:
         self.done = -1  # the last turn accounted for (a row ending at it written, or left out)
 
 
+class _Checks:
+    """The conversations export's own round trip: each row rendered with the model's chat template as SpecForge
+    renders it (`trainers.RoundTrip`), written per row to the round-trip file; and tool-call arguments SpecForge
+    would re-serialise, counted."""
+
+    def __init__(self, tokens: _Tokens, reg, out):
+        self.trip = RoundTrip(tokens.tok, reg)
+        self.out, self.enc = out, msgspec.json.Encoder()
+        self.reformatted = 0
+
+    def row(self, row: dict[str, Any], last: Record) -> None:
+        reformatted = 0
+        for m in row["conversations"]:
+            for call in m.get("tool_calls") or ():
+                args = call.get("function", {}).get("arguments")
+                reformatted += isinstance(args, str) and not trainer_json(args)
+        self.reformatted += reformatted
+        at = self.trip.check(row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids))
+        self.out.write(self.enc.encode({"id": row["id"], "identical": at is None, "first_difference": at,
+                                        "arguments_reformatted": reformatted}) + b"\n")
+
+
 def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
     reader = PromptReader()
     chains: dict[tuple[int, int, int], _Chain] = {}
+    checks: _Checks = acc.checks
 
     def base(r: Record, ref: PromptRef, prompt) -> dict[str, Any]:
         return {"id": r.id, "status": "success", "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn,
@@ -533,8 +591,8 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
         row["turns"] = len(turns)
         row["segments"] = sum(t[0].segments for t in turns)
         row["conversations"] = [*turn_messages(prompt.messages, ref.turn, answers), answers[-1]]
-        if prompt.tools:
-            row["tools"] = prompt.tools
+        row["tools"] = prompt.tools or []
+        checks.row(row, r)
         yield row
 
     def rows(recs: list[Record], parts: list[tuple[str, str, str]]) -> Iterator[dict]:
@@ -564,8 +622,9 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
                 row["status"] = "failed"
                 answer = answer_message("", "")
             row["conversations"] = [*(_visible(m) for m in prompt.messages), answer]
-            if prompt.tools:
-                row["tools"] = prompt.tools
+            row["tools"] = prompt.tools or []
+            if r.status == OK:
+                checks.row(row, r)
             yield row
 
     with reader:
@@ -652,9 +711,39 @@ _TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversation
 TRAINING_FORMATS = ("tokens", "conversations")  # records that are not training data are skipped by default
 
 
-def default_output(run_dir: str | os.PathLike, fmt: str) -> Path:
-    """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl, ..."""
-    return RunDir(run_dir).export_file(fmt)
+def default_output(run_dir: str | os.PathLike, fmt: str, trainer: str = "specforge") -> Path:
+    """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl (for
+    SpecForge; tokens_speculators.jsonl for speculators), conversations.jsonl."""
+    default = RunDir(run_dir).export_file(fmt)
+    return default.with_name(TRAINERS[trainer].output) if fmt == "tokens" else default
+
+
+def output_path(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None,
+                trainer: str = "specforge") -> Path:
+    """The file an export writes: `output`; the default name inside it when it is a folder or ends with a slash
+    (the folder made when its parent exists); `default_output` when None."""
+    default = default_output(run_dir, fmt, trainer)
+    if output is None:
+        return default
+    text = os.fspath(output)
+    path = Path(text)
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        return path / default.name
+    return path
+
+
+def audit_state(rd: RunDir) -> tuple[str, str]:
+    """("passed" | "failed" | "none", what failed): the verdict of the run's last audit (merged/audit.json)."""
+    try:
+        report = msgspec.json.decode(rd.audit_json.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return "none", ""
+    if not isinstance(report, dict) or "passed" not in report:
+        return "none", ""
+    if report["passed"]:
+        return "passed", ""
+    bad = [c.get("name", "?") for c in report.get("checks", []) if isinstance(c, dict) and not c.get("passed", True)]
+    return "failed", ", ".join(bad)
 
 
 def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | None:
@@ -675,20 +764,28 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
     return None
 
 
-def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None = None, *,
-               include_failed: bool = False, force: bool = False, select: Selection | None = None) -> ExportSummary:
+def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: str | os.PathLike | None = None, *,
+               include_failed: bool = False, force: bool = False, select: Selection | None = None,
+               trainer: str = "specforge", supervise_think_start: bool | None = None) -> ExportSummary:
     """Write the merged records of a run that `select` selects to `output` in `fmt`; return the account of every
     selected planned record (`ExportSummary`), also written beside the output as `<name>_summary.json`, with the
     records left out and why in `<name>_skipped.jsonl`.
 
     Records that are not training data (`quality.SKIP_REASONS`) are left out of `tokens` and `conversations` unless
     `select.include` names their reason; `jsonl` and `parquet` hold every ok record unless `select.include` is
-    given. Without `output`, the file is `default_output(run_dir, fmt)` (its folder is created). The files appear
+    given. Without `output`, the file is `default_output(run_dir, fmt, trainer)` (its folder is created); an
+    `output` that is a folder (or ends with a slash) gets that name inside it. `tokens` follows `trainer`'s loss-mask
+    rule (`trainers.TRAINERS`) unless `supervise_think_start` says otherwise. `conversations` also writes, beside
+    the output, the round trip of each row through the chat template as SpecForge renders it
+    (`<name>_roundtrip.jsonl`; counted in the summary) and the SpecForge registration of the model's template
+    (`<name>_specforge_template.py`). A failed or missing audit is said in `summary.warnings`. The files appear
     under their names only when complete (written to temporary names, then renamed). Ok records that fail the
     audit's record checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if trainer not in TRAINERS:
+        raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()
     if select.mode is not None and select.mode not in MODES:
         raise ExportError(f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}")
@@ -718,19 +815,17 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
     if stale:
         raise ExportError(f"{path} is older than the run: {stale}; nothing exported. Run `toolkit merge {rd.root}` "
                           "once the run is complete (`--allow-incomplete` to merge what is there), then export")
-    if output is None:
-        output = default_output(run_dir, fmt)
-        Path(output).parent.mkdir(exist_ok=True)
+    out_path = output_path(run_dir, fmt, output, trainer)
+    if output is None or (os.fspath(output).endswith(("/", os.sep)) and out_path.parent.parent.is_dir()):
+        out_path.parent.mkdir(exist_ok=True)
     if fmt == "conversations":  # pairs records with their source messages: the files must be those planned
         try:
             check_plan_inputs(plan)
         except InputError as e:
             raise ExportError(f"{e}; the conversations export would pair records with other messages than they were "
                               "generated from") from None
-    out_path = Path(output)
     if out_path.is_dir():
-        raise ExportError(f"cannot write {output}: it is a folder; give a file name, e.g. "
-                          f"{out_path / default_output(run_dir, fmt).name}")
+        raise ExportError(f"cannot write {out_path}: it is a folder; give another file name")
     if out_path.parent and not out_path.parent.is_dir():
         raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
     known = {d.name for d in plan.datasets}
@@ -741,17 +836,56 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
     found = _Defects(plan, tokens)
     skipped_path, summary_path = side_file(out_path, "skipped", ".jsonl"), side_file(out_path, "summary", ".json")
     summary = ExportSummary(format=fmt, output=str(out_path), skipped_file=str(skipped_path))
-    tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for p in (out_path, skipped_path, summary_path)]
-    tmp, skipped_tmp, summary_tmp = tmps
+    finals = [out_path, skipped_path, summary_path]
+    summary.audit, failed_checks = audit_state(rd)
+    if summary.audit == "failed":
+        summary.warnings.append(f"the audit of run {rd.root} failed ({failed_checks}): see {rd.audit_json} and "
+                                f"`toolkit audit {rd.root}` before training on this export")
+    elif summary.audit == "none":
+        summary.warnings.append(f"run {rd.root} has no audit: run `toolkit audit {rd.root}` before training on it")
+    if fmt == "tokens":
+        summary.trainer = trainer
+        summary.supervise_think_start = (TRAINERS[trainer].supervise_think_start if supervise_think_start is None
+                                         else supervise_think_start)
+    reg = None
+    if fmt == "conversations":
+        info = tokens.info
+        stops = [tokens.tok.convert_ids_to_tokens(i) for i in info.eos_ids]
+        think = tokens.tok.convert_ids_to_tokens(info.think_start_id)
+        try:
+            reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
+                               think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
+                               kwargs=dict(plan.spec.model.chat_template_kwargs))
+        except Exception as e:  # noqa: BLE001 - a template that refuses the probe conversation
+            reg = Registration(name=plan.spec.name, assistant_header="", end_of_turn_token=None,
+                               parser_type="thinking", enable_thinking=True)
+            summary.warnings.append(f"the chat template refuses a probe conversation ({type(e).__name__}: {e}): no "
+                                    "SpecForge registration could be read from it; the round trip assumes its "
+                                    "thinking parser")
+        trip_path = side_file(out_path, "roundtrip", ".jsonl")
+        reg_path = side_file(out_path, "specforge_template", ".py")
+        summary.roundtrip_file, summary.registration_file = str(trip_path), str(reg_path)
+        finals += [trip_path, reg_path]
+        summary.warnings += builtin_problems(reg, writes_default_system(tokens.tok))
+    tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for p in finals]
+    tmp, skipped_tmp, summary_tmp = tmps[:3]
     try:
         with open(skipped_tmp, "wb") as skipped_out:
             acc = _Account(plan, PlannedRefs(rd, plan), select, include, include_failed, tokens, summary, skipped_out)
             if fmt == "parquet":
                 summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
+            elif fmt == "conversations":
+                tmps[4].write_text(reg.python())
+                with open(tmp, "wb") as out, open(tmps[3], "wb") as trip_out:
+                    acc.checks = _Checks(tokens, reg, trip_out)
+                    summary.rows = _export_conversations(path, plan, out, acc, tokens, found)
             else:
                 with open(tmp, "wb") as out:
                     summary.rows = _TEXT_WRITERS[fmt](path, plan, out, acc, tokens, found)
             acc.finish()
+            if fmt == "conversations":
+                summary.roundtrip_rows, summary.roundtrip_identical = acc.checks.trip.rows, acc.checks.trip.identical
+                summary.arguments_reformatted = acc.checks.reformatted
         if found.count and not force:
             raise ExportError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
                               f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force",
@@ -759,7 +893,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike |
         if found.count:
             log.warning("exporting them anyway (--force): %s", found.summary())
         summary_tmp.write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-        for t, final in zip(tmps, (out_path, skipped_path, summary_path)):
+        for t, final in zip(tmps, finals):
             os.replace(t, final)
     except CorruptShard as e:
         _unlink(tmps)
