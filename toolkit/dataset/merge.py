@@ -403,3 +403,23 @@ def load_manifest(rd: RunDir) -> MergeManifest:
         raise MergeError(f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` first") from None
     except msgspec.MsgspecError as e:
         raise MergeError(f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again") from None
+
+
+def merged_file_problem(rd: RunDir, *, checksum: bool = False) -> str | None:
+    """What is wrong with a run's merged dataset against its merge manifest (None: it is what the merge wrote):
+    an unreadable manifest, the file gone, another size, or (with `checksum`) another sha256."""
+    try:
+        m = msgspec.json.decode(rd.manifest_file.read_bytes(), type=MergeManifest)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.MsgspecError) as e:
+        return f"{rd.manifest_file.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        size = rd.merged_file.stat().st_size
+    except FileNotFoundError:
+        return f"{rd.merged_file.name} is missing"
+    if size != m.bytes:
+        return f"{rd.merged_file.name} has {size:,} bytes, its manifest says {m.bytes:,}"
+    if checksum and sha256_file(rd.merged_file) != m.sha256:
+        return f"{rd.merged_file.name} differs from the sha256 in its manifest"
+    return None

@@ -9,6 +9,8 @@
                                  damaged file kept aside when its intact frames were salvaged
     RUN/shards/NNNNN.retry       ids `toolkit retry` asked to generate again (removed when the shard completes)
     RUN/progress/NNNNN.json      live progress of a shard
+    RUN/progress/local/HOST.PID.json  a process that works on the run outside Slurm (`toolkit run`, `retry`,
+                                 `worker`) and the shards it will run, locked (flock) while it lives
     RUN/logs/NNNNN.log           worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/jobs.json          the Slurm jobs submitted for this run
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
@@ -90,6 +92,9 @@ class RunDir:
 
     def progress_file(self, i: int) -> Path:
         return self._numbered(self.progress_dir, i, ".json")
+
+    def local_run_file(self, host: str, pid: int) -> Path:
+        return self.progress_dir / "local" / f"{host}.{pid}.json"
 
     def log_file(self, i: int) -> Path:
         return self._numbered(self.logs_dir, i, ".log")

@@ -1,0 +1,152 @@
+"""A run nothing runs any more says so: Ctrl-C, a run of some shards only, a damaged done manifest or merged file.
+
+`status` says "in progress" (exit 5) only while something runs the run: a Slurm job, or a live `toolkit run`,
+`retry` or `worker` here (formats.progress.local_run). Ctrl-C exits 130, as the docs say.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job
+from toolkit.cli import main as cli_main
+from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_INTERRUPTED, EXIT_OK
+from toolkit.formats.progress import live_local_runs
+from toolkit.formats.rundir import RunDir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def toolkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for(what, timeout: float = 60.0, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not reached within {timeout} s")
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_toolkit_run_exits_130_and_status_says_stopped_with_the_command_that_resumes(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=12, shards=3, sampling={"max_new_tokens": 400},
+                   stub={"token_delay_s": 0.01, "fixed_output_tokens": 300})
+    rd = RunDir(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: rd.log_file(0).exists() and "generating" in rd.log_file(0).read_text()
+                 or rd.log_file(1).exists() and "generating" in rd.log_file(1).read_text())
+        live = live_local_runs(rd)
+        assert [(r.pid, r.command, r.merges) for r in live] == [(proc.pid, "toolkit run", True)]
+        st = toolkit("status", str(rd.root))
+        assert st.returncode == EXIT_IN_PROGRESS, st.stdout  # something runs it
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert f"stopped by SIGINT: what was done is kept; `toolkit run {job}` again resumes the run" in out
+    assert live_local_runs(rd) == [] and not any(rd.local_run_file("h", 0).parent.iterdir())
+    st = toolkit("status", str(rd.root))
+    last = st.stdout.strip().splitlines()[-1]
+    assert st.returncode == EXIT_FAILED, st.stdout
+    assert last.startswith("run: stopped: shards ") and "nothing runs them" in last
+    assert f"`toolkit retry {rd.root}` resumes them here" in last
+    watch = toolkit("status", str(rd.root), "--watch", "-i", "0.2", timeout=30)  # ends by itself
+    assert watch.returncode == EXIT_FAILED
+    # the command it gives resumes the run, and completes it
+    again = toolkit("retry", str(rd.root), timeout=300)
+    assert again.returncode == EXIT_OK, again.stderr[-2000:]
+    assert toolkit("status", str(rd.root)).returncode == EXIT_OK
+
+
+@pytest.mark.slow
+def test_a_run_of_some_shards_without_merge_is_not_in_progress(tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2, sampling={"max_new_tokens": 32})
+    assert cli_main(["run", str(job), "--shards", "0", "--no-merge"]) == EXIT_OK
+    capsys.readouterr()
+    rd = RunDir(tmp_path / "run")
+    assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "    1 not_started" in out
+    assert f"run: stopped: shard 1 not_started and nothing runs them: `toolkit retry {rd.shown}` resumes" in out
+    assert cli_main(["status", str(rd.root), "--watch", "-i", "0.1"]) == EXIT_FAILED  # ends
+
+
+def test_a_dead_local_process_is_not_taken_as_running(tmp_path, toy_tokenizer):
+    """A process killed -9 leaves its file behind, but no lock: it runs nothing."""
+    from toolkit.formats.progress import local_run
+
+    rd = RunDir(tmp_path)
+    code = ("import sys, os; from toolkit.formats.progress import local_run; from toolkit.formats.rundir import RunDir\n"
+            f"cm = local_run(RunDir({str(tmp_path)!r}), [0, 1], 'toolkit run'); cm.__enter__()\n"
+            "print('ready', flush=True); sys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         cwd=REPO)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert [r.shards for r in live_local_runs(rd)] == [[0, 1]]
+        p.kill()
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert len(list(rd.local_run_file("h", 0).parent.iterdir())) == 1  # left behind by kill -9
+    assert live_local_runs(rd) == []
+    with local_run(rd, [2], "toolkit worker"):  # this process: alive
+        assert [r.shards for r in live_local_runs(rd)] == [[2]]
+    assert live_local_runs(rd) == []
+
+
+@pytest.fixture
+def complete_run(tmp_path, toy_tokenizer, capsys):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2, sampling={"max_new_tokens": 32})
+    assert cli_main(["run", str(job)]) == EXIT_OK
+    rd = RunDir(tmp_path / "run")
+    capsys.readouterr()
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
+    capsys.readouterr()
+    return rd
+
+
+@pytest.mark.slow
+def test_status_agrees_with_merge_on_a_damaged_done_manifest(complete_run, capsys):
+    rd = complete_run
+    rd.done_file(1).write_text("{garbage")
+    assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "    1 unfinished" in out and f"`toolkit retry {rd.shown}` resumes them here" in out
+    assert cli_main(["merge", str(rd.root)]) != EXIT_OK  # merge refuses it too
+    capsys.readouterr()
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # the advice works: the manifest is written again
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_status_agrees_with_the_audit_on_a_damaged_merged_file(complete_run, capsys, damage):
+    rd = complete_run
+    data = bytearray(rd.merged_file.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[-7:]
+    rd.merged_file.write_bytes(bytes(data))
+    assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "the merged dataset is damaged (" in out and f"`toolkit merge {rd.shown}` makes it again" in out
+    assert cli_main(["merge", str(rd.root)]) == EXIT_OK
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
