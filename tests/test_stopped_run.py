@@ -150,3 +150,18 @@ def test_status_agrees_with_the_audit_on_a_damaged_merged_file(complete_run, cap
     assert "the merged dataset is damaged (" in out and f"`toolkit merge {rd.shown}` makes it again" in out
     assert cli_main(["merge", str(rd.root)]) == EXIT_OK
     assert cli_main(["status", str(rd.root)]) == EXIT_OK
+
+
+@pytest.mark.slow
+def test_logs_server_of_a_shard_served_by_another_shards_engine_shows_that_engines_log(complete_run, capsys):
+    """One worker claims both shards with one engine: the engine writes the log of the shard it was started for;
+    the other shard's --server shows that log, and says so."""
+    rd = complete_run
+    own = [k for k in (0, 1) if rd.server_log_file(k).exists()]
+    assert len(own) == 1
+    first, other = own[0], 1 - own[0]
+    assert cli_main(["logs", str(rd.root), str(other), "--server", "-n", "5"]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert out.splitlines() == rd.server_log_file(first).read_text().splitlines()[-5:]
+    assert f"(shard {other} was served by the engine worker 0 (pid " in err
+    assert f"started for shard {first}: " in err and err.rstrip().endswith(f"{first:05d}.server.log)")

@@ -232,6 +232,18 @@ def _has_shards(rd: RunDir, plan) -> str:
     return f"the run {rd.shown} has only shard 0" if n == 1 else f"the run {rd.shown} has shards 0..{n - 1}"
 
 
+def _server_log(rd: RunDir, shard: int) -> Path:
+    """The server log of the engine that served `shard` (or serves it): a worker keeps its engine from shard to
+    shard, and the engine writes the log of the first shard it was started for (progress `engine_shard`)."""
+    p = read_progress(rd.progress_file(shard))
+    if p is None or p.engine_shard is None or p.engine_shard == shard:
+        return rd.server_log_file(shard)
+    path = rd.server_log_file(p.engine_shard)
+    print(f"(shard {shard} was served by the engine {p.task or 'its worker'} started for shard {p.engine_shard}: "
+          f"{shown_path(path)})", file=sys.stderr)
+    return path
+
+
 def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bool = False, server: bool = False,
                  failed: bool = False, lines: int = 40) -> int:
     """`toolkit logs`: a shard's worker (or engine) log, followed with `follow`; or with `failed` every failure."""
@@ -248,7 +260,7 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
                             "shows every failed record")
     if not 0 <= shard < len(plan.shards):
         raise BadInputError(f"no shard {shard}: {_has_shards(rd, plan)}")
-    path = rd.server_log_file(shard) if server else rd.log_file(shard)
+    path = _server_log(rd, shard) if server else rd.log_file(shard)
     if follow:
         try:
             end = follow_file(path, lines=lines, stop_when=ShardEnd(rd, shard))
@@ -257,7 +269,14 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
-        raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+        p = read_progress(rd.progress_file(shard))
+        if p is None:
+            raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+        if server:
+            raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
+                               f"for another shard, and its progress file does not say which; its worker's log names "
+                               f"the server log (`toolkit logs {rd.shown} {shard}`)")
+        raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
     for line in _tail_lines(path, lines):
         print(line)
     return 0
