@@ -165,3 +165,50 @@ def test_logs_server_of_a_shard_served_by_another_shards_engine_shows_that_engin
     assert out.splitlines() == rd.server_log_file(first).read_text().splitlines()[-5:]
     assert f"(shard {other} was served by the engine worker 0 (pid " in err
     assert f"started for shard {first}: " in err and err.rstrip().endswith(f"{first:05d}.server.log)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# a damaged run.json or prompts.msgpack: one line, with the command that recovers; that command recovers
+# ---------------------------------------------------------------------------------------------------
+DAMAGES = {"garbage": lambda b: b"\x00garbage\xff", "empty": lambda b: b"", "truncated": lambda b: b[: len(b) // 2],
+           "flipped": lambda b: b[:40] + b"\xc1" + b[41:]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["run.json", "prompts.msgpack"])
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_plan_file_is_one_line_and_planning_again_recovers_without_generating(complete_run, capsys, name,
+                                                                                       damage):
+    rd = complete_run
+    job = rd.root.parent / "job.toml"
+    shards = [rd.shard_file(k).read_bytes() for k in (0, 1)]
+    path = rd.root / name
+    path.write_bytes(DAMAGES[damage](path.read_bytes()))
+    commands = [["merge"], ["export", "--format", "jsonl"], ["audit"]] + ([["status"], ["logs", "--failed"]]
+                                                                          if name == "run.json" else [])
+    for cmd in commands:
+        code = cli_main([cmd[0], str(rd.root), *cmd[1:]])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("toolkit: error: ")]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, (cmd, err)
+        assert f"{path} is damaged (" in lines[0] and "plan the job again into this folder to recover it: " \
+            "`toolkit run JOB` (or `toolkit submit JOB`)" in lines[0], lines[0]
+    assert cli_main(["run", str(job)]) == EXIT_OK  # planned again into the same folder
+    out, err = capsys.readouterr()
+    assert "claims shard" not in err and "generating" not in err  # nothing generated again
+    assert [rd.shard_file(k).read_bytes() for k in (0, 1)] == shards
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
+
+
+@pytest.mark.slow
+def test_a_damaged_run_json_among_another_jobs_shards_is_not_planned_over(complete_run):
+    rd = complete_run
+    rd.plan_file.write_bytes(b"")
+    from toolkit.job.plan import PlanError, find_run
+    from toolkit.job.prepare import prepare_run
+
+    plan = prepare_run(rd.root.parent / "job.toml", dry_run=True, keep_learned=False).preflight.plan
+    assert find_run(plan) == (rd.root, False)  # its shard files are this job's: planned again into it
+    plan.fingerprint = "0" * 16  # another job's plan
+    with pytest.raises(PlanError, match="its shard files are not of this job"):
+        find_run(plan)
