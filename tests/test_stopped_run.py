@@ -212,3 +212,25 @@ def test_a_damaged_run_json_among_another_jobs_shards_is_not_planned_over(comple
     plan.fingerprint = "0" * 16  # another job's plan
     with pytest.raises(PlanError, match="its shard files are not of this job"):
         find_run(plan)
+
+
+def test_a_failed_merge_job_says_so_in_one_line_without_a_traceback(tmp_path, toy_tokenizer):
+    """What Slurm runs as the merge job (cluster.tasks.MergeTask, under submitit, which prints the traceback of any
+    Exception its callable raises): a refused merge ends the job with the merge's exit code and one line."""
+    from jobfiles import prepared_run
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2)
+    rd, _ = prepared_run(job)  # planned, no shard run: the merge refuses it
+    code = ("import submitit.core.submission as s, sys\n"
+            "from toolkit.cluster.tasks import MergeTask\n"
+            "try:\n"
+            f"    MergeTask({str(rd.root)!r})()\n"
+            "except Exception as e:  # as submitit.core.submission.process_job catches\n"
+            "    raise\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == (f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
+                         f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm")
+    assert lines[-2].startswith("toolkit: error: ") and "shards are not finished" in lines[-2]
