@@ -234,3 +234,80 @@ def test_a_failed_merge_job_says_so_in_one_line_without_a_traceback(tmp_path, to
     assert lines[-1] == (f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
                          f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm")
     assert lines[-2].startswith("toolkit: error: ") and "shards are not finished" in lines[-2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# advice that works: a finished shard file damaged, another run's file, a damaged header
+# ---------------------------------------------------------------------------------------------------
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(complete_run, capsys, monkeypatch):
+    from toolkit.cluster import submit
+    from toolkit.dataset.audit_report import read_report
+
+    rd = complete_run
+    _flip(rd.shard_file(0), rd.shard_file(0).stat().st_size // 2)
+    assert cli_main(["merge", str(rd.root)]) != EXIT_OK
+    capsys.readouterr()
+    checks = {c.name: c.message for c in read_report(rd).checks}
+    for name in ("coverage", "damaged_frames"):
+        assert f"`toolkit retry {rd.shown}`" in checks[name] and "resubmit" not in checks[name], checks[name]
+    # on Slurm, `resubmit` takes that shard (its done manifest no longer matches the file)
+    monkeypatch.setattr(submit, "live_jobs", lambda rd: {})
+    monkeypatch.setattr(submit, "validate_resources", lambda plan, r: r)
+    monkeypatch.setattr(submit, "_submit_arrays", lambda rd, plan, shards, o: ("submitted", shards))
+    saved = rd.done_file(0).read_bytes()
+    assert submit.resubmit(rd.root)[2] == [0]
+    rd.done_file(0).write_bytes(saved)
+    # here, the advice: `toolkit retry RUN` keeps the intact frames, generates the rest, merges
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK
+    assert "retrying in 1 shards: 0" in capsys.readouterr().out
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
+    # nothing left to retry: it says so, and which id list a retry by ids would take
+    rd.missing_file.write_text("x\n")
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"--ids {rd.missing_file}` generates the ids the merge found missing again" in out
+    assert "failed_ids.txt" not in out  # none failed: that list is empty
+
+
+@pytest.mark.slow
+def test_a_shard_file_of_another_run_is_told_to_be_moved_aside_and_that_works(complete_run, tmp_path, toy_tokenizer,
+                                                                               capsys, caplog):
+    rd = complete_run
+    other = make_job(tmp_path / "other", toy_tokenizer("kimi"), n=8, shards=2, name="other",
+                     sampling={"max_new_tokens": 40})
+    assert cli_main(["run", str(other)]) == EXIT_OK
+    rd.shard_file(1).write_bytes((tmp_path / "other" / "run" / "shards" / "00001.zst").read_bytes())
+    capsys.readouterr()
+    assert cli_main(["retry", str(rd.root)]) == 1
+    err = caplog.text
+    move = f"mv {rd.shard_file(1)} {rd.shard_file(1)}.other-run"
+    assert f"move it aside ({move}) and run the shard again" in err and "--new-run" not in err
+    rd.shard_file(1).rename(f"{rd.shard_file(1)}.other-run")
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [2, 20])  # the header's magic, its fingerprint
+def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_run, capsys, caplog, at):
+    from toolkit.dataset.merge import load_manifest
+
+    rd = complete_run
+    _flip(rd.shard_file(0), at)
+    assert cli_main(["merge", str(rd.root), "--no-audit"]) != EXIT_OK  # a damaged frame (the header) is said
+    m = load_manifest(rd)
+    assert m.missing == 0 and m.records == m.planned and [p.offset for p in m.corrupt] == [0]
+    merged_before = m.shards[0]
+    capsys.readouterr()
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # the worker salvages the file: every frame after the header
+    err = caplog.text
+    assert "keeping its" in err and "damaged header" in err
+    m = load_manifest(rd)
+    assert (m.missing, m.corrupt, m.shards[0].records) == (0, [], merged_before.records)

@@ -277,8 +277,11 @@ def cmd_retry(args) -> int:
 
     rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
     if not shards:
-        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass "
-              f"(`toolkit retry {rd.shown} --ids {shown_path(rd.failed_file)}` retries the others too)")
+        lists = [f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
+                 for f, what in ((rd.missing_file, "ids the merge found missing"),
+                                 (rd.failed_file, "failed ones (permanent failures too)")) if _has_ids(f)]
+        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass"
+              + (f"; {'; '.join(lists)}" if lists else ""))
         return EXIT_OK
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
     if args.slurm:
@@ -288,6 +291,14 @@ def cmd_retry(args) -> int:
     with _outside_slurm(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
         stopped, failed = run_shards(rd.root, shards, log)
         return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
+
+
+def _has_ids(path: Path) -> bool:
+    """Whether an id list (merged/missing_ids.txt, failed_ids.txt) names any id."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """`toolkit retry RUN`: generate failed records again, in the same run directory.
 
 Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the retries,
-aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones, are run again: the worker regenerates a
+aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones (a shard file changed since its done
+manifest was written among them: its intact records are kept), are run again: the worker regenerates a
 shard's transient failures on every run. With `--ids FILE` (one id per line, e.g. `merged/failed_ids.txt`), those
 ids are generated again whatever their status: each of their shards gets a retry request (`shards/NNNNN.retry`,
 which the worker reads and removes once the shard completes) and loses its done manifest. The new records are
@@ -16,7 +17,7 @@ from bisect import bisect_right
 from pathlib import Path
 
 from toolkit.errors import BadInputError
-from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, write_retry
+from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, trusted_done, write_retry
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import RunPlan, load_refs, load_run
 
@@ -52,8 +53,9 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
 def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
     """Ask for records to be generated again; return the shards to run. `ids` None: every transient failure."""
     rd, plan = load_run(run_dir)
-    if ids is None:
-        return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+    if ids is None:  # (a shard file changed since its done manifest was written is not finished: trusted_done)
+        return rd, [s.index for s in plan.shards
+                    if needs_work(trusted_done(rd.done_file(s.index), rd.shard_file(s.index), plan.fingerprint))]
     for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):
         path = rd.shard_file(k)
         old = read_retry(rd.retry_file(k))

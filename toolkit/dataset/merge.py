@@ -26,7 +26,15 @@ import msgspec
 
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
-from toolkit.formats.frames import CorruptShard, Damage, decode_batch, intact_frames, read_frame_at, read_header
+from toolkit.formats.frames import (
+    CorruptShard,
+    Damage,
+    damaged_fingerprint,
+    decode_batch,
+    intact_frames,
+    read_frame_at,
+    read_header,
+)
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import DoneManifest, read_done
 from toolkit.formats.records import OK, PARTIAL, Record
@@ -134,7 +142,7 @@ class _Totals:
 def _merge_shard(
     sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
-    missing_out, cache_bytes: int,
+    missing_out, cache_bytes: int, *, header: bool = True,
 ) -> None:
     n, first = sp.count, sp.first
     frame_of = array("q", [-1]) * n      # frame number holding the kept record of each position
@@ -146,7 +154,7 @@ def _merge_shard(
     # Pass 1: where every record is; duplicates and foreign records. Only positions are kept, not records.
     if path is not None:
         damage: list[Damage] = []
-        for frame in intact_frames(path, damage):
+        for frame in intact_frames(path, damage, header=header):
             recs = decode_batch(frame)  # decoded and counted by read_frame, so the second pass cannot fail on it
             fno = len(offsets)
             offsets.append(frame.offset)
@@ -227,7 +235,7 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
     if not_done and not allow_incomplete:
         raise MergeError(
             f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
-            f"{ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
+            f"{ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
     return done
@@ -306,8 +314,8 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
                 sm = ShardMerge(index=s.index, file=str(path), done=s.index in done)
                 readable = _check_file(path, s.index, plan, sm, done, corrupt)
                 log.info("merging shard %d (%d planned records)", s.index, s.count)
-                _merge_shard(s, sm, path if readable else None, refs.shard(s.index), plan, t, corrupt, torn, emit,
-                             missing_out, cache_bytes)
+                _merge_shard(s, sm, path if readable is not None else None, refs.shard(s.index), plan, t, corrupt,
+                             torn, emit, missing_out, cache_bytes, header=bool(readable))
                 t.duplicates += sm.duplicates
                 t.continued += sm.continued
                 t.foreign += sm.foreign
@@ -343,10 +351,13 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
     return manifest
 
 
-def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest], corrupt: list[FrameProblem]) -> bool:
-    """Size and checksum of a shard file; False when it is absent or not this shard's (then reported)."""
+def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest],
+                corrupt: list[FrameProblem]) -> bool | None:
+    """Size and checksum of a shard file, and its header: True when it is this shard's; False when its header is
+    damaged (reported: its frames are read past it, as the worker's salvage keeps them); None when it is absent or
+    another run's (reported: none of its records is this run's)."""
     if not path.exists():
-        return False
+        return None
     sm.bytes = path.stat().st_size
     if sm.done:
         sm.sha256 = sha256_file(path)
@@ -354,11 +365,16 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
     try:
         head = read_header(path)
     except CorruptShard as e:
-        corrupt.append(FrameProblem(k, str(path), e.offset, e.why))
+        corrupt.append(FrameProblem(k, str(path), 0, f"damaged header: {e.why}"))
         return False
     if head is not None and head != (plan.fingerprint, k):
-        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's shard {k}"))
-        return False
+        if damaged_fingerprint(head[0], plan.fingerprint):
+            corrupt.append(FrameProblem(k, str(path), 0, f"damaged header (run {head[0]!r} shard {head[1]})"))
+            return False
+        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's "
+                                                     f"shard {k}: move it aside (mv {path} {path}.other-run) and "
+                                                     "run the shard again"))
+        return None
     return True
 
 

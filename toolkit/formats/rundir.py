@@ -71,6 +71,11 @@ class RunDir:
         """Whether `path` is a run directory (it holds a plan)."""
         return (Path(path) / PLAN_FILE).exists()
 
+    def finish_command(self) -> str:
+        """The command that finishes this run's shards (those unfinished, or whose file changed since they were
+        finished): `toolkit resubmit RUN` for a run submitted to Slurm, else `toolkit retry RUN` (runs them here)."""
+        return f"toolkit {'resubmit' if self.jobs_file.exists() else 'retry'} {self.shown}"
+
     @property
     def shown(self) -> str:
         """The run directory as a user would type it: relative to the current directory when inside it."""
