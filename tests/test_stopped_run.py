@@ -311,3 +311,36 @@ def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_ru
     assert "keeping its" in err and "damaged header" in err
     m = load_manifest(rd)
     assert (m.missing, m.corrupt, m.shards[0].records) == (0, [], merged_before.records)
+
+
+@pytest.mark.slow
+def test_after_a_full_disk_failed_the_run_status_is_not_in_progress(tmp_path, toy_tokenizer, monkeypatch, capsys):
+    """The disk full from the start: neither a shard file nor a progress file can be written; `toolkit run` fails,
+    and status says what to run once there is space, with an exit code that is not "in progress"."""
+    import errno
+    import os
+
+    import toolkit.formats.progress as progress
+    import toolkit.formats.shardfile as sf
+
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2, sampling={"max_new_tokens": 32})
+    from jobfiles import prepared_run
+
+    rd, _ = prepared_run(job)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_write, real_atomic = sf.os.write, progress.atomic_write
+    monkeypatch.setattr(sf.os, "write", full)
+    monkeypatch.setattr(progress, "atomic_write", full)
+    assert cli_main(["run", str(job)]) == EXIT_FAILED
+    monkeypatch.setattr(sf.os, "write", real_write)
+    monkeypatch.setattr(progress, "atomic_write", real_atomic)
+    capsys.readouterr()
+    code = cli_main(["status", str(rd.root)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == EXIT_FAILED and code != EXIT_IN_PROGRESS, last
+    assert f"nothing runs them: `toolkit retry {rd.shown}` resumes them here" in last
+    assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # space again: the advice finishes the run
+    assert cli_main(["status", str(rd.root)]) == EXIT_OK
