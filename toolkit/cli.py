@@ -104,16 +104,13 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
-def _outside_slurm(run: str, shards, command: str, **kw):
-    """`formats.progress.local_run` for a process not started by Slurm (Slurm tells `status` of its own tasks)."""
-    import contextlib
-
+def _running_here(run: str, shards, command: str, **kw):
+    """`formats.progress.local_run`: `status` knows this process runs `shards` (the run's Slurm tasks are not this
+    command: they run worker.claims through cluster.tasks, and Slurm tells their state), also inside an
+    allocation (salloc)."""
     from toolkit.formats.progress import local_run
     from toolkit.formats.rundir import RunDir
-    from toolkit.worker.claims import slurm_task
 
-    if slurm_task() is not None:
-        return contextlib.nullcontext()
     return local_run(RunDir(run), shards, command, **kw)
 
 
@@ -123,7 +120,7 @@ def cmd_worker(args) -> int:
 
         if args.shard is not None:
             raise BadInputError("give a SHARD or --claim K ..., not both")
-        with _outside_slurm(args.run, args.claim, "toolkit worker", group=args.group):
+        with _running_here(args.run, args.claim, "toolkit worker", group=args.group):
             r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
                            task=f"worker {args.worker} (pid {os.getpid()})")
         return stopped_code(r.stopped) if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
@@ -131,7 +128,7 @@ def cmd_worker(args) -> int:
         raise BadInputError("give a SHARD, or --claim K ... to claim shards one after another")
     from toolkit.worker.run import STOPPED, run_shard
 
-    with _outside_slurm(args.run, [args.shard], "toolkit worker"):
+    with _running_here(args.run, [args.shard], "toolkit worker"):
         out = run_shard(args.run, args.shard)
     return stopped_code(out.stop_signal) if out == STOPPED else EXIT_OK
 
@@ -147,7 +144,7 @@ def cmd_run(args) -> int:
     from toolkit.pipeline import local_group, run_shards
 
     again = f"`toolkit run {args.job}` again"
-    with _outside_slurm(rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge):
+    with _running_here(rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge):
         with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
             stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
         return _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
@@ -288,7 +285,7 @@ def cmd_retry(args) -> int:
         return _resubmit(args.run, _resources(args))
     from toolkit.pipeline import local_group, run_shards
 
-    with _outside_slurm(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
+    with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
         stopped, failed = run_shards(rd.root, shards, log)
         return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
 

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 UNKNOWN = "unknown"
-NOT_STARTED = "not_started"  # a shard run outside Slurm that no attempt has started, and nothing runs it now
+NOT_STARTED = "not_started"  # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
 UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
 STALE = "stale"  # a local worker's progress says generating, but the file has not been written for far too long
@@ -314,7 +314,7 @@ class ShardFacts(msgspec.Struct):
     done: DoneManifest | None        # its done manifest
     progress: Progress | None        # its progress file
     gone: str | None = None          # why its local worker is gone (progress.worker_gone), when it is
-    runner: str | None = None        # a live process outside Slurm that will run it (formats.progress.local_run)
+    runner: str | None = None        # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
@@ -346,7 +346,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     elif f.gone:
         state = DEAD
         error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
-    else:  # outside Slurm: its progress file, whether its worker lives, whether a live process will run it
+    else:  # not submitted to Slurm: its progress file, whether its worker lives, whether a live process will run it
         state = _LOCAL_STATES.get(p.state, p.state)
         if state == "running" and stale_s is not None:  # the progress file is all there is to go by, and it is old
             state = STALE
@@ -398,7 +398,7 @@ class RunFacts(msgspec.Struct):
     now: float                   # Unix time of the refresh
     merged_current: bool = True  # merged/manifest.json is newer than every done manifest
     audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
-    merging: str | None = None   # a live process outside Slurm that merges the run once its shards are done
+    merging: str | None = None   # a live `toolkit run` (or retry) that merges the run once its shards are done
     merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
 
 
@@ -526,7 +526,7 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
         states = "/".join(dict.fromkeys(r.state for r in unfinished))
         if any(r.job for r in unfinished):
             resume = f"`toolkit resubmit {run_shown}` resumes them on Slurm"
-        else:  # run outside Slurm: nothing will pick them up
+        else:  # not submitted to Slurm: nothing will pick them up
             resume = f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit {run_shown}` on Slurm)"
         todo.append(f"{_shards(unfinished)} {states} and nothing runs them: {resume}")
     if retry:

@@ -140,10 +140,10 @@ def worker_gone(p: Progress, host: str | None = None) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# processes working on a run outside Slurm: what `status` knows is running here
+# processes running a run's shards from the command line (not as its Slurm tasks): what `status` knows runs
 # ---------------------------------------------------------------------------------------------------
 class LocalRun(msgspec.Struct, kw_only=True):
-    """A process that works on a run outside Slurm (`toolkit run`, `toolkit retry`, `toolkit worker`): the shards
+    """A process that runs shards of a run from the command line (`toolkit run`, `retry`, `worker`): the shards
     it will run, whether it merges them after. Its file is locked (flock) as long as the process lives."""
 
     host: str
@@ -202,7 +202,7 @@ def _lock_held(path: Path) -> bool | None:
 
 
 def live_local_runs(rd) -> list[LocalRun]:
-    """The processes working on run `rd` outside Slurm that are alive now: their file's lock is held (where the
+    """The processes running shards of `rd` from the command line that are alive now: their file's lock is held (where the
     file system has no flock: their pid runs on this host, or they run on another host, which cannot be told)."""
     folder = rd.local_run_file("h", 0).parent
     try:

@@ -9,8 +9,8 @@
                                  damaged file kept aside when its intact frames were salvaged
     RUN/shards/NNNNN.retry       ids `toolkit retry` asked to generate again (removed when the shard completes)
     RUN/progress/NNNNN.json      live progress of a shard
-    RUN/progress/local/HOST.PID.json  a process that works on the run outside Slurm (`toolkit run`, `retry`,
-                                 `worker`) and the shards it will run, locked (flock) while it lives
+    RUN/progress/local/HOST.PID.json  a `toolkit run`, `retry` or `worker` that runs shards of the run (not as
+                                 its Slurm task) and the shards it will run, locked (flock) while it lives
     RUN/logs/NNNNN.log           worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/jobs.json          the Slurm jobs submitted for this run
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
