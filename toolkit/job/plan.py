@@ -288,7 +288,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:
         raise PlanError(f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or `toolkit run`") from None
-    except msgspec.DecodeError as e:  # garbage, empty, truncated, or not a plan (ValidationError)
+    except (msgspec.DecodeError, OSError) as e:  # garbage, empty, truncated, not a plan (ValidationError), a folder
         raise damaged_run_file(rd.plan_file, e) from None
     return rd, plan
 
@@ -300,7 +300,7 @@ REPLAN = ("plan the job again into this folder to recover it: `toolkit run JOB` 
 
 def damaged_run_file(path: Path, e: Exception) -> PlanError:
     """The one-line error of a run.json or prompts.msgpack that cannot be read, with the command that recovers."""
-    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e).splitlines()[0] if str(e) else type(e).__name__
     return PlanError(f"{path} is damaged ({why}); {REPLAN}")
 
 
@@ -310,7 +310,7 @@ def _read_refs_raw(rd: RunDir) -> list[msgspec.Raw]:
         return msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
     except FileNotFoundError:
         raise PlanError(f"{rd.prompts_file} is missing: {REPLAN}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, OSError) as e:
         raise damaged_run_file(rd.prompts_file, e) from None
 
 
