@@ -84,6 +84,10 @@ def test_a_run_of_some_shards_without_merge_is_not_in_progress(tmp_path, toy_tok
     assert "    1 not_started" in out
     assert f"run: stopped: shard 1 not_started and nothing runs them: `toolkit retry {rd.shown}` resumes" in out
     assert cli_main(["status", str(rd.root), "--watch", "-i", "0.1"]) == EXIT_FAILED  # ends
+    follow = toolkit("logs", str(rd.root), "1", "-f", timeout=30)  # ends too: nothing will write that log
+    assert follow.returncode == 0
+    assert f"(shard 1 not started, and nothing runs it (`toolkit retry {rd.root}` runs it here): stopped following)" \
+        in follow.stderr
 
 
 def test_a_dead_local_process_is_not_taken_as_running(tmp_path, toy_tokenizer):

@@ -24,7 +24,7 @@ from toolkit.cluster.verdicts import (
 from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
 from toolkit.formats.manifests import read_done
-from toolkit.formats.progress import read_progress
+from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
@@ -95,9 +95,17 @@ class ShardEnd:
         if read_done(rd.done_file(k)) is not None:
             return "done"
         p = read_progress(rd.progress_file(k))
+        local = self.task is None and self.array is None
+        if local and (p is None or p.state not in FINISHED):  # nothing but a live process here will write it
+            gone = worker_gone(p) if p is not None else None
+            if gone:
+                return f"dead: {gone}"
+            if p is None and not any(k in r.shards for r in live_local_runs(rd)):
+                return f"not started, and nothing runs it (`toolkit retry {rd.shown}` runs it here)"
+            return None
         if p is None or p.state not in FINISHED:
             return None
-        if p.state == "done" or self.task is None and self.array is None:
+        if p.state == "done" or local:
             return p.state
         if time.monotonic() - self.asked >= SLURM_ASK_S and self.array is not None:
             self.asked = time.monotonic()
