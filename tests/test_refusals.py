@@ -80,6 +80,20 @@ def test_output_dir_on_a_read_only_file_system_is_refused_at_check(tmp_path, kim
             one_line_error(capsys)
 
 
+@pytest.mark.parametrize("place", ["/proc", "/sys"])
+def test_output_dir_where_no_file_can_be_made_is_refused_at_check_dry_run_and_run(tmp_path, kimi, capsys, place):
+    """/proc and /sys say writable to root (os.access), yet no run can be made there: all three refuse it."""
+    if not Path(place).is_dir():
+        pytest.skip(f"no {place} here")
+    job = at(make_job(tmp_path, kimi, n=4), Path(place) / "runs" / "t")
+    for argv in (["check", str(job)], ["submit", str(job), "--dry-run"], ["run", str(job)]):
+        assert cli_main(argv) == 2, argv
+        assert f"output_dir {place}/runs/t: a folder cannot be made in {place} (" in one_line_error(capsys)
+    ok = at(make_job(tmp_path / "fine", kimi, n=4), tmp_path / "fine" / "runs" / "t")
+    assert cli_main(["check", str(ok)]) == 0
+    assert not list((tmp_path / "fine").glob(".toolkit-check-*"))  # the probe leaves nothing
+
+
 def test_export_into_a_folder_writes_the_default_name_there_and_a_failed_audit_is_a_warning(tmp_path, kimi, capsys):
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 4}, shards=1)
     runs.write_run(s)

@@ -1,9 +1,10 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
 Exit codes: 0 success; 1 a run, shard or audit failed; 2 bad input (spec, prompt file, tokenizer, run dir)
-or usage; 3 a shard stopped early on a signal and wants to be requeued; 4 (`status`) the state of some shard
-or of the merge job cannot be known because Slurm did not answer; 5 (`status`) the run is still going; 130
-interrupted. `status` exits 0 only for a run that is complete and healthy (cluster.verdicts.verdict).
+or usage; 3 a shard stopped early on SIGTERM or SIGUSR2 and wants to be requeued; 4 (`status`) the state of some
+shard or of the merge job cannot be known because Slurm did not answer; 5 (`status`) the run is still going
+(something runs it); 130 interrupted by Ctrl-C (SIGINT; what was done is kept, the run resumes). `status` exits 0
+only for a run that is complete and healthy (cluster.verdicts.verdict).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from toolkit.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_IN_PROGRESS,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_UNKNOWN,
     BadInputError,
     ToolkitError,
+    stopped_code,
 )
 from toolkit.formats.files import shown_path
 
@@ -43,9 +46,10 @@ typical session:
   toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids + loss mask, for training
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
-exit codes: 0 ok, 1 failed, 2 bad input or usage, 3 stopped early (requeue), 4 state unknown (Slurm did not
-answer; status), 5 still going (status), 6 a worker did not end in time once its work was over (ended by
-its exit guard; the shard resumes), 130 interrupted
+exit codes: 0 ok, 1 failed (status: or stopped, with the command that resumes it), 2 bad input or usage,
+3 stopped early by SIGTERM or SIGUSR2 (requeue), 4 state unknown (Slurm did not answer; status), 5 still going:
+something runs it (status), 6 a worker did not end in time once its work was over (ended by its exit guard; the
+shard resumes), 130 interrupted by Ctrl-C (what was done is kept; run it again to resume)
 """
 
 RUN_HELP = """\
@@ -68,9 +72,11 @@ line that says what the exit code means:
 
   0  complete and healthy: every shard done with no failure that may pass, merged after the last one, audit passed
   1  failed (a shard failed, timed out, was cancelled, its worker is dead or its progress stale; the merge job or
-     the audit failed), or ended without completing (stopped shards, failures to retry, not merged, not audited)
+     the audit failed), or ended without completing (stopped: shards stopped or not started and nothing runs
+     them; failures to retry, not merged, not audited, a damaged done manifest or merged file): the command to
+     run next is said
   4  the state of some shard or of the merge job is unknown: Slurm did not answer
-  5  still going: shards or the merge job pending or running, nothing failed yet"""
+  5  still going: something runs it (Slurm jobs pending or running, a `toolkit run` here), nothing failed yet"""
 
 
 
@@ -99,20 +105,33 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
+def _running_here(run: str, shards, command: str, **kw):
+    """`formats.progress.local_run`: `status` knows this process runs `shards` (the run's Slurm tasks are not this
+    command: they run worker.claims through cluster.tasks, and Slurm tells their state), also inside an
+    allocation (salloc)."""
+    from toolkit.formats.progress import local_run
+    from toolkit.formats.rundir import RunDir
+
+    return local_run(RunDir(run), shards, command, **kw)
+
+
 def cmd_worker(args) -> int:
     if args.claim is not None:
         from toolkit.worker.claims import run_claims
 
         if args.shard is not None:
             raise BadInputError("give a SHARD or --claim K ..., not both")
-        r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
-                       task=f"worker {args.worker} (pid {os.getpid()})")
-        return EXIT_STOPPED if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
+        with _running_here(args.run, args.claim, "toolkit worker", group=args.group):
+            r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
+                           task=f"worker {args.worker} (pid {os.getpid()})")
+        return stopped_code(r.stopped) if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
     if args.shard is None:
         raise BadInputError("give a SHARD, or --claim K ... to claim shards one after another")
     from toolkit.worker.run import STOPPED, run_shard
 
-    return EXIT_STOPPED if run_shard(args.run, args.shard) == STOPPED else EXIT_OK
+    with _running_here(args.run, [args.shard], "toolkit worker"):
+        out = run_shard(args.run, args.shard)
+    return stopped_code(out.stop_signal) if out == STOPPED else EXIT_OK
 
 
 def cmd_run(args) -> int:
@@ -123,20 +142,23 @@ def cmd_run(args) -> int:
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     from toolkit.cluster.livebar import LiveBar
-    from toolkit.pipeline import run_shards
+    from toolkit.pipeline import local_group, run_shards
 
-    with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
-        stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
-    return _after_shards(rd, stopped, failed, merge=not args.no_merge,
-                         again=f", then `toolkit run {args.job}` again to resume them")
+    again = f"`toolkit run {args.job}` again"
+    with _running_here(rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge):
+        with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
+            stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
+        return _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
 
 
-def _after_shards(rd, stopped: bool, failed: list[int], *, merge: bool = True, again: str = "") -> int:
-    """The end of `run` and `retry`: the exit code of shards run here, after merging and auditing them."""
+def _after_shards(rd, stopped: str | None, failed: list[int], *, merge: bool = True, again: str = "") -> int:
+    """The end of `run` and `retry`: the exit code of shards run here, after merging and auditing them. `again`:
+    the command that resumes them."""
     if stopped:
-        return EXIT_STOPPED
+        print(f"stopped by {stopped}: what was done is kept; {again} resumes the run")
+        return stopped_code(stopped)
     if failed:
-        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`{again}")
+        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then {again} to resume them")
         return EXIT_FAILED
     if not merge:
         return EXIT_OK
@@ -273,16 +295,28 @@ def cmd_retry(args) -> int:
 
     rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
     if not shards:
-        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass "
-              f"(`toolkit retry {rd.shown} --ids {shown_path(rd.failed_file)}` retries the others too)")
+        lists = [f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
+                 for f, what in ((rd.missing_file, "ids the merge found missing"),
+                                 (rd.failed_file, "failed ones (permanent failures too)")) if _has_ids(f)]
+        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass"
+              + (f"; {'; '.join(lists)}" if lists else ""))
         return EXIT_OK
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
     if args.slurm:
         return _resubmit(args.run, _resources(args))
-    from toolkit.pipeline import run_shards
+    from toolkit.pipeline import local_group, run_shards
 
-    stopped, failed = run_shards(rd.root, shards, log)
-    return _after_shards(rd, stopped, failed)
+    with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
+        stopped, failed = run_shards(rd.root, shards, log)
+        return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
+
+
+def _has_ids(path: Path) -> bool:
+    """Whether an id list (merged/missing_ids.txt, failed_ids.txt) names any id."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -577,8 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:  # every toolkit error, with the exit code it carries
         print(f"toolkit: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C where no stop is set up (planning, merging, `status --watch`)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `toolkit status RUN | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

@@ -6,12 +6,19 @@
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_OK", "EXIT_STOPPED",
-           "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError"]
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_INTERRUPTED", "EXIT_OK",
+           "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError", "stopped_code"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 EXIT_IN_PROGRESS = 5  # `status`: the run is still going (shards or the merge job pending or running), nothing failed
 EXIT_STUCK = 6        # a worker did not end in time once its work was over: the exit guard ended it (exitguard)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells count it (128 + 2): what was done is kept, a run resumes
+
+
+def stopped_code(signal_name: str | None) -> int:
+    """The exit code of work stopped early by `signal_name`: 130 for Ctrl-C (SIGINT), else 3 (SIGTERM, SIGUSR2:
+    Slurm's time limit or a preemption; to be requeued)."""
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_STOPPED
 
 
 class ToolkitError(Exception):

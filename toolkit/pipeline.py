@@ -23,12 +23,12 @@ import threading
 import time
 
 from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
-from toolkit.errors import EXIT_STOPPED, BadInputError
+from toolkit.errors import EXIT_INTERRUPTED, EXIT_STOPPED, BadInputError
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
 from toolkit.job.plan import load_run
 
-__all__ = ["run_shards", "workers_here"]
+__all__ = ["local_group", "run_shards", "workers_here"]
 
 BUSY_POLL_S = 2.0  # how often a shard being generated elsewhere is looked at
 NVIDIA_SMI_S = 10.0
@@ -56,16 +56,21 @@ def workers_here(spec, parallel: int | None, env: dict[str, str] | None = None) 
     return slices
 
 
+def local_group() -> str:
+    """The claiming group of the workers of this process's run (a shard failed in one is not claimed again)."""
+    return f"run {os.getpid()}"
+
+
 def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
-               parallel: int | None = 1) -> tuple[bool, list[int]]:
-    """Run `shards` of a run here: (stopped by a signal, shards that failed). `parallel`: workers at once (None:
-    as many as the GPUs hold). A shard whose file another process holds is waited for once the others are done,
-    and run here if that process ends without finishing it."""
+               parallel: int | None = 1) -> tuple[str | None, list[int]]:
+    """Run `shards` of a run here: (the signal that stopped it, e.g. "SIGINT", or None; shards that failed).
+    `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file another process holds is
+    waited for once the others are done, and run here if that process ends without finishing it."""
     rd, plan = load_run(run_dir)
     require_engine_here(plan.spec)
     pool = list(dict.fromkeys(shards))
     slices = workers_here(plan.spec, parallel)
-    group = f"run {os.getpid()}"
+    group = local_group()
     if len(slices) > 1:
         log.info("%d workers, each with its own engine%s, claim %d shards", len(slices),
                  " on GPUs " + "; ".join(",".join(s) for s in slices) if any(slices) else "", len(pool))
@@ -76,17 +81,17 @@ def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
         else:
             stopped, busy = _claim_in_workers(rd, pool, group, failed, slices, log)
         if stopped:
-            return True, failed
+            return stopped, failed
         if not busy:
-            return False, failed
+            return None, failed
         freed = _wait_for(rd, busy, log)
         pool = [k for k in freed if k not in failed]
         if not pool:
-            return False, failed
+            return None, failed
 
 
 def _claim_here(rd: RunDir, pool: list[int], group: str, failed: list[int], gpus: list[str],
-                log: logging.Logger) -> tuple[bool, list[int]]:
+                log: logging.Logger) -> tuple[str | None, list[int]]:
     from toolkit.worker.claims import run_claims
 
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -102,11 +107,11 @@ def _claim_here(rd: RunDir, pool: list[int], group: str, failed: list[int], gpus
     failed += [k for k in r.failed if k not in failed]
     for k in r.busy:
         _say_busy(rd, k, log)
-    return r.stopped is not None, r.busy
+    return r.stopped, r.busy
 
 
 def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int], slices: list[list[str]],
-                      log: logging.Logger) -> tuple[bool, list[int]]:
+                      log: logging.Logger) -> tuple[str | None, list[int]]:
     """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is passed on to
     them (each stops its shard cleanly)."""
     from toolkit.formats.manifests import read_done
@@ -150,8 +155,10 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
         if read_done(rd.done_file(k)) is None and p is not None and p.state == "failed" and p.group == group \
                 and k not in failed:
             failed.append(k)
-    if told or EXIT_STOPPED in codes:
-        return True, []
+    if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
+        if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
+            return "SIGINT", []
+        return signal.Signals(told[0]).name if told else "a signal", []
     from toolkit.formats.locks import held_elsewhere
 
     busy = [k for k in pool if read_done(rd.done_file(k)) is None and k not in failed
@@ -170,7 +177,7 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
         log.error("shards %s were left unfinished and no shard finished this round (%s)", ",".join(map(str, left)),
                   "; ".join(died) or "the workers ended")
         failed += left
-    return False, busy
+    return None, busy
 
 
 _LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ([A-Z]+) ([\w.]+): (.*)")

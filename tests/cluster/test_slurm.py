@@ -86,7 +86,32 @@ def test_four_shards_complete_then_merge_runs(tmp_path, toy_tokenizer):
     for k in range(4):
         log = toolkit("logs", str(run), str(k)).stdout
         assert f"shard {k} of run" in log and f"(array {array_id}, task " in log and "GPUs " in log
-    assert "[stub-engine, not a model]" in toolkit("logs", str(run), "0", "--server").stdout
+    for k in range(4):  # each shard's server log: the engine's of the task that claimed it, whichever shard it began
+        assert "[stub-engine, not a model]" in toolkit("logs", str(run), str(k), "--server").stdout
+
+
+def test_a_finished_shard_file_damaged_after_the_run_is_resubmitted_and_the_run_completes_again(tmp_path,
+                                                                                                  toy_tokenizer):
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2)
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    rows, merge = wait_run(run)
+    assert merge.state == "completed" and toolkit("status", str(run)).returncode == 0
+    path = RunDir(run).shard_file(1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    merged = toolkit("merge", str(run), check=False)
+    assert merged.returncode == 1
+    from toolkit.dataset.audit_report import read_report
+
+    coverage = next(c for c in read_report(RunDir(run)).checks if c.name == "coverage")
+    assert f"Finish the shards with `toolkit resubmit {run}`" in coverage.message  # submitted: on Slurm again
+    r = toolkit("resubmit", str(run))  # the advice works: the shard whose file changed goes again
+    assert "resubmitting 1 shard: 1 without a done manifest" in r.stdout
+    rows, merge = wait_run(run, until=lambda rows, m: m.state == "completed" and m.current and m.audit == "passed")
+    assert [x.state for x in rows] == ["completed", "completed"]
+    assert toolkit("status", str(run)).returncode == 0
 
 
 def test_a_grown_job_submitted_again_sends_only_its_new_shard(tmp_path, toy_tokenizer):
@@ -131,6 +156,8 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     merge_id = merge.job
     assert f"==> merge job {merge_id}: failed (" in logs and f"{merge_id}/{merge_id}_0_log.out" in logs
     assert "why: toolkit: error: " in logs and "shards are not finished" in logs  # the reason, before the tail
+    merge_log = RunDir(run).job_log(merge_id).read_text()
+    assert "Traceback" not in merge_log and f"merge job: `toolkit merge {run}` exited 2 (" in merge_log
 
     broken.unlink()  # the cause is fixed
     before = len(read_jobs(RunDir(run)).submissions)

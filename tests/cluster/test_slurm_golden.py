@@ -201,17 +201,23 @@ def test_slurm_refusing_the_submission_exits_1(fake, tmp_path, toy_tokenizer, ca
 
 
 def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenizer, capsys):
+    import hashlib
+
     import msgspec
 
     from toolkit.formats.manifests import DoneManifest
+    from toolkit.job.plan import load_run
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
     assert cli_main(["submit", str(job)]) == 0
     rd = RunDir(tmp_path / "run")
+    fingerprint = load_run(rd.root)[1].fingerprint
     for k, transient in ((0, 2), (1, 0)):  # shard 0 finished with 2 failures that may pass, 1 cleanly, 2 not at all
+        rd.shard_file(k).write_bytes(b"")  # (the manifests describe these files: they are trusted)
         rd.done_file(k).write_bytes(msgspec.json.encode(DoneManifest(
-            shard=k, fingerprint="f", records=2, ok=2 - transient, failed=transient, prompt_tokens=1, output_tokens=1,
-            bytes=0, sha256="0", host="n1", finished="2026-01-01T00:00:00+00:00", transient=transient)))
+            shard=k, fingerprint=fingerprint, records=2, ok=2 - transient, failed=transient, prompt_tokens=1,
+            output_tokens=1, bytes=0, sha256=hashlib.sha256(b"").hexdigest(), host="n1",
+            finished="2026-01-01T00:00:00+00:00", transient=transient)))
     capsys.readouterr()
     assert cli_main(["retry", str(rd.root), "--slurm"]) == 0
     out = capsys.readouterr().out

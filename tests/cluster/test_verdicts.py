@@ -11,7 +11,9 @@ from toolkit.cluster.jobs import ArrayJob, Submission
 from toolkit.cluster.verdicts import (
     ACTIVE,
     DEAD,
+    NOT_STARTED,
     STALE,
+    UNFINISHED,
     UNKNOWN,
     MergeStatus,
     RunFacts,
@@ -171,8 +173,47 @@ def test_local_worker_dead_or_alive():
     assert dead.error == ("worker gone: pid 5 is not running on n1; resume the shard with `toolkit worker RUN 1` "
                           "(or `toolkit run JOB`)")
     assert state(ShardFacts(1, 4, None, generating(1))).state == "running"
-    assert state(ShardFacts(1, 4, None, None)).state == "pending"
     assert state(ShardFacts(1, 4, None, Progress(shard=1, state="stopped", total=4))).state == "stopped"
+
+
+def test_outside_slurm_a_shard_is_pending_only_while_a_live_process_will_run_it():
+    """In progress means something runs it: a shard no attempt started, with no live `toolkit run` to take it up
+    (after Ctrl-C, after `run --shards 0 --no-merge`) is not started, and the run is stopped, not in progress."""
+    idle = state(ShardFacts(2, 4, None, None))
+    assert idle.state == NOT_STARTED and idle.state not in ACTIVE
+    waiting = state(ShardFacts(1, 4, None, None, runner="`toolkit run` (pid 7 on n1)"))
+    assert (waiting.state, waiting.reason) == ("pending", "`toolkit run` (pid 7 on n1) runs it next")
+    stopped = Progress(shard=1, state="stopped", total=4, done=2)
+    assert state(ShardFacts(1, 4, None, stopped, runner="`toolkit run` (pid 7 on n1)")).state == "pending"
+    code, why = verdict([completed(0), state(ShardFacts(1, 4, None, stopped)), idle], MergeStatus(None, None, False),
+                        "RUN")
+    assert code == EXIT_FAILED and code != EXIT_IN_PROGRESS
+    assert why == ("stopped: shards 1-2 stopped/not_started and nothing runs them: `toolkit retry RUN` resumes them "
+                   "here (`toolkit resubmit RUN` on Slurm)")
+    # a process here that merges once its shards are done: the merge is pending, the run in progress
+    facts = RunFacts(run_shown="RUN", shards=[ShardFacts(0, 4, done_manifest(0), None),
+                                              ShardFacts(1, 4, None, None, runner="`toolkit run` (pid 7 on n1)")],
+                     jobs=index_jobs([]), view=SlurmView(jobs={}), merged=False, now=NOW,
+                     merging="`toolkit run` (pid 7 on n1)")
+    rows, merge = run_states(facts)
+    assert verdict(rows, merge, "RUN") == (
+        EXIT_IN_PROGRESS, "in progress: shard 1 not finished; merge pending (`toolkit run` (pid 7 on n1) merges once "
+                          "every shard is done)")
+
+
+def test_a_shard_whose_done_manifest_is_damaged_is_not_complete():
+    """Its progress says done, its manifest cannot be read: merge refuses it, so status does not say complete."""
+    r = state(ShardFacts(1, 4, None, Progress(shard=1, state="done", total=4, done=4)))
+    assert r.state == UNFINISHED and "done manifest is missing or damaged" in r.error
+    code, why = verdict([completed(0), r], MergeStatus(None, None, True, audit="passed"), "RUN")
+    assert code == EXIT_FAILED and "shard 1 unfinished and nothing runs them: `toolkit retry RUN`" in why
+
+
+def test_a_damaged_merged_file_is_not_complete():
+    merge = MergeStatus(None, None, True, audit="passed", damaged="records.zst has 10 bytes, its manifest says 12")
+    code, why = verdict([completed(0), completed(1)], merge, "RUN")
+    assert code == EXIT_FAILED and why == ("not complete: the merged dataset is damaged (records.zst has 10 bytes, "
+                                           "its manifest says 12): `toolkit merge RUN` makes it again")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,7 +299,7 @@ def test_a_failed_or_stopped_shard_is_never_exit_0():
     assert verdict([completed(0), running], MergeStatus("71", "pending", False), "RUN")[0] == EXIT_IN_PROGRESS
     stopped = state(ShardFacts(1, 4, None, Progress(shard=1, state="stopped", total=4)))
     code, why = verdict([completed(0), stopped], MergeStatus(None, None, False), "RUN")
-    assert code == EXIT_FAILED and "shard 1 stopped: `toolkit resubmit RUN` (or `toolkit run JOB`) resumes" in why
+    assert code == EXIT_FAILED and "shard 1 stopped and nothing runs them: `toolkit retry RUN` resumes them here" in why
 
 
 def test_slurmctld_down_sacct_up_a_live_state_in_sacct_is_unknown():

@@ -75,7 +75,11 @@ def test_merge_refuses_unfinished_shards_and_says_what_to_do(tmp_path, kimi, cap
         merge_run(s.root)
     msg = str(e.value)
     assert "1 of 3 shards" in msg and ": 1." in msg
-    assert f"toolkit resubmit {s.root}" in msg and "--allow-incomplete" in msg
+    assert f"`toolkit retry {s.rd.shown}`" in msg and "--allow-incomplete" in msg  # run here: retry runs them here
+    s.rd.jobs_file.parent.mkdir(parents=True, exist_ok=True)
+    s.rd.jobs_file.write_text('{"submissions": []}')  # submitted to Slurm: resubmit
+    with pytest.raises(MergeError, match=f"`toolkit resubmit {s.rd.shown}`"):
+        merge_run(s.root)
     assert cli_main(["merge", str(s.root)]) == 2
     assert "toolkit resubmit" in capsys.readouterr().err
     assert not (s.rd.merged_dir / "records.zst").exists()

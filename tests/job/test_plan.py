@@ -49,9 +49,12 @@ def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, 
         load_run(job)
     with pytest.raises(SpecError, match="is a run directory, not a job spec"):
         load_spec(rd.root)
-    # status takes the job file too: it reads the job's newest run and says which (still going: exit 5)
-    assert cli_main(["status", str(job)]) == 5
-    assert f"run directory: {rd.root} (the newest run of job {job})" in capsys.readouterr().err
+    # status takes the job file too: it reads the job's newest run and says which (planned, but nothing runs it:
+    # not in progress, exit 1 with the command that runs it)
+    assert cli_main(["status", str(job)]) == 1
+    out, err = capsys.readouterr()
+    assert f"run directory: {rd.root} (the newest run of job {job})" in err
+    assert "shard 0 not_started and nothing runs them: `toolkit retry " in out
     assert cli_main(["check", str(rd.root)]) == 2
     assert "not a job spec" in capsys.readouterr().err
 

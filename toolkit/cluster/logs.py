@@ -24,7 +24,7 @@ from toolkit.cluster.verdicts import (
 from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
 from toolkit.formats.manifests import read_done
-from toolkit.formats.progress import read_progress
+from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
@@ -95,9 +95,17 @@ class ShardEnd:
         if read_done(rd.done_file(k)) is not None:
             return "done"
         p = read_progress(rd.progress_file(k))
+        local = self.task is None and self.array is None
+        if local and (p is None or p.state not in FINISHED):  # nothing but a live process here will write it
+            gone = worker_gone(p) if p is not None else None
+            if gone:
+                return f"dead: {gone}"
+            if p is None and not any(k in r.shards for r in live_local_runs(rd)):
+                return f"not started, and nothing runs it (`toolkit retry {rd.shown}` runs it here)"
+            return None
         if p is None or p.state not in FINISHED:
             return None
-        if p.state == "done" or self.task is None and self.array is None:
+        if p.state == "done" or local:
             return p.state
         if time.monotonic() - self.asked >= SLURM_ASK_S and self.array is not None:
             self.asked = time.monotonic()
@@ -232,6 +240,18 @@ def _has_shards(rd: RunDir, plan) -> str:
     return f"the run {rd.shown} has only shard 0" if n == 1 else f"the run {rd.shown} has shards 0..{n - 1}"
 
 
+def _server_log(rd: RunDir, shard: int) -> Path:
+    """The server log of the engine that served `shard` (or serves it): a worker keeps its engine from shard to
+    shard, and the engine writes the log of the first shard it was started for (progress `engine_shard`)."""
+    p = read_progress(rd.progress_file(shard))
+    if p is None or p.engine_shard is None or p.engine_shard == shard:
+        return rd.server_log_file(shard)
+    path = rd.server_log_file(p.engine_shard)
+    print(f"(shard {shard} was served by the engine {p.task or 'its worker'} started for shard {p.engine_shard}: "
+          f"{shown_path(path)})", file=sys.stderr)
+    return path
+
+
 def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bool = False, server: bool = False,
                  failed: bool = False, lines: int = 40) -> int:
     """`toolkit logs`: a shard's worker (or engine) log, followed with `follow`; or with `failed` every failure."""
@@ -248,7 +268,7 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
                             "shows every failed record")
     if not 0 <= shard < len(plan.shards):
         raise BadInputError(f"no shard {shard}: {_has_shards(rd, plan)}")
-    path = rd.server_log_file(shard) if server else rd.log_file(shard)
+    path = _server_log(rd, shard) if server else rd.log_file(shard)
     if follow:
         try:
             end = follow_file(path, lines=lines, stop_when=ShardEnd(rd, shard))
@@ -257,7 +277,14 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
-        raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+        p = read_progress(rd.progress_file(shard))
+        if p is None:
+            raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+        if server:
+            raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
+                               f"for another shard, and its progress file does not say which; its worker's log names "
+                               f"the server log (`toolkit logs {rd.shown} {shard}`)")
+        raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
     for line in _tail_lines(path, lines):
         print(line)
     return 0

@@ -1,8 +1,9 @@
 """`toolkit retry RUN`: generate failed records again, in the same run directory.
 
 Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the retries,
-aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones, are run again: the worker regenerates a
-shard's transient failures on every run; the failures that may pass given up after [client] max_tries tries
+aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones (a shard file changed since its done
+manifest was written among them: its intact records are kept), are run again: the worker regenerates a shard's
+transient failures on every run; the failures that may pass given up after [client] max_tries tries
 (records.is_given_up) get a retry request, as with `--ids`, which starts their count afresh. With `--ids FILE`
 (one id per line, e.g. `merged/failed_ids.txt`), those ids are generated again whatever their status: each of
 their shards gets a retry request (`shards/NNNNN.retry`, which the worker reads and removes once the shard
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from toolkit.errors import BadInputError
 from toolkit.formats.frames import read_shard
-from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, write_retry
+from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, trusted_done, write_retry
 from toolkit.formats.records import is_given_up
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import RunPlan, load_refs, load_run
@@ -73,11 +74,18 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
             if m is not None and m.given_up:
                 ids += given_up_ids(rd, s.index)
         if not ids:
-            return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+            return rd, _unfinished(rd, plan)
     for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):
         path = rd.shard_file(k)
         old = read_retry(rd.retry_file(k))
         keep = [i for i in old.ids if i not in set(shard_ids)] if old else []
         write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + shard_ids))
         rd.done_file(k).unlink(missing_ok=True)
-    return rd, [s.index for s in plan.shards if needs_work(read_done(rd.done_file(s.index)))]
+    return rd, _unfinished(rd, plan)
+
+
+def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
+    """Shards to run: no done manifest, failures that may pass, or a file changed since its manifest was written
+    (trusted_done)."""
+    return [s.index for s in plan.shards
+            if needs_work(trusted_done(rd.done_file(s.index), rd.shard_file(s.index), plan.fingerprint))]

@@ -44,7 +44,7 @@ from toolkit.cluster.verdicts import (
 from toolkit.cluster.verdicts import slurm_view as view_of_answers
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.manifests import read_done
-from toolkit.formats.progress import read_progress, worker_gone
+from toolkit.formats.progress import LocalRun, live_local_runs, read_progress, worker_gone
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
 
@@ -92,6 +92,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     rd, plan = load_run(run_dir)
     jobs = index_jobs(read_jobs(rd).submissions)
     view = slurm_view(jobs.job_ids)
+    live = live_local_runs(rd)
     shards = []
     last_done = 0.0
     for s in plan.shards:
@@ -99,13 +100,29 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
         done = read_done(rd.done_file(s.index))
         if done is not None:
             last_done = max(last_done, _mtime(rd.done_file(s.index)) or 0.0)
-        local = done is None and s.index not in jobs.task_of and s.index not in jobs.pool_of and p is not None
+        local = done is None and s.index not in jobs.task_of and s.index not in jobs.pool_of
+        runner = next((r for r in live if s.index in r.shards), None) if local else None
+        if runner is not None and p is not None and p.state == "failed" and p.group and p.group == runner.group:
+            runner = None  # failed in that run's workers: not claimed again by them
         shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
-                                 gone=worker_gone(p) if local else None))
+                                 gone=worker_gone(p) if local and p is not None else None,
+                                 runner=_who(runner) if runner is not None else None))
     merged_at = _mtime(rd.manifest_file)
+    current = merged_at is not None and merged_at >= last_done
+    audit = _audit_verdict(rd, merged_at)
+    damaged = None
+    if merged_at is not None:  # its sha256 is read only when the rest says complete: exit 0 vouches for it
+        from toolkit.dataset.merge import merged_file_problem
+
+        whole = current and audit == "passed" and all(f.done is not None for f in shards)
+        damaged = merged_file_problem(rd, checksum=whole)
     return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=merged_at is not None,
-                        now=time.time(), merged_current=merged_at is not None and merged_at >= last_done,
-                        audit=_audit_verdict(rd, merged_at))
+                        now=time.time(), merged_current=current, audit=audit,
+                        merging=next((_who(r) for r in live if r.merges), None), merged_damaged=damaged)
+
+
+def _who(r: LocalRun) -> str:
+    return f"`{r.command}` (pid {r.pid} on {r.host})"
 
 
 def _mtime(path: Path) -> float | None:
@@ -184,16 +201,20 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
     lines.append(f"total: {t.done}/{t.total} prompts, {t.failed} failed, {t.output_tokens:,} output tokens, "
                  f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
     lines += format_tasks(tasks or [])
-    if merge.job or merge.merged:
+    if merge.job or merge.merged or merge.state:
         files = []
         if merge.merged:
             files.append(f"{rd.manifest_file.relative_to(rd.root).as_posix()} written"
                          + ("" if merge.current else ", before a shard finished again"))
+            if merge.damaged:
+                files.append(f"but {merge.damaged}")
             if merge.current:
                 files.append(f"audit {merge.audit}" if merge.audit else "not audited")
         if merge.job:
             lines.append(f"merge: job {merge.job} {merge.state or ''}" + (f" ({merge.reason})" if merge.reason else "")
                          + (f" ({', '.join(files)})" if files else ""))
+        elif merge.state:  # a `toolkit run` here merges once its shards are done
+            lines.append(f"merge: {merge.state} ({merge.reason})" + (f" ({', '.join(files)})" if files else ""))
         else:  # merged here (`toolkit run`, `toolkit merge`)
             lines.append(f"merge: {', '.join(files)}")
     note = unknown_note(rows, merge)

@@ -31,7 +31,7 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
-from toolkit.formats.manifests import needs_work, read_done
+from toolkit.formats.manifests import needs_work, read_done, trusted_done
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import RunPlan, load_run
@@ -250,14 +250,16 @@ def _all_done(rd: RunDir) -> SlurmError:
 
 def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:
     """Submit one array over exactly the shards without a done manifest (or with transient failures left, see
-    formats.manifests.needs_work), and a new merge job."""
+    formats.manifests.needs_work; or whose file changed since its done manifest was written, which is removed:
+    trusted_done), and a new merge job."""
     rd, plan = load_run(run_dir)
     live = live_jobs(rd)
     if live:
         shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
         raise SlurmError(f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them or "
                          f"`toolkit cancel {rd.root}` first")
-    missing = [k for k in range(len(plan.shards)) if needs_work(read_done(rd.done_file(k)))]
+    missing = [k for k in range(len(plan.shards))  # (a shard file changed since its done manifest: not finished)
+               if needs_work(trusted_done(rd.done_file(k), rd.shard_file(k), plan.fingerprint))]
     if not missing:
         return rd, None, []
     o = validate_resources(plan, resources or Resources())

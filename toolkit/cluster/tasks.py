@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 
-from toolkit.errors import ToolkitError
-
 log = logging.getLogger(__name__)
 
 
@@ -79,10 +77,6 @@ class ClaimTask:
         return submitit.helpers.DelayedSubmission(ClaimTask(self.run_dir, self.pool, self.workers), worker)
 
 
-class MergeJobFailed(ToolkitError):
-    """The run's final job ended with a non-zero exit: `toolkit merge` said why, in the job's log."""
-
-
 class MergeTask:
     """The run's final job: `toolkit merge RUN` (merge every shard, then audit), run as the command line runs it,
     so that what goes wrong is said once, as the command says it, in the job's log; its exit code fails the job
@@ -94,5 +88,9 @@ class MergeTask:
     def __call__(self) -> int:
         code = subprocess.run([sys.executable, "-m", "toolkit", "merge", self.run_dir], stdin=subprocess.DEVNULL).returncode
         if code:
-            raise MergeJobFailed(f"toolkit merge {self.run_dir} exited {code}", exit_code=code)
+            print(f"merge job: `toolkit merge {self.run_dir}` exited {code} (the lines above say why); once that is "
+                  f"fixed, `toolkit merge {self.run_dir}` merges here, or `toolkit resubmit {self.run_dir}` on Slurm",
+                  file=sys.stderr, flush=True)
+            # SystemExit is no Exception: submitit lets it pass without its traceback; the job exits with the code
+            raise SystemExit(code)
         return 0

@@ -25,7 +25,7 @@ from toolkit.formats.progress import REFRESH_S, Progress, stale_for
 from toolkit.formats.text import ranges
 
 __all__ = [
-    "ACTIVE", "BAD_STATES", "DEAD", "STALE", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
+    "ACTIVE", "BAD_STATES", "DEAD", "NOT_STARTED", "STALE", "UNFINISHED", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
     "ShardStatus", "SlurmJob", "SlurmView", "TaskStatus", "Totals", "claimed_by", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
     "parse_sacct", "parse_scontrol", "parse_squeue", "pool_state", "run_states", "shard_status", "slurm_view",
     "task_rows", "totals", "unknown_why",
@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 UNKNOWN = "unknown"
+NOT_STARTED = "not_started"  # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
+UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
 STALE = "stale"  # a local worker's progress says generating, but the file has not been written for far too long
 ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
@@ -77,6 +79,7 @@ class MergeStatus(msgspec.Struct):
     reason: str | None = None  # why it is pending, or why its state is unknown
     current: bool = True       # the merge is newer than every shard's done manifest
     audit: str | None = None   # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
+    damaged: str | None = None  # what is wrong with the merged dataset against its manifest (None: intact)
 
 
 class Totals(msgspec.Struct):
@@ -311,6 +314,7 @@ class ShardFacts(msgspec.Struct):
     done: DoneManifest | None        # its done manifest
     progress: Progress | None        # its progress file
     gone: str | None = None          # why its local worker is gone (progress.worker_gone), when it is
+    runner: str | None = None        # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
@@ -342,10 +346,18 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     elif f.gone:
         state = DEAD
         error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
-    else:
+    else:  # not submitted to Slurm: its progress file, whether its worker lives, whether a live process will run it
         state = _LOCAL_STATES.get(p.state, p.state)
         if state == "running" and stale_s is not None:  # the progress file is all there is to go by, and it is old
             state = STALE
+        elif state != "running" and f.runner:
+            state, reason, error = "pending", f"{f.runner} runs it next", None
+        elif f.progress is None:
+            state = NOT_STARTED
+        elif state == "completed":  # (a done manifest, had it been readable, was taken above)
+            state = UNFINISHED
+            error = ("its worker finished it, but its done manifest is missing or damaged: the shard is taken as "
+                     f"not finished; `toolkit retry {run_shown}` checks its file and writes the manifest again")
     stale = None
     if stale_s is not None and state in ("running", UNKNOWN, STALE):
         stale = (f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
@@ -387,6 +399,8 @@ class RunFacts(msgspec.Struct):
     now: float                   # Unix time of the refresh
     merged_current: bool = True  # merged/manifest.json is newer than every done manifest
     audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
+    merging: str | None = None   # a live `toolkit run` (or retry) that merges the run once its shards are done
+    merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
 
 
 def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
@@ -403,8 +417,12 @@ def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
 
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
     rows = [_row(s, f) for s in f.shards]
-    return rows, merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
-                              now=f.now, current=f.merged_current, audit=f.audit)
+    merge = merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
+                         now=f.now, current=f.merged_current, audit=f.audit)
+    merge.damaged = f.merged_damaged
+    if f.merging and merge.state not in ACTIVE:  # merged here, by the process that runs the shards
+        merge.state, merge.reason = "pending", f"{f.merging} merges once every shard is done"
+    return rows, merge
 
 
 class TaskStatus(msgspec.Struct):
@@ -463,20 +481,26 @@ def _shards(rows: list[ShardStatus]) -> str:
     return f"shard{'s' if len(rows) != 1 else ''} {ranges([r.shard for r in rows], sep=',', limit=8)}"
 
 
+def _merge_named(merge: MergeStatus) -> str:
+    return f"merge job {merge.job} {merge.state}" if merge.job else f"merge {merge.state} ({merge.reason})"
+
+
 def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN") -> tuple[int, str]:
     """`status`'s exit code and the sentence that says why, the first that holds of:
 
     0 (EXIT_OK) complete and healthy: every shard completed with no failure that may pass, merged after the last
-      shard finished, and the audit of that merge passed;
+      shard finished, the merged dataset what its manifest says, and the audit of that merge passed;
     1 (EXIT_FAILED) failed: a shard failed, timed out, was cancelled, its worker is dead or stale, the merge job
       failed or the audit did; (a shard still running does not change it: the run cannot complete on its own);
     4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer);
-    5 (EXIT_IN_PROGRESS) still going: shards or the merge job pending or running;
-    1 (EXIT_FAILED) ended without completing: shards stopped, failures that may pass left, not merged (or merged
-      before a shard changed), not audited: what to run next is said."""
+    5 (EXIT_IN_PROGRESS) still going: something runs it (shards or the merge job pending or running, on Slurm or
+      in a live `toolkit run` here);
+    1 (EXIT_FAILED) ended without completing: stopped (shards stopped, not started or unfinished, and nothing
+      runs them), failures that may pass left, not merged (or merged before a shard changed, or the merged file
+      damaged), not audited: the command to run next is said."""
     retry = [r for r in rows if r.state == "completed" and r.transient]
     if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
-            and merge.audit == "passed"):
+            and merge.audit == "passed" and not merge.damaged):
         return EXIT_OK, "complete: every shard done, merged, audit passed"
     problems = []
     bad = [r for r in rows if r.state in BAD_STATES]
@@ -485,7 +509,7 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
         problems.append(f"{_shards(these)} {st}")
     if merge.job and merge.state in BAD_STATES:
         problems.append(f"merge job {merge.job} {merge.state}")
-    if merge.merged and merge.current and merge.audit == "failed":
+    if merge.merged and merge.current and merge.audit == "failed" and not merge.damaged:
         problems.append("the audit failed")
     if problems:
         also = (f"; {sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
@@ -497,13 +521,17 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     if active or merge.state in ACTIVE:
         going = [f"{_shards(active)} not finished"] if active else []
         if merge.state in ACTIVE:
-            going.append(f"merge job {merge.job} {merge.state}")
+            going.append(_merge_named(merge))
         return EXIT_IN_PROGRESS, f"in progress: {'; '.join(going)}"
     todo = []
     unfinished = [r for r in rows if r.state != "completed"]
     if unfinished:
-        todo.append(f"{_shards(unfinished)} {'/'.join(dict.fromkeys(r.state for r in unfinished))}: "
-                    f"`toolkit resubmit {run_shown}` (or `toolkit run JOB`) resumes them")
+        states = "/".join(dict.fromkeys(r.state for r in unfinished))
+        if any(r.job for r in unfinished):
+            resume = f"`toolkit resubmit {run_shown}` resumes them on Slurm"
+        else:  # not submitted to Slurm: nothing will pick them up
+            resume = f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit {run_shown}` on Slurm)"
+        todo.append(f"{_shards(unfinished)} {states} and nothing runs them: {resume}")
     if retry:
         todo.append(f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
                     f"`toolkit retry {run_shown}`")
@@ -512,6 +540,8 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
             todo.append(f"not merged: `toolkit merge {run_shown}`")
         elif not merge.current:
             todo.append(f"merged before a shard finished again: `toolkit merge {run_shown}`")
+        elif merge.damaged:
+            todo.append(f"the merged dataset is damaged ({merge.damaged}): `toolkit merge {run_shown}` makes it again")
         elif merge.audit is None:
             todo.append(f"not audited: `toolkit audit {run_shown}`")
-    return EXIT_FAILED, f"not complete: {'; '.join(todo)}"
+    return EXIT_FAILED, f"{'stopped' if unfinished else 'not complete'}: {'; '.join(todo)}"

@@ -336,7 +336,7 @@ class Auditor:
             integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
             continued=manifest.continued,
             missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
-            failed_file=rd.failed_file, run=rd.root,
+            failed_file=rd.failed_file, run=rd.root, finish=rd.finish_command(),
         )
         info, model = self.info, plan.spec.model
         report = AuditReport(

@@ -91,8 +91,10 @@ def _what_to_check(info: chat.TokenInfo, model: ModelSpec) -> str:
 # coverage and integrity of the merge
 # ---------------------------------------------------------------------------------------------------
 def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStats], duplicates: int,
-             missing_ids: Sequence[str], missing_file: Path, run: Path, continued: int = 0) -> Check:
-    """Every planned prompt present exactly once, at its planned position (`missing_ids`: a few examples)."""
+             missing_ids: Sequence[str], missing_file: Path, run: Path, continued: int = 0,
+             finish: str | None = None) -> Check:
+    """Every planned prompt present exactly once, at its planned position (`missing_ids`: a few examples).
+    `finish`: the command that finishes the run's shards (RunDir.finish_command)."""
     planned, present = overall.planned, overall.records
     lost = planned - present
     if lost or integ.seen_twice or integ.id_mismatch:
@@ -102,21 +104,23 @@ def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStat
             f"{present} of {planned} planned prompts present (ok + failed); {lost} missing "
             f"(e.g. {', '.join(missing_ids)}; all in {missing_file}) in shards "
             f"{_short(incomplete)}; {integ.seen_twice} present twice, {integ.id_mismatch} not at their planned "
-            f"position. Finish the shards with `toolkit resubmit {run}`, then `toolkit merge {run}` again.")
+            f"position. Finish the shards with `{finish or f'toolkit resubmit {run}'}`, then `toolkit merge {run}` "
+            "again.")
     return _check("coverage", True, 1.0, 1.0, f"all {planned} planned prompts present exactly once "
                   f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once"
                   + (f", {continued} partial outputs continued" if continued else "") + ")")
 
 
-def damaged_frames(corrupt: Sequence, run: Path) -> Check:
+def damaged_frames(corrupt: Sequence, run: Path, finish: str | None = None) -> Check:
     """No damaged frame in any shard file (`corrupt`: the merge manifest's FrameProblems)."""
     if corrupt:
         p = corrupt[0]
         return _check(
             "damaged_frames", False, len(corrupt), 0,
             f"{len(corrupt)} damaged frame(s) in shard files, e.g. shard {p.shard} {p.file} at byte "
-            f"{p.offset} ({p.why}); their records are missing. Move the damaged shard file and its .done aside "
-            f"and `toolkit resubmit {run}` to generate that shard again (check the disk / file system).")
+            f"{p.offset} ({p.why}); their records are missing. `{finish or f'toolkit resubmit {run}'}` checks each "
+            f"shard file against its done manifest, keeps its intact frames and generates the rest, then merges "
+            f"(check the disk / file system).")
     return _check("damaged_frames", True, 0, 0, "every frame of every shard file intact")
 
 
@@ -370,7 +374,7 @@ def run_checks(
     *, a: AuditSpec, model: ModelSpec, info: chat.TokenInfo, overall: DatasetStats, datasets: Sequence[DatasetStats],
     shards: Sequence[ShardStats], integ: Integrity, reprompt: Reprompt, corrupt: Sequence, duplicates: int,
     missing_ids: Sequence[str], examples: dict[str, list[str]], missing_file: Path, failed_file: Path, run: Path,
-    continued: int = 0,
+    continued: int = 0, finish: str | None = None,
 ) -> list[Check]:
     """Every check of an audit, in the report's order (reasoning checks or, without expect_reasoning, no_reasoning).
 
@@ -382,8 +386,8 @@ def run_checks(
         return examples.get(kind, [])
 
     checks = [
-        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run, continued),
-        damaged_frames(corrupt, run),
+        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run, continued, finish),
+        damaged_frames(corrupt, run, finish),
         shard_checksums(shards),
         failed_share(overall, a.max_failed_share, failed_file, run),
         nan_stop(r, ex("nan_stop"), run),

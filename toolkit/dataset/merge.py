@@ -26,7 +26,15 @@ import msgspec
 
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
-from toolkit.formats.frames import CorruptShard, Damage, decode_batch, intact_frames, read_frame_at, read_header
+from toolkit.formats.frames import (
+    CorruptShard,
+    Damage,
+    damaged_fingerprint,
+    decode_batch,
+    intact_frames,
+    read_frame_at,
+    read_header,
+)
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import DoneManifest, read_done
 from toolkit.formats.records import OK, PARTIAL, Record
@@ -153,15 +161,16 @@ class ShardScan:
         self.damage: list[Damage] = []
 
 
-def scan_shard(path: Path | None, first: int, refs: list[PromptRef]) -> ShardScan:
+def scan_shard(path: Path | None, first: int, refs: list[PromptRef], *, header: bool = True) -> ShardScan:
     """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs` in order):
-    every intact frame read, the newest record of each position located, damaged frames noted and read past."""
+    every intact frame read, the newest record of each position located, damaged frames noted and read past.
+    `header` False: the file's header is known damaged; its frames are read past it."""
     n = len(refs)
     sc = ShardScan(n)
     if path is None:
         return sc
     frame_of, item_of, partial_at = sc.frame_of, sc.item_of, sc.partial_at
-    for frame in intact_frames(path, sc.damage):
+    for frame in intact_frames(path, sc.damage, header=header):
         recs = decode_batch(frame)  # decoded and counted here, so the second pass cannot fail on it
         fno = len(sc.offsets)
         sc.offsets.append(frame.offset)
@@ -219,9 +228,9 @@ def newest_records(path: Path | None, sc: ShardScan, cache_bytes: int = CACHE_BY
 def _merge_shard(
     sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
-    missing_out, cache_bytes: int,
+    missing_out, cache_bytes: int, *, header: bool = True,
 ) -> None:
-    sc = scan_shard(path, sp.first, refs)
+    sc = scan_shard(path, sp.first, refs, header=header)
     sm.frames, sm.records, sm.foreign = len(sc.offsets), sc.records, sc.foreign
     sm.duplicates, sm.continued = sc.duplicates, sc.continued
     t.foreign_ids += sc.foreign_ids[:SAMPLE_IDS - len(t.foreign_ids)]
@@ -260,7 +269,7 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
     if not_done and not allow_incomplete:
         raise MergeError(
             f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
-            f"{ranges(not_done)}. Finish them with `toolkit resubmit {rd.root}` (`toolkit status {rd.root}` shows "
+            f"{ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
     return done
@@ -339,8 +348,8 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
                 sm = ShardMerge(index=s.index, file=str(path), done=s.index in done)
                 readable = _check_file(path, s.index, plan, sm, done, corrupt)
                 log.info("merging shard %d (%d planned records)", s.index, s.count)
-                _merge_shard(s, sm, path if readable else None, refs.shard(s.index), plan, t, corrupt, torn, emit,
-                             missing_out, cache_bytes)
+                _merge_shard(s, sm, path if readable is not None else None, refs.shard(s.index), plan, t, corrupt,
+                             torn, emit, missing_out, cache_bytes, header=bool(readable))
                 t.duplicates += sm.duplicates
                 t.continued += sm.continued
                 t.foreign += sm.foreign
@@ -376,10 +385,13 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
     return manifest
 
 
-def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest], corrupt: list[FrameProblem]) -> bool:
-    """Size and checksum of a shard file; False when it is absent or not this shard's (then reported)."""
+def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest],
+                corrupt: list[FrameProblem]) -> bool | None:
+    """Size and checksum of a shard file, and its header: True when it is this shard's; False when its header is
+    damaged (reported: its frames are read past it, as the worker's salvage keeps them); None when it is absent or
+    another run's (reported: none of its records is this run's)."""
     if not path.exists():
-        return False
+        return None
     sm.bytes = path.stat().st_size
     if sm.done:
         sm.sha256 = sha256_file(path)
@@ -387,11 +399,16 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
     try:
         head = read_header(path)
     except CorruptShard as e:
-        corrupt.append(FrameProblem(k, str(path), e.offset, e.why))
+        corrupt.append(FrameProblem(k, str(path), 0, f"damaged header: {e.why}"))
         return False
     if head is not None and head != (plan.fingerprint, k):
-        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's shard {k}"))
-        return False
+        if damaged_fingerprint(head[0], plan.fingerprint):
+            corrupt.append(FrameProblem(k, str(path), 0, f"damaged header (run {head[0]!r} shard {head[1]})"))
+            return False
+        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's "
+                                                     f"shard {k}: move it aside (mv {path} {path}.other-run) and "
+                                                     "run the shard again"))
+        return None
     return True
 
 
@@ -436,3 +453,23 @@ def load_manifest(rd: RunDir) -> MergeManifest:
         raise MergeError(f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` first") from None
     except msgspec.MsgspecError as e:
         raise MergeError(f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again") from None
+
+
+def merged_file_problem(rd: RunDir, *, checksum: bool = False) -> str | None:
+    """What is wrong with a run's merged dataset against its merge manifest (None: it is what the merge wrote):
+    an unreadable manifest, the file gone, another size, or (with `checksum`) another sha256."""
+    try:
+        m = msgspec.json.decode(rd.manifest_file.read_bytes(), type=MergeManifest)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.MsgspecError) as e:
+        return f"{rd.manifest_file.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        size = rd.merged_file.stat().st_size
+    except FileNotFoundError:
+        return f"{rd.merged_file.name} is missing"
+    if size != m.bytes:
+        return f"{rd.merged_file.name} has {size:,} bytes, its manifest says {m.bytes:,}"
+    if checksum and sha256_file(rd.merged_file) != m.sha256:
+        return f"{rd.merged_file.name} differs from the sha256 in its manifest"
+    return None

@@ -217,16 +217,17 @@ def iter_frames(path: str | Path, *, tail: list | None = None) -> Iterator[Frame
             return
 
 
-def intact_frames(path: str | Path, damage: list[Damage]) -> Iterator[Frame]:
+def intact_frames(path: str | Path, damage: list[Damage], *, header: bool = True) -> Iterator[Frame]:
     """Every intact frame of a shard file, reading on past damaged ones (`scan`): what a merge salvages.
 
     Each damaged stretch is appended to `damage` (the last one `torn` when nothing intact follows it); a bad
-    header, which makes nothing in the file trustworthy, is appended as one damaged stretch from byte 0 to the
-    end, and no frame is read.
+    header is appended as one damaged stretch from byte 0 to the end, and no frame is read — unless `header` is
+    False (the caller judged the header damaged, not another run's): then the frames after it are read, as the
+    worker's salvage keeps them (shardfile.ShardWriter.open).
     """
     path = Path(path)
     try:
-        for item in scan(path):
+        for item in scan(path, header=header):
             if isinstance(item, Damage):
                 damage.append(item)
             else:

@@ -156,6 +156,23 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
     return None
 
 
+def trusted_done(path: Path, shard_path: Path, fingerprint: str) -> DoneManifest | None:
+    """The done manifest at `path` when it can be trusted: of this run (`fingerprint`), its shard file unchanged
+    since (size, sha256). One that cannot be is removed, said in one line: the shard is then not finished, and its
+    next run checks its file, salvages the intact frames and generates the rest (shardfile.ShardWriter.open)."""
+    m = read_done(path)
+    if m is None:
+        return None
+    why = (f"of run {m.fingerprint}, not of this run {fingerprint}" if m.fingerprint != fingerprint
+           else verify_done(m, shard_path))
+    if why is None:
+        return m
+    log.warning("%s: %s: the done manifest is removed; the shard's next run checks its file, keeps what is intact "
+                "and generates the rest", path, why)
+    path.unlink(missing_ok=True)
+    return None
+
+
 class RetryRequest(msgspec.Struct):
     """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record lies
     before byte `before` of the shard file (records written since are the retry's own)."""

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 
 from toolkit.formats.files import atomic_write
 
-__all__ = ["Progress", "REFRESH_S", "STALE_S", "read_progress", "write_progress", "slurm_context", "stale_for",
-           "worker_gone"]
+__all__ = ["LocalRun", "Progress", "REFRESH_S", "STALE_S", "live_local_runs", "local_run", "read_progress",
+           "write_progress", "slurm_context", "stale_for", "worker_gone"]
+
+log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0   # a generating worker rewrites its progress file this often
 STALE_S = 30.0    # a generating worker's progress file older than this (15 refreshes missed) is stale
@@ -53,6 +60,8 @@ class Progress(msgspec.Struct, kw_only=True):
     task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a requeue restarts it)
     task_shards: int = 0             # shards that worker has taken so far, this one included
     group: str | None = None         # the workers sharing one pool of shards (a Slurm array job, one `toolkit run`)
+    engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the serving engine writes:
+                                     # the first its worker started it for (this shard, or one claimed before)
 
     def eta_s(self) -> float | None:
         """Seconds left at this attempt's pace (None before it has a pace)."""
@@ -128,3 +137,99 @@ def worker_gone(p: Progress, host: str | None = None) -> str | None:
     if started is not None and p.started and started > p.started + 5:
         return f"worker gone: pid {p.pid} on {p.host} is another process now (started after the worker)"
     return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# processes running a run's shards from the command line (not as its Slurm tasks): what `status` knows runs
+# ---------------------------------------------------------------------------------------------------
+class LocalRun(msgspec.Struct, kw_only=True):
+    """A process that runs shards of a run from the command line (`toolkit run`, `retry`, `worker`): the shards
+    it will run, whether it merges them after. Its file is locked (flock) as long as the process lives."""
+
+    host: str
+    pid: int
+    started: float
+    shards: list[int]
+    command: str                 # `toolkit run`, `toolkit retry`, `toolkit worker`
+    group: str | None = None     # the claiming group of its workers (a shard failed in it is not claimed again)
+    merges: bool = False         # it merges and audits the run once its shards are done
+
+
+@contextlib.contextmanager
+def local_run(rd, shards, command: str, *, group: str | None = None, merges: bool = False) -> Iterator[None]:
+    """While the block runs, this process is known to work on `shards` of run `rd` (`live_local_runs`): a file
+    that names it, locked for its life, removed at its end (a process killed -9 releases the lock with it). Best
+    effort: a run directory that cannot take the file (full, read-only) does not stop the work."""
+    path = rd.local_run_file(socket.gethostname(), os.getpid())
+    me = LocalRun(host=socket.gethostname(), pid=os.getpid(), started=time.time(), shards=list(shards),
+                  command=command, group=group, merges=merges)
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # no flock here (or a pid reused): the pid stands in (live_local_runs)
+        os.write(fd, msgspec.json.encode(me))
+    except OSError as e:
+        log.warning("cannot write %s (%s): `toolkit status` will not know this process runs the run", path,
+                    e.strerror or e)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+
+
+def _lock_held(path: Path) -> bool | None:
+    """Whether another process holds the flock of `path` (None: this file system has no flock to tell)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        return None if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS) else False
+    finally:
+        os.close(fd)
+    return False
+
+
+def live_local_runs(rd) -> list[LocalRun]:
+    """The processes running shards of `rd` from the command line that are alive now: their file's lock is held (where the
+    file system has no flock: their pid runs on this host, or they run on another host, which cannot be told)."""
+    folder = rd.local_run_file("h", 0).parent
+    try:
+        files = sorted(folder.glob("*.json"))
+    except OSError:
+        return []
+    out = []
+    for path in files:
+        try:
+            r = msgspec.json.decode(path.read_bytes(), type=LocalRun)
+        except (OSError, msgspec.DecodeError):
+            continue  # gone meanwhile, or being written
+        held = _lock_held(path)
+        here = r.host == socket.gethostname()
+        if held is False or here and not _pid_alive(r.pid):
+            continue
+        if held is None and not here:
+            log.debug("%s: on another host, without flock: taken as alive", path)
+        out.append(r)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

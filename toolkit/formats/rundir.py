@@ -9,6 +9,8 @@
                                  damaged file kept aside when its intact frames were salvaged
     RUN/shards/NNNNN.retry       ids `toolkit retry` asked to generate again (removed when the shard completes)
     RUN/progress/NNNNN.json      live progress of a shard
+    RUN/progress/local/HOST.PID.json  a `toolkit run`, `retry` or `worker` that runs shards of the run (not as
+                                 its Slurm task) and the shards it will run, locked (flock) while it lives
     RUN/logs/NNNNN.log           worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/jobs.json          the Slurm jobs submitted for this run
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
@@ -69,6 +71,11 @@ class RunDir:
         """Whether `path` is a run directory (it holds a plan)."""
         return (Path(path) / PLAN_FILE).exists()
 
+    def finish_command(self) -> str:
+        """The command that finishes this run's shards (those unfinished, or whose file changed since they were
+        finished): `toolkit resubmit RUN` for a run submitted to Slurm, else `toolkit retry RUN` (runs them here)."""
+        return f"toolkit {'resubmit' if self.jobs_file.exists() else 'retry'} {self.shown}"
+
     @property
     def shown(self) -> str:
         """The run directory as a user would type it: relative to the current directory when inside it."""
@@ -90,6 +97,9 @@ class RunDir:
 
     def progress_file(self, i: int) -> Path:
         return self._numbered(self.progress_dir, i, ".json")
+
+    def local_run_file(self, host: str, pid: int) -> Path:
+        return self.progress_dir / "local" / f"{host}.{pid}.json"
 
     def log_file(self, i: int) -> Path:
         return self._numbered(self.logs_dir, i, ".log")

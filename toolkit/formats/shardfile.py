@@ -119,8 +119,9 @@ class ShardWriter:
             fp, shard = head
             if not damaged_fingerprint(fp, self.fingerprint):
                 raise ForeignShard(
-                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard}; "
-                    "this run directory was planned for another job: use a new output_dir or --new-run"
+                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard} "
+                    f"(a file put here from another run): none of its records is this run's; move it aside "
+                    f"(mv {self.path} {self.path}.other-run) and run the shard again: it is generated anew"
                 )
             damage.append(Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False))
         good: list[tuple[int, int]] = []  # (offset, end) of intact frames

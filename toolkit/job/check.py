@@ -10,7 +10,7 @@ starts, in one function so that no command misses a check.
     reasoning  where each rendered prompt leaves the model (chat.reasoning_mode), against [model] expect_reasoning
     lengths    each prompt plus its dataset's max_new_tokens against the model's context length, as SGLang checks
     run dir    output_dir a folder this user can create and write (not under a file, not on a read-only file
-               system); holding another job's run (run and submit refuse it; check tells in advance), or runs of
+               system, not where no file can be made: /proc, /sys; tried with a hidden folder, removed); holding another job's run (run and submit refuse it; check tells in advance), or runs of
                this job (the newest is resumed: plan.find_run)
 
 Problems are collected across all stages that can run and raised as one `PreflightError`; what is worth knowing
@@ -156,8 +156,10 @@ def skipped_warnings(plan: RunPlan) -> list[str]:
 # run directory
 # ---------------------------------------------------------------------------------------------------
 def check_output_dir(output_dir: str, job: Any) -> None:
-    """PlanError when the run directory could not be made there: a file in the way, or a folder this user cannot
-    write (permissions, a read-only file system). Nothing is created to find out."""
+    """PlanError when the run directory could not be made there: a file in the way, a folder this user cannot
+    write (permissions, a read-only file system), or a place that cannot hold files at all (/proc, /sys: where
+    even root's write access says nothing). What is checked is tried: a hidden folder with a file in it is made
+    in the nearest existing part of the path, then removed; nothing is left."""
     root = Path(output_dir)
     p = root
     while not (p.exists() or p.is_symlink()) and p.parent != p:
@@ -172,9 +174,33 @@ def check_output_dir(output_dir: str, job: Any) -> None:
         unwritable = [d for d in RunDir(root).writable_dirs() if d.exists() and not os.access(d, os.W_OK | os.X_OK)]
         if unwritable:
             problem = f"{unwritable[0]} is not writable by this user"
+    if problem is None:
+        problem = _cannot_hold_files(p)
     if problem:
         raise PlanError(f"{job}: output_dir {root}: {problem}, so the run directory cannot be written there; point "
                         "output_dir at a folder this user can write")
+
+
+def _cannot_hold_files(folder: Path) -> str | None:
+    """Why `folder` cannot hold a run's files, found by making a hidden folder and a file in it (then removed); None
+    when it can."""
+    import shutil
+    import tempfile
+
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".toolkit-check-", dir=folder))
+    except OSError as e:
+        return f"a folder cannot be made in {folder} ({e.strerror or e})"
+    try:
+        with open(probe / "probe", "wb") as f:
+            f.write(b"probe")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return f"a file cannot be written in {folder} ({e.strerror or e})"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None
 
 
 def _check_run_dir(pf: Preflight) -> None:

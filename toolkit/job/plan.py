@@ -288,17 +288,52 @@ def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
         plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
     except FileNotFoundError:
         raise PlanError(f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or `toolkit run`") from None
-    except msgspec.ValidationError as e:
-        raise PlanError(f"{rd.plan_file}: unreadable run plan ({e})") from None
+    except (msgspec.DecodeError, OSError) as e:  # garbage, empty, truncated, not a plan (ValidationError), a folder
+        raise damaged_run_file(rd.plan_file, e) from None
     return rd, plan
 
 
+REPLAN = ("plan the job again into this folder to recover it: `toolkit run JOB` (or `toolkit submit JOB`) with the job "
+          "file that made the run writes it again, keeps every shard file of that job and generates nothing already "
+          "done")
+
+
+def damaged_run_file(path: Path, e: Exception) -> PlanError:
+    """The one-line error of a run.json or prompts.msgpack that cannot be read, with the command that recovers."""
+    why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e).splitlines()[0] if str(e) else type(e).__name__
+    return PlanError(f"{path} is damaged ({why}); {REPLAN}")
+
+
+def _read_refs_raw(rd: RunDir) -> list[msgspec.Raw]:
+    """prompts.msgpack as one raw msgpack item per planned prompt; PlanError when it is missing or damaged."""
+    try:
+        return msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
+    except FileNotFoundError:
+        raise PlanError(f"{rd.prompts_file} is missing: {REPLAN}") from None
+    except (msgspec.DecodeError, OSError) as e:
+        raise damaged_run_file(rd.prompts_file, e) from None
+
+
+def refs_intact(rd: RunDir, plan: RunPlan) -> bool:
+    """Whether prompts.msgpack holds the plan's refs, every one readable."""
+    try:
+        raw = _read_refs_raw(rd)
+        decode = msgspec.msgpack.Decoder(PromptRef).decode
+        return len(raw) == plan.total and all(decode(r) is not None for r in raw)
+    except (PlanError, msgspec.DecodeError):
+        return False
+
+
 def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[PromptRef]:
-    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded)."""
-    raw = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
+    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded); PlanError when
+    prompts.msgpack is missing or damaged."""
+    raw = _read_refs_raw(rd)
     end = len(raw) if count is None else first + count
     decode = msgspec.msgpack.Decoder(PromptRef).decode
-    return [decode(r) for r in raw[first:end]]
+    try:
+        return [decode(r) for r in raw[first:end]]
+    except msgspec.DecodeError as e:
+        raise damaged_run_file(rd.prompts_file, e) from None
 
 
 def _array_header(n: int) -> bytes:
@@ -377,14 +412,20 @@ class ShardRefs:
                     try:
                         end = _item_end(buf, i)
                         break
+                    except ValueError as e:  # not a prompt ref's bytes
+                        raise damaged_run_file(self.path, e) from None
                     except IndexError:
                         more = f.read(self.CHUNK)
                         if not more:
                             raise PlanError(f"{self.path} ends before the refs of positions {self.first}.."
-                                            f"{self.first + self.count - 1}: the run directory is damaged") from None
+                                            f"{self.first + self.count - 1}: it is damaged; {REPLAN}") from None
                         buf, i = buf[i:] + more, 0
                 if n >= skip:
-                    yield self._decode(buf[i:end])
+                    try:
+                        ref = self._decode(buf[i:end])
+                    except msgspec.DecodeError as e:
+                        raise damaged_run_file(self.path, e) from None
+                    yield ref
                 i = end
 
 
@@ -399,7 +440,11 @@ class RefSlice:
         from array import array
 
         data = rd.prompts_file.read_bytes()
-        raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        self.path = rd.prompts_file
+        try:
+            raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        except msgspec.DecodeError as e:
+            raise damaged_run_file(rd.prompts_file, e) from None
         sizes = [len(r) for r in raw]
         del raw
         start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
@@ -416,7 +461,10 @@ class RefSlice:
 
     def __getitem__(self, i: int) -> PromptRef:
         begin = self._ends[i - 1] if i else 0
-        return self._decode(self._data[begin : self._ends[i]])
+        try:
+            return self._decode(self._data[begin : self._ends[i]])
+        except msgspec.DecodeError as e:
+            raise damaged_run_file(self.path, e) from None
 
 
 class PlannedRefs:
@@ -429,13 +477,11 @@ class PlannedRefs:
     _decode = msgspec.msgpack.Decoder(PromptRef).decode
 
     def __init__(self, rd: RunDir, plan: RunPlan):
-        try:
-            data = rd.prompts_file.read_bytes()
-        except FileNotFoundError:
-            raise PlanError(f"{rd.prompts_file} is missing: the run directory is damaged; plan the job again") from None
-        self._raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
+        self._raw = _read_refs_raw(rd)
         if len(self._raw) != plan.total:
-            raise PlanError(f"{rd.prompts_file} holds {len(self._raw)} prompts but {rd.plan_file.name} plans {plan.total}")
+            raise PlanError(f"{rd.prompts_file} holds {len(self._raw)} prompts but {rd.plan_file.name} plans "
+                            f"{plan.total}: it is damaged; {REPLAN}")
+        self.path = rd.prompts_file
         self.shards = plan.shards
         self._firsts = [s.first for s in plan.shards]
         self._k = -1
@@ -449,7 +495,10 @@ class PlannedRefs:
         """The refs of shard `k`, in planned order (the last shard asked for is kept decoded)."""
         if k != self._k:
             s = self.shards[k]
-            self._refs = [self._decode(r) for r in self._raw[s.first : s.first + s.count]]
+            try:
+                self._refs = [self._decode(r) for r in self._raw[s.first : s.first + s.count]]
+            except msgspec.DecodeError as e:
+                raise damaged_run_file(self.path, e) from None
             self._k = k
         return self._refs
 
@@ -505,6 +554,8 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
         return kin[-1], True
     if not RunDir.is_run(root):
         return root, False
+    if _replannable(root, plan):
+        return root, False
     if new_run:
         path, n = root.with_name(f"{root.name}.{file_stamp()}"), 1
         while path.exists():
@@ -514,8 +565,10 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     try:
         old = load_run(root)[1]
     except PlanError as e:
-        raise PlanError(f"{root} holds a run directory that cannot be read ({e}); point `output_dir` elsewhere, or "
-                        "pass --new-run to start a new run directory beside it") from None
+        why = str(e).split(f"; {REPLAN}")[0]
+        raise PlanError(f"{root} holds a run directory that cannot be read ({why}), and its shard files are not of "
+                        f"this job ({plan.fingerprint}): planning it there again would not recover it; point "
+                        "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it") from None
     others = f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
     raise PlanError(
         f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but this job gives "
@@ -576,6 +629,30 @@ def differences(run: RunPlan, plan: RunPlan) -> str:
     return ", ".join(said) or "format"
 
 
+def _replannable(root: Path, plan: RunPlan) -> bool:
+    """Whether `root` holds a run whose run.json cannot be read but whose shard files (headers) and done manifests
+    all carry `plan`'s fingerprint: the run of this very job, which planning it again recovers."""
+    from toolkit.formats.frames import CorruptShard, read_header
+
+    rd = RunDir(root)
+    try:
+        load_run(root)
+        return False
+    except PlanError:
+        pass
+    try:
+        for path in rd.shards_dir.glob("*.zst"):
+            head = read_header(path)
+            if head is not None and head[0] != plan.fingerprint:
+                return False
+        for path in rd.shards_dir.glob("*.done"):
+            if plan.fingerprint not in path.read_text(errors="replace"):
+                return False
+    except (OSError, CorruptShard):
+        return False
+    return True
+
+
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
     else create one. A file system that refuses the folder, or is full, is a PlanError in one line, and a run
@@ -590,12 +667,18 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
         if root != Path(plan.spec.output_dir):
             log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
         try:
+            if old.fingerprint == plan.fingerprint and not refs_intact(rd, old):  # the same refs, planned again
+                log.warning("%s is damaged: written again from the job's prompt files (the same plan)", rd.prompts_file)
+                atomic_write(rd.prompts_file, refs_bytes(old, refs))
             update_settings(rd, old, plan.spec)
         except OSError as e:
             raise PlanError(io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED) from None
         return rd
     plan.spec.output_dir = str(root)
     fresh = not root.exists()
+    if rd.plan_file.exists():  # unreadable, in a folder of this job's shard files (_replannable)
+        log.warning("%s cannot be read, and every shard file in %s is of this job (%s): the job is planned into it "
+                    "again; what they hold is kept", rd.plan_file, root, plan.fingerprint)
     try:
         rd.make_dirs()
         atomic_write(rd.prompts_file, refs_bytes(plan, refs))

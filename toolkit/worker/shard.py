@@ -76,6 +76,7 @@ class Shard:
             p.task, p.group = self.session.task, self.session.group
             p.task_engine_starts = self.session.starts
             p.task_shards = len(self.session.served)
+            p.engine_shard = self.session.first_shard
         write_progress(self.rd.progress_file(self.shard), p)
 
     def add(self, record: Record, *, settled: bool = True) -> None:
