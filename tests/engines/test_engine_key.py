@@ -108,7 +108,9 @@ def test_an_external_servers_key_from_the_environment_is_kept_nowhere(tmp_path, 
     url, key = keyed_stub
     tok = toy_tokenizer("kimi")
     job = external_job(tmp_path, tok, url, api_key_env="TEST_SERVER_KEY")
-    dry = toolkit("submit", str(job), "--dry-run", env={"TEST_SERVER_KEY": key})
+    # the dry run is shown without a cluster (a real one would check the job's GPUs against its partition)
+    dry = toolkit("submit", str(job), "--dry-run",
+                  env={"TEST_SERVER_KEY": key, "SLURM_CONF": str(tmp_path / "no-cluster" / "slurm.conf")})
     assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stdout + dry.stderr
     r = toolkit("run", str(job), env={"TEST_SERVER_KEY": key})
     assert r.returncode == 0, r.stdout + r.stderr
