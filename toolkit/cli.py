@@ -33,7 +33,7 @@ log = logging.getLogger("toolkit.cli")
 EPILOG = """\
 typical session:
   toolkit run jobs/demo.toml                 run every shard here, then merge and audit (no Slurm)
-  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then one Slurm array task per shard + a merge job
+  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then a Slurm array whose tasks claim the shards + a merge job
   toolkit submit JOB --dry-run               the exact sbatch scripts, no cluster needed
   toolkit status RUN --watch                 one row per shard (--json for scripts)
   toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
@@ -85,7 +85,7 @@ def cmd_check(args) -> int:
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
-    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
+    print(f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
     info, m = pf.info, pf.spec.model
     if info is not None:
@@ -357,7 +357,8 @@ def _add_allow_changed(s) -> None:
 def _add_slurm_commands(sub) -> None:
     s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
                        description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
-                       "run directory, then submits one array task per shard and a merge + audit job after them.")
+                       "run directory, then submits a job array (as many tasks as may run at once, each starting its engine once and "
+                       "claiming the shards one after another) and a merge + audit job after it.")
     s.add_argument("job", help="job spec (TOML)")
     _add_resource_flags(s)
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")

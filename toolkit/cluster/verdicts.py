@@ -386,6 +386,7 @@ class RunFacts(msgspec.Struct):
     now: float                   # Unix time of the refresh
     merged_current: bool = True  # merged/manifest.json is newer than every done manifest
     audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
+    noun: str = "prompt"         # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
 
 
 def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:

@@ -334,7 +334,7 @@ class Auditor:
         checks = list(self.problems) + run_checks(
             a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
             integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
-            continued=manifest.continued,
+            continued=manifest.continued, noun=plan.noun,
             missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
             failed_file=rd.failed_file, run=rd.root,
         )
