@@ -340,7 +340,7 @@ class Auditor:
         )
         info, model = self.info, plan.spec.model
         report = AuditReport(
-            format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint,
+            format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint, engine=plan.spec.engine.kind,
             created=utc_now(),
             passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
             present=overall.records, ok=overall.ok, failed=overall.failed, missing=manifest.missing,
