@@ -289,3 +289,27 @@ def test_every_argument_of_every_command_says_what_it_takes():
             if not action.help and not isinstance(action, argparse._HelpAction):
                 bare.append(f"{name} {action.dest}")
     assert not bare, f"arguments without help text: {bare}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_run_quiet_hides_the_info_lines_keeps_warnings_and_ends_with_the_summary(tmp_path, toy_tokenizer, parallel):
+    """`toolkit run --quiet`: none of the ~15 INFO lines per shard on the terminal (those of worker processes,
+    relayed with --parallel 2, neither), the warnings kept (the stub's), the audit's summary last; the shards' log
+    files keep every line."""
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2, sampling={"max_new_tokens": 32})
+    r = toolkit("run", "--quiet", str(job), "--parallel", parallel)
+    assert r.returncode == 0, r.stderr
+    assert " INFO " not in r.stderr, r.stderr
+    assert "WARNING toolkit.worker: engine is the STUB" in r.stderr
+    out = r.stdout.rstrip().splitlines()
+    assert out[0].startswith("run directory: ") and out[1].startswith("audit of run t (") and "PASSED" in out[1]
+    assert out[-1].startswith("report: ") and "audit.html" in out[-1]
+    for k in (0, 1):
+        assert " INFO toolkit.worker: shard " in (tmp_path / "run" / "logs" / f"{k:05d}.log").read_text()
+    # merge, with and without --quiet (before or after the command): the INFO lines go, the summary stays
+    run = str(tmp_path / "run")
+    loud, quiet, first = toolkit("merge", run), toolkit("merge", run, "--quiet"), toolkit("--quiet", "merge", run)
+    assert " INFO toolkit.dataset.merge: merging shard 0" in loud.stderr
+    for r in (quiet, first):
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.rstrip().splitlines()[-1].startswith("report: ")

@@ -61,6 +61,9 @@ A shard another process is generating (a second `toolkit run` of the job: its fi
 not counted failed: it is waited for (and run here if that process ends without finishing it), and the run is
 merged once every shard is done."""
 
+QUIET_HELP = ("hide the INFO log lines on the terminal (the shards' log files keep them): warnings, errors and "
+              "the final summary only")
+
 STATUS_HELP = """\
 One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge job, and a last
 line that says what the exit code means:
@@ -292,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -330,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_commands(sub)
     _add_merge_commands(sub)
     _add_retry_command(sub)
+    for s in sub.choices.values():  # also after the command: `toolkit run --quiet JOB`
+        s.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
     return p
 
 
@@ -530,6 +536,14 @@ def _run_arg(arg: str) -> str:
     return str(run)
 
 
+def quiet_terminal() -> None:
+    """--quiet: the terminal's log handler shows warnings and errors only. The loggers keep their levels, so the
+    shards' log files (handlers of their own) still get every INFO line, and the lines of worker processes relayed
+    here (pipeline._relay) pass through the same handler, hidden alike."""
+    for h in logging.getLogger().handlers:
+        h.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -538,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.quiet and not args.verbose:
+        quiet_terminal()
     quiet = args.command in QUIET_TOKENIZER and not args.verbose
     logging.getLogger("toolkit.job.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
