@@ -86,6 +86,9 @@ class EngineSpec(_Config):
     url: str | None = None
     api_key: str | None = None
     command: list[str] | None = None
+    # The Python that runs SGLang (kind = "sglang" without `command`): a path or a name looked up on the node's PATH.
+    # None: the first python3 on the task's PATH (as [slurm] setup left it) that has sglang, else the toolkit's own.
+    python: str | None = None
     stub: StubSpec = msgspec.field(default_factory=StubSpec)
 
 
@@ -324,6 +327,9 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         problem = check_engine_layout(e, spec.slurm.gpus_per_node)
         if problem:
             raise SpecError(f"{source}: {problem}")
+    if e.python is not None and (e.kind != "sglang" or e.command is not None or not e.python.strip()):
+        raise SpecError(f"{source}: [engine] python = {e.python!r}: only for kind = \"sglang\" without `command` (the "
+                        "Python the toolkit starts SGLang with), and not empty; remove it")
     if e.kind == "external" and not e.url:
         raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
     if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):

@@ -41,7 +41,8 @@ record = {"argv": sys.argv[1:], "scheduler_pid": child.pid, "pid": os.getpid(), 
           "no_proxy": os.environ.get("NO_PROXY"), "env_marker": os.environ.get("ENGINE_MARKER"),
           "usr2_ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, "rank": rank,
           "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
-          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname()}
+          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname(),
+          "python": sys.executable, "prefix": sys.prefix}
 
 
 def write_record(**more) -> None:
