@@ -6,6 +6,7 @@ import argparse
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,17 +93,23 @@ def test_logs_follow_ends_by_itself_when_the_shard_is_done(half_run):
     log.write_text("line one\nline two\n")
     p = subprocess.Popen([sys.executable, "-m", "toolkit", "logs", str(s.root), "1", "-f"], cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    with open(log, "a") as f:
-        f.write("generating...\n")
-    time.sleep(1.0)
-    assert p.poll() is None, "still following while the shard runs"
-    write_progress(s.rd.progress_file(1), Progress(shard=1, state="done", total=9, done=9))
-    with open(log, "a") as f:  # the worker writes its last line just after the state
-        f.write("shard 1 complete: 9 records\n")
-    out, err = p.communicate(timeout=20)
+    # each line read as it is printed (a bounded wait: the follower is killed if a line never comes)
+    timer = threading.Timer(60, p.kill)
+    timer.start()
+    try:
+        assert [p.stdout.readline(), p.stdout.readline()] == ["line one\n", "line two\n"]  # the tail: following
+        with open(log, "a") as f:
+            f.write("generating...\n")
+        assert p.stdout.readline() == "generating...\n", "a line written later is followed"
+        assert p.poll() is None, "still following while the shard runs"
+        write_progress(s.rd.progress_file(1), Progress(shard=1, state="done", total=9, done=9))
+        with open(log, "a") as f:  # the worker writes its last line just after the state
+            f.write("shard 1 complete: 9 records\n")
+        out, err = p.communicate(timeout=20)
+    finally:
+        timer.cancel()
     assert p.returncode == 0
-    assert out.splitlines() == ["line one", "line two", "generating...", "shard 1 complete: 9 records"]
+    assert out.splitlines() == ["shard 1 complete: 9 records"]
     assert "shard 1 done: stopped following" in err
 
 

@@ -364,7 +364,10 @@ def test_with_slurmctld_down_and_slurmdbd_up_a_killed_worker_is_unknown_not_runn
             time.sleep(0.2)
         os.kill(p["pid"], signal.SIGKILL)  # the worker dies, and nobody tells slurmctld
         monkeypatch.setattr(worker_progress, "STALE_S", 3.0)
-        time.sleep(4)
+        progress, bound = run / "progress" / "00000.json", time.time() + 60
+        while time.time() - progress.stat().st_mtime <= 3.5:  # the file older than STALE_S: no writer is left
+            assert time.time() < bound, "the progress file is still being written"
+            time.sleep(0.2)
         assert cli_main(["status", str(run), "--json"]) == 4
         st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
         row = st.shards[0]
