@@ -637,12 +637,14 @@ def test_sglang_starts_with_the_python_the_node_setup_activated_when_it_has_sgla
     assert engine_python(None, {**os.environ, "PATH": os.defpath})[0] == sys.executable
 
 
-def test_engine_python_names_the_interpreter_and_a_missing_one_is_said(tmp_path, toy_tokenizer):
+def test_engine_python_names_the_interpreter_and_a_missing_one_is_said(tmp_path, toy_tokenizer, monkeypatch):
     from toolkit.engines.sglang import engine_python
 
     node = node_env(tmp_path / "sglang-env", with_sglang=True)
     named = str(node / "bin" / "python3")
     assert engine_python(named, dict(os.environ)) == (named, "[engine] python")
+    monkeypatch.setenv("HOME", str(tmp_path))  # a path from the home folder, as the template shows it
+    assert engine_python("~/sglang-env/bin/python3", dict(os.environ)) == (named, "[engine] python")
     with pytest.raises(EngineError, match=r"\[engine\] python = '/nowhere/python3': no such interpreter on this node"):
         engine_python("/nowhere/python3", dict(os.environ))
     # the launch line carries it, and the spec refuses it where the toolkit does not launch SGLang itself

@@ -97,7 +97,7 @@ def engine_python(python: str | None, env: dict[str, str]) -> tuple[str, str]:
     as `source ~/venvs/sglang/bin/activate` in the setup prepares; else the toolkit's own interpreter."""
     path = env.get("PATH", os.defpath)
     if python:
-        found = shutil.which(python, path=path)
+        found = shutil.which(os.path.expanduser(python), path=path)
         if found is None:
             raise EngineError(f"[engine] python = {python!r}: no such interpreter on this node (PATH {path}); give "
                               "the path of the Python that has sglang here, or activate its environment in [slurm] "
