@@ -254,7 +254,7 @@ def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_abor
     """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
     must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
     from toolkit.engines.base import group_members
-    from toolkit.engines.client import abort_requests
+    from toolkit.engines.client import abort_requests, read_load
 
     spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"token_delay_s": 0.02}))
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
@@ -267,7 +267,12 @@ def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_abor
             body = json.dumps({"rid": "r-long", "input_ids": [5, 6, 7],
                                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
             answer = asyncio.ensure_future(http.request("POST", "/generate", body, timeout=60))
-            await asyncio.sleep(0.5)
+            for _ in range(300):  # the request in flight on the server (its /v1/loads), at most 30 s
+                load = await read_load(http)
+                if load is not None and load.running >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert load is not None and load.running >= 1, "the request never reached the server"
             members = group_members(e.proc.pid)
             assert len(members) >= 2, "the stub runs a scheduler child, as SGLang does"
             assert all(signal.SIGTERM in _ignored(pid) for pid in members if pid != e.proc.pid)
