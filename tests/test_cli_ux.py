@@ -6,7 +6,6 @@ import argparse
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest

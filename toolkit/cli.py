@@ -363,8 +363,8 @@ def _add_allow_changed(s) -> None:
 def _add_slurm_commands(sub) -> None:
     s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
                        description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
-                       "run directory, then submits a job array (as many tasks as may run at once, each starting its engine once and "
-                       "claiming the shards one after another) and a merge + audit job after it.")
+                       "run directory, then submits a job array (as many tasks as may run at once, each starting its "
+                       "engine once and claiming the shards one after another) and a merge + audit job after it.")
     s.add_argument("job", help="job spec (TOML)")
     _add_resource_flags(s)
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")

@@ -309,7 +309,8 @@ def test_check_notes_that_this_python_cannot_start_sglang_and_run_refuses_it(tmp
            "'toolkit[sglang]'. A login node that only submits needs none" in out
     assert main(["run", str(job)]) == 2  # a local run would start it here: refused before anything is written
     err = capsys.readouterr().err
-    assert f"toolkit: error: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own" in err and "or run the job where SGLang is " \
+    assert f"toolkit: error: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own" in err and \
+        "or run the job where SGLang is " \
                                                                               "installed" in err
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["check.msgpack"]  # what check kept, and no run
 

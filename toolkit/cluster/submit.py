@@ -161,7 +161,8 @@ def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) ->
 
 def format_dry_run(d: DryRun) -> str:
     c = d.cluster
-    lines = [f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} datasets -> {d.shards} shards, fingerprint {d.fingerprint}",
+    lines = [f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} datasets -> {d.shards} shards, "
+             f"fingerprint {d.fingerprint}",
              f"run directory would be: {d.run_dir}"]
     if c.reachable and c.partition:
         p = c.partition

@@ -176,7 +176,8 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
     run_refs = load_refs(rd)
     diff = compare(run, run_refs, plan, refs)
     if diff.refused(allow_changed):
-        what = "its prompt files changed since the run was planned" if diff.legacy else "some of its prompts changed or are gone"
+        what = ("its prompt files changed since the run was planned" if diff.legacy
+                else "some of its prompts changed or are gone")
         legacy = (" It was planned by an older toolkit, whose ids came from line numbers: it resumes while its prompts "
                   "stay where they were, and cannot grow (its ids are kept)." if diff.legacy else "")
         raise PlanError(

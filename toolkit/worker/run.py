@@ -1,4 +1,5 @@
-"""The shard worker: what a Slurm array task does for each shard it claims — engine → chat → client → records → shard file.
+"""The shard worker: what a Slurm array task does for each shard it claims — engine → chat → client → records →
+shard file.
 
 `run_shard(run_dir, shard)` resumes the shard's file (every id already written is skipped, whatever order it
 was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
