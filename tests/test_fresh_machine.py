@@ -42,7 +42,10 @@ def _clean_copy(dest: Path) -> Path:
 
 
 def _debian_python() -> Path:
-    """The machine's /usr/bin/python3, checked to be a Debian-style one that refuses pip outside a venv."""
+    """The machine's /usr/bin/python3, checked to be a Debian-style one that refuses pip outside a venv, and the
+    python3 a system PATH finds (the one `make` uses)."""
+    found = shutil.which("python3", path=SYSTEM_PATH)
+    assert found == str(SYSTEM_PYTHON), f"python3 on the system PATH is {found}, not Debian's {SYSTEM_PYTHON}"
     marker = subprocess.run([str(SYSTEM_PYTHON), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
                             capture_output=True, text=True).stdout.strip()
     assert (Path(marker) / "EXTERNALLY-MANAGED").is_file(), (
