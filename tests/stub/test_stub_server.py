@@ -714,8 +714,12 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}} for i in range(7)]
     with ThreadPoolExecutor(len(bodies)) as pool:
         pending = [pool.submit(q.generate, b) for b in bodies]
-        _wait_load(q, "2 running on each rank, 3 waiting", lambda rows: (
+        rows = _wait_load(q, "2 running on each rank, 3 waiting", lambda rows: (
             [r["num_running_reqs"] for r in rows] == [2, 2] and sum(r["num_waiting_reqs"] for r in rows) == 3))
+        # each running request with tokens of its own: the 4 decode at one pace, so 8 more tokens in all is 2 each
+        used = sum(r["num_used_tokens"] for r in rows)
+        _wait_load(q, "tokens decoded by every running request",
+                   lambda rows: sum(r["num_used_tokens"] for r in rows) >= used + 8)
         loads = _loads(q)
         assert [r["dp_rank"] for r in loads["loads"]] == [0, 1]
         assert [r["num_running_reqs"] for r in loads["loads"]] == [2, 2]
