@@ -1,27 +1,36 @@
 # The two commands a newcomer needs (see README):
-#   make demo   install the toolkit and run the demo job here (stub engine, no GPU, no Slurm)
-#   make test   install everything the tests need, start the local Slurm cluster, run the tests, stop it
+#   make demo   make .venv/ (the repository's own Python environment), install the toolkit there and run the demo
+#               job here (stub engine, no GPU, no Slurm)
+#   make test   the same .venv/ with the test extras; Debian's Slurm, Chromium and a .venv-sglang/ with SGLang; start
+#               the local Slurm cluster, run the tests, stop it
+# Both work with the system's python3 and nothing else on PATH: everything runs through .venv/bin (never a
+# `toolkit` or `pip` found on PATH). PYTHON is the Python that makes the environment; VENV where it goes.
 PYTHON ?= python3
-PIP ?= $(PYTHON) -m pip
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo install install-test test bench
+.PHONY: demo install install-test test bench venv
 
-install:
-	$(PIP) install -q -e .
+venv:
+	@bash scripts/venv.sh '$(VENV)' '$(PYTHON)'
+
+install: venv
+	$(PIP) -e .
 
 demo: install
-	toolkit run jobs/demo.toml
+	$(VENV)/bin/toolkit run jobs/demo.toml
 
-install-test:
-	$(PIP) install -q -e '.[test]'
+install-test: venv
+	$(PIP) -e '.[test]'
 	bash slurm/install.sh
 	bash tests/install-browser.sh
 	PYTHON=$(PYTHON) bash tests/real_sglang/install.sh
 	PYTHON=$(PYTHON) bash tests/trainers/install.sh
 
 test: install-test
-	env=$$(bash slurm/start.sh) && eval "$$env" && $(PYTHON) -m pytest -q; rc=$$?; bash slurm/stop.sh; exit $$rc
+	env=$$(bash slurm/start.sh) && eval "$$env" && $(VPY) -m pytest -q; rc=$$?; bash slurm/stop.sh; exit $$rc
 
-bench:
-	$(PYTHON) benchmarks/bench_worker.py
-	$(PYTHON) benchmarks/bench_merge.py
+bench: install
+	$(VPY) benchmarks/bench_worker.py
+	$(VPY) benchmarks/bench_merge.py

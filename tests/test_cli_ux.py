@@ -92,17 +92,23 @@ def test_logs_follow_ends_by_itself_when_the_shard_is_done(half_run):
     log.write_text("line one\nline two\n")
     p = subprocess.Popen([sys.executable, "-m", "toolkit", "logs", str(s.root), "1", "-f"], cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    with open(log, "a") as f:
-        f.write("generating...\n")
-    time.sleep(1.0)
-    assert p.poll() is None, "still following while the shard runs"
-    write_progress(s.rd.progress_file(1), Progress(shard=1, state="done", total=9, done=9))
-    with open(log, "a") as f:  # the worker writes its last line just after the state
-        f.write("shard 1 complete: 9 records\n")
-    out, err = p.communicate(timeout=20)
+    # each line read as it is printed (a bounded wait: the follower is killed if a line never comes)
+    timer = threading.Timer(60, p.kill)
+    timer.start()
+    try:
+        assert [p.stdout.readline(), p.stdout.readline()] == ["line one\n", "line two\n"]  # the tail: following
+        with open(log, "a") as f:
+            f.write("generating...\n")
+        assert p.stdout.readline() == "generating...\n", "a line written later is followed"
+        assert p.poll() is None, "still following while the shard runs"
+        write_progress(s.rd.progress_file(1), Progress(shard=1, state="done", total=9, done=9))
+        with open(log, "a") as f:  # the worker writes its last line just after the state
+            f.write("shard 1 complete: 9 records\n")
+        out, err = p.communicate(timeout=20)
+    finally:
+        timer.cancel()
     assert p.returncode == 0
-    assert out.splitlines() == ["line one", "line two", "generating...", "shard 1 complete: 9 records"]
+    assert out.splitlines() == ["shard 1 complete: 9 records"]
     assert "shard 1 done: stopped following" in err
 
 
@@ -289,3 +295,27 @@ def test_every_argument_of_every_command_says_what_it_takes():
             if not action.help and not isinstance(action, argparse._HelpAction):
                 bare.append(f"{name} {action.dest}")
     assert not bare, f"arguments without help text: {bare}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_run_quiet_hides_the_info_lines_keeps_warnings_and_ends_with_the_summary(tmp_path, toy_tokenizer, parallel):
+    """`toolkit run --quiet`: none of the ~15 INFO lines per shard on the terminal (those of worker processes,
+    relayed with --parallel 2, neither), the warnings kept (the stub's), the audit's summary last; the shards' log
+    files keep every line."""
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2, sampling={"max_new_tokens": 32})
+    r = toolkit("run", "--quiet", str(job), "--parallel", parallel)
+    assert r.returncode == 0, r.stderr
+    assert " INFO " not in r.stderr, r.stderr
+    assert "WARNING toolkit.worker: engine is the STUB" in r.stderr
+    out = r.stdout.rstrip().splitlines()
+    assert out[0].startswith("run directory: ") and out[1].startswith("audit of run t (") and "PASSED" in out[1]
+    assert out[-1].startswith("report: ") and "audit.html" in out[-1]
+    for k in (0, 1):
+        assert " INFO toolkit.worker: shard " in (tmp_path / "run" / "logs" / f"{k:05d}.log").read_text()
+    # merge, with and without --quiet (before or after the command): the INFO lines go, the summary stays
+    run = str(tmp_path / "run")
+    loud, quiet, first = toolkit("merge", run), toolkit("merge", run, "--quiet"), toolkit("--quiet", "merge", run)
+    assert " INFO toolkit.dataset.merge: merging shard 0" in loud.stderr
+    for r in (quiet, first):
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.rstrip().splitlines()[-1].startswith("report: ")

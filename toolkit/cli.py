@@ -36,7 +36,7 @@ log = logging.getLogger("toolkit.cli")
 EPILOG = """\
 typical session:
   toolkit run jobs/demo.toml                 run every shard here, then merge and audit (no Slurm)
-  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then one Slurm array task per shard + a merge job
+  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then a Slurm array whose tasks claim the shards + a merge job
   toolkit submit JOB --dry-run               the exact sbatch scripts, no cluster needed
   toolkit status RUN --watch                 one row per shard (--json for scripts)
   toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
@@ -66,6 +66,9 @@ A shard another process is generating (a second `toolkit run` of the job: its fi
 not counted failed: it is waited for (and run here if that process ends without finishing it), and the run is
 merged once every shard is done."""
 
+QUIET_HELP = ("hide the INFO log lines on the terminal (the shards' log files keep them): warnings, errors and "
+              "the final summary only")
+
 STATUS_HELP = """\
 One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge job, and a last
 line that says what the exit code means:
@@ -92,7 +95,7 @@ def cmd_check(args) -> int:
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
-    print(f"{args.job}: ok — {plan.total} prompts in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
+    print(f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
           f"fingerprint {plan.fingerprint}")
     info, m = pf.info, pf.spec.model
     if info is not None:
@@ -347,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -385,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_commands(sub)
     _add_merge_commands(sub)
     _add_retry_command(sub)
+    for s in sub.choices.values():  # also after the command: `toolkit run --quiet JOB`
+        s.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
     return p
 
 
@@ -412,7 +418,8 @@ def _add_allow_changed(s) -> None:
 def _add_slurm_commands(sub) -> None:
     s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
                        description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
-                       "run directory, then submits one array task per shard and a merge + audit job after them.")
+                       "run directory, then submits a job array (as many tasks as may run at once, each starting its "
+                       "engine once and claiming the shards one after another) and a merge + audit job after it.")
     s.add_argument("job", help="job spec (TOML)")
     _add_resource_flags(s)
     s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
@@ -594,6 +601,14 @@ def _run_arg(arg: str) -> str:
     return str(run)
 
 
+def quiet_terminal() -> None:
+    """--quiet: the terminal's log handler shows warnings and errors only. The loggers keep their levels, so the
+    shards' log files (handlers of their own) still get every INFO line, and the lines of worker processes relayed
+    here (pipeline._relay) pass through the same handler, hidden alike."""
+    for h in logging.getLogger().handlers:
+        h.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -602,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.quiet and not args.verbose:
+        quiet_terminal()
     quiet = args.command in QUIET_TOKENIZER and not args.verbose
     logging.getLogger("toolkit.job.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:

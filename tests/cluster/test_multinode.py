@@ -146,7 +146,9 @@ def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_de
         srun_pid = int(re.findall(r"engine sglang started: pid (\d+)", log)[-1])
         subprocess.run(["scancel", "--signal=USR2", step], check=True)
         os.kill(srun_pid, signal.SIGUSR2)
-        time.sleep(1.5)
+        # the engine goes on serving after it: more records come from it
+        after = len(_records(run))
+        _wait(lambda: len(_records(run)) >= after + 2, 90, "records after the USR2")
         assert process_running(srun_pid) and process_running(r0["pid"]) and process_running(r1["pid"])
         # a dead rank anywhere is a dead engine: the worker restarts it (a new step, both ranks again)
         os.kill(r1["pid"], signal.SIGKILL)
@@ -214,7 +216,10 @@ def test_sigterm_to_every_step_of_a_two_host_task_keeps_what_is_in_flight_and_th
     job_id = _sbatch_worker(run, first, second, out)
     try:
         _wait(lambda: len(_records(run)) >= 2, 120, "records from the two-rank engine")
-        time.sleep(1.0)  # requests in flight, some way into their 150 tokens
+        # requests in flight (the engine's /v1/loads, in the progress file), each 150 tokens of 3 s: the SIGTERM
+        # finds them mid-way, with most of the shard's 60 s of work left
+        _wait(lambda: (lambda p: p and p.get("running") and p["done"] < n)(_json(run / "progress" / "00000.json")),
+              60, "requests running on the engine")
         subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to every step, SIGKILL after KillWait
         _job_over(job_id, 240)  # the requeued job runs the shard again, on a new two-rank engine
     finally:

@@ -391,7 +391,10 @@ def test_with_slurmctld_down_and_slurmdbd_up_a_killed_worker_is_unknown_not_runn
             time.sleep(0.2)
         os.kill(p["pid"], signal.SIGKILL)  # the worker dies, and nobody tells slurmctld
         monkeypatch.setattr(worker_progress, "STALE_S", 3.0)
-        time.sleep(4)
+        progress, bound = run / "progress" / "00000.json", time.time() + 60
+        while time.time() - progress.stat().st_mtime <= 3.5:  # the file older than STALE_S: no writer is left
+            assert time.time() < bound, "the progress file is still being written"
+            time.sleep(0.2)
         assert cli_main(["status", str(run), "--json"]) == 4
         st = msgspec.json.decode(capsys.readouterr().out, type=RunStatus)
         row = st.shards[0]
@@ -415,3 +418,29 @@ def test_with_slurmctld_down_and_slurmdbd_up_a_killed_worker_is_unknown_not_runn
         while subprocess.run(["squeue", "-h", "-j", task.split("_")[0]], capture_output=True, text=True).stdout.strip():
             assert time.time() < deadline + 60, "the killed task never left the queue"
             time.sleep(1)  # the next tests start on an idle node
+
+
+def test_the_engine_starts_in_the_environment_the_node_setup_activates(tmp_path, toy_tokenizer):
+    """Two environments, as a login node and a GPU node have them: `toolkit submit` runs in one without sglang
+    (the worker runs with that Python, as submitit pins it), the tasks' [slurm] setup activates another that has
+    it: SGLang (the fake of tests/fake_sglang) starts with the latter's Python, and the run completes."""
+    from engines.test_engines import node_env
+
+    node = node_env(tmp_path / "venvs" / "sglang", with_sglang=True)
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is not None)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "the login Python has no sglang"
+    record = tmp_path / "seen.json"
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2,
+                    engine={"kind": "sglang", "shutdown_timeout_s": 5, "env": {"FAKE_SGLANG_RECORD": str(record)}},
+                    slurm={"setup": [f"source {node}/bin/activate"], "array_parallelism": 1})
+    r = toolkit("submit", str(job))
+    assert "cannot start SGLang" in r.stdout + r.stderr, "the login node is told it has no sglang (a warning)"
+    run = tmp_path / "run"
+    rows, merge = wait_run(run)
+    assert [x.state for x in rows] == ["completed"] * 2 and merge.state == "completed" and merge.merged
+    seen = msgspec.json.decode(record.read_bytes())
+    assert seen["prefix"] == str(node) and seen["python"] == str(node / "bin" / "python3")
+    log = toolkit("logs", str(run), "0").stdout
+    assert f"SGLang starts with {node}/bin/python3 (the first python3 on PATH, with sglang" in log
+    script = next((run / "slurm").rglob("*_submission.sh")).read_text()
+    assert f"source {node}/bin/activate" in script and f"{sys.executable} -u -m submitit" in script

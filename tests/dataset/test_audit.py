@@ -399,3 +399,49 @@ def test_toolkit_run_with_a_stub_that_never_closes_reasoning_fails_the_audit(tmp
     assert "FAIL stop_without_think_end" in out and "the reasoning sits in the content" in out
     audit = json.loads((tmp_path / "run" / "merged" / "audit.json").read_text())
     assert audit["passed"] is False and audit["ok"] == 8 and audit["missing"] == 0
+
+
+_BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _dom(page: Path, profile: Path) -> str:
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    assert Path(chromium).exists(), "install Chromium: tests/install-browser.sh (apt-get install chromium)"
+    return subprocess.run([chromium, *_BROWSER_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+@pytest.mark.slow
+def test_audit_html_rounds_shares_as_the_terminal_does_and_says_the_engine_was_the_stub(tmp_path, kimi):
+    """1 of 16 outputs cut by max_new_tokens is 6.25 %: the terminal says 6.2 % (Python rounds an exact tie to
+    the even digit), and so must the page (JavaScript's toFixed said 6.3 %). The page's rounding, run in the
+    browser over shares with exact ties and without, matches Python's for every one; and a run of the stub says
+    so on the page and in the terminal summary."""
+    from toolkit.dataset.report import _SCRIPT, _pct, summary_table
+
+    s = runs.plan_run(tmp_path / "a", kimi, datasets={"math": 16}, shards=1, sampling={"max_new_tokens": 600},
+                      audit={"max_length_share": 0.5})
+    runs.write_run(s, runs.mix(runs.healthy(), p3=runs.truncated))
+    merge_and_audit(s.root)
+    rep = report(s)
+    assert rep.engine == "stub" and rep.datasets[0].length_share == 1 / 16
+    terminal = summary_table(rep)
+    row = next(x for x in terminal.splitlines() if x.startswith("math "))
+    assert row.endswith(" 6.2%") and "engine: the STUB" in terminal and "NOT a model" in terminal, terminal
+    dom = _dom(s.rd.merged_dir / "audit.html", tmp_path / "profile")
+    row = dom.split('<table id="datasets">')[1].split("</table>")[0].split("<tr>")[2]
+    assert "<td>6.2%</td>" in row and "6.3%" not in row, row
+    engine = re.search(r'<p id="engine"[^>]*>(.*?)</p>', dom)
+    assert engine and "STUB" in engine.group(1) and "NOT a model" in engine.group(1)
+
+    # The same rounding function over many shares, ties (k/16, k/32, k/1000 ...) and not.
+    fixed1 = re.search(r"^const fixed1 = .*?^};$", _SCRIPT, re.S | re.M).group(0)
+    shares = sorted({k / d for d in (8, 16, 32, 40, 64, 200, 400, 1000, 2000, 3, 7, 9) for k in range(d + 1)})
+    page = tmp_path / "round.html"
+    page.write_text(f"<!DOCTYPE html><html><body><pre id='out'></pre><script>{fixed1}\n"
+                    f"document.getElementById('out').textContent = {json.dumps(shares)}"
+                    ".map(x => fixed1(100 * x) + '%').join('\\n');</script></body></html>")
+    got = re.search(r"<pre id=\"out\">(.*?)</pre>", _dom(page, tmp_path / "profile2"), re.S).group(1).split("\n")
+    want = [_pct(x) for x in shares]
+    assert len(got) == len(want) and [(x, g, w) for x, g, w in zip(shares, got, want) if g != w] == []

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -280,7 +281,7 @@ def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_abor
     """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
     must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
     from toolkit.engines.base import group_members
-    from toolkit.engines.client import abort_requests
+    from toolkit.engines.client import abort_requests, read_load
 
     spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"token_delay_s": 0.02}))
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
@@ -293,7 +294,12 @@ def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_abor
             body = json.dumps({"rid": "r-long", "input_ids": [5, 6, 7],
                                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
             answer = asyncio.ensure_future(http.request("POST", "/generate", body, timeout=60))
-            await asyncio.sleep(0.5)
+            for _ in range(300):  # the request in flight on the server (its /v1/loads), at most 30 s
+                load = await read_load(http)
+                if load is not None and load.running >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert load is not None and load.running >= 1, "the request never reached the server"
             members = group_members(e.proc.pid)
             assert len(members) >= 2, "the stub runs a scheduler child, as SGLang does"
             assert all(signal.SIGTERM in _ignored(pid) for pid in members if pid != e.proc.pid)
@@ -638,3 +644,73 @@ def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_pa
         for p in ranks:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Python SGLang starts with: the environment the node's setup prepares, or the one the job names
+# ---------------------------------------------------------------------------------------------------
+def node_env(root: Path, *, with_sglang: bool) -> Path:
+    """A virtualenv as a GPU node's `source ~/venvs/sglang/bin/activate` prepares: its own prefix, the fake
+    `sglang` importable (with_sglang), and the toolkit with its requirements (the test's own site-packages)."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    lib = next((root / "lib").glob("python3*")) / "site-packages"
+    paths = ([str(FAKE_SGLANG)] if with_sglang else []) + [str(Path(__file__).parents[2]), *site.getsitepackages()]
+    (lib / "node.pth").write_text("\n".join(paths) + "\n")
+    return root
+
+
+def activated(venv: Path) -> dict[str, str]:
+    """The environment after `source VENV/bin/activate`."""
+    return {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_sglang_starts_with_the_python_the_node_setup_activated_when_it_has_sglang(tmp_path):
+    from toolkit.engines.sglang import engine_python
+
+    node = node_env(tmp_path / "sglang-env", with_sglang=True)
+    python, why = engine_python(None, activated(node))
+    assert python == str(node / "bin" / "python3") and "first python3 on PATH" in why
+    bare = node_env(tmp_path / "bare-env", with_sglang=False)  # an environment without sglang: not that one
+    assert engine_python(None, activated(bare)) == (sys.executable, "the toolkit's own Python")
+    # nothing activated: the toolkit's own Python
+    assert engine_python(None, {**os.environ, "PATH": os.defpath})[0] == sys.executable
+
+
+def test_engine_python_names_the_interpreter_and_a_missing_one_is_said(tmp_path, toy_tokenizer, monkeypatch):
+    from toolkit.engines.sglang import engine_python
+
+    node = node_env(tmp_path / "sglang-env", with_sglang=True)
+    named = str(node / "bin" / "python3")
+    assert engine_python(named, dict(os.environ)) == (named, "[engine] python")
+    monkeypatch.setenv("HOME", str(tmp_path))  # a path from the home folder, as the template shows it
+    assert engine_python("~/sglang-env/bin/python3", dict(os.environ)) == (named, "[engine] python")
+    with pytest.raises(EngineError, match=r"\[engine\] python = '/nowhere/python3': no such interpreter on this node"):
+        engine_python("/nowhere/python3", dict(os.environ))
+    # the launch line carries it, and the spec refuses it where the toolkit does not launch SGLang itself
+    spec = sglang_spec(tmp_path / "a", toy_tokenizer("kimi"), python=named)
+    e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
+    e.port, e.api_key = 31234, "k" * 32
+    assert e.argv()[:3] == [named, "-m", "sglang.launch_server"]
+    job = make_job(tmp_path / "b", toy_tokenizer("kimi"), engine={"kind": "stub", "python": named})
+    with pytest.raises(SpecError, match=r"\[engine\] python = .*only for kind = \"sglang\" without `command`"):
+        load_spec(job)
+
+
+@pytest.mark.slow
+def test_the_engine_starts_in_the_activated_environment_though_the_worker_runs_in_another(tmp_path, toy_tokenizer):
+    """The worker's own Python has no sglang (a login node's); the node's environment has it: SGLang is launched
+    with the latter (its record says which Python ran it), and serves the shard."""
+    node = node_env(tmp_path / "sglang-env", with_sglang=True)
+    record = tmp_path / "seen.json"
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, engine={"kind": "sglang", "shutdown_timeout_s": 5,
+                   "env": {"FAKE_SGLANG_RECORD": str(record)}}, sampling={"max_new_tokens": 16})
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is not None)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "the worker's Python has no sglang"
+    r = subprocess.run([sys.executable, "-m", "toolkit", "run", str(job)], env=activated(node), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(record.read_text())
+    assert seen["prefix"] == str(node) and seen["python"] == str(node / "bin" / "python3")
+    assert f"SGLang starts with {node / 'bin' / 'python3'} (the first python3 on PATH" in r.stderr

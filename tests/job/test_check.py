@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -303,12 +304,13 @@ def test_check_notes_that_this_python_cannot_start_sglang_and_run_refuses_it(tmp
                    stub={})
     assert main(["check", str(job)]) == 0  # a login node that only submits needs no SGLang
     out = capsys.readouterr().out
-    assert "warning: [engine] kind = \"sglang\": this Python (" in out
+    assert f"warning: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own Python) cannot" in out
     assert "cannot start SGLang (no module named 'sglang'); install it where the engine runs: pip install " \
            "'toolkit[sglang]'. A login node that only submits needs none" in out
     assert main(["run", str(job)]) == 2  # a local run would start it here: refused before anything is written
     err = capsys.readouterr().err
-    assert "toolkit: error: [engine] kind = \"sglang\": this Python (" in err and "or run the job where SGLang is " \
+    assert f"toolkit: error: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own" in err and \
+        "or run the job where SGLang is " \
                                                                               "installed" in err
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["check.msgpack"]  # what check kept, and no run
 

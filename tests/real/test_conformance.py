@@ -171,9 +171,12 @@ def _loads(http) -> dict:
 def test_loads_aborts_running_and_queued_and_rids(http):
     answers: dict = {}
     threads = []
-    for i in range(3):  # two run, the third waits
+    for i in range(3):  # two run, the third waits: each sent once the server holds the one before
         threads.append(_long(http, f"conf-{i}", answers))
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(http)["loads"]) < i + 1:
+            assert time.monotonic() < deadline, f"request conf-{i} never reached the server"
+            time.sleep(0.05)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         loads = _loads(http)

@@ -425,7 +425,7 @@ def test_duplicate_in_flight_rid_is_rejected(fleet):
     body = {"input_ids": [3, 4, 5], "rid": "same-rid", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(slow.generate, body)  # in flight for about 1 s (--token-delay 0.01)
-        time.sleep(0.3)
+        _in_flight(slow)
         status, _, data = slow.post("/generate", body)
         assert (status, json.loads(data)) == (400, {"error": {"message": "Duplicate request ID detected: same-rid"}})
         assert len(first.result(10)["output_ids"]) == 100
@@ -673,7 +673,7 @@ def test_abort_returns_partial_output(fleet):
     body = {"input_ids": [61, 62], "rid": "to-abort", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(slow.generate, body)
-        time.sleep(0.3)
+        _in_flight(slow, tokens_over=2)  # its 2 prompt ids and some generated
         assert slow.post("/abort_request", {"rid": "to-abort"})[0::2] == (200, b"")
         out = pending.result(10)
     assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
@@ -716,6 +716,25 @@ def _loads(stub) -> dict:
     return json.loads(body)
 
 
+def _wait_load(stub, what: str, cond, timeout: float = 30.0) -> dict:
+    """Poll the stub's /v1/loads until `cond(rows)` holds (its rows: one per data-parallel rank); bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _loads(stub)["loads"]
+        if cond(rows):
+            return rows
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}: {rows}"
+        time.sleep(0.02)
+
+
+def _in_flight(stub, n: int = 1, tokens_over: int = 0) -> dict:
+    """Wait until `n` requests are in the stub's scheduler (running or waiting) and its KV cache holds more than
+    `tokens_over` tokens (a request's prompt plus what it generated)."""
+    return _wait_load(stub, f"{n} request(s) in flight over {tokens_over} tokens", lambda rows: (
+        sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in rows) >= n
+        and sum(r["num_used_tokens"] for r in rows) > tokens_over))
+
+
 def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
     """--max-running-requests 2 per DP rank (x2 ranks): 4 generate, the rest wait; /v1/loads and /server_info
     report it like SGLang; abort_all ends the running ones with their partial output and the queued ones with
@@ -728,11 +747,12 @@ def test_running_limit_waiting_queue_loads_and_abort_all(fleet, tokenizers):
                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}} for i in range(7)]
     with ThreadPoolExecutor(len(bodies)) as pool:
         pending = [pool.submit(q.generate, b) for b in bodies]
-        deadline = time.monotonic() + 10
-        while sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in _loads(q)["loads"]) < 7:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.2)
+        rows = _wait_load(q, "2 running on each rank, 3 waiting", lambda rows: (
+            [r["num_running_reqs"] for r in rows] == [2, 2] and sum(r["num_waiting_reqs"] for r in rows) == 3))
+        # each running request with tokens of its own: the 4 decode at one pace, so 8 more tokens in all is 2 each
+        used = sum(r["num_used_tokens"] for r in rows)
+        _wait_load(q, "tokens decoded by every running request",
+                   lambda rows: sum(r["num_used_tokens"] for r in rows) >= used + 8)
         loads = _loads(q)
         assert [r["dp_rank"] for r in loads["loads"]] == [0, 1]
         assert [r["num_running_reqs"] for r in loads["loads"]] == [2, 2]
@@ -775,7 +795,7 @@ def test_abort_by_rid_matches_by_prefix(fleet, tokenizers):
                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}} for r in ("p1", "p10", "p2")]
     with ThreadPoolExecutor(3) as pool:
         pending = [pool.submit(q.generate, b) for b in bodies]
-        time.sleep(0.3)
+        _in_flight(q, 3)
         q.post("/abort_request", {"rid": "p1"})
         outs = [f.result(10) for f in pending]
     kinds = [o["meta_info"]["finish_reason"]["type"] for o in outs]
@@ -974,9 +994,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
     body = {"input_ids": [71, 72], "sampling_params": {"max_new_tokens": 80, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(slow.generate, body)  # about 0.8 s of token delay
-        time.sleep(0.2)
+        _in_flight(slow)
         slow.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while slow.get("/health")[0] != 503:  # the signal handled
+            assert time.monotonic() < deadline, "the stub never said it is shutting down"
+            time.sleep(0.02)
         for path in ("/health", "/health_generate", "/ready"):
             assert slow.get(path)[0::2] == (503, b"")
         late = slow.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
@@ -999,7 +1022,7 @@ def test_sigterm_to_the_process_group_kills_without_draining(toy_tokenizer, tmp_
     body = {"input_ids": [71, 72], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(stub.generate, body)  # 20 s of token delay
-        time.sleep(0.3)
+        _in_flight(stub)
         t0 = time.monotonic()
         os.killpg(stub.proc.pid, signal.SIGTERM)
         assert stub.proc.wait(10) == -signal.SIGKILL

@@ -74,9 +74,12 @@ def post(url: str, path: str, body: dict) -> None:
 def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, kimi):
     """SIGUSR2 twice mid-shard, resumed each time: partial records are written at each stop (never ok), and the
     finished shard holds, token for token, what an uninterrupted run writes, some records in several segments."""
-    n = 16
+    # Work that cannot run out before a stop: every output 400 tokens (min_new_tokens) of 4 ms each, 24 of them
+    # 4 at a time (about 10 s of the stub's pace, however fast the machine)
+    n = 24
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
-    common = dict(prompts=prompts, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 400},
+    common = dict(prompts=prompts, stub={"token_delay_s": 0.004},
+                  sampling={"max_new_tokens": 400, "min_new_tokens": 400},
                   client={"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05})
     ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
     assert run_shard(ref.root, 0) == DONE
@@ -88,7 +91,10 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
         proc = worker(rd)
         before = len(records(rd.root)) if rd.shard_file(0).exists() else 0
         wait_for(lambda: generating(rd) and len(records(rd.root)) >= before + 2, what="records")
-        time.sleep(0.3)
+        # requests in flight: the stub's /v1/loads, read into the progress file by this worker, says they run
+        wait_for(lambda: (lambda p: p.pid == proc.pid and (p.running or 0) > 0)(read_progress(rd.progress_file(0))),
+                 what="requests running on the engine")
+        assert read_progress(rd.progress_file(0)).done < n, "work is left when the signal comes"
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(60) == 3, proc.stderr.read()
         p = read_progress(rd.progress_file(0))

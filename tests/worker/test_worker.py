@@ -215,10 +215,10 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
-    while time.time() < deadline and not rd.shard_file(0).exists():
+    children: list[str] = []
+    while time.time() < deadline and not (rd.shard_file(0).exists() and children):
         time.sleep(0.2)
-    time.sleep(1.0)
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert children, "the stub engine should be running under the worker"
     assert all(process_running(int(pid)) for pid in children)
     proc.kill()

@@ -97,9 +97,12 @@ def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (log.exists() and "generating" in log.read_text()):
         time.sleep(0.2)
-    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    time.sleep(2.0)  # the engine is draining its requests (up to shutdown_timeout_s)
+    # the second Ctrl-C once the engine is being stopped (it ignores SIGTERM: up to shutdown_timeout_s)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "stopping the engine (pid" not in log.read_text():
+        assert proc.poll() is None, "the worker ended before its engine was stopped"
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     proc.wait(60)
     text = log.read_text()

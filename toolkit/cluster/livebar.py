@@ -112,10 +112,10 @@ class LiveBar:
 
         first = snapshot(self.rd, self.plan, self._finished)
         fixed = _fixed_size(self.stream)
-        self.bar = tqdm(total=first.total, initial=first.done, file=self.stream, unit="prompt",
+        self.bar = tqdm(total=first.total, initial=first.done, file=self.stream, unit=self.plan.noun,
                         dynamic_ncols=fixed is None, ncols=fixed and fixed[0], nrows=fixed and fixed[1],
                         desc=self.plan.name, smoothing=0.1, mininterval=self.poll_s, postfix=_postfix(first),
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} prompts "
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " + self.plan.noun + "s "
                                    "[{elapsed}<{remaining}]{postfix}")
         self._redirect_logging()
         self._thread = threading.Thread(target=self._poll, name="toolkit-livebar", daemon=True)

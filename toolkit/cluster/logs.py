@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from toolkit.cluster import status  # Slurm is asked through it: tests replace its calls
@@ -48,11 +49,13 @@ def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5):
         if stop_when and (end := stop_when()):
             return end
         time.sleep(poll_s)
-    for line in _tail_lines(path, lines):
-        print(line)
-    sys.stdout.flush()
     with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
+        # the tail and what follows it from one handle: a line appended between the two is neither lost nor doubled
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+        tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
+        for line in tail or ["(server log is empty)"]:
+            print(line)
+        sys.stdout.flush()
         while True:
             chunk = f.read()
             if chunk:

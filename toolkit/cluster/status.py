@@ -118,7 +118,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
         damaged = merged_file_problem(rd, checksum=whole)
     return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=merged_at is not None,
                         now=time.time(), merged_current=current, audit=audit,
-                        merging=next((_who(r) for r in live if r.merges), None), merged_damaged=damaged)
+                        merging=next((_who(r) for r in live if r.merges), None), merged_damaged=damaged, noun=plan.noun)
 
 
 def _who(r: LocalRun) -> str:
@@ -154,9 +154,15 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], M
 
 def run_status_tasks(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus]]:
     """`run_status`, and the workers of the newest submission or run (task_rows)."""
+    rd, rows, merge, tasks, _ = _status_once(run_dir)
+    return rd, rows, merge, tasks
+
+
+def _status_once(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus], str]:
+    """`run_status_tasks`, and what a planned record is called (RunPlan.noun)."""
     rd, facts = read_facts(run_dir)
     rows, merge = run_states(facts)
-    return rd, rows, merge, task_rows(facts.shards, {r.shard for r in rows if r.state == "running"})
+    return rd, rows, merge, task_rows(facts.shards, {r.shard for r in rows if r.state == "running"}), facts.noun
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,7 +193,7 @@ def format_tasks(tasks: list[TaskStatus]) -> list[str]:
 
 
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
-                  tasks: list[TaskStatus] | None = None) -> str:
+                  tasks: list[TaskStatus] | None = None, noun: str = "prompt") -> str:
     head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
             f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
     lines = [f"run {rd.shown}", head]
@@ -198,7 +204,7 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
                       f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
                       f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}").rstrip())
     t = totals(rows)
-    lines.append(f"total: {t.done}/{t.total} prompts, {t.failed} failed, {t.output_tokens:,} output tokens, "
+    lines.append(f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {t.output_tokens:,} output tokens, "
                  f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
     lines += format_tasks(tasks or [])
     if merge.job or merge.merged or merge.state:
@@ -248,13 +254,13 @@ def status_command(run: str | os.PathLike, *, watch: bool = False, interval: flo
     """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run ends."""
     unknown_since: float | None = None
     while True:
-        rd, rows, merge, tasks = run_status_tasks(run)
+        rd, rows, merge, tasks, noun = _status_once(run)
         if as_json:  # with --watch: one compact object per line, per refresh
             text = msgspec.json.encode(status_report(rd, rows, merge, tasks)).decode()
             if not watch:
                 text = msgspec.json.format(text, indent=2)
         else:
-            text = format_status(rd, rows, merge, tasks)
+            text = format_status(rd, rows, merge, tasks, noun)
         if not watch:
             print(text)
             return exit_code(rows, merge)

@@ -127,6 +127,7 @@ class DryRun(msgspec.Struct):
     array_scripts: list[str]    # the sbatch script of each array, as submitit writes it
     merge_script: str
     tasks: list[int] = []       # the tasks of each array (the run's parallelism)
+    counted: str = ""           # `prompts` in words: `60 outputs (30 prompts × 2 samples)` with samples
 
 
 def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
@@ -155,12 +156,13 @@ def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) ->
     merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + DEPENDENCY_PLACEHOLDER))
     return DryRun(run_dir=rd.shown, prompts=plan.total, datasets=len(plan.datasets), shards=len(plan.shards),
                   fingerprint=plan.fingerprint, cluster=cluster, arrays=arrays, array_scripts=scripts,
-                  merge_script=merge, tasks=tasks)
+                  merge_script=merge, tasks=tasks, counted=plan.counted())
 
 
 def format_dry_run(d: DryRun) -> str:
     c = d.cluster
-    lines = [f"dry run: {d.prompts} prompts in {d.datasets} datasets -> {d.shards} shards, fingerprint {d.fingerprint}",
+    lines = [f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} datasets -> {d.shards} shards, "
+             f"fingerprint {d.fingerprint}",
              f"run directory would be: {d.run_dir}"]
     if c.reachable and c.partition:
         p = c.partition

@@ -401,6 +401,7 @@ class RunFacts(msgspec.Struct):
     audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
     merging: str | None = None   # a live `toolkit run` (or retry) that merges the run once its shards are done
     merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
+    noun: str = "prompt"         # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
 
 
 def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:

@@ -334,13 +334,13 @@ class Auditor:
         checks = list(self.problems) + run_checks(
             a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
             integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
-            continued=manifest.continued,
+            continued=manifest.continued, noun=plan.noun,
             missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
             failed_file=rd.failed_file, run=rd.root, finish=rd.finish_command(),
         )
         info, model = self.info, plan.spec.model
         report = AuditReport(
-            format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint,
+            format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint, engine=plan.spec.engine.kind,
             created=utc_now(),
             passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
             present=overall.records, ok=overall.ok, failed=overall.failed, missing=manifest.missing,

@@ -92,7 +92,7 @@ def _what_to_check(info: chat.TokenInfo, model: ModelSpec) -> str:
 # ---------------------------------------------------------------------------------------------------
 def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStats], duplicates: int,
              missing_ids: Sequence[str], missing_file: Path, run: Path, continued: int = 0,
-             finish: str | None = None) -> Check:
+             finish: str | None = None, noun: str = "prompt") -> Check:
     """Every planned prompt present exactly once, at its planned position (`missing_ids`: a few examples).
     `finish`: the command that finishes the run's shards (RunDir.finish_command)."""
     planned, present = overall.planned, overall.records
@@ -101,12 +101,12 @@ def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStat
         incomplete = [s.index for s in shards if s.missing]
         return _check(
             "coverage", False, present / planned if planned else 1.0, 1.0,
-            f"{present} of {planned} planned prompts present (ok + failed); {lost} missing "
+            f"{present} of {planned} planned {noun}s present (ok + failed); {lost} missing "
             f"(e.g. {', '.join(missing_ids)}; all in {missing_file}) in shards "
             f"{_short(incomplete)}; {integ.seen_twice} present twice, {integ.id_mismatch} not at their planned "
             f"position. Finish the shards with `{finish or f'toolkit resubmit {run}'}`, then `toolkit merge {run}` "
             "again.")
-    return _check("coverage", True, 1.0, 1.0, f"all {planned} planned prompts present exactly once "
+    return _check("coverage", True, 1.0, 1.0, f"all {planned} planned {noun}s present exactly once "
                   f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once"
                   + (f", {continued} partial outputs continued" if continued else "") + ")")
 
@@ -134,7 +134,7 @@ def shard_checksums(shards: Sequence[ShardStats]) -> Check:
         if changed else "every finished shard file matches its done manifest")
 
 
-def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Path) -> Check:
+def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Path, noun: str = "prompt") -> Check:
     """Failed records / planned within [audit] max_failed_share."""
     planned = overall.planned
     share = overall.failed / planned if planned else 0.0
@@ -144,7 +144,7 @@ def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Pa
         top += f"; e.g. {overall.error_examples[first]!r}"
     return _check(
         "failed_share", share <= limit, share, limit,
-        f"{overall.failed} of {planned} prompts failed ({share:.1%}, limit {limit:.1%})"
+        f"{overall.failed} of {planned} {noun}s failed ({share:.1%}, limit {limit:.1%})"
         + (f": {top}. Ids in {failed_file}; `toolkit retry {run}` generates the failures "
            f"that may pass ({MAY_PASS}) again, `toolkit retry {run} --ids "
            f"{failed_file}` all of them; see `toolkit logs {run} --failed`" if overall.failed else ""))
@@ -374,7 +374,7 @@ def run_checks(
     *, a: AuditSpec, model: ModelSpec, info: chat.TokenInfo, overall: DatasetStats, datasets: Sequence[DatasetStats],
     shards: Sequence[ShardStats], integ: Integrity, reprompt: Reprompt, corrupt: Sequence, duplicates: int,
     missing_ids: Sequence[str], examples: dict[str, list[str]], missing_file: Path, failed_file: Path, run: Path,
-    continued: int = 0, finish: str | None = None,
+    continued: int = 0, finish: str | None = None, noun: str = "prompt",
 ) -> list[Check]:
     """Every check of an audit, in the report's order (reasoning checks or, without expect_reasoning, no_reasoning).
 
@@ -386,10 +386,10 @@ def run_checks(
         return examples.get(kind, [])
 
     checks = [
-        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run, continued, finish),
+        coverage(overall, integ, shards, duplicates, missing_ids, missing_file, run, continued, finish, noun),
         damaged_frames(corrupt, run, finish),
         shard_checksums(shards),
-        failed_share(overall, a.max_failed_share, failed_file, run),
+        failed_share(overall, a.max_failed_share, failed_file, run, noun),
         nan_stop(r, ex("nan_stop"), run),
     ]
     if model.expect_reasoning:

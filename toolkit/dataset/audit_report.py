@@ -193,6 +193,7 @@ class AuditReport(msgspec.Struct):
     samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
     continued: int = 0           # partial outputs kept at a stop, superseded by their continuation (the merge's)
     skipped_inputs: list[SkippedInputs] = []  # prompt lines left out of the plan, per dataset that has any
+    engine: str = ""             # the job's [engine] kind: "stub" says the outputs are synthetic, not a model's
 
 
 def read_report(rd: RunDir) -> AuditReport | None:

@@ -36,7 +36,11 @@ def write_reports(rd: RunDir, report: AuditReport) -> tuple[Path, Path]:
 # ---------------------------------------------------------------------------------------------------
 # terminal
 # ---------------------------------------------------------------------------------------------------
+STUB_WORDS = "the STUB: a stand-in for SGLang's protocol, NOT a model; these outputs are synthetic"
+
+
 def _pct(x: float) -> str:
+    # audit.html rounds as this does (its script's fixed1): an exact tie to the even digit, 0.0625 -> 6.2%
     return f"{100 * x:.1f}%"
 
 
@@ -93,6 +97,7 @@ def summary_table(report: AuditReport) -> str:
         f"{report.duplicates} duplicates kept once, {report.continued} partial outputs continued, "
         f"{report.damaged_frames} damaged frames",
         *_skipped_inputs(report),
+        *([f"engine: {STUB_WORDS}"] if report.engine == "stub" else []),
         "",
     ]
     head = ["dataset", "planned", "ok", "failed", "missing", "prompt tok", "cached", "output tok", "out p50/p90/p99/max",
@@ -163,6 +168,8 @@ pre.empty{color:#8c959f;font-style:italic}
   border:1px solid #54aeff;background:#ddf4ff;color:#0550ae}
 .tok.missing{background:#ffebe9;color:#a40e26;border-color:#ff8182} .tok.stop{background:#dafbe1;color:#116329;border-color:#4ac26b}
 .why{color:#a40e26;font-weight:600}
+.stub{display:inline-block;margin:10px 0 0;padding:6px 12px;border-radius:6px;background:#fff8c5;color:#3b2300;
+  border:1px solid #d4a72c;font-weight:600}
 """
 
 _SCRIPT = r"""
@@ -180,8 +187,14 @@ const S = (tag, attrs = {}, text) => {
   if (text !== undefined) e.textContent = String(text);
   return e;
 };
-const pct = x => (100 * x).toFixed(1) + '%';
-const num = v => v >= 10000 ? (v / 1000).toFixed(v % 1000 ? 1 : 0) + 'k' : String(v);
+// One decimal as the terminal (Python's format) writes it: the nearest, an exact tie to the even digit, where
+// toFixed takes the larger (6.25 -> 6.2, not 6.3). toFixed(100) is the exact value of any double shown here.
+const fixed1 = v => {
+  const tie = /^(\d+)\.(\d)50*$/.exec(Math.abs(v).toFixed(100));
+  return tie && +tie[2] % 2 === 0 ? (v < 0 ? '-' : '') + tie[1] + '.' + tie[2] : v.toFixed(1);
+};
+const pct = x => fixed1(100 * x) + '%';
+const num = v => v >= 10000 ? (v % 1000 ? fixed1(v / 1000) : (v / 1000).toFixed(0)) + 'k' : String(v);
 function table(id, head, rows, left, bad) {
   const t = $('table', {id});
   t.append($('tr', {}, ...head.map((h, i) => $('th', left.includes(i) ? {class: 'l'} : {}, h))));
@@ -236,6 +249,8 @@ main.append($('h1', {}, `Audit of run ${R.run} `, $('span', {class: 'badge ' + (
 main.append($('div', {class: 'muted'}, `fingerprint ${R.fingerprint} · ${R.created} · ${R.planned} planned, ${R.ok} ok, ` +
   `${R.failed} failed, ${R.missing} missing, ${R.duplicates} duplicates kept once, ` +
   `${R.continued} partial outputs continued, ${R.damaged_frames} damaged frames`));
+if (R.engine === 'stub')
+  main.append($('p', {id: 'engine', class: 'stub'}, 'Engine: ' + R.stub_words));
 main.append($('h2', {}, 'Checks'));
 main.append(table('checks', ['', 'check', 'value', 'limit', 'what was seen'],
   R.checks.map(c => [c.passed ? 'ok' : 'FAIL', c.name, c.value === null ? '-' : (c.unit === 'share' ? pct(c.value) : c.value),
@@ -349,7 +364,8 @@ main.append($('p', {class: 'muted'}, `tokenizer ${t.tokenizer}: think ${t.think_
 def write_html(report: AuditReport, path: Path) -> None:
     """A single HTML file with inline data, style and script (no network access needed to view it)."""
     # "<" only ever occurs inside JSON strings: as \u003c, no text of the run can close or open a tag here.
-    data = msgspec.json.encode(report).decode().replace("<", "\\u003c")
+    data = msgspec.json.encode({**msgspec.to_builtins(report), "stub_words": STUB_WORDS}).decode()
+    data = data.replace("<", "\\u003c")
     verdict = "PASSED" if report.passed else "FAILED"
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

@@ -250,6 +250,7 @@ class Engine:
         grace = self.engine.shutdown_timeout_s if timeout_s is None else timeout_s
         if not self.ready:
             grace = 0.0
+        log.info("stopping the engine (pid %d): SIGTERM to its process group, SIGKILL after %g s", proc.pid, grace)
         self.terminate()
         try:
             proc.wait(grace)

@@ -17,7 +17,7 @@ from toolkit.engines.base import LOOPBACK, Engine, EngineError, free_port
 from toolkit.engines.keys import KEY_ENV
 from toolkit.engines.sglang_contract.flags import MANAGED, check_extra_args
 
-__all__ = ["SGLangEngine", "MANAGED", "check_extra_args"]
+__all__ = ["SGLangEngine", "MANAGED", "check_extra_args", "engine_python"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,57 @@ def check_argv_with_sglang(args: list[str], env: dict[str, str], python: str = s
                 r.returncode, " | ".join(lines[-3:]) or "no output")
 
 
+# Asked of a candidate interpreter: its environment (sys.prefix) and whether sglang is importable there.
+_PROBE = "import importlib.util, sys; print(sys.prefix); print(importlib.util.find_spec('sglang') is not None)"
+PROBE_TIMEOUT_S = 120.0
+
+
+def _probe(python: str, env: dict[str, str]) -> tuple[str, bool] | None:
+    """(sys.prefix, has sglang) of `python` run with `env`; None when it does not run."""
+    try:
+        r = subprocess.run([python, "-c", _PROBE], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = r.stdout.split()
+    return (lines[0], lines[1] == "True") if r.returncode == 0 and len(lines) == 2 else None
+
+
+def has_sglang(python: str, env: dict[str, str]) -> bool:
+    """Whether `sglang` is importable by `python` run with `env`."""
+    seen = _probe(python, env)
+    return seen is not None and seen[1]
+
+
+def engine_python(python: str | None, env: dict[str, str]) -> tuple[str, str]:
+    """(interpreter, why) that SGLang starts with in the environment `env` (the worker's, as the node's [slurm]
+    setup left it, with [engine] env): [engine] python when the job names one (a path, or a name on env's PATH);
+    else the first python3 (or python) on env's PATH whose environment is not the toolkit's own and has sglang,
+    as `source ~/venvs/sglang/bin/activate` in the setup prepares; else the toolkit's own interpreter."""
+    path = env.get("PATH", os.defpath)
+    if python:
+        found = shutil.which(os.path.expanduser(python), path=path)
+        if found is None:
+            raise EngineError(f"[engine] python = {python!r}: no such interpreter on this node (PATH {path}); give "
+                              "the path of the Python that has sglang here, or activate its environment in [slurm] "
+                              "setup and remove [engine] python")
+        return found, "[engine] python"
+    for name in ("python3", "python"):
+        found = shutil.which(name, path=path)
+        if found is None:
+            continue
+        seen = _probe(found, env)
+        if seen is None:
+            continue
+        prefix, has_sglang = seen
+        if os.path.realpath(prefix) == os.path.realpath(sys.prefix):
+            break  # the toolkit's own environment: its own interpreter
+        if has_sglang:
+            return found, f"the first {name} on PATH, with sglang (the environment [slurm] setup prepared)"
+        break
+    return sys.executable, "the toolkit's own Python"
+
+
 class SGLangEngine(Engine):
     """SGLang on this node, or with `[engine] nodes = N > 1` on the N nodes of the task's allocation: one `srun`
     step with a rank per node (toolkit.engines.rank), rank 0 beside the worker. The srun process is the engine
@@ -89,6 +140,15 @@ class SGLangEngine(Engine):
         self.step_name = ""
         self.step_id: str | None = None
         self.ranks_per_node = max(1, int(os.environ.get(self.RANKS_PER_NODE_ENV) or 1))
+        self._python: str | None = None
+
+    @property
+    def python(self) -> str:
+        """The interpreter SGLang starts with (engine_python), chosen once per engine and logged."""
+        if self._python is None:
+            self._python, why = engine_python(self.engine.python, self.command_env())
+            log.info("SGLang starts with %s (%s)", self._python, why)
+        return self._python
 
     @property
     def multi_node(self) -> bool:
@@ -123,7 +183,7 @@ class SGLangEngine(Engine):
         m, e = self.spec.model, self.engine
         if e.command:
             return self.custom_argv()
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", m.path]
+        argv = [self.python, "-m", "sglang.launch_server", "--model-path", m.path]
         if m.tokenizer_path:
             argv += ["--tokenizer-path", m.tokenizer_path]
         argv += [

@@ -92,15 +92,26 @@ class Preflight:
 
 
 def sglang_missing(spec: JobSpec) -> str | None:
-    """Why this Python cannot start the job's engine, when it is SGLang launched by the toolkit (`sys.executable -m
-    sglang.launch_server`) and no `sglang` module is importable here; None when it can (or launches otherwise)."""
+    """Why SGLang cannot be started here, when the toolkit launches it (`PYTHON -m sglang.launch_server`, PYTHON as
+    engines.sglang.engine_python chooses it in this environment) and that Python has no `sglang`; None when it can
+    (or the engine launches otherwise)."""
+    from toolkit.engines.base import EngineError
+    from toolkit.engines.sglang import engine_python, has_sglang
+
     e = spec.engine
     if e.kind != "sglang" or e.command:
         return None
-    if importlib.util.find_spec("sglang") is not None:
+    env = {**os.environ, **e.env}
+    try:
+        python, why = engine_python(e.python, env)
+    except EngineError as err:
+        return str(err)
+    if python == sys.executable and importlib.util.find_spec("sglang") is not None:
         return None
-    return (f"[engine] kind = \"sglang\": this Python ({sys.executable}) cannot start SGLang (no module named "
-            "'sglang'); install it where the engine runs: pip install 'toolkit[sglang]'")
+    if python != sys.executable and has_sglang(python, env):
+        return None
+    return (f"[engine] kind = \"sglang\": {python} ({why}) cannot start SGLang (no module named 'sglang'); install "
+            "it where the engine runs: pip install 'toolkit[sglang]'")
 
 
 def require_engine_here(spec: JobSpec) -> None:
@@ -124,8 +135,10 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     pf = Preflight(spec, plan, refs)
     missing = sglang_missing(spec)
     if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
-        pf.warnings.append(f"{missing}. A login node that only submits needs none, but the Slurm tasks run this same "
-                           "Python unless [slurm] setup activates another environment: that one needs it")
+        pf.warnings.append(f"{missing}. A login node that only submits needs none; the Slurm tasks start SGLang with "
+                           "[engine] python when the job names one, else with the first python3 on their PATH (after "
+                           "[slurm] setup, e.g. 'source ~/venvs/sglang/bin/activate') that has sglang, else with "
+                           "this same Python: one of those needs it")
     if check_tokenizer:
         _check_prompts(pf, job, exact)
         if pf.too_long:  # [inputs] on_too_long = "skip": planned again without them

@@ -176,11 +176,12 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
     run_refs = load_refs(rd)
     diff = compare(run, run_refs, plan, refs)
     if diff.refused(allow_changed):
-        what = "prompt files changed since the run was planned" if diff.legacy else "some prompts changed or are gone"
+        what = ("its prompt files changed since the run was planned" if diff.legacy
+                else "some of its prompts changed or are gone")
         legacy = (" It was planned by an older toolkit, whose ids came from line numbers: it resumes while its prompts "
                   "stay where they were, and cannot grow (its ids are kept)." if diff.legacy else "")
         raise PlanError(
-            f"{rd.root} holds this job's run {run.fingerprint}, but its {what} (differs in: inputs):\n  "
+            f"{rd.root} holds this job's run {run.fingerprint}, but {what} (differs in: inputs):\n  "
             f"{diff.describe(run, plan)}\nA run's records belong to the prompts it planned.{legacy} Restore those "
             "lines (a prompt edited on purpose is a new prompt: give it a new id, and keep the old line), "
             f"{_ALLOW if diff.rewritten and not diff.removed and not diff.legacy else ''}point `output_dir` elsewhere, "

@@ -131,6 +131,21 @@ class RunPlan(msgspec.Struct):
     aliases: list[str] = []
     grown: list[Growth] = []
 
+    @property
+    def noun(self) -> str:
+        """What one planned record is, in words: a prompt, or with [sampling] n > 1 anywhere, an output (one sample
+        of a prompt)."""
+        return "prompt" if all(d.samples == 1 for d in self.datasets) else "output"
+
+    def counted(self) -> str:
+        """The plan's size in words: `44 prompts`, or with samples `60 outputs (30 prompts × 2 samples)`."""
+        if self.noun == "prompt":
+            return f"{self.total} prompt{'s' * (self.total != 1)}"
+        prompts = sum(d.prompts for d in self.datasets)
+        samples = sorted({d.samples for d in self.datasets if d.prompts})
+        each = f"× {samples[0]} samples" if len(samples) == 1 else f"with {samples[0]} to {samples[-1]} samples each"
+        return f"{self.total} outputs ({prompts} prompt{'s' * (prompts != 1)} {each})"
+
     def same_job(self, other: RunPlan) -> bool:
         """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown since."""
         return other.fingerprint == self.fingerprint or other.fingerprint in self.aliases

@@ -93,6 +93,9 @@ class EngineSpec(_Config):
     # A custom launch argv: placeholders {host} {port} {model_path}, and for the key {api_key_file} or {config_file}
     # (files only the user can read; $TOOLKIT_ENGINE_API_KEY holds it too), or {api_key} (on the command line: warned).
     command: list[str] | None = None
+    # The Python that runs SGLang (kind = "sglang" without `command`): a path or a name looked up on the node's PATH.
+    # None: the first python3 on the task's PATH (as [slurm] setup left it) that has sglang, else the toolkit's own.
+    python: str | None = None
     stub: StubSpec = msgspec.field(default_factory=StubSpec)
 
 
@@ -352,6 +355,9 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         problem = check_engine_layout(e, spec.slurm.gpus_per_node)
         if problem:
             raise SpecError(f"{source}: {problem}")
+    if e.python is not None and (e.kind != "sglang" or e.command is not None or not e.python.strip()):
+        raise SpecError(f"{source}: [engine] python = {e.python!r}: only for kind = \"sglang\" without `command` (the "
+                        "Python the toolkit starts SGLang with), and not empty; remove it")
     if e.kind == "external" and not e.url:
         raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
     _check_key_source(e, source, base, check_paths)

@@ -1,4 +1,5 @@
-"""The shard worker: what one Slurm array task does — engine → chat → client → records → shard file.
+"""The shard worker: what a Slurm array task does for each shard it claims — engine → chat → client → records →
+shard file.
 
 `run_shard(run_dir, shard)` resumes the shard's file (every id already written is skipped, whatever order it
 was written in), starts the engine, renders prompts with the chat template while the engine loads, streams
@@ -298,8 +299,8 @@ async def _run(sh: Shard, todo: Todo, session: EngineSession) -> str:
                 if not sh.t_gen:
                     sh.t_gen = time.monotonic()
                 sh.save_progress("generating")
-                log.info("generating %d prompts (%d to continue from a partial output) with concurrency %s",
-                         len(todo), len(sh.partial), spec.client.concurrency)
+                log.info("generating %d %ss (%d to continue from a partial output) with concurrency %s",
+                         len(todo), sh.plan.noun, len(sh.partial), spec.client.concurrency)
                 sh.last_answer = time.monotonic()
                 await _generate_shard(sh, stop, feed, engine, hang, state.info)
                 keep = session.keep and engine.alive()
@@ -404,19 +405,19 @@ def _where(p: Progress) -> str:
     return out
 
 
-def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: int) -> str:
+def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: int, noun: str = "prompt") -> str:
     """What this attempt finds and does: e.g. `30 prompts: 26 have a record, 18 kept; 12 to generate: 4 never
     generated and 8 again (8 failures that may pass)`."""
     if not recorded:
-        return f"{_count(total, 'prompt')} to generate"
+        return f"{_count(total, noun)} to generate"
     again = transient + asked
     kept = recorded - again
     if not todo:
-        return f"{_count(total, 'prompt')}: all have a record; nothing to generate"
+        return f"{_count(total, noun)}: all have a record; nothing to generate"
     why = ", ".join(x for x in (f"{transient} failure{'s' if transient != 1 else ''} that may pass" if transient else "",
                                 f"{asked} asked for by `toolkit retry`" if asked else "") if x)
     parts = [f"{todo - again} never generated" if todo - again else "", f"{again} again ({why})" if again else ""]
-    return (f"{_count(total, 'prompt')}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} kept; "
+    return (f"{_count(total, noun)}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} kept; "
             f"{todo} to generate: "
             + " and ".join(x for x in parts if x))
 
@@ -576,7 +577,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
     sh.session = session
     try:
         ctx = sh.progress
-        log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, "prompt"),
+        log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, plan.noun),
                  _where(ctx))
         if _already_complete(rd, plan, shard):
             return Outcome(DONE)
@@ -596,7 +597,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
             sh.recorded = len(done_ids) - len(redo)
             sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
             log.info("%s", _resume_line(sh.sp.count, len(done_ids), len(todo), len(redo & sh.writer.transient),
-                                        len(redo - sh.writer.transient)))
+                                        len(redo - sh.writer.transient), plan.noun))
             sh.progress.resumed = sh.recorded
             result = DONE
             if todo:

@@ -44,7 +44,8 @@ record = {"argv": sys.argv[1:], "scheduler_pid": child.pid, "pid": os.getpid(), 
           "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname(),
           "config_mode": oct(os.stat(args.config).st_mode & 0o777) if args.config else None,
-          "key_in_env": any(k == "TOOLKIT_ENGINE_API_KEY" for k in os.environ)}
+          "key_in_env": any(k == "TOOLKIT_ENGINE_API_KEY" for k in os.environ),
+          "python": sys.executable, "prefix": sys.prefix}
 
 
 def write_record(**more) -> None:
