@@ -319,3 +319,18 @@ def test_run_quiet_hides_the_info_lines_keeps_warnings_and_ends_with_the_summary
     assert " INFO toolkit.dataset.merge: merging shard 0" in loud.stderr
     for r in (quiet, first):
         assert r.returncode == 0 and r.stderr == "" and r.stdout.rstrip().splitlines()[-1].startswith("report: ")
+
+
+def test_every_exit_code_has_one_meaning_said_by_the_help_and_the_docs(capsys):
+    """The exit codes live in one list (errors.EXIT_MEANINGS): `toolkit --help` prints it whole, and
+    docs/commands.md says each code."""
+    from toolkit.errors import EXIT_MEANINGS, EXIT_STUCK
+
+    assert EXIT_STUCK in EXIT_MEANINGS and len(set(EXIT_MEANINGS)) == len(EXIT_MEANINGS)
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    for code, what in EXIT_MEANINGS.items():
+        assert f"{code} {what}" in said
+    docs = (Path(__file__).parent.parent / "docs" / "commands.md").read_text()
+    assert [int(c) for c in re.findall(r"^- (\d+) ", docs, re.M)] == list(EXIT_MEANINGS)

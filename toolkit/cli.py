@@ -1,10 +1,7 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
-Exit codes: 0 success; 1 a run, shard or audit failed; 2 bad input (spec, prompt file, tokenizer, run dir)
-or usage; 3 a shard stopped early on SIGTERM or SIGUSR2 and wants to be requeued; 4 (`status`) the state of some
-shard or of the merge job cannot be known because Slurm did not answer; 5 (`status`) the run is still going
-(something runs it); 130 interrupted by Ctrl-C (SIGINT; what was done is kept, the run resumes). `status` exits 0
-only for a run that is complete and healthy (cluster.verdicts.verdict).
+Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`. `status` exits 0 only for a run that is
+complete and healthy (cluster.verdicts.verdict).
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from toolkit.errors import (
@@ -20,6 +18,7 @@ from toolkit.errors import (
     EXIT_FAILED,
     EXIT_IN_PROGRESS,
     EXIT_INTERRUPTED,
+    EXIT_MEANINGS,
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_UNKNOWN,
@@ -46,11 +45,14 @@ typical session:
   toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids + loss mask, for training
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
-exit codes: 0 ok, 1 failed (status: or stopped, with the command that resumes it), 2 bad input or usage,
-3 stopped early by SIGTERM or SIGUSR2 (requeue), 4 state unknown (Slurm did not answer; status), 5 still going:
-something runs it (status), 6 a worker did not end in time once its work was over (ended by its exit guard; the
-shard resumes), 130 interrupted by Ctrl-C (what was done is kept; run it again to resume)
 """
+
+
+def _exit_codes() -> str:
+    """The exit codes for `toolkit --help`, from their one list (errors.EXIT_MEANINGS)."""
+    return textwrap.fill("exit codes: " + ", ".join(f"{code} {what}" for code, what in EXIT_MEANINGS.items()),
+                         width=110, break_on_hyphens=False)
+
 
 RUN_HELP = """\
 Run every shard of JOB here (no Slurm), then merge and audit. As many workers run as the visible GPUs
@@ -346,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="toolkit",
         description="Generate a training dataset from a reasoning model served by SGLang, via raw token ids, on Slurm.",
-        epilog=EPILOG,
+        epilog=EPILOG + _exit_codes(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")

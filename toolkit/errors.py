@@ -6,13 +6,25 @@
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_INTERRUPTED", "EXIT_OK",
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_MEANINGS", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError", "stopped_code"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 EXIT_IN_PROGRESS = 5  # `status`: the run is still going (shards or the merge job pending or running), nothing failed
 EXIT_STUCK = 6        # a worker did not end in time once its work was over: the exit guard ended it (exitguard)
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells count it (128 + 2): what was done is kept, a run resumes
+
+# What each exit code means, in the words `toolkit --help` prints: the one list (docs/commands.md says more of each)
+EXIT_MEANINGS: dict[int, str] = {
+    EXIT_OK: "ok",
+    EXIT_FAILED: "failed (status: or stopped, with the command that resumes it)",
+    EXIT_BAD_INPUT: "bad input or usage",
+    EXIT_STOPPED: "stopped early by SIGTERM or SIGUSR2 (requeue)",
+    EXIT_UNKNOWN: "state unknown (Slurm did not answer; status)",
+    EXIT_IN_PROGRESS: "still going: something runs it (status)",
+    EXIT_STUCK: "a worker did not end in time once its work was over (ended by its exit guard; the shard resumes)",
+    EXIT_INTERRUPTED: "interrupted by Ctrl-C (what was done is kept; run it again to resume)",
+}
 
 
 def stopped_code(signal_name: str | None) -> int:
