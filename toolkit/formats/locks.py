@@ -158,9 +158,9 @@ def flock_or_lockfile(fd: int, path: Path) -> LockFile | None:
     return lock
 
 
-def held_elsewhere(path: Path) -> bool:
-    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where the file system
-    has none, its lock file). Only looked at: a writer may take the lock the next moment (ShardLocked says so)."""
+def flock_held(path: Path) -> bool | None:
+    """Whether another process holds the flock of `path` at this moment (False when the file is absent; None when
+    its file system has no flock to tell). Only looked at: the probe's own shared lock is released at once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -170,9 +170,16 @@ def held_elsewhere(path: Path) -> bool:
     except BlockingIOError:
         return True
     except OSError as e:
-        return e.errno in NO_FLOCK and path.with_name(path.name + ".lock").exists()
+        return None if e.errno in NO_FLOCK else False
     finally:
         os.close(fd)  # (releases the probe's lock)
     return False
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where the file system
+    has none, its lock file). Only looked at: a writer may take the lock the next moment (ShardLocked says so)."""
+    held = flock_held(path)
+    return path.with_name(path.name + ".lock").exists() if held is None else held
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from toolkit.formats.files import atomic_write
+from toolkit.formats.locks import flock_held
 
 __all__ = ["LocalRun", "Progress", "REFRESH_S", "STALE_S", "live_local_runs", "local_run", "read_progress",
            "write_progress", "slurm_context", "stale_for", "worker_gone"]
@@ -184,23 +184,6 @@ def local_run(rd, shards, command: str, *, group: str | None = None, merges: boo
             os.close(fd)
 
 
-def _lock_held(path: Path) -> bool | None:
-    """Whether another process holds the flock of `path` (None: this file system has no flock to tell)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError as e:
-        return None if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS) else False
-    finally:
-        os.close(fd)
-    return False
-
-
 def live_local_runs(rd) -> list[LocalRun]:
     """The processes running shards of `rd` from the command line that are alive now: their file's lock is held (where the
     file system has no flock: their pid runs on this host, or they run on another host, which cannot be told)."""
@@ -215,7 +198,7 @@ def live_local_runs(rd) -> list[LocalRun]:
             r = msgspec.json.decode(path.read_bytes(), type=LocalRun)
         except (OSError, msgspec.DecodeError):
             continue  # gone meanwhile, or being written
-        held = _lock_held(path)
+        held = flock_held(path)
         here = r.host == socket.gethostname()
         if held is False or here and not _pid_alive(r.pid):
             continue
