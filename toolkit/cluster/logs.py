@@ -23,10 +23,10 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
-from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import shard_state
 from toolkit.job.plan import load_run
 
 FINISHED = ("done", "failed", "stopped")  # progress states after which an attempt's log grows no more
@@ -92,9 +92,10 @@ class ShardEnd:
 
     def __call__(self) -> str | None:
         rd, k = self.rd, self.shard
-        if read_done(rd.done_file(k)) is not None:
+        st = shard_state(rd, k, progress=True)
+        if st.ended:
             return "done"
-        p = read_progress(rd.progress_file(k))
+        p = st.progress
         local = self.task is None and self.array is None
         if local and (p is None or p.state not in FINISHED):  # nothing but a live process here will write it
             gone = worker_gone(p) if p is not None else None
@@ -229,7 +230,7 @@ def _retryable(rd: RunDir, plan) -> dict[int, int]:
     """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
     out = {}
     for s in plan.shards:
-        m = read_done(rd.done_file(s.index))
+        m = shard_state(rd, s.index).done
         if m is not None and (m.transient or m.given_up):  # given up after [client] max_tries: retry starts afresh
             out[s.index] = m.transient + m.given_up
     return out

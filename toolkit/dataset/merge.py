@@ -36,10 +36,11 @@ from toolkit.formats.frames import (
     read_header,
 )
 from toolkit.formats.locks import ShardLocked
-from toolkit.formats.manifests import DoneManifest, read_done
+from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.records import OK, PARTIAL, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
+from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
 
@@ -261,8 +262,8 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
     """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
-        m = read_done(rd.done_file(s.index))
-        if m is not None and m.fingerprint == plan.fingerprint:
+        m = shard_state(rd, s.index, fingerprint=plan.fingerprint).done
+        if m is not None:
             done[s.index] = m
         else:
             not_done.append(s.index)
