@@ -19,8 +19,8 @@ from bisect import bisect_right
 from pathlib import Path
 
 from toolkit.errors import BadInputError
-from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import write_retry
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import is_given_up
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import asked_again, shard_state
@@ -55,13 +55,12 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
     return by_shard
 
 
-def given_up_ids(rd: RunDir, k: int) -> list[str]:
-    """Ids of shard `k` whose newest record is a failure that may pass, given up for the run after [client]
-    max_tries tries (records.is_given_up)."""
-    newest: dict[str, bool] = {}
-    for r in read_shard(rd.shard_file(k)):
-        newest[r.id] = is_given_up(r)
-    return [i for i, gave_up in newest.items() if gave_up]
+def given_up_ids(rd: RunDir, plan: RunPlan, k: int) -> list[str]:
+    """Ids of shard `k` whose newest record (formats.newest) is a failure that may pass, given up for the run after
+    [client] max_tries tries (records.is_given_up)."""
+    sp, path = plan.shards[k], rd.shard_file(k)
+    sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
+    return [r.id for r in newest_records(path, sc) if r is not None and is_given_up(r)]
 
 
 def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
@@ -73,7 +72,7 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
         for s in plan.shards:
             m = shard_state(rd, s.index).done
             if m is not None and m.given_up:
-                ids += given_up_ids(rd, s.index)
+                ids += given_up_ids(rd, plan, s.index)
         if not ids:
             return rd, _unfinished(rd, plan)
     for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):

@@ -34,11 +34,6 @@ class DoneManifest(msgspec.Struct):
                                  # `failed`, not in `transient`): `toolkit retry` generates them again
 
 
-def needs_work(m: DoneManifest | None) -> bool:
-    """Whether a shard with this done manifest still has prompts to generate (none, or transient failures)."""
-    return m is None or m.transient > 0
-
-
 def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
     """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
 
@@ -153,23 +148,6 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
     sha = sha256_file(shard_path)
     if sha != m.sha256:
         return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
-    return None
-
-
-def trusted_done(path: Path, shard_path: Path, fingerprint: str) -> DoneManifest | None:
-    """The done manifest at `path` when it can be trusted: of this run (`fingerprint`), its shard file unchanged
-    since (size, sha256). One that cannot be is removed, said in one line: the shard is then not finished, and its
-    next run checks its file, salvages the intact frames and generates the rest (shardfile.ShardWriter.open)."""
-    m = read_done(path)
-    if m is None:
-        return None
-    why = (f"of run {m.fingerprint}, not of this run {fingerprint}" if m.fingerprint != fingerprint
-           else verify_done(m, shard_path))
-    if why is None:
-        return m
-    log.warning("%s: %s: the done manifest is removed; the shard's next run checks its file, keeps what is intact "
-                "and generates the rest", path, why)
-    path.unlink(missing_ok=True)
     return None
 
 

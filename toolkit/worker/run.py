@@ -43,9 +43,9 @@ from toolkit.engines.client import Expect, HttpClient, server_limits
 from toolkit.engines.kinds import make_engine
 from toolkit.errors import EXIT_BAD_INPUT, BadInputError, ToolkitError
 from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
-from toolkit.formats.frames import read_shard
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import write_done
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.records import MAY_PASS, OK, Record
 from toolkit.formats.rundir import RunDir
@@ -498,11 +498,10 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
     regenerated = {d.name for d in plan.datasets if d.regenerate}
     if not regenerated:
         return {}
-    newest: dict[str, Record] = {}
-    for rec in read_shard(rd.shard_file(shard)):
-        if rec.dataset in regenerated:
-            newest[rec.id] = rec
-    return {i: r for i, r in newest.items() if r.status == OK and i not in redo}
+    sp, path = plan.shards[shard], rd.shard_file(shard)
+    sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
+    return {r.id: r for r in newest_records(path, sc)
+            if r is not None and r.dataset in regenerated and r.status == OK and r.id not in redo}
 
 
 def run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
