@@ -89,5 +89,5 @@ def test_records_written_before_tries_were_counted_decode_as_one_try_not_final(t
     w.open()
     assert w.transient == {"p2"} and w.tries == {"p2": 2}  # the newest record of each id counts
     w.close()
-    m = write_done(tmp_path / "00000.done", path, 0, "f" * 16)
+    m = write_done(tmp_path / "00000.done", path, 0, "f" * 16, positions=range(0, 2))
     assert (m.records, m.failed, m.transient, m.given_up, m.superseded) == (2, 2, 1, 1, 2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -52,12 +52,14 @@ class ShardScan:
         self.damage: list[Damage] = []
 
 
-def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, header: bool = True) -> ShardScan:
+def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, header: bool = True,
+               each: Callable[[Record], None] | None = None) -> ShardScan:
     """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs` in order):
     every intact frame read, the newest record of each position located, damaged frames noted and read past.
     `refs` a count: the positions' ids are not checked (a record at a planned position is taken as its own), and
     nothing is kept per prompt but the arrays. `header` False: the file's header is known damaged; its frames are
-    read past it."""
+    read past it. `each` sees every record of the planned positions as pass 1 reads it (while the scan finds no
+    duplicate and no continued record, those are the newest)."""
     n = refs if isinstance(refs, int) else len(refs)
     ids = None if isinstance(refs, int) else refs
     sc = ShardScan(n)
@@ -84,6 +86,8 @@ def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, 
                 if len(sc.duplicate_ids) < SAMPLE_IDS:
                     sc.duplicate_ids.append(h.id)
             frame_of[pos], item_of[pos] = fno, i
+            if each is not None:
+                each(h)
             partial_at[pos] = h.status == PARTIAL
     return sc
 
