@@ -106,7 +106,8 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
             ))
             written += OUTPUT_TOKENS
         w.close()
-        write_done(rd.done_file(sp.index), rd.shard_file(sp.index), sp.index, plan.fingerprint)
+        write_done(rd.done_file(sp.index), rd.shard_file(sp.index), sp.index, plan.fingerprint,
+                   positions=range(sp.first, sp.first + sp.count))
     return rd.root, written
 
 

@@ -180,7 +180,8 @@ def write_shard(s: Synth, k: int, records: Iterable[Record], *, done: bool = Tru
     finally:
         w.close()
     if done:
-        write_done(s.rd.done_file(k), path, k, s.plan.fingerprint)
+        sp = s.plan.shards[k]
+        write_done(s.rd.done_file(k), path, k, s.plan.fingerprint, positions=range(sp.first, sp.first + sp.count))
     return path
 
 

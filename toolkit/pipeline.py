@@ -114,10 +114,9 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
                       log: logging.Logger) -> tuple[str | None, list[int]]:
     """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is passed on to
     them (each stops its shard cleanly)."""
-    from toolkit.formats.manifests import read_done
-    from toolkit.formats.progress import read_progress
+    from toolkit.formats.shardstate import ShardState, shard_state
 
-    done_before = sum(read_done(rd.done_file(k)) is not None for k in pool)
+    done_before = sum(shard_state(rd, k).ended for k in pool)
     procs = []
     for i, gpus in enumerate(slices):
         env = dict(os.environ)
@@ -151,24 +150,21 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
         for s, h in old.items():
             signal.signal(s, h)
     for k in pool:
-        p = read_progress(rd.progress_file(k))
-        if read_done(rd.done_file(k)) is None and p is not None and p.state == "failed" and p.group == group \
-                and k not in failed:
+        st = shard_state(rd, k, group=group)
+        if not st.ended and st.state is ShardState.FAILED and k not in failed:
             failed.append(k)
     if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
         if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
             return "SIGINT", []
         return signal.Signals(told[0]).name if told else "a signal", []
-    from toolkit.formats.locks import held_elsewhere
-
-    busy = [k for k in pool if read_done(rd.done_file(k)) is None and k not in failed
-            and held_elsewhere(rd.shard_file(k))]
+    states = {k: shard_state(rd, k, held=True) for k in pool if k not in failed}
+    busy = [k for k, st in states.items() if st.busy]
     for k in busy:
         _say_busy(rd, k, log)
-    left = [k for k in pool if read_done(rd.done_file(k)) is None and k not in failed and k not in busy]
+    left = [k for k, st in states.items() if not st.ended and k not in busy]
     died = [f"worker {i} ({'killed by ' + signal.Signals(-c).name if c < 0 else f'exit {c}'})"
             for i, c in enumerate(codes) if c not in (0, 1)]
-    progressed = sum(read_done(rd.done_file(k)) is not None for k in pool) > done_before
+    progressed = sum(shard_state(rd, k).ended for k in pool) > done_before
     if left and progressed:  # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
         log.warning("shards %s were left unfinished (%s); claiming them again", ",".join(map(str, left)),
                     "; ".join(died) or "their workers ended")
@@ -204,13 +200,13 @@ def _relay(stream, log: logging.Logger) -> None:
 
 def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
     """Wait until the shards other processes hold are released: those left unfinished, to run here."""
-    from toolkit.formats.locks import held_elsewhere
-    from toolkit.formats.manifests import read_done
+    from toolkit.formats.shardstate import ShardState, shard_state
 
     while True:
-        free = [b for b in busy if not held_elsewhere(rd.shard_file(b))]
+        states = {b: shard_state(rd, b, held=True) for b in busy}
+        free = [b for b, st in states.items() if st.state is not ShardState.HELD]
         if free:
-            left = [k for k in free if read_done(rd.done_file(k)) is None]
+            left = [k for k in free if not states[k].ended]
             for k in free:
                 if k in left:
                     log.info("shard %d: its other worker ended without finishing it; running it here", k)

@@ -187,7 +187,7 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     w.open()
     w.close()
     assert w.transient == set() and w.written == 5
-    m = write_done(tmp_path / "s.done", path, 0, "f" * 16)
+    m = write_done(tmp_path / "s.done", path, 0, "f" * 16, positions=range(0, 4))
     assert (m.records, m.ok, m.failed, m.transient, m.superseded) == (4, 3, 1, 0, 1)
     assert verify_done(read_done(tmp_path / "s.done"), path) is None
     with open(path, "ab") as f:
@@ -195,22 +195,26 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     assert "bytes" in verify_done(m, path)
 
 
-def test_done_counts_by_planned_position_equal_the_counts_by_id(tmp_path):
-    """write_done with the shard's positions (one byte per prompt) counts the newest record of each position as the
-    dict of ids does: records written again (once, or 300 times), a failure superseded by an ok record and the
-    reverse, records outside the positions ignored."""
+def test_done_counts_the_newest_record_of_each_planned_position(tmp_path):
+    """write_done counts the newest record of each of the shard's positions (formats.newest): records written again
+    (once, or 300 times), a failure superseded by an ok record and the reverse, records outside the positions
+    ignored (counted superseded); one pass while no position has two records."""
     path = tmp_path / "s.zst"
     timeout = failed_record("p1", "d", 1, [1, 2], "no answer", 2, failure="timeout")
     late_fail = failed_record("p4", "d", 4, [1, 2], "no answer", 2, failure="timeout")
     stray = msgspec.structs.replace(rec(9), id="x", index=99)
-    write(path, [rec(0), timeout, rec(2), rec(3), rec(4), rec(1), late_fail, stray] + [rec(5)] * 300 + [rec(6)])
-    by_id = write_done(tmp_path / "a.done", path, 0, "f" * 16)
-    by_position = write_done(tmp_path / "b.done", path, 0, "f" * 16, positions=range(0, 7))
-    assert (by_id.records, by_id.ok, by_id.failed, by_id.transient) == (8, 7, 1, 1)  # the stray id counts here
-    assert (by_position.records, by_position.ok, by_position.failed, by_position.transient) == (7, 6, 1, 1)
-    assert by_position.prompt_tokens == by_id.prompt_tokens - stray.n_prompt
-    assert by_position.output_tokens == by_id.output_tokens - stray.n_output
-    assert by_position.superseded == 1 + 1 + 299 + 1  # p1, p4, p5 x 299, and the stray record
+    written = [rec(0), timeout, rec(2), rec(3), rec(4), rec(1), late_fail, stray] + [rec(5)] * 300 + [rec(6)]
+    write(path, written)
+    m = write_done(tmp_path / "b.done", path, 0, "f" * 16, positions=range(0, 7))
+    newest = {r.index: r for r in written if r.index < 7}
+    assert (m.records, m.ok, m.failed, m.transient) == (7, 6, 1, 1)
+    assert m.prompt_tokens == sum(r.n_prompt for r in newest.values())
+    assert m.output_tokens == sum(r.n_output for r in newest.values())
+    assert m.superseded == 1 + 1 + 299 + 1  # p1, p4, p5 x 299, and the stray record
+    path2 = tmp_path / "once.zst"
+    write(path2, [rec(0), timeout, rec(2)])
+    m = write_done(tmp_path / "c.done", path2, 0, "f" * 16, positions=range(0, 3))
+    assert (m.records, m.ok, m.failed, m.transient, m.superseded) == (3, 2, 1, 1, 0)
 
 
 def test_fingerprint_mismatch_refused(tmp_path):

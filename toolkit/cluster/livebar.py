@@ -16,9 +16,9 @@ from typing import TextIO
 
 import msgspec
 
-from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import shard_state
 from toolkit.job.plan import RunPlan
 
 __all__ = ["LiveBar", "Snapshot", "snapshot"]
@@ -43,7 +43,7 @@ def snapshot(rd: RunDir, plan: RunPlan, finished: dict[int, tuple[int, int]] | N
     for sp in plan.shards:
         k = sp.index
         if k not in finished:
-            m = read_done(rd.done_file(k))
+            m = shard_state(rd, k).done
             if m is not None:
                 finished[k] = (m.records, m.failed)
         if k in finished:

@@ -24,10 +24,10 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
-from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import shard_state
 from toolkit.job.plan import load_run
 
 FINISHED = ("done", "failed", "stopped")  # progress states after which an attempt's log grows no more
@@ -95,9 +95,10 @@ class ShardEnd:
 
     def __call__(self) -> str | None:
         rd, k = self.rd, self.shard
-        if read_done(rd.done_file(k)) is not None:
+        st = shard_state(rd, k, progress=True)
+        if st.ended:
             return "done"
-        p = read_progress(rd.progress_file(k))
+        p = st.progress
         local = self.task is None and self.array is None
         if local and (p is None or p.state not in FINISHED):  # nothing but a live process here will write it
             gone = worker_gone(p) if p is not None else None
@@ -132,29 +133,27 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], 
     continuation) is not counted, and a partial output kept at a stop is not a failure: the next attempt continues
     it."""
     from toolkit.formats.frames import read_shard
+    from toolkit.formats.newest import newest_records, scan_shard
     from toolkit.formats.records import OK, PARTIAL
 
     listed = rd.failed_file
     if rd.manifest_file.exists() and listed.exists() and listed.stat().st_size == 0:
         return 0, [], 0  # the audit of the merged run found none: no need to read every record
-    if rd.merged_file.exists():
-        files = [rd.merged_file]
+    if rd.merged_file.exists():  # one record per id already
+        records = read_shard(rd.merged_file)
     else:
-        files = [p for k in range(len(load_run(rd.root)[1].shards)) if (p := rd.shard_file(k)).exists()]
+        shards = [(p, sp) for sp in load_run(rd.root)[1].shards if (p := rd.shard_file(sp.index)).exists()]
+        records = (r for p, sp in shards for r in newest_records(p, scan_shard(p, sp.first, sp.count)))
     n, shown, partial = 0, [], 0
-    for path in files:
-        newest: dict[str, tuple[str, str] | None] = {}
-        for rec in read_shard(path):
-            newest[rec.id] = None if rec.status == OK else (rec.status, rec.error or "(no message)")
-        for rid, bad in newest.items():
-            if bad is None:
-                continue
-            if bad[0] == PARTIAL:
-                partial += 1
-                continue
-            n += 1
-            if len(shown) < limit:
-                shown.append((rid, bad[1].splitlines()[0]))
+    for rec in records:
+        if rec is None or rec.status == OK:
+            continue
+        if rec.status == PARTIAL:
+            partial += 1
+            continue
+        n += 1
+        if len(shown) < limit:
+            shown.append((rec.id, (rec.error or "(no message)").splitlines()[0]))
     return n, shown, partial
 
 
@@ -232,7 +231,7 @@ def _retryable(rd: RunDir, plan) -> dict[int, int]:
     """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
     out = {}
     for s in plan.shards:
-        m = read_done(rd.done_file(s.index))
+        m = shard_state(rd, s.index).done
         if m is not None and (m.transient or m.given_up):  # given up after [client] max_tries: retry starts afresh
             out[s.index] = m.transient + m.given_up
     return out

@@ -19,10 +19,11 @@ from bisect import bisect_right
 from pathlib import Path
 
 from toolkit.errors import BadInputError
-from toolkit.formats.frames import read_shard
-from toolkit.formats.manifests import RetryRequest, needs_work, read_done, read_retry, trusted_done, write_retry
+from toolkit.formats.manifests import write_retry
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import is_given_up
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import asked_again, shard_state
 from toolkit.job.plan import RunPlan, load_refs, load_run
 
 __all__ = ["RetryError", "read_ids", "request_retry"]
@@ -54,13 +55,12 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
     return by_shard
 
 
-def given_up_ids(rd: RunDir, k: int) -> list[str]:
-    """Ids of shard `k` whose newest record is a failure that may pass, given up for the run after [client]
-    max_tries tries (records.is_given_up)."""
-    newest: dict[str, bool] = {}
-    for r in read_shard(rd.shard_file(k)):
-        newest[r.id] = is_given_up(r)
-    return [i for i, gave_up in newest.items() if gave_up]
+def given_up_ids(rd: RunDir, plan: RunPlan, k: int) -> list[str]:
+    """Ids of shard `k` whose newest record (formats.newest) is a failure that may pass, given up for the run after
+    [client] max_tries tries (records.is_given_up)."""
+    sp, path = plan.shards[k], rd.shard_file(k)
+    sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
+    return [r.id for r in newest_records(path, sc) if r is not None and is_given_up(r)]
 
 
 def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
@@ -70,22 +70,19 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
     if ids is None:
         ids = []
         for s in plan.shards:
-            m = read_done(rd.done_file(s.index))
+            m = shard_state(rd, s.index).done
             if m is not None and m.given_up:
-                ids += given_up_ids(rd, s.index)
+                ids += given_up_ids(rd, plan, s.index)
         if not ids:
             return rd, _unfinished(rd, plan)
     for k, shard_ids in sorted(_shard_of_ids(rd, plan, ids).items()):
-        path = rd.shard_file(k)
-        old = read_retry(rd.retry_file(k))
-        keep = [i for i in old.ids if i not in set(shard_ids)] if old else []
-        write_retry(rd.retry_file(k), RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + shard_ids))
+        write_retry(rd.retry_file(k), asked_again(rd, k, shard_ids))
         rd.done_file(k).unlink(missing_ok=True)
     return rd, _unfinished(rd, plan)
 
 
 def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
-    """Shards to run: no done manifest, failures that may pass, or a file changed since its manifest was written
-    (trusted_done)."""
+    """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose file changed
+    since it was written taken as not finished (and removed)."""
     return [s.index for s in plan.shards
-            if needs_work(trusted_done(rd.done_file(s.index), rd.shard_file(s.index), plan.fingerprint))]
+            if not shard_state(rd, s.index, fingerprint=plan.fingerprint, verify=True, remove=True).finished]

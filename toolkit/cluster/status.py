@@ -43,9 +43,9 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.cluster.verdicts import slurm_view as view_of_answers
 from toolkit.errors import EXIT_UNKNOWN
-from toolkit.formats.manifests import read_done
-from toolkit.formats.progress import LocalRun, live_local_runs, read_progress, worker_gone
+from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import done_time, shard_state
 from toolkit.job.plan import load_run
 
 
@@ -96,10 +96,10 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     shards = []
     last_done = 0.0
     for s in plan.shards:
-        p = read_progress(rd.progress_file(s.index))
-        done = read_done(rd.done_file(s.index))
+        st = shard_state(rd, s.index, progress=True)
+        p, done = st.progress, st.done
         if done is not None:
-            last_done = max(last_done, _mtime(rd.done_file(s.index)) or 0.0)
+            last_done = max(last_done, done_time(rd, s.index) or 0.0)
         local = done is None and s.index not in jobs.task_of and s.index not in jobs.pool_of
         runner = next((r for r in live if s.index in r.shards), None) if local else None
         if runner is not None and p is not None and p.state == "failed" and p.group and p.group == runner.group:

@@ -31,8 +31,8 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
-from toolkit.formats.manifests import needs_work, read_done, trusted_done
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import RunPlan, load_run
 
@@ -222,8 +222,8 @@ def submit(job: str, resources: Resources | None = None, *, dry_run: bool = Fals
 
 
 def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
-    """The shards of a run without a done manifest (all of them for a run not created yet)."""
-    return [k for k in range(len(plan.shards)) if read_done(rd.done_file(k)) is None]
+    """The shards of a run no worker ended (no done manifest; all of them for a run not created yet)."""
+    return [k for k in range(len(plan.shards)) if not shard_state(rd, k).ended]
 
 
 def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
@@ -251,9 +251,9 @@ def _all_done(rd: RunDir) -> SlurmError:
 
 
 def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> tuple[RunDir, Submission | None, list[int]]:
-    """Submit one array over exactly the shards without a done manifest (or with transient failures left, see
-    formats.manifests.needs_work; or whose file changed since its done manifest was written, which is removed:
-    trusted_done), and a new merge job."""
+    """Submit one array over exactly the shards not finished (formats.shardstate: no done manifest, failures that
+    may pass left, a retry asked, or a done manifest of another run or whose file changed since, which is
+    removed), and a new merge job."""
     rd, plan = load_run(run_dir)
     live = live_jobs(rd)
     if live:
@@ -261,7 +261,7 @@ def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> 
         raise SlurmError(f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them or "
                          f"`toolkit cancel {rd.root}` first")
     missing = [k for k in range(len(plan.shards))  # (a shard file changed since its done manifest: not finished)
-               if needs_work(trusted_done(rd.done_file(k), rd.shard_file(k), plan.fingerprint))]
+               if not shard_state(rd, k, fingerprint=plan.fingerprint, verify=True, remove=True).finished]
     if not missing:
         return rd, None, []
     o = validate_resources(plan, resources or Resources())
@@ -271,14 +271,14 @@ def resubmit(run_dir: str | os.PathLike, resources: Resources | None = None) -> 
 def why_unfinished(rd: RunDir, shards: list[int]) -> str:
     """Why each of `shards` is (re)submitted, grouped: `0-2 without a done manifest; 4 with ids `toolkit retry --ids`
     asked for; 5 with 3 failures that may pass` (a done manifest that counts transient failures: see
-    formats.manifests.needs_work)."""
+    formats.shardstate)."""
     missing, asked, transient = [], [], {}
     for k in shards:
-        m = read_done(rd.done_file(k))
-        if m is not None:
-            transient[k] = m.transient
+        st = shard_state(rd, k)
+        if st.done is not None:
+            transient[k] = st.done.transient
         else:
-            (asked if rd.retry_file(k).exists() else missing).append(k)
+            (asked if st.state is ShardState.RETRY else missing).append(k)
     parts = [f"{ranges(missing, sep=',')} without a done manifest"] if missing else []
     if asked:
         parts.append(f"{ranges(asked, sep=',')} with ids `toolkit retry --ids` asked for")

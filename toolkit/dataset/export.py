@@ -73,6 +73,7 @@ from toolkit.formats.records import (
     split_parts,
 )
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges
 from toolkit.job import chat
 from toolkit.job.inputs import ExtraReader, InputError, PromptReader
@@ -756,7 +757,7 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
     for m in manifest.shards:
         path = rd.shard_file(m.index)
         size = path.stat().st_size if path.exists() else 0
-        if size != m.bytes or rd.retry_file(m.index).exists():
+        if size != m.bytes or shard_state(rd, m.index).state is ShardState.RETRY:
             changed.append(m.index)
     if changed:
         return (f"shard{'s' * (len(changed) != 1)} {ranges(changed, sep=',')} changed since "

@@ -17,29 +17,21 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from toolkit.errors import EXIT_FAILED, BadInputError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
-from toolkit.formats.frames import (
-    CorruptShard,
-    Damage,
-    damaged_fingerprint,
-    decode_batch,
-    intact_frames,
-    read_frame_at,
-    read_header,
-)
+from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
 from toolkit.formats.locks import ShardLocked
-from toolkit.formats.manifests import DoneManifest, read_done
-from toolkit.formats.records import OK, PARTIAL, Record
+from toolkit.formats.manifests import DoneManifest
+from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
+from toolkit.formats.records import OK, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
+from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
 
@@ -51,18 +43,14 @@ __all__ = [
     "finished_shards",
     "load_manifest",
     "merge_run",
-    "newest_records",
     "planned_refs",
-    "scan_shard",
 ]
 
 log = logging.getLogger(__name__)
 
 MERGED = 2**32 - 1             # shard number in the merged file's header
 MANIFEST_FORMAT = 1
-CACHE_BYTES = 64 << 20         # decoded frames kept by the second pass
 MERGED_FLUSH_RECORDS = 128     # records per frame of the merged file
-SAMPLE_IDS = 100               # ids listed in the manifest per kind of problem (all are counted)
 
 
 class MergeError(BadInputError):
@@ -141,90 +129,6 @@ class _Totals:
         self.missing_ids: list[str] = []
 
 
-class ShardScan:
-    """Where the newest record of each planned position of one shard file lives, and what else was found there.
-
-    The one reading of "the newest record of an id wins": a record written again (a retry of a failed record, a
-    task that ran twice) supersedes the earlier ones; a partial output kept at a stop and superseded by its
-    continuation is counted apart, as continued, not as a duplicate. Only positions are kept, not records.
-    """
-
-    def __init__(self, n: int):
-        self.frame_of = array("q", [-1]) * n  # frame number holding the kept record of each position
-        self.item_of = array("i", [0]) * n    # index of that record in its frame
-        self.partial_at = bytearray(n)         # 1 where that record is a partial output (to be continued)
-        self.offsets: list[int] = []           # frame number -> byte offset
-        self.sizes: list[int] = []             # frame number -> decompressed size
-        self.records = self.duplicates = self.continued = self.foreign = 0
-        self.duplicate_ids: list[str] = []     # the first SAMPLE_IDS
-        self.foreign_ids: list[str] = []
-        self.damage: list[Damage] = []
-
-
-def scan_shard(path: Path | None, first: int, refs: list[PromptRef], *, header: bool = True) -> ShardScan:
-    """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs` in order):
-    every intact frame read, the newest record of each position located, damaged frames noted and read past.
-    `header` False: the file's header is known damaged; its frames are read past it."""
-    n = len(refs)
-    sc = ShardScan(n)
-    if path is None:
-        return sc
-    frame_of, item_of, partial_at = sc.frame_of, sc.item_of, sc.partial_at
-    for frame in intact_frames(path, sc.damage, header=header):
-        recs = decode_batch(frame)  # decoded and counted here, so the second pass cannot fail on it
-        fno = len(sc.offsets)
-        sc.offsets.append(frame.offset)
-        sc.sizes.append(len(frame.data))
-        for i, h in enumerate(recs):
-            sc.records += 1
-            pos = h.index - first
-            if not 0 <= pos < n or refs[pos].id != h.id:
-                sc.foreign += 1
-                if len(sc.foreign_ids) < SAMPLE_IDS:
-                    sc.foreign_ids.append(h.id)
-                continue
-            if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
-                sc.continued += 1
-            elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
-                sc.duplicates += 1
-                if len(sc.duplicate_ids) < SAMPLE_IDS:
-                    sc.duplicate_ids.append(h.id)
-            frame_of[pos], item_of[pos] = fno, i
-            partial_at[pos] = h.status == PARTIAL
-    return sc
-
-
-def newest_records(path: Path | None, sc: ShardScan, cache_bytes: int = CACHE_BYTES) -> Iterator[Record | None]:
-    """Pass 2: the newest record of each planned position in planned order (None where there is none), frames
-    decoded through a cache bounded in bytes."""
-    uses = [0] * len(sc.offsets)
-    for fno in sc.frame_of:
-        if fno >= 0:
-            uses[fno] += 1
-    cache: OrderedDict[int, list[Record]] = OrderedDict()
-    cached = 0
-    for pos, fno in enumerate(sc.frame_of):
-        if fno < 0:
-            yield None
-            continue
-        batch = cache.get(fno)
-        if batch is None:
-            batch = decode_batch(read_frame_at(path, sc.offsets[fno]))
-            cache[fno] = batch
-            cached += sc.sizes[fno]
-            while cached > cache_bytes and len(cache) > 1:
-                old, _ = cache.popitem(last=False)
-                cached -= sc.sizes[old]
-        else:
-            cache.move_to_end(fno)
-        rec = batch[sc.item_of[pos]]
-        uses[fno] -= 1
-        if not uses[fno]:
-            del cache[fno]
-            cached -= sc.sizes[fno]
-        yield rec
-
-
 def _merge_shard(
     sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
@@ -261,8 +165,8 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
     """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
-        m = read_done(rd.done_file(s.index))
-        if m is not None and m.fingerprint == plan.fingerprint:
+        m = shard_state(rd, s.index, fingerprint=plan.fingerprint).done
+        if m is not None:
             done[s.index] = m
         else:
             not_done.append(s.index)

@@ -2,7 +2,7 @@
 planned id, in planned order, whether the run is merged or not.
 
 When the merged dataset is the run as it is (`export.stale_merge` finds nothing newer), it is read; else every
-shard file is read through merge's own newest-wins scan (`merge.scan_shard`, `merge.newest_records`): a record
+shard file is read through the merge's own newest-wins scan (`formats.newest`): a record
 written again (a retry, a task that ran twice) supersedes the earlier ones, and a partial output kept at a stop
 is superseded by the record that continued it. A record whose newest attempt is a partial output never continued
 comes as it is, with status "partial". Nothing in the run directory is written.
@@ -18,8 +18,9 @@ from typing import Any
 import msgspec
 
 from toolkit.dataset.export import JsonlRecord, _jsonl_rows, _Meta, _Text, _Tokens, stale_merge
-from toolkit.dataset.merge import MERGED, MergeError, load_manifest, newest_records, scan_shard
+from toolkit.dataset.merge import MERGED, MergeError, load_manifest
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import OK, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import PlannedRefs, RunPlan, load_run

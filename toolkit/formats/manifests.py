@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from toolkit.formats.files import atomic_write, sha256_file
-from toolkit.formats.frames import read_shard
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import OK, Record, is_given_up, is_transient
 from toolkit.formats.text import utc_now
 
@@ -34,25 +34,10 @@ class DoneManifest(msgspec.Struct):
                                  # `failed`, not in `transient`): `toolkit retry` generates them again
 
 
-def needs_work(m: DoneManifest | None) -> bool:
-    """Whether a shard with this done manifest still has prompts to generate (none, or transient failures)."""
-    return m is None or m.transient > 0
-
-
-def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range | None = None) -> DoneManifest:
-    """Count (newest record per id) and checksum a complete shard file and atomically write its `done` manifest.
-
-    `positions`, the shard's planned positions, lets the newest record of each be told with one byte per prompt
-    (records outside them are ignored) rather than a dict of ids.
-    """
-    if positions is not None:
-        totals, total = _count_positions(shard_path, positions)
-    else:
-        counts, total = _IdCounts(), 0
-        for r in read_shard(shard_path):
-            total += 1
-            counts.add(r)
-        totals = counts.totals()
+def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range) -> DoneManifest:
+    """Count the newest record of each of the shard's planned `positions` (formats.newest; records outside them
+    are ignored), checksum the complete shard file and atomically write its `done` manifest."""
+    totals, total = _count_newest(shard_path, positions)
     ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
     given_up = totals.given_up
     m = DoneManifest(
@@ -82,64 +67,18 @@ class _Totals:
         self.otok += r.n_output
 
 
-class _IdCounts:
-    """The newest record's state per id, in a dict."""
-
-    def __init__(self) -> None:
-        self.newest: dict[str, tuple[bool, bool, bool, int, int]] = {}
-
-    def add(self, r: Record) -> None:
-        self.newest[r.id] = (r.status == OK, is_transient(r), is_given_up(r), r.n_prompt, r.n_output)
-
-    def totals(self) -> _Totals:
-        t = _Totals()
-        for ok, transient, given_up, ptok, otok in self.newest.values():
-            t.ok += ok
-            t.failed += not ok
-            t.transient += transient
-            t.given_up += given_up
-            t.ptok += ptok
-            t.otok += otok
-        return t
-
-
-def _count_positions(shard_path: Path, positions: range) -> tuple[_Totals, int]:
-    """(totals of the newest record of each planned position, records read), with one byte per position: how many
-    records it has. While no position has two, one pass counts; else a second pass counts, for each position,
-    the record after which it has none left."""
-    first, n = positions.start, len(positions)
-    seen = bytearray(n)
-    more: dict[int, int] = {}  # positions with 255 records or more: their count (seen says 255)
-    once, total, again = _Totals(), 0, False
-    for r in read_shard(shard_path):
-        total += 1
-        i = r.index - first
-        if not 0 <= i < n:
-            continue
-        if seen[i] == 255:
-            more[i] = more.get(i, 255) + 1
-        else:
-            seen[i] += 1
-        if seen[i] > 1:
-            again = True
-        elif not again:
-            once.add(r)
-    if not again:
-        return once, total
+def _count_newest(shard_path: Path, positions: range) -> tuple[_Totals, int]:
+    """(totals of the newest record of each planned position, records in the file). While no position has two
+    records, the scan's one pass counts; else the newest are read again (formats.newest)."""
+    once = _Totals()
+    sc = scan_shard(shard_path, positions.start, len(positions), each=once.add)
+    if not sc.duplicates and not sc.continued:
+        return once, sc.records
     newest = _Totals()
-    for r in read_shard(shard_path):
-        i = r.index - first
-        if not 0 <= i < n:
-            continue
-        if seen[i] == 255 and i in more:
-            more[i] -= 1
-            left = more[i]
-        else:
-            seen[i] -= 1
-            left = seen[i]
-        if not left:
+    for r in newest_records(shard_path, sc):
+        if r is not None:
             newest.add(r)
-    return newest, total
+    return newest, sc.records
 
 
 def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
@@ -153,23 +92,6 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
     sha = sha256_file(shard_path)
     if sha != m.sha256:
         return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"
-    return None
-
-
-def trusted_done(path: Path, shard_path: Path, fingerprint: str) -> DoneManifest | None:
-    """The done manifest at `path` when it can be trusted: of this run (`fingerprint`), its shard file unchanged
-    since (size, sha256). One that cannot be is removed, said in one line: the shard is then not finished, and its
-    next run checks its file, salvages the intact frames and generates the rest (shardfile.ShardWriter.open)."""
-    m = read_done(path)
-    if m is None:
-        return None
-    why = (f"of run {m.fingerprint}, not of this run {fingerprint}" if m.fingerprint != fingerprint
-           else verify_done(m, shard_path))
-    if why is None:
-        return m
-    log.warning("%s: %s: the done manifest is removed; the shard's next run checks its file, keeps what is intact "
-                "and generates the rest", path, why)
-    path.unlink(missing_ok=True)
     return None
 
 

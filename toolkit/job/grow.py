@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from toolkit.formats import pending
-from toolkit.formats.locks import held_elsewhere
-from toolkit.formats.manifests import RetryRequest, read_done, read_retry
+from toolkit.formats.manifests import RetryRequest
 from toolkit.formats.pending import PendingChange
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import asked_again, shard_state
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import (
     Growth,
@@ -237,8 +237,7 @@ def grow_run(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *, 
     PlanError (nothing written) for changed (unless `allow_changed`) or removed prompts, or a shard being
     generated. `computed`: what `grown_plan` gave for these arguments."""
     grown, out, diff = computed or grown_plan(rd, run, plan, refs, allow_changed=allow_changed)
-    busy = [s.index for s in run.shards if read_done(rd.done_file(s.index)) is None
-            and held_elsewhere(rd.shard_file(s.index))]
+    busy = [s.index for s in run.shards if shard_state(rd, s.index, held=True).busy]
     if busy and not diff.legacy:
         raise PlanError(f"{rd.root}: the job's prompt files changed and shard{'s' * (len(busy) != 1)} "
                         f"{ranges(busy, sep=',')} of its run {'are' if len(busy) != 1 else 'is'} being generated "
@@ -285,10 +284,4 @@ def _ask_again(rd: RunDir, plan: RunPlan, refs: list[PromptRef], prompts: set[st
             d = plan.datasets[r.dataset]
             if _base_id(r, d.samples, d.regenerate) in prompts:
                 by_shard.setdefault(sp.index, []).append(r.id)
-    requests = {}
-    for k, ids in by_shard.items():
-        old = read_retry(rd.retry_file(k))
-        keep = [i for i in old.ids if i not in set(ids)] if old else []
-        path = rd.shard_file(k)
-        requests[k] = RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + ids)
-    return requests
+    return {k: asked_again(rd, k, ids) for k, ids in by_shard.items()}

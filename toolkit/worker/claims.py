@@ -26,10 +26,8 @@ import os
 
 import msgspec
 
-from toolkit.formats.locks import held_elsewhere
-from toolkit.formats.manifests import needs_work, read_done, verify_done
-from toolkit.formats.progress import read_progress
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.job.plan import RunPlan, load_run
 from toolkit.worker.policy import Candidate, pick, start_of
 from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, run_shard_in
@@ -75,13 +73,10 @@ def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], gr
     for k in pool:
         if k in skip:
             continue
-        if not needs_work(read_done(rd.done_file(k))) and not rd.retry_file(k).exists() and k not in recheck:
+        st = shard_state(rd, k, recheck=k in recheck, held=True, group=group, progress=True)
+        if st.state in (ShardState.DONE, ShardState.HELD, ShardState.FAILED):
             continue
-        if held_elsewhere(rd.shard_file(k)):
-            continue
-        p = read_progress(rd.progress_file(k))
-        if group is not None and p is not None and p.state == "failed" and p.group == group:
-            continue
+        p = st.progress
         total = plan.shards[k].count
         out.append(Candidate(k, max(0, total - (p.done if p is not None and p.state != "done" else 0))))
     return out
@@ -90,16 +85,12 @@ def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], gr
 def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
     """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed since (size,
     sha256). Running them again checks the file, salvages what is intact and generates the rest (worker.run)."""
-    out = set()
-    for k in pool:
-        m = read_done(rd.done_file(k))
-        if m is not None and (m.fingerprint != plan.fingerprint or verify_done(m, rd.shard_file(k))):
-            out.add(k)
-    return out
+    return {k for k in pool
+            if shard_state(rd, k, fingerprint=plan.fingerprint, verify=True).state is ShardState.UNTRUSTED}
 
 
 def _busy(rd: RunDir, pool: list[int]) -> list[int]:
-    return [k for k in pool if read_done(rd.done_file(k)) is None and held_elsewhere(rd.shard_file(k))]
+    return [k for k in pool if shard_state(rd, k, held=True).busy]
 
 
 def run_claims(run_dir: str | os.PathLike, pool: list[int], *, worker: int = 0, workers: int = 1,

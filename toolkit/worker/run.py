@@ -44,13 +44,14 @@ from toolkit.engines.client import Expect, HttpClient, server_limits
 from toolkit.engines.kinds import make_engine
 from toolkit.errors import EXIT_BAD_INPUT, BadInputError, ToolkitError
 from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
-from toolkit.formats.frames import read_shard
 from toolkit.formats.locks import ShardLocked
-from toolkit.formats.manifests import read_done, read_retry, verify_done, write_done
+from toolkit.formats.manifests import write_done
+from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.records import MAY_PASS, OK, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
+from toolkit.formats.shardstate import ShardState, retry_request, shard_state
 from toolkit.job import chat
 from toolkit.job.plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
 from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
@@ -434,19 +435,18 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
     """Whether the shard's done manifest can be trusted to say there is nothing to do: its file unchanged (size
     and sha256), no transient failure left, no retry asked. An untrusted manifest is removed (merge and status
     must not take the shard as complete while it is being redone)."""
-    m = read_done(rd.done_file(shard))
-    if m is None or m.fingerprint != plan.fingerprint:
+    st = shard_state(rd, shard, fingerprint=plan.fingerprint, verify=True)
+    if st.foreign or st.state is not ShardState.UNTRUSTED and st.done is None:
         return False
-    changed = verify_done(m, rd.shard_file(shard))
-    if changed:
+    if st.state is ShardState.UNTRUSTED:
         log.error("shard %d: %s: the file changed after the shard finished; checking it, salvaging what is intact "
-                  "and generating the rest", shard, changed)
-    elif rd.retry_file(shard).exists():
+                  "and generating the rest", shard, st.why)
+    elif st.state is ShardState.RETRY:
         log.info("shard %d: `toolkit retry` asked for records to be generated again", shard)
-    elif m.transient:
-        log.info("shard %d finished with %d failures that may pass: generating them again", shard, m.transient)
+    elif st.state is ShardState.MAY_PASS:
+        log.info("shard %d finished with %d failures that may pass: generating them again", shard, st.done.transient)
     else:
-        log.info("shard %d is already complete (%d records): nothing to do", shard, m.records)
+        log.info("shard %d is already complete (%d records): nothing to do", shard, st.done.records)
         return True
     rd.done_file(shard).unlink(missing_ok=True)
     return False
@@ -486,7 +486,7 @@ def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, i
     those the retry request names (a fresh budget), the newest record's count for the others."""
     redo = set(writer.transient)
     asked: set[str] = set()
-    req = read_retry(rd.retry_file(shard))
+    req = retry_request(rd, shard)
     if req is not None:
         asked = {i for i in req.ids if done_ids.get(i, req.before) < req.before}
         redo |= asked
@@ -499,11 +499,10 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
     regenerated = {d.name for d in plan.datasets if d.regenerate}
     if not regenerated:
         return {}
-    newest: dict[str, Record] = {}
-    for rec in read_shard(rd.shard_file(shard)):
-        if rec.dataset in regenerated:
-            newest[rec.id] = rec
-    return {i: r for i, r in newest.items() if r.status == OK and i not in redo}
+    sp, path = plan.shards[shard], rd.shard_file(shard)
+    sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
+    return {r.id: r for r in newest_records(path, sc)
+            if r is not None and r.dataset in regenerated and r.status == OK and r.id not in redo}
 
 
 def run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:

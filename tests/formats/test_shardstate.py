@@ -1,0 +1,80 @@
+"""A shard's state, derived in one place (formats.shardstate) from a real run directory: each state from the files
+a run leaves beside a shard, and the checks that decide between them."""
+
+from __future__ import annotations
+
+import fcntl
+import random
+
+import pytest
+
+import runs
+from toolkit.cluster.retry import request_retry
+from toolkit.formats.manifests import read_done
+from toolkit.formats.progress import Progress, write_progress
+from toolkit.formats.records import SERVER_ERROR
+from toolkit.formats.shardstate import ShardState, shard_state, shard_states
+
+
+@pytest.fixture
+def synth(tmp_path, toy_tokenizer):
+    """A planned run of 7 shards of 2 prompts each, none written yet."""
+    return runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 14}, shards=7)
+
+
+def _write(s, k: int, *, failed: bool = False, done: bool = True) -> None:
+    sp = s.plan.shards[k]
+    rng = random.Random(k)
+    recs = [runs.record(s, pos, None if failed else runs.healthy()(s, pos, rng), failure=SERVER_ERROR)
+            for pos in range(sp.first, sp.first + sp.count)]
+    runs.write_shard(s, k, recs, done=done)
+
+
+def test_each_state_from_the_files_beside_a_shard(synth):
+    s = synth
+    rd, fp = s.rd, s.plan.fingerprint
+    _write(s, 0)                          # 0: complete
+    _write(s, 1, failed=True)             # 1: complete with failures that may pass (server errors)
+    _write(s, 2)                          # 2: complete, then `toolkit retry --ids` asks for one of its ids
+    request_retry(rd.root, [s.refs[s.plan.shards[2].first].id])
+    _write(s, 3)                          # 3: complete, then its file changed
+    with open(rd.shard_file(3), "ab") as f:
+        f.write(b"\0" * 7)
+    _write(s, 4, done=False)              # 4: part way, its file held by a writer elsewhere
+    write_progress(rd.progress_file(5), Progress(shard=5, total=2, state="failed", group="g"))  # 5: failed in g
+    # 6: never started
+
+    with open(rd.shard_file(4), "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        got = [st.state for st in shard_states(rd, range(7), fingerprint=fp, verify=True, held=True, group="g")]
+    assert got == [ShardState.DONE, ShardState.MAY_PASS, ShardState.RETRY, ShardState.UNTRUSTED, ShardState.HELD,
+                   ShardState.FAILED, ShardState.MISSING]
+
+    # the cheap reading (no checks asked) takes the changed file's manifest at its word, sees no lock, no group
+    cheap = shard_states(rd, range(7))
+    assert [st.state for st in cheap] == [ShardState.DONE, ShardState.MAY_PASS, ShardState.RETRY, ShardState.DONE,
+                                          ShardState.MISSING, ShardState.MISSING, ShardState.MISSING]
+    assert [st.ended for st in cheap] == [True, True, False, True, False, False, False]  # retry removes the manifest
+    assert cheap[1].done.transient == 2 and cheap[0].finished and not cheap[1].finished
+    # a failed shard of another group is offered again; a lock no longer held is not HELD
+    assert shard_state(rd, 5, group="h").state is ShardState.MISSING
+    assert shard_state(rd, 4, held=True).state is ShardState.MISSING
+
+
+def test_an_untrusted_manifest_says_why_and_is_removed_only_when_asked(synth):
+    s = synth
+    rd = s.rd
+    _write(s, 0)
+    _write(s, 1)
+    with open(rd.shard_file(1), "ab") as f:
+        f.write(b"\0")
+    foreign = shard_state(rd, 0, fingerprint="another-run")
+    assert foreign.state is ShardState.UNTRUSTED and foreign.foreign and "another-run" in foreign.why
+    assert foreign.done is None and read_done(rd.done_file(0)) is not None  # not removed: not asked
+    assert shard_state(rd, 0, fingerprint=s.plan.fingerprint, verify=True).state is ShardState.DONE
+    changed = shard_state(rd, 1, fingerprint=s.plan.fingerprint, verify=True, remove=True)
+    assert changed.state is ShardState.UNTRUSTED and not changed.foreign and "bytes" in changed.why
+    assert read_done(rd.done_file(1)) is None  # removed: its next run checks the file and generates the rest
+    assert shard_state(rd, 1).state is ShardState.MISSING
+    # `recheck`: the caller found it untrusted already (a worker's claim loop checks once per pool)
+    assert shard_state(rd, 0, recheck=True).state is ShardState.UNTRUSTED

@@ -1,0 +1,138 @@
+"""Whether shard k is finished, in one place: the state of a shard derived once from what lies beside its file
+(its done manifest, a retry request, the lock of a writer, its progress file). Every command asks this module
+rather than reading those files itself.
+
+    DONE        a done manifest, no failure that may pass, no retry asked: nothing to do
+    MAY_PASS    a done manifest counting failures that may pass (records.is_transient): generated again
+    RETRY       `toolkit retry` (or a grown job) asked for ids to be generated again (RUN/shards/NNNNN.retry)
+    UNTRUSTED   a done manifest of another run, or its file changed since (only when asked to check)
+    HELD        unfinished, its file locked by a writer elsewhere right now (only when asked)
+    FAILED      unfinished, failed in this group of workers, which do not claim it again (only when asked)
+    MISSING     unfinished: not started, or stopped part way
+
+A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint is a string
+compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads the progress file.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import Path
+
+import msgspec
+
+from toolkit.formats.locks import held_elsewhere
+from toolkit.formats.manifests import DoneManifest, RetryRequest, read_done, read_retry, verify_done
+from toolkit.formats.progress import Progress, read_progress
+from toolkit.formats.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class ShardState(enum.Enum):
+    DONE = "done"
+    MAY_PASS = "done with failures that may pass"
+    RETRY = "retry asked"
+    UNTRUSTED = "untrusted"
+    HELD = "held elsewhere"
+    FAILED = "failed in this group"
+    MISSING = "missing"
+
+
+class ShardStatus(msgspec.Struct):
+    shard: int
+    state: ShardState
+    done: DoneManifest | None = None      # its done manifest, when there is one and it passed the checks asked for
+    progress: Progress | None = None      # its progress file, when asked for (`group` or `progress`)
+    why: str | None = None                # UNTRUSTED: why its done manifest cannot be trusted
+    foreign: bool = False                 # UNTRUSTED: the manifest is another run's (not a changed file)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing left to generate."""
+        return self.state is ShardState.DONE
+
+    @property
+    def busy(self) -> bool:
+        """Being generated elsewhere: HELD, and no worker ended it yet (no done manifest)."""
+        return self.state is ShardState.HELD and self.done is None
+
+    @property
+    def ended(self) -> bool:
+        """A worker ended it: its done manifest is there (failures that may pass or not)."""
+        return self.done is not None
+
+
+def shard_state(rd: RunDir, k: int, *, fingerprint: str | None = None, verify: bool = False, remove: bool = False,
+                recheck: bool = False, held: bool = False, group: str | None = None,
+                progress: bool = False) -> ShardStatus:
+    """The state of shard `k` of the run in `rd`, with the checks asked for:
+
+    `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file changed since (size,
+    sha256); `recheck`: the caller already found it untrusted; `remove`: an untrusted manifest is removed, said in
+    one line (the shard's next run checks its file, salvages the intact frames and generates the rest);
+    `held`: an unfinished shard whose file another writer holds is HELD; `group`: one whose progress says it failed
+    in this group of workers is FAILED (also reads `progress`).
+    """
+    m = read_done(rd.done_file(k))
+    why, foreign = None, False
+    if m is not None:
+        if fingerprint is not None and m.fingerprint != fingerprint:
+            why, foreign = f"of run {m.fingerprint}, not of this run {fingerprint}", True
+        elif verify:
+            why = verify_done(m, rd.shard_file(k))
+        if why is None and recheck:
+            why = "its file changed since it was written"
+        if why is not None:
+            if remove:
+                log.warning("%s: %s: the done manifest is removed; the shard's next run checks its file, keeps what "
+                            "is intact and generates the rest", rd.done_file(k), why)
+                rd.done_file(k).unlink(missing_ok=True)
+            m = None
+    retry = rd.retry_file(k).exists()
+    p = read_progress(rd.progress_file(k)) if progress or group is not None else None
+    if m is not None and not m.transient and not retry:
+        state = ShardState.DONE
+    elif held and held_elsewhere(rd.shard_file(k)):
+        state = ShardState.HELD
+    elif group is not None and p is not None and p.state == "failed" and p.group == group:
+        state = ShardState.FAILED
+    elif why is not None:
+        state = ShardState.UNTRUSTED
+    elif retry:
+        state = ShardState.RETRY
+    elif m is not None:
+        state = ShardState.MAY_PASS
+    else:
+        state = ShardState.MISSING
+    return ShardStatus(shard=k, state=state, done=m, progress=p, why=why, foreign=foreign)
+
+
+def shard_states(rd: RunDir, shards, **checks) -> list[ShardStatus]:
+    """`shard_state` of each of `shards` (indices), with the same checks."""
+    return [shard_state(rd, k, **checks) for k in shards]
+
+
+def done_time(rd: RunDir, k: int) -> float | None:
+    """When shard `k`'s done manifest was written (its mtime); None when it has none."""
+    try:
+        return rd.done_file(k).stat().st_mtime
+    except OSError:
+        return None
+
+
+def retry_request(rd: RunDir, k: int) -> RetryRequest | None:
+    """The retry request of shard `k`: the ids to generate again, and from which byte of its file records count as
+    the retry's own; None when there is none."""
+    return read_retry(rd.retry_file(k))
+
+
+def asked_again(rd: RunDir, k: int, ids: list[str]) -> RetryRequest:
+    """A retry request for shard `k` naming `ids` besides those an earlier request still names, counted from the
+    file's size now (records written after it are the retry's own)."""
+    old = retry_request(rd, k)
+    new = set(ids)
+    keep = [i for i in old.ids if i not in new] if old else []
+    path: Path = rd.shard_file(k)
+    return RetryRequest(before=path.stat().st_size if path.exists() else 0, ids=keep + ids)
