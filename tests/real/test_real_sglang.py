@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from keyscan import files_holding, watch_run
 from realsglang import CPU_ENV, python, sglang_job, toolkit
@@ -310,3 +311,38 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
         _wait(lambda: "shard 0 complete" in log.read_text(), 420, "the requeued task to finish")
         newest = _newest(_records(rd.root))
         assert sorted(newest) == [f"p{i:04d}" for i in range(8)] and any(r.segments > 1 for r in newest.values())
+
+
+def test_outputs_asked_for_in_segments_are_the_one_request_outputs_and_loops_are_stopped(tmp_path, tiny_model,
+                                                                                        sglang_server):
+    """[client] loop_stop against real SGLang: each output asked for in segments of 256 tokens, continued from
+    prompt + output so far (the radix cache holds it), is token for token what one greedy request of 1,024 tokens
+    gives; an output that falls into a repetition loop is stopped at the first segment's end that shows it, and
+    the one request's output goes on looping to max_new_tokens."""
+    from toolkit.formats.loops import repetition_loop
+    from toolkit.formats.records import LOOP
+
+    max_new, seg = 1024, 256
+    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": max_new},
+                     client={"loop_stop": True, "segment_tokens": seg, "loop_window": seg, "loop_max_period": 64},
+                     audit={"max_degenerate_share": 1.0})
+    toolkit("run", str(job))
+    records = _records(tmp_path / "run")
+    assert len(records) == 8 and all(rec.status == "ok" for rec in records)
+    loops = 0
+    for rec in records:
+        code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
+                          {"input_ids": unpack_ids(rec.prompt_ids),
+                           "sampling_params": {"max_new_tokens": max_new, "temperature": 0}})
+        assert code == 200
+        whole, got = out["output_ids"], unpack_ids(rec.output_ids)
+        if rec.finish == LOOP:
+            loops += 1
+            assert got == whole[: len(got)] and len(got) % seg == 0 and len(got) < max_new, rec.id
+            assert repetition_loop(np.array(got, np.uint32), seg, 64) is not None
+            assert out["meta_info"]["finish_reason"]["type"] == "length"  # unstopped, it loops to the end
+        else:
+            assert got == whole, rec.id
+            assert rec.segments == -(-len(got) // seg) or rec.finish == "stop", (rec.id, rec.segments)
+    assert max(rec.segments for rec in records) > 1
+    print(f"{loops} of {len(records)} outputs stopped in a loop")
