@@ -317,8 +317,8 @@ def test_outputs_asked_for_in_segments_are_the_one_request_outputs_and_loops_are
                                                                                         sglang_server):
     """[client] loop_stop against real SGLang: each output asked for in segments of 256 tokens, continued from
     prompt + output so far (the radix cache holds it), is token for token what one greedy request of 1,024 tokens
-    gives; an output that falls into a repetition loop is stopped at the first segment's end that shows it, and
-    the one request's output goes on looping to max_new_tokens."""
+    gives. A second dataset loops (a logit_bias makes the model repeat one id): its outputs are stopped at the first
+    segment's end, a prefix of the one request's output, which goes on looping to max_new_tokens."""
     from toolkit.formats.loops import repetition_loop
     from toolkit.formats.records import LOOP
 
@@ -326,23 +326,24 @@ def test_outputs_asked_for_in_segments_are_the_one_request_outputs_and_loops_are
     job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": max_new},
                      client={"loop_stop": True, "segment_tokens": seg, "loop_window": seg, "loop_max_period": 64},
                      audit={"max_degenerate_share": 1.0})
+    write_prompts(tmp_path / "loops.jsonl", 3, prefix="loop")
+    bias = {"300": 100.0}
+    job.write_text(job.read_text() + f'[[datasets]]\nname = "loops"\npath = "{tmp_path / "loops.jsonl"}"\n'
+                   'sampling = { logit_bias = { "300" = 100.0 } }\n')
     toolkit("run", str(job))
     records = _records(tmp_path / "run")
-    assert len(records) == 8 and all(rec.status == "ok" for rec in records)
-    loops = 0
+    assert len(records) == 11 and all(rec.status == "ok" for rec in records)
     for rec in records:
+        params = {"max_new_tokens": max_new, "temperature": 0, **({"logit_bias": bias} if rec.dataset == "loops" else {})}
         code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
-                          {"input_ids": unpack_ids(rec.prompt_ids),
-                           "sampling_params": {"max_new_tokens": max_new, "temperature": 0}})
+                          {"input_ids": unpack_ids(rec.prompt_ids), "sampling_params": params})
         assert code == 200
         whole, got = out["output_ids"], unpack_ids(rec.output_ids)
-        if rec.finish == LOOP:
-            loops += 1
-            assert got == whole[: len(got)] and len(got) % seg == 0 and len(got) < max_new, rec.id
-            assert repetition_loop(np.array(got, np.uint32), seg, 64) is not None
+        if rec.dataset == "loops":
+            assert rec.finish == LOOP and got == whole[:seg] and rec.segments == 1, rec.id
+            assert repetition_loop(np.array(got, np.uint32), seg, 64) == 1
             assert out["meta_info"]["finish_reason"]["type"] == "length"  # unstopped, it loops to the end
         else:
-            assert got == whole, rec.id
-            assert rec.segments == -(-len(got) // seg) or rec.finish == "stop", (rec.id, rec.segments)
+            assert rec.finish != LOOP and got == whole, rec.id
+            assert rec.segments == -(-len(got) // seg), (rec.id, rec.segments)
     assert max(rec.segments for rec in records) > 1
-    print(f"{loops} of {len(records)} outputs stopped in a loop")
