@@ -146,3 +146,37 @@ def test_the_detector_s_thresholds_are_those_given():
     assert repetition_loop(looped) is None  # longer than the default largest period (128)
     assert repetition_loop(looped, window=800, max_period=200) == 200
     assert repetition_loop(text, window=1024, max_period=256, match=0.5) is None
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _demo_job(tmp: Path, loop_stop: bool) -> Path:
+    """The demo job with its outputs asked for in segments of 256 tokens (its max_new_tokens are 768 and 1,024)."""
+    text = (REPO / "jobs" / "demo.toml").read_text()
+    text = text.replace('output_dir = "../runs/demo"', f'output_dir = "{tmp / "run"}"')
+    text = text.replace('"demo/', f'"{REPO / "jobs" / "demo"}/')
+    text = text.replace("[client]\n", f"[client]\nloop_stop = {'true' if loop_stop else 'false'}\nsegment_tokens = 256\n"
+                        "loop_window = 256\nloop_max_period = 64\n")
+    text = text.replace("[sampling]\n", "[engine.stub]\noutput_scale = 1024\n[sampling]\n")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "job.toml").write_text(text)
+    return tmp / "job.toml"
+
+
+@pytest.mark.slow
+def test_no_loop_is_seen_in_the_demo_outputs_at_any_segment_end(tmp_path):
+    """The demo's outputs (real English text, reasoning, answers, tool calls) asked for in segments of 256 tokens,
+    the smallest allowed, with the detector's smallest window: no false loop, and every output as one request's."""
+    got = {}
+    for loop_stop in (False, True):
+        rd, plan = prepared_run(_demo_job(tmp_path / str(loop_stop), loop_stop))
+        for k in range(len(plan.shards)):
+            assert run_shard(rd.root, k) == DONE
+        got[loop_stop] = {r.id: r for k in range(len(plan.shards))
+                          for r in read_shard(rd.root / "shards" / f"{k:05d}.zst")}
+    ref, seg = got[False], got[True]
+    assert len(ref) == 44 and ref.keys() == seg.keys()
+    assert not any(r.finish == LOOP for r in seg.values())
+    assert all(fields(seg[i]) == fields(ref[i]) for i in ref)
+    assert sum(r.segments > 1 for r in seg.values()) >= 20
