@@ -180,3 +180,21 @@ def test_no_loop_is_seen_in_the_demo_outputs_at_any_segment_end(tmp_path):
     assert not any(r.finish == LOOP for r in seg.values())
     assert all(fields(seg[i]) == fields(ref[i]) for i in ref)
     assert sum(r.segments > 1 for r in seg.values()) >= 20
+
+
+def test_a_continuation_sends_prompt_and_output_so_far_as_the_json_of_those_ids():
+    import json
+
+    from toolkit.worker.inflight import _SentIds
+
+    rng = np.random.default_rng(5)
+    for prompt_len in (0, 1, 7):
+        prompt = rng.integers(0, 160_000, prompt_len).tolist()
+        prior = rng.integers(0, 160_000, int(rng.integers(0, 3))).astype("<u4")
+        sent, ids = _SentIds(prompt, prior), prompt + prior.tolist()
+        for _ in range(4):
+            new = rng.integers(0, 160_000, int(rng.integers(0, 4))).tolist()
+            raw = ("[" + ", ".join(map(str, new)) + " ]").encode()  # as a server may space them
+            sent.add(raw, np.array(new, "<u4"))
+            ids += new
+            assert json.loads(sent.json()) == ids

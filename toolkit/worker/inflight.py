@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import numpy as np
 
 from toolkit.engines.base import EngineDied, EngineUnreachable
@@ -112,6 +113,29 @@ def segment_tokens(client, params: dict) -> int | None:
     return client.segment_tokens
 
 
+class _SentIds:
+    """A continuation's input_ids (prompt + output so far) as JSON text, made of the prompt's encoded once and of each
+    answer's output_ids as the server wrote them: sending prompt + output again costs a join, not an encode."""
+
+    __slots__ = ("parts", "empty")
+
+    def __init__(self, prompt: list[int], out: np.ndarray):
+        self.parts = [msgspec.json.encode(prompt)[:-1]]  # '[1,2,3' : closed by json()
+        self.empty = not prompt
+        if len(out):
+            self.add(None, out)
+
+    def add(self, raw: bytes | None, new: np.ndarray) -> None:
+        """Append `new` output ids; `raw`: their JSON array text from the answer (None: encoded here)."""
+        body = (raw if raw is not None else msgspec.json.encode(new.tolist())).strip()[1:-1].strip()
+        if body:
+            self.parts.append(body if self.empty else b"," + body)
+            self.empty = False
+
+    def json(self) -> bytes:
+        return b"".join(self.parts) + b"]"
+
+
 class _Generated:
     """The outcome of _generate: the (combined) result, how many requests it took, and whether it is partial."""
 
@@ -140,6 +164,7 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
     stalled = 0
     res = None
     seg = segment_tokens(c, params)
+    sent = _SentIds(ids, out)
     try:
         while True:
             sp = continued_params(params, len(out))
@@ -157,9 +182,10 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
             made: list[str] = []
             try:
                 res = await generate(
-                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
+                    sh.http, ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
                     timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
                     backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
+                    input_json=sent.json() if len(out) else None, n_input=len(ids) + len(out),
                 )
             finally:
                 sh.in_flight -= 1
@@ -174,6 +200,7 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
             if len(new):
                 segments += 1
                 out = np.concatenate([out, new]) if len(out) else new
+                sent.add(res.output_json, new)
             if segments > 1 or prior is not None:
                 res = GenerateResult(output_ids=out, finish=res.finish, matched=res.matched, prompt_tokens=len(ids),
                                      completion_tokens=len(out), cached_tokens=cached, latency_s=round(latency, 4),
