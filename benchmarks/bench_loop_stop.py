@@ -6,8 +6,7 @@ output so far; the server's radix cache holds that prefix). This prints:
 
 1. Client CPU per output token of the worker (all of it: HTTP, parsing, checks, records, compression), against
    the stub engine in its own process: loop stop off (one request per output, today's) and segments of 4,096,
-   2,048 and 1,024 tokens; the slope between a small and a large run, so start-up is left out. No loops here:
-   the cost every output pays.
+   2,048 and 1,024 tokens, runs alternating. No loops here: the cost every output pays.
 2. Client CPU per token of a streaming client (SSE, an event per token, incremental output_ids: the cheapest a
    stream gets), against the one-request client (engines/client.generate) in the same process and harness.
 3. Decoded tokens spent on looping outputs against running them to max_new_tokens: measured with the worker on the
@@ -15,7 +14,7 @@ output so far; the server's radix cache holds that prefix). This prints:
    for loops that set in later (at a point drawn uniformly, or like the mission's output lengths: lognormal,
    median 5k, sigma 0.9), which no method stops before they set in.
 
-    python benchmarks/bench_loop_stop.py [--prompts 160] [--repeat 3]
+    python benchmarks/bench_loop_stop.py [--prompts 400] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -110,38 +109,34 @@ def worker_cpu(work: Path, n: int, repeat: int) -> dict:
     proc, url = stub("--output-scale", str(SCALE))
     methods = {"one request (today)": None, "segments of 4096": 4096, "segments of 2048": 2048,
                "segments of 1024": 1024}
-    sizes = (max(1, n // 4), n)
-    got: dict = {(m, s): [] for m in methods for s in sizes}
-    tokens: dict = {}
+    got: dict = {m: [] for m in methods}
+    tokens = requests = 0
     try:
+        prompts = write_prompts(work / "prompts.jsonl", n)
         for rep in range(repeat):
-            for s in sizes:
-                prompts = write_prompts(work / f"prompts-{s}.jsonl", s)
-                for m, seg in methods.items():
-                    cpu, recs = worker_run(work, url, prompts, f"{rep}-{s}-{seg}", seg)
-                    got[m, s].append(cpu)
-                    tokens[m, s] = sum(r.n_output for r in recs)
-                    outs = {r.id: r.output_ids for r in recs}
-                    if seg is None:
-                        ref = outs
-                    elif outs != ref:
-                        raise SystemExit(f"segments of {seg}: the outputs differ from the one-request outputs")
+            for m, seg in methods.items():  # alternating, so that a slower moment of the machine hits each
+                cpu, recs = worker_run(work, url, prompts, f"{rep}-{seg}", seg)
+                got[m].append(cpu)
+                tokens = sum(r.n_output for r in recs)
+                outs = {r.id: r.output_ids for r in recs}
+                if seg is None:
+                    ref = outs
+                elif outs != ref:
+                    raise SystemExit(f"segments of {seg}: the outputs differ from the one-request outputs")
+                requests = sum(r.segments for r in recs)
     finally:
         os.killpg(proc.pid, 9)
-    small, large = sizes
-    print(f"1. worker CPU per output token (slope between runs of {small} and {large} prompts, outputs of "
-          f"{tokens[next(iter(methods)), large] / large:,.0f} tokens on average; medians of {repeat}; outputs "
-          "token-identical in every method)")
-    out = {}
-    for m in methods:
-        a, b = statistics.median(got[m, small]), statistics.median(got[m, large])
-        ns = (b - a) / (tokens[m, large] - tokens[m, small]) * 1e9
-        out[m] = ns
-        print(f"   {m:<22} {ns:6.1f} ns/token   ({b:5.2f} CPU s for {tokens[m, large]:,} tokens, all included)")
-    base = out["one request (today)"]
-    print("   against today's: " + ", ".join(f"{m.split(' of ')[-1]}: {v / base:4.2f}x" for m, v in out.items()
-                                              if v is not base))
-    return out
+    med = {m: statistics.median(v) for m, v in got.items()}
+    base = med["one request (today)"]
+    print(f"1. worker CPU per output token, all included (start-up, rendering, HTTP, parsing, checks, records), "
+          f"{n} prompts, outputs of {tokens / n:,.0f} tokens on average, max_new_tokens {MAX_NEW:,}; medians of "
+          f"{repeat}; outputs token-identical in every method")
+    for m, v in med.items():
+        print(f"   {m:<22} {v / tokens * 1e9:6.1f} ns/token  ({v:5.2f} CPU s for {tokens:,} tokens; "
+              f"{v / base:4.2f}x today's, {(v - base) / tokens * 1e9:+6.1f} ns/token)")
+    print(f"   (requests at segments of 1024: {requests:,} for {n} outputs; runs: "
+          + "  ".join(f"{m.split(' of ')[-1]} {[round(x, 2) for x in v]}" for m, v in got.items()) + ")")
+    return med
 
 
 # --- 2. a streaming client ----------------------------------------------------------------------------------------
@@ -289,7 +284,7 @@ def loops_by_onset(samples: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=160)
+    ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--loop-prompts", type=int, default=200)
     ap.add_argument("--loop-fraction", type=float, default=0.05)
