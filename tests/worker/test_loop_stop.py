@@ -198,3 +198,33 @@ def test_a_continuation_sends_prompt_and_output_so_far_as_the_json_of_those_ids(
             sent.add(raw, np.array(new, "<u4"))
             ids += new
             assert json.loads(sent.json()) == ids
+
+
+@pytest.mark.slow
+def test_a_stop_mid_segment_keeps_partial_outputs_and_the_resume_ends_as_an_uninterrupted_run(runs):
+    """SIGUSR2 (a requeue's signal) while outputs are in their segments: the requests in flight come back as
+    partial records, the resume continues them in segments, and the shard ends with each loop stopped once and
+    every other output the one-request output."""
+    tmp_path, prompts, expected = runs
+    looping = {i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None}
+    rd, _ = prepared_run(loop_job(tmp_path / "stopped", prompts, loop_stop=True, token_delay_s=0.0005))
+    partial = 0
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        before = len(records(rd.root)) if rd.shard_file(0).exists() else 0
+        deadline = time.monotonic() + 120
+        while not (rd.shard_file(0).exists() and len(records(rd.root)) >= before + 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "no records written"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR2)
+        assert proc.wait(60) == 3
+        partial += read_progress(rd.progress_file(0)).partial_saved
+    assert partial >= 2
+    assert run_shard(rd.root, 0) == DONE
+    got = newest(rd.root)
+    assert got.keys() == expected.keys() and not any(r.status == PARTIAL for r in got.values())
+    assert sorted(r.id for r in records(rd.root) if r.status != PARTIAL) == sorted(expected)
+    assert {i for i, r in got.items() if r.finish == LOOP} == looping
+    assert all(fields(r) == fields(expected[i]) for i, r in got.items() if i not in looping)
+    assert all(got[i].output_ids == expected[i].output_ids[: len(got[i].output_ids)] for i in looping)
