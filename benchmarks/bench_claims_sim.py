@@ -23,7 +23,13 @@ takes the next task at once — optimistic: no queue wait); `claims` (16 tasks, 
 with worker.policy.pick, a shard done before the next is claimed: what the worker does), at 64 and at 512
 shards (more shards cost no load now, and shorten the tail).
 
-    python benchmarks/bench_claims_sim.py [--seed 0] [--prompts 88000] [--nodes 16]
+Loops: `--loop-rate` of the outputs (default 2 %) fall into a repetition loop where they would otherwise have ended
+(their drawn length is where the loop sets in). Without the loop stop they run to max_new_tokens; with it
+(`[client] loop_stop`) they end at the first segment end (`--segment-tokens`, 4,096) at least 512 tokens (the
+detector's window) after the loop set in. Printed for the claiming policies: node-hours, wall time and the share
+of node time generating outputs that are not loops.
+
+    python benchmarks/bench_claims_sim.py [--seed 0] [--prompts 88000] [--nodes 16] [--loop-rate 0.02]
 """
 
 from __future__ import annotations
@@ -233,6 +239,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=88_000)
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--preemptions", type=int, default=5)
+    ap.add_argument("--loop-rate", type=float, default=0.02)
+    ap.add_argument("--segment-tokens", type=int, default=4096)
     a = ap.parse_args()
     rng = random.Random(a.seed)
     lengths = [min(MAX_NEW, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA)))) for _ in range(a.prompts)]
@@ -258,6 +266,28 @@ def main() -> None:
         print(f"{name:<34} {r['starts']:>6} {r['alloc_h']:>8.1f} {r['loading_h']:>8.1f} {r['generating_h']:>11.1f} "
               f"{r['idle_h']:>7.1f} {share:>9.1%} {r['wall_h']:>7.2f}")
     print(f"\n(goal: {GOAL:.0%} of allocated node time generating; simulated in {time.perf_counter() - t0:.1f} s)")
+    if a.loop_rate > 0:
+        loops(a, rng, lengths, pre)
+
+
+def loops(a, rng: random.Random, lengths: list[int], pre) -> None:
+    """The claiming policies again, with a.loop_rate of the outputs in a loop: run to max_new_tokens, or stopped."""
+    looping = set(rng.sample(range(len(lengths)), round(a.loop_rate * len(lengths))))
+    seg = a.segment_tokens
+    full = [MAX_NEW if i in looping else n for i, n in enumerate(lengths)]
+    stopped = [min(MAX_NEW, math.ceil((n + 512) / seg) * seg) if i in looping else n for i, n in enumerate(lengths)]
+    useful = sum(n for i, n in enumerate(lengths) if i not in looping) / FULL_RATE / 3600
+    spent_full = sum(full[i] for i in looping)
+    spent_stopped = sum(stopped[i] for i in looping)
+    print(f"\nwith {len(looping):,} outputs ({a.loop_rate:.0%}) in a loop: tokens decoded on them "
+          f"{spent_full / 1e6:,.0f} M run to max_new_tokens ({spent_full / sum(full):.1%} of all decoded), "
+          f"{spent_stopped / 1e6:,.1f} M stopped in segments of {seg:,} ({spent_stopped / spent_full:.1%} of that)")
+    print(f"{'policy':<34} {'loops':<8} {'node-h':>8} {'generating':>11} {'useful share':>12} {'wall h':>7}")
+    for name, shards, overlap in (("claims, 64 shards", 64, False), ("claims + overlap, 512 shards", 512, True)):
+        for how, ls in (("run", full), ("stopped", stopped)):
+            r = simulate(ls, nodes=a.nodes, shards=shards, claims=True, preemptions=pre, overlap=overlap)
+            print(f"{name:<34} {how:<8} {r['alloc_h']:>8.1f} {r['generating_h']:>11.1f} "
+                  f"{useful / r['alloc_h']:>12.1%} {r['wall_h']:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -543,8 +543,8 @@ def _add_merge_commands(sub) -> None:
                    "truncated, no_think_end, empty_reasoning, empty_content, think_marker, reasoning, other_turn, "
                    "text_think_marker, unreadable_tool_call, empty_answer")
     s.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
-    s.add_argument("--finish", action="append", choices=["stop", "length"], help="only ok outputs with this finish "
-                   "reason (repeatable)")
+    s.add_argument("--finish", action="append", choices=["stop", "length", "loop"], help="only ok outputs with this "
+                   "finish reason (repeatable; loop: stopped in a repetition loop by [client] loop_stop)")
     s.add_argument("--mode", choices=["reasoning", "non-reasoning"], help="only ok outputs in this reasoning mode "
                    "(reasoning: the prompt or the model opened it, or the output holds the think-end id)")
     s.add_argument("--sample", action="append", type=int, metavar="K", help="only sample K of each prompt (repeatable)")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from jobfiles import make_job, process_running, write_prompts
@@ -202,6 +203,35 @@ def test_scontrol_requeue_resumes_and_nothing_is_lost(tmp_path, toy_tokenizer):
     progress = msgspec.json.decode((run / "progress" / "00000.json").read_bytes())
     assert progress["restart_count"] >= 1, "the requeued task knows it was requeued"
     assert "requeued" in seen or "pending" in seen
+
+
+def test_a_requeue_mid_run_records_each_loop_stopped_in_flight_once(tmp_path, toy_tokenizer):
+    """[client] loop_stop under Slurm: outputs in segments of 512 tokens, a quarter of them looping, the task
+    requeued by scontrol mid-run: the run completes and is audited with each loop recorded once (finish loop)."""
+    from toolkit.formats.loops import repetition_loop
+
+    n = 24
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=1, stub={"token_delay_s": 0.0005,
+                    "degenerate_fraction": 0.25}, sampling={"max_new_tokens": 2048},
+                    client={"concurrency": 4, "segment_tokens": 512},
+                    audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0})
+    toolkit("submit", str(job))
+    run = tmp_path / "run"
+    task = read_jobs(RunDir(run)).submissions[0].arrays[0].tasks[0]
+    deadline = time.time() + 120
+    while len(_records(run)) < 4:
+        assert time.time() < deadline, "the task never started writing"
+        time.sleep(0.3)
+    subprocess.run(["scontrol", "requeue", task], check=True)
+    rows, merge = wait_run(run)
+    assert rows[0].state == "completed" and merge.state == "completed"
+    written = [r for r in _records(run) if r.status != "partial"]
+    assert sorted(r.id for r in written) == [f"p{i:04d}" for i in range(n)]  # each prompt recorded once
+    loops = [r for r in written if r.finish == "loop"]
+    assert loops and all(r.status == "ok" and r.n_output < 2048 for r in loops)
+    assert all(repetition_loop(np.frombuffer(r.output_ids, "<u4")) is not None for r in loops)
+    audit = msgspec.json.decode((run / "merged" / "audit.json").read_bytes())
+    assert sum(d["degenerate"] for d in audit["datasets"]) == len(loops)
 
 
 def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses_nothing(tmp_path, toy_tokenizer):

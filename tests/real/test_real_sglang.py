@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from keyscan import files_holding, watch_run
 from realsglang import CPU_ENV, python, sglang_job, toolkit
@@ -329,3 +330,39 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
         _wait(lambda: "shard 0 complete" in log.read_text(), 420, "the requeued task to finish")
         newest = _newest(_records(rd.root))
         assert sorted(newest) == [f"p{i:04d}" for i in range(8)] and any(r.segments > 1 for r in newest.values())
+
+
+def test_outputs_asked_for_in_segments_are_the_one_request_outputs_and_loops_are_stopped(tmp_path, tiny_model,
+                                                                                        sglang_server):
+    """[client] loop_stop against real SGLang: each output asked for in segments of 256 tokens, continued from
+    prompt + output so far (the radix cache holds it), is token for token what one greedy request of 1,024 tokens
+    gives. A second dataset loops (a logit_bias makes the model repeat one id): its outputs are stopped at the first
+    segment's end, a prefix of the one request's output, which goes on looping to max_new_tokens."""
+    from toolkit.formats.loops import repetition_loop
+    from toolkit.formats.records import LOOP
+
+    max_new, seg = 1024, 256
+    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": max_new},
+                     client={"loop_stop": True, "segment_tokens": seg, "loop_window": seg, "loop_max_period": 64},
+                     audit={"max_degenerate_share": 1.0})
+    write_prompts(tmp_path / "loops.jsonl", 3, prefix="loop")
+    bias = {"300": 100.0}
+    job.write_text(job.read_text() + f'[[datasets]]\nname = "loops"\npath = "{tmp_path / "loops.jsonl"}"\n'
+                   'sampling = { logit_bias = { "300" = 100.0 } }\n')
+    toolkit("run", str(job))
+    records = _records(tmp_path / "run")
+    assert len(records) == 11 and all(rec.status == "ok" for rec in records)
+    for rec in records:
+        params = {"max_new_tokens": max_new, "temperature": 0, **({"logit_bias": bias} if rec.dataset == "loops" else {})}
+        code, out = _post(sglang_server.url, sglang_server.api_key, "/generate",
+                          {"input_ids": unpack_ids(rec.prompt_ids), "sampling_params": params})
+        assert code == 200
+        whole, got = out["output_ids"], unpack_ids(rec.output_ids)
+        if rec.dataset == "loops":
+            assert rec.finish == LOOP and got == whole[:seg] and rec.segments == 1, rec.id
+            assert repetition_loop(np.array(got, np.uint32), seg, 64) == 1
+            assert out["meta_info"]["finish_reason"]["type"] == "length"  # unstopped, it loops to the end
+        else:
+            assert rec.finish != LOOP and got == whole, rec.id
+            assert rec.segments == -(-len(got) // seg), (rec.id, rec.segments)
+    assert max(rec.segments for rec in records) > 1

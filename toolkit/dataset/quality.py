@@ -7,14 +7,10 @@ everything), an empty answer, a think marker left inside a part, reasoning in a 
 output SGLang stopped on NaN logits, or a repetition loop. Each is named by one reason, decided on token ids only,
 the same way by the audit and by every export.
 
-Repetition loops (`repetition_loop`, `record_loop`): reasoning models fall into loops that repeat a span of tokens
-until max_new_tokens, so only outputs cut by max_new_tokens (finish_reason length) are looked at (which also keeps
-the audit fast: most outputs stop). Defined precisely: the tail of an output is its last min(len, LOOP_WINDOW)
-ids. The output loops with period p when 1 <= p <= min(LOOP_MAX_PERIOD, len(tail) // 4) and
-at least LOOP_MATCH of the tail positions j >= p hold the id p positions before them (tail[j] == tail[j - p]): all
-but a tenth of the tail is one span of p ids repeated at least four times (the tenth tolerates a counter that
-changes each time round). Outputs shorter than LOOP_MIN_TOKENS are never loops. The smallest such p is the
-loop's period. Normal text repeats a token now and then, never most of its tail at one fixed distance.
+Repetition loops (`repetition_loop`, `record_loop`; defined in formats/loops): reasoning models fall into loops that
+repeat a span of tokens until max_new_tokens, so only outputs cut by max_new_tokens (finish_reason length) are looked
+at (which also keeps the audit fast: most outputs stop), and those the worker stopped in flight (finish "loop", see
+worker/inflight), which are loops by its word.
 """
 
 from __future__ import annotations
@@ -23,22 +19,34 @@ from collections.abc import Collection
 
 import numpy as np
 
-from toolkit.formats.records import OK, Record, all_blank, ends_with_stop, id_positions, is_nan_stop, split_parts
+from toolkit.formats.loops import (
+    LOOP_MATCH,
+    LOOP_MAX_PERIOD,
+    LOOP_MIN_TOKENS,
+    LOOP_WINDOW,
+    best_period,
+    repetition_loop,
+)
+from toolkit.formats.records import (
+    LOOP,
+    OK,
+    Record,
+    all_blank,
+    ends_with_stop,
+    id_positions,
+    is_nan_stop,
+    split_parts,
+)
 
 __all__ = [
     "LOOP_MATCH", "LOOP_MAX_PERIOD", "LOOP_MIN_TOKENS", "LOOP_WINDOW", "SKIP_REASONS", "Judge", "record_loop",
     "repetition_loop",
 ]
 
-LOOP_WINDOW = 512       # tail ids looked at
-LOOP_MIN_TOKENS = 64    # shorter outputs are never called loops
-LOOP_MAX_PERIOD = 128   # longest repeated span looked for
-LOOP_MATCH = 0.9        # share of tail positions that must repeat the id one period before
-
 # Why an ok record is not training data, in the order they are decided (the first that holds is the reason).
 SKIP_REASONS = {
     "nan": "stopped by SGLang on NaN logits (it ends in an EOS the model never wrote)",
-    "degenerate": "a repetition loop: cut by max_new_tokens, one span of ids repeated over most of the tail",
+    "degenerate": "a repetition loop: cut by max_new_tokens or stopped while generated, one span of ids repeated",
     "truncated": "cut by max_new_tokens (finish_reason length)",
     "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is no answer",
     "empty_reasoning": "nothing but blanks before the think-end",
@@ -48,27 +56,13 @@ SKIP_REASONS = {
 }
 
 
-def repetition_loop(ids: np.ndarray) -> int | None:
-    """The period of the repetition loop that ends `ids` (an output's ids, stop token excluded), or None; see the
-    module's docstring for the definition."""
-    n = len(ids)
-    if n < LOOP_MIN_TOKENS:
-        return None
-    tail = ids[-LOOP_WINDOW:]
-    t = len(tail)
-    top = min(LOOP_MAX_PERIOD, t // 4)
-    # At period p, the ids not copied from p before are the first p and the misses: a tail with more distinct ids
-    # than top + (1 - LOOP_MATCH) * t cannot loop at any period up to top (most text is ruled out here).
-    if len(set(tail.tolist())) > top + (1 - LOOP_MATCH) * t:
-        return None
-    for p in range(1, top + 1):
-        if np.count_nonzero(tail[p:] == tail[:-p]) >= LOOP_MATCH * (t - p):
-            return p
-    return None
-
-
 def record_loop(rec: Record) -> int | None:
-    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it stopped)."""
+    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it stopped). An
+    output the worker stopped as a loop (finish "loop") is one whatever thresholds it used: its period is the
+    definition's, else the one at which the most of its tail repeats."""
+    if rec.finish == LOOP:
+        ids = np.frombuffer(rec.output_ids, "<u4")
+        return repetition_loop(ids) or best_period(ids)
     if rec.finish != "length":
         return None
     return repetition_loop(np.frombuffer(rec.output_ids, "<u4"))

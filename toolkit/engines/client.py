@@ -280,10 +280,11 @@ class GenerateResult(msgspec.Struct):
     cached_tokens: int
     latency_s: float
     attempts: int
+    output_json: bytes | None = None  # the answer's output_ids as JSON text, exactly as the server sent them
 
 
 class _Request(msgspec.Struct, omit_defaults=True):
-    input_ids: list[int]
+    input_ids: list[int] | msgspec.Raw  # Raw: the JSON text of the ids, sent as it is
     sampling_params: dict[str, Any]
     rid: str | None = None
 
@@ -328,6 +329,12 @@ def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
 def parse_response(body: bytes):
     """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
     meta_info.completion_tokens (SGLang counts the stop token in both; an answer without it is refused)."""
+    ids, meta, _ = _parse_response(body)
+    return ids, meta
+
+
+def _parse_response(body: bytes):
+    """parse_response's ids and meta_info, and the JSON text of the ids (what a continuation sends on)."""
     found = _split_body(body)
     if found is not None:
         raw, meta = found
@@ -343,7 +350,7 @@ def parse_response(body: bytes):
         ids = ids_from_json(raw, meta.completion_tokens)
     except ValueError as e:
         raise BadResponse(f"output_ids do not match meta_info.completion_tokens: {e}") from None
-    return ids, meta
+    return ids, meta, bytes(raw)
 
 
 class Expect(msgspec.Struct, frozen=True):
@@ -403,6 +410,8 @@ async def generate(
     backoff_max_s: float = 60.0,
     engine_alive=None,
     expect: Expect | None = None,
+    input_json: bytes | None = None,
+    n_input: int | None = None,
 ) -> GenerateResult:
     """POST one prompt to /generate and return its result, checked against the request (`check_answer`).
 
@@ -411,31 +420,36 @@ async def generate(
     when retries run out. `engine_alive`, when given, is
     called before each retry: once the engine is gone, retrying is pointless and the error is raised at once.
     `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid of a request
-    the server may still hold (SGLang answers a duplicate in-flight rid with 400).
+    the server may still hold (SGLang answers a duplicate in-flight rid with 400). `input_json`, when given, is
+    `input_ids` as JSON text, sent as it is (a continuation's prompt + output so far is not encoded again), and
+    `n_input` their count (input_ids is then not read).
     """
-    fixed = None if callable(rid) else _req_encoder.encode(_Request(input_ids, sampling_params, rid))
+    n_in = n_input if input_json is not None else len(input_ids)
+    sent_ids = msgspec.Raw(input_json) if input_json is not None else input_ids
+    fixed = None if callable(rid) else _req_encoder.encode(_Request(sent_ids, sampling_params, rid))
     loop = asyncio.get_running_loop()
     max_new = sampling_params.get("max_new_tokens")
     attempt = 0
     while True:
         attempt += 1
         sent = rid() if callable(rid) else rid
-        body = fixed if fixed is not None else _req_encoder.encode(_Request(input_ids, sampling_params, sent))
+        body = fixed if fixed is not None else _req_encoder.encode(_Request(sent_ids, sampling_params, sent))
         t0 = loop.time()
         try:
             status, data = await http.request("POST", "/generate", body, timeout=timeout)
             if status == 200:
-                ids, m = parse_response(data)
-                fr = check_answer(ids, m, rid=sent, n_input=len(input_ids), max_new_tokens=max_new, expect=expect)
+                ids, m, raw = _parse_response(data)
+                fr = check_answer(ids, m, rid=sent, n_input=n_in, max_new_tokens=max_new, expect=expect)
                 return GenerateResult(
                     output_ids=ids,
                     finish=fr.get("type"),
                     matched=fr.get("matched"),
-                    prompt_tokens=m.prompt_tokens if m.prompt_tokens is not None else len(input_ids),
+                    prompt_tokens=m.prompt_tokens if m.prompt_tokens is not None else n_in,
                     completion_tokens=len(ids),
                     cached_tokens=m.cached_tokens or 0,
                     latency_s=round(loop.time() - t0, 4),
                     attempts=attempt,
+                    output_json=raw,
                 )
             if status >= 500 or status == 429:
                 raise ServerError(status, data)

@@ -45,6 +45,7 @@ class StubEngine(Engine):
             ("--fixed-output-tokens", s.fixed_output_tokens), ("--crash-after", s.crash_after),
             ("--hang-after", s.hang_after), ("--fail-5xx", s.fail_5xx), ("--exit-at-start", s.exit_at_start),
             ("--nan-every", s.nan_every), ("--degenerate-fraction", s.degenerate_fraction),
+            ("--output-scale", s.output_scale or self._segmented_scale()),
         ):
             if value:
                 argv += [flag, str(value)]
@@ -55,6 +56,14 @@ class StubEngine(Engine):
             if on:
                 argv.append(flag)
         return argv + list(s.extra_args) + list(self.engine.extra_args)
+
+    def _segmented_scale(self) -> int | None:
+        """The largest max_new_tokens of the job when [client] loop_stop asks for some of its outputs in segments:
+        the stub's lengths must not follow each segment's max_new_tokens (None: no output is segmented)."""
+        c = self.spec.client
+        tops = [int(self.spec.sampling_for(d.name).get("max_new_tokens") or 0) for d in self.spec.datasets]
+        top = max(tops, default=0)
+        return top if c.loop_stop and top > c.segment_tokens else None
 
 
 def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:

@@ -55,6 +55,7 @@ class Progress(msgspec.Struct, kw_only=True):
     capacity: int | None = None      # requests it can run at once
     in_flight_target: int | None = None  # requests the worker keeps in flight ([client] concurrency, or "auto")
     partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued next time)
+    loops_stopped: int = 0           # outputs stopped in a repetition loop by this attempt ([client] loop_stop)
     # the worker that runs this attempt, which claims shards one after another with one engine (worker.claims)
     task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of `toolkit run`
     task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a requeue restarts it)

@@ -21,7 +21,7 @@ import numpy as np
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
     "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
-    "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED",
+    "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED", "LOOP",
     "PARTIAL", "RECORD_CHECKS", "defects",
 ]
 
@@ -30,6 +30,10 @@ OK, FAILED = "ok", "failed"
 # aborted and their partial outputs kept): never part of the dataset (not ok), continued on the next run of the
 # shard from where it stopped (its failure kind PARTIAL is transient), and superseded by the completed record.
 PARTIAL = "partial"
+# The finish of an ok record the worker stopped while it was generated, because its output had fallen into a
+# repetition loop (formats/loops; worker/inflight): never training data (dataset/quality calls it "degenerate"),
+# never generated again (a loop comes back), its output kept as far as it went.
+LOOP = "loop"
 
 # Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come back the same
 # every time; transient ones depend on the server's state at that moment, so they are generated again (a rerun of
@@ -68,7 +72,7 @@ class Record(msgspec.Struct, array_like=True):
     output_ids: bytes               # uint32 LE, exactly as the server returned them, stop token included
     reasoning_end: int | None       # index of the think-end id in output_ids, None when absent
     tool_call_at: int | None        # index of the tool-call section start in output_ids, None when absent
-    finish: str | None              # "stop" | "length" | "abort"; None for a failed request
+    finish: str | None              # "stop" | "length" | "abort", or LOOP (stopped in a loop); None: a failed request
     matched_stop: int | str | None  # the stop token id (or string) SGLang matched
     prompt_tokens: int
     completion_tokens: int
@@ -253,7 +257,7 @@ RECORD_CHECKS = {
     "over_max_new_tokens": "more output ids than max_new_tokens",
     "out_of_vocab": "an id outside the tokenizer",
     "stop_mismatch": "a stop finish whose matched id is not the last output id",
-    "bad_finish": "a finish other than stop or length",
+    "bad_finish": "a finish other than stop, length or loop",
     "split_mismatch": "reasoning_end is not the first think-end id",
 }
 
@@ -276,7 +280,7 @@ def defects(rec: Record, vocab_size: int, think_end_at: int | None, max_new_toke
     if rec.finish == "stop":
         if isinstance(m, int) and not isinstance(m, bool) and not ends_with_stop(rec):
             found.append("stop_mismatch")
-    elif rec.finish != "length":
+    elif rec.finish not in ("length", LOOP):
         found.append("bad_finish")
     if think_end_at != rec.reasoning_end:
         found.append("split_mismatch")

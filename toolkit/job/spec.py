@@ -48,6 +48,10 @@ class StubSpec(_Config):
     warmup_delay_s: float = 0.0
     token_delay_s: float = 0.0
     fixed_output_tokens: int | None = None
+    # Output lengths drawn as shares of this many tokens rather than of each request's max_new_tokens. Unset: the
+    # largest max_new_tokens of the job when [client] loop_stop asks for some outputs in segments (so that those
+    # are the outputs of one request), else each request's max_new_tokens.
+    output_scale: int | None = None
     context_length: int = 32768
     crash_after: int | None = None
     hang: bool = False
@@ -119,6 +123,15 @@ class ClientSpec(_Config):
     # backoff_max_s). Past the last one the failure is final for the run ("failed 3 times: nan") and the shard is
     # done; `toolkit retry` starts a fresh count.
     max_tries: int = 3
+    # Stop repetition loops while they are generated: a request asks for at most segment_tokens new tokens, and
+    # between segments the output so far is checked for a loop (formats/loops, with these thresholds); a loop is
+    # recorded as it stands (finish "loop", never training data, never generated again), anything else goes on
+    # from prompt + output so far, token for token the output one request would have given.
+    loop_stop: bool = True
+    segment_tokens: int = 4096
+    loop_window: int = 512              # tail ids looked at
+    loop_max_period: int = 128          # longest repeated span looked for
+    loop_match: float = 0.9             # share of the tail that must repeat the id one period before
 
 
 class DatasetSpec(_Config):
@@ -337,6 +350,12 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     if c.max_tries < 1 or c.max_tries > MAX_TRIES:
         raise SpecError(f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt whose "
                         f"failure may pass, within a run), got {c.max_tries}")
+    if c.segment_tokens < 256 or c.loop_max_period < 1 or c.loop_window < 4 * c.loop_max_period \
+            or not 0.5 <= c.loop_match <= 1.0 or c.loop_window > c.segment_tokens:
+        raise SpecError(f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, loop_window "
+                        f"between 4 * loop_max_period and segment_tokens, loop_match between 0.5 and 1; got "
+                        f"segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, loop_max_period = "
+                        f"{c.loop_max_period}, loop_match = {c.loop_match:g}")
     if c.backoff_s < 0 or c.backoff_max_s < 0:
         raise SpecError(f"{source}: [client] backoff_s and backoff_max_s must be >= 0, got {c.backoff_s:g} and "
                         f"{c.backoff_max_s:g}")

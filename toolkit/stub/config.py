@@ -67,6 +67,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive_timeout: float = 5.0
     health_check_timeout: float = 20.0
     fixed_output_tokens: int | None = None
+    output_scale: int | None = None  # output lengths drawn as shares of this, not of each request's max_new_tokens
     truncate_fraction: float = 0.10
     tool_call_fraction: float = 0.15
     hang: bool = False
@@ -188,6 +189,9 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--health-check-timeout", type=float, default=20.0,
       help="while generation is wedged (--hang-after), /health* waits this long, then 503 (SGLang: 20 s)")
     a("--fixed-output-tokens", type=int, help="every output exactly N tokens (think-end and EOS included)")
+    a("--output-scale", type=int,
+      help="draw output lengths as shares of N tokens instead of each request's max_new_tokens (as a model, whose "
+           "outputs do not depend on the budget: an output asked for in segments is then the one-request output)")
     a("--truncate-fraction", type=float, default=0.10, help="share of outputs longer than max_new_tokens")
     a("--tool-call-fraction", type=float, default=0.15, help="share of outputs with a tool-call section")
     a("--hang", action="store_true", help="listen but never become ready; /generate never answers")
@@ -311,7 +315,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         think_start=ns.think_start, think_end=ns.think_end, load_delay=ns.load_delay,
         warmup_delay=ns.warmup_delay, token_delay=ns.token_delay, drain_poll=max(0.01, ns.drain_poll),
         keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
-        fixed_output_tokens=ns.fixed_output_tokens,
+        fixed_output_tokens=ns.fixed_output_tokens, output_scale=ns.output_scale,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang, ignore_sigterm=ns.ignore_sigterm,
         hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, fail_status=ns.fail_status,
         poison=ns.poison, poison_text=ns.poison_text, poison_after=ns.poison_after, poison_prompts=tuple(rules),

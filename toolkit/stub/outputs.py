@@ -73,7 +73,7 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     already ends with it (template-opened, Kimi/DeepSeek style), or always with --double-think-start. A prompt
     ending with think-end (thinking disabled by the template) gets an answer only. Reasoning and answer are
     contiguous runs of the help-topics token stream at PRNG-chosen offsets. The total length is a PRNG
-    fraction of max_new_tokens (the budget); `truncate_fraction` of outputs are drawn longer than it, and
+    fraction of max_new_tokens (the budget), or of --output-scale; `truncate_fraction` of outputs are drawn longer than it, and
     `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
     With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
     outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
@@ -91,10 +91,13 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     if cfg.degenerate_fraction:  # its own draw: the outputs that do not loop are those of a run without loops
         looping = random.Random(seed ^ 0x100B)
         if looping.random() < cfg.degenerate_fraction:
-            return _loop(model, prompt, looping, budget)
+            return _loop(model, prompt, looping, budget, cfg.output_scale or budget)
     fixed = cfg.fixed_output_tokens
-    scale = sp.max_new_tokens if sp.max_new_tokens is not None else min(budget, 2048)
-    scale = max(1, min(scale, budget) if scale else 1)
+    if cfg.output_scale:  # a model's output does not depend on the budget it is given
+        scale = max(1, cfg.output_scale)
+    else:
+        scale = sp.max_new_tokens if sp.max_new_tokens is not None else min(budget, 2048)
+        scale = max(1, min(scale, budget) if scale else 1)
     if fixed is not None:
         total = max(0, fixed)
     elif rng.random() < cfg.truncate_fraction:
@@ -156,12 +159,13 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     return segments
 
 
-def _loop(model: StubModel, prompt: list[int], rng: random.Random, budget: int) -> Segments:
-    """A degenerate output: [think-start], some reasoning, then one short span repeated past `budget`."""
+def _loop(model: StubModel, prompt: list[int], rng: random.Random, budget: int, scale: int) -> Segments:
+    """A degenerate output: [think-start], some reasoning (its length a share of `scale`), then one short span
+    repeated past `budget`."""
     corpus, size = model.corpus, len(model.corpus)
     opened = model.prompt_ends_with(prompt, model.think_start_id)
     segments: Segments = [] if opened or model.think_start_id is None else [(-1, [model.think_start_id])]
-    lead = max(1, min(rng.randint(8, 40), budget // 20))
+    lead = max(1, min(rng.randint(8, 40), scale // 20))
     start = rng.randrange(size - lead - 24)
     segments.append((start, corpus[start:start + lead]))
     span = rng.randint(4, 24)

@@ -229,7 +229,9 @@ class StubServer:
             if self.prefix_cache is not None:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
-            if cfg.token_delay > 0:  # only a delayed request can be aborted mid-way, and so continued
+            # only a delayed request can be aborted mid-way, and so continued; with --output-scale, a request may
+            # also be the next segment of an output asked for in segments
+            if cfg.token_delay > 0 or cfg.output_scale:
                 segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget,
                                              self.draws.drawn(item.index % n, n, item.rid))
             if segments is not None:

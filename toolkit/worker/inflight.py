@@ -1,6 +1,6 @@
 """One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt + output so
-far, `segments` counting the requests that brought output), the partial outputs kept at a stop, and the records
-of what came back. `consume` is one request slot: it takes prompts from the feed until the feed is empty or the
+far, `segments` counting the requests that brought output), repetition loops stopped between segments, the partial
+outputs kept at a stop, and the records of what came back. `consume` is one request slot: it takes prompts from the feed until the feed is empty or the
 shard stops.
 """
 
@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import numpy as np
 
 from toolkit.engines.base import EngineDied, EngineUnreachable
@@ -27,10 +28,12 @@ from toolkit.engines.client import (
     health_generate,
 )
 from toolkit.engines.rids import make_rid
+from toolkit.formats.loops import repetition_loop
 from toolkit.formats.records import (
     ABORTED,
     BAD_RESPONSE,
     FAILED,
+    LOOP,
     NAN,
     NAN_MATCHED,
     OK,
@@ -90,6 +93,49 @@ def continued_params(params: dict, done: int) -> dict | None:
     return params
 
 
+# Sampling params under which an output continued from prompt + output so far is not the output of one request:
+# SGLang matches stop strings and regexes in the new output's text only, starts a grammar at the output's start,
+# and counts the penalties' tokens and a custom logit processor's state over the new output only.
+_UNSEGMENTED = ("stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_PENALTIES = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))
+
+
+def segment_tokens(client, params: dict) -> int | None:
+    """The most new tokens one request of these sampling params asks for, so that a repetition loop is looked for
+    between segments ([client] loop_stop, segment_tokens); None: the output is asked for in one request (loop stop
+    off, or params under which a segmented output would not be the same output)."""
+    if not client.loop_stop:
+        return None
+    if any(params.get(k) for k in _UNSEGMENTED):
+        return None
+    if any(params.get(k, neutral) not in (None, neutral) for k, neutral in _PENALTIES):
+        return None
+    return client.segment_tokens
+
+
+class _SentIds:
+    """A continuation's input_ids (prompt + output so far) as JSON text, made of the prompt's encoded once and of each
+    answer's output_ids as the server wrote them: sending prompt + output again costs a join, not an encode."""
+
+    __slots__ = ("parts", "empty")
+
+    def __init__(self, prompt: list[int], out: np.ndarray):
+        self.parts = [msgspec.json.encode(prompt)[:-1]]  # '[1,2,3' : closed by json()
+        self.empty = not prompt
+        if len(out):
+            self.add(None, out)
+
+    def add(self, raw: bytes | None, new: np.ndarray) -> None:
+        """Append `new` output ids; `raw`: their JSON array text from the answer (None: encoded here)."""
+        body = (raw if raw is not None else msgspec.json.encode(new.tolist())).strip()[1:-1].strip()
+        if body:
+            self.parts.append(body if self.empty else b"," + body)
+            self.empty = False
+
+    def json(self) -> bytes:
+        return b"".join(self.parts) + b"]"
+
+
 class _Generated:
     """The outcome of _generate: the (combined) result, how many requests it took, and whether it is partial."""
 
@@ -117,6 +163,8 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
     cached = prior.cached_tokens if prior else None
     stalled = 0
     res = None
+    seg = segment_tokens(c, params)
+    sent = _SentIds(ids, out)
     try:
         while True:
             sp = continued_params(params, len(out))
@@ -125,13 +173,19 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
                                      completion_tokens=len(out), cached_tokens=cached or 0, latency_s=latency,
                                      attempts=attempts)
                 return _Generated(res, max(segments, 1), False)
+            capped = seg is not None and sp.get("max_new_tokens", 0) > seg
+            if capped:  # one segment: the loop check below, then on from prompt + output so far
+                sp = {**sp, "max_new_tokens": seg}
+                if sp.get("min_new_tokens", 0) > seg:
+                    sp["min_new_tokens"] = seg
             sh.in_flight += 1
             made: list[str] = []
             try:
                 res = await generate(
-                    sh.http, ids + out.tolist() if len(out) else ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
+                    sh.http, ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
                     timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
                     backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
+                    input_json=sent.json() if len(out) else None, n_input=len(ids) + len(out),
                 )
             finally:
                 sh.in_flight -= 1
@@ -146,12 +200,26 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
             if len(new):
                 segments += 1
                 out = np.concatenate([out, new]) if len(out) else new
+                sent.add(res.output_json, new)
             if segments > 1 or prior is not None:
                 res = GenerateResult(output_ids=out, finish=res.finish, matched=res.matched, prompt_tokens=len(ids),
                                      completion_tokens=len(out), cached_tokens=cached, latency_s=round(latency, 4),
                                      attempts=attempts)
             else:
                 res.attempts = attempts
+            if capped and res.finish == "length" and len(new) == seg:  # a segment's end, not the output's
+                stalled = 0
+                period = repetition_loop(out, c.loop_window, c.loop_max_period, c.loop_match)
+                if period is None:
+                    if sh.stopping:  # kept as a partial output, continued by the next run of the shard
+                        return _Generated(res, segments, True)
+                    continue
+                res.finish, res.matched = LOOP, None
+                sh.progress.loops_stopped += 1
+                log.info("prompt %s: a repetition loop (a span of %d ids repeated) after %d generated tokens: "
+                         "stopped there, %d tokens short of max_new_tokens", ref.id, period, len(out),
+                         params["max_new_tokens"] - len(out))
+                return _Generated(res, segments, False)
             if res.finish != "abort":
                 return _Generated(res, max(segments, 1), False)
             if sh.stopping:

@@ -627,7 +627,9 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
             raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
         rd.retry_file(shard).unlink(missing_ok=True)
         sh.save_progress("done")
-        log.info("shard %d complete: %d records (%d failed), %d output tokens", shard, m.records, m.failed, m.output_tokens)
+        log.info("shard %d complete: %d records (%d failed), %d output tokens%s", shard, m.records, m.failed,
+                 m.output_tokens, f"; {sh.progress.loops_stopped} repetition loops stopped in flight by this attempt "
+                 "([client] loop_stop)" if sh.progress.loops_stopped else "")
         if m.transient:
             log.warning("shard %d: %d failures may pass when generated again (%s); the next "
                         "run of the shard generates them again: `toolkit retry %s`", shard, m.transient, MAY_PASS, rd.shown)
