@@ -26,7 +26,8 @@ def write_prompts(path: Path, n: int, *, prefix: str = "p", long_every: int = 0,
               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
     with open(path, "w") as f:
         for i in range(n):
-            words = _WORDS[i * 7 : i * 7 + 12 + (i % 5) * 3]
+            # (past the end of the word list, round again: no prompt is empty)
+            words = [_WORDS[(i * 7 + j) % len(_WORDS)] for j in range(12 + (i % 5) * 3)]
             if long_every and i % long_every == long_every - 1:
                 words = _WORDS[:3000]
             line: dict[str, Any] = {"id": f"{prefix}{i:04d}", "messages": [{"role": "user", "content": " ".join(words)}]}

@@ -334,3 +334,17 @@ def test_every_exit_code_has_one_meaning_said_by_the_help_and_the_docs(capsys):
         assert f"{code} {what}" in said
     docs = (Path(__file__).parent.parent / "docs" / "commands.md").read_text()
     assert [int(c) for c in re.findall(r"^- (\d+) ", docs, re.M)] == list(EXIT_MEANINGS)
+
+
+def test_a_command_run_in_process_leaves_the_log_levels_as_they_were(tmp_path, toy_tokenizer):
+    """`main` in a process that goes on (a test, a notebook): --quiet and the hidden tokenizer lines of login-node
+    commands hold for that command only; a later worker in the same process still logs `loaded tokenizer`."""
+    import logging
+
+    from jobfiles import make_job
+
+    chat = logging.getLogger("toolkit.job.chat")
+    handlers = [(h, h.level) for h in logging.getLogger().handlers]
+    assert cli_main(["--quiet", "check", str(make_job(tmp_path, toy_tokenizer("kimi"), n=2))]) == 0
+    assert chat.level == logging.NOTSET
+    assert [(h, h.level) for h in logging.getLogger().handlers] == handlers

@@ -7,10 +7,12 @@ complete and healthy (cluster.verdicts.verdict).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 from toolkit.errors import (
@@ -611,6 +613,24 @@ def quiet_terminal() -> None:
         h.setLevel(logging.WARNING)
 
 
+@contextlib.contextmanager
+def _log_levels(args) -> Iterator[None]:
+    """The command's log levels (--quiet, tokenizer lines hidden on login-node commands), put back as they were
+    when it returns: `main` called in a process that goes on (a test, a notebook) leaves its logging unchanged."""
+    root, chat = logging.getLogger(), logging.getLogger("toolkit.job.chat")
+    before = [(h, h.level) for h in root.handlers], chat.level
+    if args.quiet and not args.verbose:
+        quiet_terminal()
+    quiet = args.command in QUIET_TOKENIZER and not args.verbose
+    chat.setLevel(logging.WARNING if quiet else logging.NOTSET)
+    try:
+        yield
+    finally:
+        for h, level in before[0]:
+            h.setLevel(level)
+        chat.setLevel(before[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -619,14 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.quiet and not args.verbose:
-        quiet_terminal()
-    quiet = args.command in QUIET_TOKENIZER and not args.verbose
-    logging.getLogger("toolkit.job.chat").setLevel(logging.WARNING if quiet else logging.NOTSET)
     try:
-        if args.command in TAKES_A_JOB_FOR_ITS_RUN:
-            args.run = _run_arg(args.run)
-        return args.func(args)
+        with _log_levels(args):
+            if args.command in TAKES_A_JOB_FOR_ITS_RUN:
+                args.run = _run_arg(args.run)
+            return args.func(args)
     except ToolkitError as e:  # every toolkit error, with the exit code it carries
         print(f"toolkit: error: {e}", file=sys.stderr)
         return e.exit_code

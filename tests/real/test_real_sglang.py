@@ -123,11 +123,11 @@ def test_a_whole_job_of_two_shards_check_run_merge_audit_every_export_and_exact_
 
 def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the_resume_continues_it(tmp_path,
                                                                                                    tiny_model):
-    # Work that cannot finish before the signal, however fast the machine: every output is exactly 300 tokens
-    # (min_new_tokens: no early end), 8 of them 4 at a time, and the signal is sent as soon as the server says
-    # requests are running (their first token made by the prefill) — milliseconds into seconds of work. However
-    # slow the machine: no request timeout in the way.
-    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 300, "min_new_tokens": 300},
+    # Work that cannot finish before the signal, however fast the machine: every output is exactly 1,200 tokens
+    # (min_new_tokens: no early end), 16 of them 4 at a time — half a minute at the fastest this server has been
+    # seen to run, many times the worker's 1 s poll of /v1/loads — and the signal is sent as soon as the progress
+    # file says requests are running on the server. However slow the machine: no request timeout in the way.
+    job = sglang_job(tmp_path, tiny_model, n=16, sampling={"max_new_tokens": 1200, "min_new_tokens": 1200},
                      client={"concurrency": 4, "request_timeout_s": 1800})
     rd = RunDir(tmp_path / "run")
     saved = {}
@@ -148,12 +148,12 @@ def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the
     toolkit("run", str(job))
     records = _records(rd.root)
     newest = _newest(records)
-    assert sorted(newest) == [f"p{i:04d}" for i in range(8)]
+    assert sorted(newest) == [f"p{i:04d}" for i in range(16)]
     assert all(rec.status == "ok" for rec in newest.values())
     continued = [rec for rec in newest.values() if rec.segments > 1]
     assert continued, "outputs stopped mid-way were continued, not generated again"
-    assert all(rec.n_output == rec.completion_tokens == 300 for rec in newest.values())
-    print(f"in flight saved: {saved}; {len(continued)} of 8 outputs continued")
+    assert all(rec.n_output == rec.completion_tokens == 1200 for rec in newest.values())
+    print(f"in flight saved: {saved}; {len(continued)} of 16 outputs continued")
 
 
 def _scheduler(engine: int) -> int:
