@@ -33,7 +33,8 @@ NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSY
 STALE_LOCK_S = 2 * 3600  # another host's lock file untouched this long is stale (its writer touches it per batch)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` lives on this host (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -98,7 +99,7 @@ class LockFile:
                 raise self._refuse("its lock file is being written") from None
             host, pid, since = "", 0, "?"
         if host == socket.gethostname():
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 raise self._refuse(f"pid {pid} on this host holds it since {since}")
             log.warning("%s: taking over the lock of pid %d on this host, which is gone", self.path, pid)
         elif host:

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from toolkit.formats.files import atomic_write
-from toolkit.formats.locks import flock_held
+from toolkit.formats.locks import flock_held, pid_alive
 
 __all__ = ["LocalRun", "Progress", "REFRESH_S", "STALE_S", "live_local_runs", "local_run", "read_progress",
            "write_progress", "slurm_context", "stale_for", "worker_gone"]
@@ -201,19 +201,9 @@ def live_local_runs(rd) -> list[LocalRun]:
             continue  # gone meanwhile, or being written
         held = flock_held(path)
         here = r.host == socket.gethostname()
-        if held is False or here and not _pid_alive(r.pid):
+        if held is False or here and not pid_alive(r.pid):
             continue
         if held is None and not here:
             log.debug("%s: on another host, without flock: taken as alive", path)
         out.append(r)
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
