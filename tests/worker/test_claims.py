@@ -238,3 +238,27 @@ def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id
     r = toolkit_run(job, "--parallel", "2", gpus=None)
     assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))
+
+
+# overlap and tail handover decisions (the simulation calls the same functions)
+
+def test_opens_next_only_when_nothing_left_to_send_and_room():
+    from toolkit.worker.policy import opens_next
+    assert opens_next(0, 10, 16)
+    assert not opens_next(1, 10, 16)   # the shard held still has prompts to send
+    assert not opens_next(0, 16, 16)   # the batch is full
+
+
+def test_hands_over_the_smallest_tail_to_tasks_with_room():
+    from toolkit.worker.policy import Tail, hands_over
+    a, b, c = Tail("a", 3, 64), Tail("b", 20, 64), Tail("c", 30, 64)
+    assert hands_over(a, [b, c], claimable=0)
+    assert not hands_over(a, [b, c], claimable=1)            # shards left to claim: no tail yet
+    assert not hands_over(b, [a, c], claimable=0)            # a runs fewer: a leaves first
+    assert not hands_over(Tail("a", 20, 64), [b, c], 0)      # over the share of its target
+    assert not hands_over(a, [Tail("b", 63, 64), Tail("c", 63, 64)], 0)  # no room for its 3
+    assert not hands_over(a, [], 0) and not hands_over(Tail("a", 0, 64), [b], 0)
+    # the task leaving is not a recipient, and two equal tails never leave for each other
+    assert hands_over(Tail("b", 10, 64), [Tail("a", 3, 64, leaving=True), c], 0)
+    x, y = Tail("x", 5, 64), Tail("y", 5, 64)
+    assert hands_over(x, [y], 0) != hands_over(y, [x], 0)
