@@ -1141,3 +1141,34 @@ def test_a_poison_prompt_rule_that_cannot_be_read_is_refused(rule, capsys):
     with pytest.raises(SystemExit) as e:
         _parse("--poison-prompt", rule)
     assert e.value.code == 2 and "--poison-prompt wants KIND=TEXT" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_batch_occupancy_in_counters_and_at_shutdown(toy_tokenizer, tmp_path):
+    """Time-weighted running / max running from the first request to the last answer: requests one at a time on
+    4 slots give about 1/4, eight at once on 4 slots (two full waves) about 1; /stub/counters reports it and
+    the log says it at shutdown."""
+    flags = ["--token-delay", "0.01", "--fixed-output-tokens", "30", "--max-running-requests", "4",
+             "--warmup-delay", "0", "--drain-poll", "0.2"]
+    one, full = (Stub(name, toy_tokenizer("qwen3"), flags, tmp_path) for name in ("one_at_a_time", "full_batch"))
+    try:
+        one.wait_ready()
+        full.wait_ready()
+        assert json.loads(one.get("/stub/counters")[2])["occupancy"] is None  # nothing ran yet
+        bodies = [{"input_ids": [71, 72 + i], "sampling_params": {"max_new_tokens": 64}} for i in range(8)]
+        for body in bodies[:4]:
+            one.generate(body)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            assert all(len(o["output_ids"]) == 30 for o in pool.map(full.generate, bodies))
+        c1, c2 = (json.loads(s.get("/stub/counters")[2]) for s in (one, full))
+        assert c1["max_running"] == c2["max_running"] == 4
+        assert 0.2 <= c1["occupancy"] <= 0.26, c1  # 1 of 4 slots, less the gaps between the requests
+        assert c2["occupancy"] >= 0.9, c2
+        assert c1["occupancy_s"] >= 4 * 30 * 0.01 and c2["occupancy_s"] >= 2 * 30 * 0.01
+    finally:
+        one.stop()
+        full.stop()
+    for stub, figure in ((one, c1), (full, c2)):
+        assert stub.proc.returncode == 0, stub.log_text()
+        line = next(x for x in stub.log_text().splitlines() if "Batch occupancy" in x)
+        assert f"Batch occupancy {figure['occupancy']:.4f} (time-weighted running / max running 4)" in line, line

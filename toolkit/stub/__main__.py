@@ -129,8 +129,23 @@ async def serve(cfg: StubConfig, model: StubModel, started: float, config: uvico
     await serving
     for t in (*tasks, stopping):
         t.cancel()
+    log_occupancy(srv)
     logger.info("Shutdown complete; exiting with status 0")
     return 0
+
+
+def log_occupancy(srv: StubServer) -> None:
+    """The batch occupancy at shutdown (what a benchmark reads from the server log). Only requests delayed by
+    --token-delay take running slots: without it no request runs for any time, and the line says so."""
+    occ, sched = srv.sched.occupancy, srv.sched
+    share = occ.share()
+    if share is None:
+        logger.info("Batch occupancy: none (no request ran for any time: the stub counts running slots only with "
+                    "--token-delay)")
+        return
+    logger.info("Batch occupancy %.4f (time-weighted running / max running %d) over %.1f s from the first request "
+                "to the last answer; %d tokens decoded", share, sched.max_running, occ.span(),
+                sched.counters["generated_tokens"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,10 +165,14 @@ def loads(srv: StubServer) -> Reply:
 
 
 def stub_counters(srv: StubServer) -> Reply:
-    """Stub only: what the "GPU" did (tokens decoded, returned, aborts), for benchmarks and tests."""
+    """Stub only: what the "GPU" did (tokens decoded, returned, aborts; the batch occupancy, time-weighted running /
+    max_running from the first request to the last answer, null before any ran), for benchmarks and tests."""
+    occ = srv.sched.occupancy
+    share = occ.share()
     return 200, _json_encode({**srv.sched.counters, "answered": srv.stats["requests"], "running": len(srv.sched.running),
-                              "waiting": len(srv.sched.waiting),
-                              "max_running": srv.sched.max_running}), JSON
+                              "waiting": len(srv.sched.waiting), "max_running": srv.sched.max_running,
+                              "occupancy": None if share is None else round(share, 4),
+                              "occupancy_s": round(occ.span(), 3)}), JSON
 
 
 def _model_card(srv: StubServer) -> dict:

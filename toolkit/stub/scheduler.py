@@ -1,8 +1,10 @@
 """The stub's "GPU": requests in flight, the running limit and the FIFO waiting queue of delayed requests
-(--token-delay), aborts (by rid prefix, or all), and the token counters of /stub/counters.
+(--token-delay), aborts (by rid prefix, or all), the token counters of /stub/counters and the batch occupancy.
 
 At most `max_running` requests generate at once, the rest wait; `generated_tokens` counts every token decoded,
 also those of requests aborted or dropped by their client (what a GPU spent), `returned_tokens` those sent back.
+The batch occupancy (`Occupancy`) is the time-weighted mean of running / max_running from the first request
+admitted to the last one ended: 1.0 when the batch is full throughout, 1 / max_running for requests one at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,45 @@ class InFlight(msgspec.Struct, kw_only=True):
     planned: int = 0  # tokens it will write if nothing stops it
 
 
+class Occupancy:
+    """The time-weighted share of the running slots in use, from the first request that ran to the last that
+    ended (`clock`: seconds, monotonic). `change(running)` is called with the new count at every change."""
+
+    def __init__(self, slots: int, clock=time.monotonic):
+        self.slots = max(1, slots)
+        self.clock = clock
+        self.first: float | None = None  # when the first request began running
+        self.last = 0.0                  # when the running count last dropped to zero
+        self.at = 0.0                    # the time of the last change
+        self.running = 0
+        self.area = 0.0                  # integral of the running count up to `at`
+
+    def change(self, running: int) -> None:
+        now = self.clock()
+        if self.first is None:
+            if running <= 0:
+                return
+            self.first = self.at = now
+        self.area += self.running * (now - self.at)
+        self.at, self.running = now, running
+        if running == 0:
+            self.last = now
+
+    def span(self) -> float:
+        """Seconds from the first request to the last answer (to now while requests run)."""
+        if self.first is None:
+            return 0.0
+        return (self.clock() if self.running else self.last) - self.first
+
+    def share(self) -> float | None:
+        """The batch occupancy in [0, 1]; None before any request has run (or over no time at all)."""
+        span = self.span()
+        if span <= 0:
+            return None
+        area = self.area + (self.running * (self.clock() - self.at) if self.running else 0.0)
+        return area / (self.slots * span)
+
+
 class Scheduler:
     """In-flight requests by rid, the running set and the waiting queue (one per process)."""
 
@@ -35,6 +76,7 @@ class Scheduler:
         self.in_flight: dict[str, InFlight] = {}
         self.running: dict[int, InFlight] = {}  # by id(): Structs compare by value
         self.waiting: list[tuple[InFlight, asyncio.Future]] = []
+        self.occupancy = Occupancy(max_running)
         self.hung = 0  # requests wedged by --hang / --hang-after
         self.counters = {"generated_tokens": 0, "returned_tokens": 0, "aborted_running": 0, "aborted_waiting": 0,
                          "cancelled": 0, "continued": 0}
@@ -91,6 +133,7 @@ class Scheduler:
         """Wait for a running slot (FIFO); False when aborted while waiting."""
         if len(self.running) < self.max_running and not self.waiting:
             self.running[id(state)] = state
+            self.occupancy.change(len(self.running))
             return True
         loop = asyncio.get_running_loop()
         granted = loop.create_future()
@@ -123,6 +166,7 @@ class Scheduler:
             if not fut.done() and not nxt.aborted.is_set():
                 self.running[id(nxt)] = nxt
                 fut.set_result(None)
+        self.occupancy.change(len(self.running))
 
     async def decode(self, state: InFlight, prompt_len: int, planned: int) -> int | None:
         """Queue, then decode `planned` tokens at token_delay each. None: aborted in the queue; otherwise the
