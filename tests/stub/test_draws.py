@@ -96,3 +96,17 @@ def test_a_partial_of_a_draw_this_process_never_made_goes_on_without_opening_the
     opened_by_template = model.prompt_ends_with(prompt, model.think_start_id)
     assert out.count(model.think_start_id) == (0 if opened_by_template else 1)
     assert out.count(model.think_end_id) == 1
+
+
+def test_lognormal_lengths_have_their_median_and_a_heavy_tail_cut_by_the_budget(toy_tokenizer):
+    """--lognormal-lengths 100:0.9: half the outputs under about 100 tokens, a tail of some 5x the median, and
+    none longer than the budget once the server cuts them (the plan itself may run past it)."""
+    cfg = parse_config(["--model-path", str(toy_tokenizer("qwen3")), "--lognormal-lengths", "100:0.9"])
+    model = load_model(cfg)
+    sp = Sampling(max_new_tokens=400)
+    lengths = sorted(sum(len(ids) for _, ids in plan_output(model, cfg, [5, 6, 7 + i % 200, 3 + i // 200], sp, 400, 0))
+                     for i in range(600))
+    median, p99 = lengths[300], lengths[int(0.99 * 600)]
+    assert 80 <= median <= 125, median
+    assert p99 >= 4 * median, (median, p99)
+    assert sum(n > 400 for n in lengths) >= 3  # drawn past the budget: finish "length" at the server

@@ -251,6 +251,8 @@ def _parse(*args: str):
     (["--version", "0.5.9", "--reasoning-parser", "auto"], "argument --reasoning-parser: invalid choice: 'auto'"),
     (["--kv-canary-real-data", "some"], "argument --kv-canary-real-data: invalid choice: 'some'"),
     (["--load-del", "1"], "unrecognized arguments: --load-del 1"),  # the stub's own flags are never abbreviated
+    (["--lognormal-lengths", "100"], "--lognormal-lengths wants MEDIAN:SIGMA"),
+    (["--lognormal-lengths", "0:0.9"], "--lognormal-lengths wants MEDIAN:SIGMA"),
 ])
 def test_stub_refuses_what_sglang_refuses(capsys, args, message):
     with pytest.raises(SystemExit) as e:

@@ -68,6 +68,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     health_check_timeout: float = 20.0
     fixed_output_tokens: int | None = None
     output_scale: int | None = None  # output lengths drawn as shares of this, not of each request's max_new_tokens
+    lognormal_lengths: tuple[int, float] | None = None  # output lengths lognormal (median, sigma), cut by the budget
     truncate_fraction: float = 0.10
     tool_call_fraction: float = 0.15
     hang: bool = False
@@ -192,6 +193,9 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
     a("--output-scale", type=int,
       help="draw output lengths as shares of N tokens instead of each request's max_new_tokens (as a model, whose "
            "outputs do not depend on the budget: an output asked for in segments is then the one-request output)")
+    a("--lognormal-lengths", metavar="MEDIAN:SIGMA",
+      help="draw output lengths from a lognormal of this median (tokens) and sigma, cut by max_new_tokens: the heavy "
+           "tail of reasoning traces (instead of shares of the budget; --truncate-fraction then does not apply)")
     a("--truncate-fraction", type=float, default=0.10, help="share of outputs longer than max_new_tokens")
     a("--tool-call-fraction", type=float, default=0.15, help="share of outputs with a tool-call section")
     a("--hang", action="store_true", help="listen but never become ready; /generate never answers")
@@ -283,6 +287,16 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         except ValueError:
             parser.error(f"--fail-5xx wants START:COUNT (two integers), got {ns.fail_5xx!r}")
         fail_5xx = (start, count)
+    lognormal = None
+    if ns.lognormal_lengths:
+        try:
+            median, sigma = ns.lognormal_lengths.split(":")
+            lognormal = (int(median), float(sigma))
+        except ValueError:
+            lognormal = None
+        if lognormal is None or lognormal[0] < 1 or not 0 <= lognormal[1] <= 5:
+            parser.error(f"--lognormal-lengths wants MEDIAN:SIGMA (a median of at least 1 token and a sigma from 0 "
+                         f"to 5), got {ns.lognormal_lengths!r}")
     rules = []
     for rule in ns.poison_prompt:
         kind, eq, text = rule.partition("=")
@@ -315,7 +329,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         think_start=ns.think_start, think_end=ns.think_end, load_delay=ns.load_delay,
         warmup_delay=ns.warmup_delay, token_delay=ns.token_delay, drain_poll=max(0.01, ns.drain_poll),
         keep_alive_timeout=ns.keep_alive_timeout, health_check_timeout=ns.health_check_timeout,
-        fixed_output_tokens=ns.fixed_output_tokens, output_scale=ns.output_scale,
+        fixed_output_tokens=ns.fixed_output_tokens, output_scale=ns.output_scale, lognormal_lengths=lognormal,
         truncate_fraction=ns.truncate_fraction, tool_call_fraction=ns.tool_call_fraction, hang=ns.hang, ignore_sigterm=ns.ignore_sigterm,
         hang_after=ns.hang_after, crash_after=ns.crash_after, fail_5xx=fail_5xx, fail_status=ns.fail_status,
         poison=ns.poison, poison_text=ns.poison_text, poison_after=ns.poison_after, poison_prompts=tuple(rules),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -73,7 +74,7 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     already ends with it (template-opened, Kimi/DeepSeek style), or always with --double-think-start. A prompt
     ending with think-end (thinking disabled by the template) gets an answer only. Reasoning and answer are
     contiguous runs of the help-topics token stream at PRNG-chosen offsets. The total length is a PRNG
-    fraction of max_new_tokens (the budget), or of --output-scale; `truncate_fraction` of outputs are drawn longer than it, and
+    fraction of max_new_tokens (the budget), or of --output-scale, or drawn from --lognormal-lengths; `truncate_fraction` of outputs are drawn longer than it, and
     `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
     With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
     outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
@@ -100,6 +101,9 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
         scale = max(1, min(scale, budget) if scale else 1)
     if fixed is not None:
         total = max(0, fixed)
+    elif cfg.lognormal_lengths is not None:  # a heavy tail, cut by the budget
+        median, sigma = cfg.lognormal_lengths
+        total = max(1, round(rng.lognormvariate(math.log(median), sigma)))
     elif rng.random() < cfg.truncate_fraction:
         total = scale + 1 + int(scale * rng.uniform(0.05, 0.5))
     else:
