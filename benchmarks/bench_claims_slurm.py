@@ -38,6 +38,13 @@ def one(checkout: Path, tmp: Path, load_s: float, tokenizer: Path) -> tuple[int,
                    sampling={"max_new_tokens": 64},
                    slurm={"partition": "gpu", "gpus_per_node": 1, "cpus_per_task": 1, "time": "00:20:00",
                           "merge_cpus": 1, "array_parallelism": 2})
+    wall = submit_and_wait(checkout, job, tmp)
+    return starts(tmp / "run"), wall
+
+
+def submit_and_wait(checkout: Path, job: Path, tmp: Path) -> float:
+    """`toolkit submit` the job with the toolkit of `checkout`, from `tmp`, and wait until `toolkit status` says
+    the run is merged and audited (exit 0): the seconds from the submission. Exits with the output otherwise."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     t0 = time.monotonic()
     # (from `tmp`: `python -m` puts the working folder first on the path, before PYTHONPATH)
@@ -54,7 +61,7 @@ def one(checkout: Path, tmp: Path, load_s: float, tokenizer: Path) -> tuple[int,
         if s.returncode not in (4, 5) or time.monotonic() - t0 > 1200:
             raise SystemExit(f"the run did not complete (status exit {s.returncode}):\n{s.stdout}")
         time.sleep(0.5)
-    return starts(run), time.monotonic() - t0
+    return time.monotonic() - t0
 
 
 def main() -> None:
