@@ -74,7 +74,8 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     already ends with it (template-opened, Kimi/DeepSeek style), or always with --double-think-start. A prompt
     ending with think-end (thinking disabled by the template) gets an answer only. Reasoning and answer are
     contiguous runs of the help-topics token stream at PRNG-chosen offsets. The total length is a PRNG
-    fraction of max_new_tokens (the budget), or of --output-scale, or drawn from --lognormal-lengths; `truncate_fraction` of outputs are drawn longer than it, and
+    fraction of max_new_tokens (the budget), or of --output-scale; `truncate_fraction` of outputs are drawn longer
+    than it (with --lognormal-lengths MEDIAN:SIGMA the total is drawn from that lognormal instead), and
     `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
     With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
     outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
