@@ -1,10 +1,12 @@
 """Batch occupancy of each engine on the local Slurm cluster: 8 shards with heavy-tailed output lengths on the stub,
 parallelism 2 (two array tasks claiming shards, one engine each).
 
-The job: 192 prompts in 8 shards; the stub runs at most `--slots` sequences at once (`--max-running-requests`),
+The job: 8 shards of 40 prompts; the stub runs at most `--slots` (8) sequences at once (`--max-running-requests`),
 decodes a token every `--token-delay` seconds per sequence, draws output lengths lognormal (median 60 tokens,
-sigma 0.9, the mission's shape: a heavy tail of long traces) cut at max_new_tokens 1,024, and loads in
-`--load-s` seconds; the worker keeps the batch fed (`concurrency = "auto"`). Each repetition submits the job from a
+sigma 0.9) cut at max_new_tokens 400, and loads in `--load-s` seconds; the worker keeps the batch fed
+(`concurrency = "auto"`). That is the mission's shape at a small scale: a heavy tail of long traces, the cut at
+about 4.5 times the mean output (32,768 against 7,200), each shard five times what the batch holds (64 shards of
+1,375 prompts for 256 sequences). Each repetition submits the job from a
 fresh folder with `toolkit submit` of the checkout named, waits until the run is merged and audited, and reads from
 every engine's log the batch occupancy it wrote at shutdown (time-weighted running / max running from its first
 request to its last answer: 1.0 is a batch full throughout; it drops while a shard's last long traces run alone),
@@ -45,10 +47,10 @@ def occupancies(run: Path) -> list[tuple[str, float, float]]:
 
 
 def one(checkout: Path, tmp: Path, a: argparse.Namespace, tokenizer: Path) -> dict:
-    job = make_job(tmp, tokenizer, n=192, shards=8,
+    job = make_job(tmp, tokenizer, n=8 * a.prompts_per_shard, shards=8,
                    stub={"load_delay_s": a.load_s, "token_delay_s": a.token_delay,
                          "extra_args": ["--lognormal-lengths", "60:0.9", "--max-running-requests", str(a.slots)]},
-                   sampling={"max_new_tokens": 1024},
+                   sampling={"max_new_tokens": a.max_new_tokens},
                    client={"concurrency": "auto", "request_timeout_s": 120},
                    slurm={"partition": "gpu", "gpus_per_node": 1, "cpus_per_task": 1, "time": "00:20:00",
                           "merge_cpus": 1, "array_parallelism": 2})
@@ -67,6 +69,8 @@ def main() -> None:
     ap.add_argument("--checkout", type=Path, default=REPO, help="the toolkit checkout that submits (default: this)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8, help="sequences each engine runs at once")
+    ap.add_argument("--prompts-per-shard", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=400, help="where the lognormal output lengths are cut")
     ap.add_argument("--token-delay", type=float, default=0.01, help="seconds per token of a sequence")
     ap.add_argument("--load-s", type=float, default=2.0, help="the stub's model load, seconds")
     a = ap.parse_args()
@@ -81,8 +85,9 @@ def main() -> None:
             each = ", ".join(f"{name} {occ:.3f} over {span:.1f} s" for name, occ, span in r["engines"])
             print(f"  repetition {i + 1}: occupancy {each}; span-weighted {r['mean']:.3f}; "
                   f"{r['starts']} engine starts; wall {r['wall']:.1f} s", flush=True)
-    print(f"\n8 shards of 24 prompts, parallelism 2, {a.slots} slots per engine, output lengths lognormal "
-          f"(median 60, sigma 0.9) cut at 1,024, {a.token_delay * 1000:g} ms per token; medians of {a.repeat}:")
+    print(f"\n8 shards of {a.prompts_per_shard} prompts, parallelism 2, {a.slots} slots per engine, output lengths "
+          f"lognormal (median 60, sigma 0.9) cut at {a.max_new_tokens:,}, {a.token_delay * 1000:g} ms per token; "
+          f"medians of {a.repeat}:")
     print(f"batch occupancy (span-weighted over the engines) {statistics.median(r['mean'] for r in runs):.3f}; "
           f"lowest engine {statistics.median(min(o for _, o, _ in r['engines']) for r in runs):.3f}; "
           f"engine starts {statistics.median(r['starts'] for r in runs):g}; "
