@@ -54,6 +54,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -74,6 +75,23 @@ POLICIES = {"one shard per task": (False, False, False), "claims": (True, False,
 
 def step_s(b: int) -> float:
     return STEP_S + PER_SEQ_S * b
+
+
+class Engine(NamedTuple):
+    """An engine's pace: up to `batch` sequences at once, a decode step of `step_s` + `per_seq_s` per sequence,
+    a model load of `load_s` (the mission's by default; benchmarks/bench_occupancy.py models the stub's)."""
+
+    batch: int = BATCH
+    step_s: float = STEP_S
+    per_seq_s: float = PER_SEQ_S
+    load_s: float = LOAD_S
+
+    def step(self, b: int) -> float:
+        return self.step_s + self.per_seq_s * b
+
+    @property
+    def full_rate(self) -> float:
+        return self.batch / self.step(self.batch)
 
 
 FULL_RATE = BATCH / step_s(BATCH)  # tokens/s of a full batch
@@ -99,8 +117,9 @@ class Pool:
 class Node:
     """One Slurm slot: the task running on it and its engine, advanced in a fluid model between events."""
 
-    def __init__(self, i: int):
+    def __init__(self, i: int, engine: Engine):
         self.i = i
+        self.engine = engine
         self.alloc_start: float | None = None
         self.ready_at: float | None = None    # engine ready (None: no engine)
         self.shard: int | None = None         # the shard whose prompts it sends
@@ -122,24 +141,26 @@ class Node:
             return self.ready_at
         if not self.run:
             return self.t
-        return max(self.t, self.stall_until) + (self.run[0][0] - self.v) * step_s(len(self.run))
+        return max(self.t, self.stall_until) + (self.run[0][0] - self.v) * self.engine.step(len(self.run))
 
     def advance(self, t: float) -> None:
         begin = max(self.t, self.stall_until)
         if self.run and t > begin:
-            dv = (t - begin) / step_s(len(self.run))
+            dv = (t - begin) / self.engine.step(len(self.run))
             self.v += dv
             self.tokens += dv * len(self.run)
         self.t = max(self.t, t)
 
 
 def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemptions: list[tuple[float, int]],
-             share: float = HANDOVER_SHARE, decide_s: float = DECIDE_S, prefill_tok_s: float = 0.0) -> dict:
+             share: float = HANDOVER_SHARE, decide_s: float = DECIDE_S, prefill_tok_s: float = 0.0,
+             engine: Engine = Engine()) -> dict:
     """One run under `policy` (a key of POLICIES): node-hours loading, generating and idle, engine starts, wall
     time, and the handovers at the tail (tasks that gave their work away, sequences and tokens handed over)."""
     claims, overlap, handover = POLICIES[policy]
     pool = Pool(lengths, shards)
-    ns = [Node(i) for i in range(nodes)]
+    ns = [Node(i, engine) for i in range(nodes)]
+    batch = engine.batch
     next_task = iter(range(shards))   # one shard per task: the array's order
     requeued: dict[int, int] = {}     # one shard per task: node -> the shard its requeued task resumes
     pre = sorted(preemptions)
@@ -169,8 +190,8 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
         pool.held[k] = n.i
         n.holds.add(k)
         if n.ready_at is None:  # the engine starts for this shard
-            n.ready_at = t + LOAD_S
-            n.loading += LOAD_S
+            n.ready_at = t + engine.load_s
+            n.loading += engine.load_s
             n.starts += 1
         if prefill_tok_s > 0 and pool.prefill[k]:  # the whole batch waits while the partials are prefilled
             n.stall_until = max(n.t, n.stall_until, n.ready_at) + pool.prefill[k] / prefill_tok_s
@@ -189,7 +210,7 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
         claim(n, t)
 
     def fill(n: Node) -> None:
-        while n.queue and len(n.run) < BATCH:
+        while n.queue and len(n.run) < batch:
             heapq.heappush(n.run, (n.v + n.queue.pop(), n.shard, n.v))
 
     def give_back(n: Node, t: float) -> int:
@@ -239,7 +260,7 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
                 assign_next(n, t)
             return
         if overlap:
-            while opens_next(len(n.queue), len(n.run), BATCH) and claim(n, t):
+            while opens_next(len(n.queue), len(n.run), batch) and claim(n, t):
                 if ready(n):
                     fill(n)
         elif not n.queue and not n.run and claim(n, t) and ready(n):
@@ -249,7 +270,7 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
 
     def tail(n: Node) -> Tail:
         # requests in flight; a task whose engine still loads counts the prompts it waits to send
-        return Tail(f"task{n.i:03d}", min(BATCH, len(n.run) + len(n.queue)), BATCH)
+        return Tail(f"task{n.i:03d}", min(batch, len(n.run) + len(n.queue)), batch)
 
     def decide(t: float) -> list[Node]:
         """The handover decisions at time t, each live task in turn: the task that `hands_over` says leaves (its
@@ -312,7 +333,7 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
     assert len(pool.done) == shards, f"{len(pool.done)} of {shards} shards done"
     alloc = sum(n.alloc for n in ns)
     loading = sum(n.loading for n in ns)
-    generating = sum(n.tokens for n in ns) / FULL_RATE
+    generating = sum(n.tokens for n in ns) / engine.full_rate
     return dict(alloc_h=alloc / 3600, loading_h=loading / 3600, generating_h=generating / 3600,
                 idle_h=(alloc - loading - generating) / 3600, starts=sum(n.starts for n in ns), wall_h=end / 3600,
                 tokens=sum(n.tokens for n in ns), handed=handed)
