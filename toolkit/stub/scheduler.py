@@ -4,7 +4,8 @@
 At most `max_running` requests generate at once, the rest wait; `generated_tokens` counts every token decoded,
 also those of requests aborted or dropped by their client (what a GPU spent), `returned_tokens` those sent back.
 The batch occupancy (`Occupancy`) is the time-weighted mean of running / max_running from the first request
-admitted to the last one ended: 1.0 when the batch is full throughout, 1 / max_running for requests one at a time.
+admitted to the last one ended: 1.0 when the batch is full throughout, 1 / max_running for requests one at a time
+(only delayed, non-streamed requests take running slots here, so only they count).
 """
 
 from __future__ import annotations
