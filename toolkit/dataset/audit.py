@@ -57,11 +57,12 @@ from toolkit.formats.records import (
     last_meaningful,
     split_parts,
 )
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader
-from toolkit.job.plan import RunPlan, load_run
+from toolkit.job.plan import load_run
 
 __all__ = ["Auditor", "audit_run"]
 

@@ -72,12 +72,13 @@ from toolkit.formats.records import (
     opens_reasoning,
     split_parts,
 )
+from toolkit.formats.run import PromptIndex, PromptRef, Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges
 from toolkit.job import chat
-from toolkit.job.inputs import ExtraReader, InputError, PromptReader
-from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs, load_run
+from toolkit.job.inputs import ExtraReader, InputError, PromptReader, check_plan_inputs
+from toolkit.job.spec import JobSpec
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
@@ -326,7 +327,7 @@ class _Account:
     """Decides for each record whether the export holds it, counts every selected record once, and writes the
     skipped file."""
 
-    def __init__(self, plan: RunPlan, refs: PlannedRefs, sel: Selection, include: frozenset[str], include_failed: bool,
+    def __init__(self, plan: RunPlan, refs: PromptIndex, sel: Selection, include: frozenset[str], include_failed: bool,
                  tokens: _Tokens, summary: ExportSummary, skipped_out):
         self.plan, self.refs, self.sel, self.include = plan, refs, sel, include
         self.include_failed = include_failed
@@ -797,7 +798,8 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         include = select.include
     else:
         include = frozenset() if fmt in TRAINING_FORMATS else frozenset(EXPORT_REASONS)
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec)  # read-only: only the export's own files are written
+    rd, plan = run.rd, run.plan
     manifest = load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_file
     if not path.exists():
@@ -872,7 +874,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
     tmp, skipped_tmp, summary_tmp = tmps[:3]
     try:
         with open(skipped_tmp, "wb") as skipped_out:
-            acc = _Account(plan, PlannedRefs(rd, plan), select, include, include_failed, tokens, summary, skipped_out)
+            acc = _Account(plan, run.prompts(), select, include, include_failed, tokens, summary, skipped_out)
             if fmt == "parquet":
                 summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
             elif fmt == "conversations":

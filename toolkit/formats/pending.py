@@ -17,7 +17,7 @@ from toolkit.formats.files import atomic_write, fsync_dir
 from toolkit.formats.manifests import RetryRequest, write_retry
 from toolkit.formats.rundir import RunDir
 
-__all__ = ["PendingChange", "apply", "finish"]
+__all__ = ["PendingChange", "apply", "finish", "read"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,22 @@ def apply(rd: RunDir, change: PendingChange) -> None:
     _apply(rd, change)
 
 
-def finish(rd: RunDir) -> None:
-    """Finish a change that a crash interrupted after it was pinned (nothing to do when there is none). The pending
-    file is written atomically, so one that cannot be decoded was damaged afterwards (the disk): msgspec's
-    DecodeError, which `plan.load_run` turns into a refusal, rather than a guess at what the change was."""
+def read(rd: RunDir) -> PendingChange | None:
+    """The change a crash interrupted after it was pinned, None when there is none. The pending file is written
+    atomically, so one that cannot be decoded was damaged afterwards (the disk): msgspec's DecodeError, which
+    `formats.run.Run.open` turns into a refusal, rather than a guess at what the change was."""
     try:
         data = rd.pending_file.read_bytes()
     except FileNotFoundError:
+        return None
+    return msgspec.msgpack.decode(data, type=PendingChange)
+
+
+def finish(rd: RunDir) -> None:
+    """Finish a change that a crash interrupted after it was pinned (nothing to do when there is none)."""
+    change = read(rd)
+    if change is None:
         return
-    change = msgspec.msgpack.decode(data, type=PendingChange)
     log.warning("run %s: finishing a change that was interrupted (%s)", rd.shown, change.what)
     _apply(rd, change)
 

@@ -22,7 +22,8 @@
     RUN/export/                  exports written without `-o`: records.jsonl, records.parquet, tokens.jsonl,
                                  conversations.jsonl (by format)
 
-No other module builds a path inside a run directory; each file has one writer, named above.
+No other module builds a path inside a run directory; each file has one writer, named above. What run.json and
+prompts.msgpack hold, and how they are read, is in `formats.run`.
 """
 
 from __future__ import annotations

@@ -34,19 +34,12 @@ import msgspec
 from toolkit.formats import pending
 from toolkit.formats.manifests import RetryRequest
 from toolkit.formats.pending import PendingChange
+from toolkit.formats.run import Growth, PlanError, PromptIndex, PromptRef, RunPlan, ShardPlan, refs_bytes
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import asked_again, shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import (
-    Growth,
-    PlanError,
-    PromptRef,
-    RunPlan,
-    ShardPlan,
-    _digest,
-    load_refs,
-    refs_bytes,
-)
+from toolkit.job.plan import _digest
+from toolkit.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +166,7 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
     """The run's plan with the job's prompts (`plan`, `refs`) taken in: new shards for the added ones, refs of the
     moved (and, with `allow_changed`, the changed) ones updated; nothing is written. PlanError naming the changed
     and removed prompts."""
-    run_refs = load_refs(rd)
+    run_refs = PromptIndex(rd, run).refs()
     diff = compare(run, run_refs, plan, refs)
     if diff.refused(allow_changed):
         what = ("its prompt files changed since the run was planned" if diff.legacy
@@ -187,7 +180,7 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
             f"{_ALLOW if diff.rewritten and not diff.removed and not diff.legacy else ''}point `output_dir` elsewhere, "
             "or pass --new-run to start a new run directory beside it."
         )
-    grown = msgspec.convert(msgspec.to_builtins(run), RunPlan)
+    grown = msgspec.convert(msgspec.to_builtins(run), RunPlan[JobSpec])  # a deep copy
     if diff.legacy:  # nothing to take in: the job planned again, exactly as it was
         grown.aliases.append(plan.fingerprint)
         return grown, run_refs, diff

@@ -21,8 +21,10 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError
+from toolkit.formats.files import sha256_file
+from toolkit.formats.run import RunPlan
 
-__all__ = ["ExtraReader", "InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "extra_fields",
+__all__ = ["ExtraReader", "check_plan_inputs", "InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "extra_fields",
            "prompt_id", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
 
 
@@ -314,3 +316,19 @@ def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, 
             if errors is None:
                 raise e
             errors.append(e)
+
+
+def check_plan_inputs(plan: RunPlan) -> None:
+    """Refuse to generate from a prompt file that changed since planning (its records would not match)."""
+    for d in plan.datasets:
+        try:
+            now = sha256_file(d.path)
+        except FileNotFoundError:
+            raise InputError(d.path, None, None,
+                             f"prompt file of dataset {d.name!r} is gone since the run was planned") from None
+        if now != d.sha256:
+            raise InputError(
+                d.path, None, None,
+                f"changed since the run was planned (sha256 {d.sha256[:12]} -> {now[:12]}); restore it or plan "
+                "a new run",
+            )

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkit.formats.run import PlanError, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.job import check_cache
 from toolkit.job.check import Preflight, preflight, require_engine_here
 from toolkit.job.grow import grow_run, grown_plan
-from toolkit.job.plan import PlanError, RunPlan, create_run, find_run, load_run
+from toolkit.job.plan import create_run, find_run, load_run
 from toolkit.job.spec import JobSpec
 
 __all__ = ["PreparedRun", "prepare_run"]
