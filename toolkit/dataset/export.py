@@ -69,7 +69,6 @@ from toolkit.formats.records import (
     defects,
     id_at,
     id_positions,
-    opens_reasoning,
     split_parts,
 )
 from toolkit.formats.run import PromptIndex, PromptRef, Run, RunPlan
@@ -181,14 +180,13 @@ class _Text:
 
     def __init__(self, plan: RunPlan, tokens: _Tokens):
         self.tok, self.info = tokens.tok, tokens.info
-        self.blank = frozenset(self.info.blank_ids)
         self._decode = _batch_decoder(self.tok)
 
     def parts(self, recs: list[Record]) -> list[tuple[str, str]]:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
+            opened = chat.opens_reasoning(r.prompt_ids, self.info)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             seqs.append(ids[r0:r1].tolist())
             seqs.append(ids[c0:c1].tolist())
@@ -200,7 +198,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
+            opened = chat.opens_reasoning(r.prompt_ids, self.info)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             tc = r.tool_call_at if r.tool_call_at is not None and c0 <= r.tool_call_at < c1 else c1
             seqs += [ids[r0:r1].tolist(), ids[c0:tc].tolist(), ids[tc:c1].tolist()]
@@ -333,7 +331,7 @@ class _Account:
         self.include_failed = include_failed
         info = tokens.info
         self.judge = Judge(info.think_start_id, info.think_end_id, info.blank_ids, plan.spec.model.expect_reasoning)
-        self.blank = frozenset(info.blank_ids)
+        self.info = info
         self.summary, self.out = summary, skipped_out
         self.enc = msgspec.json.Encoder()
         self.seen = 0
@@ -356,13 +354,12 @@ class _Account:
         """None: export it; "failed", "filtered", or the reason it is not training data."""
         if rec.status != OK:
             return None if self.include_failed else "failed"
-        opened = opens_reasoning(rec.prompt_ids, self.judge.ts, self.blank)
+        opened = chat.opens_reasoning(rec.prompt_ids, self.info)
         sel = self.sel
         if sel.finish is not None and rec.finish not in sel.finish:
             return "filtered"
         if sel.mode is not None:
-            in_reasoning = (opened or rec.reasoning_end is not None
-                            or (rec.n_output > 0 and id_at(rec.output_ids, 0) == self.judge.ts))
+            in_reasoning = chat.output_in_reasoning(rec, self.info, opened)
             if sel.mode != ("reasoning" if in_reasoning else "non-reasoning"):
                 return "filtered"
         reason = self.judge.skip_reason(rec, opened)
@@ -461,8 +458,7 @@ def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens
     return n
 
 
-def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int],
-              supervise_think_start: bool = True) -> list[int]:
+def loss_mask(prompt: bytes, n_output: int, info: chat.TokenInfo, supervise_think_start: bool = True) -> list[int]:
     """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
     the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
     the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
@@ -473,22 +469,21 @@ def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: f
     the end of the rendered generation prompt)."""
     n = len(prompt) >> 2
     head = n
-    if supervise_think_start and opens_reasoning(prompt, think_start_id, blank):
+    if supervise_think_start and chat.opens_reasoning(prompt, info):
         head = n - 1
-        while id_at(prompt, head) != think_start_id:
+        while id_at(prompt, head) != info.think_start_id:
             head -= 1
     return [0] * head + [1] * (n - head + n_output)
 
 
 def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     enc, n = msgspec.json.Encoder(), 0
-    ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
     think = acc.summary.supervise_think_start is not False
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
              "input_ids": _ids(r.prompt_ids + r.output_ids),
-             "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank, think)}
+             "loss_mask": loss_mask(r.prompt_ids, r.n_output, tokens.info, think)}
             for r, ref in zip(recs, refs)
         ), enc)
     return n

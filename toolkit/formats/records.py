@@ -20,7 +20,7 @@ import numpy as np
 
 __all__ = [
     "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
+    "ends_with_stop", "last_meaningful", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
     "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED", "LOOP",
     "PARTIAL", "RECORD_CHECKS", "defects",
 ]
@@ -201,12 +201,6 @@ def last_meaningful(ids: bytes | Sequence[int], blank: Collection[int]) -> int |
         if t not in blank:
             return t
     return None
-
-
-def opens_reasoning(prompt: bytes | Sequence[int], think_start_id: int | None, blank: Collection[int]) -> bool:
-    """Whether a rendered prompt (packed or a list) leaves the model inside reasoning: its last id that is not
-    whitespace-only is the think-start id."""
-    return think_start_id is not None and last_meaningful(prompt, blank) == think_start_id
 
 
 def all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:

@@ -11,6 +11,7 @@ tool_call_start); `prompt` is anything with id, dataset, line, messages and tool
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -62,7 +63,7 @@ class ChatError(BadInputError):
     """A tokenizer, chat template or prompt cannot be used; the message says which and what to do."""
 
 
-class TokenInfo(msgspec.Struct, frozen=True):
+class TokenInfo(msgspec.Struct, frozen=True, dict=True):
     """Token ids of one tokenizer that the toolkit relies on."""
 
     think_start_id: int
@@ -76,8 +77,15 @@ class TokenInfo(msgspec.Struct, frozen=True):
     template_knows_reasoning: bool = False  # the template's source writes or reads the think tokens
     thinking_kwargs: list[str] = []  # template variables that switch reasoning on or off (e.g. enable_thinking)
 
+    @functools.cached_property
+    def blank(self) -> frozenset[int]:
+        """`blank_ids` as a set, for the look-ups of every record."""
+        return frozenset(self.blank_ids)
 
-# How a rendered prompt leaves the model, read from its last meaningful token (see reasoning_mode).
+
+# Reasoning mode, in one place: how a rendered prompt leaves the model, read from its last meaningful token
+# (`reasoning_mode`, `opens_reasoning`: the pre-flight, the worker's turns, the audit and the export), and whether
+# a generated output is reasoning (`output_in_reasoning`: the audit and the export's --mode).
 OPENED = "opened"            # the prompt ends with think-start: the template opened reasoning
 CLOSED = "closed"            # the prompt ends with think-end: the template closed it (thinking switched off)
 MODEL_OPENS = "model_opens"  # the prompt ends at the assistant header of a template that knows the think tokens:
@@ -175,11 +183,12 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
         tool_call_start_id=tool_start_id,
         tool_call_end_id=tool_end_id,
         vocab_size=len(tok),
-        opens_reasoning=records.opens_reasoning(probe, think_start_id, blank_ids),
+        opens_reasoning=False,  # the probe's reasoning mode, just below
         blank_ids=blank_ids,
         template_knows_reasoning=_mentions(tok.chat_template, (model.think_start, model.think_end)),
         thinking_kwargs=_thinking_variables(tok.chat_template),
     )
+    info = msgspec.structs.replace(info, opens_reasoning=opens_reasoning(probe, info))
     logger.info(
         "think %d/%d, eos %s, tool call %s/%s, prompts %s reasoning",
         info.think_start_id,
@@ -235,20 +244,30 @@ def _token_name(tok: Any, token_id: int) -> str:
         return "?"
 
 
-def opens_reasoning(input_ids: Sequence[int], info: TokenInfo) -> bool:
-    """True when a rendered prompt ends with think_start, ignoring trailing whitespace-only tokens."""
-    return records.opens_reasoning(input_ids, info.think_start_id, info.blank_ids)
-
-
-def reasoning_mode(input_ids: Sequence[int], info: TokenInfo) -> str:
-    """OPENED, CLOSED, MODEL_OPENS or UNKNOWN: where a rendered prompt leaves the model, by its last token that is
-    not whitespace only. Token ids decide, never text."""
-    last = records.last_meaningful(input_ids, info.blank_ids)
+def reasoning_mode(prompt_ids: bytes | Sequence[int], info: TokenInfo) -> str:
+    """OPENED, CLOSED, MODEL_OPENS or UNKNOWN: where a rendered prompt (ids, or packed as records hold them)
+    leaves the model, by its last token that is not whitespace only. Token ids decide, never text."""
+    last = records.last_meaningful(prompt_ids, info.blank)
     if last is not None and last == info.think_start_id:
         return OPENED
     if last is not None and last == info.think_end_id:
         return CLOSED
     return MODEL_OPENS if info.template_knows_reasoning else UNKNOWN
+
+
+def opens_reasoning(prompt_ids: bytes | Sequence[int], info: TokenInfo) -> bool:
+    """Whether a rendered prompt (ids, or packed) ends inside reasoning: with think-start, ignoring trailing
+    whitespace-only tokens (`reasoning_mode` OPENED)."""
+    return reasoning_mode(prompt_ids, info) == OPENED
+
+
+def output_in_reasoning(rec: records.Record, info: TokenInfo, opened: bool) -> bool:
+    """Whether a record's output was generated in reasoning mode: its prompt opened reasoning (`opened`, from
+    `opens_reasoning`), the model opened it (its first output id is think-start), or its ids hold the
+    think-end id."""
+    out = rec.output_ids
+    return (opened or (len(out) >= 4 and records.id_at(out, 0) == info.think_start_id)
+            or records.id_positions(out, info.think_end_id) is not None)
 
 
 def thinking_hint(info: TokenInfo, on: bool) -> str:

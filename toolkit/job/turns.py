@@ -70,10 +70,11 @@ def turn_prompt(prompt: Any, turn: int, answers: list[dict[str, Any]]) -> Any:
 def answer_of(rec: Any, tok: Any, info: Any) -> dict[str, Any]:
     """The assistant message of a generated turn, decoded from its exact output ids: the reasoning (up to the
     think-end id), the content, and a tool-call section as structured tool_calls (the stop token in none)."""
-    from toolkit.formats.records import opens_reasoning, split_parts, unpack_ids
+    from toolkit.formats.records import split_parts, unpack_ids
+    from toolkit.job.chat import opens_reasoning
     from toolkit.job.toolcalls import parse_tool_calls
 
-    opened = opens_reasoning(rec.prompt_ids, info.think_start_id, frozenset(info.blank_ids))
+    opened = opens_reasoning(rec.prompt_ids, info)
     r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
     ids = unpack_ids(rec.output_ids)
     tc = rec.tool_call_at if rec.tool_call_at is not None and c0 <= rec.tool_call_at < c1 else c1
