@@ -1,20 +1,22 @@
-"""What a run directory holds about its plan, read and written in one place: run.json (`RunPlan`: the
-resolved job, the fingerprint, the shard plan) and prompts.msgpack (one `PromptRef` per planned record:
-where its prompt lives), and `Run`, a run directory opened.
+"""What a run directory holds about its plan, read and written in one place: run.json (`RunPlan`:
+the resolved job, the fingerprint, the shard plan) and prompts.msgpack (one `PromptRef` per planned
+record: where its prompt lives), and `Run`, a run directory opened.
 
-`Run.open` opens a run read-only unless asked to finish a change a crash interrupted (formats.pending): the
-commands that plan or run a run finish it (`job.plan.load_run`); those that only read (status, logs, export,
-`toolkit.read_run`) write nothing and read the run as the change makes it.
+`Run.open` opens a run read-only unless asked to finish a change a crash interrupted
+(formats.pending): the commands that plan or run a run finish it (`job.plan.load_run`); those that
+only read (status, logs, export, `toolkit.read_run`) write nothing and read the run as the change
+makes it.
 
-prompts.msgpack is a msgpack array of every planned ref, each shard's refs back to back (`refs_bytes`), each
-shard's first byte recorded in run.json (`ShardPlan.refs_at`). One reader, `PromptIndex`, looks refs up by
-position: msgspec splits the array into its raw items in one C pass (some 0.1 µs a ref; decoding every ref to a
-Python object costs four times that), and refs are decoded a shard at a time. A worker reads its shard with
-`ShardRefs`, which streams the refs a chunk at a time and keeps none (its memory does not grow with the
-shard); `RefSlice` keeps a range of raw refs, a few bytes each, for positional look-ups.
+prompts.msgpack is a msgpack array of every planned ref, each shard's refs back to back
+(`refs_bytes`), each shard's first byte recorded in run.json (`ShardPlan.refs_at`). One reader,
+`PromptIndex`, looks refs up by position: msgspec splits the array into its raw items in one C pass
+(some 0.1 µs a ref; decoding every ref to a Python object costs four times that), and refs are
+decoded a shard at a time. A worker reads its shard with `ShardRefs`, which streams the refs a chunk
+at a time and keeps none (its memory does not grow with the shard); `RefSlice` keeps a range of raw
+refs, a few bytes each, for positional look-ups.
 
-The run.json schema holds the job as planned (`RunPlan.spec`), whose type is the job layer's: `RunPlan` is
-generic over it, and the opener names it (`Run.open(path, JobSpec)`).
+The run.json schema holds the job as planned (`RunPlan.spec`), whose type is the job layer's:
+`RunPlan` is generic over it, and the opener names it (`Run.open(path, JobSpec)`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,25 @@ from toolkit.formats.rundir import RunDir
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PLAN_FORMAT", "DatasetPlan", "Growth", "PlanError", "PromptIndex", "PromptRef", "RefSlice", "Run",
-    "RunPlan", "ShardPlan", "ShardRefs", "SkippedLine", "damaged_run_file", "plan_bytes", "refs_bytes",
+    "PLAN_FORMAT",
+    "DatasetPlan",
+    "Growth",
+    "PlanError",
+    "PromptIndex",
+    "PromptRef",
+    "RefSlice",
+    "Run",
+    "RunPlan",
+    "ShardPlan",
+    "ShardRefs",
+    "SkippedLine",
+    "damaged_run_file",
+    "plan_bytes",
+    "refs_bytes",
 ]
 
-PLAN_FORMAT = 2  # 2: ids of lines without one derived from their content, and refs carry content digests
+# 2: ids of lines without one derived from their content, and refs carry content digests
+PLAN_FORMAT = 2
 
 S = TypeVar("S")  # the job spec's type (job.spec.JobSpec)
 
@@ -88,7 +104,8 @@ class ShardPlan(msgspec.Struct):
 
 
 class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
-    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1 samples
+    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1
+                     # samples
     dataset: int     # index into RunPlan.datasets
     line: int
     offset: int
@@ -119,20 +136,21 @@ class RunPlan(msgspec.Struct, Generic[S]):
     spec: S
     datasets: list[DatasetPlan]
     shards: list[ShardPlan]
-    # The job planned again into this run with other inputs (job.grow): each time, the fingerprint that job
-    # gives on its own (resumed here from then on) and what was added. `fingerprint` stays the run's: its
-    # files carry it.
+    # The job planned again into this run with other inputs (job.grow): each time, the fingerprint
+    # that job gives on its own (resumed here from then on) and what was added. `fingerprint` stays
+    # the run's: its files carry it.
     aliases: list[str] = []
     grown: list[Growth] = []
 
     @property
     def noun(self) -> str:
-        """What one planned record is, in words: a prompt, or with [sampling] n > 1 anywhere, an output (one
-        sample of a prompt)."""
+        """What one planned record is, in words: a prompt, or with [sampling] n > 1 anywhere, an
+        output (one sample of a prompt)."""
         return "prompt" if all(d.samples == 1 for d in self.datasets) else "output"
 
     def counted(self) -> str:
-        """The plan's size in words: `44 prompts`, or with samples `60 outputs (30 prompts × 2 samples)`."""
+        """The plan's size in words: `44 prompts`, or with samples `60 outputs (30 prompts × 2
+        samples)`."""
         if self.noun == "prompt":
             return f"{self.total} prompt{'s' * (self.total != 1)}"
         prompts = sum(d.prompts for d in self.datasets)
@@ -142,18 +160,22 @@ class RunPlan(msgspec.Struct, Generic[S]):
         return f"{self.total} outputs ({prompts} prompt{'s' * (prompts != 1)} {each})"
 
     def same_job(self, other: RunPlan) -> bool:
-        """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown since."""
+        """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown
+        since."""
         return other.fingerprint == self.fingerprint or other.fingerprint in self.aliases
 
 
-REPLAN = ("plan the job again into this folder to recover it: `toolkit run JOB` (or `toolkit submit JOB`) "
-          "with the job file that made the run writes it again, keeps every shard file of that job and "
-          "generates nothing already done")
+REPLAN = (
+    "plan the job again into this folder to recover it: `toolkit run JOB` (or `toolkit submit "
+    "JOB`) "
+    "with the job file that made the run writes it again, keeps every shard file of that job and "
+    "generates nothing already done"
+)
 
 
 def damaged_run_file(path: Path, e: Exception) -> PlanError:
-    """The one-line error of a run.json or prompts.msgpack that cannot be read, with the command that
-    recovers."""
+    """The one-line error of a run.json or prompts.msgpack that cannot be read, with the command
+    that recovers."""
     if isinstance(e, OSError):
         why = e.strerror or str(e)
     else:
@@ -174,12 +196,15 @@ def _array_header(n: int) -> bytes:
 
 
 def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
-    """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`), each shard's
-    refs back to back; sets each shard's `refs_at`, where its first ref starts, for `ShardRefs`."""
+    """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`),
+    each shard's refs back to back; sets each shard's `refs_at`, where its first ref starts, for
+    `ShardRefs`."""
     parts = [_array_header(len(refs))]
     at = len(parts[0])
     for sp in plan.shards:
-        items = msgspec.msgpack.encode(refs[sp.first : sp.first + sp.count])[len(_array_header(sp.count)):]
+        items = msgspec.msgpack.encode(refs[sp.first : sp.first + sp.count])[
+            len(_array_header(sp.count)) :
+        ]
         sp.refs_at = at
         parts.append(items)
         at += len(items)
@@ -195,15 +220,23 @@ class Run(Generic[S]):
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike, spec: type[S], *, finish: bool = False) -> Run[S]:
-        """Open the run in `run_dir`, whose job spec is of type `spec`. PlanError when it is no run directory or
-        its run.json cannot be read.
+        """Open the run in `run_dir`, whose job spec is of type `spec`. PlanError when it is no run
+        directory or its run.json cannot be read.
 
-        A change a crash interrupted (formats.pending) is finished first with `finish` (the commands that plan or
-        run a run); without it nothing is written, and the run is read as the change makes it."""
+        A change a crash interrupted (formats.pending) is finished first with `finish` (the commands
+        that plan or run a run); without it nothing is written, and the run is read as the change
+        makes it."""
         rd = RunDir(run_dir)
         if rd.root.is_file():
-            hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan "
-                    "and run it, and print the run directory to give here") if rd.root.suffix == ".toml" else ""
+            hint = (
+                (
+                    f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit "
+                    f"{run_dir}` plan "
+                    "and run it, and print the run directory to give here"
+                )
+                if rd.root.suffix == ".toml"
+                else ""
+            )
             raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
         change = _pending(rd, finish)
         data = change.plan if change is not None else None
@@ -212,14 +245,18 @@ class Run(Generic[S]):
                 data = rd.plan_file.read_bytes()
             plan = msgspec.json.decode(data, type=RunPlan[spec])
         except FileNotFoundError:
-            raise PlanError(f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or "
-                            "`toolkit run`") from None
-        except (msgspec.DecodeError, OSError) as e:  # garbage, empty, truncated, not a plan, a folder
+            raise PlanError(
+                f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or "
+                "`toolkit run`"
+            ) from None
+        # garbage, empty, truncated, not a plan, a folder
+        except (msgspec.DecodeError, OSError) as e:
             raise damaged_run_file(rd.plan_file, e) from None
         return cls(rd, plan, change.prompts if change is not None else None)
 
     def prompts(self) -> PromptIndex:
-        """The planned prompt refs by position (PlanError when prompts.msgpack does not hold the plan's)."""
+        """The planned prompt refs by position (PlanError when prompts.msgpack does not hold the
+        plan's)."""
         return PromptIndex(self.rd, self.plan, self._prompts)
 
     def write_plan(self) -> None:
@@ -228,27 +265,38 @@ class Run(Generic[S]):
 
 
 def _pending(rd: RunDir, finish: bool) -> pending.PendingChange | None:
-    """The change a crash interrupted, when it is to be read rather than finished; finishes it with `finish`."""
+    """The change a crash interrupted, when it is to be read rather than finished; finishes it with
+    `finish`."""
     try:
         if finish:
             pending.finish(rd)
             return None
         change = pending.read(rd)
     except OSError as e:
-        raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here "
-                        f"({e.strerror or e}): run the command again as a user who can write the run "
-                        "directory") from None
+        raise PlanError(
+            f"{rd.root}: a change to the run was interrupted and cannot be finished here "
+            f"({e.strerror or e}): run the command again as a user who can write the run "
+            "directory"
+        ) from None
     except msgspec.DecodeError as e:
-        raise PlanError(f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was "
-                        "interrupted and cannot be finished; plan the job into a new run (`--new-run`)") from None
+        raise PlanError(
+            f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was "
+            "interrupted and cannot be finished; plan the job into a new run (`--new-run`)"
+        ) from None
     if change is not None:
-        log.warning("run %s: a change to the run was interrupted (%s): read as it will be once finished, which "
-                    "the next command that runs or plans the run does", rd.shown, change.what)
+        log.warning(
+            "run %s: a change to the run was interrupted (%s): read as it will be once finished, "
+            "which "
+            "the next command that runs or plans the run does",
+            rd.shown,
+            change.what,
+        )
     return change
 
 
 def _raw_items(data: bytes, path: Path) -> list[msgspec.Raw]:
-    """prompts.msgpack's bytes as one raw msgpack item per planned prompt (msgspec, in one C pass)."""
+    """prompts.msgpack's bytes as one raw msgpack item per planned prompt (msgspec, in one C
+    pass)."""
     try:
         return msgspec.msgpack.decode(data, type=list[msgspec.Raw])
     except msgspec.DecodeError as e:
@@ -275,18 +323,21 @@ def _decoded(raw: list[msgspec.Raw], path: Path) -> list[PromptRef]:
 
 
 class PromptIndex:
-    """Every planned prompt ref by position, decoded one shard at a time: a run may plan millions of prompts.
+    """Every planned prompt ref by position, decoded one shard at a time: a run may plan millions of
+    prompts.
 
-    What planning again, merge, audit, export and `toolkit retry` look a record's planned prompt up in.
-    PlanError when prompts.msgpack is missing or does not hold the plan's prompts.
+    What planning again, merge, audit, export and `toolkit retry` look a record's planned prompt up
+    in. PlanError when prompts.msgpack is missing or does not hold the plan's prompts.
     """
 
     def __init__(self, rd: RunDir, plan: RunPlan, data: bytes | None = None):
         self.path = rd.prompts_file
         self._raw = _raw_items(_read(self.path) if data is None else data, self.path)
         if len(self._raw) != plan.total:
-            raise PlanError(f"{self.path} holds {len(self._raw)} prompts but {rd.plan_file.name} plans "
-                            f"{plan.total}: it is damaged; {REPLAN}")
+            raise PlanError(
+                f"{self.path} holds {len(self._raw)} prompts but {rd.plan_file.name} plans "
+                f"{plan.total}: it is damaged; {REPLAN}"
+            )
         self.shards = plan.shards
         self._firsts = [s.first for s in plan.shards]
         self._k = -1
@@ -296,8 +347,11 @@ class PromptIndex:
         return len(self._raw)
 
     def refs(self, first: int = 0, count: int | None = None) -> list[PromptRef]:
-        """The refs of positions first .. first+count-1 (all from `first` without a count), decoded."""
-        return _decoded(self._raw[first : len(self._raw) if count is None else first + count], self.path)
+        """The refs of positions first .. first+count-1 (all from `first` without a count),
+        decoded."""
+        return _decoded(
+            self._raw[first : len(self._raw) if count is None else first + count], self.path
+        )
 
     def shard_of(self, pos: int) -> int:
         """The index (in the plan's shard list) of the shard that owns planned position `pos`."""
@@ -328,13 +382,26 @@ def refs_intact(rd: RunDir, plan: RunPlan) -> bool:
         return False
 
 
-_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
-          0xca: 4, 0xcb: 8}  # msgpack types of a fixed size after their type byte: nil, bools, ints, floats
+_FIXED = {
+    0xC0: 0,
+    0xC2: 0,
+    0xC3: 0,
+    0xCC: 1,
+    0xCD: 2,
+    0xCE: 4,
+    0xCF: 8,
+    0xD0: 1,
+    0xD1: 2,
+    0xD2: 4,
+    0xD3: 8,
+    0xCA: 4,
+    0xCB: 8,
+}  # msgpack types of a fixed size after their type byte: nil, bools, ints, floats
 
 
 def _item_end(buf: bytes, i: int) -> int:
-    """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings, numbers).
-    IndexError when `buf` ends first."""
+    """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings,
+    numbers). IndexError when `buf` ends first."""
     b = buf[i]
     if b < 0x80 or b >= 0xe0:
         return i + 1
@@ -362,9 +429,10 @@ def _item_end(buf: bytes, i: int) -> int:
 
 
 class ShardRefs:
-    """The planned refs of one shard, read from prompts.msgpack in planned order a chunk at a time: a worker
-    keeps nothing per prompt, however large its shard. Splitting the whole array in C (`PromptIndex`) is
-    faster but holds every raw ref; this walks the msgpack items in Python (some 2 µs a ref) in flat memory."""
+    """The planned refs of one shard, read from prompts.msgpack in planned order a chunk at a time:
+    a worker keeps nothing per prompt, however large its shard. Splitting the whole array in C
+    (`PromptIndex`) is faster but holds every raw ref; this walks the msgpack items in Python (some
+    2 µs a ref) in flat memory."""
 
     CHUNK = 1 << 18
 
@@ -379,7 +447,9 @@ class ShardRefs:
             if self.at:
                 f.seek(self.at)
                 buf, i, skip = f.read(self.CHUNK), 0, 0
-            else:  # planned by an older toolkit: from the array's header on, past the refs of the shards before
+            # planned by an older toolkit: from the array's header on, past the refs of the shards
+            # before
+            else:
                 buf = f.read(self.CHUNK)
                 i, skip = ({0xdc: 3, 0xdd: 5}.get(buf[0], 1) if buf else 0), self.first
             for n in range(skip + self.count):
@@ -392,8 +462,10 @@ class ShardRefs:
                     except IndexError:
                         more = f.read(self.CHUNK)
                         if not more:
-                            raise PlanError(f"{self.path} ends before the refs of positions {self.first}.."
-                                            f"{self.first + self.count - 1}: it is damaged; {REPLAN}") from None
+                            raise PlanError(
+                                f"{self.path} ends before the refs of positions {self.first}.."
+                                f"{self.first + self.count - 1}: it is damaged; {REPLAN}"
+                            ) from None
                         buf, i = buf[i:] + more, 0
                 if n >= skip:
                     try:
@@ -405,10 +477,10 @@ class ShardRefs:
 
 
 class RefSlice:
-    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 60
-    bytes a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated
-    conversations, which look turns up by position (a shard's prompts in order are read by `ShardRefs`,
-    keeping nothing)."""
+    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes
+    (some 60 bytes a prompt, not a Python object each) and decoded one at a time: for the chains of
+    regenerated conversations, which look turns up by position (a shard's prompts in order are read
+    by `ShardRefs`, keeping nothing)."""
 
     def __init__(self, rd: RunDir, first: int, count: int):
         self.path = rd.prompts_file
@@ -416,7 +488,8 @@ class RefSlice:
         raw = _raw_items(data, self.path)
         sizes = [len(r) for r in raw]
         del raw
-        start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
+        # items follow the array header, back to back
+        start = len(data) - sum(sizes) + sum(sizes[:first])
         self.first = first
         self._ends = array("Q")
         end = 0
