@@ -90,6 +90,9 @@ def test_every_reader_of_the_prompt_index_gives_the_planned_refs(merged):
     assert isinstance(index, PromptIndex) and len(index) == len(s.refs)
     assert index.refs() == s.refs and index.refs(3, 4) == s.refs[3:7]
     assert [index.at(i) for i in range(len(s.refs))] == s.refs and index.at(len(s.refs)) is None
+    shuffled = sorted(range(len(s.refs)), key=lambda i: (i * 7) % len(s.refs))  # one at a time, then whole shards
+    fresh = run.prompts()
+    assert [fresh.at(i) for i in shuffled] == [s.refs[i] for i in shuffled] and fresh.at(-1) is None
     for k, sp in enumerate(run.plan.shards):
         part = s.refs[sp.first : sp.first + sp.count]
         assert index.shard(k) == part and list(ShardRefs(s.rd, sp)) == part

@@ -340,7 +340,7 @@ class PromptIndex:
             )
         self.shards = plan.shards
         self._firsts = [s.first for s in plan.shards]
-        self._k = -1
+        self._k = self._asked = -1  # the shard kept decoded; the shard `at` looked into last
         self._refs: list[PromptRef] = []
 
     def __len__(self) -> int:
@@ -370,7 +370,13 @@ class PromptIndex:
         if not 0 <= pos < len(self._raw):
             return None
         k = self.shard_of(pos)
-        return self.shard(k)[pos - self.shards[k].first]
+        if k == self._k or k == self._asked:  # a second look into a shard: decode it whole, once
+            return self.shard(k)[pos - self.shards[k].first]
+        self._asked = k
+        try:  # the one ref, not its shard: positions asked at random decode one ref each
+            return _decode_ref(self._raw[pos])
+        except msgspec.DecodeError as e:
+            raise damaged_run_file(self.path, e) from None
 
 
 def refs_intact(rd: RunDir, plan: RunPlan) -> bool:
