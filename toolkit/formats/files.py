@@ -97,8 +97,7 @@ class LogFile(logging.FileHandler):
             e = sys.exc_info()[1]
             sys.stderr.write(
                 f"toolkit: warning: cannot write the log file {shown_path(self.baseFilename)} "
-                f"({e}); "
-                "its lines are not kept there\n"
+                f"({e}); its lines are not kept there\n"
             )
 
     def flush(self) -> None:

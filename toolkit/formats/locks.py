@@ -93,10 +93,8 @@ class LockFile:
     def _refuse(self, why: str) -> ShardLocked:
         return ShardLocked(
             f"{self.path.parent / self.path.name[:-5]} is locked by another worker of this shard: "
-            f"{why} "
-            f"(this file system has no flock, so the lock file {self.path.name} stands in). If no "
-            "task "
-            f"of this shard runs any more (squeue, ps), remove it: rm {self.path}"
+            f"{why} (this file system has no flock, so the lock file {self.path.name} stands in). "
+            f"If no task of this shard runs any more (squeue, ps), remove it: rm {self.path}"
         )
 
     def _judge(self) -> None:

@@ -167,9 +167,8 @@ class RunPlan(msgspec.Struct, Generic[S]):
 
 REPLAN = (
     "plan the job again into this folder to recover it: `toolkit run JOB` (or `toolkit submit "
-    "JOB`) "
-    "with the job file that made the run writes it again, keeps every shard file of that job and "
-    "generates nothing already done"
+    "JOB`) with the job file that made the run writes it again, keeps every shard file of that "
+    "job and generates nothing already done"
 )
 
 
@@ -231,8 +230,7 @@ class Run(Generic[S]):
             hint = (
                 (
                     f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit "
-                    f"{run_dir}` plan "
-                    "and run it, and print the run directory to give here"
+                    f"{run_dir}` plan and run it, and print the run directory to give here"
                 )
                 if rd.root.suffix == ".toml"
                 else ""
@@ -275,8 +273,7 @@ def _pending(rd: RunDir, finish: bool) -> pending.PendingChange | None:
     except OSError as e:
         raise PlanError(
             f"{rd.root}: a change to the run was interrupted and cannot be finished here "
-            f"({e.strerror or e}): run the command again as a user who can write the run "
-            "directory"
+            f"({e.strerror or e}): run the command again as a user who can write the run directory"
         ) from None
     except msgspec.DecodeError as e:
         raise PlanError(
@@ -286,8 +283,7 @@ def _pending(rd: RunDir, finish: bool) -> pending.PendingChange | None:
     if change is not None:
         log.warning(
             "run %s: a change to the run was interrupted (%s): read as it will be once finished, "
-            "which "
-            "the next command that runs or plans the run does",
+            "which the next command that runs or plans the run does",
             rd.shown,
             change.what,
         )

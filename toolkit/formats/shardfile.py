@@ -131,11 +131,9 @@ class ShardWriter:
             if not damaged_fingerprint(fp, self.fingerprint):
                 raise ForeignShard(
                     f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} "
-                    f"shard {self.shard} "
-                    "(a file put here from another run): none of its records is this run's; move "
-                    "it aside "
-                    f"(mv {self.path} {self.path}.other-run) and run the shard again: it is "
-                    "generated anew"
+                    f"shard {self.shard} (a file put here from another run): none of its records "
+                    f"is this run's; move it aside (mv {self.path} {self.path}.other-run) and run "
+                    "the shard again: it is generated anew"
                 )
             damage.append(
                 Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False)
@@ -186,9 +184,8 @@ class ShardWriter:
         bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
         self.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
         log.error(
-            "%s: damaged frames at %s; keeping its %d intact frames, generating the records of the "
-            "damaged "
-            "ones again; the damaged file is kept as %s",
+            "%s: damaged frames at %s; keeping its %d intact frames, generating the records of "
+            "the damaged ones again; the damaged file is kept as %s",
             self.path,
             bad,
             len(good),

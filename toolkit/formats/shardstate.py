@@ -105,8 +105,7 @@ def shard_state(
             if remove:
                 log.warning(
                     "%s: %s: the done manifest is removed; the shard's next run checks its file, "
-                    "keeps what "
-                    "is intact and generates the rest",
+                    "keeps what is intact and generates the rest",
                     rd.done_file(k),
                     why,
                 )

@@ -152,8 +152,7 @@ def load_tokenizer(model: Any) -> Any:
     if not getattr(tok, "chat_template", None):
         raise ChatError(
             f"the tokenizer in {path} has no chat template; set [model] chat_template to a .jinja "
-            "file "
-            "(templates/chat/ has examples)"
+            "file (templates/chat/ has examples)"
         )
     logger.info("loaded tokenizer %s from %s (%d ids)", type(tok).__name__, path, len(tok))
     return tok
@@ -190,8 +189,7 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
     if think_start_id == think_end_id:
         raise ChatError(
             f"[model] think_start {model.think_start!r} and think_end {model.think_end!r} are the "
-            "same token "
-            f"{think_start_id}; set them to the model's reasoning start and end tokens"
+            f"same token {think_start_id}; set them to the model's reasoning start and end tokens"
         )
     tool_start_id, tool_end_id = _tool_call_ids(tok, model)
     blank_ids = _blank_ids(tok)
@@ -200,8 +198,7 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
     except Exception as exc:
         raise ChatError(
             f"the chat template fails on a one-message probe conversation: {type(exc).__name__}: "
-            f"{exc}; "
-            "fix the template or [model] chat_template_kwargs"
+            f"{exc}; fix the template or [model] chat_template_kwargs"
         ) from exc
     info = TokenInfo(
         think_start_id=think_start_id,
@@ -263,10 +260,9 @@ def check_model_vocab(tok: Any, info: TokenInfo, model: Any) -> None:
     )
     raise ChatError(
         f"the tokenizer makes {info.vocab_size:,} ids but the model has {size:,} ({where}): ids "
-        f"{size:,} to "
-        f"{info.vocab_size - 1:,} ({named}) are outside its embedding, and SGLang dies on a prompt "
-        "holding one; "
-        "use the model's own tokenizer ([model] tokenizer_path) or fix the model's config.json"
+        f"{size:,} to {info.vocab_size - 1:,} ({named}) are outside its embedding, and SGLang dies "
+        "on a prompt holding one; use the model's own tokenizer ([model] tokenizer_path) or fix "
+        "the model's config.json"
     )
 
 
@@ -318,8 +314,7 @@ def thinking_hint(info: TokenInfo, on: bool) -> str:
         return f"set [model] chat_template_kwargs = {{ {name} = {value} }}{also}"
     return (
         "this template reads no thinking switch: use a chat template that "
-        f"{'opens' if on else 'closes'} "
-        "reasoning ([model] chat_template)"
+        f"{'opens' if on else 'closes'} reasoning ([model] chat_template)"
     )
 
 
@@ -553,8 +548,7 @@ def _check_kwargs(model: Any) -> None:
     if clash:
         raise ChatError(
             f"[model] chat_template_kwargs sets {', '.join(clash)}, which the toolkit sets itself; "
-            "remove "
-            f"{'it' if len(clash) == 1 else 'them'} from chat_template_kwargs"
+            f"remove {'it' if len(clash) == 1 else 'them'} from chat_template_kwargs"
         )
 
 
@@ -575,9 +569,8 @@ def _required_single(tok: Any, text: str, key: str) -> int:
         pieces = tok.convert_ids_to_tokens(encoded)
         raise ChatError(
             f"[model] {key} = {text!r} is not a single token of this tokenizer: it encodes to "
-            f"{len(encoded)} ids "
-            f"{encoded} ({pieces}); set {key} in the [model] table to the model's own token "
-            "(one entry of its vocabulary)"
+            f"{len(encoded)} ids {encoded} ({pieces}); set {key} in the [model] table to the "
+            "model's own token (one entry of its vocabulary)"
         )
     return token_id
 

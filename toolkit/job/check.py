@@ -98,8 +98,7 @@ class Preflight:
             lines.append(
                 f"lengths: every prompt + max_new_tokens fits the context length {self.context:,} "
                 f"({self.context_source}); the longest at most {total:,} tokens (dataset {ds!r}; "
-                "prompts far "
-                "from the limit are bounded by their UTF-8 length)"
+                "prompts far from the limit are bounded by their UTF-8 length)"
             )
         return lines + self.notes
 
@@ -129,8 +128,7 @@ def sglang_missing(spec: JobSpec) -> str | None:
         return None
     return (
         f"[engine] kind = \"sglang\": {python} ({why}) cannot start SGLang (no module named "
-        "'sglang'); install "
-        "it where the engine runs: pip install 'toolkit[sglang]'"
+        "'sglang'); install it where the engine runs: pip install 'toolkit[sglang]'"
     )
 
 
@@ -159,11 +157,9 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
         pf.warnings.append(
             f"{missing}. A login node that only submits needs none; the Slurm tasks start SGLang "
-            "with "
-            "[engine] python when the job names one, else with the first python3 on their PATH "
-            "(after "
-            "[slurm] setup, e.g. 'source ~/venvs/sglang/bin/activate') that has sglang, else with "
-            "this same Python: one of those needs it"
+            "with [engine] python when the job names one, else with the first python3 on their "
+            "PATH (after [slurm] setup, e.g. 'source ~/venvs/sglang/bin/activate') that has "
+            "sglang, else with this same Python: one of those needs it"
         )
     if check_tokenizer:
         _check_prompts(pf, job, exact)
@@ -233,8 +229,7 @@ def check_output_dir(output_dir: str, job: Any) -> None:
     if problem:
         raise PlanError(
             f"{job}: output_dir {root}: {problem}, so the run directory cannot be written there; "
-            "point "
-            "output_dir at a folder this user can write"
+            "point output_dir at a folder this user can write"
         )
 
 
@@ -284,22 +279,19 @@ def _check_run_dir(pf: Preflight) -> None:
     if diff.legacy:
         pf.notes.append(
             f"run directory: {shown_path(root)} holds this run, planned with ids from line numbers "
-            "(kept); "
-            "`toolkit run`/`submit` resume it"
+            "(kept); `toolkit run`/`submit` resume it"
         )
     elif added:
         g = grown.grown[-1]
         pf.notes.append(
             f"run directory: {shown_path(root)} holds this job's run; `toolkit run`/`submit` add "
-            "its "
-            f"{g.prompts:,} new prompt{_s(g.prompts)} ({g.records:,} records) in {added} new "
+            f"its {g.prompts:,} new prompt{_s(g.prompts)} ({g.records:,} records) in {added} new "
             f"shard{_s(added)} and generate only those"
         )
     else:
         pf.notes.append(
             f"run directory: {shown_path(root)} holds this run already (its prompt files changed, "
-            "not its "
-            "prompts); `toolkit run`/`submit` resume it"
+            "not its prompts); `toolkit run`/`submit` resume it"
         )
 
 
@@ -426,41 +418,35 @@ def _judge(pf: Preflight, job: Any, outcomes: list[Outcome], truncate: bool) -> 
     if refused and m.expect_reasoning:
         problems.append(
             f"the chat template closes reasoning (the prompt ends with {m.think_end!r}) in "
-            f"{_counted(refused)}: the "
-            "model would answer without reasoning, but [model] expect_reasoning = true: "
-            f"{hint_on}, or set "
-            "expect_reasoning = false for data without reasoning"
+            f"{_counted(refused)}: the model would answer without reasoning, but [model] "
+            f"expect_reasoning = true: {hint_on}, or set expect_reasoning = false for data without "
+            "reasoning"
         )
     if refused and not m.expect_reasoning:
         problems.append(
             f"the chat template opens reasoning (the prompt ends with {m.think_start!r}) in "
-            f"{_counted(refused)}, but "
-            f"[model] expect_reasoning = false: {hint_off}, or set expect_reasoning = true for "
-            "reasoning data"
+            f"{_counted(refused)}, but [model] expect_reasoning = false: {hint_off}, or set "
+            "expect_reasoning = true for reasoning data"
         )
     if model_opens:
         pf.warnings.append(
             f"{_counted(model_opens)} end at the assistant turn of a template that knows the think "
-            "tokens: the model "
-            "may open reasoning itself although expect_reasoning = false (the audit checks the "
-            "outputs). To switch "
-            f"thinking off: {hint_off}"
+            "tokens: the model may open reasoning itself although expect_reasoning = false (the "
+            f"audit checks the outputs). To switch thinking off: {hint_off}"
         )
     if m.expect_reasoning and modes[chat.UNKNOWN]:
         pf.warnings.append(
             f"the chat template never mentions the think tokens {m.think_start!r} / "
-            f"{m.think_end!r}: cannot tell "
-            f"whether its {modes[chat.UNKNOWN]:,} prompts leave the model reasoning; check [model] "
-            "think_start / "
-            "think_end and chat_template (the audit checks the outputs)"
+            f"{m.think_end!r}: cannot tell whether its {modes[chat.UNKNOWN]:,} prompts leave the "
+            "model reasoning; check [model] think_start / think_end and chat_template (the audit "
+            "checks the outputs)"
         )
     if too_long and truncate:
         pf.warnings.append(
             f"{_counted(too_long)} do not fit the context length {ctx:,} ({source}) with their "
-            "dataset's "
-            "max_new_tokens; with --allow-auto-truncate SGLang cuts the prompt or lowers "
-            "max_new_tokens: those records "
-            "would not hold what the model saw, or get shorter outputs"
+            "dataset's max_new_tokens; with --allow-auto-truncate SGLang cuts the prompt or "
+            "lowers max_new_tokens: those records would not hold what the model saw, or get "
+            "shorter outputs"
         )
     elif too_long:
         problems.append(
@@ -477,8 +463,7 @@ def _judge(pf: Preflight, job: Any, outcomes: list[Outcome], truncate: bool) -> 
     if clamped:
         pf.warnings.append(
             f"{_counted(clamped)} leave less than max_new_tokens room in the context length "
-            f"{ctx:,}: SGLang's "
-            "scheduler lowers their max_new_tokens by a token or two"
+            f"{ctx:,}: SGLang's scheduler lowers their max_new_tokens by a token or two"
         )
     if problems:
         raise PreflightError([f"{job}: {p}" for p in problems])
@@ -573,8 +558,7 @@ def _config_context_length(spec: JobSpec) -> tuple[int | None, str]:
         )
     return None, (
         "cannot find the model's context length: no --context-length in [engine] extra_args and "
-        "no "
-        f"max_position_embeddings in {config}"
+        f"no max_position_embeddings in {config}"
     )
 
 

@@ -142,8 +142,7 @@ class InputsDiff:
         if self.moved:
             parts.append(
                 f"{self.moved:,} prompt{'s' * (self.moved != 1)} at another line or offset (same "
-                "id and "
-                "content: the run follows them)"
+                "id and content: the run follows them)"
             )
         return "\n  ".join(parts)
 
@@ -214,21 +213,17 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
                 else "some of its prompts changed or are gone")
         legacy = (
             " It was planned by an older toolkit, whose ids came from line numbers: it resumes "
-            "while its prompts "
-            "stay where they were, and cannot grow (its ids are kept)."
+            "while its prompts stay where they were, and cannot grow (its ids are kept)."
             if diff.legacy
             else ""
         )
         raise PlanError(
             f"{rd.root} holds this job's run {run.fingerprint}, but {what} (differs in: inputs):\n "
-            " "
-            f"{diff.describe(run, plan)}\nA run's records belong to the prompts it "
-            f"planned.{legacy} Restore those "
-            "lines (a prompt edited on purpose is a new prompt: give it a new id, and keep the old "
-            "line), "
+            f" {diff.describe(run, plan)}\nA run's records belong to the prompts it "
+            f"planned.{legacy} Restore those lines (a prompt edited on purpose is a new prompt: "
+            "give it a new id, and keep the old line), "
             f"{_ALLOW if diff.rewritten and not diff.removed and not diff.legacy else ''}point "
-            "`output_dir` elsewhere, "
-            "or pass --new-run to start a new run directory beside it."
+            "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
         )
     grown = msgspec.convert(msgspec.to_builtins(run), RunPlan[JobSpec])  # a deep copy
     if diff.legacy:  # nothing to take in: the job planned again, exactly as it was
@@ -311,10 +306,8 @@ def grow_run(
         raise PlanError(
             f"{rd.root}: the job's prompt files changed and shard{'s' * (len(busy) != 1)} "
             f"{ranges(busy, sep=',')} of its run {'are' if len(busy) != 1 else 'is'} being "
-            "generated "
-            "(its file is locked): the plan cannot change under a worker; wait for it to end (or "
-            "stop "
-            "it), then run again"
+            "generated (its file is locked): the plan cannot change under a worker; wait for it "
+            "to end (or stop it), then run again"
         )
     change = PendingChange(
         what=_what(run, grown, diff),
@@ -326,8 +319,7 @@ def grow_run(
     if diff.rewritten:
         log.warning(
             "run %s: %d prompts changed (same ids, other messages or tools; --allow-changed): "
-            "their records "
-            "are generated again",
+            "their records are generated again",
             rd.shown,
             len(diff.rewritten),
         )
@@ -339,8 +331,7 @@ def grow_run(
     if diff.moved:
         log.info(
             "run %s: %d prompts are at another line or offset of their files (same ids and "
-            "content); the run "
-            "follows them",
+            "content); the run follows them",
             rd.shown,
             diff.moved,
         )

@@ -89,8 +89,7 @@ class InputError(BadInputError):
             files = ", ".join(f"{p}: {n:,}" for p, n in per_file.items())
             parts.append(
                 f"{bad:,} bad line{'s' * (bad != 1)} in {len(per_file)} prompt "
-                f"file{'s' * (len(per_file) != 1)} "
-                f"({files})"
+                f"file{'s' * (len(per_file) != 1)} ({files})"
             )
         if dups:
             parts.append(f"{dups:,} duplicate id{'s' * (dups != 1)}")
@@ -445,6 +444,5 @@ def check_plan_inputs(plan: RunPlan) -> None:
                 None,
                 None,
                 f"changed since the run was planned (sha256 {d.sha256[:12]} -> {now[:12]}); "
-                "restore it or plan "
-                "a new run",
+                "restore it or plan a new run",
             )

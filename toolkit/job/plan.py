@@ -215,8 +215,7 @@ def plan_job(
         dup = next(r for r in refs if r.id in seen or seen.add(r.id))
         raise PlanError(
             f"record id {dup.id!r} is planned twice: a prompt id collides with a sample (#k) or "
-            "turn "
-            "(/tk) id of another prompt; rename the prompt ids of dataset "
+            "turn (/tk) id of another prompt; rename the prompt ids of dataset "
             f"{datasets[dup.dataset].name!r}"
         )
     m = spec.model
@@ -331,12 +330,9 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
     )
     raise PlanError(
         f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but "
-        "this job gives "
-        f"{plan.fingerprint} "
-        f"(differs in: {differences(old, plan)}). Its records would not match: restore the job as "
-        "it "
-        "was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside "
-        "it."
+        f"this job gives {plan.fingerprint} (differs in: {differences(old, plan)}). Its records "
+        "would not match: restore the job as it was, point `output_dir` elsewhere, or pass "
+        "--new-run to start a new run directory beside it."
     )
 
 
@@ -439,8 +435,7 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
         if not old.same_job(plan):  # job.prepare grows the run first (grow.grow_run)
             raise PlanError(
                 f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's "
-                "new "
-                "prompts must be taken into it first (grow.grow_run)"
+                "new prompts must be taken into it first (grow.grow_run)"
             )
         if root != Path(plan.spec.output_dir):
             log.info(
@@ -466,9 +461,8 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
     fresh = not root.exists()
     if rd.plan_file.exists():  # unreadable, in a folder of this job's shard files (_replannable)
         log.warning(
-            "%s cannot be read, and every shard file in %s is of this job (%s): the job is planned "
-            "into it "
-            "again; what they hold is kept",
+            "%s cannot be read, and every shard file in %s is of this job (%s): the job is "
+            "planned into it again; what they hold is kept",
             rd.plan_file,
             root,
             plan.fingerprint,
@@ -546,8 +540,7 @@ def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, 
         if key.split(".")[0] == "engine" and key.split(".")[1] in ENGINE_OUTPUT_KEYS:
             log.warning(
                 "run %s: %s changed: records written before and after were made by differently "
-                "configured "
-                "engines",
+                "configured engines",
                 rd.shown,
                 key,
             )

@@ -34,9 +34,8 @@ def check_sampling(params: dict[str, Any], where: str, source: str, *, top_level
     if top_level and "max_new_tokens" not in params:
         raise SpecError(
             f"{source}: [sampling] needs `max_new_tokens`: SGLang's /generate silently defaults to "
-            "128, "
-            "which truncates every reasoning trace. Set it to the longest output you want (e.g. "
-            "32768)."
+            "128, which truncates every reasoning trace. Set it to the longest output you want "
+            "(e.g. 32768)."
         )
     mnt = params.get("max_new_tokens")
     if "max_new_tokens" in params and (
@@ -65,10 +64,8 @@ def check_sampling(params: dict[str, Any], where: str, source: str, *, top_level
     if (params.get("beam_width") or 1) > 1:
         raise SpecError(
             f"{source}: {where}: `beam_width = {params['beam_width']}` asks for beam search, which "
-            "keeps "
-            "the likeliest sequences instead of samples of the model's distribution; drafter data "
-            "wants "
-            "samples: remove it"
+            "keeps the likeliest sequences instead of samples of the model's distribution; "
+            "drafter data wants samples: remove it"
         )
 
 
@@ -93,8 +90,7 @@ def check_requests(spec: Any, source: Path) -> None:
         except sglang_sampling.SamplingError as err:
             raise SpecError(
                 f"{where}: SGLang {release} refuses it with HTTP 400 for every request: {err} "
-                "Change "
-                "that key in [sampling] or in the dataset's `sampling`."
+                "Change that key in [sampling] or in the dataset's `sampling`."
             ) from None
         if skip_tokenizer:
             needs = [k for k in ("stop", "stop_regex") if params.get(k)] + \
@@ -102,10 +98,8 @@ def check_requests(spec: Any, source: Path) -> None:
             if needs:
                 raise SpecError(
                     f"{where}: {', '.join(needs)} need the server's tokenizer, and [engine] "
-                    "extra_args "
-                    "has --skip-tokenizer-init: SGLang refuses every such request; use "
-                    "stop_token_ids, "
-                    "or remove the flag"
+                    "extra_args has --skip-tokenizer-init: SGLang refuses every such request; use "
+                    "stop_token_ids, or remove the flag"
                 )
 
 

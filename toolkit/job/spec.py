@@ -399,8 +399,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
             raise SpecError(
                 f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 "
-                f"would be {params['n']} "
-                "identical greedy outputs; set a temperature > 0 or n = 1"
+                f"would be {params['n']} identical greedy outputs; set a temperature > 0 or n = 1"
             )
     if spec.sharding.shards < 1:
         raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
@@ -416,18 +415,15 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     if c.max_tries < 1 or c.max_tries > MAX_TRIES:
         raise SpecError(
             f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt "
-            "whose "
-            f"failure may pass, within a run), got {c.max_tries}"
+            f"whose failure may pass, within a run), got {c.max_tries}"
         )
     if c.segment_tokens < 256 or c.loop_max_period < 1 or c.loop_window < 4 * c.loop_max_period \
             or not 0.5 <= c.loop_match <= 1.0 or c.loop_window > c.segment_tokens:
         raise SpecError(
             f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, "
-            "loop_window "
-            f"between 4 * loop_max_period and segment_tokens, loop_match between 0.5 and 1; got "
-            f"segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, loop_max_period "
-            "= "
-            f"{c.loop_max_period}, loop_match = {c.loop_match:g}"
+            "loop_window between 4 * loop_max_period and segment_tokens, loop_match between 0.5 "
+            f"and 1; got segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, "
+            f"loop_max_period = {c.loop_max_period}, loop_match = {c.loop_match:g}"
         )
     if c.backoff_s < 0 or c.backoff_max_s < 0:
         raise SpecError(
@@ -521,8 +517,7 @@ def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool
     if e.api_key_env is not None and not _ENV_NAME.fullmatch(e.api_key_env):
         raise SpecError(
             f"{source}: [engine] api_key_env = {e.api_key_env!r} is not an environment variable's "
-            "name "
-            "(letters, digits and _): name the variable that holds the key, not the key"
+            "name (letters, digits and _): name the variable that holds the key, not the key"
         )
     if e.api_key_file is not None:
         e.api_key_file = _resolve(
@@ -531,8 +526,7 @@ def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool
         if check_paths and not Path(e.api_key_file).is_file():
             raise SpecError(
                 f"{source}: [engine] api_key_file {e.api_key_file} does not exist (or is not a "
-                "file): "
-                "write the server's key there, readable only by you (chmod 600)"
+                "file): write the server's key there, readable only by you (chmod 600)"
             )
 
 
@@ -543,20 +537,17 @@ def key_source_warnings(e: EngineSpec) -> list[str]:
     if e.command and any("{api_key}" in a for a in e.command):
         return [
             "[engine] command: {api_key} puts the engine's key on its command line, where every "
-            "user of the node "
-            "can read it (ps): use {api_key_file} or {config_file} (files only you can read, "
-            "removed when the "
-            "engine stops), or $TOOLKIT_ENGINE_API_KEY"
+            "user of the node can read it (ps): use {api_key_file} or {config_file} (files only "
+            "you can read, removed when the engine stops), or $TOOLKIT_ENGINE_API_KEY"
         ]
     if e.kind != "external":
         return []
     if e.api_key_env is not None and not os.environ.get(e.api_key_env):
         return [
             f"[engine] api_key_env: the environment variable {e.api_key_env} is not set here; the "
-            "worker reads "
-            "the server's key from it, so set it where the worker runs (export it before `toolkit "
-            "run` or "
-            "`toolkit submit`, whose sbatch passes this environment on, or in [slurm] setup)"
+            "worker reads the server's key from it, so set it where the worker runs (export it "
+            "before `toolkit run` or `toolkit submit`, whose sbatch passes this environment on, "
+            "or in [slurm] setup)"
         ]
     if e.api_key_file is not None:
         try:
