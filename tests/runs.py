@@ -21,12 +21,13 @@ import numpy as np
 from jobfiles import toml_value, write_prompts
 from toolkit.formats.manifests import write_done
 from toolkit.formats.records import OK, Record, failed_record, pack_ids
+from toolkit.formats.run import PromptRef, Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
-from toolkit.job.plan import PromptRef, RunPlan, create_run, load_refs, plan_job
-from toolkit.job.spec import load_spec
+from toolkit.job.plan import create_run, plan_job
+from toolkit.job.spec import JobSpec, load_spec
 
 THINKING_KWARGS = {"kimi": {"thinking": True}, "qwen3": {"enable_thinking": True}, "deepseek": {}}
 
@@ -78,6 +79,11 @@ def text_pool(tok: Any, key: str, chars: int = 120_000) -> np.ndarray:
     return _POOLS[key, chars]
 
 
+def planned_refs(rd: RunDir) -> list[PromptRef]:
+    """Every planned prompt ref of a run, in planned order (opened read-only)."""
+    return Run.open(rd.root, JobSpec).prompts().refs()
+
+
 def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict[str, int] | None = None,
              shards: int = 3, audit: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
              model: dict[str, Any] | None = None, pool_chars: int = 120_000,
@@ -107,7 +113,7 @@ def plan_run(tmp: Path, tokenizer: Path, family: str = "kimi", *, datasets: dict
     info = chat.token_info(tok, spec.model)
     with PromptReader() as reader:
         prompts = [reader.read(plan.datasets[r.dataset].path, plan.datasets[r.dataset].name, r.line, r.offset, r.length)
-                   for r in load_refs(rd)]
+                   for r in planned_refs(rd)]
     pool = text_pool(tok, str(tokenizer), pool_chars)
     return Synth(rd, plan, refs, tok, info, pool, chat.render_many(tok, spec.model, prompts))
 

@@ -12,11 +12,12 @@ from collections import Counter
 import pytest
 
 from jobfiles import make_job, prepared_run
+from runs import planned_refs
 from toolkit.cli import main as cli_main
 from toolkit.dataset.export import export_run
 from toolkit.formats.frames import read_shard
 from toolkit.formats.progress import read_progress
-from toolkit.job.plan import load_refs, plan_job
+from toolkit.job.plan import plan_job
 from toolkit.job.spec import load_spec
 from toolkit.worker.run import DONE, run_shard
 
@@ -62,7 +63,7 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
     assert run_shard(rd.root, 0) == DONE  # resumed: nothing generated twice
     assert cli_main(["run", str(job)]) == 0  # the other shard, then merge and audit
     recs = [r for k in range(2) for r in read_shard(rd.shard_file(k))]
-    assert sorted(r.id for r in recs) == sorted(r.id for r in load_refs(rd)) and len(recs) == 10
+    assert sorted(r.id for r in recs) == sorted(r.id for r in planned_refs(rd)) and len(recs) == 10
     audit = json.loads((rd.merged_dir / "audit.json").read_text())
     assert audit["passed"] and audit["planned"] == 10 and audit["datasets"][0]["planned"] == 10
     out = tmp_path / "out.jsonl"

@@ -366,15 +366,19 @@ def test_filters_work_on_every_format_and_every_row_says_where_it_comes_from(kim
 def test_the_loss_mask_starts_after_the_assistant_header():
     from toolkit.dataset.export import loss_mask
     from toolkit.formats.records import pack_ids
+    from toolkit.job.chat import TokenInfo
 
     ts, nl = 90, 7
+    info = TokenInfo(think_start_id=ts, think_end_id=91, eos_ids=[2], tool_call_start_id=None, tool_call_end_id=None,
+                     vocab_size=100, opens_reasoning=True, blank_ids=[nl])
     # DeepSeek-R1's template ends the prompt with "<think>\n": the think-start and the newline after it are the
     # assistant turn's, as SpecForge counts them
-    assert loss_mask(pack_ids([1, 2, 3, ts, nl]), 4, ts, frozenset({nl})) == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert loss_mask(pack_ids([1, 2, 3, ts, nl]), 4, info) == [0, 0, 0, 1, 1, 1, 1, 1, 1]
     # Qwen3's prompt ends at the header: the model writes the think-start itself, in its output
-    assert loss_mask(pack_ids([1, 2, 3, nl]), 2, ts, frozenset({nl})) == [0, 0, 0, 0, 1, 1]
+    assert loss_mask(pack_ids([1, 2, 3, nl]), 2, info) == [0, 0, 0, 0, 1, 1]
     # a think-start earlier in the prompt (a history) is not the turn's
-    assert loss_mask(pack_ids([ts, 5, 6]), 1, ts, frozenset()) == [0, 0, 0, 1]
+    assert loss_mask(pack_ids([ts, 5, 6]), 1, info) == [0, 0, 0, 1]
+    assert loss_mask(pack_ids([1, ts, nl]), 2, info, supervise_think_start=False) == [0, 0, 0, 1, 1]
 
 
 def test_a_nan_stop_is_named_in_the_skipped_file_whether_it_was_stored_failed_or_ok(tmp_path, toy_tokenizer):

@@ -48,17 +48,14 @@ def test_records_written_before_failure_kinds_still_decode():
     assert not is_transient(failed_record("p", "d", 0, [1], "HTTP 400: too long", 1, "rejected"))
 
 
-def test_last_meaningful_and_opens_reasoning_read_packed_ids_and_lists_alike():
-    from toolkit.formats.records import last_meaningful, opens_reasoning
+def test_last_meaningful_reads_packed_ids_and_lists_alike():
+    from toolkit.formats.records import last_meaningful
 
     blank = frozenset({9, 10})
     for ids in ([1, 2, 7, 9, 10], [7], [3, 7, 10, 10, 10]):
         assert last_meaningful(ids, blank) == last_meaningful(pack_ids(ids), blank) == 7
-        assert opens_reasoning(ids, 7, blank) and opens_reasoning(pack_ids(ids), 7, blank)
-        assert not opens_reasoning(ids, 8, blank)
     for nothing in ([], [9, 10, 9]):
         assert last_meaningful(nothing, blank) is None and last_meaningful(pack_ids(nothing), blank) is None
-        assert not opens_reasoning(nothing, None, blank), "no think-start id and no meaningful id: not opened"
     assert last_meaningful(pack_ids([70000, 2 ** 32 - 1, 9]), blank) == 2 ** 32 - 1
 
 

@@ -139,6 +139,45 @@ def test_earlier_assistant_turns_have_empty_think(loaded):
         assert turn in text and "Small primes" not in text, family
 
 
+def _info(knows: bool = True) -> chat.TokenInfo:
+    return chat.TokenInfo(think_start_id=7, think_end_id=8, eos_ids=[2], tool_call_start_id=None,
+                          tool_call_end_id=None, vocab_size=100, opens_reasoning=True, blank_ids=[9, 10],
+                          template_knows_reasoning=knows)
+
+
+def test_reasoning_mode_has_one_home_for_prompts_lists_and_packed_alike():
+    """chat.reasoning_mode / opens_reasoning: the pre-flight, the worker's turns, the audit and the export all ask
+    it; a list of ids and the packed ids a record holds give the same answer."""
+    from toolkit.formats.records import pack_ids
+
+    info = _info()
+    cases = [([1, 2, 7, 9, 10], chat.OPENED), ([7], chat.OPENED), ([3, 7, 10, 10, 10], chat.OPENED),
+             ([1, 7, 8, 9], chat.CLOSED), ([1, 7, 5], chat.MODEL_OPENS), ([], chat.MODEL_OPENS),
+             ([9, 10, 9], chat.MODEL_OPENS)]
+    for ids, mode in cases:
+        assert chat.reasoning_mode(ids, info) == chat.reasoning_mode(pack_ids(ids), info) == mode, ids
+        assert chat.opens_reasoning(ids, info) is chat.opens_reasoning(pack_ids(ids), info) is (mode == chat.OPENED)
+    assert chat.reasoning_mode([1, 7, 5], _info(knows=False)) == chat.UNKNOWN
+    assert chat.reasoning_mode([1, 7, 8], _info(knows=False)) == chat.CLOSED
+    assert info.blank == frozenset({9, 10}) and msgspec.json.decode(msgspec.json.encode(info), type=chat.TokenInfo) == info
+
+
+def test_an_output_is_reasoning_when_the_prompt_or_the_model_opened_it_or_it_holds_the_think_end():
+    from toolkit.formats.records import OK, Record, pack_ids
+
+    info = _info()
+
+    def rec(output: list[int]) -> Record:
+        return Record("a", "d", 0, OK, pack_ids([1, 5]), pack_ids(output), output.index(8) if 8 in output else None,
+                      None, "stop", 2, 2, len(output), 0, 0.1, 1)
+
+    assert chat.output_in_reasoning(rec([5, 6, 2]), info, opened=True)        # the template opened it
+    assert chat.output_in_reasoning(rec([7, 5, 8, 6, 2]), info, opened=False)  # the model wrote think-start
+    assert chat.output_in_reasoning(rec([5, 8, 6, 2]), info, opened=False)     # a think-end: it was reasoning
+    assert not chat.output_in_reasoning(rec([5, 6, 7, 2]), info, opened=False)  # a think-start later is not
+    assert not chat.output_in_reasoning(rec([]), info, opened=False)
+
+
 def test_opens_reasoning_skips_only_blank_tokens(loaded):
     _, tok, info = loaded("deepseek")
     newline = tok.encode("\n", add_special_tokens=False)

@@ -9,13 +9,15 @@ import msgspec
 import pytest
 
 from jobfiles import make_job, prepared_run, write_prompts
+from runs import planned_refs
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit_report import read_report
 from toolkit.dataset.merge import load_manifest
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import RetryRequest, read_done, write_retry
-from toolkit.job.plan import PlanError, _digest, load_refs, load_run, refs_bytes
+from toolkit.formats.run import PlanError, refs_bytes
+from toolkit.job.plan import _digest, load_run
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +62,8 @@ def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(tm
     assert read_done(rd.done_file(1)).records == 3 and len(list(read_shard(rd.shard_file(1)))) == 3
     m = load_manifest(rd)
     assert (m.planned, m.records, m.missing, m.duplicates) == (15, 15, 0, 0)
-    planned = [r.id for r in load_refs(rd)]
-    assert len(set(planned)) == 15 and planned[:12] == [r.id for r in load_refs(rd)][:12]
+    planned = [r.id for r in planned_refs(rd)]
+    assert len(set(planned)) == 15 and planned[:12] == [r.id for r in planned_refs(rd)][:12]
     report = read_report(rd)
     assert report.passed and report.planned == 15 and report.ok == 15
     # the same job again: resumed as it is (its fingerprint is now the run's alias), nothing generated
@@ -95,13 +97,13 @@ def test_reordered_and_edited_around_prompts_keep_their_records(tmp_path, kimi):
     src.write_text("".join(line + "\n" for line in new_lines(6)))  # no ids: derived from the content
     job = make_job(tmp_path, kimi, prompts=src, shards=2)
     rd, plan = prepared_run(job)
-    old = load_refs(rd)
+    old = planned_refs(rd)
     lines = src.read_text().splitlines()
     src.write_text("\n".join(["", *reversed(lines)]) + "\n")  # reordered, a blank line first
     rd2, again = prepared_run(job)
     assert rd2.root == rd.root and again.fingerprint == plan.fingerprint and not again.grown
     assert [(s.first, s.count) for s in again.shards] == [(s.first, s.count) for s in plan.shards]
-    now = load_refs(rd)
+    now = planned_refs(rd)
     assert [r.id for r in now] == [r.id for r in old]  # every record keeps its id and position
     assert [r.line for r in now] == [7 - r.line + 1 for r in old]  # ... and follows its line
     text = src.read_bytes()
@@ -118,8 +120,8 @@ def test_a_dataset_added_to_the_job_is_planned_in_new_shards(tmp_path, kimi):
     assert rd2.root == rd.root and [d.name for d in grown.datasets] == ["d", "b"]
     assert [(s.index, s.count) for s in grown.shards] == [(0, 4), (1, 4), (2, 4)]
     assert grown.grown[0].datasets == ["b"] and grown.grown[0].prompts == 4
-    assert {r.id for r in load_refs(rd)[8:]} == {f"b{i:04d}" for i in range(4)}
-    assert all(r.dataset == 1 for r in load_refs(rd)[8:])
+    assert {r.id for r in planned_refs(rd)[8:]} == {f"b{i:04d}" for i in range(4)}
+    assert all(r.dataset == 1 for r in planned_refs(rd)[8:])
 
 
 def test_what_differs_is_said_down_to_keys_and_files(tmp_path, kimi):
@@ -137,7 +139,7 @@ def test_what_differs_is_said_down_to_keys_and_files(tmp_path, kimi):
 def legacy(rd) -> None:
     """Make a run as an older toolkit planned it: ids `<dataset>:<line>` for lines without one, no digests."""
     _, plan = load_run(rd.root)
-    refs = [msgspec.structs.replace(r, id=f"d:{r.line}", digest="") for r in load_refs(rd)]
+    refs = [msgspec.structs.replace(r, id=f"d:{r.line}", digest="") for r in planned_refs(rd)]
     plan.format = 1
     plan.parts["shards"] = _digest([plan.spec.sharding.shards, [r.id for r in refs]])
     plan.fingerprint = _digest(plan.parts)[:16]

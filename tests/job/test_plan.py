@@ -11,7 +11,8 @@ from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import ExportError, export_run
-from toolkit.job.plan import PlanError, load_run
+from toolkit.formats.run import PlanError
+from toolkit.job.plan import load_run
 from toolkit.job.spec import load_spec
 from toolkit.job.specerrors import SpecError
 
@@ -86,7 +87,8 @@ def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, 
     import msgspec
 
     from jobfiles import write_prompts
-    from toolkit.job.plan import RefSlice, ShardRefs, create_run, plan_job
+    from toolkit.formats.run import RefSlice, ShardRefs
+    from toolkit.job.plan import create_run, plan_job
     from toolkit.worker.feed import Todo
 
     job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)

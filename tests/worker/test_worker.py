@@ -22,8 +22,9 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
+from toolkit.formats.run import PlanError
 from toolkit.job.check import PreflightError
-from toolkit.job.plan import PlanError, load_run
+from toolkit.job.plan import load_run
 from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 

@@ -17,9 +17,9 @@ from typing import TextIO
 import msgspec
 
 from toolkit.formats.progress import read_progress
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import shard_state
-from toolkit.job.plan import RunPlan
 
 __all__ = ["LiveBar", "Snapshot", "snapshot"]
 

@@ -26,9 +26,10 @@ from toolkit.errors import BadInputError, ToolkitError
 from toolkit.formats.files import shown_path
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import shard_state
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 FINISHED = ("done", "failed", "stopped")  # progress states after which an attempt's log grows no more
 
@@ -142,7 +143,7 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], 
     if rd.merged_file.exists():  # one record per id already
         records = read_shard(rd.merged_file)
     else:
-        shards = [(p, sp) for sp in load_run(rd.root)[1].shards if (p := rd.shard_file(sp.index)).exists()]
+        shards = [(p, sp) for sp in Run.open(rd.root, JobSpec).plan.shards if (p := rd.shard_file(sp.index)).exists()]
         records = (r for p, sp in shards for r in newest_records(p, scan_shard(p, sp.first, sp.count)))
     n, shown, partial = 0, [], 0
     for rec in records:
@@ -257,7 +258,8 @@ def _server_log(rd: RunDir, shard: int) -> Path:
 def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bool = False, server: bool = False,
                  failed: bool = False, lines: int = 40) -> int:
     """`toolkit logs`: a shard's worker (or engine) log, followed with `follow`; or with `failed` every failure."""
-    rd, plan = load_run(run)
+    opened = Run.open(run, JobSpec)  # read-only: logs writes nothing into the run
+    rd, plan = opened.rd, opened.plan
     if failed:
         retryable = _retryable(rd, plan)
         if retryable:

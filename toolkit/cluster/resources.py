@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import EXIT_BAD_INPUT, EXIT_FAILED, ToolkitError
-from toolkit.job.plan import RunPlan
+from toolkit.formats.run import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,10 @@ from toolkit.errors import BadInputError
 from toolkit.formats.manifests import write_retry
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import is_given_up
+from toolkit.formats.run import PromptIndex, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import asked_again, shard_state
-from toolkit.job.plan import RunPlan, load_refs, load_run
+from toolkit.job.plan import load_run
 
 __all__ = ["RetryError", "read_ids", "request_retry"]
 
@@ -46,7 +47,7 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
     wanted = set(ids)
     firsts = [s.first for s in plan.shards]
     by_shard: dict[int, list[str]] = {}
-    for pos, ref in enumerate(load_refs(rd)):
+    for pos, ref in enumerate(PromptIndex(rd, plan).refs()):
         if ref.id in wanted:
             wanted.discard(ref.id)
             by_shard.setdefault(bisect_right(firsts, pos) - 1, []).append(ref.id)

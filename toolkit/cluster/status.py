@@ -44,9 +44,10 @@ from toolkit.cluster.verdicts import (
 from toolkit.cluster.verdicts import slurm_view as view_of_answers
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import done_time, shard_state
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 
 class RunStatus(msgspec.Struct):
@@ -89,7 +90,8 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     is gone, Slurm's answers, the time."""
     from toolkit.cluster.jobs import read_jobs
 
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec)  # read-only: status writes nothing into the run
+    rd, plan = run.rd, run.plan
     jobs = index_jobs(read_jobs(rd).submissions)
     view = slurm_view(jobs.job_ids)
     live = live_local_runs(rd)

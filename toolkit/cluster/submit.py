@@ -31,10 +31,11 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import RunPlan, load_run
+from toolkit.job.plan import load_run
 
 log = logging.getLogger(__name__)
 

@@ -51,17 +51,16 @@ from toolkit.formats.records import (
     all_blank,
     defects,
     ends_with_stop,
-    id_at,
     id_positions,
     is_nan_stop,
-    last_meaningful,
     split_parts,
 )
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader
-from toolkit.job.plan import RunPlan, load_run
+from toolkit.job.plan import load_run
 
 __all__ = ["Auditor", "audit_run"]
 
@@ -240,8 +239,8 @@ class Auditor:
         if is_nan_stop(rec.finish, m):
             r.nan_stops += 1
             self._example("nan_stop", rec.id)
-        last_prompt = last_meaningful(pk, self.blank)
-        opened = last_prompt is not None and last_prompt == info.think_start_id
+        mode = chat.reasoning_mode(pk, info)
+        opened = mode == chat.OPENED
         r0, r1, c0, c1 = split_parts(rec, info.think_start_id, opened)
         acc.output_len.append(n)
         acc.reasoning_len.append(r1 - r0)
@@ -251,22 +250,21 @@ class Auditor:
             st.degenerate += 1
             self._example("degenerate", rec.id)
             self.samples.loop(rec, (r0, r1, c0, c1), te_at is not None, loop)
-        model_opened = n > 0 and id_at(out, 0) == info.think_start_id
         if te_at is not None or id_positions(out, info.think_start_id) is not None:
             r.think_tokens += 1
             self._example("think_tokens", rec.id)
         self.samples.offer(rec, (r0, r1, c0, c1), te_at is not None)
-        if last_prompt is not None and last_prompt == info.think_end_id:
+        if mode == chat.CLOSED:
             r.closed_by_template += 1
             self._example("closed_by_template", rec.id)
             return
-        if opened:
+        if mode == chat.OPENED:
             r.mode_opened += 1
-        elif info.template_knows_reasoning:
+        elif mode == chat.MODEL_OPENS:
             r.mode_model_opens += 1
         else:
             r.mode_unknown += 1
-        if opened or model_opened or te_at is not None:
+        if chat.output_in_reasoning(rec, info, opened):
             r.in_reasoning += 1
         r.expected += 1
         if te_at is not None:

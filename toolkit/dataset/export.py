@@ -69,15 +69,15 @@ from toolkit.formats.records import (
     defects,
     id_at,
     id_positions,
-    opens_reasoning,
     split_parts,
 )
+from toolkit.formats.run import PromptIndex, PromptRef, Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges
 from toolkit.job import chat
-from toolkit.job.inputs import ExtraReader, InputError, PromptReader
-from toolkit.job.plan import PlannedRefs, PromptRef, RunPlan, check_plan_inputs, load_run
+from toolkit.job.inputs import ExtraReader, InputError, PromptReader, check_plan_inputs
+from toolkit.job.spec import JobSpec
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
@@ -180,14 +180,13 @@ class _Text:
 
     def __init__(self, plan: RunPlan, tokens: _Tokens):
         self.tok, self.info = tokens.tok, tokens.info
-        self.blank = frozenset(self.info.blank_ids)
         self._decode = _batch_decoder(self.tok)
 
     def parts(self, recs: list[Record]) -> list[tuple[str, str]]:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
+            opened = chat.opens_reasoning(r.prompt_ids, self.info)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             seqs.append(ids[r0:r1].tolist())
             seqs.append(ids[c0:c1].tolist())
@@ -199,7 +198,7 @@ class _Text:
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
-            opened = opens_reasoning(r.prompt_ids, self.info.think_start_id, self.blank)
+            opened = chat.opens_reasoning(r.prompt_ids, self.info)
             r0, r1, c0, c1 = split_parts(r, self.info.think_start_id, opened)
             tc = r.tool_call_at if r.tool_call_at is not None and c0 <= r.tool_call_at < c1 else c1
             seqs += [ids[r0:r1].tolist(), ids[c0:tc].tolist(), ids[tc:c1].tolist()]
@@ -326,13 +325,13 @@ class _Account:
     """Decides for each record whether the export holds it, counts every selected record once, and writes the
     skipped file."""
 
-    def __init__(self, plan: RunPlan, refs: PlannedRefs, sel: Selection, include: frozenset[str], include_failed: bool,
+    def __init__(self, plan: RunPlan, refs: PromptIndex, sel: Selection, include: frozenset[str], include_failed: bool,
                  tokens: _Tokens, summary: ExportSummary, skipped_out):
         self.plan, self.refs, self.sel, self.include = plan, refs, sel, include
         self.include_failed = include_failed
         info = tokens.info
         self.judge = Judge(info.think_start_id, info.think_end_id, info.blank_ids, plan.spec.model.expect_reasoning)
-        self.blank = frozenset(info.blank_ids)
+        self.info = info
         self.summary, self.out = summary, skipped_out
         self.enc = msgspec.json.Encoder()
         self.seen = 0
@@ -355,13 +354,12 @@ class _Account:
         """None: export it; "failed", "filtered", or the reason it is not training data."""
         if rec.status != OK:
             return None if self.include_failed else "failed"
-        opened = opens_reasoning(rec.prompt_ids, self.judge.ts, self.blank)
+        opened = chat.opens_reasoning(rec.prompt_ids, self.info)
         sel = self.sel
         if sel.finish is not None and rec.finish not in sel.finish:
             return "filtered"
         if sel.mode is not None:
-            in_reasoning = (opened or rec.reasoning_end is not None
-                            or (rec.n_output > 0 and id_at(rec.output_ids, 0) == self.judge.ts))
+            in_reasoning = chat.output_in_reasoning(rec, self.info, opened)
             if sel.mode != ("reasoning" if in_reasoning else "non-reasoning"):
                 return "filtered"
         reason = self.judge.skip_reason(rec, opened)
@@ -460,8 +458,7 @@ def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens
     return n
 
 
-def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: frozenset[int],
-              supervise_think_start: bool = True) -> list[int]:
+def loss_mask(prompt: bytes, n_output: int, info: chat.TokenInfo, supervise_think_start: bool = True) -> list[int]:
     """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
     the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
     the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
@@ -472,22 +469,21 @@ def loss_mask(prompt: bytes, n_output: int, think_start_id: int | None, blank: f
     the end of the rendered generation prompt)."""
     n = len(prompt) >> 2
     head = n
-    if supervise_think_start and opens_reasoning(prompt, think_start_id, blank):
+    if supervise_think_start and chat.opens_reasoning(prompt, info):
         head = n - 1
-        while id_at(prompt, head) != think_start_id:
+        while id_at(prompt, head) != info.think_start_id:
             head -= 1
     return [0] * head + [1] * (n - head + n_output)
 
 
 def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
     enc, n = msgspec.json.Encoder(), 0
-    ts, blank = tokens.info.think_start_id, frozenset(tokens.info.blank_ids)
     think = acc.summary.supervise_think_start is not False
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, (
             {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
              "input_ids": _ids(r.prompt_ids + r.output_ids),
-             "loss_mask": loss_mask(r.prompt_ids, r.n_output, ts, blank, think)}
+             "loss_mask": loss_mask(r.prompt_ids, r.n_output, tokens.info, think)}
             for r, ref in zip(recs, refs)
         ), enc)
     return n
@@ -797,7 +793,8 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         include = select.include
     else:
         include = frozenset() if fmt in TRAINING_FORMATS else frozenset(EXPORT_REASONS)
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec)  # read-only: only the export's own files are written
+    rd, plan = run.rd, run.plan
     manifest = load_manifest(rd)  # a merged dataset must exist
     path = rd.merged_file
     if not path.exists():
@@ -872,7 +869,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
     tmp, skipped_tmp, summary_tmp = tmps[:3]
     try:
         with open(skipped_tmp, "wb") as skipped_out:
-            acc = _Account(plan, PlannedRefs(rd, plan), select, include, include_failed, tokens, summary, skipped_out)
+            acc = _Account(plan, run.prompts(), select, include, include_failed, tokens, summary, skipped_out)
             if fmt == "parquet":
                 summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
             elif fmt == "conversations":

@@ -29,11 +29,12 @@ from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
 from toolkit.formats.records import OK, Record
+from toolkit.formats.run import PlanError, PromptIndex, PromptRef, RunPlan, ShardPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import PlanError, PlannedRefs, PromptRef, RunPlan, ShardPlan, load_run
+from toolkit.job.plan import load_run
 
 __all__ = [
     "MERGED",
@@ -153,10 +154,10 @@ def _merge_shard(
         emit(rec)
 
 
-def planned_refs(rd: RunDir, plan: RunPlan) -> PlannedRefs:
+def planned_refs(rd: RunDir, plan: RunPlan) -> PromptIndex:
     """The plan's prompt refs; MergeError when the run directory does not hold them."""
     try:
-        return PlannedRefs(rd, plan)
+        return PromptIndex(rd, plan)
     except PlanError as e:
         raise MergeError(str(e)) from None
 

@@ -22,8 +22,9 @@ from toolkit.dataset.merge import MERGED, MergeError, load_manifest
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import OK, Record
+from toolkit.formats.run import PromptIndex, Run, RunPlan
 from toolkit.formats.rundir import RunDir
-from toolkit.job.plan import PlannedRefs, RunPlan, load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["read_rows", "read_run", "to_dataset"]
 
@@ -47,7 +48,7 @@ def _merge_is_current(rd: RunDir, plan: RunPlan) -> bool:
     return stale_merge(rd, plan, manifest) is None
 
 
-def _newest(rd: RunDir, plan: RunPlan, refs: PlannedRefs) -> Iterator[Record]:
+def _newest(rd: RunDir, plan: RunPlan, refs: PromptIndex) -> Iterator[Record]:
     if _merge_is_current(rd, plan):
         yield from read_shard(rd.merged_file)
         return
@@ -69,15 +70,15 @@ def _newest(rd: RunDir, plan: RunPlan, refs: PlannedRefs) -> Iterator[Record]:
 
 def read_run(run_dir: str | os.PathLike) -> Iterator[Record]:
     """The newest record of each planned id of a run, in planned order (see the module's docstring)."""
-    rd, plan = load_run(run_dir)
-    yield from _newest(rd, plan, PlannedRefs(rd, plan))
+    run = Run.open(run_dir, JobSpec)  # read-only: reading a run writes nothing into it
+    yield from _newest(run.rd, run.plan, run.prompts())
 
 
 def read_rows(run_dir: str | os.PathLike, *, ok_only: bool = False) -> Iterator[JsonlRecord]:
     """`read_run`'s records as rows of the `jsonl` export: sample, turn, the reasoning and the answer (`content`)
     decoded with the run's tokenizer, and the prompt line's other fields (`meta`). `ok_only`: ok records only."""
-    rd, plan = load_run(run_dir)
-    refs = PlannedRefs(rd, plan)
+    run = Run.open(run_dir, JobSpec)
+    rd, plan, refs = run.rd, run.plan, run.prompts()
     tokens = _Tokens(plan)
     text, meta = _Text(plan, tokens), _Meta(plan)
     batch: list[Record] = []
@@ -107,7 +108,8 @@ def _row_dicts(run_dir: str, ok_only: bool, state: tuple) -> Iterator[dict[str, 
 def _state(run_dir: str | os.PathLike) -> tuple:
     """What the rows are read from, by size and time: `datasets` caches a dataset made from a generator under a
     hash of its arguments, so a run that changed must give other arguments."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec)
+    rd, plan = run.rd, run.plan
     files = [rd.merged_file, rd.manifest_file, *(rd.shard_file(s.index) for s in plan.shards)]
     files += [d.path for d in plan.datasets]
     out = []

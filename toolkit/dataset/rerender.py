@@ -13,9 +13,9 @@ import numpy as np
 
 from toolkit.dataset.audit_report import Reprompt
 from toolkit.formats.records import pack_ids
+from toolkit.formats.run import PromptIndex, RunPlan
 from toolkit.job import chat
-from toolkit.job.inputs import InputError, PromptReader
-from toolkit.job.plan import PlannedRefs, RunPlan, check_plan_inputs
+from toolkit.job.inputs import InputError, PromptReader, check_plan_inputs
 from toolkit.job.turns import turn_prompt
 
 __all__ = ["EXAMPLES", "rerender", "sample_positions"]
@@ -29,7 +29,7 @@ def sample_positions(total: int, k: int) -> set[int]:
     return set(np.linspace(0, total - 1, k).round().astype(int).tolist()) if k > 0 else set()
 
 
-def rerender(tok: Any, plan: RunPlan, refs: PlannedRefs, sampled: dict[int, bytes]) -> tuple[Reprompt, str | None]:
+def rerender(tok: Any, plan: RunPlan, refs: PromptIndex, sampled: dict[int, bytes]) -> tuple[Reprompt, str | None]:
     """Render the prompts of `sampled` ({planned position: stored packed prompt ids}) from their source lines
     again and compare: (the counts, a problem message when the source files are not those planned, else None).
 

@@ -1,5 +1,5 @@
-"""Small file-system primitives every writer shares: atomic replace and durable appends, and a log file that a
-full disk does not turn into a traceback per line."""
+"""Small file-system primitives every writer shares: atomic replace and durable appends, and a log
+file that a full disk does not turn into a traceback per line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 __all__ = ["FULL", "LogFile", "READ_ONLY", "atomic_write", "fsync_dir", "io_problem", "shown_path"]
 
 FULL = frozenset({errno.ENOSPC, errno.EDQUOT})                 # a full file system, or a quota
-READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})  # a read-only mount, or another user's folder
+# a read-only mount, or another user's folder
+READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -28,8 +29,8 @@ def fsync_dir(path: str | Path) -> None:
 def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None:
     """Write `data` to `path` so readers see the old or the new content, never a mix.
 
-    `durable=False` skips the fsyncs: for files that are rewritten every few seconds and only advisory
-    (progress), where a lost update is harmless.
+    `durable=False` skips the fsyncs: for files that are rewritten every few seconds and only
+    advisory (progress), where a lost update is harmless.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -50,12 +51,15 @@ def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None
 
 
 def io_problem(e: OSError, where: str | Path, then: str) -> str:
-    """One line for an OSError met reading or writing `where` (or the file the error names): what happened and
-    what to do — free space, make it writable, check the file system — then `then` (e.g. "merge again")."""
+    """One line for an OSError met reading or writing `where` (or the file the error names): what
+    happened and what to do — free space, make it writable, check the file system — then `then`
+    (e.g. "merge again")."""
     path = shown_path(e.filename if e.filename else where)
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     if e.errno in FULL:
-        return f"cannot write {path}: {what}; free space (or quota) on that file system, then {then}"
+        return (
+            f"cannot write {path}: {what}; free space (or quota) on that file system, then {then}"
+        )
     if e.errno in READ_ONLY:
         return f"cannot write {path}: {what}; make it writable by this user, then {then}"
     return f"{path}: {what}; check the file system, then {then}"
@@ -80,9 +84,10 @@ def sha256_file(path: str | Path) -> str:
 
 
 class LogFile(logging.FileHandler):
-    """A log file whose writes may fail (a full disk, a quota): the first failure is said in one line on stderr
-    (`toolkit: warning: cannot write the log file ...`), not as logging's `--- Logging error ---` traceback for every
-    line; the lines still reach the other handlers (stderr)."""
+    """A log file whose writes may fail (a full disk, a quota): the first failure is said in one
+    line on stderr (`toolkit: warning: cannot write the log file ...`), not as logging's `---
+    Logging error ---` traceback for every line; the lines still reach the other handlers
+    (stderr)."""
 
     failed = False
 
@@ -90,8 +95,10 @@ class LogFile(logging.FileHandler):
         if not self.failed:
             self.failed = True
             e = sys.exc_info()[1]
-            sys.stderr.write(f"toolkit: warning: cannot write the log file {shown_path(self.baseFilename)} ({e}); "
-                             "its lines are not kept there\n")
+            sys.stderr.write(
+                f"toolkit: warning: cannot write the log file {shown_path(self.baseFilename)} "
+                f"({e}); its lines are not kept there\n"
+            )
 
     def flush(self) -> None:
         try:

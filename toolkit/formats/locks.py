@@ -1,11 +1,12 @@
 """The lock a shard file's writer holds: two tasks never interleave frames.
 
-flock on the shard file where the file system has it. Where it does not (older NFS, Lustre mounted without flock:
-ENOLCK, EOPNOTSUPP, ENOSYS), an exclusive lock file `NNNNN.zst.lock` created with O_CREAT|O_EXCL stands in
-(`LockFile`): it names host, pid and start time (a `LockHolder`), a stale one is taken over (same host and pid
-gone, or another host's untouched for STALE_LOCK_S), any other is refused with how to remove it. Where flock
-works but is node-local, two tasks on two nodes could take the same shard (worker.claims: the lock is the claim);
-the merge keeps each id once, but the work is done twice.
+flock on the shard file where the file system has it. Where it does not (older NFS, Lustre mounted
+without flock: ENOLCK, EOPNOTSUPP, ENOSYS), an exclusive lock file `NNNNN.zst.lock` created with
+O_CREAT|O_EXCL stands in (`LockFile`): it names host, pid and start time (a `LockHolder`), a stale
+one is taken over (same host and pid gone, or another host's untouched for STALE_LOCK_S), any other
+is refused with how to remove it. Where flock works but is node-local, two tasks on two nodes could
+take the same shard (worker.claims: the lock is the claim); the merge keeps each id once, but the
+work is done twice.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class ShardLocked(ToolkitError):
     """Another writer holds this shard file (or may): the message says who and what to do."""
 
 
-NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})  # file systems without flock
-STALE_LOCK_S = 2 * 3600  # another host's lock file untouched this long is stale (its writer touches it per batch)
+# file systems without flock
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+# another host's lock file untouched this long is stale (its writer touches it per batch)
+STALE_LOCK_S = 2 * 3600
 
 
 def pid_alive(pid: int) -> bool:
@@ -45,7 +48,8 @@ def pid_alive(pid: int) -> bool:
 
 
 class LockHolder(msgspec.Struct):
-    """What a shard's lock file holds: who took it and when (`started` in epoch seconds, `since` for people)."""
+    """What a shard's lock file holds: who took it and when (`started` in epoch seconds, `since` for
+    people)."""
 
     host: str
     pid: int
@@ -54,8 +58,9 @@ class LockHolder(msgspec.Struct):
 
 
 class LockFile:
-    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with O_CREAT|O_EXCL, holding a
-    `LockHolder`; touched at every batch written, removed when the writer closes."""
+    """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with
+    O_CREAT|O_EXCL, holding a `LockHolder`; touched at every batch written, removed when the writer
+    closes."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -70,7 +75,9 @@ class LockFile:
                 self._judge()  # raises ShardLocked, or has moved a stale lock aside
                 continue
             now = time.time()
-            self.mine = msgspec.json.encode(LockHolder(socket.gethostname(), os.getpid(), now, local_time(now)))
+            self.mine = msgspec.json.encode(
+                LockHolder(socket.gethostname(), os.getpid(), now, local_time(now))
+            )
             try:
                 os.write(fd, self.mine)
                 os.fsync(fd)
@@ -78,12 +85,17 @@ class LockFile:
                 os.close(fd)
             self.held = True
             return
-        raise ShardLocked(f"{self.path}: other writers keep taking this shard's lock file; is the shard submitted twice?")
+        raise ShardLocked(
+            f"{self.path}: other writers keep taking this shard's lock file; is the shard "
+            "submitted twice?"
+        )
 
     def _refuse(self, why: str) -> ShardLocked:
-        return ShardLocked(f"{self.path.parent / self.path.name[:-5]} is locked by another worker of this shard: {why} "
-                           f"(this file system has no flock, so the lock file {self.path.name} stands in). If no task "
-                           f"of this shard runs any more (squeue, ps), remove it: rm {self.path}")
+        return ShardLocked(
+            f"{self.path.parent / self.path.name[:-5]} is locked by another worker of this shard: "
+            f"{why} (this file system has no flock, so the lock file {self.path.name} stands in). "
+            f"If no task of this shard runs any more (squeue, ps), remove it: rm {self.path}"
+        )
 
     def _judge(self) -> None:
         try:
@@ -101,20 +113,33 @@ class LockFile:
         if host == socket.gethostname():
             if pid_alive(pid):
                 raise self._refuse(f"pid {pid} on this host holds it since {since}")
-            log.warning("%s: taking over the lock of pid %d on this host, which is gone", self.path, pid)
+            log.warning(
+                "%s: taking over the lock of pid %d on this host, which is gone", self.path, pid
+            )
         elif host:
             if age < STALE_LOCK_S:
-                raise self._refuse(f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago")
-            log.warning("%s: taking over the lock of pid %d on host %s, untouched for %.0f s (over %d s)",
-                        self.path, pid, host, age, STALE_LOCK_S)
+                raise self._refuse(
+                    f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago"
+                )
+            log.warning(
+                "%s: taking over the lock of pid %d on host %s, untouched for %.0f s (over %d s)",
+                self.path,
+                pid,
+                host,
+                age,
+                STALE_LOCK_S,
+            )
         else:
-            log.warning("%s: taking over an unreadable lock file untouched for %.0f s", self.path, age)
+            log.warning(
+                "%s: taking over an unreadable lock file untouched for %.0f s", self.path, age
+            )
         aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
         try:
             os.rename(self.path, aside)  # atomic: of two takers, one moves the stale lock
         except FileNotFoundError:
             return
-        if aside.read_bytes() != seen:  # moved the fresh lock of a faster taker: put it back, and refuse
+        # moved the fresh lock of a faster taker: put it back, and refuse
+        if aside.read_bytes() != seen:
             try:
                 os.link(aside, self.path)
             except FileExistsError:
@@ -141,7 +166,8 @@ class LockFile:
 
 
 def flock_or_lockfile(fd: int, path: Path) -> LockFile | None:
-    """Lock `fd` (the shard file) for this writer: flock, or where the file system has none, a lock file."""
+    """Lock `fd` (the shard file) for this writer: flock, or where the file system has none, a lock
+    file."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return None
@@ -152,16 +178,23 @@ def flock_or_lockfile(fd: int, path: Path) -> LockFile | None:
         ) from None
     except OSError as e:
         if e.errno not in NO_FLOCK:
-            raise ShardLocked(f"{path}: cannot lock it ({e.strerror}); check the file system it is on") from None
-        log.warning("%s: this file system has no flock (%s): an exclusive lock file stands in", path, e.strerror)
+            raise ShardLocked(
+                f"{path}: cannot lock it ({e.strerror}); check the file system it is on"
+            ) from None
+        log.warning(
+            "%s: this file system has no flock (%s): an exclusive lock file stands in",
+            path,
+            e.strerror,
+        )
     lock = LockFile(path.with_name(path.name + ".lock"))
     lock.acquire()
     return lock
 
 
 def flock_held(path: Path) -> bool | None:
-    """Whether another process holds the flock of `path` at this moment (False when the file is absent; None when
-    its file system has no flock to tell). Only looked at: the probe's own shared lock is released at once."""
+    """Whether another process holds the flock of `path` at this moment (False when the file is
+    absent; None when its file system has no flock to tell). Only looked at: the probe's own shared
+    lock is released at once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -178,8 +211,9 @@ def flock_held(path: Path) -> bool | None:
 
 
 def held_elsewhere(path: Path) -> bool:
-    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where the file system
-    has none, its lock file). Only looked at: a writer may take the lock the next moment (ShardLocked says so)."""
+    """Whether another writer holds the lock of shard file `path` at this moment (its flock; where
+    the file system has none, its lock file). Only looked at: a writer may take the lock the next
+    moment (ShardLocked says so)."""
     held = flock_held(path)
     return path.with_name(path.name + ".lock").exists() if held is None else held
 

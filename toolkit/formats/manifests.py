@@ -1,5 +1,6 @@
-"""What lies beside a shard file: its `done` manifest (written when the shard is complete, trusted only while the
-file keeps its size and sha256) and the retry requests `toolkit retry --ids` leaves for the next run."""
+"""What lies beside a shard file: its `done` manifest (written when the shard is complete, trusted
+only while the file keeps its size and sha256) and the retry requests `toolkit retry --ids` leaves
+for the next run."""
 
 from __future__ import annotations
 
@@ -28,23 +29,46 @@ class DoneManifest(msgspec.Struct):
     sha256: str
     host: str
     finished: str
-    transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
-    superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
-    given_up: int = 0            # failures that may pass, final for this run after client.max_tries tries (counted in
-                                 # `failed`, not in `transient`): `toolkit retry` generates them again
+    transient: int = 0           # failed records worth generating again: while > 0 the shard is not
+                                 # complete
+    superseded: int = 0          # older records of ids written again (kept in the file, not counted
+                                 # above)
+    given_up: int = 0            # failures that may pass, final for this run after client.max_tries
+                                 # tries (counted in
+                                 # `failed`, not in `transient`): `toolkit retry` generates them
+                                 # again
 
 
-def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range) -> DoneManifest:
-    """Count the newest record of each of the shard's planned `positions` (formats.newest; records outside them
-    are ignored), checksum the complete shard file and atomically write its `done` manifest."""
+def write_done(
+    path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range
+) -> DoneManifest:
+    """Count the newest record of each of the shard's planned `positions` (formats.newest; records
+    outside them are ignored), checksum the complete shard file and atomically write its `done`
+    manifest."""
     totals, total = _count_newest(shard_path, positions)
-    ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
+    ok, failed, transient, ptok, otok = (
+        totals.ok,
+        totals.failed,
+        totals.transient,
+        totals.ptok,
+        totals.otok,
+    )
     given_up = totals.given_up
     m = DoneManifest(
-        shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
-        output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
+        shard=shard,
+        fingerprint=fingerprint,
+        records=ok + failed,
+        ok=ok,
+        failed=failed,
+        prompt_tokens=ptok,
+        output_tokens=otok,
+        bytes=shard_path.stat().st_size,
+        sha256=sha256_file(shard_path),
+        host=socket.gethostname(),
         finished=utc_now(),
-        transient=transient, superseded=total - ok - failed, given_up=given_up,
+        transient=transient,
+        superseded=total - ok - failed,
+        given_up=given_up,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
@@ -68,8 +92,9 @@ class _Totals:
 
 
 def _count_newest(shard_path: Path, positions: range) -> tuple[_Totals, int]:
-    """(totals of the newest record of each planned position, records in the file). While no position has two
-    records, the scan's one pass counts; else the newest are read again (formats.newest)."""
+    """(totals of the newest record of each planned position, records in the file). While no
+    position has two records, the scan's one pass counts; else the newest are read again
+    (formats.newest)."""
     once = _Totals()
     sc = scan_shard(shard_path, positions.start, len(positions), each=once.add)
     if not sc.duplicates and not sc.continued:
@@ -96,8 +121,8 @@ def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
 
 
 class RetryRequest(msgspec.Struct):
-    """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record lies
-    before byte `before` of the shard file (records written since are the retry's own)."""
+    """Ids to generate again although they are recorded (`toolkit retry`): those whose newest record
+    lies before byte `before` of the shard file (records written since are the retry's own)."""
 
     before: int
     ids: list[str]
@@ -108,21 +133,31 @@ def write_retry(path: Path, request: RetryRequest) -> None:
 
 
 def read_retry(path: Path) -> RetryRequest | None:
-    """The retry request of a shard; None when there is none, or when it is damaged (said once, in one line)."""
-    return _read_or_none(path, RetryRequest, "damaged retry request ({why}): ignored, so the ids it named are not "
-                                             "generated again; ask again with `toolkit retry RUN --ids FILE`")
+    """The retry request of a shard; None when there is none, or when it is damaged (said once, in
+    one line)."""
+    return _read_or_none(
+        path,
+        RetryRequest,
+        "damaged retry request ({why}): ignored, so the ids it named are not "
+        "generated again; ask again with `toolkit retry RUN --ids FILE`",
+    )
 
 
 def read_done(path: Path) -> DoneManifest | None:
-    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
-    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
-    return _read_or_none(path, DoneManifest, "damaged done manifest ({why}): the shard is taken as not finished; its "
-                                             "next run checks its file and writes the manifest again")
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in
+    one line): the shard is then not taken as finished, and its next run checks its file and writes
+    the manifest again."""
+    return _read_or_none(
+        path,
+        DoneManifest,
+        "damaged done manifest ({why}): the shard is taken as not finished; its "
+        "next run checks its file and writes the manifest again",
+    )
 
 
 def _read_or_none(path: Path, schema: type, damaged: str):
-    """`path` decoded as `schema`; None when it does not exist, or when it is damaged: then `damaged` (with {why})
-    is said once, in one line."""
+    """`path` decoded as `schema`; None when it does not exist, or when it is damaged: then
+    `damaged` (with {why}) is said once, in one line."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=schema)
     except FileNotFoundError:

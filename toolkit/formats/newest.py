@@ -1,13 +1,15 @@
-"""The newest record of each id wins, in one place: a shard file's records located per planned position, the
-record written last of each position kept.
+"""The newest record of each id wins, in one place: a shard file's records located per planned
+position, the record written last of each position kept.
 
-A record written again (a retry of a failed record, a task that ran twice) supersedes the earlier ones; a partial
-output kept at a stop and superseded by its continuation is counted apart, as continued, not as a duplicate.
-Memory stays flat whatever the file's size: the first pass (`scan_shard`) reads every intact frame and keeps, per
-planned position, where its newest record lives (frame number and index in the frame, in compact arrays),
-noting damaged frames and reading on past them; the second (`newest_records`) yields those records in planned
-order, decoding frames through a cache bounded in bytes and reading a frame again when it was evicted. The merge,
-`toolkit.read_run`, the worker's turn history, `toolkit retry` and `toolkit logs` read a shard this way.
+A record written again (a retry of a failed record, a task that ran twice) supersedes the earlier
+ones; a partial output kept at a stop and superseded by its continuation is counted apart, as
+continued, not as a duplicate. Memory stays flat whatever the file's size: the first pass
+(`scan_shard`) reads every intact frame and keeps, per planned position, where its newest record
+lives (frame number and index in the frame, in compact arrays), noting damaged frames and reading on
+past them; the second (`newest_records`) yields those records in planned order, decoding frames
+through a cache bounded in bytes and reading a frame again when it was evicted. The merge,
+`toolkit.read_run`, the worker's turn history, `toolkit retry` and `toolkit logs` read a shard this
+way.
 """
 
 from __future__ import annotations
@@ -26,24 +28,28 @@ SAMPLE_IDS = 100               # ids listed per kind of problem (all are counted
 
 
 class Planned(Protocol):
-    """A planned prompt of a shard, as the scan needs it: its id (job.plan.PromptRef is one)."""
+    """A planned prompt of a shard, as the scan needs it: its id (formats.run.PromptRef is one)."""
 
     @property
     def id(self) -> str: ...
 
 
 class ShardScan:
-    """Where the newest record of each planned position of one shard file lives, and what else was found there.
+    """Where the newest record of each planned position of one shard file lives, and what else was
+    found there.
 
-    The one reading of "the newest record of an id wins": a record written again (a retry of a failed record, a
-    task that ran twice) supersedes the earlier ones; a partial output kept at a stop and superseded by its
-    continuation is counted apart, as continued, not as a duplicate. Only positions are kept, not records.
+    The one reading of "the newest record of an id wins": a record written again (a retry of a
+    failed record, a task that ran twice) supersedes the earlier ones; a partial output kept at a
+    stop and superseded by its continuation is counted apart, as continued, not as a duplicate. Only
+    positions are kept, not records.
     """
 
     def __init__(self, n: int):
-        self.frame_of = array("q", [-1]) * n  # frame number holding the kept record of each position
+        self.frame_of = array("q", [-1]) * n  # frame number holding the kept record of each
+                                              # position
         self.item_of = array("i", [0]) * n    # index of that record in its frame
-        self.partial_at = bytearray(n)         # 1 where that record is a partial output (to be continued)
+        self.partial_at = bytearray(n)         # 1 where that record is a partial output (to be
+                                               # continued)
         self.offsets: list[int] = []           # frame number -> byte offset
         self.sizes: list[int] = []             # frame number -> decompressed size
         self.records = self.duplicates = self.continued = self.foreign = 0
@@ -54,12 +60,13 @@ class ShardScan:
 
 def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, header: bool = True,
                each: Callable[[Record], None] | None = None) -> ShardScan:
-    """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs` in order):
-    every intact frame read, the newest record of each position located, damaged frames noted and read past.
-    `refs` a count: the positions' ids are not checked (a record at a planned position is taken as its own), and
-    nothing is kept per prompt but the arrays. `header` False: the file's header is known damaged; its frames are
-    read past it. `each` sees every record of the planned positions as pass 1 reads it (while the scan finds no
-    duplicate and no continued record, those are the newest)."""
+    """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs`
+    in order): every intact frame read, the newest record of each position located, damaged frames
+    noted and read past. `refs` a count: the positions' ids are not checked (a record at a planned
+    position is taken as its own), and nothing is kept per prompt but the arrays. `header` False:
+    the file's header is known damaged; its frames are read past it. `each` sees every record of the
+    planned positions as pass 1 reads it (while the scan finds no duplicate and no continued record,
+    those are the newest)."""
     n = refs if isinstance(refs, int) else len(refs)
     ids = None if isinstance(refs, int) else refs
     sc = ShardScan(n)
@@ -79,9 +86,11 @@ def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, 
                 if len(sc.foreign_ids) < SAMPLE_IDS:
                     sc.foreign_ids.append(h.id)
                 continue
-            if partial_at[pos]:  # a partial output, continued by this record (or kept again at a stop)
+            # a partial output, continued by this record (or kept again at a stop)
+            if partial_at[pos]:
                 sc.continued += 1
-            elif frame_of[pos] != -1:  # written again (a retry, a task that ran twice): the newest counts
+            # written again (a retry, a task that ran twice): the newest counts
+            elif frame_of[pos] != -1:
                 sc.duplicates += 1
                 if len(sc.duplicate_ids) < SAMPLE_IDS:
                     sc.duplicate_ids.append(h.id)
@@ -92,9 +101,11 @@ def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, 
     return sc
 
 
-def newest_records(path: Path | None, sc: ShardScan, cache_bytes: int = CACHE_BYTES) -> Iterator[Record | None]:
-    """Pass 2: the newest record of each planned position in planned order (None where there is none), frames
-    decoded through a cache bounded in bytes."""
+def newest_records(
+    path: Path | None, sc: ShardScan, cache_bytes: int = CACHE_BYTES
+) -> Iterator[Record | None]:
+    """Pass 2: the newest record of each planned position in planned order (None where there is
+    none), frames decoded through a cache bounded in bytes."""
     uses = [0] * len(sc.offsets)
     for fno in sc.frame_of:
         if fno >= 0:

@@ -1,4 +1,5 @@
-"""Per-shard progress files: what a running shard has done, rewritten every few seconds for `status`."""
+"""Per-shard progress files: what a running shard has done, rewritten every few seconds for
+`status`."""
 
 from __future__ import annotations
 
@@ -16,13 +17,25 @@ import msgspec
 from toolkit.formats.files import atomic_write
 from toolkit.formats.locks import flock_held, pid_alive
 
-__all__ = ["LocalRun", "Progress", "REFRESH_S", "STALE_S", "live_local_runs", "local_run", "read_progress",
-           "write_progress", "slurm_context", "stale_for", "worker_gone"]
+__all__ = [
+    "LocalRun",
+    "Progress",
+    "REFRESH_S",
+    "STALE_S",
+    "live_local_runs",
+    "local_run",
+    "read_progress",
+    "write_progress",
+    "slurm_context",
+    "stale_for",
+    "worker_gone",
+]
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0   # a generating worker rewrites its progress file this often
-STALE_S = 30.0    # a generating worker's progress file older than this (15 refreshes missed) is stale
+STALE_S = 30.0    # a generating worker's progress file older than this (15 refreshes missed) is
+                  # stale
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -33,7 +46,8 @@ class Progress(msgspec.Struct, kw_only=True):
     resumed: int = 0                 # records already in the file when this attempt started
     failed: int = 0
     output_tokens: int = 0           # recorded in the shard file: this attempt's and those resumed
-    resumed_tokens: int = 0          # of those, already recorded when this attempt started (tok_per_s excludes them)
+    resumed_tokens: int = 0          # of those, already recorded when this attempt started
+                                     # (tok_per_s excludes them)
     tok_per_s: float = 0.0
     engine: str = ""
     engine_restarts: int = 0
@@ -47,22 +61,33 @@ class Progress(msgspec.Struct, kw_only=True):
     started: float = 0.0
     updated: float = 0.0
     error: str | None = None
-    stop_signal: str | None = None   # the signal that stopped this attempt early (SIGTERM, SIGUSR2, ...)
-    # the server's load while generating (GET /v1/loads; None: not read, or the server has no such endpoint)
+    # the signal that stopped this attempt early (SIGTERM, SIGUSR2, ...)
+    stop_signal: str | None = None
+    # the server's load while generating (GET /v1/loads; None: not read, or the server has no such
+    # endpoint)
     running: int | None = None       # requests it is generating
     queued: int | None = None        # requests waiting for a running slot
     kv_usage: float | None = None    # share of its KV cache in use
     capacity: int | None = None      # requests it can run at once
-    in_flight_target: int | None = None  # requests the worker keeps in flight ([client] concurrency, or "auto")
-    partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued next time)
-    loops_stopped: int = 0           # outputs stopped in a repetition loop by this attempt ([client] loop_stop)
-    # the worker that runs this attempt, which claims shards one after another with one engine (worker.claims)
-    task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of `toolkit run`
-    task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a requeue restarts it)
+    # requests the worker keeps in flight ([client] concurrency, or "auto")
+    in_flight_target: int | None = None
+    partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued
+                                     # next time)
+    loops_stopped: int = 0           # outputs stopped in a repetition loop by this attempt
+                                     # ([client] loop_stop)
+    # the worker that runs this attempt, which claims shards one after another with one engine
+    # (worker.claims)
+    task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of
+                                     # `toolkit run`
+    task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a
+                                     # requeue restarts it)
     task_shards: int = 0             # shards that worker has taken so far, this one included
-    group: str | None = None         # the workers sharing one pool of shards (a Slurm array job, one `toolkit run`)
-    engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the serving engine writes:
-                                     # the first its worker started it for (this shard, or one claimed before)
+    group: str | None = None         # the workers sharing one pool of shards (a Slurm array job,
+                                     # one `toolkit run`)
+    engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the
+                                     # serving engine writes:
+                                     # the first its worker started it for (this shard, or one
+                                     # claimed before)
 
     def eta_s(self) -> float | None:
         """Seconds left at this attempt's pace (None before it has a pace)."""
@@ -98,16 +123,17 @@ def read_progress(path: Path) -> Progress | None:
 
 
 def stale_for(p: Progress, now: float) -> float | None:
-    """How long a generating worker's progress file has gone unwritten, when that is far past its refresh
-    interval (the worker is dead or hung, whatever else says it runs); None while it is fresh, or not generating
-    (an engine loading its weights writes nothing for minutes)."""
+    """How long a generating worker's progress file has gone unwritten, when that is far past its
+    refresh interval (the worker is dead or hung, whatever else says it runs); None while it is
+    fresh, or not generating (an engine loading its weights writes nothing for minutes)."""
     if p.state != "generating" or not p.updated:
         return None
     age = now - p.updated
     return age if age > STALE_S else None
 
 
-LIVE_STATES = ("starting", "loading", "generating")  # a worker writing these is (or should be) alive
+# a worker writing these is (or should be) alive
+LIVE_STATES = ("starting", "loading", "generating")
 
 
 def _started_at(pid: int) -> float | None:
@@ -124,46 +150,62 @@ def _started_at(pid: int) -> float | None:
 
 
 def worker_gone(p: Progress, host: str | None = None) -> str | None:
-    """Why the worker that writes `p` is gone (its pid is not running on this host, or is another process now),
-    or None when it may still run: only a pid on this host is judged, and only in a live state."""
+    """Why the worker that writes `p` is gone (its pid is not running on this host, or is another
+    process now), or None when it may still run: only a pid on this host is judged, and only in a
+    live state."""
     if p.state not in LIVE_STATES or not p.pid or p.host != (host or socket.gethostname()):
         return None
     try:
         os.kill(p.pid, 0)
     except ProcessLookupError:
-        return f"worker gone: pid {p.pid} on {p.host} is not running (killed, or the machine restarted)"
+        return (f"worker gone: pid {p.pid} on {p.host} is not running (killed, or the machine "
+                "restarted)")
     except PermissionError:
         pass  # alive, another user's
     started = _started_at(p.pid)
     if started is not None and p.started and started > p.started + 5:
-        return f"worker gone: pid {p.pid} on {p.host} is another process now (started after the worker)"
+        return (f"worker gone: pid {p.pid} on {p.host} is another process now (started after the "
+                "worker)")
     return None
 
 
-# ---------------------------------------------------------------------------------------------------
-# processes running a run's shards from the command line (not as its Slurm tasks): what `status` knows runs
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# processes running a run's shards from the command line (not as its Slurm tasks): what `status`
+# knows runs
+# --------------------------------------------------------------------------------------------------
 class LocalRun(msgspec.Struct, kw_only=True):
-    """A process that runs shards of a run from the command line (`toolkit run`, `retry`, `worker`): the shards
-    it will run, whether it merges them after. Its file is locked (flock) as long as the process lives."""
+    """A process that runs shards of a run from the command line (`toolkit run`, `retry`, `worker`):
+    the shards it will run, whether it merges them after. Its file is locked (flock) as long as the
+    process lives."""
 
     host: str
     pid: int
     started: float
     shards: list[int]
     command: str                 # `toolkit run`, `toolkit retry`, `toolkit worker`
-    group: str | None = None     # the claiming group of its workers (a shard failed in it is not claimed again)
+    group: str | None = None     # the claiming group of its workers (a shard failed in it is not
+                                 # claimed again)
     merges: bool = False         # it merges and audits the run once its shards are done
 
 
 @contextlib.contextmanager
-def local_run(rd, shards, command: str, *, group: str | None = None, merges: bool = False) -> Iterator[None]:
-    """While the block runs, this process is known to work on `shards` of run `rd` (`live_local_runs`): a file
-    that names it, locked for its life, removed at its end (a process killed -9 releases the lock with it). Best
-    effort: a run directory that cannot take the file (full, read-only) does not stop the work."""
+def local_run(
+    rd, shards, command: str, *, group: str | None = None, merges: bool = False
+) -> Iterator[None]:
+    """While the block runs, this process is known to work on `shards` of run `rd`
+    (`live_local_runs`): a file that names it, locked for its life, removed at its end (a process
+    killed -9 releases the lock with it). Best effort: a run directory that cannot take the file
+    (full, read-only) does not stop the work."""
     path = rd.local_run_file(socket.gethostname(), os.getpid())
-    me = LocalRun(host=socket.gethostname(), pid=os.getpid(), started=time.time(), shards=list(shards),
-                  command=command, group=group, merges=merges)
+    me = LocalRun(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started=time.time(),
+        shards=list(shards),
+        command=command,
+        group=group,
+        merges=merges,
+    )
     fd = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,8 +216,11 @@ def local_run(rd, shards, command: str, *, group: str | None = None, merges: boo
             pass  # no flock here (or a pid reused): the pid stands in (live_local_runs)
         os.write(fd, msgspec.json.encode(me))
     except OSError as e:
-        log.warning("cannot write %s (%s): `toolkit status` will not know this process runs the run", path,
-                    e.strerror or e)
+        log.warning(
+            "cannot write %s (%s): `toolkit status` will not know this process runs the run",
+            path,
+            e.strerror or e,
+        )
     try:
         yield
     finally:
@@ -186,8 +231,9 @@ def local_run(rd, shards, command: str, *, group: str | None = None, merges: boo
 
 
 def live_local_runs(rd) -> list[LocalRun]:
-    """The processes running shards of `rd` from the command line that are alive now: their file's lock is held (where the
-    file system has no flock: their pid runs on this host, or they run on another host, which cannot be told)."""
+    """The processes running shards of `rd` from the command line that are alive now: their file's
+    lock is held (where the file system has no flock: their pid runs on this host, or they run on
+    another host, which cannot be told)."""
     folder = rd.local_run_file("h", 0).parent
     try:
         files = sorted(folder.glob("*.json"))

@@ -1,10 +1,12 @@
-"""Records: one typed Struct per prompt, holding the model's exact output token ids and where reasoning ends.
+"""Records: one typed Struct per prompt, holding the model's exact output token ids and where
+reasoning ends.
 
-Token ids are the truth; text is derived later (export, audit). Ids are stored packed as little-endian
-uint32 bytes: measured on 4,096-token outputs of real English text, that is the smallest zstd-compressed
-form for a 160k vocabulary (1.24 B/token vs 1.42 for msgpack integer lists) and it decodes without creating
-one Python object per token, which keeps merge and audit fast. The worker never makes Python ints of output
-ids either: they go from the response's JSON text to packed bytes in one C call (`ids_from_json`).
+Token ids are the truth; text is derived later (export, audit). Ids are stored packed as
+little-endian uint32 bytes: measured on 4,096-token outputs of real English text, that is the
+smallest zstd-compressed form for a 160k vocabulary (1.24 B/token vs 1.42 for msgpack integer lists)
+and it decodes without creating one Python object per token, which keeps merge and audit fast. The
+worker never makes Python ints of output ids either: they go from the response's JSON text to packed
+bytes in one C call (`ids_from_json`).
 """
 
 from __future__ import annotations
@@ -19,47 +21,82 @@ import msgspec
 import numpy as np
 
 __all__ = [
-    "Record", "pack_ids", "unpack_ids", "ids_from_json", "first_index", "split_output", "id_positions", "split_parts",
-    "ends_with_stop", "last_meaningful", "opens_reasoning", "all_blank", "id_at", "FAILURES", "TRANSIENT", "MAY_PASS",
-    "is_transient", "is_given_up", "is_nan_stop", "OK", "FAILED", "LOOP",
-    "PARTIAL", "RECORD_CHECKS", "defects",
+    "Record",
+    "pack_ids",
+    "unpack_ids",
+    "ids_from_json",
+    "first_index",
+    "split_output",
+    "id_positions",
+    "split_parts",
+    "ends_with_stop",
+    "last_meaningful",
+    "all_blank",
+    "id_at",
+    "FAILURES",
+    "TRANSIENT",
+    "MAY_PASS",
+    "is_transient",
+    "is_given_up",
+    "is_nan_stop",
+    "OK",
+    "FAILED",
+    "LOOP",
+    "PARTIAL",
+    "RECORD_CHECKS",
+    "defects",
 ]
 
 OK, FAILED = "ok", "failed"
-# A PARTIAL record holds what the server had generated when the worker stopped (the requests in flight were
-# aborted and their partial outputs kept): never part of the dataset (not ok), continued on the next run of the
-# shard from where it stopped (its failure kind PARTIAL is transient), and superseded by the completed record.
+# A PARTIAL record holds what the server had generated when the worker stopped (the requests in
+# flight were aborted and their partial outputs kept): never part of the dataset (not ok), continued
+# on the next run of the shard from where it stopped (its failure kind PARTIAL is transient), and
+# superseded by the completed record.
 PARTIAL = "partial"
-# The finish of an ok record the worker stopped while it was generated, because its output had fallen into a
-# repetition loop (formats/loops; worker/inflight): never training data (dataset/quality calls it "degenerate"),
-# never generated again (a loop comes back), its output kept as far as it went.
+# The finish of an ok record the worker stopped while it was generated, because its output had
+# fallen into a repetition loop (formats/loops; worker/inflight): never training data
+# (dataset/quality calls it "degenerate"), never generated again (a loop comes back), its output
+# kept as far as it went.
 LOOP = "loop"
 
-# Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come back the same
-# every time; transient ones depend on the server's state at that moment, so they are generated again (a rerun of
-# the shard, `toolkit resubmit`, `toolkit retry`).
-REJECTED = "rejected"          # a 4xx answer, e.g. a prompt over the context length          (permanent)
-TEMPLATE = "template"          # the chat template failed on the prompt                        (permanent)
-TIMEOUT = "timeout"            # no answer within request_timeout_s, retries included           (transient)
-SERVER_ERROR = "server_error"  # 5xx past the client's retries                                  (transient)
-UNREACHABLE = "unreachable"    # the connection failed past the retries                         (transient)
-BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol                          (transient)
-ABORTED = "aborted"            # the server aborted the request (finish_reason abort)           (transient)
-NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by a stop id
-PREVIOUS_TURN = "previous_turn"  # regenerated conversations: the turn before failed in a way that may pass
-# PARTIAL (above) is also the failure kind of a PARTIAL record: transient, so the shard is not complete with one
+# Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come
+# back the same every time; transient ones depend on the server's state at that moment, so they are
+# generated again (a rerun of the shard, `toolkit resubmit`, `toolkit retry`).
+REJECTED = "rejected"          # a 4xx answer, e.g. a prompt over the context length (permanent)
+TEMPLATE = "template"          # the chat template failed on the prompt (permanent)
+TIMEOUT = "timeout"            # no answer within request_timeout_s, retries included (transient)
+SERVER_ERROR = "server_error"  # 5xx past the client's retries (transient)
+UNREACHABLE = "unreachable"    # the connection failed past the retries (transient)
+BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol (transient)
+ABORTED = "aborted"            # the server aborted the request (finish_reason abort) (transient)
+NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by
+                               # a stop id
+# regenerated conversations: the turn before failed in a way that may pass
+PREVIOUS_TURN = "previous_turn"
+# PARTIAL (above) is also the failure kind of a PARTIAL record: transient, so the shard is not
+# complete with one
 FAILURES = {
-    REJECTED: False, TEMPLATE: False, TIMEOUT: True, SERVER_ERROR: True, UNREACHABLE: True, BAD_RESPONSE: True,
-    ABORTED: True, NAN: True, PREVIOUS_TURN: True, PARTIAL: True,
+    REJECTED: False,
+    TEMPLATE: False,
+    TIMEOUT: True,
+    SERVER_ERROR: True,
+    UNREACHABLE: True,
+    BAD_RESPONSE: True,
+    ABORTED: True,
+    NAN: True,
+    PREVIOUS_TURN: True,
+    PARTIAL: True,
 }  # kind -> transient
 TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
-# The kinds of failure that may pass when generated again, as messages name them (a partial output is not a failure)
+# The kinds of failure that may pass when generated again, as messages name them (a partial output
+# is not a failure)
 MAY_PASS = ", ".join(sorted(TRANSIENT - {PARTIAL, PREVIOUS_TURN}))
 NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
 
 
 def is_nan_stop(finish: str | None, matched: Any) -> bool:
-    """Whether SGLang stopped this request on NaN logits (its output ends in an EOS the model never wrote)."""
+    """Whether SGLang stopped this request on NaN logits (its output ends in an EOS the model never
+    wrote)."""
     return finish == "stop" and matched == NAN_MATCHED
 
 
@@ -69,10 +106,13 @@ class Record(msgspec.Struct, array_like=True):
     index: int                      # position in the run's planned order
     status: str                     # "ok" | "failed" | "partial"
     prompt_ids: bytes               # uint32 LE
-    output_ids: bytes               # uint32 LE, exactly as the server returned them, stop token included
+    output_ids: bytes               # uint32 LE, exactly as the server returned them, stop token
+                                    # included
     reasoning_end: int | None       # index of the think-end id in output_ids, None when absent
-    tool_call_at: int | None        # index of the tool-call section start in output_ids, None when absent
-    finish: str | None              # "stop" | "length" | "abort", or LOOP (stopped in a loop); None: a failed request
+    tool_call_at: int | None        # index of the tool-call section start in output_ids, None when
+                                    # absent
+    finish: str | None              # "stop" | "length" | "abort", or LOOP (stopped in a loop);
+                                    # None: a failed request
     matched_stop: int | str | None  # the stop token id (or string) SGLang matched
     prompt_tokens: int
     completion_tokens: int
@@ -80,13 +120,17 @@ class Record(msgspec.Struct, array_like=True):
     latency_s: float                # wall time of the successful attempt
     attempts: int
     error: str | None = None
-    failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
-    segments: int = 1               # requests the output took: > 1 when continued after an abort or a stop
-    # Failed generations of this id in the current budget (since the run began, or since `toolkit retry` asked for
-    # it), this one included when it failed; what bounds a failure that may pass (client.max_tries) across
-    # requeues, tasks and resubmits. A PARTIAL record carries the count of the failures before it.
+    failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or
+                                    # written before kinds)
+    segments: int = 1               # requests the output took: > 1 when continued after an abort or
+                                    # a stop
+    # Failed generations of this id in the current budget (since the run began, or since `toolkit
+    # retry` asked for it), this one included when it failed; what bounds a failure that may pass
+    # (client.max_tries) across requeues, tasks and resubmits. A PARTIAL record carries the count of
+    # the failures before it.
     tries: int = 1
-    final: bool = False             # a failure that may pass, given up for this run after `tries` tries
+    # a failure that may pass, given up for this run after `tries` tries
+    final: bool = False
 
     @property
     def n_output(self) -> int:
@@ -115,8 +159,11 @@ def unpack_ids(data: bytes) -> list[int]:
     return a.tolist()
 
 
-def id_positions(packed: bytes, token_id: int, start: int = 0, end: int | None = None) -> int | None:
-    """First index in [start, end) of `token_id` in packed ids, without unpacking them (None when absent)."""
+def id_positions(
+    packed: bytes, token_id: int, start: int = 0, end: int | None = None
+) -> int | None:
+    """First index in [start, end) of `token_id` in packed ids, without unpacking them (None when
+    absent)."""
     needle = token_id.to_bytes(4, "little")
     hi = len(packed) if end is None else 4 * end
     i = packed.find(needle, 4 * start, hi)
@@ -126,11 +173,11 @@ def id_positions(packed: bytes, token_id: int, start: int = 0, end: int | None =
 
 
 def ids_from_json(raw: bytes | memoryview, expected: int | None = None) -> np.ndarray:
-    """Token ids straight from a JSON array of integers (`[12,7,...]`) as a uint32 array, in one C call,
-    without one Python int per token.
+    """Token ids straight from a JSON array of integers (`[12,7,...]`) as a uint32 array, in one C
+    call, without one Python int per token.
 
-    `expected` is the count the server reported (meta_info.completion_tokens): a parse that stopped early
-    (anything but integers in the array) is caught by it. Raises ValueError.
+    `expected` is the count the server reported (meta_info.completion_tokens): a parse that stopped
+    early (anything but integers in the array) is caught by it. Raises ValueError.
     """
     body = bytes(raw).strip()
     if not (body.startswith(b"[") and body.endswith(b"]")):
@@ -140,11 +187,15 @@ def ids_from_json(raw: bytes | memoryview, expected: int | None = None) -> np.nd
         arr = np.zeros(0, dtype="<u4")
     else:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # an early stop is caught by the count below
+            # an early stop is caught by the count below
+            warnings.simplefilter("ignore", DeprecationWarning)
             arr = np.fromstring(inner, dtype="<u4", sep=",")
     n = expected if expected is not None else (inner.count(b",") + 1 if inner.strip() else 0)
     if len(arr) != n or b"-" in inner[:1]:
-        raise ValueError(f"{n} token ids expected, {len(arr)} parsed as non-negative integers from {inner[:60]!r}")
+        raise ValueError(
+            f"{n} token ids expected, {len(arr)} parsed as non-negative integers from "
+            f"{inner[:60]!r}"
+        )
     return arr
 
 
@@ -157,34 +208,62 @@ def first_index(ids: np.ndarray, token_id: int | None) -> int | None:
     return i if hit[i] else None
 
 
-def split_output(output_ids: np.ndarray, think_end_id: int, tool_call_start_id: int | None) -> tuple[int | None, int | None]:
-    """Where reasoning ends (index of the think-end id) and where a tool-call section starts, on token ids."""
+def split_output(
+    output_ids: np.ndarray, think_end_id: int, tool_call_start_id: int | None
+) -> tuple[int | None, int | None]:
+    """Where reasoning ends (index of the think-end id) and where a tool-call section starts, on
+    token ids."""
     return first_index(output_ids, think_end_id), first_index(output_ids, tool_call_start_id)
 
 
 def is_transient(record: Record) -> bool:
-    """A failed record worth generating again (see TRANSIENT), not given up for this run (`final`)."""
+    """A failed record worth generating again (see TRANSIENT), not given up for this run
+    (`final`)."""
     return record.status != OK and record.failure in TRANSIENT and not record.final
 
 
 def is_given_up(record: Record) -> bool:
-    """A failure that may pass, final for this run: it failed client.max_tries times (`toolkit retry` starts over)."""
+    """A failure that may pass, final for this run: it failed client.max_tries times (`toolkit
+    retry` starts over)."""
     return record.status != OK and record.final
 
 
-def failed_record(id: str, dataset: str, index: int, prompt_ids: list[int], error: str, attempts: int,
-                  failure: str | None = None, *, final: bool = False) -> Record:
+def failed_record(
+    id: str,
+    dataset: str,
+    index: int,
+    prompt_ids: list[int],
+    error: str,
+    attempts: int,
+    failure: str | None = None,
+    *,
+    final: bool = False,
+) -> Record:
     return Record(
-        id=id, dataset=dataset, index=index, status=FAILED, prompt_ids=pack_ids(prompt_ids), output_ids=b"",
-        reasoning_end=None, tool_call_at=None, finish=None, matched_stop=None, prompt_tokens=len(prompt_ids),
-        completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=attempts, error=error, failure=failure,
+        id=id,
+        dataset=dataset,
+        index=index,
+        status=FAILED,
+        prompt_ids=pack_ids(prompt_ids),
+        output_ids=b"",
+        reasoning_end=None,
+        tool_call_at=None,
+        finish=None,
+        matched_stop=None,
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=0,
+        cached_tokens=0,
+        latency_s=0.0,
+        attempts=attempts,
+        error=error,
+        failure=failure,
         final=final,
     )
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # reading an output on its ids: where reasoning and content are
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def id_at(packed: bytes, i: int) -> int:
     return int.from_bytes(packed[4 * i : 4 * i + 4], "little")
 
@@ -203,12 +282,6 @@ def last_meaningful(ids: bytes | Sequence[int], blank: Collection[int]) -> int |
     return None
 
 
-def opens_reasoning(prompt: bytes | Sequence[int], think_start_id: int | None, blank: Collection[int]) -> bool:
-    """Whether a rendered prompt (packed or a list) leaves the model inside reasoning: its last id that is not
-    whitespace-only is the think-start id."""
-    return think_start_id is not None and last_meaningful(prompt, blank) == think_start_id
-
-
 def all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
     """Whether ids a .. b-1 of packed ids are all whitespace-only (True for an empty range)."""
     for i in range(4 * a, 4 * b, 4):
@@ -220,17 +293,22 @@ def all_blank(packed: bytes, a: int, b: int, blank: frozenset[int]) -> bool:
 def ends_with_stop(rec: Record) -> bool:
     """Whether the last output id is the stop token the server matched (then it is not text)."""
     m = rec.matched_stop
-    return (rec.finish == "stop" and isinstance(m, int) and not isinstance(m, bool) and len(rec.output_ids) >= 4
-            and int.from_bytes(rec.output_ids[-4:], "little") == m)
+    return (
+        rec.finish == "stop"
+        and isinstance(m, int)
+        and not isinstance(m, bool)
+        and len(rec.output_ids) >= 4
+        and int.from_bytes(rec.output_ids[-4:], "little") == m
+    )
 
 
 def split_parts(rec: Record, think_start_id: int, opened: bool) -> tuple[int, int, int, int]:
     """Token ranges [r0, r1) of the reasoning and [c0, c1) of the content in `rec.output_ids`.
 
-    The stop token is in neither; a think-start the model wrote at position 0 and the think-end are in neither.
-    Without a think-end, an output that started inside reasoning (`opened`: the prompt ends with think-start,
-    or the model wrote one) is all reasoning up to a tool-call section, which ends reasoning implicitly;
-    any other output is all content.
+    The stop token is in neither; a think-start the model wrote at position 0 and the think-end are
+    in neither. Without a think-end, an output that started inside reasoning (`opened`: the prompt
+    ends with think-start, or the model wrote one) is all reasoning up to a tool-call section, which
+    ends reasoning implicitly; any other output is all content.
     """
     out = rec.output_ids
     n = len(out) >> 2
@@ -248,9 +326,10 @@ def split_parts(rec: Record, think_start_id: int, opened: bool) -> tuple[int, in
     return 0, 0, 0, end
 
 
-# ---------------------------------------------------------------------------------------------------
-# what an ok record must hold on its own: the audit counts each (dataset.audit_report.Integrity), export refuses them
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# what an ok record must hold on its own: the audit counts each (dataset.audit_report.Integrity),
+# export refuses them
+# --------------------------------------------------------------------------------------------------
 RECORD_CHECKS = {
     "completion_mismatch": "completion_tokens is not the number of output ids",
     "prompt_mismatch": "prompt_tokens is not the number of prompt ids",
@@ -262,9 +341,11 @@ RECORD_CHECKS = {
 }
 
 
-def defects(rec: Record, vocab_size: int, think_end_at: int | None, max_new_tokens: int | None) -> list[str]:
-    """The RECORD_CHECKS an ok record fails, in their order. `think_end_at`: the index of the first think-end id of
-    its output (None: none); `max_new_tokens`: its dataset's."""
+def defects(
+    rec: Record, vocab_size: int, think_end_at: int | None, max_new_tokens: int | None
+) -> list[str]:
+    """The RECORD_CHECKS an ok record fails, in their order. `think_end_at`: the index of the first
+    think-end id of its output (None: none); `max_new_tokens`: its dataset's."""
     out, pk = rec.output_ids, rec.prompt_ids
     n = len(out) >> 2
     found = []
@@ -274,7 +355,12 @@ def defects(rec: Record, vocab_size: int, think_end_at: int | None, max_new_toke
         found.append("prompt_mismatch")
     if max_new_tokens is not None and n > max_new_tokens:
         found.append("over_max_new_tokens")
-    if n and int(np.frombuffer(out, "<u4").max()) >= vocab_size or pk and int(np.frombuffer(pk, "<u4").max()) >= vocab_size:
+    if (
+        n
+        and int(np.frombuffer(out, "<u4").max()) >= vocab_size
+        or pk
+        and int(np.frombuffer(pk, "<u4").max()) >= vocab_size
+    ):
         found.append("out_of_vocab")
     m = rec.matched_stop
     if rec.finish == "stop":

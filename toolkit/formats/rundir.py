@@ -1,28 +1,35 @@
 """The run directory: every path and file name of a run, in one place.
 
-    RUN/run.json                 resolved spec, fingerprint, shard plan (new shards appended when the job grows)
-    RUN/prompts.msgpack          where each planned prompt lives (dataset, line, byte offset), in planned order
-    RUN/check.msgpack            what the pre-flight learned rendering the prompts (check_cache); `check` writes it
-                                 in a folder that holds no run yet too
+    RUN/run.json                 resolved spec, fingerprint, shard plan (new shards appended when
+                                 the job grows)
+    RUN/prompts.msgpack          where each planned prompt lives (dataset, line, byte offset), in
+                                 planned order
+    RUN/check.msgpack            what the pre-flight learned rendering the prompts (check_cache);
+                                 `check` writes it in a folder that holds no run yet too
     RUN/shards/NNNNN.zst         append-only record frames;  shards/NNNNN.done  completion manifest
-    RUN/shards/NNNNN.zst.lock    the shard's lock where flock does not work;  NNNNN.zst.damaged-STAMP  a
-                                 damaged file kept aside when its intact frames were salvaged
-    RUN/shards/NNNNN.retry       ids `toolkit retry` asked to generate again (removed when the shard completes)
+    RUN/shards/NNNNN.zst.lock    the shard's lock where flock does not work;
+                                 NNNNN.zst.damaged-STAMP  a damaged file kept aside when its
+                                 intact frames were salvaged
+    RUN/shards/NNNNN.retry       ids `toolkit retry` asked to generate again (removed when the shard
+                                 completes)
     RUN/progress/NNNNN.json      live progress of a shard
-    RUN/progress/local/HOST.PID.json  a `toolkit run`, `retry` or `worker` that runs shards of the run (not as
-                                 its Slurm task) and the shards it will run, locked (flock) while it lives
+    RUN/progress/local/HOST.PID.json  a `toolkit run`, `retry` or `worker` that runs shards of the
+                                 run (not as its Slurm task) and the shards it will run, locked
+                                 (flock) while it lives
     RUN/logs/NNNNN.log           worker log;  logs/NNNNN.server.log  the engine's own output
     RUN/slurm/jobs.json          the Slurm jobs submitted for this run
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
-    RUN/merge.lock               locked (flock) while the run is merged: a second merge waits for the first
+    RUN/merge.lock               locked (flock) while the run is merged: a second merge waits for
+                                 the first
     RUN/merged/records.zst       the merged dataset;  merged/manifest.json  what the merge found
     RUN/merged/missing_ids.txt   planned ids with no record (written by the merge)
     RUN/merged/failed_ids.txt    ids whose record is a failure (written by the audit)
     RUN/merged/audit.json        the audit report;  merged/audit.html  the same, for a browser
-    RUN/export/                  exports written without `-o`: records.jsonl, records.parquet, tokens.jsonl,
-                                 conversations.jsonl (by format)
+    RUN/export/                  exports written without `-o`: records.jsonl, records.parquet,
+                                 tokens.jsonl, conversations.jsonl (by format)
 
-No other module builds a path inside a run directory; each file has one writer, named above.
+No other module builds a path inside a run directory; each file has one writer, named above. What
+run.json and prompts.msgpack hold, and how they are read, is in `formats.run`.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ class RunDir:
     plan_file = property(lambda self: self.root / PLAN_FILE)
     prompts_file = property(lambda self: self.root / "prompts.msgpack")
     check_file = property(lambda self: self.root / "check.msgpack")
-    pending_file = property(lambda self: self.root / "pending.msgpack")  # formats.pending: a change being made
+    # formats.pending: a change being made
+    pending_file = property(lambda self: self.root / "pending.msgpack")
     shards_dir = property(lambda self: self.root / "shards")
     progress_dir = property(lambda self: self.root / "progress")
     logs_dir = property(lambda self: self.root / "logs")
@@ -72,13 +80,15 @@ class RunDir:
         return (Path(path) / PLAN_FILE).exists()
 
     def finish_command(self) -> str:
-        """The command that finishes this run's shards (those unfinished, or whose file changed since they were
-        finished): `toolkit resubmit RUN` for a run submitted to Slurm, else `toolkit retry RUN` (runs them here)."""
+        """The command that finishes this run's shards (those unfinished, or whose file changed
+        since they were finished): `toolkit resubmit RUN` for a run submitted to Slurm, else
+        `toolkit retry RUN` (runs them here)."""
         return f"toolkit {'resubmit' if self.jobs_file.exists() else 'retry'} {self.shown}"
 
     @property
     def shown(self) -> str:
-        """The run directory as a user would type it: relative to the current directory when inside it."""
+        """The run directory as a user would type it: relative to the current directory when inside
+        it."""
         return shown_path(self.root)
 
     @staticmethod
@@ -120,7 +130,8 @@ class RunDir:
         return self.slurm_dir / job / f"{job}_0_log.out"
 
     def job_logs(self, job: str) -> list[Path]:
-        """submitit's logs of `job`, wherever submitit put them (an array task's folder is named after the array)."""
+        """submitit's logs of `job`, wherever submitit put them (an array task's folder is named
+        after the array)."""
         return sorted(self.slurm_dir.glob(f"*/{job}_0_log.out"))
 
     def writable_dirs(self) -> tuple[Path, ...]:

@@ -1,9 +1,10 @@
 """Shard files: append-only, crash-safe files of records (`ShardWriter`).
 
-A batch is written with one `write` and fsynced, so a crash at any instruction leaves at most a torn last
-batch, which `ShardWriter.open` detects and cuts off; a damaged file is salvaged (its intact frames kept, the
-original set aside). A writer holds the shard's lock (formats.locks). The format and its readers are
-formats.frames; the done manifest and retry requests beside a shard file are formats.manifests.
+A batch is written with one `write` and fsynced, so a crash at any instruction leaves at most a torn
+last batch, which `ShardWriter.open` detects and cuts off; a damaged file is salvaged (its intact
+frames kept, the original set aside). A writer holds the shard's lock (formats.locks). The format
+and its readers are formats.frames; the done manifest and retry requests beside a shard file are
+formats.manifests.
 """
 
 from __future__ import annotations
@@ -38,16 +39,18 @@ from toolkit.formats.text import file_stamp
 log = logging.getLogger(__name__)
 
 class ForeignShard(BadInputError):
-    """A shard file that belongs to another run (another fingerprint or shard): the run directory was planned for
-    another job. Nothing is written to it."""
+    """A shard file that belongs to another run (another fingerprint or shard): the run directory
+    was planned for another job. Nothing is written to it."""
 
 
 class ShardWriter:
-    """Appends batches of records to one shard file; resumes a file left by an earlier (killed) attempt.
+    """Appends batches of records to one shard file; resumes a file left by an earlier (killed)
+    attempt.
 
-    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame, salvages a
-    file damaged in the middle (see `open`) and returns the ids already written, so the caller generates only
-    the rest. A record of an id written again later supersedes the earlier one (the newest attempt counts).
+    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame,
+    salvages a file damaged in the middle (see `open`) and returns the ids already written, so the
+    caller generates only the rest. A record of an id written again later supersedes the earlier one
+    (the newest attempt counts).
     """
 
     def __init__(self, path: str | Path, fingerprint: str, shard: int, *, flush_records: int = 64,
@@ -58,27 +61,35 @@ class ShardWriter:
         self._cctx = zstandard.ZstdCompressor(level=level)
         self._pending: list[Record] = []
         self._last_flush = time.monotonic()
-        self._flushing = threading.Lock()  # one flush at a time: the exit guard may flush from its own thread
+        # one flush at a time: the exit guard may flush from its own thread
+        self._flushing = threading.Lock()
         self._fd: int | None = None
         self._lockfile: LockFile | None = None  # where flock is not available
         self.written = 0  # records in the file (before + this session), superseded ones included
-        self.transient: set[str] = set()  # ids whose newest record is a transient failure (see records.TRANSIENT)
-        self.partial: dict[str, Record] = {}  # ids whose newest record is PARTIAL, with it: continued, not redone
-        self.tries: dict[str, int] = {}  # ids of `transient`: the failed tries their newest record counts (.tries)
+        # ids whose newest record is a transient failure (see records.TRANSIENT)
+        self.transient: set[str] = set()
+        # ids whose newest record is PARTIAL, with it: continued, not redone
+        self.partial: dict[str, Record] = {}
+        # ids of `transient`: the failed tries their newest record counts (.tries)
+        self.tries: dict[str, int] = {}
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
-        self.output_tokens_at: array | None = None  # open(positions=...): n_output of the newest record per position
+        # open(positions=...): n_output of the newest record per position
+        self.output_tokens_at: array | None = None
 
     def open(self, positions: range | None = None) -> dict[str, int]:
-        """Lock and recover the file; return {id: byte offset of the frame of its newest record} for every id
-        already recorded (records not kept); `transient` names those whose newest record should be redone.
+        """Lock and recover the file; return {id: byte offset of the frame of its newest record} for
+        every id already recorded (records not kept); `transient` names those whose newest record
+        should be redone.
 
-        Damage in the middle of the file (a frame that fails its checks, intact frames after it) is salvaged:
-        every intact frame is copied to a new file (temporary name, fsync, rename), the damaged original is kept
-        aside as `NNNNN.zst.damaged-<time>`, and only the records of the bad frames are missing (generated again).
+        Damage in the middle of the file (a frame that fails its checks, intact frames after it) is
+        salvaged: every intact frame is copied to a new file (temporary name, fsync, rename), the
+        damaged original is kept aside as `NNNNN.zst.damaged-<time>`, and only the records of the
+        bad frames are missing (generated again).
 
-        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output of the newest
-        record at position positions[i] (0 where none): what is already recorded, 4 bytes a prompt (None while the
-        file holds no record: a fresh shard keeps nothing per prompt).
+        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output
+        of the newest record at position positions[i] (0 where none): what is already recorded, 4
+        bytes a prompt (None while the file holds no record: a fresh shard keeps nothing per
+        prompt).
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -119,11 +130,14 @@ class ShardWriter:
             fp, shard = head
             if not damaged_fingerprint(fp, self.fingerprint):
                 raise ForeignShard(
-                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} shard {self.shard} "
-                    f"(a file put here from another run): none of its records is this run's; move it aside "
-                    f"(mv {self.path} {self.path}.other-run) and run the shard again: it is generated anew"
+                    f"{self.path} belongs to run {fp} shard {shard}, not run {self.fingerprint} "
+                    f"shard {self.shard} (a file put here from another run): none of its records "
+                    f"is this run's; move it aside (mv {self.path} {self.path}.other-run) and run "
+                    "the shard again: it is generated anew"
                 )
-            damage.append(Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False))
+            damage.append(
+                Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False)
+            )
         good: list[tuple[int, int]] = []  # (offset, end) of intact frames
         for item in scan(self.path, header=not damage):
             if isinstance(item, Damage):
@@ -151,18 +165,32 @@ class ShardWriter:
             done = self._salvage(good, damage, done)
         elif damage:
             off, why = damage[0].offset, damage[0].why
-            log.warning("%s: dropping a torn last frame at byte %d (%s); its records will be generated again",
-                        self.path, off, why)
+            log.warning(
+                "%s: dropping a torn last frame at byte %d (%s); its records will be generated "
+                "again",
+                self.path,
+                off,
+                why,
+            )
             os.ftruncate(fd, off)
             os.fsync(fd)
         return done
 
-    def _salvage(self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]) -> dict[str, int]:
-        """Rewrite the file with its intact frames only (the original kept aside); offsets in `done` follow."""
+    def _salvage(
+        self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]
+    ) -> dict[str, int]:
+        """Rewrite the file with its intact frames only (the original kept aside); offsets in `done`
+        follow."""
         bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
         self.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
-        log.error("%s: damaged frames at %s; keeping its %d intact frames, generating the records of the damaged "
-                  "ones again; the damaged file is kept as %s", self.path, bad, len(good), self.damaged.name)
+        log.error(
+            "%s: damaged frames at %s; keeping its %d intact frames, generating the records of "
+            "the damaged ones again; the damaged file is kept as %s",
+            self.path,
+            bad,
+            len(good),
+            self.damaged.name,
+        )
         tmp = self.path.with_name(f".{self.path.name}.salvage")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         if self._lockfile is None:  # (with a lock file, the shard's lock covers this file too)
@@ -207,8 +235,8 @@ class ShardWriter:
             self._flush()
 
     def flush_within(self, timeout_s: float) -> bool:
-        """Flush from another thread (the exit guard's), unless a flush under way does not end within `timeout_s`
-        or the file is closed: whether it flushed."""
+        """Flush from another thread (the exit guard's), unless a flush under way does not end
+        within `timeout_s` or the file is closed: whether it flushed."""
         if not self._flushing.acquire(timeout=timeout_s):
             return False
         try:

@@ -1,17 +1,21 @@
-"""Whether shard k is finished, in one place: the state of a shard derived once from what lies beside its file
-(its done manifest, a retry request, the lock of a writer, its progress file). Every command asks this module
-rather than reading those files itself.
+"""Whether shard k is finished, in one place: the state of a shard derived once from what lies
+beside its file (its done manifest, a retry request, the lock of a writer, its progress file). Every
+command asks this module rather than reading those files itself.
 
     DONE        a done manifest, no failure that may pass, no retry asked: nothing to do
-    MAY_PASS    a done manifest counting failures that may pass (records.is_transient): generated again
-    RETRY       `toolkit retry` (or a grown job) asked for ids to be generated again (RUN/shards/NNNNN.retry)
+    MAY_PASS    a done manifest counting failures that may pass (records.is_transient): generated
+                again
+    RETRY       `toolkit retry` (or a grown job) asked for ids to be generated again
+                (RUN/shards/NNNNN.retry)
     UNTRUSTED   a done manifest of another run, or its file changed since (only when asked to check)
     HELD        unfinished, its file locked by a writer elsewhere right now (only when asked)
-    FAILED      unfinished, failed in this group of workers, which do not claim it again (only when asked)
+    FAILED      unfinished, failed in this group of workers, which do not claim it again (only when
+                asked)
     MISSING     unfinished: not started, or stopped part way
 
-A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint is a string
-compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads the progress file.
+A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint
+is a string compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads
+the progress file.
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ class ShardState(enum.Enum):
 class ShardStatus(msgspec.Struct):
     shard: int
     state: ShardState
-    done: DoneManifest | None = None      # its done manifest, when there is one and it passed the checks asked for
-    progress: Progress | None = None      # its progress file, when asked for (`group` or `progress`)
+    done: DoneManifest | None = None      # its done manifest, when there is one and it passed the
+                                          # checks asked for
+    progress: Progress | None = None      # its progress file, when asked for (`group` or
+                                          # `progress`)
     why: str | None = None                # UNTRUSTED: why its done manifest cannot be trusted
-    foreign: bool = False                 # UNTRUSTED: the manifest is another run's (not a changed file)
+    foreign: bool = False                 # UNTRUSTED: the manifest is another run's (not a changed
+                                          # file)
 
     @property
     def finished(self) -> bool:
@@ -64,16 +71,26 @@ class ShardStatus(msgspec.Struct):
         return self.done is not None
 
 
-def shard_state(rd: RunDir, k: int, *, fingerprint: str | None = None, verify: bool = False, remove: bool = False,
-                recheck: bool = False, held: bool = False, group: str | None = None,
-                progress: bool = False) -> ShardStatus:
+def shard_state(
+    rd: RunDir,
+    k: int,
+    *,
+    fingerprint: str | None = None,
+    verify: bool = False,
+    remove: bool = False,
+    recheck: bool = False,
+    held: bool = False,
+    group: str | None = None,
+    progress: bool = False,
+) -> ShardStatus:
     """The state of shard `k` of the run in `rd`, with the checks asked for:
 
-    `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file changed since (size,
-    sha256); `recheck`: the caller already found it untrusted; `remove`: an untrusted manifest is removed, said in
-    one line (the shard's next run checks its file, salvages the intact frames and generates the rest);
-    `held`: an unfinished shard whose file another writer holds is HELD; `group`: one whose progress says it failed
-    in this group of workers is FAILED (also reads `progress`).
+    `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file
+    changed since (size, sha256); `recheck`: the caller already found it untrusted; `remove`: an
+    untrusted manifest is removed, said in one line (the shard's next run checks its file, salvages
+    the intact frames and generates the rest); `held`: an unfinished shard whose file another writer
+    holds is HELD; `group`: one whose progress says it failed in this group of workers is FAILED
+    (also reads `progress`).
     """
     m = read_done(rd.done_file(k))
     why, foreign = None, False
@@ -86,8 +103,12 @@ def shard_state(rd: RunDir, k: int, *, fingerprint: str | None = None, verify: b
             why = "its file changed since it was written"
         if why is not None:
             if remove:
-                log.warning("%s: %s: the done manifest is removed; the shard's next run checks its file, keeps what "
-                            "is intact and generates the rest", rd.done_file(k), why)
+                log.warning(
+                    "%s: %s: the done manifest is removed; the shard's next run checks its file, "
+                    "keeps what is intact and generates the rest",
+                    rd.done_file(k),
+                    why,
+                )
                 rd.done_file(k).unlink(missing_ok=True)
             m = None
     retry = rd.retry_file(k).exists()
@@ -123,14 +144,14 @@ def done_time(rd: RunDir, k: int) -> float | None:
 
 
 def retry_request(rd: RunDir, k: int) -> RetryRequest | None:
-    """The retry request of shard `k`: the ids to generate again, and from which byte of its file records count as
-    the retry's own; None when there is none."""
+    """The retry request of shard `k`: the ids to generate again, and from which byte of its file
+    records count as the retry's own; None when there is none."""
     return read_retry(rd.retry_file(k))
 
 
 def asked_again(rd: RunDir, k: int, ids: list[str]) -> RetryRequest:
-    """A retry request for shard `k` naming `ids` besides those an earlier request still names, counted from the
-    file's size now (records written after it are the retry's own)."""
+    """A retry request for shard `k` naming `ids` besides those an earlier request still names,
+    counted from the file's size now (records written after it are the retry's own)."""
     old = retry_request(rd, k)
     new = set(ids)
     keep = [i for i in old.ids if i not in new] if old else []

@@ -18,12 +18,14 @@ def local_time(ts: float) -> str:
 
 
 def file_stamp() -> str:
-    """The local time as it goes into a file name that keeps an older copy aside: 20261203-154501."""
+    """The local time as it goes into a file name that keeps an older copy aside:
+    20261203-154501."""
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def ranges(nums, sep: str = ", ", limit: int | None = None) -> str:
-    """'0-3, 7, 9-10' for [0, 1, 2, 3, 7, 9, 10] (sorted first); `sep=","` gives Slurm's array syntax.
+    """'0-3, 7, 9-10' for [0, 1, 2, 3, 7, 9, 10] (sorted first); `sep=","` gives Slurm's array
+    syntax.
 
     With `limit`, at most that many ranges are written, then '... (N in all)'.
     """

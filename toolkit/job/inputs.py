@@ -1,14 +1,17 @@
-"""Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is spent.
+"""Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is
+spent.
 
-A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`, or a
-single user turn, `{"id": ..., "prompt": "..."}`. Errors name the file, the line and the field, and say what to do.
+A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools":
+[...]}`, or a single user turn, `{"id": ..., "prompt": "..."}`. Errors name the file, the line and
+the field, and say what to do.
 
-`id` is optional. A line without one gets an id derived from its content, `<dataset>:<digest>`: the first 16 hex
-digits of the sha256 of its messages (and tools) as canonical JSON (keys sorted, no spaces; a `prompt` line hashes
-as the one user message it stands for). Editing other lines or reordering the file does not change it. Lines of
-one dataset with the same content and no id are each a prompt of their own: the second gets `<dataset>:<digest>-2`,
-the third `-3`, in file order (`scan_dataset` numbers them). Every prompt's `digest` is what tells, when a job is
-planned again into its run, whether a prompt with an id of its own changed.
+`id` is optional. A line without one gets an id derived from its content, `<dataset>:<digest>`: the
+first 16 hex digits of the sha256 of its messages (and tools) as canonical JSON (keys sorted, no
+spaces; a `prompt` line hashes as the one user message it stands for). Editing other lines or
+reordering the file does not change it. Lines of one dataset with the same content and no id are
+each a prompt of their own: the second gets `<dataset>:<digest>-2`, the third `-3`, in file order
+(`scan_dataset` numbers them). Every prompt's `digest` is what tells, when a job is planned again
+into its run, whether a prompt with an id of its own changed.
 """
 
 from __future__ import annotations
@@ -21,9 +24,24 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError
+from toolkit.formats.files import sha256_file
+from toolkit.formats.run import RunPlan
 
-__all__ = ["ExtraReader", "InputError", "Prompt", "PromptReader", "content_digest", "duplicate_id", "extra_fields",
-           "prompt_id", "read_prompt_at", "scan_dataset", "scan_lines", "check_unique_ids"]
+__all__ = [
+    "ExtraReader",
+    "check_plan_inputs",
+    "InputError",
+    "Prompt",
+    "PromptReader",
+    "content_digest",
+    "duplicate_id",
+    "extra_fields",
+    "prompt_id",
+    "read_prompt_at",
+    "scan_dataset",
+    "scan_lines",
+    "check_unique_ids",
+]
 
 
 _FIX = "fix or remove the line, then run again"
@@ -47,12 +65,16 @@ class InputError(BadInputError):
 
     @property
     def reason(self) -> str:
-        """What is wrong with the line, without its place or the advice: `field `id`: must not be empty`."""
-        return (f"field `{self.field}`: " if self.field else "") + self.problem.removesuffix(f"; {_FIX}")
+        """What is wrong with the line, without its place or the advice: `field `id`: must not be
+        empty`."""
+        return (f"field `{self.field}`: " if self.field else "") + self.problem.removesuffix(
+            f"; {_FIX}"
+        )
 
     @classmethod
     def many(cls, errors: list[InputError], *, shown: int = SHOWN) -> InputError:
-        """One error for `errors` (at least one): itself when alone, else a count and the first `shown` of them."""
+        """One error for `errors` (at least one): itself when alone, else a count and the first
+        `shown` of them."""
         errors = [e for err in errors for e in err.errors]
         if len(errors) == 1:
             return errors[0]
@@ -65,18 +87,26 @@ class InputError(BadInputError):
         if per_file:
             bad = len(errors) - dups
             files = ", ".join(f"{p}: {n:,}" for p, n in per_file.items())
-            parts.append(f"{bad:,} bad line{'s' * (bad != 1)} in {len(per_file)} prompt file{'s' * (len(per_file) != 1)} "
-                         f"({files})")
+            parts.append(
+                f"{bad:,} bad line{'s' * (bad != 1)} in {len(per_file)} prompt "
+                f"file{'s' * (len(per_file) != 1)} ({files})"
+            )
         if dups:
             parts.append(f"{dups:,} duplicate id{'s' * (dups != 1)}")
         head = " and ".join(parts) + (f"; the first {shown}:" if len(errors) > shown else ":")
         lines = [str(e).removesuffix(f"; {_FIX}") for e in errors[:shown]]
         if len(errors) > shown:
             lines.append(f"... and {len(errors) - shown:,} more")
-        message = (head + "".join(f"\n  {line}" for line in lines) + "\nfix or remove these lines, then run again "
-                   f"(or skip them, each reported: {SKIP_HINT})")
+        message = (
+            head
+            + "".join(f"\n  {line}" for line in lines)
+            + "\nfix or remove these lines, then run again "
+            f"(or skip them, each reported: {SKIP_HINT})"
+        )
         first = errors[0]
-        return cls(first.path, first.line, first.field, first.problem, message=message, errors=errors)
+        return cls(
+            first.path, first.line, first.field, first.problem, message=message, errors=errors
+        )
 
 
 class Prompt(msgspec.Struct):
@@ -91,11 +121,13 @@ class Prompt(msgspec.Struct):
     named: bool = True  # the line gives its id; False: the id is derived from the content
 
 
-DIGEST_HEX = 16  # hex digits of a content digest: 64 bits, no collision expected among billions of prompts
+# hex digits of a content digest: 64 bits, no collision expected among billions of prompts
+DIGEST_HEX = 16
 
 
 def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    """What a prompt says, hashed: sha256 of its messages (and tools, when it has any) as canonical JSON."""
+    """What a prompt says, hashed: sha256 of its messages (and tools, when it has any) as canonical
+    JSON."""
     body: dict[str, Any] = {"messages": messages}
     if tools:
         body["tools"] = tools
@@ -105,7 +137,8 @@ _INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
 def _empty(content: Any) -> bool:
-    """Whether a message's content holds nothing: no text (blank), no parts, or only blank text parts."""
+    """Whether a message's content holds nothing: no text (blank), no parts, or only blank text
+    parts."""
     if isinstance(content, str):
         return not content.strip()
     if isinstance(content, list):
@@ -118,79 +151,133 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(path, lineno, None, f"not valid UTF-8 (byte {e.start} of the line); re-encode the file as UTF-8") from None
+        raise InputError(
+            path,
+            lineno,
+            None,
+            f"not valid UTF-8 (byte {e.start} of the line); re-encode the file as UTF-8",
+        ) from None
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise InputError(path, lineno, None, f"malformed JSON ({e}); {_FIX}") from None
     if not isinstance(obj, dict):
-        raise InputError(path, lineno, None, f"expected a JSON object, got {type(obj).__name__}; {_FIX}")
+        raise InputError(
+            path, lineno, None, f"expected a JSON object, got {type(obj).__name__}; {_FIX}"
+        )
     pid = obj.get("id")
     if pid is None:
         pass
     elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
-        raise InputError(path, lineno, "id", f"must be a string or an integer, got {type(pid).__name__}; {_FIX}")
+        raise InputError(
+            path, lineno, "id", f"must be a string or an integer, got {type(pid).__name__}; {_FIX}"
+        )
     elif isinstance(pid, str) and not pid:
         raise InputError(path, lineno, "id", f"must not be empty; {_FIX}")
     has_messages, has_prompt = "messages" in obj, "prompt" in obj
     if has_messages == has_prompt:
         raise InputError(
-            path, lineno, "messages",
-            ("has both `messages` and `prompt`" if has_messages else "missing: a line needs `messages` (a chat) or `prompt` (one user turn)")
+            path,
+            lineno,
+            "messages",
+            (
+                "has both `messages` and `prompt`"
+                if has_messages
+                else "missing: a line needs `messages` (a chat) or `prompt` (one user turn)"
+            )
             + f"; {_FIX}",
         )
     if has_prompt:
         text = obj["prompt"]
         if not isinstance(text, str):
-            raise InputError(path, lineno, "prompt", f"must be a string, got {type(text).__name__}; {_FIX}")
+            raise InputError(
+                path, lineno, "prompt", f"must be a string, got {type(text).__name__}; {_FIX}"
+            )
         if not text.strip():
-            raise InputError(path, lineno, "prompt", f"is empty: nothing for the model to answer; {_FIX}")
+            raise InputError(
+                path, lineno, "prompt", f"is empty: nothing for the model to answer; {_FIX}"
+            )
         messages = [{"role": "user", "content": text}]
     else:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
-            raise InputError(path, lineno, "messages", f"must be a non-empty list of {{role, content}} objects; {_FIX}")
+            raise InputError(
+                path,
+                lineno,
+                "messages",
+                f"must be a non-empty list of {{role, content}} objects; {_FIX}",
+            )
         for i, m in enumerate(messages):
             f = f"messages[{i}]"
             if not isinstance(m, dict):
-                raise InputError(path, lineno, f, f"must be an object, got {type(m).__name__}; {_FIX}")
+                raise InputError(
+                    path, lineno, f, f"must be an object, got {type(m).__name__}; {_FIX}"
+                )
             role = m.get("role")
             if not isinstance(role, str) or not role:
-                raise InputError(path, lineno, f + ".role", f"missing or not a string (got {role!r}); {_FIX}")
+                raise InputError(
+                    path, lineno, f + ".role", f"missing or not a string (got {role!r}); {_FIX}"
+                )
             if "content" not in m and not m.get("tool_calls"):
                 raise InputError(path, lineno, f + ".content", f"missing; {_FIX}")
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
-                raise InputError(path, lineno, f + ".content", f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}")
+                raise InputError(
+                    path,
+                    lineno,
+                    f + ".content",
+                    f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}",
+                )
             if role == "user" and _empty(content):
-                raise InputError(path, lineno, f + ".content", f"is empty: a user message needs text; {_FIX}")
+                raise InputError(
+                    path, lineno, f + ".content", f"is empty: a user message needs text; {_FIX}"
+                )
         if all(m["role"] in _INSTRUCTION_ROLES for m in messages):
-            raise InputError(path, lineno, "messages", "has no user message, only instructions "
-                             f"({', '.join(sorted({m['role'] for m in messages}))}): nothing for the model to "
-                             f"answer; {_FIX}")
+            raise InputError(
+                path,
+                lineno,
+                "messages",
+                "has no user message, only instructions "
+                f"({', '.join(sorted({m['role'] for m in messages}))}): nothing for the model to "
+                f"answer; {_FIX}",
+            )
     tools = obj.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
         raise InputError(path, lineno, "tools", f"must be a list of tool objects; {_FIX}")
     tools = tools or None
     hashed = content_digest(messages, tools) if digest else ""
-    return Prompt(id=str(pid) if pid is not None else f"{dataset}:{hashed}" if digest else "", dataset=dataset,
-                  line=lineno, messages=messages, tools=tools, digest=hashed, named=pid is not None)
+    return Prompt(
+        id=str(pid) if pid is not None else f"{dataset}:{hashed}" if digest else "",
+        dataset=dataset,
+        line=lineno,
+        messages=messages,
+        tools=tools,
+        digest=hashed,
+        named=pid is not None,
+    )
 
 
 def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None, *,
                  digest: bool = True) -> Iterator[Prompt]:
     """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
 
-    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan goes on. Lines
-    without an id whose content an earlier one of the file has get the occurrence's number: `<id>-2`, `<id>-3`.
-    Without `digest`, contents are not hashed (a pass that needs no ids and no digests): lines without an id have
-    the id "" (`prompt_id` derives it when it is needed).
+    A bad line raises InputError; with an `errors` list, it is appended there instead and the scan
+    goes on. Lines without an id whose content an earlier one of the file has get the occurrence's
+    number: `<id>-2`, `<id>-3`. Without `digest`, contents are not hashed (a pass that needs no ids
+    and no digests): lines without an id have the id "" (`prompt_id` derives it when it is needed).
     """
     path = str(path)
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        raise InputError(path, None, None, f"prompt file of dataset {dataset!r} not found; check [[datasets]] path") from None
+        raise InputError(
+            path,
+            None,
+            None,
+            f"prompt file of dataset {dataset!r} not found; check [[datasets]] path",
+        ) from None
     n = 0
     before = len(errors) if errors is not None else 0
     with f:
@@ -198,15 +285,29 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
             n += 1
             yield p
     if n == 0 and (errors is None or len(errors) == before):
-        raise InputError(path, None, None, f"dataset {dataset!r} has no prompts; add prompts or remove it from the job")
+        raise InputError(
+            path,
+            None,
+            None,
+            f"dataset {dataset!r} has no prompts; add prompts or remove it from the job",
+        )
 
 
-def scan_lines(lines: Iterable[bytes], path: str, dataset: str, *, first_line: int = 1, offset: int = 0,
-               errors: list[InputError] | None = None, digest: bool = False,
-               seen: dict[str, int] | None = None) -> Iterator[Prompt]:
-    """The prompts of consecutive lines of a JSONL file (each with its newline), the first being line `first_line`
-    at byte `offset`: a slice of a file read on its own (see scan_dataset for the rest). With `seen` (derived id ->
-    occurrences so far, over the whole file), repeated contents without an id are numbered."""
+def scan_lines(
+    lines: Iterable[bytes],
+    path: str,
+    dataset: str,
+    *,
+    first_line: int = 1,
+    offset: int = 0,
+    errors: list[InputError] | None = None,
+    digest: bool = False,
+    seen: dict[str, int] | None = None,
+) -> Iterator[Prompt]:
+    """The prompts of consecutive lines of a JSONL file (each with its newline), the first being
+    line `first_line` at byte `offset`: a slice of a file read on its own (see scan_dataset for the
+    rest). With `seen` (derived id -> occurrences so far, over the whole file), repeated contents
+    without an id are numbered."""
     for lineno, raw in enumerate(lines, start=first_line):
         length = len(raw)
         body = raw.rstrip(b"\r\n")
@@ -261,18 +362,20 @@ class PromptReader:
         self.close()
 
 
-LINE_FIELDS = frozenset({"id", "messages", "prompt", "tools"})  # what a prompt line says to the toolkit
+# what a prompt line says to the toolkit
+LINE_FIELDS = frozenset({"id", "messages", "prompt", "tools"})
 _raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 
 
 def extra_fields(raw: bytes) -> dict[str, Any]:
-    """The fields of a prompt line besides LINE_FIELDS (a dataset's `source`, `category`, ...), as the line has
-    them; the messages are not decoded."""
+    """The fields of a prompt line besides LINE_FIELDS (a dataset's `source`, `category`, ...), as
+    the line has them; the messages are not decoded."""
     return {k: msgspec.json.decode(v) for k, v in _raw_fields(raw).items() if k not in LINE_FIELDS}
 
 
 class ExtraReader:
-    """The extra fields of planned prompt lines, read at the (offset, length) the plan pinned, files kept open."""
+    """The extra fields of planned prompt lines, read at the (offset, length) the plan pinned, files
+    kept open."""
 
     def __init__(self) -> None:
         self._files: dict[str, Any] = {}
@@ -292,20 +395,26 @@ class ExtraReader:
 
 
 def prompt_id(p: Prompt) -> str:
-    """The prompt's id, derived from its content if it was scanned without `digest` (repeats are not numbered)."""
+    """The prompt's id, derived from its content if it was scanned without `digest` (repeats are not
+    numbered)."""
     return p.id or f"{p.dataset}:{content_digest(p.messages, p.tools)}"
 
 
 def duplicate_id(path: str, line: int, pid: str, prev_path: str, prev_line: int) -> InputError:
     """The error of a line whose id an earlier line (`prev_path`:`prev_line`) uses."""
-    return InputError(path, line, "id", f"duplicate id {pid!r}: already used at {prev_path}:{prev_line}; ids must be "
-                                        "unique across the job")
+    return InputError(
+        path,
+        line,
+        "id",
+        f"duplicate id {pid!r}: already used at {prev_path}:{prev_line}; ids must be "
+        "unique across the job",
+    )
 
 
 def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str],
                      errors: list[InputError] | None = None) -> None:
-    """Find every id used twice, within or across datasets, naming both places: raise on the first, or with an
-    `errors` list, append each there."""
+    """Find every id used twice, within or across datasets, naming both places: raise on the first,
+    or with an `errors` list, append each there."""
     seen: dict[str, tuple[str, int]] = {}
     for p in prompts:
         prev = seen.setdefault(p.id, (p.dataset, p.line))
@@ -314,3 +423,26 @@ def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, 
             if errors is None:
                 raise e
             errors.append(e)
+
+
+def check_plan_inputs(plan: RunPlan) -> None:
+    """Refuse to generate from a prompt file that changed since planning (its records would not
+    match)."""
+    for d in plan.datasets:
+        try:
+            now = sha256_file(d.path)
+        except FileNotFoundError:
+            raise InputError(
+                d.path,
+                None,
+                None,
+                f"prompt file of dataset {d.name!r} is gone since the run was planned",
+            ) from None
+        if now != d.sha256:
+            raise InputError(
+                d.path,
+                None,
+                None,
+                f"changed since the run was planned (sha256 {d.sha256[:12]} -> {now[:12]}); "
+                "restore it or plan a new run",
+            )

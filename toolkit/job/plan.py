@@ -1,21 +1,25 @@
-"""Planning a run: the run directory, the shard map and the fingerprint, all fixed before any GPU work.
+"""Planning a run: the run directory, the shard map and the fingerprint, all fixed before any GPU
+work.
 
-`plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and computes
-a fingerprint of everything that changes the output (model, tokenizer, template, sampling, input files,
-shard map). `create_run` pins that plan into a run directory; a job whose fingerprint differs is refused there
-(unless a new run is asked for), except the same job with other prompt files (`may_grow`), which `grow` plans into
-the run: what is planned never moves, new prompts get new shards. Run settings that do not change
-the output ([engine], [client], [slurm], [audit], flush intervals) are taken from the job when it is planned again.
+`plan_job` reads and validates every prompt line, assigns prompts to shards deterministically and
+computes a fingerprint of everything that changes the output (model, tokenizer, template, sampling,
+input files, shard map). `create_run` pins that plan into a run directory; a job whose fingerprint
+differs is refused there (unless a new run is asked for), except the same job with other prompt
+files (`may_grow`), which `grow` plans into the run: what is planned never moves, new prompts get
+new shards. Run settings that do not change the output ([engine], [client], [slurm], [audit], flush
+intervals) are taken from the job when it is planned again.
 
-Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as `<output_dir>.<time>`. `find_run`
-says where a job's run is: the newest run of the same fingerprint among output_dir and those beside it (resumed,
-with or without --new-run: the same job is never generated twice), else output_dir when it holds no run, else a
-new `<output_dir>.<time>` with --new-run; without it, a job whose output_dir holds another job's run is refused.
+Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as
+`<output_dir>.<time>`. `find_run` says where a job's run is: the newest run of the same fingerprint
+among output_dir and those beside it (resumed, with or without --new-run: the same job is never
+generated twice), else output_dir when it holds no run, else a new `<output_dir>.<time>` with
+--new-run; without it, a job whose output_dir holds another job's run is refused.
 
-The run directory's layout is in `rundir`.
+The run directory's layout is in `formats.rundir`; what run.json and prompts.msgpack hold, and their
+one reader, in `formats.run`: planning uses it for every read and write of them.
 
-Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from the
-input order, so every shard gets a similar mix of datasets and prompt lengths.
+Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from
+the input order, so every shard gets a similar mix of datasets and prompt lengths.
 """
 
 from __future__ import annotations
@@ -26,16 +30,27 @@ import logging
 import os
 import re
 import shutil
-from bisect import bisect_right
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from toolkit.errors import EXIT_FAILED, BadInputError
-from toolkit.formats import pending
+from toolkit.errors import EXIT_FAILED
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
+from toolkit.formats.run import (
+    PLAN_FORMAT,
+    REPLAN,
+    DatasetPlan,
+    PlanError,
+    PromptRef,
+    Run,
+    RunPlan,
+    ShardPlan,
+    SkippedLine,
+    plan_bytes,
+    refs_bytes,
+    refs_intact,
+)
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
 from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset
@@ -45,25 +60,17 @@ from toolkit.job.turns import turn_id, user_turns
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PlanError", "PlannedRefs", "RunPlan", "PromptRef", "ShardPlan", "sample_id", "plan_job", "create_run", "find_run",
+    "sample_id",
+    "plan_job",
+    "create_run",
+    "find_run",
     "load_run",
+    "run_of_job",
+    "update_settings",
 ]
 
-PLAN_FORMAT = 2  # 2: ids of lines without one derived from their content, and refs carry content digests
-
-
-class PlanError(BadInputError):
-    """A plan that cannot be made or a run directory that does not match."""
-
-
-class SkippedLine(msgspec.Struct):
-    """A prompt line left out of the run, and why (what its error would have said)."""
-
-    line: int
-    reason: str
-
-
-SKIPPED_KEPT = 20  # skipped lines kept in run.json per dataset, with their reason; the rest are counted
+# skipped lines kept in run.json per dataset, with their reason; the rest are counted
+SKIPPED_KEPT = 20
 
 
 def _note_skipped(dp: DatasetPlan, line: int, reason: str) -> None:
@@ -71,101 +78,18 @@ def _note_skipped(dp: DatasetPlan, line: int, reason: str) -> None:
         dp.skipped.append(SkippedLine(line, reason))
 
 
-class DatasetPlan(msgspec.Struct):
-    name: str
-    path: str
-    sha256: str
-    prompts: int
-    samples: int = 1  # outputs planned per prompt ([sampling] n)
-    regenerate: bool = False  # one record per user turn of each conversation (turns.py)
-    conversations: int = 0  # regenerate: conversations of the file (prompts counts their turns)
-    bad_lines: int = 0  # lines left out: [inputs] on_bad_line = "skip"
-    too_long: int = 0   # prompts left out: [inputs] on_too_long = "skip"
-    skipped: list[SkippedLine] = []  # the first SKIPPED_KEPT of those lines, with why
-
-    @property
-    def skipped_lines(self) -> int:
-        return self.bad_lines + self.too_long
-
-    @property
-    def planned(self) -> int:
-        """Planned records of the dataset: one per (prompt, sample)."""
-        return self.prompts * self.samples
-
-
-class ShardPlan(msgspec.Struct):
-    index: int
-    first: int  # first planned position
-    count: int
-    refs_at: int = 0  # byte offset of its first ref in prompts.msgpack (0: not recorded, by an older toolkit)
-
-
-class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
-    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1 samples
-    dataset: int     # index into RunPlan.datasets
-    line: int
-    offset: int
-    length: int
-    sample: int = 0  # sample index of the prompt (0 .. n-1)
-    turn: int = 0    # regenerated datasets: the user turn this record answers (0 .. turns-1)
-    digest: str = ""  # the prompt's content digest (inputs.content_digest; "": planned by an older toolkit)
-
-
 def sample_id(prompt_id: str, sample: int, samples: int) -> str:
-    """The stable record id of sample `sample` of a prompt: its id when there is one sample, else `id#k`."""
+    """The stable record id of sample `sample` of a prompt: its id when there is one sample, else
+    `id#k`."""
     return prompt_id if samples == 1 else f"{prompt_id}#{sample}"
-
-
-class RunPlan(msgspec.Struct):
-    format: int
-    name: str
-    fingerprint: str
-    parts: dict[str, str]
-    created: str
-    total: int
-    spec: JobSpec
-    datasets: list[DatasetPlan]
-    shards: list[ShardPlan]
-    # The job planned again into this run with other inputs (grow.py): each time, the fingerprint that job gives on
-    # its own (resumed here from then on) and what was added. `fingerprint` stays the run's: its files carry it.
-    aliases: list[str] = []
-    grown: list[Growth] = []
-
-    @property
-    def noun(self) -> str:
-        """What one planned record is, in words: a prompt, or with [sampling] n > 1 anywhere, an output (one sample
-        of a prompt)."""
-        return "prompt" if all(d.samples == 1 for d in self.datasets) else "output"
-
-    def counted(self) -> str:
-        """The plan's size in words: `44 prompts`, or with samples `60 outputs (30 prompts × 2 samples)`."""
-        if self.noun == "prompt":
-            return f"{self.total} prompt{'s' * (self.total != 1)}"
-        prompts = sum(d.prompts for d in self.datasets)
-        samples = sorted({d.samples for d in self.datasets if d.prompts})
-        each = f"× {samples[0]} samples" if len(samples) == 1 else f"with {samples[0]} to {samples[-1]} samples each"
-        return f"{self.total} outputs ({prompts} prompt{'s' * (prompts != 1)} {each})"
-
-    def same_job(self, other: RunPlan) -> bool:
-        """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown since."""
-        return other.fingerprint == self.fingerprint or other.fingerprint in self.aliases
-
-
-class Growth(msgspec.Struct):
-    """One time a run took the prompts its job's files gained (grow.py)."""
-
-    at: str
-    prompts: int         # prompts added (records: samples and turns of each)
-    records: int
-    shards: list[int]    # the shards added for them
-    datasets: list[str] = []  # datasets the job gained
 
 
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py", ".py.txt")
 
 
 def _hash_folder_meta(folder: str) -> str:
-    """Hash the small files of a model/tokenizer folder (tokenizer, template, configs), never the weights."""
+    """Hash the small files of a model/tokenizer folder (tokenizer, template, configs), never the
+    weights."""
     p = Path(folder)
     h = hashlib.sha256()
     if not p.is_dir():
@@ -181,29 +105,43 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(msgspec.json.encode(obj, order="deterministic")).hexdigest()
 
 
-def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -> tuple[RunPlan, list[PromptRef]]:
+def plan_job(
+    spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None
+) -> tuple[RunPlan, list[PromptRef]]:
     """Validate every prompt line and make the shard plan and fingerprint (no run directory yet).
 
-    A line that cannot be used is an InputError (every one of every file at once), or, with [inputs] on_bad_line =
-    "skip", left out and counted in its DatasetPlan. `exclude` leaves out more lines, (dataset, line) -> why (the
-    pre-flight's prompts too long for the context, with [inputs] on_too_long = "skip")."""
+    A line that cannot be used is an InputError (every one of every file at once), or, with [inputs]
+    on_bad_line = "skip", left out and counted in its DatasetPlan. `exclude` leaves out more lines,
+    (dataset, line) -> why (the pre-flight's prompts too long for the context, with [inputs]
+    on_too_long = "skip")."""
     exclude = exclude or {}
     skip_bad = spec.inputs.on_bad_line == "skip"
     prompts: list[Prompt] = []
     datasets: list[DatasetPlan] = []
-    errors: list[InputError] = []  # every bad line and duplicate id of every file, reported together
-    n_turns: list[int] = []  # records per sample of each prompt: 1, or its user turns when regenerated
+    # every bad line and duplicate id of every file, reported together
+    errors: list[InputError] = []
+    # records per sample of each prompt: 1, or its user turns when regenerated
+    n_turns: list[int] = []
     paths = {d.name: d.path for d in spec.datasets}
     seen: dict[str, tuple[str, int]] = {}  # id -> (dataset, line) of its first use
     for d in spec.datasets:
         before = len(prompts)
-        dp = DatasetPlan(d.name, d.path, sha256_file(d.path), 0, spec.samples_for(d.name), d.regenerate)
+        dp = DatasetPlan(
+            d.name, d.path, sha256_file(d.path), 0, spec.samples_for(d.name), d.regenerate
+        )
         bad: list[InputError] = []
         for p in scan_dataset(d.path, d.name, bad):
             turns = user_turns(p.messages) if d.regenerate else 1
             if not turns:
-                bad.append(InputError(d.path, p.line, "messages", "has no user message, so no turn to regenerate "
-                                      "([[datasets]] regenerate = true); fix or remove the line, then run again"))
+                bad.append(
+                    InputError(
+                        d.path,
+                        p.line,
+                        "messages",
+                        "has no user message, so no turn to regenerate "
+                        "([[datasets]] regenerate = true); fix or remove the line, then run again",
+                    )
+                )
                 continue
             prev = seen.setdefault(p.id, (d.name, p.line))
             if prev != (d.name, p.line):
@@ -214,7 +152,8 @@ def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -
                 dp.too_long += 1
                 _note_skipped(dp, p.line, why)
                 continue
-            p.messages, p.tools = [], None  # only where each prompt lives is kept: memory stays small
+            # only where each prompt lives is kept: memory stays small
+            p.messages, p.tools = [], None
             prompts.append(p)
             n_turns.append(turns)
         if skip_bad:
@@ -225,8 +164,13 @@ def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -
             errors += bad
         count = len(prompts) - before
         if not count and not bad or not count and skip_bad:
-            raise InputError(d.path, None, None, f"dataset {d.name!r} has no prompts left: all {dp.skipped_lines:,} "
-                             "of its lines are skipped; fix them, or remove the dataset from the job")
+            raise InputError(
+                d.path,
+                None,
+                None,
+                f"dataset {d.name!r} has no prompts left: all {dp.skipped_lines:,} "
+                "of its lines are skipped; fix them, or remove the dataset from the job",
+            )
         dp.prompts, dp.conversations = sum(n_turns[before:]), count if d.regenerate else 0
         datasets.append(dp)
     if errors:
@@ -235,7 +179,10 @@ def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -
         raise InputError.many(errors)
     s = spec.sharding.shards
     if s > len(prompts):
-        raise PlanError(f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most {len(prompts)}")
+        raise PlanError(
+            f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most "
+            f"{len(prompts)}"
+        )
     index = {d.name: i for i, d in enumerate(spec.datasets)}
     samples = [d.samples for d in datasets]
     refs: list[PromptRef] = []
@@ -247,23 +194,42 @@ def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -
             p, turns = prompts[i], n_turns[i]
             ds = index[p.dataset]
             refs.extend(
-                PromptRef(turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate), ds, p.line, p.offset,
-                          p.length, j, t, p.digest)
-                for j in range(samples[ds]) for t in range(turns)
+                PromptRef(
+                    turn_id(sample_id(p.id, j, samples[ds]), t, datasets[ds].regenerate),
+                    ds,
+                    p.line,
+                    p.offset,
+                    p.length,
+                    j,
+                    t,
+                    p.digest,
+                )
+                for j in range(samples[ds])
+                for t in range(turns)
             )
         shards.append(ShardPlan(k, first, len(refs) - first))
     n = len(refs)
-    if len({r.id for r in refs}) != n:  # e.g. a prompt id "a#1" beside a prompt "a" with n = 2 samples
+    # e.g. a prompt id "a#1" beside a prompt "a" with n = 2 samples
+    if len({r.id for r in refs}) != n:
         seen: set[str] = set()
         dup = next(r for r in refs if r.id in seen or seen.add(r.id))
-        raise PlanError(f"record id {dup.id!r} is planned twice: a prompt id collides with a sample (#k) or turn "
-                        f"(/tk) id of another prompt; rename the prompt ids of dataset {datasets[dup.dataset].name!r}")
+        raise PlanError(
+            f"record id {dup.id!r} is planned twice: a prompt id collides with a sample (#k) or "
+            "turn (/tk) id of another prompt; rename the prompt ids of dataset "
+            f"{datasets[dup.dataset].name!r}"
+        )
     m = spec.model
     parts = {
         "model": _digest([m.path, _hash_folder_meta(m.path)]),
         "tokenizer": _digest([m.tokenizer_path, _hash_folder_meta(m.tokenizer_path or m.path)]),
         "template": _digest(
-            [sha256_file(m.chat_template) if m.chat_template else None, m.chat_template_kwargs, m.think_start, m.think_end, m.tool_call_start]
+            [
+                sha256_file(m.chat_template) if m.chat_template else None,
+                m.chat_template_kwargs,
+                m.think_start,
+                m.think_end,
+                m.tool_call_start,
+            ]
         ),
         "sampling": _digest([spec.sampling, {d.name: d.sampling for d in spec.datasets}]),
         "inputs": _digest([[d.name, d.sha256] for d in datasets]),
@@ -284,288 +250,60 @@ def plan_job(spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None) -
     return plan, refs
 
 
-def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan]:
-    rd = RunDir(run_dir)
-    if rd.root.is_file():
-        hint = (f"; it looks like a job spec: `toolkit run {run_dir}` or `toolkit submit {run_dir}` plan and run it, "
-                "and print the run directory to give here") if rd.root.suffix == ".toml" else ""
-        raise PlanError(f"{run_dir}: is a file, not a run directory{hint}")
-    try:  # a change a crash interrupted (formats.pending) is finished before anything is read
-        pending.finish(rd)
-    except OSError as e:
-        raise PlanError(f"{rd.root}: a change to the run was interrupted and cannot be finished here "
-                        f"({e.strerror or e}): run the command again as a user who can write the run "
-                        "directory") from None
-    except msgspec.DecodeError as e:
-        raise PlanError(f"{rd.pending_file} is damaged ({e}): a change to the run (its growth) was interrupted "
-                        "and cannot be finished; plan the job into a new run (`--new-run`)") from None
-    try:
-        plan = msgspec.json.decode(rd.plan_file.read_bytes(), type=RunPlan)
-    except FileNotFoundError:
-        raise PlanError(f"{rd.root}: not a run directory (no run.json); plan one with `toolkit submit` or `toolkit run`") from None
-    except (msgspec.DecodeError, OSError) as e:  # garbage, empty, truncated, not a plan (ValidationError), a folder
-        raise damaged_run_file(rd.plan_file, e) from None
-    return rd, plan
+def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan[JobSpec]]:
+    """The run in `run_dir` opened by a command that plans or runs it: a change a crash interrupted
+    is finished first (formats.pending). Commands that only read open it with `Run.open(run_dir,
+    JobSpec)`."""
+    run = Run.open(run_dir, JobSpec, finish=True)
+    return run.rd, run.plan
 
 
-REPLAN = ("plan the job again into this folder to recover it: `toolkit run JOB` (or `toolkit submit JOB`) with the job "
-          "file that made the run writes it again, keeps every shard file of that job and generates nothing already "
-          "done")
-
-
-def damaged_run_file(path: Path, e: Exception) -> PlanError:
-    """The one-line error of a run.json or prompts.msgpack that cannot be read, with the command that recovers."""
-    why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e).splitlines()[0] if str(e) else type(e).__name__
-    return PlanError(f"{path} is damaged ({why}); {REPLAN}")
-
-
-def _read_refs_raw(rd: RunDir) -> list[msgspec.Raw]:
-    """prompts.msgpack as one raw msgpack item per planned prompt; PlanError when it is missing or damaged."""
-    try:
-        return msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[msgspec.Raw])
-    except FileNotFoundError:
-        raise PlanError(f"{rd.prompts_file} is missing: {REPLAN}") from None
-    except (msgspec.DecodeError, OSError) as e:
-        raise damaged_run_file(rd.prompts_file, e) from None
-
-
-def refs_intact(rd: RunDir, plan: RunPlan) -> bool:
-    """Whether prompts.msgpack holds the plan's refs, every one readable."""
-    try:
-        raw = _read_refs_raw(rd)
-        decode = msgspec.msgpack.Decoder(PromptRef).decode
-        return len(raw) == plan.total and all(decode(r) is not None for r in raw)
-    except (PlanError, msgspec.DecodeError):
-        return False
-
-
-def load_refs(rd: RunDir, first: int = 0, count: int | None = None) -> list[PromptRef]:
-    """The planned prompt refs (all, or positions first .. first+count-1: only those are decoded); PlanError when
-    prompts.msgpack is missing or damaged."""
-    raw = _read_refs_raw(rd)
-    end = len(raw) if count is None else first + count
-    decode = msgspec.msgpack.Decoder(PromptRef).decode
-    try:
-        return [decode(r) for r in raw[first:end]]
-    except msgspec.DecodeError as e:
-        raise damaged_run_file(rd.prompts_file, e) from None
-
-
-def _array_header(n: int) -> bytes:
-    """The msgpack header of an array of `n` items."""
-    if n < 16:
-        return bytes([0x90 | n])
-    return (b"\xdc" + n.to_bytes(2, "big")) if n < 1 << 16 else (b"\xdd" + n.to_bytes(4, "big"))
-
-
-def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
-    """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`), each shard's
-    refs back to back; sets each shard's `refs_at`, where its first ref starts, for `ShardRefs`."""
-    parts = [_array_header(len(refs))]
-    at = len(parts[0])
-    for sp in plan.shards:
-        items = msgspec.msgpack.encode(refs[sp.first : sp.first + sp.count])[len(_array_header(sp.count)):]
-        sp.refs_at = at
-        parts.append(items)
-        at += len(items)
-    return b"".join(parts)
-
-
-_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
-          0xca: 4, 0xcb: 8}  # msgpack types of a fixed size after their type byte: nil, bools, ints, floats
-
-
-def _item_end(buf: bytes, i: int) -> int:
-    """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings, numbers).
-    IndexError when `buf` ends first."""
-    b = buf[i]
-    if b < 0x80 or b >= 0xe0:
-        return i + 1
-    if 0xa0 <= b <= 0xbf:
-        end = i + 1 + (b & 0x1f)
-    elif 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
-        n, i = (b & 0x0f, i + 1) if b <= 0x9f else (int.from_bytes(buf[i + 1 : i + (3 if b == 0xdc else 5)], "big"),
-                                                      i + (3 if b == 0xdc else 5))
-        for _ in range(n):
-            i = _item_end(buf, i)
-        return i
-    elif b in (0xd9, 0xda, 0xdb):
-        size = {0xd9: 1, 0xda: 2, 0xdb: 4}[b]
-        end = i + 1 + size + int.from_bytes(buf[i + 1 : i + 1 + size], "big")
-    elif b in _FIXED:
-        end = i + 1 + _FIXED[b]
-    else:
-        raise ValueError(f"msgpack type 0x{b:02x} is not one a prompt ref holds")
-    if end > len(buf):
-        raise IndexError("the buffer ends inside the object")
-    return end
-
-
-class ShardRefs:
-    """The planned refs of one shard, read from prompts.msgpack in planned order a chunk at a time: a worker keeps
-    nothing per prompt, however large its shard (`RefSlice` gives random access, at a few bytes per prompt)."""
-
-    CHUNK = 1 << 18
-    _decode = msgspec.msgpack.Decoder(PromptRef).decode
-
-    def __init__(self, rd: RunDir, sp: ShardPlan):
-        self.path, self.first, self.count, self.at = rd.prompts_file, sp.first, sp.count, sp.refs_at
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[PromptRef]:
-        with open(self.path, "rb") as f:
-            if self.at:
-                f.seek(self.at)
-                buf, i, skip = f.read(self.CHUNK), 0, 0
-            else:  # planned by an older toolkit: from the array's header on, past the refs of the shards before
-                buf = f.read(self.CHUNK)
-                i, skip = ({0xdc: 3, 0xdd: 5}.get(buf[0], 1) if buf else 0), self.first
-            for n in range(skip + self.count):
-                while True:
-                    try:
-                        end = _item_end(buf, i)
-                        break
-                    except ValueError as e:  # not a prompt ref's bytes
-                        raise damaged_run_file(self.path, e) from None
-                    except IndexError:
-                        more = f.read(self.CHUNK)
-                        if not more:
-                            raise PlanError(f"{self.path} ends before the refs of positions {self.first}.."
-                                            f"{self.first + self.count - 1}: it is damaged; {REPLAN}") from None
-                        buf, i = buf[i:] + more, 0
-                if n >= skip:
-                    try:
-                        ref = self._decode(buf[i:end])
-                    except msgspec.DecodeError as e:
-                        raise damaged_run_file(self.path, e) from None
-                    yield ref
-                i = end
-
-
-class RefSlice:
-    """The planned refs of positions first .. first+count-1 by position, kept as their msgpack bytes (some 60 bytes
-    a prompt, not a Python object each) and decoded one at a time: for the chains of regenerated conversations,
-    which look turns up by position (a shard's prompts in order are read by `ShardRefs`, keeping nothing)."""
-
-    _decode = msgspec.msgpack.Decoder(PromptRef).decode
-
-    def __init__(self, rd: RunDir, first: int, count: int):
-        from array import array
-
-        data = rd.prompts_file.read_bytes()
-        self.path = rd.prompts_file
-        try:
-            raw = msgspec.msgpack.decode(data, type=list[msgspec.Raw])
-        except msgspec.DecodeError as e:
-            raise damaged_run_file(rd.prompts_file, e) from None
-        sizes = [len(r) for r in raw]
-        del raw
-        start = len(data) - sum(sizes) + sum(sizes[:first])  # items follow the array header, back to back
-        self.first = first
-        self._ends = array("Q")
-        end = 0
-        for n in sizes[first : first + count]:
-            end += n
-            self._ends.append(end)
-        self._data = data[start : start + end]
-
-    def __len__(self) -> int:
-        return len(self._ends)
-
-    def __getitem__(self, i: int) -> PromptRef:
-        begin = self._ends[i - 1] if i else 0
-        try:
-            return self._decode(self._data[begin : self._ends[i]])
-        except msgspec.DecodeError as e:
-            raise damaged_run_file(self.path, e) from None
-
-
-class PlannedRefs:
-    """Every planned prompt ref by position, decoded one shard at a time: a run may plan millions of prompts.
-
-    What merge, audit and export look a record's planned prompt up in. PlanError when `prompts.msgpack` is
-    missing or does not hold the plan's prompts.
-    """
-
-    _decode = msgspec.msgpack.Decoder(PromptRef).decode
-
-    def __init__(self, rd: RunDir, plan: RunPlan):
-        self._raw = _read_refs_raw(rd)
-        if len(self._raw) != plan.total:
-            raise PlanError(f"{rd.prompts_file} holds {len(self._raw)} prompts but {rd.plan_file.name} plans "
-                            f"{plan.total}: it is damaged; {REPLAN}")
-        self.path = rd.prompts_file
-        self.shards = plan.shards
-        self._firsts = [s.first for s in plan.shards]
-        self._k = -1
-        self._refs: list[PromptRef] = []
-
-    def shard_of(self, pos: int) -> int:
-        """The index (in the plan's shard list) of the shard that owns planned position `pos`."""
-        return bisect_right(self._firsts, pos) - 1
-
-    def shard(self, k: int) -> list[PromptRef]:
-        """The refs of shard `k`, in planned order (the last shard asked for is kept decoded)."""
-        if k != self._k:
-            s = self.shards[k]
-            try:
-                self._refs = [self._decode(r) for r in self._raw[s.first : s.first + s.count]]
-            except msgspec.DecodeError as e:
-                raise damaged_run_file(self.path, e) from None
-            self._k = k
-        return self._refs
-
-    def at(self, pos: int) -> PromptRef | None:
-        """The ref of planned position `pos`; None outside the plan."""
-        if not 0 <= pos < len(self._raw):
-            return None
-        k = self.shard_of(pos)
-        return self.shard(k)[pos - self.shards[k].first]
-
-
-_STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")  # the suffix --new-run gives a run beside output_dir
+# the suffix --new-run gives a run beside output_dir
+_STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")
 
 
 def runs_in(output_dir: str | os.PathLike) -> list[tuple[Path, RunPlan | None]]:
-    """The run directories of an output_dir, oldest first: output_dir itself and the `<output_dir>.<time>` runs
-    --new-run made beside it, each with its plan (None: unreadable)."""
+    """The run directories of an output_dir, oldest first: output_dir itself and the
+    `<output_dir>.<time>` runs --new-run made beside it, each with its plan (None: unreadable)."""
     root = Path(output_dir)
     found = []
     beside = sorted(root.parent.glob(f"{glob.escape(root.name)}.*")) if root.parent.is_dir() else []
     for path in [root, *beside]:
         if (path == root or _STAMPED.fullmatch(path.name[len(root.name):])) and RunDir.is_run(path):
             try:
-                found.append((path, load_run(path)[1]))
+                found.append((path, Run.open(path, JobSpec).plan))
             except PlanError:
                 found.append((path, None))
     return sorted(found, key=lambda x: (x[1].created if x[1] else "", x[0] != root, x[0].name))
 
 
 def run_of_job(job: str | os.PathLike) -> Path:
-    """The run directory a job file stands for where a command wants a run: the newest run of that job (by name) in
-    its output_dir (and the runs --new-run made beside it). PlanError when it has none yet."""
+    """The run directory a job file stands for where a command wants a run: the newest run of that
+    job (by name) in its output_dir (and the runs --new-run made beside it). PlanError when it has
+    none yet."""
     spec = load_spec(job, check_paths=False)
     runs = runs_in(spec.output_dir)
     mine = [path for path, p in runs if p is not None and p.name == spec.name]
     if not mine:
         others = f" (it holds {len(runs)} run(s) of other jobs)" if runs else ""
-        raise PlanError(f"{job}: job {spec.name!r} has no run in its output_dir {spec.output_dir} yet{others}; "
-                        f"`toolkit run {job}` or `toolkit submit {job}` makes one")
+        raise PlanError(
+            f"{job}: job {spec.name!r} has no run in its output_dir {spec.output_dir} yet{others}; "
+            f"`toolkit run {job}` or `toolkit submit {job}` makes one"
+        )
     return mine[-1]
 
 
 def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
-    """(where the run of `plan` is or goes, whether it exists already): see the module's docstring. PlanError when
-    output_dir holds another job's run and no new run is asked for."""
+    """(where the run of `plan` is or goes, whether it exists already): see the module's docstring.
+    PlanError when output_dir holds another job's run and no new run is asked for."""
     root = Path(plan.spec.output_dir)
     runs = runs_in(root)
     same = [path for path, p in runs if p is not None and p.same_job(plan)]
     if same:
         return same[-1], True
     kin = [path for path, p in runs if p is not None and may_grow(p, plan)]
-    if kin and not new_run:  # the same job with other prompt files: planned again into its run (grow.py)
+    # the same job with other prompt files: planned again into its run (grow.py)
+    if kin and not new_run:
         return kin[-1], True
     if not RunDir.is_run(root):
         return root, False
@@ -578,46 +316,63 @@ def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
             path = root.with_name(f"{root.name}.{file_stamp()}-{n}")
         return path, False
     try:
-        old = load_run(root)[1]
+        old = Run.open(root, JobSpec).plan
     except PlanError as e:
         why = str(e).split(f"; {REPLAN}")[0]
-        raise PlanError(f"{root} holds a run directory that cannot be read ({why}), and its shard files are not of "
-                        f"this job ({plan.fingerprint}): planning it there again would not recover it; point "
-                        "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it") from None
-    others = f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
+        raise PlanError(
+            f"{root} holds a run directory that cannot be read ({why}), and its shard files are "
+            "not of "
+            f"this job ({plan.fingerprint}): planning it there again would not recover it; point "
+            "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it"
+        ) from None
+    others = (
+        f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
+    )
     raise PlanError(
-        f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but this job gives "
-        f"{plan.fingerprint} "
-        f"(differs in: {differences(old, plan)}). Its records would not match: restore the job as it "
-        f"was, point `output_dir` elsewhere, or pass --new-run to start a new run directory beside it."
+        f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but "
+        f"this job gives {plan.fingerprint} (differs in: {differences(old, plan)}). Its records "
+        "would not match: restore the job as it was, point `output_dir` elsewhere, or pass "
+        "--new-run to start a new run directory beside it."
     )
 
 
-# What a job may change and still be planned again into its run (grow.py): its prompt files (and datasets, whose
-# sampling is compared one by one), hence its shard map.
+# What a job may change and still be planned again into its run (grow.py): its prompt files (and
+# datasets, whose sampling is compared one by one), hence its shard map.
 GROWABLE_PARTS = ("inputs", "shards", "sampling")
 
 
 def may_grow(run: RunPlan, plan: RunPlan) -> bool:
-    """Whether `plan` is the job `run` holds with other prompt files only: same name, model, tokenizer, template,
-    shard count, sampling, and the same settings for each dataset the run has (a dataset may be added). Whether
-    the prompts it had are all still there, unchanged, is grow.py's to say."""
+    """Whether `plan` is the job `run` holds with other prompt files only: same name, model,
+    tokenizer, template, shard count, sampling, and the same settings for each dataset the run has
+    (a dataset may be added). Whether the prompts it had are all still there, unchanged, is
+    grow.py's to say."""
     old, new = run.spec, plan.spec
     theirs = {d.name: d for d in new.datasets}
-    return (run.name == plan.name and old.sharding.shards == new.sharding.shards and old.sampling == new.sampling
-            and all(d.name in theirs and (d.sampling, d.regenerate) == (theirs[d.name].sampling, theirs[d.name].regenerate)
-                    for d in old.datasets)
-            and all(run.parts.get(k) == v for k, v in plan.parts.items() if k not in GROWABLE_PARTS))
+    return (
+        run.name == plan.name
+        and old.sharding.shards == new.sharding.shards
+        and old.sampling == new.sampling
+        and all(
+            d.name in theirs
+            and (d.sampling, d.regenerate) == (theirs[d.name].sampling, theirs[d.name].regenerate)
+            for d in old.datasets
+        )
+        and all(run.parts.get(k) == v for k, v in plan.parts.items() if k not in GROWABLE_PARTS)
+    )
 
 
 def _keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     """The keys whose values differ between two tables, `key: old -> new`."""
-    return [f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
 
 
 def differences(run: RunPlan, plan: RunPlan) -> str:
-    """What differs between a run's plan and a job's, part by part, down to the keys and files: `sampling
-    (max_new_tokens: 64 -> 65); inputs (data/math.jsonl: sha256 3f1a.. -> 9c2e..)`."""
+    """What differs between a run's plan and a job's, part by part, down to the keys and files:
+    `sampling (max_new_tokens: 64 -> 65); inputs (data/math.jsonl: sha256 3f1a.. -> 9c2e..)`."""
     said = []
     for part in sorted(k for k in plan.parts if run.parts.get(k) != plan.parts[k]):
         detail: list[str] = []
@@ -645,13 +400,14 @@ def differences(run: RunPlan, plan: RunPlan) -> str:
 
 
 def _replannable(root: Path, plan: RunPlan) -> bool:
-    """Whether `root` holds a run whose run.json cannot be read but whose shard files (headers) and done manifests
-    all carry `plan`'s fingerprint: the run of this very job, which planning it again recovers."""
+    """Whether `root` holds a run whose run.json cannot be read but whose shard files (headers) and
+    done manifests all carry `plan`'s fingerprint: the run of this very job, which planning it again
+    recovers."""
     from toolkit.formats.frames import CorruptShard, read_header
 
     rd = RunDir(root)
     try:
-        load_run(root)
+        Run.open(root, JobSpec)
         return False
     except PlanError:
         pass
@@ -669,48 +425,69 @@ def _replannable(root: Path, plan: RunPlan) -> bool:
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
-    """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint in output_dir,
-    else create one. A file system that refuses the folder, or is full, is a PlanError in one line, and a run
-    directory it could not finish is removed."""
+    """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint
+    in output_dir, else create one. A file system that refuses the folder, or is full, is a
+    PlanError in one line, and a run directory it could not finish is removed."""
     root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
     if exists:
         _, old = load_run(root)
         if not old.same_job(plan):  # job.prepare grows the run first (grow.grow_run)
-            raise PlanError(f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's new "
-                            "prompts must be taken into it first (grow.grow_run)")
+            raise PlanError(
+                f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's "
+                "new prompts must be taken into it first (grow.grow_run)"
+            )
         if root != Path(plan.spec.output_dir):
-            log.info("resuming run %s: the newest run of this job in output_dir %s", rd.shown, plan.spec.output_dir)
+            log.info(
+                "resuming run %s: the newest run of this job in output_dir %s",
+                rd.shown,
+                plan.spec.output_dir,
+            )
         try:
-            if old.fingerprint == plan.fingerprint and not refs_intact(rd, old):  # the same refs, planned again
-                log.warning("%s is damaged: written again from the job's prompt files (the same plan)", rd.prompts_file)
+            # the same refs, planned again
+            if old.fingerprint == plan.fingerprint and not refs_intact(rd, old):
+                log.warning(
+                    "%s is damaged: written again from the job's prompt files (the same plan)",
+                    rd.prompts_file,
+                )
                 atomic_write(rd.prompts_file, refs_bytes(old, refs))
             update_settings(rd, old, plan.spec)
         except OSError as e:
-            raise PlanError(io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED) from None
+            raise PlanError(
+                io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED
+            ) from None
         return rd
     plan.spec.output_dir = str(root)
     fresh = not root.exists()
     if rd.plan_file.exists():  # unreadable, in a folder of this job's shard files (_replannable)
-        log.warning("%s cannot be read, and every shard file in %s is of this job (%s): the job is planned into it "
-                    "again; what they hold is kept", rd.plan_file, root, plan.fingerprint)
+        log.warning(
+            "%s cannot be read, and every shard file in %s is of this job (%s): the job is "
+            "planned into it again; what they hold is kept",
+            rd.plan_file,
+            root,
+            plan.fingerprint,
+        )
     try:
         rd.make_dirs()
         atomic_write(rd.prompts_file, refs_bytes(plan, refs))
-        atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(plan), indent=2))
+        atomic_write(rd.plan_file, plan_bytes(plan))
     except OSError as e:
         _unmake(rd, fresh)
         if e.errno in FULL:
-            raise PlanError(f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED) from None
+            raise PlanError(
+                f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED
+            ) from None
         where = e.filename or root
-        raise PlanError(f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
-                        "output_dir at a folder this user can write") from None
+        raise PlanError(
+            f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "
+            "output_dir at a folder this user can write"
+        ) from None
     return rd
 
 
 def _unmake(rd: RunDir, fresh: bool) -> None:
-    """Remove what a run directory that could not be created holds: all of it when this planning made its folder,
-    else only what it adds (a folder that held no run may hold other things)."""
+    """Remove what a run directory that could not be created holds: all of it when this planning
+    made its folder, else only what it adds (a folder that held no run may hold other things)."""
     if fresh:
         shutil.rmtree(rd.root, ignore_errors=True)
         return
@@ -722,19 +499,22 @@ def _unmake(rd: RunDir, fresh: bool) -> None:
             pass
 
 
-# Tables of a job that say how to run it, not what it makes: a run takes new values from the job when it is
-# planned again (`toolkit run`, `toolkit submit` on the same job), and the change is logged. Everything in the
-# fingerprint (model, template, sampling, inputs, shards) stays pinned.
+# Tables of a job that say how to run it, not what it makes: a run takes new values from the job
+# when it is planned again (`toolkit run`, `toolkit submit` on the same job), and the change is
+# logged. Everything in the fingerprint (model, template, sampling, inputs, shards) stays pinned.
 SETTINGS_TABLES = ("engine", "client", "slurm", "audit")
 SETTINGS_KEYS = {"sharding": ("flush_records", "flush_seconds")}
-# [engine] keys whose change may change how outputs are made (not only how the engine is run): warned about.
+# [engine] keys whose change may change how outputs are made (not only how the engine is run):
+# warned about.
 ENGINE_OUTPUT_KEYS = ("kind", "tp_size", "dp_size", "extra_args", "command", "url", "stub")
 
 
 def settings_changes(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
     """(table.key, old value, new value) of every run setting that differs between two specs."""
     changes = []
-    keys = [(t, None) for t in SETTINGS_TABLES] + [(t, k) for t, ks in SETTINGS_KEYS.items() for k in ks]
+    keys = [(t, None) for t in SETTINGS_TABLES] + [
+        (t, k) for t, ks in SETTINGS_KEYS.items() for k in ks
+    ]
     for table, only in keys:
         a, b = msgspec.to_builtins(getattr(old, table)), msgspec.to_builtins(getattr(new, table))
         for key in sorted(set(a) | set(b)):
@@ -744,7 +524,8 @@ def settings_changes(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
 
 
 def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, Any, Any]]:
-    """Take the job's run settings into an existing run (same fingerprint), log each change, rewrite run.json."""
+    """Take the job's run settings into an existing run (same fingerprint), log each change, rewrite
+    run.json."""
     changes = settings_changes(old.spec, spec)
     if not changes:
         return changes
@@ -753,24 +534,15 @@ def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, 
     for table, ks in SETTINGS_KEYS.items():
         for k in ks:
             setattr(getattr(old.spec, table), k, getattr(getattr(spec, table), k))
-    atomic_write(rd.plan_file, msgspec.json.format(msgspec.json.encode(old), indent=2))
+    atomic_write(rd.plan_file, plan_bytes(old))
     for key, a, b in changes:
         log.info("run %s: setting %s changed from %r to %r", rd.shown, key, a, b)
         if key.split(".")[0] == "engine" and key.split(".")[1] in ENGINE_OUTPUT_KEYS:
-            log.warning("run %s: %s changed: records written before and after were made by differently configured "
-                        "engines", rd.shown, key)
+            log.warning(
+                "run %s: %s changed: records written before and after were made by differently "
+                "configured engines",
+                rd.shown,
+                key,
+            )
     return changes
 
-
-def check_plan_inputs(plan: RunPlan) -> None:
-    """Refuse to generate from an input file that changed since planning (its records would not match)."""
-    for d in plan.datasets:
-        try:
-            now = sha256_file(d.path)
-        except FileNotFoundError:
-            raise InputError(d.path, None, None, f"prompt file of dataset {d.name!r} is gone since the run was planned") from None
-        if now != d.sha256:
-            raise InputError(
-                d.path, None, None,
-                f"changed since the run was planned (sha256 {d.sha256[:12]} -> {now[:12]}); restore it or plan a new run",
-            )

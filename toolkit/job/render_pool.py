@@ -1,15 +1,17 @@
-"""Every prompt of a job rendered through the chat template and measured, on all the cores of the machine: the
-render stage of the pre-flight (`toolkit check`, and `run` and `submit`, which share it).
+"""Every prompt of a job rendered through the chat template and measured, on all the cores of the
+machine: the render stage of the pre-flight (`toolkit check`, and `run` and `submit`, which share
+it).
 
-A prompt file is cut into slices of whole lines (about SLICE_BYTES each). A slice is read, parsed, rendered and
-measured on its own, and what it teaches (`Outcome`: reasoning modes, the longest prompt, the places of failures,
-of refused and of too long prompts) is merged with the others in file order: the answer is the one a single
-process gives, whatever the number of processes. Large jobs go to a pool of processes (`processes()`: the cores
-this process may run on, or TOOLKIT_RENDER_PROCESSES), each holding the tokenizer once (inherited where processes
-fork, loaded once each elsewhere); small ones are measured here, where a pool would cost more than it saves.
+A prompt file is cut into slices of whole lines (about SLICE_BYTES each). A slice is read, parsed,
+rendered and measured on its own, and what it teaches (`Outcome`: reasoning modes, the longest
+prompt, the places of failures, of refused and of too long prompts) is merged with the others in
+file order: the answer is the one a single process gives, whatever the number of processes. Large
+jobs go to a pool of processes (`processes()`: the cores this process may run on, or
+TOOLKIT_RENDER_PROCESSES), each holding the tokenizer once (inherited where processes fork, loaded
+once each elsewhere); small ones are measured here, where a pool would cost more than it saves.
 
-While it works, a progress line is drawn on stderr when it is a terminal, and a log line is written every
-LOG_EVERY_S seconds when it is not.
+While it works, a progress line is drawn on stderr when it is a terminal, and a log line is written
+every LOG_EVERY_S seconds when it is not.
 """
 
 from __future__ import annotations
@@ -33,20 +35,32 @@ from toolkit.job.inputs import prompt_id, scan_lines
 from toolkit.job.spec import ModelSpec
 from toolkit.job.turns import turn_prompt
 
-__all__ = ["ENV_PROCESSES", "Outcome", "Places", "Setting", "Slice", "bound_kind", "measure", "processes", "slices"]
+__all__ = [
+    "ENV_PROCESSES",
+    "Outcome",
+    "Places",
+    "Setting",
+    "Slice",
+    "bound_kind",
+    "measure",
+    "processes",
+    "slices",
+]
 
 log = logging.getLogger(__name__)
 
 SHOWN = 5  # places listed per problem and dataset; the rest are counted
-SLICE_BYTES = 1 << 19  # prompt lines read and rendered at a time (memory stays flat whatever the dataset size)
-# Below this many bytes of prompt lines the job is measured in this process: starting a pool, and the first
-# slices of each process, cost about what a second core saves. Measured on 2 shared cores with short prompts: a
-# pool of 2 saved 0.8 s of 5.2 at 40,000 prompts (7.6 MB), nothing measurable at 10,000 (1.9 MB).
+# prompt lines read and rendered at a time (memory stays flat whatever the dataset size)
+SLICE_BYTES = 1 << 19
+# Below this many bytes of prompt lines the job is measured in this process: starting a pool, and
+# the first slices of each process, cost about what a second core saves. Measured on 2 shared cores
+# with short prompts: a pool of 2 saved 0.8 s of 5.2 at 40,000 prompts (7.6 MB), nothing measurable
+# at 10,000 (1.9 MB).
 POOL_MIN_BYTES = 4 << 20
 ENV_PROCESSES = "TOOLKIT_RENDER_PROCESSES"
-# SGLang's scheduler refuses an input of max_req_input_len = min(context_len - 1, kv_pool - 1) - 5 tokens or more
-# (SGLang 0.5.23, srt/managers/tp_worker.py and managers/utils.py); the KV pool is unknown before the engine starts,
-# so it is taken as large.
+# SGLang's scheduler refuses an input of max_req_input_len = min(context_len - 1, kv_pool - 1) - 5
+# tokens or more (SGLang 0.5.23, srt/managers/tp_worker.py and managers/utils.py); the KV pool is
+# unknown before the engine starts, so it is taken as large.
 SCHEDULER_MARGIN = 6
 LOG_EVERY_S = 10.0
 DRAW_EVERY_S = 0.2
@@ -58,7 +72,8 @@ class RenderPoolError(BadInputError):
 
 
 class Places(msgspec.Struct):
-    """A count of prompts with some property, and the first SHOWN of them (file:line and a detail)."""
+    """A count of prompts with some property, and the first SHOWN of them (file:line and a
+    detail)."""
 
     count: int = 0
     first: list[str] = []
@@ -76,15 +91,22 @@ class Places(msgspec.Struct):
 class Outcome(msgspec.Struct):
     """What measuring the prompts of a dataset (or of a slice of it) taught."""
 
-    prompts: int = 0  # prompts read (a regenerated conversation counts once: its first turn is what is measured)
+    # prompts read (a regenerated conversation counts once: its first turn is what is measured)
+    prompts: int = 0
     modes: dict[str, int] = {}  # reasoning mode -> prompts
     failed: Places = msgspec.field(default_factory=Places)       # the chat template fails on them
-    refused: Places = msgspec.field(default_factory=Places)      # their reasoning mode goes against expect_reasoning
-    model_opens: Places = msgspec.field(default_factory=Places)  # expect_reasoning = false: the model may open it
-    too_long: Places = msgspec.field(default_factory=Places)     # refused by SGLang (or cut, with auto-truncate)
-    clamped: Places = msgspec.field(default_factory=Places)      # the scheduler lowers their max_new_tokens a bit
-    longest: int = 0  # the largest prompt length (or bound) + max_new_tokens; 0 without a context length
-    skipped_long: list[tuple[int, str]] = []  # on_too_long = "skip": (line, why) of each prompt that does not fit
+    # their reasoning mode goes against expect_reasoning
+    refused: Places = msgspec.field(default_factory=Places)
+    # expect_reasoning = false: the model may open it
+    model_opens: Places = msgspec.field(default_factory=Places)
+    # refused by SGLang (or cut, with auto-truncate)
+    too_long: Places = msgspec.field(default_factory=Places)
+    # the scheduler lowers their max_new_tokens a bit
+    clamped: Places = msgspec.field(default_factory=Places)
+    # the largest prompt length (or bound) + max_new_tokens; 0 without a context length
+    longest: int = 0
+    # on_too_long = "skip": (line, why) of each prompt that does not fit
+    skipped_long: list[tuple[int, str]] = []
 
     def merge(self, other: Outcome) -> None:
         self.prompts += other.prompts
@@ -103,13 +125,17 @@ class Setting(msgspec.Struct, frozen=True):
     info: chat.TokenInfo
     context: int | None
     bounded: str | None  # see bound_kind: None encodes every prompt whole
-    anchored: bool  # think_start and think_end are added tokens: a prompt's end is read from its text (_ending)
-    skip_bad: bool = False   # [inputs] on_bad_line = "skip": the plan left bad lines out, and so does measuring
-    skip_long: bool = False  # [inputs] on_too_long = "skip": too long prompts are kept apart (Outcome.skipped_long)
+    # think_start and think_end are added tokens: a prompt's end is read from its text (_ending)
+    anchored: bool
+    skip_bad: bool = False   # [inputs] on_bad_line = "skip": the plan left bad lines out, and so
+                             # does measuring
+    skip_long: bool = False  # [inputs] on_too_long = "skip": too long prompts are kept apart
+                             # (Outcome.skipped_long)
 
 
 class Slice(msgspec.Struct, frozen=True, array_like=True):
-    """Lines of one prompt file: `size` bytes from byte `offset`, the first being line `first_line`."""
+    """Lines of one prompt file: `size` bytes from byte `offset`, the first being line
+    `first_line`."""
 
     dataset: int  # position of the dataset in the job
     path: str
@@ -122,11 +148,13 @@ class Slice(msgspec.Struct, frozen=True, array_like=True):
 
 
 class _Memo:
-    """What one process keeps from slice to slice: the ids of the prompt ends met, and its text renderer."""
+    """What one process keeps from slice to slice: the ids of the prompt ends met, and its text
+    renderer."""
 
     def __init__(self) -> None:
         self.ends: dict[str, list[int]] = {}
-        self.renderer: Any = False  # chat.text_renderer once made (None: this transformers has none)
+        # chat.text_renderer once made (None: this transformers has none)
+        self.renderer: Any = False
 
 
 class _Failure(msgspec.Struct, frozen=True):
@@ -136,7 +164,8 @@ class _Failure(msgspec.Struct, frozen=True):
 
 
 def processes() -> int:
-    """How many processes render: TOOLKIT_RENDER_PROCESSES if set, else the cores this process may run on."""
+    """How many processes render: TOOLKIT_RENDER_PROCESSES if set, else the cores this process may
+    run on."""
     value = os.environ.get(ENV_PROCESSES, "").strip()
     if value:
         try:
@@ -144,7 +173,9 @@ def processes() -> int:
         except ValueError:
             n = 0
         if n < 1:
-            raise BadInputError(f"{ENV_PROCESSES}={value!r}: must be a whole number of processes, at least 1")
+            raise BadInputError(
+                f"{ENV_PROCESSES}={value!r}: must be a whole number of processes, at least 1"
+            )
         return n
     try:
         return len(os.sched_getaffinity(0))
@@ -153,8 +184,8 @@ def processes() -> int:
 
 
 def slices(path: str, *, size: int | None = None) -> Iterator[tuple[int, int, int]]:
-    """(offset, size, first line) of consecutive slices of whole lines of a file, about `size` bytes each
-    (SLICE_BYTES by default)."""
+    """(offset, size, first line) of consecutive slices of whole lines of a file, about `size` bytes
+    each (SLICE_BYTES by default)."""
     size = size or SLICE_BYTES
     with open(path, "rb") as f:
         offset, line, carry = 0, 1, b""
@@ -177,8 +208,9 @@ def slices(path: str, *, size: int | None = None) -> Iterator[tuple[int, int, in
 
 def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
             workers: int | None = None) -> Iterator[Outcome]:
-    """The Outcome of every slice of `work`, in order, while a Progress line counts `total` prompts. With more than
-    one worker (default: processes()) and enough bytes to measure, the slices go to a process pool."""
+    """The Outcome of every slice of `work`, in order, while a Progress line counts `total` prompts.
+    With more than one worker (default: processes()) and enough bytes to measure, the slices go to a
+    process pool."""
     workers = processes() if workers is None else workers
     bar = Progress(total)
     done = 0
@@ -198,12 +230,15 @@ def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
         bar.close()
 
 
-def _pooled(tok: Any, setting: Setting, work: Sequence[Slice], n: int) -> Iterator[Outcome | _Failure]:
+def _pooled(
+    tok: Any, setting: Setting, work: Sequence[Slice], n: int
+) -> Iterator[Outcome | _Failure]:
     methods = multiprocessing.get_all_start_methods()
     fork = "fork" in methods and sys.platform != "darwin"
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
-    # The processes encode one text at a time on one core each; a tokenizer that used its thread pool here before
-    # the fork would warn in every child unless told so. The variable is set only while the processes start.
+    # The processes encode one text at a time on one core each; a tokenizer that used its thread
+    # pool here before the fork would warn in every child unless told so. The variable is set only
+    # while the processes start.
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -217,14 +252,20 @@ def _pooled(tok: Any, setting: Setting, work: Sequence[Slice], n: int) -> Iterat
         yield from pool.imap(_work, work, chunksize=1)
 
 
-# The state of a pool process: its tokenizer and setting, set once by _init_worker (each process has its own).
+# The state of a pool process: its tokenizer and setting, set once by _init_worker (each process has
+# its own).
 _worker: dict[str, Any] = {}
 
 
 def _init_worker(tok: Any, setting: Setting) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
+    # Ctrl-C is the parent's to handle: it ends the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tok=tok if tok is not None else chat.load_tokenizer(setting.model), setting=setting, memo=_Memo())
+    _worker.update(
+        tok=tok if tok is not None else chat.load_tokenizer(setting.model),
+        setting=setting,
+        memo=_Memo(),
+    )
 
 
 def _work(s: Slice) -> Outcome | _Failure:
@@ -232,18 +273,31 @@ def _work(s: Slice) -> Outcome | _Failure:
 
 
 def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome | _Failure:
-    """Read, render and measure the prompts of one slice; a toolkit error comes back as a _Failure."""
+    """Read, render and measure the prompts of one slice; a toolkit error comes back as a
+    _Failure."""
     try:
         with open(s.path, "rb") as f:
             f.seek(s.offset)
             data = f.read(s.size)
         skipped: list | None = [] if setting.skip_bad else None  # the plan reported them already
-        prompts = list(scan_lines(io.BytesIO(data), s.path, s.name, first_line=s.first_line, offset=s.offset,
-                                  errors=skipped))
+        prompts = list(
+            scan_lines(
+                io.BytesIO(data),
+                s.path,
+                s.name,
+                first_line=s.first_line,
+                offset=s.offset,
+                errors=skipped,
+            )
+        )
     except (OSError, BadInputError) as e:
-        return _Failure(f"{e} (the file changed while the job was being checked)" if isinstance(e, BadInputError)
-                        else f"{s.path}: cannot read it ({e}); check the file, then run the command again")
-    if s.regenerate:  # the first turn is what is known before generation; later ones hold its answers
+        return _Failure(
+            f"{e} (the file changed while the job was being checked)"
+            if isinstance(e, BadInputError)
+            else f"{s.path}: cannot read it ({e}); check the file, then run the command again"
+        )
+    # the first turn is what is known before generation; later ones hold its answers
+    if s.regenerate:
         for p in prompts:
             p.id = prompt_id(p)  # of the conversation, not of its first turn
         prompts = [turn_prompt(p, 0, []) for p in prompts]
@@ -267,13 +321,18 @@ def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: _Memo) -
             out.model_opens.add(place)
         if ctx is None:
             continue
-        # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context; input +
-        # max_new_tokens > context; input >= the scheduler's max_req_input_len; then the scheduler's clamp of
-        # max_new_tokens to max_req_len - input - 1.
+        # SGLang's order (srt/managers/tokenizer_manager.py, then the scheduler): input >= context;
+        # input + max_new_tokens > context; input >= the scheduler's max_req_input_len; then the
+        # scheduler's clamp of max_new_tokens to max_req_len - input - 1.
         if n >= ctx or n + mnt > ctx or n >= ctx - SCHEDULER_MARGIN:
             if setting.skip_long:
-                out.skipped_long.append((p.line, f"too long: {n:,} tokens + max_new_tokens {mnt:,} do not fit the "
-                                                 f"context length {ctx:,}"))
+                out.skipped_long.append(
+                    (
+                        p.line,
+                        f"too long: {n:,} tokens + max_new_tokens {mnt:,} do not fit the "
+                        f"context length {ctx:,}",
+                    )
+                )
                 continue
             out.too_long.add(f"{place} ({n:,} tokens)")
         elif n + mnt > ctx - 2:
@@ -284,10 +343,11 @@ def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: _Memo) -
 
 def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
              memo: _Memo) -> list[tuple[int, list[int] | None]]:
-    """(length or an upper bound of it, ids ending like the prompt's) per text; (0, None) for a prompt the template
-    failed on. The length is exact, and the ids all of them, unless `setting.bounded` (see bound_kind) and the
-    text's UTF-8 length + 1 (more than the tokenizer can make of it) fits with room to spare: then it is that bound,
-    and the ids those of the text's end from its last think token on (see _ending), or none."""
+    """(length or an upper bound of it, ids ending like the prompt's) per text; (0, None) for a
+    prompt the template failed on. The length is exact, and the ids all of them, unless
+    `setting.bounded` (see bound_kind) and the text's UTF-8 length + 1 (more than the tokenizer can
+    make of it) fits with room to spare: then it is that bound, and the ids those of the text's end
+    from its last think token on (see _ending), or none."""
     ctx, bounded = setting.context, setting.bounded
     whole: list[int] = []
     out: list[tuple[int, list[int] | None]] = [(0, None)] * len(texts)
@@ -295,7 +355,9 @@ def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
         if text is None:
             continue
         if bounded is not None and setting.anchored:
-            bound = len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
+            bound = (
+                len((unicodedata.normalize("NFC", text) if bounded else text).encode("utf-8")) + 1
+            )
             if ctx is None or (bound + mnt <= ctx - 2 and bound < ctx - SCHEDULER_MARGIN):
                 end = _ending(text, setting.model)
                 ids = memo.ends.get(end)
@@ -313,11 +375,12 @@ def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
 
 
 def _ending(text: str, model: Any) -> str:
-    """The end of a rendered prompt from its last think token on, when that token is the last one but whitespace;
-    else "" (its last meaningful token is then no think token: a character that is not whitespace follows).
+    """The end of a rendered prompt from its last think token on, when that token is the last one
+    but whitespace; else "" (its last meaningful token is then no think token: a character that is
+    not whitespace follows).
 
-    The think tokens are added tokens, which a tokenizer splits out of the text before anything else: the ids of
-    this end are the prompt's last ids, and its reasoning mode is the prompt's."""
+    The think tokens are added tokens, which a tokenizer splits out of the text before anything
+    else: the ids of this end are the prompt's last ids, and its reasoning mode is the prompt's."""
     stripped = text.rstrip()
     for token in (model.think_start, model.think_end):
         if stripped.endswith(token):
@@ -326,12 +389,14 @@ def _ending(text: str, model: Any) -> str:
 
 
 def bound_kind(tok: Any, model: Any) -> tuple[str | None, bool]:
-    """(how to bound a prompt's token count by its bytes, whether its end can be read from its text).
+    """(how to bound a prompt's token count by its bytes, whether its end can be read from its
+    text).
 
-    The bound: "" (UTF-8 bytes + 1), "NFC" (the bytes of its NFC form + 1), or None (no bound: encode every prompt
-    whole). A fast tokenizer makes at most one token per byte of the text it normalizes (byte-level BPE, byte
-    fallback; one more for a prefix space); NFKC/NFKD or replacements could lengthen the text, so such tokenizers
-    get no bound. The end is read from the text when both think tokens are added tokens (split out first)."""
+    The bound: "" (UTF-8 bytes + 1), "NFC" (the bytes of its NFC form + 1), or None (no bound:
+    encode every prompt whole). A fast tokenizer makes at most one token per byte of the text it
+    normalizes (byte-level BPE, byte fallback; one more for a prefix space); NFKC/NFKD or
+    replacements could lengthen the text, so such tokenizers get no bound. The end is read from the
+    text when both think tokens are added tokens (split out first)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or getattr(tok, "split_special_tokens", False):
         return None, False
@@ -344,7 +409,11 @@ def bound_kind(tok: Any, model: Any) -> tuple[str | None, bool]:
     if normalizer is None:
         return "", anchored
     try:
-        names = [type(n).__name__ for n in normalizer] if type(normalizer).__name__ == "Sequence" else [type(normalizer).__name__]
+        names = (
+            [type(n).__name__ for n in normalizer]
+            if type(normalizer).__name__ == "Sequence"
+            else [type(normalizer).__name__]
+        )
     except TypeError:
         return None, False
     if not set(names) <= {"NFC", "Strip"}:
@@ -352,17 +421,22 @@ def bound_kind(tok: Any, model: Any) -> tuple[str | None, bool]:
     return ("NFC" if "NFC" in names else ""), anchored
 
 
-def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo: _Memo) -> list[str | None]:
-    """Rendered text of every prompt, None for those the template fails on (each recorded in `failed`).
+def _texts(
+    tok: Any, model: Any, prompts: list, path: str, failed: Places, memo: _Memo
+) -> list[str | None]:
+    """Rendered text of every prompt, None for those the template fails on (each recorded in
+    `failed`).
 
-    chat.text_renderer when it gives render_texts' text for the slice's first prompt (checked in every slice),
-    else render_texts itself."""
+    chat.text_renderer when it gives render_texts' text for the slice's first prompt (checked in
+    every slice), else render_texts itself."""
     if memo.renderer is False:
         memo.renderer = chat.text_renderer(tok, model)
     direct = memo.renderer
     if direct is not None and prompts:
         try:
-            same = chat.render_texts(tok, model, prompts[:1]) == [direct(prompts[0].messages, prompts[0].tools)]
+            same = chat.render_texts(tok, model, prompts[:1]) == [
+                direct(prompts[0].messages, prompts[0].tools)
+            ]
         except Exception:  # noqa: BLE001 - the template fails on it: said below, by the slower path
             same = False
         if same:
@@ -370,8 +444,11 @@ def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo:
             for p in prompts:
                 try:
                     out.append(direct(p.messages, p.tools))
-                except Exception as exc:  # noqa: BLE001 - the template's own errors, said as render_texts says them
-                    failed.add(f"{path}:{p.line} (id {prompt_id(p)!r}): {type(exc).__name__}: {exc}")
+                # the template's own errors, said as render_texts says them
+                except Exception as exc:  # noqa: BLE001
+                    failed.add(
+                        f"{path}:{p.line} (id {prompt_id(p)!r}): {type(exc).__name__}: {exc}"
+                    )
                     out.append(None)
             return out
     try:
@@ -390,7 +467,8 @@ def _texts(tok: Any, model: Any, prompts: list, path: str, failed: Places, memo:
 
 
 class Progress:
-    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now and then."""
+    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now
+    and then."""
 
     def __init__(self, total: int, stream: Any = None):
         self.total, self.stream = total, stream or sys.stderr
@@ -402,12 +480,15 @@ class Progress:
         elapsed = now - self.start
         share = done / self.total if self.total else 1.0
         left = f", about {_duration(elapsed / share - elapsed)} left" if 0 < share < 1 else ""
-        return f"rendering prompts: {done:,} / {self.total:,} ({share:.0%}), {_duration(elapsed)}{left}"
+        return (f"rendering prompts: {done:,} / {self.total:,} ({share:.0%}), "
+                f"{_duration(elapsed)}{left}")
 
     def update(self, done: int) -> None:
         now = time.monotonic()
         if self.tty:
-            if now - self.start >= DRAW_AFTER_S and (now - self.last >= DRAW_EVERY_S or done >= self.total):
+            if now - self.start >= DRAW_AFTER_S and (
+                now - self.last >= DRAW_EVERY_S or done >= self.total
+            ):
                 self.stream.write("\r\x1b[K" + self.text(done, now))
                 self.stream.flush()
                 self.last, self.drawn = now, True

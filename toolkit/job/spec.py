@@ -1,8 +1,8 @@
 """Job specs: the TOML file a user writes, decoded into typed Structs and validated at load time.
 
 A job spec says which model to serve, how to start the engine, how to sample, which prompt files to
-generate for and how many shards to cut them into. Everything is checked here, before any GPU time is
-spent: unknown keys, wrong types, sampling keys SGLang would reject, missing paths."""
+generate for and how many shards to cut them into. Everything is checked here, before any GPU time
+is spent: unknown keys, wrong types, sampling keys SGLang would reject, missing paths."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ import tomllib
 from toolkit.engines.layout import check_engine_layout
 from toolkit.formats.rundir import RunDir
 from toolkit.job import specerrors
-from toolkit.job.sglang_checks import SAMPLING_KEYS, check_engine_args, check_requests, check_sampling
+from toolkit.job.sglang_checks import (
+    SAMPLING_KEYS,
+    check_engine_args,
+    check_requests,
+    check_sampling,
+)
 from toolkit.job.specerrors import SpecError
 
 
@@ -35,22 +40,24 @@ class ModelSpec(_Config):
     think_start: str = "<think>"
     think_end: str = "</think>"
     tool_call_start: str | None = None
-    # The data must hold reasoning: prompts the template renders with reasoning closed are refused before any
-    # engine starts, and the audit fails a run whose outputs hold none. False: non-thinking data (the audit then
-    # checks that outputs hold no think tokens).
+    # The data must hold reasoning: prompts the template renders with reasoning closed are refused
+    # before any engine starts, and the audit fails a run whose outputs hold none. False:
+    # non-thinking data (the audit then checks that outputs hold no think tokens).
     expect_reasoning: bool = True
 
 
 class StubSpec(_Config):
-    """Options of the `stub` engine: a stand-in for SGLang's protocol, not a model (see toolkit.stub)."""
+    """Options of the `stub` engine: a stand-in for SGLang's protocol, not a model (see
+    toolkit.stub)."""
 
     load_delay_s: float = 0.0
     warmup_delay_s: float = 0.0
     token_delay_s: float = 0.0
     fixed_output_tokens: int | None = None
-    # Output lengths drawn as shares of this many tokens rather than of each request's max_new_tokens. Unset: the
-    # largest max_new_tokens of the job when [client] loop_stop asks for some outputs in segments (so that those
-    # are the outputs of one request), else each request's max_new_tokens.
+    # Output lengths drawn as shares of this many tokens rather than of each request's
+    # max_new_tokens. Unset: the largest max_new_tokens of the job when [client] loop_stop asks for
+    # some outputs in segments (so that those are the outputs of one request), else each request's
+    # max_new_tokens.
     output_scale: int | None = None
     context_length: int = 32768
     crash_after: int | None = None
@@ -58,13 +65,16 @@ class StubSpec(_Config):
     ignore_sigterm: bool = False
     hang_after: int | None = None
     fail_5xx: str | None = None
-    nan_every: int | None = None  # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")
+    # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")
+    nan_every: int | None = None
     exit_at_start: int | None = None
     exit_at_start_if_exists: str | None = None
     no_think_end: bool = False
     double_think_start: bool = False
-    degenerate_fraction: float = 0.0  # share of outputs that fall into a repetition loop until max_new_tokens
-    identical_samples: bool = False   # samples of one prompt (n > 1) token-identical even with a sampling_seed
+    degenerate_fraction: float = 0.0  # share of outputs that fall into a repetition loop until
+                                      # max_new_tokens
+    identical_samples: bool = False   # samples of one prompt (n > 1) token-identical even with a
+                                      # sampling_seed
     version: str = "0.5.23"
     extra_args: list[str] = []
 
@@ -73,32 +83,39 @@ class EngineSpec(_Config):
     kind: Literal["sglang", "stub", "external"] = "sglang"
     tp_size: int = 1
     dp_size: int = 1
-    # Nodes of one engine (one array task): SGLang runs on each through `srun`, rank 0 serving HTTP on the first
-    # node beside the worker; tp_size then counts the GPUs of all nodes (see engine_gpus).
+    # Nodes of one engine (one array task): SGLang runs on each through `srun`, rank 0 serving HTTP
+    # on the first node beside the worker; tp_size then counts the GPUs of all nodes (see
+    # engine_gpus).
     nodes: int = 1
     extra_args: list[str] = []
     env: dict[str, str] = {}
     ready_timeout_s: float = 3600.0
     max_restarts: int = 3
-    # No request answered for this long while some are in flight, and /health_generate fails: the engine is hung,
-    # and is restarted like one that died (counted against max_restarts); its requests in flight go back to the queue.
+    # No request answered for this long while some are in flight, and /health_generate fails: the
+    # engine is hung, and is restarted like one that died (counted against max_restarts); its
+    # requests in flight go back to the queue.
     hang_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
-    # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker ends within
-    # shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight saving's 30 s), whatever its tasks
-    # do: past that it logs what did not finish, kills the engine and ends the process with exit code 6.
+    # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker
+    # ends within shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight
+    # saving's 30 s), whatever its tasks do: past that it logs what did not finish, kills the engine
+    # and ends the process with exit code 6.
     exit_grace_s: float = 60.0
     url: str | None = None
-    # kind = "external": where the worker reads the server's key when it starts, never the key itself (the job file
-    # and the run's run.json are read by others): an environment variable's name, or a file only the user can read.
+    # kind = "external": where the worker reads the server's key when it starts, never the key
+    # itself (the job file and the run's run.json are read by others): an environment variable's
+    # name, or a file only the user can read.
     api_key_env: str | None = None
     api_key_file: str | None = None
-    api_key: str | None = None  # the key in clear: refused in a job file (read only from run.json of older runs)
-    # A custom launch argv: placeholders {host} {port} {model_path}, and for the key {api_key_file} or {config_file}
-    # (files only the user can read; $TOOLKIT_ENGINE_API_KEY holds it too), or {api_key} (on the command line: warned).
+    # the key in clear: refused in a job file (read only from run.json of older runs)
+    api_key: str | None = None
+    # A custom launch argv: placeholders {host} {port} {model_path}, and for the key {api_key_file}
+    # or {config_file} (files only the user can read; $TOOLKIT_ENGINE_API_KEY holds it too), or
+    # {api_key} (on the command line: warned).
     command: list[str] | None = None
-    # The Python that runs SGLang (kind = "sglang" without `command`): a path or a name looked up on the node's PATH.
-    # None: the first python3 on the task's PATH (as [slurm] setup left it) that has sglang, else the toolkit's own.
+    # The Python that runs SGLang (kind = "sglang" without `command`): a path or a name looked up on
+    # the node's PATH. None: the first python3 on the task's PATH (as [slurm] setup left it) that
+    # has sglang, else the toolkit's own.
     python: str | None = None
     stub: StubSpec = msgspec.field(default_factory=StubSpec)
 
@@ -107,48 +124,54 @@ MAX_TRIES = 100  # [client] max_tries above this is a typo, not a bound
 
 
 class ClientSpec(_Config):
-    # Requests in flight. "auto": sized from what the server says it can run (/server_info, then /v1/loads as it
-    # generates): its running capacity plus a small waiting queue, so the engine never waits for a request.
+    # Requests in flight. "auto": sized from what the server says it can run (/server_info, then
+    # /v1/loads as it generates): its running capacity plus a small waiting queue, so the engine
+    # never waits for a request.
     concurrency: int | Literal["auto"] = 64
     max_concurrency: int = 1024         # "auto" never goes above this
-    # On a stop signal, abort the requests in flight and keep their partial outputs (continued on the next run)
-    # instead of throwing them away.
+    # On a stop signal, abort the requests in flight and keep their partial outputs (continued on
+    # the next run) instead of throwing them away.
     save_in_flight: bool = True
     request_timeout_s: float = 3600.0
     retries: int = 5
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
-    # Tries of a prompt within a run while it fails in a way that may pass (timeout, 5xx, reset, NaN stop, abort):
-    # each try is a request with its own `retries`; the next try waits backoff_s * 2^(tries-1) (at most
-    # backoff_max_s). Past the last one the failure is final for the run ("failed 3 times: nan") and the shard is
-    # done; `toolkit retry` starts a fresh count.
+    # Tries of a prompt within a run while it fails in a way that may pass (timeout, 5xx, reset, NaN
+    # stop, abort): each try is a request with its own `retries`; the next try waits backoff_s *
+    # 2^(tries-1) (at most backoff_max_s). Past the last one the failure is final for the run
+    # ("failed 3 times: nan") and the shard is done; `toolkit retry` starts a fresh count.
     max_tries: int = 3
-    # Stop repetition loops while they are generated: a request asks for at most segment_tokens new tokens, and
-    # between segments the output so far is checked for a loop (formats/loops, with these thresholds); a loop is
-    # recorded as it stands (finish "loop", never training data, never generated again), anything else goes on
-    # from prompt + output so far, token for token the output one request would have given.
+    # Stop repetition loops while they are generated: a request asks for at most segment_tokens new
+    # tokens, and between segments the output so far is checked for a loop (formats/loops, with
+    # these thresholds); a loop is recorded as it stands (finish "loop", never training data, never
+    # generated again), anything else goes on from prompt + output so far, token for token the
+    # output one request would have given.
     loop_stop: bool = True
     segment_tokens: int = 4096
     loop_window: int = 512              # tail ids looked at
     loop_max_period: int = 128          # longest repeated span looked for
-    loop_match: float = 0.9             # share of the tail that must repeat the id one period before
+    loop_match: float = 0.9             # share of the tail that must repeat the id one period
+                                        # before
 
 
 class DatasetSpec(_Config):
     name: str
     path: str
     sampling: dict[str, Any] = {}
-    # Regenerate every assistant turn of each conversation, one record per user turn, feeding the model its own
-    # earlier answers (see turns.py); the source's assistant messages are never sent.
+    # Regenerate every assistant turn of each conversation, one record per user turn, feeding the
+    # model its own earlier answers (see turns.py); the source's assistant messages are never sent.
     regenerate: bool = False
 
 
 class InputsSpec(_Config):
-    """What a prompt line that cannot be used does: "fail" stops the job before any GPU time (every such line named),
-    "skip" leaves it out of the run, each one reported (file:line: reason) by `check`, `run`, `submit` and the audit."""
+    """What a prompt line that cannot be used does: "fail" stops the job before any GPU time (every
+    such line named), "skip" leaves it out of the run, each one reported (file:line: reason) by
+    `check`, `run`, `submit` and the audit."""
 
-    on_bad_line: Literal["fail", "skip"] = "fail"  # malformed JSON, a missing or wrong field, a duplicate id, ...
-    on_too_long: Literal["fail", "skip"] = "fail"  # its length + max_new_tokens does not fit the context length
+    on_bad_line: Literal["fail", "skip"] = "fail"  # malformed JSON, a missing or wrong field, a
+                                                   # duplicate id, ...
+    on_too_long: Literal["fail", "skip"] = "fail"  # its length + max_new_tokens does not fit the
+                                                   # context length
 
 
 class ShardingSpec(_Config):
@@ -185,8 +208,10 @@ class AuditSpec(_Config):
     max_length_share: float = 0.2
     max_failed_share: float = 0.01
     max_reasoning_share: float = 0.01    # expect_reasoning = false: outputs that hold a think token
-    max_degenerate_share: float = 0.02   # outputs in a repetition loop (dataset.quality), per dataset
-    max_identical_sample_share: float = 0.01  # n > 1, temperature > 0: samples token-identical to an earlier one
+    max_degenerate_share: float = 0.02   # outputs in a repetition loop (dataset.quality), per
+                                         # dataset
+    # n > 1, temperature > 0: samples token-identical to an earlier one
+    max_identical_sample_share: float = 0.01
     reprompt_sample: int = 64
 
 
@@ -204,7 +229,8 @@ class JobSpec(_Config):
     audit: AuditSpec = msgspec.field(default_factory=AuditSpec)
 
     def sampling_for(self, dataset: str) -> dict[str, Any]:
-        """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per dataset."""
+        """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per
+        dataset."""
         for d in self.datasets:
             if d.name == dataset:
                 return {**self.sampling, **d.sampling}
@@ -217,8 +243,8 @@ class JobSpec(_Config):
     def request_sampling(self, dataset: str, sample: int) -> dict[str, Any]:
         """The sampling_params of one request: sample `sample` of a prompt of `dataset`.
 
-        Each sample is its own request, so `n` is not sent; a `sampling_seed` is offset by the sample index so
-        that seeded samples differ (and stay reproducible).
+        Each sample is its own request, so `n` is not sent; a `sampling_seed` is offset by the
+        sample index so that seeded samples differ (and stay reproducible).
         """
         params = self.sampling_for(dataset)
         params.pop("n", None)
@@ -229,14 +255,20 @@ class JobSpec(_Config):
 
 _VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-CLEAR_KEY = ("a key written here stays in clear in the job file and in the run's run.json, for whoever reads them "
-             "(and travels with every copy of the run): put it in an environment variable and name it "
-             "(`api_key_env = \"NAME\"`), or in a file only you can read (`api_key_file = \"PATH\"`)")
+CLEAR_KEY = (
+    "a key written here stays in clear in the job file and in the run's run.json, for whoever "
+    "reads them "
+    "(and travels with every copy of the run): put it in an environment variable and name it "
+    '(`api_key_env = "NAME"`), or in a file only you can read (`api_key_file = "PATH"`)'
+)
 
 
-def _resolve(base: Path, p: str | None, where: str | None = None, source: Path | None = None) -> str | None:
-    """`p` with ~ and environment variables expanded, relative to `base`. With `where`, a variable that is not set
-    is an error naming the key (os.path.expandvars would leave `${DATA_ROOT}` in the path)."""
+def _resolve(
+    base: Path, p: str | None, where: str | None = None, source: Path | None = None
+) -> str | None:
+    """`p` with ~ and environment variables expanded, relative to `base`. With `where`, a variable
+    that is not set is an error naming the key (os.path.expandvars would leave `${DATA_ROOT}` in the
+    path)."""
     if p is None:
         return None
     expanded = os.path.expandvars(os.path.expanduser(p))
@@ -251,16 +283,22 @@ def _resolve(base: Path, p: str | None, where: str | None = None, source: Path |
 
 
 def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
-    """Read, decode and validate a job spec. Relative paths are resolved against the spec's folder."""
+    """Read, decode and validate a job spec. Relative paths are resolved against the spec's
+    folder."""
     source = Path(path)
     if source.is_dir():
         what = "a run directory" if RunDir.is_run(source) else "a folder"
-        raise SpecError(f"{source}: is {what}, not a job spec (a .toml file); commands on a run directory are "
-                        "status, logs, resubmit, merge, audit and export")
+        raise SpecError(
+            f"{source}: is {what}, not a job spec (a .toml file); commands on a run directory are "
+            "status, logs, resubmit, merge, audit and export"
+        )
     try:
         raw = source.read_bytes()
     except FileNotFoundError:
-        raise SpecError(f"{source}: job spec not found; see jobs/ for examples or templates/job.toml to start from") from None
+        raise SpecError(
+            f"{source}: job spec not found; see jobs/ for examples or templates/job.toml to start "
+            "from"
+        ) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -270,13 +308,24 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     text = raw.decode("utf-8")
     engine = data.get("engine")
     if isinstance(engine, dict) and "api_key" in engine:
-        raise SpecError(f"{_at(source, text, ('engine', 'api_key'))}: [engine] api_key: {CLEAR_KEY}")
-    for unknown, where_listed in ((specerrors.unknown_keys(data, JobSpec), "; templates/job.toml lists every key"),
-                                  (_unknown_sampling_keys(data), "")):
+        raise SpecError(
+            f"{_at(source, text, ('engine', 'api_key'))}: [engine] api_key: {CLEAR_KEY}"
+        )
+    for unknown, where_listed in (
+        (specerrors.unknown_keys(data, JobSpec), "; templates/job.toml lists every key"),
+        (_unknown_sampling_keys(data), ""),
+    ):
         if unknown:
             first = unknown[0]
-            more = (f" (and {len(unknown) - 1} more: " + ", ".join(
-                f"`{'.'.join(str(p) for p in u.path)}`" for u in unknown[1:4]) + ")") if len(unknown) > 1 else ""
+            more = (
+                (
+                    f" (and {len(unknown) - 1} more: "
+                    + ", ".join(f"`{'.'.join(str(p) for p in u.path)}`" for u in unknown[1:4])
+                    + ")"
+                )
+                if len(unknown) > 1
+                else ""
+            )
             listed = "" if first.message.endswith("?") and not more else where_listed
             raise SpecError(f"{_at(source, text, first.path)}: {first.message}{more}{listed}")
     try:
@@ -288,11 +337,14 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
 
 
 def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
-    """Keys of [sampling] and of each dataset's `sampling` that SGLang's sampling_params does not take."""
+    """Keys of [sampling] and of each dataset's `sampling` that SGLang's sampling_params does not
+    take."""
     tables: list[tuple] = [("sampling",)]
     datasets = data.get("datasets")
     if isinstance(datasets, list):
-        tables += [("datasets", i, "sampling") for i, d in enumerate(datasets) if isinstance(d, dict)]
+        tables += [
+            ("datasets", i, "sampling") for i, d in enumerate(datasets) if isinstance(d, dict)
+        ]
     problems = []
     for path in tables:
         params = specerrors.value_at(data, path)
@@ -300,16 +352,25 @@ def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
             continue
         for key in params:
             if key not in SAMPLING_KEYS:
-                hint = ("; there is no `seed`: use `sampling_seed`, honoured only with --enable-deterministic-inference"
-                        if key == "seed" else specerrors.did_you_mean(key, SAMPLING_KEYS)
-                        or "; SGLang's sampling_params takes: " + ", ".join(sorted(SAMPLING_KEYS)))
-                problems.append(specerrors.KeyProblem((*path, key), f"unknown sampling key `{key}` "
-                                                                  f"{specerrors.where(path, data)}{hint}"))
+                hint = (
+                    "; there is no `seed`: use `sampling_seed`, honoured only with "
+                    "--enable-deterministic-inference"
+                    if key == "seed"
+                    else specerrors.did_you_mean(key, SAMPLING_KEYS)
+                    or "; SGLang's sampling_params takes: " + ", ".join(sorted(SAMPLING_KEYS))
+                )
+                problems.append(
+                    specerrors.KeyProblem(
+                        (*path, key),
+                        f"unknown sampling key `{key}` {specerrors.where(path, data)}{hint}",
+                    )
+                )
     return problems
 
 
 def _at(source: Path, text: str, path: tuple) -> str:
-    """`file:line` of the key at `path` in the spec's text (just the file when the line cannot be told)."""
+    """`file:line` of the key at `path` in the spec's text (just the file when the line cannot be
+    told)."""
     line = specerrors.key_line(text, path)
     return f"{source}:{line}" if line else str(source)
 
@@ -325,7 +386,9 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     for i, d in enumerate(spec.datasets):
         where = f"[[datasets]] #{i + 1} ({d.name!r})"
         if d.name in seen:
-            raise SpecError(f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique")
+            raise SpecError(
+                f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique"
+            )
         seen.add(d.name)
         check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
         d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
@@ -335,8 +398,8 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         params = spec.sampling_for(d.name)
         if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
             raise SpecError(
-                f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 would be {params['n']} "
-                "identical greedy outputs; set a temperature > 0 or n = 1"
+                f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 "
+                f"would be {params['n']} identical greedy outputs; set a temperature > 0 or n = 1"
             )
     if spec.sharding.shards < 1:
         raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
@@ -345,43 +408,66 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     c = spec.client
     if (c.concurrency != "auto" and c.concurrency < 1) or c.max_concurrency < 1 or c.retries < 0 \
             or c.request_timeout_s <= 0:
-        raise SpecError(f"{source}: [client] needs concurrency >= 1 (or \"auto\"), max_concurrency >= 1, "
-                        "retries >= 0, request_timeout_s > 0")
+        raise SpecError(
+            f'{source}: [client] needs concurrency >= 1 (or "auto"), max_concurrency >= 1, '
+            "retries >= 0, request_timeout_s > 0"
+        )
     if c.max_tries < 1 or c.max_tries > MAX_TRIES:
-        raise SpecError(f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt whose "
-                        f"failure may pass, within a run), got {c.max_tries}")
+        raise SpecError(
+            f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt "
+            f"whose failure may pass, within a run), got {c.max_tries}"
+        )
     if c.segment_tokens < 256 or c.loop_max_period < 1 or c.loop_window < 4 * c.loop_max_period \
             or not 0.5 <= c.loop_match <= 1.0 or c.loop_window > c.segment_tokens:
-        raise SpecError(f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, loop_window "
-                        f"between 4 * loop_max_period and segment_tokens, loop_match between 0.5 and 1; got "
-                        f"segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, loop_max_period = "
-                        f"{c.loop_max_period}, loop_match = {c.loop_match:g}")
+        raise SpecError(
+            f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, "
+            "loop_window between 4 * loop_max_period and segment_tokens, loop_match between 0.5 "
+            f"and 1; got segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, "
+            f"loop_max_period = {c.loop_max_period}, loop_match = {c.loop_match:g}"
+        )
     if c.backoff_s < 0 or c.backoff_max_s < 0:
-        raise SpecError(f"{source}: [client] backoff_s and backoff_max_s must be >= 0, got {c.backoff_s:g} and "
-                        f"{c.backoff_max_s:g}")
+        raise SpecError(
+            f"{source}: [client] backoff_s and backoff_max_s must be >= 0, got {c.backoff_s:g} and "
+            f"{c.backoff_max_s:g}"
+        )
     e = spec.engine
     if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
         raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
     if e.exit_grace_s <= 0 or e.shutdown_timeout_s < 0:
-        raise SpecError(f"{source}: [engine] needs exit_grace_s > 0 and shutdown_timeout_s >= 0, got "
-                        f"{e.exit_grace_s:g} and {e.shutdown_timeout_s:g}")
+        raise SpecError(
+            f"{source}: [engine] needs exit_grace_s > 0 and shutdown_timeout_s >= 0, got "
+            f"{e.exit_grace_s:g} and {e.shutdown_timeout_s:g}"
+        )
     if e.nodes < 1:
         raise SpecError(f"{source}: [engine] nodes must be >= 1, got {e.nodes}")
     if e.nodes > 1:
         if e.kind != "sglang" or e.command is not None:
-            raise SpecError(f"{source}: [engine] nodes = {e.nodes} needs kind = \"sglang\" without `command`: only "
-                            "the toolkit's own SGLang launch starts one rank per node")
+            raise SpecError(
+                f'{source}: [engine] nodes = {e.nodes} needs kind = "sglang" without `command`: '
+                'only '
+                "the toolkit's own SGLang launch starts one rank per node"
+            )
         problem = check_engine_layout(e, spec.slurm.gpus_per_node)
         if problem:
             raise SpecError(f"{source}: {problem}")
-    if e.python is not None and (e.kind != "sglang" or e.command is not None or not e.python.strip()):
-        raise SpecError(f"{source}: [engine] python = {e.python!r}: only for kind = \"sglang\" without `command` (the "
-                        "Python the toolkit starts SGLang with), and not empty; remove it")
+    if e.python is not None and (
+        e.kind != "sglang" or e.command is not None or not e.python.strip()
+    ):
+        raise SpecError(
+            f'{source}: [engine] python = {e.python!r}: only for kind = "sglang" without `command` '
+            '(the '
+            "Python the toolkit starts SGLang with), and not empty; remove it"
+        )
     if e.kind == "external" and not e.url:
-        raise SpecError(f"{source}: [engine] kind = \"external\" needs `url` (e.g. \"http://127.0.0.1:30000\")")
+        raise SpecError(
+            f'{source}: [engine] kind = "external" needs `url` (e.g. "http://127.0.0.1:30000")'
+        )
     _check_key_source(e, source, base, check_paths)
     if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
-        raise SpecError(f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a shell line)")
+        raise SpecError(
+            f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a "
+            "shell line)"
+        )
     if e.kind in ("sglang", "stub") and e.command is None:
         check_engine_args(e, source)
     check_requests(spec, source)
@@ -390,7 +476,11 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     def key(name: str) -> str | None:
         return name if check_paths else None
 
-    m.path = _resolve(base, m.path, key("[model] path"), source) if _looks_local(m.path, base) else m.path
+    m.path = (
+        _resolve(base, m.path, key("[model] path"), source)
+        if _looks_local(m.path, base)
+        else m.path
+    )
     if m.tokenizer_path is not None:
         m.tokenizer_path = (_resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
                             if _looks_local(m.tokenizer_path, base) else m.tokenizer_path)
@@ -408,39 +498,57 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
 
 
 def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool) -> None:
-    """[engine] api_key_env / api_key_file: only for an external server (the toolkit draws the key of an engine it
-    starts), one of the two, a valid name, a file that exists (its path resolved like every path of the job)."""
+    """[engine] api_key_env / api_key_file: only for an external server (the toolkit draws the key
+    of an engine it starts), one of the two, a valid name, a file that exists (its path resolved
+    like every path of the job)."""
     given = [k for k in ("api_key_env", "api_key_file") if getattr(e, k) is not None]
     if not given:
         return
     if e.kind != "external":
-        raise SpecError(f"{source}: [engine] {given[0]} is for kind = \"external\": an engine the toolkit starts "
-                        "gets a fresh key at each start, in a file only you can read; remove it")
+        raise SpecError(
+            f'{source}: [engine] {given[0]} is for kind = "external": an engine the toolkit starts '
+            "gets a fresh key at each start, in a file only you can read; remove it"
+        )
     if len(given) > 1:
-        raise SpecError(f"{source}: [engine] api_key_env and api_key_file are both set: keep the one the key is in")
+        raise SpecError(
+            f"{source}: [engine] api_key_env and api_key_file are both set: keep the one the key "
+            "is in"
+        )
     if e.api_key_env is not None and not _ENV_NAME.fullmatch(e.api_key_env):
-        raise SpecError(f"{source}: [engine] api_key_env = {e.api_key_env!r} is not an environment variable's name "
-                        "(letters, digits and _): name the variable that holds the key, not the key")
+        raise SpecError(
+            f"{source}: [engine] api_key_env = {e.api_key_env!r} is not an environment variable's "
+            "name (letters, digits and _): name the variable that holds the key, not the key"
+        )
     if e.api_key_file is not None:
-        e.api_key_file = _resolve(base, e.api_key_file, "[engine] api_key_file" if check_paths else None, source)
+        e.api_key_file = _resolve(
+            base, e.api_key_file, "[engine] api_key_file" if check_paths else None, source
+        )
         if check_paths and not Path(e.api_key_file).is_file():
-            raise SpecError(f"{source}: [engine] api_key_file {e.api_key_file} does not exist (or is not a file): "
-                            "write the server's key there, readable only by you (chmod 600)")
+            raise SpecError(
+                f"{source}: [engine] api_key_file {e.api_key_file} does not exist (or is not a "
+                "file): write the server's key there, readable only by you (chmod 600)"
+            )
 
 
 def key_source_warnings(e: EngineSpec) -> list[str]:
-    """What may keep an engine's key from the worker, or open it to others, as seen from here: a custom `command`
-    that puts it on its command line, the variable `api_key_env` names unset, a key file other users may read."""
+    """What may keep an engine's key from the worker, or open it to others, as seen from here: a
+    custom `command` that puts it on its command line, the variable `api_key_env` names unset, a key
+    file other users may read."""
     if e.command and any("{api_key}" in a for a in e.command):
-        return ["[engine] command: {api_key} puts the engine's key on its command line, where every user of the node "
-                "can read it (ps): use {api_key_file} or {config_file} (files only you can read, removed when the "
-                "engine stops), or $TOOLKIT_ENGINE_API_KEY"]
+        return [
+            "[engine] command: {api_key} puts the engine's key on its command line, where every "
+            "user of the node can read it (ps): use {api_key_file} or {config_file} (files only "
+            "you can read, removed when the engine stops), or $TOOLKIT_ENGINE_API_KEY"
+        ]
     if e.kind != "external":
         return []
     if e.api_key_env is not None and not os.environ.get(e.api_key_env):
-        return [f"[engine] api_key_env: the environment variable {e.api_key_env} is not set here; the worker reads "
-                "the server's key from it, so set it where the worker runs (export it before `toolkit run` or "
-                "`toolkit submit`, whose sbatch passes this environment on, or in [slurm] setup)"]
+        return [
+            f"[engine] api_key_env: the environment variable {e.api_key_env} is not set here; the "
+            "worker reads the server's key from it, so set it where the worker runs (export it "
+            "before `toolkit run` or `toolkit submit`, whose sbatch passes this environment on, "
+            "or in [slurm] setup)"
+        ]
     if e.api_key_file is not None:
         try:
             mode = os.stat(e.api_key_file).st_mode

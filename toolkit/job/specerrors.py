@@ -1,9 +1,11 @@
-"""What the author of a job spec reads when a key is wrong: an unknown key with the closest known ones, a value of
-the wrong type in TOML's words (what the key takes), each with the file and the line.
+"""What the author of a job spec reads when a key is wrong: an unknown key with the closest known
+ones, a value of the wrong type in TOML's words (what the key takes), each with the file and the
+line.
 
-`unknown_keys(data, schema)` walks the decoded TOML against the spec's Structs before msgspec sees it;
-`explain_validation(error, data, schema)` turns msgspec's `... - at $.client.concurrency` into the TOML key, what it
-takes and what it got; `key_line(text, path)` finds the line a key is written on.
+`unknown_keys(data, schema)` walks the decoded TOML against the spec's Structs before msgspec sees
+it; `explain_validation(error, data, schema)` turns msgspec's `... - at $.client.concurrency` into
+the TOML key, what it takes and what it got; `key_line(text, path)` finds the line a key is written
+on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from toolkit.errors import BadInputError
 class SpecError(BadInputError):
     """A job spec that cannot be run. The message names the file and the key."""
 
-__all__ = ["KeyProblem", "closest", "did_you_mean", "explain_validation", "key_line", "table_name", "unknown_keys", "value_at", "where"]
+__all__ = [
+    "KeyProblem",
+    "closest",
+    "did_you_mean",
+    "explain_validation",
+    "key_line",
+    "table_name",
+    "unknown_keys",
+    "value_at",
+    "where",
+]
 
 Path = tuple  # of str (table keys) and int (the index in an array of tables)
 
@@ -34,12 +46,15 @@ class KeyProblem(msgspec.Struct, frozen=True):
 
 
 def closest(word: str, known) -> list[str]:
-    """The known names nearest to `word` (a typo, a missing or extra letter, another case), best first."""
+    """The known names nearest to `word` (a typo, a missing or extra letter, another case), best
+    first."""
     known = sorted(known)
     by_case = [k for k in known if k.lower() == word.lower()]
     if by_case:
         return by_case
-    scored = sorted(((difflib.SequenceMatcher(None, word, k).ratio(), k) for k in known), reverse=True)
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, word, k).ratio(), k) for k in known), reverse=True
+    )
     best = scored[0][0] if scored else 0.0
     return [k for score, k in scored[:3] if score >= 0.6 and score >= best - 0.1]
 
@@ -52,14 +67,21 @@ def did_you_mean(word: str, known) -> str:
 
 
 def table_name(path: Path, data: Any = None) -> str:
-    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2 ('math')."""
+    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2
+    ('math')."""
     parts: list[str] = []
     node = data
     out = ""
     for p in path:
         if isinstance(p, int):
-            name = node[p].get("name") if isinstance(node, list) and p < len(node) and isinstance(node[p], dict) else None
-            out = f"[[{'.'.join(parts)}]] #{p + 1}" + (f" ({name!r})" if isinstance(name, str) else "")
+            name = (
+                node[p].get("name")
+                if isinstance(node, list) and p < len(node) and isinstance(node[p], dict)
+                else None
+            )
+            out = f"[[{'.'.join(parts)}]] #{p + 1}" + (
+                f" ({name!r})" if isinstance(name, str) else ""
+            )
             parts = []
         else:
             parts.append(p)
@@ -77,7 +99,9 @@ def where(path: Path, data: Any = None) -> str:
 
 
 def _has(node: Any, p) -> bool:
-    return (isinstance(node, dict) and p in node) or (isinstance(node, list) and isinstance(p, int) and p < len(node))
+    return (isinstance(node, dict) and p in node) or (
+        isinstance(node, list) and isinstance(p, int) and p < len(node)
+    )
 
 
 def _struct_of(t: mi.Type) -> mi.StructType | None:
@@ -91,7 +115,8 @@ def _struct_of(t: mi.Type) -> mi.StructType | None:
 
 
 def unknown_keys(data: Any, schema: type) -> list[KeyProblem]:
-    """Every key of `data` (decoded TOML) that `schema` (a Struct) has no field for, with the closest known keys."""
+    """Every key of `data` (decoded TOML) that `schema` (a Struct) has no field for, with the
+    closest known keys."""
     return _unknown(data, mi.type_info(schema), (), data)
 
 
@@ -108,7 +133,9 @@ def _unknown(data: Any, t: mi.Type, path: Path, doc: Any) -> list[KeyProblem]:
                 problems += _unknown(value, fields[key].type, (*path, key), doc)
         return problems
     if isinstance(t, mi.ListType) and isinstance(data, list):
-        return [p for i, item in enumerate(data) for p in _unknown(item, t.item_type, (*path, i), doc)]
+        return [
+            p for i, item in enumerate(data) for p in _unknown(item, t.item_type, (*path, i), doc)
+        ]
     return []
 
 
@@ -118,7 +145,11 @@ def takes(t: mi.Type) -> str:
         kinds = [takes(u) for u in t.types if not isinstance(u, mi.NoneType)]
         return " or ".join(dict.fromkeys(kinds))
     if isinstance(t, mi.LiteralType):
-        return "one of " + ", ".join(_toml(v) for v in t.values) if len(t.values) > 1 else _toml(t.values[0])
+        return (
+            "one of " + ", ".join(_toml(v) for v in t.values)
+            if len(t.values) > 1
+            else _toml(t.values[0])
+        )
     if isinstance(t, mi.BoolType):
         return "true or false"
     if isinstance(t, mi.IntType):
@@ -135,8 +166,13 @@ def takes(t: mi.Type) -> str:
 
 
 def _plural(kind: str) -> str:
-    return {"an integer": "integers", "a number": "numbers", "a string": "strings", "a table": "tables",
-            "true or false": "booleans"}.get(kind, kind)
+    return {
+        "an integer": "integers",
+        "a number": "numbers",
+        "a string": "strings",
+        "a table": "tables",
+        "true or false": "booleans",
+    }.get(kind, kind)
 
 
 def _toml(v: Any) -> str:
@@ -168,12 +204,14 @@ _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_-]*)|\[(\d+)\]")
 
 
 def _parse_path(text: str) -> Path:
-    return tuple(m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text))
+    return tuple(
+        m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text)
+    )
 
 
 def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) -> KeyProblem:
-    """msgspec's message of a value that does not fit the schema, said in TOML terms: which key, in which table,
-    takes what, and what it got."""
+    """msgspec's message of a value that does not fit the schema, said in TOML terms: which key, in
+    which table, takes what, and what it got."""
     m = _AT.match(str(error))
     if m is None:
         return KeyProblem((), str(error))
@@ -182,7 +220,9 @@ def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) 
     if missing:
         key = missing.group(1)
         t = _field_type(schema, (*path, key))
-        return KeyProblem(path, f"{table_name(path, data)} needs `{key}`" + (f" ({takes(t)})" if t else ""))
+        return KeyProblem(
+            path, f"{table_name(path, data)} needs `{key}`" + (f" ({takes(t)})" if t else "")
+        )
     if not path:
         return KeyProblem(path, what)
     t = _field_type(schema, path)
@@ -193,7 +233,13 @@ def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) 
     message = f"`{key}` {table} takes {takes(t) if t else what}, got {shown}"
     if isinstance(got, (str, int, float, bool)):
         message += f" ({_toml_type(got)})"
-    choices = [v for u in _alternatives(t) if isinstance(u, mi.LiteralType) for v in u.values if isinstance(v, str)]
+    choices = [
+        v
+        for u in _alternatives(t)
+        if isinstance(u, mi.LiteralType)
+        for v in u.values
+        if isinstance(v, str)
+    ]
     near = closest(got, choices) if isinstance(got, str) and choices else []
     if near:
         message += "; did you mean " + " or ".join(f'"{v}"' for v in near) + "?"
@@ -238,7 +284,8 @@ _HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
 
 
 def _sections(text: str) -> list[tuple[str, int | None, int, list[tuple[int, str]]]]:
-    """(table name, index in its array of tables or None, header line, [(line number, line)]) per table."""
+    """(table name, index in its array of tables or None, header line, [(line number, line)]) per
+    table."""
     out: list[tuple[str, int | None, int, list[tuple[int, str]]]] = [("", None, 0, [])]
     counts: dict[str, int] = {}
     array, index = "", None
@@ -251,15 +298,18 @@ def _sections(text: str) -> list[tuple[str, int | None, int, list[tuple[int, str
                 array, index = name, counts[name]
                 out.append((name, index, no, []))
             else:
-                out.append((name, index if array and name.startswith(array + ".") else None, no, []))
+                out.append(
+                    (name, index if array and name.startswith(array + ".") else None, no, [])
+                )
             continue
         out[-1][3].append((no, line))
     return out
 
 
 def key_line(text: str, path: Path) -> int | None:
-    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its table, in an inline
-    table, or as a dotted key), else the line of the table it belongs to; None when neither can be found."""
+    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its
+    table, in an inline table, or as a dotted key), else the line of the table it belongs to; None
+    when neither can be found."""
     fallback = None
     for j in range(len(path), -1, -1):
         head, chain = path[:j], path[j:]
@@ -277,7 +327,9 @@ def key_line(text: str, path: Path) -> int | None:
             for no, line in lines:
                 if len(chain) == 1 and re.match(rf"^\s*[\"']?{first}[\"']?\s*=", line):
                     return no
-                if len(chain) > 1 and (re.match(rf"^\s*{first}\s*=\s*\{{.*(^|[{{,\s]){last}\s*=", line)
-                                       or re.match(rf"^\s*{re.escape('.'.join(chain))}\s*=", line)):
+                if len(chain) > 1 and (
+                    re.match(rf"^\s*{first}\s*=\s*\{{.*(^|[{{,\s]){last}\s*=", line)
+                    or re.match(rf"^\s*{re.escape('.'.join(chain))}\s*=", line)
+                ):
                     return no
     return fallback

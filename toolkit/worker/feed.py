@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from toolkit.formats.records import TEMPLATE
+from toolkit.formats.run import PromptRef, RunPlan, ShardRefs
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
-from toolkit.job.plan import PromptRef, RunPlan, ShardRefs
 from toolkit.job.turns import turn_prompt
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger

@@ -48,7 +48,7 @@ from toolkit.formats.records import (
     pack_ids,
     split_output,
 )
-from toolkit.job.plan import PromptRef
+from toolkit.formats.run import PromptRef
 from toolkit.worker.feed import Feed
 from toolkit.worker.shard import Shard, health_timeout
 

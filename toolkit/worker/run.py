@@ -49,11 +49,13 @@ from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.records import MAY_PASS, OK, Record
+from toolkit.formats.run import RefSlice, RunPlan, ShardRefs
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.formats.shardstate import ShardState, retry_request, shard_state
 from toolkit.job import chat
-from toolkit.job.plan import RefSlice, RunPlan, ShardRefs, check_plan_inputs, load_run
+from toolkit.job.inputs import check_plan_inputs
+from toolkit.job.plan import load_run
 from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from toolkit.worker.exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread

@@ -13,9 +13,9 @@ import time
 from toolkit.engines.client import Expect, HttpClient
 from toolkit.formats.progress import Progress, slurm_context, write_progress
 from toolkit.formats.records import OK, PARTIAL, Record
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
-from toolkit.job.plan import RunPlan
 from toolkit.worker.turn_order import Chains
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger

@@ -9,9 +9,9 @@ import asyncio
 from typing import Protocol
 
 from toolkit.formats.records import FAILURES, OK, PREVIOUS_TURN, REJECTED, TEMPLATE, Record, failed_record
+from toolkit.formats.run import PromptRef, RefSlice, RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
-from toolkit.job.plan import PromptRef, RefSlice, RunPlan
 from toolkit.job.turns import answer_of, turn_prompt
 from toolkit.worker.feed import Feed, Rendered, TodoItem
 
