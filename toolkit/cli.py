@@ -1,6 +1,7 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
-Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`. `status` exits 0 only for a run that is
+Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`; an error exits with the code of its kind
+(toolkit.errors.KINDS) after one line, `toolkit: error: ...` (`toolkit -v`: its traceback first). `status` exits 0 only for a run that is
 complete and healthy (cluster.verdicts.verdict).
 """
 
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from toolkit.errors import (
     EXIT_STOPPED,
     EXIT_UNKNOWN,
     BadInputError,
+    FailedError,
     ToolkitError,
     stopped_code,
 )
@@ -180,7 +183,7 @@ def _after_shards(rd, stopped: str | None, failed: list[int], *, merge: bool = T
 # ---------------------------------------------------------------------------------------------------
 def cmd_merge(args) -> int:
     from toolkit.dataset.finish import merge_and_audit
-    from toolkit.dataset.merge import MergeError, merge_run
+    from toolkit.dataset.merge import merge_run
     from toolkit.formats.rundir import RunDir
 
     if not args.no_audit:
@@ -191,9 +194,8 @@ def cmd_merge(args) -> int:
           f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
           f"{len(m.corrupt)} damaged frames")
     if m.corrupt or m.foreign or not (m.complete or args.allow_incomplete):
-        raise MergeError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
-                         "incomplete: see the line above; `toolkit audit` says what each check finds",
-                         exit_code=EXIT_FAILED)
+        raise FailedError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
+                          "incomplete: see the line above; `toolkit audit` says what each check finds")
     return EXIT_OK
 
 
@@ -353,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG + _exit_codes(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error")
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -644,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command in TAKES_A_JOB_FOR_ITS_RUN:
                 args.run = _run_arg(args.run)
             return args.func(args)
-    except ToolkitError as e:  # every toolkit error, with the exit code it carries
+    except ToolkitError as e:  # every toolkit error: one line, and the exit code of its kind
+        if args.verbose:  # -v: where it was raised too
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         print(f"toolkit: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C where no stop is set up (planning, merging, `status --watch`)

@@ -22,7 +22,7 @@ from toolkit.cluster.verdicts import (
     pool_state,
     shard_status,
 )
-from toolkit.errors import BadInputError, ToolkitError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import shown_path
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
@@ -281,12 +281,12 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
     if not path.exists():
         p = read_progress(rd.progress_file(shard))
         if p is None:
-            raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+            raise FailedError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
         if server:
-            raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
+            raise FailedError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
                                f"for another shard, and its progress file does not say which; its worker's log names "
                                f"the server log (`toolkit logs {rd.shown} {shard}`)")
-        raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
+        raise FailedError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
     for line in _tail_lines(path, lines):
         print(line)
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
 from toolkit.formats.locks import ShardLocked
@@ -187,7 +187,7 @@ def merge_run(
 
     Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
     merged record, in planned order (the audit runs in the same pass this way). A file system that fails it (full,
-    read-only) is a MergeError in one line, nothing left behind.
+    read-only) is a FailedError (exit 1) in one line, nothing left behind.
     """
     rd, plan = load_run(run_dir)
     try:
@@ -196,9 +196,9 @@ def merge_run(
         raise io_error(e, rd, "merge") from None
 
 
-def io_error(e: OSError, rd: RunDir, command: str) -> MergeError:
-    """The MergeError of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
-    return MergeError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"), exit_code=EXIT_FAILED)
+def io_error(e: OSError, rd: RunDir, command: str) -> FailedError:
+    """The error of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
+    return FailedError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"))
 
 
 def _named(e: OSError, path: Path) -> OSError:
