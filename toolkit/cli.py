@@ -32,6 +32,7 @@ from toolkit.errors import (
     stopped_code,
 )
 from toolkit.formats.files import shown_path
+from toolkit.formats.logline import RelayFormatter, error_line, text_formatter
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
 
@@ -357,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error")
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    p.add_argument("--log-relay", action="store_true", help=argparse.SUPPRESS)  # log records as JSON lines (pipeline)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -636,11 +638,9 @@ def _log_levels(args) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    terminal = logging.StreamHandler(sys.stderr)  # (--log-relay: records for the `toolkit run` that started it)
+    terminal.setFormatter(RelayFormatter() if args.log_relay else text_formatter())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[terminal])
     try:
         with _log_levels(args):
             if args.command in TAKES_A_JOB_FOR_ITS_RUN:
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:  # every toolkit error: one line, and the exit code of its kind
         if args.verbose:  # -v: where it was raised too
             traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-        print(f"toolkit: error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C where no stop is set up (planning, merging, `status --watch`)
         return EXIT_INTERRUPTED

@@ -3,8 +3,8 @@ its server log, the merge job's, and `--failed`: why each failed shard or record
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import sys
 import time
 from collections import deque
@@ -24,6 +24,7 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import shown_path
+from toolkit.formats.logline import ERROR_PREFIX, parse_text
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.rundir import RunDir
@@ -157,13 +158,19 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], 
     return n, shown, partial
 
 
-_REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
+def _says_why(line: str) -> bool:
+    """A line of a merge job's log that says why it failed: the command's error line, a toolkit ERROR record
+    (formats.logline), or a check the audit failed (its summary's `FAIL` rows)."""
+    if line.startswith(ERROR_PREFIX) or line.lstrip(" ").startswith("FAIL  ") and line.startswith(" "):
+        return True
+    got = parse_text(line)
+    return got is not None and got.level >= logging.ERROR and got.name.startswith("toolkit.")
 
 
 def _reasons(log: Path, limit: int = 5) -> list[str]:
     """The lines of a merge job's log that say why it failed (the toolkit's errors, failed audit checks)."""
     with open(log, errors="replace") as f:
-        return [line.rstrip("\n") for line in f if _REASON.search(line)][:limit]
+        return [line.rstrip("\n") for line in f if _says_why(line.rstrip("\n"))][:limit]
 
 
 def merge_log(rd: RunDir, job: str) -> Path:

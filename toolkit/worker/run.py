@@ -45,6 +45,7 @@ from toolkit.engines.kinds import make_engine
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
 from toolkit.formats.locks import ShardLocked
+from toolkit.formats.logline import text_formatter
 from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
@@ -81,7 +82,6 @@ class Outcome(str):
         out.stop_signal = signal_name
         return out
 RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class ShardFailed(FailedError):
@@ -431,7 +431,7 @@ def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: in
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
     h = LogFile(path)
-    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    h.setFormatter(text_formatter())
     logging.getLogger("toolkit").addHandler(h)
     return h
 
