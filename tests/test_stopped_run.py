@@ -237,7 +237,7 @@ def test_a_failed_merge_job_says_so_in_one_line_without_a_traceback(tmp_path, to
     lines = r.stderr.strip().splitlines()
     assert lines[-1] == (f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
                          f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm")
-    assert lines[-2].startswith("toolkit: error: ") and "shards are not finished" in lines[-2]
+    assert lines[-2].startswith("toolkit: error: ") and "shards are not done" in lines[-2]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -308,7 +308,7 @@ def cmd_retry(args) -> int:
         lists = [f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
                  for f, what in ((rd.missing_file, "ids the merge found missing"),
                                  (rd.failed_file, "failed ones (permanent failures too)")) if _has_ids(f)]
-        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass"
+        print(f"nothing to retry: every shard of {rd.shown} is done with no failure that may pass"
               + (f"; {'; '.join(lists)}" if lists else ""))
         return EXIT_OK
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")

@@ -202,7 +202,7 @@ def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
                 if k in left:
                     log.info("shard %d: its other worker ended without finishing it; running it here", k)
                 else:
-                    log.info("shard %d was finished elsewhere", k)
+                    log.info("shard %d was done elsewhere", k)
             still = [b for b in busy if b not in free]
             if left or not still:
                 return left + still

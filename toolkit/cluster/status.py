@@ -41,7 +41,7 @@ from toolkit.cluster.verdicts import (
     totals,
     verdict,
 )
-from toolkit.cluster.verdicts import slurm_view as view_of_answers
+from toolkit.cluster.verdicts import view_of_answers
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
 from toolkit.formats.rundir import RunDir

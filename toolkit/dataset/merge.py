@@ -119,7 +119,7 @@ class MergeManifest(msgspec.Struct):
 # ---------------------------------------------------------------------------------------------------
 # merging
 # ---------------------------------------------------------------------------------------------------
-class _Totals:
+class _MergeCounts:
     def __init__(self, plan: RunPlan):
         self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
         self.records = self.ok = self.failed = self.prompt_tokens = self.output_tokens = 0
@@ -130,7 +130,7 @@ class _Totals:
 
 
 def _merge_shard(
-    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
+    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _MergeCounts,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
     missing_out, cache_bytes: int, *, header: bool = True,
 ) -> None:
@@ -172,7 +172,7 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
             not_done.append(s.index)
     if not_done and not allow_incomplete:
         raise MergeError(
-            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
+            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not done (no done manifest): "
             f"{ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
@@ -224,7 +224,7 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _named(e, rd.merged_file)
-    t = _Totals(plan)
+    t = _MergeCounts(plan)
     corrupt: list[FrameProblem] = []
     torn: list[FrameProblem] = []
     shards: list[ShardMerge] = []
