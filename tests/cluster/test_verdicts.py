@@ -30,9 +30,9 @@ from toolkit.cluster.verdicts import (
     parse_squeue,
     run_states,
     shard_status,
-    view_of_answers,
     totals,
     verdict,
+    view_of_answers,
 )
 from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
 from toolkit.formats.manifests import DoneManifest
