@@ -133,7 +133,7 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     s.rd.jobs_file.write_bytes(msgspec.json.encode(Jobs([sub])))
     mlog = s.rd.slurm_dir / "71" / "71_0_log.out"
     mlog.parent.mkdir(parents=True)
-    mlog.write_text("submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not finished (no done manifest): 1\n"
+    mlog.write_text("submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not done (no done manifest): 1\n"
                     "merge job: `toolkit merge run` exited 2 (the lines above say why); once that is fixed, ...\n")
     import toolkit.cluster.status
     import toolkit.cluster.verdicts
@@ -146,7 +146,7 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
     assert "==> shard 1: failed (job 70_1, node n2) <==" in out and "error: engine died 3 times" in out
     assert "engine died mid-shard" in out and "==> shard 0" not in out
     assert "==> merge job 71: failed" in out and "71/71_0_log.out" in out
-    assert "why: toolkit: error: run: 1 of 2 shards are not finished" in out and "merge job: `toolkit merge run` exited 2" in out
+    assert "why: toolkit: error: run: 1 of 2 shards are not done" in out and "merge job: `toolkit merge run` exited 2" in out
     assert "==> 1 failed record (" in out and f"{s.refs[2].id}  server error 500: boom" in out
 
 

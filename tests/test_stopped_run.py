@@ -238,7 +238,7 @@ def test_a_failed_merge_job_says_so_in_one_line_without_a_traceback(tmp_path, to
     lines = r.stderr.strip().splitlines()
     assert lines[-1] == (f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
                          f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm")
-    assert lines[-2].startswith("toolkit: error: ") and "shards are not finished" in lines[-2]
+    assert lines[-2].startswith("toolkit: error: ") and "shards are not done" in lines[-2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_ru
 
     rd = complete_run
     _flip(rd.shard_file(0), at)
-    assert cli_main(["merge", str(rd.root), "--no-audit"]) != EXIT_OK  # a damaged frame (the header) is said
+    assert cli_main(["merge", str(rd.root), "--no-audit"]) == EXIT_FAILED  # a damaged frame (the header) is said
     m = load_manifest(rd)
     assert m.missing == 0 and m.records == m.planned and [p.offset for p in m.corrupt] == [0]
     merged_before = m.shards[0]

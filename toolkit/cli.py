@@ -1,6 +1,7 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
-Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`. `status` exits 0 only for a run that is
+Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`; an error exits with the code of its kind
+(toolkit.errors.KINDS) after one line, `toolkit: error: ...` (`toolkit -v`: its traceback first). `status` exits 0 only for a run that is
 complete and healthy (cluster.verdicts.verdict).
 """
 
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +27,12 @@ from toolkit.errors import (
     EXIT_STOPPED,
     EXIT_UNKNOWN,
     BadInputError,
+    FailedError,
     ToolkitError,
     stopped_code,
 )
 from toolkit.formats.files import shown_path
+from toolkit.formats.logline import RelayFormatter, error_line, text_formatter
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
 
@@ -180,7 +184,7 @@ def _after_shards(rd, stopped: str | None, failed: list[int], *, merge: bool = T
 # ---------------------------------------------------------------------------------------------------
 def cmd_merge(args) -> int:
     from toolkit.dataset.finish import merge_and_audit
-    from toolkit.dataset.merge import MergeError, merge_run
+    from toolkit.dataset.merge import merge_run
     from toolkit.formats.rundir import RunDir
 
     if not args.no_audit:
@@ -191,9 +195,8 @@ def cmd_merge(args) -> int:
           f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
           f"{len(m.corrupt)} damaged frames")
     if m.corrupt or m.foreign or not (m.complete or args.allow_incomplete):
-        raise MergeError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
-                         "incomplete: see the line above; `toolkit audit` says what each check finds",
-                         exit_code=EXIT_FAILED)
+        raise FailedError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
+                          "incomplete: see the line above; `toolkit audit` says what each check finds")
     return EXIT_OK
 
 
@@ -305,7 +308,7 @@ def cmd_retry(args) -> int:
         lists = [f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
                  for f, what in ((rd.missing_file, "ids the merge found missing"),
                                  (rd.failed_file, "failed ones (permanent failures too)")) if _has_ids(f)]
-        print(f"nothing to retry: every shard of {rd.shown} is complete with no failure that may pass"
+        print(f"nothing to retry: every shard of {rd.shown} is done with no failure that may pass"
               + (f"; {'; '.join(lists)}" if lists else ""))
         return EXIT_OK
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
@@ -353,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG + _exit_codes(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error")
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    p.add_argument("--log-relay", action="store_true", help=argparse.SUPPRESS)  # log records as JSON lines (pipeline)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -634,18 +638,18 @@ def _log_levels(args) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    terminal = logging.StreamHandler(sys.stderr)  # (--log-relay: records for the `toolkit run` that started it)
+    terminal.setFormatter(RelayFormatter() if args.log_relay else text_formatter())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[terminal])
     try:
         with _log_levels(args):
             if args.command in TAKES_A_JOB_FOR_ITS_RUN:
                 args.run = _run_arg(args.run)
             return args.func(args)
-    except ToolkitError as e:  # every toolkit error, with the exit code it carries
-        print(f"toolkit: error: {e}", file=sys.stderr)
+    except ToolkitError as e:  # every toolkit error: one line, and the exit code of its kind
+        if args.verbose:  # -v: where it was raised too
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C where no stop is set up (planning, merging, `status --watch`)
         return EXIT_INTERRUPTED

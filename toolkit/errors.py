@@ -1,13 +1,19 @@
-"""Exit codes of the `toolkit` command, and the error every toolkit failure raises with its code.
+"""Exit codes of the `toolkit` command, and the kinds of error that are those codes.
 
-`cli.main` catches `ToolkitError` once: it prints `toolkit: error: <message>` and exits with the error's
-`exit_code` (the class's, or the one an instance was given).
+Every error the toolkit explains derives from exactly one kind, and the kind is the exit code: `FailedError` (1:
+the work failed, or the file system, Slurm or the engine failed it) or `BadInputError` (2: input the toolkit
+refuses). The context is in the message, never in another exit code: a class has one code, and no instance
+changes it. `cli.main` catches `ToolkitError` once: it prints `toolkit: error: <message>` and exits with the
+kind's code (`toolkit -v` prints the traceback first).
 """
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_MEANINGS", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_INTERRUPTED", "EXIT_OK",
-           "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "ToolkitError", "stopped_code"]
+from typing import ClassVar
+
+__all__ = ["BadInputError", "EXIT_BAD_INPUT", "EXIT_MEANINGS", "EXIT_FAILED", "EXIT_IN_PROGRESS", "EXIT_INTERRUPTED",
+           "EXIT_OK", "EXIT_STOPPED", "EXIT_STUCK", "EXIT_UNKNOWN", "FailedError", "KINDS", "ToolkitError",
+           "stopped_code"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 EXIT_IN_PROGRESS = 5  # `status`: the run is still going (shards or the merge job pending or running), nothing failed
@@ -34,17 +40,25 @@ def stopped_code(signal_name: str | None) -> int:
 
 
 class ToolkitError(Exception):
-    """A failure the toolkit explains in one message; `exit_code` is what the command exits with."""
+    """A failure the toolkit explains in one message. Raise one of its kinds (`KINDS`), not this root: the kind
+    says the exit code (`exit_code`, the same for every instance of a class)."""
 
-    exit_code: int = EXIT_FAILED
+    exit_code: ClassVar[int] = EXIT_FAILED
 
-    def __init__(self, *args, exit_code: int | None = None):
-        super().__init__(*args)
-        if exit_code is not None:
-            self.exit_code = exit_code
+
+class FailedError(ToolkitError):
+    """Exit 1: the work failed — a shard, the merge, the audit, the engine, Slurm, or the file system (a full
+    disk) — through no fault of the input; the message says what to do next."""
+
+    exit_code: ClassVar[int] = EXIT_FAILED
 
 
 class BadInputError(ToolkitError):
-    """Input the toolkit refuses before doing any work: a spec, prompt file, tokenizer, option or run directory."""
+    """Exit 2: input the toolkit refuses before doing any work: a spec, prompt file, tokenizer, option or run
+    directory."""
 
-    exit_code = EXIT_BAD_INPUT
+    exit_code: ClassVar[int] = EXIT_BAD_INPUT
+
+
+# The kinds of error, by the exit code each is: every other error class derives from exactly one of them.
+KINDS: dict[int, type[ToolkitError]] = {EXIT_FAILED: FailedError, EXIT_BAD_INPUT: BadInputError}

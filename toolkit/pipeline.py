@@ -12,10 +12,8 @@ run, dataset.finish ends it).
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import time
 
 from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
 from toolkit.errors import EXIT_INTERRUPTED, EXIT_STOPPED, BadInputError
+from toolkit.formats.logline import parse_relayed
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
 from toolkit.job.plan import load_run
@@ -122,7 +121,7 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        argv = [sys.executable, "-m", "toolkit", "worker", str(rd.root), "--claim", *map(str, pool),
+        argv = [sys.executable, "-m", "toolkit", "--log-relay", "worker", str(rd.root), "--claim", *map(str, pool),
                 "--worker", str(i), "--workers", str(len(slices)), "--group", group]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
@@ -176,26 +175,18 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
     return None, busy
 
 
-_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ([A-Z]+) ([\w.]+): (.*)")
-
-
 def _relay(stream, log: logging.Logger) -> None:
-    """A worker process's log lines, through this process's logging: as they were written (time, level, logger),
-    so the console shows them as its own, above the live bar when there is one."""
+    """A worker process's log records (`toolkit --log-relay worker`: one JSON line each, formats.logline), through
+    this process's logging as they were written (time, level, logger, message), so the console shows them as its
+    own, above the live bar when there is one."""
     for line in stream:
-        line = line.rstrip("\n")
-        m = _LINE.fullmatch(line)
-        if m is None:  # a line that is not a log record (a traceback's): as this run's
-            log.warning("%s", line)
+        got = parse_relayed(line)
+        if got is None:  # a line that is not a log record (a crash's traceback, the error line): as this run's
+            log.warning("%s", line.rstrip("\n"))
             continue
-        when = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
-        level = logging.getLevelName(m.group(3))
-        record = logging.makeLogRecord({"name": m.group(4), "levelno": level if isinstance(level, int) else 20,
-                                        "levelname": m.group(3), "msg": m.group(5), "created": when,
-                                        "msecs": int(m.group(2))})
-        logger = logging.getLogger(m.group(4))
-        if logger.isEnabledFor(record.levelno):
-            logger.handle(record)
+        logger = logging.getLogger(got.name)
+        if logger.isEnabledFor(got.level):
+            logger.handle(got.record())
 
 
 def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
@@ -211,7 +202,7 @@ def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
                 if k in left:
                     log.info("shard %d: its other worker ended without finishing it; running it here", k)
                 else:
-                    log.info("shard %d was finished elsewhere", k)
+                    log.info("shard %d was done elsewhere", k)
             still = [b for b in busy if b not in free]
             if left or not still:
                 return left + still

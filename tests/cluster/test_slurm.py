@@ -156,7 +156,7 @@ def test_failed_shard_shows_in_status_and_logs_then_resubmit_runs_only_it(tmp_pa
     assert "==> shard 0" not in logs and "==> shard 2" not in logs
     merge_id = merge.job
     assert f"==> merge job {merge_id}: failed (" in logs and f"{merge_id}/{merge_id}_0_log.out" in logs
-    assert "why: toolkit: error: " in logs and "shards are not finished" in logs  # the reason, before the tail
+    assert "why: toolkit: error: " in logs and "shards are not done" in logs  # the reason, before the tail
     merge_log = RunDir(run).job_log(merge_id).read_text()
     assert "Traceback" not in merge_log and f"merge job: `toolkit merge {run}` exited 2 (" in merge_log
 

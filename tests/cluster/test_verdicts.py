@@ -30,9 +30,9 @@ from toolkit.cluster.verdicts import (
     parse_squeue,
     run_states,
     shard_status,
-    slurm_view,
     totals,
     verdict,
+    view_of_answers,
 )
 from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
 from toolkit.formats.manifests import DoneManifest
@@ -91,7 +91,7 @@ def test_parse_sacct_squeue_scontrol():
 
 
 def test_view_squeue_wins_and_requeued_stays_visible():
-    view = slurm_view(ok("sacct", "70_0|REQUEUED|n1\n70_1|FAILED|n2\n"),
+    view = view_of_answers(ok("sacct", "70_0|REQUEUED|n1\n70_1|FAILED|n2\n"),
                       ok("squeue", "70_0|PENDING||(BeginTime)\n"))
     assert view.jobs["70_0"] == SlurmJob("REQUEUED", None, "BeginTime")
     assert view.jobs["70_1"].state == "FAILED" and view.sacct is None and view.squeue is None
@@ -101,14 +101,14 @@ def test_view_asks_scontrol_only_when_sacct_is_down_and_squeue_answers():
     sacct_down, squeue_ok = down("sacct"), ok("squeue", "")
     assert needs_scontrol(sacct_down, squeue_ok)
     assert not needs_scontrol(ok("sacct", ""), squeue_ok) and not needs_scontrol(sacct_down, down("squeue"))
-    view = slurm_view(sacct_down, squeue_ok,
+    view = view_of_answers(sacct_down, squeue_ok,
                       {"70": ok("scontrol", "JobId=70 ArrayJobId=70 ArrayTaskId=1 JobState=FAILED NodeList=n2")})
     assert view.jobs == {"70_1": SlurmJob("FAILED", "n2", None)} and view.sacct == "sacct did not answer in 5 s"
 
 
 def test_ids_slurm_no_longer_knows_are_an_empty_answer_not_a_failure():
     gone = down("squeue", "squeue failed (exit 1): Invalid job id specified", problem=FAILED)
-    view = slurm_view(ok("sacct", ""), gone)
+    view = view_of_answers(ok("sacct", ""), gone)
     assert view.squeue is None and view.jobs == {}
 
 
@@ -304,7 +304,7 @@ def test_a_failed_or_stopped_shard_is_never_exit_0():
 
 def test_slurmctld_down_sacct_up_a_live_state_in_sacct_is_unknown():
     """slurmdbd keeps the last state slurmctld told it: RUNNING stays RUNNING after the worker was killed."""
-    view = slurm_view(ok("sacct", "70_0|COMPLETED|n1\n70_1|RUNNING|n1\n70_2|FAILED|n1\n71|PENDING|None assigned\n"),
+    view = view_of_answers(ok("sacct", "70_0|COMPLETED|n1\n70_1|RUNNING|n1\n70_2|FAILED|n1\n71|PENDING|None assigned\n"),
                       down("squeue", "squeue failed (exit 1): Unable to contact slurm controller", problem=FAILED))
     assert view.jobs == {"70_0": SlurmJob("COMPLETED", "n1"), "70_2": SlurmJob("FAILED", "n1")}  # final states hold
     assert view.stale == {"70_1": "RUNNING", "71": "PENDING"}

@@ -173,7 +173,7 @@ def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kim
 def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(tmp_path, kimi, monkeypatch):
     from toolkit.cluster import submit as submit_mod
     from toolkit.cluster.jobs import ArrayJob, Submission, append_submission
-    from toolkit.cluster.resources import SlurmError
+    from toolkit.cluster.resources import SubmitRefused
 
     monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # no cluster answers the dry runs: the same on every machine
@@ -181,14 +181,14 @@ def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(t
     rd, plan = prepared_run(job)
     append_submission(rd, Submission(submitted="now", arrays=[ArrayJob("7", [0], ["7"])], merge_job_id="8"))
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {})
-    with pytest.raises(SlurmError, match="already submitted"):  # nothing new: resubmit is for what is left
+    with pytest.raises(SubmitRefused, match="already submitted"):  # nothing new: resubmit is for what is left
         submit_mod.submit(str(job), dry_run=True)
     append(tmp_path / "prompts.jsonl", new_lines(2))
     r = submit_mod.submit(str(job), dry_run=True)
     assert r.dry_run.arrays == [[0, 1]] and r.dry_run.shards == 2  # the new shard, and what is left
     assert len(load_run(rd.root)[1].shards) == 1  # a dry run writes nothing
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {"8": "PENDING"})
-    with pytest.raises(SlurmError, match=r"gained prompts, but 1 jobs of its run .* are still pending or running"):
+    with pytest.raises(SubmitRefused, match=r"gained prompts, but 1 jobs of its run .* are still pending or running"):
         submit_mod.submit(str(job), dry_run=True)
 
 

@@ -113,7 +113,7 @@ def test_progress_is_a_line_redrawn_on_a_terminal_and_log_lines_elsewhere(monkey
     monkeypatch.setattr(render_pool, "DRAW_AFTER_S", 0)
     monkeypatch.setattr(render_pool, "DRAW_EVERY_S", 0)
     term = Terminal()
-    bar = render_pool.Progress(200, term)
+    bar = render_pool.RenderProgress(200, term)
     bar.update(50)
     bar.update(200)
     bar.close()
@@ -124,7 +124,7 @@ def test_progress_is_a_line_redrawn_on_a_terminal_and_log_lines_elsewhere(monkey
     monkeypatch.setattr(render_pool, "LOG_EVERY_S", 0)
     pipe = io.StringIO()
     with caplog.at_level(logging.INFO, logger="toolkit.job.render_pool"):
-        bar = render_pool.Progress(200, pipe)
+        bar = render_pool.RenderProgress(200, pipe)
         bar.update(100)
         bar.close()
     assert pipe.getvalue() == ""  # nothing drawn into a pipe or a file
@@ -133,7 +133,7 @@ def test_progress_is_a_line_redrawn_on_a_terminal_and_log_lines_elsewhere(monkey
 
 def test_a_quick_job_draws_nothing(monkeypatch):
     term = Terminal()
-    bar = render_pool.Progress(10, term)
+    bar = render_pool.RenderProgress(10, term)
     bar.update(10)
     bar.close()
     assert term.getvalue() == ""

@@ -3,8 +3,8 @@ its server log, the merge job's, and `--failed`: why each failed shard or record
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import sys
 import time
 from collections import deque
@@ -22,8 +22,9 @@ from toolkit.cluster.verdicts import (
     pool_state,
     shard_status,
 )
-from toolkit.errors import BadInputError, ToolkitError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import shown_path
+from toolkit.formats.logline import ERROR_PREFIX, parse_text
 from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.run import Run
@@ -158,13 +159,19 @@ def failed_records(rd: RunDir, limit: int) -> tuple[int, list[tuple[str, str]], 
     return n, shown, partial
 
 
-_REASON = re.compile(r"^toolkit: error: |\bERROR toolkit\.|^\s+FAIL  ")
+def _says_why(line: str) -> bool:
+    """A line of a merge job's log that says why it failed: the command's error line, a toolkit ERROR record
+    (formats.logline), or a check the audit failed (its summary's `FAIL` rows)."""
+    if line.startswith(ERROR_PREFIX) or line.lstrip(" ").startswith("FAIL  ") and line.startswith(" "):
+        return True
+    got = parse_text(line)
+    return got is not None and got.level >= logging.ERROR and got.name.startswith("toolkit.")
 
 
 def _reasons(log: Path, limit: int = 5) -> list[str]:
     """The lines of a merge job's log that say why it failed (the toolkit's errors, failed audit checks)."""
     with open(log, errors="replace") as f:
-        return [line.rstrip("\n") for line in f if _REASON.search(line)][:limit]
+        return [line.rstrip("\n") for line in f if _says_why(line.rstrip("\n"))][:limit]
 
 
 def merge_log(rd: RunDir, job: str) -> Path:
@@ -283,12 +290,12 @@ def logs_command(run: str | os.PathLike, shard: int | None = None, *, follow: bo
     if not path.exists():
         p = read_progress(rd.progress_file(shard))
         if p is None:
-            raise ToolkitError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
+            raise FailedError(f"{path} does not exist yet: shard {shard} has not started (`toolkit status {rd.shown}`)")
         if server:
-            raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
+            raise FailedError(f"{path} does not exist: shard {shard} ({p.state}) was served by an engine started "
                                f"for another shard, and its progress file does not say which; its worker's log names "
                                f"the server log (`toolkit logs {rd.shown} {shard}`)")
-        raise ToolkitError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
+        raise FailedError(f"{path} does not exist: shard {shard} ({p.state}) ran, but its log is gone")
     for line in _tail_lines(path, lines):
         print(line)
     return 0

@@ -1,7 +1,7 @@
 """What a run asks of the cluster, and what the cluster has: `Resources` (the [slurm] table and the sbatch-style
 options over it), the partitions' limits (GPUs, CPUs, memory, nodes, MaxArraySize), time and memory as Slurm
-writes them, the sbatch parameters of the shard tasks and the merge job. `SlurmError` is what Slurm refused or
-the toolkit refused before asking it."""
+writes them, the sbatch parameters of the shard tasks and the merge job. `SlurmError` is what Slurm refused,
+`SubmitRefused` what the toolkit refused before asking it."""
 
 from __future__ import annotations
 
@@ -11,23 +11,25 @@ from typing import Any
 
 import msgspec
 
-from toolkit.errors import EXIT_BAD_INPUT, EXIT_FAILED, ToolkitError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.run import RunPlan
 
 log = logging.getLogger(__name__)
 
 
-class SlurmError(ToolkitError):
-    """A submission Slurm refused, or Slurm that did not answer (exit 1, as sbatch's); a submission the toolkit
-    refuses before asking Slurm (a bad option, a size no node has, a run already submitted) is bad input (exit 2,
-    `SlurmError(..., exit_code=EXIT_BAD_INPUT)`). The message says what to change."""
-
-    exit_code = EXIT_FAILED
+class SlurmError(FailedError):
+    """A submission Slurm refused, or Slurm that did not answer (exit 1, as sbatch's). The message says what to
+    change."""
 
 
-def refuse(message: str) -> SlurmError:
+class SubmitRefused(BadInputError):
+    """A submission the toolkit refuses before asking Slurm (a bad option, a size no node has, a run already
+    submitted): bad input, exit 2. The message says what to change."""
+
+
+def refuse(message: str) -> SubmitRefused:
     """A submission refused here, before Slurm is asked: bad input."""
-    return SlurmError(message, exit_code=EXIT_BAD_INPUT)
+    return SubmitRefused(message)
 
 
 class Resources(msgspec.Struct, kw_only=True):

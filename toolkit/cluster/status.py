@@ -40,8 +40,8 @@ from toolkit.cluster.verdicts import (
     task_rows,
     totals,
     verdict,
+    view_of_answers,
 )
-from toolkit.cluster.verdicts import slurm_view as view_of_answers
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
 from toolkit.formats.run import Run

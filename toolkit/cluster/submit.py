@@ -23,6 +23,7 @@ from toolkit.cluster.resources import (
     PartitionInfo,
     Resources,
     SlurmError,
+    SubmitRefused,
     check_resources,
     merge_params,
     refuse,
@@ -247,7 +248,7 @@ def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
         raise _all_done(rd)
 
 
-def _all_done(rd: RunDir) -> SlurmError:
+def _all_done(rd: RunDir) -> SubmitRefused:
     return refuse(f"every shard of {rd.root} is already done; `toolkit merge {rd.root}` if it is not merged yet")
 
 

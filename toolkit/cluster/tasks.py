@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+from toolkit.formats.logline import text_formatter
+
 log = logging.getLogger(__name__)
 
 
@@ -18,7 +20,7 @@ def _log_to_stderr() -> None:
     logger = logging.getLogger("toolkit")
     if not any(getattr(h, "_toolkit_stderr", False) for h in logger.handlers):
         h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        h.setFormatter(text_formatter())
         h._toolkit_stderr = True  # type: ignore[attr-defined]
         logger.addHandler(h)
         logger.setLevel(logging.INFO)

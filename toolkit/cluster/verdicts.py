@@ -2,7 +2,7 @@
 
 `cluster.status` reads the facts at the edge (the run's done manifests and progress files, `slurm/jobs.json`, the
 answers of squeue, sacct and `scontrol show job`, whether a local worker's pid is gone, the time) and hands them
-here. From Slurm's answers `slurm_view` builds one `SlurmView`; from it and a shard's files `shard_status`
+here. From Slurm's answers `view_of_answers` builds one `SlurmView`; from it and a shard's files `shard_status`
 derives a `ShardStatus`, and `merge_status` the merge job's `MergeStatus`. A shard whose done manifest exists is
 completed whatever Slurm still says about its task; what no answer tells is `unknown`, with why, never guessed
 as `submitted` (except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet). When slurmctld
@@ -27,7 +27,7 @@ from toolkit.formats.text import ranges
 __all__ = [
     "ACTIVE", "BAD_STATES", "DEAD", "NOT_STARTED", "STALE", "UNFINISHED", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
     "ShardStatus", "SlurmJob", "SlurmView", "TaskStatus", "Totals", "claimed_by", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
-    "parse_sacct", "parse_scontrol", "parse_squeue", "pool_state", "run_states", "shard_status", "slurm_view",
+    "parse_sacct", "parse_scontrol", "parse_squeue", "pool_state", "run_states", "shard_status", "view_of_answers",
     "task_rows", "totals", "unknown_why",
     "verdict",
 ]
@@ -184,7 +184,7 @@ def needs_scontrol(sacct: SlurmAnswer, squeue: SlurmAnswer) -> bool:
     return _lines(sacct)[1] is not None and _lines(squeue)[1] is None
 
 
-def slurm_view(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
+def view_of_answers(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
                scontrol: dict[str, SlurmAnswer] | None = None) -> SlurmView:
     """One view of the answers: squeue for live jobs (slurmctld), sacct for the rest (slurmdbd; REQUEUED kept
     visible), `scontrol show job` ({job id: answer}) for what slurmctld still knows when sacct did not answer.
@@ -318,13 +318,13 @@ class ShardFacts(msgspec.Struct):
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
-                 run_shown: str, pool: tuple[str, str | None] | None = None) -> ShardStatus:
-    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then `pool` (the
+                 run_shown: str, unclaimed: tuple[str, str | None] | None = None) -> ShardStatus:
+    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then `unclaimed` (the
     state and reason of a shard no task of its claiming array has claimed yet: pool_state), else (no Slurm
     job: `toolkit run`) its progress file and whether its local worker is still alive."""
     k, done = f.shard, f.done
     p = f.progress or Progress(shard=k, state="pending", total=f.total)
-    if pool is not None and job is None:  # the progress file, if any, is of an earlier submission's attempt
+    if unclaimed is not None and job is None:  # the progress file, if any, is of an earlier submission's attempt
         p = msgspec.structs.replace(p, host="", error=None, state="pending")
     error = p.error
     stale_s = stale_for(p, now) if done is None else None
@@ -340,8 +340,8 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     elif job:
         reason = unknown_why(view, job, submitted, now)
         state = UNKNOWN if reason else "submitted"  # submitted: sacct has no row yet
-    elif pool is not None:
-        state, reason = pool
+    elif unclaimed is not None:
+        state, reason = unclaimed
         error = None
     elif f.gone:
         state = DEAD
@@ -357,7 +357,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         elif state == "completed":  # (a done manifest, had it been readable, was taken above)
             state = UNFINISHED
             error = ("its worker finished it, but its done manifest is missing or damaged: the shard is taken as "
-                     f"not finished; `toolkit retry {run_shown}` checks its file and writes the manifest again")
+                     f"not done; `toolkit retry {run_shown}` checks its file and writes the manifest again")
     stale = None
     if stale_s is not None and state in ("running", UNKNOWN, STALE):
         stale = (f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
@@ -412,8 +412,9 @@ def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
                             run_shown=f.run_shown)
     submitted = f.jobs.submitted_at.get(array, "")
     job = claimed_by(s.progress, array)
-    pool = None if job else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
-    return shard_status(s, f.view, job=job, submitted=submitted, now=f.now, run_shown=f.run_shown, pool=pool)
+    unclaimed = None if job else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
+    return shard_status(s, f.view, job=job, submitted=submitted, now=f.now, run_shown=f.run_shown,
+                        unclaimed=unclaimed)
 
 
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:

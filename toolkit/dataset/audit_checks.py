@@ -125,13 +125,13 @@ def damaged_frames(corrupt: Sequence, run: Path, finish: str | None = None) -> C
 
 
 def shard_checksums(shards: Sequence[ShardStats]) -> Check:
-    """Every finished shard file still matches the sha256 of its done manifest."""
+    """Every done shard's file still matches the sha256 of its done manifest."""
     changed = [s.index for s in shards if s.matches_done is False]
     return _check(
         "shard_checksums", not changed, len(changed), 0,
         f"shard files {_short(changed)} differ from the sha256 in their done manifests: they changed after "
-        f"they were finished (a second writer, or a copy gone wrong); check them before trusting this run"
-        if changed else "every finished shard file matches its done manifest")
+        f"they were done (a second writer, or a copy gone wrong); check them before trusting this run"
+        if changed else "every done shard's file matches its done manifest")
 
 
 def failed_share(overall: DatasetStats, limit: float, failed_file: Path, run: Path, noun: str = "prompt") -> Check:

@@ -59,7 +59,7 @@ from toolkit.dataset.trainers import (
     trainer_json,
     writes_default_system,
 )
-from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
 from toolkit.formats.records import (
@@ -92,7 +92,8 @@ PARQUET_ROWS = 1024  # records per Parquet row group
 
 
 class ExportError(BadInputError):
-    """An export that cannot be made (bad format, missing optional package, unwritable output)."""
+    """An export refused as asked (unknown format, trainer or reason, a missing optional package, a merged dataset
+    that is missing, stale or of another run). A file system that fails it is a FailedError (exit 1)."""
 
 
 class JsonlRecord(msgspec.Struct):
@@ -885,9 +886,8 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
                 summary.roundtrip_rows, summary.roundtrip_identical = acc.checks.trip.rows, acc.checks.trip.identical
                 summary.arguments_reformatted = acc.checks.reformatted
         if found.count and not force:
-            raise ExportError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
-                              f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force",
-                              exit_code=EXIT_FAILED)
+            raise FailedError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
+                              f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force")
         if found.count:
             log.warning("exporting them anyway (--force): %s", found.summary())
         summary_tmp.write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
@@ -898,7 +898,7 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         raise _damaged(rd, e) from None
     except OSError as e:  # a full disk, say
         _unlink(tmps)
-        raise ExportError(io_problem(e, out_path, "export again"), exit_code=EXIT_FAILED) from None
+        raise FailedError(io_problem(e, out_path, "export again")) from None
     except BaseException:
         _unlink(tmps)
         raise

@@ -12,7 +12,7 @@ import sys
 from toolkit.dataset import audit, report
 from toolkit.dataset.audit_report import AuditReport
 from toolkit.dataset.merge import finished_shards, io_error, merge_run
-from toolkit.errors import ToolkitError
+from toolkit.errors import FailedError
 from toolkit.formats.files import shown_path
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
@@ -20,7 +20,7 @@ from toolkit.job.plan import load_run
 __all__ = ["AuditFailed", "audit_and_report", "merge_and_audit"]
 
 
-class AuditFailed(ToolkitError):
+class AuditFailed(FailedError):
     """The run was audited and the audit failed: the summary printed before says which checks, and why."""
 
 

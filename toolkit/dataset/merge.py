@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.errors import EXIT_FAILED, BadInputError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
 from toolkit.formats.locks import ShardLocked
@@ -120,7 +120,7 @@ class MergeManifest(msgspec.Struct):
 # ---------------------------------------------------------------------------------------------------
 # merging
 # ---------------------------------------------------------------------------------------------------
-class _Totals:
+class _MergeCounts:
     def __init__(self, plan: RunPlan):
         self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
         self.records = self.ok = self.failed = self.prompt_tokens = self.output_tokens = 0
@@ -131,7 +131,7 @@ class _Totals:
 
 
 def _merge_shard(
-    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _Totals,
+    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _MergeCounts,
     corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
     missing_out, cache_bytes: int, *, header: bool = True,
 ) -> None:
@@ -173,7 +173,7 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
             not_done.append(s.index)
     if not_done and not allow_incomplete:
         raise MergeError(
-            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not finished (no done manifest): "
+            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not done (no done manifest): "
             f"{ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit status {rd.root}` shows "
             f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
         )
@@ -188,7 +188,7 @@ def merge_run(
 
     Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
     merged record, in planned order (the audit runs in the same pass this way). A file system that fails it (full,
-    read-only) is a MergeError in one line, nothing left behind.
+    read-only) is a FailedError (exit 1) in one line, nothing left behind.
     """
     rd, plan = load_run(run_dir)
     try:
@@ -197,9 +197,9 @@ def merge_run(
         raise io_error(e, rd, "merge") from None
 
 
-def io_error(e: OSError, rd: RunDir, command: str) -> MergeError:
-    """The MergeError of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
-    return MergeError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"), exit_code=EXIT_FAILED)
+def io_error(e: OSError, rd: RunDir, command: str) -> FailedError:
+    """The error of a file system that fails a merge or an audit (exit 1: not the input's fault)."""
+    return FailedError(io_problem(e, rd.merged_dir, f"run `toolkit {command} {rd.shown}` again"))
 
 
 def _named(e: OSError, path: Path) -> OSError:
@@ -225,7 +225,7 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _named(e, rd.merged_file)
-    t = _Totals(plan)
+    t = _MergeCounts(plan)
     corrupt: list[FrameProblem] = []
     torn: list[FrameProblem] = []
     shards: list[ShardMerge] = []

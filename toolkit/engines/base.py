@@ -26,7 +26,7 @@ import msgspec
 
 from toolkit.engines.client import BadResponse, HttpClient, Unreachable, health_generate, parse_response
 from toolkit.engines.keys import KEY_ENV, KeyFiles, LogPump, mask
-from toolkit.errors import ToolkitError
+from toolkit.errors import FailedError
 
 __all__ = ["Engine", "EngineDied", "EngineError", "EngineHung", "EngineUnreachable", "free_port", "log_tail"]
 
@@ -36,7 +36,7 @@ LOOPBACK = "127.0.0.1"
 PUMP_JOIN_S = 5.0  # how long a stop waits for the engine's last output to reach its log
 
 
-class EngineError(ToolkitError):
+class EngineError(FailedError):
     """The engine could not be started, never became ready, or died."""
 
 

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from toolkit.formats.records import ids_from_json
+from toolkit.errors import FailedError
+from toolkit.formats.records import BAD_RESPONSE, REJECTED, SERVER_ERROR, TIMEOUT, UNREACHABLE, ids_from_json
 
 __all__ = [
     "BadResponse",
@@ -47,23 +48,31 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ClientError(Exception):
-    """A request to the server that did not give a result. `attempts`: the HTTP attempts made (generate sets
-    it when it gives up on the request)."""
+class ClientError(FailedError):
+    """A request to the server that did not give a result. `kind`: the failure kind a record of it carries
+    (formats.records.FAILURES: unreachable, timeout, server_error, rejected, bad_response). `attempts`: the HTTP
+    attempts made (generate sets it when it gives up on the request)."""
 
+    kind: str = UNREACHABLE
     attempts: int = 1
 
 
 class Unreachable(ClientError):
     """No HTTP answer: connection refused/reset, or the request timed out."""
 
+    kind = UNREACHABLE
+
 
 class TimedOut(Unreachable):
     """The server took the request but gave no answer within the request's timeout."""
 
+    kind = TIMEOUT
+
 
 class ServerError(ClientError):
     """A 5xx or 429 answer, or a 200 whose abort carries a 5xx status_code (retryable)."""
+
+    kind = SERVER_ERROR
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -72,6 +81,8 @@ class ServerError(ClientError):
 
 class RequestRejected(ClientError):
     """A 4xx answer but 429: the server refused this request (e.g. prompt over the context length)."""
+
+    kind = REJECTED
 
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
@@ -295,6 +306,8 @@ _resp_decoder = msgspec.json.Decoder(GenerateResponse)
 
 class BadResponse(ClientError):
     """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
+
+    kind = BAD_RESPONSE
 
 
 class _Tail(msgspec.Struct):

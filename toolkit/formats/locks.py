@@ -21,12 +21,12 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import FailedError
 from toolkit.formats.text import local_time
 
 log = logging.getLogger(__name__)
 
-class ShardLocked(ToolkitError):
+class ShardLocked(FailedError):
     """Another writer holds this shard file (or may): the message says who and what to do."""
 
 

@@ -74,7 +74,7 @@ def write_done(
     return m
 
 
-class _Totals:
+class _DoneCounts:
     """What a done manifest counts of the records that count (the newest of each id)."""
 
     def __init__(self) -> None:
@@ -91,15 +91,14 @@ class _Totals:
         self.otok += r.n_output
 
 
-def _count_newest(shard_path: Path, positions: range) -> tuple[_Totals, int]:
-    """(totals of the newest record of each planned position, records in the file). While no
-    position has two records, the scan's one pass counts; else the newest are read again
-    (formats.newest)."""
-    once = _Totals()
+def _count_newest(shard_path: Path, positions: range) -> tuple[_DoneCounts, int]:
+    """(totals of the newest record of each planned position, records in the file). While no position has two
+    records, the scan's one pass counts; else the newest are read again (formats.newest)."""
+    once = _DoneCounts()
     sc = scan_shard(shard_path, positions.start, len(positions), each=once.add)
     if not sc.duplicates and not sc.continued:
         return once, sc.records
-    newest = _Totals()
+    newest = _DoneCounts()
     for r in newest_records(shard_path, sc):
         if r is not None:
             newest.add(r)
@@ -144,15 +143,10 @@ def read_retry(path: Path) -> RetryRequest | None:
 
 
 def read_done(path: Path) -> DoneManifest | None:
-    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in
-    one line): the shard is then not taken as finished, and its next run checks its file and writes
-    the manifest again."""
-    return _read_or_none(
-        path,
-        DoneManifest,
-        "damaged done manifest ({why}): the shard is taken as not finished; its "
-        "next run checks its file and writes the manifest again",
-    )
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
+    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
+    return _read_or_none(path, DoneManifest, "damaged done manifest ({why}): the shard is taken as not done; its "
+                                             "next run checks its file and writes the manifest again")
 
 
 def _read_or_none(path: Path, schema: type, damaged: str):

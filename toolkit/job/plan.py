@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from toolkit.errors import EXIT_FAILED
+from toolkit.errors import FailedError
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
 from toolkit.formats.run import (
     PLAN_FORMAT,
@@ -453,9 +453,7 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
                 atomic_write(rd.prompts_file, refs_bytes(old, refs))
             update_settings(rd, old, plan.spec)
         except OSError as e:
-            raise PlanError(
-                io_problem(e, rd.plan_file, "run it again"), exit_code=EXIT_FAILED
-            ) from None
+            raise FailedError(io_problem(e, rd.plan_file, "run it again")) from None
         return rd
     plan.spec.output_dir = str(root)
     fresh = not root.exists()
@@ -474,9 +472,7 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
     except OSError as e:
         _unmake(rd, fresh)
         if e.errno in FULL:
-            raise PlanError(
-                f"output_dir {root}: {io_problem(e, root, 'run it again')}", exit_code=EXIT_FAILED
-            ) from None
+            raise FailedError(f"output_dir {root}: {io_problem(e, root, 'run it again')}") from None
         where = e.filename or root
         raise PlanError(
             f"output_dir {root}: cannot create the run directory ({where}: {e.strerror}); point "

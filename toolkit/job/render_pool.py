@@ -208,11 +208,10 @@ def slices(path: str, *, size: int | None = None) -> Iterator[tuple[int, int, in
 
 def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
             workers: int | None = None) -> Iterator[Outcome]:
-    """The Outcome of every slice of `work`, in order, while a Progress line counts `total` prompts.
-    With more than one worker (default: processes()) and enough bytes to measure, the slices go to a
-    process pool."""
+    """The Outcome of every slice of `work`, in order, while a RenderProgress line counts `total` prompts. With more than
+    one worker (default: processes()) and enough bytes to measure, the slices go to a process pool."""
     workers = processes() if workers is None else workers
-    bar = Progress(total)
+    bar = RenderProgress(total)
     done = 0
     try:
         if workers > 1 and len(work) > 1 and sum(s.size for s in work) >= POOL_MIN_BYTES:
@@ -466,9 +465,8 @@ def _texts(
     return out
 
 
-class Progress:
-    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now
-    and then."""
+class RenderProgress:
+    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now and then."""
 
     def __init__(self, total: int, stream: Any = None):
         self.total, self.stream = total, stream or sys.stderr

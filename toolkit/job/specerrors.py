@@ -35,7 +35,7 @@ __all__ = [
     "where",
 ]
 
-Path = tuple  # of str (table keys) and int (the index in an array of tables)
+KeyPath = tuple  # of str (table keys) and int (the index in an array of tables)
 
 
 class KeyProblem(msgspec.Struct, frozen=True):
@@ -66,9 +66,8 @@ def did_you_mean(word: str, known) -> str:
     return "; did you mean " + " or ".join(f"`{k}`" for k in near) + "?"
 
 
-def table_name(path: Path, data: Any = None) -> str:
-    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2
-    ('math')."""
+def table_name(path: KeyPath, data: Any = None) -> str:
+    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2 ('math')."""
     parts: list[str] = []
     node = data
     out = ""
@@ -92,7 +91,7 @@ def table_name(path: Path, data: Any = None) -> str:
     return out or "the top level"
 
 
-def where(path: Path, data: Any = None) -> str:
+def where(path: KeyPath, data: Any = None) -> str:
     """`in [client]`, `in [[datasets]] #2 ('math') sampling`, or `at the top level`."""
     name = table_name(path, data)
     return "at the top level" if name == "the top level" else f"in {name}"
@@ -120,7 +119,7 @@ def unknown_keys(data: Any, schema: type) -> list[KeyProblem]:
     return _unknown(data, mi.type_info(schema), (), data)
 
 
-def _unknown(data: Any, t: mi.Type, path: Path, doc: Any) -> list[KeyProblem]:
+def _unknown(data: Any, t: mi.Type, path: KeyPath, doc: Any) -> list[KeyProblem]:
     st = _struct_of(t)
     if st is not None and isinstance(data, dict):
         fields = {f.encode_name: f for f in st.fields}
@@ -203,10 +202,8 @@ _AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_-]*)|\[(\d+)\]")
 
 
-def _parse_path(text: str) -> Path:
-    return tuple(
-        m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text)
-    )
+def _parse_path(text: str) -> KeyPath:
+    return tuple(m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text))
 
 
 def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) -> KeyProblem:
@@ -252,7 +249,7 @@ def _alternatives(t: mi.Type | None) -> list[mi.Type]:
     return list(t.types) if isinstance(t, mi.UnionType) else [t]
 
 
-def value_at(data: Any, path: Path) -> Any:
+def value_at(data: Any, path: KeyPath) -> Any:
     """The value at `path` in decoded TOML, or None."""
     node = data
     for p in path:
@@ -262,7 +259,7 @@ def value_at(data: Any, path: Path) -> Any:
     return node
 
 
-def _field_type(schema: type, path: Path) -> mi.Type | None:
+def _field_type(schema: type, path: KeyPath) -> mi.Type | None:
     t: mi.Type | None = mi.type_info(schema)
     for p in path:
         if isinstance(p, int):
@@ -306,10 +303,9 @@ def _sections(text: str) -> list[tuple[str, int | None, int, list[tuple[int, str
     return out
 
 
-def key_line(text: str, path: Path) -> int | None:
-    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its
-    table, in an inline table, or as a dotted key), else the line of the table it belongs to; None
-    when neither can be found."""
+def key_line(text: str, path: KeyPath) -> int | None:
+    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its table, in an inline
+    table, or as a dotted key), else the line of the table it belongs to; None when neither can be found."""
     fallback = None
     for j in range(len(path), -1, -1):
         head, chain = path[:j], path[j:]

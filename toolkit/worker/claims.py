@@ -30,7 +30,7 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.job.plan import RunPlan, load_run
 from toolkit.worker.policy import Candidate, pick, start_of
-from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, run_shard_in
+from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, ShardRefused, run_shard_in
 
 __all__ = ["ClaimResult", "candidates", "run_claims", "slurm_group", "slurm_task"]
 
@@ -132,7 +132,7 @@ async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: 
                 if races[k] >= RACES:
                     skip.add(k)
                 continue
-            except ShardFailed:
+            except (ShardFailed, ShardRefused):
                 result.failed.append(k)
                 skip.add(k)
                 if not keep_going:

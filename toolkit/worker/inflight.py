@@ -15,12 +15,10 @@ import numpy as np
 
 from toolkit.engines.base import EngineDied, EngineUnreachable
 from toolkit.engines.client import (
-    BadResponse,
     ClientError,
     GenerateResult,
     HttpClient,
     RequestRejected,
-    ServerError,
     TimedOut,
     Unreachable,
     abort_requests,
@@ -31,18 +29,13 @@ from toolkit.engines.rids import make_rid
 from toolkit.formats.loops import repetition_loop
 from toolkit.formats.records import (
     ABORTED,
-    BAD_RESPONSE,
     FAILED,
     LOOP,
     NAN,
     NAN_MATCHED,
     OK,
     PARTIAL,
-    REJECTED,
-    SERVER_ERROR,
-    TIMEOUT,
     TRANSIENT,
-    UNREACHABLE,
     Record,
     failed_record,
     pack_ids,
@@ -55,16 +48,6 @@ from toolkit.worker.shard import Shard, health_timeout
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
-
-
-def _failure_kind(e: Exception) -> str:
-    if isinstance(e, ServerError):
-        return SERVER_ERROR
-    if isinstance(e, BadResponse):
-        return BAD_RESPONSE
-    if isinstance(e, TimedOut):
-        return TIMEOUT
-    return UNREACHABLE  # one request's connection cut while the engine answers (see consume)
 
 
 def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
@@ -287,14 +270,14 @@ async def _answer(sh: Shard, item, engine, info) -> Record | None:
         res = await _generate(sh, ids, ds, ref, engine, pos, prior)
     except RequestRejected as e:
         sh.last_answer = time.monotonic()
-        return failed_record(ref.id, ds, pos, ids, str(e), e.attempts, REJECTED)
+        return failed_record(ref.id, ds, pos, ids, str(e), e.attempts, e.kind)
     except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
         if not engine.alive():
             raise EngineDied(str(e)) from None  # (the item goes back to the feed: see consume)
         message = str(e)
         if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
             message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
-        return failed_record(ref.id, ds, pos, ids, message, e.attempts, _failure_kind(e))
+        return failed_record(ref.id, ds, pos, ids, message, e.attempts, e.kind)  # unreachable: one request's connection cut
     if res.partial and not sh.stopping:  # the server's aborts ran out without progress: a failed try (aborted)
         return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
     if res.partial:

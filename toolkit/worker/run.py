@@ -42,9 +42,10 @@ import msgspec
 from toolkit.engines.base import EngineDied, EngineError, EngineHung, EngineUnreachable
 from toolkit.engines.client import Expect, HttpClient, server_limits
 from toolkit.engines.kinds import make_engine
-from toolkit.errors import EXIT_BAD_INPUT, BadInputError, ToolkitError
+from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import FULL, READ_ONLY, LogFile, shown_path
 from toolkit.formats.locks import ShardLocked
+from toolkit.formats.logline import text_formatter
 from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
@@ -63,7 +64,8 @@ from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
 from toolkit.worker.shard import Shard
 from toolkit.worker.turn_order import Chains
 
-__all__ = ["run_shard", "run_shard_in", "EngineSession", "Outcome", "ShardBusy", "ShardFailed", "DONE", "STOPPED"]
+__all__ = ["run_shard", "run_shard_in", "EngineSession", "Outcome", "ShardBusy", "ShardFailed", "ShardRefused", "DONE",
+           "STOPPED"]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -82,13 +84,16 @@ class Outcome(str):
         out.stop_signal = signal_name
         return out
 RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class ShardFailed(ToolkitError):
-    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
-    directory not writable, shard locked by another worker). Exits 1, or 2 when the run directory cannot be
-    written (`exit_code=` given where it is raised)."""
+class ShardFailed(FailedError):
+    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, shard
+    locked by another worker): exit 1."""
+
+
+class ShardRefused(BadInputError):
+    """The shard cannot run on this input (a run directory this job cannot write, a shard file of another run, a
+    tokenizer or model folder the render thread refuses): exit 2. It ends the shard as ShardFailed does."""
 
 
 class ShardBusy(ShardFailed):
@@ -428,7 +433,7 @@ def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: in
 def _attach_log(path: Path) -> logging.Handler:
     path.parent.mkdir(parents=True, exist_ok=True)
     h = LogFile(path)
-    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    h.setFormatter(text_formatter())
     logging.getLogger("toolkit").addHandler(h)
     return h
 
@@ -508,11 +513,13 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
 
 
 def run_shard(run_dir: str | os.PathLike, shard: int) -> Outcome:
-    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed.
+    """Generate every prompt of `shard` not yet in its shard file. Returns DONE or STOPPED; raises ShardFailed
+    (exit 1) or ShardRefused (exit 2).
 
-    A STOPPED outcome names the signal that stopped it (so does the progress file). A disk that is full, a run
-    directory that cannot be written, a shard file another worker holds: a ShardFailed saying what to do, and the
-    shard's progress says failed (where it can still be written). Nothing written before is lost.
+    A STOPPED outcome names the signal that stopped it (so does the progress file). A disk that is full, a shard
+    file another worker holds (ShardFailed), a run directory that cannot be written (ShardRefused): an error saying
+    what to do, and the shard's progress says failed (where it can still be written). Nothing written before is
+    lost.
     """
     async def one() -> Outcome:
         session = EngineSession()
@@ -535,18 +542,17 @@ async def run_shard_in(run_dir: str | os.PathLike, shard: int, session: EngineSe
         raise _failed(e, RunDir(run_dir), shard) from None
 
 
-def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed:
-    """The ShardFailed of a file-system error, saying what to do (exit 2 for a run directory this job cannot
-    write), logged, and the shard's progress marked failed."""
+def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
+    """The ShardFailed of a file-system error, saying what to do (ShardRefused, exit 2, for a run directory this
+    job cannot write), logged, and the shard's progress marked failed."""
     where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     if e.errno in FULL:
         failed = ShardFailed(f"cannot write {where}: {what}; free space (or quota) on that file system, then run the "
                              "shard again: it resumes, nothing written is lost")
     elif e.errno in READ_ONLY:
-        failed = ShardFailed(f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job "
-                             "(a read-only mount, or another user's folder): fix its permissions or move it",
-                             exit_code=EXIT_BAD_INPUT)
+        failed = ShardRefused(f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this "
+                              "job (a read-only mount, or another user's folder): fix its permissions or move it")
     else:
         failed = ShardFailed(f"{where}: {what}; check the file system, then run the shard again (it resumes)")
     _mark_failed(rd, shard, str(failed))
@@ -588,7 +594,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
         except ShardLocked as e:  # another writer holds the shard
             raise ShardBusy(str(e)) from None
         except ForeignShard as e:  # the file is another run's
-            raise ShardFailed(str(e), exit_code=e.exit_code) from None
+            raise ShardRefused(str(e)) from None
         session.served.append(shard)
         try:
             redo, sh.tries = _redo_ids(rd, shard, sh.writer, done_ids)
@@ -611,7 +617,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
                 except BadInputError as e:  # the tokenizer or model folder, found by the render thread
                     sh.progress.error = str(e)
                     sh.save_progress("failed")
-                    raise ShardFailed(str(e), exit_code=e.exit_code) from None
+                    raise ShardRefused(str(e)) from None
                 finally:
                     if sh.exit_guard is not None:  # the shard's event loop has returned: its end is not stuck
                         sh.exit_guard.disarm()
@@ -640,7 +646,7 @@ async def _run_shard(run_dir: str | os.PathLike, shard: int, session: EngineSess
                         "max_tries = %d) and are final for this run: `toolkit retry %s` generates them again",
                         shard, m.given_up, MAY_PASS, plan.spec.client.max_tries, rd.shown)
         return Outcome(DONE)
-    except ShardFailed as e:  # said once, in the shard's log
+    except (ShardFailed, ShardRefused) as e:  # said once, in the shard's log
         log.error("shard %d failed: %s", shard, e)
         raise
     except OSError as e:
