@@ -22,7 +22,10 @@ FILE = re.compile(r"(?<![\w./-])((?:worker|cluster|dataset|job|engines|formats|s
 
 
 def resolves(name: str) -> bool:
-    """Whether `toolkit.<name>` is a module, or an attribute path inside the deepest module it starts with."""
+    """Whether `toolkit.<name>` is a module, or an attribute path inside the deepest module it starts with
+    (`errors.py`, `cluster/status.py` named as a file: that file)."""
+    if name.endswith(".py"):
+        return (ROOT / "toolkit" / f"{name[:-3].replace('.', '/')}.py").exists()
     parts = ["toolkit", *name.split(".")]
     for i in range(len(parts), 1, -1):
         try:
@@ -49,6 +52,7 @@ def _prose_of(path: Path) -> str:
 def test_resolves_can_fail():
     assert resolves("formats.logline.parse_text") and resolves("worker.claims") and resolves("errors.KINDS")
     assert not resolves("job.plan.no_such_thing") and not resolves("formats.no_such_module")
+    assert resolves("errors.py") and not resolves("mistakes.py") and not resolves("formats.gone.py")
 
 
 def test_every_module_path_named_in_docs_and_docstrings_exists():
