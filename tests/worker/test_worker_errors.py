@@ -16,7 +16,7 @@ from toolkit.cli import main as cli_main
 from toolkit.formats.frames import read_shard
 from toolkit.formats.progress import read_progress
 from toolkit.formats.shardfile import ShardWriter
-from toolkit.worker.run import DONE, ShardFailed, run_shard
+from toolkit.worker.run import DONE, ShardFailed, ShardRefused, run_shard
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,8 @@ def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_p
     err = capsys.readouterr().err
     assert f"the tokenizer makes {size:,} ids but the model has {size - 20:,}" in err
     assert f"{model / 'config.json'} vocab_size" in err and "SGLang dies on a prompt holding one" in err
-    # The worker refuses it too, before a prompt reaches the engine: no record is written.
-    with pytest.raises(ShardFailed, match="outside its embedding"):
+    # The worker refuses it too, before a prompt reaches the engine: no record is written; bad input, exit 2.
+    with pytest.raises(ShardRefused, match="outside its embedding") as e:
         run_shard(rd.root, 0)
+    assert e.value.exit_code == 2
     assert not rd.shard_file(0).exists() or list(read_shard(rd.shard_file(0))) == []
