@@ -30,7 +30,9 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.job.plan import RunPlan, load_run
 from toolkit.worker.policy import Candidate, pick, start_of
-from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, run_shard_in
+from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
+from toolkit.worker.session import EngineSession
+from toolkit.worker.shard import ShardBusy, ShardFailed
 
 __all__ = ["ClaimResult", "candidates", "run_claims", "slurm_group", "slurm_task"]
 
@@ -96,10 +98,12 @@ def _busy(rd: RunDir, pool: list[int]) -> list[int]:
 def run_claims(run_dir: str | os.PathLike, pool: list[int], *, worker: int = 0, workers: int = 1,
                task: str | None = None, group: str | None = None, keep_going: bool = True,
                verify: bool = True) -> ClaimResult:
-    """Claim shards of `pool` one after another with one engine, until none is left or a signal stops it.
+    """Claim shards of `pool` with one engine, until none is left or a signal stops it: the next shard is
+    claimed as soon as the open ones have nothing left to send (worker.session), so several may be open at once.
     Worker `worker` of `workers` starts at its own place in the pool (worker.policy.start_of). With `keep_going`
-    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised).
-    With `verify`, done manifests are first checked against their files (`untrusted`: read once, at the start)."""
+    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised,
+    once the other open shards have stopped). With `verify`, done manifests are first checked against their
+    files (`untrusted`: read once, at the start)."""
     return asyncio.run(_claims(run_dir, pool, worker=worker, workers=workers, task=task, group=group,
                                keep_going=keep_going, verify=verify))
 
@@ -108,51 +112,76 @@ async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: 
                   keep_going: bool, verify: bool) -> ClaimResult:
     rd, plan = load_run(run_dir)
     recheck = untrusted(rd, plan, pool) if verify else set()
-    session = EngineSession(keep=True, task=task, group=group)
-    loop = asyncio.get_running_loop()
-    session.install_signals(loop)
+    session = EngineSession(plan.spec, task=task, group=group)
+    session.begin(task or "worker")
     start = start_of(worker, workers, pool)
     result = ClaimResult()
     skip: set[int] = set()
     races: dict[int, int] = {}
-    last = pool[start] if pool else 0
-    try:
+    who = task or "worker"
+
+    def ended(sh, out) -> None:
+        said(sh.shard, out)
+
+    def said(k: int, out) -> None:
+        if isinstance(out, ShardFailed):
+            result.failed.append(k)
+            if not keep_going:
+                session.halt(out)
+        elif out.end == STOPPED:
+            result.stopped = result.stopped or out.stop_signal or session.stop_signal or "stop"
+        else:
+            result.done.append(k)  # done here: this worker has nothing more to give it (its failures that may
+            # pass are final)
+
+    async def claim_next():
+        """The next shard claimed and opened, or None when none is left (or the worker stops)."""
         while not session.stop.is_set():
             k = pick(candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start)
             if k is None:
-                break
-            last = k
-            log.info("%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
-                     task or "worker", k, len(session.served) + 1, session.starts)
+                return None
+            with shard_lines(k):
+                log.info("%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
+                         who, k, len(session.served) + 1, session.starts)
             recheck.discard(k)
             try:
-                out = await run_shard_in(run_dir, k, session)
+                opened = open_shard(rd, plan, k, session)
             except ShardBusy:  # another worker took it the moment before
                 races[k] = races.get(k, 0) + 1
                 if races[k] >= RACES:
                     skip.add(k)
                 continue
-            except ShardFailed:
-                result.failed.append(k)
+            except ShardFailed as e:
                 skip.add(k)
+                said(k, e)
                 if not keep_going:
-                    raise
+                    return None
                 continue
-            if out == STOPPED:
-                result.stopped = out.stop_signal or session.stop_signal or "stop"
+            skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
+            if isinstance(opened, ShardEnd):
+                said(k, opened)
+                continue
+            return opened
+        return None
+
+    try:
+        while not session.stop.is_set():
+            first = await claim_next()
+            if first is None:
                 break
-            result.done.append(k)
-            skip.add(k)  # done here: this worker has nothing more to give it (its failures that may pass are final)
+            await session.serve(first, claim_next, ended)
+        if session.halted is not None:
+            raise session.halted
         if session.stop.is_set() and result.stopped is None:
             result.stopped = session.stop_signal or "stop"
         result.busy = _busy(rd, pool) if result.stopped is None else []
     finally:
         result.engine_starts = session.starts
         try:
-            await session.close(plan.spec, last)
+            await session.close()
         finally:
-            session.remove_signals(loop)
-            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s)%s", task or "worker",
+            session.end()
+            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s)%s", who,
                      len(result.done), len(result.failed), session.starts,
                      f"; stopped by {result.stopped}" if result.stopped else "")
     return result

@@ -1,7 +1,7 @@
 """One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt + output so
 far, `segments` counting the requests that brought output), repetition loops stopped between segments, the partial
-outputs kept at a stop, and the records of what came back. `consume` is one request slot: it takes prompts from the feed until the feed is empty or the
-shard stops.
+outputs kept at a stop, and the records of what came back. `consume` is one request slot of a shard: it takes prompts from the shard's feed until the feed is
+empty or the shard stops; `save_in_flight` keeps the partial outputs of every open shard at a stop.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from toolkit.formats.records import (
 )
 from toolkit.job.plan import PromptRef
 from toolkit.worker.feed import Feed
-from toolkit.worker.shard import Shard, health_timeout
+from toolkit.worker.shard import Batch, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -258,7 +258,7 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
     stops. A prompt whose failure may pass is tried again here, after a backoff, up to client.max_tries tries in all
     (counted in its records: `_settle`); then its failure is final for the run."""
     while True:
-        if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see pool)
+        if sh.stopping or sh.batch.live > sh.batch.target:  # stopping, or fewer in flight wanted (pool)
             return
         item = await feed.get()
         if item is None or sh.stopping:
@@ -406,21 +406,24 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info,
     )
 
 
-async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> None:
-    """On a stop request: send nothing new, abort every request in flight so that each comes back with its
-    partial output (recorded PARTIAL by the consumers, continued next time), and return once they are back, or
-    after ABORT_GRACE_S. The engine is still up (it ignores SIGUSR2; the worker stops it afterwards)."""
+async def save_in_flight(batch: Batch, stop: asyncio.Event, engine) -> None:
+    """On a stop request: send nothing new from any open shard, abort every request in flight so that each comes
+    back with its partial output (recorded PARTIAL by the consumers of its own shard, continued next time), and
+    return after ABORT_GRACE_S (the session's loop ends earlier, once every shard's consumers are back). The engine
+    is still up (it ignores SIGUSR2; the worker stops it afterwards)."""
     await stop.wait()
-    sh.stopping = True
-    feed.close()
-    n = sh.in_flight
+    for sh in batch.shards:
+        sh.stopping = True
+        if sh.feed is not None:
+            sh.feed.close()
+    n = batch.in_flight
     if n:
         owned = engine.kind != "external"  # abort_all would also end other clients' requests on a shared server
         log.warning("stopping: aborting the %d requests in flight (%s) to keep their partial outputs", n,
                     "abort_all" if owned else "by rid")
         http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         try:
-            await abort_requests(http, None if owned else sorted(sh.rids))
+            await abort_requests(http, None if owned else sorted(r for sh in batch.shards for r in sh.rids))
         except Unreachable as e:
             log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
             return
@@ -429,5 +432,5 @@ async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> 
     deadline = time.monotonic() + ABORT_GRACE_S
     while time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time", sh.in_flight,
-                ABORT_GRACE_S)
+    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time",
+                batch.in_flight, ABORT_GRACE_S)
