@@ -1,16 +1,18 @@
-"""A worker that claims shards: one engine, started once, serving shard after shard of a pool until none is left.
+"""A worker that claims shards: one engine, started once, serving the shards of a pool until none is left.
 
 The unit of work is the shard (resume, exactly-once, status); the unit of allocation is the worker (a Slurm array
 task, or one of `toolkit run`'s workers). A worker starts its engine for the first shard it claims and keeps it
-running: it then claims the next unfinished shard nobody holds (worker.policy.pick chooses which), until none is
-left, and exits. To claim a shard is to take its file's lock (formats.locks): a second worker is refused it, and a
+running: as soon as the shards it holds have nothing left to send and its engine has room
+(worker.policy.opens_next), it claims the next unfinished shard nobody holds (worker.policy.pick chooses which)
+and sends its prompts while the previous shards' last requests finish (worker.session), until none is left, and
+exits. To claim a shard is to take its file's lock (formats.locks): a second worker is refused it, and a
 worker that dies (kill -9, a node lost, a requeue) releases it with its process, so the shard is claimed again by
 whichever worker is free next, and resumed from what its file holds.
 
 A shard that fails in a worker is not claimed again by the workers of the same group (one Slurm array job, or one
 `toolkit run`): it waits for `toolkit resubmit` or the next `toolkit run`, as a failed one-shard task did. A stop
-signal (time limit, preemption, Ctrl-C) stops the shard being run and the worker after it; the requeued task claims
-again.
+signal (time limit, preemption, Ctrl-C) stops every shard open in the worker (what is in flight saved) and the
+worker after them; the requeued task claims again.
 
 The claim loop ends: each turn either finishes a shard (never claimed again by this worker: a shard run ends with
 no failure that may pass left, each tried at most [client] max_tries times, see worker.inflight), fails it (not
@@ -181,7 +183,7 @@ async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: 
             await session.close()
         finally:
             session.end()
-            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s)%s", who,
-                     len(result.done), len(result.failed), session.starts,
+            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d shard(s) "
+                     "open at once%s", who, len(result.done), len(result.failed), session.starts, session.most_open,
                      f"; stopped by {result.stopped}" if result.stopped else "")
     return result

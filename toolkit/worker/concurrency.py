@@ -1,8 +1,8 @@
-"""How many requests to keep in flight and whether the engine still answers: one `Batch` per engine (the
-requests kept in flight across every shard it serves), its target for concurrency "auto" from the server's load
-(/v1/loads) and capacity (/server_info), each open shard's pool of request slots within it, and the watch that
-flushes due batches, refreshes progress, hands freed memory back and notices an engine that died or hung.
-"""
+"""How many requests to keep in flight and whether the engine still answers: one `Batch` per engine
+(the requests kept in flight across every shard it serves), its target for concurrency "auto" from
+the server's load (/v1/loads) and capacity (/server_info), each open shard's pool of request slots
+within it, and the watch that flushes due batches, refreshes progress, hands freed memory back and
+notices an engine that died or hung."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ TRIM_S = 5.0           # how often the memory the worker freed is handed back to
 
 
 def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts and the answers
-    churn through malloc's arenas (from the render thread, the tokenizer's threads and the event loop); what they
-    free stays there, a few MB more as the shard goes on, unless it is handed back."""
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts
+    and the answers churn through malloc's arenas (from the render thread, the tokenizer's threads
+    and the event loop); what they free stays there, a few MB more as the shard goes on, unless it
+    is handed back."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -41,9 +42,10 @@ _TRIM = _malloc_trim()
 
 
 class HangWatch:
-    """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was answered for
-    `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked, with a bounded timeout, on a
-    connection of its own; when it fails too, the engine is treated as dead."""
+    """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was
+    answered for `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked,
+    with a bounded timeout, on a connection of its own; when it fails too, the engine is treated as
+    dead."""
 
     def __init__(self, engine, hang_timeout_s: float):
         self.engine, self.hang_timeout_s = engine, hang_timeout_s
@@ -71,8 +73,8 @@ class HangWatch:
 
 
 async def watch(batch: Batch, engine, hang: HangWatch) -> None:
-    """Flush the open shards' due batches, refresh their progress, hand freed memory back to the OS, and notice
-    an engine that died or hung."""
+    """Flush the open shards' due batches, refresh their progress, hand freed memory back to the OS,
+    and notice an engine that died or hung."""
     last = trimmed = time.monotonic()
     while True:
         await asyncio.sleep(0.25)
@@ -93,10 +95,10 @@ async def watch(batch: Batch, engine, hang: HangWatch) -> None:
 
 
 def auto_target(capacity: int, running: int, waiting: int, cap: int) -> int:
-    """Requests to keep in flight for concurrency "auto": what the server can run, plus a small waiting queue
-    so a finished request is replaced at once (margin: an eighth of the capacity, at least 2). When requests
-    wait although fewer than `capacity` run, the server runs what its KV cache holds: `running` is its capacity
-    then."""
+    """Requests to keep in flight for concurrency "auto": what the server can run, plus a small
+    waiting queue so a finished request is replaced at once (margin: an eighth of the capacity, at
+    least 2). When requests wait although fewer than `capacity` run, the server runs what its KV
+    cache holds: `running` is its capacity then."""
     if capacity <= 0:
         return min(cap, AUTO_START)
     base = running if waiting > 0 and 0 < running < capacity else capacity
@@ -104,8 +106,9 @@ def auto_target(capacity: int, running: int, waiting: int, cap: int) -> int:
 
 
 async def watch_load(batch: Batch, engine) -> None:
-    """Read the server's load (/v1/loads) into the open shards' progress files; with concurrency "auto", resize
-    the requests in flight from it. Without /v1/loads (older servers), only /server_info's capacity is used."""
+    """Read the server's load (/v1/loads) into the open shards' progress files; with concurrency
+    "auto", resize the requests in flight from it. Without /v1/loads (older servers), only
+    /server_info's capacity is used."""
     c = batch.client
     auto, cap = c.concurrency == "auto", c.max_concurrency
     http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
@@ -135,9 +138,10 @@ def resize(batch: Batch, target: int) -> None:
 
 
 async def pool(sh: Shard, feed: Feed, engine, info) -> None:
-    """Run consumers (one request each) for shard `sh` while its engine's batch has room (`Batch.target` across
-    every open shard); a consumer leaves when the batch holds more than its target, more start when it has room
-    again. Returns when the shard's last consumer is done (its prompts all sent and answered, or stopping)."""
+    """Run consumers (one request each) for shard `sh` while its engine's batch has room
+    (`Batch.target` across every open shard); a consumer leaves when the batch holds more than its
+    target, more start when it has room again. Returns when the shard's last consumer is done (its
+    prompts all sent and answered, or stopping)."""
     batch = sh.batch
     tasks: set[asyncio.Task] = set()
 

@@ -1,14 +1,14 @@
-"""The bound on a worker's end: once its work is over, the process ends within a bounded time, whatever its
-event loop and tasks do.
+"""The bound on a worker's end: once its work is over, the process ends within a bounded time,
+whatever its event loop and tasks do.
 
-The work of an engine session (worker.session) is over when every prompt of the shards it served has been
-answered, or when a stop signal came. From then on the worker only has to stop its tasks, flush its files and stop
-the engine; a task that does not end (a cancel swallowed, a call that never returns) would otherwise hold the node,
-and its GPUs, until the job's time limit, deaf to SIGTERM and SIGINT. `ExitGuard` is a thread of its own, outside
-the event loop: armed (by the session, in one place) with a bound when the work is over and disarmed when the
-session has ended, it ends the process if the bound passes first — after logging which tasks did not finish and
-where they wait, flushing the records not yet written and killing the engine — with exit code EXIT_STUCK.
-"""
+The work of an engine session (worker.session) is over when every prompt of the shards it served has
+been answered, or when a stop signal came. From then on the worker only has to stop its tasks, flush
+its files and stop the engine; a task that does not end (a cancel swallowed, a call that never
+returns) would otherwise hold the node, and its GPUs, until the job's time limit, deaf to SIGTERM
+and SIGINT. `ExitGuard` is a thread of its own, outside the event loop: armed (by the session, in
+one place) with a bound when the work is over and disarmed when the session has ended, it ends the
+process if the bound passes first — after logging which tasks did not finish and where they wait,
+flushing the records not yet written and killing the engine — with exit code EXIT_STUCK."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 
 def describe_tasks(tasks) -> str:
-    """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is doing."""
+    """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is
+    doing."""
     out = []
     for t in tasks:
         coro = t.get_coro()
@@ -50,12 +51,13 @@ def _cancelling(t: asyncio.Task) -> bool:
 
 
 class ExitGuard:
-    """Ends the process when the work of a shard is over and its event loop has not returned within a bound.
+    """Ends the process when the work of a shard is over and its event loop has not returned within
+    a bound.
 
-    `arm(seconds, why)` starts the clock (a later arm with an earlier deadline brings it forward; never later);
-    `disarm()` stops it. `before_exit` callbacks (flush what is buffered, kill the engine) run in the guard's thread,
-    each bounded by what it does itself, before `os._exit(EXIT_STUCK)`.
-    """
+    `arm(seconds, why)` starts the clock (a later arm with an earlier deadline brings it forward;
+    never later); `disarm()` stops it. `before_exit` callbacks (flush what is buffered, kill the
+    engine) run in the guard's thread, each bounded by what it does itself, before
+    `os._exit(EXIT_STUCK)`."""
 
     def __init__(self, name: int | str, loop: asyncio.AbstractEventLoop, *,
                  exit: Callable[[int], None] = os._exit):
@@ -142,8 +144,9 @@ CANCEL_WAIT_S = 10.0  # how long cancelled tasks may take to end before they are
 
 
 async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
-    """Cancel `tasks` and wait until they end, at most `timeout_s`: a task that does not end when cancelled (a
-    swallowed cancel) is logged, with where it waits, and left behind instead of blocking its caller forever."""
+    """Cancel `tasks` and wait until they end, at most `timeout_s`: a task that does not end when
+    cancelled (a swallowed cancel) is logged, with where it waits, and left behind instead of
+    blocking its caller forever."""
     tasks = list(tasks)
     for t in tasks:
         t.cancel()

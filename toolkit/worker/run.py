@@ -44,7 +44,7 @@ from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
-from toolkit.formats.records import MAY_PASS, Record
+from toolkit.formats.records import MAY_PASS, OK, Record
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.formats.shardstate import ShardState, retry_request, shard_state
@@ -190,7 +190,7 @@ class ShardRun(Shard):
 
 
 def _finish(sh: ShardRun, stopped: bool) -> ShardEnd:
-    rd, shard, plan = sh.rd, sh.shard, sh.plan
+    shard = sh.shard
     sh._close_writer()
     if stopped:
         sh.save_progress("stopped")

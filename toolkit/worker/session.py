@@ -74,6 +74,7 @@ class EngineSession:
         self.tokenizer: tuple[bytes, Any, Any] | None = None  # (key, tokenizer, token info) once loaded
         self.limits = None            # engines.client.ServerLimits of the engine's current start
         self.guard: ExitGuard | None = None
+        self.most_open = 0            # most shards open at once on the engine
         self.tail: logging.Handler | None = None  # the log of the shard closed last, while none is open
         self._old_level = logging.NOTSET
 
@@ -264,7 +265,8 @@ class EngineSession:
                 for sh in b.shards:
                     if sh not in running:
                         work[asyncio.ensure_future(self._shard_work(sh, engine))] = sh
-                if more[0] is not None and not stop.is_set() and not b.shards:
+                if more[0] is not None and not stop.is_set() and len(b.shards) < self.max_open() \
+                        and opens_next(b.unsent, b.in_flight, b.target):
                     sh = await more[0]()
                     if sh is None:
                         more[0] = None
@@ -305,6 +307,8 @@ class EngineSession:
     async def _shard_work(self, sh: Shard, engine) -> None:
         """One open shard's requests, in its own log context, until its prompts are all answered or it stops."""
         SHARD.set(sh.shard)
+        if sh.stopping:
+            return
         await asyncio.shield(sh.feed.first)  # rendered (or its render failed: BadInputError)
         self.keep_tokenizer(sh.plan, sh.render.tok, sh.render.info)
         info = sh.render.info
@@ -337,6 +341,7 @@ class EngineSession:
         sh.batch, sh.session = self.batch, self
         self.set_tail(None)
         self.batch.shards.append(sh)
+        self.most_open = max(self.most_open, len(self.batch.shards))
         self.served.append(sh.shard)
         sh.start(self)
 

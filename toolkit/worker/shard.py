@@ -1,7 +1,6 @@
-"""What the parts of one shard's run share: the `Shard` state (its writer, progress, requests in flight, partial
-outputs, its feed), and the `Batch` of the engine that serves it: the requests that engine keeps in flight across
-every open shard (one concurrency target per engine).
-"""
+"""What the parts of one shard's run share: the `Shard` state (its writer, progress, requests in
+flight, partial outputs, its feed), and the `Batch` of the engine that serves it: the requests that
+engine keeps in flight across every open shard (one concurrency target per engine)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,8 @@ class End(str, enum.Enum):
 
 
 class ShardEnd(msgspec.Struct, frozen=True):
-    """A shard's run that ended without failing: done, or stopped by `stop_signal` (SIGUSR2, SIGTERM, SIGINT; None
-    when done, or when the worker stopped for another shard's failure)."""
+    """A shard's run that ended without failing: done, or stopped by `stop_signal` (SIGUSR2,
+    SIGTERM, SIGINT; None when done, or when the worker stopped for another shard's failure)."""
 
     shard: int
     end: End
@@ -50,9 +49,9 @@ class ShardEnd(msgspec.Struct, frozen=True):
 
 
 class ShardFailed(ToolkitError):
-    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk full, run
-    directory not writable, shard locked by another worker). Exits 1, or 2 when the run directory cannot be
-    written (`exit_code=` given where it is raised)."""
+    """The shard cannot finish in this task (engine never ready, died too often, unreachable, disk
+    full, run directory not writable, shard locked by another worker). Exits 1, or 2 when the run
+    directory cannot be written (`exit_code=` given where it is raised)."""
 
 
 class ShardBusy(ShardFailed):
@@ -64,9 +63,9 @@ def count(n: int, noun: str) -> str:
 
 
 class Batch:
-    """The requests one engine keeps in flight, across the shards it serves at once: the target (concurrency, or
-    "auto" from the server's load), the consumers running (`live`), the shards open, and a wake-up for the pools
-    waiting for room."""
+    """The requests one engine keeps in flight, across the shards it serves at once: the target
+    (concurrency, or "auto" from the server's load), the consumers running (`live`), the shards
+    open, and a wake-up for the pools waiting for room."""
 
     def __init__(self, client):
         self.client = client
@@ -155,8 +154,9 @@ class Shard:
         write_progress(self.rd.progress_file(self.shard), p)
 
     def add(self, record: Record, *, settled: bool = True) -> None:
-        """Write `record`. Not `settled`: a failed try that is tried again in this run (inflight.consume), written
-        so that its count survives a kill, but neither counted as done nor told to the turns after it."""
+        """Write `record`. Not `settled`: a failed try that is tried again in this run
+        (inflight.consume), written so that its count survives a kill, but neither counted as done
+        nor told to the turns after it."""
         if record.status not in (OK, PARTIAL) and settled:
             self.progress.failed += 1
             log.warning("prompt %s (%s) failed (%s): %s", record.id, record.dataset, record.failure, record.error)
