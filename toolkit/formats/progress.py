@@ -61,6 +61,9 @@ class Progress(msgspec.Struct, kw_only=True):
     task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a requeue restarts it)
     task_shards: int = 0             # shards that worker has taken so far, this one included
     group: str | None = None         # the workers sharing one pool of shards (a Slurm array job, one `toolkit run`)
+    # its task hands the run's tail over (worker.policy.hands_over): its
+    leaving: bool = False
+                                     # requests are kept as partial outputs for a task with room
     engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the serving engine writes:
                                      # the first its worker started it for (this shard, or one claimed before)
 

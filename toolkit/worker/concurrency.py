@@ -61,12 +61,15 @@ class HangWatch:
             return
         why = await health_generate(self.http, timeout=self.probe_timeout_s)
         if why is None:  # generating, only slowly (long outputs): look again later
-            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers 200",
+            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers "
+                     "200",
                      stall, n)
             self.next_probe = time.monotonic() + self.hang_timeout_s
             return
-        raise EngineHung(f"engine hung: no request answered for {stall:.0f} s with {n} in flight, and "
-                         f"/health_generate {why} (limit engine.hang_timeout_s = {self.hang_timeout_s:g})")
+        raise EngineHung(f"engine hung: no request answered for {stall:.0f} s with {n} in flight, "
+                         f"and "
+                         f"/health_generate {why} (limit engine.hang_timeout_s = "
+                         f"{self.hang_timeout_s:g})")
 
     def close(self) -> None:
         self.http.close()
@@ -122,7 +125,8 @@ async def watch_load(batch: Batch, engine) -> None:
             for sh in batch.shards:
                 p = sh.progress
                 if load is not None:
-                    p.running, p.queued, p.kv_usage = load.running, load.waiting, round(load.token_usage, 4)
+                    p.running, p.queued = load.running, load.waiting
+                    p.kv_usage = round(load.token_usage, 4)
                     p.capacity = batch.capacity or None
                 p.in_flight_target = batch.target
             await asyncio.sleep(LOAD_POLL_S)

@@ -61,7 +61,8 @@ class ExitGuard:
 
     def __init__(self, name: int | str, loop: asyncio.AbstractEventLoop, *,
                  exit: Callable[[int], None] = os._exit):
-        self.name = f"shard {name}" if isinstance(name, int) else name  # whose end it bounds, in its lines
+        # whose end it bounds, in its lines
+        self.name = f"shard {name}" if isinstance(name, int) else name
         self.loop = loop
         self.before_exit: list[Callable[[], None]] = []
         self._exit = exit
@@ -112,10 +113,11 @@ class ExitGuard:
         except RuntimeError as e:  # the loop's task set changed too often while it was read
             tasks = f"(could not list them: {e})"
         where = _thread_stack(self.loop)
-        log.error("%s: the worker has not ended %.0f s after %s; still running: %s%s. Ending the process "
-                  "(exit %d): the engine is killed; what was written is kept, and the shard resumes from it when run "
-                  "again", self.name, waited, why, tasks, f"; the event loop's thread is at {where}" if where else "",
-                  EXIT_STUCK)
+        at = f"; the event loop's thread is at {where}" if where else ""
+        log.error("%s: the worker has not ended %.0f s after %s; still running: %s%s. Ending the "
+                  "process (exit %d): the engine is killed; what was written is kept, and the "
+                  "shard resumes from it when run again",
+                  self.name, waited, why, tasks, at, EXIT_STUCK)
         for step in self.before_exit:
             try:
                 step()

@@ -264,7 +264,8 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
     up to client.max_tries tries in all (counted in its records: `_settle`); then its failure is
     final for the run."""
     while True:
-        if sh.stopping or sh.batch.live > sh.batch.target:  # stopping, or fewer in flight wanted (pool)
+        # stopping, or fewer in flight wanted (pool)
+        if sh.stopping or sh.batch.live > sh.batch.target:
             return
         item = await feed.get()
         if item is None or sh.stopping:
@@ -435,7 +436,8 @@ async def save_in_flight(batch: Batch, stop: asyncio.Event, engine) -> None:
                     "abort_all" if owned else "by rid")
         http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         try:
-            await abort_requests(http, None if owned else sorted(r for sh in batch.shards for r in sh.rids))
+            rids = None if owned else sorted(r for sh in batch.shards for r in sh.rids)
+            await abort_requests(http, rids)
         except Unreachable as e:
             log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
             return

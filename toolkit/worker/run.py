@@ -1,31 +1,34 @@
-"""A shard's run: what a worker does with one shard it holds — engine → chat → client → records → shard file.
+"""A shard's run: what a worker does with one shard it holds — engine → chat → client → records →
+shard file.
 
-`open_shard` resumes the shard's file (every id already written is skipped, whatever order it was written in),
-takes its lock, works out what is left to generate and opens the shard's own log; the engine session
-(worker.session) then renders its prompts with the chat template (`ShardRun.start`, while the engine loads or
-while the previous shard's last requests finish), streams them through `/generate` with the engine's bounded
-concurrency, and appends checked records in fsynced batches. `ShardRun.finish` writes a finished shard's `done`
-manifest, or says where a stopped one resumes; `ShardRun.fail` says why a shard cannot finish here.
+`open_shard` resumes the shard's file (every id already written is skipped, whatever order it was
+written in), takes its lock, works out what is left to generate and opens the shard's own log; the
+engine session (worker.session) then renders its prompts with the chat template (`ShardRun.start`,
+while the engine loads or while the previous shard's last requests finish), streams them through
+`/generate` with the engine's bounded concurrency, and appends checked records in fsynced batches.
+`ShardRun.finish` writes a finished shard's `done` manifest, or says where a stopped one resumes;
+`ShardRun.fail` says why a shard cannot finish here.
 
-SIGTERM / SIGUSR2 / SIGINT stop it cleanly (nothing written is lost; the requests in flight are aborted and their
-partial outputs kept as PARTIAL records, continued from where they stopped next time: see
-inflight.save_in_flight and inflight._generate).
+SIGTERM / SIGUSR2 / SIGINT stop it cleanly (nothing written is lost; the requests in flight are
+aborted and their partial outputs kept as PARTIAL records, continued from where they stopped next
+time: see inflight.save_in_flight and inflight._generate).
 
-Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's NaN stop) is
-recorded with its kind and tried again in the same run of the shard, up to `client.max_tries` tries counted in the
-records (inflight.consume), then final for the run (records.is_given_up); ids `toolkit retry` names are generated
-again, with a fresh count. A done manifest is trusted only when the shard file still has its size and sha256; a
-damaged file is salvaged (formats.shardfile.ShardWriter.open). The render thread stays a bounded number of
-prompts ahead of the requests.
+Nothing lost, nothing stuck: a failure that may pass (timeout, 5xx past the retries, abort, SGLang's
+NaN stop) is recorded with its kind and tried again in the same run of the shard, up to
+`client.max_tries` tries counted in the records (inflight.consume), then final for the run
+(records.is_given_up); ids `toolkit retry` names are generated again, with a fresh count. A done
+manifest is trusted only when the shard file still has its size and sha256; a damaged file is
+salvaged (formats.shardfile.ShardWriter.open). The render thread stays a bounded number of prompts
+ahead of the requests.
 
-Regenerated conversations (turns.py): turn k of a conversation waits until turn k-1 has a record, then is rendered
-with the answers of the turns before it (worker.turn_order).
+Regenerated conversations (turns.py): turn k of a conversation waits until turn k-1 has a record,
+then is rendered with the answers of the turns before it (worker.turn_order).
 
-The parts: session.py keeps the engine and the shards open on it; feed.py renders prompts on a thread and hands
-them to the event loop; inflight.py sends them (rids, continuations, partial outputs at a stop, records);
-concurrency.py sizes and watches the requests in flight; worker.shard holds what they share. This module keeps one
-shard's lifecycle, and `run_shard`, a session of one shard.
-"""
+The parts: session.py keeps the engine and the shards open on it; feed.py renders prompts on a
+thread and hands them to the event loop; inflight.py sends them (rids, continuations, partial
+outputs at a stop, records); concurrency.py sizes and watches the requests in flight; worker.shard
+holds what they share. This module keeps one shard's lifecycle, and `run_shard`, a session of one
+shard."""
 
 from __future__ import annotations
 
@@ -55,13 +58,22 @@ from toolkit.worker.session import EngineSession, _max_in_flight
 from toolkit.worker.shard import SHARD, End, Shard, ShardBusy, ShardEnd, ShardFailed, count
 from toolkit.worker.turn_order import Chains
 
-__all__ = ["run_shard", "open_shard", "ShardRun", "ShardEnd", "End", "ShardBusy", "ShardFailed", "DONE",
-           "STOPPED"]
+__all__ = [
+    "run_shard",
+    "open_shard",
+    "ShardRun",
+    "ShardEnd",
+    "End",
+    "ShardBusy",
+    "ShardFailed",
+    "DONE",
+    "STOPPED",
+]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 DONE, STOPPED = End.DONE, End.STOPPED
-RENDER_JOIN_S = 10.0   # how long the end of a shard waits for its render thread
+RENDER_JOIN_S = 10.0  # how long the end of a shard waits for its render thread
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _count = count
 
@@ -77,7 +89,7 @@ def shard_lines(shard: int):
 
 
 class ShardLog(logging.Filter):
-    """A shard's log keeps its own lines and the engine's (no shard named), never another shard's."""
+    """A shard's log keeps its own lines and the engine's (no shard named), never another's."""
 
     def __init__(self, shard: int):
         super().__init__()
@@ -98,8 +110,8 @@ def _attach_log(path: Path, shard: int) -> logging.Handler:
 
 
 class ShardRun(Shard):
-    """One shard open in this task: its file (writer), its log, what it has to generate, and — once the session
-    starts it — its feed and render thread."""
+    """One shard open in this task: its file (writer), its log, what it has to generate, and — once
+    the session starts it — its feed and render thread."""
 
     def __init__(self, rd: RunDir, plan: RunPlan, shard: int):
         super().__init__(rd, plan, shard)
@@ -119,20 +131,28 @@ class ShardRun(Shard):
         state.tok, state.info = session.kept_tokenizer(self.plan)
         with shard_lines(self.shard):
             if any(d.regenerate for d in self.plan.datasets):
-                self.chains = state.chains = Chains(self, feed, RefSlice(self.rd, self.sp.first, self.sp.count),
-                                                    self.history)
+                self.chains = state.chains = Chains(
+                    self, feed, RefSlice(self.rd, self.sp.first, self.sp.count), self.history
+                )
             ctx = contextvars.copy_context()  # the render thread's lines are the shard's
-        self.renderer = threading.Thread(target=ctx.run, args=(render_thread, loop, feed, self.plan, self.todo, state),
-                                         daemon=True, name=f"render-{self.shard}")
+        self.renderer = threading.Thread(
+            target=ctx.run,
+            args=(render_thread, loop, feed, self.plan, self.todo, state),
+            daemon=True,
+            name=f"render-{self.shard}",
+        )
         self.renderer.start()
 
     def _stop_render(self) -> None:
-        """Its render thread told to stop and joined (bounded); its feed's waiting prompts released."""
+        """Its render thread told to stop and joined (bounded); its feed's prompts released."""
         if self.render is not None:
             self.render.stop = True
         if self.feed is not None:
-            log.info("at most %d rendered prompts waited for a request (bound %d)", self.feed.peak,
-                     self.feed.budget.cap)
+            log.info(
+                "at most %d rendered prompts waited for a request (bound %d)",
+                self.feed.peak,
+                self.feed.budget.cap,
+            )
             self.feed.budget.close()
         if self.chains is not None:
             self.chains.close()
@@ -140,12 +160,16 @@ class ShardRun(Shard):
         if r is not None and r.ident is not None:
             r.join(RENDER_JOIN_S)
             if r.is_alive():
-                log.warning("the render thread has not ended %g s after the shard's end; left behind (a daemon "
-                            "thread)", RENDER_JOIN_S)
+                log.warning(
+                    "the render thread has not ended %g s after the shard's end; left behind (a "
+                    "daemon "
+                    "thread)",
+                    RENDER_JOIN_S,
+                )
 
     def finish(self, stopped: bool) -> ShardEnd | ShardFailed:
-        """Its requests are over: write what is left, and its done manifest (or say where a stopped shard
-        resumes)."""
+        """Its requests are over: write what is left, and its done manifest (or say where a stopped
+        shard resumes)."""
         with shard_lines(self.shard):
             try:
                 self._stop_render()
@@ -192,41 +216,86 @@ class ShardRun(Shard):
 def _finish(sh: ShardRun, stopped: bool) -> ShardEnd:
     shard = sh.shard
     sh._close_writer()
+    if stopped and sh.progress.leaving:
+        sh.save_progress("stopped")
+        log.info(
+            "shard %d handed over with %d of %d prompts recorded and %d partial outputs kept: a "
+            "task "
+            "with room claims it and continues them",
+            shard,
+            sh.recorded,
+            sh.sp.count,
+            sh.progress.partial_saved,
+        )
+        return ShardEnd(shard, STOPPED, None)
     if stopped:
         sh.save_progress("stopped")
-        log.info("shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
-                 shard, sh.recorded, sh.sp.count)
+        log.info(
+            "shard %d stopped with %d of %d prompts recorded; it resumes from here when run again",
+            shard,
+            sh.recorded,
+            sh.sp.count,
+        )
         return ShardEnd(shard, STOPPED, sh.progress.stop_signal)
     return _complete(sh)
 
 
 def _complete(sh: Shard) -> ShardEnd:
     rd, shard, plan = sh.rd, sh.shard, sh.plan
-    m = write_done(rd.done_file(shard), rd.shard_file(shard), shard, plan.fingerprint,
-                   positions=range(sh.sp.first, sh.sp.first + sh.sp.count))
+    m = write_done(
+        rd.done_file(shard),
+        rd.shard_file(shard),
+        shard,
+        plan.fingerprint,
+        positions=range(sh.sp.first, sh.sp.first + sh.sp.count),
+    )
     if m.records != sh.sp.count:
         raise ShardFailed(f"shard {shard} ended with {m.records} records for {sh.sp.count} prompts")
     rd.retry_file(shard).unlink(missing_ok=True)
     sh.save_progress("done")
-    log.info("shard %d complete: %d records (%d failed), %d output tokens%s", shard, m.records, m.failed,
-             m.output_tokens, f"; {sh.progress.loops_stopped} repetition loops stopped in flight by this "
-             "attempt ([client] loop_stop)" if sh.progress.loops_stopped else "")
+    log.info(
+        "shard %d complete: %d records (%d failed), %d output tokens%s",
+        shard,
+        m.records,
+        m.failed,
+        m.output_tokens,
+        f"; {sh.progress.loops_stopped} repetition loops stopped in flight by this "
+        "attempt ([client] loop_stop)"
+        if sh.progress.loops_stopped
+        else "",
+    )
     if m.transient:
-        log.warning("shard %d: %d failures may pass when generated again (%s); the next run of the shard "
-                    "generates them again: `toolkit retry %s`", shard, m.transient, MAY_PASS, rd.shown)
+        log.warning(
+            "shard %d: %d failures may pass when generated again (%s); the next run of the shard "
+            "generates them again: `toolkit retry %s`",
+            shard,
+            m.transient,
+            MAY_PASS,
+            rd.shown,
+        )
     if m.given_up:
-        log.warning("shard %d: %d failures that may pass (%s) failed every one of their tries ([client] "
-                    "max_tries = %d) and are final for this run: `toolkit retry %s` generates them again",
-                    shard, m.given_up, MAY_PASS, plan.spec.client.max_tries, rd.shown)
+        log.warning(
+            "shard %d: %d failures that may pass (%s) failed every one of their tries ([client] "
+            "max_tries = %d) and are final for this run: `toolkit retry %s` generates them again",
+            shard,
+            m.given_up,
+            MAY_PASS,
+            plan.spec.client.max_tries,
+            rd.shown,
+        )
     return ShardEnd(shard, DONE)
 
 
-def open_shard(rd: RunDir, plan: RunPlan, shard: int, session: EngineSession) -> ShardRun | ShardEnd:
-    """Open `shard` in this task: its log, its file's lock, what is left to generate. A ShardRun for the session
-    to generate, or the ShardEnd of a shard with nothing left to do; raises ShardBusy (another worker holds
-    it) or ShardFailed (said in its log, its progress marked failed)."""
+def open_shard(
+    rd: RunDir, plan: RunPlan, shard: int, session: EngineSession
+) -> ShardRun | ShardEnd:
+    """Open `shard` in this task: its log, its file's lock, what is left to generate. A ShardRun for
+    the session to generate, or the ShardEnd of a shard with nothing left to do; raises ShardBusy
+    (another worker holds it) or ShardFailed (said in its log, its progress marked failed)."""
     if not 0 <= shard < len(plan.shards):
-        raise ShardFailed(f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}")
+        raise ShardFailed(
+            f"{rd.root}: no shard {shard}; the run has shards 0..{len(plan.shards) - 1}"
+        )
     with shard_lines(shard):
         try:
             handler = _attach_log(rd.log_file(shard), shard)
@@ -254,8 +323,14 @@ def open_shard(rd: RunDir, plan: RunPlan, shard: int, session: EngineSession) ->
 
 def _open(sh: ShardRun) -> ShardRun | ShardEnd:
     rd, plan, shard = sh.rd, sh.plan, sh.shard
-    log.info("shard %d of run %s (%s): %s; %s", shard, plan.name, plan.fingerprint, _count(sh.sp.count, plan.noun),
-             _where(sh.progress))
+    log.info(
+        "shard %d of run %s (%s): %s; %s",
+        shard,
+        plan.name,
+        plan.fingerprint,
+        _count(sh.sp.count, plan.noun),
+        _where(sh.progress),
+    )
     if _already_complete(rd, plan, shard):
         return ShardEnd(shard, DONE)
     check_plan_inputs(plan)
@@ -272,8 +347,17 @@ def _open(sh: ShardRun) -> ShardRun | ShardEnd:
         sh.history = _turn_history(rd, plan, shard, redo)
         sh.recorded = len(done_ids) - len(redo)
         sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
-        log.info("%s", _resume_line(sh.sp.count, len(done_ids), len(todo), len(redo & sh.writer.transient),
-                                    len(redo - sh.writer.transient), plan.noun))
+        log.info(
+            "%s",
+            _resume_line(
+                sh.sp.count,
+                len(done_ids),
+                len(todo),
+                len(redo & sh.writer.transient),
+                len(redo - sh.writer.transient),
+                plan.noun,
+            ),
+        )
         sh.progress.resumed = sh.recorded
         if todo:
             sh.todo, sh.todo_count = todo, len(todo)
@@ -286,13 +370,13 @@ def _open(sh: ShardRun) -> ShardRun | ShardEnd:
 
 
 def run_shard(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
-    """Generate every prompt of `shard` not yet in its shard file, with an engine of its own. Returns its
-    ShardEnd (DONE, or STOPPED with the signal that stopped it, as its progress file says); raises ShardFailed.
+    """Generate every prompt of `shard` not yet in its shard file, with an engine of its own.
+    Returns its ShardEnd (DONE, or STOPPED with the signal that stopped it, as its progress file
+    says); raises ShardFailed.
 
-    A disk that is full, a run directory that cannot be written, a shard file another worker holds: a ShardFailed
-    saying what to do, and the shard's progress says failed (where it can still be written). Nothing written
-    before is lost.
-    """
+    A disk that is full, a run directory that cannot be written, a shard file another worker holds:
+    a ShardFailed saying what to do, and the shard's progress says failed (where it can still be
+    written). Nothing written before is lost."""
     return asyncio.run(_run_one(run_dir, shard))
 
 
@@ -336,39 +420,61 @@ def _where(p: Progress) -> str:
     return out
 
 
-def _resume_line(total: int, recorded: int, todo: int, transient: int, asked: int, noun: str = "prompt") -> str:
-    """What this attempt finds and does: e.g. `30 prompts: 26 have a record, 18 kept; 12 to generate: 4 never
-    generated and 8 again (8 failures that may pass)`."""
+def _resume_line(
+    total: int, recorded: int, todo: int, transient: int, asked: int, noun: str = "prompt"
+) -> str:
+    """What this attempt finds and does: e.g. `30 prompts: 26 have a record, 18 kept; 12 to
+    generate: 4 never generated and 8 again (8 failures that may pass)`."""
     if not recorded:
         return f"{_count(total, noun)} to generate"
     again = transient + asked
     kept = recorded - again
     if not todo:
         return f"{_count(total, noun)}: all have a record; nothing to generate"
-    why = ", ".join(x for x in (f"{transient} failure{'s' if transient != 1 else ''} that may pass" if transient else "",
-                                f"{asked} asked for by `toolkit retry`" if asked else "") if x)
-    parts = [f"{todo - again} never generated" if todo - again else "", f"{again} again ({why})" if again else ""]
-    return (f"{_count(total, noun)}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} kept; "
-            f"{todo} to generate: "
-            + " and ".join(x for x in parts if x))
-
-
+    why = ", ".join(
+        x
+        for x in (
+            f"{transient} failure{'s' if transient != 1 else ''} that may pass"
+            if transient
+            else "",
+            f"{asked} asked for by `toolkit retry`" if asked else "",
+        )
+        if x
+    )
+    parts = [
+        f"{todo - again} never generated" if todo - again else "",
+        f"{again} again ({why})" if again else "",
+    ]
+    return (
+        f"{_count(total, noun)}: {recorded} {'has' if recorded == 1 else 'have'} a record, {kept} "
+        f"kept; "
+        f"{todo} to generate: " + " and ".join(x for x in parts if x)
+    )
 
 
 def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
-    """Whether the shard's done manifest can be trusted to say there is nothing to do: its file unchanged (size
-    and sha256), no transient failure left, no retry asked. An untrusted manifest is removed (merge and status
-    must not take the shard as complete while it is being redone)."""
+    """Whether the shard's done manifest can be trusted to say there is nothing to do: its file
+    unchanged (size and sha256), no transient failure left, no retry asked. An untrusted manifest is
+    removed (merge and status must not take the shard as complete while it is being redone)."""
     st = shard_state(rd, shard, fingerprint=plan.fingerprint, verify=True)
     if st.foreign or st.state is not ShardState.UNTRUSTED and st.done is None:
         return False
     if st.state is ShardState.UNTRUSTED:
-        log.error("shard %d: %s: the file changed after the shard finished; checking it, salvaging what is intact "
-                  "and generating the rest", shard, st.why)
+        log.error(
+            "shard %d: %s: the file changed after the shard finished; checking it, salvaging what "
+            "is intact "
+            "and generating the rest",
+            shard,
+            st.why,
+        )
     elif st.state is ShardState.RETRY:
         log.info("shard %d: `toolkit retry` asked for records to be generated again", shard)
     elif st.state is ShardState.MAY_PASS:
-        log.info("shard %d finished with %d failures that may pass: generating them again", shard, st.done.transient)
+        log.info(
+            "shard %d finished with %d failures that may pass: generating them again",
+            shard,
+            st.done.transient,
+        )
     else:
         log.info("shard %d is already complete (%d records): nothing to do", shard, st.done.records)
         return True
@@ -377,7 +483,8 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
 
 
 def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) -> Todo:
-    """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of another shard."""
+    """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of
+    another shard."""
     refs = ShardRefs(rd, sh.sp)
     if not done_ids:  # a fresh shard: every prompt, without reading a ref
         return Todo(refs)
@@ -392,22 +499,29 @@ def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) 
         count += 1
     if owned != len(done_ids):
         unknown = set(done_ids) - {ref.id for ref in refs}
-        raise ShardFailed(f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {sorted(unknown)[0]!r})")
+        raise ShardFailed(
+            f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. "
+            f"{sorted(unknown)[0]!r})"
+        )
     return Todo(refs, chosen, count)
 
 
 def _resumed_tokens(sh: Shard, todo: Todo) -> int:
-    """Output tokens of the records this attempt keeps: every newest record but those it generates again."""
+    """Output tokens of the records this attempt keeps: every newest record but those it generates
+    again."""
     otok = sh.writer.output_tokens_at
     if otok is None:
         return 0
     return sum(n for i, n in enumerate(otok) if i not in todo)
 
 
-def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]) -> tuple[set[str], dict[str, int]]:
-    """Recorded ids to generate again: transient failures, and those a retry request names that were not
-    recorded again since it was made; and the failed tries each has had in its budget (Record.tries): none for
-    those the retry request names (a fresh budget), the newest record's count for the others."""
+def _redo_ids(
+    rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, int]
+) -> tuple[set[str], dict[str, int]]:
+    """Recorded ids to generate again: transient failures, and those a retry request names that were
+    not recorded again since it was made; and the failed tries each has had in its budget
+    (Record.tries): none for those the retry request names (a fresh budget), the newest record's
+    count for the others."""
     redo = set(writer.transient)
     asked: set[str] = set()
     req = retry_request(rd, shard)
@@ -418,33 +532,46 @@ def _redo_ids(rd: RunDir, shard: int, writer: ShardWriter, done_ids: dict[str, i
 
 
 def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict[str, Record]:
-    """Regenerated datasets: the newest record of each turn already in the shard file, when it is ok and not to be
-    redone — the answers later turns are rendered with."""
+    """Regenerated datasets: the newest record of each turn already in the shard file, when it is ok
+    and not to be redone — the answers later turns are rendered with."""
     regenerated = {d.name for d in plan.datasets if d.regenerate}
     if not regenerated:
         return {}
     sp, path = plan.shards[shard], rd.shard_file(shard)
     sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
-    return {r.id: r for r in newest_records(path, sc)
-            if r is not None and r.dataset in regenerated and r.status == OK and r.id not in redo}
-
-
+    return {
+        r.id: r
+        for r in newest_records(path, sc)
+        if r is not None and r.dataset in regenerated and r.status == OK and r.id not in redo
+    }
 
 
 def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed:
-    """The ShardFailed of a file-system error, saying what to do (exit 2 for a run directory this job cannot
-    write), logged, and the shard's progress marked failed."""
-    where = shown_path(e.filename) if e.filename else f"the shard file {shown_path(rd.shard_file(shard))}"
+    """The ShardFailed of a file-system error, saying what to do (exit 2 for a run directory this
+    job cannot write), logged, and the shard's progress marked failed."""
+    where = (
+        shown_path(e.filename)
+        if e.filename
+        else f"the shard file {shown_path(rd.shard_file(shard))}"
+    )
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     if e.errno in FULL:
-        failed = ShardFailed(f"cannot write {where}: {what}; free space (or quota) on that file system, then run the "
-                             "shard again: it resumes, nothing written is lost")
+        failed = ShardFailed(
+            f"cannot write {where}: {what}; free space (or quota) on that file system, then run "
+            f"the "
+            "shard again: it resumes, nothing written is lost"
+        )
     elif e.errno in READ_ONLY:
-        failed = ShardFailed(f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this job "
-                             "(a read-only mount, or another user's folder): fix its permissions or move it",
-                             exit_code=EXIT_BAD_INPUT)
+        failed = ShardFailed(
+            f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this "
+            f"job "
+            "(a read-only mount, or another user's folder): fix its permissions or move it",
+            exit_code=EXIT_BAD_INPUT,
+        )
     else:
-        failed = ShardFailed(f"{where}: {what}; check the file system, then run the shard again (it resumes)")
+        failed = ShardFailed(
+            f"{where}: {what}; check the file system, then run the shard again (it resumes)"
+        )
     _mark_failed(rd, shard, str(failed))
     log.error("shard %d failed: %s", shard, failed)
     return failed
@@ -458,5 +585,3 @@ def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
         write_progress(rd.progress_file(shard), p)
     except (OSError, ValueError):
         pass
-
-

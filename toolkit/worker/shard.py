@@ -27,8 +27,8 @@ log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 AUTO_START = 64        # concurrency "auto" before the server has said what it can run
 
-# The shard a log line is about, set in each shard's tasks and while the worker opens or ends it: the shard's log
-# keeps its own lines and the engine's (none set), never another shard's (run.ShardLog).
+# The shard a log line is about, set in each shard's tasks and while the worker opens or ends it:
+# the shard's log keeps its own lines and the engine's (none set), never another's (run.ShardLog).
 SHARD: contextvars.ContextVar[int | None] = contextvars.ContextVar("shard", default=None)
 
 
@@ -85,7 +85,7 @@ class Batch:
 
     @property
     def unsent(self) -> int:
-        """Prompts the open shards still have to send (1 for a shard whose render has not finished)."""
+        """Prompts the open shards still have to send (1 for a shard still rendering)."""
         return sum(sh.feed.unsent() if sh.feed is not None else 1 for sh in self.shards)
 
     def changed(self) -> asyncio.Future:
@@ -133,11 +133,14 @@ class Shard:
         self.rids: set[str] = set()  # rids in flight (aborted one by one on an engine the worker does not own)
         self.rid_seq = 0
         self.rid_tag = os.urandom(3).hex()
-        self.batch: Batch | None = None  # the requests in flight of the engine serving it (set by the session)
+        # the requests in flight of the engine serving it (set by the session)
+        self.batch: Batch | None = None
         self.feed = None           # feed.Feed of its rendered prompts, while it is open
-        self.http: HttpClient | None = None  # the requests' client, one per engine start (the session's)
+        # the requests' client, one per engine start (the session's)
+        self.http: HttpClient | None = None
         self.expect: Expect | None = None  # what every answer is checked against (the vocabulary, SGLang's limit)
-        self.session = None        # session.EngineSession: the engine this worker keeps across its shards
+        # session.EngineSession: the engine this worker keeps across its shards
+        self.session = None
 
     def save_progress(self, state: str | None = None) -> None:
         p = self.progress
