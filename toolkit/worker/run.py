@@ -308,9 +308,7 @@ def open_shard(
             out = _open(sh)
             keep = isinstance(out, ShardRun)
             return out
-        except ShardBusy:
-            raise
-        except ShardFailed as e:  # said once, in the shard's log
+        except ShardFailed as e:  # said once, in the shard's log (ShardBusy too)
             log.error("shard %d failed: %s", shard, e)
             raise
         except OSError as e:
