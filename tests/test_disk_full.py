@@ -100,7 +100,7 @@ def test_a_log_file_on_a_full_disk_is_said_once_not_a_traceback_per_line(tmp_pat
     rd, _ = prepared_run(job)
     rd.log_file(0).parent.mkdir(parents=True, exist_ok=True)
     rd.log_file(0).symlink_to("/dev/full")
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     err = capsys.readouterr().err
     assert "Logging error" not in err and "Traceback" not in err, err
     assert err.count("toolkit: warning: cannot write the log file") == 1, err

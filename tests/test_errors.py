@@ -28,7 +28,7 @@ OUTSIDE_THE_KINDS = {
     "toolkit.stub.contract.ContractError": "the stub's own program: an HTTP answer, not an exit code",
     "toolkit.stub.contract.RequestError": "the stub's own program: an HTTP answer, not an exit code",
     "toolkit.stub.contract.ParseError": "the stub's own program: an HTTP answer, not an exit code",
-    "toolkit.worker.run._Stop": "the worker's stop, inside one shard",
+    "toolkit.worker.session._Stop": "the worker's stop, inside one shard",
 }
 
 
@@ -47,7 +47,7 @@ def _error_classes() -> dict[str, type[BaseException]]:
 
 def test_every_error_class_is_one_kind_whose_code_it_keeps():
     classes = _error_classes()
-    assert {"toolkit.worker.run.ShardFailed", "toolkit.engines.client.ClientError"} <= classes.keys()
+    assert {"toolkit.worker.shard.ShardFailed", "toolkit.engines.client.ClientError"} <= classes.keys()
     assert set(KINDS) <= set(EXIT_MEANINGS) and all(k.exit_code == code for code, k in KINDS.items())
     wrong = []
     for name, cls in sorted(classes.items()):

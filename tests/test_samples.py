@@ -59,8 +59,8 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
                                                            "sampling_seed": 3},
                    audit={"max_length_share": 1.0})
     rd, plan = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
-    assert run_shard(rd.root, 0) == DONE  # resumed: nothing generated twice
+    assert run_shard(rd.root, 0).end == DONE
+    assert run_shard(rd.root, 0).end == DONE  # resumed: nothing generated twice
     assert cli_main(["run", str(job)]) == 0  # the other shard, then merge and audit
     recs = [r for k in range(2) for r in read_shard(rd.shard_file(k))]
     assert sorted(r.id for r in recs) == sorted(r.id for r in planned_refs(rd)) and len(recs) == 10

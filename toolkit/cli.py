@@ -142,7 +142,7 @@ def cmd_worker(args) -> int:
 
     with _running_here(args.run, [args.shard], "toolkit worker"):
         out = run_shard(args.run, args.shard)
-    return stopped_code(out.stop_signal) if out == STOPPED else EXIT_OK
+    return stopped_code(out.stop_signal) if out.end == STOPPED else EXIT_OK
 
 
 def cmd_run(args) -> int:

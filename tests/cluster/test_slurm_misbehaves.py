@@ -171,7 +171,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     from toolkit.worker.run import DONE, run_shard
 
     rd, plan = prepared_run(make_job(tmp_path, toy_tokenizer("kimi"), n=12, sampling={"max_new_tokens": 64}))
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     full = {r.id: r for r in read_shard(rd.shard_file(0))}
     total = read_done(rd.done_file(0)).output_tokens
     assert read_progress(rd.progress_file(0)).output_tokens == total == sum(r.n_output for r in full.values())
@@ -185,7 +185,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     for r in kept:
         w.add(r)
     w.close()
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     p = read_progress(rd.progress_file(0))
     assert p.resumed == 5 and p.resumed_tokens == sum(r.n_output for r in kept)
     assert p.output_tokens == read_done(rd.done_file(0)).output_tokens == total, "the total does not drop on resume"
@@ -193,7 +193,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     # Ids generated again do not count twice: their old records are not among the resumed tokens.
     again = [kept[0].id, kept[1].id]
     request_retry(rd.root, again)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     p = read_progress(rd.progress_file(0))
     assert p.resumed_tokens == total - full[again[0]].n_output - full[again[1]].n_output
     assert p.output_tokens == read_done(rd.done_file(0)).output_tokens

@@ -150,7 +150,7 @@ def test_turns_resume_from_the_answers_already_recorded(tmp_path, toy_tokenizer)
     assert 0 < len(first) < 15
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(6), sampling={"max_new_tokens": 96})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == "done"
+    assert run_shard(rd.root, 0).end == "done"
     recs = check_histories(job, rd)
     assert len(recs) == 15
 
@@ -164,7 +164,7 @@ def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_wit
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
                     stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "max_tries": 1})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == "done"
+    assert run_shard(rd.root, 0).end == "done"
     recs = {r.id: r for r in read_shard(rd.shard_file(0))}
     # requests 2 and 3 (the first turns of c0 and c1) get a 503: the turns after them cannot be rendered
     assert {i: r.failure for i, r in recs.items()} == {
@@ -175,7 +175,7 @@ def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_wit
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96})
     rd, _ = prepared_run(job)
     request_retry(rd.root)
-    assert run_shard(rd.root, 0) == "done"
+    assert run_shard(rd.root, 0).end == "done"
     check_histories(job, rd)
 
 
@@ -186,7 +186,7 @@ def test_a_turn_that_fails_once_is_tried_again_before_the_turns_after_it_are_ren
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
                     stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "backoff_s": 0.05})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == "done"
+    assert run_shard(rd.root, 0).end == "done"
     failed = [(r.id, r.tries) for r in read_shard(rd.shard_file(0)) if r.status != "ok"]
     assert failed == [("c0/t0", 1), ("c0/t0", 2)]  # requests 2 and 3: c0's first turn twice, then it passes
     assert len(check_histories(job, rd)) == 7

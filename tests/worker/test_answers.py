@@ -61,7 +61,7 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
     job's prompts, so it passes. Once the engine is fine, `toolkit retry` generates them (a fresh count)."""
     job = poison_job(tmp_path, kimi, kind, poisoned=(0, 3))
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd)
     failed = {i: r for i, r in got.items() if r.status != "ok"}
     assert sorted(failed) == ["p0000", "p0003"] and len(got) == 8
@@ -72,13 +72,13 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
     m = read_done(rd.done_file(0))
     assert (m.given_up, m.transient, m.failed) == (2, 0, 2)
     size = rd.shard_file(0).stat().st_size
-    assert run_shard(rd.root, 0) == DONE and rd.shard_file(0).stat().st_size == size  # nothing left to try
+    assert run_shard(rd.root, 0).end == DONE and rd.shard_file(0).stat().st_size == size  # nothing left to try
     log = rd.log_file(0).read_text()
     assert "prompt p0003 (d) failed (unreachable), try 1 of 3" in log and "probe /generate" not in log
 
     fix_engine(rd)
     request_retry(rd.root)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert {r.status for r in newest(rd).values()} == {"ok"}
 
 
@@ -103,14 +103,14 @@ def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection
     job = make_job(tmp_path, kimi, n=8, stub={"fail_5xx": "2:3", "extra_args": ["--fail-status", "429"]},
                    client={"retries": 6, "concurrency": 2})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd)
     assert {r.status for r in got.values()} == {"ok"} and sum(r.attempts for r in got.values()) == 8 + 3
 
     job = make_job(tmp_path / "past", kimi, n=8, stub={"fail_5xx": "2:30", "extra_args": ["--fail-status", "429"]},
                    client={"retries": 1, "concurrency": 2, "max_tries": 1})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     failed = [r for r in newest(rd).values() if r.status == "failed"]
     assert len(failed) == 8 and {r.failure for r in failed} == {"server_error"}
     assert all("HTTP 429" in r.error and r.error.startswith("failed once: server_error") for r in failed)
@@ -140,7 +140,7 @@ def healthy_outputs(tmp_path_factory, kimi) -> dict[str, bytes]:
     job = poison_job(tmp, kimi, "reset", n=6, poisoned=(0, 3), sampling={"max_new_tokens": 64, "temperature": 0})
     rd, _ = prepared_run(job)
     fix_engine(rd)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     return {i: r.output_ids for i, r in newest(rd).items()}
 
 
@@ -153,7 +153,7 @@ def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(t
     failure, words = BAD_ANSWERS[kind]
     rd, _ = prepared_run(poison_job(tmp_path, kimi, kind, n=6, poisoned=(0, 3),
                                     sampling={"max_new_tokens": 64, "temperature": 0}))
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd)
     for i in ("p0000", "p0003"):
         bad = got[i]

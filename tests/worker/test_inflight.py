@@ -82,7 +82,7 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
                   sampling={"max_new_tokens": 400, "min_new_tokens": 400},
                   client={"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05})
     ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
-    assert run_shard(ref.root, 0) == DONE
+    assert run_shard(ref.root, 0).end == DONE
     expected = {i: fields(r) for i, r in newest(ref.root).items()}
 
     rd, _ = prepared_run(make_job(tmp_path / "stopped", kimi, **common))
@@ -107,7 +107,7 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
         partial_seen += len(part)
         assert not rd.done_file(0).exists()
         assert read_progress(rd.progress_file(0)).done == sum(r.status != PARTIAL for r in got.values())
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
     assert len(got) == n and not any(r.status == PARTIAL for r in got.values())
     assert {i: fields(r) for i, r in got.items()} == expected
@@ -127,7 +127,7 @@ def test_without_save_in_flight_a_stop_throws_the_requests_in_flight_away(tmp_pa
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(60) == 3, proc.stderr.read()
     assert not any(r.status == PARTIAL for r in records(rd.root))
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert all(r.segments == 1 for r in records(rd.root))
 
 
@@ -144,7 +144,7 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
                       sampling={"max_new_tokens": 400, "sampling_seed": 7},
                       client={"concurrency": 4, "request_timeout_s": 30, "retries": 2, "backoff_s": 0.05})
         ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
-        assert run_shard(ref.root, 0) == DONE
+        assert run_shard(ref.root, 0).end == DONE
         expected = {i: fields(r) for i, r in newest(ref.root).items()}
         rd, _ = prepared_run(make_job(tmp_path / "aborted", kimi, **common))
         done = threading.Event()
@@ -156,7 +156,7 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
         t = threading.Thread(target=aborter)
         t.start()
         try:
-            assert run_shard(rd.root, 0) == DONE
+            assert run_shard(rd.root, 0).end == DONE
         finally:
             done.set()
             t.join()
@@ -227,7 +227,7 @@ def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_t
     t = threading.Thread(target=watch)
     t.start()
     try:
-        assert run_shard(rd.root, 0) == DONE
+        assert run_shard(rd.root, 0).end == DONE
     finally:
         stop.set()
         t.join()
@@ -275,5 +275,5 @@ def test_the_watch_hands_freed_memory_back_while_generating(tmp_path, kimi, monk
     job = make_job(tmp_path, kimi, n=6, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 300},
                    client={"concurrency": 2})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert calls and set(calls) == {0}

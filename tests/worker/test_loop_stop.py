@@ -64,7 +64,7 @@ def runs(tmp_path, kimi):
     _KIMI[:] = [kimi]
     prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
     ref, _ = prepared_run(loop_job(tmp_path / "ref", prompts, loop_stop=False))
-    assert run_shard(ref.root, 0) == DONE
+    assert run_shard(ref.root, 0).end == DONE
     return tmp_path, prompts, newest(ref.root)
 
 
@@ -73,7 +73,7 @@ def test_loops_are_stopped_at_a_segment_end_and_every_other_output_is_the_one_re
     looping = {i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None}
     assert 3 <= len(looping) <= 20  # the stub's draw: a fifth of the outputs loop until max_new_tokens
     rd, _ = prepared_run(loop_job(tmp_path / "stopped", prompts, loop_stop=True))
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
     assert got.keys() == expected.keys()
     stopped = {i for i, r in got.items() if r.finish == LOOP}
@@ -115,7 +115,7 @@ def test_kill_9_mid_run_records_each_stopped_loop_once(runs):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     written = [r for r in records(rd.root) if r.status != PARTIAL]
     assert sorted(r.id for r in written) == sorted(expected)  # each id once: no loop recorded twice
     got = {r.id: r for r in written}
@@ -172,7 +172,7 @@ def test_no_loop_is_seen_in_the_demo_outputs_at_any_segment_end(tmp_path):
     for loop_stop in (False, True):
         rd, plan = prepared_run(_demo_job(tmp_path / str(loop_stop), loop_stop))
         for k in range(len(plan.shards)):
-            assert run_shard(rd.root, k) == DONE
+            assert run_shard(rd.root, k).end == DONE
         got[loop_stop] = {r.id: r for k in range(len(plan.shards))
                           for r in read_shard(rd.root / "shards" / f"{k:05d}.zst")}
     ref, seg = got[False], got[True]
@@ -221,7 +221,7 @@ def test_a_stop_mid_segment_keeps_partial_outputs_and_the_resume_ends_as_an_unin
         assert proc.wait(60) == 3
         partial += read_progress(rd.progress_file(0)).partial_saved
     assert partial >= 2
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
     assert got.keys() == expected.keys() and not any(r.status == PARTIAL for r in got.values())
     assert sorted(r.id for r in records(rd.root) if r.status != PARTIAL) == sorted(expected)

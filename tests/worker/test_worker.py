@@ -71,7 +71,7 @@ def kimi(toy_tokenizer):
 def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=10, sampling={"max_new_tokens": 200})
     rd, plan = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     recs = records(rd.root)
     assert sorted(r.id for r in recs) == [f"p{i:04d}" for i in range(10)]
     stub, url = start_stub(kimi)
@@ -98,7 +98,7 @@ def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
     longest common prefix with an earlier prompt (all share the chat template's opening), at most all but one."""
     job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 32}, client={"concurrency": 1})
     rd, plan = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     recs = sorted(records(rd.root), key=lambda r: r.index)
     from toolkit.job import chat
 
@@ -122,7 +122,7 @@ def test_reasoning_split_per_template_family(tmp_path, toy_tokenizer, family):
     tok_dir = toy_tokenizer(family)
     job = make_job(tmp_path, tok_dir, n=16, sampling={"max_new_tokens": 400})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     spec = load_spec(job)
     tok = chat.load_tokenizer(spec.model)
     info = chat.token_info(tok, spec.model)
@@ -164,7 +164,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
                       sampling={"max_new_tokens": 300, "sampling_seed": 7},
                       sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
         ref_rd, _ = prepared_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
-        assert run_shard(ref_rd.root, 0) == DONE
+        assert run_shard(ref_rd.root, 0).end == DONE
         expected = {r.id: comparable(r) for r in records(ref_rd.root)}
         assert len(expected) == n
 
@@ -184,7 +184,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
                 progress_seen.append(sum(1 for _ in read_shard(rd.shard_file(0))))
         if kills < 20:  # the shard finished before 20 kills: restart from scratch to get the rest of the kills in
             pytest.fail(f"only {kills} kills landed before the shard completed; slow the stub down")
-        assert run_shard(rd.root, 0) == DONE
+        assert run_shard(rd.root, 0).end == DONE
         got = records(rd.root)
         assert len(got) == n and len({r.id for r in got}) == n
         assert {r.id: comparable(r) for r in got} == expected
@@ -202,7 +202,7 @@ def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kim
                    sampling={"max_new_tokens": 16}, client={"concurrency": 4},
                    sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert len(records(rd.root)) == 1500
     line = next(x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x)
     peak = int(line.split("at most ")[1].split()[0])
@@ -234,7 +234,7 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
 def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=24, stub={"crash_after": 10}, engine={"max_restarts": 3})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = records(rd.root)
     assert sorted(r.id for r in got) == [f"p{i:04d}" for i in range(24)]
     assert all(r.status == "ok" for r in got)
@@ -282,7 +282,7 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
                    client={"concurrency": 2, "request_timeout_s": 1, "retries": 1, "max_tries": 1})
     rd, _ = prepared_run(job)
     t0 = time.monotonic()
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert time.monotonic() - t0 < 60
     recs = records(rd.root)
     ok = [r for r in recs if r.status == "ok"]
@@ -294,15 +294,15 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
     assert "toolkit retry" in rd.log_file(0).read_text()
 
     fix_engine(rd, hang_after=None)
-    assert run_shard(rd.root, 0) == DONE and len(records(rd.root)) == 6  # final for this run: nothing tried again
+    assert run_shard(rd.root, 0).end == DONE and len(records(rd.root)) == 6  # final for this run: nothing tried again
     request_retry(rd.root)  # a fresh count of tries
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert {r.status for r in newest(rd.root).values()} == {"ok"} and len(records(rd.root)) == 10  # appended
     done = read_done(rd.done_file(0))
     assert (done.records, done.failed, done.transient, done.superseded) == (6, 0, 0, 4)
     m = merge_run(rd.root)
     assert (m.ok, m.failed, m.missing, m.duplicates) == (6, 0, 0, 4) and m.complete
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert "nothing to do" in rd.log_file(0).read_text().splitlines()[-1]
 
 
@@ -315,7 +315,7 @@ def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeou
                    client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
     rd, _ = prepared_run(job)
     t0 = time.monotonic()
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert time.monotonic() - t0 < 120
     got = records(rd.root)
     assert len(got) == 20 and len({r.id for r in got}) == 20 and {r.status for r in got} == {"ok"}
@@ -367,7 +367,7 @@ def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
 def test_5xx_bursts_are_retried(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = records(rd.root)
     assert len(got) == 12 and all(r.status == "ok" for r in got)
     assert sum(r.attempts for r in got) == 12 + 5
@@ -381,7 +381,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:12"},
                    client={"retries": 1, "concurrency": 2, "max_tries": 1})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     failed = [r for r in records(rd.root) if r.status == "failed"]
     assert len(failed) >= 5 and {r.failure for r in failed} == {"server_error"}
     assert all("HTTP 503" in r.error for r in failed)
@@ -420,7 +420,7 @@ def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
 
     job = make_job(tmp_path, kimi, n=12, stub={"nan_every": 4}, client={"concurrency": 1})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     nan = [r for r in records(rd.root) if r.matched_stop == "NaN happened"]
     assert len(nan) == 4  # requests 4, 8, 12, 16 (the probe is request 1; each NaN prompt is request n + 1 again)
     assert all(r.status == "failed" and r.failure == "nan" and r.finish == "stop" for r in nan)
@@ -446,14 +446,14 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
     job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, client={"concurrency": 1},
                    sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     before = {r.id: comparable(r) for r in records(rd.root)}
     frames = list(iter_frames(rd.shard_file(0)))
     data = bytearray(rd.shard_file(0).read_bytes())
     data[frames[1].offset + (16 if damage == "count" else 40)] ^= 0x01
     rd.shard_file(0).write_bytes(bytes(data))
 
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     log = rd.log_file(0).read_text()
     assert "changed after the shard finished" in log and "damaged frames at byte" in log
     assert "3 to generate" in log
@@ -473,13 +473,13 @@ def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, fiel
 
     job = make_job(tmp_path, kimi, n=9, sampling={"max_new_tokens": 64}, client={"concurrency": 1})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     before = {r.id: comparable(r) for r in records(rd.root)}
     data = bytearray(rd.shard_file(0).read_bytes())
     data[at] = {"format": 253, "fingerprint": 0xE9, "shard": 7}.get(field, ord("0") if data[at] != ord("0") else ord("1"))
     rd.shard_file(0).write_bytes(bytes(data))
 
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     log = rd.log_file(0).read_text()
     assert "changed after the shard finished" in log and "at byte 0 (damaged header" in log
     assert "all have a record; nothing to generate" in log
@@ -498,7 +498,7 @@ def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_ru
 
     job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64})
     rd, _ = prepared_run(job)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     root = str(rd.root)
     if which == "retry":
         rd.done_file(0).unlink()  # as `toolkit retry --ids` leaves it
@@ -523,7 +523,7 @@ def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     with pytest.raises(PreflightError, match="3 prompts .* do not fit the context length 1,024"):
         prepared_run(job)  # the pre-flight refuses them; past it (a server with a shorter context), the worker records them
     rd, _ = prepared_run(job, check_tokenizer=False)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = {r.id: r for r in records(rd.root)}
     failed = sorted(i for i, r in got.items() if r.status == "failed")
     assert failed == ["p0003", "p0007", "p0011"]
@@ -546,7 +546,7 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
     p = read_progress(rd.progress_file(0))
     assert p.state == "stopped" and 3 <= p.done < 30
     assert not rd.done_file(0).exists()
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)  # the requests in flight at the stop left partial records, superseded since
     assert len(got) == 30 and all(r.status == "ok" for r in got.values())
 

@@ -47,7 +47,7 @@ def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp
     assert read_progress(rd.progress_file(0)).state == "failed"
     kept = len(list(read_shard(rd.shard_file(0))))
     monkeypatch.setattr(sf.os, "write", real)
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     assert sorted(r.id for r in read_shard(rd.shard_file(0))) == [f"p{i:04d}" for i in range(12)] and kept > 0
 
 

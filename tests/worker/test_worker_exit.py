@@ -32,7 +32,7 @@ _DRIVER = textwrap.dedent("""
     for k in range(n):
         result = run_shard(run, k)
         extra = [t.name for t in threading.enumerate() if t.ident not in baseline and t.is_alive()]
-        out.append({"shard": k, "result": result, "threads_left": extra})
+        out.append({"shard": k, "result": result.end.value, "threads_left": extra})
     print(json.dumps(out))
 """)
 
@@ -147,14 +147,14 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
         rd, _ = prepared_run(job)
         deaf = textwrap.dedent("""
             import asyncio, sys
-            from toolkit.worker import run as worker
-            async def deaf_watch_load(sh, engine):
+            from toolkit.worker import run as worker, session
+            async def deaf_watch_load(batch, engine):
                 while True:
                     try:
                         await asyncio.sleep(0.05)
                     except asyncio.CancelledError:
                         pass
-            worker.watch_load = deaf_watch_load
+            session.watch_load = deaf_watch_load
             worker.run_shard(sys.argv[1], 0)
         """)
         t0 = time.monotonic()
@@ -174,7 +174,7 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
     recs = list(read_shard(rd.shard_file(0)))
     assert [x.status for x in recs] == ["ok"], "the record answered before the hang was flushed"
     assert read_done(rd.done_file(0)) is None  # not complete: the next run finds the record and finishes at once
-    assert run_shard_again(rd) == "done"
+    assert run_shard_again(rd).end == "done"
 
 
 def run_shard_again(rd) -> str:

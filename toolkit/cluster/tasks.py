@@ -39,7 +39,7 @@ class ShardTask:
         submitit_handler = signal.getsignal(signal.SIGUSR2)
         result = run_shard(self.run_dir, shard)  # raises ShardFailed: the task fails, Slurm shows FAILED
         _requeue_if_stopped(result.stop_signal, submitit_handler)
-        return str(result)
+        return result.end.value
 
     def checkpoint(self, shard: int):
         import submitit

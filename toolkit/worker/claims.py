@@ -1,36 +1,51 @@
-"""A worker that claims shards: one engine, started once, serving shard after shard of a pool until none is left.
+"""A worker that claims shards: one engine, started once, serving the shards of a pool until none is
+left.
 
-The unit of work is the shard (resume, exactly-once, status); the unit of allocation is the worker (a Slurm array
-task, or one of `toolkit run`'s workers). A worker starts its engine for the first shard it claims and keeps it
-running: it then claims the next unfinished shard nobody holds (worker.policy.pick chooses which), until none is
-left, and exits. To claim a shard is to take its file's lock (formats.locks): a second worker is refused it, and a
-worker that dies (kill -9, a node lost, a requeue) releases it with its process, so the shard is claimed again by
-whichever worker is free next, and resumed from what its file holds.
+The unit of work is the shard (resume, exactly-once, status); the unit of allocation is the worker
+(a Slurm array task, or one of `toolkit run`'s workers). A worker starts its engine for the first
+shard it claims and keeps it running: as soon as the shards it holds have nothing left to send and
+its engine has room (worker.policy.opens_next), it claims the next unfinished shard nobody holds
+(worker.policy.pick chooses which) and sends its prompts while the previous shards' last requests
+finish (worker.session), until none is left, and exits. To claim a shard is to take its file's lock
+(formats.locks): a second worker is refused it, and a worker that dies (kill -9, a node lost, a
+requeue) releases it with its process, so the shard is claimed again by whichever worker is free
+next, and resumed from what its file holds.
 
-A shard that fails in a worker is not claimed again by the workers of the same group (one Slurm array job, or one
-`toolkit run`): it waits for `toolkit resubmit` or the next `toolkit run`, as a failed one-shard task did. A stop
-signal (time limit, preemption, Ctrl-C) stops the shard being run and the worker after it; the requeued task claims
-again.
+A shard that fails in a worker is not claimed again by the workers of the same group (one Slurm
+array job, or one `toolkit run`): it waits for `toolkit resubmit` or the next `toolkit run`, as a
+failed one-shard task did. A stop signal (time limit, preemption, Ctrl-C) stops every shard open in
+the worker (what is in flight saved) and the worker after them; the requeued task claims again.
 
-The claim loop ends: each turn either finishes a shard (never claimed again by this worker: a shard run ends with
-no failure that may pass left, each tried at most [client] max_tries times, see worker.inflight), fails it (not
-claimed again in the group), loses it to another worker (left to it after RACES such races), or stops; so a
-worker claims each shard of its pool at most RACES times.
-"""
+The run's tail: when nothing is left to claim, a task whose engine runs few requests while the
+other tasks have room for them hands them over (`hand_over`, worker.policy.hands_over, decided and
+published under the run's handover lock): its shards stop as at a stop signal, their requests kept
+as partial records, their locks released, and it ends (exit 0); a task with room claims them and
+continues the partials. A task with nothing open waits, bounded (HANDOVER_WAIT_S), for shards a
+leaving task still holds. A task hands over at most once: it ends after.
+
+The claim loop ends: each turn either finishes a shard (never claimed again by this worker: a shard
+run ends with no failure that may pass left, each tried at most [client] max_tries times, see
+worker.inflight), fails it (not claimed again in the group), loses it to another worker (left to it
+after RACES such races), or stops; so a worker claims each shard of its pool at most RACES times."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import time
 
 import msgspec
 
+from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
-from toolkit.job.plan import RunPlan, load_run
-from toolkit.worker.policy import Candidate, pick, start_of
-from toolkit.worker.run import STOPPED, EngineSession, ShardBusy, ShardFailed, ShardRefused, run_shard_in
+from toolkit.job.plan import load_run
+from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
+from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
+from toolkit.worker.session import EngineSession
+from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
 
 __all__ = ["ClaimResult", "candidates", "run_claims", "slurm_group", "slurm_task"]
 
@@ -42,10 +57,13 @@ RACES = 3  # a shard lost this many times to another worker taking it the same m
 class ClaimResult(msgspec.Struct):
     """What one claiming worker did."""
 
-    done: list[int] = []       # shards it finished (or found finished)
-    failed: list[int] = []     # shards that failed in it
-    busy: list[int] = []       # unfinished shards other workers held when it found nothing left to claim
+    done: list[int] = []  # shards it finished (or found finished)
+    failed: list[int] = []  # shards that failed in it
+    busy: list[int] = []  # unfinished shards other workers held when it found nothing left to claim
     stopped: str | None = None  # the signal that stopped it (None: it ran out of shards, or failed)
+    # shards it handed over at the run's tail (their requests kept as partials)
+    handed_over: list[int] = []
+    requests_handed: int = 0  # requests in flight it handed over
     engine_starts: int = 0
 
 
@@ -63,12 +81,19 @@ def slurm_group() -> str | None:
     return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
 
 
-def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], group: str | None,
-               recheck: set[int] = frozenset()) -> list[Candidate]:
-    """The shards of `pool` a free worker may claim: unfinished (no done manifest, or failures that may pass, or
-    ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer matches), not held by
-    another worker right now, not failed in this group, not in `skip`; each with the prompts it has left, as its
-    progress file says."""
+def candidates(
+    rd: RunDir,
+    plan: RunPlan,
+    pool: list[int],
+    *,
+    skip: set[int],
+    group: str | None,
+    recheck: set[int] = frozenset(),
+) -> list[Candidate]:
+    """The shards of `pool` a free worker may claim: unfinished (no done manifest, or failures that
+    may pass, or ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer
+    matches), not held by another worker right now, not failed in this group, not in `skip`; each
+    with the prompts it has left, as its progress file says."""
     out = []
     for k in pool:
         if k in skip:
@@ -78,81 +103,260 @@ def candidates(rd: RunDir, plan: RunPlan, pool: list[int], *, skip: set[int], gr
             continue
         p = st.progress
         total = plan.shards[k].count
-        out.append(Candidate(k, max(0, total - (p.done if p is not None and p.state != "done" else 0))))
+        out.append(
+            Candidate(k, max(0, total - (p.done if p is not None and p.state != "done" else 0)))
+        )
     return out
 
 
 def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
-    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed since (size,
-    sha256). Running them again checks the file, salvages what is intact and generates the rest (worker.run)."""
-    return {k for k in pool
-            if shard_state(rd, k, fingerprint=plan.fingerprint, verify=True).state is ShardState.UNTRUSTED}
+    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed
+    since (size, sha256). Running them again checks the file, salvages what is intact and generates
+    the rest (worker.run)."""
+    return {
+        k
+        for k in pool
+        if shard_state(rd, k, fingerprint=plan.fingerprint, verify=True).state
+        is ShardState.UNTRUSTED
+    }
+
+
+# in the run directory: the tail's decide-and-publish, one task at a time
+HANDOVER_LOCK = "handover.lock"
+# a task with nothing open waits this long for shards another task hands over
+HANDOVER_WAIT_S = 90.0
+
+
+def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
+    """The other live tasks at the run's tail, as the progress files of the shards they hold say:
+    requests running, requests kept in flight, leaving or not (a task holding several shards counts
+    once)."""
+    out: dict[str, Tail] = {}
+    for k in pool:
+        st = shard_state(rd, k, held=True, progress=True)
+        p = st.progress
+        if (
+            st.state is not ShardState.HELD
+            or p is None
+            or p.task in (None, me)
+            or p.state not in ("loading", "generating")
+        ):
+            continue
+        was = out.get(p.task)
+        out[p.task] = Tail(
+            p.task,
+            max(p.running or 0, was.running if was else 0),
+            max(p.in_flight_target or 0, was.target if was else 0),
+            p.leaving or (was.leaving if was else False),
+        )
+    return list(out.values())
+
+
+def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
+    """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
+    (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
+    leave for each other. False when the lock stays taken (the next look decides)."""
+    with open(rd.root / HANDOVER_LOCK, "a+b") as f:
+        deadline = time.monotonic() + 2.0
+        while True:  # bounded: the lock is held for a read of the progress files
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+        try:
+            if not hands_over(
+                Tail(me, batch.in_flight, batch.target), tails(rd, pool, me), claimable=0
+            ):
+                return False
+            for sh in batch.shards:
+                sh.progress.leaving = True
+                sh.save_progress()
+            return True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _being_handed_over(rd: RunDir, pool: list[int], me: str) -> bool:
+    """Some shard of the pool is held by a task that is leaving: it is claimable once that task lets
+    go."""
+    return any(
+        st.state is ShardState.HELD and st.progress is not None and st.progress.leaving
+        for st in (shard_state(rd, k, held=True, progress=True) for k in pool)
+    )
 
 
 def _busy(rd: RunDir, pool: list[int]) -> list[int]:
     return [k for k in pool if shard_state(rd, k, held=True).busy]
 
 
-def run_claims(run_dir: str | os.PathLike, pool: list[int], *, worker: int = 0, workers: int = 1,
-               task: str | None = None, group: str | None = None, keep_going: bool = True,
-               verify: bool = True) -> ClaimResult:
-    """Claim shards of `pool` one after another with one engine, until none is left or a signal stops it.
-    Worker `worker` of `workers` starts at its own place in the pool (worker.policy.start_of). With `keep_going`
-    a failed shard does not end the worker (it claims the next); without, the first failure ends it (raised).
-    With `verify`, done manifests are first checked against their files (`untrusted`: read once, at the start)."""
-    return asyncio.run(_claims(run_dir, pool, worker=worker, workers=workers, task=task, group=group,
-                               keep_going=keep_going, verify=verify))
+def run_claims(
+    run_dir: str | os.PathLike,
+    pool: list[int],
+    *,
+    worker: int = 0,
+    workers: int = 1,
+    task: str | None = None,
+    group: str | None = None,
+    keep_going: bool = True,
+    verify: bool = True,
+) -> ClaimResult:
+    """Claim shards of `pool` with one engine, until none is left or a signal stops it: the next
+    shard is claimed as soon as the open ones have nothing left to send (worker.session), so several
+    may be open at once. Worker `worker` of `workers` starts at its own place in the pool
+    (worker.policy.start_of). With `keep_going` a failed shard does not end the worker (it claims
+    the next); without, the first failure ends it (raised, once the other open shards have stopped).
+    With `verify`, done manifests are first checked against their files (`untrusted`: read once, at
+    the start)."""
+    return asyncio.run(
+        _claims(
+            run_dir,
+            pool,
+            worker=worker,
+            workers=workers,
+            task=task,
+            group=group,
+            keep_going=keep_going,
+            verify=verify,
+        )
+    )
 
 
-async def _claims(run_dir, pool: list[int], *, worker: int, workers: int, task: str | None, group: str | None,
-                  keep_going: bool, verify: bool) -> ClaimResult:
+async def _claims(
+    run_dir,
+    pool: list[int],
+    *,
+    worker: int,
+    workers: int,
+    task: str | None,
+    group: str | None,
+    keep_going: bool,
+    verify: bool,
+) -> ClaimResult:
     rd, plan = load_run(run_dir)
     recheck = untrusted(rd, plan, pool) if verify else set()
-    session = EngineSession(keep=True, task=task, group=group)
-    loop = asyncio.get_running_loop()
-    session.install_signals(loop)
+    session = EngineSession(plan.spec, task=task, group=group)
+    session.begin(task or "worker")
     start = start_of(worker, workers, pool)
     result = ClaimResult()
     skip: set[int] = set()
     races: dict[int, int] = {}
-    last = pool[start] if pool else 0
-    try:
+    who = task or "worker"
+
+    def ended(sh, out) -> None:
+        said(sh.shard, out)
+
+    def said(k: int, out) -> None:
+        if isinstance(out, SHARD_ERRORS):
+            result.failed.append(k)
+            if not keep_going:
+                session.halt(out)
+        elif out.end == STOPPED and session.leaving and out.stop_signal is None:
+            result.handed_over.append(k)
+        elif out.end == STOPPED:
+            result.stopped = result.stopped or out.stop_signal or session.stop_signal or "stop"
+        else:
+            # done here: this worker has nothing more to give it (its failures that may
+            result.done.append(k)
+            # pass are final)
+
+    async def claim_next():
+        """The next shard claimed and opened, or None when none is left (or the worker stops)."""
         while not session.stop.is_set():
-            k = pick(candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start)
+            k = pick(
+                candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start
+            )
+            if (
+                k is None
+                and not session.batch.shards
+                and time.monotonic() < handed_until[0]
+                and _being_handed_over(rd, pool, who)
+            ):
+                # a task leaving releases its shards once its requests are back
+                await asyncio.sleep(0.5)
+                continue
             if k is None:
-                break
-            last = k
-            log.info("%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
-                     task or "worker", k, len(session.served) + 1, session.starts)
+                return None
+            with shard_lines(k):
+                log.info(
+                    "%s claims shard %d (its shard %d in this task; engine started %d time(s) so "
+                    "far)",
+                    who,
+                    k,
+                    len(session.served) + 1,
+                    session.starts,
+                )
             recheck.discard(k)
             try:
-                out = await run_shard_in(run_dir, k, session)
+                opened = open_shard(rd, plan, k, session)
             except ShardBusy:  # another worker took it the moment before
                 races[k] = races.get(k, 0) + 1
                 if races[k] >= RACES:
                     skip.add(k)
                 continue
-            except (ShardFailed, ShardRefused):
-                result.failed.append(k)
+            except SHARD_ERRORS as e:
                 skip.add(k)
+                said(k, e)
                 if not keep_going:
-                    raise
+                    return None
                 continue
-            if out == STOPPED:
-                result.stopped = out.stop_signal or session.stop_signal or "stop"
+            skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
+            if isinstance(opened, ShardEnd):
+                said(k, opened)
+                continue
+            return opened
+        return None
+
+    # how long a task with nothing open waits for shards being handed over
+    handed_until = [float("inf")]
+
+    def tail_check(batch) -> bool:
+        # what is in flight would be generated again: not worth it
+        if not plan.spec.client.save_in_flight:
+            return False
+        handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
+        return hand_over(rd, pool, who, batch)
+
+    session.handover = tail_check
+    handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
+    try:
+        while not session.stop.is_set():
+            first = await claim_next()
+            if first is None:
                 break
-            result.done.append(k)
-            skip.add(k)  # done here: this worker has nothing more to give it (its failures that may pass are final)
-        if session.stop.is_set() and result.stopped is None:
+            await session.serve(first, claim_next, ended)
+        if session.halted is not None:
+            raise session.halted
+        if session.leaving:
+            result.requests_handed = session.handed[0]
+            log.warning(
+                "%s handed over %d requests of shards %s at the run's tail (kept as partial "
+                "outputs, "
+                "continued by the task that claims them) and ends",
+                who,
+                result.requests_handed,
+                result.handed_over,
+            )
+        if session.stop.is_set() and result.stopped is None and not session.leaving:
             result.stopped = session.stop_signal or "stop"
         result.busy = _busy(rd, pool) if result.stopped is None else []
     finally:
         result.engine_starts = session.starts
         try:
-            await session.close(plan.spec, last)
+            await session.close()
         finally:
-            session.remove_signals(loop)
-            log.info("%s ends: %d shard(s) done, %d failed, engine started %d time(s)%s", task or "worker",
-                     len(result.done), len(result.failed), session.starts,
-                     f"; stopped by {result.stopped}" if result.stopped else "")
+            session.end()
+            log.info(
+                "%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d "
+                "shard(s) "
+                "open at once%s",
+                who,
+                len(result.done),
+                len(result.failed),
+                session.starts,
+                session.most_open,
+                f"; stopped by {result.stopped}" if result.stopped else "",
+            )
     return result

@@ -1,7 +1,8 @@
-"""How many requests to keep in flight and whether the engine still answers: the target for concurrency "auto"
-from the server's load (/v1/loads) and capacity (/server_info), the pool of request slots that follows it, and the
-watch that flushes due batches, refreshes progress, hands freed memory back and notices an engine that died or hung.
-"""
+"""How many requests to keep in flight and whether the engine still answers: one `Batch` per engine
+(the requests kept in flight across every shard it serves), its target for concurrency "auto" from
+the server's load (/v1/loads) and capacity (/server_info), each open shard's pool of request slots
+within it, and the watch that flushes due batches, refreshes progress, hands freed memory back and
+notices an engine that died or hung."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from toolkit.formats.progress import REFRESH_S
 from toolkit.worker.exitguard import cancel_and_wait
 from toolkit.worker.feed import Feed
 from toolkit.worker.inflight import consume
-from toolkit.worker.shard import AUTO_START, Shard, health_timeout
+from toolkit.worker.shard import AUTO_START, Batch, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -25,9 +26,10 @@ TRIM_S = 5.0           # how often the memory the worker freed is handed back to
 
 
 def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts and the answers
-    churn through malloc's arenas (from the render thread, the tokenizer's threads and the event loop); what they
-    free stays there, a few MB more as the shard goes on, unless it is handed back."""
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS). The rendered prompts
+    and the answers churn through malloc's arenas (from the render thread, the tokenizer's threads
+    and the event loop); what they free stays there, a few MB more as the shard goes on, unless it
+    is handed back."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -40,9 +42,10 @@ _TRIM = _malloc_trim()
 
 
 class HangWatch:
-    """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was answered for
-    `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked, with a bounded timeout, on a
-    connection of its own; when it fails too, the engine is treated as dead."""
+    """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was
+    answered for `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked,
+    with a bounded timeout, on a connection of its own; when it fails too, the engine is treated as
+    dead."""
 
     def __init__(self, engine, hang_timeout_s: float):
         self.engine, self.hang_timeout_s = engine, hang_timeout_s
@@ -50,111 +53,122 @@ class HangWatch:
         self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         self.next_probe = 0.0
 
-    async def check(self, sh: Shard) -> None:
+    async def check(self, batch: Batch) -> None:
         now = time.monotonic()
-        stall = now - sh.last_answer
-        if not sh.in_flight or stall < self.hang_timeout_s or now < self.next_probe:
+        stall = now - batch.last_answer
+        n = batch.in_flight
+        if not n or stall < self.hang_timeout_s or now < self.next_probe:
             return
         why = await health_generate(self.http, timeout=self.probe_timeout_s)
         if why is None:  # generating, only slowly (long outputs): look again later
-            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers 200", stall, sh.in_flight)
+            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers "
+                     "200",
+                     stall, n)
             self.next_probe = time.monotonic() + self.hang_timeout_s
             return
-        raise EngineHung(f"engine hung: no request answered for {stall:.0f} s with {sh.in_flight} in flight, and "
-                          f"/health_generate {why} (limit engine.hang_timeout_s = {self.hang_timeout_s:g})")
+        raise EngineHung(f"engine hung: no request answered for {stall:.0f} s with {n} in flight, "
+                         f"and "
+                         f"/health_generate {why} (limit engine.hang_timeout_s = "
+                         f"{self.hang_timeout_s:g})")
 
     def close(self) -> None:
         self.http.close()
 
 
-async def watch(sh: Shard, engine, hang: HangWatch) -> None:
-    """Flush due batches, refresh progress, hand freed memory back to the OS, and notice an engine that died or
-    hung."""
+async def watch(batch: Batch, engine, hang: HangWatch) -> None:
+    """Flush the open shards' due batches, refresh their progress, hand freed memory back to the OS,
+    and notice an engine that died or hung."""
     last = trimmed = time.monotonic()
     while True:
         await asyncio.sleep(0.25)
-        if sh.writer.due():
-            sh.writer.flush()
+        for sh in batch.shards:
+            if sh.writer.due():
+                sh.writer.flush()
         now = time.monotonic()
         if now - last > REFRESH_S:
             last = now
-            sh.save_progress()
+            for sh in batch.shards:
+                sh.save_progress()
         if _TRIM is not None and now - trimmed > TRIM_S:
             trimmed = now
             _TRIM(0)
         if not engine.alive():
             raise EngineDied(f"engine exited with code {engine.exit_code()}")
-        await hang.check(sh)
+        await hang.check(batch)
 
 
 def auto_target(capacity: int, running: int, waiting: int, cap: int) -> int:
-    """Requests to keep in flight for concurrency "auto": what the server can run, plus a small waiting queue
-    so a finished request is replaced at once (margin: an eighth of the capacity, at least 2). When requests
-    wait although fewer than `capacity` run, the server runs what its KV cache holds: `running` is its capacity
-    then."""
+    """Requests to keep in flight for concurrency "auto": what the server can run, plus a small
+    waiting queue so a finished request is replaced at once (margin: an eighth of the capacity, at
+    least 2). When requests wait although fewer than `capacity` run, the server runs what its KV
+    cache holds: `running` is its capacity then."""
     if capacity <= 0:
         return min(cap, AUTO_START)
     base = running if waiting > 0 and 0 < running < capacity else capacity
     return max(1, min(cap, base + max(2, capacity // 8)))
 
 
-async def watch_load(sh: Shard, engine) -> None:
-    """Read the server's load (/v1/loads) into the progress file; with concurrency "auto", resize the requests
-    in flight from it. Without /v1/loads (older servers), only /server_info's capacity is used."""
-    c = sh.spec.client
+async def watch_load(batch: Batch, engine) -> None:
+    """Read the server's load (/v1/loads) into the open shards' progress files; with concurrency
+    "auto", resize the requests in flight from it. Without /v1/loads (older servers), only
+    /server_info's capacity is used."""
+    c = batch.client
     auto, cap = c.concurrency == "auto", c.max_concurrency
     http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
-    p = sh.progress
-    capacity = p.capacity or 0
     try:
         while True:
             load = await read_load(http)
             if load is not None:
-                p.running, p.queued, p.kv_usage = load.running, load.waiting, round(load.token_usage, 4)
-                capacity = load.capacity or capacity
-                p.capacity = capacity or None
+                batch.capacity = load.capacity or batch.capacity
                 if auto:
-                    resize(sh, auto_target(capacity, load.running, load.waiting, cap))
-            p.in_flight_target = sh.target
+                    resize(batch, auto_target(batch.capacity, load.running, load.waiting, cap))
+            for sh in batch.shards:
+                p = sh.progress
+                if load is not None:
+                    p.running, p.queued = load.running, load.waiting
+                    p.kv_usage = round(load.token_usage, 4)
+                    p.capacity = batch.capacity or None
+                p.in_flight_target = batch.target
             await asyncio.sleep(LOAD_POLL_S)
     finally:
         http.close()
 
 
-def resize(sh: Shard, target: int) -> None:
-    if target != sh.target:
-        log.info("requests in flight: %d -> %d (concurrency auto)", sh.target, target)
-        sh.target = target
-        if sh.resized is not None:
-            sh.resized.set()
+def resize(batch: Batch, target: int) -> None:
+    if target != batch.target:
+        log.info("requests in flight: %d -> %d (concurrency auto)", batch.target, target)
+        batch.target = target
+        batch.notify()
 
 
 async def pool(sh: Shard, feed: Feed, engine, info) -> None:
-    """Keep `sh.target` consumers (one request each) running; a consumer leaves when there are more than the
-    target, more start when it grows. Returns when the last one is done (prompts all sent, or stopping)."""
-    sh.resized = asyncio.Event()
+    """Run consumers (one request each) for shard `sh` while its engine's batch has room
+    (`Batch.target` across every open shard); a consumer leaves when the batch holds more than its
+    target, more start when it has room again. Returns when the shard's last consumer is done (its
+    prompts all sent and answered, or stopping)."""
+    batch = sh.batch
     tasks: set[asyncio.Task] = set()
 
     async def consumer() -> None:
         try:
             await consume(sh, feed, engine, info)
         finally:
-            sh.live -= 1
+            batch.live -= 1
+            batch.notify()
 
-    resized: asyncio.Future | None = None
+    room: asyncio.Future | None = None
     try:
         while True:
-            while sh.live < sh.target and not sh.stopping and not (feed.finished and not feed.items and not feed.redo):
-                sh.live += 1
+            while batch.live < batch.target and not sh.stopping and feed.unsent():
+                batch.live += 1
                 tasks.add(asyncio.ensure_future(consumer()))
-            if not tasks:
+            if not tasks and (sh.stopping or not feed.unsent()):
                 return
-            sh.resized.clear()
-            resized = asyncio.ensure_future(sh.resized.wait())
-            done, _ = await asyncio.wait([*tasks, resized], return_when=asyncio.FIRST_COMPLETED)
-            resized.cancel()
-            for t in done - {resized}:
+            room = batch.changed()
+            done, _ = await asyncio.wait([*tasks, room], return_when=asyncio.FIRST_COMPLETED)
+            room.cancel()
+            for t in done - {room}:
                 tasks.discard(t)
                 t.result()
-    finally:  # cancelled while it waits (the engine died), the watcher of resizes ends with the consumers
-        await cancel_and_wait([*tasks, *([resized] if resized is not None else [])])
+    finally:  # cancelled while it waits (the engine died): its consumers end with it
+        await cancel_and_wait([*tasks, *([room] if room is not None else [])])

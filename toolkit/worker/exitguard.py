@@ -1,14 +1,14 @@
-"""The bound on a worker's end: once a shard's work is over, the process ends within a bounded time, whatever its
-event loop and tasks do.
+"""The bound on a worker's end: once its work is over, the process ends within a bounded time,
+whatever its event loop and tasks do.
 
-A shard's work is over when every prompt sent has been answered, when a stop signal came, or when the shard
-failed. From then on the worker only has to stop its tasks, flush its file and stop the engine; a task that does not
-end (a cancel swallowed, a call that never returns) would otherwise hold the node, and its GPUs, until the job's time
-limit, deaf to SIGTERM and SIGINT. `ExitGuard` is a thread of its own, outside the event loop: armed with a bound
-when the work is over and disarmed when the shard's event loop has returned, it ends the process if the bound passes
-first — after logging which tasks did not finish and where they wait, flushing the records not yet written and
-killing the engine — with exit code EXIT_STUCK.
-"""
+The work of an engine session (worker.session) is over when every prompt of the shards it served has
+been answered, or when a stop signal came. From then on the worker only has to stop its tasks, flush
+its files and stop the engine; a task that does not end (a cancel swallowed, a call that never
+returns) would otherwise hold the node, and its GPUs, until the job's time limit, deaf to SIGTERM
+and SIGINT. `ExitGuard` is a thread of its own, outside the event loop: armed (by the session, in
+one place) with a bound when the work is over and disarmed when the session has ended, it ends the
+process if the bound passes first — after logging which tasks did not finish and where they wait,
+flushing the records not yet written and killing the engine — with exit code EXIT_STUCK."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 
 def describe_tasks(tasks) -> str:
-    """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is doing."""
+    """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is
+    doing."""
     out = []
     for t in tasks:
         coro = t.get_coro()
@@ -50,15 +51,19 @@ def _cancelling(t: asyncio.Task) -> bool:
 
 
 class ExitGuard:
-    """Ends the process when the work of a shard is over and its event loop has not returned within a bound.
+    """Ends the process when the work of a shard is over and its event loop has not returned within
+    a bound.
 
-    `arm(seconds, why)` starts the clock (a later arm with an earlier deadline brings it forward; never later);
-    `disarm()` stops it. `before_exit` callbacks (flush what is buffered, kill the engine) run in the guard's thread,
-    each bounded by what it does itself, before `os._exit(EXIT_STUCK)`.
-    """
+    `arm(seconds, why)` starts the clock (a later arm with an earlier deadline brings it forward;
+    never later); `disarm()` stops it. `before_exit` callbacks (flush what is buffered, kill the
+    engine) run in the guard's thread, each bounded by what it does itself, before
+    `os._exit(EXIT_STUCK)`."""
 
-    def __init__(self, shard: int, loop: asyncio.AbstractEventLoop, *, exit: Callable[[int], None] = os._exit):
-        self.shard, self.loop = shard, loop
+    def __init__(self, name: int | str, loop: asyncio.AbstractEventLoop, *,
+                 exit: Callable[[int], None] = os._exit):
+        # whose end it bounds, in its lines
+        self.name = f"shard {name}" if isinstance(name, int) else name
+        self.loop = loop
         self.before_exit: list[Callable[[], None]] = []
         self._exit = exit
         self._deadline: float | None = None
@@ -79,7 +84,7 @@ class ExitGuard:
             self._deadline, self._why, self._armed_at = deadline, why, time.monotonic()
             self._cond.notify_all()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name=f"exit-guard-{self.shard}", daemon=True)
+                self._thread = threading.Thread(target=self._watch, name="exit-guard", daemon=True)
                 self._thread.start()
 
     def disarm(self) -> None:
@@ -108,15 +113,16 @@ class ExitGuard:
         except RuntimeError as e:  # the loop's task set changed too often while it was read
             tasks = f"(could not list them: {e})"
         where = _thread_stack(self.loop)
-        log.error("shard %d: the worker has not ended %.0f s after %s; still running: %s%s. Ending the process "
-                  "(exit %d): the engine is killed; what was written is kept, and the shard resumes from it when run "
-                  "again", self.shard, waited, why, tasks, f"; the event loop's thread is at {where}" if where else "",
-                  EXIT_STUCK)
+        at = f"; the event loop's thread is at {where}" if where else ""
+        log.error("%s: the worker has not ended %.0f s after %s; still running: %s%s. Ending the "
+                  "process (exit %d): the engine is killed; what was written is kept, and the "
+                  "shard resumes from it when run again",
+                  self.name, waited, why, tasks, at, EXIT_STUCK)
         for step in self.before_exit:
             try:
                 step()
             except Exception as e:  # each step is best effort: the process ends whatever happens
-                log.error("shard %d: before ending the process, %s failed: %s", self.shard,
+                log.error("%s: before ending the process, %s failed: %s", self.name,
                           getattr(step, "__name__", step), e)
         for h in logging.getLogger("toolkit").handlers:
             try:
@@ -140,8 +146,9 @@ CANCEL_WAIT_S = 10.0  # how long cancelled tasks may take to end before they are
 
 
 async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
-    """Cancel `tasks` and wait until they end, at most `timeout_s`: a task that does not end when cancelled (a
-    swallowed cancel) is logged, with where it waits, and left behind instead of blocking its caller forever."""
+    """Cancel `tasks` and wait until they end, at most `timeout_s`: a task that does not end when
+    cancelled (a swallowed cancel) is logged, with where it waits, and left behind instead of
+    blocking its caller forever."""
     tasks = list(tasks)
     for t in tasks:
         t.cancel()

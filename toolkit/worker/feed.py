@@ -115,6 +115,12 @@ class Feed:
             self.first.set_result(None)
         self._event.set()
 
+    def unsent(self) -> int:
+        """Prompts still to hand out (1 while the render thread has not finished: more may come)."""
+        if self.closed:
+            return 0
+        return len(self.items) + len(self.redo) + self.pending + (not self.finished)
+
     def set_probe(self, ids: list[int]) -> None:
         self.probe = ids
 

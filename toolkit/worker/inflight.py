@@ -1,8 +1,8 @@
-"""One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt + output so
-far, `segments` counting the requests that brought output), repetition loops stopped between segments, the partial
-outputs kept at a stop, and the records of what came back. `consume` is one request slot: it takes prompts from the feed until the feed is empty or the
-shard stops.
-"""
+"""One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt +
+output so far, `segments` counting the requests that brought output), repetition loops stopped
+between segments, the partial outputs kept at a stop, and the records of what came back. `consume`
+is one request slot of a shard: it takes prompts from the shard's feed until the feed is empty or
+the shard stops; `save_in_flight` keeps the partial outputs of every open shard at a stop."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from toolkit.formats.records import (
 )
 from toolkit.formats.run import PromptRef
 from toolkit.worker.feed import Feed
-from toolkit.worker.shard import Shard, health_timeout
+from toolkit.worker.shard import Batch, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -51,8 +51,8 @@ ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may 
 
 
 def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
-    """A fresh rid per HTTP attempt (engines/rids: one width, so an abort by rid never takes another request
-    with it; naming the sample asked for)."""
+    """A fresh rid per HTTP attempt (engines/rids: one width, so an abort by rid never takes another
+    request with it; naming the sample asked for)."""
     def make() -> str:
         sh.rid_seq += 1
         rid = make_rid(sh.rid_tag, sh.shard, pos, sample, sh.rid_seq)
@@ -63,7 +63,8 @@ def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
 
 
 def continued_params(params: dict, done: int) -> dict | None:
-    """The sampling_params that go on from `done` tokens already generated (None: the budget is used up)."""
+    """The sampling_params that go on from `done` tokens already generated (None: the budget is used
+    up)."""
     if not done:
         return params
     params = dict(params)
@@ -84,9 +85,10 @@ _PENALTIES = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetitio
 
 
 def segment_tokens(client, params: dict) -> int | None:
-    """The most new tokens one request of these sampling params asks for, so that a repetition loop is looked for
-    between segments ([client] loop_stop, segment_tokens); None: the output is asked for in one request (loop stop
-    off, or params under which a segmented output would not be the same output)."""
+    """The most new tokens one request of these sampling params asks for, so that a repetition loop
+    is looked for between segments ([client] loop_stop, segment_tokens); None: the output is asked
+    for in one request (loop stop off, or params under which a segmented output would not be the
+    same output)."""
     if not client.loop_stop:
         return None
     if any(params.get(k) for k in _UNSEGMENTED):
@@ -97,8 +99,9 @@ def segment_tokens(client, params: dict) -> int | None:
 
 
 class _SentIds:
-    """A continuation's input_ids (prompt + output so far) as JSON text, made of the prompt's encoded once and of each
-    answer's output_ids as the server wrote them: sending prompt + output again costs a join, not an encode."""
+    """A continuation's input_ids (prompt + output so far) as JSON text, made of the prompt's
+    encoded once and of each answer's output_ids as the server wrote them: sending prompt + output
+    again costs a join, not an encode."""
 
     __slots__ = ("parts", "empty")
 
@@ -109,7 +112,8 @@ class _SentIds:
             self.add(None, out)
 
     def add(self, raw: bytes | None, new: np.ndarray) -> None:
-        """Append `new` output ids; `raw`: their JSON array text from the answer (None: encoded here)."""
+        """Append `new` output ids; `raw`: their JSON array text from the answer (None: encoded
+        here)."""
         body = (raw if raw is not None else msgspec.json.encode(new.tolist())).strip()[1:-1].strip()
         if body:
             self.parts.append(body if self.empty else b"," + body)
@@ -120,7 +124,8 @@ class _SentIds:
 
 
 class _Generated:
-    """The outcome of _generate: the (combined) result, how many requests it took, and whether it is partial."""
+    """The outcome of _generate: the (combined) result, how many requests it took, and whether it is
+    partial."""
 
     __slots__ = ("res", "segments", "partial")
 
@@ -129,14 +134,14 @@ class _Generated:
 
 
 async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None):
-    """One prompt's /generate, continued across aborts: an abort that leaves partial output (the server's own,
-    or the worker's at a stop) goes on from where it stopped, with input_ids = prompt + output so far and
-    max_new_tokens reduced by its length; the combined output is token for token what the server produced. An
-    abort that brought nothing new is retried, up to client.retries. `prior` is a PARTIAL record to continue.
+    """One prompt's /generate, continued across aborts: an abort that leaves partial output (the
+    server's own, or the worker's at a stop) goes on from where it stopped, with input_ids = prompt
+    + output so far and max_new_tokens reduced by its length; the combined output is token for token
+    what the server produced. An abort that brought nothing new is retried, up to client.retries.
+    `prior` is a PARTIAL record to continue.
 
-    While the worker stops (sh.stopping), the output so far comes back as partial; so it does when the aborts
-    without progress run out and there is output to keep.
-    """
+    While the worker stops (sh.stopping), the output so far comes back as partial; so it does when
+    the aborts without progress run out and there is output to keep."""
     c = sh.spec.client
     params = sh.spec.request_sampling(ds, ref.sample)
     out = np.frombuffer(prior.output_ids, dtype="<u4").copy() if prior else np.zeros(0, dtype="<u4")
@@ -237,11 +242,13 @@ def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Gener
 
 
 async def consume(sh: Shard, feed: Feed, engine, info) -> None:
-    """One request slot: take prompts from the feed and record what comes back, until the feed is empty or the shard
-    stops. A prompt whose failure may pass is tried again here, after a backoff, up to client.max_tries tries in all
-    (counted in its records: `_settle`); then its failure is final for the run."""
+    """One request slot: take prompts from the feed and record what comes back, until the feed is
+    empty or the shard stops. A prompt whose failure may pass is tried again here, after a backoff,
+    up to client.max_tries tries in all (counted in its records: `_settle`); then its failure is
+    final for the run."""
     while True:
-        if sh.stopping or sh.live > sh.target:  # stopping, or fewer requests in flight wanted (see pool)
+        # stopping, or fewer in flight wanted (pool)
+        if sh.stopping or sh.batch.live > sh.batch.target:
             return
         item = await feed.get()
         if item is None or sh.stopping:
@@ -262,7 +269,8 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
 
 
 async def _answer(sh: Shard, item, engine, info) -> Record | None:
-    """One try of a prompt: its record, or None when what came back is a partial output (recorded here)."""
+    """One try of a prompt: its record, or None when what came back is a partial output (recorded
+    here)."""
     pos, ref, ids = item.pos, item.ref, item.ids
     ds = sh.plan.datasets[ref.dataset].name
     prior = _prior(sh, ref.id, ids)
@@ -291,9 +299,10 @@ async def _answer(sh: Shard, item, engine, info) -> Record | None:
 
 
 async def _settle(sh: Shard, rec: Record) -> bool:
-    """Record one try's outcome; whether to try the prompt again (after the backoff, already waited). A failure that
-    may pass counts one more try of its id (Record.tries); at client.max_tries it is final for this run. A stop
-    during the backoff leaves the try recorded as it is: the next run of the shard goes on counting from it."""
+    """Record one try's outcome; whether to try the prompt again (after the backoff, already
+    waited). A failure that may pass counts one more try of its id (Record.tries); at
+    client.max_tries it is final for this run. A stop during the backoff leaves the try recorded as
+    it is: the next run of the shard goes on counting from it."""
     c = sh.spec.client
     if rec.status == OK or rec.failure not in TRANSIENT:
         sh.add(rec)
@@ -327,9 +336,10 @@ async def _backoff(sh: Shard, seconds: float) -> bool:
 
 
 async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
-    """A request whose connection failed past its retries: one poisoned request (the engine still generates:
-    /health_generate answers 200), whose failure is recorded and the shard goes on — the message saying so — or
-    an engine that cannot be reached (EngineUnreachable: the shard cannot finish in this task)."""
+    """A request whose connection failed past its retries: one poisoned request (the engine still
+    generates: /health_generate answers 200), whose failure is recorded and the shard goes on — the
+    message saying so — or an engine that cannot be reached (EngineUnreachable: the shard cannot
+    finish in this task)."""
     http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
     try:
         why = await health_generate(http, timeout=health_timeout(sh.spec.engine.hang_timeout_s))
@@ -360,7 +370,8 @@ async def _ends_within(engine, seconds: float) -> bool:
 
 
 def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:
-    """The PARTIAL record to continue for this prompt, if any (and if it was made from the same prompt ids)."""
+    """The PARTIAL record to continue for this prompt, if any (and if it was made from the same
+    prompt ids)."""
     prior = sh.partial.pop(id, None)
     if prior is not None and prior.prompt_ids != pack_ids(ids):
         log.warning("prompt %s: its partial output was made from other prompt ids; generating it from scratch", id)
@@ -369,7 +380,8 @@ def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:
 
 
 def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1) -> Record:
-    """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN stop."""
+    """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN
+    stop."""
     out = res.output_ids
     reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id)
     failure = error = None
@@ -389,21 +401,26 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info,
     )
 
 
-async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> None:
-    """On a stop request: send nothing new, abort every request in flight so that each comes back with its
-    partial output (recorded PARTIAL by the consumers, continued next time), and return once they are back, or
-    after ABORT_GRACE_S. The engine is still up (it ignores SIGUSR2; the worker stops it afterwards)."""
+async def save_in_flight(batch: Batch, stop: asyncio.Event, engine) -> None:
+    """On a stop request: send nothing new from any open shard, abort every request in flight so
+    that each comes back with its partial output (recorded PARTIAL by the consumers of its own
+    shard, continued next time), and return after ABORT_GRACE_S (the session's loop ends earlier,
+    once every shard's consumers are back). The engine is still up (it ignores SIGUSR2; the worker
+    stops it afterwards)."""
     await stop.wait()
-    sh.stopping = True
-    feed.close()
-    n = sh.in_flight
+    for sh in batch.shards:
+        sh.stopping = True
+        if sh.feed is not None:
+            sh.feed.close()
+    n = batch.in_flight
     if n:
         owned = engine.kind != "external"  # abort_all would also end other clients' requests on a shared server
         log.warning("stopping: aborting the %d requests in flight (%s) to keep their partial outputs", n,
                     "abort_all" if owned else "by rid")
         http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         try:
-            await abort_requests(http, None if owned else sorted(sh.rids))
+            rids = None if owned else sorted(r for sh in batch.shards for r in sh.rids)
+            await abort_requests(http, rids)
         except Unreachable as e:
             log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
             return
@@ -412,5 +429,5 @@ async def save_in_flight(sh: Shard, stop: asyncio.Event, feed: Feed, engine) -> 
     deadline = time.monotonic() + ABORT_GRACE_S
     while time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time", sh.in_flight,
-                ABORT_GRACE_S)
+    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time",
+                batch.in_flight, ABORT_GRACE_S)
