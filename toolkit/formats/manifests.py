@@ -11,7 +11,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.newest import newest_records, scan_shard
-from toolkit.formats.records import OK, Record, is_given_up, is_transient
+from toolkit.formats.records import LOOP, OK, Record, is_given_up, is_transient
 from toolkit.formats.text import utc_now
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class DoneManifest(msgspec.Struct):
     superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
     given_up: int = 0            # failures that may pass, final for this run after client.max_tries tries (counted in
                                  # `failed`, not in `transient`): `toolkit retry` generates them again
+    loops: int = 0               # records stopped in a repetition loop ([client] loop_stop; finish "loop")
 
 
 def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, positions: range) -> DoneManifest:
@@ -39,12 +40,12 @@ def write_done(path: Path, shard_path: Path, shard: int, fingerprint: str, *, po
     are ignored), checksum the complete shard file and atomically write its `done` manifest."""
     totals, total = _count_newest(shard_path, positions)
     ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
-    given_up = totals.given_up
+    given_up, loops = totals.given_up, totals.loops
     m = DoneManifest(
         shard=shard, fingerprint=fingerprint, records=ok + failed, ok=ok, failed=failed, prompt_tokens=ptok,
         output_tokens=otok, bytes=shard_path.stat().st_size, sha256=sha256_file(shard_path), host=socket.gethostname(),
         finished=utc_now(),
-        transient=transient, superseded=total - ok - failed, given_up=given_up,
+        transient=transient, superseded=total - ok - failed, given_up=given_up, loops=loops,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
@@ -54,7 +55,7 @@ class _Totals:
     """What a done manifest counts of the records that count (the newest of each id)."""
 
     def __init__(self) -> None:
-        self.ok = self.failed = self.transient = self.given_up = self.ptok = self.otok = 0
+        self.ok = self.failed = self.transient = self.given_up = self.loops = self.ptok = self.otok = 0
 
     def add(self, r: Record) -> None:
         if r.status == OK:
@@ -63,6 +64,7 @@ class _Totals:
             self.failed += 1
             self.transient += is_transient(r)
             self.given_up += is_given_up(r)
+        self.loops += r.finish == LOOP
         self.ptok += r.n_prompt
         self.otok += r.n_output
 
