@@ -112,6 +112,49 @@ def one_run(client: str, work: Path, name: str, url: str, model: Path, prompts: 
     return run_worker(work, name, url, model, prompts[0], args, loop_stop=client.endswith("on"), n=n)
 
 
+def rounds(args, work: Path, served, model: Path, prompts: dict, small: int, got: dict[str, list[dict]],
+           loads: list[float]) -> None:
+    """`args.pairs` rounds of the clients in turn, each run appended to `got`, the load average to `loads`."""
+    for rnd in range(args.pairs):
+        for client in CLIENTS:  # alternating, so that a slower moment of the machine hits each
+            name = f"{rnd}-{client.replace(' ', '').replace(',', '-')}"
+            few = one_run(client, work, name + "-small", served.url, model, prompts[small], args, small)
+            r = one_run(client, work, name, served.url, model, prompts[args.prompts], args, args.prompts)
+            r["extra_cpu"] = (r["cpu"] - few["cpu"]) / max(r["tokens"] - few["tokens"], 1)
+            loads.append(os.getloadavg()[0])
+            got[client].append(r)
+            own = f", its own {r['own_tps']:.0f} tok/s" if r["own_tps"] else ""
+            print(f"  round {rnd + 1} {client:<22} {r['tokens'] / r['wall']:7.1f} tok/s ({r['wall']:.1f} s"
+                  f"{own}), {r['cpu'] / r['tokens'] * 1e6:6.1f} µs CPU/token ({r['cpu']:.2f} s; {small} prompts "
+                  f"{few['cpu']:.2f} s), {r['extra_cpu'] * 1e6:6.1f} µs per extra token, load {loads[-1]:.2f}"
+                  + (f", finishes {r['finishes']}" if r["finishes"] else ""), flush=True)
+
+
+def summary(got: dict[str, list[dict]], loads: list[float]) -> None:
+    """Medians over the rounds every client finished, and the ratios."""
+    done = min(len(rs) for rs in got.values())
+    got = {c: rs[:done] for c, rs in got.items()}
+    med = {c: {"tps": statistics.median(r["tokens"] / r["wall"] for r in rs),
+               "cpu": statistics.median(r["cpu"] / r["tokens"] for r in rs),
+               "extra": statistics.median(r["extra_cpu"] for r in rs)} for c, rs in got.items()}
+    own = statistics.median(r["own_tps"] for r in got["bench_serving"])
+    print(f"medians of {done} rounds (load average over the runs: median {statistics.median(loads):.2f}, "
+          f"{min(loads):.2f}-{max(loads):.2f}; 1-minute figures, {os.cpu_count()} CPUs):")
+    for c, m in med.items():
+        print(f"  {c:<22} {m['tps']:7.1f} tok/s whole process; client CPU {m['cpu'] * 1e6:6.1f} µs per token "
+              f"all included, {m['extra'] * 1e6:6.1f} µs per extra token")
+    bs = med["bench_serving"]
+    print(f"  bench_serving's own figure (its benchmark phase only): {own:.1f} tok/s")
+    for c in CLIENTS[:2]:
+        m = med[c]
+        print(f"  {c}: {m['tps'] / bs['tps']:.2f}x bench_serving's tok/s (whole process; {m['tps'] / own:.2f}x "
+              f"its own figure); {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
+              f"{bs['extra'] / m['extra']:.1f}x per extra token")
+    on, off = med[CLIENTS[1]], med[CLIENTS[0]]
+    print(f"  loop stop on / off: {on['cpu'] / off['cpu']:.2f}x client CPU per token all included, "
+          f"{on['extra'] / off['extra']:.2f}x per extra token, {on['tps'] / off['tps']:.2f}x tok/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=256)
@@ -152,38 +195,12 @@ def main() -> None:
               f"(each client also runs {small} prompts per round: its start-up cost)", flush=True)
         got: dict[str, list[dict]] = {c: [] for c in CLIENTS}
         loads = [os.getloadavg()[0]]
-        for rnd in range(args.pairs):
-            for client in CLIENTS:  # alternating, so that a slower moment of the machine hits each
-                name = f"{rnd}-{client.replace(' ', '').replace(',', '-')}"
-                few = one_run(client, work, name + "-small", served.url, model, prompts[small], args, small)
-                r = one_run(client, work, name, served.url, model, prompts[args.prompts], args, args.prompts)
-                r["extra_cpu"] = (r["cpu"] - few["cpu"]) / max(r["tokens"] - few["tokens"], 1)
-                loads.append(os.getloadavg()[0])
-                got[client].append(r)
-                own = f", its own {r['own_tps']:.0f} tok/s" if r["own_tps"] else ""
-                print(f"  round {rnd + 1} {client:<22} {r['tokens'] / r['wall']:7.1f} tok/s ({r['wall']:.1f} s"
-                      f"{own}), {r['cpu'] / r['tokens'] * 1e6:6.1f} µs CPU/token ({r['cpu']:.2f} s; {small} prompts "
-                      f"{few['cpu']:.2f} s), {r['extra_cpu'] * 1e6:6.1f} µs per extra token, load {loads[-1]:.2f}"
-                      + (f", finishes {r['finishes']}" if r["finishes"] else ""), flush=True)
-        med = {c: {"tps": statistics.median(r["tokens"] / r["wall"] for r in rs),
-                   "cpu": statistics.median(r["cpu"] / r["tokens"] for r in rs),
-                   "extra": statistics.median(r["extra_cpu"] for r in rs)} for c, rs in got.items()}
-        own = statistics.median(r["own_tps"] for r in got["bench_serving"])
-        print(f"medians of {args.pairs} (load average over the runs: median {statistics.median(loads):.2f}, "
-              f"{min(loads):.2f}-{max(loads):.2f}; 1-minute figures, {os.cpu_count()} CPUs):")
-        for c, m in med.items():
-            print(f"  {c:<22} {m['tps']:7.1f} tok/s whole process; client CPU {m['cpu'] * 1e6:6.1f} µs per token "
-                  f"all included, {m['extra'] * 1e6:6.1f} µs per extra token")
-        bs = med["bench_serving"]
-        print(f"  bench_serving's own figure (its benchmark phase only): {own:.1f} tok/s")
-        for c in CLIENTS[:2]:
-            m = med[c]
-            print(f"  {c}: {m['tps'] / bs['tps']:.2f}x bench_serving's tok/s (whole process; {m['tps'] / own:.2f}x "
-                  f"its own figure); {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
-                  f"{bs['extra'] / m['extra']:.1f}x per extra token")
-        on, off = med[CLIENTS[1]], med[CLIENTS[0]]
-        print(f"  loop stop on / off: {on['cpu'] / off['cpu']:.2f}x client CPU per token all included, "
-              f"{on['extra'] / off['extra']:.2f}x per extra token, {on['tps'] / off['tps']:.2f}x tok/s")
+        try:
+            rounds(args, work, served, model, prompts, small, got, loads)
+        except KeyboardInterrupt:  # the rounds finished so far still say something
+            print("interrupted", flush=True)
+        if min(len(rs) for rs in got.values()):
+            summary(got, loads)
     finally:
         if served is not None:
             served.stop()
