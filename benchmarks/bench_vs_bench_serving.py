@@ -34,7 +34,8 @@ from pathlib import Path
 
 from _common import KEY_ENV, REPO, external_job, run_child
 
-CLIENTS = ("worker, loop stop off", "worker, loop stop on", "bench_serving")
+CLIENTS = ("worker, loop stop off", "worker, loop stop on", "bench_serving", "bench_serving, min_new_tokens")
+WORKERS, BENCH_SERVING = CLIENTS[:2], CLIENTS[2:]
 
 
 def write_prompts(work: Path, n: int) -> tuple[Path, Path]:
@@ -87,13 +88,16 @@ def bench_serving_env(extra_path: str | None) -> dict:
 
 
 def run_bench_serving(work: Path, name: str, url: str, model: Path, prompts: Path, args, python: str,
-                      n: int) -> dict:
+                      n: int, worker_params: bool) -> dict:
     out = work / f"{name}.jsonl"
     argv = [python, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url, "--model", str(model),
             "--tokenizer", str(model), "--dataset-name", "custom", "--dataset-path", str(prompts),
             "--num-prompts", str(n), "--sharegpt-output-len", str(args.output_tokens),
             "--apply-chat-template", "--max-concurrency", str(args.concurrency), "--warmup-requests", "0",
             "--temperature", "0", "--disable-tqdm", "--output-file", str(out)]
+    if worker_params:  # the worker's sampling_params instead of its own (ignore_eos): the payload's are replaced
+        argv += ["--extra-request-body", json.dumps({"sampling_params": {
+            "temperature": 0.0, "max_new_tokens": args.output_tokens, "min_new_tokens": args.output_tokens}})]
     wall, cpu = run_child(argv, env=bench_serving_env(args.extra_path), log=work / f"{name}.log")
     res = json.loads(out.read_text().splitlines()[-1])
     if res["completed"] != n or res["total_output_tokens"] != n * args.output_tokens:
@@ -107,8 +111,9 @@ def one_run(client: str, work: Path, name: str, url: str, model: Path, prompts: 
             n: int) -> dict:
     import realsglang
 
-    if client == "bench_serving":
-        return run_bench_serving(work, name, url, model, prompts[1], args, str(realsglang.python()), n)
+    if client in BENCH_SERVING:
+        return run_bench_serving(work, name, url, model, prompts[1], args, str(realsglang.python()), n,
+                                 worker_params=client.endswith("min_new_tokens"))
     return run_worker(work, name, url, model, prompts[0], args, loop_stop=client.endswith("on"), n=n)
 
 
@@ -116,7 +121,8 @@ def rounds(args, work: Path, served, model: Path, prompts: dict, small: int, got
            loads: list[float]) -> None:
     """`args.pairs` rounds of the clients in turn, each run appended to `got`, the load average to `loads`."""
     for rnd in range(args.pairs):
-        for client in CLIENTS:  # alternating, so that a slower moment of the machine hits each
+        turn = rnd % len(CLIENTS)  # each round in turn, starting one further: a slower moment hits every client
+        for client in CLIENTS[turn:] + CLIENTS[:turn]:
             name = f"{rnd}-{client.replace(' ', '').replace(',', '-')}"
             few = one_run(client, work, name + "-small", served.url, model, prompts[small], args, small)
             r = one_run(client, work, name, served.url, model, prompts[args.prompts], args, args.prompts)
@@ -124,7 +130,7 @@ def rounds(args, work: Path, served, model: Path, prompts: dict, small: int, got
             loads.append(os.getloadavg()[0])
             got[client].append(r)
             own = f", its own {r['own_tps']:.0f} tok/s" if r["own_tps"] else ""
-            print(f"  round {rnd + 1} {client:<22} {r['tokens'] / r['wall']:7.1f} tok/s ({r['wall']:.1f} s"
+            print(f"  round {rnd + 1} {client:<30} {r['tokens'] / r['wall']:7.1f} tok/s ({r['wall']:.1f} s"
                   f"{own}), {r['cpu'] / r['tokens'] * 1e6:6.1f} µs CPU/token ({r['cpu']:.2f} s; {small} prompts "
                   f"{few['cpu']:.2f} s), {r['extra_cpu'] * 1e6:6.1f} µs per extra token, load {loads[-1]:.2f}"
                   + (f", finishes {r['finishes']}" if r["finishes"] else ""), flush=True)
@@ -137,19 +143,20 @@ def summary(got: dict[str, list[dict]], loads: list[float]) -> None:
     med = {c: {"tps": statistics.median(r["tokens"] / r["wall"] for r in rs),
                "cpu": statistics.median(r["cpu"] / r["tokens"] for r in rs),
                "extra": statistics.median(r["extra_cpu"] for r in rs)} for c, rs in got.items()}
-    own = statistics.median(r["own_tps"] for r in got["bench_serving"])
     print(f"medians of {done} rounds (load average over the runs: median {statistics.median(loads):.2f}, "
           f"{min(loads):.2f}-{max(loads):.2f}; 1-minute figures, {os.cpu_count()} CPUs):")
     for c, m in med.items():
-        print(f"  {c:<22} {m['tps']:7.1f} tok/s whole process; client CPU {m['cpu'] * 1e6:6.1f} µs per token "
+        print(f"  {c:<30} {m['tps']:7.1f} tok/s whole process; client CPU {m['cpu'] * 1e6:6.1f} µs per token "
               f"all included, {m['extra'] * 1e6:6.1f} µs per extra token")
-    bs = med["bench_serving"]
-    print(f"  bench_serving's own figure (its benchmark phase only): {own:.1f} tok/s")
-    for c in CLIENTS[:2]:
-        m = med[c]
-        print(f"  {c}: {m['tps'] / bs['tps']:.2f}x bench_serving's tok/s (whole process; {m['tps'] / own:.2f}x "
-              f"its own figure); {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
-              f"{bs['extra'] / m['extra']:.1f}x per extra token")
+    for b in BENCH_SERVING:
+        own = statistics.median(r["own_tps"] for r in got[b])
+        bs = med[b]
+        print(f"  against {b} (its own figure, its benchmark phase only: {own:.1f} tok/s):")
+        for c in WORKERS:
+            m = med[c]
+            print(f"    {c}: {m['tps'] / bs['tps']:.2f}x its tok/s (whole process; {m['tps'] / own:.2f}x its own "
+                  f"figure); {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
+                  f"{bs['extra'] / m['extra']:.1f}x per extra token")
     on, off = med[CLIENTS[1]], med[CLIENTS[0]]
     print(f"  loop stop on / off: {on['cpu'] / off['cpu']:.2f}x client CPU per token all included, "
           f"{on['extra'] / off['extra']:.2f}x per extra token, {on['tps'] / off['tps']:.2f}x tok/s")
