@@ -1,19 +1,23 @@
 """The toolkit worker against SGLang's own load generator (`python -m sglang.bench_serving`), on one real server.
 
 One real SGLang 0.5.23 server on the CPU (the test tier's tiny random model, built here from the demo tokenizer;
-tests/realsglang.py), started once through the toolkit's launch path. Against it, in turn (worker with the loop
-stop off, worker with it on, bench_serving; then again, `--pairs` times), each client sends the same prompts
-(chat template applied) with every output forced to the same length (the worker: min_new_tokens = max_new_tokens;
-bench_serving: its ignore_eos, on by default) and the same number of requests in flight:
+tests/realsglang.py), started once through the toolkit's launch path. Against it, in turn (each round starting one
+client further, `--pairs` rounds), each client sends the same prompts (chat template applied), every output forced
+to the same length, with the same number of requests in flight:
 
-- `toolkit worker` on an `external` engine: raw token ids, one request per output, no streaming (with
-  [client] loop_stop on, outputs shorter than segment_tokens are still one request each);
+- `toolkit worker` on an `external` engine, [client] loop_stop off and on: raw token ids, one request per output,
+  no streaming (outputs shorter than segment_tokens are one request each with the loop stop on too); the length
+  forced by min_new_tokens = max_new_tokens (the toolkit refuses ignore_eos);
 - bench_serving: `--backend sglang` (/generate, streamed: an SSE chunk per token), `--dataset-name custom` over
-  the same prompts, `--apply-chat-template`, `--sharegpt-output-len`, `--max-concurrency`, `--warmup-requests 0`.
+  the same prompts, `--apply-chat-template`, `--sharegpt-output-len`, `--max-concurrency`, `--warmup-requests 0`;
+  the length forced by its own ignore_eos, and again with the worker's sampling params (min_new_tokens, sent with
+  `--extra-request-body`), which cost the server a penalizer per decode step.
 
-Printed per client, medians over the runs: output tokens/s over the whole process (start-up, tokenizer, every
+Printed per client, medians over the rounds: output tokens/s over the whole process (start-up, tokenizer, every
 request; bench_serving's own figure, which counts only its benchmark phase, beside it) and client CPU per output
-token (user + system of the process and its children, all included), then the ratios, and the load average.
+token (user + system of the process and its children), all included and per extra token (against a run of one
+wave of prompts: bench_serving's start-up, importing SGLang, is seconds of CPU), then the ratios and the load
+average. On a machine shared with other work the figures move with its load: compare medians of several rounds.
 
     python benchmarks/bench_vs_bench_serving.py [--prompts 256] [--output-tokens 384] [--concurrency 16] [--pairs 3]
 
