@@ -61,6 +61,7 @@ def write_prompts(work: Path, n: int) -> tuple[Path, Path]:
 
 def run_worker(work: Path, name: str, url: str, model: Path, prompts: Path, args, loop_stop: bool, n: int) -> dict:
     from toolkit.formats.frames import read_shard
+    from toolkit.formats.progress import read_progress
     from toolkit.job.prepare import prepare_run
 
     run = work / f"run-{name}"
@@ -79,7 +80,9 @@ def run_worker(work: Path, name: str, url: str, model: Path, prompts: Path, args
     finishes: dict[str, int] = {}
     for r in recs:
         finishes[r.finish] = finishes.get(r.finish, 0) + 1
-    return {"wall": wall, "cpu": cpu, "tokens": tokens, "own_tps": None, "finishes": finishes}
+    # its own figure, like bench_serving's: tokens over the time from its first request (the progress file's rate)
+    own = read_progress(run / "progress" / "00000.json").tok_per_s
+    return {"wall": wall, "cpu": cpu, "tokens": tokens, "own_tps": own, "finishes": finishes}
 
 
 def bench_serving_env(extra_path: str | None) -> dict:
@@ -150,7 +153,8 @@ def summary(got: dict[str, list[dict]], loads: list[float]) -> None:
     print(f"medians of {done} rounds (load average over the runs: median {statistics.median(loads):.2f}, "
           f"{min(loads):.2f}-{max(loads):.2f}; 1-minute figures, {os.cpu_count()} CPUs):")
     for c, m in med.items():
-        print(f"  {c:<30} {m['tps']:7.1f} tok/s whole process; client CPU {m['cpu'] * 1e6:6.1f} µs per token "
+        own = statistics.median(r["own_tps"] for r in got[c])
+        print(f"  {c:<30} {m['tps']:7.1f} tok/s whole process ({own:.1f} its own); client CPU {m['cpu'] * 1e6:6.1f} µs per token "
               f"all included, {m['extra'] * 1e6:6.1f} µs per extra token")
     for b in BENCH_SERVING:
         own = statistics.median(r["own_tps"] for r in got[b])
@@ -158,8 +162,9 @@ def summary(got: dict[str, list[dict]], loads: list[float]) -> None:
         print(f"  against {b} (its own figure, its benchmark phase only: {own:.1f} tok/s):")
         for c in WORKERS:
             m = med[c]
-            print(f"    {c}: {m['tps'] / bs['tps']:.2f}x its tok/s (whole process; {m['tps'] / own:.2f}x its own "
-                  f"figure); {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
+            mine = statistics.median(r["own_tps"] for r in got[c])
+            print(f"    {c}: {m['tps'] / bs['tps']:.2f}x its tok/s whole process, {mine / own:.2f}x own figure to own "
+                  f"figure; {bs['cpu'] / m['cpu']:.1f}x less client CPU per token all included, "
                   f"{bs['extra'] / m['extra']:.1f}x per extra token")
     on, off = med[CLIENTS[1]], med[CLIENTS[0]]
     print(f"  loop stop on / off: {on['cpu'] / off['cpu']:.2f}x client CPU per token all included, "
