@@ -26,48 +26,17 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import msgspec
 import numpy as np
+from _common import KEY_ENV, TOKENIZER, child_cpu, external_job
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 MAX_NEW = 32768      # the recipes' max_new_tokens
 SCALE = 16384        # the stub's outputs: uniform 8-95 % of this (mean ~8k tokens), a tenth longer
 KEY = "benchkey"
-
-JOB = """
-name = "bench"
-output_dir = "{run}"
-[model]
-path = "{tokenizer}"
-[engine]
-kind = "external"
-url = "{url}"
-api_key_env = "BENCH_SERVER_KEY"
-[client]
-concurrency = 32
-loop_stop = {loop_stop}
-segment_tokens = {segment}
-[sampling]
-max_new_tokens = {max_new}
-[[datasets]]
-name = "bench"
-path = "{prompts}"
-"""
-
-
-def child_cpu(argv: list[str]) -> float:
-    """CPU seconds (user + system) of one child process run to completion."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
 
 def self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -80,8 +49,8 @@ def worker_run(work: Path, url: str, prompts: Path, name: str, segment: int | No
     from toolkit.job.prepare import prepare_run
 
     run, job = work / f"run-{name}", work / f"job-{name}.toml"
-    job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, prompts=prompts, max_new=MAX_NEW,
-                              loop_stop="true" if segment else "false", segment=segment or 4096))
+    external_job(job, run=run, url=url, prompts=prompts, concurrency=32, max_new=MAX_NEW,
+                 client={"loop_stop": bool(segment), "segment_tokens": segment or 4096})
     prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
     cpu = child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"])
     return cpu, list(read_shard(run / "shards" / "00000.zst"))
@@ -289,7 +258,7 @@ def main() -> None:
     ap.add_argument("--loop-prompts", type=int, default=200)
     ap.add_argument("--loop-fraction", type=float, default=0.05)
     args = ap.parse_args()
-    os.environ["BENCH_SERVER_KEY"] = KEY  # the workers read the server's key from their environment
+    os.environ[KEY_ENV] = KEY  # the workers read the server's key from their environment
     work = Path(tempfile.mkdtemp(prefix="bench-loop-stop-"))
     try:
         worker_cpu(work, args.prompts, args.repeat)

@@ -17,35 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
-OUTPUT_TOKENS = 4096
+from _common import KEY_ENV, TOKENIZER, child_cpu, external_job, process_cpu
 
-JOB = """
-name = "bench"
-output_dir = "{run}"
-[model]
-path = "{tokenizer}"
-[engine]
-kind = "external"
-url = "{url}"
-api_key_env = "BENCH_SERVER_KEY"
-[client]
-concurrency = {concurrency}
-[sampling]
-max_new_tokens = 8192
-[[datasets]]
-name = "bench"
-path = "{prompts}"
-"""
+OUTPUT_TOKENS = 4096
 
 NAIVE = r'''
 import asyncio, gzip, json, sys
@@ -72,20 +52,6 @@ asyncio.run(main(*sys.argv[1:5], int(sys.argv[5])))
 '''
 
 
-def child_cpu(argv: list[str], env=None) -> float:
-    """CPU seconds (user + system) of one child process run to completion."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a running process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4000)
@@ -100,7 +66,7 @@ def main() -> None:
     words = " ".join(pydoc_data.topics.topics.values()).split()
     work = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     key = "benchkey"
-    os.environ["BENCH_SERVER_KEY"] = key  # the workers read the server's key from their environment
+    os.environ[KEY_ENV] = key  # the workers read the server's key from their environment
     stub, url = start_standalone(str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", str(OUTPUT_TOKENS),
                                  "--context-length", "32768")
     try:
@@ -117,8 +83,8 @@ def main() -> None:
                 part = work / f"prompts{n}.jsonl"
                 part.write_text("".join(prompts.read_text().splitlines(keepends=True)[:n]))
                 run = work / f"run{rep}-{n}"
-                job = work / f"job{rep}-{n}.toml"
-                job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, concurrency=args.concurrency, prompts=part))
+                job = external_job(work / f"job{rep}-{n}.toml", run=run, url=url, prompts=part,
+                                   concurrency=args.concurrency, max_new=8192)
                 prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
                 stub_before = process_cpu(stub.pid)
                 cpu["toolkit", n].append(child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"]))

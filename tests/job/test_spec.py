@@ -155,6 +155,31 @@ def test_recipes_and_the_template_decode(recipe):
     assert spec.sampling["max_new_tokens"] >= 1024
 
 
+@pytest.mark.parametrize("name", ["kimi-k2.5", "deepseek-r1", "qwen3-thinking"])
+def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other_flags(name, tmp_path):
+    """The commented `extra_args` of a recipe (a shorter node start, docs/submit.md) is what `toolkit check` takes
+    once uncommented: SGLang 0.5.23's parser accepts it, and it keeps every flag of the active line."""
+    import re
+
+    text = (REPO / "jobs" / f"{name}.toml").read_text()
+    block = re.search(r"^# (extra_args = \[.*?\])$", text, re.M | re.S)
+    assert block, "no commented extra_args in the recipe"
+    commented = "\n".join(line.removeprefix("# ").removeprefix("#") for line in block.group(1).splitlines())
+    active = re.search(r"^extra_args = \[.*?\]$", text, re.M | re.S)
+    (tmp_path / "job.toml").write_text(text.replace(active.group(0), commented))
+    before = load_spec(REPO / "jobs" / f"{name}.toml", check_paths=False).engine.extra_args
+    after = load_spec(tmp_path / "job.toml", check_paths=False)  # the check of [engine] extra_args included
+    assert after.engine.extra_args[: len(before)] == before
+    added = after.engine.extra_args[len(before):]
+    assert {"--weight-loader-prefetch-checkpoints", "--cuda-graph-max-bs-decode"} <= set(added)
+    graphs = int(added[added.index("--cuda-graph-max-bs-decode") + 1])
+    assert graphs >= after.client.concurrency  # no batch the job sends runs without CUDA graphs
+    bad = commented.replace("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs")  # ambiguous since 0.5.2x
+    (tmp_path / "job.toml").write_text(text.replace(active.group(0), bad))
+    with pytest.raises(SpecError, match="cuda-graph-max-bs"):
+        load_spec(tmp_path / "job.toml", check_paths=False)
+
+
 def test_real_recipes_match_their_models():
     kimi = load_spec(REPO / "jobs" / "kimi-k2.5.toml", check_paths=False)
     assert kimi.model.trust_remote_code and kimi.engine.tp_size == 8 and kimi.slurm.gpus_per_node == 8

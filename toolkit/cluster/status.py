@@ -196,17 +196,19 @@ def format_tasks(tasks: list[TaskStatus]) -> list[str]:
 
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
                   tasks: list[TaskStatus] | None = None, noun: str = "prompt") -> str:
-    head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'OUT TOKENS':>11} "
+    head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'LOOPS':>5} "
+            f"{'OUT TOKENS':>11} "
             f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
     lines = [f"run {rd.shown}", head]
     for r in rows:
         kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
         why = "; ".join(x for x in (r.reason, r.stale) if x)
         lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
-                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
+                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.loops:>5} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
                       f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}").rstrip())
     t = totals(rows)
-    lines.append(f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {t.output_tokens:,} output tokens, "
+    loops = f"{t.loops} stopped in a repetition loop, " if t.loops else ""
+    lines.append(f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {loops}{t.output_tokens:,} output tokens, "
                  f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
     lines += format_tasks(tasks or [])
     if merge.job or merge.merged or merge.state:

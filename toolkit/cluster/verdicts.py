@@ -70,6 +70,9 @@ class ShardStatus(msgspec.Struct):
     kv_usage: float | None = None  # share of the engine's KV cache in use
     transient: int = 0             # of the failed records, those that may pass when generated again (done manifest)
     stale: str | None = None       # why the progress file is not believed (not written for far too long)
+    # outputs stopped in a repetition loop ([client] loop_stop): the shard's records with finish "loop" (done
+    # manifest) once it is done; before, those its current (or last) attempt stopped (progress file)
+    loops: int = 0
 
 
 class MergeStatus(msgspec.Struct):
@@ -89,6 +92,7 @@ class Totals(msgspec.Struct):
     output_tokens: int
     tok_per_s: float
     shards: dict[str, int]   # shards per state
+    loops: int = 0           # outputs stopped in a repetition loop (ShardStatus.loops, summed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -369,6 +373,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         tok_per_s=p.tok_per_s if running else 0.0, eta_s=p.eta_s() if running else None,
         job=job, node=node or (p.host or None), error=error, reason=reason,
         transient=done.transient + done.given_up if done else 0,  # (given up after max_tries: retry starts afresh)
+        loops=done.loops if done else p.loops_stopped,
         stale=stale, **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
     )
 
@@ -467,7 +472,7 @@ def totals(rows: list[ShardStatus]) -> Totals:
         by_state[r.state] = by_state.get(r.state, 0) + 1
     return Totals(done=sum(r.done for r in rows), total=sum(r.total for r in rows), failed=sum(r.failed for r in rows),
                   output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
-                  shards=dict(sorted(by_state.items())))
+                  shards=dict(sorted(by_state.items())), loops=sum(r.loops for r in rows))
 
 
 def is_unknown(rows: list[ShardStatus], merge: MergeStatus) -> bool:

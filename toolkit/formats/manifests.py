@@ -12,7 +12,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.newest import newest_records, scan_shard
-from toolkit.formats.records import OK, Record, is_given_up, is_transient
+from toolkit.formats.records import LOOP, OK, Record, is_given_up, is_transient
 from toolkit.formats.text import utc_now
 
 log = logging.getLogger(__name__)
@@ -29,14 +29,11 @@ class DoneManifest(msgspec.Struct):
     sha256: str
     host: str
     finished: str
-    transient: int = 0           # failed records worth generating again: while > 0 the shard is not
-                                 # complete
-    superseded: int = 0          # older records of ids written again (kept in the file, not counted
-                                 # above)
-    given_up: int = 0            # failures that may pass, final for this run after client.max_tries
-                                 # tries (counted in
-                                 # `failed`, not in `transient`): `toolkit retry` generates them
-                                 # again
+    transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
+    superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
+    given_up: int = 0            # failures that may pass, final for this run after client.max_tries tries (counted in
+                                 # `failed`, not in `transient`): `toolkit retry` generates them again
+    loops: int = 0               # records stopped in a repetition loop ([client] loop_stop; finish "loop")
 
 
 def write_done(
@@ -46,14 +43,8 @@ def write_done(
     outside them are ignored), checksum the complete shard file and atomically write its `done`
     manifest."""
     totals, total = _count_newest(shard_path, positions)
-    ok, failed, transient, ptok, otok = (
-        totals.ok,
-        totals.failed,
-        totals.transient,
-        totals.ptok,
-        totals.otok,
-    )
-    given_up = totals.given_up
+    ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
+    given_up, loops = totals.given_up, totals.loops
     m = DoneManifest(
         shard=shard,
         fingerprint=fingerprint,
@@ -66,9 +57,7 @@ def write_done(
         sha256=sha256_file(shard_path),
         host=socket.gethostname(),
         finished=utc_now(),
-        transient=transient,
-        superseded=total - ok - failed,
-        given_up=given_up,
+        transient=transient, superseded=total - ok - failed, given_up=given_up, loops=loops,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m
@@ -78,7 +67,7 @@ class _DoneCounts:
     """What a done manifest counts of the records that count (the newest of each id)."""
 
     def __init__(self) -> None:
-        self.ok = self.failed = self.transient = self.given_up = self.ptok = self.otok = 0
+        self.ok = self.failed = self.transient = self.given_up = self.loops = self.ptok = self.otok = 0
 
     def add(self, r: Record) -> None:
         if r.status == OK:
@@ -87,6 +76,7 @@ class _DoneCounts:
             self.failed += 1
             self.transient += is_transient(r)
             self.given_up += is_given_up(r)
+        self.loops += r.finish == LOOP
         self.ptok += r.n_prompt
         self.otok += r.n_output
 
