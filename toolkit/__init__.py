@@ -1,8 +1,10 @@
-"""toolkit: turn a reasoning model served by SGLang into a training dataset, through raw token ids, on Slurm.
+"""toolkit: turn a reasoning model served by SGLang into a training dataset, through raw token ids,
+on Slurm.
 
-Reader API: `read_run(run_dir)` iterates a run's `Record`s, the newest of each id (see toolkit.formats.records);
-`read_rows(run_dir)` the same with their text, as rows of the jsonl export; `to_dataset(run_dir)` gives a Hugging
-Face `datasets.Dataset`; `read_shard(path)` iterates every record of one file as written.
+Reader API: `read_run(run_dir)` iterates a run's `Record`s, the newest of each id (see
+toolkit.formats.records); `read_rows(run_dir)` the same with their text, as rows of the jsonl
+export; `to_dataset(run_dir)` gives a Hugging Face `datasets.Dataset`; `read_shard(path)` iterates
+every record of one file as written.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ __all__ = ["Record", "read_rows", "read_run", "read_shard", "to_dataset", "unpac
 
 
 class _NoTorchAdvice(logging.Filter):
-    """Drops transformers' import-time "PyTorch was not found" advisory: the toolkit only ever loads tokenizers,
-    which need no torch (the login node never has it). Every other transformers message passes."""
+    """Drops transformers' import-time "PyTorch was not found" advisory: the toolkit only ever loads
+    tokenizers, which need no torch (the login node never has it). Every other transformers message
+    passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("PyTorch was not found")
@@ -36,25 +39,27 @@ _quiet_transformers()
 
 
 def read_run(run_dir: str | Path) -> Iterator[Record]:
-    """The newest record of each planned id of a run, in planned order: from the merged dataset when it is the run
-    as it is, else from the shard files, a record written again or a partial output continued counting once (its
-    newest attempt). See toolkit.dataset.reader."""
+    """The newest record of each planned id of a run, in planned order: from the merged dataset when
+    it is the run as it is, else from the shard files, a record written again or a partial output
+    continued counting once (its newest attempt). See toolkit.dataset.reader."""
     from toolkit.dataset.reader import read_run as newest
 
     return newest(run_dir)
 
 
 def read_rows(run_dir: str | Path, *, ok_only: bool = False) -> Iterator[Any]:
-    """`read_run`'s records as rows of the jsonl export (`JsonlRecord`): sample, turn, the reasoning and the
-    answer (`content`) as text, and the prompt line's other fields (`meta`)."""
+    """`read_run`'s records as rows of the jsonl export (`JsonlRecord`): sample, turn, the reasoning
+    and the answer (`content`) as text, and the prompt line's other fields (`meta`)."""
     from toolkit.dataset.reader import read_rows as rows
 
     return rows(run_dir, ok_only=ok_only)
 
 
-def to_dataset(run_dir: str | Path, *, ok_only: bool = True, cache_dir: str | Path | None = None) -> Any:
-    """`read_rows` as a Hugging Face `datasets.Dataset` (needs `pip install datasets`); ok records unless
-    `ok_only=False`; `cache_dir`: where `datasets` keeps its Arrow files."""
+def to_dataset(
+    run_dir: str | Path, *, ok_only: bool = True, cache_dir: str | Path | None = None
+) -> Any:
+    """`read_rows` as a Hugging Face `datasets.Dataset` (needs `pip install datasets`); ok records
+    unless `ok_only=False`; `cache_dir`: where `datasets` keeps its Arrow files."""
     from toolkit.dataset.reader import to_dataset as dataset
 
     return dataset(run_dir, ok_only=ok_only, cache_dir=cache_dir)

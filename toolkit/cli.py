@@ -1,8 +1,9 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
-Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`; an error exits with the code of its kind
-(toolkit.errors.KINDS) after one line, `toolkit: error: ...` (`toolkit -v`: its traceback first). `status` exits 0 only for a run that is
-complete and healthy (cluster.verdicts.verdict).
+Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`; an error exits with the code
+of its kind (toolkit.errors.KINDS) after one line, `toolkit: error: ...` (`toolkit -v`: its
+traceback first). `status` exits 0 only for a run that is complete and healthy
+(cluster.verdicts.verdict).
 """
 
 from __future__ import annotations
@@ -34,21 +35,34 @@ from toolkit.errors import (
 from toolkit.formats.files import shown_path
 from toolkit.formats.logline import RelayFormatter, error_line, text_formatter
 
-__all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_UNKNOWN", "EXIT_IN_PROGRESS"]
+__all__ = [
+    "main",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_BAD_INPUT",
+    "EXIT_STOPPED",
+    "EXIT_UNKNOWN",
+    "EXIT_IN_PROGRESS",
+]
 
 log = logging.getLogger("toolkit.cli")
 
 EPILOG = """\
 typical session:
   toolkit run jobs/demo.toml                 run every shard here, then merge and audit (no Slurm)
-  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then a Slurm array whose tasks claim the shards + a merge job
+  toolkit submit jobs/kimi-k2.5.toml -p gpu  plan, then a Slurm array whose tasks claim the shards,
+                                             and a merge job
   toolkit submit JOB --dry-run               the exact sbatch scripts, no cluster needed
   toolkit status RUN --watch                 one row per shard (--json for scripts)
-  toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends (--server: SGLang's)
+  toolkit logs RUN 3 -f                      follow shard 3's worker log until it ends
+                                             (--server: SGLang's)
   toolkit logs RUN --failed                  failed shards, a failed merge job, failed records
-  toolkit resubmit RUN                       only the shards not finished (no done manifest, failures that may pass)
-  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx, NaN, ...) again
-  toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids + loss mask, for training
+  toolkit resubmit RUN                       only the shards not finished (no done manifest,
+                                             failures that may pass)
+  toolkit retry RUN                          generate failures that may pass (timeouts, 5xx,
+                                             NaN, ...) again
+  toolkit export RUN                         RUN/export/tokens.jsonl: the model's exact ids +
+                                             loss mask, for training
   toolkit export RUN --format jsonl          RUN/export/records.jsonl (-o OUT to choose)
 
 """
@@ -56,44 +70,53 @@ typical session:
 
 def _exit_codes() -> str:
     """The exit codes for `toolkit --help`, from their one list (errors.EXIT_MEANINGS)."""
-    return textwrap.fill("exit codes: " + ", ".join(f"{code} {what}" for code, what in EXIT_MEANINGS.items()),
-                         width=110, break_on_hyphens=False)
+    return textwrap.fill(
+        "exit codes: " + ", ".join(f"{code} {what}" for code, what in EXIT_MEANINGS.items()),
+        width=100,
+        break_on_hyphens=False,
+    )
 
 
 RUN_HELP = """\
-Run every shard of JOB here (no Slurm), then merge and audit. As many workers run as the visible GPUs
-(CUDA_VISIBLE_DEVICES, else the machine's) hold engines of tp_size x pp_size x dp_size GPUs, each on its own GPUs
-(one without GPUs; --parallel N chooses); each starts its engine once and claims shards one after another.
+Run every shard of JOB here (no Slurm), then merge and audit. As many workers run as the visible
+GPUs (CUDA_VISIBLE_DEVICES, else the machine's) hold engines of tp_size x pp_size x dp_size GPUs,
+each on its own GPUs (one without GPUs; --parallel N chooses); each starts its engine once and
+claims shards one after another.
 
-Where the run goes: output_dir and the runs `--new-run` made beside it (<output_dir>.<time>) are looked at, and the
-newest run of this same job (same fingerprint) among them is resumed, with or without --new-run: the same job is
-never generated twice. With none, output_dir is used when it holds no run; when it holds another job's run, `run`
-refuses, and `run --new-run` starts a new run directory beside it.
+Where the run goes: output_dir and the runs `--new-run` made beside it (<output_dir>.<time>) are
+looked at, and the newest run of this same job (same fingerprint) among them is resumed, with or
+without --new-run: the same job is never generated twice. With none, output_dir is used when it
+holds no run; when it holds another job's run, `run` refuses, and `run --new-run` starts a new run
+directory beside it.
 
-A shard another process is generating (a second `toolkit run` of the job: its file is locked) is not run twice and
-not counted failed: it is waited for (and run here if that process ends without finishing it), and the run is
-merged once every shard is done."""
+A shard another process is generating (a second `toolkit run` of the job: its file is locked) is not
+run twice and not counted failed: it is waited for (and run here if that process ends without
+finishing it), and the run is merged once every shard is done."""
 
-QUIET_HELP = ("hide the INFO log lines on the terminal (the shards' log files keep them): warnings, errors and "
-              "the final summary only")
+QUIET_HELP = (
+    "hide the INFO log lines on the terminal (the shards' log files keep them): warnings, errors "
+    "and the final summary only"
+)
 
 STATUS_HELP = """\
-One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge job, and a last
-line that says what the exit code means:
+One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge
+job, and a last line that says what the exit code means:
 
-  0  complete and healthy: every shard done with no failure that may pass, merged after the last one, audit passed
-  1  failed (a shard failed, timed out, was cancelled, its worker is dead or its progress stale; the merge job or
-     the audit failed), or ended without completing (stopped: shards stopped or not started and nothing runs
-     them; failures to retry, not merged, not audited, a damaged done manifest or merged file): the command to
-     run next is said
+  0  complete and healthy: every shard done with no failure that may pass, merged after the last
+     one, audit passed
+  1  failed (a shard failed, timed out, was cancelled, its worker is dead or its progress stale; the
+     merge job or the audit failed), or ended without completing (stopped: shards stopped or not
+     started and nothing runs them; failures to retry, not merged, not audited, a damaged done
+     manifest or merged file): the command to run next is said
   4  the state of some shard or of the merge job is unknown: Slurm did not answer
-  5  still going: something runs it (Slurm jobs pending or running, a `toolkit run` here), nothing failed yet"""
+  5  still going: something runs it (Slurm jobs pending or running, a `toolkit run` here), nothing
+     failed yet"""
 
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # run, worker, check: local execution
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def cmd_check(args) -> int:
@@ -103,12 +126,17 @@ def cmd_check(args) -> int:
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
-    print(f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} datasets{said}, {len(plan.shards)} shards, "
-          f"fingerprint {plan.fingerprint}")
+    print(
+        f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} datasets{said}, "
+        f"{len(plan.shards)} shards, fingerprint {plan.fingerprint}"
+    )
     info, m = pf.info, pf.spec.model
     if info is not None:
-        print(f"tokenizer {shown_path(m.tokenizer_path or m.path)}: {info.vocab_size} ids; think {m.think_start!r} "
-              f"{info.think_start_id} / {m.think_end!r} {info.think_end_id}, eos {list(info.eos_ids)}")
+        print(
+            f"tokenizer {shown_path(m.tokenizer_path or m.path)}: {info.vocab_size} ids; think "
+            f"{m.think_start!r} {info.think_start_id} / {m.think_end!r} {info.think_end_id}, eos "
+            f"{list(info.eos_ids)}"
+        )
     for line in pf.summary():
         print(line)
     for w in pf.warnings:
@@ -117,9 +145,9 @@ def cmd_check(args) -> int:
 
 
 def _running_here(run: str, shards, command: str, **kw):
-    """`formats.progress.local_run`: `status` knows this process runs `shards` (the run's Slurm tasks are not this
-    command: they run worker.claims through cluster.tasks, and Slurm tells their state), also inside an
-    allocation (salloc)."""
+    """`formats.progress.local_run`: `status` knows this process runs `shards` (the run's Slurm
+    tasks are not this command: they run worker.claims through cluster.tasks, and Slurm tells their
+    state), also inside an allocation (salloc)."""
     from toolkit.formats.progress import local_run
     from toolkit.formats.rundir import RunDir
 
@@ -133,8 +161,14 @@ def cmd_worker(args) -> int:
         if args.shard is not None:
             raise BadInputError("give a SHARD or --claim K ..., not both")
         with _running_here(args.run, args.claim, "toolkit worker", group=args.group):
-            r = run_claims(args.run, args.claim, worker=args.worker, workers=args.workers, group=args.group,
-                           task=f"worker {args.worker} (pid {os.getpid()})")
+            r = run_claims(
+                args.run,
+                args.claim,
+                worker=args.worker,
+                workers=args.workers,
+                group=args.group,
+                task=f"worker {args.worker} (pid {os.getpid()})",
+            )
         return stopped_code(r.stopped) if r.stopped else EXIT_FAILED if r.failed else EXIT_OK
     if args.shard is None:
         raise BadInputError("give a SHARD, or --claim K ... to claim shards one after another")
@@ -156,20 +190,27 @@ def cmd_run(args) -> int:
     from toolkit.pipeline import local_group, run_shards
 
     again = f"`toolkit run {args.job}` again"
-    with _running_here(rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge):
+    with _running_here(
+        rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge
+    ):
         with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
             stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
         return _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
 
 
-def _after_shards(rd, stopped: str | None, failed: list[int], *, merge: bool = True, again: str = "") -> int:
-    """The end of `run` and `retry`: the exit code of shards run here, after merging and auditing them. `again`:
-    the command that resumes them."""
+def _after_shards(
+    rd, stopped: str | None, failed: list[int], *, merge: bool = True, again: str = ""
+) -> int:
+    """The end of `run` and `retry`: the exit code of shards run here, after merging and auditing
+    them. `again`: the command that resumes them."""
     if stopped:
         print(f"stopped by {stopped}: what was done is kept; {again} resumes the run")
         return stopped_code(stopped)
     if failed:
-        print(f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then {again} to resume them")
+        print(
+            f"shards failed: {failed}; see `toolkit logs {rd.shown} --failed`, then {again} to "
+            "resume them"
+        )
         return EXIT_FAILED
     if not merge:
         return EXIT_OK
@@ -179,9 +220,9 @@ def _after_shards(rd, stopped: str | None, failed: list[int], *, merge: bool = T
     return EXIT_OK
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # merge, audit, export
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def cmd_merge(args) -> int:
     from toolkit.dataset.finish import merge_and_audit
     from toolkit.dataset.merge import merge_run
@@ -191,12 +232,16 @@ def cmd_merge(args) -> int:
         merge_and_audit(args.run, allow_incomplete=args.allow_incomplete)
         return EXIT_OK
     m = merge_run(args.run, allow_incomplete=args.allow_incomplete)
-    print(f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
-          f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept once, "
-          f"{len(m.corrupt)} damaged frames")
+    print(
+        f"merged {m.records} of {m.planned} planned records ({m.ok} ok, {m.failed} failed) into "
+        f"{RunDir(args.run).merged_file}; {m.missing} missing, {m.duplicates} duplicates kept "
+        f"once, {len(m.corrupt)} damaged frames"
+    )
     if m.corrupt or m.foreign or not (m.complete or args.allow_incomplete):
-        raise FailedError(f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
-                          "incomplete: see the line above; `toolkit audit` says what each check finds")
+        raise FailedError(
+            f"{RunDir(args.run).shown}: merged with damaged frames or shards of another run, or "
+            "incomplete: see the line above; `toolkit audit` says what each check finds"
+        )
     return EXIT_OK
 
 
@@ -217,12 +262,24 @@ def cmd_export(args) -> int:
     if "all" in include:
         include = set(export.EXPORT_REASONS)  # an unknown name is refused by export_run
     select = export.Selection(
-        datasets=frozenset(args.dataset) if args.dataset else None, finish=frozenset(args.finish) if args.finish else None,
-        mode=args.mode, samples=frozenset(args.sample) if args.sample is not None else None,
-        turns=frozenset(args.turn) if args.turn is not None else None, include=frozenset(include) if include else None)
+        datasets=frozenset(args.dataset) if args.dataset else None,
+        finish=frozenset(args.finish) if args.finish else None,
+        mode=args.mode,
+        samples=frozenset(args.sample) if args.sample is not None else None,
+        turns=frozenset(args.turn) if args.turn is not None else None,
+        include=frozenset(include) if include else None,
+    )
     think = None if args.think_start is None else args.think_start == "supervised"
-    s = export.export_run(args.run, fmt, args.output, include_failed=args.include_failed, force=args.force,
-                          select=select, trainer=args.trainer, supervise_think_start=think)
+    s = export.export_run(
+        args.run,
+        fmt,
+        args.output,
+        include_failed=args.include_failed,
+        force=args.force,
+        select=select,
+        trainer=args.trainer,
+        supervise_think_start=think,
+    )
     output = Path(s.output)
     for w in s.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -236,30 +293,49 @@ def cmd_export(args) -> int:
           f"{shown_path(export.side_file(output, 'summary', '.json'))}")
     if fmt == "conversations":
         differ = s.roundtrip_rows - s.roundtrip_identical
-        print(f"round trip as SpecForge renders the rows: {s.roundtrip_identical} of {s.roundtrip_rows} rows give the "
-              f"model's exact ids, {differ} differ (per row: {shown_path(s.roundtrip_file)})")
+        print(
+            f"round trip as SpecForge renders the rows: {s.roundtrip_identical} of "
+            f"{s.roundtrip_rows} rows give the model's exact ids, {differ} differ (per row: "
+            f"{shown_path(s.roundtrip_file)})"
+        )
         if s.arguments_reformatted:
-            print(f"{s.arguments_reformatted} tool calls have arguments SpecForge would train re-serialised (not as "
-                  "json.dumps writes them)")
-        print(f"SpecForge chat-template registration of this model: {shown_path(s.registration_file)} (import it "
-              "before training; data.chat_template = its name)")
+            print(
+                f"{s.arguments_reformatted} tool calls have arguments SpecForge would train "
+                "re-serialised (not as json.dumps writes them)"
+            )
+        print(
+            "SpecForge chat-template registration of this model: "
+            f"{shown_path(s.registration_file)} (import it before training; data.chat_template = "
+            "its name)"
+        )
         if differ:
-            print(f"warning: {differ} rows would not train on the model's ids: train on the tokens export instead "
-                  f"(`toolkit export {args.run}`)", file=sys.stderr)
+            print(
+                f"warning: {differ} rows would not train on the model's ids: train on the tokens "
+                f"export instead (`toolkit export {args.run}`)",
+                file=sys.stderr,
+            )
     return EXIT_OK
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # submit, resubmit, cancel, retry: Slurm
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _resources(args):
     """The resource flags of a command line, as the Slurm layer takes them."""
     from toolkit.cluster.resources import Resources
 
-    return Resources(partition=args.partition, account=args.account, qos=args.qos, time=args.time,
-                     gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
-                     array_parallelism=args.array_parallelism, signal_delay_s=args.signal_delay_s,
-                     setup=list(args.setup or []))
+    return Resources(
+        partition=args.partition,
+        account=args.account,
+        qos=args.qos,
+        time=args.time,
+        gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
+        array_parallelism=args.array_parallelism,
+        signal_delay_s=args.signal_delay_s,
+        setup=list(args.setup or []),
+    )
 
 
 def cmd_submit(args) -> int:
@@ -280,9 +356,15 @@ def _resubmit(run: str, resources) -> int:
 
     rd, sub, missing = resubmit(run, resources)
     if sub is None:
-        print(f"nothing to resubmit: every shard of {rd.shown} has its done manifest, with no failure that may pass")
+        print(
+            f"nothing to resubmit: every shard of {rd.shown} has its done manifest, with no "
+            "failure that may pass"
+        )
         return EXIT_OK
-    print(f"resubmitting {len(missing)} shard{'s' if len(missing) != 1 else ''}: {why_unfinished(rd, missing)}")
+    print(
+        f"resubmitting {len(missing)} shard{'s' if len(missing) != 1 else ''}: "
+        f"{why_unfinished(rd, missing)}"
+    )
     print(format_submission(rd, sub))
     return EXIT_OK
 
@@ -305,9 +387,14 @@ def cmd_retry(args) -> int:
 
     rd, shards = request_retry(args.run, read_ids(args.ids) if args.ids else None)
     if not shards:
-        lists = [f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
-                 for f, what in ((rd.missing_file, "ids the merge found missing"),
-                                 (rd.failed_file, "failed ones (permanent failures too)")) if _has_ids(f)]
+        lists = [
+            f"`toolkit retry {rd.shown} --ids {shown_path(f)}` generates the {what} again"
+            for f, what in (
+                (rd.missing_file, "ids the merge found missing"),
+                (rd.failed_file, "failed ones (permanent failures too)"),
+            )
+            if _has_ids(f)
+        ]
         print(f"nothing to retry: every shard of {rd.shown} is done with no failure that may pass"
               + (f"; {'; '.join(lists)}" if lists else ""))
         return EXIT_OK
@@ -329,9 +416,9 @@ def _has_ids(path: Path) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # status, logs
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def cmd_status(args) -> int:
     from toolkit.cluster.status import status_command
 
@@ -342,23 +429,33 @@ def cmd_status(args) -> int:
 def cmd_logs(args) -> int:
     from toolkit.cluster.logs import logs_command
 
-    return logs_command(args.run, args.shard, follow=args.follow, server=args.server, failed=args.failed,
-                        lines=args.lines)
+    return logs_command(
+        args.run,
+        args.shard,
+        follow=args.follow,
+        server=args.server,
+        failed=args.failed,
+        lines=args.lines,
+    )
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # parser
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="toolkit",
-        description="Generate a training dataset from a reasoning model served by SGLang, via raw token ids, on Slurm.",
+        description="Generate a training dataset from a reasoning model served by SGLang, via raw "
+                    "token ids, on Slurm.",
         epilog=EPILOG + _exit_codes(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error"
+    )
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    p.add_argument("--log-relay", action="store_true", help=argparse.SUPPRESS)  # log records as JSON lines (pipeline)
+    # log records as JSON lines (pipeline)
+    p.add_argument("--log-relay", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -366,31 +463,56 @@ def build_parser() -> argparse.ArgumentParser:
                        description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("job", help="job spec (TOML), e.g. jobs/demo.toml")
     s.add_argument("--shards", type=int, nargs="+", metavar="K", help="only these shard indices")
-    s.add_argument("--new-run", action="store_true",
-                   help="when output_dir holds another job's run, start a new one beside it (<output_dir>.<time>); "
-                        "a run of this job there is resumed instead")
+    s.add_argument(
+        "--new-run",
+        action="store_true",
+        help="when output_dir holds another job's run, start a new one beside it "
+        "(<output_dir>.<time>); a run of this job there is resumed instead",
+    )
     s.add_argument("--no-merge", action="store_true", help="stop after the shards")
     _add_allow_changed(s)
-    s.add_argument("--parallel", type=int, metavar="N",
-                   help="workers at once, each with its own engine of tp_size x dp_size GPUs (default: as many as the "
-                        "GPUs in CUDA_VISIBLE_DEVICES, or the machine's, hold; 1 without GPUs)")
+    s.add_argument(
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="workers at once, each with its own engine of tp_size x dp_size GPUs (default: as "
+        "many as the GPUs in CUDA_VISIBLE_DEVICES, or the machine's, hold; 1 without GPUs)",
+    )
     s.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("worker", help="generate one shard of a planned run, or claim shards one after another with "
-                       "one engine (--claim: what each Slurm array task runs)")
+    s = sub.add_parser(
+        "worker",
+        help="generate one shard of a planned run, or claim shards one after another with "
+        "one engine (--claim: what each Slurm array task runs)",
+    )
     s.add_argument("run", help="run directory")
     s.add_argument("shard", type=int, nargs="?", help="shard index")
-    s.add_argument("--claim", type=int, nargs="+", metavar="K", help="claim these shards one after another")
-    s.add_argument("--worker", type=int, default=0, help="with --claim: this worker's number (where it starts)")
-    s.add_argument("--workers", type=int, default=1, help="with --claim: how many workers share the shards")
-    s.add_argument("--group", help="with --claim: the name of the workers sharing the shards (a shard failed in "
-                   "one of them is not claimed again by the others)")
+    s.add_argument(
+        "--claim", type=int, nargs="+", metavar="K", help="claim these shards one after another"
+    )
+    s.add_argument(
+        "--worker", type=int, default=0, help="with --claim: this worker's number (where it starts)"
+    )
+    s.add_argument(
+        "--workers", type=int, default=1, help="with --claim: how many workers share the shards"
+    )
+    s.add_argument(
+        "--group",
+        help="with --claim: the name of the workers sharing the shards (a shard failed in "
+        "one of them is not claimed again by the others)",
+    )
     s.set_defaults(func=cmd_worker)
 
-    s = sub.add_parser("check", help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
-                       "chat template, reasoning mode, lengths against the context length, run directory")
-    s.add_argument("job", help="job spec (TOML) to check, e.g. jobs/demo.toml; it writes only what it learned "
-                   "(check.msgpack in output_dir), so that `submit` renders nothing again")
+    s = sub.add_parser(
+        "check",
+        help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
+        "chat template, reasoning mode, lengths against the context length, run directory",
+    )
+    s.add_argument(
+        "job",
+        help="job spec (TOML) to check, e.g. jobs/demo.toml; it writes only what it learned "
+        "(check.msgpack in output_dir), so that `submit` renders nothing again",
+    )
     s.set_defaults(func=cmd_check)
 
     _add_slurm_commands(sub)
@@ -408,36 +530,72 @@ def _add_resource_flags(s) -> None:
     g.add_argument("-A", "--account", help="account to charge, as sbatch -A")
     g.add_argument("-q", "--qos", help="quality of service, as sbatch -q")
     g.add_argument("-t", "--time", help="time limit per array task, e.g. 24:00:00")
-    g.add_argument("--gpus-per-node", type=int, help="GPUs per node of each task (the engine's tp × pp × dp over its nodes)")
+    g.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="GPUs per node of each task (the engine's tp × pp × dp over its nodes)",
+    )
     g.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task, as sbatch -c")
     g.add_argument("--mem", help="memory per task, e.g. 200G")
-    g.add_argument("--array-parallelism", type=int, help="array tasks at once (%%N): each starts its engine once "
-                   "and claims shards one after another")
-    g.add_argument("--signal-delay-s", type=int, help="seconds before the time limit that the task is told to stop")
-    g.add_argument("--setup", action="append", metavar="LINE", help="a line run before the task, e.g. 'module load cuda' (repeatable)")
+    g.add_argument(
+        "--array-parallelism",
+        type=int,
+        help="array tasks at once (%%N): each starts its engine once "
+        "and claims shards one after another",
+    )
+    g.add_argument(
+        "--signal-delay-s",
+        type=int,
+        help="seconds before the time limit that the task is told to stop",
+    )
+    g.add_argument(
+        "--setup",
+        action="append",
+        metavar="LINE",
+        help="a line run before the task, e.g. 'module load cuda' (repeatable)",
+    )
 
 
 def _add_allow_changed(s) -> None:
-    s.add_argument("--allow-changed", action="store_true",
-                   help="prompts of the job's run whose messages or tools changed in their files (same id) are "
-                        "generated again, their new records replacing the old (without it they are named and refused)")
+    s.add_argument(
+        "--allow-changed",
+        action="store_true",
+        help="prompts of the job's run whose messages or tools changed in their files (same id) "
+        "are generated again, their new records replacing the old (without it they are named and "
+        "refused)",
+    )
 
 
 def _add_slurm_commands(sub) -> None:
-    s = sub.add_parser("submit", help="validate, plan and submit a job to Slurm (sbatch-style)",
-                       description="Validates the spec, every prompt line, the tokenizer and chat template here, plans the "
-                       "run directory, then submits a job array (as many tasks as may run at once, each starting its "
-                       "engine once and claiming the shards one after another) and a merge + audit job after it.")
+    s = sub.add_parser(
+        "submit",
+        help="validate, plan and submit a job to Slurm (sbatch-style)",
+        description="Validates the spec, every prompt line, the tokenizer and chat template here, "
+        "plans the run directory, then submits a job array (as many tasks as may run at once, "
+        "each starting its engine once and claiming the shards one after another) and a merge + "
+        "audit job after it.",
+    )
     s.add_argument("job", help="job spec (TOML)")
     _add_resource_flags(s)
-    s.add_argument("--dry-run", action="store_true", help="print the plan and sbatch parameters, submit nothing")
-    s.add_argument("--new-run", action="store_true",
-                   help="when output_dir holds another job's run, a new run directory beside it (as `run --new-run`)")
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and sbatch parameters, submit nothing",
+    )
+    s.add_argument(
+        "--new-run",
+        action="store_true",
+        help="when output_dir holds another job's run, a new run directory beside it (as `run "
+             "--new-run`)",
+    )
     _add_allow_changed(s)
     s.set_defaults(func=cmd_submit)
 
-    s = sub.add_parser("resubmit", help="resubmit only the shards not finished (without a done manifest, or with "
-                       "failures that may pass), and a new merge job")
+    s = sub.add_parser(
+        "resubmit",
+        help="resubmit only the shards not finished (without a done manifest, or with "
+        "failures that may pass), and a new merge job",
+    )
     s.add_argument("run", help=RUN_HELP_ARG)
     _add_resource_flags(s)
     s.set_defaults(func=cmd_resubmit)
@@ -450,28 +608,55 @@ def _add_slurm_commands(sub) -> None:
 def _add_status_commands(sub) -> None:
     from toolkit.cluster.status import UNKNOWN_LIMIT_S
 
-    s = sub.add_parser("status", help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
-                       "when complete and healthy", description=STATUS_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = sub.add_parser(
+        "status",
+        help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
+        "when complete and healthy",
+        description=STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
-    s.add_argument("-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch")
-    s.add_argument("--json", action="store_true",
-                   help="one JSON object (shards, totals, merge job) instead of the table, for scripts")
-    s.add_argument("--unknown-limit-s", type=float, default=UNKNOWN_LIMIT_S, metavar="S",
-                   help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S seconds "
-                        f"(default {UNKNOWN_LIMIT_S:.0f})")
+    s.add_argument(
+        "-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch"
+    )
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object (shards, totals, merge job) instead of the table, for scripts",
+    )
+    s.add_argument(
+        "--unknown-limit-s",
+        type=float,
+        default=UNKNOWN_LIMIT_S,
+        metavar="S",
+        help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S "
+        f"seconds (default {UNKNOWN_LIMIT_S:.0f})",
+    )
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
     s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("shard", type=int, nargs="?", help="shard index")
-    s.add_argument("-f", "--follow", action="store_true",
-                   help="keep printing what is appended, like tail -f; ends when the shard is done, failed or stopped")
-    s.add_argument("--server", action="store_true", help="the engine's own log instead of the worker's")
-    s.add_argument("--failed", action="store_true",
-                   help="every failed shard (error and log tail), a failed merge job's log, and the failed records")
-    s.add_argument("-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)")
+    s.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing what is appended, like tail -f; ends when the shard is done, failed "
+             "or stopped",
+    )
+    s.add_argument(
+        "--server", action="store_true", help="the engine's own log instead of the worker's"
+    )
+    s.add_argument(
+        "--failed",
+        action="store_true",
+        help="every failed shard (error and log tail), a failed merge job's log, and the failed "
+             "records",
+    )
+    s.add_argument(
+        "-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)"
+    )
     s.set_defaults(func=cmd_logs)
 
 
@@ -479,86 +664,150 @@ def _add_merge_commands(sub) -> None:
     """The `merge`, `audit` and `export` subcommands."""
     fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
-        "merge", help="merge a run's shard files into one dataset (in planned order, exactly once) and audit it",
+        "merge",
+        help="merge a run's shard files into one dataset (in planned order, exactly once) and "
+             "audit it",
         formatter_class=fmt,
-        description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt order, keeping each\n"
-        "record exactly once, with RUN/merged/manifest.json (counts, checksums, problems). Then audit it\n"
-        "(RUN/merged/audit.json, audit.html) unless --no-audit.\n\n"
-        "exit codes: 0 merged and audit passed, 1 audit failed or records missing/damaged, 2 cannot merge",
+        description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt "
+        "order, keeping each\nrecord exactly once, with RUN/merged/manifest.json (counts, "
+        "checksums, problems). Then audit it\n(RUN/merged/audit.json, audit.html) unless "
+        "--no-audit.\n\nexit codes: 0 merged and audit passed, 1 audit failed or records "
+        "missing/damaged, 2 cannot merge",
     )
     s.add_argument("run", help=RUN_HELP_ARG)
-    s.add_argument("--allow-incomplete", action="store_true",
-                   help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt")
+    s.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt",
+    )
     s.add_argument("--no-audit", action="store_true", help="only merge")
     s.set_defaults(func=cmd_merge)
 
     s = sub.add_parser(
-        "audit", help="check a merged run: coverage, reasoning capture, truncation, consistency; write reports",
+        "audit",
+        help="check a merged run: coverage, reasoning capture, truncation, consistency; write "
+             "reports",
         formatter_class=fmt,
-        description="Audit RUN/merged/records.zst: every planned id present once, reasoning split on the think-end id,\n"
-        "truncation, stop tokens, token counts, prompts re-rendered from the source. Thresholds come from the\n"
-        "job's [audit] table. Writes RUN/merged/audit.json, audit.html and failed_ids.txt (missing_ids.txt is the merge's).\n\n"
-        "exit codes: 0 passed, 1 a check failed, 2 no merged dataset or unreadable run",
+        description="Audit RUN/merged/records.zst: every planned id present once, reasoning split "
+        "on the think-end id,\ntruncation, stop tokens, token counts, prompts re-rendered from "
+        "the source. Thresholds come from the\njob's [audit] table. Writes RUN/merged/audit.json, "
+        "audit.html and failed_ids.txt (missing_ids.txt is the merge's).\n\nexit codes: 0 passed, "
+        "1 a check failed, 2 no merged dataset or unreadable run",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
     s.set_defaults(func=cmd_audit)
 
     s = sub.add_parser(
-        "export", help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or conversations",
+        "export",
+        help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or "
+             "conversations",
         formatter_class=fmt,
-        description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n"
-        "  jsonl          one object per record: id, dataset, sample, turn, segments, status, error, prompt_ids,\n"
-        "                 output_ids, reasoning_end, reasoning, content, finish_reason, matched_stop (token id),\n"
-        "                 matched_stop_str (stop string), prompt_tokens, completion_tokens\n"
-        "  parquet        the same columns and types (needs pyarrow)\n"
-        "  tokens         the default: {\"id\", \"dataset\", \"sample\", \"turn\", \"segments\", \"input_ids\": prompt +\n"
-        "                 output, \"loss_mask\"}, the model's exact ids, which SpecForge's and speculators' loaders\n"
-        "                 take as they are; the mask: 1 on every output id, and for SpecForge also on a\n"
-        "                 think-start the template wrote after its assistant header (--trainer, --think-start)\n"
-        "  conversations  SpecForge's chat JSONL (id, status, conversations, tools; dataset, sample, turn,\n"
-        "                 segments): the source messages, then the assistant turn with `content` and\n"
-        "                 `reasoning_content`; SpecForge tokenizes them again: the export measures per row\n"
-        "                 whether that gives the model's ids, and writes the SpecForge registration of the template\n\n"
-        "tokens and conversations leave out records that are not training data (truncated, a repetition loop,\n"
-        "no think-end, an empty part, a think marker inside a part, reasoning where none is expected, a NaN\n"
-        "stop); --include REASON keeps them. Every selected record is accounted for: printed, and beside the\n"
-        "output in NAME_skipped.jsonl (each record left out, with its reason) and NAME_summary.json\n"
-        "(exported + skipped + failed + missing + filtered == planned).\n\n"
-        "An ok record that fails the audit's checks of one record (token counts, max_new_tokens, vocabulary,\n"
-        "finish, reasoning split) refuses the export (exit 1, nothing written) unless --force.",
+        description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n  "
+        "jsonl          one object per record: id, dataset, sample, turn, segments, status, "
+        "error, prompt_ids,\n                 output_ids, reasoning_end, reasoning, content, "
+        "finish_reason, matched_stop (token id),\n                 matched_stop_str (stop "
+        "string), prompt_tokens, completion_tokens\n  parquet        the same columns and types "
+        "(needs pyarrow)\n  tokens         the default: {\"id\", \"dataset\", \"sample\", "
+        "\"turn\", \"segments\", \"input_ids\": prompt +\n                 output, "
+        "\"loss_mask\"}, the model's exact ids, which SpecForge's and speculators' "
+        "loaders\n                 take as they are; the mask: 1 on every output id, and for "
+        "SpecForge also on a\n                 think-start the template wrote after its assistant "
+        "header (--trainer, --think-start)\n  conversations  SpecForge's chat JSONL (id, status, "
+        "conversations, tools; dataset, sample, turn,\n                 segments): the source "
+        "messages, then the assistant turn with `content` and\n                 "
+        "`reasoning_content`; SpecForge tokenizes them again: the export measures per "
+        "row\n                 whether that gives the model's ids, and writes the SpecForge "
+        "registration of the template\n\ntokens and conversations leave out records that are not "
+        "training data (truncated, a repetition loop,\nno think-end, an empty part, a think "
+        "marker inside a part, reasoning where none is expected, a NaN\nstop); --include REASON "
+        "keeps them. Every selected record is accounted for: printed, and beside the\noutput in "
+        "NAME_skipped.jsonl (each record left out, with its reason) and "
+        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned).\n\nAn "
+        "ok record that fails the audit's checks of one record (token counts, max_new_tokens, "
+        "vocabulary,\nfinish, reasoning split) refuses the export (exit 1, nothing written) "
+        "unless --force.",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
-    s.add_argument("--format", choices=["jsonl", "parquet", "tokens", "conversations"],
-                   help="tokens (the default, recommended for training): input_ids + loss_mask, the model's exact ids; "
-                   "jsonl or parquet: one row per record; conversations: chat rows with reasoning_content (SpecForge "
-                   "renders and tokenizes them again: the export says how many rows keep the exact ids)")
-    s.add_argument("--trainer", choices=["specforge", "speculators"], default="specforge",
-                   help="tokens: the trainer whose loss-mask rule to follow (default specforge; speculators leaves the "
-                   "template's think-start unsupervised) and the default file name")
-    s.add_argument("--think-start", choices=["supervised", "unsupervised"],
-                   help="tokens: whether a think-start the chat template wrote at the end of the prompt is in the loss "
-                   "mask (default: the trainer's rule)")
-    s.add_argument("-o", "--output", help="output file, or a folder (existing, or ending with /) to write the default "
-                   "name into (default: RUN/export/tokens.jsonl, tokens_speculators.jsonl, records.jsonl, "
-                   "records.parquet or conversations.jsonl)")
+    s.add_argument(
+        "--format",
+        choices=["jsonl", "parquet", "tokens", "conversations"],
+        help="tokens (the default, recommended for training): input_ids + loss_mask, the model's "
+        "exact ids; jsonl or parquet: one row per record; conversations: chat rows with "
+        "reasoning_content (SpecForge renders and tokenizes them again: the export says how many "
+        "rows keep the exact ids)",
+    )
+    s.add_argument(
+        "--trainer",
+        choices=["specforge", "speculators"],
+        default="specforge",
+        help="tokens: the trainer whose loss-mask rule to follow (default specforge; speculators "
+        "leaves the template's think-start unsupervised) and the default file name",
+    )
+    s.add_argument(
+        "--think-start",
+        choices=["supervised", "unsupervised"],
+        help="tokens: whether a think-start the chat template wrote at the end of the prompt is "
+        "in the loss mask (default: the trainer's rule)",
+    )
+    s.add_argument(
+        "-o",
+        "--output",
+        help="output file, or a folder (existing, or ending with /) to write the default "
+        "name into (default: RUN/export/tokens.jsonl, tokens_speculators.jsonl, records.jsonl, "
+        "records.parquet or conversations.jsonl)",
+    )
     s.add_argument("--include-failed", action="store_true", help="also export failed records")
-    s.add_argument("--include-truncated", action="store_true",
-                   help="keep outputs cut by max_new_tokens in tokens and conversations (--include truncated)")
-    s.add_argument("--include", action="append", metavar="REASON",
-                   help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, degenerate, "
-                   "truncated, no_think_end, empty_reasoning, empty_content, think_marker, reasoning, other_turn, "
-                   "text_think_marker, unreadable_tool_call, empty_answer")
-    s.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
-    s.add_argument("--finish", action="append", choices=["stop", "length", "loop"], help="only ok outputs with this "
-                   "finish reason (repeatable; loop: stopped in a repetition loop by [client] loop_stop)")
-    s.add_argument("--mode", choices=["reasoning", "non-reasoning"], help="only ok outputs in this reasoning mode "
-                   "(reasoning: the prompt or the model opened it, or the output holds the think-end id)")
-    s.add_argument("--sample", action="append", type=int, metavar="K", help="only sample K of each prompt (repeatable)")
-    s.add_argument("--turn", action="append", type=int, metavar="K", help="only turn K (from 0) of regenerated "
-                   "conversations (repeatable); a conversations row then ends at that turn")
-    s.add_argument("--force", action="store_true", help="export ok records that fail the audit's record checks "
-                   "(counts, max_new_tokens, vocabulary, finish, reasoning split) too, with a warning; without it such "
-                   "records refuse the export")
+    s.add_argument(
+        "--include-truncated",
+        action="store_true",
+        help="keep outputs cut by max_new_tokens in tokens and conversations (--include truncated)",
+    )
+    s.add_argument(
+        "--include",
+        action="append",
+        metavar="REASON",
+        help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, "
+        "degenerate, truncated, no_think_end, empty_reasoning, empty_content, think_marker, "
+        "reasoning, other_turn, text_think_marker, unreadable_tool_call, empty_answer",
+    )
+    s.add_argument(
+        "--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)"
+    )
+    s.add_argument(
+        "--finish",
+        action="append",
+        choices=["stop", "length", "loop"],
+        help="only ok outputs with this "
+        "finish reason (repeatable; loop: stopped in a repetition loop by [client] loop_stop)",
+    )
+    s.add_argument(
+        "--mode",
+        choices=["reasoning", "non-reasoning"],
+        help="only ok outputs in this reasoning mode "
+        "(reasoning: the prompt or the model opened it, or the output holds the think-end id)",
+    )
+    s.add_argument(
+        "--sample",
+        action="append",
+        type=int,
+        metavar="K",
+        help="only sample K of each prompt (repeatable)",
+    )
+    s.add_argument(
+        "--turn",
+        action="append",
+        type=int,
+        metavar="K",
+        help="only turn K (from 0) of regenerated "
+        "conversations (repeatable); a conversations row then ends at that turn",
+    )
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="export ok records that fail the audit's record checks (counts, max_new_tokens, "
+        "vocabulary, finish, reasoning split) too, with a warning; without it such records refuse "
+        "the export",
+    )
     s.set_defaults(func=cmd_export)
 
 
@@ -566,19 +815,31 @@ def _add_retry_command(sub) -> None:
     from toolkit.cluster import retry
 
     s = sub.add_parser(
-        "retry", help="generate failed records again in the same run (default: failures that may pass), then merge",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=retry.__doc__.split("\n", 2)[2],
+        "retry",
+        help="generate failed records again in the same run (default: failures that may pass), "
+             "then merge",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=retry.__doc__.split("\n", 2)[2],
     )
     s.add_argument("run", help=RUN_HELP_ARG)
-    s.add_argument("--ids", metavar="FILE", help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
-                                                "permanent failures and ok records included")
-    s.add_argument("--slurm", action="store_true", help="submit the shards as a Slurm array (like `toolkit resubmit`)")
+    s.add_argument(
+        "--ids",
+        metavar="FILE",
+        help="retry exactly these ids (one per line, e.g. merged/failed_ids.txt), "
+        "permanent failures and ok records included",
+    )
+    s.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit the shards as a Slurm array (like `toolkit resubmit`)",
+    )
     _add_resource_flags(s)
     s.set_defaults(func=cmd_retry)
 
 
 def package_version() -> str:
-    """The installed distribution's version (package metadata), or "unknown" when run from a bare source tree."""
+    """The installed distribution's version (package metadata), or "unknown" when run from a bare
+    source tree."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -587,17 +848,39 @@ def package_version() -> str:
         return "unknown"
 
 
-# Commands that run where generation does not (login node, final job): the tokenizer's load lines are detail there.
-QUIET_TOKENIZER = {"check", "submit", "resubmit", "status", "logs", "merge", "audit", "export", "cancel"}
+# Commands that run where generation does not (login node, final job): the tokenizer's load lines
+# are detail there.
+QUIET_TOKENIZER = {
+    "check",
+    "submit",
+    "resubmit",
+    "status",
+    "logs",
+    "merge",
+    "audit",
+    "export",
+    "cancel",
+}
 
 
-# Commands on a run directory that also take the job file that made it (its newest run in output_dir).
-TAKES_A_JOB_FOR_ITS_RUN = {"status", "logs", "resubmit", "cancel", "retry", "merge", "audit", "export"}
+# Commands on a run directory that also take the job file that made it (its newest run in
+# output_dir).
+TAKES_A_JOB_FOR_ITS_RUN = {
+    "status",
+    "logs",
+    "resubmit",
+    "cancel",
+    "retry",
+    "merge",
+    "audit",
+    "export",
+}
 RUN_HELP_ARG = "run directory, or the job file (its newest run in output_dir)"
 
 
 def _run_arg(arg: str) -> str:
-    """A run directory as given, or the newest run of a job file (said on stderr, so scripts can tell)."""
+    """A run directory as given, or the newest run of a job file (said on stderr, so scripts can
+    tell)."""
     from toolkit.formats.files import shown_path
     from toolkit.job.plan import run_of_job
 
@@ -610,17 +893,19 @@ def _run_arg(arg: str) -> str:
 
 
 def quiet_terminal() -> None:
-    """--quiet: the terminal's log handler shows warnings and errors only. The loggers keep their levels, so the
-    shards' log files (handlers of their own) still get every INFO line, and the lines of worker processes relayed
-    here (pipeline._relay) pass through the same handler, hidden alike."""
+    """--quiet: the terminal's log handler shows warnings and errors only. The loggers keep their
+    levels, so the shards' log files (handlers of their own) still get every INFO line, and the
+    lines of worker processes relayed here (pipeline._relay) pass through the same handler, hidden
+    alike."""
     for h in logging.getLogger().handlers:
         h.setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager
 def _log_levels(args) -> Iterator[None]:
-    """The command's log levels (--quiet, tokenizer lines hidden on login-node commands), put back as they were
-    when it returns: `main` called in a process that goes on (a test, a notebook) leaves its logging unchanged."""
+    """The command's log levels (--quiet, tokenizer lines hidden on login-node commands), put back
+    as they were when it returns: `main` called in a process that goes on (a test, a notebook)
+    leaves its logging unchanged."""
     root, chat = logging.getLogger(), logging.getLogger("toolkit.job.chat")
     before = [(h, h.level) for h in root.handlers], chat.level
     if args.quiet and not args.verbose:
@@ -638,7 +923,8 @@ def _log_levels(args) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    terminal = logging.StreamHandler(sys.stderr)  # (--log-relay: records for the `toolkit run` that started it)
+    # (--log-relay: records for the `toolkit run` that started it)
+    terminal = logging.StreamHandler(sys.stderr)
     terminal.setFormatter(RelayFormatter() if args.log_relay else text_formatter())
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[terminal])
     try:
@@ -651,7 +937,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         print(error_line(e), file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C where no stop is set up (planning, merging, `status --watch`)
+    # Ctrl-C where no stop is set up (planning, merging, `status --watch`)
+    except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `toolkit status RUN | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,13 +1,14 @@
-"""A job run here (`toolkit run`, `toolkit retry`): `run_shards`, with as many workers as the machine's GPUs hold
-engines.
+"""A job run here (`toolkit run`, `toolkit retry`): `run_shards`, with as many workers as the
+machine's GPUs hold engines.
 
-Each worker starts its engine once and claims the run's unfinished shards one after another (worker.claims), as a
-Slurm array task does: one worker runs in this process; several (`--parallel N`, or by default as many as the
-visible GPUs hold engines of tp_size x dp_size GPUs: engines.layout.split_gpus) run as `toolkit worker RUN
---claim ...` processes, each with its own GPUs in CUDA_VISIBLE_DEVICES. A shard another process holds (its file
-locked: a second `toolkit run` of the same job) is not run twice nor called failed: it is waited for, taken over
-if that process ends without finishing it, and the run is merged once every shard is done (job.prepare starts a
-run, dataset.finish ends it).
+Each worker starts its engine once and claims the run's unfinished shards one after another
+(worker.claims), as a Slurm array task does: one worker runs in this process; several (`--parallel
+N`, or by default as many as the visible GPUs hold engines of tp_size x dp_size GPUs:
+engines.layout.split_gpus) run as `toolkit worker RUN
+--claim ...` processes, each with its own GPUs in CUDA_VISIBLE_DEVICES. A shard another process
+holds (its file locked: a second `toolkit run` of the same job) is not run twice nor called failed:
+it is waited for, taken over if that process ends without finishing it, and the run is merged once
+every shard is done (job.prepare starts a run, dataset.finish ends it).
 """
 
 from __future__ import annotations
@@ -36,15 +37,21 @@ NVIDIA_SMI_S = 10.0
 def _count_gpus() -> int:
     """The GPUs nvidia-smi lists (0 where there is none, or it does not answer)."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_S)
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_S
+        )
     except (OSError, subprocess.TimeoutExpired):
         return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
+    return (
+        sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        if out.returncode == 0
+        else 0
+    )
 
 
 def workers_here(spec, parallel: int | None, env: dict[str, str] | None = None) -> list[list[str]]:
-    """The GPUs of each worker this machine runs: one list per worker (empty lists: no GPU known). An `external`
-    engine is one server: one worker unless `parallel` says otherwise."""
+    """The GPUs of each worker this machine runs: one list per worker (empty lists: no GPU known).
+    An `external` engine is one server: one worker unless `parallel` says otherwise."""
     env = os.environ if env is None else env
     if spec.engine.kind == "external":
         return [[] for _ in range(parallel or 1)]
@@ -56,23 +63,29 @@ def workers_here(spec, parallel: int | None, env: dict[str, str] | None = None) 
 
 
 def local_group() -> str:
-    """The claiming group of the workers of this process's run (a shard failed in one is not claimed again)."""
+    """The claiming group of the workers of this process's run (a shard failed in one is not claimed
+    again)."""
     return f"run {os.getpid()}"
 
 
 def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
                parallel: int | None = 1) -> tuple[str | None, list[int]]:
-    """Run `shards` of a run here: (the signal that stopped it, e.g. "SIGINT", or None; shards that failed).
-    `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file another process holds is
-    waited for once the others are done, and run here if that process ends without finishing it."""
+    """Run `shards` of a run here: (the signal that stopped it, e.g. "SIGINT", or None; shards that
+    failed). `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file
+    another process holds is waited for once the others are done, and run here if that process ends
+    without finishing it."""
     rd, plan = load_run(run_dir)
     require_engine_here(plan.spec)
     pool = list(dict.fromkeys(shards))
     slices = workers_here(plan.spec, parallel)
     group = local_group()
     if len(slices) > 1:
-        log.info("%d workers, each with its own engine%s, claim %d shards", len(slices),
-                 " on GPUs " + "; ".join(",".join(s) for s in slices) if any(slices) else "", len(pool))
+        log.info(
+            "%d workers, each with its own engine%s, claim %d shards",
+            len(slices),
+            " on GPUs " + "; ".join(",".join(s) for s in slices) if any(slices) else "",
+            len(pool),
+        )
     failed: list[int] = []
     while True:
         if len(slices) == 1:
@@ -109,10 +122,16 @@ def _claim_here(rd: RunDir, pool: list[int], group: str, failed: list[int], gpus
     return r.stopped, r.busy
 
 
-def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int], slices: list[list[str]],
-                      log: logging.Logger) -> tuple[str | None, list[int]]:
-    """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is passed on to
-    them (each stops its shard cleanly)."""
+def _claim_in_workers(
+    rd: RunDir,
+    pool: list[int],
+    group: str,
+    failed: list[int],
+    slices: list[list[str]],
+    log: logging.Logger,
+) -> tuple[str | None, list[int]]:
+    """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is
+    passed on to them (each stops its shard cleanly)."""
     from toolkit.formats.shardstate import ShardState, shard_state
 
     done_before = sum(shard_state(rd, k).ended for k in pool)
@@ -121,11 +140,27 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        argv = [sys.executable, "-m", "toolkit", "--log-relay", "worker", str(rd.root), "--claim", *map(str, pool),
-                "--worker", str(i), "--workers", str(len(slices)), "--group", group]
+        argv = [
+            sys.executable,
+            "-m",
+            "toolkit",
+            "--log-relay",
+            "worker",
+            str(rd.root),
+            "--claim",
+            *map(str, pool),
+            "--worker",
+            str(i),
+            "--workers",
+            str(len(slices)),
+            "--group",
+            group,
+        ]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
-        threading.Thread(target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log").start()
+        threading.Thread(
+            target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log"
+        ).start()
         procs.append(proc)
     told: list[int] = []
 
@@ -164,24 +199,32 @@ def _claim_in_workers(rd: RunDir, pool: list[int], group: str, failed: list[int]
     died = [f"worker {i} ({'killed by ' + signal.Signals(-c).name if c < 0 else f'exit {c}'})"
             for i, c in enumerate(codes) if c not in (0, 1)]
     progressed = sum(shard_state(rd, k).ended for k in pool) > done_before
-    if left and progressed:  # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
-        log.warning("shards %s were left unfinished (%s); claiming them again", ",".join(map(str, left)),
-                    "; ".join(died) or "their workers ended")
+    # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
+    if left and progressed:
+        log.warning(
+            "shards %s were left unfinished (%s); claiming them again",
+            ",".join(map(str, left)),
+            "; ".join(died) or "their workers ended",
+        )
         busy += left
     elif left:
-        log.error("shards %s were left unfinished and no shard finished this round (%s)", ",".join(map(str, left)),
-                  "; ".join(died) or "the workers ended")
+        log.error(
+            "shards %s were left unfinished and no shard finished this round (%s)",
+            ",".join(map(str, left)),
+            "; ".join(died) or "the workers ended",
+        )
         failed += left
     return None, busy
 
 
 def _relay(stream, log: logging.Logger) -> None:
-    """A worker process's log records (`toolkit --log-relay worker`: one JSON line each, formats.logline), through
-    this process's logging as they were written (time, level, logger, message), so the console shows them as its
-    own, above the live bar when there is one."""
+    """A worker process's log records (`toolkit --log-relay worker`: one JSON line each,
+    formats.logline), through this process's logging as they were written (time, level, logger,
+    message), so the console shows them as its own, above the live bar when there is one."""
     for line in stream:
         got = parse_relayed(line)
-        if got is None:  # a line that is not a log record (a crash's traceback, the error line): as this run's
+        # a line that is not a log record (a crash's traceback, the error line): as this run's
+        if got is None:
             log.warning("%s", line.rstrip("\n"))
             continue
         logger = logging.getLogger(got.name)
@@ -190,7 +233,8 @@ def _relay(stream, log: logging.Logger) -> None:
 
 
 def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
-    """Wait until the shards other processes hold are released: those left unfinished, to run here."""
+    """Wait until the shards other processes hold are released: those left unfinished, to run
+    here."""
     from toolkit.formats.shardstate import ShardState, shard_state
 
     while True:
@@ -200,7 +244,9 @@ def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
             left = [k for k in free if not states[k].ended]
             for k in free:
                 if k in left:
-                    log.info("shard %d: its other worker ended without finishing it; running it here", k)
+                    log.info(
+                        "shard %d: its other worker ended without finishing it; running it here", k
+                    )
                 else:
                     log.info("shard %d was done elsewhere", k)
             still = [b for b in busy if b not in free]
@@ -214,6 +260,14 @@ def _say_busy(rd: RunDir, k: int, log: logging.Logger) -> None:
     from toolkit.formats.progress import read_progress
 
     p = read_progress(rd.progress_file(k))
-    who = f"pid {p.pid} on {p.host}, {p.state}" if p is not None and p.pid and p.host else "another worker"
-    log.warning("shard %d is being generated elsewhere (%s; its file is locked): not run here; this run waits for "
-                "it and merges once every shard is done", k, who)
+    who = (
+        f"pid {p.pid} on {p.host}, {p.state}"
+        if p is not None and p.pid and p.host
+        else "another worker"
+    )
+    log.warning(
+        "shard %d is being generated elsewhere (%s; its file is locked): not run here; this run "
+        "waits for it and merges once every shard is done",
+        k,
+        who,
+    )

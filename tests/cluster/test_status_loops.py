@@ -50,7 +50,7 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     assert loops_column(table) == {0: 0, 1: 0} and st.totals.loops == 0
     assert "loop" not in next(line for line in table.splitlines() if line.startswith("total:"))
 
-    assert run_shard(rd.root, 0) == DONE
+    assert run_shard(rd.root, 0).end == DONE
     loops0 = sum(r.finish == LOOP for r in read_shard(rd.shard_file(0)))
     assert loops0 >= 1  # the stub's draw: a fifth of the outputs loop
     assert read_done(rd.done_file(0)).loops == loops0 == read_progress(rd.progress_file(0)).loops_stopped
@@ -62,7 +62,7 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     assert [s.loops for s in st.shards] == [loops0, 3] and st.totals.loops == loops0 + 3
     assert f"{loops0 + 3} stopped in a repetition loop" in table
 
-    assert run_shard(rd.root, 1) == DONE
+    assert run_shard(rd.root, 1).end == DONE
     loops1 = sum(r.finish == LOOP for r in read_shard(rd.shard_file(1)))
     table, st = status(rd.root, capsys)
     assert loops_column(table) == {0: loops0, 1: loops1} and st.totals.loops == loops0 + loops1

@@ -1,5 +1,5 @@
-"""What was submitted for a run: `RUN/slurm/jobs.json`, appended at every submission, read by `status`, `logs`,
-`resubmit` and `cancel`."""
+"""What was submitted for a run: `RUN/slurm/jobs.json`, appended at every submission, read by
+`status`, `logs`, `resubmit` and `cancel`."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 
 class ArrayJob(msgspec.Struct):
     job_id: str
-    shards: list[int]      # claims: the pool its tasks claim shards from; else array task i runs shards[i]
-    tasks: list[str] = []  # Slurm id of each task: "123_4", or "123" when submitit sent a single job
-    claims: bool = False   # its tasks claim shards one after another (worker.claims); False: one shard per task
+    # claims: the pool its tasks claim shards from; else array task i runs shards[i]
+    shards: list[int]
+    # Slurm id of each task: "123_4", or "123" when submitit sent a single job
+    tasks: list[str] = []
+    # its tasks claim shards one after another (worker.claims); False: one shard per task
+    claims: bool = False
 
 
 class Submission(msgspec.Struct):
@@ -45,9 +48,10 @@ def read_jobs(rd: RunDir) -> Jobs:
         return Jobs()
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise DamagedJobs(
-            f"{rd.jobs_file} is damaged ({e}): it is the record of which Slurm jobs this run submitted. Restore it "
-            f"(e.g. from a backup), or move it aside: the shard files and progress are unaffected, but the jobs it "
-            f"listed are then unknown to the toolkit (find them with `squeue --me`, `scancel` those still running)"
+            f"{rd.jobs_file} is damaged ({e}): it is the record of which Slurm jobs this run "
+            "submitted. Restore it (e.g. from a backup), or move it aside: the shard files and "
+            "progress are unaffected, but the jobs it listed are then unknown to the toolkit "
+            "(find them with `squeue --me`, `scancel` those still running)"
         ) from None
 
 
@@ -67,11 +71,13 @@ def job_ids(rd: RunDir) -> list[str]:
 
 
 def live_jobs(rd: RunDir) -> dict[str, str]:
-    """Array tasks and jobs of this run that are still pending or running, from squeue: {id: state}."""
+    """Array tasks and jobs of this run that are still pending or running, from squeue: {id:
+    state}."""
     ids = job_ids(rd)
     if not ids:
         return {}
     from toolkit.cluster.verdicts import parse_squeue
 
-    out = resources.slurm_output(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N|%r"])  # the rows status reads too
+    # the rows status reads too
+    out = resources.slurm_output(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N|%r"])
     return {jid: job.state for jid, job in parse_squeue(out.splitlines()).items()}

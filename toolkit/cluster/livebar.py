@@ -1,9 +1,10 @@
 """A live progress bar for a local `toolkit run`: prompts done / total, tok/s, ETA, drawn with tqdm.
 
-It reads what the workers already write for `status` (done manifests, `RUN/progress/NNNNN.json`, rewritten every
-few seconds), so it needs nothing from the worker. It is drawn only when its stream is a terminal; elsewhere
-(a pipe, a file, a Slurm log) it does nothing at all. While it is shown, console log lines go through
-`tqdm.write`, which clears the bar, prints the line and draws the bar again below it.
+It reads what the workers already write for `status` (done manifests, `RUN/progress/NNNNN.json`,
+rewritten every few seconds), so it needs nothing from the worker. It is drawn only when its stream
+is a terminal; elsewhere (a pipe, a file, a Slurm log) it does nothing at all. While it is shown,
+console log lines go through `tqdm.write`, which clears the bar, prints the line and draws the bar
+again below it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ class Snapshot(msgspec.Struct):
     shards: int
 
 
-def snapshot(rd: RunDir, plan: RunPlan, finished: dict[int, tuple[int, int]] | None = None) -> Snapshot:
-    """The run's progress from its files; `finished` caches {shard: (records, failed)} of completed shards."""
+def snapshot(
+    rd: RunDir, plan: RunPlan, finished: dict[int, tuple[int, int]] | None = None
+) -> Snapshot:
+    """The run's progress from its files; `finished` caches {shard: (records, failed)} of completed
+    shards."""
     finished = {} if finished is None else finished
     done = failed = 0
     rate = 0.0
@@ -55,13 +59,19 @@ def snapshot(rd: RunDir, plan: RunPlan, finished: dict[int, tuple[int, int]] | N
             done += p.done
             failed += p.failed
             rate += p.tok_per_s if p.state == "generating" else 0.0
-    return Snapshot(done=done, total=plan.total, failed=failed, tok_per_s=rate, shards_done=len(finished),
-                    shards=len(plan.shards))
+    return Snapshot(
+        done=done,
+        total=plan.total,
+        failed=failed,
+        tok_per_s=rate,
+        shards_done=len(finished),
+        shards=len(plan.shards),
+    )
 
 
 def _fixed_size(stream: TextIO) -> tuple[int, int] | None:
-    """None when the terminal tells its size (the bar follows it); a fixed size when it says 0x0 (some ptys, where
-    tqdm would hide the bar)."""
+    """None when the terminal tells its size (the bar follows it); a fixed size when it says 0x0
+    (some ptys, where tqdm would hide the bar)."""
     try:
         size = os.get_terminal_size(stream.fileno())
     except (OSError, ValueError, AttributeError):
@@ -93,9 +103,12 @@ class _BarLogHandler(logging.Handler):
 
 
 class LiveBar:
-    """`with LiveBar(rd, plan): ...` draws the run's bar on `stream` (stderr) while the block runs, if a terminal."""
+    """`with LiveBar(rd, plan): ...` draws the run's bar on `stream` (stderr) while the block runs,
+    if a terminal."""
 
-    def __init__(self, rd: RunDir, plan: RunPlan, stream: TextIO | None = None, *, poll_s: float = POLL_S):
+    def __init__(
+        self, rd: RunDir, plan: RunPlan, stream: TextIO | None = None, *, poll_s: float = POLL_S
+    ):
         self.rd, self.plan, self.poll_s = rd, plan, poll_s
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -112,11 +125,23 @@ class LiveBar:
 
         first = snapshot(self.rd, self.plan, self._finished)
         fixed = _fixed_size(self.stream)
-        self.bar = tqdm(total=first.total, initial=first.done, file=self.stream, unit=self.plan.noun,
-                        dynamic_ncols=fixed is None, ncols=fixed and fixed[0], nrows=fixed and fixed[1],
-                        desc=self.plan.name, smoothing=0.1, mininterval=self.poll_s, postfix=_postfix(first),
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " + self.plan.noun + "s "
-                                   "[{elapsed}<{remaining}]{postfix}")
+        self.bar = tqdm(
+            total=first.total,
+            initial=first.done,
+            file=self.stream,
+            unit=self.plan.noun,
+            dynamic_ncols=fixed is None,
+            ncols=fixed and fixed[0],
+            nrows=fixed and fixed[1],
+            desc=self.plan.name,
+            smoothing=0.1,
+            mininterval=self.poll_s,
+            postfix=_postfix(first),
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+            + self.plan.noun
+            + "s "
+            "[{elapsed}<{remaining}]{postfix}",
+        )
         self._redirect_logging()
         self._thread = threading.Thread(target=self._poll, name="toolkit-livebar", daemon=True)
         self._thread.start()

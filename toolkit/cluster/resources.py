@@ -1,7 +1,7 @@
-"""What a run asks of the cluster, and what the cluster has: `Resources` (the [slurm] table and the sbatch-style
-options over it), the partitions' limits (GPUs, CPUs, memory, nodes, MaxArraySize), time and memory as Slurm
-writes them, the sbatch parameters of the shard tasks and the merge job. `SlurmError` is what Slurm refused,
-`SubmitRefused` what the toolkit refused before asking it."""
+"""What a run asks of the cluster, and what the cluster has: `Resources` (the [slurm] table and the
+sbatch-style options over it), the partitions' limits (GPUs, CPUs, memory, nodes, MaxArraySize),
+time and memory as Slurm writes them, the sbatch parameters of the shard tasks and the merge job.
+`SlurmError` is what Slurm refused, `SubmitRefused` what the toolkit refused before asking it."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ log = logging.getLogger(__name__)
 
 
 class SlurmError(FailedError):
-    """A submission Slurm refused, or Slurm that did not answer (exit 1, as sbatch's). The message says what to
-    change."""
+    """A submission Slurm refused, or Slurm that did not answer (exit 1, as sbatch's). The message
+    says what to change."""
 
 
 class SubmitRefused(BadInputError):
-    """A submission the toolkit refuses before asking Slurm (a bad option, a size no node has, a run already
-    submitted): bad input, exit 2. The message says what to change."""
+    """A submission the toolkit refuses before asking Slurm (a bad option, a size no node has, a run
+    already submitted): bad input, exit 2. The message says what to change."""
 
 
 def refuse(message: str) -> SubmitRefused:
@@ -48,13 +48,15 @@ class Resources(msgspec.Struct, kw_only=True):
 
 
 def slurm_output(argv: list[str], timeout: float = 60) -> str:
-    """stdout of a Slurm command, or SlurmError saying in one line why there is none (cluster.commands.call)."""
+    """stdout of a Slurm command, or SlurmError saying in one line why there is none
+    (cluster.commands.call)."""
     from toolkit.cluster.commands import call
 
     a = call(argv, timeout)
     if a.ok:
         return a.out
-    if a.why.startswith(argv[0] + " "):  # "sacct did not answer in 5 s" -> "`sacct -j 12` did not answer in 5 s"
+    # "sacct did not answer in 5 s" -> "`sacct -j 12` did not answer in 5 s"
+    if a.why.startswith(argv[0] + " "):
         raise SlurmError(f"`{' '.join(argv)}`{a.why[len(argv[0]):]}")
     raise SlurmError(a.why)
 
@@ -92,10 +94,14 @@ def partition_info(name: str | None) -> PartitionInfo:
                 default = pname
     if name is None:
         if default is None:
-            raise refuse(f"no default partition: pass --partition (one of {', '.join(sorted(parts))})")
+            raise refuse(
+                f"no default partition: pass --partition (one of {', '.join(sorted(parts))})"
+            )
         name = default
     if name not in parts:
-        raise refuse(f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}")
+        raise refuse(
+            f"unknown partition {name!r}; this cluster has: {', '.join(sorted(parts)) or 'none'}"
+        )
     gpus = cpus = 0
     for line in slurm_output(["sinfo", "-h", "-p", name, "-o", "%G|%c"]).split():
         gres, _, ncpu = line.partition("|")
@@ -134,22 +140,28 @@ _AT_LEAST = {"gpus_per_node": 0, "cpus_per_task": 1, "array_parallelism": 1, "si
 
 
 def _given(o: Resources, s, key: str):
-    """The value of resource `key`: the command line's when given (0 included), else the job's [slurm] table's."""
+    """The value of resource `key`: the command line's when given (0 included), else the job's
+    [slurm] table's."""
     value = getattr(o, key)
     return value if value is not None else getattr(s, key)
 
 
 def check_resources(plan: RunPlan, o: Resources) -> None:
-    """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`, `--array-parallelism 0` —, a
-    time limit not longer than the signal delay, whether a flag or the job's [slurm] table gives it, and a
-    `--gpus-per-node` that an engine of several nodes cannot be laid out on. Pure: no cluster is asked."""
+    """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`,
+    `--array-parallelism 0` —, a time limit not longer than the signal delay, whether a flag or the
+    job's [slurm] table gives it, and a `--gpus-per-node` that an engine of several nodes cannot be
+    laid out on. Pure: no cluster is asked."""
     from toolkit.engines.layout import check_engine_layout
 
     s = plan.spec.slurm
     for key, least in _AT_LEAST.items():
         value = _given(o, s, key)
         if value is not None and value < least:
-            where = f"--{key.replace('_', '-')} {value}" if getattr(o, key) is not None else f"[slurm] {key} = {value}"
+            where = (
+                f"--{key.replace('_', '-')} {value}"
+                if getattr(o, key) is not None
+                else f"[slurm] {key} = {value}"
+            )
             raise refuse(f"{where}: must be at least {least}")
     if s.merge_cpus < 1:
         raise refuse(f"[slurm] merge_cpus = {s.merge_cpus}: must be at least 1")
@@ -173,8 +185,13 @@ def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
         setup=list(s.setup) + list(o.setup),
         stderr_to_stdout=True,
     )
-    # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its bookkeeping.
-    params["additional_parameters"] = {"requeue": True, "time": slurm_time(params["time"]), **s.extra}
+    # Slurm's own time format in the script (submitit writes minutes); submitit keeps `time` for its
+    # bookkeeping.
+    params["additional_parameters"] = {
+        "requeue": True,
+        "time": slurm_time(params["time"]),
+        **s.extra,
+    }
     for key in ("partition", "account", "qos", "mem"):
         value = getattr(o, key) or getattr(s, key)
         if value:
@@ -184,22 +201,23 @@ def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
 
 
 def multi_node_params(nodes: int) -> dict[str, Any]:
-    """An engine over `nodes` nodes: each array task allocates them with one task per node (GPUs, CPUs and memory
-    per node as for one); the worker runs in a one-task step on the first node (submitit's srun), and starts
-    the engine as its own srun step over every node (toolkit.engines.sglang)."""
+    """An engine over `nodes` nodes: each array task allocates them with one task per node (GPUs,
+    CPUs and memory per node as for one); the worker runs in a one-task step on the first node
+    (submitit's srun), and starts the engine as its own srun step over every node
+    (toolkit.engines.sglang)."""
     if nodes <= 1:
         return {}
     return {"nodes": nodes, "ntasks_per_node": 1, "srun_args": ["--nodes=1", "--ntasks=1"]}
 
 
 def check_signal_delay(minutes: int, signal_delay_s: int) -> None:
-    """A task is told to stop (USR2) `signal_delay_s` before its time limit: a limit not longer than that stops
-    every task the moment it starts, and submitit requeues it, forever."""
+    """A task is told to stop (USR2) `signal_delay_s` before its time limit: a limit not longer than
+    that stops every task the moment it starts, and submitit requeues it, forever."""
     if minutes * 60 <= signal_delay_s:
         raise refuse(
-            f"--time {slurm_time(minutes)} ({minutes * 60} s) is not longer than --signal-delay-s {signal_delay_s}: "
-            f"every task would be told to stop at once and be requeued forever; give a --time well above "
-            f"{signal_delay_s} s or a smaller --signal-delay-s"
+            f"--time {slurm_time(minutes)} ({minutes * 60} s) is not longer than --signal-delay-s "
+            f"{signal_delay_s}: every task would be told to stop at once and be requeued forever; "
+            f"give a --time well above {signal_delay_s} s or a smaller --signal-delay-s"
         )
 
 
@@ -225,7 +243,8 @@ def node_memory_mb(partition: str) -> int:
 
 
 def check_memory(mem: str | None, partition: str) -> None:
-    """--mem against the nodes' RealMemory: Slurm would keep such a task pending for ever (or refuse it)."""
+    """--mem against the nodes' RealMemory: Slurm would keep such a task pending for ever (or refuse
+    it)."""
     if not mem:
         return
     want = mem_to_mb(mem)
@@ -233,15 +252,21 @@ def check_memory(mem: str | None, partition: str) -> None:
         return
     have = node_memory_mb(partition)
     if have and want > have:
-        raise refuse(f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} MB "
-                         f"(RealMemory); lower it or choose another partition")
+        raise refuse(
+            f"--mem {mem} ({want} MB) but the nodes of partition {partition!r} have at most {have} "
+            "MB (RealMemory); lower it or choose another partition"
+        )
 
 
 def merge_params(plan: RunPlan, o: Resources, dependency: str) -> dict[str, Any]:
     s = plan.spec.slurm
     params: dict[str, Any] = dict(
-        job_name=f"{plan.name}-merge", time=time_to_minutes(s.merge_time), cpus_per_task=s.merge_cpus,
-        setup=list(s.setup) + list(o.setup), dependency=dependency, stderr_to_stdout=True,
+        job_name=f"{plan.name}-merge",
+        time=time_to_minutes(s.merge_time),
+        cpus_per_task=s.merge_cpus,
+        setup=list(s.setup) + list(o.setup),
+        dependency=dependency,
+        stderr_to_stdout=True,
     )
     params["additional_parameters"] = {"time": slurm_time(params["time"])}
     for key in ("partition", "account", "qos"):
@@ -254,7 +279,8 @@ def merge_params(plan: RunPlan, o: Resources, dependency: str) -> dict[str, Any]
 
 
 def validate_resources(plan: RunPlan, o: Resources) -> Resources:
-    """Check partition, GPUs, CPUs and memory against the cluster; returns the options with the partition resolved."""
+    """Check partition, GPUs, CPUs and memory against the cluster; returns the options with the
+    partition resolved."""
     return validate_on_cluster(plan, o)[0]
 
 
@@ -276,20 +302,24 @@ def validate_on_cluster(plan: RunPlan, o: Resources) -> tuple[Resources, Partiti
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:
-        raise refuse(f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)")
+        raise refuse(
+            f"[engine] tp_size x dp_size = {tp_dp} GPUs but only {want} per task (--gpus-per-node)"
+        )
     check_nodes(plan.spec.engine, name)
     return o, part
 
 
 def check_nodes(engine, partition: str) -> None:
-    """An engine of several nodes: the partition has that many (SlurmError otherwise; the layout of its GPUs is
-    check_resources')."""
+    """An engine of several nodes: the partition has that many (SlurmError otherwise; the layout of
+    its GPUs is check_resources')."""
     if engine.nodes <= 1:
         return
     have = partition_nodes(partition)
     if have < engine.nodes:
-        raise refuse(f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); lower it "
-                         f"(and tp_size) or choose another partition")
+        raise refuse(
+            f"[engine] nodes = {engine.nodes} but partition {partition!r} has {have} node(s); "
+            "lower it (and tp_size) or choose another partition"
+        )
 
 
 def partition_nodes(name: str) -> int:

@@ -1,14 +1,15 @@
 """`toolkit retry RUN`: generate failed records again, in the same run directory.
 
-Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the retries,
-aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones (a shard file changed since its done
-manifest was written among them: its intact records are kept), are run again: the worker regenerates a shard's
-transient failures on every run; the failures that may pass given up after [client] max_tries tries
-(records.is_given_up) get a retry request, as with `--ids`, which starts their count afresh. With `--ids FILE`
-(one id per line, e.g. `merged/failed_ids.txt`), those ids are generated again whatever their status: each of
-their shards gets a retry request (`shards/NNNNN.retry`, which the worker reads and removes once the shard
-completes) and loses its done manifest. The new records are appended; merge keeps the newest record of each id.
-The shards run here, one after the other, then the run is merged and audited (like `toolkit run`); `--slurm`
+Without `--ids`, the shards whose done manifest counts transient failures (timeouts, 5xx past the
+retries, aborts, SGLang's NaN stop: records.TRANSIENT), and the unfinished ones (a shard file
+changed since its done manifest was written among them: its intact records are kept), are run again:
+the worker regenerates a shard's transient failures on every run; the failures that may pass given
+up after [client] max_tries tries (records.is_given_up) get a retry request, as with `--ids`, which
+starts their count afresh. With `--ids FILE` (one id per line, e.g. `merged/failed_ids.txt`), those
+ids are generated again whatever their status: each of their shards gets a retry request
+(`shards/NNNNN.retry`, which the worker reads and removes once the shard completes) and loses its
+done manifest. The new records are appended; merge keeps the newest record of each id. The shards
+run here, one after the other, then the run is merged and audited (like `toolkit run`); `--slurm`
 submits them instead (like `toolkit resubmit`).
 """
 
@@ -52,21 +53,26 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
             wanted.discard(ref.id)
             by_shard.setdefault(bisect_right(firsts, pos) - 1, []).append(ref.id)
     if wanted:
-        raise RetryError(f"{len(wanted)} ids are not planned in {rd.shown} (e.g. {sorted(wanted)[0]!r})")
+        raise RetryError(
+            f"{len(wanted)} ids are not planned in {rd.shown} (e.g. {sorted(wanted)[0]!r})"
+        )
     return by_shard
 
 
 def given_up_ids(rd: RunDir, plan: RunPlan, k: int) -> list[str]:
-    """Ids of shard `k` whose newest record (formats.newest) is a failure that may pass, given up for the run after
-    [client] max_tries tries (records.is_given_up)."""
+    """Ids of shard `k` whose newest record (formats.newest) is a failure that may pass, given up
+    for the run after [client] max_tries tries (records.is_given_up)."""
     sp, path = plan.shards[k], rd.shard_file(k)
     sc = scan_shard(path if path.exists() else None, sp.first, sp.count)
     return [r.id for r in newest_records(path, sc) if r is not None and is_given_up(r)]
 
 
-def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> tuple[RunDir, list[int]]:
-    """Ask for records to be generated again, each with a fresh count of tries; return the shards to run. `ids`
-    None: every failure that may pass (those given up after [client] max_tries tries included)."""
+def request_retry(
+    run_dir: str | os.PathLike, ids: list[str] | None = None
+) -> tuple[RunDir, list[int]]:
+    """Ask for records to be generated again, each with a fresh count of tries; return the shards to
+    run. `ids` None: every failure that may pass (those given up after [client] max_tries tries
+    included)."""
     rd, plan = load_run(run_dir)
     if ids is None:
         ids = []
@@ -83,7 +89,12 @@ def request_retry(run_dir: str | os.PathLike, ids: list[str] | None = None) -> t
 
 
 def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
-    """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose file changed
-    since it was written taken as not finished (and removed)."""
-    return [s.index for s in plan.shards
-            if not shard_state(rd, s.index, fingerprint=plan.fingerprint, verify=True, remove=True).finished]
+    """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose
+    file changed since it was written taken as not finished (and removed)."""
+    return [
+        s.index
+        for s in plan.shards
+        if not shard_state(
+            rd, s.index, fingerprint=plan.fingerprint, verify=True, remove=True
+        ).finished
+    ]

@@ -1,15 +1,16 @@
-"""`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, and an exit code that
-says whether the run is complete and healthy.
+"""`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, and an
+exit code that says whether the run is complete and healthy.
 
-State comes from the files a run directory holds (done manifests, progress files) and, for runs submitted
-to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct` (history, may lag a few
-seconds or have no row yet). Every Slurm command is bounded (cluster.commands.TIMEOUT_S); when sacct does not
-answer (slurmdbd down), `scontrol show job` tells what slurmctld still remembers; what nobody could tell is
-`unknown`, with why, never guessed as `submitted`, and `status` exits 4 (EXIT_UNKNOWN). `status` exits 0 only for
-a run that is complete and healthy (cluster.verdicts says each code).
+State comes from the files a run directory holds (done manifests, progress files) and, for runs
+submitted to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct`
+(history, may lag a few seconds or have no row yet). Every Slurm command is bounded
+(cluster.commands.TIMEOUT_S); when sacct does not answer (slurmdbd down), `scontrol show job` tells
+what slurmctld still remembers; what nobody could tell is `unknown`, with why, never guessed as
+`submitted`, and `status` exits 4 (EXIT_UNKNOWN). `status` exits 0 only for a run that is complete
+and healthy (cluster.verdicts says each code).
 
-This module is the edge: it reads the files and asks Slurm (`read_facts`), then cluster.verdicts derives every
-state from those facts with pure functions; it formats the table.
+This module is the edge: it reads the files and asks Slurm (`read_facts`), then cluster.verdicts
+derives every state from those facts with pure functions; it formats the table.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from toolkit.job.spec import JobSpec
 
 
 class RunStatus(msgspec.Struct):
-    """`toolkit status RUN --json`: one object, the same figures as the table, and the exit code with its reason."""
+    """`toolkit status RUN --json`: one object, the same figures as the table, and the exit code
+    with its reason."""
 
     run: str
     shards: list[ShardStatus]
@@ -59,22 +61,31 @@ class RunStatus(msgspec.Struct):
     merge: MergeStatus
     exit: int = 0
     verdict: str = ""
-    tasks: list[TaskStatus] = []  # the workers of the newest submission or run: shards taken, engine starts
+    # the workers of the newest submission or run: shards taken, engine starts
+    tasks: list[TaskStatus] = []
 
 
 def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
                   tasks: list[TaskStatus] | None = None) -> RunStatus:
     code, why = verdict(rows, merge, rd.shown)
-    return RunStatus(run=str(Path(rd.root).resolve()), shards=rows, totals=totals(rows), merge=merge, exit=code,
-                     verdict=why, tasks=tasks or [])
+    return RunStatus(
+        run=str(Path(rd.root).resolve()),
+        shards=rows,
+        totals=totals(rows),
+        merge=merge,
+        exit=code,
+        verdict=why,
+        tasks=tasks or [],
+    )
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the edge: Slurm's answers and the run's files
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def slurm_view(ids: list[str]) -> SlurmView:
-    """What Slurm says of `ids` (jobs, array jobs): squeue and sacct, and `scontrol show job` for each when sacct
-    does not answer but slurmctld does. Every command is bounded (cluster.commands.TIMEOUT_S)."""
+    """What Slurm says of `ids` (jobs, array jobs): squeue and sacct, and `scontrol show job` for
+    each when sacct does not answer but slurmctld does. Every command is bounded
+    (cluster.commands.TIMEOUT_S)."""
     if not ids:
         return view_of_answers(None, None)
     joined = ",".join(ids)
@@ -86,8 +97,8 @@ def slurm_view(ids: list[str]) -> SlurmView:
 
 
 def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
-    """Everything one refresh reads: jobs.json, each shard's done manifest and progress, whether a local worker
-    is gone, Slurm's answers, the time."""
+    """Everything one refresh reads: jobs.json, each shard's done manifest and progress, whether a
+    local worker is gone, Slurm's answers, the time."""
     from toolkit.cluster.jobs import read_jobs
 
     run = Run.open(run_dir, JobSpec)  # read-only: status writes nothing into the run
@@ -104,7 +115,13 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
             last_done = max(last_done, done_time(rd, s.index) or 0.0)
         local = done is None and s.index not in jobs.task_of and s.index not in jobs.pool_of
         runner = next((r for r in live if s.index in r.shards), None) if local else None
-        if runner is not None and p is not None and p.state == "failed" and p.group and p.group == runner.group:
+        if (
+            runner is not None
+            and p is not None
+            and p.state == "failed"
+            and p.group
+            and p.group == runner.group
+        ):
             runner = None  # failed in that run's workers: not claimed again by them
         shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
                                  gone=worker_gone(p) if local and p is not None else None,
@@ -113,14 +130,25 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     current = merged_at is not None and merged_at >= last_done
     audit = _audit_verdict(rd, merged_at)
     damaged = None
-    if merged_at is not None:  # its sha256 is read only when the rest says complete: exit 0 vouches for it
+    # its sha256 is read only when the rest says complete: exit 0 vouches for it
+    if merged_at is not None:
         from toolkit.dataset.merge import merged_file_problem
 
         whole = current and audit == "passed" and all(f.done is not None for f in shards)
         damaged = merged_file_problem(rd, checksum=whole)
-    return rd, RunFacts(run_shown=rd.shown, shards=shards, jobs=jobs, view=view, merged=merged_at is not None,
-                        now=time.time(), merged_current=current, audit=audit,
-                        merging=next((_who(r) for r in live if r.merges), None), merged_damaged=damaged, noun=plan.noun)
+    return rd, RunFacts(
+        run_shown=rd.shown,
+        shards=shards,
+        jobs=jobs,
+        view=view,
+        merged=merged_at is not None,
+        now=time.time(),
+        merged_current=current,
+        audit=audit,
+        merging=next((_who(r) for r in live if r.merges), None),
+        merged_damaged=damaged,
+        noun=plan.noun,
+    )
 
 
 def _who(r: LocalRun) -> str:
@@ -139,12 +167,17 @@ class _Verdict(msgspec.Struct):
 
 
 def _audit_verdict(rd: RunDir, merged_at: float | None) -> str | None:
-    """"passed" / "failed": the verdict of audit.json when it audits the current merge (written after it); else None."""
+    """"passed" / "failed": the verdict of audit.json when it audits the current merge (written
+    after it); else None."""
     at = _mtime(rd.audit_json)
     if merged_at is None or at is None or at < merged_at:
         return None
     try:
-        return "passed" if msgspec.json.decode(rd.audit_json.read_bytes(), type=_Verdict).passed else "failed"
+        return (
+            "passed"
+            if msgspec.json.decode(rd.audit_json.read_bytes(), type=_Verdict).passed
+            else "failed"
+        )
     except (OSError, msgspec.MsgspecError):
         return "failed"  # an audit.json that cannot be read vouches for nothing
 
@@ -154,22 +187,32 @@ def run_status(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], M
     return rd, rows, merge
 
 
-def run_status_tasks(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus]]:
+def run_status_tasks(
+    run_dir: str | os.PathLike,
+) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus]]:
     """`run_status`, and the workers of the newest submission or run (task_rows)."""
     rd, rows, merge, tasks, _ = _status_once(run_dir)
     return rd, rows, merge, tasks
 
 
-def _status_once(run_dir: str | os.PathLike) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus], str]:
+def _status_once(
+    run_dir: str | os.PathLike,
+) -> tuple[RunDir, list[ShardStatus], MergeStatus, list[TaskStatus], str]:
     """`run_status_tasks`, and what a planned record is called (RunPlan.noun)."""
     rd, facts = read_facts(run_dir)
     rows, merge = run_states(facts)
-    return rd, rows, merge, task_rows(facts.shards, {r.shard for r in rows if r.state == "running"}), facts.noun
+    return (
+        rd,
+        rows,
+        merge,
+        task_rows(facts.shards, {r.shard for r in rows if r.state == "running"}),
+        facts.noun,
+    )
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # status
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _fmt_eta(s: float | None) -> str:
     if s is None:
         return "-"
@@ -182,34 +225,47 @@ def _fmt_load(r: ShardStatus) -> str:
 
 
 def format_tasks(tasks: list[TaskStatus]) -> list[str]:
-    """`tasks: 12_0 on vm: shards 0,2,5 (engine started 1 time), now 5; ...`: who took which shard."""
+    """`tasks: 12_0 on vm: shards 0,2,5 (engine started 1 time), now 5; ...`: who took which
+    shard."""
     if not tasks:
         return []
     out = []
     for t in tasks:
         starts = f"engine started {t.engine_starts} time{'s' if t.engine_starts != 1 else ''}"
         now = f", now shard {t.working_on}" if t.working_on is not None else ""
-        out.append(f"  {t.task}{f' on {t.node}' if t.node else ''}: shards {','.join(map(str, t.shards))} ({starts}{now})")
+        out.append(
+            f"  {t.task}{f' on {t.node}' if t.node else ''}: shards {','.join(map(str, t.shards))} "
+            f"({starts}{now})"
+        )
     total = sum(t.engine_starts for t in tasks)
     return [f"tasks: {len(tasks)}, {total} engine start{'s' if total != 1 else ''} in all", *out]
 
 
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
                   tasks: list[TaskStatus] | None = None, noun: str = "prompt") -> str:
-    head = (f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} {'LOOPS':>5} "
-            f"{'OUT TOKENS':>11} "
-            f"{'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  REASON")
+    head = (
+        f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} "
+        f"{'LOOPS':>5} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  "
+        "REASON"
+    )
     lines = [f"run {rd.shown}", head]
     for r in rows:
         kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
         why = "; ".join(x for x in (r.reason, r.stale) if x)
-        lines.append((f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
-                      f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.loops:>5} {r.output_tokens:>11,} {r.tok_per_s:>8.0f} "
-                      f"{_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}").rstrip())
+        lines.append(
+            (
+                f"{r.shard:>5} {r.state:<11} {r.job or '-':<12} {(r.node or '-')[:10]:<10} "
+                f"{f'{r.done}/{r.total}':>11} {r.failed:>6} {r.loops:>5} {r.output_tokens:>11,} "
+                f"{r.tok_per_s:>8.0f} {_fmt_eta(r.eta_s):>8} {_fmt_load(r):>9} {kv:>4}  {why}"
+            ).rstrip()
+        )
     t = totals(rows)
     loops = f"{t.loops} stopped in a repetition loop, " if t.loops else ""
-    lines.append(f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {loops}{t.output_tokens:,} output tokens, "
-                 f"{t.tok_per_s:,.0f} tok/s; shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items()))
+    lines.append(
+        f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {loops}{t.output_tokens:,} output "
+        f"tokens, {t.tok_per_s:,.0f} tok/s; "
+        "shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items())
+    )
     lines += format_tasks(tasks or [])
     if merge.job or merge.merged or merge.state:
         files = []
@@ -221,10 +277,16 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
             if merge.current:
                 files.append(f"audit {merge.audit}" if merge.audit else "not audited")
         if merge.job:
-            lines.append(f"merge: job {merge.job} {merge.state or ''}" + (f" ({merge.reason})" if merge.reason else "")
-                         + (f" ({', '.join(files)})" if files else ""))
+            lines.append(
+                f"merge: job {merge.job} {merge.state or ''}"
+                + (f" ({merge.reason})" if merge.reason else "")
+                + (f" ({', '.join(files)})" if files else "")
+            )
         elif merge.state:  # a `toolkit run` here merges once its shards are done
-            lines.append(f"merge: {merge.state} ({merge.reason})" + (f" ({', '.join(files)})" if files else ""))
+            lines.append(
+                f"merge: {merge.state} ({merge.reason})"
+                + (f" ({', '.join(files)})" if files else "")
+            )
         else:  # merged here (`toolkit run`, `toolkit merge`)
             lines.append(f"merge: {', '.join(files)}")
     note = unknown_note(rows, merge)
@@ -243,19 +305,31 @@ def unknown_note(rows: list[ShardStatus], merge: MergeStatus) -> str | None:
         whys = list(dict.fromkeys([*whys, merge.reason]))
     if not unknown and merge.state != UNKNOWN:
         return None
-    what = f"{len(unknown)} shard{'s' if len(unknown) != 1 else ''}" + (" and the merge job" if merge.state == UNKNOWN else "")
-    return (f"slurm: the state of {what} is unknown ({whys[0] if whys else 'Slurm did not answer'}"
-            f"{f'; and {len(whys) - 1} more' if len(whys) > 1 else ''}); DONE and OUT TOKENS come from the run "
-            f"directory and are current. Check that slurmctld (squeue) and slurmdbd (sacct) answer, then run status "
-            f"again (exit {EXIT_UNKNOWN})")
+    what = f"{len(unknown)} shard{'s' if len(unknown) != 1 else ''}" + (
+        " and the merge job" if merge.state == UNKNOWN else ""
+    )
+    first = whys[0] if whys else "Slurm did not answer"
+    more = f"; and {len(whys) - 1} more" if len(whys) > 1 else ""
+    return (
+        f"slurm: the state of {what} is unknown ({first}{more}); "
+        "DONE and OUT TOKENS come from the run directory and are current. Check that slurmctld "
+        f"(squeue) and slurmdbd (sacct) answer, then run status again (exit {EXIT_UNKNOWN})"
+    )
 
 
 UNKNOWN_LIMIT_S = 600.0  # --watch gives up after the state has been unknown this long
 
 
-def status_command(run: str | os.PathLike, *, watch: bool = False, interval: float = 5.0, as_json: bool = False,
-                   unknown_limit_s: float = UNKNOWN_LIMIT_S) -> int:
-    """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run ends."""
+def status_command(
+    run: str | os.PathLike,
+    *,
+    watch: bool = False,
+    interval: float = 5.0,
+    as_json: bool = False,
+    unknown_limit_s: float = UNKNOWN_LIMIT_S,
+) -> int:
+    """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run
+    ends."""
     unknown_since: float | None = None
     while True:
         rd, rows, merge, tasks, noun = _status_once(run)
@@ -275,14 +349,20 @@ def status_command(run: str | os.PathLike, *, watch: bool = False, interval: flo
             unknown_since = time.monotonic()
         if unknown and not as_json:
             waited = time.monotonic() - unknown_since
-            text += (f"\nstill refreshing every {interval:g} s: the state has been unknown for {waited:.0f} s; "
-                     f"gives up (exit {EXIT_UNKNOWN}) after {unknown_limit_s:.0f} s")
+            text += (
+                f"\nstill refreshing every {interval:g} s: the state has been unknown for "
+                f"{waited:.0f} s; gives up (exit {EXIT_UNKNOWN}) after {unknown_limit_s:.0f} s"
+            )
         sys.stdout.write(("" if as_json else "\x1b[H\x1b[2J") + text + "\n")
         sys.stdout.flush()
         if unknown:
             if time.monotonic() - unknown_since >= unknown_limit_s:
-                print(f"toolkit: error: the state of the run stayed unknown for {unknown_limit_s:.0f} s (Slurm does "
-                      f"not answer); `toolkit status {rd.shown}` once it does", file=sys.stderr)
+                print(
+                    "toolkit: error: the state of the run stayed unknown for "
+                    f"{unknown_limit_s:.0f} s (Slurm does not answer); `toolkit status {rd.shown}` "
+                    "once it does",
+                    file=sys.stderr,
+                )
                 return EXIT_UNKNOWN
         else:
             finished = all(r.state not in ACTIVE for r in rows)

@@ -1,14 +1,17 @@
-"""The state of each shard and of the merge job, derived from facts already read: pure functions, no I/O.
+"""The state of each shard and of the merge job, derived from facts already read: pure functions, no
+I/O.
 
-`cluster.status` reads the facts at the edge (the run's done manifests and progress files, `slurm/jobs.json`, the
-answers of squeue, sacct and `scontrol show job`, whether a local worker's pid is gone, the time) and hands them
-here. From Slurm's answers `view_of_answers` builds one `SlurmView`; from it and a shard's files `shard_status`
-derives a `ShardStatus`, and `merge_status` the merge job's `MergeStatus`. A shard whose done manifest exists is
-completed whatever Slurm still says about its task; what no answer tells is `unknown`, with why, never guessed
-as `submitted` (except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet). When slurmctld
-does not answer, sacct's rows of jobs still live (PENDING, RUNNING, ...) are what slurmdbd last heard, not what
-is: those states are unknown too. A generating worker's progress file far older than its refresh interval is
-stale: no pace or ETA is read from it. `verdict` gives `status`'s exit code and the sentence that explains it.
+`cluster.status` reads the facts at the edge (the run's done manifests and progress files,
+`slurm/jobs.json`, the answers of squeue, sacct and `scontrol show job`, whether a local worker's
+pid is gone, the time) and hands them here. From Slurm's answers `view_of_answers` builds one
+`SlurmView`; from it and a shard's files `shard_status` derives a `ShardStatus`, and `merge_status`
+the merge job's `MergeStatus`. A shard whose done manifest exists is completed whatever Slurm still
+says about its task; what no answer tells is `unknown`, with why, never guessed as `submitted`
+(except for a job submitted less than SACCT_LAG_S ago, which sacct may not list yet). When slurmctld
+does not answer, sacct's rows of jobs still live (PENDING, RUNNING, ...) are what slurmdbd last
+heard, not what is: those states are unknown too. A generating worker's progress file far older than
+its refresh interval is stale: no pace or ETA is read from it. `verdict` gives `status`'s exit code
+and the sentence that explains it.
 """
 
 from __future__ import annotations
@@ -25,36 +28,97 @@ from toolkit.formats.progress import REFRESH_S, Progress, stale_for
 from toolkit.formats.text import ranges
 
 __all__ = [
-    "ACTIVE", "BAD_STATES", "DEAD", "NOT_STARTED", "STALE", "UNFINISHED", "UNKNOWN", "JobsIndex", "MergeStatus", "RunFacts", "ShardFacts",
-    "ShardStatus", "SlurmJob", "SlurmView", "TaskStatus", "Totals", "claimed_by", "exit_code", "expand", "index_jobs", "is_unknown", "merge_status",
-    "parse_sacct", "parse_scontrol", "parse_squeue", "pool_state", "run_states", "shard_status", "view_of_answers",
-    "task_rows", "totals", "unknown_why",
+    "ACTIVE",
+    "BAD_STATES",
+    "DEAD",
+    "NOT_STARTED",
+    "STALE",
+    "UNFINISHED",
+    "UNKNOWN",
+    "JobsIndex",
+    "MergeStatus",
+    "RunFacts",
+    "ShardFacts",
+    "ShardStatus",
+    "SlurmJob",
+    "SlurmView",
+    "TaskStatus",
+    "Totals",
+    "claimed_by",
+    "exit_code",
+    "expand",
+    "index_jobs",
+    "is_unknown",
+    "merge_status",
+    "parse_sacct",
+    "parse_scontrol",
+    "parse_squeue",
+    "pool_state",
+    "run_states",
+    "shard_status",
+    "view_of_answers",
+    "task_rows",
+    "totals",
+    "unknown_why",
     "verdict",
 ]
 
 UNKNOWN = "unknown"
-NOT_STARTED = "not_started"  # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
+# a shard not submitted to Slurm that no attempt has started, and nothing runs it now
+NOT_STARTED = "not_started"
 UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
-STALE = "stale"  # a local worker's progress says generating, but the file has not been written for far too long
+# a local worker's progress says generating, but the file has not been written for far too long
+STALE = "stale"
 ACTIVE = ("pending", "running", "submitted", "requeued", "configuring", "completing")
 # States after which a shard does not finish without someone acting (resubmit, retry, resume).
-BAD_STATES = ("failed", DEAD, STALE, "timeout", "cancelled", "node_fail", "out_of_memory", "incomplete", "preempted",
-              "boot_fail", "deadline")
-# Slurm's states of a job that has ended: final, so sacct's word for them holds even when slurmctld is down.
-TERMINAL = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-                      "PREEMPTED", "TIMEOUT"})
-SACCT_LAG_S = 120  # a job neither squeue nor sacct knows this long after its submission is unknown, not submitted
-NO_SUCH_JOB = "Invalid job id specified"  # squeue/scontrol of ids all gone from slurmctld: not a failure
-_LOCAL_STATES = {"done": "completed", "generating": "running", "loading": "running", "starting": "running"}
+BAD_STATES = (
+    "failed",
+    DEAD,
+    STALE,
+    "timeout",
+    "cancelled",
+    "node_fail",
+    "out_of_memory",
+    "incomplete",
+    "preempted",
+    "boot_fail",
+    "deadline",
+)
+# Slurm's states of a job that has ended: final, so sacct's word for them holds even when slurmctld
+# is down.
+TERMINAL = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
+# a job neither squeue nor sacct knows this long after its submission is unknown, not submitted
+SACCT_LAG_S = 120
+# squeue/scontrol of ids all gone from slurmctld: not a failure
+NO_SUCH_JOB = "Invalid job id specified"
+_LOCAL_STATES = {
+    "done": "completed",
+    "generating": "running",
+    "loading": "running",
+    "starting": "running",
+}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # results
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class ShardStatus(msgspec.Struct):
     shard: int
-    state: str          # pending running completed failed cancelled requeued timeout stopped incomplete ...
+    # pending running completed failed cancelled requeued timeout stopped incomplete ...
+    state: str
     done: int
     total: int
     failed: int
@@ -64,13 +128,18 @@ class ShardStatus(msgspec.Struct):
     job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
     node: str | None
     error: str | None
-    reason: str | None = None  # why a pending task waits (squeue's REASON), or why the state is unknown
-    running: int | None = None    # requests the engine generates / keeps queued (its /v1/loads), while running
+    # why a pending task waits (squeue's REASON), or why the state is unknown
+    reason: str | None = None
+    # requests the engine generates / keeps queued (its /v1/loads), while running
+    running: int | None = None
     queued: int | None = None
     kv_usage: float | None = None  # share of the engine's KV cache in use
-    transient: int = 0             # of the failed records, those that may pass when generated again (done manifest)
-    stale: str | None = None       # why the progress file is not believed (not written for far too long)
-    # outputs stopped in a repetition loop ([client] loop_stop): the shard's records with finish "loop" (done
+    # of the failed records, those that may pass when generated again (done manifest)
+    transient: int = 0
+    # why the progress file is not believed (not written for far too long)
+    stale: str | None = None
+    # outputs stopped in a repetition loop ([client] loop_stop): the shard's records with finish
+    # "loop" (done
     # manifest) once it is done; before, those its current (or last) attempt stopped (progress file)
     loops: int = 0
 
@@ -81,8 +150,10 @@ class MergeStatus(msgspec.Struct):
     merged: bool         # merged/manifest.json exists
     reason: str | None = None  # why it is pending, or why its state is unknown
     current: bool = True       # the merge is newer than every shard's done manifest
-    audit: str | None = None   # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
-    damaged: str | None = None  # what is wrong with the merged dataset against its manifest (None: intact)
+    # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
+    audit: str | None = None
+    # what is wrong with the merged dataset against its manifest (None: intact)
+    damaged: str | None = None
 
 
 class Totals(msgspec.Struct):
@@ -95,13 +166,14 @@ class Totals(msgspec.Struct):
     loops: int = 0           # outputs stopped in a repetition loop (ShardStatus.loops, summed)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # what Slurm said
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class SlurmJob(msgspec.Struct):
     state: str                   # Slurm's word, upper case: PENDING RUNNING COMPLETED REQUEUED ...
     node: str | None = None
-    reason: str | None = None    # why a pending job waits (squeue %r: Priority, Resources, Dependency, ...)
+    # why a pending job waits (squeue %r: Priority, Resources, Dependency, ...)
+    reason: str | None = None
 
 
 class SlurmView(msgspec.Struct):
@@ -110,7 +182,8 @@ class SlurmView(msgspec.Struct):
     jobs: dict[str, SlurmJob]    # {job or array-task id: state}
     sacct: str | None = None     # why sacct gave no answer (None: it answered)
     squeue: str | None = None    # why squeue gave no answer (None: it answered)
-    stale: dict[str, str] = {}   # {id: live state sacct last heard of} when slurmctld did not answer: not believed
+    # {id: live state sacct last heard of} when slurmctld did not answer: not believed
+    stale: dict[str, str] = {}
 
 
 def expand(jid: str) -> list[str]:
@@ -127,7 +200,8 @@ def expand(jid: str) -> list[str]:
 
 
 def _lines(a: SlurmAnswer) -> tuple[list[str], str | None]:
-    """(the answer's lines, why there is no answer): ids Slurm no longer knows are an empty answer."""
+    """(the answer's lines, why there is no answer): ids Slurm no longer knows are an empty
+    answer."""
     if a.ok:
         return a.out.splitlines(), None
     if a.problem == FAILED and NO_SUCH_JOB in a.why:
@@ -141,7 +215,8 @@ def _reason(r: str) -> str | None:
 
 
 def parse_sacct(lines: list[str]) -> tuple[dict[str, SlurmJob], set[str]]:
-    """`sacct -n -P -X -D --format=JobID,State,NodeList` rows: ({id: job}, ids that were requeued)."""
+    """`sacct -n -P -X -D --format=JobID,State,NodeList` rows: ({id: job}, ids that were
+    requeued)."""
     jobs: dict[str, SlurmJob] = {}
     requeued: set[str] = set()
     for line in lines:
@@ -167,7 +242,8 @@ def parse_squeue(lines: list[str]) -> dict[str, SlurmJob]:
 
 
 def parse_scontrol(lines: list[str], job_id: str) -> dict[str, SlurmJob]:
-    """`scontrol show job -o ID` lines: what slurmctld still remembers of a job (MinJobAge after it ended)."""
+    """`scontrol show job -o ID` lines: what slurmctld still remembers of a job (MinJobAge after it
+    ended)."""
     jobs = {}
     for line in lines:
         f = dict(x.split("=", 1) for x in line.split() if "=" in x)
@@ -177,22 +253,28 @@ def parse_scontrol(lines: list[str], job_id: str) -> dict[str, SlurmJob]:
         node = None if node in (None, "", "(null)") else node
         state = SlurmJob(f["JobState"], node, _reason(f.get("Reason", "")))
         task = f.get("ArrayTaskId")
-        ids = expand(f"{f['ArrayJobId']}_[{task}]") if task and f.get("ArrayJobId") else [f.get("JobId", job_id)]
+        ids = (
+            expand(f"{f['ArrayJobId']}_[{task}]")
+            if task and f.get("ArrayJobId")
+            else [f.get("JobId", job_id)]
+        )
         for j in ids:
             jobs[j] = state
     return jobs
 
 
 def needs_scontrol(sacct: SlurmAnswer, squeue: SlurmAnswer) -> bool:
-    """When sacct did not answer but squeue did, slurmctld is asked about the jobs that left the queue."""
+    """When sacct did not answer but squeue did, slurmctld is asked about the jobs that left the
+    queue."""
     return _lines(sacct)[1] is not None and _lines(squeue)[1] is None
 
 
 def view_of_answers(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
                scontrol: dict[str, SlurmAnswer] | None = None) -> SlurmView:
-    """One view of the answers: squeue for live jobs (slurmctld), sacct for the rest (slurmdbd; REQUEUED kept
-    visible), `scontrol show job` ({job id: answer}) for what slurmctld still knows when sacct did not answer.
-    No answers at all (None): nothing was asked (a run never submitted)."""
+    """One view of the answers: squeue for live jobs (slurmctld), sacct for the rest (slurmdbd;
+    REQUEUED kept visible), `scontrol show job` ({job id: answer}) for what slurmctld still knows
+    when sacct did not answer. No answers at all (None): nothing was asked (a run never
+    submitted)."""
     view = SlurmView(jobs={})
     if sacct is None or squeue is None:
         return view
@@ -208,18 +290,20 @@ def view_of_answers(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
         st = view.jobs.get(j, SlurmJob("REQUEUED"))
         if st.state in ("PENDING", "REQUEUED"):
             view.jobs[j] = SlurmJob("REQUEUED", st.node, st.reason)
-    if view.squeue:  # slurmctld did not answer: a live state in sacct is only what slurmdbd heard last
+    # slurmctld did not answer: a live state in sacct is only what slurmdbd heard last
+    if view.squeue:
         view.stale = {j: st.state for j, st in view.jobs.items() if st.state not in TERMINAL}
         view.jobs = {j: st for j, st in view.jobs.items() if j not in view.stale}
     return view
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # what was submitted
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class JobsIndex(msgspec.Struct):
-    """jobs.json arranged for status (later submissions win): the task that runs each shard of an array of one
-    shard per task, the array whose tasks claim each shard of a claiming array (its pool), and the merge job."""
+    """jobs.json arranged for status (later submissions win): the task that runs each shard of an
+    array of one shard per task, the array whose tasks claim each shard of a claiming array (its
+    pool), and the merge job."""
 
     task_of: dict[int, str]          # {shard: Slurm task id}
     submitted_at: dict[str, str]     # {task or array job id: ISO time of its submission}
@@ -259,23 +343,32 @@ def index_jobs(submissions) -> JobsIndex:
 
 
 def claimed_by(p: Progress | None, array: str) -> str | None:
-    """The task of claiming array `array` that works (or worked) on a shard, as its progress file says; None when
-    no task of that array has claimed it."""
+    """The task of claiming array `array` that works (or worked) on a shard, as its progress file
+    says; None when no task of that array has claimed it."""
     if p is None or not p.task or p.group != array:
         return None
     return p.task
 
 
-def pool_state(view: SlurmView, array: str, tasks: list[str], submitted: str, now: float) -> tuple[str, str | None]:
-    """The state of a shard no task of claiming array `array` has claimed yet, from its tasks: pending while one of
-    them is pending or running (it will claim it), incomplete once they have all ended without it, else unknown
-    (with why) or only submitted."""
+def pool_state(
+    view: SlurmView, array: str, tasks: list[str], submitted: str, now: float
+) -> tuple[str, str | None]:
+    """The state of a shard no task of claiming array `array` has claimed yet, from its tasks:
+    pending while one of them is pending or running (it will claim it), incomplete once they have
+    all ended without it, else unknown (with why) or only submitted."""
     known = {t: view.jobs[t] for t in tasks if t in view.jobs}
     live = [t for t, j in known.items() if j.state.lower() in ACTIVE]
-    if live and all(known[t].state in ("PENDING", "REQUEUED") for t in live):  # why they wait, as squeue says
-        return "pending", known[live[0]].reason or f"not claimed yet: the tasks of array {array} are pending"
+    # why they wait, as squeue says
+    if live and all(known[t].state in ("PENDING", "REQUEUED") for t in live):
+        return "pending", known[
+            live[0]
+        ].reason or f"not claimed yet: the tasks of array {array} are pending"
     if live:
-        return "pending", f"not claimed yet: {len(live)} of the {len(tasks)} tasks of array {array} claim shards as they free up"
+        return (
+            "pending",
+            f"not claimed yet: {len(live)} of the {len(tasks)} tasks of array {array} claim shards "
+            "as they free up",
+        )
     if len(known) == len(tasks):
         return "incomplete", f"no task of array {array} claimed it before they all ended"
     missing = next(t for t in tasks if t not in known)
@@ -283,9 +376,9 @@ def pool_state(view: SlurmView, array: str, tasks: list[str], submitted: str, no
     return (UNKNOWN, why) if why else ("submitted", f"not claimed yet: array {array} submitted")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the states
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _age_s(submitted: str, now: float) -> float | None:
     try:
         return now - _dt.datetime.fromisoformat(submitted).timestamp()
@@ -294,12 +387,15 @@ def _age_s(submitted: str, now: float) -> float | None:
 
 
 def unknown_why(view: SlurmView, job: str, submitted: str, now: float) -> str | None:
-    """Why the state of `job`, which no answer named, cannot be known (None: it is only submitted yet)."""
+    """Why the state of `job`, which no answer named, cannot be known (None: it is only submitted
+    yet)."""
     if view.sacct and view.squeue:
         return f"{view.squeue}; {view.sacct}"
     if job in view.stale:
-        return (f"{view.squeue}; sacct still says {view.stale[job].lower()}, which only slurmctld could confirm "
-                f"(slurmdbd keeps the last state it was told)")
+        return (
+            f"{view.squeue}; sacct still says {view.stale[job].lower()}, which only slurmctld "
+            "could confirm (slurmdbd keeps the last state it was told)"
+        )
     if view.sacct:
         return f"{view.sacct}; squeue and scontrol no longer know job {job}"
     if view.squeue:
@@ -317,18 +413,22 @@ class ShardFacts(msgspec.Struct):
     total: int                       # prompts it owns
     done: DoneManifest | None        # its done manifest
     progress: Progress | None        # its progress file
-    gone: str | None = None          # why its local worker is gone (progress.worker_gone), when it is
-    runner: str | None = None        # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
+    # why its local worker is gone (progress.worker_gone), when it is
+    gone: str | None = None
+    # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
+    runner: str | None = None
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
                  run_shown: str, unclaimed: tuple[str, str | None] | None = None) -> ShardStatus:
-    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then `unclaimed` (the
-    state and reason of a shard no task of its claiming array has claimed yet: pool_state), else (no Slurm
-    job: `toolkit run`) its progress file and whether its local worker is still alive."""
+    """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then
+    `unclaimed` (the state and reason of a shard no task of its claiming array has claimed yet:
+    pool_state), else (no Slurm job: `toolkit run`) its progress file and whether its local worker
+    is still alive."""
     k, done = f.shard, f.done
     p = f.progress or Progress(shard=k, state="pending", total=f.total)
-    if unclaimed is not None and job is None:  # the progress file, if any, is of an earlier submission's attempt
+    # the progress file, if any, is of an earlier submission's attempt
+    if unclaimed is not None and job is None:
         p = msgspec.structs.replace(p, host="", error=None, state="pending")
     error = p.error
     stale_s = stale_for(p, now) if done is None else None
@@ -339,7 +439,8 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         state, reason = "completed", None
     elif known:
         state = known.state.lower()
-        if state == "completed":  # the task ended without finishing the shard (e.g. stopped, not requeued)
+        # the task ended without finishing the shard (e.g. stopped, not requeued)
+        if state == "completed":
             state = "incomplete"
     elif job:
         reason = unknown_why(view, job, submitted, now)
@@ -349,10 +450,14 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         error = None
     elif f.gone:
         state = DEAD
-        error = f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit run JOB`)"
-    else:  # not submitted to Slurm: its progress file, whether its worker lives, whether a live process will run it
+        error = (f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit "
+                 "run JOB`)")
+    # not submitted to Slurm: its progress file, whether its worker lives, whether a live process
+    # will run it
+    else:
         state = _LOCAL_STATES.get(p.state, p.state)
-        if state == "running" and stale_s is not None:  # the progress file is all there is to go by, and it is old
+        # the progress file is all there is to go by, and it is old
+        if state == "running" and stale_s is not None:
             state = STALE
         elif state != "running" and f.runner:
             state, reason, error = "pending", f"{f.runner} runs it next", None
@@ -360,28 +465,52 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
             state = NOT_STARTED
         elif state == "completed":  # (a done manifest, had it been readable, was taken above)
             state = UNFINISHED
-            error = ("its worker finished it, but its done manifest is missing or damaged: the shard is taken as "
-                     f"not done; `toolkit retry {run_shown}` checks its file and writes the manifest again")
+            error = (
+                "its worker finished it, but its done manifest is missing or damaged: the shard "
+                f"is taken as not done; `toolkit retry {run_shown}` checks its file and writes the "
+                "manifest again"
+            )
     stale = None
     if stale_s is not None and state in ("running", UNKNOWN, STALE):
-        stale = (f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
-                 f"{REFRESH_S:g} s): its worker is dead or hung")
+        stale = (
+            f"progress file not written for {stale_s:.0f} s (a generating worker writes it every "
+            f"{REFRESH_S:g} s): its worker is dead or hung"
+        )
     running = state == "running" and stale is None
     return ShardStatus(
-        shard=k, state=state, done=done.records if done else p.done, total=f.total,
-        failed=done.failed if done else p.failed, output_tokens=done.output_tokens if done else p.output_tokens,
-        tok_per_s=p.tok_per_s if running else 0.0, eta_s=p.eta_s() if running else None,
-        job=job, node=node or (p.host or None), error=error, reason=reason,
-        transient=done.transient + done.given_up if done else 0,  # (given up after max_tries: retry starts afresh)
+        shard=k,
+        state=state,
+        done=done.records if done else p.done,
+        total=f.total,
+        failed=done.failed if done else p.failed,
+        output_tokens=done.output_tokens if done else p.output_tokens,
+        tok_per_s=p.tok_per_s if running else 0.0,
+        eta_s=p.eta_s() if running else None,
+        job=job,
+        node=node or (p.host or None),
+        error=error,
+        reason=reason,
+        # (given up after max_tries: retry starts afresh)
+        transient=done.transient + done.given_up if done else 0,
         loops=done.loops if done else p.loops_stopped,
-        stale=stale, **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
+        stale=stale,
+        **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
     )
 
 
-def merge_status(view: SlurmView, *, job: str | None, submitted: str, merged: bool, now: float, current: bool = True,
-                 audit: str | None = None) -> MergeStatus:
-    """The merge + audit job's state: what Slurm says, else unknown (with why) or only submitted; and what the run
-    directory says of the merge (`merged`, `current`: newer than every done manifest; `audit`: its verdict)."""
+def merge_status(
+    view: SlurmView,
+    *,
+    job: str | None,
+    submitted: str,
+    merged: bool,
+    now: float,
+    current: bool = True,
+    audit: str | None = None,
+) -> MergeStatus:
+    """The merge + audit job's state: what Slurm says, else unknown (with why) or only submitted;
+    and what the run directory says of the merge (`merged`, `current`: newer than every done
+    manifest; `audit`: its verdict)."""
     files = {"merged": merged, "current": current, "audit": audit}
     if not job:
         return MergeStatus(job=None, state=None, **files)
@@ -403,29 +532,49 @@ class RunFacts(msgspec.Struct):
     merged: bool                 # merged/manifest.json exists
     now: float                   # Unix time of the refresh
     merged_current: bool = True  # merged/manifest.json is newer than every done manifest
-    audit: str | None = None     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
-    merging: str | None = None   # a live `toolkit run` (or retry) that merges the run once its shards are done
+    # "passed" / "failed": audit.json's verdict on the current merge (None: none)
+    audit: str | None = None
+    # a live `toolkit run` (or retry) that merges the run once its shards are done
+    merging: str | None = None
     merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
-    noun: str = "prompt"         # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
+    # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
+    noun: str = "prompt"
 
 
 def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
     array = f.jobs.pool_of.get(s.shard)
     if array is None:
         job = f.jobs.task_of.get(s.shard)
-        return shard_status(s, f.view, job=job, submitted=f.jobs.submitted_at.get(job or "", ""), now=f.now,
-                            run_shown=f.run_shown)
+        return shard_status(
+            s,
+            f.view,
+            job=job,
+            submitted=f.jobs.submitted_at.get(job or "", ""),
+            now=f.now,
+            run_shown=f.run_shown,
+        )
     submitted = f.jobs.submitted_at.get(array, "")
     job = claimed_by(s.progress, array)
-    unclaimed = None if job else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
+    unclaimed = (
+        None
+        if job
+        else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
+    )
     return shard_status(s, f.view, job=job, submitted=submitted, now=f.now, run_shown=f.run_shown,
                         unclaimed=unclaimed)
 
 
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
     rows = [_row(s, f) for s in f.shards]
-    merge = merge_status(f.view, job=f.jobs.merge_job, submitted=f.jobs.merge_submitted, merged=f.merged,
-                         now=f.now, current=f.merged_current, audit=f.audit)
+    merge = merge_status(
+        f.view,
+        job=f.jobs.merge_job,
+        submitted=f.jobs.merge_submitted,
+        merged=f.merged,
+        now=f.now,
+        current=f.merged_current,
+        audit=f.audit,
+    )
     merge.damaged = f.merged_damaged
     if f.merging and merge.state not in ACTIVE:  # merged here, by the process that runs the shards
         merge.state, merge.reason = "pending", f"{f.merging} merges once every shard is done"
@@ -433,20 +582,27 @@ def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
 
 
 class TaskStatus(msgspec.Struct):
-    """One worker of the newest claiming group (a Slurm array job, or one `toolkit run`), as the progress files of
-    the shards it took say."""
+    """One worker of the newest claiming group (a Slurm array job, or one `toolkit run`), as the
+    progress files of the shards it took say."""
 
     task: str                  # `12_3`, or `worker 1 (pid 4242)` of `toolkit run`
     node: str | None
-    shards: list[int]          # the shards it took, in the order it took them (those no other task took since)
-    engine_starts: int         # engine starts, summed over its attempts (a requeued task starts its engine again)
+    # the shards it took, in the order it took them (those no other task took since)
+    shards: list[int]
+    # engine starts, summed over its attempts (a requeued task starts its engine again)
+    engine_starts: int
     working_on: int | None = None  # the shard it loads or generates now
 
 
 def task_rows(shards: list[ShardFacts], running: set[int] = frozenset()) -> list[TaskStatus]:
-    """The workers of the newest group and what each took, from the shards' progress files; `running`: the shards
-    whose state is running (the shard a worker works on now is one of them)."""
-    ps = [f.progress for f in shards if f.progress is not None and f.progress.task and f.progress.group]
+    """The workers of the newest group and what each took, from the shards' progress files;
+    `running`: the shards whose state is running (the shard a worker works on now is one of
+    them)."""
+    ps = [
+        f.progress
+        for f in shards
+        if f.progress is not None and f.progress.task and f.progress.group
+    ]
     if not ps:
         return []
     newest = max(ps, key=lambda p: p.updated).group
@@ -461,8 +617,15 @@ def task_rows(shards: list[ShardFacts], running: set[int] = frozenset()) -> list
             starts[p.restart_count] = max(starts.get(p.restart_count, 0), p.task_engine_starts)
         mine.sort(key=lambda p: (p.restart_count, p.task_shards, p.started))
         now = [p.shard for p in mine if p.shard in running]
-        rows.append(TaskStatus(task=task, node=mine[-1].host or None, shards=[p.shard for p in mine],
-                               engine_starts=sum(starts.values()), working_on=now[-1] if now else None))
+        rows.append(
+            TaskStatus(
+                task=task,
+                node=mine[-1].host or None,
+                shards=[p.shard for p in mine],
+                engine_starts=sum(starts.values()),
+                working_on=now[-1] if now else None,
+            )
+        )
     return sorted(rows, key=lambda r: (len(r.task), r.task))
 
 
@@ -470,9 +633,15 @@ def totals(rows: list[ShardStatus]) -> Totals:
     by_state: dict[str, int] = {}
     for r in rows:
         by_state[r.state] = by_state.get(r.state, 0) + 1
-    return Totals(done=sum(r.done for r in rows), total=sum(r.total for r in rows), failed=sum(r.failed for r in rows),
-                  output_tokens=sum(r.output_tokens for r in rows), tok_per_s=sum(r.tok_per_s for r in rows),
-                  shards=dict(sorted(by_state.items())), loops=sum(r.loops for r in rows))
+    return Totals(
+        done=sum(r.done for r in rows),
+        total=sum(r.total for r in rows),
+        failed=sum(r.failed for r in rows),
+        output_tokens=sum(r.output_tokens for r in rows),
+        tok_per_s=sum(r.tok_per_s for r in rows),
+        shards=dict(sorted(by_state.items())),
+        loops=sum(r.loops for r in rows),
+    )
 
 
 def is_unknown(rows: list[ShardStatus], merge: MergeStatus) -> bool:
@@ -485,26 +654,36 @@ def exit_code(rows: list[ShardStatus], merge: MergeStatus) -> int:
 
 
 def _shards(rows: list[ShardStatus]) -> str:
-    return f"shard{'s' if len(rows) != 1 else ''} {ranges([r.shard for r in rows], sep=',', limit=8)}"
+    return (
+        f"shard{'s' if len(rows) != 1 else ''} {ranges([r.shard for r in rows], sep=',', limit=8)}"
+    )
 
 
 def _merge_named(merge: MergeStatus) -> str:
-    return f"merge job {merge.job} {merge.state}" if merge.job else f"merge {merge.state} ({merge.reason})"
+    return (
+        f"merge job {merge.job} {merge.state}"
+        if merge.job
+        else f"merge {merge.state} ({merge.reason})"
+    )
 
 
 def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN") -> tuple[int, str]:
     """`status`'s exit code and the sentence that says why, the first that holds of:
 
-    0 (EXIT_OK) complete and healthy: every shard completed with no failure that may pass, merged after the last
+    0 (EXIT_OK) complete and healthy: every shard completed with no failure that may pass, merged
+    after the last
       shard finished, the merged dataset what its manifest says, and the audit of that merge passed;
-    1 (EXIT_FAILED) failed: a shard failed, timed out, was cancelled, its worker is dead or stale, the merge job
-      failed or the audit did; (a shard still running does not change it: the run cannot complete on its own);
-    4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer);
-    5 (EXIT_IN_PROGRESS) still going: something runs it (shards or the merge job pending or running, on Slurm or
+    1 (EXIT_FAILED) failed: a shard failed, timed out, was cancelled, its worker is dead or stale,
+    the merge job
+      failed or the audit did; (a shard still running does not change it: the run cannot complete on
+      its own);
+    4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer); 5 (EXIT_IN_PROGRESS) still
+    going: something runs it (shards or the merge job pending or running, on Slurm or
       in a live `toolkit run` here);
-    1 (EXIT_FAILED) ended without completing: stopped (shards stopped, not started or unfinished, and nothing
-      runs them), failures that may pass left, not merged (or merged before a shard changed, or the merged file
-      damaged), not audited: the command to run next is said."""
+    1 (EXIT_FAILED) ended without completing: stopped (shards stopped, not started or unfinished,
+    and nothing
+      runs them), failures that may pass left, not merged (or merged before a shard changed, or the
+      merged file damaged), not audited: the command to run next is said."""
     retry = [r for r in rows if r.state == "completed" and r.transient]
     if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
             and merge.audit == "passed" and not merge.damaged):
@@ -521,7 +700,10 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     if problems:
         also = (f"; {sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
                 f"`toolkit retry {run_shown}`" if retry else "")
-        return EXIT_FAILED, f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why{also}"
+        return (
+            EXIT_FAILED,
+            f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why{also}",
+        )
     if is_unknown(rows, merge):
         return EXIT_UNKNOWN, "unknown: Slurm did not say the state of every job (see above)"
     active = [r for r in rows if r.state in ACTIVE]
@@ -537,18 +719,24 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
         if any(r.job for r in unfinished):
             resume = f"`toolkit resubmit {run_shown}` resumes them on Slurm"
         else:  # not submitted to Slurm: nothing will pick them up
-            resume = f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit {run_shown}` on Slurm)"
+            resume = (f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit "
+                      f"{run_shown}` on Slurm)")
         todo.append(f"{_shards(unfinished)} {states} and nothing runs them: {resume}")
     if retry:
-        todo.append(f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
-                    f"`toolkit retry {run_shown}`")
+        todo.append(
+            f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
+            f"`toolkit retry {run_shown}`"
+        )
     if not unfinished and not retry:
         if not merge.merged:
             todo.append(f"not merged: `toolkit merge {run_shown}`")
         elif not merge.current:
             todo.append(f"merged before a shard finished again: `toolkit merge {run_shown}`")
         elif merge.damaged:
-            todo.append(f"the merged dataset is damaged ({merge.damaged}): `toolkit merge {run_shown}` makes it again")
+            todo.append(
+                f"the merged dataset is damaged ({merge.damaged}): `toolkit merge {run_shown}` "
+                "makes it again"
+            )
         elif merge.audit is None:
             todo.append(f"not audited: `toolkit audit {run_shown}`")
     return EXIT_FAILED, f"{'stopped' if unfinished else 'not complete'}: {'; '.join(todo)}"

@@ -1,14 +1,17 @@
-"""Audit: is a merged run complete and faithful? Coverage, reasoning capture, truncation, consistency, statistics.
+"""Audit: is a merged run complete and faithful? Coverage, reasoning capture, truncation,
+consistency, statistics.
 
-Everything is checked on token ids (the stored packed uint32 ids, never re-tokenized text); the run's tokenizer
-is loaded only for its think / eos ids and to re-render a sample of prompts with the chat template. `Auditor`
-accumulates over records in a single pass — the merge feeds it as it writes — with memory in a few bytes per
-record, then `finish` turns the totals into an `AuditReport` (schema: `dataset.audit_report`; the checks: `checks`;
-re-rendering prompts: `rerender`) and writes `failed_ids.txt`. Missing ids are the merge's (its manifest and
-`missing_ids.txt`). `audit_run` audits an existing merged dataset.
+Everything is checked on token ids (the stored packed uint32 ids, never re-tokenized text); the
+run's tokenizer is loaded only for its think / eos ids and to re-render a sample of prompts with the
+chat template. `Auditor` accumulates over records in a single pass — the merge feeds it as it writes
+— with memory in a few bytes per record, then `finish` turns the totals into an `AuditReport`
+(schema: `dataset.audit_report`; the checks: `checks`; re-rendering prompts: `rerender`) and writes
+`failed_ids.txt`. Missing ids are the merge's (its manifest and `missing_ids.txt`). `audit_run`
+audits an existing merged dataset.
 
-An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched off by the
-template). Whitespace-only ids are ignored at the end of prompts and when deciding that a part is empty.
+An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched
+off by the template). Whitespace-only ids are ignored at the end of prompts and when deciding that a
+part is empty.
 """
 
 from __future__ import annotations
@@ -70,9 +73,9 @@ HIST_BINS = 30
 EXAMPLES = 5                     # ids quoted per kind of problem
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # accumulation
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class _Acc:
     """Running totals of one dataset (or of the run)."""
 
@@ -80,7 +83,8 @@ class _Acc:
         self.stats = DatasetStats(name=name, planned=planned)
         self.finish: Counter = Counter()
         self.errors: Counter = Counter()
-        self.error_examples: dict[str, str] = {}  # failure kind -> the first real message of that kind
+        # failure kind -> the first real message of that kind
+        self.error_examples: dict[str, str] = {}
         self.r = ReasoningCounts()
         self.prompt_len, self.output_len = array("I"), array("I")
         self.reasoning_len, self.content_len = array("I"), array("I")
@@ -97,8 +101,8 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 
 def _error_kind(error: str | None) -> str:
-    """A failure without a kind (written by an older toolkit): its message with the particulars (numbers, quoted
-    names) folded, to count such failures by what they say."""
+    """A failure without a kind (written by an older toolkit): its message with the particulars
+    (numbers, quoted names) folded, to count such failures by what they say."""
     if not error:
         return "(no message)"
     text = _QUOTED.sub("'…'", _DIGITS.sub("N", error.splitlines()[0]))
@@ -113,9 +117,12 @@ def _note(integ: Integrity, kind: str, rec_id: str) -> None:
 
 
 class Auditor:
-    """Audits records fed one at a time, in planned order; `finish` makes the report and writes failed_ids.txt."""
+    """Audits records fed one at a time, in planned order; `finish` makes the report and writes
+    failed_ids.txt."""
 
-    def __init__(self, rd: RunDir, plan: RunPlan, *, tokenizer=None, info: chat.TokenInfo | None = None):
+    def __init__(
+        self, rd: RunDir, plan: RunPlan, *, tokenizer=None, info: chat.TokenInfo | None = None
+    ):
         self.rd, self.plan, self.spec = rd, plan, plan.spec.audit
         model = plan.spec.model
         self.tok = tokenizer if tokenizer is not None else chat.load_tokenizer(model)
@@ -127,7 +134,8 @@ class Auditor:
         self.shards = [_ShardAcc() for _ in plan.shards]
         eos = set(self.info.eos_ids)
         self.stop_ids = {
-            d.name: eos | set(plan.spec.sampling_for(d.name).get("stop_token_ids") or []) for d in plan.datasets
+            d.name: eos | set(plan.spec.sampling_for(d.name).get("stop_token_ids") or [])
+            for d in plan.datasets
         }
         self.integ = Integrity()
         self.failed_ids: list[str] = []
@@ -136,9 +144,12 @@ class Auditor:
         self.sample_at = sample_positions(plan.total, self.spec.reprompt_sample)
         self.sampled: dict[int, bytes] = {}
         self.turns: dict[tuple[str, int], TurnStats] = {}
-        self.max_new = {d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets}
+        self.max_new = {
+            d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets
+        }
         self.samples = SampleCollector([d.name for d in plan.datasets], self.max_new)
-        # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset, line); its samples
+        # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset,
+        # line); its samples
         # are adjacent in planned order), by turn and hash of their ids -> the first sample's id
         self.sampled_at = {i for i, d in enumerate(plan.datasets)
                            if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
@@ -164,7 +175,8 @@ class Auditor:
         self._add(rec, pos)
 
     def _compare_sample(self, rec: Record, ref) -> None:
-        """Count an ok sample whose output ids equal an earlier sample's of the same prompt (and turn)."""
+        """Count an ok sample whose output ids equal an earlier sample's of the same prompt (and
+        turn)."""
         at = (ref.dataset, ref.line)
         if at != self.prompt_at:
             self.prompt_at, self.outputs_seen = at, {}
@@ -208,12 +220,14 @@ class Auditor:
         acc.prompt_len.append(n_prompt)
         if pos in self.sample_at and n_prompt:
             self.sampled[pos] = pk
-        if rec.prompt_tokens != n_prompt and n_prompt and rec.status != OK:  # (ok records: see defects)
+        # (ok records: see defects)
+        if rec.prompt_tokens != n_prompt and n_prompt and rec.status != OK:
             _note(self.integ, "prompt_mismatch", rec.id)
         if rec.status != OK:
             st.failed += 1
             sh.failed += 1
-            kind = rec.failure or _error_kind(rec.error)  # records of older toolkits carry no failure kind
+            # records of older toolkits carry no failure kind
+            kind = rec.failure or _error_kind(rec.error)
             acc.errors[kind] += 1
             acc.error_examples.setdefault(kind, (rec.error or "(no message)").splitlines()[0][:300])
             self.samples.error(rec.dataset, kind, rec.error)
@@ -233,8 +247,13 @@ class Auditor:
         for kind in defects(rec, info.vocab_size, te_at, self.max_new[rec.dataset]):
             _note(self.integ, kind, rec.id)
         m = rec.matched_stop
-        if (rec.finish == "stop" and isinstance(m, int) and not isinstance(m, bool) and ends_with_stop(rec)
-                and m not in self.stop_ids[rec.dataset]):
+        if (
+            rec.finish == "stop"
+            and isinstance(m, int)
+            and not isinstance(m, bool)
+            and ends_with_stop(rec)
+            and m not in self.stop_ids[rec.dataset]
+        ):
             _note(self.integ, "unexpected_stop", rec.id)
         if is_nan_stop(rec.finish, m):
             r.nan_stops += 1
@@ -286,13 +305,16 @@ class Auditor:
             r.length_without_think_end += 1
         if opened:
             r.opened_by_template += 1
-            if id_positions(out, info.think_start_id, 0, te_at if te_at is not None else n) is not None:
+            if (
+                id_positions(out, info.think_start_id, 0, te_at if te_at is not None else n)
+                is not None
+            ):
                 r.double_think_start += 1
                 self._example("double_think_start", rec.id)
 
     def _samples(self, *, trust_sources: bool) -> list:
-        """The report's sample outputs, each beside its prompt read from its source line (not when the prompt files
-        changed since the run was planned: a line would be another prompt)."""
+        """The report's sample outputs, each beside its prompt read from its source line (not when
+        the prompt files changed since the run was planned: a line would be another prompt)."""
         plan = self.plan
         with PromptReader() as reader:
             def prompt_of(rec) -> str | None:
@@ -312,9 +334,10 @@ class Auditor:
         """A failure found outside the records (e.g. a damaged merged file)."""
         self.problems.append(Check(name, False, None, None, message))
 
-    # -----------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     def finish(self, manifest: MergeManifest) -> AuditReport:
-        """The report of everything added, with the merge's `manifest` (its missing ids); writes failed_ids.txt."""
+        """The report of everything added, with the merge's `manifest` (its missing ids); writes
+        failed_ids.txt."""
         plan, rd = self.plan, self.rd
         rd.merged_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(rd.failed_file, "".join(i + "\n" for i in self.failed_ids).encode())
@@ -330,30 +353,71 @@ class Auditor:
         if problem:
             self.problem("source_files", problem)
         checks = list(self.problems) + run_checks(
-            a=self.spec, model=plan.spec.model, info=self.info, overall=overall, datasets=datasets, shards=shards,
-            integ=self.integ, reprompt=reprompt, corrupt=manifest.corrupt, duplicates=manifest.duplicates,
-            continued=manifest.continued, noun=plan.noun,
-            missing_ids=manifest.missing_ids[:EXAMPLES], examples=self.examples, missing_file=rd.missing_file,
-            failed_file=rd.failed_file, run=rd.root, finish=rd.finish_command(),
+            a=self.spec,
+            model=plan.spec.model,
+            info=self.info,
+            overall=overall,
+            datasets=datasets,
+            shards=shards,
+            integ=self.integ,
+            reprompt=reprompt,
+            corrupt=manifest.corrupt,
+            duplicates=manifest.duplicates,
+            continued=manifest.continued,
+            noun=plan.noun,
+            missing_ids=manifest.missing_ids[:EXAMPLES],
+            examples=self.examples,
+            missing_file=rd.missing_file,
+            failed_file=rd.failed_file,
+            run=rd.root,
+            finish=rd.finish_command(),
         )
         info, model = self.info, plan.spec.model
         report = AuditReport(
-            format=AUDIT_FORMAT, run=plan.name, fingerprint=plan.fingerprint, engine=plan.spec.engine.kind,
+            format=AUDIT_FORMAT,
+            run=plan.name,
+            fingerprint=plan.fingerprint,
+            engine=plan.spec.engine.kind,
             created=utc_now(),
-            passed=all(c.passed for c in checks), checks=checks, planned=plan.total,
-            present=overall.records, ok=overall.ok, failed=overall.failed, missing=manifest.missing,
-            duplicates=manifest.duplicates, damaged_frames=len(manifest.corrupt),
+            passed=all(c.passed for c in checks),
+            checks=checks,
+            planned=plan.total,
+            present=overall.records,
+            ok=overall.ok,
+            failed=overall.failed,
+            missing=manifest.missing,
+            duplicates=manifest.duplicates,
+            damaged_frames=len(manifest.corrupt),
             tokens=TokenSummary(
-                tokenizer=model.tokenizer_path or model.path, think_start=model.think_start,
-                think_start_id=info.think_start_id, think_end=model.think_end, think_end_id=info.think_end_id,
-                eos_ids=list(info.eos_ids), vocab_size=info.vocab_size, template_opens_reasoning=info.opens_reasoning,
+                tokenizer=model.tokenizer_path or model.path,
+                think_start=model.think_start,
+                think_start_id=info.think_start_id,
+                think_end=model.think_end,
+                think_end_id=info.think_end_id,
+                eos_ids=list(info.eos_ids),
+                vocab_size=info.vocab_size,
+                template_opens_reasoning=info.opens_reasoning,
             ),
-            overall=overall, datasets=datasets, shards=shards, integrity=self.integ, reprompt=reprompt, files=files,
+            overall=overall,
+            datasets=datasets,
+            shards=shards,
+            integrity=self.integ,
+            reprompt=reprompt,
+            files=files,
             turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
-            samples=self._samples(trust_sources=problem is None), continued=manifest.continued,
-            skipped_inputs=[SkippedInputs(d.name, d.path, d.bad_lines, d.too_long,
-                                          [f"{d.path}:{x.line}: {x.reason}" for x in d.skipped])
-                            for d in plan.datasets if d.skipped_lines],
+            samples=self._samples(trust_sources=problem is None),
+            continued=manifest.continued,
+            skipped_inputs=[
+                SkippedInputs(
+                    d.name,
+                    d.path,
+                    d.bad_lines,
+                    d.too_long,
+                    [f"{d.path}:{x.line}: {x.reason}" for x in d.skipped],
+                )
+                for d in plan.datasets
+                if d.skipped_lines
+            ],
         )
         bad = [c.name for c in checks if not c.passed]
         if bad:
@@ -370,15 +434,26 @@ class Auditor:
         for sp, acc in zip(self.plan.shards, self.shards):
             sm = by_index.get(sp.index)
             prog = read_progress(self.rd.progress_file(sp.index))
-            out.append(ShardStats(
-                index=sp.index, done=bool(sm and sm.done), planned=sp.count, records=acc.records, ok=acc.ok,
-                failed=acc.failed, missing=sp.count - acc.records, duplicates=sm.duplicates if sm else 0,
-                damaged_frames=damaged[sp.index], torn_frames=torn[sp.index], output_tokens=acc.output_tokens,
-                matches_done=sm.matches_done if sm else None,
-                tok_per_s=prog.tok_per_s if prog and prog.tok_per_s else None,
-                mean_latency_s=round(acc.latency / acc.ok, 3) if acc.ok else None,
-                host=prog.host if prog else None, engine_restarts=prog.engine_restarts if prog else None,
-            ))
+            out.append(
+                ShardStats(
+                    index=sp.index,
+                    done=bool(sm and sm.done),
+                    planned=sp.count,
+                    records=acc.records,
+                    ok=acc.ok,
+                    failed=acc.failed,
+                    missing=sp.count - acc.records,
+                    duplicates=sm.duplicates if sm else 0,
+                    damaged_frames=damaged[sp.index],
+                    torn_frames=torn[sp.index],
+                    output_tokens=acc.output_tokens,
+                    matches_done=sm.matches_done if sm else None,
+                    tok_per_s=prog.tok_per_s if prog and prog.tok_per_s else None,
+                    mean_latency_s=round(acc.latency / acc.ok, 3) if acc.ok else None,
+                    host=prog.host if prog else None,
+                    engine_restarts=prog.engine_restarts if prog else None,
+                )
+            )
         return out
 
 
@@ -388,15 +463,27 @@ def _lengths(a: array) -> Lengths:
     v = np.frombuffer(a, np.uint32)
     p50, p90, p99 = (int(x) for x in np.percentile(v, [50, 90, 99], method="inverted_cdf"))
     total = int(v.sum(dtype=np.int64))
-    return Lengths(count=len(v), total=total, mean=round(total / len(v), 1), p50=p50, p90=p90, p99=p99, max=int(v.max()))
+    return Lengths(
+        count=len(v),
+        total=total,
+        mean=round(total / len(v), 1),
+        p50=p50,
+        p90=p90,
+        p99=p99,
+        max=int(v.max()),
+    )
 
 
 def _hist_tops(accs: list[_Acc]) -> dict[str, int]:
-    """The largest length of each kind over every dataset: the datasets' histograms share their bins."""
+    """The largest length of each kind over every dataset: the datasets' histograms share their
+    bins."""
     def top(a: array) -> int:
         return int(np.frombuffer(a, np.uint32).max()) if len(a) else 0
 
-    return {k: max((top(getattr(a, f"{k}_len")) for a in accs), default=0) + 1 for k in ("output", "reasoning", "content")}
+    return {
+        k: max((top(getattr(a, f"{k}_len")) for a in accs), default=0) + 1
+        for k in ("output", "reasoning", "content")
+    }
 
 
 def _histogram(a: array, top: int | None = None) -> Histogram:
@@ -432,8 +519,18 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
     out = _Acc(name, planned)
     s = out.stats
     for a in accs:
-        for f in ("records", "ok", "failed", "missing", "prompt_tokens", "cached_tokens", "output_tokens", "degenerate",
-                  "identical_samples", "samples_compared"):
+        for f in (
+            "records",
+            "ok",
+            "failed",
+            "missing",
+            "prompt_tokens",
+            "cached_tokens",
+            "output_tokens",
+            "degenerate",
+            "identical_samples",
+            "samples_compared",
+        ):
             setattr(s, f, getattr(s, f) + getattr(a.stats, f))
         out.finish.update(a.finish)
         out.errors.update(a.errors)
@@ -446,31 +543,45 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # auditing a merged dataset on disk
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     """Audit `RUN/merged/records.zst` against the plan (the merged dataset must exist)."""
     rd, plan = load_run(run_dir)
     manifest = load_manifest(rd)
     path = rd.merged_file
     if not path.exists():
-        raise MergeError(f"{path} is missing although {rd.manifest_file} exists: run `toolkit merge {rd.root}` again")
+        raise MergeError(
+            f"{path} is missing although {rd.manifest_file} exists: run `toolkit merge {rd.root}` "
+            "again"
+        )
     auditor = Auditor(rd, plan)
     if sha256_file(path) != manifest.sha256:
-        auditor.problem("merged_file", f"{path} differs from the sha256 in its manifest: it changed after the merge; "
-                                       f"run `toolkit merge {rd.root}` again")
+        auditor.problem(
+            "merged_file",
+            f"{path} differs from the sha256 in its manifest: it changed after the merge; "
+            f"run `toolkit merge {rd.root}` again",
+        )
     try:
         head = read_header(path)
         if head != (plan.fingerprint, MERGED):
-            auditor.problem("merged_file", f"{path} is not this run's merged dataset (header {head}); merge again")
+            auditor.problem(
+                "merged_file",
+                f"{path} is not this run's merged dataset (header {head}); merge again",
+            )
         tail: list = []
         for frame in iter_frames(path, tail=tail):
             for rec in decode_batch(frame):
                 auditor.add(rec)
         if tail:
-            auditor.problem("merged_file", f"{path} ends with a torn frame at byte {tail[0][0]} ({tail[0][1]}); "
-                                           f"run `toolkit merge {rd.root}` again")
+            auditor.problem(
+                "merged_file",
+                f"{path} ends with a torn frame at byte {tail[0][0]} ({tail[0][1]}); "
+                f"run `toolkit merge {rd.root}` again",
+            )
     except (CorruptShard, msgspec.MsgspecError) as e:
-        auditor.problem("merged_file", f"{path} is damaged ({e}); run `toolkit merge {rd.root}` again")
+        auditor.problem(
+            "merged_file", f"{path} is damaged ({e}); run `toolkit merge {rd.root}` again"
+        )
     return auditor.finish(manifest)

@@ -1,8 +1,9 @@
 """The audit report's schema: what `audit.json` holds, as typed Structs, and how to read it back.
 
-The auditor (`audit`) fills an `AuditReport`; `report` writes it as audit.json, the terminal table and
-audit.html; anything else that reads audit.json (status, export, a person's script) decodes it with
-`read_report` without importing the auditor. Field names are the JSON names: changing one changes the format.
+The auditor (`audit`) fills an `AuditReport`; `report` writes it as audit.json, the terminal table
+and audit.html; anything else that reads audit.json (status, export, a person's script) decodes it
+with `read_report` without importing the auditor. Field names are the JSON names: changing one
+changes the format.
 """
 
 from __future__ import annotations
@@ -13,8 +14,21 @@ from toolkit.dataset.examples import DatasetSamples
 from toolkit.formats.rundir import RunDir
 
 __all__ = [
-    "AUDIT_FORMAT", "AuditReport", "Check", "DatasetStats", "Histogram", "Integrity", "Lengths", "ReasoningCounts",
-    "Reprompt", "ShardStats", "SkippedInputs", "TokenSummary", "TurnStats", "modes_text", "read_report",
+    "AUDIT_FORMAT",
+    "AuditReport",
+    "Check",
+    "DatasetStats",
+    "Histogram",
+    "Integrity",
+    "Lengths",
+    "ReasoningCounts",
+    "Reprompt",
+    "ShardStats",
+    "SkippedInputs",
+    "TokenSummary",
+    "TurnStats",
+    "modes_text",
+    "read_report",
 ]
 
 AUDIT_FORMAT = 1
@@ -45,7 +59,8 @@ class Histogram(msgspec.Struct):
 
 
 class ReasoningCounts(msgspec.Struct):
-    """Counts over ok records; `expected` are those whose prompt does not close reasoning (thinking on)."""
+    """Counts over ok records; `expected` are those whose prompt does not close reasoning (thinking
+    on)."""
 
     expected: int = 0
     think_end: int = 0                   # output holds the think-end id
@@ -59,14 +74,19 @@ class ReasoningCounts(msgspec.Struct):
     double_think_start: int = 0          # ... and the model wrote a think-start again
     closed_by_template: int = 0          # prompt ends with the think-end id (thinking off)
     # Every ok output by the reasoning mode its prompt left the model in (chat.reasoning_mode).
-    mode_opened: int = 0                 # the template opened reasoning (= opened_by_template + closed ones: none)
-    mode_model_opens: int = 0            # the prompt ends at the assistant header: the model opens it itself
+    # the template opened reasoning (= opened_by_template + closed ones: none)
+    mode_opened: int = 0
+    # the prompt ends at the assistant header: the model opens it itself
+    mode_model_opens: int = 0
     mode_unknown: int = 0                # a template that never mentions the think tokens
-    in_reasoning: int = 0                # outputs really in reasoning mode: opened by the prompt or the model,
+    # outputs really in reasoning mode: opened by the prompt or the model,
+    in_reasoning: int = 0
                                          # or holding the think-end id
     think_tokens: int = 0                # outputs holding a think-start or think-end id anywhere
-    nan_stops: int = 0                   # ok records SGLang stopped on NaN logits (older runs stored them as ok)
-    nan_failed: int = 0                  # failed records of the NaN stop (failure "nan"): to generate again
+    # ok records SGLang stopped on NaN logits (older runs stored them as ok)
+    nan_stops: int = 0
+    # failed records of the NaN stop (failure "nan"): to generate again
+    nan_failed: int = 0
 
 
 class DatasetStats(msgspec.Struct):
@@ -84,12 +104,16 @@ class DatasetStats(msgspec.Struct):
     reasoning_len: Lengths = msgspec.field(default_factory=Lengths)
     content_len: Lengths = msgspec.field(default_factory=Lengths)
     finish: dict[str, int] = {}
-    errors: dict[str, int] = {}          # failed records per failure kind (`nan`, `server_error`, ...)
+    # failed records per failure kind (`nan`, `server_error`, ...)
+    errors: dict[str, int] = {}
     error_examples: dict[str, str] = {}  # failure kind -> one real message of that kind
     length_share: float = 0.0
-    degenerate: int = 0                  # ok outputs in a repetition loop (dataset.quality.repetition_loop)
-    identical_samples: int = 0           # n > 1 at temperature > 0: ok samples token-identical to an earlier sample
-    samples_compared: int = 0            # ... of the ok samples that had an earlier sample of their prompt to match
+    # ok outputs in a repetition loop (dataset.quality.repetition_loop)
+    degenerate: int = 0
+    # n > 1 at temperature > 0: ok samples token-identical to an earlier sample
+    identical_samples: int = 0
+    # ... of the ok samples that had an earlier sample of their prompt to match
+    samples_compared: int = 0
     reasoning: ReasoningCounts = msgspec.field(default_factory=ReasoningCounts)
     histograms: dict[str, Histogram] = {}
 
@@ -159,7 +183,8 @@ class TokenSummary(msgspec.Struct):
 
 
 class SkippedInputs(msgspec.Struct):
-    """Prompt lines of one dataset the plan left out ([inputs] on_bad_line / on_too_long = "skip")."""
+    """Prompt lines of one dataset the plan left out ([inputs] on_bad_line / on_too_long =
+    "skip")."""
 
     dataset: str
     path: str
@@ -180,7 +205,8 @@ class AuditReport(msgspec.Struct):
     ok: int
     failed: int
     missing: int
-    duplicates: int              # resolved by the merge (kept once); partial outputs continued are not counted
+    # resolved by the merge (kept once); partial outputs continued are not counted
+    duplicates: int
     damaged_frames: int
     tokens: TokenSummary
     overall: DatasetStats
@@ -190,10 +216,14 @@ class AuditReport(msgspec.Struct):
     reprompt: Reprompt
     files: dict[str, str] = {}
     turns: list[TurnStats] = []  # regenerated datasets only
-    samples: list[DatasetSamples] = []   # a few decoded outputs and one message per failure kind, per dataset
-    continued: int = 0           # partial outputs kept at a stop, superseded by their continuation (the merge's)
-    skipped_inputs: list[SkippedInputs] = []  # prompt lines left out of the plan, per dataset that has any
-    engine: str = ""             # the job's [engine] kind: "stub" says the outputs are synthetic, not a model's
+    # a few decoded outputs and one message per failure kind, per dataset
+    samples: list[DatasetSamples] = []
+    # partial outputs kept at a stop, superseded by their continuation (the merge's)
+    continued: int = 0
+    # prompt lines left out of the plan, per dataset that has any
+    skipped_inputs: list[SkippedInputs] = []
+    # the job's [engine] kind: "stub" says the outputs are synthetic, not a model's
+    engine: str = ""
 
 
 def read_report(rd: RunDir) -> AuditReport | None:
@@ -205,6 +235,10 @@ def read_report(rd: RunDir) -> AuditReport | None:
 
 
 def modes_text(r: ReasoningCounts) -> str:
-    parts = [(r.mode_opened, "opened by the template"), (r.mode_model_opens, "opened by the model itself"),
-             (r.closed_by_template, "closed by the template"), (r.mode_unknown, "template unaware of think tokens")]
+    parts = [
+        (r.mode_opened, "opened by the template"),
+        (r.mode_model_opens, "opened by the model itself"),
+        (r.closed_by_template, "closed by the template"),
+        (r.mode_unknown, "template unaware of think tokens"),
+    ]
     return ", ".join(f"{n} {what}" for n, what in parts if n) or "no ok output"

@@ -1,15 +1,16 @@
-"""Sample outputs for the audit report: a few decoded reasoning / content pairs per dataset, and one real
-message per kind of failure.
+"""Sample outputs for the audit report: a few decoded reasoning / content pairs per dataset, and one
+real message per kind of failure.
 
-The audit counts failures by kind (numbers and quoted names folded, see `audit._error_kind`); a person
-reading the report also wants to see one message as the server wrote it. And a table of token counts says
-nothing about whether the text looks right: a few outputs, decoded with the run's tokenizer from the merged
-records, split where the audit splits them (at the think-end id) with the think-end and the stop token shown,
-let a reader see it. The first ok records of each dataset in planned order (not in the order the shards wrote
-them) are shown, each beside its prompt (the last user message, shortened), and one that looks wrong (a stop
-without think-end, empty reasoning or content, a truncation) when there is one, and the first output in a
-repetition loop (`quality.repetition_loop`) when there is one. Long parts are cut to their head and tail, counted
-in tokens.
+The audit counts failures by kind (numbers and quoted names folded, see `audit._error_kind`); a
+person reading the report also wants to see one message as the server wrote it. And a table of token
+counts says nothing about whether the text looks right: a few outputs, decoded with the run's
+tokenizer from the merged records, split where the audit splits them (at the think-end id) with the
+think-end and the stop token shown, let a reader see it. The first ok records of each dataset in
+planned order (not in the order the shards wrote them) are shown, each beside its prompt (the last
+user message, shortened), and one that looks wrong (a stop without think-end, empty reasoning or
+content, a truncation) when there is one, and the first output in a repetition loop
+(`quality.repetition_loop`) when there is one. Long parts are cut to their head and tail, counted in
+tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Sample(msgspec.Struct):
     why: str                      # why it was picked: "first outputs" or what looks wrong with it
     finish: str | None
     matched_stop: int | str | None
-    stop_token: str | None        # the matched stop id as its token text, when the output ends with it
+    # the matched stop id as its token text, when the output ends with it
+    stop_token: str | None
     think_end: str | None         # the think-end token text, when the output holds it
     think_end_id: int
     output_tokens: int
@@ -43,11 +45,13 @@ class Sample(msgspec.Struct):
     content_tokens: int
     reasoning_head: str
     reasoning_tail: str           # "" when the head holds all of it
-    reasoning_omitted: int        # tokens between head and tail (0: none, or cut on characters only)
+    # tokens between head and tail (0: none, or cut on characters only)
+    reasoning_omitted: int
     content_head: str
     content_tail: str
     content_omitted: int
-    prompt: str | None = None     # the last user message of the prompt, shortened (None: its source is unreadable)
+    # the last user message of the prompt, shortened (None: its source is unreadable)
+    prompt: str | None = None
 
 
 class DatasetSamples(msgspec.Struct):
@@ -78,7 +82,8 @@ def _looks_wrong(rec: Record, parts: tuple[int, int, int, int], has_think_end: b
 
 
 class SampleCollector:
-    """Fed every ok record (with the audit's split) and every failure; keeps only what the report shows."""
+    """Fed every ok record (with the audit's split) and every failure; keeps only what the report
+    shows."""
 
     def __init__(self, datasets: list[str], max_new_tokens: dict[str, int | None]):
         self.firsts: dict[str, list[_Pick]] = {d: [] for d in datasets}
@@ -88,8 +93,8 @@ class SampleCollector:
         self.max_new_tokens = max_new_tokens
 
     def offer(self, rec: Record, parts: tuple[int, int, int, int], has_think_end: bool) -> None:
-        """Keep the SAMPLES records of lowest planned position, and the lowest one that looks wrong: records come
-        shard by shard, each shard's in the order it finished them."""
+        """Keep the SAMPLES records of lowest planned position, and the lowest one that looks wrong:
+        records come shard by shard, each shard's in the order it finished them."""
         firsts = self.firsts[rec.dataset]
         pick = _Pick(rec, parts, has_think_end, "first outputs")
         if len(firsts) < SAMPLES:
@@ -103,33 +108,54 @@ class SampleCollector:
         if why and (odd is None or rec.index < odd.rec.index):
             self.odd[rec.dataset] = _Pick(rec, parts, has_think_end, why)
 
-    def loop(self, rec: Record, parts: tuple[int, int, int, int], has_think_end: bool, period: int) -> None:
-        """A record in a repetition loop of `period` ids: the lowest one of each dataset is shown as well."""
+    def loop(
+        self, rec: Record, parts: tuple[int, int, int, int], has_think_end: bool, period: int
+    ) -> None:
+        """A record in a repetition loop of `period` ids: the lowest one of each dataset is shown as
+        well."""
         best = self.loops[rec.dataset]
         if best is None or rec.index < best.rec.index:
-            self.loops[rec.dataset] = _Pick(rec, parts, has_think_end,
-                                            f"repetition loop: a span of {period} ids repeated over the tail")
+            self.loops[rec.dataset] = _Pick(
+                rec,
+                parts,
+                has_think_end,
+                f"repetition loop: a span of {period} ids repeated over the tail",
+            )
 
     def error(self, dataset: str, kind: str, message: str | None) -> None:
         self.errors[dataset].setdefault(kind, (message or "(no message)")[:1000])
 
-    def finish(self, tok: Any, think_end_id: int,
-               prompt_of: Callable[[Record], str | None] = lambda rec: None) -> list[DatasetSamples]:
-        """The samples of each dataset; `prompt_of(record)` gives the prompt text shown beside an output."""
+    def finish(
+        self,
+        tok: Any,
+        think_end_id: int,
+        prompt_of: Callable[[Record], str | None] = lambda rec: None,
+    ) -> list[DatasetSamples]:
+        """The samples of each dataset; `prompt_of(record)` gives the prompt text shown beside an
+        output."""
         out = []
         for name, firsts in self.firsts.items():
             picks = sorted(firsts, key=lambda p: p.rec.index)
             odd = self.odd[name]
-            if odd is not None and picks and not any(_looks_wrong(p.rec, p.parts, p.has_think_end) for p in picks):
+            if (
+                odd is not None
+                and picks
+                and not any(_looks_wrong(p.rec, p.parts, p.has_think_end) for p in picks)
+            ):
                 picks[-1] = odd  # show one that looks wrong in place of the last ordinary one
             for p in picks:
                 p.why = _looks_wrong(p.rec, p.parts, p.has_think_end) or p.why
             loop = self.loops[name]
             if loop is not None:
                 picks = [p for p in picks if p.rec.index != loop.rec.index] + [loop]
-            out.append(DatasetSamples(dataset=name, max_new_tokens=self.max_new_tokens.get(name),
-                                      outputs=[_sample(tok, p, think_end_id, prompt_of(p.rec)) for p in picks],
-                                      errors=self.errors[name]))
+            out.append(
+                DatasetSamples(
+                    dataset=name,
+                    max_new_tokens=self.max_new_tokens.get(name),
+                    outputs=[_sample(tok, p, think_end_id, prompt_of(p.rec)) for p in picks],
+                    errors=self.errors[name],
+                )
+            )
         return out
 
 
@@ -142,7 +168,8 @@ def shorten(text: str, limit: int = PROMPT_CHARS) -> str:
 
 
 def last_user_text(messages: list[dict[str, Any]], turn: int | None = None) -> str | None:
-    """The text of the last user message (of the `turn`-th one, 0-based, when given), parts of text joined."""
+    """The text of the last user message (of the `turn`-th one, 0-based, when given), parts of text
+    joined."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return None
@@ -153,16 +180,28 @@ def last_user_text(messages: list[dict[str, Any]], turn: int | None = None) -> s
 
 
 def _decode(tok: Any, ids: np.ndarray) -> str:
-    return tok.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False) if len(ids) else ""
+    return (
+        tok.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if len(ids)
+        else ""
+    )
 
 
 def _head_tail(tok: Any, ids: np.ndarray) -> tuple[str, str, int]:
-    """(head, tail, tokens omitted between them): the whole text when short, else the first HEAD and last TAIL
-    tokens decoded (character-capped too)."""
+    """(head, tail, tokens omitted between them): the whole text when short, else the first HEAD and
+    last TAIL tokens decoded (character-capped too)."""
     if len(ids) <= HEAD + TAIL:
         text = _decode(tok, ids)
-        return (text, "", 0) if len(text) <= MAX_CHARS else (text[: MAX_CHARS // 2], text[-MAX_CHARS // 2 :], 0)
-    return _decode(tok, ids[:HEAD])[:MAX_CHARS], _decode(tok, ids[-TAIL:])[-MAX_CHARS // 2 :], len(ids) - HEAD - TAIL
+        return (
+            (text, "", 0)
+            if len(text) <= MAX_CHARS
+            else (text[: MAX_CHARS // 2], text[-MAX_CHARS // 2 :], 0)
+        )
+    return (
+        _decode(tok, ids[:HEAD])[:MAX_CHARS],
+        _decode(tok, ids[-TAIL:])[-MAX_CHARS // 2 :],
+        len(ids) - HEAD - TAIL,
+    )
 
 
 def _token_text(tok: Any, token_id: int) -> str:
@@ -178,10 +217,21 @@ def _sample(tok: Any, p: _Pick, think_end_id: int, prompt: str | None = None) ->
     m = rec.matched_stop
     ends_with_id = isinstance(m, int) and not isinstance(m, bool) and len(ids) and int(ids[-1]) == m
     return Sample(
-        id=rec.id, why=p.why, finish=rec.finish, matched_stop=m,
+        id=rec.id,
+        why=p.why,
+        finish=rec.finish,
+        matched_stop=m,
         stop_token=_token_text(tok, m) if ends_with_id else None,
-        think_end=_token_text(tok, think_end_id) if p.has_think_end else None, think_end_id=think_end_id,
-        output_tokens=len(ids), reasoning_tokens=r1 - r0, content_tokens=c1 - c0,
-        reasoning_head=rh, reasoning_tail=rt, reasoning_omitted=ro, content_head=ch, content_tail=ct, content_omitted=co,
+        think_end=_token_text(tok, think_end_id) if p.has_think_end else None,
+        think_end_id=think_end_id,
+        output_tokens=len(ids),
+        reasoning_tokens=r1 - r0,
+        content_tokens=c1 - c0,
+        reasoning_head=rh,
+        reasoning_tail=rt,
+        reasoning_omitted=ro,
+        content_head=ch,
+        content_tail=ct,
+        content_omitted=co,
         prompt=shorten(prompt) if prompt is not None else None,
     )

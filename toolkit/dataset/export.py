@@ -1,40 +1,48 @@
 """Exports of a merged run: JSONL, Parquet, token ids with a loss mask, and chat conversations.
 
-Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they come, so
-memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the reasoning is the
-output up to the think-end id (a think-start the model wrote at position 0 excluded), the content is what
-follows it; the stop token and the think-end are in neither (see `records.split_parts` for outputs without a
-think-end). Only ok records are exported unless `include_failed`. Every ok record exported is checked as the
-audit checks one record on its own (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an
-export that meets one is refused, nothing written, unless `force` (then each kind is warned about).
+Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they
+come, so memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the
+reasoning is the output up to the think-end id (a think-start the model wrote at position 0
+excluded), the content is what follows it; the stop token and the think-end are in neither (see
+`records.split_parts` for outputs without a think-end). Only ok records are exported unless
+`include_failed`. Every ok record exported is checked as the audit checks one record on its own
+(`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an export that meets one is
+refused, nothing written, unless `force` (then each kind is warned about).
 
-What is exported (`Selection`): the planned records the filters select (dataset, sample, turn; finish reason and
-reasoning mode of ok ones). `tokens` and `conversations` are training formats: records that are not training data
-(`quality.SKIP_REASONS`: a NaN stop, a repetition loop, truncated, no think-end, an empty part, a think marker
-inside a part, reasoning where none is expected; in conversations also an answer with neither text nor a tool
-call, an unreadable tool call, or think markers written as text) are left out unless included by reason. Every
-selected record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered ==
-planned), written beside the output as `<name>_summary.json`, with each record left out and why in
-`<name>_skipped.jsonl`.
+What is exported (`Selection`): the planned records the filters select (dataset, sample, turn;
+finish reason and reasoning mode of ok ones). `tokens` and `conversations` are training formats:
+records that are not training data (`quality.SKIP_REASONS`: a NaN stop, a repetition loop,
+truncated, no think-end, an empty part, a think marker inside a part, reasoning where none is
+expected; in conversations also an answer with neither text nor a tool call, an unreadable tool
+call, or think markers written as text) are left out unless included by reason. Every selected
+record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered
+== planned), written beside the output as `<name>_summary.json`, with each record left out and why
+in `<name>_skipped.jsonl`.
 
 Formats (every one carries dataset, sample, turn and segments):
-  jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids, reasoning_end, reasoning,
-                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens, completion_tokens, meta
-                 (the prompt line's other fields, e.g. a dataset's `source` and `category`: `_Meta`)
-  parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64, meta as JSON text)
-  tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output, "loss_mask"}: the
-                 default and recommended format, the model's exact ids that SpecForge's and speculators' loaders take
-                 as they are; the mask covers the assistant turn after its header for SpecForge, the output only for
-                 speculators (`loss_mask`, `trainers.TRAINERS`)
-  conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments", "conversations": [source
-                 messages..., {"role": "assistant", "content", "reasoning_content"}], "tools"} (tools [] when the
-                 prompt had none): SpecForge's chat JSONL, with its round trip through the chat template as
-                 SpecForge renders it measured per row and the SpecForge registration of the template beside it; a
-                 tool-call section the model wrote is a structured "tool_calls" list of the answer (toolcalls.py),
-                 not markup in its content. A regenerated
-                 conversation is one row with every turn (plus "turns"), written only when every turn is training
-                 data; assistant messages of a source history (not regenerated) keep their content, not their
-                 reasoning, and the generated answer is the last message (the row trains with only its last turn)
+  jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids,
+  reasoning_end, reasoning,
+                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens,
+                 completion_tokens, meta (the prompt line's other fields, e.g. a dataset's `source`
+                 and `category`: `_Meta`)
+  parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64,
+  meta as JSON text) tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids":
+  prompt + output, "loss_mask"}: the
+                 default and recommended format, the model's exact ids that SpecForge's and
+                 speculators' loaders take as they are; the mask covers the assistant turn after its
+                 header for SpecForge, the output only for speculators (`loss_mask`,
+                 `trainers.TRAINERS`)
+  conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments",
+  "conversations": [source
+                 messages..., {"role": "assistant", "content", "reasoning_content"}], "tools"}
+                 (tools [] when the prompt had none): SpecForge's chat JSONL, with its round trip
+                 through the chat template as SpecForge renders it measured per row and the
+                 SpecForge registration of the template beside it; a tool-call section the model
+                 wrote is a structured "tool_calls" list of the answer (toolcalls.py), not markup in
+                 its content. A regenerated conversation is one row with every turn (plus "turns"),
+                 written only when every turn is training data; assistant messages of a source
+                 history (not regenerated) keep their content, not their reasoning, and the
+                 generated answer is the last message (the row trains with only its last turn)
 """
 
 from __future__ import annotations
@@ -81,19 +89,29 @@ from toolkit.job.spec import JobSpec
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "ExportError", "ExportSummary", "JsonlRecord", "Selection", "SkippedRow",
-           "export_run"]
+__all__ = [
+    "DEFAULT_FORMAT",
+    "FORMATS",
+    "ExportError",
+    "ExportSummary",
+    "JsonlRecord",
+    "Selection",
+    "SkippedRow",
+    "export_run",
+]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
-DEFAULT_FORMAT = "tokens"  # the recommended one: the model's exact ids, which each trainer's loader takes as they are
+# the recommended one: the model's exact ids, which each trainer's loader takes as they are
+DEFAULT_FORMAT = "tokens"
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
 class ExportError(BadInputError):
-    """An export refused as asked (unknown format, trainer or reason, a missing optional package, a merged dataset
-    that is missing, stale or of another run). A file system that fails it is a FailedError (exit 1)."""
+    """An export refused as asked (unknown format, trainer or reason, a missing optional package, a
+    merged dataset that is missing, stale or of another run). A file system that fails it is a
+    FailedError (exit 1)."""
 
 
 class JsonlRecord(msgspec.Struct):
@@ -103,7 +121,8 @@ class JsonlRecord(msgspec.Struct):
     dataset: str
     sample: int
     turn: int
-    segments: int                   # requests the output took (> 1: continued after an abort or a stop)
+    # requests the output took (> 1: continued after an abort or a stop)
+    segments: int
     status: str
     error: str | None
     prompt_ids: list[int]
@@ -112,17 +131,20 @@ class JsonlRecord(msgspec.Struct):
     reasoning: str
     content: str
     finish_reason: str | None
-    matched_stop: int | None        # the stop token id SGLang matched (None: a stop string, or no stop)
+    # the stop token id SGLang matched (None: a stop string, or no stop)
+    matched_stop: int | None
     matched_stop_str: str | None    # the stop string SGLang matched, when the stop was a string
     prompt_tokens: int
     completion_tokens: int
-    meta: dict[str, Any] | None = None  # the prompt line's other fields (`_Meta`); None: its file changed
+    # the prompt line's other fields (`_Meta`); None: its file changed
+    meta: dict[str, Any] | None = None
 
 
 class _Meta:
-    """The fields a prompt line holds besides id, messages, prompt and tools (a dataset's `source`, `category`,
-    ...), carried into each record's row: re-read from the line at the byte offset the plan pinned. A prompt file
-    gone or changed since the run was planned gives None for its records, said once."""
+    """The fields a prompt line holds besides id, messages, prompt and tools (a dataset's `source`,
+    `category`, ...), carried into each record's row: re-read from the line at the byte offset the
+    plan pinned. A prompt file gone or changed since the run was planned gives None for its records,
+    said once."""
 
     def __init__(self, plan: RunPlan):
         self.datasets = plan.datasets
@@ -138,9 +160,17 @@ class _Meta:
             except FileNotFoundError:
                 self.usable[d] = False
             if not self.usable[d]:
-                log.warning("%s changed or is gone since the run was planned: the rows of dataset %s carry no "
-                            "fields of their prompt lines (meta is null)", ds.path, ds.name)
-        return self.reader.read(self.datasets[d].path, ref.offset, ref.length) if self.usable[d] else None
+                log.warning(
+                    "%s changed or is gone since the run was planned: the rows of dataset %s "
+                    "carry no fields of their prompt lines (meta is null)",
+                    ds.path,
+                    ds.name,
+                )
+        return (
+            self.reader.read(self.datasets[d].path, ref.offset, ref.length)
+            if self.usable[d]
+            else None
+        )
 
 
 class _Tokens:
@@ -153,27 +183,38 @@ class _Tokens:
 
 
 class _Defects:
-    """The ok records that fail the audit's checks of one record (`records.defects`), as they are read."""
+    """The ok records that fail the audit's checks of one record (`records.defects`), as they are
+    read."""
 
     def __init__(self, plan: RunPlan, tokens: _Tokens):
         self.info = tokens.info
-        self.max_new = {d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets}
+        self.max_new = {
+            d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets
+        }
         self.found: dict[str, list[str]] = {}  # kind -> ids
         self.count = 0
 
     def check(self, rec: Record) -> None:
-        kinds = defects(rec, self.info.vocab_size, id_positions(rec.output_ids, self.info.think_end_id),
-                        self.max_new.get(rec.dataset))
+        kinds = defects(
+            rec,
+            self.info.vocab_size,
+            id_positions(rec.output_ids, self.info.think_end_id),
+            self.max_new.get(rec.dataset),
+        )
         self.count += bool(kinds)
         for kind in kinds:
             self.found.setdefault(kind, []).append(rec.id)
 
     def summary(self) -> str:
-        """e.g. `2 ok records fail the audit's record checks: an id outside the tokenizer (p0003, p0007)`."""
+        """e.g. `2 ok records fail the audit's record checks: an id outside the tokenizer (p0003,
+        p0007)`."""
         parts = [f"{RECORD_CHECKS[k]} ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})"
                  for k, ids in self.found.items()]
-        return (f"{self.count} ok record{'s' if self.count != 1 else ''} fail the audit's record checks: "
-                + "; ".join(parts))
+        return (
+            f"{self.count} ok record{'s' if self.count != 1 else ''} fail the audit's record "
+            "checks: "
+            + "; ".join(parts)
+        )
 
 
 class _Text:
@@ -195,7 +236,8 @@ class _Text:
         return [(texts[2 * i], texts[2 * i + 1]) for i in range(len(recs))]
 
     def parts_and_tools(self, recs: list[Record]) -> list[tuple[str, str, str]]:
-        """(reasoning, content before any tool-call section, the tool-call section) of each record."""
+        """(reasoning, content before any tool-call section, the tool-call section) of each
+        record."""
         seqs: list[list[int]] = []
         for r in recs:
             ids = np.frombuffer(r.output_ids, "<u4")
@@ -208,8 +250,8 @@ class _Text:
 
 
 def _batch_decoder(tok: Any):
-    """`tok.batch_decode` without cleanup; straight to the Rust backend of a fast tokenizer (same text, several
-    times faster, parallel)."""
+    """`tok.batch_decode` without cleanup; straight to the Rust backend of a fast tokenizer (same
+    text, several times faster, parallel)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - tokenizers ships with transformers
@@ -217,7 +259,9 @@ def _batch_decoder(tok: Any):
     backend = getattr(tok, "_tokenizer", None)
     if Tokenizer is not None and isinstance(backend, Tokenizer):
         return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
-    return lambda seqs: tok.batch_decode(seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return lambda seqs: tok.batch_decode(
+        seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
 
 
 def _ids(packed: bytes) -> list[int]:
@@ -225,7 +269,8 @@ def _ids(packed: bytes) -> list[int]:
 
 
 def stop_columns(matched: int | str | None) -> tuple[int | None, str | None]:
-    """SGLang's `matched_stop` (a token id or a stop string) as (id, string): one of them set, or neither."""
+    """SGLang's `matched_stop` (a token id or a stop string) as (id, string): one of them set, or
+    neither."""
     if isinstance(matched, bool) or matched is None:
         return None, None
     if isinstance(matched, int):
@@ -233,21 +278,25 @@ def stop_columns(matched: int | str | None) -> tuple[int | None, str | None]:
     return None, str(matched)
 
 
-# ---------------------------------------------------------------------------------------------------
-# what is exported: the filters, the reasons a record is not training data, and the account of every planned id
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# what is exported: the filters, the reasons a record is not training data, and the account of every
+# planned id
+# --------------------------------------------------------------------------------------------------
 MODES = ("reasoning", "non-reasoning")
 OTHER_TURN = "other_turn"  # a regenerated conversation is written whole or not at all
-EXPORT_REASONS = {**SKIP_REASONS, OTHER_TURN: "another turn of its conversation is failed or not training data",
-                  "text_think_marker": "<think> or </think> written as text in the reasoning or the answer",
-                  "unreadable_tool_call": "a tool-call section whose calls cannot be read (a trainer would train an "
-                                          "empty call)",
-                  "empty_answer": "an answer with no text and no tool call"}
+EXPORT_REASONS = {
+    **SKIP_REASONS,
+    OTHER_TURN: "another turn of its conversation is failed or not training data",
+    "text_think_marker": "<think> or </think> written as text in the reasoning or the answer",
+    "unreadable_tool_call": "a tool-call section whose calls cannot be read (a trainer would "
+    "train an empty call)",
+    "empty_answer": "an answer with no text and no tool call",
+}
 
 
 class Selection(msgspec.Struct, frozen=True):
-    """Which records an export holds: each filter None (all) or the values kept. `include`: reasons of
-    `EXPORT_REASONS` whose records are exported anyway (None: the format's default)."""
+    """Which records an export holds: each filter None (all) or the values kept. `include`: reasons
+    of `EXPORT_REASONS` whose records are exported anyway (None: the format's default)."""
 
     datasets: frozenset[str] | None = None
     finish: frozenset[str] | None = None
@@ -257,41 +306,59 @@ class Selection(msgspec.Struct, frozen=True):
     include: frozenset[str] | None = None
 
     def planned(self, ref: PromptRef, dataset: str) -> bool:
-        """Whether a planned record is selected by what the plan knows of it (dataset, sample, turn)."""
-        return ((self.datasets is None or dataset in self.datasets) and (self.samples is None or ref.sample in self.samples)
-                and (self.turns is None or ref.turn in self.turns))
+        """Whether a planned record is selected by what the plan knows of it (dataset, sample,
+        turn)."""
+        return (
+            (self.datasets is None or dataset in self.datasets)
+            and (self.samples is None or ref.sample in self.samples)
+            and (self.turns is None or ref.turn in self.turns)
+        )
 
 
 class ExportSummary(msgspec.Struct):
-    """What an export did with every planned record it selects: `exported + skipped + failed + missing + filtered ==
-    planned`. Written beside the export as `<name>_summary.json`."""
+    """What an export did with every planned record it selects: `exported + skipped + failed +
+    missing + filtered == planned`. Written beside the export as `<name>_summary.json`."""
 
     format: str
     output: str
     skipped_file: str
     planned: int = 0           # planned records the --dataset / --sample / --turn filters select
-    exported: int = 0          # records written (rows of a regenerated conversation count each turn they hold)
+    # records written (rows of a regenerated conversation count each turn they hold)
+    exported: int = 0
     rows: int = 0              # rows (lines) written
-    skipped: int = 0           # ok records that are not training data (skipped file, with the reason)
+    # ok records that are not training data (skipped file, with the reason)
+    skipped: int = 0
     failed: int = 0            # failed records not exported (skipped file, with their failure kind)
-    missing: int = 0           # planned records the merged dataset does not hold (merged with --allow-incomplete)
+    # planned records the merged dataset does not hold (merged with --allow-incomplete)
+    missing: int = 0
     filtered: int = 0          # ok records --finish / --mode leave out
     skipped_by_reason: dict[str, int] = {}
     failed_by_kind: dict[str, int] = {}
     trainer: str | None = None         # tokens: the trainer whose loss-mask rule the export follows
-    supervise_think_start: bool | None = None  # tokens: a think-start the template wrote is in the loss mask
+    # tokens: a think-start the template wrote is in the loss mask
+    supervise_think_start: bool | None = None
     audit: str = "none"                # the run's audit: "passed", "failed" or "none" (not run)
-    roundtrip_rows: int = 0            # conversations: rows rendered again as SpecForge renders them
+    # conversations: rows rendered again as SpecForge renders them
+    roundtrip_rows: int = 0
     roundtrip_identical: int = 0       # ... of which give the model's exact ids
-    roundtrip_file: str | None = None  # conversations: per row, whether the render gives the exact ids
-    registration_file: str | None = None  # conversations: the SpecForge chat-template registration of the model
-    arguments_reformatted: int = 0     # conversations: tool calls whose arguments SpecForge would re-serialise
+    # conversations: per row, whether the render gives the exact ids
+    roundtrip_file: str | None = None
+    # conversations: the SpecForge chat-template registration of the model
+    registration_file: str | None = None
+    # conversations: tool calls whose arguments SpecForge would re-serialise
+    arguments_reformatted: int = 0
     warnings: list[str] = []
 
     def line(self) -> str:
-        """e.g. `44 planned: 39 exported, 4 skipped (truncated 3, degenerate 1), 1 failed (server_error 1)`."""
+        """e.g. `44 planned: 39 exported, 4 skipped (truncated 3, degenerate 1), 1 failed
+        (server_error 1)`."""
         def by(counts: dict[str, int]) -> str:
-            return f" ({', '.join(f'{k} {v}' for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))})" if counts else ""
+            ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+            return (
+                f" ({', '.join(f'{k} {v}' for k, v in ranked)})"
+                if counts
+                else ""
+            )
 
         parts = [f"{self.exported} exported", f"{self.skipped} skipped{by(self.skipped_by_reason)}",
                  f"{self.failed} failed{by(self.failed_by_kind)}"]
@@ -317,21 +384,33 @@ class SkippedRow(msgspec.Struct):
 
 
 def side_file(out_path: Path, what: str, suffix: str) -> Path:
-    """A file beside the export: `conversations.jsonl` -> `conversations_skipped.jsonl`, `conversations_summary.json`."""
+    """A file beside the export: `conversations.jsonl` -> `conversations_skipped.jsonl`,
+    `conversations_summary.json`."""
     stem = out_path.name[: -len(out_path.suffix)] if out_path.suffix else out_path.name
     return out_path.with_name(f"{stem}_{what}{suffix}")
 
 
 class _Account:
-    """Decides for each record whether the export holds it, counts every selected record once, and writes the
-    skipped file."""
+    """Decides for each record whether the export holds it, counts every selected record once, and
+    writes the skipped file."""
 
-    def __init__(self, plan: RunPlan, refs: PromptIndex, sel: Selection, include: frozenset[str], include_failed: bool,
-                 tokens: _Tokens, summary: ExportSummary, skipped_out):
+    def __init__(
+        self,
+        plan: RunPlan,
+        refs: PromptIndex,
+        sel: Selection,
+        include: frozenset[str],
+        include_failed: bool,
+        tokens: _Tokens,
+        summary: ExportSummary,
+        skipped_out,
+    ):
         self.plan, self.refs, self.sel, self.include = plan, refs, sel, include
         self.include_failed = include_failed
         info = tokens.info
-        self.judge = Judge(info.think_start_id, info.think_end_id, info.blank_ids, plan.spec.model.expect_reasoning)
+        self.judge = Judge(
+            info.think_start_id, info.think_end_id, info.blank_ids, plan.spec.model.expect_reasoning
+        )
         self.info = info
         self.summary, self.out = summary, skipped_out
         self.enc = msgspec.json.Encoder()
@@ -344,8 +423,10 @@ class _Account:
     def ref(self, rec: Record) -> PromptRef:
         ref = self.refs.at(rec.index)
         if ref is None or ref.id != rec.id:
-            raise ExportError(f"record {rec.id} is not the planned record at position {rec.index}: the merged "
-                              f"dataset does not match the plan; merge again")
+            raise ExportError(
+                f"record {rec.id} is not the planned record at position {rec.index}: the merged "
+                f"dataset does not match the plan; merge again"
+            )
         return ref
 
     def selected(self, rec: Record, ref: PromptRef) -> bool:
@@ -370,7 +451,8 @@ class _Account:
         self.summary.exported += n
 
     def left_out(self, rec: Record, ref: PromptRef, outcome: str) -> None:
-        """Count a selected record that is not exported; write it to the skipped file unless a filter left it out."""
+        """Count a selected record that is not exported; write it to the skipped file unless a
+        filter left it out."""
         s = self.summary
         if outcome == "filtered":
             s.filtered += 1
@@ -383,9 +465,17 @@ class _Account:
         else:
             s.skipped += 1
             s.skipped_by_reason[outcome] = s.skipped_by_reason.get(outcome, 0) + 1
-        row = SkippedRow(id=rec.id, dataset=rec.dataset, sample=ref.sample, turn=ref.turn,
-                         status="failed" if failed else "skipped", reason=rec.failure or "failed" if failed else outcome,
-                         finish_reason=rec.finish, completion_tokens=rec.completion_tokens, error=rec.error)
+        row = SkippedRow(
+            id=rec.id,
+            dataset=rec.dataset,
+            sample=ref.sample,
+            turn=ref.turn,
+            status="failed" if failed else "skipped",
+            reason=rec.failure or "failed" if failed else outcome,
+            finish_reason=rec.finish,
+            completion_tokens=rec.completion_tokens,
+            error=rec.error,
+        )
         self.out.write(self.enc.encode(row) + b"\n")
 
     def finish(self) -> None:
@@ -394,8 +484,9 @@ class _Account:
 
 
 def _batches(path: Path, defects: _Defects) -> Iterator[list[Record]]:
-    """The merged records, frame by frame, each ok one checked (`defects`); CorruptShard on a damaged frame, a torn
-    last one included (a merged file is written whole: a frame cut short is damage, not a crash mid-write)."""
+    """The merged records, frame by frame, each ok one checked (`defects`); CorruptShard on a
+    damaged frame, a torn last one included (a merged file is written whole: a frame cut short is
+    damage, not a crash mid-write)."""
     tail: list = []
     for frame in iter_frames(path, tail=tail):
         recs = decode_batch(frame)
@@ -408,9 +499,11 @@ def _batches(path: Path, defects: _Defects) -> Iterator[list[Record]]:
         raise CorruptShard(path, tail[0][0], tail[0][1])
 
 
-def _kept(path: Path, acc: _Account, defects: _Defects) -> Iterator[tuple[list[Record], list[PromptRef]]]:
-    """The selected records an export of one row per record holds, batch by batch, with their planned refs; every
-    other selected record is accounted for (`acc`)."""
+def _kept(
+    path: Path, acc: _Account, defects: _Defects
+) -> Iterator[tuple[list[Record], list[PromptRef]]]:
+    """The selected records an export of one row per record holds, batch by batch, with their
+    planned refs; every other selected record is accounted for (`acc`)."""
     for recs in _batches(path, defects):
         keep, refs = [], []
         for r in recs:
@@ -433,10 +526,23 @@ def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str
     for r, ref, (reasoning, content) in zip(recs, refs, texts):
         stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
-            id=r.id, dataset=r.dataset, sample=ref.sample, turn=ref.turn, segments=r.segments, status=r.status,
-            error=r.error, prompt_ids=_ids(r.prompt_ids), output_ids=_ids(r.output_ids), reasoning_end=r.reasoning_end,
-            reasoning=reasoning, content=content, finish_reason=r.finish, matched_stop=stop_id,
-            matched_stop_str=stop_str, prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
+            id=r.id,
+            dataset=r.dataset,
+            sample=ref.sample,
+            turn=ref.turn,
+            segments=r.segments,
+            status=r.status,
+            error=r.error,
+            prompt_ids=_ids(r.prompt_ids),
+            output_ids=_ids(r.output_ids),
+            reasoning_end=r.reasoning_end,
+            reasoning=reasoning,
+            content=content,
+            finish_reason=r.finish,
+            matched_stop=stop_id,
+            matched_stop_str=stop_str,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
             meta=meta.of(ref),
         )
 
@@ -452,22 +558,27 @@ def _write_lines(out, objs: Iterator[Any], enc: msgspec.json.Encoder) -> int:
     return n
 
 
-def _export_jsonl(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+def _export_jsonl(
+    path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects
+) -> int:
     text, enc, n, meta = _Text(plan, tokens), msgspec.json.Encoder(), 0, _Meta(plan)
     for recs, refs in _kept(path, acc, defects):
         n += _write_lines(out, _jsonl_rows(recs, refs, text.parts(recs), meta), enc)
     return n
 
 
-def loss_mask(prompt: bytes, n_output: int, info: chat.TokenInfo, supervise_think_start: bool = True) -> list[int]:
-    """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1 on everything
-    the assistant turn holds after the template's assistant header — a think-start the template wrote at the end of
-    the prompt (and the blanks after it), then every output id: the reasoning, the think-end, the content, a
-    tool-call section, and the stop token — and 0 on the rest of the prompt (system, tools, user turns, earlier
-    turns, the header). This is the span SpecForge's parsers supervise (from the end of the assistant header to
-    its end-of-turn token, inclusive) with `train_only_last_turn`. `supervise_think_start=False` leaves the
-    template's think-start and its blanks out (0): the whole prompt unsupervised, speculators' rule (it masks from
-    the end of the rendered generation prompt)."""
+def loss_mask(
+    prompt: bytes, n_output: int, info: chat.TokenInfo, supervise_think_start: bool = True
+) -> list[int]:
+    """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1
+    on everything the assistant turn holds after the template's assistant header — a think-start the
+    template wrote at the end of the prompt (and the blanks after it), then every output id: the
+    reasoning, the think-end, the content, a tool-call section, and the stop token — and 0 on the
+    rest of the prompt (system, tools, user turns, earlier turns, the header). This is the span
+    SpecForge's parsers supervise (from the end of the assistant header to its end-of-turn token,
+    inclusive) with `train_only_last_turn`. `supervise_think_start=False` leaves the template's
+    think-start and its blanks out (0): the whole prompt unsupervised, speculators' rule (it masks
+    from the end of the rendered generation prompt)."""
     n = len(prompt) >> 2
     head = n
     if supervise_think_start and chat.opens_reasoning(prompt, info):
@@ -477,21 +588,34 @@ def loss_mask(prompt: bytes, n_output: int, info: chat.TokenInfo, supervise_thin
     return [0] * head + [1] * (n - head + n_output)
 
 
-def _export_tokens(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+def _export_tokens(
+    path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects
+) -> int:
     enc, n = msgspec.json.Encoder(), 0
     think = acc.summary.supervise_think_start is not False
     for recs, refs in _kept(path, acc, defects):
-        n += _write_lines(out, (
-            {"id": r.id, "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn, "segments": r.segments,
-             "input_ids": _ids(r.prompt_ids + r.output_ids),
-             "loss_mask": loss_mask(r.prompt_ids, r.n_output, tokens.info, think)}
-            for r, ref in zip(recs, refs)
-        ), enc)
+        n += _write_lines(
+            out,
+            (
+                {
+                    "id": r.id,
+                    "dataset": r.dataset,
+                    "sample": ref.sample,
+                    "turn": ref.turn,
+                    "segments": r.segments,
+                    "input_ids": _ids(r.prompt_ids + r.output_ids),
+                    "loss_mask": loss_mask(r.prompt_ids, r.n_output, tokens.info, think),
+                }
+                for r, ref in zip(recs, refs)
+            ),
+            enc,
+        )
     return n
 
 
 def has_think_marker(text: str) -> bool:
-    """`<think>` or `</think>` written as text, in any case (what SpecForge's strict validation refuses)."""
+    """`<think>` or `</think>` written as text, in any case (what SpecForge's strict validation
+    refuses)."""
     low = text.lower()
     return "<think>" in low or "</think>" in low
 
@@ -509,15 +633,16 @@ def _text_problem(answer: dict[str, Any]) -> str | None:
 
 
 def _visible(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message of the history as a trainer's multi-turn rows hold it: its visible content, no
-    reasoning."""
+    """An assistant message of the history as a trainer's multi-turn rows hold it: its visible
+    content, no reasoning."""
     if message.get("role") != "assistant" or "reasoning_content" not in message:
         return message
     return {k: v for k, v in message.items() if k != "reasoning_content"}
 
 
 class _Chain:
-    """The turns of one regenerated conversation read so far: (record, ref, answer or None, why not)."""
+    """The turns of one regenerated conversation read so far: (record, ref, answer or None, why
+    not)."""
 
     def __init__(self) -> None:
         self.turns: list[tuple[Record, PromptRef, dict[str, Any] | None, str | None]] = []
@@ -525,9 +650,9 @@ class _Chain:
 
 
 class _Checks:
-    """The conversations export's own round trip: each row rendered with the model's chat template as SpecForge
-    renders it (`trainers.RoundTrip`), written per row to the round-trip file; and tool-call arguments SpecForge
-    would re-serialise, counted."""
+    """The conversations export's own round trip: each row rendered with the model's chat template
+    as SpecForge renders it (`trainers.RoundTrip`), written per row to the round-trip file; and
+    tool-call arguments SpecForge would re-serialise, counted."""
 
     def __init__(self, tokens: _Tokens, reg, out):
         self.trip = RoundTrip(tokens.tok, reg)
@@ -541,20 +666,39 @@ class _Checks:
                 args = call.get("function", {}).get("arguments")
                 reformatted += isinstance(args, str) and not trainer_json(args)
         self.reformatted += reformatted
-        at = self.trip.check(row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids))
-        self.out.write(self.enc.encode({"id": row["id"], "identical": at is None, "first_difference": at,
-                                        "arguments_reformatted": reformatted}) + b"\n")
+        at = self.trip.check(
+            row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids)
+        )
+        self.out.write(
+            self.enc.encode(
+                {
+                    "id": row["id"],
+                    "identical": at is None,
+                    "first_difference": at,
+                    "arguments_reformatted": reformatted,
+                }
+            )
+            + b"\n"
+        )
 
 
-def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+def _export_conversations(
+    path: Path, plan: RunPlan, out, acc: _Account, tokens: _Tokens, defects: _Defects
+) -> int:
     text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
     reader = PromptReader()
     chains: dict[tuple[int, int, int], _Chain] = {}
     checks: _Checks = acc.checks
 
     def base(r: Record, ref: PromptRef, prompt) -> dict[str, Any]:
-        return {"id": r.id, "status": "success", "dataset": r.dataset, "sample": ref.sample, "turn": ref.turn,
-                "segments": r.segments}
+        return {
+            "id": r.id,
+            "status": "success",
+            "dataset": r.dataset,
+            "sample": ref.sample,
+            "turn": ref.turn,
+            "segments": r.segments,
+        }
 
     def answer_of(r: Record, parts: tuple[str, str, str]) -> dict[str, Any] | None:
         reasoning, content, section = parts
@@ -569,11 +713,16 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
         last = ref.turn + 1 >= user_turns(prompt.messages)
         if last:
             del chains[key]
-        if not acc.selected(r, ref) or not (acc.sel.turns is None and last or acc.sel.turns is not None
-                                            and ref.turn in acc.sel.turns):
+        if not acc.selected(r, ref) or not (
+            acc.sel.turns is None
+            and last
+            or acc.sel.turns is not None
+            and ref.turn in acc.sel.turns
+        ):
             return
         turns = chain.turns[: ref.turn + 1]
-        if [t[1].turn for t in turns] != list(range(ref.turn + 1)):  # a turn is missing from the merged dataset
+        # a turn is missing from the merged dataset
+        if [t[1].turn for t in turns] != list(range(ref.turn + 1)):
             return
         bad = next((t for t in turns if t[3] is not None), None)
         selected = [t for t in turns[chain.done + 1:] if acc.selected(t[0], t[1])]
@@ -599,7 +748,8 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
             ds = plan.datasets[ref.dataset]
             if not acc.selected(r, ref) and (not ds.regenerate or acc.sel.datasets is not None
                                              and ds.name not in acc.sel.datasets):
-                continue  # (a regenerated turn not selected may still be the history of one that is)
+                # (a regenerated turn not selected may still be the history of one that is)
+                continue
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
             why = acc.outcome(r)
             answer = answer_of(r, p) if why is None else None
@@ -609,7 +759,9 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
                     why = None
                 answer = answer if why is None else None
             if ds.regenerate:
-                yield from regenerated(r, ref, prompt, why if r.status == OK or why is not None else "failed", answer)
+                yield from regenerated(
+                    r, ref, prompt, why if r.status == OK or why is not None else "failed", answer
+                )
                 continue
             if why is not None:
                 acc.left_out(r, ref, why)
@@ -628,28 +780,49 @@ def _export_conversations(path: Path, plan: RunPlan, out, acc: _Account, tokens:
     with reader:
         for recs in _batches(path, defects):
             n += _write_lines(out, rows(recs, text.parts_and_tools(recs)), enc)
-    for chain in chains.values():  # conversations whose later turns the merged dataset does not hold
+    # conversations whose later turns the merged dataset does not hold
+    for chain in chains.values():
         for rec, ref, _, why in chain.turns[chain.done + 1:]:
             if acc.selected(rec, ref):
                 acc.left_out(rec, ref, why if why is not None else OTHER_TURN)
     return n
 
 
-def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, tokens: _Tokens, defects: _Defects) -> int:
+def _export_parquet(
+    path: Path, plan: RunPlan, out_path: Path, acc: _Account, tokens: _Tokens, defects: _Defects
+) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ExportError("the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] extra)") from None
+        raise ExportError(
+            "the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] "
+            "extra)"
+        ) from None
     ids_type = pa.list_(pa.uint32())
-    schema = pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("sample", pa.int32()), ("turn", pa.int32()),
-        ("segments", pa.int32()), ("status", pa.string()), ("error", pa.string()),
-        ("prompt_ids", ids_type), ("output_ids", ids_type), ("reasoning_end", pa.int32()),
-        ("reasoning", pa.string()), ("content", pa.string()), ("finish_reason", pa.string()),
-        ("matched_stop", pa.int64()), ("matched_stop_str", pa.string()), ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()), ("meta", pa.string()),  # meta: the jsonl export's object, as JSON
-    ])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("dataset", pa.string()),
+            ("sample", pa.int32()),
+            ("turn", pa.int32()),
+            ("segments", pa.int32()),
+            ("status", pa.string()),
+            ("error", pa.string()),
+            ("prompt_ids", ids_type),
+            ("output_ids", ids_type),
+            ("reasoning_end", pa.int32()),
+            ("reasoning", pa.string()),
+            ("content", pa.string()),
+            ("finish_reason", pa.string()),
+            ("matched_stop", pa.int64()),
+            ("matched_stop_str", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            # meta: the jsonl export's object, as JSON
+            ("completion_tokens", pa.int64()),
+            ("meta", pa.string()),
+        ]
+    )
 
     def id_lists(packed: list[bytes]) -> pa.Array:
         lengths = np.fromiter((len(p) >> 2 for p in packed), np.int32, len(packed))
@@ -685,8 +858,13 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, to
             pa.array([stop_columns(r.matched_stop)[1] for r in pending], pa.string()),
             pa.array([r.prompt_tokens for r in pending], pa.int64()),
             pa.array([r.completion_tokens for r in pending], pa.int64()),
-            pa.array([None if (m := meta.of(ref)) is None else as_json(m).decode() for ref in pending_refs],
-                     pa.string()),
+            pa.array(
+                [
+                    None if (m := meta.of(ref)) is None else as_json(m).decode()
+                    for ref in pending_refs
+                ],
+                pa.string(),
+            ),
         ]
         writer.write_table(pa.Table.from_arrays(cols, schema=schema))
         pending.clear()
@@ -705,21 +883,26 @@ def _export_parquet(path: Path, plan: RunPlan, out_path: Path, acc: _Account, to
     return n
 
 
-_TEXT_WRITERS = {"jsonl": _export_jsonl, "tokens": _export_tokens, "conversations": _export_conversations}
-TRAINING_FORMATS = ("tokens", "conversations")  # records that are not training data are skipped by default
+_TEXT_WRITERS = {
+    "jsonl": _export_jsonl,
+    "tokens": _export_tokens,
+    "conversations": _export_conversations,
+}
+# records that are not training data are skipped by default
+TRAINING_FORMATS = ("tokens", "conversations")
 
 
 def default_output(run_dir: str | os.PathLike, fmt: str, trainer: str = "specforge") -> Path:
-    """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet, tokens.jsonl (for
-    SpecForge; tokens_speculators.jsonl for speculators), conversations.jsonl."""
+    """Where an export goes when no output is given: RUN/export/records.jsonl, records.parquet,
+    tokens.jsonl (for SpecForge; tokens_speculators.jsonl for speculators), conversations.jsonl."""
     default = RunDir(run_dir).export_file(fmt)
     return default.with_name(TRAINERS[trainer].output) if fmt == "tokens" else default
 
 
 def output_path(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None,
                 trainer: str = "specforge") -> Path:
-    """The file an export writes: `output`; the default name inside it when it is a folder or ends with a slash
-    (the folder made when its parent exists); `default_output` when None."""
+    """The file an export writes: `output`; the default name inside it when it is a folder or ends
+    with a slash (the folder made when its parent exists); `default_output` when None."""
     default = default_output(run_dir, fmt, trainer)
     if output is None:
         return default
@@ -731,7 +914,8 @@ def output_path(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike 
 
 
 def audit_state(rd: RunDir) -> tuple[str, str]:
-    """("passed" | "failed" | "none", what failed): the verdict of the run's last audit (merged/audit.json)."""
+    """("passed" | "failed" | "none", what failed): the verdict of the run's last audit
+    (merged/audit.json)."""
     try:
         report = msgspec.json.decode(rd.audit_json.read_bytes())
     except (OSError, msgspec.DecodeError):
@@ -740,13 +924,18 @@ def audit_state(rd: RunDir) -> tuple[str, str]:
         return "none", ""
     if report["passed"]:
         return "passed", ""
-    bad = [c.get("name", "?") for c in report.get("checks", []) if isinstance(c, dict) and not c.get("passed", True)]
+    bad = [
+        c.get("name", "?")
+        for c in report.get("checks", [])
+        if isinstance(c, dict) and not c.get("passed", True)
+    ]
     return "failed", ", ".join(bad)
 
 
 def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | None:
-    """What the run gained or changed since its merged dataset was made (grown by new prompts, a shard written to
-    or asked to generate records again since), or None when the merge is of the run as it is. Reads no record."""
+    """What the run gained or changed since its merged dataset was made (grown by new prompts, a
+    shard written to or asked to generate records again since), or None when the merge is of the run
+    as it is. Reads no record."""
     if manifest.planned != plan.total or len(manifest.shards) != len(plan.shards):
         return (f"the run plans {plan.total} records in {len(plan.shards)} shards, the merge had "
                 f"{manifest.planned} in {len(manifest.shards)} (the job grew)")
@@ -762,23 +951,33 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
     return None
 
 
-def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: str | os.PathLike | None = None, *,
-               include_failed: bool = False, force: bool = False, select: Selection | None = None,
-               trainer: str = "specforge", supervise_think_start: bool | None = None) -> ExportSummary:
-    """Write the merged records of a run that `select` selects to `output` in `fmt`; return the account of every
-    selected planned record (`ExportSummary`), also written beside the output as `<name>_summary.json`, with the
-    records left out and why in `<name>_skipped.jsonl`.
+def export_run(
+    run_dir: str | os.PathLike,
+    fmt: str = DEFAULT_FORMAT,
+    output: str | os.PathLike | None = None,
+    *,
+    include_failed: bool = False,
+    force: bool = False,
+    select: Selection | None = None,
+    trainer: str = "specforge",
+    supervise_think_start: bool | None = None,
+) -> ExportSummary:
+    """Write the merged records of a run that `select` selects to `output` in `fmt`; return the
+    account of every selected planned record (`ExportSummary`), also written beside the output as
+    `<name>_summary.json`, with the records left out and why in `<name>_skipped.jsonl`.
 
-    Records that are not training data (`quality.SKIP_REASONS`) are left out of `tokens` and `conversations` unless
-    `select.include` names their reason; `jsonl` and `parquet` hold every ok record unless `select.include` is
-    given. Without `output`, the file is `default_output(run_dir, fmt, trainer)` (its folder is created); an
-    `output` that is a folder (or ends with a slash) gets that name inside it. `tokens` follows `trainer`'s loss-mask
-    rule (`trainers.TRAINERS`) unless `supervise_think_start` says otherwise. `conversations` also writes, beside
-    the output, the round trip of each row through the chat template as SpecForge renders it
-    (`<name>_roundtrip.jsonl`; counted in the summary) and the SpecForge registration of the model's template
-    (`<name>_specforge_template.py`). A failed or missing audit is said in `summary.warnings`. The files appear
-    under their names only when complete (written to temporary names, then renamed). Ok records that fail the
-    audit's record checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
+    Records that are not training data (`quality.SKIP_REASONS`) are left out of `tokens` and
+    `conversations` unless `select.include` names their reason; `jsonl` and `parquet` hold every ok
+    record unless `select.include` is given. Without `output`, the file is `default_output(run_dir,
+    fmt, trainer)` (its folder is created); an `output` that is a folder (or ends with a slash) gets
+    that name inside it. `tokens` follows `trainer`'s loss-mask rule (`trainers.TRAINERS`) unless
+    `supervise_think_start` says otherwise. `conversations` also writes, beside the output, the
+    round trip of each row through the chat template as SpecForge renders it
+    (`<name>_roundtrip.jsonl`; counted in the summary) and the SpecForge registration of the model's
+    template (`<name>_specforge_template.py`). A failed or missing audit is said in
+    `summary.warnings`. The files appear under their names only when complete (written to temporary
+    names, then renamed). Ok records that fail the audit's record checks refuse the export
+    (ExportError, nothing written) unless `force`, which warns about them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -786,10 +985,15 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()
     if select.mode is not None and select.mode not in MODES:
-        raise ExportError(f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}")
+        raise ExportError(
+            f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}"
+        )
     unknown = sorted((select.include or frozenset()) - set(EXPORT_REASONS))
     if unknown:
-        raise ExportError(f"unknown reason {', '.join(unknown)} to include; choose among {', '.join(EXPORT_REASONS)}")
+        raise ExportError(
+            f"unknown reason {', '.join(unknown)} to include; choose among "
+            f"{', '.join(EXPORT_REASONS)}"
+        )
     if select.include is not None:
         include = select.include
     else:
@@ -802,65 +1006,99 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
         raise ExportError(f"{path} is missing: run `toolkit merge {rd.root}` again")
     size = path.stat().st_size
     if size != manifest.bytes:
-        raise ExportError(f"{path} has {size} bytes, its manifest says {manifest.bytes}: it changed after the merge; "
-                          f"run `toolkit merge {rd.root}` again")
+        raise ExportError(
+            f"{path} has {size} bytes, its manifest says {manifest.bytes}: it changed after the "
+            f"merge; run `toolkit merge {rd.root}` again"
+        )
     try:
         head = read_header(path)
     except CorruptShard as e:
         raise _damaged(rd, e) from None
     if head != (plan.fingerprint, MERGED):
-        raise ExportError(f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge {rd.root}` again")
+        raise ExportError(
+            f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge "
+            f"{rd.root}` again"
+        )
     stale = stale_merge(rd, plan, manifest)
     if stale:
-        raise ExportError(f"{path} is older than the run: {stale}; nothing exported. Run `toolkit merge {rd.root}` "
-                          "once the run is complete (`--allow-incomplete` to merge what is there), then export")
+        raise ExportError(
+            f"{path} is older than the run: {stale}; nothing exported. Run `toolkit merge "
+            f"{rd.root}` once the run is complete (`--allow-incomplete` to merge what is there), "
+            "then export"
+        )
     out_path = output_path(run_dir, fmt, output, trainer)
-    if output is None or (os.fspath(output).endswith(("/", os.sep)) and out_path.parent.parent.is_dir()):
+    if output is None or (
+        os.fspath(output).endswith(("/", os.sep)) and out_path.parent.parent.is_dir()
+    ):
         out_path.parent.mkdir(exist_ok=True)
-    if fmt == "conversations":  # pairs records with their source messages: the files must be those planned
+    # pairs records with their source messages: the files must be those planned
+    if fmt == "conversations":
         try:
             check_plan_inputs(plan)
         except InputError as e:
-            raise ExportError(f"{e}; the conversations export would pair records with other messages than they were "
-                              "generated from") from None
+            raise ExportError(
+                f"{e}; the conversations export would pair records with other messages than they "
+                "were generated from"
+            ) from None
     if out_path.is_dir():
         raise ExportError(f"cannot write {out_path}: it is a folder; give another file name")
     if out_path.parent and not out_path.parent.is_dir():
-        raise ExportError(f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first")
+        raise ExportError(
+            f"cannot write {out_path}: folder {out_path.parent} does not exist; create it first"
+        )
     known = {d.name for d in plan.datasets}
     if select.datasets is not None and not select.datasets <= known:
-        raise ExportError(f"no dataset {', '.join(sorted(select.datasets - known))} in run {rd.root}; its datasets: "
-                          f"{', '.join(d.name for d in plan.datasets)}")
+        raise ExportError(
+            f"no dataset {', '.join(sorted(select.datasets - known))} in run {rd.root}; its "
+            f"datasets: {', '.join(d.name for d in plan.datasets)}"
+        )
     tokens = _Tokens(plan)
     found = _Defects(plan, tokens)
-    skipped_path, summary_path = side_file(out_path, "skipped", ".jsonl"), side_file(out_path, "summary", ".json")
+    skipped_path, summary_path = (
+        side_file(out_path, "skipped", ".jsonl"),
+        side_file(out_path, "summary", ".json"),
+    )
     summary = ExportSummary(format=fmt, output=str(out_path), skipped_file=str(skipped_path))
     finals = [out_path, skipped_path, summary_path]
     summary.audit, failed_checks = audit_state(rd)
     if summary.audit == "failed":
-        summary.warnings.append(f"the audit of run {rd.root} failed ({failed_checks}): see {rd.audit_json} and "
-                                f"`toolkit audit {rd.root}` before training on this export")
+        summary.warnings.append(
+            f"the audit of run {rd.root} failed ({failed_checks}): see {rd.audit_json} and "
+            f"`toolkit audit {rd.root}` before training on this export"
+        )
     elif summary.audit == "none":
-        summary.warnings.append(f"run {rd.root} has no audit: run `toolkit audit {rd.root}` before training on it")
+        summary.warnings.append(
+            f"run {rd.root} has no audit: run `toolkit audit {rd.root}` before training on it"
+        )
     if fmt == "tokens":
         summary.trainer = trainer
-        summary.supervise_think_start = (TRAINERS[trainer].supervise_think_start if supervise_think_start is None
-                                         else supervise_think_start)
+        summary.supervise_think_start = (
+            TRAINERS[trainer].supervise_think_start
+            if supervise_think_start is None
+            else supervise_think_start
+        )
     reg = None
     if fmt == "conversations":
         info = tokens.info
         stops = [tokens.tok.convert_ids_to_tokens(i) for i in info.eos_ids]
         think = tokens.tok.convert_ids_to_tokens(info.think_start_id)
         try:
-            reg = registration(tokens.tok, think, [s for s in stops if isinstance(s, str)], name=plan.spec.name,
-                               think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
-                               kwargs=dict(plan.spec.model.chat_template_kwargs))
+            reg = registration(
+                tokens.tok,
+                think,
+                [s for s in stops if isinstance(s, str)],
+                name=plan.spec.name,
+                think_end=tokens.tok.convert_ids_to_tokens(info.think_end_id),
+                kwargs=dict(plan.spec.model.chat_template_kwargs),
+            )
         except Exception as e:  # noqa: BLE001 - a template that refuses the probe conversation
             reg = Registration(name=plan.spec.name, assistant_header="", end_of_turn_token=None,
                                parser_type="thinking", enable_thinking=True)
-            summary.warnings.append(f"the chat template refuses a probe conversation ({type(e).__name__}: {e}): no "
-                                    "SpecForge registration could be read from it; the round trip assumes its "
-                                    "thinking parser")
+            summary.warnings.append(
+                f"the chat template refuses a probe conversation ({type(e).__name__}: {e}): no "
+                "SpecForge registration could be read from it; the round trip assumes its "
+                "thinking parser"
+            )
         trip_path = side_file(out_path, "roundtrip", ".jsonl")
         reg_path = side_file(out_path, "specforge_template", ".py")
         summary.roundtrip_file, summary.registration_file = str(trip_path), str(reg_path)
@@ -870,7 +1108,9 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
     tmp, skipped_tmp, summary_tmp = tmps[:3]
     try:
         with open(skipped_tmp, "wb") as skipped_out:
-            acc = _Account(plan, run.prompts(), select, include, include_failed, tokens, summary, skipped_out)
+            acc = _Account(
+                plan, run.prompts(), select, include, include_failed, tokens, summary, skipped_out
+            )
             if fmt == "parquet":
                 summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
             elif fmt == "conversations":
@@ -883,11 +1123,17 @@ def export_run(run_dir: str | os.PathLike, fmt: str = DEFAULT_FORMAT, output: st
                     summary.rows = _TEXT_WRITERS[fmt](path, plan, out, acc, tokens, found)
             acc.finish()
             if fmt == "conversations":
-                summary.roundtrip_rows, summary.roundtrip_identical = acc.checks.trip.rows, acc.checks.trip.identical
+                summary.roundtrip_rows, summary.roundtrip_identical = (
+                    acc.checks.trip.rows,
+                    acc.checks.trip.identical,
+                )
                 summary.arguments_reformatted = acc.checks.reformatted
         if found.count and not force:
-            raise FailedError(f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: generate "
-                              f"them again (`toolkit retry {rd.root} --ids FILE`), or export them anyway with --force")
+            raise FailedError(
+                f"{found.summary()}; nothing exported. `toolkit audit {rd.root}` names them: "
+                f"generate them again (`toolkit retry {rd.root} --ids FILE`), or export them "
+                "anyway with --force"
+            )
         if found.count:
             log.warning("exporting them anyway (--force): %s", found.summary())
         summary_tmp.write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
@@ -911,5 +1157,7 @@ def _unlink(paths: list[Path]) -> None:
 
 
 def _damaged(rd: RunDir, e: CorruptShard) -> ExportError:
-    return ExportError(f"{rd.merged_file} is damaged ({e.why} at byte {e.offset}): nothing exported; run "
-                       f"`toolkit merge {rd.root}` again")
+    return ExportError(
+        f"{rd.merged_file} is damaged ({e.why} at byte {e.offset}): nothing exported; run "
+        f"`toolkit merge {rd.root}` again"
+    )

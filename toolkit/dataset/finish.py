@@ -1,6 +1,6 @@
-"""The end that `run`, `retry`, the final Slurm job and the `merge` and `audit` commands share: merge the shards,
-audit the merged records in the same pass, write the reports, print the summary. Two merges of one run wait for
-each other (the run's merge lock)."""
+"""The end that `run`, `retry`, the final Slurm job and the `merge` and `audit` commands share:
+merge the shards, audit the merged records in the same pass, write the reports, print the summary.
+Two merges of one run wait for each other (the run's merge lock)."""
 
 from __future__ import annotations
 
@@ -21,26 +21,33 @@ __all__ = ["AuditFailed", "audit_and_report", "merge_and_audit"]
 
 
 class AuditFailed(FailedError):
-    """The run was audited and the audit failed: the summary printed before says which checks, and why."""
+    """The run was audited and the audit failed: the summary printed before says which checks, and
+    why."""
 
 
 def _passed(rd: RunDir, result: AuditReport) -> AuditReport:
     if not result.passed:
         failed = [c.name for c in result.checks if not c.passed]
-        raise AuditFailed(f"the audit of run {result.run} failed ({', '.join(failed) or 'incomplete'}); what each "
-                          f"check found is above and in {shown_path(rd.audit_html)}")
+        raise AuditFailed(
+            f"the audit of run {result.run} failed ({', '.join(failed) or 'incomplete'}); what "
+            f"each check found is above and in {shown_path(rd.audit_html)}"
+        )
     return result
 
 
-def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None) -> AuditReport:
+def merge_and_audit(
+    run_dir: str | os.PathLike, *, allow_incomplete: bool = False, out=None
+) -> AuditReport:
     """The final job of a run: merge, audit in the same pass, write the reports, print the summary.
 
-    Returns the audit's report when it passed; raises AuditFailed when it did not, MergeError when the run cannot
-    be merged (e.g. unfinished shards without `allow_incomplete`; the message says what to do).
+    Returns the audit's report when it passed; raises AuditFailed when it did not, MergeError when
+    the run cannot be merged (e.g. unfinished shards without `allow_incomplete`; the message says
+    what to do).
     """
     out = out or sys.stdout
     rd, plan = load_run(run_dir)
-    finished_shards(rd, plan, allow_incomplete=allow_incomplete)  # refuse before loading the tokenizer
+    # refuse before loading the tokenizer
+    finished_shards(rd, plan, allow_incomplete=allow_incomplete)
     with _merge_lock(rd):
         auditor = audit.Auditor(rd, plan)
         manifest = merge_run(rd.root, allow_incomplete=allow_incomplete, on_record=auditor.add)
@@ -54,8 +61,8 @@ def merge_and_audit(run_dir: str | os.PathLike, *, allow_incomplete: bool = Fals
 
 
 class _merge_lock:
-    """Held while a run is merged and audited: a second merge of the run (another `toolkit run` finishing at the
-    same time) waits for the first, then merges again, instead of failing."""
+    """Held while a run is merged and audited: a second merge of the run (another `toolkit run`
+    finishing at the same time) waits for the first, then merges again, instead of failing."""
 
     def __init__(self, rd: RunDir):
         self.path = rd.merge_lock
@@ -66,7 +73,9 @@ class _merge_lock:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logging.getLogger("toolkit.dataset.merge").info("another merge of this run is under way: waiting for it to end")
+            logging.getLogger("toolkit.dataset.merge").info(
+                "another merge of this run is under way: waiting for it to end"
+            )
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except OSError:
             pass  # no flock here, or a run directory not writable: merge_run says what it cannot do

@@ -1,15 +1,17 @@
-"""Merge: the shard files of a run into one dataset, in planned order, exactly once by id, with a manifest.
+"""Merge: the shard files of a run into one dataset, in planned order, exactly once by id, with a
+manifest.
 
-The merged dataset, `RUN/merged/records.zst`, has the format of a shard file (`read_shard` reads it) with
-shard number MERGED. Memory stays flat whatever the run's size: shards are merged one at a time, in two
-passes. The first pass reads every frame and keeps, per planned position, where its record lives (frame
-number and index in the frame, in compact arrays); it resolves duplicates (an id written again, by a retry of a
-failed record or a task that ran twice: the record written last supersedes the earlier ones; a partial output
-kept at a stop and superseded by its continuation is counted apart, as continued, not as a duplicate) and notes
-damaged frames, reading on past them to the next intact frame. The
-second pass writes the records in planned order, decoding frames through a small cache bounded in bytes and
-reading a frame again when it was evicted. Every problem (duplicate, damaged or torn frame, record that is not
-the shard's, missing record) is counted and named in `merged/manifest.json`, never skipped in silence.
+The merged dataset, `RUN/merged/records.zst`, has the format of a shard file (`read_shard` reads it)
+with shard number MERGED. Memory stays flat whatever the run's size: shards are merged one at a
+time, in two passes. The first pass reads every frame and keeps, per planned position, where its
+record lives (frame number and index in the frame, in compact arrays); it resolves duplicates (an id
+written again, by a retry of a failed record or a task that ran twice: the record written last
+supersedes the earlier ones; a partial output kept at a stop and superseded by its continuation is
+counted apart, as continued, not as a duplicate) and notes damaged frames, reading on past them to
+the next intact frame. The second pass writes the records in planned order, decoding frames through
+a small cache bounded in bytes and reading a frame again when it was evicted. Every problem
+(duplicate, damaged or torn frame, record that is not the shard's, missing record) is counted and
+named in `merged/manifest.json`, never skipped in silence.
 """
 
 from __future__ import annotations
@@ -72,13 +74,16 @@ class ShardMerge(msgspec.Struct):
     frames: int = 0
     records: int = 0             # records read (duplicates and foreign ones included)
     kept: int = 0
-    duplicates: int = 0          # records superseded by a later one of their id (partial outputs continued apart)
+    # records superseded by a later one of their id (partial outputs continued apart)
+    duplicates: int = 0
     foreign: int = 0             # records whose id or position this shard does not own
     missing: int = 0
     bytes: int = 0
     sha256: str | None = None
-    matches_done: bool | None = None  # the file's sha256 equals its done manifest's (None: no manifest)
-    continued: int = 0           # partial outputs (kept at a stop) superseded by the record that continued them
+    # the file's sha256 equals its done manifest's (None: no manifest)
+    matches_done: bool | None = None
+    # partial outputs (kept at a stop) superseded by the record that continued them
+    continued: int = 0
 
 
 class DatasetCounts(msgspec.Struct):
@@ -114,12 +119,13 @@ class MergeManifest(msgspec.Struct):
     missing_ids: list[str] = []      # the first SAMPLE_IDS; all are in missing_ids.txt
     duplicate_ids: list[str] = []
     foreign_ids: list[str] = []
-    continued: int = 0               # partial outputs superseded by their continuation: not duplicates
+    # partial outputs superseded by their continuation: not duplicates
+    continued: int = 0
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # merging
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class _MergeCounts:
     def __init__(self, plan: RunPlan):
         self.datasets = {d.name: DatasetCounts(planned=d.planned) for d in plan.datasets}
@@ -131,9 +137,19 @@ class _MergeCounts:
 
 
 def _merge_shard(
-    sp: ShardPlan, sm: ShardMerge, path: Path | None, refs: list[PromptRef], plan: RunPlan, t: _MergeCounts,
-    corrupt: list[FrameProblem], torn: list[FrameProblem], emit: Callable[[Record], None],
-    missing_out, cache_bytes: int, *, header: bool = True,
+    sp: ShardPlan,
+    sm: ShardMerge,
+    path: Path | None,
+    refs: list[PromptRef],
+    plan: RunPlan,
+    t: _MergeCounts,
+    corrupt: list[FrameProblem],
+    torn: list[FrameProblem],
+    emit: Callable[[Record], None],
+    missing_out,
+    cache_bytes: int,
+    *,
+    header: bool = True,
 ) -> None:
     sc = scan_shard(path, sp.first, refs, header=header)
     sm.frames, sm.records, sm.foreign = len(sc.offsets), sc.records, sc.foreign
@@ -162,8 +178,11 @@ def planned_refs(rd: RunDir, plan: RunPlan) -> PromptIndex:
         raise MergeError(str(e)) from None
 
 
-def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False) -> dict[int, DoneManifest]:
-    """The done manifests of this run's shards; MergeError naming the unfinished ones unless `allow_incomplete`."""
+def finished_shards(
+    rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
+) -> dict[int, DoneManifest]:
+    """The done manifests of this run's shards; MergeError naming the unfinished ones unless
+    `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
         m = shard_state(rd, s.index, fingerprint=plan.fingerprint).done
@@ -173,9 +192,10 @@ def finished_shards(rd: RunDir, plan: RunPlan, *, allow_incomplete: bool = False
             not_done.append(s.index)
     if not_done and not allow_incomplete:
         raise MergeError(
-            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not done (no done manifest): "
-            f"{ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit status {rd.root}` shows "
-            f"why they stopped), or merge what is there with `toolkit merge {rd.root} --allow-incomplete`."
+            f"{rd.root}: {len(not_done)} of {len(plan.shards)} shards are not done (no done "
+            f"manifest): {ranges(not_done)}. Finish them with `{rd.finish_command()}` (`toolkit "
+            f"status {rd.root}` shows why they stopped), or merge what is there with `toolkit "
+            f"merge {rd.root} --allow-incomplete`."
         )
     return done
 
@@ -186,9 +206,10 @@ def merge_run(
 ) -> MergeManifest:
     """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
 
-    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record` sees every
-    merged record, in planned order (the audit runs in the same pass this way). A file system that fails it (full,
-    read-only) is a FailedError (exit 1) in one line, nothing left behind.
+    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record`
+    sees every merged record, in planned order (the audit runs in the same pass this way). A file
+    system that fails it (full, read-only) is a FailedError (exit 1) in one line, nothing left
+    behind.
     """
     rd, plan = load_run(run_dir)
     try:
@@ -209,19 +230,28 @@ def _named(e: OSError, path: Path) -> OSError:
     return e
 
 
-def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Callable[[Record], None] | None,
-               cache_bytes: int) -> MergeManifest:
+def _merge_run(
+    rd: RunDir,
+    plan: RunPlan,
+    allow_incomplete: bool,
+    on_record: Callable[[Record], None] | None,
+    cache_bytes: int,
+) -> MergeManifest:
     done = finished_shards(rd, plan, allow_incomplete=allow_incomplete)
     refs = planned_refs(rd, plan)
     out_dir = rd.merged_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{rd.merged_file.name}.tmp"
     _clear_stale(tmp)
-    writer = ShardWriter(tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9)
+    writer = ShardWriter(
+        tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9
+    )
     try:
         writer.open()
     except ShardLocked:
-        raise MergeError(f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end") from None
+        raise MergeError(
+            f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end"
+        ) from None
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _named(e, rd.merged_file)
@@ -253,8 +283,20 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
                 sm = ShardMerge(index=s.index, file=str(path), done=s.index in done)
                 readable = _check_file(path, s.index, plan, sm, done, corrupt)
                 log.info("merging shard %d (%d planned records)", s.index, s.count)
-                _merge_shard(s, sm, path if readable is not None else None, refs.shard(s.index), plan, t, corrupt,
-                             torn, emit, missing_out, cache_bytes, header=bool(readable))
+                _merge_shard(
+                    s,
+                    sm,
+                    path if readable is not None else None,
+                    refs.shard(s.index),
+                    plan,
+                    t,
+                    corrupt,
+                    torn,
+                    emit,
+                    missing_out,
+                    cache_bytes,
+                    header=bool(readable),
+                )
                 t.duplicates += sm.duplicates
                 t.continued += sm.continued
                 t.foreign += sm.foreign
@@ -277,13 +319,32 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
             p.unlink(missing_ok=True)
         raise
     manifest = MergeManifest(
-        format=MANIFEST_FORMAT, run=plan.name, fingerprint=plan.fingerprint, created=utc_now(),
+        format=MANIFEST_FORMAT,
+        run=plan.name,
+        fingerprint=plan.fingerprint,
+        created=utc_now(),
         allow_incomplete=allow_incomplete,
         complete=not (t.missing or corrupt or t.foreign) and t.records == plan.total,
-        planned=plan.total, records=t.records, ok=t.ok, failed=t.failed, missing=t.missing,
-        duplicates=t.duplicates, foreign=t.foreign, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens,
-        datasets=t.datasets, shards=shards, corrupt=corrupt, torn=torn, file=rd.merged_file.name, bytes=size, sha256=sha,
-        missing_ids=t.missing_ids, duplicate_ids=t.duplicate_ids, foreign_ids=t.foreign_ids, continued=t.continued,
+        planned=plan.total,
+        records=t.records,
+        ok=t.ok,
+        failed=t.failed,
+        missing=t.missing,
+        duplicates=t.duplicates,
+        foreign=t.foreign,
+        prompt_tokens=t.prompt_tokens,
+        output_tokens=t.output_tokens,
+        datasets=t.datasets,
+        shards=shards,
+        corrupt=corrupt,
+        torn=torn,
+        file=rd.merged_file.name,
+        bytes=size,
+        sha256=sha,
+        missing_ids=t.missing_ids,
+        duplicate_ids=t.duplicate_ids,
+        foreign_ids=t.foreign_ids,
+        continued=t.continued,
     )
     atomic_write(rd.manifest_file, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
     _log_problems(rd, manifest)
@@ -292,9 +353,9 @@ def _merge_run(rd: RunDir, plan: RunPlan, allow_incomplete: bool, on_record: Cal
 
 def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest],
                 corrupt: list[FrameProblem]) -> bool | None:
-    """Size and checksum of a shard file, and its header: True when it is this shard's; False when its header is
-    damaged (reported: its frames are read past it, as the worker's salvage keeps them); None when it is absent or
-    another run's (reported: none of its records is this run's)."""
+    """Size and checksum of a shard file, and its header: True when it is this shard's; False when
+    its header is damaged (reported: its frames are read past it, as the worker's salvage keeps
+    them); None when it is absent or another run's (reported: none of its records is this run's)."""
     if not path.exists():
         return None
     sm.bytes = path.stat().st_size
@@ -308,11 +369,20 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
         return False
     if head is not None and head != (plan.fingerprint, k):
         if damaged_fingerprint(head[0], plan.fingerprint):
-            corrupt.append(FrameProblem(k, str(path), 0, f"damaged header (run {head[0]!r} shard {head[1]})"))
+            corrupt.append(
+                FrameProblem(k, str(path), 0, f"damaged header (run {head[0]!r} shard {head[1]})")
+            )
             return False
-        corrupt.append(FrameProblem(k, str(path), 0, f"a file of run {head[0]} shard {head[1]}, not of this run's "
-                                                     f"shard {k}: move it aside (mv {path} {path}.other-run) and "
-                                                     "run the shard again"))
+        corrupt.append(
+            FrameProblem(
+                k,
+                str(path),
+                0,
+                f"a file of run {head[0]} shard {head[1]}, not of this run's "
+                f"shard {k}: move it aside (mv {path} {path}.other-run) and "
+                "run the shard again",
+            )
+        )
         return None
     return True
 
@@ -326,7 +396,9 @@ def _clear_stale(tmp: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise MergeError(f"another merge of this run is writing {tmp}; wait for it to end") from None
+        raise MergeError(
+            f"another merge of this run is writing {tmp}; wait for it to end"
+        ) from None
     finally:
         os.close(fd)
     tmp.unlink(missing_ok=True)
@@ -334,20 +406,38 @@ def _clear_stale(tmp: Path) -> None:
 
 def _log_problems(rd: RunDir, m: MergeManifest) -> None:
     for p in m.corrupt:
-        log.error("shard %d: damaged frame in %s at byte %d (%s); its records are counted missing", p.shard, p.file,
-                  p.offset, p.why)
+        log.error(
+            "shard %d: damaged frame in %s at byte %d (%s); its records are counted missing",
+            p.shard,
+            p.file,
+            p.offset,
+            p.why,
+        )
     for p in m.torn:
-        log.warning("shard %d: torn last frame in %s at byte %d (%s)", p.shard, p.file, p.offset, p.why)
+        log.warning(
+            "shard %d: torn last frame in %s at byte %d (%s)", p.shard, p.file, p.offset, p.why
+        )
     if m.continued:
-        log.info("%d partial outputs (kept at a stop) superseded by the records that continued them", m.continued)
+        log.info(
+            "%d partial outputs (kept at a stop) superseded by the records that continued them",
+            m.continued,
+        )
     if m.duplicates:
-        log.warning("%d records superseded by a later record of the same id (e.g. %s)", m.duplicates, ", ".join(m.duplicate_ids[:3]))
+        log.warning(
+            "%d records superseded by a later record of the same id (e.g. %s)",
+            m.duplicates,
+            ", ".join(m.duplicate_ids[:3]),
+        )
     if m.foreign:
         log.error("%d records do not belong to their shard's plan (e.g. %s); left out", m.foreign,
                   ", ".join(m.foreign_ids[:3]))
     if m.missing:
-        log.warning("%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.missing_file)
-    log.info("merged %d records (%d ok, %d failed) into %s", m.records, m.ok, m.failed, rd.merged_file)
+        log.warning(
+            "%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.missing_file
+        )
+    log.info(
+        "merged %d records (%d ok, %d failed) into %s", m.records, m.ok, m.failed, rd.merged_file
+    )
 
 
 def load_manifest(rd: RunDir) -> MergeManifest:
@@ -355,20 +445,27 @@ def load_manifest(rd: RunDir) -> MergeManifest:
     try:
         return msgspec.json.decode(path.read_bytes(), type=MergeManifest)
     except FileNotFoundError:
-        raise MergeError(f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` first") from None
+        raise MergeError(
+            f"{rd.root} has no merged dataset ({path} is missing): run `toolkit merge {rd.root}` "
+            "first"
+        ) from None
     except msgspec.MsgspecError as e:
-        raise MergeError(f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again") from None
+        raise MergeError(
+            f"{path}: unreadable merge manifest ({e}); run `toolkit merge {rd.root}` again"
+        ) from None
 
 
 def merged_file_problem(rd: RunDir, *, checksum: bool = False) -> str | None:
-    """What is wrong with a run's merged dataset against its merge manifest (None: it is what the merge wrote):
-    an unreadable manifest, the file gone, another size, or (with `checksum`) another sha256."""
+    """What is wrong with a run's merged dataset against its merge manifest (None: it is what the
+    merge wrote): an unreadable manifest, the file gone, another size, or (with `checksum`) another
+    sha256."""
     try:
         m = msgspec.json.decode(rd.manifest_file.read_bytes(), type=MergeManifest)
     except FileNotFoundError:
         return None
     except (OSError, msgspec.MsgspecError) as e:
-        return f"{rd.manifest_file.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return (f"{rd.manifest_file.name} is unreadable "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
     try:
         size = rd.merged_file.stat().st_size
     except FileNotFoundError:

@@ -1,16 +1,16 @@
-"""What an ok record must be to be training data: repetition loops on token ids, and the reasons an output is kept
-out of the training exports (`skip_reason`).
+"""What an ok record must be to be training data: repetition loops on token ids, and the reasons an
+output is kept out of the training exports (`skip_reason`).
 
 A record the server answered is not always something a drafter should learn from: an output cut by
-max_new_tokens, reasoning that never ended (no think-end: the answer is missing and the reasoning field holds
-everything), an empty answer, a think marker left inside a part, reasoning in a run that must have none, an
-output SGLang stopped on NaN logits, or a repetition loop. Each is named by one reason, decided on token ids only,
-the same way by the audit and by every export.
+max_new_tokens, reasoning that never ended (no think-end: the answer is missing and the reasoning
+field holds everything), an empty answer, a think marker left inside a part, reasoning in a run that
+must have none, an output SGLang stopped on NaN logits, or a repetition loop. Each is named by one
+reason, decided on token ids only, the same way by the audit and by every export.
 
-Repetition loops (`repetition_loop`, `record_loop`; defined in formats/loops): reasoning models fall into loops that
-repeat a span of tokens until max_new_tokens, so only outputs cut by max_new_tokens (finish_reason length) are looked
-at (which also keeps the audit fast: most outputs stop), and those the worker stopped in flight (finish "loop", see
-worker/inflight), which are loops by its word.
+Repetition loops (`repetition_loop`, `record_loop`; defined in formats/loops): reasoning models fall
+into loops that repeat a span of tokens until max_new_tokens, so only outputs cut by max_new_tokens
+(finish_reason length) are looked at (which also keeps the audit fast: most outputs stop), and those
+the worker stopped in flight (finish "loop", see worker/inflight), which are loops by its word.
 """
 
 from __future__ import annotations
@@ -39,16 +39,25 @@ from toolkit.formats.records import (
 )
 
 __all__ = [
-    "LOOP_MATCH", "LOOP_MAX_PERIOD", "LOOP_MIN_TOKENS", "LOOP_WINDOW", "SKIP_REASONS", "Judge", "record_loop",
+    "LOOP_MATCH",
+    "LOOP_MAX_PERIOD",
+    "LOOP_MIN_TOKENS",
+    "LOOP_WINDOW",
+    "SKIP_REASONS",
+    "Judge",
+    "record_loop",
     "repetition_loop",
 ]
 
-# Why an ok record is not training data, in the order they are decided (the first that holds is the reason).
+# Why an ok record is not training data, in the order they are decided (the first that holds is the
+# reason).
 SKIP_REASONS = {
     "nan": "stopped by SGLang on NaN logits (it ends in an EOS the model never wrote)",
-    "degenerate": "a repetition loop: cut by max_new_tokens or stopped while generated, one span of ids repeated",
+    "degenerate": "a repetition loop: cut by max_new_tokens or stopped while generated, one span "
+                  "of ids repeated",
     "truncated": "cut by max_new_tokens (finish_reason length)",
-    "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is no answer",
+    "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is "
+                    "no answer",
     "empty_reasoning": "nothing but blanks before the think-end",
     "empty_content": "nothing but blanks after the think-end, and no tool call",
     "think_marker": "a think-start or think-end id inside the reasoning or the answer",
@@ -57,9 +66,9 @@ SKIP_REASONS = {
 
 
 def record_loop(rec: Record) -> int | None:
-    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it stopped). An
-    output the worker stopped as a loop (finish "loop") is one whatever thresholds it used: its period is the
-    definition's, else the one at which the most of its tail repeats."""
+    """The period of the repetition loop an output cut by max_new_tokens ends in (None: none, or it
+    stopped). An output the worker stopped as a loop (finish "loop") is one whatever thresholds it
+    used: its period is the definition's, else the one at which the most of its tail repeats."""
     if rec.finish == LOOP:
         ids = np.frombuffer(rec.output_ids, "<u4")
         return repetition_loop(ids) or best_period(ids)
@@ -69,17 +78,23 @@ def record_loop(rec: Record) -> int | None:
 
 
 class Judge:
-    """Decides, on token ids, why an ok record is not training data (`skip_reason`), for one run's tokenizer and
-    its [model] expect_reasoning."""
+    """Decides, on token ids, why an ok record is not training data (`skip_reason`), for one run's
+    tokenizer and its [model] expect_reasoning."""
 
-    def __init__(self, think_start_id: int, think_end_id: int, blank_ids: Collection[int], expect_reasoning: bool):
+    def __init__(
+        self,
+        think_start_id: int,
+        think_end_id: int,
+        blank_ids: Collection[int],
+        expect_reasoning: bool,
+    ):
         self.ts, self.te = think_start_id, think_end_id
         self.blank = frozenset(blank_ids)
         self.expect_reasoning = expect_reasoning
 
     def skip_reason(self, rec: Record, opened: bool) -> str | None:
-        """The first of SKIP_REASONS that holds for ok record `rec` (None: training data). `opened`: its prompt
-        ends with the think-start id."""
+        """The first of SKIP_REASONS that holds for ok record `rec` (None: training data). `opened`:
+        its prompt ends with the think-start id."""
         if rec.status != OK:
             raise ValueError(f"{rec.id}: only ok records are judged, this one is {rec.status}")
         out = rec.output_ids
@@ -94,7 +109,9 @@ class Judge:
         if not self.expect_reasoning:
             if te is not None or id_positions(out, self.ts) is not None:
                 return "reasoning"
-            return "empty_content" if all_blank(out, 0, n - ends_with_stop(rec), self.blank) else None
+            return (
+                "empty_content" if all_blank(out, 0, n - ends_with_stop(rec), self.blank) else None
+            )
         if te is None:
             return "no_think_end"
         r0, r1, c0, c1 = split_parts(rec, self.ts, opened)
@@ -102,7 +119,10 @@ class Judge:
             return "empty_reasoning"
         if all_blank(out, c0, c1, self.blank) and rec.tool_call_at is None:
             return "empty_content"
-        if (id_positions(out, self.ts, r0) is not None or id_positions(out, self.te, te + 1) is not None
-                or (opened and r0 == 1)):
+        if (
+            id_positions(out, self.ts, r0) is not None
+            or id_positions(out, self.te, te + 1) is not None
+            or (opened and r0 == 1)
+        ):
             return "think_marker"
         return None

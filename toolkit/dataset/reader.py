@@ -1,11 +1,12 @@
-"""A run's records for Python code (`toolkit.read_run`, `read_rows`, `to_dataset`): the newest record of each
-planned id, in planned order, whether the run is merged or not.
+"""A run's records for Python code (`toolkit.read_run`, `read_rows`, `to_dataset`): the newest
+record of each planned id, in planned order, whether the run is merged or not.
 
-When the merged dataset is the run as it is (`export.stale_merge` finds nothing newer), it is read; else every
-shard file is read through the merge's own newest-wins scan (`formats.newest`): a record
-written again (a retry, a task that ran twice) supersedes the earlier ones, and a partial output kept at a stop
-is superseded by the record that continued it. A record whose newest attempt is a partial output never continued
-comes as it is, with status "partial". Nothing in the run directory is written.
+When the merged dataset is the run as it is (`export.stale_merge` finds nothing newer), it is read;
+else every shard file is read through the merge's own newest-wins scan (`formats.newest`): a record
+written again (a retry, a task that ran twice) supersedes the earlier ones, and a partial output
+kept at a stop is superseded by the record that continued it. A record whose newest attempt is a
+partial output never continued comes as it is, with status "partial". Nothing in the run directory
+is written.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ ROWS_BATCH = 256  # records decoded to text in one tokenizer call
 
 
 def _merge_is_current(rd: RunDir, plan: RunPlan) -> bool:
-    """Whether merged/records.zst holds the run as it is: intact header, the size its manifest says, nothing
-    written to a shard since."""
+    """Whether merged/records.zst holds the run as it is: intact header, the size its manifest says,
+    nothing written to a shard since."""
     path = rd.merged_file
     if not path.exists():
         return False
@@ -59,24 +60,36 @@ def _newest(rd: RunDir, plan: RunPlan, refs: PromptIndex) -> Iterator[Record]:
         try:
             head = read_header(path)
         except CorruptShard as e:
-            log.warning("%s: damaged header (%s at byte %d); its records are left out", path, e.why, e.offset)
+            log.warning(
+                "%s: damaged header (%s at byte %d); its records are left out",
+                path,
+                e.why,
+                e.offset,
+            )
             continue
         if head is not None and head != (plan.fingerprint, s.index):
-            log.warning("%s is a file of run %s shard %s, not of this run's shard %d; left out", path, *head, s.index)
+            log.warning(
+                "%s is a file of run %s shard %s, not of this run's shard %d; left out",
+                path,
+                *head,
+                s.index,
+            )
             continue
         sc = scan_shard(path, s.first, refs.shard(s.index))
         yield from (rec for rec in newest_records(path, sc) if rec is not None)
 
 
 def read_run(run_dir: str | os.PathLike) -> Iterator[Record]:
-    """The newest record of each planned id of a run, in planned order (see the module's docstring)."""
+    """The newest record of each planned id of a run, in planned order (see the module's
+    docstring)."""
     run = Run.open(run_dir, JobSpec)  # read-only: reading a run writes nothing into it
     yield from _newest(run.rd, run.plan, run.prompts())
 
 
 def read_rows(run_dir: str | os.PathLike, *, ok_only: bool = False) -> Iterator[JsonlRecord]:
-    """`read_run`'s records as rows of the `jsonl` export: sample, turn, the reasoning and the answer (`content`)
-    decoded with the run's tokenizer, and the prompt line's other fields (`meta`). `ok_only`: ok records only."""
+    """`read_run`'s records as rows of the `jsonl` export: sample, turn, the reasoning and the
+    answer (`content`) decoded with the run's tokenizer, and the prompt line's other fields
+    (`meta`). `ok_only`: ok records only."""
     run = Run.open(run_dir, JobSpec)
     rd, plan, refs = run.rd, run.plan, run.prompts()
     tokens = _Tokens(plan)
@@ -101,13 +114,14 @@ def _row_dicts(run_dir: str, ok_only: bool, state: tuple) -> Iterator[dict[str, 
     encode = msgspec.json.Encoder().encode
     for row in read_rows(run_dir, ok_only=ok_only):
         d = msgspec.structs.asdict(row)
-        d["meta"] = None if row.meta is None else encode(row.meta).decode()  # as the parquet export has it
+        # as the parquet export has it
+        d["meta"] = None if row.meta is None else encode(row.meta).decode()
         yield d
 
 
 def _state(run_dir: str | os.PathLike) -> tuple:
-    """What the rows are read from, by size and time: `datasets` caches a dataset made from a generator under a
-    hash of its arguments, so a run that changed must give other arguments."""
+    """What the rows are read from, by size and time: `datasets` caches a dataset made from a
+    generator under a hash of its arguments, so a run that changed must give other arguments."""
     run = Run.open(run_dir, JobSpec)
     rd, plan = run.rd, run.plan
     files = [rd.merged_file, rd.manifest_file, *(rd.shard_file(s.index) for s in plan.shards)]
@@ -122,10 +136,13 @@ def _state(run_dir: str | os.PathLike) -> tuple:
     return (plan.fingerprint, tuple(out))
 
 
-def to_dataset(run_dir: str | os.PathLike, *, ok_only: bool = True, cache_dir: str | os.PathLike | None = None):
-    """`read_rows` as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip install
-    datasets`), columns as the parquet export's (`meta` as JSON text). `ok_only` (default): ok records only.
-    `cache_dir`: where `datasets` keeps its Arrow files (default: its own cache)."""
+def to_dataset(
+    run_dir: str | os.PathLike, *, ok_only: bool = True, cache_dir: str | os.PathLike | None = None
+):
+    """`read_rows` as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip
+    install datasets`), columns as the parquet export's (`meta` as JSON text). `ok_only` (default):
+    ok records only. `cache_dir`: where `datasets` keeps its Arrow files (default: its own
+    cache)."""
     try:
         import datasets
     except ImportError:

@@ -1,8 +1,10 @@
-"""Re-rendering prompts: do the stored prompt ids still come from the run's sources, tokenizer and template?
+"""Re-rendering prompts: do the stored prompt ids still come from the run's sources, tokenizer and
+template?
 
-The auditor keeps the stored prompt ids of a few positions spread over the plan (`sample_positions`);
-`rerender` reads their source lines again, renders them with the chat template and compares the ids. A
-mismatch means the tokenizer, the template or the prompt files changed since generation.
+The auditor keeps the stored prompt ids of a few positions spread over the plan
+(`sample_positions`); `rerender` reads their source lines again, renders them with the chat template
+and compares the ids. A mismatch means the tokenizer, the template or the prompt files changed since
+generation.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ def sample_positions(total: int, k: int) -> set[int]:
     return set(np.linspace(0, total - 1, k).round().astype(int).tolist()) if k > 0 else set()
 
 
-def rerender(tok: Any, plan: RunPlan, refs: PromptIndex, sampled: dict[int, bytes]) -> tuple[Reprompt, str | None]:
-    """Render the prompts of `sampled` ({planned position: stored packed prompt ids}) from their source lines
-    again and compare: (the counts, a problem message when the source files are not those planned, else None).
+def rerender(
+    tok: Any, plan: RunPlan, refs: PromptIndex, sampled: dict[int, bytes]
+) -> tuple[Reprompt, str | None]:
+    """Render the prompts of `sampled` ({planned position: stored packed prompt ids}) from their
+    source lines again and compare: (the counts, a problem message when the source files are not
+    those planned, else None).
 
-    Later turns of regenerated conversations are left out: their history holds earlier answers, so the
-    records themselves are their source.
+    Later turns of regenerated conversations are left out: their history holds earlier answers, so
+    the records themselves are their source.
     """
     rp = Reprompt(sampled=len(sampled))
     if not sampled:
@@ -42,8 +47,10 @@ def rerender(tok: Any, plan: RunPlan, refs: PromptIndex, sampled: dict[int, byte
     try:
         check_plan_inputs(plan)
     except InputError as e:  # a changed file would pair other lines with the stored ids
-        return rp, (f"{e}: the prompt files are not those the run was generated from, so prompts cannot be "
-                    "re-rendered or paired with their records")
+        return rp, (
+            f"{e}: the prompt files are not those the run was generated from, so prompts cannot be "
+            "re-rendered or paired with their records"
+        )
     prompts, stored = [], []
     with PromptReader() as reader:
         for pos, packed in sorted(sampled.items()):
@@ -70,5 +77,7 @@ def rerender(tok: Any, plan: RunPlan, refs: PromptIndex, sampled: dict[int, byte
         if pack_ids(ids) != packed:
             rp.mismatched += 1
             if len(rp.examples) < EXAMPLES:
-                rp.examples.append(f"{p.id}: {len(ids)} ids rendered now, {len(packed) // 4} stored")
+                rp.examples.append(
+                    f"{p.id}: {len(ids)} ids rendered now, {len(packed) // 4} stored"
+                )
     return rp, None

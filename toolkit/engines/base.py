@@ -1,11 +1,12 @@
 """The engine lifecycle every server kind shares: launch, wait until really ready, probe, stop.
 
-An engine is started in its own process group (so nothing it spawns outlives it), on 127.0.0.1 and a free
-port the toolkit chose and checked, with a random API key drawn at each start and handed over in a file only the
-user can read (toolkit.engines.keys: never on a command line), its output going to the shard's server log with the
-key masked. Readiness is `/ready` (SGLang >= 0.5.23) or `/health_generate` returning 200 — never an open port or
-`/v1/models`, which answer before warm-up ends — followed by one real 1-token `/generate`. The wait is
-bounded and fails fast, with the server log's tail, when the process exits.
+An engine is started in its own process group (so nothing it spawns outlives it), on 127.0.0.1 and a
+free port the toolkit chose and checked, with a random API key drawn at each start and handed over
+in a file only the user can read (toolkit.engines.keys: never on a command line), its output going
+to the shard's server log with the key masked. Readiness is `/ready` (SGLang >= 0.5.23) or
+`/health_generate` returning 200 — never an open port or `/v1/models`, which answer before warm-up
+ends — followed by one real 1-token `/generate`. The wait is bounded and fails fast, with the server
+log's tail, when the process exits.
 """
 
 from __future__ import annotations
@@ -24,11 +25,25 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.engines.client import BadResponse, HttpClient, Unreachable, health_generate, parse_response
+from toolkit.engines.client import (
+    BadResponse,
+    HttpClient,
+    Unreachable,
+    health_generate,
+    parse_response,
+)
 from toolkit.engines.keys import KEY_ENV, KeyFiles, LogPump, mask
 from toolkit.errors import FailedError
 
-__all__ = ["Engine", "EngineDied", "EngineError", "EngineHung", "EngineUnreachable", "free_port", "log_tail"]
+__all__ = [
+    "Engine",
+    "EngineDied",
+    "EngineError",
+    "EngineHung",
+    "EngineUnreachable",
+    "free_port",
+    "log_tail",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +56,13 @@ class EngineError(FailedError):
 
 
 class EngineDied(EngineError):
-    """The engine's process ended mid-shard: the worker restarts it (up to `[engine] max_restarts`)."""
+    """The engine's process ended mid-shard: the worker restarts it (up to `[engine]
+    max_restarts`)."""
 
 
 class EngineHung(EngineDied):
-    """Alive, but answering nothing: stopped without the grace a draining server gets, then restarted."""
+    """Alive, but answering nothing: stopped without the grace a draining server gets, then
+    restarted."""
 
 
 class EngineUnreachable(EngineError):
@@ -53,17 +70,20 @@ class EngineUnreachable(EngineError):
 
 
 def free_port(block: int = 1, *, rng: random.Random | None = None) -> int:
-    """The first of `block` consecutive TCP ports nothing listens on (checked by binding each), picked at random
-    below the ephemeral range. A server binds its port only once it has loaded (seconds for the stub, minutes for
-    SGLang): a port from the ephemeral range could meanwhile be taken by any outgoing connection on the node, and
-    the server would die of "Address already in use"; ports below that range are handed out only on request."""
+    """The first of `block` consecutive TCP ports nothing listens on (checked by binding each),
+    picked at random below the ephemeral range. A server binds its port only once it has loaded
+    (seconds for the stub, minutes for SGLang): a port from the ephemeral range could meanwhile be
+    taken by any outgoing connection on the node, and the server would die of "Address already in
+    use"; ports below that range are handed out only on request."""
     rng = rng or random.Random()
     high = ephemeral_low() - block - 1
     for _ in range(200):
         port = rng.randint(20000, max(20001, high))
         if all(tcp_free(p) for p in range(port, port + block)):
             return port
-    raise EngineError(f"no {block} free port(s) below the ephemeral range ({ephemeral_low()}) on this node")
+    raise EngineError(
+        f"no {block} free port(s) below the ephemeral range ({ephemeral_low()}) on this node"
+    )
 
 
 def ephemeral_low() -> int:
@@ -102,8 +122,8 @@ def group_members(pgid: int) -> list[int]:
 
 
 def wait_group_gone(pgid: int, timeout_s: float = 5.0) -> list[int]:
-    """Wait until a SIGKILLed process group has no live process left (a SIGKILL takes effect when the process
-    next runs, which a busy node may delay): the pids still there after `timeout_s`."""
+    """Wait until a SIGKILLed process group has no live process left (a SIGKILL takes effect when
+    the process next runs, which a busy node may delay): the pids still there after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while (left := group_members(pgid)) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -111,16 +131,17 @@ def wait_group_gone(pgid: int, timeout_s: float = 5.0) -> list[int]:
 
 
 def _die_with_parent() -> None:
-    """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9 (Linux); and
-    ignore SIGUSR2 and SIGTERM, so that only the worker decides when the engine stops.
+    """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9
+    (Linux); and ignore SIGUSR2 and SIGTERM, so that only the worker decides when the engine stops.
 
-    Slurm signals every process of the job step: `--signal=USR2@T` before the time limit, SIGTERM at `scancel`,
-    `scontrol requeue` and preemption. SGLang has no USR2 handler (the default action kills it), and its scheduler
-    processes have no SIGTERM handler: they would die at once, and the server with them, before the worker had
-    aborted the requests in flight and recorded their partial outputs. Ignored signals stay ignored across exec
-    and in every child, so SGLang's schedulers ignore both, while its HTTP process installs its own SIGTERM
-    handler once it serves: a drain (it ends when no request is left in flight). The worker aborts what is in
-    flight, records it, then stops the engine (Engine.stop).
+    Slurm signals every process of the job step: `--signal=USR2@T` before the time limit, SIGTERM at
+    `scancel`, `scontrol requeue` and preemption. SGLang has no USR2 handler (the default action
+    kills it), and its scheduler processes have no SIGTERM handler: they would die at once, and the
+    server with them, before the worker had aborted the requests in flight and recorded their
+    partial outputs. Ignored signals stay ignored across exec and in every child, so SGLang's
+    schedulers ignore both, while its HTTP process installs its own SIGTERM handler once it serves:
+    a drain (it ends when no request is left in flight). The worker aborts what is in flight,
+    records it, then stops the engine (Engine.stop).
     """
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -143,7 +164,8 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 class Engine:
-    """Base of the server kinds. Subclasses say how to launch (`argv`); `external` launches nothing."""
+    """Base of the server kinds. Subclasses say how to launch (`argv`); `external` launches
+    nothing."""
 
     kind = "base"
     is_model = True  # False for the stub: it speaks SGLang's protocol but is not a model
@@ -156,8 +178,10 @@ class Engine:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.api_key: str | None = None
-        self.key_files: KeyFiles | None = None  # where this start's key lives, until the engine stops
-        self.pump: LogPump | None = None  # the engine's output on its way to the server log, the key masked
+        # where this start's key lives, until the engine stops
+        self.key_files: KeyFiles | None = None
+        # the engine's output on its way to the server log, the key masked
+        self.pump: LogPump | None = None
         self.url = ""
         self.version: str | None = None
         self.starts = 0
@@ -169,19 +193,22 @@ class Engine:
         raise NotImplementedError
 
     def key_env(self) -> dict[str, str]:
-        """Environment that carries the key to a launch that cannot read this node's key files (ranks on other
-        nodes, a custom launch command): none by default."""
+        """Environment that carries the key to a launch that cannot read this node's key files
+        (ranks on other nodes, a custom launch command): none by default."""
         return {}
 
     def before_launch(self, argv: list[str], env: dict[str, str]) -> None:
-        """Called with the argv and environment just before the server process is started (raise EngineError
-        to refuse the launch)."""
+        """Called with the argv and environment just before the server process is started (raise
+        EngineError to refuse the launch)."""
 
     def command_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.engine.env)
-        # The server calls itself on loopback during warm-up: a cluster's HTTP proxy must not be in the way.
-        no_proxy = ",".join(x for x in (env.get("NO_PROXY") or env.get("no_proxy"), "127.0.0.1", "localhost") if x)
+        # The server calls itself on loopback during warm-up: a cluster's HTTP proxy must not be in
+        # the way.
+        no_proxy = ",".join(
+            x for x in (env.get("NO_PROXY") or env.get("no_proxy"), "127.0.0.1", "localhost") if x
+        )
         env["NO_PROXY"] = env["no_proxy"] = no_proxy
         return env
 
@@ -197,7 +224,13 @@ class Engine:
         except BaseException:
             self.discard_key()
             raise
-        log.info("engine %s started: pid %d, %s, log %s", self.kind, self.proc.pid, self.url, self.server_log)
+        log.info(
+            "engine %s started: pid %d, %s, log %s",
+            self.kind,
+            self.proc.pid,
+            self.url,
+            self.server_log,
+        )
 
     def _launch(self) -> None:
         argv = self.argv()
@@ -209,7 +242,10 @@ class Engine:
         self.starts += 1
         self.ready = False
         with open(self.server_log, "ab") as out:
-            out.write(f"\n===== toolkit: engine start #{self.starts}: {_redact(argv, self.api_key)}\n".encode())
+            out.write(
+                f"\n===== toolkit: engine start #{self.starts}: "
+                f"{_redact(argv, self.api_key)}\n".encode()
+            )
         read_fd, write_fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
@@ -236,21 +272,26 @@ class Engine:
         return None if self.proc is None else self.proc.poll()
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """SIGTERM the process group, wait `timeout_s` (default `shutdown_timeout_s`), then SIGKILL the group:
-        nothing left running. A SIGSTOPped group is continued, so it can act on the SIGTERM. An engine that never
-        became ready is killed at once: it is still loading, holds nothing, and ignores SIGTERM until it serves.
+        """SIGTERM the process group, wait `timeout_s` (default `shutdown_timeout_s`), then SIGKILL
+        the group: nothing left running. A SIGSTOPped group is continued, so it can act on the
+        SIGTERM. An engine that never became ready is killed at once: it is still loading, holds
+        nothing, and ignores SIGTERM until it serves.
 
-        A ready SGLang drains on the SIGTERM (its schedulers ignore it, see _die_with_parent): its watchdog looks
-        every 5 s, finds no request left (the worker aborted and recorded them first), shuts its schedulers down
-        and exits 0, in about 3 to 7 s. Its crash diagnostics, which would add 5 s to every stop and crash, are
-        off (SGLangEngine.command_env)."""
+        A ready SGLang drains on the SIGTERM (its schedulers ignore it, see _die_with_parent): its
+        watchdog looks every 5 s, finds no request left (the worker aborted and recorded them
+        first), shuts its schedulers down and exits 0, in about 3 to 7 s. Its crash diagnostics,
+        which would add 5 s to every stop and crash, are off (SGLangEngine.command_env)."""
         proc = self.proc
         if proc is None:
             return
         grace = self.engine.shutdown_timeout_s if timeout_s is None else timeout_s
         if not self.ready:
             grace = 0.0
-        log.info("stopping the engine (pid %d): SIGTERM to its process group, SIGKILL after %g s", proc.pid, grace)
+        log.info(
+            "stopping the engine (pid %d): SIGTERM to its process group, SIGKILL after %g s",
+            proc.pid,
+            grace,
+        )
         self.terminate()
         try:
             proc.wait(grace)
@@ -262,15 +303,19 @@ class Engine:
         if left:
             log.warning("processes of the engine's group still running after SIGKILL: %s", left)
         if self.pump is not None and not self.pump.join(PUMP_JOIN_S):
-            log.warning("the engine's output pipe is still open %g s after its group ended (a process outside "
-                        "the group holds it); what it writes still reaches the server log", PUMP_JOIN_S)
+            log.warning(
+                "the engine's output pipe is still open %g s after its group ended (a process "
+                "outside the group holds it); what it writes still reaches the server log",
+                PUMP_JOIN_S,
+            )
         self.pump = None
         self.discard_key()
         log.info("engine stopped (exit code %s)", proc.returncode)
         self.proc = None
 
     def terminate(self) -> None:
-        """Ask the engine to stop (SIGTERM to its process group); `stop` waits, then calls `kill`."""
+        """Ask the engine to stop (SIGTERM to its process group); `stop` waits, then calls
+        `kill`."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             os.killpg(self.proc.pid, signal.SIGCONT)  # a SIGSTOPped group acts on the SIGTERM
@@ -278,7 +323,8 @@ class Engine:
             pass
 
     def kill(self) -> None:
-        """SIGKILL the process group: also reaches children that outlived the leader. The key files go too."""
+        """SIGKILL the process group: also reaches children that outlived the leader. The key files
+        go too."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -287,7 +333,8 @@ class Engine:
 
     # -- readiness ---------------------------------------------------------------------------------
     async def wait_ready(self, http: HttpClient, *, poll_s: float = 1.0) -> None:
-        """Poll `/ready` (or `/health_generate`) until 200, failing fast if the process exits; log the version."""
+        """Poll `/ready` (or `/health_generate`) until 200, failing fast if the process exits; log
+        the version."""
         deadline = time.monotonic() + self.engine.ready_timeout_s
         path = "/ready"
         last = "no answer yet"
@@ -295,8 +342,9 @@ class Engine:
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineError(
-                    f"engine exited with code {self.proc.returncode} before it was ready "
-                    f"(after {time.monotonic() - t0:.0f} s). Last lines of {self.server_log}:\n{log_tail(self.server_log)}"
+                    f"engine exited with code {self.proc.returncode} before it was ready (after "
+                    f"{time.monotonic() - t0:.0f} s). Last lines of "
+                    f"{self.server_log}:\n{log_tail(self.server_log)}"
                 )
             try:
                 status, _ = await http.get(path, timeout=30.0)
@@ -310,9 +358,9 @@ class Engine:
                 last = str(e)
             if time.monotonic() > deadline:
                 raise EngineError(
-                    f"engine not ready after {self.engine.ready_timeout_s:g} s (last: {last}); raise "
-                    f"[engine] ready_timeout_s if weights load slowly. Last lines of {self.server_log}:\n"
-                    f"{log_tail(self.server_log)}"
+                    f"engine not ready after {self.engine.ready_timeout_s:g} s (last: {last}); "
+                    "raise [engine] ready_timeout_s if weights load slowly. Last lines of "
+                    f"{self.server_log}:\n{log_tail(self.server_log)}"
                 )
             await asyncio.sleep(poll_s)
         self.ready = True
@@ -325,19 +373,28 @@ class Engine:
             info = msgspec.json.decode(body) if status == 200 else {}
         except (Unreachable, msgspec.DecodeError):
             info = {}
-        self.version = str(info.get("version")) if isinstance(info, dict) and info.get("version") else None
+        self.version = (
+            str(info.get("version")) if isinstance(info, dict) and info.get("version") else None
+        )
         log.info("engine server version: %s", self.version or "unknown (no /server_info)")
 
     async def probe(self, http: HttpClient, *, attempts: int = 5) -> None:
-        """One real 1-token /generate on known ids: readiness endpoints can pass while generation is broken.
+        """One real 1-token /generate on known ids: readiness endpoints can pass while generation is
+        broken.
 
-        The ids are the probe conversation's (chat.probe_ids), none of the job's prompts: a prompt whose answer is
-        bad every time fails as that prompt's record, never as the engine. A 5xx or a dropped connection is retried
-        a few times (a server can be briefly overloaded right after warm-up); any other answer is final, and one
-        that breaks the protocol is an EngineError saying so. A probe never answered while /health_generate answers
-        200 is let pass: the prompts' own requests say what becomes of them.
+        The ids are the probe conversation's (chat.probe_ids), none of the job's prompts: a prompt
+        whose answer is bad every time fails as that prompt's record, never as the engine. A 5xx or
+        a dropped connection is retried a few times (a server can be briefly overloaded right after
+        warm-up); any other answer is final, and one that breaks the protocol is an EngineError
+        saying so. A probe never answered while /health_generate answers 200 is let pass: the
+        prompts' own requests say what becomes of them.
         """
-        body = msgspec.json.encode({"input_ids": self.probe_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        body = msgspec.json.encode(
+            {
+                "input_ids": self.probe_ids,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            }
+        )
         for attempt in range(1, attempts + 1):
             try:
                 status, data = await http.request("POST", "/generate", body, timeout=300.0)
@@ -350,19 +407,28 @@ class Engine:
                 await asyncio.sleep(1.0)
                 continue
             if status == 0 and self.alive() and await health_generate(http, timeout=30.0) is None:
-                log.warning("the probe /generate got no answer (%s), but /health_generate answers 200: going on; the "
-                            "prompts' own requests say what becomes of them", data.decode())
+                log.warning(
+                    "the probe /generate got no answer (%s), but /health_generate answers 200: "
+                    "going on; the prompts' own requests say what becomes of them",
+                    data.decode(),
+                )
                 return
-            raise EngineError(f"engine reported ready but the probe /generate failed ({status or 'no answer'}): {data[:300]!r}")
+            raise EngineError(
+                f"engine reported ready but the probe /generate failed ({status or 'no answer'}): "
+                f"{data[:300]!r}"
+            )
         try:
             ids, _ = parse_response(data)
         except BadResponse as e:
-            raise EngineError(f"engine reported ready but its answer to the probe /generate breaks SGLang's protocol: "
-                              f"{e}") from None
+            raise EngineError(
+                "engine reported ready but its answer to the probe /generate breaks SGLang's "
+                f"protocol: {e}"
+            ) from None
         if len(ids) != 1:
             raise EngineError(f"probe asked for 1 token and got {len(ids)}")
 
 
 def _redact(argv: list[str], secret: str | None) -> str:
-    """The command line as logged: a key a custom `command` put on it (`{api_key}`) masked wherever it stands."""
+    """The command line as logged: a key a custom `command` put on it (`{api_key}`) masked wherever
+    it stands."""
     return " ".join(a.replace(secret, mask(secret)) if secret else a for a in argv)

@@ -1,15 +1,16 @@
 """The async client of SGLang's native `/generate`: raw input_ids in, the exact output_ids out.
 
-A small HTTP/1.1 client over asyncio streams with keep-alive connections: the server is on the same node,
-requests are large JSON arrays of ints, and per-token CPU is what limits a worker, so there is no proxy
-handling (loopback never goes through a proxy), no redirects and no cookies — only what SGLang's API needs.
-Responses are decoded with msgspec into typed Structs, reading `output_ids` and `meta_info` from the end of
-the body so the long `text` field is never walked; unknown `meta_info` keys are ignored.
-Retries with backoff cover connection errors, 5xx and 429 (too many requests: a router's rate limit) only; any
-other 4xx is the request's own fault and is returned to the caller as a `RequestRejected`, never retried.
-Every 200 answer is checked against its request (`check_answer`): one that breaks SGLang's contract (another
-rid, more ids than max_new_tokens, a length finish short of it, ids outside the vocabulary, a finish reason of
-the wrong shape) is a `BadResponse` saying what is wrong, never a result.
+A small HTTP/1.1 client over asyncio streams with keep-alive connections: the server is on the same
+node, requests are large JSON arrays of ints, and per-token CPU is what limits a worker, so there is
+no proxy handling (loopback never goes through a proxy), no redirects and no cookies — only what
+SGLang's API needs. Responses are decoded with msgspec into typed Structs, reading `output_ids` and
+`meta_info` from the end of the body so the long `text` field is never walked; unknown `meta_info`
+keys are ignored. Retries with backoff cover connection errors, 5xx and 429 (too many requests: a
+router's rate limit) only; any other 4xx is the request's own fault and is returned to the caller as
+a `RequestRejected`, never retried. Every 200 answer is checked against its request
+(`check_answer`): one that breaks SGLang's contract (another rid, more ids than max_new_tokens, a
+length finish short of it, ids outside the vocabulary, a finish reason of the wrong shape) is a
+`BadResponse` saying what is wrong, never a result.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from urllib.parse import urlsplit
 import msgspec
 
 from toolkit.errors import FailedError
-from toolkit.formats.records import BAD_RESPONSE, REJECTED, SERVER_ERROR, TIMEOUT, UNREACHABLE, ids_from_json
+from toolkit.formats.records import (
+    BAD_RESPONSE,
+    REJECTED,
+    SERVER_ERROR,
+    TIMEOUT,
+    UNREACHABLE,
+    ids_from_json,
+)
 
 __all__ = [
     "BadResponse",
@@ -49,9 +57,9 @@ log = logging.getLogger(__name__)
 
 
 class ClientError(FailedError):
-    """A request to the server that did not give a result. `kind`: the failure kind a record of it carries
-    (formats.records.FAILURES: unreachable, timeout, server_error, rejected, bad_response). `attempts`: the HTTP
-    attempts made (generate sets it when it gives up on the request)."""
+    """A request to the server that did not give a result. `kind`: the failure kind a record of it
+    carries (formats.records.FAILURES: unreachable, timeout, server_error, rejected, bad_response).
+    `attempts`: the HTTP attempts made (generate sets it when it gives up on the request)."""
 
     kind: str = UNREACHABLE
     attempts: int = 1
@@ -80,7 +88,8 @@ class ServerError(ClientError):
 
 
 class RequestRejected(ClientError):
-    """A 4xx answer but 429: the server refused this request (e.g. prompt over the context length)."""
+    """A 4xx answer but 429: the server refused this request (e.g. prompt over the context
+    length)."""
 
     kind = REJECTED
 
@@ -90,7 +99,8 @@ class RequestRejected(ClientError):
 
 
 def _message(body: bytes) -> str:
-    """The human part of SGLang's error bodies, whatever their form (a string, an object, a list)."""
+    """The human part of SGLang's error bodies, whatever their form (a string, an object, a
+    list)."""
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:
@@ -109,9 +119,10 @@ def _message(body: bytes) -> str:
 class HttpClient:
     """Keep-alive HTTP/1.1 connections to one server (`http://host:port`).
 
-    Request timeouts are kept by one watchdog per client rather than one timer per request (which costs more
-    than everything else a request does but parsing): every SWEEP_S it aborts the connection of each request
-    past its deadline, and that request raises Unreachable. Timeouts are thus exact to within SWEEP_S.
+    Request timeouts are kept by one watchdog per client rather than one timer per request (which
+    costs more than everything else a request does but parsing): every SWEEP_S it aborts the
+    connection of each request past its deadline, and that request raises Unreachable. Timeouts are
+    thus exact to within SWEEP_S.
     """
 
     SWEEP_S = 0.25
@@ -129,19 +140,25 @@ class HttpClient:
         self._expired: set[asyncio.StreamWriter] = set()
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout: float) -> tuple[int, bytes]:
-        """(status, body) of one request; Unreachable when there is no complete answer within `timeout` s."""
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, *, timeout: float
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request; Unreachable when there is no complete answer within
+        `timeout` s."""
         async with self._slots:
             return await self._request(method, path, body, timeout)
 
-    async def _request(self, method: str, path: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+    async def _request(
+        self, method: str, path: str, body: bytes | None, timeout: float
+    ) -> tuple[int, bytes]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         head = (
             f"{method} {self.base_path}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body) if body else 0}\r\n"
         ).encode() + self._auth + b"\r\n"
-        # A pooled connection may have been closed by the server meanwhile: retry once on a fresh one.
+        # A pooled connection may have been closed by the server meanwhile: retry once on a fresh
+        # one.
         for fresh in (False, True):
             conn = None if fresh or not self._idle else self._idle.pop()
             try:
@@ -173,7 +190,9 @@ class HttpClient:
             return status, data
         raise AssertionError("unreachable")
 
-    def _watch(self, writer: asyncio.StreamWriter, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+    def _watch(
+        self, writer: asyncio.StreamWriter, deadline: float, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._deadlines[writer] = deadline
         if self._sweeper is None:
             self._sweeper = loop.call_later(self.SWEEP_S, self._sweep, loop)
@@ -192,8 +211,11 @@ class HttpClient:
             if now >= deadline:
                 del self._deadlines[writer]
                 self._expired.add(writer)
-                writer.transport.abort()  # the pending read ends at once, and the request raises Unreachable
-        self._sweeper = loop.call_later(self.SWEEP_S, self._sweep, loop) if self._deadlines else None
+                # the pending read ends at once, and the request raises Unreachable
+                writer.transport.abort()
+        self._sweeper = (
+            loop.call_later(self.SWEEP_S, self._sweep, loop) if self._deadlines else None
+        )
 
     @staticmethod
     async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, bytes]:
@@ -241,12 +263,16 @@ class HttpClient:
             self._sweeper = None
 
 
-async def _connect(host: str, port: int, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection within `timeout` s (asyncio.TimeoutError after it); a cancel at any moment is raised.
+async def _connect(
+    host: str, port: int, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection within `timeout` s (asyncio.TimeoutError after it); a cancel at any moment is
+    raised.
 
-    Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands in the step in which the connection
-    completes (it returns the connection instead), so a poller cancelled at that moment polls on and the worker's
-    final gather never returns. A connection that completes after the caller gave up is closed.
+    Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands in the step in which the
+    connection completes (it returns the connection instead), so a poller cancelled at that moment
+    polls on and the worker's final gather never returns. A connection that completes after the
+    caller gave up is closed.
     """
     task = asyncio.ensure_future(asyncio.open_connection(host, port, limit=1 << 24))
     try:
@@ -268,7 +294,8 @@ def _close_connection(task: asyncio.Future) -> None:
 
 
 class MetaInfo(msgspec.Struct):
-    """The part of /generate's meta_info the worker keeps (the rest, e.g. e2e_latency, is skipped unread)."""
+    """The part of /generate's meta_info the worker keeps (the rest, e.g. e2e_latency, is skipped
+    unread)."""
 
     id: Any = None  # the request's rid
     finish_reason: Any = None
@@ -278,7 +305,8 @@ class MetaInfo(msgspec.Struct):
 
 
 class GenerateResponse(msgspec.Struct):
-    output_ids: msgspec.Raw  # parsed to packed ids by records.ids_from_json (no Python int per token)
+    # parsed to packed ids by records.ids_from_json (no Python int per token)
+    output_ids: msgspec.Raw
     meta_info: MetaInfo
 
 
@@ -291,7 +319,8 @@ class GenerateResult(msgspec.Struct):
     cached_tokens: int
     latency_s: float
     attempts: int
-    output_json: bytes | None = None  # the answer's output_ids as JSON text, exactly as the server sent them
+    # the answer's output_ids as JSON text, exactly as the server sent them
+    output_json: bytes | None = None
 
 
 class _Request(msgspec.Struct, omit_defaults=True):
@@ -319,18 +348,24 @@ _IDS_KEY, _META_KEY = b'"output_ids":', b'"meta_info":'
 
 
 def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
-    """(output_ids' JSON text, meta_info) found without reading `text`, or None to decode the whole body.
+    """(output_ids' JSON text, meta_info) found without reading `text`, or None to decode the whole
+    body.
 
-    SGLang answers `{"text": ..., "output_ids": [...], "meta_info": {...}}`. Decoding it in full means walking
-    the text string, as long as the ids. Here the keys are found from the end instead: the last `"meta_info":`
-    is the top-level key (the bytes `s":` cannot occur inside a JSON string, where every quote is escaped, and
-    meta_info holds no key of that name); the array just before it, with nothing but a comma between, must be
-    `"output_ids":[...]`. Anything else — another key order, whitespace, an added key — takes the full decode.
+    SGLang answers `{"text": ..., "output_ids": [...], "meta_info": {...}}`. Decoding it in full
+    means walking the text string, as long as the ids. Here the keys are found from the end instead:
+    the last `"meta_info":` is the top-level key (the bytes `s":` cannot occur inside a JSON string,
+    where every quote is escaped, and meta_info holds no key of that name); the array just before
+    it, with nothing but a comma between, must be `"output_ids":[...]`. Anything else — another key
+    order, whitespace, an added key — takes the full decode.
     """
     m = body.rfind(_META_KEY)
     close = body.rfind(b"]", 0, m) if m > 0 else -1
     start = body.rfind(b"[", 0, close) if close > 0 else -1
-    if start < len(_IDS_KEY) or body[start - len(_IDS_KEY) : start] != _IDS_KEY or body[close + 1 : m] != b",":
+    if (
+        start < len(_IDS_KEY)
+        or body[start - len(_IDS_KEY) : start] != _IDS_KEY
+        or body[close + 1 : m] != b","
+    ):
         return None
     try:
         meta = _tail_decoder.decode(b"{" + body[m:]).meta_info
@@ -341,13 +376,15 @@ def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
 
 def parse_response(body: bytes):
     """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
-    meta_info.completion_tokens (SGLang counts the stop token in both; an answer without it is refused)."""
+    meta_info.completion_tokens (SGLang counts the stop token in both; an answer without it is
+    refused)."""
     ids, meta, _ = _parse_response(body)
     return ids, meta
 
 
 def _parse_response(body: bytes):
-    """parse_response's ids and meta_info, and the JSON text of the ids (what a continuation sends on)."""
+    """parse_response's ids and meta_info, and the JSON text of the ids (what a continuation sends
+    on)."""
     found = _split_body(body)
     if found is not None:
         raw, meta = found
@@ -367,9 +404,10 @@ def _parse_response(body: bytes):
 
 
 class Expect(msgspec.Struct, frozen=True):
-    """What an answer is checked against besides its request: the tokenizer's size (every id below it) and
-    SGLang's max_req_len (a request's prompt + output + 1 never passes it: its scheduler clamps max_new_tokens
-    there, so a length finish short of max_new_tokens must reach it). None: not checked."""
+    """What an answer is checked against besides its request: the tokenizer's size (every id below
+    it) and SGLang's max_req_len (a request's prompt + output + 1 never passes it: its scheduler
+    clamps max_new_tokens there, so a length finish short of max_new_tokens must reach it). None:
+    not checked."""
 
     vocab_size: int | None = None
     max_req_len: int | None = None
@@ -380,28 +418,43 @@ FINISH_TYPES = ("stop", "length", "abort")
 
 def check_answer(ids, meta: MetaInfo, *, rid: str | None, n_input: int, max_new_tokens: int | None,
                  expect: Expect | None = None) -> dict:
-    """The finish_reason of a 200 answer to the request (`rid`, `n_input` prompt ids, `max_new_tokens`), once the
-    answer is checked against it; BadResponse saying what breaks SGLang's contract. An abort that carries an
-    HTTP status code is that error, as SGLang's own HTTP layer turns it into one: ServerError (5xx) or
-    RequestRejected (4xx)."""
+    """The finish_reason of a 200 answer to the request (`rid`, `n_input` prompt ids,
+    `max_new_tokens`), once the answer is checked against it; BadResponse saying what breaks
+    SGLang's contract. An abort that carries an HTTP status code is that error, as SGLang's own HTTP
+    layer turns it into one: ServerError (5xx) or RequestRejected (4xx)."""
     fr = meta.finish_reason
     if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
-        raise BadResponse(f"finish_reason {_short(fr)} is not an object whose type is stop, length or abort")
+        raise BadResponse(
+            f"finish_reason {_short(fr)} is not an object whose type is stop, length or abort"
+        )
     if rid is not None and meta.id != rid:
-        raise BadResponse(f"the answer of another request: meta_info.id {_short(meta.id)}, sent as rid {rid!r}")
+        raise BadResponse(
+            f"the answer of another request: meta_info.id {_short(meta.id)}, sent as rid {rid!r}"
+        )
     n, kind = len(ids), fr["type"]
     if max_new_tokens is not None and n > max_new_tokens:
         raise BadResponse(f"{n} output ids, more than max_new_tokens = {max_new_tokens}")
     limit = expect.max_req_len if expect else None
-    if kind == "length" and max_new_tokens is not None and limit and n < max_new_tokens and n_input + n + 1 < limit:
-        raise BadResponse(f"finish_reason length after {n} output ids, short of max_new_tokens = {max_new_tokens} "
-                          f"and of the context limit ({n_input} prompt + {n} output ids + 1 < {limit})")
+    if (
+        kind == "length"
+        and max_new_tokens is not None
+        and limit
+        and n < max_new_tokens
+        and n_input + n + 1 < limit
+    ):
+        raise BadResponse(
+            f"finish_reason length after {n} output ids, short of max_new_tokens = "
+            f"{max_new_tokens} and of the context limit ({n_input} prompt + {n} output ids + 1 < "
+            f"{limit})"
+        )
     vocab = expect.vocab_size if expect else None
     if vocab is not None and n and int(ids.max()) >= vocab:
         raise BadResponse(f"output id {int(ids.max())} outside the vocabulary ({vocab} ids)")
     code = fr.get("status_code") if kind == "abort" else None
     if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
-        body = msgspec.json.encode({"message": f"aborted with status_code {code}: {fr.get('message')}"})
+        body = msgspec.json.encode(
+            {"message": f"aborted with status_code {code}: {fr.get('message')}"}
+        )
         raise (ServerError if code >= 500 else RequestRejected)(code, body)
     return fr
 
@@ -426,16 +479,17 @@ async def generate(
     input_json: bytes | None = None,
     n_input: int | None = None,
 ) -> GenerateResult:
-    """POST one prompt to /generate and return its result, checked against the request (`check_answer`).
+    """POST one prompt to /generate and return its result, checked against the request
+    (`check_answer`).
 
-    Retries connection errors, timeouts, 5xx and 429 up to `retries` times with jittered exponential backoff;
-    raises RequestRejected on another 4xx, BadResponse on an answer that breaks the contract, and the last error
-    when retries run out. `engine_alive`, when given, is
-    called before each retry: once the engine is gone, retrying is pointless and the error is raised at once.
-    `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid of a request
-    the server may still hold (SGLang answers a duplicate in-flight rid with 400). `input_json`, when given, is
-    `input_ids` as JSON text, sent as it is (a continuation's prompt + output so far is not encoded again), and
-    `n_input` their count (input_ids is then not read).
+    Retries connection errors, timeouts, 5xx and 429 up to `retries` times with jittered exponential
+    backoff; raises RequestRejected on another 4xx, BadResponse on an answer that breaks the
+    contract, and the last error when retries run out. `engine_alive`, when given, is called before
+    each retry: once the engine is gone, retrying is pointless and the error is raised at once.
+    `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid
+    of a request the server may still hold (SGLang answers a duplicate in-flight rid with 400).
+    `input_json`, when given, is `input_ids` as JSON text, sent as it is (a continuation's prompt +
+    output so far is not encoded again), and `n_input` their count (input_ids is then not read).
     """
     n_in = n_input if input_json is not None else len(input_ids)
     sent_ids = msgspec.Raw(input_json) if input_json is not None else input_ids
@@ -446,13 +500,19 @@ async def generate(
     while True:
         attempt += 1
         sent = rid() if callable(rid) else rid
-        body = fixed if fixed is not None else _req_encoder.encode(_Request(sent_ids, sampling_params, sent))
+        body = (
+            fixed
+            if fixed is not None
+            else _req_encoder.encode(_Request(sent_ids, sampling_params, sent))
+        )
         t0 = loop.time()
         try:
             status, data = await http.request("POST", "/generate", body, timeout=timeout)
             if status == 200:
                 ids, m, raw = _parse_response(data)
-                fr = check_answer(ids, m, rid=sent, n_input=n_in, max_new_tokens=max_new, expect=expect)
+                fr = check_answer(
+                    ids, m, rid=sent, n_input=n_in, max_new_tokens=max_new, expect=expect
+                )
                 return GenerateResult(
                     output_ids=ids,
                     finish=fr.get("type"),
@@ -479,21 +539,27 @@ async def generate(
             raise
 
 
-async def abort_requests(http: HttpClient, rids: list[str] | None, *, timeout: float = 10.0) -> None:
-    """POST /abort_request: every request of the server (`rids` None: `abort_all`), or each rid given.
+async def abort_requests(
+    http: HttpClient, rids: list[str] | None, *, timeout: float = 10.0
+) -> None:
+    """POST /abort_request: every request of the server (`rids` None: `abort_all`), or each rid
+    given.
 
-    SGLang answers 200 with an empty body whatever it found; the requests it aborts while running end with
-    their partial output and finish_reason {"type": "abort", "message": "Aborted", "status_code": null,
-    "err_type": null}, those still queued with "Abort in waiting queue" (and usually no output: a request
-    retracted back to the queue keeps what it had already sent on). Over HTTP only an exact rid aborts: the
-    tokenizer manager drops a rid that is not one in flight; its scheduler then matches by prefix, so a rid must
-    not be the prefix of another one in flight (inflight.rid_maker). Raises Unreachable.
+    SGLang answers 200 with an empty body whatever it found; the requests it aborts while running
+    end with their partial output and finish_reason {"type": "abort", "message": "Aborted",
+    "status_code": null, "err_type": null}, those still queued with "Abort in waiting queue" (and
+    usually no output: a request retracted back to the queue keeps what it had already sent on).
+    Over HTTP only an exact rid aborts: the tokenizer manager drops a rid that is not one in flight;
+    its scheduler then matches by prefix, so a rid must not be the prefix of another one in flight
+    (inflight.rid_maker). Raises Unreachable.
     """
     if rids is None:
         await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)
         return
     for rid in rids:
-        await http.request("POST", "/abort_request", _req_encoder.encode({"rid": rid}), timeout=timeout)
+        await http.request(
+            "POST", "/abort_request", _req_encoder.encode({"rid": rid}), timeout=timeout
+        )
 
 
 class EngineLoad(msgspec.Struct):
@@ -529,7 +595,8 @@ class ServerLimits(msgspec.Struct):
     """What /server_info says of the server's limits (0 and None: it does not say)."""
 
     capacity: int = 0               # requests it can run at once
-    max_req_len: int | None = None  # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
+    # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
+    max_req_len: int | None = None
 
 
 _loads_decoder = msgspec.json.Decoder(_Loads | list[_RankLoad])
@@ -537,8 +604,8 @@ _info_decoder = msgspec.json.Decoder(_ServerInfo)
 
 
 async def server_limits(http: HttpClient, *, timeout: float = 30.0) -> ServerLimits:
-    """/server_info's effective_max_running_requests_per_dp summed over the data-parallel ranks, and its
-    max_req_input_len (SGLang's scheduler keeps it 5 below max_req_len)."""
+    """/server_info's effective_max_running_requests_per_dp summed over the data-parallel ranks, and
+    its max_req_input_len (SGLang's scheduler keeps it 5 below max_req_len)."""
     try:
         status, body = await http.get("/server_info", timeout=timeout)
         info = _info_decoder.decode(body) if status == 200 else None
@@ -546,13 +613,16 @@ async def server_limits(http: HttpClient, *, timeout: float = 30.0) -> ServerLim
         return ServerLimits()
     if info is None:
         return ServerLimits()
-    return ServerLimits(capacity=sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states),
-                        max_req_len=info.max_req_input_len + 5 if info.max_req_input_len else None)
+    return ServerLimits(
+        capacity=sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states),
+        max_req_len=info.max_req_input_len + 5 if info.max_req_input_len else None,
+    )
 
 
 async def health_generate(http: HttpClient, *, timeout: float) -> str | None:
-    """None when GET /health_generate answers 200 within `timeout` s (the server generates: SGLang sends a 1-token
-    request through its scheduler), else why not, in words (`answered 503`, or the connection's error)."""
+    """None when GET /health_generate answers 200 within `timeout` s (the server generates: SGLang
+    sends a 1-token request through its scheduler), else why not, in words (`answered 503`, or the
+    connection's error)."""
     try:
         status, _ = await http.get("/health_generate", timeout=timeout)
     except Unreachable as e:
@@ -561,9 +631,9 @@ async def health_generate(http: HttpClient, *, timeout: float) -> str | None:
 
 
 async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | None:
-    """GET /v1/loads (no --enable-metrics needed): {"loads": [per DP rank: num_running_reqs, num_waiting_reqs,
-    max_running_requests, token_usage, gen_throughput, ...], ...}. None when the server has no such endpoint or
-    does not answer."""
+    """GET /v1/loads (no --enable-metrics needed): {"loads": [per DP rank: num_running_reqs,
+    num_waiting_reqs, max_running_requests, token_usage, gen_throughput, ...], ...}. None when the
+    server has no such endpoint or does not answer."""
     try:
         status, body = await http.get("/v1/loads", timeout=timeout)
         if status != 200:
@@ -575,6 +645,8 @@ async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | 
     if not ranks:
         return None
     return EngineLoad(
-        running=sum(r.num_running_reqs for r in ranks), waiting=sum(r.num_waiting_reqs for r in ranks),
-        capacity=sum(r.max_running_requests or 0 for r in ranks), token_usage=max(r.token_usage for r in ranks),
+        running=sum(r.num_running_reqs for r in ranks),
+        waiting=sum(r.num_waiting_reqs for r in ranks),
+        capacity=sum(r.max_running_requests or 0 for r in ranks),
+        token_usage=max(r.token_usage for r in ranks),
     )

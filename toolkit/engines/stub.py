@@ -1,7 +1,9 @@
-"""The `stub` engine: the toolkit's stand-in for SGLang's protocol (toolkit.stub), launched like a server.
+"""The `stub` engine: the toolkit's stand-in for SGLang's protocol (toolkit.stub), launched like a
+server.
 
-It is a test double of the protocol, not a model: outputs are synthetic, built from the job's tokenizer.
-It runs the demo job and the test suite on CPU nodes, and every log line it writes says what it is.
+It is a test double of the protocol, not a model: outputs are synthetic, built from the job's
+tokenizer. It runs the demo job and the test suite on CPU nodes, and every log line it writes says
+what it is.
 """
 
 from __future__ import annotations
@@ -32,45 +34,69 @@ class StubEngine(Engine):
             "--think-start", m.think_start, "--think-end", m.think_end,
             "--context-length", str(s.context_length), "--version", s.version,
             "--tp-size", str(self.engine.tp_size), "--dp-size", str(self.engine.dp_size),
-            "--drain-poll", "0.2",  # SGLang polls every 5 s while draining; the stub need not make tests wait
+            # SGLang polls every 5 s while draining; the stub need not make tests wait
+            "--drain-poll", "0.2",
         ]
-        if self.key_files is not None:  # the key, in the file SGLang's --config reads (toolkit.engines.keys)
+        # the key, in the file SGLang's --config reads (toolkit.engines.keys)
+        if self.key_files is not None:
             argv += ["--config", str(self.key_files.config())]
         if m.tokenizer_path:
             argv += ["--tokenizer-path", m.tokenizer_path]
         if m.trust_remote_code:
             argv.append("--trust-remote-code")
         for flag, value in (
-            ("--load-delay", s.load_delay_s), ("--warmup-delay", s.warmup_delay_s), ("--token-delay", s.token_delay_s),
-            ("--fixed-output-tokens", s.fixed_output_tokens), ("--crash-after", s.crash_after),
-            ("--hang-after", s.hang_after), ("--fail-5xx", s.fail_5xx), ("--exit-at-start", s.exit_at_start),
-            ("--nan-every", s.nan_every), ("--degenerate-fraction", s.degenerate_fraction),
+            ("--load-delay", s.load_delay_s),
+            ("--warmup-delay", s.warmup_delay_s),
+            ("--token-delay", s.token_delay_s),
+            ("--fixed-output-tokens", s.fixed_output_tokens),
+            ("--crash-after", s.crash_after),
+            ("--hang-after", s.hang_after),
+            ("--fail-5xx", s.fail_5xx),
+            ("--exit-at-start", s.exit_at_start),
+            ("--nan-every", s.nan_every),
+            ("--degenerate-fraction", s.degenerate_fraction),
             ("--output-scale", s.output_scale or self._segmented_scale()),
         ):
             if value:
                 argv += [flag, str(value)]
         if s.exit_at_start_if_exists:
-            argv += ["--exit-at-start-if-exists", s.exit_at_start_if_exists.replace("{shard}", str(self.shard))]
-        for flag, on in (("--hang", s.hang), ("--ignore-sigterm", s.ignore_sigterm), ("--no-think-end", s.no_think_end), ("--double-think-start", s.double_think_start),
-                         ("--identical-samples", s.identical_samples)):
+            argv += [
+                "--exit-at-start-if-exists",
+                s.exit_at_start_if_exists.replace("{shard}", str(self.shard)),
+            ]
+        for flag, on in (
+            ("--hang", s.hang),
+            ("--ignore-sigterm", s.ignore_sigterm),
+            ("--no-think-end", s.no_think_end),
+            ("--double-think-start", s.double_think_start),
+            ("--identical-samples", s.identical_samples),
+        ):
             if on:
                 argv.append(flag)
         return argv + list(s.extra_args) + list(self.engine.extra_args)
 
     def _segmented_scale(self) -> int | None:
-        """The largest max_new_tokens of the job when [client] loop_stop asks for some of its outputs in segments:
-        the stub's lengths must not follow each segment's max_new_tokens (None: no output is segmented)."""
+        """The largest max_new_tokens of the job when [client] loop_stop asks for some of its
+        outputs in segments: the stub's lengths must not follow each segment's max_new_tokens (None:
+        no output is segmented)."""
         c = self.spec.client
-        tops = [int(self.spec.sampling_for(d.name).get("max_new_tokens") or 0) for d in self.spec.datasets]
+        tops = [
+            int(self.spec.sampling_for(d.name).get("max_new_tokens") or 0)
+            for d in self.spec.datasets
+        ]
         top = max(tops, default=0)
         return top if c.loop_stop and top > c.segment_tokens else None
 
 
-def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """Start a stub server on its own, in its own session, and wait until /health_generate answers 200.
+def start_standalone(
+    model_path: str, *args: str, timeout_s: float = 60.0
+) -> tuple[subprocess.Popen, str]:
+    """Start a stub server on its own, in its own session, and wait until /health_generate answers
+    200.
 
-    For what drives a stub from outside a worker (benchmarks, tests of `external` engines): the caller owns
-    the process and kills its group. `args` are toolkit.stub flags (e.g. "--fixed-output-tokens", "4096").
+    For what drives a stub from outside a worker (benchmarks, tests of `external` engines): the
+    caller owns the process and kills its group. `args` are toolkit.stub flags (e.g.
+    "--fixed-output-tokens", "4096").
     """
     port = free_port()
     proc = subprocess.Popen(
@@ -79,7 +105,8 @@ def start_standalone(model_path: str, *args: str, timeout_s: float = 60.0) -> tu
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     url = f"http://{LOOPBACK}:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
+    # loopback never goes through a proxy
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:

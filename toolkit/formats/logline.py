@@ -1,13 +1,14 @@
 """The toolkit's log lines, defined once: how they are written, and how they are read back.
 
-For people (the terminal, a shard's `logs/NNNNN.log`, a Slurm task's output), every handler writes `FORMAT`
-(`text_formatter`): `2026-12-06 21:08:33,123 INFO toolkit.worker: shard 0 ...`; `parse_text` reads such a line
-back (a `LogLine`, or None for a line that is not one: a traceback's, an engine's, a print).
+For people (the terminal, a shard's `logs/NNNNN.log`, a Slurm task's output), every handler writes
+`FORMAT` (`text_formatter`): `2026-12-06 21:08:33,123 INFO toolkit.worker: shard 0 ...`;
+`parse_text` reads such a line back (a `LogLine`, or None for a line that is not one: a traceback's,
+an engine's, a print).
 
-Between processes, nothing is read back from that text: a worker that `toolkit run` starts (`toolkit --log-relay
-worker ...`) writes each record on stderr as one JSON object (`RelayFormatter`), and the run hands it to its own
-logging as it was (`parse_relayed`, `LogLine.record`): time, level, logger and the whole message, a traceback
-included.
+Between processes, nothing is read back from that text: a worker that `toolkit run` starts (`toolkit
+--log-relay worker ...`) writes each record on stderr as one JSON object (`RelayFormatter`), and the
+run hands it to its own logging as it was (`parse_relayed`, `LogLine.record`): time, level, logger
+and the whole message, a traceback included.
 
 An error the command line ends with is one line, `ERROR_PREFIX` + the message (`error_line`).
 """
@@ -19,8 +20,16 @@ import logging
 
 import msgspec
 
-__all__ = ["ERROR_PREFIX", "FORMAT", "LogLine", "RelayFormatter", "error_line", "parse_relayed", "parse_text",
-           "text_formatter"]
+__all__ = [
+    "ERROR_PREFIX",
+    "FORMAT",
+    "LogLine",
+    "RelayFormatter",
+    "error_line",
+    "parse_relayed",
+    "parse_text",
+    "text_formatter",
+]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ERROR_PREFIX = "toolkit: error: "
@@ -28,7 +37,8 @@ _TIME = "%Y-%m-%d %H:%M:%S,%f"  # logging's asctime, milliseconds after the comm
 
 
 class LogLine(msgspec.Struct, frozen=True):
-    """One log record, as it travels between processes (a JSON object per line) or as a text line reads."""
+    """One log record, as it travels between processes (a JSON object per line) or as a text line
+    reads."""
 
     created: float  # seconds since the epoch
     level: int      # logging.INFO, ...
@@ -49,8 +59,8 @@ def text_formatter() -> logging.Formatter:
 
 
 def parse_text(line: str) -> LogLine | None:
-    """A line `text_formatter` wrote, or None when it is not one (no regular expression: the format's own
-    fields, split where it joins them)."""
+    """A line `text_formatter` wrote, or None when it is not one (no regular expression: the
+    format's own fields, split where it joins them)."""
     head, sep, message = line.rstrip("\n").partition(": ")
     fields = head.split(" ")
     if not sep or len(fields) != 4:
@@ -81,8 +91,8 @@ _decoder = msgspec.json.Decoder(LogLine)
 
 
 def parse_relayed(line: str) -> LogLine | None:
-    """A line `RelayFormatter` wrote, or None for any other line (a worker's stderr also holds what is no record:
-    a crash's traceback, the command's error line)."""
+    """A line `RelayFormatter` wrote, or None for any other line (a worker's stderr also holds what
+    is no record: a crash's traceback, the command's error line)."""
     line = line.rstrip("\n")
     if not line.startswith("{"):
         return None

@@ -29,11 +29,16 @@ class DoneManifest(msgspec.Struct):
     sha256: str
     host: str
     finished: str
-    transient: int = 0           # failed records worth generating again: while > 0 the shard is not complete
-    superseded: int = 0          # older records of ids written again (kept in the file, not counted above)
-    given_up: int = 0            # failures that may pass, final for this run after client.max_tries tries (counted in
-                                 # `failed`, not in `transient`): `toolkit retry` generates them again
-    loops: int = 0               # records stopped in a repetition loop ([client] loop_stop; finish "loop")
+    # failed records worth generating again: while > 0 the shard is not complete
+    transient: int = 0
+    # older records of ids written again (kept in the file, not counted above)
+    superseded: int = 0
+    # failures that may pass, final for this run after client.max_tries tries (counted in
+    given_up: int = 0
+                                 # `failed`, not in `transient`): `toolkit retry` generates them
+                                 # again
+    # records stopped in a repetition loop ([client] loop_stop; finish "loop")
+    loops: int = 0
 
 
 def write_done(
@@ -43,7 +48,13 @@ def write_done(
     outside them are ignored), checksum the complete shard file and atomically write its `done`
     manifest."""
     totals, total = _count_newest(shard_path, positions)
-    ok, failed, transient, ptok, otok = totals.ok, totals.failed, totals.transient, totals.ptok, totals.otok
+    ok, failed, transient, ptok, otok = (
+        totals.ok,
+        totals.failed,
+        totals.transient,
+        totals.ptok,
+        totals.otok,
+    )
     given_up, loops = totals.given_up, totals.loops
     m = DoneManifest(
         shard=shard,
@@ -67,7 +78,9 @@ class _DoneCounts:
     """What a done manifest counts of the records that count (the newest of each id)."""
 
     def __init__(self) -> None:
-        self.ok = self.failed = self.transient = self.given_up = self.loops = self.ptok = self.otok = 0
+        self.ok = self.failed = self.transient = self.given_up = self.loops = self.ptok = (
+            self.otok
+        ) = 0
 
     def add(self, r: Record) -> None:
         if r.status == OK:
@@ -82,8 +95,9 @@ class _DoneCounts:
 
 
 def _count_newest(shard_path: Path, positions: range) -> tuple[_DoneCounts, int]:
-    """(totals of the newest record of each planned position, records in the file). While no position has two
-    records, the scan's one pass counts; else the newest are read again (formats.newest)."""
+    """(totals of the newest record of each planned position, records in the file). While no
+    position has two records, the scan's one pass counts; else the newest are read again
+    (formats.newest)."""
     once = _DoneCounts()
     sc = scan_shard(shard_path, positions.start, len(positions), each=once.add)
     if not sc.duplicates and not sc.continued:
@@ -133,10 +147,15 @@ def read_retry(path: Path) -> RetryRequest | None:
 
 
 def read_done(path: Path) -> DoneManifest | None:
-    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in one line): the
-    shard is then not taken as finished, and its next run checks its file and writes the manifest again."""
-    return _read_or_none(path, DoneManifest, "damaged done manifest ({why}): the shard is taken as not done; its "
-                                             "next run checks its file and writes the manifest again")
+    """The done manifest of a shard; None when there is none, or when it is damaged (said once, in
+    one line): the shard is then not taken as finished, and its next run checks its file and writes
+    the manifest again."""
+    return _read_or_none(
+        path,
+        DoneManifest,
+        "damaged done manifest ({why}): the shard is taken as not done; its "
+        "next run checks its file and writes the manifest again",
+    )
 
 
 def _read_or_none(path: Path, schema: type, damaged: str):

@@ -88,7 +88,8 @@ class Progress(msgspec.Struct, kw_only=True):
                                      # serving engine writes:
                                      # the first its worker started it for (this shard, or one
                                      # claimed before)
-    leaving: bool = False            # its task hands the run's tail over (worker.policy.hands_over):
+    # its task hands the run's tail over (worker.policy.hands_over):
+    leaving: bool = False
                                      # its requests are kept as partial outputs for a task with room
 
     def eta_s(self) -> float | None:

@@ -208,8 +208,9 @@ def slices(path: str, *, size: int | None = None) -> Iterator[tuple[int, int, in
 
 def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
             workers: int | None = None) -> Iterator[Outcome]:
-    """The Outcome of every slice of `work`, in order, while a RenderProgress line counts `total` prompts. With more than
-    one worker (default: processes()) and enough bytes to measure, the slices go to a process pool."""
+    """The Outcome of every slice of `work`, in order, while a RenderProgress line counts `total`
+    prompts. With more than one worker (default: processes()) and enough bytes to measure, the
+    slices go to a process pool."""
     workers = processes() if workers is None else workers
     bar = RenderProgress(total)
     done = 0
@@ -466,7 +467,8 @@ def _texts(
 
 
 class RenderProgress:
-    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now and then."""
+    """Prompts measured so far: a line redrawn on stderr when it is a terminal, else a log line now
+    and then."""
 
     def __init__(self, total: int, stream: Any = None):
         self.total, self.stream = total, stream or sys.stderr

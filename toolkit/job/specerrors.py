@@ -67,7 +67,8 @@ def did_you_mean(word: str, known) -> str:
 
 
 def table_name(path: KeyPath, data: Any = None) -> str:
-    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2 ('math')."""
+    """The TOML table a path is in, as its author wrote it: [client], [engine.stub], [[datasets]] #2
+    ('math')."""
     parts: list[str] = []
     node = data
     out = ""
@@ -203,7 +204,9 @@ _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_-]*)|\[(\d+)\]")
 
 
 def _parse_path(text: str) -> KeyPath:
-    return tuple(m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text))
+    return tuple(
+        m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _STEP.finditer(text)
+    )
 
 
 def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) -> KeyProblem:
@@ -304,8 +307,9 @@ def _sections(text: str) -> list[tuple[str, int | None, int, list[tuple[int, str
 
 
 def key_line(text: str, path: KeyPath) -> int | None:
-    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its table, in an inline
-    table, or as a dotted key), else the line of the table it belongs to; None when neither can be found."""
+    """The 1-based line of `text` (a TOML document) where the key at `path` is written (in its
+    table, in an inline table, or as a dotted key), else the line of the table it belongs to; None
+    when neither can be found."""
     fallback = None
     for j in range(len(path), -1, -1):
         head, chain = path[:j], path[j:]

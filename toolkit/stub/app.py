@@ -1,10 +1,11 @@
 """The HTTP layer: a FastAPI app over the stub's handlers (served by uvicorn, as SGLang is).
 
-Routes take the raw request body and hand it to the engine's own checks, so status codes and error texts are the
-stub's, not FastAPI's validation; answers are `Response(content=bytes)` of bytes the engine encoded (compact JSON,
-keys in SGLang's order). A handler that waits (token delay, queue, hang, a wedged health check) is raced against
-the client's disconnect, which cancels it, as SGLang's tokenizer manager aborts a request whose client went away;
-streams are cancelled by Starlette's own disconnect watch. Unknown paths and methods get FastAPI's 404 and 405.
+Routes take the raw request body and hand it to the engine's own checks, so status codes and error
+texts are the stub's, not FastAPI's validation; answers are `Response(content=bytes)` of bytes the
+engine encoded (compact JSON, keys in SGLang's order). A handler that waits (token delay, queue,
+hang, a wedged health check) is raced against the client's disconnect, which cancels it, as SGLang's
+tokenizer manager aborts a request whose client went away; streams are cancelled by Starlette's own
+disconnect watch. Unknown paths and methods get FastAPI's 404 and 405.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ def _response(reply: Reply) -> Response:
 
 
 async def _client_gone(request: Request) -> None:
-    """Returns when the client has disconnected (the body has been read by then, or there is none)."""
+    """Returns when the client has disconnected (the body has been read by then, or there is
+    none)."""
     receive = request.receive
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def answer(request: Request, result: Any) -> Response:
-    """A Reply, a coroutine resolving to one (cancelled if the client goes away), a stream of SSE events, or a
-    faults.Cut (carried out by `with_cuts`)."""
+    """A Reply, a coroutine resolving to one (cancelled if the client goes away), a stream of SSE
+    events, or a faults.Cut (carried out by `with_cuts`)."""
     if type(result) is tuple:
         return _response(result)
     if isinstance(result, Cut):
@@ -59,7 +61,8 @@ async def answer(request: Request, result: Any) -> Response:
         raise
     finally:
         gone.cancel()
-    if not work.done():  # the client went away: abort the request, and let it unwind (counters, in-flight set)
+    # the client went away: abort the request, and let it unwind (counters, in-flight set)
+    if not work.done():
         work.cancel()
         await asyncio.wait((work,))
         return Response(status_code=499)  # nobody reads it
@@ -74,8 +77,9 @@ def _state_route(srv: StubServer, handler: Callable) -> Callable:
 
 
 def json_content(request: Request, body: bytes) -> bool:
-    """Whether FastAPI reads the body as JSON, as it decides for SGLang's typed routes: no content type, or an
-    application/json (or +json) one. A form-encoded body (what a bare `curl -d` sends) stays bytes."""
+    """Whether FastAPI reads the body as JSON, as it decides for SGLang's typed routes: no content
+    type, or an application/json (or +json) one. A form-encoded body (what a bare `curl -d` sends)
+    stays bytes."""
     ctype = request.headers.get("content-type")
     if not body or not ctype:
         return True
@@ -85,8 +89,11 @@ def json_content(request: Request, body: bytes) -> bool:
 
 def not_an_object(body: bytes, model: str) -> Reply:
     """FastAPI's validation error for a body that is not JSON, in SGLang's ErrorResponse shape."""
-    detail = (f"1 validation error:\n  {{'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should be a "
-              f"dictionary or an instance of {model}', 'input': {body[:200]!r}, 'ctx': {{'class_name': '{model}'}}}}")
+    detail = (
+        f"1 validation error:\n  {{'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input "
+        f"should be a dictionary or an instance of {model}', 'input': {body[:200]!r}, 'ctx': "
+        f"{{'class_name': '{model}'}}}}"
+    )
     err = {"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400}
     return 400, json.dumps(err, separators=(",", ":")).encode(), JSON
 
@@ -125,10 +132,11 @@ def build_app(srv: StubServer):
 
 
 def with_cuts(app):
-    """Carry out a faults.Cut that a handler left in the request's scope: `reset` resets the connection before
-    anything is sent (RST: SO_LINGER 0, then close); `truncate` sends the headers and half the body, and the
-    server closes the connection when the app returns without completing the response. Needs uvicorn's own
-    `send` (its request cycle holds the transport), which this wrapper, outermost but for the api key, receives."""
+    """Carry out a faults.Cut that a handler left in the request's scope: `reset` resets the
+    connection before anything is sent (RST: SO_LINGER 0, then close); `truncate` sends the headers
+    and half the body, and the server closes the connection when the app returns without completing
+    the response. Needs uvicorn's own `send` (its request cycle holds the transport), which this
+    wrapper, outermost but for the api key, receives."""
 
     async def cutting(scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -151,7 +159,13 @@ def with_cuts(app):
                 await send(message)
             else:
                 done = True
-                await send({"type": "http.response.body", "body": cut.body[: len(cut.body) // 2], "more_body": True})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": cut.body[: len(cut.body) // 2],
+                        "more_body": True,
+                    }
+                )
 
         await app(scope, receive, send_or_cut)
 
@@ -159,7 +173,8 @@ def with_cuts(app):
 
 
 def _reset(transport) -> None:
-    """Reset a connection: the peer's next read fails with ECONNRESET. Without the transport, it is closed."""
+    """Reset a connection: the peer's next read fails with ECONNRESET. Without the transport, it is
+    closed."""
     if transport is None:
         return  # uvicorn then closes the connection (a response never completed)
     sock = transport.get_extra_info("socket")
@@ -169,14 +184,18 @@ def _reset(transport) -> None:
 
 
 def with_api_key(app, key: str, version: str):
-    """`Authorization: Bearer <key>` (the scheme in any case) on every path but /health*, /metrics* (0.5.23:
-    /ready* too) and OPTIONS: else 401."""
+    """`Authorization: Bearer <key>` (the scheme in any case) on every path but /health*, /metrics*
+    (0.5.23: /ready* too) and OPTIONS: else 401."""
     expected = key.encode()
     exempt = info.AUTH_EXEMPT[version]
     denied = Response(content=UNAUTHORIZED, status_code=401, media_type=JSON)
 
     async def guarded(scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(exempt):
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and not scope["path"].startswith(exempt)
+        ):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token, expected):

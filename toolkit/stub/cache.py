@@ -4,16 +4,17 @@ from __future__ import annotations
 
 
 class PrefixCache:
-    """SGLang's radix cache, as far as `meta_info.cached_tokens` shows it: a prompt's tokens already computed for
-    an earlier prompt with the same leading tokens. At most len(prompt) - 1 count (the last one is always
-    computed, for its logits). Prompts are cached when admitted, outputs are not (a dataset's prompts share
-    their template and system prompt, never another prompt's answer); `/flush_cache` empties it, and past
-    `capacity` prefixes it is emptied too (eviction, coarsely).
+    """SGLang's radix cache, as far as `meta_info.cached_tokens` shows it: a prompt's tokens already
+    computed for an earlier prompt with the same leading tokens. At most len(prompt) - 1 count (the
+    last one is always computed, for its logits). Prompts are cached when admitted, outputs are not
+    (a dataset's prompts share their template and system prompt, never another prompt's answer);
+    `/flush_cache` empties it, and past `capacity` prefixes it is emptied too (eviction, coarsely).
     """
 
     def __init__(self, capacity: int = 4_000_000):
         self.capacity = capacity
-        self._seen: set[int] = set()  # hashes of every cached prefix (prefix-closed: all shorter ones are in)
+        # hashes of every cached prefix (prefix-closed: all shorter ones are in)
+        self._seen: set[int] = set()
 
     def admit(self, prompt: list[int]) -> int:
         """The number of cached tokens of `prompt`, which is then cached itself."""

@@ -1,5 +1,6 @@
-"""Request validation of /generate: 0.5.23's schema gate over the whole body (serde-style texts), and the
-sampling checks of engines/sglang_sampling (shared with the job spec) as the stub's errors."""
+"""Request validation of /generate: 0.5.23's schema gate over the whole body (serde-style texts),
+and the sampling checks of engines/sglang_sampling (shared with the job spec) as the stub's
+errors."""
 
 from __future__ import annotations
 
@@ -11,21 +12,25 @@ from toolkit.engines.sglang_contract.sampling import Sampling
 
 
 class ContractError(ValueError):
-    """A schema-contract violation: 400 {"error": "<text>"} in 0.5.23 (a 500 in 0.5.9, which has no gate)."""
+    """A schema-contract violation: 400 {"error": "<text>"} in 0.5.23 (a 500 in 0.5.9, which has no
+    gate)."""
 
 
 class RequestError(ValueError):
-    """SGLang's ValueError path: 400 {"error": {"message": "<text>"}} (or an SSE error event when streaming)."""
+    """SGLang's ValueError path: 400 {"error": {"message": "<text>"}} (or an SSE error event when
+    streaming)."""
 
 
 class ParseError(ValueError):
-    """A body FastAPI cannot parse into GenerateReqInput (`rid` not a string or list of strings, `input_ids` not
-    int64 ids): its RequestValidationError handler answers 400 {"object": "error", "message": ..., ...}. The
-    message follows pydantic's, whose exact words depend on the installed version."""
+    """A body FastAPI cannot parse into GenerateReqInput (`rid` not a string or list of strings,
+    `input_ids` not int64 ids): its RequestValidationError handler answers 400 {"object": "error",
+    "message": ..., ...}. The message follows pydantic's, whose exact words depend on the installed
+    version."""
 
 
 def _input_ids_problem(v: Any) -> str | None:
-    """SGLang's validate_optional_list_i64_1d_2d (srt/utils/field_validators.py): what it raises, or None."""
+    """SGLang's validate_optional_list_i64_1d_2d (srt/utils/field_validators.py): what it raises, or
+    None."""
     def row(r: Any) -> str | None:
         if not isinstance(r, list):
             return f"must be list; got {type(r).__name__}"
@@ -59,14 +64,18 @@ def parse_body(obj: Any) -> None:
         return  # the gate says what it wanted
     problem = _input_ids_problem(obj.get("input_ids"))
     if problem:
-        raise ParseError(f"1 validation error:\n  {{'type': 'value_error', 'loc': ('body', 'input_ids'), "
-                         f"'msg': 'Value error, {problem}'}}")
+        raise ParseError(
+            f"1 validation error:\n  {{'type': 'value_error', 'loc': ('body', 'input_ids'), "
+            f"'msg': 'Value error, {problem}'}}"
+        )
     rid = obj.get("rid")
     if rid is not None and not isinstance(rid, str) and not (
             isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
-        raise ParseError("2 validation errors:\n  {'type': 'string_type', 'loc': ('body', 'rid', 'str'), "
-                         "'msg': 'Input should be a valid string'}\n  {'type': 'list_type', 'loc': ('body', 'rid', "
-                         "'list[str]'), 'msg': 'Input should be a valid list'}")
+        raise ParseError(
+            "2 validation errors:\n  {'type': 'string_type', 'loc': ('body', 'rid', 'str'), "
+            "'msg': 'Input should be a valid string'}\n  {'type': 'list_type', 'loc': ('body', "
+            "'rid', 'list[str]'), 'msg': 'Input should be a valid list'}"
+        )
 
 
 def _invalid(v: Any, expected: str) -> ContractError:
@@ -159,7 +168,8 @@ def check_contract(obj: Any) -> None:
 
 
 def not_taken(obj: dict, version: str) -> str | None:
-    """A sampling field SamplingParams(**params) of `version` does not take (SGLang then answers 500), or None."""
+    """A sampling field SamplingParams(**params) of `version` does not take (SGLang then answers
+    500), or None."""
     raw = obj.get("sampling_params")
     for params in raw if isinstance(raw, list) else [raw or {}]:
         for key in params:
@@ -169,7 +179,8 @@ def not_taken(obj: dict, version: str) -> str | None:
 
 
 def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool) -> Sampling:
-    """SamplingParams(**raw) with SGLang's defaults, and the checks a server without a tokenizer adds."""
+    """SamplingParams(**raw) with SGLang's defaults, and the checks a server without a tokenizer
+    adds."""
     sp = sampling.make_sampling(raw, preferred)
     g = raw.get
     if skip_tokenizer:
@@ -182,8 +193,10 @@ def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool) -> Sa
             raise RequestError(f"stop_regex={regex!r} is unavailable when skip_tokenizer_init=True "
                                "(requires tokenizer to decode tokens to text for matching).")
         if sp.min_new_tokens > 0:
-            raise RequestError(f"min_new_tokens={sp.min_new_tokens} is unavailable when skip_tokenizer_init=True "
-                               "(requires tokenizer for eos_token_id).")
+            raise RequestError(
+                f"min_new_tokens={sp.min_new_tokens} is unavailable when skip_tokenizer_init=True "
+                "(requires tokenizer for eos_token_id)."
+            )
     return sp
 
 

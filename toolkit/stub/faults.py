@@ -1,16 +1,18 @@
-"""Fault injection: every way the stub misbehaves on purpose, and the one place that decides when each fires.
+"""Fault injection: every way the stub misbehaves on purpose, and the one place that decides when
+each fires.
 
-At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start-up: `--hang` (never ready),
-`--warmup-fails` (the process kills itself when the warm-up ends). Per /generate request, by its 1-based number:
-`--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503, or `--fail-status`), `--hang-after N`
-(never answered, which also wedges /health*), `--nan-every N` (SGLang's NaN stop). Per prompt: `--poison KIND`
-spoils the answer of every /generate whose prompt holds `--poison-text` (of every one, without it) after the first
-`--poison-after`: its connection cut (`reset`, `truncate`), an answer that breaks SGLang's contract, a 503, a NaN stop
-or no answer at all (POISONS); `--poison-prompt KIND=TEXT` (repeatable) does the same to every prompt holding TEXT,
-every time, so several prompts can each fail their own way in one run. At
-shutdown: `--ignore-sigterm`. The decisions are pure functions of the configuration (and the request number, or
-the prompt); the actions that end the process are here too, so that each fault logs the same line wherever it is
-triggered.
+At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start-up: `--hang` (never
+ready), `--warmup-fails` (the process kills itself when the warm-up ends). Per /generate request, by
+its 1-based number: `--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503, or
+`--fail-status`), `--hang-after N` (never answered, which also wedges /health*), `--nan-every N`
+(SGLang's NaN stop). Per prompt: `--poison KIND` spoils the answer of every /generate whose prompt
+holds `--poison-text` (of every one, without it) after the first `--poison-after`: its connection
+cut (`reset`, `truncate`), an answer that breaks SGLang's contract, a 503, a NaN stop or no answer
+at all (POISONS); `--poison-prompt KIND=TEXT` (repeatable) does the same to every prompt holding
+TEXT, every time, so several prompts can each fail their own way in one run. At shutdown:
+`--ignore-sigterm`. The decisions are pure functions of the configuration (and the request number,
+or the prompt); the actions that end the process are here too, so that each fault logs the same line
+wherever it is triggered.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class RequestFaults(msgspec.Struct, frozen=True):
-    """What happens to one /generate request, in the order the checks apply: crash, then 503, then NaN and
-    hang (after validation)."""
+    """What happens to one /generate request, in the order the checks apply: crash, then 503, then
+    NaN and hang (after validation)."""
 
     crash: bool = False
     fail_5xx: bool = False
@@ -43,7 +45,9 @@ NONE = RequestFaults()
 def request_faults(cfg: StubConfig, number: int) -> RequestFaults:
     """The faults of the `number`-th /generate request (counted from 1, every request counts)."""
     crash = cfg.crash_after is not None and number >= cfg.crash_after
-    fail = cfg.fail_5xx is not None and cfg.fail_5xx[0] <= number < cfg.fail_5xx[0] + cfg.fail_5xx[1]
+    fail = (
+        cfg.fail_5xx is not None and cfg.fail_5xx[0] <= number < cfg.fail_5xx[0] + cfg.fail_5xx[1]
+    )
     nan = bool(cfg.nan_every) and number % cfg.nan_every == 0
     hang = cfg.hang or (cfg.hang_after is not None and number > cfg.hang_after)
     if not (crash or fail or nan or hang):
@@ -51,28 +55,37 @@ def request_faults(cfg: StubConfig, number: int) -> RequestFaults:
     return RequestFaults(crash=crash, fail_5xx=fail, nan=nan, hang=hang)
 
 
-# The --poison kinds (config.POISONS) that never answer: `reset` resets the connection (RST, nothing sent),
-# `truncate` sends the headers and half the body, then closes it. The others answer 200 with one fault each.
+# The --poison kinds (config.POISONS) that never answer: `reset` resets the connection (RST, nothing
+# sent),
+# `truncate` sends the headers and half the body, then closes it. The others answer 200 with one
+# fault each.
 CUTS = ("reset", "truncate")
 
 
 class Cut(msgspec.Struct, frozen=True):
-    """A /generate answer the HTTP layer cuts (--poison reset or truncate): `body` is what it would have been."""
+    """A /generate answer the HTTP layer cuts (--poison reset or truncate): `body` is what it would
+    have been."""
 
     how: str
     body: bytes = b""
 
 
-def poisoned(cfg: StubConfig, number: int, prompts: list[list[int]], decode: Callable[[list[int]], str]) -> bool:
+def poisoned(
+    cfg: StubConfig, number: int, prompts: list[list[int]], decode: Callable[[list[int]], str]
+) -> bool:
     """Whether the `number`-th /generate request, of these prompts, gets --poison."""
     if cfg.poison is None or number <= cfg.poison_after:
         return False
     return cfg.poison_text is None or any(cfg.poison_text in decode(p) for p in prompts)
 
 
-def poison_of(cfg: StubConfig, number: int, prompts: list[list[int]], decode: Callable[[list[int]], str]) -> str | None:
-    """The poison kind of the `number`-th /generate request, of these prompts: --poison's, else that of the first
-    --poison-prompt rule whose text a prompt holds (deterministic: the same prompt gets it every time); None."""
+def poison_of(
+    cfg: StubConfig, number: int, prompts: list[list[int]], decode: Callable[[list[int]], str]
+) -> str | None:
+    """The poison kind of the `number`-th /generate request, of these prompts: --poison's, else that
+    of the first
+    --poison-prompt rule whose text a prompt holds (deterministic: the same prompt gets it every
+    time); None."""
     if poisoned(cfg, number, prompts, decode):
         return cfg.poison
     if cfg.poison_prompts:
@@ -84,7 +97,8 @@ def poison_of(cfg: StubConfig, number: int, prompts: list[list[int]], decode: Ca
 
 
 def health_broken(cfg: StubConfig, number: int) -> bool:
-    """A cut on every request (no --poison-text) past --poison-after breaks generation itself: /health* fails."""
+    """A cut on every request (no --poison-text) past --poison-after breaks generation itself:
+    /health* fails."""
     return cfg.poison in CUTS and cfg.poison_text is None and number > cfg.poison_after
 
 
@@ -94,8 +108,13 @@ def log_poison(kind: str, number: int) -> None:
 
 def poison_503_body(number: int) -> dict:
     """The answer of a request poisoned with status_503 (SGLang's HTTPException shape)."""
-    return {"object": "error", "message": f"Injected failure (poison status_503) of /generate request #{number}",
-            "type": "503", "param": None, "code": 503}
+    return {
+        "object": "error",
+        "message": f"Injected failure (poison status_503) of /generate request #{number}",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
 
 
 def spoil(kind: str, out: dict, budget: int, vocab_size: int) -> None:
@@ -124,27 +143,44 @@ def spoil(kind: str, out: dict, budget: int, vocab_size: int) -> None:
     elif kind == "abort_empty":
         out["output_ids"] = []
         meta["completion_tokens"] = 0
-        meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
-                                 "err_type": None}
+        meta["finish_reason"] = {
+            "type": "abort",
+            "message": "Abort in waiting queue",
+            "status_code": None,
+            "err_type": None,
+        }
     elif kind == "abort_500":
         ids = out["output_ids"] = ids[: len(ids) // 2]
         meta["completion_tokens"] = len(ids)
-        meta["finish_reason"] = {"type": "abort", "message": "Internal server error (injected: --poison abort_500)",
-                                 "status_code": 500, "err_type": None}
+        meta["finish_reason"] = {
+            "type": "abort",
+            "message": "Internal server error (injected: --poison abort_500)",
+            "status_code": 500,
+            "err_type": None,
+        }
 
 
-def exit_at_start(cfg: StubConfig, exists: Callable[[str], bool] = os.path.exists) -> tuple[int, str] | None:
+def exit_at_start(
+    cfg: StubConfig, exists: Callable[[str], bool] = os.path.exists
+) -> tuple[int, str] | None:
     """(exit status, log message) when the process is to exit at once, else None."""
     if cfg.exit_at_start is not None:
-        return cfg.exit_at_start, f"Exiting at start with status {cfg.exit_at_start} (--exit-at-start)"
+        return (
+            cfg.exit_at_start,
+            f"Exiting at start with status {cfg.exit_at_start} (--exit-at-start)",
+        )
     if cfg.exit_at_start_if_exists and exists(cfg.exit_at_start_if_exists):
-        return 1, f"Exiting at start with status 1: {cfg.exit_at_start_if_exists} exists (--exit-at-start-if-exists)"
+        return (
+            1,
+            f"Exiting at start with status 1: {cfg.exit_at_start_if_exists} exists "
+            "(--exit-at-start-if-exists)",
+        )
     return None
 
 
 def fail_5xx_body(cfg: StubConfig, number: int) -> dict:
-    """The answer (status --fail-status, 503 by default) of a request inside the --fail-5xx window (SGLang's
-    HTTPException shape)."""
+    """The answer (status --fail-status, 503 by default) of a request inside the --fail-5xx window
+    (SGLang's HTTPException shape)."""
     start, count = cfg.fail_5xx
     msg = f"Injected failure (--fail-5xx {start}:{count}) of /generate request #{number}"
     logger.warning(msg)
@@ -153,8 +189,12 @@ def fail_5xx_body(cfg: StubConfig, number: int) -> dict:
 
 
 def crash(cfg: StubConfig, number: int) -> NoReturn:
-    logger.error("Injected crash (--crash-after %d) on /generate request #%d: exiting abruptly with status 1",
-                 cfg.crash_after, number)
+    logger.error(
+        "Injected crash (--crash-after %d) on /generate request #%d: exiting abruptly with status "
+        "1",
+        cfg.crash_after,
+        number,
+    )
     logging.shutdown()
     os._exit(1)
 
@@ -169,14 +209,17 @@ def log_hang(number: int) -> None:
 
 def fail_warmup() -> NoReturn:
     """SGLang's failed warm-up: kill_process_tree of itself."""
-    logger.error("Initialization failed. warmup error: injected (--warmup-fails); killing the process tree")
+    logger.error(
+        "Initialization failed. warmup error: injected (--warmup-fails); killing the process tree"
+    )
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
     raise SystemExit(1)  # not reached
 
 
 def sigterm_handler(cfg: StubConfig, on_sigterm: Callable[[str], None]) -> Callable[[str], None]:
-    """What a SIGTERM or SIGINT does: the graceful drain, or (--ignore-sigterm) a log line and nothing else."""
+    """What a SIGTERM or SIGINT does: the graceful drain, or (--ignore-sigterm) a log line and
+    nothing else."""
     if cfg.ignore_sigterm:
         return lambda signame: logger.warning("Received %s: ignored (--ignore-sigterm)", signame)
     return on_sigterm

@@ -1,8 +1,9 @@
-"""The readiness and informational endpoints: /health*, /ready, /model_info, /server_info, /v1/models,
-/v1/loads, /flush_cache, /metrics and the stub's own /stub/counters, and the route table of every path.
+"""The readiness and informational endpoints: /health*, /ready, /model_info, /server_info,
+/v1/models, /v1/loads, /flush_cache, /metrics and the stub's own /stub/counters, and the route table
+of every path.
 
-Each handler takes the server state and returns a Reply (status, body bytes, content type or None), or, for
-/health while generation is wedged, a coroutine resolving to one.
+Each handler takes the server state and returns a Reply (status, body bytes, content type or None),
+or, for /health while generation is wedged, a coroutine resolving to one.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ _json_encode = msgspec.json.encode
 
 
 def health(srv: StubServer):
-    """/health and /health_generate: 503 at once while starting or exiting (or while --poison cuts every
-    generation); else, as SGLang, a 1-token generation
-    is sent and the answer comes after whole seconds of waiting (it sleeps 1 s, then looks whether anything came
-    back: never sooner than 1 s), or 503 when nothing came back within the health-check timeout (wedged)."""
+    """/health and /health_generate: 503 at once while starting or exiting (or while --poison cuts
+    every generation); else, as SGLang, a 1-token generation is sent and the answer comes after
+    whole seconds of waiting (it sleeps 1 s, then looks whether anything came back: never sooner
+    than 1 s), or 503 when nothing came back within the health-check timeout (wedged)."""
     if srv.exiting or srv.status == "starting" or faults.health_broken(srv.cfg, srv.generate_count):
         return 503, b"", None
     return _health_generate(srv)
@@ -43,13 +44,17 @@ async def _health_generate(srv: StubServer) -> Reply:
         await asyncio.sleep(1.0)
         srv.status = "up"
         return 200, b"", None
-    await asyncio.sleep(max(1.0, srv.cfg.health_check_timeout))  # SGLang: no output within the timeout
+    # SGLang: no output within the timeout
+    await asyncio.sleep(max(1.0, srv.cfg.health_check_timeout))
     if not srv.sched.hung:
         srv.status = "up"
         return 200, b"", None
     if srv.status != "unhealthy":
-        logger.error("Health check failed. Server couldn't get a response from detokenizer for last "
-                     "%g seconds. (the stub's generation is wedged on purpose)", srv.cfg.health_check_timeout)
+        logger.error(
+            "Health check failed. Server couldn't get a response from detokenizer for last "
+            "%g seconds. (the stub's generation is wedged on purpose)",
+            srv.cfg.health_check_timeout,
+        )
     srv.status = "unhealthy"
     return 503, b"", None
 
@@ -64,66 +69,101 @@ def model_info(srv: StubServer) -> Reply:
     if not srv.v9:
         info["served_model_name"] = srv.served_name
     info.update(tokenizer_path=cfg.tokenizer_path or cfg.model_path, is_generation=True,
-                preferred_sampling_params=cfg.preferred_sampling_params or None,  # parsed JSON, as SGLang's server args
+                # parsed JSON, as SGLang's server args
+                preferred_sampling_params=cfg.preferred_sampling_params or None,
                 weight_version="default")
     if not srv.v9:
         info.update(load_format="auto", reasoning_parser=cfg.reasoning_parser,
                     tool_call_parser=cfg.tool_call_parser, disaggregation_mode="null")
-    info.update(has_image_understanding=False, has_audio_understanding=False,
-                model_type=mc.get("model_type", "stub"), architectures=mc.get("architectures", ["StubEngine"]),
-                stub_engine="not a model: a test double of SGLang's HTTP protocol")
+    info.update(
+        has_image_understanding=False,
+        has_audio_understanding=False,
+        model_type=mc.get("model_type", "stub"),
+        architectures=mc.get("architectures", ["StubEngine"]),
+        stub_engine="not a model: a test double of SGLang's HTTP protocol",
+    )
     return 200, _json_encode(info), JSON
 
 
 def model_info_deprecated(srv: StubServer) -> Reply:
-    logger.warning("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
-                   "Please use '/model_info' instead.")
+    logger.warning(
+        "Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+        "Please use '/model_info' instead."
+    )
     return model_info(srv)
 
 
 def server_info(srv: StubServer) -> Reply:
     cfg = srv.cfg
-    args = {f: getattr(cfg, f) for f in cfg.__struct_fields__ if f not in ("api_key", "other_args", "fail_5xx")}
+    args = {
+        f: getattr(cfg, f)
+        for f in cfg.__struct_fields__
+        if f not in ("api_key", "other_args", "fail_5xx")
+    }
     args.update(cfg.other_args)
     args["fail_5xx"] = f"{cfg.fail_5xx[0]}:{cfg.fail_5xx[1]}" if cfg.fail_5xx else None
     args.update(
-        served_model_name=srv.served_name, tokenizer_path=cfg.tokenizer_path or cfg.model_path,
+        served_model_name=srv.served_name,
+        tokenizer_path=cfg.tokenizer_path or cfg.model_path,
         launch_command=_redacted_command(sys.argv, cfg.api_key),
-        status="ready", max_total_num_tokens=srv.pool, max_req_input_len=srv.max_req_input_len,
-        startup_time=round(time.time() - srv.started, 3), kv_events=None,
-        internal_states=[{"last_gen_throughput": srv.sched.gen_throughput() / max(1, cfg.dp_size),
-                          "memory_usage": {"weight": 0.0, "kvcache": 0.0},
-                          "effective_max_running_requests_per_dp": srv.sched.max_running // max(1, cfg.dp_size),
-                          "max_running_requests": srv.sched.max_running}
-                         for _ in range(max(1, cfg.dp_size))],
-        version=cfg.version, frontend="python",
+        status="ready",
+        max_total_num_tokens=srv.pool,
+        max_req_input_len=srv.max_req_input_len,
+        startup_time=round(time.time() - srv.started, 3),
+        kv_events=None,
+        internal_states=[
+            {
+                "last_gen_throughput": srv.sched.gen_throughput() / max(1, cfg.dp_size),
+                "memory_usage": {"weight": 0.0, "kvcache": 0.0},
+                "effective_max_running_requests_per_dp": srv.sched.max_running
+                // max(1, cfg.dp_size),
+                "max_running_requests": srv.sched.max_running,
+            }
+            for _ in range(max(1, cfg.dp_size))
+        ],
+        version=cfg.version,
+        frontend="python",
         stub_engine="not a model: a test double of SGLang's HTTP protocol",
     )
     return 200, _json_encode(args), JSON
 
 
 def loads(srv: StubServer) -> Reply:
-    """GET /v1/loads: the load of each data-parallel rank, in the shape of the release the stub imitates.
+    """GET /v1/loads: the load of each data-parallel rank, in the shape of the release the stub
+    imitates.
 
-    0.5.23 (sglang/srt/entrypoints/v1_loads.py; the rows are managers/load_snapshot.py's LoadSnapshot.to_dict):
-    {timestamp, version, accelerator, num_accelerators, loads: [{timestamp (epoch float), dp_rank,
-    num_running_reqs, ..., max_running_requests, token_usage, ..., decode_moments, disaggregation, queues}]}.
-    0.5.9 (the same file then; rows from io_struct.GetLoadsReqOutput, timestamp and None values left out):
-    {timestamp, version, dp_rank_count, loads: [{dp_rank, num_running_reqs, ..., num_total_reqs}], aggregate}.
-    The stub has one scheduler; with --dp-size N its requests are shared out over N ranks for the report. It
-    has no GPU: `accelerator` is null, and `memory` (0.5.23) says it holds no weights, its KV pool's capacity.
+    0.5.23 (sglang/srt/entrypoints/v1_loads.py; the rows are managers/load_snapshot.py's
+    LoadSnapshot.to_dict): {timestamp, version, accelerator, num_accelerators, loads: [{timestamp
+    (epoch float), dp_rank, num_running_reqs, ..., max_running_requests, token_usage, ...,
+    decode_moments, disaggregation, queues}]}.
+    0.5.9 (the same file then; rows from io_struct.GetLoadsReqOutput, timestamp and None values left
+    out): {timestamp, version, dp_rank_count, loads: [{dp_rank, num_running_reqs, ...,
+    num_total_reqs}], aggregate}. The stub has one scheduler; with --dp-size N its requests are
+    shared out over N ranks for the report. It has no GPU: `accelerator` is null, and `memory`
+    (0.5.23) says it holds no weights, its KV pool's capacity.
     """
     dp = max(1, srv.cfg.dp_size)
     used, pool, now = srv.sched.used_tokens(), srv.pool, time.time()
     share = lambda total, i: total // dp + (i < total % dp)  # noqa: E731
     rows = []
     for i in range(dp):
-        running, waiting, rank_used = share(len(srv.sched.running), i), share(len(srv.sched.waiting), i), share(used, i)
+        running, waiting, rank_used = (
+            share(len(srv.sched.running), i),
+            share(len(srv.sched.waiting), i),
+            share(used, i),
+        )
         limit = srv.sched.max_running // dp
-        core = {"num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": rank_used,
-                "max_total_num_tokens": pool, "token_usage": round(rank_used / pool, 4),
-                "gen_throughput": round(srv.sched.gen_throughput() / dp, 2), "cache_hit_rate": 0.0,
-                "utilization": round(running / max(1, limit), 4), "max_running_requests": limit}
+        core = {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": rank_used,
+            "max_total_num_tokens": pool,
+            "token_usage": round(rank_used / pool, 4),
+            "gen_throughput": round(srv.sched.gen_throughput() / dp, 2),
+            "cache_hit_rate": 0.0,
+            "utilization": round(running / max(1, limit), 4),
+            "max_running_requests": limit,
+        }
         queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
         # no disaggregation; 0.5.23 renamed the first queue (prefill_prealloc -> prefill_bootstrap)
         first_queue = "prefill_prealloc_queue_reqs" if srv.v9 else "prefill_bootstrap_queue_reqs"
@@ -135,16 +175,36 @@ def loads(srv: StubServer) -> Reply:
             rows.append({"dp_rank": i, **core, "disaggregation": disaggregation, "queues": queues,
                          "num_total_reqs": running + waiting})
             continue
-        rows.append({"timestamp": now, "dp_rank": i, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                     "num_waiting_uncached_tokens": 0, "num_used_tokens": rank_used, "num_total_tokens": rank_used,
-                     "num_active_tokens": rank_used, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": pool,
-                     "max_running_requests": limit, "token_usage": core["token_usage"],
-                     "gen_throughput": core["gen_throughput"], "cache_hit_rate": 0.0,
-                     "utilization": core["utilization"], "total_prefill_uncached_tokens": 0,
-                     "total_prefill_busy_us": 0, "decode_moments": None,
-                     "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": pool},
-                     "disaggregation": disaggregation,
-                     "queues": {**queues, "prealloc_ready": 0}})
+        rows.append(
+            {
+                "timestamp": now,
+                "dp_rank": i,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_waiting_uncached_tokens": 0,
+                "num_used_tokens": rank_used,
+                "num_total_tokens": rank_used,
+                "num_active_tokens": rank_used,
+                "num_prealloc_ready_tokens": 0,
+                "max_total_num_tokens": pool,
+                "max_running_requests": limit,
+                "token_usage": core["token_usage"],
+                "gen_throughput": core["gen_throughput"],
+                "cache_hit_rate": 0.0,
+                "utilization": core["utilization"],
+                "total_prefill_uncached_tokens": 0,
+                "total_prefill_busy_us": 0,
+                "decode_moments": None,
+                "memory": {
+                    "weight_gb": 0.0,
+                    "kv_cache_gb": 0.0,
+                    "graph_gb": 0.0,
+                    "token_capacity": pool,
+                },
+                "disaggregation": disaggregation,
+                "queues": {**queues, "prealloc_ready": 0},
+            }
+        )
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
     if srv.v9:
         n = len(rows)
@@ -165,19 +225,38 @@ def loads(srv: StubServer) -> Reply:
 
 
 def stub_counters(srv: StubServer) -> Reply:
-    """Stub only: what the "GPU" did (tokens decoded, returned, aborts; the batch occupancy, time-weighted running /
-    max_running from the first request to the last answer, null before any ran), for benchmarks and tests."""
+    """Stub only: what the "GPU" did (tokens decoded, returned, aborts; the batch occupancy,
+    time-weighted running / max_running from the first request to the last answer, null before any
+    ran), for benchmarks and tests."""
     occ = srv.sched.occupancy
     share = occ.share()
-    return 200, _json_encode({**srv.sched.counters, "answered": srv.stats["requests"], "running": len(srv.sched.running),
-                              "waiting": len(srv.sched.waiting), "max_running": srv.sched.max_running,
-                              "occupancy": None if share is None else round(share, 4),
-                              "occupancy_s": round(occ.span(), 3)}), JSON
+    return (
+        200,
+        _json_encode(
+            {
+                **srv.sched.counters,
+                "answered": srv.stats["requests"],
+                "running": len(srv.sched.running),
+                "waiting": len(srv.sched.waiting),
+                "max_running": srv.sched.max_running,
+                "occupancy": None if share is None else round(share, 4),
+                "occupancy_s": round(occ.span(), 3),
+            }
+        ),
+        JSON,
+    )
 
 
 def _model_card(srv: StubServer) -> dict:
-    return {"id": srv.served_name, "object": "model", "created": int(srv.started), "owned_by": "sglang",
-            "root": srv.served_name, "parent": None, "max_model_len": srv.cfg.context_length}
+    return {
+        "id": srv.served_name,
+        "object": "model",
+        "created": int(srv.started),
+        "owned_by": "sglang",
+        "root": srv.served_name,
+        "parent": None,
+        "max_model_len": srv.cfg.context_length,
+    }
 
 
 def v1_models(srv: StubServer) -> Reply:
@@ -187,8 +266,12 @@ def v1_models(srv: StubServer) -> Reply:
 def v1_model(srv: StubServer, name: str) -> Reply:
     if name == srv.served_name:
         return 200, _json_encode(_model_card(srv)), JSON
-    err = {"message": f"The model '{name}' does not exist", "type": "invalid_request_error", "param": "model",
-           "code": "model_not_found"}
+    err = {
+        "message": f"The model '{name}' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     return 404, _json_encode({"error": err}), JSON
 
 
@@ -197,8 +280,14 @@ def flush_cache(srv: StubServer) -> Reply:
         return 400, b"Flush cache failed.\n", TEXT
     if srv.prefix_cache is not None:
         srv.prefix_cache.clear()
-    return 200, (b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                 b"waiting requests, the operation will not be performed.)\n"), TEXT
+    return (
+        200,
+        (
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            b"or waiting requests, the operation will not be performed.)\n"
+        ),
+        TEXT,
+    )
 
 
 def metrics(srv: StubServer) -> Reply:
@@ -206,16 +295,24 @@ def metrics(srv: StubServer) -> Reply:
     label = f'{{model_name="{name}"}}'
     lines = [f"# stub-engine metrics: {LOG_PREFIX}"]
     for metric, kind, value in (
-        ("num_running_reqs", "gauge", len(srv.sched.running) if srv.cfg.token_delay > 0 else len(srv.in_flight)),
+        (
+            "num_running_reqs",
+            "gauge",
+            len(srv.sched.running) if srv.cfg.token_delay > 0 else len(srv.in_flight),
+        ),
         ("num_queue_reqs", "gauge", len(srv.sched.waiting)),
         ("token_usage", "gauge", round(srv.sched.used_tokens() / srv.pool, 4)),
-        ("gen_throughput", "gauge", srv.sched.gen_throughput()), ("cache_hit_rate", "gauge", 0.0),
+        ("gen_throughput", "gauge", srv.sched.gen_throughput()),
+        ("cache_hit_rate", "gauge", 0.0),
         ("prompt_tokens_total", "counter", s["prompt_tokens"]),
         ("generation_tokens_total", "counter", s["generation_tokens"]),
         ("num_requests_total", "counter", s["requests"]),
     ):
-        lines += [f"# HELP sglang:{metric} {metric} (stub engine)", f"# TYPE sglang:{metric} {kind}",
-                  f"sglang:{metric}{label} {value}"]
+        lines += [
+            f"# HELP sglang:{metric} {metric} (stub engine)",
+            f"# TYPE sglang:{metric} {kind}",
+            f"sglang:{metric}{label} {value}",
+        ]
     lines += ["# HELP sglang:e2e_request_latency_seconds e2e latency (stub engine)",
               "# TYPE sglang:e2e_request_latency_seconds summary",
               f"sglang:e2e_request_latency_seconds_sum{label} {s['e2e_sum']}",
@@ -229,7 +326,8 @@ def _redacted_command(argv: list[str], secret: str | None) -> str:
 
 
 def routes(srv: StubServer) -> dict[str, tuple[tuple[str, ...], Callable | None]]:
-    """path -> (methods, handler of the state); None: /generate and /abort_request, which take the body."""
+    """path -> (methods, handler of the state); None: /generate and /abort_request, which take the
+    body."""
     table: dict[str, tuple[tuple[str, ...], Callable | None]] = {
         "/health": (("GET",), health), "/health_generate": (("GET",), health),
         "/model_info": (("GET",), model_info), "/get_model_info": (("GET",), model_info_deprecated),

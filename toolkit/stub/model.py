@@ -1,5 +1,5 @@
-"""The "model": token material taken from the job's tokenizer (EOS and think ids, the help-topics corpus,
-tool-call sections per tokenizer family) and fast text for planned ids."""
+"""The "model": token material taken from the job's tokenizer (EOS and think ids, the help-topics
+corpus, tool-call sections per tokenizer family) and fast text for planned ids."""
 
 from __future__ import annotations
 
@@ -12,21 +12,42 @@ from toolkit.stub.config import LOG_PREFIX, StubConfig
 
 logger = logging.getLogger(__name__)
 
-CORPUS_CHARS = 160_000  # of the help-topics text, encoded once at start: plenty of distinct "reasoning"
+# of the help-topics text, encoded once at start: plenty of distinct "reasoning"
+CORPUS_CHARS = 160_000
 
 
 TOOL_FORMATS = (
-    ("kimi", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-              "<|tool_call_end|>", "<|tool_calls_section_end|>"),
-     "<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>",
-     "<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"),
-    ("qwen3", ("<tool_call>", "</tool_call>"),
-     "{calls}",
-     "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>"),
-    ("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-                  "<｜tool▁calls▁end｜>"),
-     "<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>",
-     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"),
+    (
+        "kimi",
+        (
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+            "<|tool_calls_section_end|>",
+        ),
+        "<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>",
+        "<|tool_call_begin|>functions.{name}:{i}"
+        "<|tool_call_argument_begin|>{args}<|tool_call_end|>",
+    ),
+    (
+        "qwen3",
+        ("<tool_call>", "</tool_call>"),
+        "{calls}",
+        "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>",
+    ),
+    (
+        "deepseek",
+        (
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ),
+        "<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>",
+    ),
 )
 TOOL_CALLS = (
     (("get_weather", {"city": "Paris", "unit": "celsius"}),),
@@ -39,69 +60,98 @@ TOOL_CALLS = (
 
 
 class StubModel:
-    """Token material of one tokenizer, loaded once at start; `planning.plan_output` turns it into outputs."""
+    """Token material of one tokenizer, loaded once at start; `planning.plan_output` turns it into
+    outputs."""
 
     def __init__(self, cfg: StubConfig):
         from transformers import AutoTokenizer
 
         path = cfg.tokenizer_path or cfg.model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=cfg.trust_remote_code
+        )
         tok = self.tokenizer
         self.vocab_size = len(tok)
         self.model_config = _read_json(Path(cfg.model_path) / "config.json")
         config_eos = _ids(self.model_config.get("eos_token_id"))
-        generation_eos = _ids(_read_json(Path(cfg.model_path) / "generation_config.json").get("eos_token_id"))
+        generation_eos = _ids(
+            _read_json(Path(cfg.model_path) / "generation_config.json").get("eos_token_id")
+        )
         tokenizer_eos = _ids(tok.eos_token_id)
-        # SGLang's stop set: config.json and generation_config.json eos ids, plus the tokenizer's eos unless
+        # SGLang's stop set: config.json and generation_config.json eos ids, plus the tokenizer's
+        # eos unless
         # the tokenizer is not initialised (SGLang's tokenizer manager with --skip-tokenizer-init).
-        self.eos_ids = frozenset(config_eos + generation_eos + ([] if cfg.skip_tokenizer_init else tokenizer_eos))
+        self.eos_ids = frozenset(
+            config_eos + generation_eos + ([] if cfg.skip_tokenizer_init else tokenizer_eos)
+        )
         emitted = generation_eos or config_eos or tokenizer_eos
         if not emitted:
-            raise SystemExit(f"{LOG_PREFIX} no eos_token_id in {path} (config.json, generation_config.json, tokenizer)")
+            raise SystemExit(
+                f"{LOG_PREFIX} no eos_token_id in {path} (config.json, generation_config.json, "
+                "tokenizer)"
+            )
         self.eos_id = emitted[0]
         if self.eos_id not in self.eos_ids:
-            logger.warning("the EOS the stub emits (%d) is not a stop token in this mode; outputs run to "
-                           "max_new_tokens", self.eos_id)
+            logger.warning(
+                "the EOS the stub emits (%d) is not a stop token in this mode; outputs run to "
+                "max_new_tokens",
+                self.eos_id,
+            )
         self.think_start_id = self.single_id(cfg.think_start)
         self.think_end_id = self.single_id(cfg.think_end)
         if self.think_start_id is None or self.think_end_id is None:
-            logger.warning("%r/%r are not single tokens of this tokenizer: outputs have no reasoning section",
-                           cfg.think_start, cfg.think_end)
+            logger.warning(
+                "%r/%r are not single tokens of this tokenizer: outputs have no reasoning section",
+                cfg.think_start,
+                cfg.think_end,
+            )
             self.think_start_id = self.think_end_id = None
         self.sep_ids = tok.encode("\n\n", add_special_tokens=False)
         self.tool_family, self.tool_sections = self._tool_sections()
-        control = set(self.eos_ids) | {self.think_start_id, self.think_end_id} | set(tok.all_special_ids)
+        control = (
+            set(self.eos_ids) | {self.think_start_id, self.think_end_id} | set(tok.all_special_ids)
+        )
         for section in self.tool_sections:
-            control.update(t for t in section if self.tokenizer.convert_ids_to_tokens(t) in _TOOL_TOKENS)
+            control.update(
+                t for t in section if self.tokenizer.convert_ids_to_tokens(t) in _TOOL_TOKENS
+            )
         self._encode_corpus(_help_text(CORPUS_CHARS), control)
         self._newline_only: dict[int, bool] = {}
         self._segment_text: dict[tuple[tuple[int, ...], bool], str] = {}
         self._fast_decode = self._pick_decoder()
-        cleanup = getattr(tok, "clean_up_tokenization_spaces", False)  # rewrites text across token boundaries
-        # text may be sliced from the corpus only where that gives exactly `decode`: planning.load_model checks
+        # rewrites text across token boundaries
+        cleanup = getattr(tok, "clean_up_tokenization_spaces", False)
+        # text may be sliced from the corpus only where that gives exactly `decode`:
+        # planning.load_model checks
         self.can_slice_text = self.cuts is not None and not cleanup
         self.fast_text = False
 
     def _encode_corpus(self, text: str, control: set) -> None:
-        """Token ids of the help text, and where each token starts in it (for slicing text instead of decoding)."""
+        """Token ids of the help text, and where each token starts in it (for slicing text instead
+        of decoding)."""
         tok = self.tokenizer
         self.corpus_text, self.cuts, self.unsafe_cuts = text, None, frozenset()
         try:
             enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
             ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        except Exception:  # noqa: BLE001 - slow or remote-code tokenizers have no offsets: decode instead
+        # slow or remote-code tokenizers have no offsets: decode instead
+        except Exception:  # noqa: BLE001
             ids, offsets = tok.encode(text, add_special_tokens=False), None
         if any(t in control for t in ids):
             ids, offsets = [t for t in ids if t not in control], None
         self.corpus = ids
         self.corpus_ids = frozenset(ids)
         if offsets and len(offsets) == len(ids):
-            # cut[i]: where token i starts (the end of token i-1); a cut inside one character is unsafe.
+            # cut[i]: where token i starts (the end of token i-1); a cut inside one character is
+            # unsafe.
             self.cuts = [0] + [end for _, end in offsets]
-            self.unsafe_cuts = frozenset(i for i in range(1, len(ids)) if offsets[i][0] < offsets[i - 1][1])
+            self.unsafe_cuts = frozenset(
+                i for i in range(1, len(ids)) if offsets[i][0] < offsets[i - 1][1]
+            )
 
     def sliced_text(self, segments: list[tuple[int, list[int]]], k: int, skip: bool) -> str | None:
-        """Text of the first k planned tokens from corpus-text slices, or None where a cut splits a character."""
+        """Text of the first k planned tokens from corpus-text slices, or None where a cut splits a
+        character."""
         parts, cuts, unsafe = [], self.cuts, self.unsafe_cuts
         for start, ids in segments:
             if k <= 0:
@@ -120,7 +170,9 @@ class StubModel:
             k -= m
         return "".join(parts)
 
-    def prefix_text(self, segments: list[tuple[int, list[int]]], planned: list[int], k: int, skip: bool) -> str:
+    def prefix_text(
+        self, segments: list[tuple[int, list[int]]], planned: list[int], k: int, skip: bool
+    ) -> str:
         """`decode(planned[:k])`, by slicing when that is known to give the same text."""
         if self.fast_text:
             text = self.sliced_text(segments, k, skip)
@@ -139,12 +191,15 @@ class StubModel:
                 for calls in TOOL_CALLS:
                     body = "".join(call.format(name=name, args=json.dumps(args), i=i)
                                    for i, (name, args) in enumerate(calls))
-                    out.append(self.tokenizer.encode(section.format(calls=body), add_special_tokens=False))
+                    out.append(
+                        self.tokenizer.encode(section.format(calls=body), add_special_tokens=False)
+                    )
                 return family, out
         return None, []
 
     def _pick_decoder(self) -> Callable[[list[int], bool], str]:
-        """The tokenizers backend's decode when it gives the same text as `tokenizer.decode` (it is faster)."""
+        """The tokenizers backend's decode when it gives the same text as `tokenizer.decode` (it is
+        faster)."""
         tok = self.tokenizer
         slow = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)  # noqa: E731
         raw = getattr(tok, "_tokenizer", None)
@@ -154,7 +209,9 @@ class StubModel:
         if self.think_end_id is not None:
             sample.insert(50, self.think_end_id)
         try:
-            same = all(raw.decode(sample, skip_special_tokens=s) == slow(sample, s) for s in (True, False))
+            same = all(
+                raw.decode(sample, skip_special_tokens=s) == slow(sample, s) for s in (True, False)
+            )
         except Exception:  # noqa: BLE001 - any mismatch of APIs means: use the slow path
             same = False
         return (lambda ids, skip: raw.decode(ids, skip_special_tokens=skip)) if same else slow
@@ -167,7 +224,8 @@ class StubModel:
         if known is None:
             try:
                 text = self.tokenizer.decode([token_id])
-            except Exception:  # noqa: BLE001 - prompt ids are not range-checked (neither are they in SGLang)
+            # prompt ids are not range-checked (neither are they in SGLang)
+            except Exception:  # noqa: BLE001
                 text = ""
             known = self._newline_only[token_id] = bool(text) and not text.strip("\r\n")
         return known

@@ -1,5 +1,6 @@
-"""What the "model" writes: per-output seeds, the output plan, continuations of aborted outputs, where an
-output stops (stop tokens, stop strings, length, the NaN stop), its text, and fake logprobs."""
+"""What the "model" writes: per-output seeds, the output plan, continuations of aborted outputs,
+where an output stops (stop tokens, stop strings, length, the NaN stop), its text, and fake
+logprobs."""
 
 from __future__ import annotations
 
@@ -25,14 +26,16 @@ _json_encode = msgspec.json.encode
 
 
 def load_model(cfg: StubConfig) -> StubModel:
-    """The job's token material, with text sliced from the corpus if that was checked to give exactly `decode`."""
+    """The job's token material, with text sliced from the corpus if that was checked to give
+    exactly `decode`."""
     model = StubModel(cfg)
     model.fast_text = model.can_slice_text and _slicing_matches_decode(model, cfg)
     return model
 
 
 def _slicing_matches_decode(model: StubModel, cfg: StubConfig) -> bool:
-    """Slicing the corpus text must give exactly `tokenizer.decode`; checked on sample outputs at start."""
+    """Slicing the corpus text must give exactly `tokenizer.decode`; checked on sample outputs at
+    start."""
     rng = random.Random(0)
     sp = Sampling(max_new_tokens=400)
     for k in range(60):
@@ -43,7 +46,9 @@ def _slicing_matches_decode(model: StubModel, cfg: StubConfig) -> bool:
             for skip in (True, False):
                 sliced = model.sliced_text(segments, cut, skip)
                 if sliced is not None and sliced != model.decode(flat[:cut], skip):
-                    logger.info("text is decoded per request (slicing the corpus text differs from decode)")
+                    logger.info(
+                        "text is decoded per request (slicing the corpus text differs from decode)"
+                    )
                     return False
     return True
 
@@ -51,8 +56,8 @@ def _slicing_matches_decode(model: StubModel, cfg: StubConfig) -> bool:
 def output_seed(prompt: list[int], sp: Sampling, sample: int) -> int:
     """The PRNG seed of one output: a hash of the prompt ids and of the params that change sampling.
 
-    Length and stop params (max_new_tokens, stop, ignore_eos, ...) are left out; parallel samples (n > 1)
-    differ by their index unless decoding is greedy.
+    Length and stop params (max_new_tokens, stop, ignore_eos, ...) are left out; parallel samples (n
+    > 1) differ by their index unless decoding is greedy.
     """
     h = hashlib.blake2b(_json_encode(prompt), digest_size=8)
     h.update(_json_encode([sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.frequency_penalty,
@@ -62,7 +67,8 @@ def output_seed(prompt: list[int], sp: Sampling, sample: int) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-Segments = list  # [(corpus offset, or -1 for control tokens, [ids])]: the plan of one output, in order
+# [(corpus offset, or -1 for control tokens, [ids])]: the plan of one output, in order
+Segments = list
 
 
 def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
@@ -70,27 +76,30 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     """What the "model" writes for this prompt, before the server cuts at a stop or at `budget`.
 
     Rule: seed a PRNG from (prompt ids, sampling params). The output is [think-start] + reasoning +
-    think-end + "\\n\\n" + answer + [tool-call section] + EOS. Think-start is written unless the prompt
-    already ends with it (template-opened, Kimi/DeepSeek style), or always with --double-think-start. A prompt
-    ending with think-end (thinking disabled by the template) gets an answer only. Reasoning and answer are
-    contiguous runs of the help-topics token stream at PRNG-chosen offsets. The total length is a PRNG
-    fraction of max_new_tokens (the budget), or of --output-scale; `truncate_fraction` of outputs are drawn longer
-    than it (with --lognormal-lengths MEDIAN:SIGMA the total is drawn from that lognormal instead), and
-    `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family.
-    With --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction` of
-    outputs (drawn only when it is set) fall into a repetition loop instead: after some reasoning, one span of
-    4-24 corpus tokens repeated until the budget cuts them (finish length), as reasoning models do (the other
-    outputs are the same as without it). The plan is a function of its arguments: samples of one prompt differ by
-    their `sampling_seed` (the toolkit offsets it per sample) or by `sample` (their index in a request with n > 1,
-    and the draw of a seedless request sent again: `Draws`); with `identical_samples` by neither. `within`
-    ("reasoning" or "answer") says the prompt ends inside an output of the stub's (`open_section`): it goes on
-    from there, never opening its reasoning again.
+    think-end + "\\n\\n" + answer + [tool-call section] + EOS. Think-start is written unless the
+    prompt already ends with it (template-opened, Kimi/DeepSeek style), or always with
+    --double-think-start. A prompt ending with think-end (thinking disabled by the template) gets an
+    answer only. Reasoning and answer are contiguous runs of the help-topics token stream at
+    PRNG-chosen offsets. The total length is a PRNG fraction of max_new_tokens (the budget), or of
+    --output-scale; `truncate_fraction` of outputs are drawn longer than it (with
+    --lognormal-lengths MEDIAN:SIGMA the total is drawn from that lognormal instead), and
+    `tool_call_fraction` end their answer with a tool-call section of the tokenizer's family. With
+    --fixed-output-tokens N the total is exactly N and there is no tool call. `degenerate_fraction`
+    of outputs (drawn only when it is set) fall into a repetition loop instead: after some
+    reasoning, one span of 4-24 corpus tokens repeated until the budget cuts them (finish length),
+    as reasoning models do (the other outputs are the same as without it). The plan is a function of
+    its arguments: samples of one prompt differ by their `sampling_seed` (the toolkit offsets it per
+    sample) or by `sample` (their index in a request with n > 1, and the draw of a seedless request
+    sent again: `Draws`); with `identical_samples` by neither. `within` ("reasoning" or "answer")
+    says the prompt ends inside an output of the stub's (`open_section`): it goes on from there,
+    never opening its reasoning again.
     """
     if cfg.identical_samples:  # a sampler that ignores the seed and the sample index
         sp, sample = msgspec.structs.replace(sp, sampling_seed=None), 0
     seed = output_seed(prompt, sp, sample)
     rng = random.Random(seed)
-    if cfg.degenerate_fraction:  # its own draw: the outputs that do not loop are those of a run without loops
+    # its own draw: the outputs that do not loop are those of a run without loops
+    if cfg.degenerate_fraction:
         looping = random.Random(seed ^ 0x100B)
         if looping.random() < cfg.degenerate_fraction:
             return _loop(model, prompt, looping, budget, cfg.output_scale or budget)
@@ -152,7 +161,8 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     segments += [(-1, tool), (-1, [model.eos_id])]
     segments = [seg for seg in segments if seg[1]]
     written = sum(len(ids) for _, ids in segments)
-    while fixed is not None and written > total:  # a tiny fixed length keeps the plan's end (think-end, EOS)
+    # a tiny fixed length keeps the plan's end (think-end, EOS)
+    while fixed is not None and written > total:
         start, ids = segments[0]
         drop = min(written - total, len(ids))
         segments[0] = (start + drop if start >= 0 else -1, ids[drop:])
@@ -164,12 +174,16 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     return segments
 
 
-def _loop(model: StubModel, prompt: list[int], rng: random.Random, budget: int, scale: int) -> Segments:
-    """A degenerate output: [think-start], some reasoning (its length a share of `scale`), then one short span
-    repeated past `budget`."""
+def _loop(
+    model: StubModel, prompt: list[int], rng: random.Random, budget: int, scale: int
+) -> Segments:
+    """A degenerate output: [think-start], some reasoning (its length a share of `scale`), then one
+    short span repeated past `budget`."""
     corpus, size = model.corpus, len(model.corpus)
     opened = model.prompt_ends_with(prompt, model.think_start_id)
-    segments: Segments = [] if opened or model.think_start_id is None else [(-1, [model.think_start_id])]
+    segments: Segments = (
+        [] if opened or model.think_start_id is None else [(-1, [model.think_start_id])]
+    )
     lead = max(1, min(rng.randint(8, 40), scale // 20))
     start = rng.randrange(size - lead - 24)
     segments.append((start, corpus[start:start + lead]))
@@ -196,7 +210,8 @@ def _positions(ids: list[int], token: int | None) -> list[int]:
 
 
 def drop_planned(segments: Segments, n: int) -> Segments:
-    """The plan without its first `n` tokens (corpus offsets moved along, so text slicing still works)."""
+    """The plan without its first `n` tokens (corpus offsets moved along, so text slicing still
+    works)."""
     out: Segments = []
     for start, ids in segments:
         if n >= len(ids):
@@ -207,20 +222,24 @@ def drop_planned(segments: Segments, n: int) -> Segments:
     return out
 
 
-def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
-                      drawn) -> Segments | None:
-    """The rest of an output when `prompt` is an earlier prompt plus the start of what the stub wrote for it.
+def plan_continuation(
+    model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int, drawn
+) -> Segments | None:
+    """The rest of an output when `prompt` is an earlier prompt plus the start of what the stub
+    wrote for it.
 
-    A request aborted mid-generation is continued by sending `input_ids = prompt + partial output` with
-    max_new_tokens (and min_new_tokens) reduced by the partial's length. A model would go on writing from
-    there; the stub does the same: it looks for a split `prompt[:k] | prompt[k:]` where the second part is the
-    start of plan_output(prompt[:k]) with the original budget, and answers with the rest of that plan — so a
-    stopped-and-continued output is token for token the uninterrupted one. Split candidates are only where an
-    output can begin (at a think-start, or after a think-start / think-end that ends a prompt, give or take
-    newline tokens), so a plain prompt costs a few list scans. A last token that is a think-start is not taken
-    for a one-token output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus
-    the think-start its output begins with. `drawn(head, sp)` is the sample numbers already drawn for an earlier
-    prompt (`Draws.drawn`): the output continued may be any of them. None: not a continuation.
+    A request aborted mid-generation is continued by sending `input_ids = prompt + partial output`
+    with max_new_tokens (and min_new_tokens) reduced by the partial's length. A model would go on
+    writing from there; the stub does the same: it looks for a split `prompt[:k] | prompt[k:]` where
+    the second part is the start of plan_output(prompt[:k]) with the original budget, and answers
+    with the rest of that plan — so a stopped-and-continued output is token for token the
+    uninterrupted one. Split candidates are only where an output can begin (at a think-start, or
+    after a think-start / think-end that ends a prompt, give or take newline tokens), so a plain
+    prompt costs a few list scans. A last token that is a think-start is not taken for a one-token
+    output: a prompt the template opens in reasoning would be mistaken for a shorter prompt plus the
+    think-start its output begins with. `drawn(head, sp)` is the sample numbers already drawn for an
+    earlier prompt (`Draws.drawn`): the output continued may be any of them. None: not a
+    continuation.
     """
     n = len(prompt)
     cands: set[int] = set()
@@ -238,7 +257,8 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
         for sample in drawn(head, sp0):
             segments = plan_output(model, cfg, head, sp0, budget + p, sample)
             got, need = 0, prompt[k:]
-            for _, ids in segments:  # compare the plan's first p tokens with the tail, segment by segment
+            # compare the plan's first p tokens with the tail, segment by segment
+            for _, ids in segments:
                 m = min(len(ids), p - got)
                 if ids[:m] != need[got:got + m]:
                     break
@@ -248,15 +268,17 @@ def plan_continuation(model: StubModel, cfg: StubConfig, prompt: list[int], sp: 
             if got == p:
                 return drop_planned(segments, p)
     within = open_section(model, prompt)
-    if within is not None:  # a draw not known here (sent to another process): it goes on all the same
+    # a draw not known here (sent to another process): it goes on all the same
+    if within is not None:
         return plan_output(model, cfg, prompt, sp, budget, 0, within)
     return None
 
 
 def open_section(model: StubModel, prompt: list[int]) -> str | None:
-    """Where a prompt that ends inside an output of the stub's stands: "reasoning" (a think-start, then only
-    corpus text) or "answer" (a think-start, corpus text, the think-end, then corpus text); None for any other
-    prompt (a prompt the template ends with a think-start or think-end is not inside an output)."""
+    """Where a prompt that ends inside an output of the stub's stands: "reasoning" (a think-start,
+    then only corpus text) or "answer" (a think-start, corpus text, the think-end, then corpus
+    text); None for any other prompt (a prompt the template ends with a think-start or think-end is
+    not inside an output)."""
     if model.think_start_id is None:
         return None
     starts = _positions(prompt, model.think_start_id)
@@ -275,13 +297,14 @@ def open_section(model: StubModel, prompt: list[int]) -> str | None:
 
 
 class Draws:
-    """Requests that sample (not greedy) without a `sampling_seed`: a real server draws another output each time
-    the same prompt comes with the same params, so n samples sent as n requests differ. Which output a request
-    gets depends on the request alone where it can: a rid that names its sample (`engines.rids`, as the worker's
-    do) draws that sample, in any process, and so does the continuation of its partial output. Any other request
-    is numbered: the first of a prompt and its params gets the output it always gets (sample 0 of a request), the
-    next one the next sample, and so on, remembered for the last `size` prompts. A request with a seed, or greedy,
-    or with `identical_samples` set, is answered the same every time."""
+    """Requests that sample (not greedy) without a `sampling_seed`: a real server draws another
+    output each time the same prompt comes with the same params, so n samples sent as n requests
+    differ. Which output a request gets depends on the request alone where it can: a rid that names
+    its sample (`engines.rids`, as the worker's do) draws that sample, in any process, and so does
+    the continuation of its partial output. Any other request is numbered: the first of a prompt and
+    its params gets the output it always gets (sample 0 of a request), the next one the next sample,
+    and so on, remembered for the last `size` prompts. A request with a seed, or greedy, or with
+    `identical_samples` set, is answered the same every time."""
 
     def __init__(self, size: int = 1 << 16) -> None:
         self.size = size
@@ -291,8 +314,11 @@ class Draws:
     def applies(sp: Sampling) -> bool:
         return sp.sampling_seed is None and sp.top_k != 1
 
-    def draw(self, prompt: list[int], sp: Sampling, index: int, n: int, rid: str | None = None) -> int:
-        """The sample number of sequence `index` of a request of `n` sequences (a new draw per request)."""
+    def draw(
+        self, prompt: list[int], sp: Sampling, index: int, n: int, rid: str | None = None
+    ) -> int:
+        """The sample number of sequence `index` of a request of `n` sequences (a new draw per
+        request)."""
         if not self.applies(sp):
             return index
         named = rid_sample(rid)
@@ -306,7 +332,8 @@ class Draws:
         return index + n * drawn
 
     def drawn(self, index: int, n: int, rid: str | None = None):
-        """For plan_continuation: the sample numbers sequence `index` may have been given for `head`."""
+        """For plan_continuation: the sample numbers sequence `index` may have been given for
+        `head`."""
         named = rid_sample(rid)
 
         def numbers(head: list[int], sp: Sampling) -> list[int]:
@@ -314,7 +341,9 @@ class Draws:
                 return [index]
             if named is not None:
                 return [index + n * named]
-            return [index + n * d for d in range(max(1, self._count.get(output_seed(head, sp, 0), 0)))]
+            return [
+                index + n * d for d in range(max(1, self._count.get(output_seed(head, sp, 0), 0)))
+            ]
         return numbers
 
 
@@ -336,15 +365,16 @@ class Item(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    dp_rank: int | None = None  # the data-parallel rank that "ran" it (None without data parallelism)
+    # the data-parallel rank that "ran" it (None without data parallelism)
+    dp_rank: int | None = None
     poison: str | None = None  # --poison: how its answer is spoiled (faults.spoil)
 
 
 def finish_item(model: StubModel, item: Item) -> None:
     """Cut the planned tokens where SGLang would stop: stop string, stop token, or max_new_tokens.
 
-    The plan holds an EOS only as its last token (the corpus is free of control ids), so only request
-    `stop_token_ids` need a scan.
+    The plan holds an EOS only as its last token (the corpus is free of control ids), so only
+    request `stop_token_ids` need a scan.
     """
     sp, planned, budget = item.sp, item.planned, item.budget
     window = planned[:budget]
@@ -374,16 +404,18 @@ NAN_MATCHED = "NaN happened"
 
 
 def nan_stop(model: StubModel, item: Item) -> None:
-    """SGLang 0.5.23's NaN stop: the token sampled from NaN logits is replaced by a stop id and the output ends
-    there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"} (schedule_batch.py). The
-    detokenizer trims a matched stop string only where the text holds it, so the replacement id stays in the text
-    (visible with skip_special_tokens = false)."""
+    """SGLang 0.5.23's NaN stop: the token sampled from NaN logits is replaced by a stop id and the
+    output ends there, as if stopped, with finish_reason {"type": "stop", "matched": "NaN happened"}
+    (schedule_batch.py). The detokenizer trims a matched stop string only where the text holds it,
+    so the replacement id stays in the text (visible with skip_special_tokens = false)."""
     item.output = item.output[: len(item.output) // 2] + [model.eos_id]
     item.finish = {"type": "stop", "matched": NAN_MATCHED}
     item.trim, item.stop_str = 0, None
 
 
-def _first_stop_string(model: StubModel, ids: list[int], sp: Sampling) -> tuple[int | None, str | None]:
+def _first_stop_string(
+    model: StubModel, ids: list[int], sp: Sampling
+) -> tuple[int | None, str | None]:
     """The shortest prefix of ids whose text contains a stop string (binary search over decodes)."""
     skip = sp.skip_special_tokens
     full = model.decode(ids, skip)
@@ -403,8 +435,8 @@ def _first_stop_string(model: StubModel, ids: list[int], sp: Sampling) -> tuple[
 
 
 def item_text(model: StubModel, item: Item, ids: list[int], final: bool) -> str:
-    """The `text` of ids (a prefix of the plan); a finished output loses its stop token or string (unless
-    no_stop_trim)."""
+    """The `text` of ids (a prefix of the plan); a finished output loses its stop token or string
+    (unless no_stop_trim)."""
     skip = item.sp.skip_special_tokens
     if final and item.stop_str is not None:
         text = model.decode(ids, skip)
@@ -420,7 +452,8 @@ def fake_logprob(token_id: int, position: int) -> float:
 
 
 class IncrementalText:
-    """Text of a growing id list, decoded through a short window (the detokenizer's incremental scheme)."""
+    """Text of a growing id list, decoded through a short window (the detokenizer's incremental
+    scheme)."""
 
     def __init__(self, model: StubModel, skip: bool):
         self.model, self.skip = model, skip

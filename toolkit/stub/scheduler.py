@@ -1,11 +1,13 @@
-"""The stub's "GPU": requests in flight, the running limit and the FIFO waiting queue of delayed requests
-(--token-delay), aborts (by rid prefix, or all), the token counters of /stub/counters and the batch occupancy.
+"""The stub's "GPU": requests in flight, the running limit and the FIFO waiting queue of delayed
+requests (--token-delay), aborts (by rid prefix, or all), the token counters of /stub/counters and
+the batch occupancy.
 
-At most `max_running` requests generate at once, the rest wait; `generated_tokens` counts every token decoded,
-also those of requests aborted or dropped by their client (what a GPU spent), `returned_tokens` those sent back.
-The batch occupancy (`Occupancy`) is the time-weighted mean of running / max_running from the first request
-admitted to the last one ended: 1.0 when the batch is full throughout, 1 / max_running for requests one at a time
-(only delayed, non-streamed requests take running slots here, so only they count).
+At most `max_running` requests generate at once, the rest wait; `generated_tokens` counts every
+token decoded, also those of requests aborted or dropped by their client (what a GPU spent),
+`returned_tokens` those sent back. The batch occupancy (`Occupancy`) is the time-weighted mean of
+running / max_running from the first request admitted to the last one ended: 1.0 when the batch is
+full throughout, 1 / max_running for requests one at a time (only delayed, non-streamed requests
+take running slots here, so only they count).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ class InFlight(msgspec.Struct, kw_only=True):
     aborted: asyncio.Event | None = None
     aborted_at: float = 0.0  # loop time of the abort
     prompt_len: int = 0
-    begin: float | None = None  # loop time generation began (None: waiting in the queue, or not delayed)
+    # loop time generation began (None: waiting in the queue, or not delayed)
+    begin: float | None = None
     planned: int = 0  # tokens it will write if nothing stops it
 
 
 class Occupancy:
-    """The time-weighted share of the running slots in use, from the first request that ran to the last that
-    ended (`clock`: seconds, monotonic). `change(running)` is called with the new count at every change."""
+    """The time-weighted share of the running slots in use, from the first request that ran to the
+    last that ended (`clock`: seconds, monotonic). `change(running)` is called with the new count at
+    every change."""
 
     def __init__(self, slots: int, clock=time.monotonic):
         self.slots = max(1, slots)
@@ -60,7 +64,8 @@ class Occupancy:
         return (self.clock() if self.running else self.last) - self.first
 
     def share(self) -> float | None:
-        """The batch occupancy in [0, 1]; None before any request has run (or over no time at all)."""
+        """The batch occupancy in [0, 1]; None before any request has run (or over no time at
+        all)."""
         span = self.span()
         if span <= 0:
             return None
@@ -79,13 +84,22 @@ class Scheduler:
         self.waiting: list[tuple[InFlight, asyncio.Future]] = []
         self.occupancy = Occupancy(max_running)
         self.hung = 0  # requests wedged by --hang / --hang-after
-        self.counters = {"generated_tokens": 0, "returned_tokens": 0, "aborted_running": 0, "aborted_waiting": 0,
-                         "cancelled": 0, "continued": 0}
+        self.counters = {
+            "generated_tokens": 0,
+            "returned_tokens": 0,
+            "aborted_running": 0,
+            "aborted_waiting": 0,
+            "cancelled": 0,
+            "continued": 0,
+        }
 
     # -- in flight -------------------------------------------------------------------------------
     def register(self, rids: list[str], abortable: bool) -> list[InFlight]:
         now = time.monotonic()
-        states = [InFlight(rid=rid, started=now, aborted=asyncio.Event() if abortable else None) for rid in rids]
+        states = [
+            InFlight(rid=rid, started=now, aborted=asyncio.Event() if abortable else None)
+            for rid in rids
+        ]
         for state in states:
             self.in_flight[state.rid] = state
         return states
@@ -96,19 +110,25 @@ class Scheduler:
                 del self.in_flight[state.rid]
 
     def abort(self, rid: str, abort_all: bool) -> bool:
-        """SGLang's abort: forwarded only for an exact in-flight rid (or abort_all), then matched by prefix."""
+        """SGLang's abort: forwarded only for an exact in-flight rid (or abort_all), then matched by
+        prefix."""
         if not (abort_all or rid in self.in_flight):
             return False
         now = asyncio.get_running_loop().time()
         for state in list(self.in_flight.values()):
-            if (abort_all or state.rid.startswith(rid)) and state.aborted is not None and not state.aborted.is_set():
+            if (
+                (abort_all or state.rid.startswith(rid))
+                and state.aborted is not None
+                and not state.aborted.is_set()
+            ):
                 state.aborted_at = now
                 state.aborted.set()
         return True
 
     async def hang(self, rids: list[str], *, wedge: bool = True) -> None:
-        """Never answered (until the client goes away); with `wedge` generation as a whole is stuck (/health* fails),
-        without it only these requests are (--poison hang: the others, and /health*, still answer)."""
+        """Never answered (until the client goes away); with `wedge` generation as a whole is stuck
+        (/health* fails), without it only these requests are (--poison hang: the others, and
+        /health*, still answer)."""
         states = self.register(rids, abortable=False)
         self.hung += wedge
         try:
@@ -126,7 +146,9 @@ class Scheduler:
         now, delay = asyncio.get_running_loop().time(), self.token_delay
         used = sum(s.prompt_len for s, _ in self.waiting)
         for s in self.running.values():
-            used += s.prompt_len + (min(s.planned, int((now - s.begin) / delay)) if s.begin is not None else 0)
+            used += s.prompt_len + (
+                min(s.planned, int((now - s.begin) / delay)) if s.begin is not None else 0
+            )
         return used
 
     # -- running limit and queue -----------------------------------------------------------------
@@ -153,7 +175,8 @@ class Scheduler:
                 if e is entry:
                     del self.waiting[i]
                     break
-        if state.aborted.is_set():  # aborted while queued (a slot freed by the same abort_all does not count)
+        # aborted while queued (a slot freed by the same abort_all does not count)
+        if state.aborted.is_set():
             if granted.done() and not granted.cancelled():
                 self.release(state)
             granted.cancel()
@@ -170,8 +193,8 @@ class Scheduler:
         self.occupancy.change(len(self.running))
 
     async def decode(self, state: InFlight, prompt_len: int, planned: int) -> int | None:
-        """Queue, then decode `planned` tokens at token_delay each. None: aborted in the queue; otherwise the
-        tokens decoded (fewer than planned when aborted while running)."""
+        """Queue, then decode `planned` tokens at token_delay each. None: aborted in the queue;
+        otherwise the tokens decoded (fewer than planned when aborted while running)."""
         loop = asyncio.get_running_loop()
         delay = self.token_delay
         state.prompt_len, state.planned = prompt_len, planned
@@ -195,7 +218,8 @@ class Scheduler:
                 made = planned
             self.counters["returned_tokens"] += made
             return made
-        except asyncio.CancelledError:  # the client went away: what was decoded so far is spent all the same
+        # the client went away: what was decoded so far is spent all the same
+        except asyncio.CancelledError:
             made = min(planned, max(0, int((loop.time() - begin) / delay)))
             self.counters["cancelled"] += 1
             raise

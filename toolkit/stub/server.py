@@ -1,9 +1,11 @@
-"""The stub's state and /generate: validation order, request normalisation, length checks, the answers (plain,
-delayed, streamed, batches, n > 1), /abort_request, and the process lifecycle (warm-up, SIGTERM drain).
+"""The stub's state and /generate: validation order, request normalisation, length checks, the
+answers (plain, delayed, streamed, batches, n > 1), /abort_request, and the process lifecycle
+(warm-up, SIGTERM drain).
 
-Handlers return a Reply `(status, body bytes, content type or None)`, a coroutine that resolves to one (the
-request waits: token delay, queue, hang), an async iterator of SSE event bytes (a stream, HTTP 200), or a
-faults.Cut (--poison reset or truncate: the connection is cut). The HTTP layer only maps these onto the wire and cancels the coroutine or stream when the client goes away.
+Handlers return a Reply `(status, body bytes, content type or None)`, a coroutine that resolves to
+one (the request waits: token delay, queue, hang), an async iterator of SSE event bytes (a stream,
+HTTP 200), or a faults.Cut (--poison reset or truncate: the connection is cut). The HTTP layer only
+maps these onto the wire and cancels the coroutine or stream when the client goes away.
 """
 
 from __future__ import annotations
@@ -60,22 +62,26 @@ class StubServer:
         self.model = model
         self.v9 = cfg.version == "0.5.9"
         self.started = started
-        self.status = "starting"  # starting -> up <-> unhealthy; `exiting` is separate, as in SGLang
+        # starting -> up <-> unhealthy; `exiting` is separate, as in SGLang
+        self.status = "starting"
         self.exiting = False
         self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
         self.generate_count = 0
         self.dispatched = 0  # sequences sent to a data-parallel rank, round robin
-        self.draws = Draws()  # sampled requests without a seed: another output each time (outputs.Draws)
+        # sampled requests without a seed: another output each time (outputs.Draws)
+        self.draws = Draws()
         self.served_name = cfg.served_model_name or cfg.model_path
         self.pool = cfg.max_total_tokens or 16 * cfg.context_length
         self.max_req_len = min(cfg.context_length - 1, self.pool - 1)
         self.max_req_input_len = self.max_req_len - 5
         self.prefix_cache = None if cfg.other_args.get("disable_radix_cache") else PrefixCache()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "e2e_sum": 0.0}
-        self.sched = Scheduler((cfg.max_running_requests or DEFAULT_MAX_RUNNING) * max(1, cfg.dp_size),
-                               cfg.token_delay)
+        self.sched = Scheduler(
+            (cfg.max_running_requests or DEFAULT_MAX_RUNNING) * max(1, cfg.dp_size), cfg.token_delay
+        )
         self.in_flight = self.sched.in_flight
-        self.window = [0, 0, time.monotonic()]  # requests, tokens since the last throughput log line
+        # requests, tokens since the last throughput log line
+        self.window = [0, 0, time.monotonic()]
 
     # -- /generate -------------------------------------------------------------------------------
     def generate(self, body: bytes):
@@ -91,21 +97,32 @@ class StubServer:
         try:
             obj = _json_decode(body)
             parse_body(obj)
-        except (msgspec.DecodeError, ParseError) as e:  # FastAPI's RequestValidationError, as SGLang answers it
+        # FastAPI's RequestValidationError, as SGLang answers it
+        except (msgspec.DecodeError, ParseError) as e:
             message = f"JSON decode error: {e}" if isinstance(e, msgspec.DecodeError) else str(e)
-            err = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+            err = {
+                "object": "error",
+                "message": message,
+                "type": "Bad Request",
+                "param": None,
+                "code": 400,
+            }
             return 400, _json_encode(err), JSON
         try:
             check_contract(obj)
         except ContractError as e:
-            if self.v9:  # no schema gate: the bad value raises a TypeError somewhere, which nobody catches
+            # no schema gate: the bad value raises a TypeError somewhere, which nobody catches
+            if self.v9:
                 logger.error("Exception in /generate (0.5.9 has no schema gate): %s", e)
                 return 500, b"Internal Server Error", TEXT
             return 400, _json_encode({"error": str(e)}), JSON
         unknown = not_taken(obj, cfg.version)
         if unknown is not None:  # SamplingParams(**params) raises a TypeError, which nobody catches
-            logger.error("Exception in /generate: SamplingParams.__init__() got an unexpected keyword argument %r",
-                         unknown)
+            logger.error(
+                "Exception in /generate: SamplingParams.__init__() got an unexpected keyword "
+                "argument %r",
+                unknown,
+            )
             return 500, b"Internal Server Error", TEXT
         stream = bool(obj.get("stream"))
         try:
@@ -114,7 +131,9 @@ class StubServer:
             if stream:
                 return self.stream_error(str(e))
             return 400, _json_encode({"error": {"message": str(e)}}), JSON
-        kind = faults.poison_of(cfg, number, [it.prompt for it in items], self.model.tokenizer.decode)
+        kind = faults.poison_of(
+            cfg, number, [it.prompt for it in items], self.model.tokenizer.decode
+        )
         if kind is not None:
             faults.log_poison(kind, number)
             if kind in faults.CUTS:
@@ -142,7 +161,8 @@ class StubServer:
         return 200, self.render(items, single, t0), JSON
 
     def prepare(self, obj: dict) -> tuple[list[Item], bool]:
-        """Normalise a /generate body into items (GenerateReqInput normalisation + tokenizer-manager checks)."""
+        """Normalise a /generate body into items (GenerateReqInput normalisation + tokenizer-manager
+        checks)."""
         cfg, model = self.cfg, self.model
         text, ids = obj.get("text"), obj.get("input_ids")
         if text is None and ids is None:
@@ -159,10 +179,14 @@ class StubServer:
         if isinstance(raw_sp, list):
             n = raw_sp[0].get("n") or 1 if raw_sp else 1
             if any((s.get("n") or 1) != n for s in raw_sp):
-                raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+                raise RequestError(
+                    "The parallel_sample_num should be the same for all samples in sample params."
+                )
             if len(raw_sp) != batch:
-                raise RequestError(f"The length of sampling_params ({len(raw_sp)}) should be equal to the batch "
-                                   f"size ({batch}).")
+                raise RequestError(
+                    f"The length of sampling_params ({len(raw_sp)}) should be equal to the batch "
+                    f"size ({batch})."
+                )
         else:
             n = (raw_sp or {}).get("n") or 1
         n = max(1, n)
@@ -170,9 +194,11 @@ class StubServer:
             prompts = [ids] if (single or (type(ids[0]) is int)) else ids
         else:
             if cfg.skip_tokenizer_init:
-                raise RequestError("The engine initialized with skip_tokenizer_init=True cannot accept text "
-                                   "prompts. Please provide input_ids or re-initialize the engine with "
-                                   "skip_tokenizer_init=False.")
+                raise RequestError(
+                    "The engine initialized with skip_tokenizer_init=True cannot accept text "
+                    "prompts. Please provide input_ids or re-initialize the engine with "
+                    "skip_tokenizer_init=False."
+                )
             prompts = [model.tokenizer.encode(t) for t in ([text] if single else text)]
         if len(prompts) != batch:
             prompts = (prompts * batch)[:batch]
@@ -193,7 +219,9 @@ class StubServer:
             rids = [f"{rid}_{i}" for i in range(total)]
         else:
             if len(rid) != batch:
-                raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
+                raise RequestError(
+                    "The specified rids length mismatch with the batch_size for batch processing."
+                )
             if len(set(rid)) != len(rid):
                 dups = sorted({r for r in rid if rid.count(r) > 1})
                 raise RequestError(f"Duplicate request IDs detected within the request: {dups}")
@@ -207,9 +235,16 @@ class StubServer:
             for j in range(n):
                 sp = make_sampling(sp_dict, cfg.preferred_sampling_params, cfg.skip_tokenizer_init)
                 position = i * n + j
-                item = Item(rid=rids[position], index=position, prompt=prompt, sp=sp, budget=0,
-                            return_logprob=bool(_pick(return_logprob, i, False)),
-                            logprob_start_len=_pick(start_len, i, -1), top_logprobs_num=_pick(top_num, i, 0) or 0)
+                item = Item(
+                    rid=rids[position],
+                    index=position,
+                    prompt=prompt,
+                    sp=sp,
+                    budget=0,
+                    return_logprob=bool(_pick(return_logprob, i, False)),
+                    logprob_start_len=_pick(start_len, i, -1),
+                    top_logprobs_num=_pick(top_num, i, 0) or 0,
+                )
                 self.check_lengths(item)
                 verify_sampling(sp, model.vocab_size, cfg.version)
                 items.append(item)
@@ -219,17 +254,26 @@ class StubServer:
             if len(item.prompt) >= self.max_req_input_len:
                 raise RequestError(
                     f"Input length ({len(item.prompt)} tokens) exceeds the maximum allowed length "
-                    f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
-            if item.return_logprob and item.logprob_start_len is not None and item.logprob_start_len > len(item.prompt):
-                raise RequestError(f"logprob_start_len ({item.logprob_start_len}) is superior to the number of "
-                                   f"input tokens ({len(item.prompt)}).")
+                    f"({self.max_req_input_len} tokens). Use a shorter input or enable "
+                    "--allow-auto-truncate."
+                )
+            if (
+                item.return_logprob
+                and item.logprob_start_len is not None
+                and item.logprob_start_len > len(item.prompt)
+            ):
+                raise RequestError(
+                    f"logprob_start_len ({item.logprob_start_len}) is superior to the number of "
+                    f"input tokens ({len(item.prompt)})."
+                )
             if cfg.dp_size > 1:  # round robin over the data-parallel ranks
                 item.dp_rank = self.dispatched % cfg.dp_size
                 self.dispatched += 1
             if self.prefix_cache is not None:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
-            # only a delayed request can be aborted mid-way, and so continued; with --output-scale, a request may
+            # only a delayed request can be aborted mid-way, and so continued; with --output-scale,
+            # a request may
             # also be the next segment of an output asked for in segments
             if cfg.token_delay > 0 or cfg.output_scale:
                 segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget,
@@ -245,25 +289,38 @@ class StubServer:
         return items, single
 
     def check_lengths(self, item: Item) -> None:
-        """The tokenizer manager's context checks, then the scheduler's silent clamp of max_new_tokens."""
+        """The tokenizer manager's context checks, then the scheduler's silent clamp of
+        max_new_tokens."""
         ctx, n_in, sp = self.cfg.context_length, len(item.prompt), item.sp
         if n_in >= ctx:
-            raise RequestError(f"The input ({n_in} tokens) is longer than the model's context length ({ctx} tokens).")
+            raise RequestError(
+                f"The input ({n_in} tokens) is longer than the model's context length ({ctx} "
+                "tokens)."
+            )
         if sp.max_new_tokens_given:
             total = sp.max_new_tokens + n_in
             if (total >= ctx) if self.v9 else (total > ctx):
                 raise RequestError(
-                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                    f"requested a total of {total} tokens: {n_in} tokens from the input messages and "
-                    f"{sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
-                    "input messages or the completion to fit within the limit.")
+                    f"Requested token count exceeds the model's maximum context length of {ctx} "
+                    f"tokens. You requested a total of {total} tokens: {n_in} tokens from the "
+                    f"input messages and {sp.max_new_tokens} tokens for the completion. Please "
+                    "reduce the number of tokens in the input messages or the completion to fit "
+                    "within the limit."
+                )
         room = max(0, self.max_req_len - n_in - 1)
         item.budget = room if sp.max_new_tokens is None else max(0, min(sp.max_new_tokens, room))
 
     # -- answers ---------------------------------------------------------------------------------
-    def meta(self, item: Item, ids: list[int], finish: dict | None, e2e: float | None, first: bool) -> dict:
-        """meta_info in the order SGLang builds it (0.5.23: managers/tokenizer_manager.py, the output handler)."""
-        m: dict[str, Any] = {"id": item.rid, "finish_reason": finish, "prompt_tokens": len(item.prompt)}
+    def meta(
+        self, item: Item, ids: list[int], finish: dict | None, e2e: float | None, first: bool
+    ) -> dict:
+        """meta_info in the order SGLang builds it (0.5.23: managers/tokenizer_manager.py, the
+        output handler)."""
+        m: dict[str, Any] = {
+            "id": item.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(item.prompt),
+        }
         done = finish is not None
         if self.v9:
             if done:
@@ -301,9 +358,13 @@ class StubServer:
         if item.top_logprobs_num > 0:
             vocab = self.model.vocab_size
             m["output_top_logprobs"] = [
-                [[fake_logprob(t, k)] + [t, None]] + [[fake_logprob(t, k) - 1.0 - r, (t + 7 * (r + 1)) % vocab, None]
-                                                      for r in range(item.top_logprobs_num - 1)]
-                for k, t in enumerate(ids)]
+                [[fake_logprob(t, k)] + [t, None]]
+                + [
+                    [fake_logprob(t, k) - 1.0 - r, (t + 7 * (r + 1)) % vocab, None]
+                    for r in range(item.top_logprobs_num - 1)
+                ]
+                for k, t in enumerate(ids)
+            ]
 
     def output_object(self, item: Item, ids: list[int], finish: dict, e2e: float) -> dict:
         out: dict[str, Any] = {}
@@ -331,11 +392,13 @@ class StubServer:
         return _json_encode(objs[0] if single else objs)
 
     async def delayed(self, items: list[Item], single: bool, t0: float) -> Reply:
-        """Answer after token_delay per generated token, or with partial output for the items aborted; items
-        wait in the queue while max_running others generate."""
+        """Answer after token_delay per generated token, or with partial output for the items
+        aborted; items wait in the queue while max_running others generate."""
         states = self.sched.register([it.rid for it in items], abortable=True)
         try:
-            objs = await asyncio.gather(*(self._run_item(it, st, t0) for it, st in zip(items, states)))
+            objs = await asyncio.gather(
+                *(self._run_item(it, st, t0) for it, st in zip(items, states))
+            )
             return 200, _json_encode(objs[0] if single else objs), JSON
         finally:
             self.sched.unregister(states)
@@ -349,18 +412,25 @@ class StubServer:
         return self.output_object(it, it.output, it.finish, time.perf_counter() - t0)
 
     def abort_request(self, body: bytes) -> Reply:
-        """POST /abort_request: the body is parsed as SGLang's AbortReq (400 in the ErrorResponse shape when it
-        cannot be: no JSON, or `rid` / `abort_all` of the wrong type); then 200 and an empty body, whatever was
-        found ({} aborts nothing)."""
+        """POST /abort_request: the body is parsed as SGLang's AbortReq (400 in the ErrorResponse
+        shape when it cannot be: no JSON, or `rid` / `abort_all` of the wrong type); then 200 and an
+        empty body, whatever was found ({} aborts nothing)."""
         try:
             obj = _json_decode(body)
             if not isinstance(obj, dict):
                 raise ValueError("Input should be an object")
-            if not isinstance(obj.get("rid"), (str, type(None))) or not isinstance(obj.get("abort_all", False), bool):
+            if not isinstance(obj.get("rid"), (str, type(None))) or not isinstance(
+                obj.get("abort_all", False), bool
+            ):
                 raise ValueError("rid must be a string and abort_all a boolean")
         except (msgspec.DecodeError, ValueError) as e:
-            err = {"object": "error", "message": f"1 validation error for AbortReq: {e}", "type": "Bad Request",
-                   "param": None, "code": 400}
+            err = {
+                "object": "error",
+                "message": f"1 validation error for AbortReq: {e}",
+                "type": "Bad Request",
+                "param": None,
+                "code": 400,
+            }
             return 400, _json_encode(err), JSON
         rid, abort_all = obj.get("rid") or "", bool(obj.get("abort_all"))
         if self.sched.abort(rid if isinstance(rid, str) else "", abort_all):
@@ -368,7 +438,8 @@ class StubServer:
         return 200, b"", None
 
     def waiting_abort_object(self, item: Item, e2e: float) -> dict:
-        """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens, as SGLang answers."""
+        """A request aborted while still queued: no output, and no prompt_tokens / cached_tokens, as
+        SGLang answers."""
         m: dict[str, Any] = {"id": item.rid, "finish_reason": dict(ABORTED_WAITING)}
         if self.v9:
             m.update(e2e_latency=round(e2e, 6))
@@ -385,18 +456,25 @@ class StubServer:
         if self.v9:
             err = {"message": message}
         else:
-            err = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+            err = {
+                "message": message,
+                "type": "invalid_request_error",
+                "code": 400,
+                "retryable": False,
+            }
         yield b"data: " + _json_encode({"error": err}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     async def stream(self, items: list[Item], single: bool, t0: float) -> AsyncIterator[bytes]:
-        """SSE: an event every `stream_interval` tokens (cumulative, or incremental, text and output_ids)."""
+        """SSE: an event every `stream_interval` tokens (cumulative, or incremental, text and
+        output_ids)."""
         states = self.sched.register([it.rid for it in items], abortable=True)
         try:
             loop = asyncio.get_running_loop()
             delay, begin = self.cfg.token_delay, loop.time()
             incremental = self.cfg.incremental_streaming_output
-            delta_text = incremental and not self.v9  # 0.5.9's --stream-output keeps text cumulative
+            # 0.5.9's --stream-output keeps text cumulative
+            delta_text = incremental and not self.v9
             with_text = not self.cfg.skip_tokenizer_init
             intervals = [max(1, it.sp.stream_interval or self.cfg.stream_interval) for it in items]
             sent = [0] * len(items)
@@ -474,13 +552,18 @@ class StubServer:
             reqs, tokens, since = self.window
             now = time.monotonic()
             if reqs:
-                logger.info("Decode batch. #running-req: %d, #finished-req: %d, gen throughput (token/s): %.1f",
-                            len(self.in_flight), reqs, tokens / max(1e-9, now - since))
+                logger.info(
+                    "Decode batch. #running-req: %d, #finished-req: %d, gen throughput (token/s): "
+                    "%.1f",
+                    len(self.in_flight),
+                    reqs,
+                    tokens / max(1e-9, now - since),
+                )
             self.window[:] = [0, 0, now]
 
     async def drain_watchdog(self) -> None:
-        """SGLang's sigterm watchdog: poll until SIGTERM, then until no request is left (or at once when the
-        last health check failed), then stop."""
+        """SGLang's sigterm watchdog: poll until SIGTERM, then until no request is left (or at once
+        when the last health check failed), then stop."""
         poll = self.cfg.drain_poll
         while not self.exiting:
             await asyncio.sleep(poll)
@@ -497,8 +580,11 @@ class StubServer:
 
     def on_sigterm(self, signame: str) -> None:
         if not self.exiting:
-            logger.info("Received %s: gracefully_exit=True; /health* and /ready answer 503 while requests drain",
-                        signame)
+            logger.info(
+                "Received %s: gracefully_exit=True; /health* and /ready answer 503 while requests "
+                "drain",
+                signame,
+            )
         self.exiting = True
 
 

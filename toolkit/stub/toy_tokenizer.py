@@ -1,23 +1,25 @@
 """Small real Hugging Face tokenizers for the demo job and the tests.
 
-`build_tokenizer` trains a byte-level BPE on English text that ships with Python (the pydoc topics), adds the
-control tokens of one model family so that each encodes to exactly one id, attaches a chat template, and writes a
-folder that looks like a model folder to `transformers.AutoTokenizer.from_pretrained`: tokenizer.json,
-tokenizer_config.json (with the chat template), config.json and generation_config.json (with `eos_token_id`). The
-same arguments always give the same files.
+`build_tokenizer` trains a byte-level BPE on English text that ships with Python (the pydoc topics),
+adds the control tokens of one model family so that each encodes to exactly one id, attaches a chat
+template, and writes a folder that looks like a model folder to
+`transformers.AutoTokenizer.from_pretrained`: tokenizer.json, tokenizer_config.json (with the chat
+template), config.json and generation_config.json (with `eos_token_id`). The same arguments always
+give the same files.
 
-Families, and the real chat templates (as the models ship them) each one renders with single-token specials:
+Families, and the real chat templates (as the models ship them) each one renders with single-token
+specials:
 
-    kimi           Kimi-K2.5 (own template: templates/chat/kimi.jinja)
-    kimi-thinking  Kimi-K2-Thinking (kimi's tokens plus the media tokens its template writes)
-    qwen3          Qwen3 (own template: templates/chat/qwen3.jinja; also Qwen3's real template)
-    deepseek       DeepSeek-R1 and its distills (own template: templates/chat/deepseek.jinja; also the real one)
-    deepseek-v3    DeepSeek-V3.1 (deepseek's tokens)
-    glm            GLM-4.5 / GLM-4.6
-    minimax        MiniMax-M2
+    kimi           Kimi-K2.5 (own template: templates/chat/kimi.jinja) kimi-thinking
+    Kimi-K2-Thinking (kimi's tokens plus the media tokens its template writes) qwen3          Qwen3
+    (own template: templates/chat/qwen3.jinja; also Qwen3's real template) deepseek
+    DeepSeek-R1 and its distills (own template: templates/chat/deepseek.jinja; also the real one)
+    deepseek-v3    DeepSeek-V3.1 (deepseek's tokens) glm            GLM-4.5 / GLM-4.6 minimax
+    MiniMax-M2
 
-The families without an own template need `chat_template=` (the model's template source). `extra_special` adds
-more control tokens (special, one id each) for a template that writes tokens no family has.
+The families without an own template need `chat_template=` (the model's template source).
+`extra_special` adds more control tokens (special, one id each) for a template that writes tokens no
+family has.
 
     python -m toolkit.stub.toy_tokenizer --family kimi OUT_DIR
     python -m toolkit.stub.toy_tokenizer --family glm --chat-template glm-4.6.jinja OUT_DIR
@@ -54,7 +56,8 @@ class Family(msgspec.Struct, frozen=True):
 
 
 FAMILIES: dict[str, Family] = {
-    # Kimi-K2.5: the template opens <think>; config.json names [EOS] although the turn ends with <|im_end|>.
+    # Kimi-K2.5: the template opens <think>; config.json names [EOS] although the turn ends with
+    # <|im_end|>.
     "kimi": Family(
         special=(
             "[BOS]",
@@ -81,10 +84,18 @@ FAMILIES: dict[str, Family] = {
         generation_eos=("<|im_end|>",),
         template="kimi.jinja",
     ),
-    # Qwen3: the model writes <think> itself; generation_config.json lists <|im_end|> and <|endoftext|>.
+    # Qwen3: the model writes <think> itself; generation_config.json lists <|im_end|> and
+    # <|endoftext|>.
     "qwen3": Family(
         special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        plain=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        plain=(
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
         eos="<|im_end|>",
         bos=None,
         pad="<|endoftext|>",
@@ -94,7 +105,12 @@ FAMILIES: dict[str, Family] = {
     ),
     # DeepSeek-R1: the generation prompt ends with <｜Assistant｜><think>\n.
     "deepseek": Family(
-        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
+        special=(
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<｜User｜>",
+            "<｜Assistant｜>",
+        ),
         plain=(
             "<think>",
             "</think>",
@@ -119,17 +135,39 @@ FAMILIES: dict[str, Family] = {
 # Kimi-K2-Thinking: the model writes <think> itself; its template also writes media placeholders.
 FAMILIES["kimi-thinking"] = msgspec.structs.replace(
     FAMILIES["kimi"],
-    special=FAMILIES["kimi"].special + ("<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"),
+    special=FAMILIES["kimi"].special
+    + ("<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"),
     template=None,
 )
 # DeepSeek-V3.1: the tokens of R1; its template closes reasoning unless `thinking` is set.
 FAMILIES["deepseek-v3"] = msgspec.structs.replace(FAMILIES["deepseek"], template=None)
 # GLM-4.5 / 4.6: the model writes <think> itself; every turn marker also stops generation.
 FAMILIES["glm"] = Family(
-    special=("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
-             "<|assistant|>", "<|observation|>"),
-    plain=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"),
+    special=(
+        "<|endoftext|>",
+        "[MASK]",
+        "[gMASK]",
+        "[sMASK]",
+        "<sop>",
+        "<eop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+    ),
+    plain=(
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "/nothink",
+    ),
     eos="<|endoftext|>",
     bos=None,
     pad="<|endoftext|>",
@@ -158,13 +196,17 @@ def corpus() -> list[str]:
 def default_template(family: str) -> str:
     name = FAMILIES[family].template if family in FAMILIES else f"{family}.jinja"
     if name is None:
-        raise ValueError(f"tokenizer family {family!r} has no template of its own; pass chat_template= (the model's "
-                         "chat template source)")
+        raise ValueError(
+            f"tokenizer family {family!r} has no template of its own; pass chat_template= (the "
+            "model's chat template source)"
+        )
     path = TEMPLATES_DIR / name
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise FileNotFoundError(f"chat template {path} is missing; pass chat_template= or restore the file") from None
+        raise FileNotFoundError(
+            f"chat template {path} is missing; pass chat_template= or restore the file"
+        ) from None
 
 
 def build_tokenizer(
@@ -177,14 +219,17 @@ def build_tokenizer(
 ) -> Path:
     """Train and save a toy tokenizer of `family` into `out_dir`; return the folder.
 
-    `vocab_size` counts every id, control tokens included. `chat_template` is Jinja source; None uses the family's
-    own template in templates/chat/. `extra_special` adds control tokens (special, one id each) after the family's.
+    `vocab_size` counts every id, control tokens included. `chat_template` is Jinja source; None
+    uses the family's own template in templates/chat/. `extra_special` adds control tokens (special,
+    one id each) after the family's.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if family not in FAMILIES:
-        raise ValueError(f"unknown tokenizer family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"unknown tokenizer family {family!r}; choose one of {', '.join(FAMILIES)}"
+        )
     if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise ValueError(f"vocab_size {vocab_size} is out of range; use {MIN_VOCAB}..{MAX_VOCAB}")
     spec = FAMILIES[family]
@@ -204,8 +249,11 @@ def build_tokenizer(
     )
     bpe.train_from_iterator(corpus(), trainer=trainer)
     if bpe.get_vocab_size() != vocab_size - n_control:
-        raise ValueError(f"training gave {bpe.get_vocab_size()} tokens instead of {vocab_size - n_control}")
-    # Control tokens go after the learned vocabulary, as in real models; none of them is normalized or split.
+        raise ValueError(
+            f"training gave {bpe.get_vocab_size()} tokens instead of {vocab_size - n_control}"
+        )
+    # Control tokens go after the learned vocabulary, as in real models; none of them is normalized
+    # or split.
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.plain])
 
@@ -220,7 +268,8 @@ def build_tokenizer(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(out, save_jinja_files=False)  # template inside tokenizer_config.json, readable by any version
+    # template inside tokenizer_config.json, readable by any version
+    tok.save_pretrained(out, save_jinja_files=False)
     _portable_config(out / "tokenizer_config.json")
     _compact(out / "tokenizer.json")
 
@@ -231,13 +280,17 @@ def build_tokenizer(
     bos_id = tok.convert_tokens_to_ids(spec.bos) if spec.bos else None
     config = {"bos_token_id": bos_id, "eos_token_id": ids(spec.config_eos), "vocab_size": len(tok)}
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": ids(spec.generation_eos)})
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": bos_id, "eos_token_id": ids(spec.generation_eos)},
+    )
     logger.info("built %s tokenizer with %d ids in %s", family, len(tok), out)
     return out
 
 
 def _portable_config(path: Path) -> None:
-    """Name the generic fast-tokenizer class, which transformers 4.x and 5.x both load from tokenizer.json."""
+    """Name the generic fast-tokenizer class, which transformers 4.x and 5.x both load from
+    tokenizer.json."""
     config = json.loads(path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config.pop("backend", None)
@@ -251,22 +304,33 @@ def _compact(path: Path) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.stub.toy_tokenizer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.stub.toy_tokenizer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
     parser.add_argument("--vocab-size", type=int, default=4000)
-    parser.add_argument("--chat-template", type=Path, help="Jinja file to use instead of the family's template")
+    parser.add_argument(
+        "--chat-template", type=Path, help="Jinja file to use instead of the family's template"
+    )
     parser.add_argument("--extra-special", action="append", default=[], metavar="TOKEN",
                         help="one more control token (repeatable)")
     args = parser.parse_args(argv)
     try:
         template = args.chat_template.read_text(encoding="utf-8") if args.chat_template else None
-        out = build_tokenizer(args.out_dir, args.family, vocab_size=args.vocab_size, chat_template=template,
-                              extra_special=args.extra_special)
+        out = build_tokenizer(
+            args.out_dir,
+            args.family,
+            vocab_size=args.vocab_size,
+            chat_template=template,
+            extra_special=args.extra_special,
+        )
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())

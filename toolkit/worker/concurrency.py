@@ -22,7 +22,8 @@ from toolkit.worker.shard import AUTO_START, Batch, Shard, health_timeout
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
-TRIM_S = 5.0           # how often the memory the worker freed is handed back to the OS (malloc_trim)
+# how often the memory the worker freed is handed back to the OS (malloc_trim)
+TRIM_S = 5.0
 
 
 def _malloc_trim():

@@ -39,8 +39,15 @@ def describe_tasks(tasks) -> str:
             frames = t.get_stack()
         except RuntimeError:
             frames = []
-        where = (f" waiting at {os.path.basename(frames[-1].f_code.co_filename)}:{frames[-1].f_lineno} in "
-                 f"{frames[-1].f_code.co_name}") if frames else ""
+        where = (
+            (
+                " waiting at "
+                f"{os.path.basename(frames[-1].f_code.co_filename)}:{frames[-1].f_lineno} in "
+                f"{frames[-1].f_code.co_name}"
+            )
+            if frames
+            else ""
+        )
         out.append(f"{name}{where}" + (" (cancel requested)" if _cancelling(t) else ""))
     return "; ".join(out) or "none"
 
@@ -142,7 +149,8 @@ def _thread_stack(loop: asyncio.AbstractEventLoop) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
-CANCEL_WAIT_S = 10.0  # how long cancelled tasks may take to end before they are reported and left behind
+# how long cancelled tasks may take to end before they are reported and left behind
+CANCEL_WAIT_S = 10.0
 
 
 async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
@@ -159,5 +167,9 @@ async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
         if not t.cancelled():
             t.exception()  # retrieved: its caller has already seen the error that matters
     if pending:
-        log.error("%d task(s) did not end %g s after they were cancelled: %s", len(pending), timeout_s,
-                  describe_tasks(pending))
+        log.error(
+            "%d task(s) did not end %g s after they were cancelled: %s",
+            len(pending),
+            timeout_s,
+            describe_tasks(pending),
+        )

@@ -1,6 +1,7 @@
-"""Prompts to generate, rendered ahead of the requests: the render thread loads the tokenizer, renders the
-shard's prompts to input_ids in planned order and hands them, a batch at a time, to the event loop through a
-`Feed`, bounded by a `Budget`. Turns > 0 of regenerated conversations go to the chains (worker.turn_order) instead.
+"""Prompts to generate, rendered ahead of the requests: the render thread loads the tokenizer,
+renders the shard's prompts to input_ids in planned order and hands them, a batch at a time, to the
+event loop through a `Feed`, bounded by a `Budget`. Turns > 0 of regenerated conversations go to the
+chains (worker.turn_order) instead.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class TodoItem(NamedTuple):
 
 
 class Rendered(NamedTuple):
-    """A prompt rendered for a request: its planned position, its ref, and its input_ids, or instead the
-    (failure kind, message) of a chat template that could not render it."""
+    """A prompt rendered for a request: its planned position, its ref, and its input_ids, or instead
+    the (failure kind, message) of a chat template that could not render it."""
 
     pos: int
     ref: PromptRef
@@ -50,9 +51,10 @@ class LaterTurns(Protocol):
 
 @dataclass
 class RenderState:
-    """What the render thread and the event loop share: the tokenizer and its token info once loaded (set by the
-    thread, or beforehand when the worker's session kept them from its previous shard), the chains of regenerated
-    conversations (set before it starts), and the stop flag (set by the loop)."""
+    """What the render thread and the event loop share: the tokenizer and its token info once loaded
+    (set by the thread, or beforehand when the worker's session kept them from its previous shard),
+    the chains of regenerated conversations (set before it starts), and the stop flag (set by the
+    loop)."""
 
     tok: Any = None
     info: Any = None
@@ -61,8 +63,9 @@ class RenderState:
 
 
 class Budget:
-    """How many rendered prompts may wait for a request: the render thread blocks in `acquire` past `cap`, the
-    event loop releases one per prompt it takes. Keeps the worker's memory flat however large the shard."""
+    """How many rendered prompts may wait for a request: the render thread blocks in `acquire` past
+    `cap`, the event loop releases one per prompt it takes. Keeps the worker's memory flat however
+    large the shard."""
 
     def __init__(self, cap: int) -> None:
         self.cap, self.used, self.closed = cap, 0, False
@@ -86,18 +89,22 @@ class Budget:
 
 
 class Feed:
-    """Rendered prompts in planned order, filled by the render thread; prompts to redo come first."""
+    """Rendered prompts in planned order, filled by the render thread; prompts to redo come
+    first."""
 
     def __init__(self, budget: Budget | None = None) -> None:
         self.budget = budget or Budget(1 << 62)
         self.items: deque[Rendered] = deque()
         self.redo: deque[Rendered] = deque()
         self.finished = False
-        self.pending = 0  # prompts that will come later (regenerated turns waiting for the turn before them)
+        # prompts that will come later (regenerated turns waiting for the turn before them)
+        self.pending = 0
         self.closed = False  # stopping: hand out nothing more
         self.peak = 0  # most rendered prompts waiting at once
-        # The readiness probe's input_ids (chat.probe_ids), set by the render thread before its first batch; `first`
-        # resolves to them once a prompt is rendered (there is something to send), or to None when none will be.
+        # The readiness probe's input_ids (chat.probe_ids), set by the render thread before its
+        # first batch; `first`
+        # resolves to them once a prompt is rendered (there is something to send), or to None when
+        # none will be.
         self.probe: list[int] | None = None
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()
@@ -159,11 +166,13 @@ class Feed:
 
 
 class Todo:
-    """The prompts of a shard to generate, in planned order, a batch at a time: the shard's refs read as they are
-    needed (plan.ShardRefs), and which to generate as one bit per prompt (None: every one). Nothing else is kept
-    per prompt: a worker's memory does not grow with its shard."""
+    """The prompts of a shard to generate, in planned order, a batch at a time: the shard's refs
+    read as they are needed (plan.ShardRefs), and which to generate as one bit per prompt (None:
+    every one). Nothing else is kept per prompt: a worker's memory does not grow with its shard."""
 
-    def __init__(self, refs: ShardRefs, chosen: bytearray | None = None, count: int | None = None) -> None:
+    def __init__(
+        self, refs: ShardRefs, chosen: bytearray | None = None, count: int | None = None
+    ) -> None:
         self.refs, self.chosen = refs, chosen
         self.count = len(refs) if chosen is None else count
 
@@ -187,7 +196,8 @@ class Todo:
 
 
 def render_thread(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState) -> None:
-    """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine start)."""
+    """Load the tokenizer and render every prompt to input_ids, in planned order (runs beside engine
+    start)."""
     try:
         _render_all(loop, feed, plan, todo, state)
         loop.call_soon_threadsafe(feed.put, None)
@@ -196,8 +206,8 @@ def render_thread(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderStat
 
 
 def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState) -> None:
-    """Load the tokenizer (unless the state holds it: a claiming worker's next shard), then render `todo` in
-    batches and feed them to the event loop."""
+    """Load the tokenizer (unless the state holds it: a claiming worker's next shard), then render
+    `todo` in batches and feed them to the event loop."""
     if state.tok is None:
         tok = chat.load_tokenizer(plan.spec.model)
         info = chat.token_info(tok, plan.spec.model)
@@ -209,9 +219,17 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState)
     chains = state.chains
     if chains is not None:
         chains.tok, chains.info = tok, info
-    log.info("tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template opens reasoning: %s",
-             info.think_start_id, info.think_end_id, info.eos_ids, info.tool_call_start_id, info.opens_reasoning)
-    loop.call_soon_threadsafe(feed.set_probe, chat.probe_ids(tok, plan.spec.model))  # before the first batch
+    log.info(
+        "tokenizer ready: think-start %d, think-end %d, eos %s, tool-call start %s, template "
+        "opens reasoning: %s",
+        info.think_start_id,
+        info.think_end_id,
+        info.eos_ids,
+        info.tool_call_start_id,
+        info.opens_reasoning,
+    )
+    # before the first batch
+    loop.call_soon_threadsafe(feed.set_probe, chat.probe_ids(tok, plan.spec.model))
     with PromptReader() as reader:
         for batch in todo.batches(chat.BATCH_SIZE):
             feed.budget.acquire(len(batch))  # blocks while enough is rendered ahead of the requests
@@ -238,5 +256,7 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState)
                         rendered.append((chat.render(tok, plan.spec.model, prompt), None))
                     except chat.ChatError as e:
                         rendered.append((None, (TEMPLATE, f"chat template: {e}")))
-            items = [Rendered(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)]
+            items = [
+                Rendered(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)
+            ]
             loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch

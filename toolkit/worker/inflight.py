@@ -77,10 +77,20 @@ def continued_params(params: dict, done: int) -> dict | None:
     return params
 
 
-# Sampling params under which an output continued from prompt + output so far is not the output of one request:
-# SGLang matches stop strings and regexes in the new output's text only, starts a grammar at the output's start,
+# Sampling params under which an output continued from prompt + output so far is not the output of
+# one request:
+# SGLang matches stop strings and regexes in the new output's text only, starts a grammar at the
+# output's start,
 # and counts the penalties' tokens and a custom logit processor's state over the new output only.
-_UNSEGMENTED = ("stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_UNSEGMENTED = (
+    "stop",
+    "stop_regex",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "custom_params",
+)
 _PENALTIES = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))
 
 
@@ -133,7 +143,9 @@ class _Generated:
         self.res, self.segments, self.partial = res, segments, partial
 
 
-async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None):
+async def _generate(
+    sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None
+):
     """One prompt's /generate, continued across aborts: an abort that leaves partial output (the
     server's own, or the worker's at a stop) goes on from where it stopped, with input_ids = prompt
     + output so far and max_new_tokens reduced by its length; the combined output is token for token
@@ -156,10 +168,18 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
     try:
         while True:
             sp = continued_params(params, len(out))
-            if sp is None:  # already at max_new_tokens: what an uninterrupted request would have ended with
-                res = GenerateResult(output_ids=out, finish="length", matched=None, prompt_tokens=len(ids),
-                                     completion_tokens=len(out), cached_tokens=cached or 0, latency_s=latency,
-                                     attempts=attempts)
+            # already at max_new_tokens: what an uninterrupted request would have ended with
+            if sp is None:
+                res = GenerateResult(
+                    output_ids=out,
+                    finish="length",
+                    matched=None,
+                    prompt_tokens=len(ids),
+                    completion_tokens=len(out),
+                    cached_tokens=cached or 0,
+                    latency_s=latency,
+                    attempts=attempts,
+                )
                 return _Generated(res, max(segments, 1), False)
             capped = seg is not None and sp.get("max_new_tokens", 0) > seg
             if capped:  # one segment: the loop check below, then on from prompt + output so far
@@ -190,23 +210,37 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
                 out = np.concatenate([out, new]) if len(out) else new
                 sent.add(res.output_json, new)
             if segments > 1 or prior is not None:
-                res = GenerateResult(output_ids=out, finish=res.finish, matched=res.matched, prompt_tokens=len(ids),
-                                     completion_tokens=len(out), cached_tokens=cached, latency_s=round(latency, 4),
-                                     attempts=attempts)
+                res = GenerateResult(
+                    output_ids=out,
+                    finish=res.finish,
+                    matched=res.matched,
+                    prompt_tokens=len(ids),
+                    completion_tokens=len(out),
+                    cached_tokens=cached,
+                    latency_s=round(latency, 4),
+                    attempts=attempts,
+                )
             else:
                 res.attempts = attempts
-            if capped and res.finish == "length" and len(new) == seg:  # a segment's end, not the output's
+            # a segment's end, not the output's
+            if capped and res.finish == "length" and len(new) == seg:
                 stalled = 0
                 period = repetition_loop(out, c.loop_window, c.loop_max_period, c.loop_match)
                 if period is None:
-                    if sh.stopping:  # kept as a partial output, continued by the next run of the shard
+                    # kept as a partial output, continued by the next run of the shard
+                    if sh.stopping:
                         return _Generated(res, segments, True)
                     continue
                 res.finish, res.matched = LOOP, None
                 sh.progress.loops_stopped += 1
-                log.info("prompt %s: a repetition loop (a span of %d ids repeated) after %d generated tokens: "
-                         "stopped there, %d tokens short of max_new_tokens", ref.id, period, len(out),
-                         params["max_new_tokens"] - len(out))
+                log.info(
+                    "prompt %s: a repetition loop (a span of %d ids repeated) after %d generated "
+                    "tokens: stopped there, %d tokens short of max_new_tokens",
+                    ref.id,
+                    period,
+                    len(out),
+                    params["max_new_tokens"] - len(out),
+                )
                 return _Generated(res, segments, False)
             if res.finish != "abort":
                 return _Generated(res, max(segments, 1), False)
@@ -216,28 +250,54 @@ async def _generate(sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 
                 stalled += 1
                 if stalled > c.retries:
                     return _Generated(res, segments, len(out) > 0)
-            log.warning("prompt %s aborted by the server (%s) after %d tokens; %s", ref.id, res.matched, len(out),
-                        "continuing from there" if len(out) else "retrying")
+            log.warning(
+                "prompt %s aborted by the server (%s) after %d tokens; %s",
+                ref.id,
+                res.matched,
+                len(out),
+                "continuing from there" if len(out) else "retrying",
+            )
     except BaseException:
-        # Unanswered (engine died, cancelled): what was generated so far is continued when it is sent again.
+        # Unanswered (engine died, cancelled): what was generated so far is continued when it is
+        # sent again.
         if len(out) > (prior.n_output if prior else 0) and res is not None:
-            sh.partial[ref.id] = _partial_record(ref, ds, pos, ids, _Generated(res, segments, True), None)
+            sh.partial[ref.id] = _partial_record(
+                ref, ds, pos, ids, _Generated(res, segments, True), None
+            )
         elif prior is not None:
             sh.partial[ref.id] = prior
         raise
 
 
-def _partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Generated, info) -> Record:
-    """A PARTIAL record: the output so far of a request stopped mid-way, continued by the next run."""
+def _partial_record(
+    ref: PromptRef, ds: str, pos: int, ids: list[int], g: _Generated, info
+) -> Record:
+    """A PARTIAL record: the output so far of a request stopped mid-way, continued by the next
+    run."""
     res, out = g.res, g.res.output_ids
-    reasoning_end, tool_call_at = split_output(out, info.think_end_id, info.tool_call_start_id) if info else (None, None)
+    reasoning_end, tool_call_at = (
+        split_output(out, info.think_end_id, info.tool_call_start_id) if info else (None, None)
+    )
     return Record(
-        id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=out.tobytes(),
-        reasoning_end=reasoning_end, tool_call_at=tool_call_at, finish="abort", matched_stop=None,
-        prompt_tokens=len(ids), completion_tokens=len(out), cached_tokens=res.cached_tokens,
-        latency_s=round(res.latency_s, 4), attempts=res.attempts,
-        error=f"stopped after {len(out)} generated tokens; continued from there on the next run of the shard",
-        failure=PARTIAL, segments=g.segments,
+        id=ref.id,
+        dataset=ds,
+        index=pos,
+        status=PARTIAL,
+        prompt_ids=pack_ids(ids),
+        output_ids=out.tobytes(),
+        reasoning_end=reasoning_end,
+        tool_call_at=tool_call_at,
+        finish="abort",
+        matched_stop=None,
+        prompt_tokens=len(ids),
+        completion_tokens=len(out),
+        cached_tokens=res.cached_tokens,
+        latency_s=round(res.latency_s, 4),
+        attempts=res.attempts,
+        error=f"stopped after {len(out)} generated tokens; continued from there on the next run of "
+              "the shard",
+        failure=PARTIAL,
+        segments=g.segments,
     )
 
 
@@ -259,11 +319,13 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             sh.add(failed_record(item.ref.id, ds, item.pos, item.ids or [], message, 0, kind))
             continue
         try:
-            while True:  # bounded: every failed try counts (sh.tries), the last one is final (_settle)
+            # bounded: every failed try counts (sh.tries), the last one is final (_settle)
+            while True:
                 rec = await _answer(sh, item, engine, info)
                 if rec is None or not await _settle(sh, rec):
                     break
-        except BaseException:  # cancelled, or the engine died: the prompt goes out again after the restart
+        # cancelled, or the engine died: the prompt goes out again after the restart
+        except BaseException:
             feed.redo.append(item)
             raise
 
@@ -284,12 +346,16 @@ async def _answer(sh: Shard, item, engine, info) -> Record | None:
             raise EngineDied(str(e)) from None  # (the item goes back to the feed: see consume)
         message = str(e)
         if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
-            message = await _poisoned(sh, engine, ref.id, e)  # raises EngineUnreachable for a dead engine
-        return failed_record(ref.id, ds, pos, ids, message, e.attempts, e.kind)  # unreachable: one request's connection cut
-    if res.partial and not sh.stopping:  # the server's aborts ran out without progress: a failed try (aborted)
+            # raises EngineUnreachable for a dead engine
+            message = await _poisoned(sh, engine, ref.id, e)
+        # unreachable: one request's connection cut
+        return failed_record(ref.id, ds, pos, ids, message, e.attempts, e.kind)
+    # the server's aborts ran out without progress: a failed try (aborted)
+    if res.partial and not sh.stopping:
         return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
     if res.partial:
-        if res.res.completion_tokens > (prior.n_output if prior else 0):  # else the stored one says it all
+        # else the stored one says it all
+        if res.res.completion_tokens > (prior.n_output if prior else 0):
             rec = _partial_record(ref, ds, pos, ids, res, info)
             rec.tries = sh.tries.get(ref.id, 0)
             sh.add(rec)
@@ -318,8 +384,16 @@ async def _settle(sh: Shard, rec: Record) -> bool:
     sh.tries[rec.id] = tries
     delay = min(c.backoff_max_s, c.backoff_s * 2 ** (tries - 1))
     sh.add(rec, settled=False)
-    log.warning("prompt %s (%s) failed (%s), try %d of %d ([client] max_tries): %s; trying again in %.1f s",
-                rec.id, rec.dataset, rec.failure, tries, c.max_tries, rec.error, delay)
+    log.warning(
+        "prompt %s (%s) failed (%s), try %d of %d ([client] max_tries): %s; trying again in %.1f s",
+        rec.id,
+        rec.dataset,
+        rec.failure,
+        tries,
+        c.max_tries,
+        rec.error,
+        delay,
+    )
     return await _backoff(sh, delay)
 
 
@@ -348,14 +422,20 @@ async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
     if why is not None:
         if await _ends_within(engine, DYING_S):
             raise EngineDied(f"engine exited with code {engine.exit_code()}") from None
-        raise EngineUnreachable(f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
-                                f"attempts ({e}), and /health_generate {why}") from None
-    return (f"no complete answer after {e.attempts} attempts ({e}), while the engine answers /health_generate: "
-            "only this request fails")
+        raise EngineUnreachable(
+            f"engine at {engine.url} unreachable: prompt {id} got no answer after {e.attempts} "
+            f"attempts ({e}), and /health_generate {why}"
+        ) from None
+    return (
+        f"no complete answer after {e.attempts} attempts ({e}), while the engine answers "
+        "/health_generate: only this request fails"
+    )
 
 
-# A dying engine refuses connections before its process ends: a multi-node engine whose rank died is ended by
-# srun (--kill-on-bad-exit), seconds after rank 0 closed its port. Waited for before calling it unreachable.
+# A dying engine refuses connections before its process ends: a multi-node engine whose rank died is
+# ended by
+# srun (--kill-on-bad-exit), seconds after rank 0 closed its port. Waited for before calling it
+# unreachable.
 DYING_S = 30.0
 
 
@@ -374,12 +454,18 @@ def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:
     prompt ids)."""
     prior = sh.partial.pop(id, None)
     if prior is not None and prior.prompt_ids != pack_ids(ids):
-        log.warning("prompt %s: its partial output was made from other prompt ids; generating it from scratch", id)
+        log.warning(
+            "prompt %s: its partial output was made from other prompt ids; generating it from "
+            "scratch",
+            id,
+        )
         return None
     return prior
 
 
-def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1) -> Record:
+def _result_record(
+    ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1
+) -> Record:
     """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN
     stop."""
     out = res.output_ids
@@ -389,8 +475,11 @@ def _result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], res, info,
         failure, error = ABORTED, "aborted by the server"
     elif res.finish == "stop" and res.matched == NAN_MATCHED:
         failure = NAN
-        error = (f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN logits was "
-                 f"replaced by a stop id after {len(out) - 1} tokens; the output is not the model's")
+        error = (
+            f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN "
+            f"logits was replaced by a stop id after {len(out) - 1} tokens; the output is not the "
+            "model's"
+        )
     return Record(
         id=ref.id, dataset=ds, index=pos, status=OK if failure is None else FAILED,
         prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
@@ -414,15 +503,21 @@ async def save_in_flight(batch: Batch, stop: asyncio.Event, engine) -> None:
             sh.feed.close()
     n = batch.in_flight
     if n:
-        owned = engine.kind != "external"  # abort_all would also end other clients' requests on a shared server
-        log.warning("stopping: aborting the %d requests in flight (%s) to keep their partial outputs", n,
-                    "abort_all" if owned else "by rid")
+        # abort_all would also end other clients' requests on a shared server
+        owned = engine.kind != "external"
+        log.warning(
+            "stopping: aborting the %d requests in flight (%s) to keep their partial outputs",
+            n,
+            "abort_all" if owned else "by rid",
+        )
         http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         try:
             rids = None if owned else sorted(r for sh in batch.shards for r in sh.rids)
             await abort_requests(http, rids)
         except Unreachable as e:
-            log.warning("could not abort the requests in flight (%s): their outputs are generated again", e)
+            log.warning(
+                "could not abort the requests in flight (%s): their outputs are generated again", e
+            )
             return
         finally:
             http.close()

@@ -558,8 +558,8 @@ def _turn_history(rd: RunDir, plan: RunPlan, shard: int, redo: set[str]) -> dict
 
 
 def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
-    """The ShardFailed of a file-system error, saying what to do (ShardRefused, exit 2, for a run directory this
-    job cannot write), logged, and the shard's progress marked failed."""
+    """The ShardFailed of a file-system error, saying what to do (ShardRefused, exit 2, for a run
+    directory this job cannot write), logged, and the shard's progress marked failed."""
     where = (
         shown_path(e.filename)
         if e.filename

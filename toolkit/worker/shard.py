@@ -122,11 +122,21 @@ class Shard:
         self.spec = plan.spec
         self.sp = plan.shards[shard]
         self.writer = ShardWriter(
-            rd.shard_file(shard), plan.fingerprint, shard,
-            flush_records=self.spec.sharding.flush_records, flush_seconds=self.spec.sharding.flush_seconds,
+            rd.shard_file(shard),
+            plan.fingerprint,
+            shard,
+            flush_records=self.spec.sharding.flush_records,
+            flush_seconds=self.spec.sharding.flush_seconds,
         )
-        self.progress = Progress(shard=shard, total=self.sp.count, host=socket.gethostname(), pid=os.getpid(),
-                                 engine=self.spec.engine.kind, started=time.time(), **slurm_context())
+        self.progress = Progress(
+            shard=shard,
+            total=self.sp.count,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            engine=self.spec.engine.kind,
+            started=time.time(),
+            **slurm_context(),
+        )
         self.tokens = 0
         self.t_gen = 0.0
         self.recorded = 0          # distinct ids recorded (resumed ones included)
@@ -134,11 +144,16 @@ class Shard:
         self.in_flight = 0         # requests sent and not answered
         self.last_answer = time.monotonic()
         self.chains: Chains | None = None  # regenerated datasets: the conversations' answers so far
-        self.history: dict[str, Record] = {}  # regenerated datasets: turns recorded ok before this run
-        self.partial: dict[str, Record] = {}  # PARTIAL records to continue, by id (see inflight._generate)
-        self.tries: dict[str, int] = {}  # failed tries so far of ids redone in this budget (Record.tries)
-        self.stopping = False      # a stop signal came: nothing new is sent, what is in flight is saved
-        self.rids: set[str] = set()  # rids in flight (aborted one by one on an engine the worker does not own)
+        # regenerated datasets: turns recorded ok before this run
+        self.history: dict[str, Record] = {}
+        # PARTIAL records to continue, by id (see inflight._generate)
+        self.partial: dict[str, Record] = {}
+        # failed tries so far of ids redone in this budget (Record.tries)
+        self.tries: dict[str, int] = {}
+        # a stop signal came: nothing new is sent, what is in flight is saved
+        self.stopping = False
+        # rids in flight (aborted one by one on an engine the worker does not own)
+        self.rids: set[str] = set()
         self.rid_seq = 0
         self.rid_tag = os.urandom(3).hex()
         # the requests in flight of the engine serving it (set by the session)
@@ -146,7 +161,8 @@ class Shard:
         self.feed = None           # feed.Feed of its rendered prompts, while it is open
         # the requests' client, one per engine start (the session's)
         self.http: HttpClient | None = None
-        self.expect: Expect | None = None  # what every answer is checked against (the vocabulary, SGLang's limit)
+        # what every answer is checked against (the vocabulary, SGLang's limit)
+        self.expect: Expect | None = None
         # session.EngineSession: the engine this worker keeps across its shards
         self.session = None
 
@@ -155,7 +171,8 @@ class Shard:
         if state:
             p.state = state
         p.done = self.recorded
-        p.output_tokens = p.resumed_tokens + self.tokens  # the shard's total; the rate is this attempt's alone
+        # the shard's total; the rate is this attempt's alone
+        p.output_tokens = p.resumed_tokens + self.tokens
         p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
         if self.session is not None:
             p.task, p.group = self.session.task, self.session.group
@@ -170,9 +187,17 @@ class Shard:
         nor told to the turns after it."""
         if record.status not in (OK, PARTIAL) and settled:
             self.progress.failed += 1
-            log.warning("prompt %s (%s) failed (%s): %s", record.id, record.dataset, record.failure, record.error)
-        self.recorded += record.status != PARTIAL and settled  # a partial record is continued, not done
+            log.warning(
+                "prompt %s (%s) failed (%s): %s",
+                record.id,
+                record.dataset,
+                record.failure,
+                record.error,
+            )
+        # a partial record is continued, not done
+        self.recorded += record.status != PARTIAL and settled
         self.writer.add(record)
-        if (settled and self.chains is not None and record.status != PARTIAL  # a partial turn is no answer yet
+        # a partial turn is no answer yet
+        if (settled and self.chains is not None and record.status != PARTIAL
                 and self.plan.datasets[self.chains.dataset_of(record)].regenerate):
             self.chains.recorded(record)

@@ -1,6 +1,6 @@
-"""Multi-turn order for regenerated conversations (turns.py): turn k waits until turn k-1 has a record, then is
-rendered with the answers of the turns before it and handed to the feed ahead of the other prompts; a failed turn
-fails the turns after it.
+"""Multi-turn order for regenerated conversations (turns.py): turn k waits until turn k-1 has a
+record, then is rendered with the answers of the turns before it and handed to the feed ahead of the
+other prompts; a failed turn fails the turns after it.
 """
 
 from __future__ import annotations
@@ -8,7 +8,15 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from toolkit.formats.records import FAILURES, OK, PREVIOUS_TURN, REJECTED, TEMPLATE, Record, failed_record
+from toolkit.formats.records import (
+    FAILURES,
+    OK,
+    PREVIOUS_TURN,
+    REJECTED,
+    TEMPLATE,
+    Record,
+    failed_record,
+)
 from toolkit.formats.run import PromptRef, RefSlice, RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
@@ -25,9 +33,10 @@ class Recorder(Protocol):
 
 
 class Chains:
-    """Multi-turn regeneration inside one shard (turns.py): turn k of a conversation is rendered with the answers
-    of turns 0..k-1, so it waits until turn k-1 has a record. Lives on the event loop's thread; the renders of
-    waiting turns run on an executor thread with their own prompt reader."""
+    """Multi-turn regeneration inside one shard (turns.py): turn k of a conversation is rendered
+    with the answers of turns 0..k-1, so it waits until turn k-1 has a record. Lives on the event
+    loop's thread; the renders of waiting turns run on an executor thread with their own prompt
+    reader."""
 
     def __init__(self, sh: Recorder, feed: Feed, refs: RefSlice, done: dict[str, Record]):
         self.sh, self.feed, self.refs = sh, feed, refs
@@ -39,7 +48,8 @@ class Chains:
         self.waiting: dict[tuple, dict[int, TodoItem]] = {}
         self.reader = PromptReader()
         self.loop = asyncio.get_running_loop()
-        for rec in done.values():  # resumed: the turns recorded ok (and not to be redone) are the history
+        # resumed: the turns recorded ok (and not to be redone) are the history
+        for rec in done.values():
             ref = self.ref_at(rec.index)
             self.answers.setdefault(self.key(ref), {})[ref.turn] = rec
 
@@ -54,7 +64,8 @@ class Chains:
         return self.ref_at(rec.index).dataset
 
     def arrive(self, items: list[TodoItem]) -> None:
-        """Turns > 0 reached by the render thread: rendered now if the turn before has its answer, else later."""
+        """Turns > 0 reached by the render thread: rendered now if the turn before has its answer,
+        else later."""
         for pos, ref in items:
             self.feed.pending += 1
             self.waiting.setdefault(self.key(ref), {})[ref.turn] = TodoItem(pos, ref)
@@ -67,9 +78,12 @@ class Chains:
             self.answers.setdefault(key, {})[ref.turn] = rec
         else:
             transient = FAILURES.get(rec.failure or "", False)
-            self.failed[key] = (ref.turn, PREVIOUS_TURN if transient else (rec.failure or REJECTED),
-                                f"turn {ref.turn + 1} of this conversation failed ({rec.failure}): {rec.error}",
-                                rec.final)
+            self.failed[key] = (
+                ref.turn,
+                PREVIOUS_TURN if transient else (rec.failure or REJECTED),
+                f"turn {ref.turn + 1} of this conversation failed ({rec.failure}): {rec.error}",
+                rec.final,
+            )
         self._advance(key)
 
     def _advance(self, key: tuple) -> None:
@@ -83,7 +97,8 @@ class Chains:
             self.feed.pending -= 1
             _, kind, why, final = failed  # a turn given up for the run gives up the turns after it
             ds = self.plan.datasets[ref.dataset].name
-            self.sh.add(failed_record(ref.id, ds, pos, [], why, 0, kind, final=final))  # cascades to the turns after it
+            # cascades to the turns after it
+            self.sh.add(failed_record(ref.id, ds, pos, [], why, 0, kind, final=final))
             return
         known = self.answers.get(key, {})
         if any(t not in known for t in range(turn)):
@@ -107,7 +122,11 @@ class Chains:
         try:
             prompt = self.reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
             answers = [answer_of(rec, self.tok, self.info) for rec in history]
-            return Rendered(pos, ref, chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)))
+            return Rendered(
+                pos,
+                ref,
+                chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)),
+            )
         except chat.ChatError as e:
             return Rendered(pos, ref, None, (TEMPLATE, f"chat template: {e}"))
 

@@ -1,14 +1,16 @@
-"""SGLang's server flags as data, and a check of a command line against them that behaves like SGLang's parser.
+"""SGLang's server flags as data, and a check of a command line against them that behaves like
+SGLang's parser.
 
-The login node has no sglang, so `toolkit check/run/submit` cannot ask SGLang's own argparse parser whether
-a job's `[engine] extra_args` will be accepted. `sglang_flags.json` holds every option of each supported
-release, read from the release's wheel by `scripts/sglang_flags.py` (regenerate it there; never edit it).
-`parse` walks an argv the way argparse does in SGLang's `ArgumentParser(prog="sglang serve")` — exact
-option strings first, `--flag=value`, then unique prefixes (`allow_abbrev`, argparse's default), values
-counted by `nargs`, int/float values and choices checked (those SGLang computes at import too, such as the
-parser names of `--reasoning-parser` and `--tool-call-parser`) — so a flag SGLang would refuse is refused
-here, before a node is allocated, and an abbreviation such as `--tp-s` is known to mean `--tp-size`.
-The stub server builds its SGLang part from the same data (`add_to_parser`).
+The login node has no sglang, so `toolkit check/run/submit` cannot ask SGLang's own argparse parser
+whether a job's `[engine] extra_args` will be accepted. `sglang_flags.json` holds every option of
+each supported release, read from the release's wheel by `scripts/sglang_flags.py` (regenerate it
+there; never edit it). `parse` walks an argv the way argparse does in SGLang's
+`ArgumentParser(prog="sglang serve")` — exact option strings first, `--flag=value`, then unique
+prefixes (`allow_abbrev`, argparse's default), values counted by `nargs`, int/float values and
+choices checked (those SGLang computes at import too, such as the parser names of
+`--reasoning-parser` and `--tool-call-parser`) — so a flag SGLang would refuse is refused here,
+before a node is allocated, and an abbreviation such as `--tp-s` is known to mean `--tp-size`. The
+stub server builds its SGLang part from the same data (`add_to_parser`).
 """
 
 from __future__ import annotations
@@ -23,16 +25,28 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DATA_FILE", "Flag", "FlagSet", "MANAGED", "Parsed", "VERSION_ENV", "add_to_parser", "check_extra_args",
-           "flag_set", "versions"]
+__all__ = [
+    "DATA_FILE",
+    "Flag",
+    "FlagSet",
+    "MANAGED",
+    "Parsed",
+    "VERSION_ENV",
+    "add_to_parser",
+    "check_extra_args",
+    "flag_set",
+    "versions",
+]
 
 log = logging.getLogger(__name__)
 
 DATA_FILE = Path(__file__).with_name("sglang_flags.json")
-# Which release's flags the login-side check uses for kind = "sglang" (default: the newest in the data).
+# Which release's flags the login-side check uses for kind = "sglang" (default: the newest in the
+# data).
 VERSION_ENV = "TOOLKIT_SGLANG_VERSION"
 
-# Flags renamed between releases that a near-miss search would not find (read from SGLang's server_args.py of each release).
+# Flags renamed between releases that a near-miss search would not find (read from SGLang's
+# server_args.py of each release).
 RENAMED = {"--stream-output": "--incremental-streaming-output"}
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
@@ -44,14 +58,20 @@ class Flag:
     dest: str
     nargs: int | str | None  # 0: a switch; None: exactly one value; '?', '*', '+', or a count
     type: str | None = None  # "int" or "float" when SGLang converts the value; else not checked
-    choices: tuple | None = None  # the choices SGLang's parser is given (literal or computed at import)
+    # the choices SGLang's parser is given (literal or computed at import)
+    choices: tuple | None = None
     action: str = "store"
     deprecated: str | None = None
-    choices_unknown: str | None = None  # why the data has no choices for a flag whose SGLang parser has some
+    # why the data has no choices for a flag whose SGLang parser has some
+    choices_unknown: str | None = None
 
     @property
     def name(self) -> str:
-        return self.options[0] if self.options[0].startswith("--") or len(self.options) == 1 else self.options[1]
+        return (
+            self.options[0]
+            if self.options[0].startswith("--") or len(self.options) == 1
+            else self.options[1]
+        )
 
 
 @dataclass
@@ -86,19 +106,31 @@ def versions() -> list[str]:
 
 @functools.cache
 def flag_set(version: str | None = None) -> FlagSet:
-    """The flags of `version` (default: $TOOLKIT_SGLANG_VERSION, else the newest release in the data)."""
+    """The flags of `version` (default: $TOOLKIT_SGLANG_VERSION, else the newest release in the
+    data)."""
     known = versions()
     version = version or os.environ.get(VERSION_ENV) or known[0]
     if version not in known:
         raise KeyError(f"SGLang {version} is not in {DATA_FILE.name} (it has {', '.join(known)}); "
                        f"add it with scripts/sglang_flags.py {version}")
     d = _data()["versions"][version]
-    return FlagSet(version, d["source"], [
-        Flag(tuple(f["options"]), f["dest"], f["nargs"], f.get("type"),
-             tuple(f["choices"]) if f.get("choices") is not None else None, f.get("action", "store"),
-             f.get("deprecated"), f.get("choices_unknown"))
-        for f in d["flags"]
-    ])
+    return FlagSet(
+        version,
+        d["source"],
+        [
+            Flag(
+                tuple(f["options"]),
+                f["dest"],
+                f["nargs"],
+                f.get("type"),
+                tuple(f["choices"]) if f.get("choices") is not None else None,
+                f.get("action", "store"),
+                f.get("deprecated"),
+                f.get("choices_unknown"),
+            )
+            for f in d["flags"]
+        ],
+    )
 
 
 class FlagSet:
@@ -109,7 +141,8 @@ class FlagSet:
     def __contains__(self, option: str) -> bool:
         return option in self.by_option
 
-    # -- argparse's option resolution (Lib/argparse.py: _parse_optional, _get_option_tuples) -------------
+    # -- argparse's option resolution (Lib/argparse.py: _parse_optional, _get_option_tuples)
+    # -------------
     def _is_option_like(self, token: str) -> bool:
         """Whether argparse would take `token` for an option (else it is a value)."""
         if not token or token[0] != "-" or token == "-":
@@ -132,7 +165,11 @@ class FlagSet:
         if prefix.startswith("--"):
             return [o for o in self.by_option if o.startswith(prefix)]
         # single dash: argparse matches the two-character short option, or long options by prefix
-        return [o for o in self.by_option if o == prefix[:2] or (len(prefix) > 2 and o.startswith(prefix))]
+        return [
+            o
+            for o in self.by_option
+            if o == prefix[:2] or (len(prefix) > 2 and o.startswith(prefix))
+        ]
 
     def resolve(self, token: str) -> tuple[Flag | None, str, str | None, str | None]:
         """(flag, option string, explicit value after '=', error) for an option-like token."""
@@ -153,7 +190,8 @@ class FlagSet:
             return None, token, value, "ambiguous"
         return None, token, value, "unknown"
 
-    # -- the whole command line ---------------------------------------------------------------------
+    # -- the whole command line
+    # ---------------------------------------------------------------------
     def parse(self, argv: list[str]) -> Parsed:
         items: list[Item] = []
         errors: list[str] = []
@@ -162,17 +200,24 @@ class FlagSet:
             token = argv[i]
             i += 1
             if token == "--":
-                errors.append("`--` ends SGLang's options; everything after it would be refused as unrecognized")
+                errors.append(
+                    "`--` ends SGLang's options; everything after it would be refused as "
+                    "unrecognized"
+                )
                 break
             if not self._is_option_like(token):
-                errors.append(f"`{token}` is not a flag (SGLang takes no positional arguments: a value without "
-                              "its flag, or a flag that takes no value given one?)")
+                errors.append(
+                    f"`{token}` is not a flag (SGLang takes no positional arguments: a value "
+                    "without its flag, or a flag that takes no value given one?)"
+                )
                 continue
             flag, opt, value, problem = self.resolve(token)
             if problem == "ambiguous":
                 matches = self.candidates(token)
-                errors.append(f"`{token}` is ambiguous in SGLang {self.version}: it could be {_or(matches)}; "
-                              f"use the full name, e.g. {_or(matches[:4])}")
+                errors.append(
+                    f"`{token}` is ambiguous in SGLang {self.version}: it could be {_or(matches)}; "
+                    f"use the full name, e.g. {_or(matches[:4])}"
+                )
                 i = self._skip_values(argv, i)
                 continue
             if problem == "unknown":
@@ -183,12 +228,17 @@ class FlagSet:
             items.append(item)
             named = f"`{token.split('=', 1)[0]}`" + (f" ({opt})" if item.abbreviated else "")
             if flag.action == "DeprecatedError":
-                errors.append(f"{named} is retired in SGLang {self.version}, which refuses it ({flag.deprecated})")
+                errors.append(
+                    f"{named} is retired in SGLang {self.version}, which refuses it "
+                    f"({flag.deprecated})"
+                )
             n = flag.nargs
             if value is not None:
                 if n == 0:
-                    errors.append(f"{named} is a switch and takes no value, but was given `={value}`; "
-                                  f"write {opt} alone (or leave it out)")
+                    errors.append(
+                        f"{named} is a switch and takes no value, but was given `={value}`; "
+                        f"write {opt} alone (or leave it out)"
+                    )
                     continue
                 if isinstance(n, int) and n > 1:
                     errors.append(f"{named} takes {n} values, not one `=` value")
@@ -206,7 +256,10 @@ class FlagSet:
                 need = 1 if n in (None, "+") else n if isinstance(n, int) else 0
                 if len(values) < need:
                     what = "a value" if need == 1 else f"{need} values"
-                    errors.append(f"{named} takes {what} and was given none; write {opt} VALUE (or {opt}=VALUE)")
+                    errors.append(
+                        f"{named} takes {what} and was given none; write {opt} VALUE (or "
+                        f"{opt}=VALUE)"
+                    )
                     continue
                 item.values = values
             for v in item.values:
@@ -228,7 +281,11 @@ class FlagSet:
                 converted = int(value) if flag.type == "int" else float(value)
             except ValueError:
                 return f"invalid {flag.type} value `{value}`"
-        if flag.choices is not None and converted not in flag.choices and value not in map(str, flag.choices):
+        if (
+            flag.choices is not None
+            and converted not in flag.choices
+            and value not in map(str, flag.choices)
+        ):
             return _invalid_choice(value, [str(c) for c in flag.choices], self.version)
         return None
 
@@ -238,19 +295,32 @@ class FlagSet:
         if older:
             msg += f" (it is one of SGLang {', '.join(older)})"
         hints = [RENAMED[option]] if option in RENAMED and RENAMED[option] in self else []
-        hints += [o for o in difflib.get_close_matches(option, list(self.by_option), n=3, cutoff=0.75) if o not in hints]
+        hints += [
+            o
+            for o in difflib.get_close_matches(option, list(self.by_option), n=3, cutoff=0.75)
+            if o not in hints
+        ]
         if hints:
             return msg + f"; use {_or(hints)}, or remove it"
-        return msg + "; remove it (`python -m sglang.launch_server --help` on a GPU node lists the flags)"
+        return (
+            msg
+            + "; remove it (`python -m sglang.launch_server --help` on a GPU node lists the flags)"
+        )
 
 
 def _invalid_choice(value: str, choices: list[str], version: str) -> str:
-    """Argparse's "invalid choice", with the closest choices first (a long list only when none is close)."""
+    """Argparse's "invalid choice", with the closest choices first (a long list only when none is
+    close)."""
     close = difflib.get_close_matches(value, choices, n=3, cutoff=0.6)
-    close += [c for c in choices if c.lower() == value.lower() and c not in close]  # `Kimi_K2`: case matters
+    # `Kimi_K2`: case matters
+    close += [c for c in choices if c.lower() == value.lower() and c not in close]
     if not close:
         return f"invalid choice `{value}` (choose from {', '.join(choices)})"
-    listed = f"choose from {', '.join(choices)}" if len(choices) <= 12 else f"{len(choices)} choices in SGLang {version}"
+    listed = (
+        f"choose from {', '.join(choices)}"
+        if len(choices) <= 12
+        else f"{len(choices)} choices in SGLang {version}"
+    )
     return f"invalid choice `{value}`; did you mean {_or([f'`{c}`' for c in close])}? ({listed})"
 
 
@@ -258,8 +328,11 @@ def _or(options: list[str]) -> str:
     return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
 
 
-# -- the stub's parser ----------------------------------------------------------------------------------
-def add_to_parser(parser: argparse.ArgumentParser, flags: FlagSet, *, skip_dests: set[str]) -> list[Flag]:
+# -- the stub's parser
+# ----------------------------------------------------------------------------------
+def add_to_parser(
+    parser: argparse.ArgumentParser, flags: FlagSet, *, skip_dests: set[str]
+) -> list[Flag]:
     """Register every flag of `flags` on `parser` (values kept as given, int/float converted,
     choices enforced), except those whose dest is in `skip_dests` (the caller models them itself).
     Returns the flags added."""
@@ -273,7 +346,11 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: FlagSet, *, skip_dests
             if f.action == "BooleanOptionalAction":
                 kwargs["action"] = argparse.BooleanOptionalAction
                 del kwargs["const"]
-                options = tuple(o for o in f.options if not o.startswith("--no-") or "--" + o[5:] not in f.options)
+                options = tuple(
+                    o
+                    for o in f.options
+                    if not o.startswith("--no-") or "--" + o[5:] not in f.options
+                )
                 parser.add_argument(*options, **kwargs)
                 added.append(f)
                 continue
@@ -288,32 +365,42 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: FlagSet, *, skip_dests
     return added
 
 
-# What the toolkit sets itself, by SGLang's destination (so aliases and abbreviations are covered too:
-# `--model`, `--tensor-parallel-size`, `--tp`, `--tp-s`, `--api-k` ...), and where a job sets it instead.
+# What the toolkit sets itself, by SGLang's destination (so aliases and abbreviations are covered
+# too:
+# `--model`, `--tensor-parallel-size`, `--tp`, `--tp-s`, `--api-k` ...), and where a job sets it
+# instead.
 MANAGED = {
-    "model_path": "[model] path", "tokenizer_path": "[model] tokenizer_path", "tp_size": "[engine] tp_size",
-    "dp_size": "[engine] dp_size", "trust_remote_code": "[model] trust_remote_code",
-    "host": "nothing: the server listens on 127.0.0.1", "port": "nothing: each start picks a free port",
+    "model_path": "[model] path",
+    "tokenizer_path": "[model] tokenizer_path",
+    "tp_size": "[engine] tp_size",
+    "dp_size": "[engine] dp_size",
+    "trust_remote_code": "[model] trust_remote_code",
+    "host": "nothing: the server listens on 127.0.0.1",
+    "port": "nothing: each start picks a free port",
     "api_key": "nothing: each start draws a random key",
-    "nnodes": "[engine] nodes", "node_rank": "nothing: each node's rank comes from Slurm (SLURM_PROCID)",
+    "nnodes": "[engine] nodes",
+    "node_rank": "nothing: each node's rank comes from Slurm (SLURM_PROCID)",
     "dist_init_addr": "nothing: the first node's address and a free port are chosen at each start",
     # 0.5.9 names the destinations after the long spellings
-    "tensor_parallel_size": "[engine] tp_size", "data_parallel_size": "[engine] dp_size",
+    "tensor_parallel_size": "[engine] tp_size",
+    "data_parallel_size": "[engine] dp_size",
 }
 # The stub is told these from [engine.stub] as well.
 STUB_MANAGED = {"context_length": "[engine.stub] context_length"}
 REFUSED = {
-    "skip_server_warmup": "marks the server ready before warm-up: readiness would be a false positive",
+    "skip_server_warmup": "marks the server ready before warm-up: readiness would be a false "
+                          "positive",
     "help": "prints SGLang's help and exits: the server would never start",
-    "config": "reads more flags from a YAML file the toolkit cannot check (and that could set the port, the "
-              "API key or the model); put those flags in extra_args instead",
+    "config": "reads more flags from a YAML file the toolkit cannot check (and that could set the "
+    "port, the API key or the model); put those flags in extra_args instead",
 }
 
 
 def check_extra_args(extra: list[str], *, version: str | None = None, dp_size: int = 1,
                      kind: str = "sglang") -> list[str]:
-    """Problems with a job's extra server args (empty when fine), judged as SGLang `version`'s parser would
-    judge them (default: the newest release in sglang_flags.json), then against what the toolkit manages."""
+    """Problems with a job's extra server args (empty when fine), judged as SGLang `version`'s
+    parser would judge them (default: the newest release in sglang_flags.json), then against what
+    the toolkit manages."""
     flags = flag_set(version)
     parsed = flags.parse(list(extra))
     problems = list(parsed.errors)
@@ -323,21 +410,38 @@ def check_extra_args(extra: list[str], *, version: str | None = None, dp_size: i
         named = given + (f" (SGLang reads it as {item.option})" if item.abbreviated else "")
         dest = item.flag.dest
         if dest in managed:
-            problems.append(f"{named} is set by the toolkit; remove it from extra_args and set {managed[dest]}")
+            problems.append(
+                f"{named} is set by the toolkit; remove it from extra_args and set {managed[dest]}"
+            )
         elif dest in REFUSED:
             problems.append(f"{named} {REFUSED[dest]}; remove it from extra_args")
         elif dest == "nccl_port" and dp_size > 1:
             problems.append(
-                f"{named} with dp_size = {dp_size}: every data-parallel replica of SGLang binds this one port, so "
-                "the second replica fails to start; remove it (SGLang picks a free port for each replica)")
+                f"{named} with dp_size = {dp_size}: every data-parallel replica of SGLang binds "
+                "this one port, so the second replica fails to start; remove it (SGLang picks a "
+                "free port for each replica)"
+            )
         elif item.abbreviated:
-            log.warning("[engine] extra_args: %s abbreviates %s; SGLang accepts it today, but spell it out: a new "
-                        "flag with the same prefix would make it ambiguous", given, item.option)
+            log.warning(
+                "[engine] extra_args: %s abbreviates %s; SGLang accepts it today, but spell it "
+                "out: a new flag with the same prefix would make it ambiguous",
+                given,
+                item.option,
+            )
         if item.flag.choices_unknown:
-            log.warning("[engine] extra_args: %s %s is not checked: SGLang %s computes its choices in a way the "
-                        "flag data could not read (%s)", given, " ".join(item.values), flags.version,
-                        item.flag.choices_unknown)
+            log.warning(
+                "[engine] extra_args: %s %s is not checked: SGLang %s computes its choices in a "
+                "way the flag data could not read (%s)",
+                given,
+                " ".join(item.values),
+                flags.version,
+                item.flag.choices_unknown,
+            )
         if item.flag.deprecated and item.flag.action != "DeprecatedError":
-            log.warning("[engine] extra_args: %s is deprecated in SGLang %s (%s)", given, flags.version,
-                        item.flag.deprecated)
+            log.warning(
+                "[engine] extra_args: %s is deprecated in SGLang %s (%s)",
+                given,
+                flags.version,
+                item.flag.deprecated,
+            )
     return problems

@@ -1,10 +1,12 @@
-"""SGLang's `sampling_params` contract as data: the fields /generate accepts, their types, SGLang's defaults and
-`SamplingParams.verify`'s checks, with SGLang's own messages, for each supported release.
+"""SGLang's `sampling_params` contract as data: the fields /generate accepts, their types, SGLang's
+defaults and `SamplingParams.verify`'s checks, with SGLang's own messages, for each supported
+release.
 
-Read from each release's source (0.5.23: api/v1/api_types.py `_FIELDS_SamplingParams` and srt/sampling/
-sampling_params.py; 0.5.9: srt/sampling/sampling_params.py). Two users, so that they cannot drift apart:
-`spec` refuses a job whose sampling SGLang would refuse on every request, before a node is allocated, and the
-stub server answers a request with the same checks and texts as the release it imitates.
+Read from each release's source (0.5.23: api/v1/api_types.py `_FIELDS_SamplingParams` and
+srt/sampling/ sampling_params.py; 0.5.9: srt/sampling/sampling_params.py). Two users, so that they
+cannot drift apart: `spec` refuses a job whose sampling SGLang would refuse on every request, before
+a node is allocated, and the stub server answers a request with the same checks and texts as the
+release it imitates.
 """
 
 from __future__ import annotations
@@ -14,36 +16,76 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["FIELDS", "MAX_STOP_COUNT", "NOT_TAKEN", "RELEASES", "Sampling", "SamplingError", "TypeMismatch", "check_types",
-           "make_sampling", "verify", "want"]
+__all__ = [
+    "FIELDS",
+    "MAX_STOP_COUNT",
+    "NOT_TAKEN",
+    "RELEASES",
+    "Sampling",
+    "SamplingError",
+    "TypeMismatch",
+    "check_types",
+    "make_sampling",
+    "verify",
+    "want",
+]
 
 RELEASES = ("0.5.23", "0.5.9")  # newest first
 TOP_K_ALL = 1 << 30
 SAMPLING_EPS = 1e-6
-MAX_STOP_COUNT = 32  # 0.5.23: more stop strings are refused when the request is normalised (0.5.9 has no limit)
+# 0.5.23: more stop strings are refused when the request is normalised (0.5.9 has no limit)
+MAX_STOP_COUNT = 32
 
-# Every field 0.5.23's schema gate lets through, in its order, with the JSON type it wants. `choice` passes the
+# Every field 0.5.23's schema gate lets through, in its order, with the JSON type it wants. `choice`
+# passes the
 # gate but SamplingParams has no such argument: SGLang then fails with a TypeError (HTTP 500).
 FIELDS: dict[str, str] = {
-    "max_new_tokens": "int", "stop": "strs", "stop_token_ids": "ints", "stop_regex": "strs", "temperature": "float",
-    "top_p": "float", "top_k": "int", "min_p": "float", "frequency_penalty": "float", "presence_penalty": "float",
-    "repetition_penalty": "float", "min_new_tokens": "int", "n": "int", "json_schema": "str", "regex": "str",
-    "ebnf": "str", "structural_tag": "str", "ignore_eos": "bool", "skip_special_tokens": "bool",
-    "spaces_between_special_tokens": "bool", "no_stop_trim": "bool", "stream_interval": "int",
-    "logit_bias": "float_map", "sampling_seed": "int", "custom_params": "any", "beam_width": "int",
-    "watermark": "any", "choice": "any",
+    "max_new_tokens": "int",
+    "stop": "strs",
+    "stop_token_ids": "ints",
+    "stop_regex": "strs",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "frequency_penalty": "float",
+    "presence_penalty": "float",
+    "repetition_penalty": "float",
+    "min_new_tokens": "int",
+    "n": "int",
+    "json_schema": "str",
+    "regex": "str",
+    "ebnf": "str",
+    "structural_tag": "str",
+    "ignore_eos": "bool",
+    "skip_special_tokens": "bool",
+    "spaces_between_special_tokens": "bool",
+    "no_stop_trim": "bool",
+    "stream_interval": "int",
+    "logit_bias": "float_map",
+    "sampling_seed": "int",
+    "custom_params": "any",
+    "beam_width": "int",
+    "watermark": "any",
+    "choice": "any",
 }
-# Fields SamplingParams(**params) of a release does not take: a TypeError nobody catches, HTTP 500. 0.5.23 lets
+# Fields SamplingParams(**params) of a release does not take: a TypeError nobody catches, HTTP 500.
+# 0.5.23 lets
 # `choice` through its gate; 0.5.9 has no gate and no beam search or watermark yet.
-NOT_TAKEN = {"0.5.23": frozenset({"choice"}), "0.5.9": frozenset({"choice", "beam_width", "watermark"})}
+NOT_TAKEN = {
+    "0.5.23": frozenset({"choice"}),
+    "0.5.9": frozenset({"choice", "beam_width", "watermark"}),
+}
 
 
 class SamplingError(ValueError):
-    """What SamplingParams / verify would raise: SGLang answers 400 {"error": {"message": <text>}}."""
+    """What SamplingParams / verify would raise: SGLang answers 400 {"error": {"message":
+    <text>}}."""
 
 
 class TypeMismatch(ValueError):
-    """A value of the wrong JSON type: 0.5.23's schema gate answers 400 {"error": <serde's text>}."""
+    """A value of the wrong JSON type: 0.5.23's schema gate answers 400 {"error": <serde's
+    text>}."""
 
 
 class Sampling(msgspec.Struct, kw_only=True):
@@ -69,12 +111,13 @@ class Sampling(msgspec.Struct, kw_only=True):
     stream_interval: int | None = None
     logit_bias: dict[str, float] = {}
     sampling_seed: int | None = None
-    grammars: dict[str, Any] = {}  # json_schema, regex, ebnf, structural_tag: those given (not null)
+    # json_schema, regex, ebnf, structural_tag: those given (not null)
+    grammars: dict[str, Any] = {}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # types: 0.5.23's schema gate (serde-style texts)
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def describe(v: Any) -> str:
     """serde's description of an unexpected JSON value."""
     if v is None:
@@ -131,7 +174,8 @@ def want(v: Any, kind: str) -> None:
 
 
 def check_types(params: dict) -> None:
-    """0.5.23's gate over one sampling_params object: unknown fields and wrong types raise TypeMismatch."""
+    """0.5.23's gate over one sampling_params object: unknown fields and wrong types raise
+    TypeMismatch."""
     for key, value in params.items():
         kind = FIELDS.get(key)
         if kind is None:
@@ -141,12 +185,12 @@ def check_types(params: dict) -> None:
             want(value, kind)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # values: SamplingParams(**params), normalize() and verify()
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def make_sampling(raw: dict, preferred: dict | None = None) -> Sampling:
-    """SamplingParams(**raw): SGLang's defaults for absent or null keys (and the server's preferred params under
-    the request's), greedy temperature as top_k = 1."""
+    """SamplingParams(**raw): SGLang's defaults for absent or null keys (and the server's preferred
+    params under the request's), greedy temperature as top_k = 1."""
     if preferred:
         raw = {**preferred, **raw}
     g = raw.get
@@ -157,9 +201,17 @@ def make_sampling(raw: dict, preferred: dict | None = None) -> Sampling:
     stop = g("stop")
     sp.stop = [stop] if isinstance(stop, str) else list(stop or [])
     sp.stop_token_ids = frozenset(x for x in (g("stop_token_ids") or ()) if x is not None)
-    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    ):
         v = g(name)
-        if v is not None:  # kept as given, as SamplingParams does: its errors print an int as an int ("got 0.")
+        # kept as given, as SamplingParams does: its errors print an int as an int ("got 0.")
+        if v is not None:
             setattr(sp, name, v)
     for name in ("min_new_tokens", "n", "beam_width", "stream_interval", "sampling_seed"):
         v = g(name)
@@ -172,15 +224,18 @@ def make_sampling(raw: dict, preferred: dict | None = None) -> Sampling:
         if v is not None:
             setattr(sp, name, v)
     sp.logit_bias = g("logit_bias") or {}
-    sp.grammars = {k: g(k) for k in ("json_schema", "regex", "ebnf", "structural_tag") if g(k) is not None}
+    sp.grammars = {
+        k: g(k) for k in ("json_schema", "regex", "ebnf", "structural_tag") if g(k) is not None
+    }
     if 0 <= sp.temperature < SAMPLING_EPS:  # greedy is top_k = 1
         sp.temperature, sp.top_k = 1.0, 1
     return sp
 
 
 def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
-    """SamplingParams.verify (and the stop-string limit of normalize) of `version`: SamplingError with SGLang's
-    text. Without `vocab_size` (no tokenizer at hand) logit_bias keys are not checked."""
+    """SamplingParams.verify (and the stop-string limit of normalize) of `version`: SamplingError
+    with SGLang's text. Without `vocab_size` (no tokenizer at hand) logit_bias keys are not
+    checked."""
     old = version == "0.5.9"
     if not old and sp.beam_width is not None and sp.beam_width < 1:
         raise SamplingError(f"beam_width must be at least 1, got {sp.beam_width}.")
@@ -200,18 +255,25 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
         raise SamplingError(f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}.")
     if old:
         if not 0.0 <= sp.repetition_penalty <= 2.0:
-            raise SamplingError(f"repetition_penalty must be in [0, 2], got {sp.repetition_penalty}.")
+            raise SamplingError(
+                f"repetition_penalty must be in [0, 2], got {sp.repetition_penalty}."
+            )
     elif not 0.0 < sp.repetition_penalty <= 2.0:
         raise SamplingError(
-            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {sp.repetition_penalty}.")
+            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {sp.repetition_penalty}."
+        )
     if not 0 <= sp.min_new_tokens:
-        raise SamplingError(f"min_new_tokens must be in [0, max_new_tokens], got {sp.min_new_tokens}.")
+        raise SamplingError(
+            f"min_new_tokens must be in [0, max_new_tokens], got {sp.min_new_tokens}."
+        )
     if sp.max_new_tokens is not None:
         if sp.max_new_tokens < 0:
             raise SamplingError(f"max_new_tokens must be at least 0, got {sp.max_new_tokens}.")
         if not sp.min_new_tokens <= sp.max_new_tokens:
-            raise SamplingError(f"min_new_tokens must be in [0, max_new_tokens({sp.max_new_tokens})], "
-                                f"got {sp.min_new_tokens}.")
+            raise SamplingError(
+                f"min_new_tokens must be in [0, max_new_tokens({sp.max_new_tokens})], "
+                f"got {sp.min_new_tokens}."
+            )
     if vocab_size is not None:
         for token_id in sp.logit_bias:
             try:
@@ -219,9 +281,13 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
             except ValueError:
                 ok = False
             if not ok:
-                raise SamplingError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+                raise SamplingError(
+                    f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}."
+                )
     if not old and sp.sampling_seed is not None and not -(2**63) <= sp.sampling_seed <= 2**63 - 1:
-        raise SamplingError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {sp.sampling_seed}.")
+        raise SamplingError(
+            f"sampling_seed must be in [-2**63, 2**63 - 1], got {sp.sampling_seed}."
+        )
     if old:  # structural_tag not counted; an empty grammar counts
         grammars = sum(k != "structural_tag" for k in sp.grammars)
     else:  # an empty grammar means none
@@ -230,4 +296,6 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
         raise SamplingError("Only one of regex, json_schema, or ebnf can be set." if old else
                             "Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     if not old and len(sp.stop) > MAX_STOP_COUNT:
-        raise SamplingError(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop)}")
+        raise SamplingError(
+            f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop)}"
+        )
