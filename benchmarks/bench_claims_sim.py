@@ -353,9 +353,12 @@ def main() -> None:
     ap.add_argument("--prefill-tok-s", type=float, default=0.0,
                     help="prefill of a continued partial output: the node's whole batch waits its tokens at this rate "
                          "(0: not modelled)")
+    ap.add_argument("--load-min", type=float, default=LOAD_S / 60,
+                    help="minutes an engine start takes (the model load; 20 at the mission's sizes)")
     ap.add_argument("--sweep", action="store_true",
                     help="also the handover at other shares and decision intervals (64 and 512 shards)")
     a = ap.parse_args()
+    a.engine = Engine(load_s=a.load_min * 60)
     rng = random.Random(a.seed)
     lengths = [min(MAX_NEW, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA)))) for _ in range(a.prompts)]
     mean = sum(lengths) / len(lengths)
@@ -363,10 +366,10 @@ def main() -> None:
     pre = [(rng.uniform(0.1, 0.9) * ideal_h * 3600, rng.randrange(a.nodes)) for _ in range(a.preemptions)]
     print(f"{a.prompts:,} prompts, output tokens lognormal(median {MEDIAN:,}, sigma {SIGMA}) capped at {MAX_NEW:,}: "
           f"mean {mean:,.0f}, p99 {sorted(lengths)[int(0.99 * len(lengths))]:,}, {sum(lengths) / 1e6:,.0f} M tokens")
-    print(f"{a.nodes} nodes; load {LOAD_S // 60} min; engine: up to {BATCH} sequences, step {STEP_S * 1000:g} ms + "
+    print(f"{a.nodes} nodes; load {a.load_min:g} min; engine: up to {BATCH} sequences, step {STEP_S * 1000:g} ms + "
           f"{PER_SEQ_S * 1000:g} ms/sequence ({FULL_RATE:,.0f} tok/s full, {1 / step_s(1):.0f} tok/s alone); "
           f"{a.preemptions} preemptions; generation alone needs {ideal_h:.2f} h per node")
-    print(f"best possible with one load per node: {ideal_h / (ideal_h + LOAD_S / 3600):.1%} generating; handover "
+    print(f"best possible with one load per node: {ideal_h / (ideal_h + a.engine.load_s / 3600):.1%} generating; handover "
           f"share {a.share:g}, decided every {a.decide_s:g} s\n")
     print(f"{'policy':<44} {'starts':>6} {'node-h':>8} {'loading':>8} {'generating':>11} {'idle':>7} "
           f"{'gen share':>9} {'ceiling':>7} {'wall h':>7}  handed over")
@@ -376,7 +379,7 @@ def main() -> None:
                            ("claims + overlap", 64), ("claims + overlap", 512),
                            ("claims + overlap + handover", 64), ("claims + overlap + handover", 512)):
         r = simulate(lengths, nodes=a.nodes, shards=shards, policy=policy, preemptions=pre, share=a.share,
-                     decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s)
+                     decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
         if policy == "claims":
             base[shards] = r
         print(row(f"{policy}, {shards} shards", r, base.get(shards) if policy != "claims" else None))
@@ -410,13 +413,13 @@ def sweep(a, lengths: list[int], pre, base: dict[int, dict]) -> None:
                                          + [(a.share, x, 0.0) for x in (1.0, 60.0, 300.0)]
                                          + [(x, a.decide_s, p) for p in (20_000.0, 5_000.0) for x in (0.25, 0.5, 1.0)]):
             r = simulate(lengths, nodes=a.nodes, shards=shards, policy="claims + overlap + handover",
-                         preemptions=pre, share=share, decide_s=decide_s, prefill_tok_s=prefill)
+                         preemptions=pre, share=share, decide_s=decide_s, prefill_tok_s=prefill, engine=a.engine)
             how = f", prefill {prefill:,.0f} tok/s" if prefill else ""
             print(row(f"share {share:g}, every {decide_s:g} s{how}, {shards} sh.", r, base[shards]))
     for n in (0, a.preemptions):
         pre_n = pre[:n]
         r = simulate(lengths, nodes=a.nodes, shards=512, policy="claims + overlap + handover", preemptions=pre_n,
-                     share=a.share, decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s)
+                     share=a.share, decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
         print(row(f"{n} preemptions, 512 sh.", r, None))
 
 
@@ -438,7 +441,7 @@ def loops(a, rng: random.Random, lengths: list[int], pre) -> None:
                            ("claims + overlap + handover", 512)):
         for how, ls in (("run", full), ("stopped", stopped)):
             r = simulate(ls, nodes=a.nodes, shards=shards, policy=policy, preemptions=pre, share=a.share,
-                         decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s)
+                         decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
             print(f"{policy + f', {shards} shards':<44} {how:<8} {r['alloc_h']:>8.1f} {r['generating_h']:>11.1f} "
                   f"{useful / r['alloc_h']:>12.1%} {r['generating_h'] / r['alloc_h']:>9.1%} {r['wall_h']:>7.2f}")
 
