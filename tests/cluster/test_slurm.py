@@ -367,10 +367,11 @@ def test_status_shows_why_pending_tasks_wait(tmp_path, toy_tokenizer):
                 break
             time.sleep(0.5)
         assert waiting and all(s["reason"] for s in waiting), [(s["state"], s["reason"]) for s in st["shards"]]
-        # the one task waits as squeue says, or runs: the shards it has not claimed yet wait for it
-        claim = "not claimed yet: 1 of the 1 tasks of array "
+        # the one task waits as squeue says (before slurmctld's scheduler has looked at it, squeue gives no reason
+        # and status says the task is pending), or runs: the shards it has not claimed yet wait for it
+        claims = ("not claimed yet: 1 of the 1 tasks of array ", "not claimed yet: the tasks of array ")
         assert all(s["reason"] in ("JobArrayTaskLimit", "Priority", "Resources", "None") or
-                   s["reason"].startswith(claim) for s in waiting), [s["reason"] for s in waiting]
+                   s["reason"].startswith(claims) for s in waiting), [s["reason"] for s in waiting]
         assert st["merge"]["state"] == "pending" and st["merge"]["reason"] == "Dependency"
         table = toolkit("status", str(run), check=False).stdout
         assert "REASON" in table and re.search(r"^\s+\d+ pending .*(Priority|Resources|not claimed yet: .*)$", table, re.M)

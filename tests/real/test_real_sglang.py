@@ -315,10 +315,11 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
     else:
         subprocess.run(["scancel", task], check=True)
     log = rd.log_file(0)
-    # The shard file holds what was in flight once the worker stops its engine (it writes them first). Not "shard 0
-    # stopped": that line comes after the engine's exit (SGLang takes 3 to 7 s), and the cluster's KillWait of 5 s
-    # may SIGKILL the step before it.
-    stopping = lambda: (lambda x: "got SIGTERM" in x and "stopping the engine (pid" in x.split("got SIGTERM", 1)[1])(
+    # The shard file holds what was in flight once the shard says it stopped: the worker closes its shards (their
+    # partial outputs written, their state "stopped") before it stops the engine, which SGLang takes 3 to 7 s to
+    # do, so the cluster's KillWait of 5 s cannot cut in between. The engine's stop is the task's line, not the
+    # shard's.
+    stopping = lambda: (lambda x: "got SIGTERM" in x and "shard 0 stopped" in x.split("got SIGTERM", 1)[1])(
         log.read_text())
     _wait(stopping, 120, "the requests in flight saved (the engine being stopped)")
     text = log.read_text()
