@@ -228,3 +228,17 @@ def write_run(s: Synth, outputs: OutputMaker | None = None, *, seed: int = 0, wi
 
 def comparable(r: Record) -> bytes:
     return msgspec.msgpack.encode(r)
+
+
+def each_id_once(rd: RunDir, shards: int, n: int) -> list[Record]:
+    """Assert that the shard files of a run of prompts p0000 .. p{n-1} hold each id once: its newest record ok,
+    every older one a partial output that it continued. The records written, in file order."""
+    from toolkit.formats.frames import read_shard
+
+    written = [rec for k in range(shards) for rec in read_shard(rd.shard_file(k))]
+    newest = {rec.id: rec for rec in written}
+    assert sorted(newest) == [f"p{i:04d}" for i in range(n)] and all(
+        x.status == "ok" for x in newest.values()
+    )
+    assert all(rec.status == "partial" for rec in written if newest[rec.id] is not rec), "each id once"
+    return written

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobfiles import make_job
+from runs import each_id_once
 from toolkit.cluster.status import run_status
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.frames import read_shard
@@ -84,19 +85,11 @@ def test_a_task_requeued_while_two_shards_are_open_loses_and_duplicates_nothing(
     subprocess.run(["scontrol", "requeue", both[0].task], check=True)
     rows, merge = wait_settled(run, 360)
     assert [x.state for x in rows] == ["completed"] * shards and merge.state == "completed"
-    for (
-        p
-    ) in both:  # the shards open at the requeue were stopped, then finished by the requeued task
+    # the shards open at the requeue were stopped, then finished by the requeued task
+    for p in both:
         again = read_progress(rd.progress_file(p.shard))
         assert again.state == "done" and again.restart_count >= 1
-    written = [rec for k in range(shards) for rec in read_shard(rd.shard_file(k))]
-    newest = {rec.id: rec for rec in written}
-    assert sorted(newest) == [f"p{i:04d}" for i in range(n)] and all(
-        x.status == "ok" for x in newest.values()
-    )
-    assert all(rec.status == "partial" for rec in written if newest[rec.id] is not rec), (
-        "each id once"
-    )
+    each_id_once(rd, shards, n)
     merge_run(run)
     ids = [rec.id for rec in read_shard(rd.merged_file)]
     assert len(ids) == n and sorted(ids) == [f"p{i:04d}" for i in range(n)]
@@ -184,14 +177,7 @@ def test_the_run_tail_is_handed_over_exactly_once(tmp_path, toy_tokenizer, then)
     assert re.search(r"\([1-9]\d* to continue from a partial output\)", log), (
         "the receiver continued them"
     )
-    written = [rec for k in range(shards) for rec in read_shard(rd.shard_file(k))]
-    newest = {rec.id: rec for rec in written}
-    assert sorted(newest) == [f"p{i:04d}" for i in range(n)] and all(
-        x.status == "ok" for x in newest.values()
-    )
-    assert all(rec.status == "partial" for rec in written if newest[rec.id] is not rec), (
-        "each id once"
-    )
+    written = each_id_once(rd, shards, n)
     assert any(rec.status == "partial" for rec in written), (
         "the handed over requests were kept as partials"
     )

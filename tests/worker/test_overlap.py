@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jobfiles import make_job, prepared_run
+from runs import each_id_once
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
@@ -166,14 +167,7 @@ def test_a_worker_ended_mid_overlap_loses_and_duplicates_nothing(tmp_path, kimi,
         == list(range(shards))
         and not r.failed
     )
-    written = [rec for k in range(shards) for rec in read_shard(rd.shard_file(k))]
-    newest = {rec.id: rec for rec in written}
-    assert sorted(newest) == [f"p{i:04d}" for i in range(n)] and all(
-        x.status == "ok" for x in newest.values()
-    )
-    assert all(rec.status == "partial" for rec in written if newest[rec.id] is not rec), (
-        "each id once"
-    )
+    written = each_id_once(rd, shards, n)
     if how == "SIGTERM":
         assert any(rec.status == "partial" for rec in written), "what was in flight was kept"
     assert sorted(merged_ids(rd)) == [f"p{i:04d}" for i in range(n)]
