@@ -216,7 +216,7 @@ def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
         assert not read_progress(rd.progress_file(1)).leaving
         assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8)), "nobody left to receive"
         # with the lock taken by another task's decision, none is made (the next look decides)
-        with open(rd.root / "handover.lock", "a+b") as held:
+        with open(rd.handover_lock, "a+b") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             opened["a"].progress.leaving = False
             opened["a"].save_progress()

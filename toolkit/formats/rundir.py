@@ -21,6 +21,8 @@
     RUN/slurm/JOB/               submitit's folder of one job (its scripts, pickles and logs)
     RUN/merge.lock               locked (flock) while the run is merged: a second merge waits for
                                  the first
+    RUN/handover.lock            locked (flock) while a task at the run's tail decides whether it
+                                 hands its work over (worker.claims.hand_over)
     RUN/merged/records.zst       the merged dataset;  merged/manifest.json  what the merge found
     RUN/merged/missing_ids.txt   planned ids with no record (written by the merge)
     RUN/merged/failed_ids.txt    ids whose record is a failure (written by the audit)
@@ -67,6 +69,7 @@ class RunDir:
     merged_dir = property(lambda self: self.root / "merged")
     merged_file = property(lambda self: self.root / "merged" / "records.zst")
     merge_lock = property(lambda self: self.root / "merge.lock")
+    handover_lock = property(lambda self: self.root / "handover.lock")
     manifest_file = property(lambda self: self.root / "merged" / "manifest.json")
     missing_file = property(lambda self: self.root / "merged" / "missing_ids.txt")
     failed_file = property(lambda self: self.root / "merged" / "failed_ids.txt")

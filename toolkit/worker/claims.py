@@ -121,8 +121,6 @@ def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
     }
 
 
-# in the run directory: the tail's decide-and-publish, one task at a time
-HANDOVER_LOCK = "handover.lock"
 # a task with nothing open waits this long for shards another task hands over
 HANDOVER_WAIT_S = 90.0
 
@@ -156,7 +154,7 @@ def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
     """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
     (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
     leave for each other. False when the lock stays taken (the next look decides)."""
-    with open(rd.root / HANDOVER_LOCK, "a+b") as f:
+    with open(rd.handover_lock, "a+b") as f:
         deadline = time.monotonic() + 2.0
         while True:  # bounded: the lock is held for a read of the progress files
             try:
