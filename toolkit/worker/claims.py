@@ -153,17 +153,12 @@ def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
 def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
     """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
     (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
-    leave for each other. False when the lock stays taken (the next look decides)."""
+    leave for each other. False when another task holds the lock (the next look decides)."""
     with open(rd.handover_lock, "a+b") as f:
-        deadline = time.monotonic() + 2.0
-        while True:  # bounded: the lock is held for a read of the progress files
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.02)
+        try:  # never waited for: this runs on the event loop, and the next look comes within a second
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
         try:
             if not hands_over(
                 Tail(me, batch.in_flight, batch.target), tails(rd, pool, me), claimable=0
