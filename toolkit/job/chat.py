@@ -135,9 +135,8 @@ def load_tokenizer(model: Any) -> Any:
         tok = AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
         )
-    except (
-        Exception
-    ) as exc:  # transformers raises many kinds (OSError, ValueError, KeyError, ImportError)
+    # transformers raises many kinds (OSError, ValueError, KeyError, ImportError)
+    except Exception as exc:
         hint = (
             ""
             if model.trust_remote_code

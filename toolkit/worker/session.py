@@ -253,9 +253,8 @@ class EngineSession:
         else:
             try:
                 engine.start()
-            except (
-                EngineError
-            ) as e:  # refused before launch (e.g. SGLang's parser rejects the command line)
+            # refused before launch (e.g. SGLang's parser rejects the command line)
+            except EngineError as e:
                 self._fail_all(ShardFailed(str(e)), ended)
                 return
         ready_once = running
@@ -275,9 +274,8 @@ class EngineSession:
             except EngineUnreachable as e:
                 self._fail_all(ShardFailed(str(e)), ended)
                 await self._stop_engine(engine)
-            except (
-                EngineError
-            ) as e:  # died or hung: restarted; refused or never ready: cannot go on here
+            # died or hung: restarted; refused or never ready: cannot go on here
+            except EngineError as e:
                 if not ready_once or not isinstance(e, EngineDied) and engine.alive():
                     self._fail_all(ShardFailed(str(e)), ended)
                     await self._stop_engine(engine)
