@@ -155,7 +155,7 @@ def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
     (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
     leave for each other. False when another task holds the lock (the next look decides)."""
     with open(rd.handover_lock, "a+b") as f:
-        try:  # never waited for: this runs on the event loop, and the next look comes within a second
+        try:  # never waited for: this runs on the event loop; the next look comes a second later
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
