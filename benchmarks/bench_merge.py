@@ -88,7 +88,7 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
     for sp in plan.shards:
         order = sorted(range(sp.first, sp.first + sp.count), key=lambda p: p + rng.random() * IN_FLIGHT)
         w = ShardWriter(rd.shard_file(sp.index), plan.fingerprint, sp.index, flush_records=FLUSH_RECORDS)
-        w.open()
+        w.open(range(sp.first, sp.first + sp.count))
         for pos in order:
             reasoning = int(nprng.integers(OUTPUT_TOKENS // 4, OUTPUT_TOKENS * 9 // 10))
             content = OUTPUT_TOKENS - reasoning - 2

@@ -178,15 +178,15 @@ def record(s: Synth, pos: int, out: Out | None, *, error: str | None = None, att
 def write_shard(s: Synth, k: int, records: Iterable[Record], *, done: bool = True, flush_records: int = 4) -> Path:
     """Append `records` to shard k's file in the given order (frames of `flush_records`); then its done manifest."""
     path = s.rd.shard_file(k)
+    sp = s.plan.shards[k]
     w = ShardWriter(path, s.plan.fingerprint, k, flush_records=flush_records)
-    w.open()
+    w.open(range(sp.first, sp.first + sp.count))
     try:
         for r in records:
             w.add(r)
     finally:
         w.close()
     if done:
-        sp = s.plan.shards[k]
         write_done(s.rd.done_file(k), path, k, s.plan.fingerprint, positions=range(sp.first, sp.first + sp.count))
     return path
 

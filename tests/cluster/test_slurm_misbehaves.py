@@ -181,7 +181,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     rd.done_file(0).unlink()
     rd.shard_file(0).unlink()
     w = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
-    w.open()
+    w.open(range(plan.shards[0].first, plan.shards[0].first + plan.shards[0].count))
     for r in kept:
         w.add(r)
     w.close()

@@ -1,10 +1,13 @@
 """The newest record of each id wins, in one place (formats.newest): a record written again supersedes the earlier
 ones, a partial output continued is counted apart from a duplicate, a record not of the shard is counted foreign,
-a damaged frame is read past; the merge, `read_run`, `toolkit retry`, `toolkit logs` and the worker read this way."""
+a damaged frame is read past; the merge, `read_run`, `toolkit retry`, `toolkit logs`, the worker and the shard writer's
+recovery read this way."""
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import msgspec
 
@@ -54,3 +57,20 @@ def test_a_damaged_frame_is_read_past_and_its_records_are_missing(tmp_path, toy_
     sc = scan_shard(path, 0, s.refs)
     assert len(sc.damage) == 1 and len(sc.offsets) == 2
     assert list(newest_records(path, sc)) == [recs[0], recs[1], None, None, recs[4], recs[5]]
+
+
+def test_only_formats_newest_reads_a_shard_file_frame_by_frame():
+    """One implementation of newest-wins: the frame scanners of formats.frames (`scan`, `intact_frames`) are imported by
+    formats.newest alone; every other reader of a shard file (the writer's recovery, merge, read_run, retry, logs, the
+    done manifests) goes through it. `iter_frames` and `read_shard` are for the merged file, one record per id."""
+    package = Path(__file__).resolve().parents[2] / "toolkit"
+    scanners = {"scan", "intact_frames"}
+    users = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "toolkit.formats.frames":
+                if scanners & {a.name for a in node.names}:
+                    users.add(path.relative_to(package).as_posix())
+    assert users == {"formats/newest.py"}
+    shardfile = (package / "formats" / "shardfile.py").read_text()
+    assert "from toolkit.formats.newest import" in shardfile and "scan_shard(" in shardfile

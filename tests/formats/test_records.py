@@ -73,7 +73,7 @@ def test_records_written_before_tries_were_counted_decode_as_one_try_not_final(t
 
     path = tmp_path / "00000.zst"
     w = ShardWriter(path, "f" * 16, 0)
-    w.open()
+    w.open(range(2))
     again = failed_record("p1", "d", 0, [1], "failed 3 times: timeout; last: ...", 2, "timeout", final=True)
     again.tries = 3
     later = failed_record("p2", "d", 1, [1], "no answer", 2, "timeout")
@@ -83,7 +83,7 @@ def test_records_written_before_tries_were_counted_decode_as_one_try_not_final(t
     w.close()
     assert is_given_up(again) and not is_transient(again)
     w = ShardWriter(path, "f" * 16, 0)
-    w.open()
+    w.open(range(2))
     assert w.transient == {"p2"} and w.tries == {"p2": 2}  # the newest record of each id counts
     w.close()
     m = write_done(tmp_path / "00000.done", path, 0, "f" * 16, positions=range(0, 2))

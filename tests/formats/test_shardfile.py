@@ -24,9 +24,12 @@ def rec(i: int) -> Record:
                   completion_tokens=len(out), cached_tokens=0, latency_s=0.5, attempts=1)
 
 
+PLANNED = range(64)  # the planned positions of the shard these tests write
+
+
 def write(path, records, batch=4, fp="f" * 16):
     w = ShardWriter(path, fp, 0, flush_records=batch)
-    done = w.open()
+    done = w.open(PLANNED)
     for r in records:
         w.add(r)
     w.close()
@@ -67,7 +70,7 @@ def test_torn_tail_at_every_cut_is_dropped_and_nothing_else(tmp_path):
         path.write_bytes(full[:cut])
         complete = sum(1 for e in ends if e <= cut)
         w = ShardWriter(path, "f" * 16, 0)
-        done = w.open()
+        done = w.open(PLANNED)
         assert len(done) == 4 * complete, cut
         w.close()
         assert path.stat().st_size == max([e for e in ends if e <= cut], default=path.stat().st_size)
@@ -88,7 +91,7 @@ def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_pat
     assert items[1].offset == frames[1].offset and items[1].end == frames[2].offset and not items[1].torn
 
     w = ShardWriter(path, "f" * 16, 0)
-    done = w.open()  # keeps frames 0 and 2, drops only frame 1's four records
+    done = w.open(PLANNED)  # keeps frames 0 and 2, drops only frame 1's four records
     assert set(done) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}
     for i in range(4, 8):
         w.add(rec(i))
@@ -149,7 +152,7 @@ def test_a_bit_flip_in_the_record_count_is_caught_by_every_reader(tmp_path):
     damage = [i for i in scan(path) if isinstance(i, Damage)]
     assert len(damage) == 1 and "descriptor" in damage[0].why
     w = ShardWriter(path, "f" * 16, 0)
-    assert set(w.open()) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}  # the frame's records are redone
+    assert set(w.open(PLANNED)) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}  # the frame's records are redone
     w.close()
 
 
@@ -179,12 +182,12 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     rejected = failed_record("p2", "d", 2, [1, 2], "HTTP 400: too long", 1, failure="rejected")
     write(path, [rec(0), timeout, rejected, rec(3)])
     w = ShardWriter(path, "f" * 16, 0)
-    done = w.open()
+    done = w.open(PLANNED)
     assert set(done) == {"p0", "p1", "p2", "p3"} and w.transient == {"p1"}  # only the transient one is redone
     w.add(rec(1))
     w.close()
     w = ShardWriter(path, "f" * 16, 0)
-    w.open()
+    w.open(PLANNED)
     w.close()
     assert w.transient == set() and w.written == 5
     m = write_done(tmp_path / "s.done", path, 0, "f" * 16, positions=range(0, 4))
@@ -221,19 +224,19 @@ def test_fingerprint_mismatch_refused(tmp_path):
     path = tmp_path / "s.zst"
     write(path, [rec(0)])
     with pytest.raises(ForeignShard, match="belongs to run ffffffffffffffff"):
-        ShardWriter(path, "a" * 16, 0).open()
+        ShardWriter(path, "a" * 16, 0).open(PLANNED)
 
 
 def test_second_writer_is_refused(tmp_path):
     path = tmp_path / "s.zst"
     w = ShardWriter(path, "f" * 16, 0)
-    w.open()
+    w.open(PLANNED)
     code = f"""
 import sys
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.shardfile import ShardWriter
 try:
-    ShardWriter({str(path)!r}, "f" * 16, 0).open()
+    ShardWriter({str(path)!r}, "f" * 16, 0).open(range(64))
 except ShardLocked as e:
     print(e); sys.exit(7)
 """
@@ -270,11 +273,11 @@ def lock_info(path) -> dict:
 def test_without_flock_a_lock_file_keeps_one_writer_per_shard(tmp_path, no_flock):
     path = tmp_path / "00000.zst"
     w = ShardWriter(path, "f" * 16, 0, flush_records=1)
-    w.open()
+    w.open(PLANNED)
     info = lock_info(path)
     assert info["host"] == socket.gethostname() and info["pid"] == os.getpid() and info["started"] > 0
     with pytest.raises(ShardLocked, match=rf"pid {os.getpid()} on this host holds it .* rm {path}.lock"):
-        ShardWriter(path, "f" * 16, 0).open()
+        ShardWriter(path, "f" * 16, 0).open(PLANNED)
     w.add(rec(0))
     w.close()
     assert not (tmp_path / "00000.zst.lock").exists(), "released with the writer"
@@ -292,7 +295,7 @@ def test_a_stale_lock_file_is_taken_over_and_a_live_one_on_another_host_refused(
     assert not lock.exists()
     lock.write_bytes(msgspec.json.encode({"host": "gpu-17", "pid": 4242, "started": time.time(), "since": "now"}))
     with pytest.raises(ShardLocked) as e:
-        ShardWriter(path, "f" * 16, 0).open()
+        ShardWriter(path, "f" * 16, 0).open(PLANNED)
     msg = str(e.value)
     assert "pid 4242 on host gpu-17 holds it since now" in msg and f"rm {lock}" in msg and "\n" not in msg
     old = time.time() - locks.STALE_LOCK_S - 60
@@ -312,7 +315,7 @@ def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, c
             mp.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOTSUP, "Not supported")))
         try:
             holder = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
-            holder.open()
+            holder.open(PLANNED)
             try:
                 assert main(["worker", str(rd.root), "0"]) == 1
             finally:
@@ -322,3 +325,74 @@ def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, c
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert errors and "locked by another worker of this shard" in errors[-1] and "Traceback" not in capsys.readouterr().err
         assert "rm " in errors[-1] if flockless else "wait for it to end or cancel it" in errors[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the writer's recovery reads a shard as every reader does (formats.newest)
+# ---------------------------------------------------------------------------------------------------
+from toolkit.formats.newest import newest_records, scan_shard  # noqa: E402
+from toolkit.formats.records import PARTIAL, is_transient  # noqa: E402
+
+
+def _random_record(rng: random.Random, pos: int) -> Record:
+    kind = rng.choice(["ok", "ok", "timeout", "rejected", "partial", "given up"])
+    if kind == "ok":
+        return msgspec.structs.replace(rec(pos), output_ids=pack_ids([rng.randrange(5000) for _ in range(rng.randrange(1, 40))]))
+    if kind == "partial":
+        return msgspec.structs.replace(rec(pos), status=PARTIAL, finish=None,
+                                       output_ids=pack_ids([7] * rng.randrange(1, 30)))
+    r = failed_record(f"p{pos}", "d", pos, [1, 2], "no answer", 2, failure="rejected" if kind == "rejected" else "timeout",
+                      final=kind == "given up")
+    r.tries = rng.randrange(1, 4)
+    return r
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_recovery_keeps_the_newest_record_of_each_position_like_every_reader(tmp_path, seed):
+    """Retries, partials continued or kept again, failures superseded and the reverse, records outside the planned
+    positions, then a torn or a damaged frame: the writer's recovered state is the newest record of each position,
+    as a plain fold of the surviving records says and as scan_shard says."""
+    rng = random.Random(seed)
+    planned = range(10, 40)
+    path = tmp_path / "s.zst"
+    records = [_random_record(rng, rng.choice(planned)) for _ in range(rng.randrange(20, 120))]
+    records += [msgspec.structs.replace(rec(3), id="stray")] * rng.randrange(0, 2)
+    w = ShardWriter(path, "f" * 16, 0, flush_records=rng.randrange(1, 9))
+    w.open(planned)
+    for r in records:
+        w.add(r)
+    w.close()
+    frames = list(iter_frames(path))
+    data = bytearray(path.read_bytes())
+    harm = rng.choice(["none", "torn", "middle"])
+    lost = set()
+    if harm == "torn":
+        del data[frames[-1].end - 3:]
+        lost = {-1}
+    elif harm == "middle" and len(frames) > 2:
+        data[frames[1].offset + 30] ^= 0xFF
+        lost = {1}
+    path.write_bytes(bytes(data))
+    kept = [r for k, f in enumerate(frames) if k not in lost and k - len(frames) not in lost for r in f.batch]
+
+    newest = {}
+    for r in kept:  # the oracle: the last record written at each planned position
+        if r.index in planned:
+            newest[r.index] = r
+    w = ShardWriter(path, "f" * 16, 0)
+    done = w.open(planned)
+    w.close()
+    assert set(done) == {r.id for r in newest.values()}
+    assert w.transient == {r.id for r in newest.values() if is_transient(r)}
+    assert w.tries == {r.id: r.tries for r in newest.values() if is_transient(r)}
+    assert w.partial == {r.id: r for r in newest.values() if r.status == PARTIAL}
+    if newest:
+        assert list(w.output_tokens_at) == [newest[p].n_output if p in newest else 0 for p in planned]
+    else:
+        assert w.output_tokens_at is None
+    assert w.written == len(kept)
+    assert w.foreign == sum(r.index not in planned for r in kept)
+    offsets = {f.offset for f in iter_frames(path)}  # the file as recovered: the offsets point at its frames
+    assert set(done.values()) <= offsets
+    sc = scan_shard(path, planned.start, len(planned))
+    assert [r and r.id for r in newest_records(path, sc)] == [newest[p].id if p in newest else None for p in planned]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from jobfiles import make_job, prepared_run
@@ -73,7 +74,7 @@ def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplo
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
     rd, plan = prepared_run(job)
     other = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
-    other.open()
+    other.open(range(plan.shards[0].first, plan.shards[0].first + plan.shards[0].count))
     try:
         assert cli_main(["worker", str(rd.root), "0"]) == 1
     finally:
@@ -143,3 +144,26 @@ def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_p
         run_shard(rd.root, 0)
     assert e.value.exit_code == 2
     assert not rd.shard_file(0).exists() or list(read_shard(rd.shard_file(0))) == []
+
+
+def test_a_shard_file_holding_records_this_shard_does_not_own_is_refused_untouched(tmp_path, kimi):
+    """Records of another shard's positions, or an id at a planned position that is not the plan's: the file was put
+    here from another shard or run; the worker says so and writes nothing to it."""
+    job = make_job(tmp_path, kimi, n=8, shards=2, sampling={"max_new_tokens": 64})
+    rd, plan = prepared_run(job)
+    assert run_shard(rd.root, 1).end == DONE
+    theirs = list(read_shard(rd.shard_file(1)))
+    sp = plan.shards[0]
+    for name, records in (("another shard's positions", theirs[:2]),
+                          ("another id at a planned position", [msgspec.structs.replace(theirs[0], index=sp.first, id="zz")])):
+        path = rd.shard_file(0)
+        path.unlink(missing_ok=True)
+        w = ShardWriter(path, plan.fingerprint, 0)
+        w.open(range(sp.first, sp.first + sp.count))
+        for r in records:
+            w.add(r)
+        w.close()
+        before = path.read_bytes()
+        with pytest.raises(ShardFailed, match=rf"holds ids this shard does not own \(e.g. '{records[0].id}'\).*move it aside"):
+            run_shard(rd.root, 0)
+        assert path.read_bytes() == before, name

@@ -247,7 +247,7 @@ def _merge_run(
         tmp, plan.fingerprint, MERGED, flush_records=MERGED_FLUSH_RECORDS, flush_seconds=1e9
     )
     try:
-        writer.open()
+        writer.open(range(len(refs)))  # a fresh file (_clear_stale): nothing to recover
     except ShardLocked:
         raise MergeError(
             f"{rd.root}: another merge of this run is writing {tmp}; wait for it to end"

@@ -8,8 +8,8 @@ continued, not as a duplicate. Memory stays flat whatever the file's size: the f
 lives (frame number and index in the frame, in compact arrays), noting damaged frames and reading on
 past them; the second (`newest_records`) yields those records in planned order, decoding frames
 through a cache bounded in bytes and reading a frame again when it was evicted. The merge,
-`toolkit.read_run`, the worker's turn history, `toolkit retry` and `toolkit logs` read a shard this
-way.
+`toolkit.read_run`, the worker's turn history, `toolkit retry`, `toolkit logs` and the shard
+writer's recovery (formats.shardfile) read a shard this way.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class ShardScan:
                                                # continued)
         self.offsets: list[int] = []           # frame number -> byte offset
         self.sizes: list[int] = []             # frame number -> decompressed size
+        self.ends: list[int] = []              # frame number -> byte offset just past it
         self.records = self.duplicates = self.continued = self.foreign = 0
         self.duplicate_ids: list[str] = []     # the first SAMPLE_IDS
         self.foreign_ids: list[str] = []
@@ -78,6 +79,7 @@ def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, 
         fno = len(sc.offsets)
         sc.offsets.append(frame.offset)
         sc.sizes.append(len(frame.data))
+        sc.ends.append(frame.end)
         for i, h in enumerate(recs):
             sc.records += 1
             pos = h.index - first

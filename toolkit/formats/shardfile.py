@@ -30,9 +30,9 @@ from toolkit.formats.frames import (
     damaged_fingerprint,
     header_bytes,
     read_header,
-    scan,
 )
 from toolkit.formats.locks import LockFile, flock_or_lockfile
+from toolkit.formats.newest import ShardScan, newest_records, scan_shard
 from toolkit.formats.records import PARTIAL, Record, is_transient
 from toolkit.formats.text import file_stamp
 
@@ -47,10 +47,10 @@ class ShardWriter:
     """Appends batches of records to one shard file; resumes a file left by an earlier (killed)
     attempt.
 
-    Open it with `open()`: it locks the file, checks the fingerprint, cuts off a torn last frame,
-    salvages a file damaged in the middle (see `open`) and returns the ids already written, so the
-    caller generates only the rest. A record of an id written again later supersedes the earlier one
-    (the newest attempt counts).
+    Open it with `open(positions)`: it locks the file, checks the fingerprint, cuts off a torn last
+    frame, salvages a file damaged in the middle (see `open`) and returns the ids already written,
+    so the caller generates only the rest. A record written again later supersedes the earlier one
+    (the newest attempt counts: formats.newest, as every reader reads a shard).
     """
 
     def __init__(self, path: str | Path, fingerprint: str, shard: int, *, flush_records: int = 64,
@@ -73,23 +73,29 @@ class ShardWriter:
         # ids of `transient`: the failed tries their newest record counts (.tries)
         self.tries: dict[str, int] = {}
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
-        # open(positions=...): n_output of the newest record per position
+        # n_output of the newest record per planned position (see `open`)
         self.output_tokens_at: array | None = None
+        # records found outside the planned positions (another shard's), and their first ids
+        self.foreign = 0
+        self.foreign_ids: list[str] = []
 
-    def open(self, positions: range | None = None) -> dict[str, int]:
-        """Lock and recover the file; return {id: byte offset of the frame of its newest record} for
-        every id already recorded (records not kept); `transient` names those whose newest record
-        should be redone.
+    def open(self, positions: range) -> dict[str, int]:
+        """Lock and recover the file whose planned positions are `positions`; return {id: byte
+        offset of the frame of its newest record} for every planned position already recorded
+        (records not kept); `transient` names those whose newest record should be redone.
+
+        The file is read as every reader reads it (formats.newest: the newest record of each
+        position wins); records outside `positions` are counted in `foreign` (their first ids in
+        `foreign_ids`), not returned: the caller refuses such a file.
 
         Damage in the middle of the file (a frame that fails its checks, intact frames after it) is
         salvaged: every intact frame is copied to a new file (temporary name, fsync, rename), the
         damaged original is kept aside as `NNNNN.zst.damaged-<time>`, and only the records of the
         bad frames are missing (generated again).
 
-        With `positions` (the shard's planned positions), `output_tokens_at[i]` is then the n_output
-        of the newest record at position positions[i] (0 where none): what is already recorded, 4
-        bytes a prompt (None while the file holds no record: a fresh shard keeps nothing per
-        prompt).
+        `output_tokens_at[i]` is then the n_output of the newest record at position positions[i]
+        (0 where none): what is already recorded, 4 bytes a prompt (None while the file holds no
+        record: a fresh shard keeps nothing per prompt).
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -105,17 +111,15 @@ class ShardWriter:
             self.close()  # the lock (and lock file) go with it
             raise
 
-    def _recover(self, positions: range | None) -> dict[str, int]:
+    def _recover(self, positions: range) -> dict[str, int]:
         fd = self._fd
         assert fd is not None
         size = os.fstat(fd).st_size
-        done: dict[str, int] = {}
-        otok = self.output_tokens_at = None
-        first = positions.start if positions is not None else 0
+        self.output_tokens_at = None
         if size == 0:
             self._write(header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
-            return done
+            return {}
         damage: list[Damage] = []
         try:
             head = read_header(self.path)
@@ -125,7 +129,7 @@ class ShardWriter:
         if head is None and not damage:  # killed while writing the header itself
             os.ftruncate(fd, 0)
             self._write(header_bytes(self.fingerprint, self.shard))
-            return done
+            return {}
         if head is not None and head != (self.fingerprint, self.shard):
             fp, shard = head
             if not damaged_fingerprint(fp, self.fingerprint):
@@ -138,31 +142,12 @@ class ShardWriter:
             damage.append(
                 Damage(0, HEADER_SIZE, f"damaged header (run {fp!r} shard {shard})", False)
             )
-        good: list[tuple[int, int]] = []  # (offset, end) of intact frames
-        for item in scan(self.path, header=not damage):
-            if isinstance(item, Damage):
-                damage.append(item)
-                continue
-            good.append((item.offset, item.end))
-            for r in item.batch:
-                done[r.id] = item.offset
-                self.written += 1
-                if positions is not None and 0 <= r.index - first < len(positions):
-                    if otok is None:
-                        otok = self.output_tokens_at = array("I", bytes(4 * len(positions)))
-                    otok[r.index - first] = r.n_output
-                if is_transient(r):
-                    self.transient.add(r.id)
-                    self.tries[r.id] = r.tries
-                else:
-                    self.transient.discard(r.id)
-                    self.tries.pop(r.id, None)
-                if r.status == PARTIAL:
-                    self.partial[r.id] = r
-                else:
-                    self.partial.pop(r.id, None)
+        sc = scan_shard(self.path, positions.start, len(positions), header=not damage)
+        damage += sc.damage
+        self.written, self.foreign, self.foreign_ids = sc.records, sc.foreign, sc.foreign_ids
+        done = self._adopt(sc)
         if damage and not damage[-1].torn or len(damage) > 1:
-            done = self._salvage(good, damage, done)
+            done = self._salvage(list(zip(sc.offsets, sc.ends)), damage, done)
         elif damage:
             off, why = damage[0].offset, damage[0].why
             log.warning(
@@ -174,6 +159,26 @@ class ShardWriter:
             )
             os.ftruncate(fd, off)
             os.fsync(fd)
+        return done
+
+    def _adopt(self, sc: ShardScan) -> dict[str, int]:
+        """The writer's state from the newest record of each position (`scan_shard`'s pass 2, read
+        before any salvage moves frames): {id: offset of its frame}, the transient ones with their
+        tries, the partial ones, the output tokens per position."""
+        done: dict[str, int] = {}
+        if sc.records == sc.foreign:  # nothing at the planned positions
+            return done
+        otok = self.output_tokens_at = array("I", bytes(4 * len(sc.frame_of)))
+        for pos, r in enumerate(newest_records(self.path, sc)):
+            if r is None:
+                continue
+            done[r.id] = sc.offsets[sc.frame_of[pos]]
+            otok[pos] = r.n_output
+            if is_transient(r):
+                self.transient.add(r.id)
+                self.tries[r.id] = r.tries
+            if r.status == PARTIAL:
+                self.partial[r.id] = r
         return done
 
     def _salvage(

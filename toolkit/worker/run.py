@@ -497,7 +497,7 @@ def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) 
     """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of
     another shard."""
     refs = ShardRefs(rd, sh.sp)
-    if not done_ids:  # a fresh shard: every prompt, without reading a ref
+    if not done_ids and not sh.writer.foreign:  # a fresh shard: every prompt, without reading a ref
         return Todo(refs)
     chosen = bytearray((len(refs) + 7) // 8)
     owned = count = 0
@@ -508,11 +508,11 @@ def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) 
                 continue
         chosen[i >> 3] |= 1 << (i & 7)
         count += 1
-    if owned != len(done_ids):
-        unknown = set(done_ids) - {ref.id for ref in refs}
+    if owned != len(done_ids) or sh.writer.foreign:
+        unknown = sorted(set(done_ids) - {ref.id for ref in refs}) + sh.writer.foreign_ids
         raise ShardFailed(
-            f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. "
-            f"{sorted(unknown)[0]!r})"
+            f"{rd.shard_file(sh.shard)} holds ids this shard does not own (e.g. {unknown[0]!r}): "
+            "a file put here from another shard or run; move it aside and run the shard again"
         )
     return Todo(refs, chosen, count)
 
