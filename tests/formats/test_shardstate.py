@@ -78,3 +78,30 @@ def test_an_untrusted_manifest_says_why_and_is_removed_only_when_asked(synth):
     assert shard_state(rd, 1).state is ShardState.MISSING
     # `recheck`: the caller found it untrusted already (a worker's claim loop checks once per pool)
     assert shard_state(rd, 0, recheck=True).state is ShardState.UNTRUSTED
+
+
+def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, monkeypatch):
+    """What a claiming task looks at every second at the run's tail (worker.claims.look): a done shard costs its
+    done manifest and nothing more; the others come with their progress, whatever the group."""
+    from toolkit.formats import shardstate
+    from toolkit.worker.claims import claimable, look
+
+    s = synth
+    rd = s.rd
+    for k in (0, 1):
+        _write(s, k)
+        write_progress(rd.progress_file(k), Progress(shard=k, total=2, state="done"))
+    _write(s, 2, failed=True)
+    for k in (2, 3):
+        write_progress(rd.progress_file(k), Progress(shard=k, total=2, state="generating", done=1))
+    read = []
+    real = shardstate.read_progress
+    monkeypatch.setattr(shardstate, "read_progress", lambda path: read.append(path.name) or real(path))
+    for group in (None, "g"):
+        read.clear()
+        states = look(rd, list(range(7)), group=group)
+        assert [st.progress is not None for st in states] == [False, False, True, True, False, False, False]
+        assert sorted(read) == [f"{k:05d}.json" for k in range(2, 7)], group
+        assert [c.shard for c in claimable(s.plan, states, skip={6})] == [2, 3, 4, 5]
+    read.clear()
+    assert shard_state(rd, 0, progress=True).progress.state == "done" and read == ["00000.json"]

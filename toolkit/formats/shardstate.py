@@ -15,7 +15,7 @@ command asks this module rather than reading those files itself.
 
 A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint
 is a string compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads
-the progress file.
+the progress file (of a shard not DONE).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -50,7 +51,7 @@ class ShardStatus(msgspec.Struct):
     done: DoneManifest | None = None      # its done manifest, when there is one and it passed the
                                           # checks asked for
     progress: Progress | None = None      # its progress file, when asked for (`group` or
-                                          # `progress`)
+                                          # `progress`, see shard_state)
     why: str | None = None                # UNTRUSTED: why its done manifest cannot be trusted
     foreign: bool = False                 # UNTRUSTED: the manifest is another run's (not a changed
                                           # file)
@@ -81,7 +82,7 @@ def shard_state(
     recheck: bool = False,
     held: bool = False,
     group: str | None = None,
-    progress: bool = False,
+    progress: bool | Literal["unfinished"] = False,
 ) -> ShardStatus:
     """The state of shard `k` of the run in `rd`, with the checks asked for:
 
@@ -90,7 +91,8 @@ def shard_state(
     untrusted manifest is removed, said in one line (the shard's next run checks its file, salvages
     the intact frames and generates the rest); `held`: an unfinished shard whose file another writer
     holds is HELD; `group`: one whose progress says it failed in this group of workers is FAILED
-    (also reads `progress`).
+    (reads the progress of a shard not DONE); `progress`: its progress file is read ("unfinished":
+    only when the shard is not DONE, all a claiming task needs: a done shard costs it one file).
     """
     m = read_done(rd.done_file(k))
     why, foreign = None, False
@@ -112,8 +114,10 @@ def shard_state(
                 rd.done_file(k).unlink(missing_ok=True)
             m = None
     retry = rd.retry_file(k).exists()
-    p = read_progress(rd.progress_file(k)) if progress or group is not None else None
-    if m is not None and not m.transient and not retry:
+    done = m is not None and not m.transient and not retry
+    wanted = progress is True or not done and (progress == "unfinished" or group is not None)
+    p = read_progress(rd.progress_file(k)) if wanted else None
+    if done:
         state = ShardState.DONE
     elif held and held_elsewhere(rd.shard_file(k)):
         state = ShardState.HELD

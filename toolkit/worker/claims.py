@@ -40,14 +40,22 @@ import msgspec
 
 from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, shard_state
+from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
 from toolkit.job.plan import load_run
 from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
 from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
 from toolkit.worker.session import EngineSession
 from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
 
-__all__ = ["ClaimResult", "candidates", "run_claims", "slurm_group", "slurm_task"]
+__all__ = [
+    "ClaimResult",
+    "candidates",
+    "claimable",
+    "look",
+    "run_claims",
+    "slurm_group",
+    "slurm_task",
+]
 
 log = logging.getLogger("toolkit.worker.claims")
 
@@ -81,6 +89,38 @@ def slurm_group() -> str | None:
     return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
 
 
+def look(
+    rd: RunDir, pool: list[int], *, group: str | None = None, recheck: set[int] = frozenset()
+) -> list[ShardStatus]:
+    """Every shard of `pool` as a claiming task sees it, in one scan: done, held by a writer
+    elsewhere, failed in this group (`group`), untrusted (in `recheck`), or claimable; with the
+    progress of those not done (a done shard costs one file). One look serves the choice of the next
+    shard (`claimable`) and the wait for shards being handed over; `tails` takes its own."""
+    return [
+        shard_state(rd, k, recheck=k in recheck, held=True, group=group, progress="unfinished")
+        for k in pool
+    ]
+
+
+def claimable(plan: RunPlan, states: list[ShardStatus], skip: set[int]) -> list[Candidate]:
+    """The shards of a look a free worker may claim: unfinished (no done manifest, or failures that
+    may pass, or ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer
+    matches), not held by another worker right now, not failed in this group, not in `skip`; each
+    with the prompts it has left, as its progress file says."""
+    out = []
+    for st in states:
+        if st.shard in skip or st.state in (ShardState.DONE, ShardState.HELD, ShardState.FAILED):
+            continue
+        p = st.progress
+        total = plan.shards[st.shard].count
+        out.append(
+            Candidate(
+                st.shard, max(0, total - (p.done if p is not None and p.state != "done" else 0))
+            )
+        )
+    return out
+
+
 def candidates(
     rd: RunDir,
     plan: RunPlan,
@@ -90,23 +130,11 @@ def candidates(
     group: str | None,
     recheck: set[int] = frozenset(),
 ) -> list[Candidate]:
-    """The shards of `pool` a free worker may claim: unfinished (no done manifest, or failures that
-    may pass, or ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer
-    matches), not held by another worker right now, not failed in this group, not in `skip`; each
-    with the prompts it has left, as its progress file says."""
-    out = []
-    for k in pool:
-        if k in skip:
-            continue
-        st = shard_state(rd, k, recheck=k in recheck, held=True, group=group, progress=True)
-        if st.state in (ShardState.DONE, ShardState.HELD, ShardState.FAILED):
-            continue
-        p = st.progress
-        total = plan.shards[k].count
-        out.append(
-            Candidate(k, max(0, total - (p.done if p is not None and p.state != "done" else 0)))
-        )
-    return out
+    """The shards of `pool` a free worker may claim now (`claimable` of a `look` at those not in
+    `skip`)."""
+    return claimable(
+        plan, look(rd, [k for k in pool if k not in skip], group=group, recheck=recheck), skip
+    )
 
 
 def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
@@ -126,12 +154,11 @@ HANDOVER_WAIT_S = 90.0
 
 
 def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
-    """The other live tasks at the run's tail, as the progress files of the shards they hold say:
-    requests running, requests kept in flight, leaving or not (a task holding several shards counts
-    once)."""
+    """The other live tasks at the run's tail, as the progress files of the shards they hold say
+    (a fresh `look`): requests running, requests kept in flight, leaving or not (a task holding
+    several shards counts once)."""
     out: dict[str, Tail] = {}
-    for k in pool:
-        st = shard_state(rd, k, held=True, progress=True)
+    for st in look(rd, pool):
         p = st.progress
         if (
             st.state is not ShardState.HELD
@@ -172,12 +199,12 @@ def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _being_handed_over(rd: RunDir, pool: list[int], me: str) -> bool:
-    """Some shard of the pool is held by a task that is leaving: it is claimable once that task lets
+def _being_handed_over(states: list[ShardStatus]) -> bool:
+    """Some shard of a look is held by a task that is leaving: it is claimable once that task lets
     go."""
     return any(
         st.state is ShardState.HELD and st.progress is not None and st.progress.leaving
-        for st in (shard_state(rd, k, held=True, progress=True) for k in pool)
+        for st in states
     )
 
 
@@ -258,14 +285,13 @@ async def _claims(
     async def claim_next():
         """The next shard claimed and opened, or None when none is left (or the worker stops)."""
         while not session.stop.is_set():
-            k = pick(
-                candidates(rd, plan, pool, skip=skip, group=group, recheck=recheck), pool, start
-            )
+            states = look(rd, pool, group=group, recheck=recheck)
+            k = pick(claimable(plan, states, skip), pool, start)
             if (
                 k is None
                 and not session.batch.shards
                 and time.monotonic() < handed_until[0]
-                and _being_handed_over(rd, pool, who)
+                and _being_handed_over(states)
             ):
                 # a task leaving releases its shards once its requests are back
                 await asyncio.sleep(0.5)
