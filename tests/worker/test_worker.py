@@ -173,9 +173,18 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         kills = 0
         progress_seen = []
         while kills < 20 and not rd.done_file(0).exists():
+            size = rd.shard_file(0).stat().st_size if rd.shard_file(0).exists() else 0
             proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(rng.uniform(0.3, 3.5))
+            if kills % 3 == 2:
+                # a kill mid-shard whatever the machine's load: once this attempt has written a frame
+                deadline = time.monotonic() + 120
+                while (proc.poll() is None and time.monotonic() < deadline
+                       and not (rd.shard_file(0).exists() and rd.shard_file(0).stat().st_size > size)):
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0, 0.5))
+            else:  # from the start: loading, the engine's check, the first requests, ...
+                time.sleep(rng.uniform(0.3, 3.5))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
