@@ -184,7 +184,10 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
 
     from toolkit.formats.manifests import DoneManifest
     from toolkit.formats.progress import Progress, write_progress
-    from toolkit.worker.claims import candidates
+    from toolkit.worker.claims import claimable, look
+
+    def candidates(skip: set[int], group: str) -> list[Candidate]:  # what a claiming worker sees
+        return claimable(plan, look(rd, pool, group=group), skip)
 
     rd, plan = prepared_run(make_job(tmp_path, kimi, n=10, shards=5))
     pool = list(range(5))
@@ -197,10 +200,10 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
     rd.shard_file(2).write_bytes(b"")
     with open(rd.shard_file(2), "rb") as held:  # another worker holds shard 2
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert candidates(rd, plan, pool, skip=set(), group="g") == [Candidate(3, 1), Candidate(4, 2)]
+        assert candidates(set(), "g") == [Candidate(3, 1), Candidate(4, 2)]
         # a shard failed in another group (an earlier submission) is offered again; `skip` leaves one out
-        assert candidates(rd, plan, pool, skip={4}, group="h") == [Candidate(1, 2), Candidate(3, 1)]
-    assert [c.shard for c in candidates(rd, plan, pool, skip=set(), group="g")] == [2, 3, 4]
+        assert candidates({4}, "h") == [Candidate(1, 2), Candidate(3, 1)]
+    assert [c.shard for c in candidates(set(), "g")] == [2, 3, 4]
 
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ def shard_state(
             m = None
     retry = rd.retry_file(k).exists()
     done = m is not None and not m.transient and not retry
-    wanted = progress is True or not done and (progress == "unfinished" or group is not None)
+    wanted = progress is True or (not done and (progress == "unfinished" or group is not None))
     p = read_progress(rd.progress_file(k)) if wanted else None
     if done:
         state = ShardState.DONE

@@ -49,7 +49,6 @@ from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
 
 __all__ = [
     "ClaimResult",
-    "candidates",
     "claimable",
     "look",
     "run_claims",
@@ -119,22 +118,6 @@ def claimable(plan: RunPlan, states: list[ShardStatus], skip: set[int]) -> list[
             )
         )
     return out
-
-
-def candidates(
-    rd: RunDir,
-    plan: RunPlan,
-    pool: list[int],
-    *,
-    skip: set[int],
-    group: str | None,
-    recheck: set[int] = frozenset(),
-) -> list[Candidate]:
-    """The shards of `pool` a free worker may claim now (`claimable` of a `look` at those not in
-    `skip`)."""
-    return claimable(
-        plan, look(rd, [k for k in pool if k not in skip], group=group, recheck=recheck), skip
-    )
 
 
 def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
