@@ -1,12 +1,15 @@
-"""What the benchmarks that run `toolkit worker` against an engine in its own process share: the job text of an
-`external` engine, and the CPU time of a child process."""
+"""What the benchmarks share: the job text of an `external` engine and the CPU time of a child process (for those
+that run `toolkit worker` against an engine in its own process), and the median time and peak memory of a call
+made in this process."""
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import subprocess
 import time
+import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,3 +73,19 @@ def process_cpu(pid: int) -> float:
     """CPU seconds (user + system) a running process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_and_peak(run, repeat: int) -> tuple[float, float]:
+    """(median seconds of `repeat` calls, peak MB of Python memory (tracemalloc) of one more) of `run()`."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    tracemalloc.start()
+    try:
+        run()
+        peak = tracemalloc.get_traced_memory()[1] / 1e6
+    finally:
+        tracemalloc.stop()
+    return statistics.median(times), peak

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import tempfile
-import time
-import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _common import median_and_peak  # noqa: E402
 
 from toolkit.formats.run import (  # noqa: E402
     PromptIndex,
@@ -38,22 +37,6 @@ from toolkit.formats.run import (  # noqa: E402
     refs_bytes,
 )
 from toolkit.formats.rundir import RunDir  # noqa: E402
-
-
-def timed(run, repeat: int) -> tuple[float, float]:
-    """(median seconds, peak MB of Python memory) of `run()`."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    tracemalloc.start()
-    try:
-        run()
-        peak = tracemalloc.get_traced_memory()[1] / 1e6
-    finally:
-        tracemalloc.stop()
-    return statistics.median(times), peak
 
 
 def main() -> None:
@@ -102,7 +85,7 @@ def main() -> None:
         ]
         width = max(len(name) for name, _, _ in cases)
         for name, count, run in cases:
-            sec, peak = timed(run, args.repeat)
+            sec, peak = median_and_peak(run, args.repeat)
             print(f"  {name:<{width}}  {sec * 1e3:9.1f} ms  {sec / count * 1e6:6.2f} µs/ref  peak {peak:7.2f} MB")
 
 if __name__ == "__main__":

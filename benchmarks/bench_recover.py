@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import tempfile
-import time
-import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _common import median_and_peak  # noqa: E402
 
 from toolkit.formats.frames import read_shard  # noqa: E402
 from toolkit.formats.records import OK, PARTIAL, Record, pack_ids  # noqa: E402
@@ -64,15 +63,6 @@ def plain_pass(path: Path) -> int:
     return sum(1 for _ in read_shard(path))
 
 
-def median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, nargs="+", default=[200, 20_000])
@@ -85,14 +75,10 @@ def main() -> None:
             path = Path(tmp) / f"{n}.zst"
             write_file(path, n, a.output_tokens)
             assert recover(path, n) == n
-            rec_s = median_s(lambda: recover(path, n), a.repeat)
-            plain_s = median_s(lambda: plain_pass(path), a.repeat)
-            tracemalloc.start()
-            recover(path, n)
-            peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
+            rec_s, peak = median_and_peak(lambda: recover(path, n), a.repeat)
+            plain_s, _ = median_and_peak(lambda: plain_pass(path), a.repeat)
             mb = path.stat().st_size / 1e6
-            print(f"{n:>8} {mb:>8.1f} {rec_s:>10.3f} {plain_s:>13.3f} {rec_s / plain_s:>6.2f} {peak / 1e6:>8.1f}")
+            print(f"{n:>8} {mb:>8.1f} {rec_s:>10.3f} {plain_s:>13.3f} {rec_s / plain_s:>6.2f} {peak:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import zstandard
 
 from toolkit.formats.frames import CorruptShard, Damage, intact_frames, iter_frames, read_shard, scan
 from toolkit.formats.manifests import read_done, verify_done, write_done
-from toolkit.formats.records import OK, Record, failed_record, pack_ids, unpack_ids
+from toolkit.formats.records import OK, PARTIAL, Record, failed_record, is_transient, pack_ids, unpack_ids
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 
 
@@ -331,7 +331,6 @@ def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, c
 # the writer's recovery reads a shard as every reader does (formats.newest)
 # ---------------------------------------------------------------------------------------------------
 from toolkit.formats.newest import newest_records, scan_shard  # noqa: E402
-from toolkit.formats.records import PARTIAL, is_transient  # noqa: E402
 
 
 def _random_record(rng: random.Random, pos: int) -> Record:
