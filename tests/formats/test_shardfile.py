@@ -1,17 +1,25 @@
 """Shard files: torn tails are cut off, damage elsewhere is salvaged, every reader judges frames alike, writers
 are exclusive."""
 
+import errno
+import fcntl
+import os
 import random
+import socket
 import struct
 import subprocess
 import sys
+import time
 import zlib
 
 import msgspec
 import pytest
 import zstandard
 
+import toolkit.formats.shardfile as sf
+from toolkit.formats import frames, locks
 from toolkit.formats.frames import CorruptShard, Damage, intact_frames, iter_frames, read_shard, scan
+from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import read_done, verify_done, write_done
 from toolkit.formats.records import OK, PARTIAL, Record, failed_record, is_transient, pack_ids, unpack_ids
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
@@ -220,6 +228,37 @@ def test_done_counts_the_newest_record_of_each_planned_position(tmp_path):
     assert (m.records, m.ok, m.failed, m.transient, m.superseded) == (3, 2, 1, 1, 0)
 
 
+def test_a_writer_whose_write_failed_writes_nothing_more(tmp_path, monkeypatch):
+    path = tmp_path / "00000.zst"
+    w = ShardWriter(path, "f" * 16, 0, flush_records=2)
+    w.open(range(0, 6))
+    w.add(rec(0))
+    w.add(rec(1))  # one intact batch
+    real, writes = os.write, []
+
+    def torn(fd, data):
+        writes.append(len(data))
+        if len(writes) == 1:
+            real(fd, bytes(data)[:5])  # a torn frame, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sf.os, "write", torn)
+    w.add(rec(2))
+    with pytest.raises(OSError):
+        w.add(rec(3))
+    w.add(rec(4))
+    assert not w.due() and not w.flush_within(1.0)
+    with pytest.raises(OSError) as e:
+        w.flush()  # even with nothing pending: what it lost is not in the file
+    assert e.value.errno == errno.ENOSPC
+    w.close()
+    assert len(writes) == 1
+    monkeypatch.setattr(sf.os, "write", real)
+    again = ShardWriter(path, "f" * 16, 0)
+    assert sorted(again.open(range(0, 6))) == [rec(0).id, rec(1).id]  # the torn frame cut off
+    again.close()
+
+
 def test_fingerprint_mismatch_refused(tmp_path):
     path = tmp_path / "s.zst"
     write(path, [rec(0)])
@@ -248,16 +287,6 @@ except ShardLocked as e:
 # ---------------------------------------------------------------------------------------------------
 # file systems without flock (older NFS, Lustre without -o flock): a lock file stands in
 # ---------------------------------------------------------------------------------------------------
-import errno  # noqa: E402
-import fcntl  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import time  # noqa: E402
-
-from toolkit.formats import frames, locks  # noqa: E402
-from toolkit.formats.locks import ShardLocked  # noqa: E402
-
-
 @pytest.fixture
 def no_flock(monkeypatch):
     def flock(fd, op):

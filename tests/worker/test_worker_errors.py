@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.formats.frames import read_shard
+from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.worker.run import DONE, ShardFailed, ShardRefused, run_shard
@@ -25,31 +28,50 @@ def kimi(toy_tokenizer):
     return toy_tokenizer("kimi")
 
 
+# Where the first write to fail comes from: the shard's own batch (`add`), the watcher's timed
+# flush, or the shard's last flush at its end; (flush_records, flush_seconds, token_delay_s).
+FULL_DISK_AT = {
+    "add": ("shardfile.py", "add", (3, 1e6, 0.0)),
+    "timed": ("concurrency.py", "watch", (1000, 0.3, 0.01)),
+    "finish": ("run.py", "_finish", (1000, 1e6, 0.0)),
+}
+
+
 @pytest.mark.slow
-def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(tmp_path, kimi, monkeypatch):
-    job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64})
+@pytest.mark.parametrize("where", FULL_DISK_AT)
+def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(
+    tmp_path, kimi, monkeypatch, where
+):
+    file, func, (records, seconds, delay) = FULL_DISK_AT[where]
+    job = make_job(
+        tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, stub={"token_delay_s": delay},
+        sharding={"flush_records": records, "flush_seconds": seconds},
+    )
     rd, _ = prepared_run(job)
     import toolkit.formats.shardfile as sf
 
-    real, calls = os.write, {"n": 0}
+    real, calls, failed_in = os.write, {"n": 0}, []
 
     def write(fd, data):
         calls["n"] += 1
-        if calls["n"] > 3:  # the header and two batches get through
+        if calls["n"] > 1:  # the header gets through, the first batch meets a full disk
+            failed_in.append([(Path(f.filename).name, f.name) for f in traceback.extract_stack()])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data)
 
     monkeypatch.setattr(sf.os, "write", write)
     with pytest.raises(ShardFailed) as e:
         run_shard(rd.root, 0)
+    assert len(failed_in) == 1, "nothing is written after a failed write (a torn frame may end it)"
+    assert (file, func) in failed_in[0]
     assert e.value.exit_code == 1
     msg = str(e.value)
     assert "No space left on device (ENOSPC)" in msg and "free space" in msg and "\n" not in msg
     assert read_progress(rd.progress_file(0)).state == "failed"
-    kept = len(list(read_shard(rd.shard_file(0))))
+    assert read_done(rd.done_file(0)) is None
     monkeypatch.setattr(sf.os, "write", real)
     assert run_shard(rd.root, 0).end == DONE
-    assert sorted(r.id for r in read_shard(rd.shard_file(0))) == [f"p{i:04d}" for i in range(12)] and kept > 0
+    assert sorted(r.id for r in read_shard(rd.shard_file(0))) == [f"p{i:04d}" for i in range(12)]
 
 
 def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkeypatch, caplog):

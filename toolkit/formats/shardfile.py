@@ -73,6 +73,9 @@ class ShardWriter:
         # ids of `transient`: the failed tries their newest record counts (.tries)
         self.tries: dict[str, int] = {}
         self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
+        # the error of a write that failed (a full disk): the file may end in a torn frame, so
+        # nothing more is written to it; its records are generated again when it is reopened
+        self.write_error: OSError | None = None
         # n_output of the newest record per planned position (see `open`)
         self.output_tokens_at: array | None = None
         # records found outside the planned positions (another shard's), and their first ids
@@ -221,11 +224,15 @@ class ShardWriter:
     def _write(self, data: bytes, *, sync: bool = True) -> None:
         assert self._fd is not None
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        if sync:
-            os.fsync(self._fd)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            if sync:
+                os.fsync(self._fd)
+        except OSError as e:
+            self.write_error = e
+            raise
 
     def add(self, record: Record) -> None:
         self._pending.append(record)
@@ -233,7 +240,13 @@ class ShardWriter:
             self.flush()
 
     def due(self) -> bool:
-        return bool(self._pending) and time.monotonic() - self._last_flush >= self.flush_seconds
+        """Whether a timed flush is due (never after a failed write: the shard's own next write
+        says it)."""
+        return (
+            bool(self._pending)
+            and self.write_error is None
+            and time.monotonic() - self._last_flush >= self.flush_seconds
+        )
 
     def flush(self) -> None:
         with self._flushing:
@@ -245,7 +258,7 @@ class ShardWriter:
         if not self._flushing.acquire(timeout=timeout_s):
             return False
         try:
-            if self._fd is None:
+            if self._fd is None or self.write_error is not None:
                 return False
             self._flush()
             return True
@@ -253,6 +266,8 @@ class ShardWriter:
             self._flushing.release()
 
     def _flush(self) -> None:
+        if self.write_error is not None:  # the records it lost are not in the file
+            raise self.write_error
         self._last_flush = time.monotonic()
         if not self._pending:
             return
@@ -264,10 +279,13 @@ class ShardWriter:
             self._lockfile.touch()
 
     def close(self) -> None:
+        """Flush and release the file; after a failed write, release it only (what was pending
+        is generated again when the shard is reopened)."""
         if self._fd is None:
             return
         try:
-            self.flush()
+            if self.write_error is None:
+                self.flush()
         finally:
             os.close(self._fd)  # releases the lock
             self._fd = None

@@ -84,7 +84,10 @@ async def watch(batch: Batch, engine, hang: HangWatch) -> None:
         await asyncio.sleep(0.25)
         for sh in batch.shards:
             if sh.writer.due():
-                sh.writer.flush()
+                try:
+                    sh.writer.flush()
+                except OSError:  # (a full disk): kept by the writer, the shard's next write fails
+                    pass  # the shard with it, not the others this engine serves
         now = time.monotonic()
         if now - last > REFRESH_S:
             last = now

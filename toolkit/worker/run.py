@@ -196,7 +196,10 @@ class ShardRun(Shard):
 
     def _failed(self, e: BaseException) -> ShardFailed | ShardRefused:
         if isinstance(e, OSError):
-            self._close_writer()
+            try:
+                self._close_writer()
+            except OSError:
+                pass  # (the disk that failed fails again: `e` says what to do)
             return _failed(e, self.rd, self.shard)
         if isinstance(e, BadInputError) and not isinstance(e, SHARD_ERRORS):
             e = ShardRefused(str(e))
