@@ -68,3 +68,30 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     assert loops_column(table) == {0: loops0, 1: loops1} and st.totals.loops == loops0 + loops1
     total = next(line for line in table.splitlines() if line.startswith("total:"))
     assert total.startswith(f"total: 40/40 prompts, 0 failed, {loops0 + loops1} stopped in a repetition loop, ")
+
+
+def test_a_resumed_shard_counts_the_loops_its_earlier_attempts_recorded(tmp_path, kimi, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 30)
+    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 4096},
+                   stub={"degenerate_fraction": 0.3, "output_scale": 4096},
+                   client={"concurrency": 4, "loop_stop": True, "segment_tokens": 512},
+                   audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0})
+    rd, _ = prepared_run(job)
+    assert run_shard(rd.root, 0).end == DONE
+    first = list(read_shard(rd.shard_file(0)))
+    looped = [r.id for r in first if r.finish == LOOP]
+    assert len(looped) >= 2  # the stub's draw: about a third of the outputs loop
+    # a second attempt generates one looped output and two others again, and keeps the rest
+    again = looped[:1] + [r.id for r in first if r.finish != LOOP][:2]
+    (tmp_path / "ids.txt").write_text("\n".join(again) + "\n")
+    assert cli_main(["retry", str(rd.root), "--ids", str(tmp_path / "ids.txt"), "--quiet"]) == 0
+    capsys.readouterr()  # (its audit)
+    p = read_progress(rd.progress_file(0))
+    newest = {r.id: r for r in read_shard(rd.shard_file(0))}
+    loops = sum(r.finish == LOOP for r in newest.values())
+    assert p.resumed_loops == len(looped) - 1 and p.resumed_loops + p.loops_stopped == loops
+    # as `status` shows it while the shard runs: from its progress file, earlier attempts included
+    rd.done_file(0).unlink()
+    write_progress(rd.progress_file(0), msgspec.structs.replace(p, state="stopped", pid=0))
+    table, st = status(rd.root, capsys)
+    assert loops_column(table) == {0: loops} and st.totals.loops == loops

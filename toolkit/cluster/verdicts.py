@@ -492,7 +492,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         reason=reason,
         # (given up after max_tries: retry starts afresh)
         transient=done.transient + done.given_up if done else 0,
-        loops=done.loops if done else p.loops_stopped,
+        loops=done.loops if done else p.resumed_loops + p.loops_stopped,
         stale=stale,
         **({"running": p.running, "queued": p.queued, "kv_usage": p.kv_usage} if running else {}),
     )

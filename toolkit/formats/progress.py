@@ -75,6 +75,7 @@ class Progress(msgspec.Struct, kw_only=True):
                                      # next time)
     loops_stopped: int = 0           # outputs stopped in a repetition loop by this attempt
                                      # ([client] loop_stop)
+    resumed_loops: int = 0           # such outputs already recorded when this attempt started
     # the worker that runs this attempt, which claims shards one after another with one engine
     # (worker.claims)
     task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of

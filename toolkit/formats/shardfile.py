@@ -33,7 +33,7 @@ from toolkit.formats.frames import (
 )
 from toolkit.formats.locks import LockFile, flock_or_lockfile
 from toolkit.formats.newest import ShardScan, newest_records, scan_shard
-from toolkit.formats.records import PARTIAL, Record, is_transient
+from toolkit.formats.records import LOOP, PARTIAL, Record, is_transient
 from toolkit.formats.text import file_stamp
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class ShardWriter:
         self.write_error: OSError | None = None
         # n_output of the newest record per planned position (see `open`)
         self.output_tokens_at: array | None = None
+        # the planned positions whose newest record was stopped in a repetition loop
+        self.loops_at: list[int] = []
         # records found outside the planned positions (another shard's), and their first ids
         self.foreign = 0
         self.foreign_ids: list[str] = []
@@ -177,6 +179,8 @@ class ShardWriter:
                 continue
             done[r.id] = sc.offsets[sc.frame_of[pos]]
             otok[pos] = r.n_output
+            if r.finish == LOOP:
+                self.loops_at.append(pos)
             if is_transient(r):
                 self.transient.add(r.id)
                 self.tries[r.id] = r.tries

@@ -358,6 +358,7 @@ def _open(sh: ShardRun) -> ShardRun | ShardEnd:
         redo, sh.tries = _redo_ids(rd, shard, sh.writer, done_ids)
         todo = _plan_todo(rd, sh, done_ids, redo)
         sh.progress.resumed_tokens = _resumed_tokens(sh, todo)
+        sh.progress.resumed_loops = sum(pos not in todo for pos in sh.writer.loops_at)
         sh.history = _turn_history(rd, plan, shard, redo)
         sh.recorded = len(done_ids) - len(redo)
         sh.partial = {i: r for i, r in sh.writer.partial.items() if i in redo}
