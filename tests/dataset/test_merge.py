@@ -202,6 +202,44 @@ def test_records_that_are_not_the_shards_are_left_out_and_reported(tmp_path, kim
     assert [r.index for r in merged(s)] == list(range(6)) and not m.complete
 
 
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+def test_a_killed_merges_file_is_cleared_and_a_live_one_refused(tmp_path, kimi, monkeypatch, flock):
+    """A merge killed part-way leaves its temporary file: the next merge removes it and merges. One
+    another merge still writes is refused: its flock held, or where the file system has none, its
+    lock file (a stale lock file, of a merge gone, is taken over)."""
+    import errno
+    import fcntl
+    import socket
+
+    from toolkit.formats.shardfile import ShardWriter
+
+    if flock == "no flock":
+        monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(
+            OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)
+    runs.write_run(s)
+    tmp = s.rd.merged_dir / ".records.zst.tmp"
+    s.rd.merged_dir.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(b"what a killed merge left")
+    if flock == "no flock":  # and its lock file: this host, a pid that is gone
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        lock = tmp.with_name(tmp.name + ".lock")
+        lock.write_bytes(msgspec.json.encode({"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}))
+    merge_run(s.root)
+    assert [r.id for r in merged(s)] == [ref.id for ref in s.refs] and not tmp.exists()
+    assert not list(s.rd.merged_dir.glob(".*"))  # the lock file of the killed merge too
+
+    other = ShardWriter(tmp, s.plan.fingerprint, MERGED)  # a merge under way
+    other.open(range(6))
+    try:
+        with pytest.raises(MergeError, match="another merge of this run is writing"):
+            merge_run(s.root)
+    finally:
+        other.close()
+    assert [r.id for r in merged(s)] == [ref.id for ref in s.refs]
+
+
 def test_merge_help_names_the_options(capsys):
     with pytest.raises(SystemExit):
         cli_main(["merge", "--help"])

@@ -224,3 +224,30 @@ def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
     finally:
         for f in files:
             f.close()
+
+
+def test_without_flock_no_task_hands_over(tmp_path, kimi, monkeypatch):
+    """Where the file system has no flock, the decide-and-publish cannot be one step: a task at the
+    tail then finishes its own shards (it never raises from the event loop, never leaves)."""
+    import errno
+    import fcntl
+
+    from toolkit.formats.progress import Progress, write_progress
+    from toolkit.worker.claims import hand_over
+
+    rd, plan = prepared_run(make_job(tmp_path, kimi, n=4, shards=2))
+    opened = {}
+    for k, task in ((0, "a"), (1, "b")):
+        p = Progress(shard=k, total=2, state="generating", task=task, running=1, in_flight_target=8)
+        write_progress(rd.progress_file(k), p)
+        opened[task] = _Open(rd, k, p)
+    for k in (0, 1):  # both shards held by their tasks: their lock files, as without flock
+        rd.shard_file(k).with_name(rd.shard_file(k).name + ".lock").write_text("{}")
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8))
+    assert not hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
+    assert not read_progress(rd.progress_file(0)).leaving and not read_progress(rd.progress_file(1)).leaving

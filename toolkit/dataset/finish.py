@@ -14,6 +14,7 @@ from toolkit.dataset.audit_report import AuditReport
 from toolkit.dataset.merge import finished_shards, io_error, merge_run
 from toolkit.errors import FailedError
 from toolkit.formats.files import shown_path
+from toolkit.formats.locks import try_flock
 from toolkit.formats.rundir import RunDir
 from toolkit.job.plan import load_run
 
@@ -71,14 +72,15 @@ class _merge_lock:
         self.fd: int | None = None
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logging.getLogger("toolkit.dataset.merge").info(
-                "another merge of this run is under way: waiting for it to end"
-            )
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            if try_flock(self.fd) is False:
+                logging.getLogger("toolkit.dataset.merge").info(
+                    "another merge of this run is under way: waiting for it to end"
+                )
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+        # without flock here, the merge's temporary file is locked by its writer (merge._clear_stale
+        # refuses a live one); a run directory not writable: merge_run says what it cannot do
         except OSError:
-            pass  # no flock here, or a run directory not writable: merge_run says what it cannot do
+            pass
         return self
 
     def __exit__(self, *exc) -> None:

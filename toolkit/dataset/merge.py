@@ -16,7 +16,6 @@ named in `merged/manifest.json`, never skipped in silence.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import msgspec
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
-from toolkit.formats.locks import ShardLocked
+from toolkit.formats.locks import ShardLocked, flock_or_lockfile
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
 from toolkit.formats.records import OK, Record
@@ -388,20 +387,24 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
 
 
 def _clear_stale(tmp: Path) -> None:
-    """Remove the temporary file of a merge that was killed; refuse if a merge still holds it."""
+    """Remove the temporary file of a merge that was killed; refuse if a merge still holds it (its
+    writer's lock: flock, or where there is none, its lock file, a stale one taken over)."""
     try:
         fd = os.open(tmp, os.O_RDWR)
     except FileNotFoundError:
         return
+    lock = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        lock = flock_or_lockfile(fd, tmp)
+        tmp.unlink(missing_ok=True)
+    except ShardLocked:
         raise MergeError(
             f"another merge of this run is writing {tmp}; wait for it to end"
         ) from None
     finally:
         os.close(fd)
-    tmp.unlink(missing_ok=True)
+        if lock is not None:
+            lock.release()
 
 
 def _log_problems(rd: RunDir, m: MergeManifest) -> None:

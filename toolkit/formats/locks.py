@@ -165,27 +165,38 @@ class LockFile:
                 pass
 
 
+def try_flock(fd: int, *, shared: bool = False) -> bool | None:
+    """Take the flock of `fd` without waiting: True when taken, False when another process holds
+    it, None when the file system has no flock (NO_FLOCK); any other error is raised. Every lock of
+    the toolkit is taken through here (each caller says what "held" and "no flock" mean to it)."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in NO_FLOCK:
+            return None
+        raise
+
+
 def flock_or_lockfile(fd: int, path: Path) -> LockFile | None:
     """Lock `fd` (the shard file) for this writer: flock, or where the file system has none, a lock
     file."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        taken = try_flock(fd)
+    except OSError as e:
+        raise ShardLocked(
+            f"{path}: cannot lock it ({e.strerror}); check the file system it is on"
+        ) from None
+    if taken:
         return None
-    except BlockingIOError:
+    if taken is False:
         raise ShardLocked(
             f"{path} is locked by another worker of this shard (a task still running, or a requeue "
             "racing the old one); wait for it to end or cancel it"
-        ) from None
-    except OSError as e:
-        if e.errno not in NO_FLOCK:
-            raise ShardLocked(
-                f"{path}: cannot lock it ({e.strerror}); check the file system it is on"
-            ) from None
-        log.warning(
-            "%s: this file system has no flock (%s): an exclusive lock file stands in",
-            path,
-            e.strerror,
         )
+    log.warning("%s: this file system has no flock: an exclusive lock file stands in", path)
     lock = LockFile(path.with_name(path.name + ".lock"))
     lock.acquire()
     return lock
@@ -200,14 +211,12 @@ def flock_held(path: Path) -> bool | None:
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError as e:
-        return None if e.errno in NO_FLOCK else False
+        taken = try_flock(fd, shared=True)
+    except OSError:
+        return False
     finally:
         os.close(fd)  # (releases the probe's lock)
-    return False
+    return None if taken is None else not taken
 
 
 def held_elsewhere(path: Path) -> bool:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import socket
@@ -15,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from toolkit.formats.files import atomic_write
-from toolkit.formats.locks import flock_held, pid_alive
+from toolkit.formats.locks import flock_held, pid_alive, try_flock
 
 __all__ = [
     "LocalRun",
@@ -214,10 +213,9 @@ def local_run(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass  # no flock here (or a pid reused): the pid stands in (live_local_runs)
+        # held, and kept, while this process runs; without flock here (or with a pid reused) the
+        # pid stands in (live_local_runs)
+        try_flock(fd)
         os.write(fd, msgspec.json.encode(me))
     except OSError as e:
         log.warning(

@@ -38,6 +38,7 @@ import time
 
 import msgspec
 
+from toolkit.formats.locks import try_flock
 from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
@@ -165,9 +166,11 @@ def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
     (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
     leave for each other. False when another task holds the lock (the next look decides)."""
     with open(rd.handover_lock, "a+b") as f:
-        try:  # never waited for: this runs on the event loop; the next look comes a second later
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        # never waited for: this runs on the event loop; the next look comes a second later
+        taken = try_flock(f.fileno())
+        if taken is None:  # two tasks could leave for each other: each finishes its own shards
+            log.debug("%s: no flock on this file system: no handover", rd.handover_lock)
+        if not taken:
             return False
         try:
             if not hands_over(
