@@ -219,8 +219,9 @@ def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_i
     import signal
     import time
 
+    # (no retry within a try: its backoff, 30 to 60 s with these settings, would delay the first try's record)
     job = always_job(tmp_path, kimi, {1: "status_503"}, n=4, shards=1, sharding={"flush_records": 1},
-                     client={"backoff_s": 60.0, "backoff_max_s": 60.0})
+                     client={"backoff_s": 60.0, "backoff_max_s": 60.0, "retries": 0})
     rd, _ = prepared_run(job)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"], env=env,
