@@ -265,3 +265,57 @@ def test_hands_over_the_smallest_tail_to_tasks_with_room():
     assert hands_over(Tail("b", 10, 64), [Tail("a", 3, 64, leaving=True), c], 0)
     x, y = Tail("x", 5, 64), Tail("y", 5, 64)
     assert hands_over(x, [y], 0) != hands_over(y, [x], 0)
+
+
+NO_FLOCK_SITE = """
+import errno, fcntl, os
+
+def _flock(fd, op):  # a file system without flock (Lustre without -o flock, older NFS)
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+fcntl.flock = _flock
+"""
+
+
+@pytest.mark.slow
+def test_without_flock_a_parallel_run_killed_mid_run_finishes_every_id_once(tmp_path, kimi):
+    """On a file system without flock every lock is a lock file: two workers claim the shards by them,
+    kill -9 of the whole run leaves them behind (their pids gone), and the next `toolkit run` takes them over,
+    merges every id once and leaves no lock file."""
+    n = 32
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_FLOCK_SITE)  # in every process of the run
+    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
+                   client={"concurrency": 2})
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    argv = [sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    rd, _ = prepared_run(job)
+    deadline = time.time() + 90
+    while time.time() < deadline:  # both workers generating, a few records in
+        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+        if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("two workers never generated at once")
+    held = sorted(p.name for p in rd.shards_dir.glob("*.zst.lock"))
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert len(held) == 2, out  # the claims: one lock file per worker's shard
+    assert sorted(p.name for p in rd.shards_dir.glob("*.zst.lock")) == held, "left behind by kill -9"
+
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
+    logs = "".join(p.read_text() for p in rd.logs_dir.glob("*.log"))
+    assert "no flock: an exclusive lock file stands in" in logs
+    assert "which is gone" in logs  # a lock of a killed worker taken over
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))
+    assert not list(rd.root.rglob("*.lock")) or all(p.name in ("merge.lock", "handover.lock")
+                                                    for p in rd.root.rglob("*.lock"))
+    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    assert not left.strip(), "no engine outlives its worker"
