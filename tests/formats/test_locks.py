@@ -53,3 +53,42 @@ def test_no_lock_is_tried_without_waiting_outside_formats_locks():
             if isinstance(node, ast.Attribute) and node.attr == "LOCK_NB":
                 users.add(path.relative_to(package).as_posix())
     assert users == {"formats/locks.py"}
+
+
+def test_without_flock_a_shard_is_held_while_its_lock_files_writer_lives(tmp_path, monkeypatch):
+    """What a claiming worker and `toolkit run` ask of a shard without flock: its lock file counts only while
+    the writer that wrote it can still hold it (the rule by which a writer takes a stale one over)."""
+    import socket
+    import subprocess
+    import time
+
+    import msgspec
+
+    from toolkit.formats.locks import STALE_LOCK_S, held_elsewhere
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(
+        OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))
+    shard = tmp_path / "00000.zst"
+    shard.write_bytes(b"")
+    lock = tmp_path / "00000.zst.lock"
+    assert not held_elsewhere(shard)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def holder(host, pid, age=0.0):
+        lock.write_bytes(msgspec.json.encode({"host": host, "pid": pid, "started": 1.0}))
+        os.utime(lock, (time.time() - age, time.time() - age))
+
+    here = socket.gethostname()
+    holder(here, os.getpid())
+    assert held_elsewhere(shard)
+    holder(here, gone.pid)  # killed: its pid is gone
+    assert not held_elsewhere(shard)
+    holder("gpu-17", 4242)
+    assert held_elsewhere(shard)
+    holder("gpu-17", 4242, age=STALE_LOCK_S + 60)  # another host's, untouched past the bound
+    assert not held_elsewhere(shard)
+    lock.write_bytes(b"{half writ")
+    assert held_elsewhere(shard)  # being written
+    os.utime(lock, (time.time() - 120, time.time() - 120))
+    assert not held_elsewhere(shard)

@@ -206,28 +206,32 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
     assert [c.shard for c in candidates(set(), "g")] == [2, 3, 4]
 
 
+def parallel_run_generating(tmp_path, kimi, n: int, env: dict[str, str]):
+    """`toolkit run --parallel 2` of n prompts in 4 shards, started in its own session and returned once both
+    workers generate, a few records in: (job, run dir, process)."""
+    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
+                   client={"concurrency": 2})
+    env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    rd, _ = prepared_run(job)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+        if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
+            return job, rd, proc
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("two workers never generated at once")
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id_once(tmp_path, kimi):
     """SIGTERM to `toolkit run` with two workers mid-run: it is passed on, each worker stops its shard (what is in
     flight kept as partial outputs), the run exits 3 with no engine left; the next `toolkit run` claims what is
     left and merges every id once."""
     n = 32
-    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
-                   client={"concurrency": 2})
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    rd, _ = prepared_run(job)
-    deadline = time.time() + 90
-    while time.time() < deadline:  # both workers generating, a few records in
-        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
-        if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("two workers never generated at once")
+    job, rd, proc = parallel_run_generating(tmp_path, kimi, n, {**os.environ, "PYTHONPATH": str(REPO)})
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out
@@ -265,3 +269,42 @@ def test_hands_over_the_smallest_tail_to_tasks_with_room():
     assert hands_over(Tail("b", 10, 64), [Tail("a", 3, 64, leaving=True), c], 0)
     x, y = Tail("x", 5, 64), Tail("y", 5, 64)
     assert hands_over(x, [y], 0) != hands_over(y, [x], 0)
+
+
+NO_FLOCK_SITE = """
+import errno, fcntl, os
+
+def _flock(fd, op):  # a file system without flock (Lustre without -o flock, older NFS)
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+fcntl.flock = _flock
+"""
+
+
+@pytest.mark.slow
+def test_without_flock_a_parallel_run_killed_mid_run_finishes_every_id_once(tmp_path, kimi):
+    """On a file system without flock every lock is a lock file: two workers claim the shards by them,
+    kill -9 of the whole run leaves them behind (their pids gone), and the next `toolkit run` takes them over,
+    merges every id once and leaves no lock file."""
+    n = 32
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_FLOCK_SITE)  # in every process of the run
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    job, rd, proc = parallel_run_generating(tmp_path, kimi, n, env)
+    held = sorted(p.name for p in rd.shards_dir.glob("*.zst.lock"))
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert len(held) == 2, out  # the claims: one lock file per worker's shard
+    assert sorted(p.name for p in rd.shards_dir.glob("*.zst.lock")) == held, "left behind by kill -9"
+
+    argv = [sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
+    logs = "".join(p.read_text() for p in rd.logs_dir.glob("*.log"))
+    assert "no flock: an exclusive lock file stands in" in logs
+    assert "which is gone" in logs  # a lock of a killed worker taken over
+    assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))
+    assert not [*rd.shards_dir.glob("*.lock"), *rd.merged_dir.glob("*.lock")], "every lock file released"
+    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    assert not left.strip(), "no engine outlives its worker"

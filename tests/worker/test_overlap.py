@@ -190,20 +190,27 @@ class _Batch:
         self.shards, self.in_flight, self.target = shards, in_flight, target
 
 
-def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
-    """The decide-and-publish is one step under the run's lock: of two tasks each running one
-    request of eight, one leaves (its progress says `leaving`); the other, seeing it, stays."""
-    import fcntl
-
+def _two_tasks_at_the_tail(tmp_path, kimi):
+    """A run of two shards, each open in its task ("a", "b"), each task running one request of eight."""
     from toolkit.formats.progress import Progress, write_progress
-    from toolkit.worker.claims import hand_over, tails
 
-    rd, plan = prepared_run(make_job(tmp_path, kimi, n=4, shards=2))
+    rd, _ = prepared_run(make_job(tmp_path, kimi, n=4, shards=2))
     opened = {}
     for k, task in ((0, "a"), (1, "b")):
         p = Progress(shard=k, total=2, state="generating", task=task, running=1, in_flight_target=8)
         write_progress(rd.progress_file(k), p)
         opened[task] = _Open(rd, k, p)
+    return rd, opened
+
+
+def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
+    """The decide-and-publish is one step under the run's lock: of two tasks each running one
+    request of eight, one leaves (its progress says `leaving`); the other, seeing it, stays."""
+    import fcntl
+
+    from toolkit.worker.claims import hand_over, tails
+
+    rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
     files = [open(rd.shard_file(k), "ab") for k in (0, 1)]
     try:
         for f in files:  # both shards held by their tasks
@@ -232,15 +239,9 @@ def test_without_flock_no_task_hands_over(tmp_path, kimi, monkeypatch):
     import errno
     import fcntl
 
-    from toolkit.formats.progress import Progress, write_progress
     from toolkit.worker.claims import hand_over
 
-    rd, plan = prepared_run(make_job(tmp_path, kimi, n=4, shards=2))
-    opened = {}
-    for k, task in ((0, "a"), (1, "b")):
-        p = Progress(shard=k, total=2, state="generating", task=task, running=1, in_flight_target=8)
-        write_progress(rd.progress_file(k), p)
-        opened[task] = _Open(rd, k, p)
+    rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
     for k in (0, 1):  # both shards held by their tasks: their lock files, as without flock
         rd.shard_file(k).with_name(rd.shard_file(k).name + ".lock").write_text("{}")
 

@@ -57,6 +57,44 @@ class LockHolder(msgspec.Struct):
     since: str = "?"
 
 
+def judge_lock_file(seen: bytes, age: float) -> tuple[str | None, str]:
+    """Whether the writer that wrote lock file content `seen` (untouched for `age` s) holds it
+    still: (why it does, or None when it is gone or stale; what a stale one is, to take it over).
+    Alive: a pid running on this host, or another host's lock touched within STALE_LOCK_S."""
+    try:
+        holder = msgspec.json.decode(seen, type=LockHolder)
+    except msgspec.DecodeError:  # msgspec.ValidationError included
+        if age < 60:  # being written right now
+            return "its lock file is being written", ""
+        holder = LockHolder("", 0, 0.0)
+    host, pid, since = holder.host, holder.pid, holder.since
+    if host == socket.gethostname():
+        if pid_alive(pid):
+            return f"pid {pid} on this host holds it since {since}", ""
+        return None, f"the lock of pid {pid} on this host, which is gone"
+    if host:
+        if age < STALE_LOCK_S:
+            return (
+                f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago",
+                "",
+            )
+        return None, (
+            f"the lock of pid {pid} on host {host}, untouched for {age:.0f} s (over {STALE_LOCK_S} "
+            "s)"
+        )
+    return None, f"an unreadable lock file untouched for {age:.0f} s"
+
+
+def lock_file_held(path: Path) -> bool:
+    """Whether the lock file `path` exists and its writer holds it still (judge_lock_file)."""
+    try:
+        seen = path.read_bytes()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return judge_lock_file(seen, age)[0] is not None
+
+
 class LockFile:
     """The writer's lock where flock is not available: `NNNNN.zst.lock`, created with
     O_CREAT|O_EXCL, holding a `LockHolder`; touched at every batch written, removed when the writer
@@ -103,36 +141,10 @@ class LockFile:
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:
             return  # released meanwhile: try again
-        try:
-            holder = msgspec.json.decode(seen, type=LockHolder)
-            host, pid, since = holder.host, holder.pid, holder.since
-        except msgspec.DecodeError:  # msgspec.ValidationError included
-            if age < 60:  # being written right now
-                raise self._refuse("its lock file is being written") from None
-            host, pid, since = "", 0, "?"
-        if host == socket.gethostname():
-            if pid_alive(pid):
-                raise self._refuse(f"pid {pid} on this host holds it since {since}")
-            log.warning(
-                "%s: taking over the lock of pid %d on this host, which is gone", self.path, pid
-            )
-        elif host:
-            if age < STALE_LOCK_S:
-                raise self._refuse(
-                    f"pid {pid} on host {host} holds it since {since}, last written {age:.0f} s ago"
-                )
-            log.warning(
-                "%s: taking over the lock of pid %d on host %s, untouched for %.0f s (over %d s)",
-                self.path,
-                pid,
-                host,
-                age,
-                STALE_LOCK_S,
-            )
-        else:
-            log.warning(
-                "%s: taking over an unreadable lock file untouched for %.0f s", self.path, age
-            )
+        live, stale = judge_lock_file(seen, age)
+        if live is not None:
+            raise self._refuse(live)
+        log.warning("%s: taking over %s", self.path, stale)
         aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
         try:
             os.rename(self.path, aside)  # atomic: of two takers, one moves the stale lock
@@ -221,9 +233,9 @@ def flock_held(path: Path) -> bool | None:
 
 def held_elsewhere(path: Path) -> bool:
     """Whether another writer holds the lock of shard file `path` at this moment (its flock; where
-    the file system has none, its lock file). Only looked at: a writer may take the lock the next
-    moment (ShardLocked says so)."""
+    the file system has none, its lock file, unless stale: judge_lock_file). Only looked at: a
+    writer may take the lock the next moment (ShardLocked says so)."""
     held = flock_held(path)
-    return path.with_name(path.name + ".lock").exists() if held is None else held
+    return lock_file_held(path.with_name(path.name + ".lock")) if held is None else held
 
 
