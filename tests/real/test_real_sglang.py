@@ -301,8 +301,9 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
         pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
     from toolkit.cluster.jobs import read_jobs
 
-    # as in the test above: 300 tokens each (min_new_tokens), the stop as soon as the server runs requests
-    job = sglang_job(tmp_path, tiny_model, n=8, sampling={"max_new_tokens": 300, "min_new_tokens": 300},
+    # as in the test above: 16 prompts of 1,200 tokens each (min_new_tokens), 4 at a time, the stop as soon as the
+    # server runs requests (8 of 300 took 2 s on an idle machine: over before the worker's 1 s poll saw them)
+    job = sglang_job(tmp_path, tiny_model, n=16, sampling={"max_new_tokens": 1200, "min_new_tokens": 1200},
                      client={"concurrency": 4, "request_timeout_s": 1800},
                      slurm={"gpus_per_node": 1, "cpus_per_task": 2, "time": "00:20:00", "merge_cpus": 1})
     toolkit("submit", str(job))
@@ -330,7 +331,7 @@ def test_under_slurm_a_requeue_or_a_cancel_of_a_real_engine_saves_what_is_in_fli
     if how == "requeue":  # the task comes back and continues them
         _wait(lambda: "shard 0 complete" in log.read_text(), 420, "the requeued task to finish")
         newest = _newest(_records(rd.root))
-        assert sorted(newest) == [f"p{i:04d}" for i in range(8)] and any(r.segments > 1 for r in newest.values())
+        assert sorted(newest) == [f"p{i:04d}" for i in range(16)] and any(r.segments > 1 for r in newest.values())
 
 
 def test_outputs_asked_for_in_segments_are_the_one_request_outputs_and_loops_are_stopped(tmp_path, tiny_model,
