@@ -26,7 +26,7 @@ import msgspec
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
-from toolkit.formats.locks import ShardLocked, flock_or_lockfile
+from toolkit.formats.locks import LockFile, ShardLocked, try_flock
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
 from toolkit.formats.records import OK, Record
@@ -393,14 +393,19 @@ def _clear_stale(tmp: Path) -> None:
         fd = os.open(tmp, os.O_RDWR)
     except FileNotFoundError:
         return
+    busy = MergeError(f"another merge of this run is writing {tmp}; wait for it to end")
     lock = None
     try:
-        lock = flock_or_lockfile(fd, tmp)
+        taken = try_flock(fd)  # (an I/O error is the merge's, as any other)
+        if taken is False:
+            raise busy
+        if taken is None:  # no flock here: the lock file of the merge's writer
+            lock = LockFile(tmp.with_name(tmp.name + ".lock"))
+            try:
+                lock.acquire()  # (a stale one taken over)
+            except ShardLocked:
+                raise busy from None
         tmp.unlink(missing_ok=True)
-    except ShardLocked:
-        raise MergeError(
-            f"another merge of this run is writing {tmp}; wait for it to end"
-        ) from None
     finally:
         os.close(fd)
         if lock is not None:

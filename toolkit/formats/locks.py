@@ -85,14 +85,18 @@ def judge_lock_file(seen: bytes, age: float) -> tuple[str | None, str]:
     return None, f"an unreadable lock file untouched for {age:.0f} s"
 
 
+def read_lock_file(path: Path) -> tuple[bytes, float] | None:
+    """A lock file's content and the seconds since it was last touched (None: there is none)."""
+    try:
+        return path.read_bytes(), time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def lock_file_held(path: Path) -> bool:
     """Whether the lock file `path` exists and its writer holds it still (judge_lock_file)."""
-    try:
-        seen = path.read_bytes()
-        age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    return judge_lock_file(seen, age)[0] is not None
+    found = read_lock_file(path)
+    return found is not None and judge_lock_file(*found)[0] is not None
 
 
 class LockFile:
@@ -136,11 +140,10 @@ class LockFile:
         )
 
     def _judge(self) -> None:
-        try:
-            seen = self.path.read_bytes()
-            age = time.time() - self.path.stat().st_mtime
-        except FileNotFoundError:
+        found = read_lock_file(self.path)
+        if found is None:
             return  # released meanwhile: try again
+        seen, age = found
         live, stale = judge_lock_file(seen, age)
         if live is not None:
             raise self._refuse(live)
