@@ -1,10 +1,14 @@
 """Shared pytest fixtures.
 
 Tokenizers: small real Hugging Face tokenizers built once per session by toolkit.stub.toy_tokenizer.
+`no_flock`: this process on a file system without flock (older NFS, Lustre without -o flock).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +21,16 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if item.get_closest_marker("slurm") or item.get_closest_marker("sglang") or item.get_closest_marker("trainers"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def no_flock(monkeypatch) -> None:
+    """flock fails with ENOLCK in this process, as on a file system without it: a lock file stands in."""
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
 
 
 @pytest.fixture(scope="session")

@@ -203,19 +203,16 @@ def test_records_that_are_not_the_shards_are_left_out_and_reported(tmp_path, kim
 
 
 @pytest.mark.parametrize("flock", ["flock", "no flock"])
-def test_a_killed_merges_file_is_cleared_and_a_live_one_refused(tmp_path, kimi, monkeypatch, flock):
+def test_a_killed_merges_file_is_cleared_and_a_live_one_refused(tmp_path, kimi, request, flock):
     """A merge killed part-way leaves its temporary file: the next merge removes it and merges. One
     another merge still writes is refused: its flock held, or where the file system has none, its
     lock file (a stale lock file, of a merge gone, is taken over)."""
-    import errno
-    import fcntl
     import socket
 
     from toolkit.formats.shardfile import ShardWriter
 
     if flock == "no flock":
-        monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(
-            OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))
+        request.getfixturevalue("no_flock")
     s = runs.plan_run(tmp_path, kimi, datasets={"math": 6}, shards=2)
     runs.write_run(s)
     tmp = s.rd.merged_dir / ".records.zst.tmp"

@@ -55,7 +55,7 @@ def test_no_lock_is_tried_without_waiting_outside_formats_locks():
     assert users == {"formats/locks.py"}
 
 
-def test_without_flock_a_shard_is_held_while_its_lock_files_writer_lives(tmp_path, monkeypatch):
+def test_without_flock_a_shard_is_held_while_its_lock_files_writer_lives(tmp_path, no_flock):
     """What a claiming worker and `toolkit run` ask of a shard without flock: its lock file counts only while
     the writer that wrote it can still hold it (the rule by which a writer takes a stale one over)."""
     import socket
@@ -66,8 +66,6 @@ def test_without_flock_a_shard_is_held_while_its_lock_files_writer_lives(tmp_pat
 
     from toolkit.formats.locks import STALE_LOCK_S, held_elsewhere
 
-    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(
-        OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))
     shard = tmp_path / "00000.zst"
     shard.write_bytes(b"")
     lock = tmp_path / "00000.zst.lock"

@@ -285,15 +285,8 @@ except ShardLocked as e:
 
 
 # ---------------------------------------------------------------------------------------------------
-# file systems without flock (older NFS, Lustre without -o flock): a lock file stands in
+# file systems without flock (older NFS, Lustre without -o flock): a lock file stands in (`no_flock`: conftest)
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def no_flock(monkeypatch):
-    def flock(fd, op):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setattr(fcntl, "flock", flock)
-
 
 def lock_info(path) -> dict:
     return msgspec.json.decode((path.parent / (path.name + ".lock")).read_bytes())

@@ -233,22 +233,15 @@ def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
             f.close()
 
 
-def test_without_flock_no_task_hands_over(tmp_path, kimi, monkeypatch):
+def test_without_flock_no_task_hands_over(tmp_path, kimi, no_flock):
     """Where the file system has no flock, the decide-and-publish cannot be one step: a task at the
     tail then finishes its own shards (it never raises from the event loop, never leaves)."""
-    import errno
-    import fcntl
 
     from toolkit.worker.claims import hand_over
 
     rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
     for k in (0, 1):  # both shards held by their tasks: their lock files, as without flock
         rd.shard_file(k).with_name(rd.shard_file(k).name + ".lock").write_text("{}")
-
-    def flock(fd, op):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setattr(fcntl, "flock", flock)
     assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8))
     assert not hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
     assert not read_progress(rd.progress_file(0)).leaving and not read_progress(rd.progress_file(1)).leaving
