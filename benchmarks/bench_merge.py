@@ -129,6 +129,20 @@ def cpu_now() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def measure_to_dataset(run: Path, tokens: int, cache: Path) -> None:
+    """toolkit.to_dataset of every record of `run`: time, and the bytes per output token it leaves in the
+    `datasets` cache (`cache`)."""
+    import toolkit
+
+    c0, w0 = cpu_now(), time.perf_counter()
+    ds = toolkit.to_dataset(run, ok_only=False, cache_dir=cache)
+    cpu, wall = cpu_now() - c0, time.perf_counter() - w0
+    size = sum(f.stat().st_size for f in cache.rglob("*.arrow"))
+    print(f"to_dataset     : {ds.num_rows} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
+          f"({wall / tokens * 1e9:.0f} ns/token), CPU {cpu:.1f} s; cache {size / 1e6:.0f} MB = "
+          f"{size / tokens:.2f} B per output token (output_ids {ds.data.schema.field('output_ids').type})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=50_000_000, help="output tokens of the large run")
@@ -179,6 +193,7 @@ def main() -> None:
                   f"({tokens / wall / 1e6:.2f} M tokens/s), CPU {cpu:.1f} s ({tokens / cpu / 1e6:.2f} M tokens/s per "
                   f"core, tokenizer decoding threads included); {out.stat().st_size / 1e6:.0f} MB")
             out.unlink()
+        measure_to_dataset(run, tokens, tmp / "hf")
     finally:
         if args.keep:
             print(f"kept {tmp}")

@@ -100,6 +100,13 @@ def test_to_dataset_is_a_datasets_dataset_of_the_ok_rows_and_follows_the_run(ret
     assert ds.num_rows == len(ok) and ds["id"] == [r.id for r in ok]
     assert ds["reasoning"] == [r.reasoning for r in ok] and ds["output_ids"] == [r.output_ids for r in ok]
     assert [json.loads(m) for m in ds["meta"]] == [r.meta for r in ok]
+    import pyarrow as pa
+
+    from toolkit.dataset.export import rows_schema
+
+    # the parquet export's column types: ids as uint32 (4 bytes a token in the cache, not int64's 8)
+    assert ds.data.schema.equals(rows_schema(pa), check_metadata=False)
+    assert ds.data.schema.field("output_ids").type == pa.list_(pa.uint32())
     assert toolkit.to_dataset(s.root, ok_only=False, cache_dir=tmp_path / "hf").num_rows == len(s.refs)
     again = runs.record(s, 5, runs.healthy()(s, 5, random.Random(9)))
     runs.write_shard(s, 0, [again], done=False)  # the partial output continued: not a dataset cached before it

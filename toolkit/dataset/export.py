@@ -788,19 +788,11 @@ def _export_conversations(
     return n
 
 
-def _export_parquet(
-    path: Path, plan: RunPlan, out_path: Path, acc: _Account, tokens: _Tokens, defects: _Defects
-) -> int:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ExportError(
-            "the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] "
-            "extra)"
-        ) from None
+def rows_schema(pa: Any) -> Any:
+    """The Arrow schema of the jsonl export's rows, as the parquet export and `to_dataset` store
+    them: token ids as uint32 lists, counts as int32/int64, `meta` as JSON text. `pa`: pyarrow."""
     ids_type = pa.list_(pa.uint32())
-    schema = pa.schema(
+    return pa.schema(
         [
             ("id", pa.string()),
             ("dataset", pa.string()),
@@ -818,11 +810,24 @@ def _export_parquet(
             ("matched_stop", pa.int64()),
             ("matched_stop_str", pa.string()),
             ("prompt_tokens", pa.int64()),
-            # meta: the jsonl export's object, as JSON
             ("completion_tokens", pa.int64()),
-            ("meta", pa.string()),
+            ("meta", pa.string()),  # the jsonl export's object, as JSON
         ]
     )
+
+
+def _export_parquet(
+    path: Path, plan: RunPlan, out_path: Path, acc: _Account, tokens: _Tokens, defects: _Defects
+) -> int:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ExportError(
+            "the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] "
+            "extra)"
+        ) from None
+    schema = rows_schema(pa)
 
     def id_lists(packed: list[bytes]) -> pa.Array:
         lengths = np.fromiter((len(p) >> 2 for p in packed), np.int32, len(packed))

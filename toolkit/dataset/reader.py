@@ -18,7 +18,15 @@ from typing import Any
 
 import msgspec
 
-from toolkit.dataset.export import JsonlRecord, _jsonl_rows, _Meta, _Text, _Tokens, stale_merge
+from toolkit.dataset.export import (
+    JsonlRecord,
+    _jsonl_rows,
+    _Meta,
+    _Text,
+    _Tokens,
+    rows_schema,
+    stale_merge,
+)
 from toolkit.dataset.merge import MERGED, MergeError, load_manifest
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
 from toolkit.formats.newest import newest_records, scan_shard
@@ -140,14 +148,19 @@ def to_dataset(
     run_dir: str | os.PathLike, *, ok_only: bool = True, cache_dir: str | os.PathLike | None = None
 ):
     """`read_rows` as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip
-    install datasets`), columns as the parquet export's (`meta` as JSON text). `ok_only` (default):
-    ok records only. `cache_dir`: where `datasets` keeps its Arrow files (default: its own
-    cache)."""
+    install datasets`), with the parquet export's column types (`rows_schema`: token ids as uint32,
+    `meta` as JSON text). `ok_only` (default): ok records only. `cache_dir`: where `datasets` keeps
+    its Arrow files (default: its own cache, `HF_DATASETS_CACHE` or ~/.cache/huggingface)."""
     try:
         import datasets
+        import pyarrow as pa
     except ImportError:
         raise ImportError("to_dataset needs the `datasets` package: pip install datasets "
                           "(or read the records with toolkit.read_rows)") from None
     kwargs = {"run_dir": str(run_dir), "ok_only": ok_only, "state": _state(run_dir)}
-    return datasets.Dataset.from_generator(_row_dicts, gen_kwargs=kwargs,
-                                           cache_dir=None if cache_dir is None else str(cache_dir))
+    return datasets.Dataset.from_generator(
+        _row_dicts,
+        gen_kwargs=kwargs,
+        features=datasets.Features.from_arrow_schema(rows_schema(pa)),
+        cache_dir=None if cache_dir is None else str(cache_dir),
+    )
