@@ -69,7 +69,7 @@ def make_job(tmp: Path, tokenizer: Path, *, n: int = 12, shards: int = 1, name: 
     for table, keys in tables.items():
         t.setdefault(table, {}).update(keys)
     lines = [f'name = "{name}"', f'output_dir = "{tmp / "run"}"']
-    for table in ("model", "engine", "sampling", "client", "sharding", "audit", "slurm", "inputs"):
+    for table in ("model", "engine", "sampling", "client", "sharding", "audit", "slurm", "inputs", "estimate"):
         if table in t:
             lines.append(f"[{table}]")
             lines += [f"{k} = {toml_value(v)}" for k, v in t[table].items()]

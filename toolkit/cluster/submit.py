@@ -152,6 +152,7 @@ class DryRun(msgspec.Struct):
     tasks: list[int] = []       # the tasks of each array (the run's parallelism)
     # `prompts` in words: `60 outputs (30 prompts × 2 samples)` with samples
     counted: str = ""
+    cost: list[str] = []        # job.cost's estimate, in lines; a warning on the time limit first
 
 
 def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
@@ -181,6 +182,7 @@ def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) ->
     tasks = [workers_for(params, a, cluster.max_array_size) for a in arrays]
     scripts = [sbatch_script(rd, params, array=n if n > 1 else None) for n in tasks]
     merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + DEPENDENCY_PLACEHOLDER))
+    cost = _cost_lines(plan, rd, params, sum(tasks) or params["array_parallelism"])
     return DryRun(
         run_dir=rd.shown,
         prompts=plan.total,
@@ -193,7 +195,20 @@ def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) ->
         merge_script=merge,
         tasks=tasks,
         counted=plan.counted(),
+        cost=cost,
     )
+
+
+def _cost_lines(plan: RunPlan, rd: RunDir, params: dict[str, Any], engines: int) -> list[str]:
+    """job.cost's estimate for the tasks `params` describes, with a warning first when their time
+    limit cannot hold a model load and one shard."""
+    from toolkit.job import cost
+
+    measured = cost.measured_mean(rd, plan) if rd.plan_file.exists() else None
+    c = cost.estimate(plan, engines=engines, measured=measured)
+    lines = cost.describe(c, plan.spec.engine.kind)
+    warn = cost.time_warning(c, params["time"], params["signal_delay_s"])
+    return ([f"warning: {warn}"] if warn else []) + lines
 
 
 def format_dry_run(d: DryRun) -> str:
@@ -222,6 +237,7 @@ def format_dry_run(d: DryRun) -> str:
         )
     )
     lines += [note for a, n in zip(d.arrays, d.tasks) if (note := one_shard_each(n, len(a)))]
+    lines += d.cost
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
         runs = ("one job, sent as a plain job (not an array): it starts" if n == 1 else

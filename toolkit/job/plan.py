@@ -498,7 +498,7 @@ def _unmake(rd: RunDir, fresh: bool) -> None:
 # Tables of a job that say how to run it, not what it makes: a run takes new values from the job
 # when it is planned again (`toolkit run`, `toolkit submit` on the same job), and the change is
 # logged. Everything in the fingerprint (model, template, sampling, inputs, shards) stays pinned.
-SETTINGS_TABLES = ("engine", "client", "slurm", "audit")
+SETTINGS_TABLES = ("engine", "client", "slurm", "audit", "estimate")
 SETTINGS_KEYS = {"sharding": ("flush_records", "flush_seconds")}
 # [engine] keys whose change may change how outputs are made (not only how the engine is run):
 # warned about.

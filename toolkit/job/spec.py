@@ -197,6 +197,15 @@ class SlurmSpec(_Config):
     extra: dict[str, str | int | bool] = {}
 
 
+class EstimateSpec(_Config):
+    """What `check` and `submit --dry-run` estimate a run's cost from (job.cost); not part of the
+    fingerprint."""
+
+    tokens_per_s: float | None = None       # one engine's output tokens/s at full batch
+    load_minutes: float | None = None       # one model load: weights read, CUDA graphs captured
+    mean_output_tokens: int | None = None   # expected output length, until a run measures its own
+
+
 class AuditSpec(_Config):
     """Thresholds the audit enforces; breaking one fails the run's final job."""
 
@@ -227,6 +236,7 @@ class JobSpec(_Config):
     sharding: ShardingSpec = msgspec.field(default_factory=ShardingSpec)
     slurm: SlurmSpec = msgspec.field(default_factory=SlurmSpec)
     audit: AuditSpec = msgspec.field(default_factory=AuditSpec)
+    estimate: EstimateSpec = msgspec.field(default_factory=EstimateSpec)
 
     def sampling_for(self, dataset: str) -> dict[str, Any]:
         """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per
@@ -375,6 +385,15 @@ def _at(source: Path, text: str, path: tuple) -> str:
     return f"{source}:{line}" if line else str(source)
 
 
+def _check_estimate(est: EstimateSpec, source: Path) -> None:
+    for key in ("tokens_per_s", "load_minutes", "mean_output_tokens"):
+        value = getattr(est, key)
+        if value is not None and value <= 0:
+            raise SpecError(
+                f"{source}: [estimate] {key} = {value:g} must be positive (or left out: unknown)"
+            )
+
+
 def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     base = source.resolve().parent
     if not spec.name or "/" in spec.name:
@@ -471,6 +490,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     if e.kind in ("sglang", "stub") and e.command is None:
         check_engine_args(e, source)
     check_requests(spec, source)
+    _check_estimate(spec.estimate, source)
     m = spec.model
     # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
     def key(name: str) -> str | None:
