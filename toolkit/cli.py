@@ -340,7 +340,7 @@ def cmd_export(args) -> int:
 # --------------------------------------------------------------------------------------------------
 def _resources(args):
     """The resource flags of a command line, as the Slurm layer takes them."""
-    from toolkit.cluster.resources import Resources
+    from toolkit.cluster.resources import SBATCH_FLAGS, Resources
 
     return Resources(
         partition=args.partition,
@@ -353,6 +353,8 @@ def _resources(args):
         array_parallelism=args.array_parallelism,
         signal_delay_s=args.signal_delay_s,
         setup=list(args.setup or []),
+        merge_partition=args.merge_partition,
+        sbatch={k: v for k in SBATCH_FLAGS if (v := getattr(args, k)) not in (None, False)},
     )
 
 
@@ -572,6 +574,21 @@ def _add_resource_flags(s) -> None:
         metavar="LINE",
         help="a line run before the task, e.g. 'module load cuda' (repeatable)",
     )
+    g.add_argument("--merge-partition", metavar="PARTITION",
+                   help="the merge + audit job's partition (it needs no GPU; default: -p's)")
+    g = s.add_argument_group(
+        "more sbatch options, as sbatch spells them (any other: the job's [slurm] extra, e.g. "
+        'extra = { gres = "gpu:h100:8" })'
+    )
+    g.add_argument("-C", "--constraint", help="node features the GPU tasks need, as sbatch -C")
+    g.add_argument("-w", "--nodelist", help="nodes the GPU tasks run on, as sbatch -w")
+    g.add_argument("--exclusive", action="store_true", default=None,
+                   help="whole nodes for the GPU tasks, as sbatch --exclusive")
+    g.add_argument("-x", "--exclude", help="nodes not to use, as sbatch -x")
+    g.add_argument("--reservation", help="the reservation to run in, as sbatch --reservation")
+    g.add_argument("--mail-type", help="mail on these events, as sbatch --mail-type (e.g. END,FAIL)")
+    g.add_argument("--mail-user", help="who gets that mail, as sbatch --mail-user")
+    g.add_argument("--comment", help="a comment on the jobs, as sbatch --comment")
 
 
 def _add_allow_changed(s) -> None:

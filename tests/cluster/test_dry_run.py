@@ -123,3 +123,25 @@ def test_a_time_limit_not_longer_than_the_signal_delay_is_refused_without_a_clus
     assert r.stderr.strip() == ("toolkit: error: --time 00:02:00 (120 s) is not longer than --signal-delay-s 120: every "
                                 "task would be told to stop at once and be requeued forever; give a --time well above "
                                 "120 s or a smaller --signal-delay-s")
+
+
+@pytest.mark.slow
+def test_sbatch_options_as_sbatch_spells_them_and_a_merge_partition(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2,
+                   slurm={**SLURM, "gpus_per_node": 1, "merge_partition": "cpu"})
+    r = dry_run(job, no_slurm_env(tmp_path), "-C", "h100", "-x", "node3", "--exclusive", "--reservation", "res1",
+                "--mail-type", "END,FAIL", "--mail-user", "me@example.org", "-w", "node[1-2]")
+    assert r.returncode == 0, r.stderr
+    array, merge = scripts(r.stdout)
+    shards, merged = sbatch(array), sbatch(merge)
+    for line in ("--constraint=h100", "--exclude=node3", "--exclusive", "--reservation=res1", "--mail-type=END,FAIL",
+                 "--mail-user=me@example.org", "--nodelist='node[1-2]'", "--partition=gpu"):  # quoted by submitit
+        assert f"#SBATCH {line}" in shards
+    # the merge job needs no GPU: its own partition, no node constraint, the rest as the tasks
+    assert "#SBATCH --partition=cpu" in merged and "#SBATCH --exclude=node3" in merged
+    assert "#SBATCH --reservation=res1" in merged and "#SBATCH --mail-type=END,FAIL" in merged
+    assert not any(x.split("=")[0] in ("#SBATCH --constraint", "#SBATCH --nodelist", "#SBATCH --exclusive")
+                   for x in merged)
+    # the command line's merge partition over the job's
+    _, merge = scripts(dry_run(job, no_slurm_env(tmp_path), "--merge-partition", "short").stdout)
+    assert "#SBATCH --partition=short" in sbatch(merge)

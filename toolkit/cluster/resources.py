@@ -45,6 +45,23 @@ class Resources(msgspec.Struct, kw_only=True):
     array_parallelism: int | None = None
     signal_delay_s: int | None = None
     setup: list[str] = []
+    merge_partition: str | None = None
+    # sbatch options by sbatch's own long name (`constraint`, `exclude`, ...): over [slurm] extra
+    sbatch: dict[str, str | bool] = {}
+
+
+# The sbatch options the command line takes as sbatch spells them (beside those of the table above),
+# and whether the merge job (no GPU) gets them too: a node constraint or list is for the GPU tasks.
+SBATCH_FLAGS = {
+    "constraint": False,
+    "nodelist": False,
+    "exclusive": False,
+    "exclude": True,
+    "reservation": True,
+    "mail_type": True,
+    "mail_user": True,
+    "comment": True,
+}
 
 
 def slurm_output(argv: list[str], timeout: float = 60) -> str:
@@ -191,6 +208,7 @@ def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:
         "requeue": True,
         "time": slurm_time(params["time"]),
         **s.extra,
+        **o.sbatch,
     }
     for key in ("partition", "account", "qos", "mem"):
         value = getattr(o, key) or getattr(s, key)
@@ -268,11 +286,17 @@ def merge_params(plan: RunPlan, o: Resources, dependency: str) -> dict[str, Any]
         dependency=dependency,
         stderr_to_stdout=True,
     )
-    params["additional_parameters"] = {"time": slurm_time(params["time"])}
+    params["additional_parameters"] = {
+        "time": slurm_time(params["time"]),
+        **{k: v for k, v in o.sbatch.items() if SBATCH_FLAGS.get(k)},
+    }
     for key in ("partition", "account", "qos"):
         value = getattr(o, key) or getattr(s, key)
         if value:
             params[key] = value
+    merge_partition = o.merge_partition or s.merge_partition
+    if merge_partition:
+        params["partition"] = merge_partition
     if s.merge_mem:
         params["mem"] = s.merge_mem
     return params
@@ -299,6 +323,9 @@ def validate_on_cluster(plan: RunPlan, o: Resources) -> tuple[Resources, Partiti
         raise refuse(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
                          f"{part.cpus_per_node} CPUs; lower it or choose another partition")
     check_memory(o.mem or plan.spec.slurm.mem, name)
+    merge_partition = o.merge_partition or plan.spec.slurm.merge_partition
+    if merge_partition:
+        partition_info(merge_partition)  # refused when the cluster has no such partition
     kind = plan.spec.engine.kind
     tp_dp = plan.spec.engine.tp_size * plan.spec.engine.dp_size
     if kind == "sglang" and plan.spec.engine.nodes == 1 and want < tp_dp:

@@ -194,6 +194,7 @@ class SlurmSpec(_Config):
     merge_time: str = "02:00:00"
     merge_cpus: int = 2
     merge_mem: str | None = None
+    merge_partition: str | None = None   # the merge + audit job's (no GPU); default: `partition`
     extra: dict[str, str | int | bool] = {}
 
 
