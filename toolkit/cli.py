@@ -586,7 +586,7 @@ def _add_resource_flags(s) -> None:
                    help="whole nodes for the GPU tasks, as sbatch --exclusive")
     g.add_argument("-x", "--exclude", help="nodes not to use, as sbatch -x")
     g.add_argument("--reservation", help="the reservation to run in, as sbatch --reservation")
-    g.add_argument("--mail-type", help="mail on these events, as sbatch --mail-type (e.g. END,FAIL)")
+    g.add_argument("--mail-type", help="mail on these events, as sbatch --mail-type (END,FAIL)")
     g.add_argument("--mail-user", help="who gets that mail, as sbatch --mail-user")
     g.add_argument("--comment", help="a comment on the jobs, as sbatch --comment")
 
