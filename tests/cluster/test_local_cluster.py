@@ -172,3 +172,20 @@ def test_two_hosts_have_their_own_names_and_addresses_and_know_each_other_only_t
         assert r["address"] == addrs[name] and not addrs[name].startswith("127."), "its own address on the subnet"
         assert r["own_name"] == "127.0.1.1", "its own name is 127.0.1.1, as on Debian"
         assert r["other_name"] is None, "the other host has no name here: only Slurm's NodeAddr knows it"
+
+
+def test_the_node_environment_script_builds_sglang_on_a_node_of_the_cluster(tmp_path):
+    """scripts/node-env.sh, the one command the README gives for the GPU nodes' environment, run on the cluster's
+    node through srun as a user would (--cpu: SGLang without its GPU-only requirements). The venv of the test tier
+    is the one it made at install; run again it must be idempotent and report that both packages import there."""
+    repo = Path(__file__).resolve().parents[2]
+    venv = Path(os.environ.get("TOOLKIT_SGLANG_VENV") or repo / ".venv-sglang")
+    env = slurm_env()
+    proc = subprocess.run(["srun", "-N1", "-n1", "--gpus-per-node=1", "-t", "10", "bash",
+                           str(repo / "scripts" / "node-env.sh"), str(venv), "--cpu"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[node-env] {venv}: sglang 0.5.23 and the toolkit ready in" in proc.stderr
+    assert f"submit with: --setup 'source {venv}/bin/activate'" in proc.stderr
+    bad = subprocess.run(["bash", str(repo / "scripts" / "node-env.sh")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: " in bad.stderr

@@ -305,8 +305,9 @@ def test_check_notes_that_this_python_cannot_start_sglang_and_run_refuses_it(tmp
     assert main(["check", str(job)]) == 0  # a login node that only submits needs no SGLang
     out = capsys.readouterr().out
     assert f"warning: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own Python) cannot" in out
-    assert "cannot start SGLang (no module named 'sglang'); install it where the engine runs: pip install " \
-           "'toolkit[sglang]'. A login node that only submits needs none" in out
+    assert "cannot start SGLang (no module named 'sglang'); build the nodes' environment with `bash " \
+           "scripts/node-env.sh VENV` (SGLang and the toolkit) and start tasks in it (--setup 'source " \
+           "VENV/bin/activate'). A login node that only submits needs none" in out
     assert main(["run", str(job)]) == 2  # a local run would start it here: refused before anything is written
     err = capsys.readouterr().err
     assert f"toolkit: error: [engine] kind = \"sglang\": {sys.executable} (the toolkit's own" in err and \

@@ -128,7 +128,8 @@ def sglang_missing(spec: JobSpec) -> str | None:
         return None
     return (
         f"[engine] kind = \"sglang\": {python} ({why}) cannot start SGLang (no module named "
-        "'sglang'); install it where the engine runs: pip install 'toolkit[sglang]'"
+        "'sglang'); build the nodes' environment with `bash scripts/node-env.sh VENV` (SGLang and "
+        "the toolkit) and start tasks in it (--setup 'source VENV/bin/activate')"
     )
 
 
