@@ -1,13 +1,17 @@
-"""Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is
-spent.
+"""Prompts: lines (or rows, job.sources) decoded into `Prompt`s, every one validated before any GPU
+time is spent.
 
-A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools":
-[...]}`, or a single user turn, `{"id": ..., "prompt": "..."}`. Errors name the file, the line and
-the field, and say what to do.
+A line is a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`,
+a ShareGPT chat, `{"id": ..., "conversations": [{"from": "human", "value": ...}, ...]}` (speakers
+mapped to roles as SpecForge maps them, SHAREGPT_ROLES; turns that are already `{"role", "content"}`
+messages, as the conversations export writes them, kept as they are), or a single user turn,
+`{"id": ..., "prompt": "..."}`. Errors name the file, the line (a table's row number) and the field,
+and say what to do.
 
 `id` is optional. A line without one gets an id derived from its content, `<dataset>:<digest>`: the
 first 16 hex digits of the sha256 of its messages (and tools) as canonical JSON (keys sorted, no
-spaces; a `prompt` line hashes as the one user message it stands for). Editing other lines or
+spaces; a `prompt` line hashes as the one user message it stands for, a ShareGPT line as its
+messages), whatever file or table holds it. Editing other lines or
 reordering the file does not change it. Lines of one dataset with the same content and no id are
 each a prompt of their own: the second gets `<dataset>:<digest>-2`, the third `-3`, in file order
 (`scan_dataset` numbers them). Every prompt's `digest` is what tells, when a job is planned again

@@ -27,7 +27,6 @@ import gzip
 import hashlib
 import importlib
 import io
-import os
 import re
 import zlib
 from collections import OrderedDict
@@ -77,8 +76,8 @@ _WHAT = {
     "parquet": "a parquet file",
     "arrow": "an Arrow file (a `datasets` folder's data: name the folder)",
     "zip": "a zip archive (unzip it and name the file inside)",
-    "xz": "xz-compressed (decompress it, or compress it with gzip or zstd as .jsonl.gz or .jsonl.zst)",
-    "bz2": "bzip2-compressed (decompress it, or compress it with gzip or zstd as .jsonl.gz or "
+    "xz": "xz-compressed (decompress it, or compress it with gzip or zstd: .jsonl.gz, .jsonl.zst)",
+    "bz2": "bzip2-compressed (decompress it, or compress it with gzip or zstd: .jsonl.gz, "
            ".jsonl.zst)",
     "utf16": "UTF-16 text, not UTF-8 (re-encode it as UTF-8)",
 }
@@ -135,8 +134,9 @@ def _kind(path: str) -> str:
         raise SourceError(path, f"named {Path(name).suffix} but not {_WHAT[named].split(' (')[0]}: "
                                 "name it for what it holds (.jsonl for JSON lines)")
     if found in _SUFFIX:
-        raise SourceError(path, f"{_WHAT[found]} but named {Path(name).suffix or 'without a suffix'}:"
-                                f" name it with {_SUFFIX[found]} to read it as such")
+        named_as = Path(name).suffix or "without a suffix"
+        raise SourceError(path, f"{_WHAT[found]} but named {named_as}: name it with "
+                                f"{_SUFFIX[found]} to read it as such")
     if found is not None:
         raise SourceError(path, f"{_WHAT[found]}, not JSON lines")
     if b"\x00" in head:
