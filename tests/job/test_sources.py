@@ -178,6 +178,8 @@ def test_a_datasets_folder_and_a_hub_dataset_in_the_local_cache(tmp_path, plain,
     ("ds.jsonl", b"PK\x03\x04" + b"\0" * 40, "a zip archive"),
     ("ds.jsonl", '{"prompt": "x"}\n'.encode("utf-16"), "UTF-16 text, not UTF-8"),
     ("ds.bin", b'{"prompt": "x"}\n\x00\x01\x02', "not UTF-8 text (binary data)"),
+    ("ds.json", b'[{"prompt": "x"},\n {"prompt": "y"}]\n', "a JSON array, not JSON lines"),
+    ("ds.jsonl", b'{\n  "prompt": "x"\n}\n', "pretty-printed JSON, not JSON lines"),
 ])
 def test_what_cannot_be_read_is_named_for_what_it_is(tmp_path, name, data, words):
     path = tmp_path / name
@@ -195,6 +197,22 @@ def test_check_names_the_file_and_row_of_a_bad_parquet_row(tmp_path, toy_tokeniz
     job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=path)
     assert cli_main(["check", str(job)]) == 2
     assert f"{path}:3: field `prompt`: is empty" in capsys.readouterr().err
+
+
+def test_check_renders_a_table_in_slices_of_rows_on_several_processes(tmp_path, toy_tokenizer, monkeypatch, capsys):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from toolkit.job import render_pool, sources
+
+    rows = [json.loads(x) for x in write_prompts(tmp_path / "w.jsonl", 7).read_text().splitlines()]
+    pq.write_table(table(rows), tmp_path / "p.parquet", row_group_size=2)
+    monkeypatch.setattr(sources, "ROWS_PER_CHUNK", 3)
+    monkeypatch.setattr(render_pool, "POOL_MIN_BYTES", 0)
+    monkeypatch.setenv(render_pool.ENV_PROCESSES, "2")
+    assert [piece[:4] for piece in render_pool.slices(str(tmp_path / "p.parquet"))] == [
+        (0, 3, 1, None), (3, 3, 4, None), (6, 1, 7, None)]
+    job = make_job(tmp_path, toy_tokenizer("kimi"), prompts=tmp_path / "p.parquet")
+    assert cli_main(["check", str(job)]) == 0
+    assert "ok — 7 prompts" in capsys.readouterr().out
 
 
 def test_the_same_prompt_has_one_id_in_jsonl_and_parquet_plans(tmp_path, toy_tokenizer):
@@ -219,12 +237,16 @@ def _run_and_rows(tmp_path: Path, tok: Path, prompts: Path, fmt: str = "jsonl") 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["zst", "parquet"])
+@pytest.mark.parametrize("kind", ["zst", "parquet", "saved"])
 def test_a_run_over_a_compressed_or_parquet_input_generates_every_prompt(tmp_path, toy_tokenizer, kind):
     src = write_prompts(tmp_path / "w.jsonl", 9, extra=lambda i: {"source": f"s{i}"})
     if kind == "zst":
         prompts = tmp_path / "p.jsonl.zst"
         prompts.write_bytes(zstandard.ZstdCompressor().compress(src.read_bytes()))
+    elif kind == "saved":
+        datasets = pytest.importorskip("datasets")
+        prompts = tmp_path / "saved"
+        datasets.Dataset(table([json.loads(x) for x in src.read_text().splitlines()])).save_to_disk(str(prompts))
     else:
         pq = pytest.importorskip("pyarrow.parquet")
         prompts = tmp_path / "p.parquet"

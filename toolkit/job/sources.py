@@ -18,7 +18,8 @@ seek for a plain file, reading forward through a compressed one (reopened to go 
 row group for parquet, a row of the memory-mapped table for `datasets`.
 
 A file that is none of these is refused for what it is (gzip data named `.jsonl`, a parquet file
-named `.jsonl`, a zip archive, UTF-16 or binary data), once, before any line is read.
+named `.jsonl`, a zip archive, UTF-16 or binary data, a JSON array or pretty-printed JSON), once,
+before any line is read.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ BOM = b"\xef\xbb\xbf"
 ROWS_PER_CHUNK = 2048  # rows of a table a render slice holds
 _READ = 1 << 20
 _KEPT = 1024  # lines of a compressed file kept after a read (turns re-read their conversation)
+_KEPT_BYTES = 1 << 16  # ... each at most this long
 
 # what a file's first bytes say it is
 _MAGIC = (
@@ -142,6 +144,14 @@ def _kind(path: str) -> str:
     if b"\x00" in head:
         raise SourceError(path, "not UTF-8 text (binary data): a prompt file is JSON lines "
                                 "(.jsonl, .jsonl.gz, .jsonl.zst), parquet, or a datasets folder")
+    lines = head.removeprefix(BOM).lstrip().split(b"\n", 2)
+    first = lines[0].strip()
+    if first.startswith(b"["):
+        raise SourceError(path, "a JSON array, not JSON lines (one object per line): convert it, "
+                                f"e.g. jq -c '.[]' {p.name} > {p.stem}.jsonl")
+    if first == b"{" and len(lines) > 1 and re.match(rb'\s+"', lines[1]):  # {, then  "key": ...
+        raise SourceError(path, "pretty-printed JSON, not JSON lines (one object per line): "
+                                f"write each object on one line, e.g. jq -c . {p.name}")
     return "jsonl"
 
 
@@ -184,7 +194,12 @@ class Source:
 
     def chunks(self, size: int) -> Iterator[tuple[int, int, int, bytes | None]]:
         """(offset, size, first line, the lines or None) of consecutive slices of whole lines
-        (about `size` bytes) or rows; None: read them from the file (a plain file's slices)."""
+        (about `size` bytes; a compressed file's lines are given, as they cannot be read from the
+        middle) or of ROWS_PER_CHUNK rows; None: `span` reads them where they are."""
+        raise NotImplementedError
+
+    def span(self, offset: int, size: int) -> bytes:
+        """The lines of a chunk, read where they are."""
         raise NotImplementedError
 
     def read(self, offset: int, length: int) -> bytes:
@@ -247,6 +262,9 @@ class _Text(Source):
                 offset += cut
                 carry = buf[cut:]
 
+    def span(self, offset: int, size: int) -> bytes:
+        return self.read(offset, size)
+
     def read(self, offset: int, length: int) -> bytes:
         if self.codec == "jsonl":
             if self._f is None:
@@ -269,9 +287,10 @@ class _Text(Source):
         except _BROKEN as e:
             raise self._damaged(e) from None
         self._pos += len(data)
-        self._kept[(offset, length)] = data
-        if len(self._kept) > _KEPT:
-            self._kept.popitem(last=False)
+        if length <= _KEPT_BYTES:
+            self._kept[(offset, length)] = data
+            if len(self._kept) > _KEPT:
+                self._kept.popitem(last=False)
         return data
 
     def close(self) -> None:
@@ -292,6 +311,11 @@ def _no_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_no_nulls(v) for v in value]
     return value
+
+
+def _row_chunks(rows: int) -> Iterator[tuple[int, int, int, bytes | None]]:
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        yield start, min(ROWS_PER_CHUNK, rows - start), start + 1, None
 
 
 class _Parquet(Source):
@@ -317,11 +341,10 @@ class _Parquet(Source):
                 yield _row_line(row)
 
     def chunks(self, size: int) -> Iterator[tuple[int, int, int, bytes | None]]:
-        start = 0
-        for batch in self.file.iter_batches(batch_size=ROWS_PER_CHUNK):
-            rows = batch.to_pylist()
-            yield start, len(rows), start + 1, b"".join(_row_line(r) for r in rows)
-            start += len(rows)
+        return _row_chunks(self.starts[-1])
+
+    def span(self, offset: int, size: int) -> bytes:
+        return b"".join(self.read(k, 1) + b"\n" for k in range(offset, offset + size))
 
     def read(self, offset: int, length: int) -> bytes:
         g = next(i for i in range(len(self.starts) - 1) if offset < self.starts[i + 1])
@@ -350,10 +373,12 @@ class _Rows(Source):
                 yield _row_line(row)
 
     def chunks(self, size: int) -> Iterator[tuple[int, int, int, bytes | None]]:
-        start = 0
-        for rows in self._batches():
-            yield start, len(rows), start + 1, b"".join(_row_line(r) for r in rows)
-            start += len(rows)
+        return _row_chunks(len(self.ds))
+
+    def span(self, offset: int, size: int) -> bytes:
+        batch = self.ds[offset:offset + size]
+        keys = list(batch)
+        return b"".join(_row_line(dict(zip(keys, values))) for values in zip(*batch.values()))
 
     def read(self, offset: int, length: int) -> bytes:
         return _row_line(self.ds[offset]).rstrip(b"\n")
