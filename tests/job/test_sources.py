@@ -14,6 +14,10 @@ import zstandard
 
 from jobfiles import make_job, write_prompts
 from toolkit.cli import main as cli_main
+from toolkit.formats.frames import read_shard
+from toolkit.formats.records import unpack_ids
+from toolkit.formats.rundir import RunDir
+from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader, content_digest, scan_dataset
 from toolkit.job.plan import plan_job
 from toolkit.job.spec import load_spec
@@ -254,6 +258,13 @@ def test_a_run_over_a_compressed_or_parquet_input_generates_every_prompt(tmp_pat
                        row_group_size=4)
     rows = _run_and_rows(tmp_path / "job", toy_tokenizer("kimi"), prompts)
     assert sorted(r["id"] for r in rows) == [f"p{i:04d}" for i in range(9)]
+    # the worker sent each record its own prompt: the ids of the prompt the source line renders to
+    tok = chat.load_tokenizer(load_spec(tmp_path / "job" / "job.toml").model)
+    lines = {p.id: p for p in scan_dataset(src, "d")}
+    recs = [r for k in range(2) for r in read_shard(RunDir(tmp_path / "job" / "run").shard_file(k))]
+    assert len(recs) == 9
+    assert all(unpack_ids(r.prompt_ids) == chat.render(tok, load_spec(tmp_path / "job" / "job.toml").model,
+                                                         lines[r.id]) for r in recs)
     # each record carries its own prompt line's fields: the worker and the export read the right prompt back
     assert all(r["meta"] == {"source": f"s{int(r['id'][1:])}"} for r in rows)
 
