@@ -409,7 +409,7 @@ def _snapshot(path: str, name: str) -> str:
         raise SourceError(
             path,
             f"dataset {name} is not in the local hub cache ({hub.constants.HF_HUB_CACHE}"
-            f"; it is read offline): download it first (hf download --repo-type dataset {name}), "
+            f"; it is read offline): download it first (hf download {name} --repo-type dataset), "
             "on a file system the GPU nodes see",
         ) from None
 
