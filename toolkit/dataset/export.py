@@ -68,7 +68,7 @@ from toolkit.dataset.trainers import (
     writes_default_system,
 )
 from toolkit.errors import BadInputError, FailedError
-from toolkit.formats.files import io_problem, sha256_file
+from toolkit.formats.files import io_problem
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
 from toolkit.formats.records import (
     OK,
@@ -85,6 +85,7 @@ from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges
 from toolkit.job import chat
 from toolkit.job.inputs import ExtraReader, InputError, PromptReader, check_plan_inputs
+from toolkit.job.sources import SourceError, source_sha256
 from toolkit.job.spec import JobSpec
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns
@@ -156,8 +157,8 @@ class _Meta:
         if d not in self.usable:
             ds = self.datasets[d]
             try:
-                self.usable[d] = sha256_file(ds.path) == ds.sha256
-            except FileNotFoundError:
+                self.usable[d] = source_sha256(ds.path) == ds.sha256
+            except (FileNotFoundError, SourceError):
                 self.usable[d] = False
             if not self.usable[d]:
                 log.warning(

@@ -358,10 +358,10 @@ def _measure_datasets(
         skip_long=spec.inputs.on_too_long == "skip",
     )
     work = [
-        render_pool.Slice(i, d.path, d.name, d.regenerate, mnts[i], offset, size, line)
+        render_pool.Slice(i, d.path, d.name, d.regenerate, mnts[i], *piece)
         for i in todo
         for d in [spec.datasets[i]]
-        for offset, size, line in render_pool.slices(d.path)
+        for piece in render_pool.slices(d.path)
     ]
     total = sum(
         pf.plan.datasets[i].conversations

@@ -1,13 +1,17 @@
-"""Prompt files: JSONL lines decoded into `Prompt`s, every line validated before any GPU time is
-spent.
+"""Prompts: lines (or rows, job.sources) decoded into `Prompt`s, every one validated before any GPU
+time is spent.
 
-A line is either a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools":
-[...]}`, or a single user turn, `{"id": ..., "prompt": "..."}`. Errors name the file, the line and
-the field, and say what to do.
+A line is a chat, `{"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`,
+a ShareGPT chat, `{"id": ..., "conversations": [{"from": "human", "value": ...}, ...]}` (speakers
+mapped to roles as SpecForge maps them, SHAREGPT_ROLES; turns that are already `{"role", "content"}`
+messages, as the conversations export writes them, kept as they are), or a single user turn,
+`{"id": ..., "prompt": "..."}`. Errors name the file, the line (a table's row number) and the field,
+and say what to do.
 
 `id` is optional. A line without one gets an id derived from its content, `<dataset>:<digest>`: the
 first 16 hex digits of the sha256 of its messages (and tools) as canonical JSON (keys sorted, no
-spaces; a `prompt` line hashes as the one user message it stands for). Editing other lines or
+spaces; a `prompt` line hashes as the one user message it stands for, a ShareGPT line as its
+messages), whatever file or table holds it. Editing other lines or
 reordering the file does not change it. Lines of one dataset with the same content and no id are
 each a prompt of their own: the second gets `<dataset>:<digest>-2`, the third `-3`, in file order
 (`scan_dataset` numbers them). Every prompt's `digest` is what tells, when a job is planned again
@@ -16,6 +20,7 @@ into its run, whether a prompt with an id of its own changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,8 +29,8 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError
-from toolkit.formats.files import sha256_file
 from toolkit.formats.run import RunPlan
+from toolkit.job.sources import BOM, Source, SourceError, open_source, source_sha256
 
 __all__ = [
     "ExtraReader",
@@ -147,7 +152,39 @@ def _empty(content: Any) -> bool:
     return content is None
 
 
+# what a line's chat is in: one of these fields
+_FORMS = ("messages", "prompt", "conversations")
+# ShareGPT's speakers (`from`) as chat roles, as SpecForge maps them
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+    "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system",
+}
+
+
+def _from_sharegpt(turns: list[Any], path: str, lineno: int) -> tuple[list[Any], list[str]]:
+    """A ShareGPT chat's turns as messages, and the field each one's content is in: a
+    `{"from", "value"}` turn becomes `{"role", "content"}` (SHAREGPT_ROLES); a turn that is already
+    a message (`role`, as the conversations export writes) stays as it is."""
+    messages, values = [], []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t:
+            messages.append(t)
+            values.append("content")
+            continue
+        speaker = t["from"]
+        role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            raise InputError(
+                path, lineno, f"conversations[{i}].from",
+                f"unknown speaker {speaker!r} (one of {', '.join(SHAREGPT_ROLES)}); {_FIX}",
+            )
+        messages.append({"role": role, "content": t["value"]} if "value" in t else {"role": role})
+        values.append("value")
+    return messages, values
+
+
 def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool = True) -> Prompt:
+    raw = raw.removeprefix(BOM)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -174,20 +211,22 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
         )
     elif isinstance(pid, str) and not pid:
         raise InputError(path, lineno, "id", f"must not be empty; {_FIX}")
-    has_messages, has_prompt = "messages" in obj, "prompt" in obj
-    if has_messages == has_prompt:
+    forms = [k for k in _FORMS if k in obj]
+    if len(forms) != 1:
         raise InputError(
             path,
             lineno,
             "messages",
             (
-                "has both `messages` and `prompt`"
-                if has_messages
-                else "missing: a line needs `messages` (a chat) or `prompt` (one user turn)"
+                f"has both {' and '.join(f'`{k}`' for k in forms)}"
+                if forms
+                else "missing: a line needs `messages` (a chat), `conversations` (a ShareGPT "
+                "chat) or `prompt` (one user turn)"
             )
             + f"; {_FIX}",
         )
-    if has_prompt:
+    key = forms[0]
+    if key == "prompt":
         text = obj["prompt"]
         if not isinstance(text, str):
             raise InputError(
@@ -199,16 +238,19 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
             )
         messages = [{"role": "user", "content": text}]
     else:
-        messages = obj["messages"]
+        messages = obj[key]
         if not isinstance(messages, list) or not messages:
             raise InputError(
                 path,
                 lineno,
-                "messages",
+                key,
                 f"must be a non-empty list of {{role, content}} objects; {_FIX}",
             )
+        values = ["content"] * len(messages)
+        if key == "conversations":
+            messages, values = _from_sharegpt(messages, path, lineno)
         for i, m in enumerate(messages):
-            f = f"messages[{i}]"
+            f = f"{key}[{i}]"
             if not isinstance(m, dict):
                 raise InputError(
                     path, lineno, f, f"must be an object, got {type(m).__name__}; {_FIX}"
@@ -219,24 +261,25 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
                     path, lineno, f + ".role", f"missing or not a string (got {role!r}); {_FIX}"
                 )
             if "content" not in m and not m.get("tool_calls"):
-                raise InputError(path, lineno, f + ".content", f"missing; {_FIX}")
+                raise InputError(path, lineno, f"{f}.{values[i]}", f"missing; {_FIX}")
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise InputError(
                     path,
                     lineno,
-                    f + ".content",
+                    f"{f}.{values[i]}",
                     f"must be a string or a list of parts, got {type(content).__name__}; {_FIX}",
                 )
             if role == "user" and _empty(content):
                 raise InputError(
-                    path, lineno, f + ".content", f"is empty: a user message needs text; {_FIX}"
+                    path, lineno, f"{f}.{values[i]}",
+                    f"is empty: a user message needs text; {_FIX}"
                 )
         if all(m["role"] in _INSTRUCTION_ROLES for m in messages):
             raise InputError(
                 path,
                 lineno,
-                "messages",
+                key,
                 "has no user message, only instructions "
                 f"({', '.join(sorted({m['role'] for m in messages}))}): nothing for the model to "
                 f"answer; {_FIX}",
@@ -269,19 +312,12 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
     and no digests): lines without an id have the id "" (`prompt_id` derives it when it is needed).
     """
     path = str(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise InputError(
-            path,
-            None,
-            None,
-            f"prompt file of dataset {dataset!r} not found; check [[datasets]] path",
-        ) from None
+    source = _open(path, dataset)
     n = 0
     before = len(errors) if errors is not None else 0
-    with f:
-        for p in scan_lines(f, path, dataset, errors=errors, digest=digest, seen={}):
+    with contextlib.closing(source):
+        for p in scan_lines(source.lines(), path, dataset, errors=errors, digest=digest, seen={},
+                            rows=source.rows):
             n += 1
             yield p
     if n == 0 and (errors is None or len(errors) == before):
@@ -291,6 +327,22 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
             None,
             f"dataset {dataset!r} has no prompts; add prompts or remove it from the job",
         )
+
+
+def _open(path: str, dataset: str) -> Source:
+    """The source of a dataset's prompts; an InputError naming the path when it is not there or not
+    a source of prompts."""
+    try:
+        return open_source(path)
+    except FileNotFoundError:
+        raise InputError(
+            path,
+            None,
+            None,
+            f"prompt file of dataset {dataset!r} not found; check [[datasets]] path",
+        ) from None
+    except SourceError as e:
+        raise InputError(path, None, None, e.problem) from None
 
 
 def scan_lines(
@@ -303,13 +355,15 @@ def scan_lines(
     errors: list[InputError] | None = None,
     digest: bool = False,
     seen: dict[str, int] | None = None,
+    rows: bool = False,
 ) -> Iterator[Prompt]:
     """The prompts of consecutive lines of a JSONL file (each with its newline), the first being
     line `first_line` at byte `offset`: a slice of a file read on its own (see scan_dataset for the
     rest). With `seen` (derived id -> occurrences so far, over the whole file), repeated contents
-    without an id are numbered."""
+    without an id are numbered. With `rows`, each line is a table's row (sources.Source.rows): its
+    place is its row index, length 1."""
     for lineno, raw in enumerate(lines, start=first_line):
-        length = len(raw)
+        length = 1 if rows else len(raw)
         body = raw.rstrip(b"\r\n")
         if body.strip():
             try:
@@ -319,7 +373,7 @@ def scan_lines(
                     raise
                 errors.append(e)
             else:
-                p.offset, p.length = offset, len(body)
+                p.offset, p.length = offset, 1 if rows else len(body)
                 if not p.named and digest and seen is not None:
                     k = seen[p.id] = seen.get(p.id, 0) + 1
                     if k > 1:
@@ -334,26 +388,33 @@ def read_prompt_at(path: str | Path, dataset: str, line: int, offset: int, lengt
         return reader.read(path, dataset, line, offset, length)
 
 
-class PromptReader:
-    """Reads planned prompts by (offset, length), keeping each file open: workers read thousands."""
+class _Sources:
+    """Each source read so far, kept open: workers read thousands of prompts."""
 
     def __init__(self) -> None:
-        self._files: dict[str, Any] = {}
+        self._open: dict[str, Source] = {}
 
-    def read(self, path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
+    def line(self, path: str | Path, offset: int, length: int) -> bytes:
         path = str(path)
-        f = self._files.get(path)
-        if f is None:
-            f = self._files[path] = open(path, "rb")
-        f.seek(offset)
-        p = _parse_line(f.read(length), path, dataset, line)
-        p.offset, p.length = offset, length
-        return p
+        source = self._open.get(path)
+        if source is None:
+            source = self._open[path] = open_source(path)
+        return source.read(offset, length)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        for source in self._open.values():
+            source.close()
+        self._open.clear()
+
+
+class PromptReader(_Sources):
+    """Reads planned prompts by the place the plan pinned (a line's byte offset and length, or a
+    row's index: sources.Source.read)."""
+
+    def read(self, path: str | Path, dataset: str, line: int, offset: int, length: int) -> Prompt:
+        p = _parse_line(self.line(path, offset, length), str(path), dataset, line)
+        p.offset, p.length = offset, length
+        return p
 
     def __enter__(self) -> PromptReader:
         return self
@@ -363,35 +424,26 @@ class PromptReader:
 
 
 # what a prompt line says to the toolkit
-LINE_FIELDS = frozenset({"id", "messages", "prompt", "tools"})
+LINE_FIELDS = frozenset({"id", "messages", "prompt", "conversations", "tools"})
 _raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 
 
 def extra_fields(raw: bytes) -> dict[str, Any]:
     """The fields of a prompt line besides LINE_FIELDS (a dataset's `source`, `category`, ...), as
     the line has them; the messages are not decoded."""
-    return {k: msgspec.json.decode(v) for k, v in _raw_fields(raw).items() if k not in LINE_FIELDS}
+    return {
+        k: msgspec.json.decode(v)
+        for k, v in _raw_fields(raw.removeprefix(BOM)).items()
+        if k not in LINE_FIELDS
+    }
 
 
-class ExtraReader:
-    """The extra fields of planned prompt lines, read at the (offset, length) the plan pinned, files
-    kept open."""
-
-    def __init__(self) -> None:
-        self._files: dict[str, Any] = {}
+class ExtraReader(_Sources):
+    """The extra fields of planned prompt lines, read at the places the plan pinned, sources kept
+    open."""
 
     def read(self, path: str | Path, offset: int, length: int) -> dict[str, Any]:
-        path = str(path)
-        f = self._files.get(path)
-        if f is None:
-            f = self._files[path] = open(path, "rb")
-        f.seek(offset)
-        return extra_fields(f.read(length))
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        return extra_fields(self.line(path, offset, length))
 
 
 def prompt_id(p: Prompt) -> str:
@@ -430,7 +482,7 @@ def check_plan_inputs(plan: RunPlan) -> None:
     match)."""
     for d in plan.datasets:
         try:
-            now = sha256_file(d.path)
+            now = source_sha256(d.path)
         except FileNotFoundError:
             raise InputError(
                 d.path,

@@ -54,6 +54,7 @@ from toolkit.formats.run import (
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
 from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset
+from toolkit.job.sources import SourceError, source_sha256
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.turns import turn_id, user_turns
 
@@ -105,6 +106,18 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(msgspec.json.encode(obj, order="deterministic")).hexdigest()
 
 
+def _sha256(path: str, dataset: str) -> str:
+    """What a dataset's source holds, hashed; an InputError naming it when it is not there or not a
+    source of prompts."""
+    try:
+        return source_sha256(path)
+    except FileNotFoundError:
+        raise InputError(path, None, None, f"prompt file of dataset {dataset!r} not found; check "
+                                           "[[datasets]] path") from None
+    except SourceError as e:
+        raise InputError(path, None, None, e.problem) from None
+
+
 def plan_job(
     spec: JobSpec, exclude: dict[tuple[str, int], str] | None = None
 ) -> tuple[RunPlan, list[PromptRef]]:
@@ -127,7 +140,7 @@ def plan_job(
     for d in spec.datasets:
         before = len(prompts)
         dp = DatasetPlan(
-            d.name, d.path, sha256_file(d.path), 0, spec.samples_for(d.name), d.regenerate
+            d.name, d.path, _sha256(d.path, d.name), 0, spec.samples_for(d.name), d.regenerate
         )
         bad: list[InputError] = []
         for p in scan_dataset(d.path, d.name, bad):

@@ -16,6 +16,7 @@ every LOG_EVERY_S seconds when it is not.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -30,7 +31,7 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError
-from toolkit.job import chat
+from toolkit.job import chat, sources
 from toolkit.job.inputs import prompt_id, scan_lines
 from toolkit.job.spec import ModelSpec
 from toolkit.job.turns import turn_prompt
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 SHOWN = 5  # places listed per problem and dataset; the rest are counted
 # prompt lines read and rendered at a time (memory stays flat whatever the dataset size)
 SLICE_BYTES = 1 << 19
+ROW_BYTES = 1 << 10  # a table's row, counted when choosing whether to render in a pool
 # Below this many bytes of prompt lines the job is measured in this process: starting a pool, and
 # the first slices of each process, cost about what a second core saves. Measured on 2 shared cores
 # with short prompts: a pool of 2 saved 0.8 s of 5.2 at 40,000 prompts (7.6 MB), nothing measurable
@@ -145,6 +147,14 @@ class Slice(msgspec.Struct, frozen=True, array_like=True):
     offset: int
     size: int
     first_line: int
+    data: bytes | None = None  # the slice's lines (None: read from the file at offset)
+    rows: bool = False  # offset and size count a table's rows (sources.Source.rows)
+
+    @property
+    def bytes(self) -> int:
+        """Its bytes (a table's row counted as ROW_BYTES), to tell whether a pool is worth it."""
+        return len(self.data) if self.data is not None else self.size * (ROW_BYTES if self.rows
+                                                                          else 1)
 
 
 class _Memo:
@@ -155,6 +165,7 @@ class _Memo:
         self.ends: dict[str, list[int]] = {}
         # chat.text_renderer once made (None: this transformers has none)
         self.renderer: Any = False
+        self.tables: dict[str, sources.Source] = {}  # the tables read so far, kept open
 
 
 class _Failure(msgspec.Struct, frozen=True):
@@ -183,27 +194,16 @@ def processes() -> int:
         return os.cpu_count() or 1
 
 
-def slices(path: str, *, size: int | None = None) -> Iterator[tuple[int, int, int]]:
-    """(offset, size, first line) of consecutive slices of whole lines of a file, about `size` bytes
-    each (SLICE_BYTES by default)."""
-    size = size or SLICE_BYTES
-    with open(path, "rb") as f:
-        offset, line, carry = 0, 1, b""
-        while True:
-            block = f.read(size)
-            if not block:
-                if carry:
-                    yield offset, len(carry), line
-                return
-            buf = carry + block
-            cut = buf.rfind(b"\n") + 1
-            if cut == 0:  # one line longer than a slice: read on
-                carry = buf
-                continue
-            yield offset, cut, line
-            line += buf.count(b"\n", 0, cut)
-            offset += cut
-            carry = buf[cut:]
+def slices(
+    path: str, *, size: int | None = None
+) -> Iterator[tuple[int, int, int, bytes | None, bool]]:
+    """(offset, size, first line, lines, rows) of consecutive slices of whole lines of a prompt
+    source, about `size` bytes each (SLICE_BYTES by default), or of rows of a table (rows True:
+    sources.Source.chunks); the lines are None where a slice is read from the file itself (a plain
+    JSONL file)."""
+    with contextlib.closing(sources.open_source(path)) as source:
+        for chunk in source.chunks(size or SLICE_BYTES):
+            yield (*chunk, source.rows)
 
 
 def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
@@ -215,7 +215,7 @@ def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
     bar = RenderProgress(total)
     done = 0
     try:
-        if workers > 1 and len(work) > 1 and sum(s.size for s in work) >= POOL_MIN_BYTES:
+        if workers > 1 and len(work) > 1 and sum(s.bytes for s in work) >= POOL_MIN_BYTES:
             results = _pooled(tok, setting, work, min(workers, len(work)))
         else:
             memo = _Memo()
@@ -276,9 +276,15 @@ def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome
     """Read, render and measure the prompts of one slice; a toolkit error comes back as a
     _Failure."""
     try:
-        with open(s.path, "rb") as f:
-            f.seek(s.offset)
-            data = f.read(s.size)
+        data = s.data
+        if data is None and s.rows:
+            if s.path not in memo.tables:
+                memo.tables[s.path] = sources.open_source(s.path)
+            data = memo.tables[s.path].span(s.offset, s.size)
+        elif data is None:
+            with open(s.path, "rb") as f:
+                f.seek(s.offset)
+                data = f.read(s.size)
         skipped: list | None = [] if setting.skip_bad else None  # the plan reported them already
         prompts = list(
             scan_lines(
@@ -288,6 +294,7 @@ def _measure_slice(tok: Any, setting: Setting, s: Slice, memo: _Memo) -> Outcome
                 first_line=s.first_line,
                 offset=s.offset,
                 errors=skipped,
+                rows=s.rows,
             )
         )
     except (OSError, BadInputError) as e:

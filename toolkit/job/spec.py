@@ -24,6 +24,7 @@ from toolkit.job.sglang_checks import (
     check_requests,
     check_sampling,
 )
+from toolkit.job.sources import is_hub
 from toolkit.job.specerrors import SpecError
 
 
@@ -411,8 +412,10 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             )
         seen.add(d.name)
         check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
+        if is_hub(d.path):  # hf://datasets/ORG/NAME[:SPLIT]: read from the hub cache
+            continue
         d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
-        if check_paths and not Path(d.path).is_file():
+        if check_paths and not Path(d.path).exists():
             raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
     for d in spec.datasets:
         params = spec.sampling_for(d.name)
