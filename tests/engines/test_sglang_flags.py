@@ -270,3 +270,41 @@ def test_the_data_is_what_real_sglang_registers():
     data = {f.options: (f.nargs, None if f.choices is None else list(f.choices)) for f in flag_set(realsglang.VERSION).flags}
     assert sorted(real) == sorted(data), "the same options"
     assert {o: v for o, v in real.items() if v != data[o]} == {}, "the same nargs and choices"
+
+
+RECIPE_ARGV_CHECK = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser(prog="sglang serve")
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(sys.argv[1:])
+print(json.dumps({"tp": args.tp_size, "dp": args.dp_size, "dp_attention": args.enable_dp_attention}))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name", ["kimi-k2.5-dp-attention", "deepseek-r1-dp-attention", "kimi-k2.5", "deepseek-r1"])
+def test_the_recipes_server_command_lines_pass_real_sglangs_parser(name, monkeypatch):
+    """The command line the toolkit starts SGLang with for each recipe (its --tp-size, --dp-size and extra_args)
+    is taken by real SGLang 0.5.23's own parser, which reads data-parallel attention where the recipe asks it; and the
+    recipe uses every GPU it asks Slurm for (tp x pp, dp not counted with DP attention)."""
+    why = realsglang.missing()
+    if why:
+        pytest.fail(why)
+    from toolkit.engines.layout import engine_gpus
+    from toolkit.job.spec import load_spec
+
+    monkeypatch.setenv("MODEL_ROOT", "/models")
+    monkeypatch.setenv("DATA_ROOT", "/data")
+    spec = load_spec(Path(__file__).resolve().parents[2] / "jobs" / f"{name}.toml", check_paths=False)
+    e = spec.engine
+    argv = ["--model-path", spec.model.path, "--tp-size", str(e.tp_size), "--dp-size", str(e.dp_size), "--host",
+            "127.0.0.1", "--port", "30000", "--trust-remote-code", *e.extra_args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    r = subprocess.run([str(realsglang.python()), "-c", RECIPE_ARGV_CHECK, *argv], capture_output=True, text=True,
+                       env=env, cwd=realsglang.python().parent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    parsed = json.loads(r.stdout.splitlines()[-1])
+    dp_attention = name.endswith("dp-attention")
+    assert parsed == {"tp": 8, "dp": 8 if dp_attention else 1, "dp_attention": dp_attention}
+    assert engine_gpus(e) == spec.slurm.gpus_per_node == 8

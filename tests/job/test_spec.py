@@ -155,7 +155,8 @@ def test_recipes_and_the_template_decode(recipe):
     assert spec.sampling["max_new_tokens"] >= 1024
 
 
-@pytest.mark.parametrize("name", ["kimi-k2.5", "deepseek-r1", "qwen3-thinking"])
+@pytest.mark.parametrize("name", ["kimi-k2.5", "deepseek-r1", "qwen3-thinking", "kimi-k2.5-dp-attention",
+                                  "deepseek-r1-dp-attention"])
 def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other_flags(name, tmp_path):
     """The commented `extra_args` of a recipe (a shorter node start, docs/submit.md) is what `toolkit check` takes
     once uncommented: SGLang 0.5.23's parser accepts it, and it keeps every flag of the active line."""
