@@ -136,6 +136,13 @@ def check_served(
         )
         return
     where = f"GET {info.get('answered', '/model_info')}"
+    if info.get("stub_engine"):  # toolkit.stub says what it is in /model_info
+        log.warning(
+            "the server at %s is the toolkit's STUB (%s): its outputs are synthetic text, not a "
+            "model's, though this run's [engine] kind names a model",
+            url,
+            where,
+        )
     names = {_name(n) for n in (served, info.get("served_model_name")) if isinstance(n, str)}
     if _name(model.path) not in names:
         raise EngineError(
