@@ -211,3 +211,21 @@ def test_an_external_server_of_another_model_is_refused_before_any_prompt(tmp_pa
     assert not rd.shard_file(0).exists() or not ids_in(rd.root)
     assert str(served) in why and str(tok) in why, why
     assert ("vocabulary" in why) == (other == "vocabulary")
+
+
+def test_what_a_server_serves_is_compared_by_the_model_paths_last_part_and_its_vocabulary(tmp_path, toy_tokenizer):
+    from toolkit.engines.base import EngineError
+    from toolkit.engines.external import check_served
+    from toolkit.job.chat import model_vocab_size
+
+    tok = toy_tokenizer("kimi")
+    model = load_spec(make_job(tmp_path, tok)).model
+    url = "http://127.0.0.1:9"
+    # a hub id of the same name, as /v1/models of another server names it (root): its folder is not here
+    check_served(url, {"model_path": f"org/{tok.name}", "answered": "/v1/models"}, model, 4000, model_vocab_size)
+    check_served(url, {"model_path": str(tok)}, model, 4000, model_vocab_size)  # the job's own folder
+    check_served(url, {}, model, 4000, model_vocab_size)  # says nothing: not checked (a warning)
+    with pytest.raises(EngineError, match=r"serves model 'org/other-model' \(GET /v1/models\)"):
+        check_served(url, {"model_path": "org/other-model", "answered": "/v1/models"}, model, 4000, model_vocab_size)
+    with pytest.raises(EngineError, match="this job's tokenizer makes 4,001"):  # ids past the server's model
+        check_served(url, {"model_path": str(tok)}, model, 4001, model_vocab_size)
