@@ -222,7 +222,8 @@ class AuditReport(msgspec.Struct):
     continued: int = 0
     # prompt lines left out of the plan, per dataset that has any
     skipped_inputs: list[SkippedInputs] = []
-    # the job's [engine] kind: "stub" says the outputs are synthetic, not a model's
+    # what made the records (the run's pinned engine, RunPlan.synthetic): "stub" says the outputs
+    # are synthetic, not a model's; else the [engine] kind
     engine: str = ""
 
 

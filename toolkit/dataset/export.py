@@ -17,7 +17,8 @@ expected; in conversations also an answer with neither text nor a tool call, an 
 call, or think markers written as text) are left out unless included by reason. Every selected
 record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered
 == planned), written beside the output as `<name>_summary.json`, with each record left out and why
-in `<name>_skipped.jsonl`.
+in `<name>_skipped.jsonl`. A run of the stub engine (`RunPlan.synthetic`) says so in the summary
+(`engine`, a warning), in the Parquet file's metadata and in the SpecForge registration file.
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids,
@@ -339,6 +340,9 @@ class ExportSummary(msgspec.Struct):
     # tokens: a think-start the template wrote is in the loss mask
     supervise_think_start: bool | None = None
     audit: str = "none"                # the run's audit: "passed", "failed" or "none" (not run)
+    # what made the records, as the run pinned it (RunPlan.synthetic): "model", or "stub":
+    # synthetic text from the stand-in for SGLang's protocol, not training data
+    engine: str = "model"
     # conversations: rows rendered again as SpecForge renders them
     roundtrip_rows: int = 0
     roundtrip_identical: int = 0       # ... of which give the model's exact ids
@@ -382,6 +386,12 @@ class SkippedRow(msgspec.Struct):
     finish_reason: str | None
     completion_tokens: int
     error: str | None = None
+
+
+STUB_EXPORT = (
+    "the records are the STUB engine's: synthetic text from a stand-in for SGLang's protocol, NOT "
+    "a model's outputs; do not train a drafter on them"
+)
 
 
 def side_file(out_path: Path, what: str, suffix: str) -> Path:
@@ -828,7 +838,8 @@ def _export_parquet(
             "the parquet export needs pyarrow: `pip install pyarrow` (or the toolkit's [parquet] "
             "extra)"
         ) from None
-    schema = rows_schema(pa)
+    # what made the records, as the run pinned it: "stub" is synthetic text, not a model's
+    schema = rows_schema(pa).with_metadata({b"toolkit.engine": b"stub" if plan.synthetic else b"model"})
 
     def id_lists(packed: list[bytes]) -> pa.Array:
         lengths = np.fromiter((len(p) >> 2 for p in packed), np.int32, len(packed))
@@ -1066,6 +1077,9 @@ def export_run(
     )
     summary = ExportSummary(format=fmt, output=str(out_path), skipped_file=str(skipped_path))
     finals = [out_path, skipped_path, summary_path]
+    if plan.synthetic:
+        summary.engine = "stub"
+        summary.warnings.append(STUB_EXPORT)
     summary.audit, failed_checks = audit_state(rd)
     if summary.audit == "failed":
         summary.warnings.append(
@@ -1120,7 +1134,8 @@ def export_run(
             if fmt == "parquet":
                 summary.rows = _export_parquet(path, plan, tmp, acc, tokens, found)
             elif fmt == "conversations":
-                tmps[4].write_text(reg.python())
+                stub_note = f"# {STUB_EXPORT}\n" if plan.synthetic else ""
+                tmps[4].write_text(stub_note + reg.python())
                 with open(tmp, "wb") as out, open(tmps[3], "wb") as trip_out:
                     acc.checks = _Checks(tokens, reg, trip_out)
                     summary.rows = _export_conversations(path, plan, out, acc, tokens, found)

@@ -378,6 +378,11 @@ class Engine:
         )
         log.info("engine server version: %s", self.version or "unknown (no /server_info)")
 
+    async def check_model(self, http: HttpClient, vocab_size: int | None, vocab_of) -> None:
+        """Refuse (EngineError) a server that does not serve the job's model, before any prompt is
+        sent: only a server the toolkit did not start can (engines.external); one it launched was
+        given the job's model."""
+
     async def probe(self, http: HttpClient, *, attempts: int = 5) -> None:
         """One real 1-token /generate on known ids: readiness endpoints can pass while generation is
         broken.

@@ -21,6 +21,7 @@ The run.json schema holds the job as planned (`RunPlan.spec`), whose type is the
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from array import array
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PLAN_FORMAT",
+    "ENGINE_PART",
+    "STUB",
     "DatasetPlan",
     "Growth",
     "PlanError",
@@ -52,6 +55,7 @@ __all__ = [
     "ShardRefs",
     "SkippedLine",
     "damaged_run_file",
+    "fingerprint_of",
     "plan_bytes",
     "refs_bytes",
 ]
@@ -60,6 +64,16 @@ __all__ = [
 PLAN_FORMAT = 2
 
 S = TypeVar("S")  # the job spec's type (job.spec.JobSpec)
+
+# The fingerprint part that says a run's records are the stub engine's (synthetic, not a model's):
+# `parts["engine"] = "stub"`, only in a run of the stub. A run of a model has no such part, so
+# its fingerprint is what it was before the part existed.
+ENGINE_PART, STUB = "engine", "stub"
+
+
+def fingerprint_of(parts: dict[str, str]) -> str:
+    """The fingerprint of a plan's parts (the digest of each thing that changes the output)."""
+    return hashlib.sha256(msgspec.json.encode(parts, order="deterministic")).hexdigest()[:16]
 
 
 class PlanError(BadInputError):
@@ -159,10 +173,34 @@ class RunPlan(msgspec.Struct, Generic[S]):
                 else f"with {samples[0]} to {samples[-1]} samples each")
         return f"{self.total} outputs ({prompts} prompt{'s' * (prompts != 1)} {each})"
 
+    @property
+    def synthetic(self) -> bool:
+        """Whether the run's records are the stub engine's: synthetic text, not a model's. Pinned
+        by the fingerprint (`ENGINE_PART`); a run planned before that part existed says it by its
+        [engine] kind as last planned."""
+        if ENGINE_PART in self.parts:
+            return self.parts[ENGINE_PART] == STUB
+        engine = getattr(self.spec, "engine", None)
+        return getattr(engine, "kind", None) == STUB
+
+    @property
+    def made_by(self) -> str:
+        """What generated the run's records, in words."""
+        if self.synthetic:
+            return "the stub engine (synthetic records, not a model's)"
+        return "a model (engine kind sglang or external)"
+
     def same_job(self, other: RunPlan) -> bool:
         """Whether `other` (a job as planned now) is the job this run holds, as planned or as grown
-        since."""
-        return other.fingerprint == self.fingerprint or other.fingerprint in self.aliases
+        since, with records of the same maker: a run of the stub and a run of a model never are."""
+        if self.synthetic != other.synthetic:
+            return False
+        mine = {self.fingerprint, *self.aliases}
+        if other.fingerprint in mine:
+            return True
+        # a run of the stub planned before the engine was part of the fingerprint
+        legacy = {k: v for k, v in other.parts.items() if k != ENGINE_PART}
+        return ENGINE_PART not in self.parts and fingerprint_of(legacy) in mine
 
 
 REPLAN = (

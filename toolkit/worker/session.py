@@ -33,6 +33,7 @@ from toolkit.engines.client import Expect, HttpClient, server_limits
 from toolkit.engines.kinds import make_engine
 from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
+from toolkit.job.chat import model_vocab_size
 from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
 from toolkit.worker.exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
@@ -314,6 +315,9 @@ class EngineSession:
             probe = await _race_value(self.stop, b.shards[0].feed.first)
         except BadInputError:  # the shard's own task says it and fails the shard
             return
+        # the tokenizer is loaded once the first prompt is rendered: its size, for the check
+        info = b.shards[0].render.info if b.shards[0].render is not None else None
+        await engine.check_model(http, getattr(info, "vocab_size", None), model_vocab_size)
         if probe is not None:
             engine.probe_ids = probe
             await engine.probe(http)
