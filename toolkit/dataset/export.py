@@ -839,7 +839,8 @@ def _export_parquet(
             "extra)"
         ) from None
     # what made the records, as the run pinned it: "stub" is synthetic text, not a model's
-    schema = rows_schema(pa).with_metadata({b"toolkit.engine": b"stub" if plan.synthetic else b"model"})
+    engine = b"stub" if plan.synthetic else b"model"
+    schema = rows_schema(pa).with_metadata({b"toolkit.engine": engine})
 
     def id_lists(packed: list[bytes]) -> pa.Array:
         lengths = np.fromiter((len(p) >> 2 for p in packed), np.int32, len(packed))
