@@ -286,6 +286,7 @@ def cmd_export(args) -> int:
         samples=frozenset(args.sample) if args.sample is not None else None,
         turns=frozenset(args.turn) if args.turn is not None else None,
         include=frozenset(include) if include else None,
+        max_length=args.max_length,
     )
     think = None if args.think_start is None else args.think_start == "supervised"
     s = export.export_run(
@@ -309,6 +310,8 @@ def cmd_export(args) -> int:
     print(s.line())
     print(f"left out, with the reason per id: {shown_path(s.skipped_file)}; summary: "
           f"{shown_path(export.side_file(output, 'summary', '.json'))}")
+    if s.lengths is not None and s.lengths.rows:
+        _print_lengths(s, args)
     if fmt == "conversations":
         differ = s.roundtrip_rows - s.roundtrip_identical
         print(
@@ -333,6 +336,20 @@ def cmd_export(args) -> int:
                 file=sys.stderr,
             )
     return EXIT_OK
+
+
+def _print_lengths(s, args) -> None:
+    """The export's tokens per row, and the trainer's length that keeps every row whole."""
+    n = s.lengths
+    trainer = s.trainer or "specforge"
+    length = args.max_length or n.needed
+    cut = n.supervised_cut_by_default / n.supervised if n.supervised else 0.0
+    print(f"tokens per row: p50 {n.p50:,}, p99 {n.p99:,}, max {n.max:,}; at its default "
+          f"{n.setting} {n.default_length}, {trainer} would cut {n.rows_cut_by_default} of "
+          f"{n.rows} rows ({cut:.1%} of the supervised tokens)")
+    where = f" (written in {shown_path(s.trainer_config)})" if s.trainer_config else ""
+    sep = ":" if n.setting.startswith("data.") else ""
+    print(f"every row whole: {trainer} {n.setting}{sep} {length}{where}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -757,7 +774,10 @@ def _add_merge_commands(sub) -> None:
         "marker inside a part, reasoning where none is expected, a NaN\nstop); --include REASON "
         "keeps them. Every selected record is accounted for: printed, and beside the\noutput in "
         "NAME_skipped.jsonl (each record left out, with its reason) and "
-        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned).\n\nAn "
+        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned). The "
+        "rows are measured (tokens per row:\np50, p99, max); tokens also writes the trainer's "
+        "config with the length that keeps every row\nwhole (NAME_specforge.yaml, "
+        "NAME_prepare_data.sh); --max-length N leaves longer rows out.\n\nAn "
         "ok record that fails the audit's checks of one record (token counts, max_new_tokens, "
         "vocabulary,\nfinish, reasoning split) refuses the export (exit 1, nothing written) "
         "unless --force.",
@@ -803,7 +823,16 @@ def _add_merge_commands(sub) -> None:
         metavar="REASON",
         help="keep records left out for REASON (repeatable; `all` keeps every ok record): nan, "
         "degenerate, truncated, no_think_end, empty_reasoning, empty_content, think_marker, "
-        "reasoning, other_turn, text_think_marker, unreadable_tool_call, empty_answer",
+        "reasoning, other_turn, text_think_marker, unreadable_tool_call, empty_answer, "
+        "tool_call_only",
+    )
+    s.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="leave out rows of more than N ids (prompt + output), each with the reason "
+        "longer_than_max_length, instead of letting the trainer cut them; the trainer's config "
+        "written beside a tokens export then says N",
     )
     s.add_argument(
         "--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)"

@@ -1,6 +1,7 @@
 """The exports as each trainer takes them (the trainers' own code runs in tests/trainers/): the tokens loss mask per
 trainer and the switch for the template's think-start; the conversations export's tool rows (a tool call alone is
-an answer, an unreadable call is left out with its own reason, arguments a trainer would re-serialise are counted),
+left out with its own reason, SpecForge's validator refusing its empty content, and kept by --include tool_call_only;
+an unreadable call is left out with its own reason, arguments a trainer would re-serialise are counted),
 its round trip and the SpecForge registration of the model's template, checked against real chat templates."""
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ CALLS = {
 def test_conversations_keep_tool_call_answers_leave_out_unreadable_calls_and_write_tools_on_every_row(tmp_path,
                                                                                                       toy_tokenizer,
                                                                                                       capsys, family):
+    """A tool call alone is left out by default (`tool_call_only`: SpecForge's validate_regenerated_data.py refuses
+    "message N content must be a non-empty string"), kept with `content` "" by --include tool_call_only."""
     s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"tools": 8}, shards=1)
     call = CALLS[family]
     healthy = runs.healthy()
@@ -90,11 +93,19 @@ def test_conversations_keep_tool_call_answers_leave_out_unreadable_calls_and_wri
                                p2=out("no json at all")))
     merge_and_audit(s.root)
     capsys.readouterr()
-    assert cli_main(["export", str(s.root), "--format", "conversations"]) == 0
+    ids = [r.id for r in s.refs]
+    assert cli_main(["export", str(s.root), "--format", "conversations", "-o", str(tmp_path / "default.jsonl")]) == 0
+    default = {r["id"] for r in lines(tmp_path / "default.jsonl")}
+    assert ids[0] not in default and ids[1] in default
+    assert {r["id"]: r["reason"] for r in lines(tmp_path / "default_skipped.jsonl")} == {
+        ids[0]: "tool_call_only", ids[2]: "unreadable_tool_call"}
+    assert json.loads((tmp_path / "default_summary.json").read_text())["skipped_by_reason"]["tool_call_only"] == 1
+    assert all(m["content"].strip() for r in lines(tmp_path / "default.jsonl") for m in r["conversations"])
+    capsys.readouterr()
+    assert cli_main(["export", str(s.root), "--format", "conversations", "--include", "tool_call_only"]) == 0
     printed = capsys.readouterr()
     rows = {r["id"]: r for r in lines(s.root / "export" / "conversations.jsonl")}
     skipped = {r["id"]: r["reason"] for r in lines(s.root / "export" / "conversations_skipped.jsonl")}
-    ids = [r.id for r in s.refs]
     answer = rows[ids[0]]["conversations"][-1]
     assert answer["content"] == "" and answer["tool_calls"][0]["function"] == {"name": "calc",
                                                                               "arguments": '{"x": "1+1"}'}

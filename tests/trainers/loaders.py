@@ -11,6 +11,13 @@ what it produced, row by row, as JSON ({"rows": [{"input_ids", "loss_mask"}, ...
         them with its fixed seed: the permutation is recovered from the same shuffle of the row indexes)
     python loaders.py speculators TOKENIZER FILE OUT
         speculators' `prepare-data` command (pre-tokenized rows pass through), its saved dataset read back
+    python loaders.py specforge-config TOKENIZER CONFIG.yaml config|default OUT
+        SpecForge's online loader over the token rows a `specforge train` config names (`data.prompts_path`), the
+        config read with SpecForge's own schema (specforge.config.load_config): at the config's `data.max_length`
+        (`config`), or at the schema's default one (`default`)
+    python loaders.py speculators-command TOKENIZER COMMAND.sh given|default OUT
+        the `speculators prepare-data` command line of COMMAND.sh run as it is (`given`) or without its
+        `--seq-length` (`default`: prepare-data's own), its output folder replaced by a temporary one
 
 Only what the trainers need is imported here: this file never imports the toolkit.
 """
@@ -73,6 +80,44 @@ def specforge_conversations(tokenizer: str, path: str, template: str, out: str, 
     _dump(out, rows)
 
 
+def specforge_config(tokenizer: str, config: str, which: str, out: str) -> None:
+    from specforge.config import load_config
+    from specforge.config.schema import DataConfig
+    from specforge.data.prompt_builder import prepare_prompt_tasks
+    from transformers import AutoTokenizer
+
+    cfg = load_config(config, [])
+    length = cfg.data.max_length if which == "config" else DataConfig.model_fields["max_length"].default
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tasks = prepare_prompt_tasks(cfg.data.prompts_path, tok, chat_template=None, max_length=length,
+                                 is_preformatted=cfg.data.is_preformatted, train_only_last_turn=True, cache_dir=None,
+                                 cache_key=None, num_proc=1)
+    Path(out).write_text(json.dumps({"max_length": length, "rows": [
+        {"input_ids": _aslist(t["payload"]["input_ids"]), "loss_mask": _aslist(t["payload"]["loss_mask"])}
+        for t in tasks]}))
+
+
+def speculators_command(tokenizer: str, script: str, which: str, out: str) -> None:
+    import shlex
+
+    from datasets import load_from_disk
+
+    cmd = shlex.split(Path(script).read_text().strip().splitlines()[-1])
+    assert cmd[:2] == ["speculators", "prepare-data"], cmd
+    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    if which == "default":
+        flags.pop("--seq-length")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags["--output"] = tmp + "/out"
+        exe = Path(sys.executable).with_name("speculators")
+        r = subprocess.run([str(exe), "prepare-data", *sum(flags.items(), ()), "--num-preprocessing-workers", "1"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"speculators prepare-data exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        ds = load_from_disk(tmp + "/out")
+        _dump(out, [{"input_ids": _aslist(row["input_ids"]), "loss_mask": _aslist(row["loss_mask"])} for row in ds])
+
+
 def speculators(tokenizer: str, path: str, out: str) -> None:
     from datasets import load_from_disk
 
@@ -95,6 +140,10 @@ def main(argv: list[str]) -> None:
         specforge_conversations(args[0], args[1], args[2], args[3], args[4] if len(args) > 4 else None)
     elif what == "speculators":
         speculators(*args)
+    elif what == "specforge-config":
+        specforge_config(*args)
+    elif what == "speculators-command":
+        speculators_command(*args)
     else:
         sys.exit(f"unknown loader {what!r}")
 

@@ -8,6 +8,12 @@ toolkit documents for that trainer (docs/dataset.md): SpecForge supervises from 
 header (a think-start the template wrote included), speculators from the end of the generation prompt. The
 conversations export's own round trip (which rows keep the exact ids) agrees with what SpecForge's loader does.
 And SpecForge's own training loop runs a few CPU steps from the tokens export (train_steps.py).
+
+The trainer's length: on rows longer than SpecForge's default data.max_length (2048) and speculators' default
+--seq-length (8192), every supervised token of every row survives each trainer's loader run with the config the
+export wrote beside it, and the share of supervised tokens each default would have cut is printed. SpecForge's
+validator of chat rows (`scripts/validate_regenerated_data.py`, not shipped in its wheel or sdist) is applied as its
+source states it (tests/specforge_rules.py) to the conversations export of a run with tool calls.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import runs
+import specforge_rules as sf
 import trainertier
 
 from jobfiles import make_job, write_prompts
 from toolkit import read_run, unpack_ids
 from toolkit.cli import main as cli_main
-from toolkit.dataset.export import export_run
+from toolkit.dataset.export import Selection, export_run
+from toolkit.dataset.finish import merge_and_audit
 from toolkit.job import chat
 from toolkit.job.spec import load_spec
 
@@ -67,10 +76,11 @@ class Run:
         self.think_start, self.blank = info.think_start_id, set(info.blank_ids)
 
 
-def make_run(tmp: Path, tokenizer: Path, *, regenerate: bool = True, tools: bool = True, **tables) -> Run:
+def make_run(tmp: Path, tokenizer: Path, *, regenerate: bool = True, tools: bool = True, max_new_tokens: int = 160,
+             prompts: int = 16, **tables) -> Run:
     tmp.mkdir(parents=True, exist_ok=True)
-    single = write_prompts(tmp / "single.jsonl", 16, tools_every=3 if tools else 0)
-    job = make_job(tmp, tokenizer, prompts=single, sampling={"max_new_tokens": 160},
+    single = write_prompts(tmp / "single.jsonl", prompts, tools_every=3 if tools else 0)
+    job = make_job(tmp, tokenizer, prompts=single, sampling={"max_new_tokens": max_new_tokens},
                    audit={"max_length_share": 1.0, "max_failed_share": 1.0},
                    **tables)
     if regenerate:
@@ -187,10 +197,19 @@ def test_the_specforge_config_of_the_docs_loads_with_its_schema_and_reads_the_to
     config.write_text(block.replace("MODEL", str(kimi_run.tokenizer)).replace("RUN/export/tokens.jsonl", str(tokens))
                       .replace("CONTROL_DIR", str(tmp_path / "control")))
     r = subprocess.run([str(trainertier.python()), "-c", "import sys; from specforge.config import load_config; "
-                        "c = load_config(sys.argv[1], []); print(c.mode, c.data.prompts_path)", str(config)],
-                       capture_output=True, text=True, timeout=120)
+                        "c = load_config(sys.argv[1], []); print(c.mode, c.data.prompts_path, c.data.max_length)",
+                        str(config)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["online", str(tokens)]
+    mode, path, length = r.stdout.split()
+    assert (mode, path) == ("online", str(tokens)) and int(length) > 2048  # the docs set the length
+    # the config the export wrote beside the tokens is the docs' one, with its own values
+    import yaml
+
+    def keys(d, at=""):
+        return {k for key, v in d.items() for k in ([f"{at}{key}"] + (sorted(keys(v, f"{at}{key}.")) if isinstance(
+            v, dict) else []))}
+    written = yaml.safe_load((tmp_path / "tokens_specforge.yaml").read_text())
+    assert keys(written) == keys(yaml.safe_load(block))
 
 
 def test_kimi_conversations_report_their_round_trip_as_specforge_loads_them(kimi_run, tmp_path, capsys):
@@ -246,3 +265,110 @@ def test_a_non_reasoning_run_is_exact_through_both_loaders(tmp_path, real_tokeni
     print("\n".join(figures))
     print(f"qwen3 (thinking off), conversations -> specforge: {r['identical']}/{r['rows']} rows identical")
     assert r["masks"] == r["identical"]
+
+
+def supervised_kept(rows: list[dict], loaded: list[dict]) -> tuple[int, int, int]:
+    """(supervised tokens of the export's rows, of them what the loader kept at the same place, rows kept whole)."""
+    total = kept = whole = 0
+    for row, got in zip(rows, loaded, strict=True):
+        n = len(got["input_ids"])
+        assert got["input_ids"] == row["input_ids"][:n] and got["loss_mask"] == row["loss_mask"][:n]
+        total += sum(row["loss_mask"])
+        kept += sum(got["loss_mask"])
+        whole += n == len(row["input_ids"])
+    return total, kept, whole
+
+
+def test_every_supervised_token_survives_each_trainers_loader_with_the_config_the_export_wrote(tmp_path,
+                                                                                             real_tokenizer, capsys):
+    """Outputs of up to 12,000 tokens (the stub, through Kimi-K2-Thinking's template): SpecForge's loader with the
+    YAML the export wrote (read with SpecForge's schema) and speculators' prepare-data with the command line it wrote
+    keep every row whole; at their own defaults (2048, 8192) they cut most of the supervised tokens."""
+    run = make_run(tmp_path / "run", real_tokenizer("kimi-k2-thinking"), regenerate=False, tools=False,
+                   max_new_tokens=12000, prompts=10)
+    figures = []
+    for trainer, kind, default in (("specforge", "specforge-config", 2048),
+                                   ("speculators", "speculators-command", 8192)):
+        out = tmp_path / f"{trainer}.jsonl"
+        capsys.readouterr()
+        assert cli_main(["export", str(run.root), "-o", str(out), "--trainer", trainer]) == 0
+        printed = capsys.readouterr().out
+        rows = lines(out)
+        summary = json.loads((tmp_path / f"{trainer}_summary.json").read_text())
+        config = Path(summary["trainer_config"])
+        longest = max(len(r["input_ids"]) for r in rows)
+        assert longest > 8192 and summary["lengths"]["needed"] == longest
+        with_config = trainertier.load(kind, run.tokenizer, config, tmp_path / f"{kind}-config.json",
+                                       "config" if trainer == "specforge" else "given")
+        at_default = trainertier.load(kind, run.tokenizer, config, tmp_path / f"{kind}-default.json", "default")
+        if trainer == "speculators":  # prepare-data shuffles the rows: back in the export's order
+            order = {tuple(r["input_ids"][:64]): i for i, r in enumerate(rows)}
+            with_config.sort(key=lambda g: order[tuple(g["input_ids"][:64])])
+            at_default.sort(key=lambda g: order[tuple(g["input_ids"][:64])])
+        total, kept, whole = supervised_kept(rows, with_config)
+        assert (kept, whole) == (total, len(rows))  # every supervised token of every row survives
+        total, kept_default, whole_default = supervised_kept(rows, at_default)
+        cut = 1 - kept_default / total
+        figures.append(f"{trainer}: {len(rows)} rows, tokens per row p50 {summary['lengths']['p50']:,} / max "
+                       f"{longest:,}; supervised tokens kept with the export's config {kept / total:.1%} "
+                       f"({kept:,} of {total:,}), at the default {default} {kept_default / total:.1%} "
+                       f"({whole_default} rows whole): {cut:.1%} cut")
+        assert summary["lengths"]["supervised_cut_by_default"] == total - kept_default  # the export's own figure
+        assert f"({cut:.1%} of the supervised tokens)" in printed
+        # 2048 cuts most of what a reasoning model writes; 8192 the rest of the longest rows
+        assert cut > (0.5 if trainer == "specforge" else 0) and whole_default < len(rows)
+    print("\n".join(figures))
+
+
+KIMI_CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.calc:0<|tool_call_argument_begin|>"
+             '{"x": "1+1"}<|tool_call_end|><|tool_calls_section_end|>')
+
+
+def test_the_conversations_export_passes_specforges_validator_tool_calls_alone_left_out_and_counted(tmp_path,
+                                                                                                  real_tokenizer):
+    """`scripts/validate_regenerated_data.py` is in SpecForge's repository only (neither its wheel nor its sdist ships
+    it); its rule, as `scripts/conversation_validation.py` states it, refuses an answer that is a tool call alone:
+
+        content = message.get("content")
+        if not isinstance(content, str) or not content.strip():
+            return f"message {index} content must be a non-empty string"
+
+    A Kimi-K2-Thinking run whose answers are a tool call alone, one with text before its call, the rest text: the
+    export leaves the calls alone out (`tool_call_only`, counted) and the rest passes the rule; `--include
+    tool_call_only` brings them back, the rule then refuses exactly those rows, and SpecForge's loader trains them."""
+    r = subprocess.run([str(trainertier.python()), "-c", "import importlib.metadata as m; "
+                        "print(sum('validate_regenerated_data' in str(f) for f in m.files('specforge')))"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "0"  # not shipped: the rule is applied as its source states it
+    s = runs.plan_run(tmp_path / "synth", real_tokenizer("kimi-k2-thinking"), "kimi", datasets={"tools": 8}, shards=1)
+    call = s.tok(KIMI_CALL, add_special_tokens=False)["input_ids"]
+
+    def tool(content: bool):
+        def make(s, pos, rng):
+            ids = s.text(rng, 40) + [s.info.think_end_id] + (s.text(rng, 10) if content else [])
+            return runs.Out(ids + call + [s.eos], "stop", s.eos)
+        return make
+
+    runs.write_run(s, runs.mix(runs.healthy(), p0=tool(False), p3=tool(False), p1=tool(True)))
+    merge_and_audit(s.root)
+    ids = [ref.id for ref in s.refs]
+    out = tmp_path / "conversations.jsonl"
+    summary = export_run(s.root, "conversations", out)
+    rows = lines(out)
+    assert sf.file_problems(rows, expect_reasoning=True, strict_think_markers=True) == []
+    assert summary.skipped_by_reason == {"tool_call_only": 2} and summary.exported == 6
+    assert {x["id"]: x["reason"] for x in lines(tmp_path / "conversations_skipped.jsonl")} == {
+        ids[0]: "tool_call_only", ids[3]: "tool_call_only"}
+    assert any(m.get("tool_calls") for r in rows for m in r["conversations"])  # a call after text is kept
+    # kept as they are, the rule refuses exactly those rows; SpecForge's own loader trains them
+    every = tmp_path / "all.jsonl"
+    export_run(s.root, "conversations", every, select=Selection(include=frozenset({"tool_call_only"})))
+    problems = sf.file_problems(lines(every), expect_reasoning=True, strict_think_markers=True)
+    assert len(problems) == 2 and all(p.endswith("content must be a non-empty string") for p in problems)
+    got = trainertier.load("specforge-conversations", real_tokenizer("kimi-k2-thinking"), every, tmp_path / "sfc.json",
+                           s.plan.spec.name, str(tmp_path / "all_specforge_template.py"))
+    alone = [g for row, g in zip(lines(every), got) if row["id"] in (ids[0], ids[3])]
+    assert len(alone) == 2 and all(sum(g["loss_mask"]) > len(call) for g in alone)
+    print(f"conversations -> SpecForge's validator rule: {len(rows)} of 8 rows pass, {len(problems)} answers that are "
+          "a tool call alone left out (tool_call_only) and counted; kept with --include tool_call_only, the rule "
+          f"refuses {len(problems)} rows, SpecForge's loader trains them")

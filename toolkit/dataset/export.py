@@ -19,6 +19,11 @@ record is accounted for once, in `ExportSummary` (exported + skipped + failed + 
 == planned), written beside the output as `<name>_summary.json`, with each record left out and why
 in `<name>_skipped.jsonl`. A run of the stub engine (`RunPlan.synthetic`) says so in the summary
 (`engine`, a warning), in the Parquet file's metadata and in the SpecForge registration file.
+`Selection.max_length` leaves out rows of more ids (prompt + output)
+with their own reason (`LONGER`): nothing is cut. The rows of a training format are measured
+(`trainer_config.RowLengths`: tokens per row, what the trainer's default length would cut), and a
+`tokens` export gets beside it the trainer's config that keeps every row whole
+(`trainer_config.write_config`).
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids,
@@ -59,6 +64,7 @@ import numpy as np
 
 from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
 from toolkit.dataset.quality import SKIP_REASONS, Judge
+from toolkit.dataset.trainer_config import LengthFigures, RowLengths, config_name, write_config
 from toolkit.dataset.trainers import (
     TRAINERS,
     Registration,
@@ -293,7 +299,12 @@ EXPORT_REASONS = {
     "unreadable_tool_call": "a tool-call section whose calls cannot be read (a trainer would "
     "train an empty call)",
     "empty_answer": "an answer with no text and no tool call",
+    "tool_call_only": "an answer that is a tool call alone: SpecForge's validator refuses its "
+    "empty content (its loader trains it)",
 }
+# prompt + output longer than --max-length: left out whatever `include` says (the trainer would cut
+# it)
+LONGER = "longer_than_max_length"
 
 
 class Selection(msgspec.Struct, frozen=True):
@@ -306,6 +317,7 @@ class Selection(msgspec.Struct, frozen=True):
     samples: frozenset[int] | None = None
     turns: frozenset[int] | None = None
     include: frozenset[str] | None = None
+    max_length: int | None = None            # rows of more ids are left out (LONGER)
 
     def planned(self, ref: PromptRef, dataset: str) -> bool:
         """Whether a planned record is selected by what the plan knows of it (dataset, sample,
@@ -352,6 +364,10 @@ class ExportSummary(msgspec.Struct):
     registration_file: str | None = None
     # conversations: tool calls whose arguments SpecForge would re-serialise
     arguments_reformatted: int = 0
+    # tokens and conversations: tokens per row, and what the trainer's default length would cut
+    lengths: LengthFigures | None = None
+    # tokens: the trainer's config that keeps every row whole (`trainer_config`)
+    trainer_config: str | None = None
     warnings: list[str] = []
 
     def line(self) -> str:
@@ -427,6 +443,7 @@ class _Account:
         self.enc = msgspec.json.Encoder()
         self.seen = 0
         self.checks: _Checks | None = None  # conversations: the round trip of each row
+        self.lengths = RowLengths(summary.trainer or "specforge")
         for k in range(len(plan.shards)):
             for ref in refs.shard(k):
                 summary.planned += sel.planned(ref, plan.datasets[ref.dataset].name)
@@ -456,7 +473,16 @@ class _Account:
             if sel.mode != ("reasoning" if in_reasoning else "non-reasoning"):
                 return "filtered"
         reason = self.judge.skip_reason(rec, opened)
-        return None if reason is None or reason in self.include else reason
+        if reason is not None and reason not in self.include:
+            return reason
+        n = (len(rec.prompt_ids) + len(rec.output_ids)) >> 2
+        return LONGER if sel.max_length is not None and n > sel.max_length else None
+
+    def measured(self, rec: Record, mask: list[int]) -> list[int]:
+        """The loss mask of a row written from `rec` (its prompt and output); its length
+        counted."""
+        self.lengths.add(len(mask), len(mask) - sum(mask))
+        return mask
 
     def exported(self, n: int = 1) -> None:
         self.summary.exported += n
@@ -615,7 +641,9 @@ def _export_tokens(
                     "turn": ref.turn,
                     "segments": r.segments,
                     "input_ids": _ids(r.prompt_ids + r.output_ids),
-                    "loss_mask": loss_mask(r.prompt_ids, r.n_output, tokens.info, think),
+                    "loss_mask": acc.measured(
+                        r, loss_mask(r.prompt_ids, r.n_output, tokens.info, think)
+                    ),
                 }
                 for r, ref in zip(recs, refs)
             ),
@@ -638,8 +666,8 @@ def _text_problem(answer: dict[str, Any]) -> str | None:
     calls = answer.get("tool_calls") or []
     if any("raw" in c for c in calls):
         return "unreadable_tool_call"
-    if not answer["content"].strip() and not calls:
-        return "empty_answer"
+    if not answer["content"].strip():
+        return "tool_call_only" if calls else "empty_answer"
     return None
 
 
@@ -751,6 +779,7 @@ def _export_conversations(
         row["conversations"] = [*turn_messages(prompt.messages, ref.turn, answers), answers[-1]]
         row["tools"] = prompt.tools or []
         checks.row(row, r)
+        acc.measured(r, loss_mask(r.prompt_ids, r.n_output, tokens.info))
         yield row
 
     def rows(recs: list[Record], parts: list[tuple[str, str, str]]) -> Iterator[dict]:
@@ -786,6 +815,7 @@ def _export_conversations(
             row["tools"] = prompt.tools or []
             if r.status == OK:
                 checks.row(row, r)
+                acc.measured(r, loss_mask(r.prompt_ids, r.n_output, tokens.info))
             yield row
 
     with reader:
@@ -992,16 +1022,19 @@ def export_run(
     `supervise_think_start` says otherwise. `conversations` also writes, beside the output, the
     round trip of each row through the chat template as SpecForge renders it
     (`<name>_roundtrip.jsonl`; counted in the summary) and the SpecForge registration of the model's
-    template (`<name>_specforge_template.py`). A failed or missing audit is said in
-    `summary.warnings`. The files appear under their names only when complete (written to temporary
-    names, then renamed). Ok records that fail the audit's record checks refuse the export
-    (ExportError, nothing written) unless `force`, which warns about them.
+    template (`<name>_specforge_template.py`); `tokens` writes the trainer's config with the length
+    that keeps every row whole (`<name>_specforge.yaml`, `<name>_prepare_data.sh`). A failed or
+    missing audit is said in `summary.warnings`. The files appear under their names only when
+    complete (written to temporary names, then renamed). Ok records that fail the audit's record
+    checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if trainer not in TRAINERS:
         raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()
+    if select.max_length is not None and select.max_length < 1:
+        raise ExportError(f"--max-length {select.max_length}: give a number of tokens, 1 or more")
     if select.mode is not None and select.mode not in MODES:
         raise ExportError(
             f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}"
@@ -1093,6 +1126,8 @@ def export_run(
         )
     if fmt == "tokens":
         summary.trainer = trainer
+        config_path = side_file(out_path, *config_name(trainer))
+        finals.append(config_path)
         summary.supervise_think_start = (
             TRAINERS[trainer].supervise_think_start
             if supervise_think_start is None
@@ -1144,6 +1179,13 @@ def export_run(
                 with open(tmp, "wb") as out:
                     summary.rows = _TEXT_WRITERS[fmt](path, plan, out, acc, tokens, found)
             acc.finish()
+            if fmt in TRAINING_FORMATS:
+                summary.lengths = acc.lengths.figures()
+            if fmt == "tokens":
+                figs = summary.lengths
+                length = select.max_length or figs.needed or figs.default_length
+                write_config(tmps[3], trainer, plan.spec.model.path, out_path, length)
+                summary.trainer_config = str(finals[3])
             if fmt == "conversations":
                 summary.roundtrip_rows, summary.roundtrip_identical = (
                     acc.checks.trip.rows,
