@@ -68,6 +68,10 @@ def make_job(tmp: Path, tokenizer: Path, *, n: int = 12, shards: int = 1, name: 
     }
     for table, keys in tables.items():
         t.setdefault(table, {}).update(keys)
+    # the GPUs each task asks Slurm for: the engine's, each used (`check` and `submit` refuse idle ones)
+    e = t["engine"]
+    used = 0 if e.get("kind") == "external" else e.get("tp_size", 1) * e.get("dp_size", 1)
+    t.setdefault("slurm", {}).setdefault("gpus_per_node", used)
     lines = [f'name = "{name}"', f'output_dir = "{tmp / "run"}"']
     for table in ("model", "engine", "sampling", "client", "sharding", "audit", "slurm", "inputs", "estimate"):
         if table in t:

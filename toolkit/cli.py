@@ -120,9 +120,12 @@ job, and a last line that says what the exit code means:
 
 
 def cmd_check(args) -> int:
+    from toolkit.cluster.resources import Resources, check_resources
     from toolkit.job.prepare import prepare_run
 
-    pf = prepare_run(args.job, dry_run=True, print_warnings=False).preflight
+    # the [slurm] table as `submit` takes it (no cluster asked): no GPU billed and left idle
+    pf = prepare_run(args.job, dry_run=True, print_warnings=False,
+                     validate=lambda plan, _rd: check_resources(plan, Resources())).preflight
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
@@ -172,7 +175,36 @@ def _running_here(run: str, shards, command: str, **kw):
     return local_run(RunDir(run), shards, command, **kw)
 
 
+def _at_least(flag: str, values, least: int, what: str) -> None:
+    """Refuse (bad input) a number flag below `least`, before anything is read or written."""
+    for v in [values] if isinstance(values, int) else values or []:
+        if v < least:
+            raise BadInputError(f"{flag} {v}: give at least {least} ({what})")
+
+
+def _shards_of(flag: str, shards, plan) -> None:
+    """Refuse (bad input) shard indices that are not the run's (`plan`'s), before any is run."""
+    n = len(plan.shards)
+    for k in shards or []:
+        if not 0 <= k < n:
+            raise BadInputError(
+                f"{flag} {k}: no such shard; the run has {n} shard{'s' * (n != 1)}, 0..{n - 1}"
+            )
+
+
 def cmd_worker(args) -> int:
+    from toolkit.formats.run import Run
+    from toolkit.job.spec import JobSpec
+
+    _at_least("--workers", args.workers, 1, "workers that share the shards")
+    if not 0 <= args.worker < args.workers:
+        raise BadInputError(
+            f"--worker {args.worker}: give 0..{args.workers - 1} (this worker's number of "
+            f"--workers {args.workers})"
+        )
+    plan = Run.open(args.run, JobSpec).plan  # read only: a shard not the run's is refused first
+    _shards_of("--claim", args.claim, plan)
+    _shards_of("shard", [] if args.shard is None else [args.shard], plan)
     if args.claim is not None:
         from toolkit.worker.claims import run_claims
 
@@ -199,13 +231,21 @@ def cmd_worker(args) -> int:
 
 def cmd_run(args) -> int:
     from toolkit.job.prepare import prepare_run
+    from toolkit.pipeline import local_group, run_shards, workers_here
 
-    prep = prepare_run(args.job, new_run=args.new_run, local=True, allow_changed=args.allow_changed)
+    _at_least("--parallel", args.parallel, 1, "workers at once, each with its own engine")
+    _at_least("--shards", args.shards, 0, "shard indices count from 0")
+
+    def validate(plan, _rd):  # before the run directory is written
+        _shards_of("--shards", args.shards, plan)
+        workers_here(plan.spec, args.parallel)  # the GPUs here, split between the workers
+
+    prep = prepare_run(args.job, new_run=args.new_run, local=True, allow_changed=args.allow_changed,
+                       validate=validate)
     rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     from toolkit.cluster.livebar import LiveBar
-    from toolkit.pipeline import local_group, run_shards
 
     again = f"`toolkit run {args.job}` again"
     with _running_here(
@@ -273,6 +313,8 @@ def cmd_audit(args) -> int:
 def cmd_export(args) -> int:
     from toolkit.dataset import export
 
+    _at_least("--sample", args.sample, 0, "sample indices count from 0")
+    _at_least("--turn", args.turn, 0, "turn indices count from 0")
     fmt = args.format or export.DEFAULT_FORMAT
     include = set(args.include or [])
     if args.include_truncated:
@@ -441,7 +483,7 @@ def cmd_retry(args) -> int:
     from toolkit.pipeline import local_group, run_shards
 
     with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
-        stopped, failed = run_shards(rd.root, shards, log)
+        stopped, failed = run_shards(rd.root, shards, log, parallel=None)
         return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
 
 
@@ -466,6 +508,7 @@ def cmd_status(args) -> int:
 def cmd_logs(args) -> int:
     from toolkit.cluster.logs import logs_command
 
+    _at_least("-n", args.lines, 0, "lines of tail to print")
     return logs_command(
         args.run,
         args.shard,

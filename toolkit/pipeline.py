@@ -58,7 +58,7 @@ def workers_here(spec, parallel: int | None, env: dict[str, str] | None = None) 
     try:
         _, slices = split_gpus(visible_gpus(env, _count_gpus), engine_gpus(spec.engine), parallel)
     except ValueError as e:
-        raise BadInputError(f"{e} (set --parallel, or CUDA_VISIBLE_DEVICES)") from None
+        raise BadInputError(str(e)) from None
     return slices
 
 

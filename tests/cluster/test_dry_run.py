@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 8, "cpus_per_task": 32, "mem": "200G",
          "array_parallelism": 16, "signal_delay_s": 120, "setup": ["module load cuda/12.4", "source ~/venv/bin/activate"],
          "merge_time": "90", "merge_cpus": 4, "merge_mem": "16G"}
+ENGINE = {"tp_size": 8}  # every GPU of [slurm] gpus_per_node = 8 used (check and submit refuse idle ones)
 
 
 def no_slurm_env(tmp: Path) -> dict:
@@ -43,7 +44,7 @@ def sbatch(script: str) -> list[str]:
 
 @pytest.mark.slow
 def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_tokenizer):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=64, shards=64, slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=64, shards=64, slurm=SLURM, engine=ENGINE)
     r = dry_run(job, no_slurm_env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
@@ -80,7 +81,7 @@ def test_dry_run_without_slurm_shows_the_scripts_submitit_writes(tmp_path, toy_t
 
 @pytest.mark.slow
 def test_dry_run_time_formats(tmp_path, toy_tokenizer):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "2-00:00:00"})
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "2-00:00:00"}, engine=ENGINE)
     env = no_slurm_env(tmp_path)
     out = dry_run(job, env).stdout
     array, merge = scripts(out)
@@ -104,7 +105,7 @@ def test_the_shown_time_is_what_slurm_reads():
 def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
     import time
 
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm=SLURM, engine=ENGINE)
     no_path = {k: v for k, v in no_slurm_env(tmp_path).items() if k != "SLURM_CONF"}
     r = dry_run(job, no_path)
     assert r.returncode == 0 and "Slurm not reachable: not validated against a cluster (`scontrol` not found" in r.stdout
@@ -117,7 +118,7 @@ def test_no_cluster_is_said_plainly_and_quickly(tmp_path, toy_tokenizer):
 
 @pytest.mark.slow
 def test_a_time_limit_not_longer_than_the_signal_delay_is_refused_without_a_cluster(tmp_path, toy_tokenizer):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "00:02:00"})
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, slurm={**SLURM, "time": "00:02:00"}, engine=ENGINE)
     r = dry_run(job, no_slurm_env(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("toolkit: error: --time 00:02:00 (120 s) is not longer than --signal-delay-s 120: every "

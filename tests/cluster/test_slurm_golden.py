@@ -24,6 +24,7 @@ GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
 SLURM = {"partition": "gpu", "time": "24:00:00", "gpus_per_node": 4, "cpus_per_task": 8, "mem": "16G",
          "array_parallelism": 2, "signal_delay_s": 120, "setup": ["module load cuda/12.4"],
          "merge_time": "90", "merge_cpus": 2, "merge_mem": "8G"}
+ENGINE = {"tp_size": 4}  # every GPU of [slurm] gpus_per_node = 4 used (check and submit refuse idle ones)
 
 SCONTROL_CONFIG = "MaxArraySize            = 1001\n"
 SCONTROL_PARTITION = "PartitionName=gpu Default=YES State=UP TotalNodes=2\n"
@@ -123,7 +124,7 @@ def submitted(fake: FakeSlurm, tmp: Path) -> str:
 
 
 def test_submit_sends_one_throttled_array_and_a_merge_job_after_it(fake, tmp_path, toy_tokenizer, capsys):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job), "--time", "2:00:00"]) == 0
     out = capsys.readouterr().out
     assert ("Submitted batch job 1001 (array of 2 tasks 1001_[0-1] claiming shards 0-2: each starts its engine once "
@@ -140,7 +141,7 @@ def test_submit_sends_one_throttled_array_and_a_merge_job_after_it(fake, tmp_pat
 
 
 def test_status_cancel_and_resubmit_ask_slurm_this(fake, tmp_path, toy_tokenizer, capsys):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job)]) == 0
     run = str(tmp_path / "run")
     fake.calls.clear()
@@ -180,7 +181,7 @@ def test_status_cancel_and_resubmit_ask_slurm_this(fake, tmp_path, toy_tokenizer
 
 
 def test_a_bad_option_is_refused_before_slurm_is_asked_to_submit(fake, tmp_path, toy_tokenizer, capsys):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine={"tp_size": 8})
     assert cli_main(["submit", str(job), "--gpus-per-node", "8"]) == 2
     assert "have at most 4 GPUs" in capsys.readouterr().err
     assert not fake.scripts and all(c[0] != "sbatch" for c in fake.calls)
@@ -193,7 +194,7 @@ def test_slurm_refusing_the_submission_exits_1(fake, tmp_path, toy_tokenizer, ca
         raise FailedJobError("sbatch: error: Batch job submission failed: Invalid qos specification")
 
     monkeypatch.setattr(fake, "sbatch", refuse)
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job)]) == 1
     assert capsys.readouterr().err.strip().endswith(
         "toolkit: error: sbatch failed: sbatch: error: Batch job submission failed: Invalid qos specification; check "
@@ -208,7 +209,7 @@ def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenize
     from toolkit.formats.manifests import DoneManifest
     from toolkit.job.plan import load_run
 
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job)]) == 0
     rd = RunDir(tmp_path / "run")
     fingerprint = load_run(rd.root)[1].fingerprint
@@ -228,7 +229,7 @@ def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenize
 
 def test_the_dry_run_of_one_shard_shows_the_plain_job_submit_sends(fake, tmp_path, toy_tokenizer, capsys):
     """submitit sends a single task as a plain job (no --array, %j paths): the dry run shows exactly that."""
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=3, shards=1, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=3, shards=1, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job), "--dry-run"]) == 0
     dry = capsys.readouterr().out
     assert ("==> array 1 of 1: shards 0 (one job, sent as a plain job (not an array): it starts its engine once and "
@@ -245,7 +246,7 @@ def test_the_dry_run_of_one_shard_shows_the_plain_job_submit_sends(fake, tmp_pat
 
 
 def test_a_dry_run_of_a_submitted_run_is_refused_as_submit_refuses_it(fake, tmp_path, toy_tokenizer, capsys):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM)
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE)
     assert cli_main(["submit", str(job)]) == 0
     capsys.readouterr()
     for dry in (["--dry-run"], []):

@@ -139,7 +139,7 @@ def toolkit_run(job: Path, *args: str, gpus: str | None) -> subprocess.Completed
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, parallel, expected", [(1, None, ["0", "1", "2", "3"]), (2, None, ["0,1", "2,3"]),
-                                                     (1, "2", ["0", "1"])])
+                                                     (1, "4", ["0", "1", "2", "3"])])
 def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(tmp_path, kimi, tp, parallel, expected):
     job = make_job(tmp_path, kimi, n=24, shards=8, sampling={"max_new_tokens": 32}, engine={"tp_size": tp})
     r = toolkit_run(job, *(["--parallel", parallel] if parallel else []), gpus="0,1,2,3")
@@ -171,7 +171,12 @@ def test_gpus_split_between_workers():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == [] and visible_gpus({}, lambda: 2) == ["0", "1"]
     assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 8, None) == (1, [["0", "1", "2", "3", "4", "5", "6", "7"]])
     assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 2, None)[0] == 4
-    assert split_gpus(["4", "5", "6"], 1, 2) == (2, [["4"], ["5"]])  # the visible ids, not 0..n-1
+    assert split_gpus(["4", "5", "6"], 1, 3) == (3, [["4"], ["5"], ["6"]])  # the visible ids, not 0..n-1
+    with pytest.raises(ValueError, match="GPU 6 would sit idle .*give --parallel 3, or CUDA_VISIBLE_DEVICES=4,5 "):
+        split_gpus(["4", "5", "6"], 1, 2)
+    with pytest.raises(ValueError, match=r"2 workers of 3 GPUs per engine use 6 of the 8 visible GPUs \(0,1,2,3,4,5,6,7\): "
+                                         r"GPUs 6,7 would sit idle for the whole run; give CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 "):
+        split_gpus([str(i) for i in range(8)], 3, None)
     assert split_gpus([], 8, None) == (1, [[]]) and split_gpus([], 8, 3) == (3, [[], [], []])
     with pytest.raises(ValueError, match="one engine needs 8 GPUs but 4 are visible"):
         split_gpus(["0", "1", "2", "3"], 8, None)

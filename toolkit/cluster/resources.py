@@ -166,8 +166,9 @@ def _given(o: Resources, s, key: str):
 def check_resources(plan: RunPlan, o: Resources) -> None:
     """Refuse (bad input) a count below what Slurm can run — `--cpus-per-task 0`,
     `--array-parallelism 0` —, a time limit not longer than the signal delay, whether a flag or the
-    job's [slurm] table gives it, and a `--gpus-per-node` that an engine of several nodes cannot be
-    laid out on. Pure: no cluster is asked."""
+    job's [slurm] table gives it, and GPUs per node (`--gpus-per-node`, else [slurm]) that the
+    engine does not use exactly: GPUs left idle, too few, or an engine of several nodes that cannot
+    be laid out on them (engines.layout.check_engine_layout). Pure: no cluster is asked."""
     from toolkit.engines.layout import check_engine_layout
 
     s = plan.spec.slurm
@@ -183,10 +184,10 @@ def check_resources(plan: RunPlan, o: Resources) -> None:
     if s.merge_cpus < 1:
         raise refuse(f"[slurm] merge_cpus = {s.merge_cpus}: must be at least 1")
     check_signal_delay(time_to_minutes(o.time or s.time), _given(o, s, "signal_delay_s"))
-    if o.gpus_per_node is not None:  # [slurm] gpus_per_node was checked with the spec
-        problem = check_engine_layout(plan.spec.engine, o.gpus_per_node, where="--gpus-per-node")
-        if problem:
-            raise refuse(problem)
+    where = "--gpus-per-node" if o.gpus_per_node is not None else "[slurm] gpus_per_node"
+    problem = check_engine_layout(plan.spec.engine, _given(o, s, "gpus_per_node"), where=where)
+    if problem:
+        raise refuse(problem)
 
 
 def shard_params(plan: RunPlan, o: Resources) -> dict[str, Any]:

@@ -8,14 +8,20 @@ what it is.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from toolkit.engines.base import LOOPBACK, Engine, EngineError, free_port
 
-__all__ = ["StubEngine", "start_standalone"]
+__all__ = ["StubEngine", "start_standalone", "stub_args_problem"]
+
+CHECK_ARGS_S = 60.0  # the stub parsing its command line (`--check-args`) takes about a second
+_FAIL_5XX = re.compile(r"\d+:\d+")
 
 
 class StubEngine(Engine):
@@ -86,6 +92,31 @@ class StubEngine(Engine):
         ]
         top = max(tops, default=0)
         return top if c.loop_stop and top > c.segment_tokens else None
+
+
+def stub_args_problem(spec) -> str | None:
+    """Why the stub would refuse the command line the job starts it with (None: it takes it), asked
+    of the stub itself (`--check-args`: it parses its arguments and exits), before a run is written.
+    Asked only where the job gives the stub a string it parses: [engine.stub] extra_args, a
+    fail_5xx not of the form START:COUNT (the rest is typed by the spec, [engine] extra_args are
+    judged by SGLang's flags)."""
+    s = spec.engine.stub
+    if not s.extra_args and (s.fail_5xx is None or _FAIL_5XX.fullmatch(s.fail_5xx)):
+        return None
+    argv = StubEngine(spec, Path(os.devnull), probe_ids=[]).argv() + ["--check-args"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_ARGS_S,
+                             stdin=subprocess.DEVNULL, errors="replace")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the stub did not say whether it takes its arguments: {e}"
+    if out.returncode == 0:
+        return None
+    said = [line for line in out.stderr.splitlines() if line.strip()]
+    why = said[-1].split(" error: ", 1)[-1] if said else f"exit {out.returncode}"
+    return (
+        f"[engine.stub] the stub refuses its arguments: {why}; fix [engine.stub] extra_args or "
+        "the key named (python -m toolkit.stub --help lists what it takes)"
+    )
 
 
 def start_standalone(

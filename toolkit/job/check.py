@@ -1,7 +1,8 @@
 """Pre-flight: everything `toolkit check`, `run` and `submit` (with or without --dry-run) verify
 before any engine starts, in one function so that no command misses a check.
 
-    spec       the TOML, every key and path (spec.load_spec); the engine's extra args
+    spec       the TOML, every key and path (spec.load_spec); the engine's extra args; the stub's
+               arguments, as the stub itself parses them (engines.stub.stub_args_problem)
     inputs     every line of every prompt file, every id unique (plan.plan_job: all bad lines at
                once)
     tokenizer  loaded as the model loads it; think, tool-call and eos ids (chat.token_info)
@@ -154,6 +155,7 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     check_output_dir(spec.output_dir, job)
     plan, refs = plan_job(spec)
     pf = Preflight(spec, plan, refs)
+    _check_stub_args(spec, job)
     missing = sglang_missing(spec)
     if missing:  # a login node that only submits needs none: the GPU nodes' Python must have it
         pf.warnings.append(
@@ -170,6 +172,15 @@ def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_othe
     if warn_other_run:
         _check_run_dir(pf)
     return pf
+
+
+def _check_stub_args(spec: JobSpec, job: Any) -> None:
+    """The stub engine's arguments, refused here as the stub would refuse them when it starts."""
+    from toolkit.engines.stub import stub_args_problem
+
+    why = stub_args_problem(spec) if spec.engine.kind == "stub" else None
+    if why:
+        raise SpecError(f"{job}: {why}")
 
 
 def skipped_warnings(plan: RunPlan) -> list[str]:

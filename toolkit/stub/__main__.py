@@ -184,6 +184,8 @@ def log_occupancy(srv: StubServer) -> None:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     cfg = parse_config(argv)
+    if cfg.check_args:  # the command line alone, asked before a run is written
+        return 0
     setup_logging(cfg.log_level)
     logger.info(
         "Stand-in SGLang server %s profile: a test double of the HTTP protocol, NOT a model; "

@@ -97,6 +97,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     double_think_start: bool = False
     degenerate_fraction: float = 0.0
     identical_samples: bool = False
+    check_args: bool = False
     # SGLang flags that are accepted, echoed in /server_info, and otherwise ignored
     other_args: dict[str, Any] = {}
 
@@ -373,6 +374,12 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
         help="samples of one prompt are token-identical, even with a "
         "sampling_seed (a sampler that ignores it)",
     )
+    a(
+        "--check-args",
+        action="store_true",
+        help="parse the command line and exit: 0 when the stub takes it, else 2 with the error "
+        "(the toolkit's pre-flight asks this before anything is written)",
+    )
     p.own_actions = set(p._actions) - before
     clash = [o for act in p.own_actions for o in act.option_strings if o in flags]
     assert not clash, f"stub flags {clash} are SGLang {version} flags too: rename them"
@@ -525,6 +532,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         double_think_start=ns.double_think_start,
         degenerate_fraction=ns.degenerate_fraction,
         identical_samples=ns.identical_samples,
+        check_args=ns.check_args,
         other_args={k: v for k, v in other.items() if v not in (None, False)},
     )
     return cfg
