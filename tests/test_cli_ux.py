@@ -348,3 +348,29 @@ def test_a_command_run_in_process_leaves_the_log_levels_as_they_were(tmp_path, t
     assert cli_main(["--quiet", "check", str(make_job(tmp_path, toy_tokenizer("kimi"), n=2))]) == 0
     assert chat.level == logging.NOTSET
     assert [(h, h.level) for h in logging.getLogger().handlers] == handlers
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["stauts", "runs/none"], "invalid choice: 'stauts' (choose from 'run', "),
+    (["run", "jobs/demo.toml", "--paralel", "2"], "toolkit run: error: unrecognized arguments: --paralel 2; did you mean "
+                                                   "`--parallel` for `--paralel`?"),
+    (["submit", "jobs/demo.toml", "--dry-run", "--gres", "gpu:2"],
+     "toolkit submit: error: unrecognized arguments: --gres gpu:2; `--gres` is not an option here: any sbatch option "
+     'goes in the job\'s [slurm] table as extra = { gres = "..." }'),
+])
+def test_a_mistyped_command_or_flag_gets_the_closest_and_an_sbatch_option_gets_slurm_extra(argv, said, tmp_path):
+    r = toolkit(*argv)
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    if argv[0] == "stauts":
+        assert r.stderr.rstrip().endswith("did you mean `status`?")
+    assert not (REPO / "runs" / "none").exists()
+
+
+def test_verbose_and_quiet_on_either_side_of_the_command(tmp_path):
+    for argv in (["-v", "status", str(tmp_path)], ["status", str(tmp_path), "-v"], ["status", "--verbose", str(tmp_path)]):
+        r = toolkit(*argv)
+        # -v: the error's traceback, then its one line
+        assert r.returncode == 2 and "Traceback (most recent call last)" in r.stderr, (argv, r.stderr)
+        assert r.stderr.rstrip().splitlines()[-1].startswith("toolkit: error: "), (argv, r.stderr)
+    r = toolkit("status", str(tmp_path), "--quiet")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -523,7 +523,7 @@ def cmd_logs(args) -> int:
 # parser
 # --------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="toolkit",
         description="Generate a training dataset from a reasoning model served by SGLang, via raw "
                     "token ids, on Slurm.",
@@ -601,7 +601,58 @@ def build_parser() -> argparse.ArgumentParser:
     _add_retry_command(sub)
     for s in sub.choices.values():  # also after the command: `toolkit run --quiet JOB`
         s.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
+        s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="debug logging, and the traceback of an error")
     return p
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped command or choice."""
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        m = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(3)) or [c.strip() for c in m.group(3).split(",")]
+            close = difflib.get_close_matches(m.group(2), choices, n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean `{close[0]}`?"
+        super().error(message)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args, extras: list[str]) -> None:
+    """Refuse the arguments no option took, in the words of the command they were given to: a
+    mistyped option gets the closest one, an sbatch option the toolkit does not take gets [slurm]
+    extra."""
+    import difflib
+
+    sub = _subparser(parser, getattr(args, "command", None)) or parser
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extras:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("-"):
+            continue
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"did you mean `{close[0]}` for `{name}`?")
+        elif name.startswith("--") and "--partition" in options:
+            key = name[2:].replace("-", "_")
+            hints.append(
+                f"`{name}` is not an option here: any sbatch option goes in the job's [slurm] "
+                f'table as extra = {{ {key} = "..." }}'
+            )
+    sub.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints
+                                                                  else ""))
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
 
 
 def _add_resource_flags(s) -> None:
@@ -1029,7 +1080,9 @@ def _log_levels(args) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, args, extras)
     # (--log-relay: records for the `toolkit run` that started it)
     terminal = logging.StreamHandler(sys.stderr)
     terminal.setFormatter(RelayFormatter() if args.log_relay else text_formatter())
