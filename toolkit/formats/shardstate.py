@@ -14,8 +14,9 @@ command asks this module rather than reading those files itself.
     MISSING     unfinished: not started, or stopped part way
 
 A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint
-is a string compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads
-the progress file (of a shard not DONE).
+is a string compare, `verify` reads the whole file (sha256; "cheap": its size, and its sha256 only
+when the file was written after its manifest, what `status` affords on every refresh), `held` tries
+the lock, `group` reads the progress file (of a shard not DONE).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def shard_state(
     k: int,
     *,
     fingerprint: str | None = None,
-    verify: bool = False,
+    verify: bool | Literal["cheap"] = False,
     remove: bool = False,
     recheck: bool = False,
     held: bool = False,
@@ -87,7 +88,7 @@ def shard_state(
     """The state of shard `k` of the run in `rd`, with the checks asked for:
 
     `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file
-    changed since (size, sha256); `recheck`: the caller already found it untrusted; `remove`: an
+    changed since (size, sha256; "cheap": the sha256 only of a file written after it); `recheck`: the caller already found it untrusted; `remove`: an
     untrusted manifest is removed, said in one line (the shard's next run checks its file, salvages
     the intact frames and generates the rest); `held`: an unfinished shard whose file another writer
     holds is HELD; `group`: one whose progress says it failed in this group of workers is FAILED
@@ -100,7 +101,8 @@ def shard_state(
         if fingerprint is not None and m.fingerprint != fingerprint:
             why, foreign = f"of run {m.fingerprint}, not of this run {fingerprint}", True
         elif verify:
-            why = verify_done(m, rd.shard_file(k))
+            since = done_time(rd, k) if verify == "cheap" else None
+            why = verify_done(m, rd.shard_file(k), since=since)
         if why is None and recheck:
             why = "its file changed since it was written"
         if why is not None:
