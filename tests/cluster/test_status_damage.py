@@ -55,10 +55,10 @@ def a_copy(pristine, tmp: Path) -> RunDir:
     return RunDir(tmp / "run")
 
 
-def later(path: Path) -> None:
-    """A change made after the run finished: the file's mtime moves on (a second, as a later edit would)."""
+def later(path: Path, seconds: int = 1) -> None:
+    """A change made after the run finished: the file's mtime moves on, as a later edit would."""
     st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 1_000_000_000))
 
 
 def flip(path: Path, where: float) -> None:
@@ -95,7 +95,7 @@ def edited_done(rd: RunDir, **fields) -> None:
     m = json.loads(path.read_text())
     m.update(fields)
     path.write_text(json.dumps(m))
-    later(path)
+    later(path, 3600)  # edited an hour after the shard finished
 
 
 # kind -> (damage, what status's last line names: the shard or file, and the command that repairs it)
@@ -119,6 +119,7 @@ DAMAGE = {
     "done manifest truncated": (lambda rd: cut(rd.done_file(SHARD), 0.5), SHARD_CMD),
     "done manifest emptied": (lambda rd: cut(rd.done_file(SHARD), 0), SHARD_CMD),
     "done manifest with another size": (lambda rd: edited_done(rd, bytes=12345), SHARD_CMD),
+    "done manifest with another sha256": (lambda rd: edited_done(rd, sha256="0" * 64), SHARD_CMD),
     "prompts.msgpack truncated": (lambda rd: cut(rd.prompts_file, 0.5), PROMPTS_CMD),
     "prompts.msgpack cut by one byte": (lambda rd: cut(rd.prompts_file, -1), PROMPTS_CMD),
     "prompts.msgpack byte flipped in an id": (lambda rd: flip(rd.prompts_file, 0.5), PROMPTS_CMD),

@@ -68,7 +68,7 @@ UNKNOWN = "unknown"
 # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
 NOT_STARTED = "not_started"
 UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
-# its done manifest is there, but its file is no longer what it describes (cut, grown, changed, gone)
+# its done manifest is there, but its file is no longer what it says (cut, grown, changed, gone)
 CHANGED = "changed"
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
 # a local worker's progress says generating, but the file has not been written for far too long
@@ -697,7 +697,8 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     1 (EXIT_FAILED) prompts.msgpack damaged (first: merge, export and retry refuse the run);
     1 (EXIT_FAILED) ended without completing: stopped (shards stopped, not started or unfinished,
     and nothing
-      runs them), a finished shard's file changed since its done manifest, failures that may pass left, not merged (or merged before a shard changed, or the
+      runs them), a finished shard's file changed since its done manifest, failures that may pass
+      left, not merged (or merged before a shard changed, or the
       merged file damaged), not audited: the command to run next is said."""
     if merge.prompts:  # the run's plan is damaged: nothing else can be repaired before it
         return EXIT_FAILED, (

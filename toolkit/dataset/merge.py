@@ -207,7 +207,8 @@ def merge_run(
 
     Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest, or when a
     finished shard's file is no longer what its done manifest says; and never replaces a complete
-    merged dataset of the same plan with an incomplete one (MergeError: the earlier is kept). `on_record`
+    merged dataset of the same plan with an incomplete one (MergeError: the earlier is kept).
+    `on_record`
     sees every merged record, in planned order (the audit runs in the same pass this way). A file
     system that fails it (full, read-only) is a FailedError (exit 1) in one line, nothing left
     behind.
@@ -398,10 +399,10 @@ def _changed_since_done(rd: RunDir, k: int, sm: ShardMerge) -> MergeError:
     (its records would go missing from the merged dataset, which is kept as it was)."""
     what = "is gone" if not sm.bytes and sm.sha256 is None else "changed"
     return MergeError(
-        f"{rd.root}: shard {k}'s file {sm.file} {what} since its done manifest was written: nothing "
-        f"merged, the merged dataset is kept as it was. `{rd.finish_command()}` checks the file, "
-        "keeps what is intact and generates the rest, then merges (`--allow-incomplete` merges "
-        "what is there)"
+        f"{rd.root}: shard {k}'s file {sm.file} {what} since its done manifest was written: "
+        f"nothing merged, the merged dataset is kept as it was. `{rd.finish_command()}` checks the "
+        "file, keeps what is intact and generates the rest, then merges (`--allow-incomplete` "
+        "merges what is there)"
     )
 
 
