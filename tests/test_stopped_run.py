@@ -16,7 +16,7 @@ import pytest
 
 from jobfiles import make_job
 from toolkit.cli import main as cli_main
-from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_INTERRUPTED, EXIT_OK
+from toolkit.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_INTERRUPTED, EXIT_OK
 from toolkit.formats.progress import live_local_runs
 from toolkit.formats.rundir import RunDir
 
@@ -257,7 +257,17 @@ def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(comple
 
     rd = complete_run
     _flip(rd.shard_file(0), rd.shard_file(0).stat().st_size // 2)
-    assert cli_main(["merge", str(rd.root)]) != EXIT_OK
+    before = rd.merged_file.read_bytes()
+    capsys.readouterr()
+    assert cli_main(["merge", str(rd.root)]) == EXIT_BAD_INPUT  # refused: its records would go missing
+    err = capsys.readouterr().err
+    assert "nothing merged, the merged dataset is kept as it was" in err and f"`toolkit retry {rd.shown}`" in err
+    assert rd.merged_file.read_bytes() == before
+    assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
+    assert "shard 0 changed since done" in capsys.readouterr().out
+    # merged anyway, with no complete merged dataset in place: the audit gives the same advice
+    rd.manifest_file.unlink()
+    assert cli_main(["merge", str(rd.root), "--allow-incomplete"]) != EXIT_OK
     capsys.readouterr()
     checks = {c.name: c.message for c in read_report(rd).checks}
     for name in ("coverage", "damaged_frames"):
@@ -306,7 +316,9 @@ def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_ru
 
     rd = complete_run
     _flip(rd.shard_file(0), at)
-    assert cli_main(["merge", str(rd.root), "--no-audit"]) == EXIT_FAILED  # a damaged frame (the header) is said
+    assert cli_main(["merge", str(rd.root), "--no-audit"]) == EXIT_BAD_INPUT  # a finished shard's file changed
+    rd.manifest_file.unlink()  # merged anyway, with no complete merged dataset in place
+    assert cli_main(["merge", str(rd.root), "--no-audit", "--allow-incomplete"]) == EXIT_FAILED  # the header is said
     m = load_manifest(rd)
     assert m.missing == 0 and m.records == m.planned and [p.offset for p in m.corrupt] == [0]
     merged_before = m.shards[0]

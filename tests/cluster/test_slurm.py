@@ -102,12 +102,11 @@ def test_a_finished_shard_file_damaged_after_the_run_is_resubmitted_and_the_run_
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    merged = toolkit("merge", str(run), check=False)
-    assert merged.returncode == 1
-    from toolkit.dataset.audit_report import read_report
-
-    coverage = next(c for c in read_report(RunDir(run)).checks if c.name == "coverage")
-    assert f"Finish the shards with `toolkit resubmit {run}`" in coverage.message  # submitted: on Slurm again
+    merged = toolkit("merge", str(run), check=False)  # refused: the complete merged dataset is kept
+    assert merged.returncode == 2 and "nothing merged, the merged dataset is kept as it was" in merged.stderr
+    assert "`toolkit resubmit " in merged.stderr  # submitted: on Slurm again
+    st = toolkit("status", str(run), check=False)
+    assert st.returncode == 1 and "shard 1 changed since done" in st.stdout and "`toolkit resubmit " in st.stdout
     r = toolkit("resubmit", str(run))  # the advice works: the shard whose file changed goes again
     assert "resubmitting 1 shard: 1 without a done manifest" in r.stdout
     rows, merge = wait_run(run, until=lambda rows, m: m.state == "completed" and m.current and m.audit == "passed")

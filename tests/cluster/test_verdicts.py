@@ -10,6 +10,7 @@ from toolkit.cluster.commands import FAILED, TIMEOUT, SlurmAnswer
 from toolkit.cluster.jobs import ArrayJob, Submission
 from toolkit.cluster.verdicts import (
     ACTIVE,
+    CHANGED,
     DEAD,
     NOT_STARTED,
     STALE,
@@ -207,6 +208,29 @@ def test_a_shard_whose_done_manifest_is_damaged_is_not_complete():
     assert r.state == UNFINISHED and "done manifest is missing or damaged" in r.error
     code, why = verdict([completed(0), r], MergeStatus(None, None, True, audit="passed"), "RUN")
     assert code == EXIT_FAILED and "shard 1 unfinished and nothing runs them: `toolkit retry RUN`" in why
+
+
+def test_a_finished_shard_whose_file_changed_is_not_complete_and_names_the_repair():
+    """Its done manifest is there but no longer vouches for its file: merge refuses it, so status says so, with the
+    command that repairs it (here, or on Slurm for a shard submitted there)."""
+    why = "shards/00001.zst has 10 bytes, its done manifest says 12"
+    facts = ShardFacts(1, 4, None, Progress(shard=1, state="done", total=4, done=4), untrusted=why)
+    r = state(facts)
+    assert r.state == CHANGED and r.reason == why and "`toolkit retry RUN` checks the file" in r.error
+    code, text = verdict([completed(0), r], MergeStatus(None, None, True, audit="passed"), "RUN")
+    assert (code, text) == (EXIT_FAILED, f"not complete: shard 1 changed since done ({why}): `toolkit retry RUN` "
+                                         "checks the file, keeps what is intact and generates the rest")
+    on_slurm = state(facts, SlurmView(jobs={"70_1": SlurmJob("COMPLETED", "n1")}), job="70_1")
+    assert on_slurm.state == CHANGED and "`toolkit resubmit RUN`" in verdict([on_slurm], MergeStatus(None, None, True))[1]
+    # a task that runs it again now: running, not changed
+    assert state(facts, SlurmView(jobs={"70_1": SlurmJob("RUNNING", "n1")}), job="70_1").state == "running"
+
+
+def test_a_damaged_prompts_msgpack_is_not_complete_whatever_else_holds():
+    merge = MergeStatus(None, None, True, audit="passed", prompts="prompts.msgpack is missing")
+    code, why = verdict([completed(0), completed(1)], merge, "RUN")
+    assert code == EXIT_FAILED and why.startswith("not complete: prompts.msgpack is missing: merge, export and retry "
+                                                  "refuse the run; `toolkit run JOB`")
 
 
 def test_a_damaged_merged_file_is_not_complete():

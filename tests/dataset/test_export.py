@@ -411,3 +411,28 @@ def test_the_export_help_names_every_reason(capsys):
         cli_main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(reason in text for reason in EXPORT_REASONS)
+
+
+def test_export_refuses_a_merged_dataset_short_of_the_plan_unless_merged_with_allow_incomplete(tmp_path, toy_tokenizer,
+                                                                                               capsys):
+    from toolkit.formats.manifests import write_done
+
+    s = runs.plan_run(tmp_path, toy_tokenizer("kimi"), datasets={"math": 12}, shards=1)
+    runs.write_run(s, window=0, flush_records=3)
+    path = s.rd.shard_file(0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a frame damaged before the shard was done: its done manifest vouches for it
+    path.write_bytes(bytes(data))
+    write_done(s.rd.done_file(0), path, 0, s.plan.fingerprint, positions=range(12))
+    m = merge_run(s.root)
+    assert not m.complete and m.missing > 0
+    with pytest.raises(ExportError, match=rf"holds {m.records} of 12 planned records \({m.missing} missing, 1 damaged "
+                                          r"frames\): nothing exported. `toolkit status .*` names what is damaged"):
+        export_run(s.root)
+    assert not s.rd.export_dir.exists() or not any(s.rd.export_dir.iterdir())
+    merge_run(s.root, allow_incomplete=True)  # asked for: exported, and said
+    capsys.readouterr()
+    assert cli_main(["export", str(s.root), "--format", "jsonl"]) == 0
+    err = capsys.readouterr().err
+    assert f"holds {m.records} of 12 planned records (merged with --allow-incomplete)" in err
+    assert len(lines(s.rd.export_file("jsonl"))) == m.records

@@ -145,7 +145,10 @@ def test_a_bit_flip_in_a_record_count_is_reported_by_merge_and_the_frames_after_
     data = bytearray(path.read_bytes())
     data[offsets[1] + 16] ^= 0x01  # the record count of the second frame's descriptor
     path.write_bytes(bytes(data))
-    m = merge_run(s.root)
+    with pytest.raises(MergeError, match=r"shard 0's file .* changed since its done manifest was written: nothing merged"):
+        merge_run(s.root)  # a finished shard's file changed: its records would go missing
+    assert not s.rd.merged_file.exists()
+    m = merge_run(s.root, allow_incomplete=True)  # merges what is there, and reports it
     assert [(p.shard, p.offset) for p in m.corrupt] == [(0, offsets[1])] and "descriptor" in m.corrupt[0].why
     assert m.missing_ids == [s.refs[p].id for p in range(3, 6)]
     assert [r.index for r in merged(s)] == [0, 1, 2, *range(6, 12)]
@@ -164,7 +167,7 @@ def test_a_damaged_frame_is_reported_with_shard_and_offset(tmp_path, kimi, capsy
     data[offsets[1] + 40] ^= 0xFF  # inside the second frame's compressed data
     path.write_bytes(bytes(data))
 
-    m = merge_run(s.root)
+    m = merge_run(s.root, allow_incomplete=True)  # (without it, refused: test above)
     assert [(p.shard, p.file, p.offset) for p in m.corrupt] == [(1, str(path), offsets[1])]
     assert "checksum" in m.corrupt[0].why
     assert m.shards[1].matches_done is False  # the file no longer matches its done manifest
@@ -173,7 +176,7 @@ def test_a_damaged_frame_is_reported_with_shard_and_offset(tmp_path, kimi, capsy
     assert [r.index for r in merged(s)] == [*range(15), *range(18, 24)]
 
     with pytest.raises(AuditFailed):
-        merge_and_audit(s.root)
+        merge_and_audit(s.root, allow_incomplete=True)
     out = capsys.readouterr().out
     assert "FAIL  damaged_frames" in out and f"at byte {offsets[1]}" in out and "shard 1" in out
     assert "FAIL  shard_checksums" in out and "FAIL  coverage" in out
@@ -279,3 +282,24 @@ def test_merge_memory_stays_flat_for_a_run_ten_times_larger(tmp_path, kimi):
     small, large = _peak_rss_mb(["merge", str(small_run)]), _peak_rss_mb(["merge", str(large_run)])
     # Holding the large run's records would add 20 MB or more; the merge and its audit must not.
     assert large < small * 1.05 + 10, f"peak RSS {small:.0f} MB for the small run, {large:.0f} MB for the 10x run"
+
+
+def test_a_merge_never_replaces_a_complete_merged_dataset_with_a_smaller_one(tmp_path, kimi):
+    s = runs.plan_run(tmp_path, kimi, datasets={"math": 12}, shards=2)
+    runs.write_run(s, window=0, flush_records=3)
+    assert merge_run(s.root).complete
+    before = s.rd.merged_file.read_bytes(), s.rd.manifest_file.read_bytes()
+    path = s.rd.shard_file(1)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # shard 1 cut after it was done
+    with pytest.raises(MergeError, match=r"shard 1's file .* changed since its done manifest was written"):
+        merge_run(s.root)
+    # even asked to merge what is there, the complete one in place is kept, and the message says so
+    with pytest.raises(MergeError, match=r"this merge holds \d+ of 12 planned records \(\d+ missing\), the merged "
+                                         r"dataset in place all 12: it is kept, nothing replaced"):
+        merge_run(s.root, allow_incomplete=True)
+    assert (s.rd.merged_file.read_bytes(), s.rd.manifest_file.read_bytes()) == before
+    assert not list(s.rd.merged_dir.glob(".*.tmp"))
+    # with no complete merged dataset in place, what is there is merged (and counted missing)
+    s.rd.manifest_file.unlink()
+    m = merge_run(s.root, allow_incomplete=True)
+    assert not m.complete and m.missing > 0 and m.records + m.missing == 12

@@ -105,3 +105,28 @@ def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, mon
         assert [c.shard for c in claimable(s.plan, states, skip={6})] == [2, 3, 4, 5]
     read.clear()
     assert shard_state(rd, 0, progress=True).progress.state == "done" and read == ["00000.json"]
+
+
+def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_written_after_its_manifest(synth):
+    import os
+
+    s = synth
+    rd = s.rd
+    for k in (0, 1, 2):
+        _write(s, k)
+    done_at = rd.done_file(0).stat().st_mtime_ns
+    cut = rd.shard_file(0)
+    cut.write_bytes(cut.read_bytes()[:-1])             # 0: cut by a byte: its size tells
+    os.utime(cut, ns=(done_at, done_at))
+    for k in (1, 2):                                   # 1, 2: a byte changed in place, the size kept
+        path = rd.shard_file(k)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        at = rd.done_file(k).stat().st_mtime_ns
+        os.utime(path, ns=(at, at + (1_000_000_000 if k == 1 else 0)))  # 1 written after its manifest; 2 not
+    st = [shard_state(rd, k, verify="cheap") for k in (0, 1, 2)]
+    assert [x.state for x in st] == [ShardState.UNTRUSTED, ShardState.UNTRUSTED, ShardState.DONE]
+    assert "bytes, its done manifest says" in st[0].why and "sha256" in st[1].why
+    # the full check reads every file: the change in place that kept the mtime too
+    assert shard_state(rd, 2, verify=True).state is ShardState.UNTRUSTED

@@ -1,7 +1,8 @@
 """`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, and an
 exit code that says whether the run is complete and healthy.
 
-State comes from the files a run directory holds (done manifests, progress files) and, for runs
+State comes from the files a run directory holds (done manifests checked against their shard files,
+prompts.msgpack against run.json, progress files) and, for runs
 submitted to Slurm, from `squeue` (live, with the REASON a pending task waits) then `sacct`
 (history, may lag a few seconds or have no row yet). Every Slurm command is bounded
 (cluster.commands.TIMEOUT_S); when sacct does not answer (slurmdbd down), `scontrol show job` tells
@@ -45,7 +46,7 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
-from toolkit.formats.run import Run
+from toolkit.formats.run import Run, prompts_problem
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import done_time, shard_state
 from toolkit.job.spec import JobSpec
@@ -109,7 +110,9 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     shards = []
     last_done = 0.0
     for s in plan.shards:
-        st = shard_state(rd, s.index, progress=True)
+        # a done manifest whose file changed since (size; sha256 of a file written after it) is no
+        # longer believed
+        st = shard_state(rd, s.index, progress=True, fingerprint=plan.fingerprint, verify="cheap")
         p, done = st.progress, st.done
         if done is not None:
             last_done = max(last_done, done_time(rd, s.index) or 0.0)
@@ -125,7 +128,8 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
             runner = None  # failed in that run's workers: not claimed again by them
         shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
                                  gone=worker_gone(p) if local and p is not None else None,
-                                 runner=_who(runner) if runner is not None else None))
+                                 runner=_who(runner) if runner is not None else None,
+                                 untrusted=st.why))
     merged_at = _mtime(rd.manifest_file)
     current = merged_at is not None and merged_at >= last_done
     audit = _audit_verdict(rd, merged_at)
@@ -148,6 +152,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
         merging=next((_who(r) for r in live if r.merges), None),
         merged_damaged=damaged,
         noun=plan.noun,
+        prompts_damaged=prompts_problem(rd, plan),
     )
 
 

@@ -30,6 +30,7 @@ from toolkit.formats.text import ranges
 __all__ = [
     "ACTIVE",
     "BAD_STATES",
+    "CHANGED",
     "DEAD",
     "NOT_STARTED",
     "STALE",
@@ -67,6 +68,8 @@ UNKNOWN = "unknown"
 # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
 NOT_STARTED = "not_started"
 UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
+# its done manifest is there, but its file is no longer what it says (cut, grown, changed, gone)
+CHANGED = "changed"
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
 # a local worker's progress says generating, but the file has not been written for far too long
 STALE = "stale"
@@ -154,6 +157,9 @@ class MergeStatus(msgspec.Struct):
     audit: str | None = None
     # what is wrong with the merged dataset against its manifest (None: intact)
     damaged: str | None = None
+    # what is wrong with prompts.msgpack (None: what the plan wrote): merge, export and retry
+    # refuse the run until the job is planned again into it
+    prompts: str | None = None
 
 
 class Totals(msgspec.Struct):
@@ -417,6 +423,8 @@ class ShardFacts(msgspec.Struct):
     gone: str | None = None
     # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
     runner: str | None = None
+    # why its done manifest is not believed (formats.shardstate UNTRUSTED: its file changed since)
+    untrusted: str | None = None
 
 
 def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
@@ -437,6 +445,11 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     reason = known.reason if known and known.state in ("PENDING", "REQUEUED") else None
     if done is not None:
         state, reason = "completed", None
+    elif f.untrusted and not (known and known.state.lower() in ACTIVE):
+        state, reason = CHANGED, f.untrusted
+        again = "resubmit" if job else "retry"
+        error = (f"{f.untrusted}: its done manifest no longer vouches for it; `toolkit {again} "
+                 f"{run_shown}` checks the file, keeps what is intact and generates the rest")
     elif known:
         state = known.state.lower()
         # the task ended without finishing the shard (e.g. stopped, not requeued)
@@ -537,6 +550,7 @@ class RunFacts(msgspec.Struct):
     # a live `toolkit run` (or retry) that merges the run once its shards are done
     merging: str | None = None
     merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
+    prompts_damaged: str | None = None  # what is wrong with prompts.msgpack (formats.run)
     # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
     noun: str = "prompt"
 
@@ -575,7 +589,7 @@ def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
         current=f.merged_current,
         audit=f.audit,
     )
-    merge.damaged = f.merged_damaged
+    merge.damaged, merge.prompts = f.merged_damaged, f.prompts_damaged
     if f.merging and merge.state not in ACTIVE:  # merged here, by the process that runs the shards
         merge.state, merge.reason = "pending", f"{f.merging} merges once every shard is done"
     return rows, merge
@@ -680,10 +694,18 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     4 (EXIT_UNKNOWN) some state cannot be known (Slurm did not answer); 5 (EXIT_IN_PROGRESS) still
     going: something runs it (shards or the merge job pending or running, on Slurm or
       in a live `toolkit run` here);
+    1 (EXIT_FAILED) prompts.msgpack damaged (first: merge, export and retry refuse the run);
     1 (EXIT_FAILED) ended without completing: stopped (shards stopped, not started or unfinished,
     and nothing
-      runs them), failures that may pass left, not merged (or merged before a shard changed, or the
+      runs them), a finished shard's file changed since its done manifest, failures that may pass
+      left, not merged (or merged before a shard changed, or the
       merged file damaged), not audited: the command to run next is said."""
+    if merge.prompts:  # the run's plan is damaged: nothing else can be repaired before it
+        return EXIT_FAILED, (
+            f"not complete: {merge.prompts}: merge, export and retry refuse the run; `toolkit run "
+            "JOB` (or `toolkit submit JOB`) with the job file that made it writes it again and "
+            "generates nothing already done"
+        )
     retry = [r for r in rows if r.state == "completed" and r.transient]
     if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
             and merge.audit == "passed" and not merge.damaged):
@@ -713,15 +735,23 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
             going.append(_merge_named(merge))
         return EXIT_IN_PROGRESS, f"in progress: {'; '.join(going)}"
     todo = []
+    changed = [r for r in rows if r.state == CHANGED]
+    if changed:
+        again = "resubmit" if any(r.job for r in changed) else "retry"
+        todo.append(
+            f"{_shards(changed)} changed since done ({changed[0].reason}): `toolkit {again} "
+            f"{run_shown}` checks the file, keeps what is intact and generates the rest"
+        )
     unfinished = [r for r in rows if r.state != "completed"]
-    if unfinished:
-        states = "/".join(dict.fromkeys(r.state for r in unfinished))
-        if any(r.job for r in unfinished):
+    stopped = [r for r in unfinished if r.state != CHANGED]
+    if stopped:
+        states = "/".join(dict.fromkeys(r.state for r in stopped))
+        if any(r.job for r in stopped):
             resume = f"`toolkit resubmit {run_shown}` resumes them on Slurm"
         else:  # not submitted to Slurm: nothing will pick them up
             resume = (f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit "
                       f"{run_shown}` on Slurm)")
-        todo.append(f"{_shards(unfinished)} {states} and nothing runs them: {resume}")
+        todo.append(f"{_shards(stopped)} {states} and nothing runs them: {resume}")
     if retry:
         todo.append(
             f"{sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
@@ -739,4 +769,4 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
             )
         elif merge.audit is None:
             todo.append(f"not audited: `toolkit audit {run_shown}`")
-    return EXIT_FAILED, f"{'stopped' if unfinished else 'not complete'}: {'; '.join(todo)}"
+    return EXIT_FAILED, f"{'stopped' if stopped else 'not complete'}: {'; '.join(todo)}"

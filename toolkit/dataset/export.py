@@ -980,6 +980,19 @@ def audit_state(rd: RunDir) -> tuple[str, str]:
     return "failed", ", ".join(bad)
 
 
+def short_merge(rd: RunDir, manifest: MergeManifest) -> str | None:
+    """What the merged dataset lacks of the plan (records missing, damaged frames), or None when it
+    is complete."""
+    if manifest.complete:
+        return None
+    return (
+        f"{rd.merged_file} holds {manifest.records} of {manifest.planned} planned records "
+        f"({manifest.missing} missing, {len(manifest.corrupt)} damaged frames): nothing exported. "
+        f"`toolkit status {rd.shown}` names what is damaged and the command that repairs it; "
+        f"`toolkit merge {rd.shown} --allow-incomplete` to export what is there"
+    )
+
+
 def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | None:
     """What the run gained or changed since its merged dataset was made (grown by new prompts, a
     shard written to or asked to generate records again since), or None when the merge is of the run
@@ -1070,6 +1083,9 @@ def export_run(
             f"{path} is not the merged dataset of run {plan.fingerprint}; run `toolkit merge "
             f"{rd.root}` again"
         )
+    short = short_merge(rd, manifest)
+    if short and not manifest.allow_incomplete:
+        raise ExportError(short)
     stale = stale_merge(rd, plan, manifest)
     if stale:
         raise ExportError(
@@ -1115,6 +1131,11 @@ def export_run(
         summary.engine = "stub"
         summary.warnings.append(STUB_EXPORT)
     summary.audit, failed_checks = audit_state(rd)
+    if short:  # merged with --allow-incomplete: exported, and said
+        summary.warnings.append(
+            f"the merged dataset holds {manifest.records} of {manifest.planned} planned records "
+            "(merged with --allow-incomplete): the export lacks the others"
+        )
     if summary.audit == "failed":
         summary.warnings.append(
             f"the audit of run {rd.root} failed ({failed_checks}): see {rd.audit_json} and "

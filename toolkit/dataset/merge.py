@@ -208,7 +208,10 @@ def merge_run(
 ) -> MergeManifest:
     """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
 
-    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest. `on_record`
+    Without `allow_incomplete`, refuses (MergeError) when a shard has no done manifest, or when a
+    finished shard's file is no longer what its done manifest says; and never replaces a complete
+    merged dataset of the same plan with an incomplete one (MergeError: the earlier is kept).
+    `on_record`
     sees every merged record, in planned order (the audit runs in the same pass this way). A file
     system that fails it (full, read-only) is a FailedError (exit 1) in one line, nothing left
     behind.
@@ -284,6 +287,8 @@ def _merge_run(
                 path = rd.shard_file(s.index)
                 sm = ShardMerge(index=s.index, file=str(path), done=s.index in done)
                 readable = _check_file(path, s.index, plan, sm, done, corrupt)
+                if sm.done and sm.matches_done is not True and not allow_incomplete:
+                    raise _changed_since_done(rd, s.index, sm)
                 log.info("merging shard %d (%d planned records)", s.index, s.count)
                 _merge_shard(
                     s,
@@ -305,6 +310,9 @@ def _merge_run(
                 t.missing += sm.missing
                 shards.append(sm)
         writer.close()
+        complete = not (t.missing or corrupt or t.foreign) and t.records == plan.total
+        if not complete:
+            _keep_complete(rd, plan, t)
         sha = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, rd.merged_file)
@@ -327,7 +335,7 @@ def _merge_run(
         created=utc_now(),
         engine="stub" if plan.synthetic else "model",
         allow_incomplete=allow_incomplete,
-        complete=not (t.missing or corrupt or t.foreign) and t.records == plan.total,
+        complete=complete,
         planned=plan.total,
         records=t.records,
         ok=t.ok,
@@ -388,6 +396,37 @@ def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[in
         )
         return None
     return True
+
+
+def _changed_since_done(rd: RunDir, k: int, sm: ShardMerge) -> MergeError:
+    """The refusal to merge a finished shard whose file is no longer what its done manifest says
+    (its records would go missing from the merged dataset, which is kept as it was)."""
+    what = "is gone" if not sm.bytes and sm.sha256 is None else "changed"
+    return MergeError(
+        f"{rd.root}: shard {k}'s file {sm.file} {what} since its done manifest was written: "
+        f"nothing merged, the merged dataset is kept as it was. `{rd.finish_command()}` checks the "
+        "file, keeps what is intact and generates the rest, then merges (`--allow-incomplete` "
+        "merges what is there)"
+    )
+
+
+def _keep_complete(rd: RunDir, plan: RunPlan, t: _MergeCounts) -> None:
+    """Refuse (MergeError) to replace a complete merged dataset of this plan, intact, with this
+    incomplete one: the earlier one is kept, and the message says so."""
+    try:
+        old = msgspec.json.decode(rd.manifest_file.read_bytes(), type=MergeManifest)
+    except (OSError, msgspec.MsgspecError):
+        return
+    if not (old.complete and old.fingerprint == plan.fingerprint and old.planned == plan.total):
+        return
+    if merged_file_problem(rd, checksum=True) is not None:
+        return
+    raise MergeError(
+        f"{rd.root}: this merge holds {t.records} of {plan.total} planned records ({t.missing} "
+        f"missing), the merged dataset in place all {old.records}: it is kept, nothing replaced. "
+        f"`toolkit status {rd.shown}` names the shards that changed since and the command that "
+        "repairs them"
+    )
 
 
 def _clear_stale(tmp: Path) -> None:

@@ -109,14 +109,19 @@ def _count_newest(shard_path: Path, positions: range) -> tuple[_DoneCounts, int]
     return newest, sc.records
 
 
-def verify_done(m: DoneManifest, shard_path: Path) -> str | None:
-    """None when the shard file is exactly what its done manifest describes, else what differs."""
+def verify_done(m: DoneManifest, shard_path: Path, *, since: float | None = None) -> str | None:
+    """None when the shard file is exactly what its done manifest describes, else what differs.
+    With `since` (the manifest's mtime), the sha256 is read only when the file was written after
+    it: its size is what a cut or an append changes, its mtime what a change in place does."""
     try:
-        size = shard_path.stat().st_size
+        st = shard_path.stat()
     except FileNotFoundError:
         return f"{shard_path} is gone"
+    size = st.st_size
     if size != m.bytes:
         return f"{shard_path} has {size} bytes, its done manifest says {m.bytes}"
+    if since is not None and st.st_mtime <= since:
+        return None
     sha = sha256_file(shard_path)
     if sha != m.sha256:
         return f"{shard_path}'s sha256 is {sha[:12]}, its done manifest says {m.sha256[:12]}"

@@ -8,7 +8,9 @@ only read (status, logs, export, `toolkit.read_run`) write nothing and read the 
 makes it.
 
 prompts.msgpack is a msgpack array of every planned ref, each shard's refs back to back
-(`refs_bytes`), each shard's first byte recorded in run.json (`ShardPlan.refs_at`). One reader,
+(`refs_bytes`), each shard's first byte recorded in run.json (`ShardPlan.refs_at`), and the file's
+size and sha256 (`RunPlan.prompts_bytes`, `prompts_sha256`: `prompts_problem` checks them). One
+reader,
 `PromptIndex`, looks refs up by position: msgspec splits the array into its raw items in one C pass
 (some 0.1 µs a ref; decoding every ref to a Python object costs four times that), and refs are
 decoded a shard at a time. A worker reads its shard with `ShardRefs`, which streams the refs a chunk
@@ -34,7 +36,7 @@ import msgspec
 
 from toolkit.errors import BadInputError
 from toolkit.formats import pending
-from toolkit.formats.files import atomic_write
+from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ __all__ = [
     "damaged_run_file",
     "fingerprint_of",
     "plan_bytes",
+    "prompts_problem",
     "refs_bytes",
 ]
 
@@ -155,6 +158,9 @@ class RunPlan(msgspec.Struct, Generic[S]):
     # the run's: its files carry it.
     aliases: list[str] = []
     grown: list[Growth] = []
+    # prompts.msgpack as refs_bytes wrote it (0 and "": planned by an older toolkit)
+    prompts_bytes: int = 0
+    prompts_sha256: str = ""
 
     @property
     def noun(self) -> str:
@@ -235,7 +241,8 @@ def _array_header(n: int) -> bytes:
 def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
     """prompts.msgpack: the msgpack array of every planned ref (what msgspec encodes for `refs`),
     each shard's refs back to back; sets each shard's `refs_at`, where its first ref starts, for
-    `ShardRefs`."""
+    `ShardRefs`, and the plan's `prompts_bytes` and `prompts_sha256`, what `prompts_problem`
+    checks."""
     parts = [_array_header(len(refs))]
     at = len(parts[0])
     for sp in plan.shards:
@@ -245,7 +252,9 @@ def refs_bytes(plan: RunPlan, refs: list[PromptRef]) -> bytes:
         sp.refs_at = at
         parts.append(items)
         at += len(items)
-    return b"".join(parts)
+    data = b"".join(parts)
+    plan.prompts_bytes, plan.prompts_sha256 = len(data), hashlib.sha256(data).hexdigest()
+    return data
 
 
 class Run(Generic[S]):
@@ -414,12 +423,43 @@ class PromptIndex:
 
 
 def refs_intact(rd: RunDir, plan: RunPlan) -> bool:
-    """Whether prompts.msgpack holds the plan's refs, every one readable."""
+    """Whether prompts.msgpack holds the plan's refs, every one readable (and, when the plan
+    recorded them, the very bytes it was written with)."""
+    return prompts_problem(rd, plan, cheap=False) is None
+
+
+def prompts_problem(rd: RunDir, plan: RunPlan, *, cheap: bool = True) -> str | None:
+    """What is wrong with prompts.msgpack (None: it is what the plan wrote): missing, another size,
+    another sha256 than run.json records, or refs that cannot be read. `cheap` (what `status`
+    affords on every refresh): its size always, its content only when it was written after
+    run.json (a change in place moves its mtime)."""
+    path = rd.prompts_file
     try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    except OSError as e:
+        return f"{path.name} cannot be read ({e.strerror})"
+    if plan.prompts_bytes and st.st_size != plan.prompts_bytes:
+        return (f"{path.name} has {st.st_size:,} bytes, {rd.plan_file.name} says "
+                f"{plan.prompts_bytes:,}")
+    if cheap:
+        try:
+            if st.st_mtime <= rd.plan_file.stat().st_mtime:
+                return None
+        except OSError:
+            pass
+    try:
+        if plan.prompts_sha256:
+            if sha256_file(path) != plan.prompts_sha256:
+                return f"{path.name} differs from the sha256 {rd.plan_file.name} records"
+            return None
         PromptIndex(rd, plan).refs()
-        return True
-    except PlanError:
-        return False
+    except OSError as e:
+        return f"{path.name} cannot be read ({e.strerror})"
+    except PlanError as e:
+        return str(e).replace("; " + REPLAN, "").replace(str(path), path.name)
+    return None
 
 
 _FIXED = {

@@ -14,14 +14,17 @@ command asks this module rather than reading those files itself.
     MISSING     unfinished: not started, or stopped part way
 
 A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint
-is a string compare, `verify` reads the whole file (sha256), `held` tries the lock, `group` reads
-the progress file (of a shard not DONE).
+is a string compare, `verify` reads the whole file (sha256; "cheap": its size, and its sha256 only
+when the file was written after its manifest or the manifest later than the time it records, what
+`status` affords on every refresh), `held` tries
+the lock, `group` reads the progress file (of a shard not DONE).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -77,7 +80,7 @@ def shard_state(
     k: int,
     *,
     fingerprint: str | None = None,
-    verify: bool = False,
+    verify: bool | Literal["cheap"] = False,
     remove: bool = False,
     recheck: bool = False,
     held: bool = False,
@@ -87,7 +90,8 @@ def shard_state(
     """The state of shard `k` of the run in `rd`, with the checks asked for:
 
     `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file
-    changed since (size, sha256); `recheck`: the caller already found it untrusted; `remove`: an
+    changed since (size, sha256; "cheap": the sha256 only of a file written after it); `recheck`:
+    the caller already found it untrusted; `remove`: an
     untrusted manifest is removed, said in one line (the shard's next run checks its file, salvages
     the intact frames and generates the rest); `held`: an unfinished shard whose file another writer
     holds is HELD; `group`: one whose progress says it failed in this group of workers is FAILED
@@ -100,7 +104,8 @@ def shard_state(
         if fingerprint is not None and m.fingerprint != fingerprint:
             why, foreign = f"of run {m.fingerprint}, not of this run {fingerprint}", True
         elif verify:
-            why = verify_done(m, rd.shard_file(k))
+            since = _unedited_since(rd, k, m) if verify == "cheap" else None
+            why = verify_done(m, rd.shard_file(k), since=since)
         if why is None and recheck:
             why = "its file changed since it was written"
         if why is not None:
@@ -132,6 +137,23 @@ def shard_state(
     else:
         state = ShardState.MISSING
     return ShardStatus(shard=k, state=state, done=m, progress=p, why=why, foreign=foreign)
+
+
+# a done manifest whose mtime is later than the time it records by more was edited (the margin
+# allows for a slow write and for clocks of a node and a file server a little apart)
+EDITED_S = 60.0
+
+
+def _unedited_since(rd: RunDir, k: int, m: DoneManifest) -> float | None:
+    """When shard `k`'s done manifest was written, for the cheap check (a shard file not written
+    since keeps its sha256); None when the manifest itself was written again later than the time
+    it records (edited, or copied without its times): then the sha256 is read."""
+    at = done_time(rd, k)
+    try:
+        finished = datetime.fromisoformat(m.finished).timestamp()
+    except ValueError:
+        return None
+    return at if at is not None and at <= finished + EDITED_S else None
 
 
 def shard_states(rd: RunDir, shards, **checks) -> list[ShardStatus]:

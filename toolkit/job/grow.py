@@ -309,10 +309,11 @@ def grow_run(
             "generated (its file is locked): the plan cannot change under a worker; wait for it "
             "to end (or stop it), then run again"
         )
+    prompts = None if diff.legacy else refs_bytes(grown, out)  # (sets what run.json records of it)
     change = PendingChange(
         what=_what(run, grown, diff),
         plan=msgspec.json.format(msgspec.json.encode(grown), indent=2),
-        prompts=None if diff.legacy else refs_bytes(grown, out),
+        prompts=prompts,
         retries=_ask_again(rd, grown, out, diff.rewritten) if diff.rewritten else {},
     )
     pending.apply(rd, change)  # the prompt index, the plan and the retry requests change together
