@@ -615,7 +615,8 @@ class _Parser(argparse.ArgumentParser):
 
         m = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if m:
-            choices = re.findall(r"'([^']*)'", m.group(3)) or [c.strip() for c in m.group(3).split(",")]
+            listed = m.group(3)
+            choices = re.findall(r"'([^']*)'", listed) or [c.strip() for c in listed.split(",")]
             close = difflib.get_close_matches(m.group(2), choices, n=1, cutoff=0.6)
             if close:
                 message += f"; did you mean `{close[0]}`?"
