@@ -231,11 +231,11 @@ def test_the_benchmarks_and_scripts_import_names_the_package_has():
 
 
 def test_the_readme_names_every_module_in_its_layer():
-    """The README's table of layers says what LAYERS enforces: each module, by its name under toolkit/, in
-    backticks in the row of its layer (`engines/` stands for the engines package)."""
+    """docs/architecture.md's table of layers says what LAYERS enforces: each module, by its name under toolkit/,
+    in backticks in the row of its layer (`engines/` stands for the engines package)."""
     import re
 
-    readme = (PACKAGE.parent / "README.md").read_text()
+    readme = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     wrong = []
     for name, modules in LAYERS:
         row = re.search(rf"^\| {re.escape(name)} \|(.*)$", readme, re.M)
@@ -246,5 +246,5 @@ def test_the_readme_names_every_module_in_its_layer():
         for m in modules:
             short = m.removeprefix("toolkit.").replace(".", "/")
             if m not in ("toolkit", "toolkit.__main__") and short not in named and f"{short}/" not in named:
-                wrong.append(f"{m} is not named in the README's row {name!r}")
+                wrong.append(f"{m} is not named in docs/architecture.md's row {name!r}")
     assert not wrong, "\n".join(wrong)
