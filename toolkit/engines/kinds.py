@@ -9,9 +9,9 @@ from toolkit.engines.external import ExternalEngine
 from toolkit.engines.sglang import SGLangEngine
 from toolkit.engines.stub import StubEngine
 
-__all__ = ["KINDS", "make_engine"]
+__all__ = ["ENGINE_KINDS", "make_engine"]
 
-KINDS = ("sglang", "stub", "external")
+ENGINE_KINDS = ("sglang", "stub", "external")
 
 
 def make_engine(spec, server_log: Path, *, probe_ids: list[int], shard: int = 0) -> Engine:
@@ -23,4 +23,4 @@ def make_engine(spec, server_log: Path, *, probe_ids: list[int], shard: int = 0)
         return StubEngine(spec, server_log, probe_ids=probe_ids, shard=shard)
     if kind == "external":
         return ExternalEngine(spec, server_log, probe_ids=probe_ids)
-    raise EngineError(f"unknown engine kind {kind!r}; use {', '.join(KINDS)}")
+    raise EngineError(f"unknown engine kind {kind!r}; use {', '.join(ENGINE_KINDS)}")

@@ -102,16 +102,12 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     other_args: dict[str, Any] = {}
 
 
-# SGLang's own flags come from its flag data (engines/sglang_flags.json) of the release the stub
-# imitates
-# (`--version`): every flag that release accepts is accepted here, with the same spellings, aliases,
-# values and
-# unique-prefix abbreviations, and anything it refuses is refused (exit 2). Those listed below are
-# modelled
-# (StubConfig fields: SGLang's destination names -> the field); the rest are echoed in /server_info
-# and
-# otherwise ignored, except --disable-radix-cache, which turns off the prefix cache (cached_tokens
-# stays 0).
+# SGLang's own flags come from its flag data (engines/sglang_contract/sglang_flags.json) of the
+# release the stub imitates (`--version`): every flag that release accepts is accepted here, with
+# the same spellings, aliases, values and unique-prefix abbreviations, and anything it refuses is
+# refused (exit 2). Those listed below are modelled (StubConfig fields: SGLang's destination names
+# -> the field); the rest are echoed in /server_info and otherwise ignored, except
+# --disable-radix-cache, which turns off the prefix cache (cached_tokens stays 0).
 MODELLED = {
     "model_path": ("model_path",),
     "tokenizer_path": ("tokenizer_path",),
