@@ -6,8 +6,8 @@ run's tokenizer is loaded only for its think / eos ids and to re-render a sample
 chat template. `Auditor` accumulates over records in a single pass — the merge feeds it as it writes
 — with memory in a few bytes per record, then `finish` turns the totals into an `AuditReport`
 (schema: `dataset.audit_report`; the checks: `audit_checks`; re-rendering prompts: `rerender`) and
-writes `failed_ids.txt`. Missing ids are the merge's (its manifest and `missing_ids.txt`). `audit_run`
-audits an existing merged dataset.
+writes `failed_ids.txt`. Missing ids are the merge's (its manifest and `missing_ids.txt`).
+`audit_run` audits an existing merged dataset.
 
 An output is "expected to reason" unless its prompt ends with the think-end id (thinking switched
 off by the template). Whitespace-only ids are ignored at the end of prompts and when deciding that a

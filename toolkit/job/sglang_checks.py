@@ -12,9 +12,9 @@ from typing import Any
 from toolkit.engines.sglang_contract import sampling as sglang_sampling
 from toolkit.job.specerrors import SpecError
 
-# Every key SGLang's /generate `sampling_params` accepts (0.5.23: engines/sglang_contract/sampling.py,
-# read from its source). Anything else is a hard error on the server, so it is an error here, before
-# a node is allocated.
+# Every key SGLang's /generate `sampling_params` accepts (0.5.23:
+# engines/sglang_contract/sampling.py, read from its source). Anything else is a hard error on the
+# server, so it is an error here, before a node is allocated.
 SAMPLING_KEYS = frozenset(sglang_sampling.FIELDS) - sglang_sampling.NOT_TAKEN["0.5.23"]
 
 
