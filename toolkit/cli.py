@@ -315,7 +315,7 @@ def cmd_export(args) -> int:
 
     _at_least("--sample", args.sample, 0, "sample indices count from 0")
     _at_least("--turn", args.turn, 0, "turn indices count from 0")
-    fmt = args.format or export.DEFAULT_FORMAT
+    fmt = export.output_format(args.output, args.format)  # a mismatch refused here
     include = set(args.include or [])
     if args.include_truncated:
         include.add("truncated")
@@ -345,6 +345,8 @@ def cmd_export(args) -> int:
     for w in s.warnings:
         print(f"warning: {w}", file=sys.stderr)
     what = fmt if args.format else f"{fmt}, the default: the model's exact ids"
+    if not args.format and fmt != export.DEFAULT_FORMAT:
+        what = f"{fmt}, from the output's extension"
     if fmt == "tokens":
         what += (f"; loss mask for {s.trainer}, the template's think-start "
                  f"{'supervised' if s.supervise_think_start else 'not supervised'}")
@@ -869,7 +871,8 @@ def _add_merge_commands(sub) -> None:
         "marker inside a part, reasoning where none is expected, a NaN\nstop); --include REASON "
         "keeps them. Every selected record is accounted for: printed, and beside the\noutput in "
         "NAME_skipped.jsonl (each record left out, with its reason) and "
-        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned). The "
+        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned; NAME: "
+        "the output's name without\n.jsonl, records.parquet's records_parquet). The "
         "rows are measured (tokens per row:\np50, p99, max); tokens also writes the trainer's "
         "config with the length that keeps every row\nwhole (NAME_specforge.yaml, "
         "NAME_prepare_data.sh); --max-length N leaves longer rows out.\n\nAn "
@@ -884,7 +887,8 @@ def _add_merge_commands(sub) -> None:
         help="tokens (the default, recommended for training): input_ids + loss_mask, the model's "
         "exact ids; jsonl or parquet: one row per record; conversations: chat rows with "
         "reasoning_content (SpecForge renders and tokenizes them again: the export says how many "
-        "rows keep the exact ids)",
+        "rows keep the exact ids). Without it, the output's extension says it: .parquet writes "
+        "parquet, .jsonl or .json tokens; a --format the extension does not hold is refused",
     )
     s.add_argument(
         "--trainer",

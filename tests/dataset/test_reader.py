@@ -126,19 +126,24 @@ def test_to_dataset_without_the_datasets_package_says_how_to_get_it(retried, mon
         toolkit.to_dataset(retried.root, cache_dir=tmp_path)
 
 
-def test_the_python_examples_of_the_readme_and_the_docs_run(retried, tmp_path):
-    """The README's and docs/dataset.md's Python blocks, run against a run (theirs is runs/demo)."""
+def test_the_python_examples_of_the_readme_and_the_docs_run(tmp_path, toy_tokenizer):
+    """The README's and docs/dataset.md's Python blocks, run against a merged run (theirs is runs/demo): their
+    training rows (`view="tokens"`) are a merged run's."""
+    s = runs.plan_run(tmp_path / "demo", toy_tokenizer("kimi"), datasets={"math": 5, "chat": 3}, shards=2,
+                      extra=_source, sampling={"n": 2, "temperature": 0.7})
+    runs.write_run(s, runs.mix(runs.healthy(), p3=runs.truncated), failed=[1])
+    merge_run(s.root)
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     blocks = [b for page in ("README.md", "docs/dataset.md")
               for b in re.findall(r"```python\n(.*?)```", (root / page).read_text(), re.S)]
-    assert len(blocks) == 2 and all("toolkit.to_dataset" in b for b in blocks)
+    assert len(blocks) == 2 and all("toolkit.to_dataset" in b and 'view="tokens"' in b for b in blocks)
     printed: list[str] = []
     for block in blocks:
-        code = block.replace('"runs/demo"', repr(str(retried.root)))
+        code = block.replace('"runs/demo"', repr(str(s.root)))
         code = code.replace("toolkit.to_dataset(", f"toolkit.to_dataset(cache_dir={str(tmp_path / 'hf')!r}, run_dir=")
         exec(compile(code, "example", "exec"), {"print": lambda *args: printed.append(args[0])})
-    ok = [r.id for r in retried.newest if r.status == OK]
-    assert printed == ok + ok  # the ok rows, once per block
+    ok = [r.id for r in sorted(s.written.values(), key=lambda r: r.index) if r.status == OK]
+    assert len(ok) == 2 * 8 - 1 and printed == ok + ok  # the ok rows, once per block

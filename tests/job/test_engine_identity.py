@@ -18,7 +18,7 @@ import pytest
 
 from jobfiles import make_job, prepared_run
 from toolkit.dataset.audit import audit_run
-from toolkit.dataset.export import export_run
+from toolkit.dataset.export import export_run, side_file
 from toolkit.dataset.merge import load_manifest, merge_run
 from toolkit.dataset.report import summary_table
 from toolkit.engines.stub import start_standalone
@@ -160,10 +160,10 @@ def test_the_stub_stays_marked_through_merge_audit_and_every_export(tmp_path, to
     assert audited.returncode in (0, 1) and "engine: the STUB" in audited.stdout, audited.stderr
     assert json.loads(rd.audit_json.read_text())["engine"] == "stub"
     for fmt in ("jsonl", "parquet", "tokens", "conversations"):
-        out = tmp_path / f"out.{fmt}"
+        out = tmp_path / ("out.parquet" if fmt == "parquet" else f"{fmt}.jsonl")
         s = export_run(rd.root, fmt, out, force=True)
         assert s.engine == "stub" and any("STUB" in w and "synthetic" in w for w in s.warnings)
-        assert json.loads(Path(str(s.output).rsplit(".", 1)[0] + "_summary.json").read_text())["engine"] == "stub"
+        assert json.loads(side_file(Path(s.output), "summary", ".json").read_text())["engine"] == "stub"
         if fmt == "parquet":
             assert pq.read_schema(s.output).metadata[b"toolkit.engine"] == b"stub"
         if fmt == "conversations":

@@ -411,9 +411,12 @@ STUB_EXPORT = (
 
 
 def side_file(out_path: Path, what: str, suffix: str) -> Path:
-    """A file beside the export: `conversations.jsonl` -> `conversations_skipped.jsonl`,
-    `conversations_summary.json`."""
-    stem = out_path.name[: -len(out_path.suffix)] if out_path.suffix else out_path.name
+    """A file beside the export, named after it: `.jsonl` dropped (`conversations.jsonl` ->
+    `conversations_skipped.jsonl`, `conversations_summary.json`), another extension kept, its dot
+    an underscore (`records.parquet` -> `records_parquet_summary.json`): exports of one name in two
+    formats keep their own side files."""
+    name, ext = out_path.name, out_path.suffix
+    stem = name[: len(name) - len(ext)] + ("" if ext == ".jsonl" else ext.replace(".", "_"))
     return out_path.with_name(f"{stem}_{what}{suffix}")
 
 
@@ -947,6 +950,45 @@ def default_output(run_dir: str | os.PathLike, fmt: str, trainer: str = "specfor
     return default.with_name(TRAINERS[trainer].output) if fmt == "tokens" else default
 
 
+# the formats an output's extension holds, the one written without --format first
+_JSON_LINES = ("tokens", "jsonl", "conversations")
+EXTENSIONS = {".jsonl": _JSON_LINES, ".json": _JSON_LINES, ".parquet": ("parquet",)}
+
+
+def output_format(output: str | os.PathLike | None, fmt: str | None) -> str:
+    """The format an export writes: `fmt`; when None, the output's extension says it (`.parquet`:
+    parquet; `.jsonl`, `.json`, no extension, a folder or no output: `DEFAULT_FORMAT`). An output
+    whose extension is not one of `EXTENSIONS`, or one that `fmt` does not write, is refused
+    (ExportError) before anything is written."""
+    text = None if output is None else os.fspath(output)
+    if text is None or text.endswith(("/", os.sep)) or Path(text).is_dir():
+        return fmt or DEFAULT_FORMAT
+    ext = Path(text).suffix
+    if not ext:
+        return fmt or DEFAULT_FORMAT
+    holds = EXTENSIONS.get(ext.lower())
+    said = f"--format {fmt}" if fmt else "no --format"
+    if holds is None:
+        raise ExportError(
+            f"{text}: {said} and an output named {ext}: an export is written as .jsonl or .json "
+            "(tokens, jsonl, conversations) or .parquet (parquet), uncompressed; name it so"
+        )
+    if fmt is None:
+        return holds[0]
+    if fmt not in holds:
+        named = " or ".join(e for e, formats in EXTENSIONS.items() if fmt in formats)
+        raise ExportError(
+            f"{text}: --format {fmt} writes {_kind(fmt)}, an output named {ext} holds "
+            f"{_kind(holds[0])}: name it {named}, or drop --format to write {holds[0]}; nothing "
+            "written"
+        )
+    return fmt
+
+
+def _kind(fmt: str) -> str:
+    return "parquet" if fmt == "parquet" else "JSON lines"
+
+
 def output_path(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None,
                 trainer: str = "specforge") -> Path:
     """The file an export writes: `output`; the default name inside it when it is a folder or ends
@@ -1014,7 +1056,7 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
 
 def export_run(
     run_dir: str | os.PathLike,
-    fmt: str = DEFAULT_FORMAT,
+    fmt: str | None = None,
     output: str | os.PathLike | None = None,
     *,
     include_failed: bool = False,
@@ -1023,7 +1065,8 @@ def export_run(
     trainer: str = "specforge",
     supervise_think_start: bool | None = None,
 ) -> ExportSummary:
-    """Write the merged records of a run that `select` selects to `output` in `fmt`; return the
+    """Write the merged records of a run that `select` selects to `output` in `fmt` (None: as the
+    output's extension says, `output_format`; a mismatch is refused); return the
     account of every selected planned record (`ExportSummary`), also written beside the output as
     `<name>_summary.json`, with the records left out and why in `<name>_skipped.jsonl`.
 
@@ -1041,8 +1084,9 @@ def export_run(
     complete (written to temporary names, then renamed). Ok records that fail the audit's record
     checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
     """
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    fmt = output_format(output, fmt)
     if trainer not in TRAINERS:
         raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()

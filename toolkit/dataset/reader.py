@@ -1,5 +1,6 @@
 """A run's records for Python code (`toolkit.read_run`, `read_rows`, `to_dataset`): the newest
-record of each planned id, in planned order, whether the run is merged or not.
+record of each planned id, in planned order, whether the run is merged or not; and the training
+rows of a merged run (`to_dataset(view="tokens")`), which are the tokens export's own.
 
 When the merged dataset is the run as it is (`export.stale_merge` finds nothing newer), it is read;
 else every shard file is read through the merge's own newest-wins scan (`formats.newest`): a record
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,10 +27,13 @@ from toolkit.dataset.export import (
     _Meta,
     _Text,
     _Tokens,
+    export_run,
     rows_schema,
     stale_merge,
 )
 from toolkit.dataset.merge import MERGED, MergeError, load_manifest
+from toolkit.dataset.trainers import TRAINERS
+from toolkit.errors import ToolkitError
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import OK, Record
@@ -40,6 +46,8 @@ __all__ = ["read_rows", "read_run", "to_dataset"]
 log = logging.getLogger(__name__)
 
 ROWS_BATCH = 256  # records decoded to text in one tokenizer call
+# what `to_dataset` gives: the jsonl export's rows of the records, or the tokens export's rows
+VIEWS = ("records", "tokens")
 
 
 def _merge_is_current(rd: RunDir, plan: RunPlan) -> bool:
@@ -144,23 +152,87 @@ def _state(run_dir: str | os.PathLike) -> tuple:
     return (plan.fingerprint, tuple(out))
 
 
+def tokens_schema(pa: Any) -> Any:
+    """The Arrow schema of the tokens export's rows as `to_dataset(view="tokens")` stores them:
+    `input_ids` as uint32 lists, `loss_mask` as uint8 lists (0 or 1). `pa`: pyarrow."""
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("dataset", pa.string()),
+            ("sample", pa.int32()),
+            ("turn", pa.int32()),
+            ("segments", pa.int32()),
+            ("input_ids", pa.list_(pa.uint32())),
+            ("loss_mask", pa.list_(pa.uint8())),
+        ]
+    )
+
+
+def _token_dicts(run_dir: str, trainer: str, state: tuple, tmp: str | None) -> Iterator[dict]:
+    """The rows of the tokens export of a run, as it writes them: the export itself (its selection
+    of the records that are training data, its rows and checks) into a temporary folder inside
+    `tmp` (None: the system's), read back line by line; the folder removed after."""
+    decode = msgspec.json.Decoder().decode
+    if tmp is not None:
+        os.makedirs(tmp, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="toolkit-tokens-", dir=tmp) as folder:
+        s = export_run(run_dir, "tokens", Path(folder) / "tokens.jsonl", trainer=trainer)
+        for w in s.warnings:
+            log.warning("%s", w)
+        log.info("tokens view of %s: %s", run_dir, s.line())
+        with open(s.output, "rb") as f:
+            yield from (decode(line) for line in f)
+
+
 def to_dataset(
-    run_dir: str | os.PathLike, *, ok_only: bool = True, cache_dir: str | os.PathLike | None = None
+    run_dir: str | os.PathLike,
+    *,
+    ok_only: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    view: str = "records",
+    trainer: str | None = None,
 ):
-    """`read_rows` as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip
-    install datasets`), with the parquet export's column types (`rows_schema`: token ids as uint32,
-    `meta` as JSON text). `ok_only` (default): ok records only. `cache_dir`: where `datasets` keeps
-    its Arrow files (default: its own cache, `HF_DATASETS_CACHE` or ~/.cache/huggingface)."""
+    """A run as a Hugging Face `datasets.Dataset` (the optional `datasets` package: `pip install
+    datasets`). `view="records"` (default): `read_rows`, every ok record (a truncated or looping
+    output too: `finish_reason` says which), or every record unless `ok_only`, with the parquet
+    export's column types (`rows_schema`: token ids as uint32, `meta` as JSON text).
+    `view="tokens"`: the training rows, the `tokens` export's own (`export_run`: the same records
+    left out, the same `input_ids` and `loss_mask` for `trainer`, default specforge), columns
+    `tokens_schema`; a merged run only, as the export. `cache_dir`: where `datasets` keeps its Arrow
+    files (default: its own cache, `HF_DATASETS_CACHE` or ~/.cache/huggingface), and the tokens
+    view its temporary export."""
+    if view not in VIEWS:
+        raise ValueError(f"view={view!r}: choose one of {', '.join(map(repr, VIEWS))}")
+    if view == "records" and trainer is not None:
+        raise ValueError("trainer= is the tokens view's (its loss mask): give view='tokens'")
+    if view == "tokens" and not ok_only:
+        raise ValueError("the tokens view holds training rows, ok records only: drop ok_only=False "
+                         "(view='records' gives every record)")
+    if trainer is not None and trainer not in TRAINERS:
+        raise ValueError(f"trainer={trainer!r}: choose one of {', '.join(map(repr, TRAINERS))}")
     try:
         import datasets
         import pyarrow as pa
+        from datasets.exceptions import DatasetGenerationError
     except ImportError:
         raise ImportError("to_dataset needs the `datasets` package: pip install datasets "
                           "(or read the records with toolkit.read_rows)") from None
-    kwargs = {"run_dir": str(run_dir), "ok_only": ok_only, "state": _state(run_dir)}
-    return datasets.Dataset.from_generator(
-        _row_dicts,
-        gen_kwargs=kwargs,
-        features=datasets.Features.from_arrow_schema(rows_schema(pa)),
-        cache_dir=None if cache_dir is None else str(cache_dir),
-    )
+    cache = None if cache_dir is None else str(cache_dir)
+    if view == "tokens":
+        rows, schema = _token_dicts, tokens_schema(pa)
+        kwargs = {"run_dir": str(run_dir), "trainer": trainer or "specforge",
+                  "state": _state(run_dir), "tmp": cache}
+    else:
+        rows, schema = _row_dicts, rows_schema(pa)
+        kwargs = {"run_dir": str(run_dir), "ok_only": ok_only, "state": _state(run_dir)}
+    try:
+        return datasets.Dataset.from_generator(
+            rows,
+            gen_kwargs=kwargs,
+            features=datasets.Features.from_arrow_schema(schema),
+            cache_dir=cache,
+        )
+    except DatasetGenerationError as e:
+        if isinstance(e.__cause__, ToolkitError):  # the export's own refusal, as it says it
+            raise e.__cause__ from None
+        raise

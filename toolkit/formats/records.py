@@ -101,6 +101,10 @@ def is_nan_stop(finish: str | None, matched: Any) -> bool:
 
 
 class Record(msgspec.Struct, array_like=True):
+    """One generated output, as shard files and the merged dataset store it (an array: the fields'
+    order is the file format, their names are not stored). `finish` is what the exports and SGLang
+    call `finish_reason`, also readable under that name (`finish_reason`)."""
+
     id: str
     dataset: str
     index: int                      # position in the run's planned order
@@ -139,6 +143,12 @@ class Record(msgspec.Struct, array_like=True):
     @property
     def n_prompt(self) -> int:
         return len(self.prompt_ids) // 4
+
+    @property
+    def finish_reason(self) -> str | None:
+        """`finish` under the exports' name: "stop", "length", "abort" or "loop"; None for a failed
+        request. The stored field keeps its name `finish`."""
+        return self.finish
 
 
 _LITTLE = sys.byteorder == "little"
