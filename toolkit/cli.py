@@ -247,7 +247,7 @@ def cmd_run(args) -> int:
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     from toolkit.cluster.livebar import LiveBar
 
-    again = f"`toolkit run {args.job}` again"
+    again = f"`{rd.finish_command()}`"  # the one command that resumes a run (status says it too)
     with _running_here(
         rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge
     ):
@@ -484,7 +484,7 @@ def cmd_retry(args) -> int:
 
     with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
         stopped, failed = run_shards(rd.root, shards, log, parallel=None)
-        return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
+        return _after_shards(rd, stopped, failed, again=f"`{rd.finish_command()}`")
 
 
 def _has_ids(path: Path) -> bool:

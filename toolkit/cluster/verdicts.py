@@ -463,8 +463,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         error = None
     elif f.gone:
         state = DEAD
-        error = (f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit "
-                 "run JOB`)")
+        error = f"{f.gone}; `toolkit retry {run_shown}` resumes it here"
     # not submitted to Slurm: its progress file, whether its worker lives, whether a live process
     # will run it
     else:
