@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jobfiles import make_job
+from runs import each_id_once
 from toolkit.cli import main as cli_main
 from toolkit.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_INTERRUPTED, EXIT_OK
 from toolkit.formats.progress import live_local_runs
@@ -58,7 +61,7 @@ def test_ctrl_c_of_toolkit_run_exits_130_and_status_says_stopped_with_the_comman
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
-    assert f"stopped by SIGINT: what was done is kept; `toolkit run {job}` again resumes the run" in out
+    assert f"stopped by SIGINT: what was done is kept; `toolkit retry {rd.shown}` resumes the run" in out
     assert live_local_runs(rd) == [] and not any(rd.local_run_file("h", 0).parent.iterdir())
     st = toolkit("status", str(rd.root))
     last = st.stdout.strip().splitlines()[-1]
@@ -361,3 +364,61 @@ def test_after_a_full_disk_failed_the_run_status_is_not_in_progress(tmp_path, to
     assert f"nothing runs them: `toolkit retry {rd.shown}` resumes them here" in last
     assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # space again: the advice finishes the run
     assert cli_main(["status", str(rd.root)]) == EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------------
+# one resume command: every message that offers one says the same, and that command, run as printed, resumes
+# ---------------------------------------------------------------------------------------------------
+def backticked(text: str, after: str) -> str:
+    """The first `command` quoted in backticks on the line of `text` holding `after`."""
+    line = next(line for line in text.splitlines() if after in line)
+    return re.search(r"`(toolkit [^`]+)`", line[line.index(after):]).group(1)
+
+
+def run_as_printed(command: str) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    assert argv[0] == "toolkit"
+    return toolkit(*argv[1:], timeout=300)
+
+
+def start_and_wait(job: Path, rd: RunDir) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(rd.log_file(k).exists() and "generating" in rd.log_file(k).read_text() for k in (0, 1)))
+    wait_for(lambda: any(rd.shard_file(k).exists() and rd.shard_file(k).stat().st_size for k in (0, 1)))
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_every_resume_hint_is_one_command_and_it_resumes_the_stopped_run(tmp_path, toy_tokenizer, sig):
+    n = 12
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=3, sampling={"max_new_tokens": 400},
+                   stub={"token_delay_s": 0.01, "fixed_output_tokens": 300})
+    rd = RunDir(tmp_path / "run")
+    proc = start_and_wait(job, rd)
+    try:
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resume = f"toolkit retry {rd.shown}"
+    hints = []
+    if sig != "SIGKILL":  # the run's own last line (a process killed -9 says nothing)
+        assert proc.returncode != EXIT_OK, err[-2000:]
+        hints.append(backticked(out, f"stopped by {sig}: what was done is kept; "))
+    st = toolkit("status", str(rd.root))
+    assert st.returncode == EXIT_FAILED, st.stdout
+    last = st.stdout.strip().splitlines()[-1]
+    if sig != "SIGKILL":
+        hints.append(backticked(last, "nothing runs them: "))
+    else:  # the shard its worker was generating is dead: logs --failed says how to resume it
+        failed = toolkit("logs", str(rd.root), "--failed")
+        assert "dead" in st.stdout and failed.returncode != EXIT_OK, failed.stdout
+        hints.append(backticked(failed.stdout, "worker gone: "))
+    assert hints and set(hints) == {resume}, hints
+    again = run_as_printed(hints[0])
+    assert again.returncode == EXIT_OK, again.stderr[-2000:]
+    each_id_once(rd, 3, n)
+    assert toolkit("status", str(rd.root)).returncode == EXIT_OK

@@ -99,8 +99,10 @@ QUIET_HELP = (
 )
 
 STATUS_HELP = """\
-One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits), the merge
-job, and a last line that says what the exit code means:
+One row per shard (state, prompts done, tokens, tok/s, ETA, engine load, why it waits; over 32
+shards a summary instead: the shards per state and a row for each that needs attention, --all for
+every row), the total (percent done, the run's ETA), the merge job, and a last line that says what
+the exit code means:
 
   0  complete and healthy: every shard done with no failure that may pass, merged after the last
      one, audit passed
@@ -247,7 +249,7 @@ def cmd_run(args) -> int:
     shards = args.shards if args.shards is not None else range(len(plan.shards))
     from toolkit.cluster.livebar import LiveBar
 
-    again = f"`toolkit run {args.job}` again"
+    again = f"`{rd.finish_command()}`"  # the one command that resumes a run (status says it too)
     with _running_here(
         rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge
     ):
@@ -486,7 +488,7 @@ def cmd_retry(args) -> int:
 
     with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
         stopped, failed = run_shards(rd.root, shards, log, parallel=None)
-        return _after_shards(rd, stopped, failed, again=f"`toolkit retry {rd.shown}`")
+        return _after_shards(rd, stopped, failed, again=f"`{rd.finish_command()}`")
 
 
 def _has_ids(path: Path) -> bool:
@@ -504,7 +506,7 @@ def cmd_status(args) -> int:
     from toolkit.cluster.status import status_command
 
     return status_command(args.run, watch=args.watch, interval=args.interval, as_json=args.json,
-                          unknown_limit_s=args.unknown_limit_s)
+                          unknown_limit_s=args.unknown_limit_s, every_row=args.all)
 
 
 def cmd_logs(args) -> int:
@@ -755,7 +757,7 @@ def _add_slurm_commands(sub) -> None:
 
 
 def _add_status_commands(sub) -> None:
-    from toolkit.cluster.status import UNKNOWN_LIMIT_S
+    from toolkit.cluster.status import SUMMARY_OVER, UNKNOWN_LIMIT_S
 
     s = sub.add_parser(
         "status",
@@ -766,6 +768,12 @@ def _add_status_commands(sub) -> None:
     )
     s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
+    s.add_argument(
+        "--all",
+        action="store_true",
+        help=f"a row for every shard (over {SUMMARY_OVER} shards the table is a summary: the "
+        "shards per state, a row for each that needs attention)",
+    )
     s.add_argument(
         "-i", "--interval", type=float, default=5.0, help="seconds between refreshes with --watch"
     )

@@ -48,7 +48,8 @@ EXIT_MEANINGS: dict[int, str] = {
     EXIT_IN_PROGRESS: "still going: something runs it (status)",
     EXIT_STUCK: "a worker did not end in time once its work was over (ended by its exit guard; "
                 "the shard resumes)",
-    EXIT_INTERRUPTED: "interrupted by Ctrl-C (what was done is kept; run it again to resume)",
+    EXIT_INTERRUPTED: "interrupted by Ctrl-C (what was done is kept; `toolkit retry RUN` resumes a "
+                      "run)",
 }
 
 

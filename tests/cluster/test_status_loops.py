@@ -67,7 +67,7 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     table, st = status(rd.root, capsys)
     assert loops_column(table) == {0: loops0, 1: loops1} and st.totals.loops == loops0 + loops1
     total = next(line for line in table.splitlines() if line.startswith("total:"))
-    assert total.startswith(f"total: 40/40 prompts, 0 failed, {loops0 + loops1} stopped in a repetition loop, ")
+    assert total.startswith(f"total: 40/40 prompts (100.0%), 0 failed, {loops0 + loops1} stopped in a repetition loop, ")
 
 
 def test_a_resumed_shard_counts_the_loops_its_earlier_attempts_recorded(tmp_path, kimi, capsys):

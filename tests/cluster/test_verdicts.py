@@ -171,8 +171,7 @@ def test_unknown_when_slurm_does_not_answer():
 def test_local_worker_dead_or_alive():
     dead = state(ShardFacts(1, 4, None, generating(1), gone="worker gone: pid 5 is not running on n1"))
     assert dead.state == DEAD and dead.tok_per_s == 0.0 and dead.eta_s is None
-    assert dead.error == ("worker gone: pid 5 is not running on n1; resume the shard with `toolkit worker RUN 1` "
-                          "(or `toolkit run JOB`)")
+    assert dead.error == "worker gone: pid 5 is not running on n1; `toolkit retry RUN` resumes it here"
     assert state(ShardFacts(1, 4, None, generating(1))).state == "running"
     assert state(ShardFacts(1, 4, None, Progress(shard=1, state="stopped", total=4))).state == "stopped"
 

@@ -1,5 +1,7 @@
-"""`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, and an
-exit code that says whether the run is complete and healthy.
+"""`toolkit status`: one row per shard (Slurm state, progress, tokens, ETA), the merge job, the
+run's total (percent done, its ETA), and an exit code that says whether the run is complete and
+healthy. A run of more than SUMMARY_OVER shards gets a summary instead of a row per shard: the
+shards per state, and a row for each shard that needs attention (`--all`: every row).
 
 State comes from the files a run directory holds (done manifests checked against their shard files,
 prompts.msgpack against run.json, progress files) and, for runs
@@ -37,6 +39,7 @@ from toolkit.cluster.verdicts import (
     exit_code,
     index_jobs,
     is_unknown,
+    needs_attention,
     needs_scontrol,
     run_states,
     task_rows,
@@ -49,7 +52,12 @@ from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
 from toolkit.formats.run import Run, prompts_problem
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import done_time, shard_state
+from toolkit.formats.text import ranges
 from toolkit.job.spec import JobSpec
+
+# more shards than this: the table is a summary (the shards per state, a row for each shard that
+# needs attention); `status --all` gives every row
+SUMMARY_OVER = 32
 
 
 class RunStatus(msgspec.Struct):
@@ -246,15 +254,49 @@ def format_tasks(tasks: list[TaskStatus]) -> list[str]:
     return [f"tasks: {len(tasks)}, {total} engine start{'s' if total != 1 else ''} in all", *out]
 
 
+def _percent(p: float) -> str:
+    """A share in percent, one decimal, rounded down: 100% only when it is all."""
+    return f"{int(p * 10) / 10:.1f}%"
+
+
+def format_summary(rows: list[ShardStatus]) -> tuple[list[str], list[ShardStatus]]:
+    """The summary of many shards: a line per state with its shards, and the rows to show (those
+    that need attention, verdicts.needs_attention, at most SUMMARY_OVER)."""
+    by_state: dict[str, list[int]] = {}
+    for r in rows:
+        by_state.setdefault(r.state, []).append(r.shard)
+    attention = [r for r in rows if needs_attention(r)]
+    said = (f"the {len(attention)} that need attention below" if attention
+            else "none needs attention")
+    lines = [f"shards: {len(rows)}, by state ({said}; --all: a row for each)"]
+    width = max(map(len, by_state))
+    lines += [f"  {st:<{width}} {len(ks):>5}  {ranges(ks, sep=',', limit=8)}"
+              for st, ks in sorted(by_state.items())]
+    if len(attention) > SUMMARY_OVER:
+        lines.append(f"  (the first {SUMMARY_OVER} of the {len(attention)} that need attention "
+                     "below; --all lists every shard)")
+    return lines, attention[:SUMMARY_OVER]
+
+
 def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
-                  tasks: list[TaskStatus] | None = None, noun: str = "prompt") -> str:
+                  tasks: list[TaskStatus] | None = None, noun: str = "prompt",
+                  every_row: bool = False) -> str:
+    """The table of `status`: a row per shard, or with more than SUMMARY_OVER shards (and not
+    `every_row`) a summary (format_summary)."""
     head = (
         f"{'SHARD':>5} {'STATE':<11} {'JOB':<12} {'NODE':<10} {'DONE':>11} {'FAILED':>6} "
         f"{'LOOPS':>5} {'OUT TOKENS':>11} {'TOK/S':>8} {'ETA':>8} {'RUN/QUEUE':>9} {'KV':>4}  "
         "REASON"
     )
-    lines = [f"run {rd.shown}", head]
-    for r in rows:
+    lines = [f"run {rd.shown}"]
+    summary = len(rows) > SUMMARY_OVER and not every_row
+    shown = rows
+    if summary:
+        said, shown = format_summary(rows)
+        lines += said
+    if shown:
+        lines.append(head)
+    for r in shown:
         kv = f"{r.kv_usage:.0%}" if r.kv_usage is not None else "-"
         why = "; ".join(x for x in (r.reason, r.stale) if x)
         lines.append(
@@ -266,12 +308,14 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
         )
     t = totals(rows)
     loops = f"{t.loops} stopped in a repetition loop, " if t.loops else ""
+    eta = (f", run ETA {_fmt_eta(t.eta_s)} at {t.per_s:,.2f} {noun}s/s"
+           if t.eta_s is not None else "")
     lines.append(
-        f"total: {t.done}/{t.total} {noun}s, {t.failed} failed, {loops}{t.output_tokens:,} output "
-        f"tokens, {t.tok_per_s:,.0f} tok/s; "
+        f"total: {t.done}/{t.total} {noun}s ({_percent(t.percent)}), {t.failed} failed, {loops}"
+        f"{t.output_tokens:,} output tokens, {t.tok_per_s:,.0f} tok/s{eta}; "
         "shards: " + ", ".join(f"{n} {s}" for s, n in t.shards.items())
     )
-    lines += format_tasks(tasks or [])
+    lines += format_tasks(tasks or [])[: 1 if summary else None]
     if merge.job or merge.merged or merge.state:
         files = []
         if merge.merged:
@@ -332,9 +376,10 @@ def status_command(
     interval: float = 5.0,
     as_json: bool = False,
     unknown_limit_s: float = UNKNOWN_LIMIT_S,
+    every_row: bool = False,
 ) -> int:
     """`toolkit status`: the table (or JSON) once, or refreshed every `interval` s until the run
-    ends."""
+    ends; a summary of more than SUMMARY_OVER shards unless `every_row`."""
     unknown_since: float | None = None
     while True:
         rd, rows, merge, tasks, noun = _status_once(run)
@@ -343,7 +388,7 @@ def status_command(
             if not watch:
                 text = msgspec.json.format(text, indent=2)
         else:
-            text = format_status(rd, rows, merge, tasks, noun)
+            text = format_status(rd, rows, merge, tasks, noun, every_row)
         if not watch:
             print(text)
             return exit_code(rows, merge)

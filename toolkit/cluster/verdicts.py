@@ -51,6 +51,7 @@ __all__ = [
     "index_jobs",
     "is_unknown",
     "merge_status",
+    "needs_attention",
     "parse_sacct",
     "parse_scontrol",
     "parse_squeue",
@@ -145,6 +146,8 @@ class ShardStatus(msgspec.Struct):
     # "loop" (done
     # manifest) once it is done; before, those its current (or last) attempt stopped (progress file)
     loops: int = 0
+    # records per second of its current attempt while running (Progress.per_s): its ETA's pace
+    per_s: float = 0.0
 
 
 class MergeStatus(msgspec.Struct):
@@ -170,6 +173,11 @@ class Totals(msgspec.Struct):
     tok_per_s: float
     shards: dict[str, int]   # shards per state
     loops: int = 0           # outputs stopped in a repetition loop (ShardStatus.loops, summed)
+    percent: float = 0.0     # done / total, in percent
+    per_s: float = 0.0       # records per second of the shards running now, summed
+    # seconds left for the prompts of the shards something runs (running or pending) at `per_s`
+    # (None: nothing generates now)
+    eta_s: float | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -463,8 +471,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         error = None
     elif f.gone:
         state = DEAD
-        error = (f"{f.gone}; resume the shard with `toolkit worker {run_shown} {k}` (or `toolkit "
-                 "run JOB`)")
+        error = f"{f.gone}; `toolkit retry {run_shown}` resumes it here"
     # not submitted to Slurm: its progress file, whether its worker lives, whether a live process
     # will run it
     else:
@@ -499,6 +506,7 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
         output_tokens=done.output_tokens if done else p.output_tokens,
         tok_per_s=p.tok_per_s if running else 0.0,
         eta_s=p.eta_s() if running else None,
+        per_s=(p.per_s() or 0.0) if running else 0.0,
         job=job,
         node=node or (p.host or None),
         error=error,
@@ -644,18 +652,36 @@ def task_rows(shards: list[ShardFacts], running: set[int] = frozenset()) -> list
 
 
 def totals(rows: list[ShardStatus]) -> Totals:
+    """The run's sums. Its ETA: the records left in the shards something runs (running, pending:
+    a stopped or failed shard is left to the command that resumes it) over the records per second
+    of the shards generating now (each its attempt's own pace, the one of its ETA): records, not
+    tokens, since what is left is known in prompts, not in tokens."""
     by_state: dict[str, int] = {}
     for r in rows:
         by_state[r.state] = by_state.get(r.state, 0) + 1
+    done, total = sum(r.done for r in rows), sum(r.total for r in rows)
+    per_s = sum(r.per_s for r in rows)
+    left = sum(max(r.total - r.done, 0) for r in rows if r.state in ACTIVE)
     return Totals(
-        done=sum(r.done for r in rows),
-        total=sum(r.total for r in rows),
+        done=done,
+        total=total,
+        percent=100.0 * done / total if total else 100.0,
+        per_s=per_s,
+        eta_s=left / per_s if per_s > 0 else None,
         failed=sum(r.failed for r in rows),
         output_tokens=sum(r.output_tokens for r in rows),
         tok_per_s=sum(r.tok_per_s for r in rows),
         shards=dict(sorted(by_state.items())),
         loops=sum(r.loops for r in rows),
     )
+
+
+def needs_attention(r: ShardStatus) -> bool:
+    """Whether `status`'s summary of many shards lists shard `r` on its own: it does not finish
+    without someone acting (failed, dead, stale, cancelled, ...), changed since done, finished
+    without a readable done manifest, its progress not written for far too long, or its state
+    unknown."""
+    return r.state in BAD_STATES or r.state in (CHANGED, UNFINISHED, UNKNOWN) or bool(r.stale)
 
 
 def is_unknown(rows: list[ShardStatus], merge: MergeStatus) -> bool:

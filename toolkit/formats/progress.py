@@ -92,6 +92,15 @@ class Progress(msgspec.Struct, kw_only=True):
     leaving: bool = False
                                      # its requests are kept as partial outputs for a task with room
 
+    def per_s(self) -> float | None:
+        """Records per second of this attempt, from its start (None before it has a pace): the
+        pace `eta_s` uses, and `status` sums for the run's ETA."""
+        made = self.done - self.resumed
+        elapsed = self.updated - self.started
+        if made <= 0 or elapsed <= 0 or self.state not in ("generating",):
+            return None
+        return made / elapsed
+
     def eta_s(self) -> float | None:
         """Seconds left at this attempt's pace (None before it has a pace)."""
         made = self.done - self.resumed

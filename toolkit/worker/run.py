@@ -572,8 +572,8 @@ def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
     what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     if e.errno in FULL:
         failed = ShardFailed(
-            f"cannot write {where}: {what}; free space (or quota) on that file system, then run "
-            "the shard again: it resumes, nothing written is lost"
+            f"cannot write {where}: {what}; free space (or quota) on that file system, then "
+            f"`{rd.finish_command()}` resumes the shard: nothing written is lost"
         )
     elif e.errno in READ_ONLY:
         failed = ShardRefused(
@@ -582,7 +582,8 @@ def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
         )
     else:
         failed = ShardFailed(
-            f"{where}: {what}; check the file system, then run the shard again (it resumes)"
+            f"{where}: {what}; check the file system, then `{rd.finish_command()}` resumes the "
+            "shard"
         )
     _mark_failed(rd, shard, str(failed))
     log.error("shard %d failed: %s", shard, failed)
