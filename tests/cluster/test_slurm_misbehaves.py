@@ -150,7 +150,7 @@ def test_a_local_worker_whose_pid_is_gone_shows_dead_not_running(tmp_path, toy_t
     assert row.state == expected, row.error
     if expected == "dead":
         assert code == 1 and row.eta_s is None and row.tok_per_s == 0
-        assert row.error.startswith("worker gone: pid ") and f"`toolkit worker {s.rd.shown} 1`" in row.error
+        assert row.error.startswith("worker gone: pid ") and f"`toolkit retry {s.rd.shown}` resumes it here" in row.error
         assert cli_main(["logs", str(s.root), "--failed"]) == 1
         assert "==> shard 1: dead" in capsys.readouterr().out
     else:
