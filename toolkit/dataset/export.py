@@ -629,7 +629,8 @@ def loss_mask(
     """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1
     on everything the assistant turn holds after the template's assistant header — a think-start the
     template wrote at the end of the prompt (and the blanks after it), then every output id: the
-    reasoning, the think-end, the content, a tool-call section, and the stop token — and 0 on the
+    reasoning, the think-end, the content, a tool-call section, and the stop token (an output cut by
+    max_new_tokens has none: nothing is added) — and 0 on the
     rest of the prompt (system, tools, user turns, earlier turns, the header). This is the span
     SpecForge's parsers supervise (from the end of the assistant header to its end-of-turn token,
     inclusive) with `train_only_last_turn`. `supervise_think_start=False` leaves the template's
