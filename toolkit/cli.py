@@ -323,6 +323,9 @@ def cmd_export(args) -> int:
         include.add("truncated")
     if "all" in include:
         include = set(export.EXPORT_REASONS)  # an unknown name is refused by export_run
+    exclude = set(args.exclude or [])
+    if "all" in exclude:
+        exclude = set(export.EXPORT_REASONS)
     select = export.Selection(
         datasets=frozenset(args.dataset) if args.dataset else None,
         finish=frozenset(args.finish) if args.finish else None,
@@ -331,6 +334,7 @@ def cmd_export(args) -> int:
         turns=frozenset(args.turn) if args.turn is not None else None,
         include=frozenset(include) if include else None,
         max_length=args.max_length,
+        exclude=frozenset(exclude) if exclude else None,
     )
     think = None if args.think_start is None else args.think_start == "supervised"
     s = export.export_run(
@@ -869,20 +873,23 @@ def _add_merge_commands(sub) -> None:
         "\"loss_mask\"}, the model's exact ids, which SpecForge's and speculators' "
         "loaders\n                 take as they are; the mask: 1 on every output id, and for "
         "SpecForge also on a\n                 think-start the template wrote after its assistant "
-        "header (--trainer, --think-start)\n  conversations  SpecForge's chat JSONL (id, status, "
-        "conversations, tools; dataset, sample, turn,\n                 segments): the source "
-        "messages, then the assistant turn with `content` and\n                 "
+        "header (--trainer, --think-start);\n                 outputs cut by max_new_tokens kept "
+        "as the model wrote them (--exclude truncated)\n  conversations  SpecForge's chat JSONL "
+        "(id, status, conversations, tools; dataset, sample, turn,\n                 "
+        "segments): the source messages, then the assistant turn with `content` "
+        "and\n                 "
         "`reasoning_content`; SpecForge tokenizes them again: the export measures per "
         "row\n                 whether that gives the model's ids, and writes the SpecForge "
         "registration of the template\n\ntokens and conversations leave out records that are not "
-        "training data (truncated, a repetition loop,\nno think-end, an empty part, a think "
-        "marker inside a part, reasoning where none is expected, a NaN\nstop); --include REASON "
-        "keeps them. Every selected record is accounted for: printed, and beside the\noutput in "
-        "NAME_skipped.jsonl (each record left out, with its reason) and "
-        "NAME_summary.json\n(exported + skipped + failed + missing + filtered == planned; NAME: "
-        "the output's name without\n.jsonl, records.parquet's records_parquet). The "
-        "rows are measured (tokens per row:\np50, p99, max); tokens also writes the trainer's "
-        "config with the length that keeps every row\nwhole (NAME_specforge.yaml, "
+        "training data (a repetition loop, no think-end,\nan empty part, a think marker inside a "
+        "part, reasoning where none is expected, a NaN stop;\nin conversations also truncated: "
+        "the chat template would close the cut turn); --include REASON\nkeeps them, --exclude "
+        "REASON leaves out what a format keeps. Every selected record is\naccounted for: "
+        "printed, and beside the output in NAME_skipped.jsonl (each record left out,\nwith its "
+        "reason) and NAME_summary.json (exported + skipped + failed + missing + filtered ==\n"
+        "planned; NAME: the output's name without .jsonl, records.parquet's records_parquet). The "
+        "rows are measured\n(tokens per row: p50, p99, max); tokens also writes the trainer's "
+        "config with the length that\nkeeps every row whole (NAME_specforge.yaml, "
         "NAME_prepare_data.sh); --max-length N leaves longer rows out.\n\nAn "
         "ok record that fails the audit's checks of one record (token counts, max_new_tokens, "
         "vocabulary,\nfinish, reasoning split) refuses the export (exit 1, nothing written) "
@@ -922,7 +929,8 @@ def _add_merge_commands(sub) -> None:
     s.add_argument(
         "--include-truncated",
         action="store_true",
-        help="keep outputs cut by max_new_tokens in tokens and conversations (--include truncated)",
+        help="keep outputs cut by max_new_tokens in conversations too (--include truncated; "
+        "tokens keeps them unless --exclude truncated)",
     )
     s.add_argument(
         "--include",
@@ -932,6 +940,14 @@ def _add_merge_commands(sub) -> None:
         "degenerate, truncated, no_think_end, empty_reasoning, empty_content, think_marker, "
         "reasoning, other_turn, text_think_marker, unreadable_tool_call, empty_answer, "
         "tool_call_only",
+    )
+    s.add_argument(
+        "--exclude",
+        action="append",
+        metavar="REASON",
+        help="leave out records of REASON that the format keeps (repeatable; `all`): "
+        "`--exclude truncated` leaves the outputs cut by max_new_tokens out of tokens; in jsonl "
+        "and parquet any reason",
     )
     s.add_argument(
         "--max-length",

@@ -144,12 +144,14 @@ def test_a_prompt_lines_other_fields_follow_it_into_jsonl_and_parquet(tmp_path, 
 
 
 TRAINING = lambda s: [r for r in stored(s) if r.index not in (2, 6)]  # noqa: E731  (truncated, no think-end)
+# the drafters' rows: the output cut by max_new_tokens too (the model's own tokens), not the one that never ended
+DRAFTER = lambda s: [r for r in stored(s) if r.index != 6]  # noqa: E731
 
 
 def test_tokens_are_prompt_plus_output_with_a_loss_mask_over_the_output(kimi_run, tmp_path):
     s = kimi_run
-    assert export_run(s.root, "tokens", tmp_path / "t.jsonl").rows == 11
-    for row, rec in zip(lines(tmp_path / "t.jsonl"), TRAINING(s), strict=True):
+    assert export_run(s.root, "tokens", tmp_path / "t.jsonl").rows == 12
+    for row, rec in zip(lines(tmp_path / "t.jsonl"), DRAFTER(s), strict=True):
         assert list(row) == ["id", "dataset", "sample", "turn", "segments", "input_ids", "loss_mask"]
         assert (row["id"], row["dataset"]) == (rec.id, rec.dataset)
         p, o = unpack_ids(rec.prompt_ids), unpack_ids(rec.output_ids)
@@ -200,7 +202,7 @@ def test_export_without_output_writes_under_the_run_and_says_where(kimi_run, cap
 def test_export_command(kimi_run, tmp_path, capsys):
     s = kimi_run
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "x.jsonl")]) == 0
-    assert "wrote 11 rows (11 records)" in capsys.readouterr().out
+    assert "wrote 12 rows (12 records)" in capsys.readouterr().out
     assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "no" / "x.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
@@ -322,10 +324,21 @@ def test_what_is_not_training_data_goes_to_the_skipped_file_and_every_planned_id
     assert (summary["planned"], summary["exported"], summary["skipped"], summary["failed"], summary["missing"]) == (
         14, 11, 2, 1, 0)
     assert summary["skipped_by_reason"] == {"truncated": 1, "no_think_end": 1}
-    # --include-truncated keeps what a user wants: the cut output, not the one that never ended its reasoning
-    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"),
-                     "--include-truncated"]) == 0
+    # the drafters' export keeps the cut output (the model's own tokens), not the one that never ended its reasoning
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl")]) == 0
     assert {r["id"] for r in lines(tmp_path / "t.jsonl")} == exported | {ids[2]}
+    assert "14 planned: 12 exported (truncated 1 kept), 1 skipped (no_think_end 1)" in capsys.readouterr().out
+    # ... unless told to leave it out, with its reason
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"),
+                     "--exclude", "truncated"]) == 0
+    assert {r["id"] for r in lines(tmp_path / "t.jsonl")} == exported
+    assert json.loads((tmp_path / "t_summary.json").read_text())["skipped_by_reason"] == {
+        "truncated": 1, "no_think_end": 1}
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"),
+                     "--include", "truncated", "--exclude", "truncated"]) == 2
+    assert "truncated both included and excluded" in capsys.readouterr().err
+    assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--exclude", "y"]) == 2
+    assert "unknown reason y to exclude" in capsys.readouterr().err
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "all"]) == 0
     assert len(lines(tmp_path / "t.jsonl")) == 13
     assert cli_main(["export", str(s.root), "--format", "tokens", "-o", str(tmp_path / "t.jsonl"), "--include", "x"]) == 2

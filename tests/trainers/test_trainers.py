@@ -64,12 +64,15 @@ def chats(k: int) -> list[dict]:
 
 
 class Run:
-    """A finished stub run: its job, run directory, tokenizer folder, stored ids per record id, think-start id."""
+    """A finished stub run: its job, run directory, tokenizer folder, stored ids per record id, the ids of the outputs
+    cut by max_new_tokens, think-start id."""
 
     def __init__(self, job: Path, tokenizer: Path):
         self.job, self.tokenizer = job, tokenizer
         self.root = job.parent / "run"
-        self.stored = {r.id: (unpack_ids(r.prompt_ids), unpack_ids(r.output_ids)) for r in read_run(self.root)}
+        records = list(read_run(self.root))
+        self.stored = {r.id: (unpack_ids(r.prompt_ids), unpack_ids(r.output_ids)) for r in records}
+        self.cut = {r.id for r in records if r.status == "ok" and r.finish == "length"}
         spec = load_spec(job)
         tok = chat.load_tokenizer(spec.model)
         info = chat.token_info(tok, spec.model)
@@ -105,8 +108,10 @@ def documented_mask(run: Run, prompt: list[int], n_output: int, trainer: str) ->
     return [0] * head + [1] * (len(prompt) - head + n_output)
 
 
-def through_tokens(run: Run, tmp: Path, trainer: str) -> tuple[int, int, int]:
-    """The tokens export for `trainer` through its own loader: (rows identical in ids and mask, rows, tool rows)."""
+def through_tokens(run: Run, tmp: Path, trainer: str) -> tuple[int, int, int, int]:
+    """The tokens export for `trainer` through its own loader: (rows identical in ids and mask, rows, tool rows, rows
+    of outputs cut by max_new_tokens identical in ids and mask: the model's ids, nothing appended, every output id
+    supervised)."""
     out = tmp / f"tokens-{trainer}.jsonl"
     s = export_run(run.root, output=out, trainer=trainer)  # the default format
     assert s.format == "tokens" and s.rows > 0
@@ -123,7 +128,9 @@ def through_tokens(run: Run, tmp: Path, trainer: str) -> tuple[int, int, int]:
     else:  # prepare-data shuffles the rows (its seed): the same rows, each once
         same = sum((Counter(have) & Counter(want)).values())
     tool_rows = sum(run.tool_start in r["input_ids"][len(run.stored[r["id"]][0]):] for r in rows)
-    return same, len(want), tool_rows
+    cut = Counter(w for row, w in zip(rows, want) if row["id"] in run.cut)
+    assert all(w[1][-1] == 1 for w in cut)  # the last id the model wrote is supervised, and nothing follows it
+    return same, len(want), tool_rows, sum((Counter(have) & cut).values())
 
 
 def through_conversations(run: Run, tmp: Path, capsys) -> dict:
@@ -166,10 +173,12 @@ def kimi_run(tmp_path_factory, real_tokenizer):
 def test_kimi_tokens_export_is_identical_through_both_trainers_loaders_tool_calls_and_turns_included(kimi_run,
                                                                                                       tmp_path):
     for trainer in ("specforge", "speculators"):
-        same, total, tool_rows = through_tokens(kimi_run, tmp_path, trainer)
+        same, total, tool_rows, cut = through_tokens(kimi_run, tmp_path, trainer)
         print(f"kimi-k2-thinking, tokens -> {trainer}: {same}/{total} rows identical (ids and mask), "
-              f"{tool_rows} with tool calls")
+              f"{tool_rows} with tool calls, {cut} of {len(kimi_run.cut)} outputs cut by max_new_tokens")
         assert same == total and tool_rows >= 1
+        # outputs cut by max_new_tokens reach the trainer's loader as the model wrote them, masked whole
+        assert cut == len(kimi_run.cut) >= 1
     regenerated = [i for i in kimi_run.stored if "/t1" in i]
     assert regenerated  # multi-turn conversations were regenerated and exported turn by turn
 
@@ -241,7 +250,7 @@ def test_deepseek_r1_tokens_are_exact_where_its_template_drops_the_reasoning_fro
     run.tool_start = -1
     figures = []
     for trainer in ("specforge", "speculators"):
-        same, total, _ = through_tokens(run, tmp_path, trainer)
+        same, total, _, _ = through_tokens(run, tmp_path, trainer)
         figures.append(f"deepseek-r1-distill, tokens -> {trainer}: {same}/{total} rows identical (ids and mask)")
         assert same == total
     r = through_conversations(run, tmp_path, capsys)
@@ -258,7 +267,7 @@ def test_a_non_reasoning_run_is_exact_through_both_loaders(tmp_path, real_tokeni
     run.tool_start = tok.convert_tokens_to_ids("<tool_call>")
     figures = []
     for trainer in ("specforge", "speculators"):
-        same, total, _ = through_tokens(run, tmp_path, trainer)
+        same, total, _, _ = through_tokens(run, tmp_path, trainer)
         figures.append(f"qwen3 (thinking off), tokens -> {trainer}: {same}/{total} rows identical (ids and mask)")
         assert same == total
     r = through_conversations(run, tmp_path, capsys)

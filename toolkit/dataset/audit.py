@@ -39,11 +39,12 @@ from toolkit.dataset.audit_report import (
     ShardStats,
     SkippedInputs,
     TokenSummary,
+    TrainingShare,
     TurnStats,
 )
 from toolkit.dataset.examples import SampleCollector, last_user_text
 from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
-from toolkit.dataset.quality import record_loop
+from toolkit.dataset.quality import KEPT_FOR_DRAFTERS, Judge, record_loop
 from toolkit.dataset.rerender import rerender, sample_positions
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames, read_header
@@ -156,6 +157,10 @@ class Auditor:
                            and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0}
         self.prompt_at: tuple[int, int] | None = None
         self.outputs_seen: dict[tuple[int, bytes], str] = {}
+        # what the default training export holds of the decoded tokens (the export's own judge)
+        self.judge = Judge(self.info.think_start_id, self.info.think_end_id, self.info.blank_ids,
+                           model.expect_reasoning)
+        self.training = TrainingShare()
 
     def _example(self, kind: str, rec_id: str) -> None:
         ex = self.examples.setdefault(kind, [])
@@ -235,6 +240,7 @@ class Auditor:
                 acc.r.nan_failed += 1
                 self._example("nan_stop", rec.id)
             self.failed_ids.append(rec.id)
+            self.training.add(n, "nan" if rec.failure == "nan" else "failed", False)
             return
         st.ok += 1
         sh.ok += 1
@@ -265,6 +271,8 @@ class Auditor:
         acc.reasoning_len.append(r1 - r0)
         acc.content_len.append(c1 - c0)
         loop = record_loop(rec)
+        reason = self.judge.skip_reason(rec, opened, loop is not None)
+        self.training.add(n, reason, reason is None or reason in KEPT_FOR_DRAFTERS)
         if loop is not None:
             st.degenerate += 1
             self._example("degenerate", rec.id)
@@ -379,6 +387,7 @@ class Auditor:
             fingerprint=plan.fingerprint,
             # what made the records, as the run pinned it: not the [engine] kind taken since
             engine="stub" if plan.synthetic else plan.spec.engine.kind,
+            training=self._training(),
             created=utc_now(),
             passed=all(c.passed for c in checks),
             checks=checks,
@@ -426,6 +435,11 @@ class Auditor:
         else:
             log.info("audit of %s passed", rd.root)
         return report
+
+    def _training(self) -> TrainingShare:
+        t = self.training
+        t.share = round(t.exported_tokens / t.decoded_tokens, 6) if t.decoded_tokens else 0.0
+        return t
 
     def _shard_stats(self, manifest: MergeManifest) -> list[ShardStats]:
         by_index = {s.index: s for s in manifest.shards}

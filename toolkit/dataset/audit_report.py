@@ -26,6 +26,7 @@ __all__ = [
     "ShardStats",
     "SkippedInputs",
     "TokenSummary",
+    "TrainingShare",
     "TurnStats",
     "modes_text",
     "read_report",
@@ -193,6 +194,39 @@ class SkippedInputs(msgspec.Struct):
     examples: list[str] = []  # `file:line: reason` of the first of them
 
 
+class TrainingShare(msgspec.Struct):
+    """The output tokens decoded for the merged records, and the share of them the default training
+    export (`tokens`) holds: ok outputs that are training data and outputs cut by max_new_tokens
+    (`quality.KEPT_FOR_DRAFTERS`); the rest by the reason it is left out (a key of
+    `quality.SKIP_REASONS`; "nan" also for records failed on NaN logits, "failed" for the other
+    failed records: the output ids a failed record holds, those of an abort say, count; most hold
+    none). A figure, not a check."""
+
+    decoded_tokens: int = 0          # output ids of the merged records
+    exported_tokens: int = 0         # ... of the records the tokens export holds
+    share: float = 0.0               # exported_tokens / decoded_tokens
+    exported_records: int = 0
+    cut_tokens: int = 0              # of exported_tokens: outputs cut by max_new_tokens, kept
+    cut_records: int = 0
+    left_out_tokens: dict[str, int] = {}   # reason -> output ids left out for it
+    left_out_records: dict[str, int] = {}  # reason -> records left out for it
+
+    def add(self, n: int, reason: str | None, kept: bool) -> None:
+        """Count a record of `n` output ids, named by `reason` (None: training data), `kept` by
+        the export or not."""
+        self.decoded_tokens += n
+        if kept:
+            self.exported_tokens += n
+            self.exported_records += 1
+            if reason is not None:
+                self.cut_tokens += n
+                self.cut_records += 1
+            return
+        key = reason or "failed"
+        self.left_out_tokens[key] = self.left_out_tokens.get(key, 0) + n
+        self.left_out_records[key] = self.left_out_records.get(key, 0) + 1
+
+
 class AuditReport(msgspec.Struct):
     format: int
     run: str
@@ -225,6 +259,8 @@ class AuditReport(msgspec.Struct):
     # what made the records (the run's pinned engine, RunPlan.synthetic): "stub" says the outputs
     # are synthetic, not a model's; else the [engine] kind
     engine: str = ""
+    # the share of decoded output tokens the training export holds, and why the rest is left out
+    training: TrainingShare = msgspec.field(default_factory=TrainingShare)
 
 
 def read_report(rd: RunDir) -> AuditReport | None:

@@ -14,7 +14,11 @@ finish reason and reasoning mode of ok ones). `tokens` and `conversations` are t
 records that are not training data (`quality.SKIP_REASONS`: a NaN stop, a repetition loop,
 truncated, no think-end, an empty part, a think marker inside a part, reasoning where none is
 expected; in conversations also an answer with neither text nor a tool call, an unreadable tool
-call, or think markers written as text) are left out unless included by reason. Every selected
+call, or think markers written as text) are left out unless included by reason, and included ones
+left out by reason (`kept_reasons`). `tokens`, the drafters' format, keeps outputs cut by
+max_new_tokens (`quality.KEPT_FOR_DRAFTERS`): the model's ids at every position, masked whole, with
+nothing added; `conversations` leaves them out (the chat template would close a turn the model
+never ended). Every selected
 record is accounted for once, in `ExportSummary` (exported + skipped + failed + missing + filtered
 == planned), written beside the output as `<name>_summary.json`, with each record left out and why
 in `<name>_skipped.jsonl`. A run of the stub engine (`RunPlan.synthetic`) says so in the summary
@@ -63,7 +67,7 @@ import msgspec
 import numpy as np
 
 from toolkit.dataset.merge import MERGED, MergeManifest, load_manifest
-from toolkit.dataset.quality import SKIP_REASONS, Judge
+from toolkit.dataset.quality import KEPT_FOR_DRAFTERS, SKIP_REASONS, Judge
 from toolkit.dataset.trainer_config import LengthFigures, RowLengths, config_name, write_config
 from toolkit.dataset.trainers import (
     TRAINERS,
@@ -100,12 +104,14 @@ from toolkit.job.turns import answer_message, turn_messages, user_turns
 __all__ = [
     "DEFAULT_FORMAT",
     "FORMATS",
+    "KEPT_BY_DEFAULT",
     "ExportError",
     "ExportSummary",
     "JsonlRecord",
     "Selection",
     "SkippedRow",
     "export_run",
+    "kept_reasons",
 ]
 
 log = logging.getLogger(__name__)
@@ -309,7 +315,8 @@ LONGER = "longer_than_max_length"
 
 class Selection(msgspec.Struct, frozen=True):
     """Which records an export holds: each filter None (all) or the values kept. `include`: reasons
-    of `EXPORT_REASONS` whose records are exported anyway (None: the format's default)."""
+    of `EXPORT_REASONS` whose records are exported anyway (None: the format's default); `exclude`:
+    reasons whose records are left out although the format keeps them (`kept_reasons`)."""
 
     datasets: frozenset[str] | None = None
     finish: frozenset[str] | None = None
@@ -318,6 +325,7 @@ class Selection(msgspec.Struct, frozen=True):
     turns: frozenset[int] | None = None
     include: frozenset[str] | None = None
     max_length: int | None = None            # rows of more ids are left out (LONGER)
+    exclude: frozenset[str] | None = None
 
     def planned(self, ref: PromptRef, dataset: str) -> bool:
         """Whether a planned record is selected by what the plan knows of it (dataset, sample,
@@ -348,6 +356,9 @@ class ExportSummary(msgspec.Struct):
     filtered: int = 0          # ok records --finish / --mode leave out
     skipped_by_reason: dict[str, int] = {}
     failed_by_kind: dict[str, int] = {}
+    # jsonl, parquet, tokens: records exported that a reason names, by reason (in tokens, outputs
+    # cut by max_new_tokens: kept for the drafter)
+    kept_by_reason: dict[str, int] = {}
     trainer: str | None = None         # tokens: the trainer whose loss-mask rule the export follows
     # tokens: a think-start the template wrote is in the loss mask
     supervise_think_start: bool | None = None
@@ -381,7 +392,9 @@ class ExportSummary(msgspec.Struct):
                 else ""
             )
 
-        parts = [f"{self.exported} exported", f"{self.skipped} skipped{by(self.skipped_by_reason)}",
+        kept = f" ({by(self.kept_by_reason)[2:-1]} kept)" if self.kept_by_reason else ""
+        parts = [f"{self.exported} exported{kept}",
+                 f"{self.skipped} skipped{by(self.skipped_by_reason)}",
                  f"{self.failed} failed{by(self.failed_by_kind)}"]
         if self.missing:
             parts.append(f"{self.missing} missing")
@@ -445,6 +458,7 @@ class _Account:
         self.summary, self.out = summary, skipped_out
         self.enc = msgspec.json.Encoder()
         self.seen = 0
+        self.named: str | None = None  # the reason of the last record judged, kept by `include`
         self.checks: _Checks | None = None  # conversations: the round trip of each row
         self.lengths = RowLengths(summary.trainer or "specforge")
         for k in range(len(plan.shards)):
@@ -465,6 +479,7 @@ class _Account:
 
     def outcome(self, rec: Record) -> str | None:
         """None: export it; "failed", "filtered", or the reason it is not training data."""
+        self.named = None
         if rec.status != OK:
             return None if self.include_failed else "failed"
         opened = chat.opens_reasoning(rec.prompt_ids, self.info)
@@ -478,6 +493,7 @@ class _Account:
         reason = self.judge.skip_reason(rec, opened)
         if reason is not None and reason not in self.include:
             return reason
+        self.named = reason
         n = (len(rec.prompt_ids) + len(rec.output_ids)) >> 2
         return LONGER if sel.max_length is not None and n > sel.max_length else None
 
@@ -554,6 +570,9 @@ def _kept(
             if why is None:
                 keep.append(r)
                 refs.append(ref)
+                if acc.named is not None:
+                    kept = acc.summary.kept_by_reason
+                    kept[acc.named] = kept.get(acc.named, 0) + 1
             else:
                 acc.left_out(r, ref, why)
         if keep:
@@ -613,7 +632,8 @@ def loss_mask(
     """The `tokens` export's loss mask of a prompt (packed ids) followed by `n_output` output ids: 1
     on everything the assistant turn holds after the template's assistant header — a think-start the
     template wrote at the end of the prompt (and the blanks after it), then every output id: the
-    reasoning, the think-end, the content, a tool-call section, and the stop token — and 0 on the
+    reasoning, the think-end, the content, a tool-call section, and the stop token (an output cut by
+    max_new_tokens has none: nothing is added) — and 0 on the
     rest of the prompt (system, tools, user turns, earlier turns, the header). This is the span
     SpecForge's parsers supervise (from the end of the assistant header to its end-of-turn token,
     inclusive) with `train_only_last_turn`. `supervise_think_start=False` leaves the template's
@@ -941,6 +961,31 @@ _TEXT_WRITERS = {
 }
 # records that are not training data are skipped by default
 TRAINING_FORMATS = ("tokens", "conversations")
+# the reasons whose records each format keeps unless told otherwise: the record formats every one;
+# the drafters' ids the outputs cut by max_new_tokens (the model's own tokens at every position);
+# chat rows none (a cut output rendered by the template would end a turn the model never ended)
+KEPT_BY_DEFAULT = {
+    "jsonl": frozenset(EXPORT_REASONS),
+    "parquet": frozenset(EXPORT_REASONS),
+    "tokens": KEPT_FOR_DRAFTERS,
+    "conversations": frozenset(),
+}
+CUT_CHAT_ROWS = (
+    "outputs cut by max_new_tokens are kept as chat rows (--include truncated): the chat template "
+    "closes their turn with an end of turn the model never wrote, and a trainer learns it; the "
+    "tokens export keeps them as they are"
+)
+
+
+def kept_reasons(fmt: str, select: Selection) -> frozenset[str]:
+    """The reasons of `EXPORT_REASONS` whose records an export in `fmt` holds: the format's
+    (`KEPT_BY_DEFAULT`) with those `select.include` names (for jsonl and parquet, only those, when
+    given), less those `select.exclude` names."""
+    if fmt in TRAINING_FORMATS:
+        kept = KEPT_BY_DEFAULT[fmt] | (select.include or frozenset())
+    else:
+        kept = KEPT_BY_DEFAULT[fmt] if select.include is None else select.include
+    return kept - (select.exclude or frozenset())
 
 
 def default_output(run_dir: str | os.PathLike, fmt: str, trainer: str = "specforge") -> Path:
@@ -1071,8 +1116,10 @@ def export_run(
     `<name>_summary.json`, with the records left out and why in `<name>_skipped.jsonl`.
 
     Records that are not training data (`quality.SKIP_REASONS`) are left out of `tokens` and
-    `conversations` unless `select.include` names their reason; `jsonl` and `parquet` hold every ok
-    record unless `select.include` is given. Without `output`, the file is `default_output(run_dir,
+    `conversations` unless `select.include` names their reason, except outputs cut by
+    max_new_tokens, which `tokens` keeps; `jsonl` and `parquet` hold every ok record unless
+    `select.include` is given; `select.exclude` leaves out the records of its reasons
+    (`kept_reasons`). Without `output`, the file is `default_output(run_dir,
     fmt, trainer)` (its folder is created); an `output` that is a folder (or ends with a slash) gets
     that name inside it. `tokens` follows `trainer`'s loss-mask rule (`trainers.TRAINERS`) unless
     `supervise_think_start` says otherwise. `conversations` also writes, beside the output, the
@@ -1096,16 +1143,20 @@ def export_run(
         raise ExportError(
             f"unknown reasoning mode {select.mode!r}; choose one of {', '.join(MODES)}"
         )
-    unknown = sorted((select.include or frozenset()) - set(EXPORT_REASONS))
-    if unknown:
+    for verb, given in (("include", select.include), ("exclude", select.exclude)):
+        unknown = sorted((given or frozenset()) - set(EXPORT_REASONS))
+        if unknown:
+            raise ExportError(
+                f"unknown reason {', '.join(unknown)} to {verb}; choose among "
+                f"{', '.join(EXPORT_REASONS)}"
+            )
+    both = sorted((select.include or frozenset()) & (select.exclude or frozenset()))
+    if both:
         raise ExportError(
-            f"unknown reason {', '.join(unknown)} to include; choose among "
-            f"{', '.join(EXPORT_REASONS)}"
+            f"reason {', '.join(both)} both included and excluded: give it to one of --include "
+            "and --exclude"
         )
-    if select.include is not None:
-        include = select.include
-    else:
-        include = frozenset() if fmt in TRAINING_FORMATS else frozenset(EXPORT_REASONS)
+    include = kept_reasons(fmt, select)
     run = Run.open(run_dir, JobSpec)  # read-only: only the export's own files are written
     rd, plan = run.rd, run.plan
     manifest = load_manifest(rd)  # a merged dataset must exist
@@ -1174,6 +1225,8 @@ def export_run(
     if plan.synthetic:
         summary.engine = "stub"
         summary.warnings.append(STUB_EXPORT)
+    if fmt == "conversations" and "truncated" in include:
+        summary.warnings.append(CUT_CHAT_ROWS)
     summary.audit, failed_checks = audit_state(rd)
     if short:  # merged with --allow-incomplete: exported, and said
         summary.warnings.append(

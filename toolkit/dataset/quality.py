@@ -1,11 +1,14 @@
 """What an ok record must be to be training data: repetition loops on token ids, and the reasons an
 output is kept out of the training exports (`skip_reason`).
 
-A record the server answered is not always something a drafter should learn from: an output cut by
-max_new_tokens, reasoning that never ended (no think-end: the answer is missing and the reasoning
-field holds everything), an empty answer, a think marker left inside a part, reasoning in a run that
-must have none, an output SGLang stopped on NaN logits, or a repetition loop. Each is named by one
-reason, decided on token ids only, the same way by the audit and by every export.
+A record the server answered is not always something a drafter should learn from: reasoning that
+never ended (no think-end: the answer is missing and the reasoning field holds everything), an empty
+answer, a think marker left inside a part, reasoning in a run that must have none, an output SGLang
+stopped on NaN logits, or a repetition loop. An output cut by max_new_tokens is named too
+(`truncated`), but it is the model's own distribution at every position it has: the drafters'
+export keeps it (`KEPT_FOR_DRAFTERS`), its mask over every id it wrote; a chat row cannot hold it
+(the template would close the turn). Each is named by one reason, decided on token ids only, the
+same way by the audit and by every export.
 
 Repetition loops (`repetition_loop`, `record_loop`; defined in formats/loops): reasoning models fall
 into loops that repeat a span of tokens until max_new_tokens, so only outputs cut by max_new_tokens
@@ -43,6 +46,7 @@ __all__ = [
     "LOOP_MAX_PERIOD",
     "LOOP_MIN_TOKENS",
     "LOOP_WINDOW",
+    "KEPT_FOR_DRAFTERS",
     "SKIP_REASONS",
     "Judge",
     "record_loop",
@@ -63,6 +67,9 @@ SKIP_REASONS = {
     "think_marker": "a think-start or think-end id inside the reasoning or the answer",
     "reasoning": "a think token although [model] expect_reasoning = false",
 }
+# Reasons whose records the drafters' export (`tokens`) keeps unless told otherwise: an output cut
+# by max_new_tokens is what the model wrote, position by position (a loop is `degenerate` first).
+KEPT_FOR_DRAFTERS = frozenset({"truncated"})
 
 
 def record_loop(rec: Record) -> int | None:
@@ -92,16 +99,17 @@ class Judge:
         self.blank = frozenset(blank_ids)
         self.expect_reasoning = expect_reasoning
 
-    def skip_reason(self, rec: Record, opened: bool) -> str | None:
+    def skip_reason(self, rec: Record, opened: bool, looped: bool | None = None) -> str | None:
         """The first of SKIP_REASONS that holds for ok record `rec` (None: training data). `opened`:
-        its prompt ends with the think-start id."""
+        its prompt ends with the think-start id; `looped`: whether it is a repetition loop, when
+        the caller knows (`record_loop`)."""
         if rec.status != OK:
             raise ValueError(f"{rec.id}: only ok records are judged, this one is {rec.status}")
         out = rec.output_ids
         n = len(out) >> 2
         if is_nan_stop(rec.finish, rec.matched_stop):
             return "nan"
-        if record_loop(rec) is not None:
+        if looped if looped is not None else record_loop(rec) is not None:
             return "degenerate"
         if rec.finish == "length":
             return "truncated"

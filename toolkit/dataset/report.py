@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.dataset.audit_report import AuditReport, DatasetStats, modes_text
+from toolkit.dataset.audit_report import AuditReport, DatasetStats, TrainingShare, modes_text
 from toolkit.formats.files import atomic_write, shown_path
 from toolkit.formats.rundir import RunDir
 
@@ -94,6 +94,24 @@ def _skipped_inputs(report: AuditReport) -> list[str]:
     return out
 
 
+def training_line(t: TrainingShare) -> str:
+    """e.g. `training export (tokens): 91.4% of 1.2M decoded output tokens (8.4% cut by
+    max_new_tokens, kept); left out: degenerate 8.1% (3 outputs), failed 0.0% (1 record)`."""
+    if not t.decoded_tokens and not t.left_out_records:
+        return "training export (tokens): no decoded output tokens"
+    whole = t.decoded_tokens or 1
+    out = (f"training export (tokens): {_pct(t.share)} of {_num(t.decoded_tokens)} decoded output "
+           f"tokens ({_pct(t.cut_tokens / whole)} cut by max_new_tokens, kept)")
+    gone = sorted(t.left_out_records, key=lambda k: (-t.left_out_tokens.get(k, 0), k))
+    if gone:
+        out += "; left out: " + ", ".join(
+            f"{k} {_pct(t.left_out_tokens.get(k, 0) / whole)} ({t.left_out_records[k]} "
+            f"{'record' if k == 'failed' else 'output'}{'s' * (t.left_out_records[k] != 1)})"
+            for k in gone
+        )
+    return out
+
+
 def summary_table(report: AuditReport) -> str:
     """The audit as a few plain-text tables for a terminal or a job log."""
     verdict = "PASSED" if report.passed else "FAILED"
@@ -127,6 +145,7 @@ def summary_table(report: AuditReport) -> str:
     lines += _table(rows, right=set(range(1, len(head))))
     lines.append(f"reasoning modes of ok outputs: {modes_text(report.overall.reasoning)}; "
                  f"{report.overall.reasoning.in_reasoning} in reasoning mode")
+    lines.append(training_line(report.training))
     shards = report.shards
     shown = (
         shards

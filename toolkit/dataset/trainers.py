@@ -8,7 +8,9 @@ conversations row through the chat template as SpecForge renders it.
   (SpecForge's online loader `data.prompts_path`, speculators' `prepare-data`). They differ on one
   token: SpecForge supervises from the end of the template's assistant header, so a think-start the
   template wrote at the end of the prompt is supervised; speculators supervises from the end of the
-  rendered generation prompt, so it is not (`TRAINERS[name].supervise_think_start`).
+  rendered generation prompt, so it is not (`TRAINERS[name].supervise_think_start`). An output cut
+  by max_new_tokens is masked the same way, every id it has, with no stop token after it (none is
+  added): both rules supervise to the row's end.
 - SpecForge's chat rows (`conversations`) are rendered again by the tokenizer's chat template,
   through a registered `ChatTemplate` (assistant header, end-of-turn token, system prompt, parser),
   and encoded again: `Registration` derives the one that reproduces the model's render from the
