@@ -21,7 +21,7 @@ def lines(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, toy_tokenizer):
-    """A merged kimi run: 6 healthy outputs and one truncated (left out of the tokens export, kept in parquet)."""
+    """A merged kimi run: 6 healthy outputs and one cut by max_new_tokens (kept in the tokens export too)."""
     s = runs.plan_run(tmp_path_factory.mktemp("names"), toy_tokenizer("kimi"), datasets={"math": 7}, shards=1)
     runs.write_run(s, runs.mix(runs.healthy(), p2=runs.truncated))
     merge_run(s.root)
@@ -47,9 +47,10 @@ def test_an_output_named_jsonl_without_format_is_the_default_tokens_export(run, 
     out = tmp_path / "train.jsonl"
     assert cli_main(["export", str(run.root), "-o", str(out)]) == 0
     rows = lines(out)
-    assert len(rows) == 6 and all(set(r) >= {"input_ids", "loss_mask"} for r in rows)  # the truncated one left out
-    assert json.loads((tmp_path / "train_summary.json").read_text())["format"] == "tokens"
-    assert [r["reason"] for r in lines(tmp_path / "train_skipped.jsonl")] == ["truncated"]
+    assert len(rows) == 7 and all(set(r) >= {"input_ids", "loss_mask"} for r in rows)  # the cut one kept
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert summary["format"] == "tokens" and summary["kept_by_reason"] == {"truncated": 1}
+    assert lines(tmp_path / "train_skipped.jsonl") == []
 
 
 @pytest.mark.parametrize(
