@@ -90,7 +90,7 @@ def test_two_ranks_on_two_hosts_serve_through_rank0_survive_usr2_restart_on_a_de
     n = 120  # long enough that the shard is still generating when a rank is killed, on a loaded machine too
     env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(ROOT)]), "FAKE_SGLANG_RECORD": str(record),
            "FAKE_SGLANG_STUB_ARGS": "--token-delay 0.01 --fixed-output-tokens 40", "ENGINE_MARKER": "yes"}
-    job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env,
+    job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env, "python": sys.executable,
                                                "max_restarts": 2, "shutdown_timeout_s": 10, "ready_timeout_s": 60},
                    model={"path": str(tok)}, slurm={"gpus_per_node": 1}, client={"concurrency": 2})
     rd, _ = prepared_run(str(job))
@@ -206,7 +206,7 @@ def test_sigterm_to_every_step_of_a_two_host_task_keeps_what_is_in_flight_and_th
     n = 40
     env = {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(ROOT)]), "FAKE_SGLANG_RECORD": str(tmp_path / "rank{rank}.json"),
            "FAKE_SGLANG_STUB_ARGS": "--token-delay 0.02 --fixed-output-tokens 150"}
-    job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env,
+    job = make_job(tmp_path, tok, n=n, engine={"kind": "sglang", "nodes": 2, "tp_size": 2, "env": env, "python": sys.executable,
                                                "shutdown_timeout_s": 10, "ready_timeout_s": 60},
                    model={"path": str(tok)}, slurm={"gpus_per_node": 1}, client={"concurrency": 2},
                    sampling={"max_new_tokens": 400})
