@@ -19,6 +19,7 @@ from toolkit.engines.client import (
     GenerateResult,
     HttpClient,
     RequestRejected,
+    ServerError,
     TimedOut,
     Unreachable,
     abort_requests,
@@ -48,6 +49,8 @@ from toolkit.worker.shard import Batch, Shard, health_timeout
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
+# _answer: the request failed while the engine failed every request; no try, the prompt goes again
+AGAIN = "again"
 
 
 def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
@@ -322,6 +325,10 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             # bounded: every failed try counts (sh.tries), the last one is final (_settle)
             while True:
                 rec = await _answer(sh, item, engine, info)
+                if rec is AGAIN:  # the engine's failure, not the prompt's: no try counted
+                    if sh.stopping:
+                        break
+                    continue
                 if rec is None or not await _settle(sh, rec):
                     break
         # cancelled, or the engine died: the prompt goes out again after the restart
@@ -330,9 +337,10 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             raise
 
 
-async def _answer(sh: Shard, item, engine, info) -> Record | None:
-    """One try of a prompt: its record, or None when what came back is a partial output (recorded
-    here)."""
+async def _answer(sh: Shard, item, engine, info) -> Record | str | None:
+    """One try of a prompt: its record, None when what came back is a partial output (recorded
+    here), or AGAIN when its request failed because the engine failed every request at the time
+    (worker.enginecheck): that is no try of the prompt."""
     pos, ref, ids = item.pos, item.ref, item.ids
     ds = sh.plan.datasets[ref.dataset].name
     prior = _prior(sh, ref.id, ids)
@@ -344,6 +352,12 @@ async def _answer(sh: Shard, item, engine, info) -> Record | None:
     except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
         if not engine.alive():
             raise EngineDied(str(e)) from None  # (the item goes back to the feed: see consume)
+        check = getattr(sh.session, "check", None)
+        engine_wide = isinstance(e, ServerError) or (
+            isinstance(e, Unreachable) and not isinstance(e, TimedOut)
+        )
+        if engine_wide and check is not None and await check.unwell(f"prompt {ref.id}: {e}"):
+            return AGAIN
         message = str(e)
         if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
             # raises EngineUnreachable for a dead engine

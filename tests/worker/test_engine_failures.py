@@ -1,0 +1,119 @@
+"""The engine's failures are the engine's: a burst of 503s on every request (the engine overloaded for a few seconds)
+charges no prompt a try; the requests wait for the engine to answer its probe again, then go out again, and every
+record is what a healthy engine gives. `toolkit run` exits as `status` judges the run it leaves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobfiles import make_job, prepared_run
+from toolkit.formats.frames import read_shard
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kimi(toy_tokenizer):
+    return toy_tokenizer("kimi")
+
+
+def toolkit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def burst_job(tmp: Path, kimi, stub_args: list[str], **client) -> Path:
+    """40 greedy prompts, 16 in flight, each try one request and one retry, three tries (the defaults' shape)."""
+    c = {"concurrency": 16, "retries": 1, "request_timeout_s": 10, "backoff_s": 0.05, "backoff_max_s": 0.2,
+         "max_tries": 3, **client}
+    return make_job(tmp, kimi, n=40, shards=1, sampling={"max_new_tokens": 48, "temperature": 0},
+                    stub={"extra_args": stub_args}, client=c)
+
+
+@pytest.mark.slow
+def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_exact(tmp_path, kimi):
+    """Every /generate answers 503 for 3 s from the second one on (the probe of a start is the first): on the old code
+    the 16 prompts in flight used their 3 tries in half a second and ended failed for the run, `toolkit run` exiting
+    0. Now the engine's probe fails too, so no prompt is charged: the run completes, every record equal to a run
+    without the burst, none failed for the run."""
+    clean = burst_job(tmp_path / "clean", kimi, [])
+    r = toolkit("run", str(clean))
+    assert r.returncode == 0, r.stdout + r.stderr
+    expected = {rec.id: rec.output_ids for rec in read_shard(prepared_run(clean)[0].shard_file(0))}
+    assert len(expected) == 40
+
+    job = burst_job(tmp_path / "burst", kimi, ["--fail-5xx-for", "2:3"])
+    r = toolkit("run", str(job))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    rd, _ = prepared_run(job)
+    server_log = rd.server_log_file(0).read_text()
+    failed_requests = server_log.count("Injected failure (--fail-5xx-for 2:3)")
+    assert failed_requests >= 16, server_log[-2000:]  # every prompt in flight met the burst
+    every = list(read_shard(rd.shard_file(0)))
+    got = {rec.id: rec for rec in every}
+    assert {i: rec.output_ids for i, rec in got.items()} == expected
+    assert all(rec.status == "ok" for rec in got.values())
+    assert not any(rec.final for rec in every)
+    log = rd.log_file(0).read_text()
+    assert "the engine is unwell; no prompt is charged a try" in log, log
+    assert "answers its probe again" in log, log
+    tries = [rec for rec in every if rec.status != "ok"]
+    print(f"requests failed in the burst: {failed_requests}; tries recorded: {len(tries)}; prompts failed: 0")
+    assert len(tries) <= 16  # at most a try each, charged when the burst ended between a request and its probe
+
+
+@pytest.mark.slow
+def test_an_engine_unwell_past_its_ready_timeout_is_restarted_and_then_the_shard_fails(tmp_path, kimi):
+    """503 on every request for longer than [engine] ready_timeout_s: the engine is restarted (its probe still fails:
+    the stub's burst begins again), up to max_restarts, then the shard fails in this task; no prompt is recorded
+    failed, so the next run generates them all."""
+    job = burst_job(tmp_path, kimi, ["--fail-5xx-for", "2:600"])
+    text = job.read_text().replace("ready_timeout_s = 60", "ready_timeout_s = 10").replace("max_restarts = 2",
+                                                                                            "max_restarts = 1")
+    job.write_text(text)
+    r = toolkit("run", str(job))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    rd, _ = prepared_run(job)
+    log = rd.log_file(0).read_text()
+    assert "engine died 2 times (limit engine.max_restarts = 1)" in out + log, out + log
+    assert "engine unwell for" in log and "its probe /generate still fails (HTTP 503)" in log, log
+    assert not any(rec.status == "failed" for rec in read_shard(rd.shard_file(0)))
+
+
+@pytest.mark.slow
+def test_toolkit_run_exits_as_status_does_when_it_leaves_failures_that_may_pass(tmp_path, kimi):
+    """One prompt answered 503 every time while the engine answers its probe: its failure is its own, final for the
+    run after max_tries, the audit passes (its limit is 100 % here), and `toolkit run` — the first and the next —
+    exits 1 with `status`'s words and code, not 0."""
+    prompts = tmp_path / "prompts.jsonl"
+    from jobfiles import write_prompts
+
+    write_prompts(prompts, 6)
+    lines = prompts.read_text().splitlines()
+    lines[2] = lines[2].replace('"}]', ' ALWAYSFAILS"}]')
+    prompts.write_text("\n".join(lines) + "\n")
+    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 32, "temperature": 0},
+                   stub={"extra_args": ["--poison-prompt", "status_503=ALWAYSFAILS"]},
+                   client={"concurrency": 2, "retries": 0, "max_tries": 2, "backoff_s": 0.05},
+                   audit={"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0})
+    rd, _ = prepared_run(job)
+    for _ in range(2):
+        r = toolkit("run", str(job))
+        out = r.stdout + r.stderr
+        st = toolkit("status", str(rd.root))
+        assert st.returncode == 1, st.stdout + st.stderr
+        assert r.returncode == st.returncode, out
+        assert f"failures that may pass in shard 0: `toolkit retry {rd.shown}`" in r.stdout, out
+        assert "(exit 1)" in r.stdout.splitlines()[-1], out
+    got = {rec.id: rec for rec in read_shard(rd.shard_file(0))}
+    assert (got["p0002"].status, got["p0002"].final, got["p0002"].tries) == ("failed", True, 2)
+    assert sum(rec.status == "ok" for rec in got.values()) == 5
