@@ -117,3 +117,62 @@ def test_toolkit_run_exits_as_status_does_when_it_leaves_failures_that_may_pass(
     got = {rec.id: rec for rec in read_shard(rd.shard_file(0))}
     assert (got["p0002"].status, got["p0002"].final, got["p0002"].tries) == ("failed", True, 2)
     assert sum(rec.status == "ok" for rec in got.values()) == 5
+
+
+@pytest.mark.slow
+def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_cut_every_try_short(tmp_path, kimi):
+    """One prompt the server never answers, the worker stopped (SIGTERM) 4 s after each time it is sent: no try ever
+    runs to its end (6 s, one request of request_timeout_s, no retry). On the old code its count stayed 0 whatever the
+    stops. Now the time it waited is carried across the stops by its partial record, each 6 s of it a try: it ends
+    failed, final, after 3 tries' worth of waiting (18 s, within one stop more), and the shard is then done."""
+    import signal
+    import time
+
+    from jobfiles import write_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    lines = prompts.read_text().splitlines()
+    lines[1] = lines[1].replace('"}]', ' NEVERANSWERED"}]')
+    prompts.write_text("\n".join(lines) + "\n")
+    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 32, "temperature": 0},
+                   stub={"extra_args": ["--poison-prompt", "hang=NEVERANSWERED"]},
+                   client={"concurrency": 2, "retries": 0, "request_timeout_s": 6, "max_tries": 3,
+                           "save_in_flight": False},
+                   sharding={"flush_records": 1})
+    rd, _ = prepared_run(job)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def sent() -> int:
+        log = rd.server_log_file(0)
+        return log.read_text().count("Injected poison (hang)") if log.exists() else 0
+
+    def p1() -> list:
+        return [rec for rec in read_shard(rd.shard_file(0)) if rec.id == "p0001"] if rd.shard_file(0).exists() else []
+
+    stops, seen = 0, []
+    while not (p1() and p1()[-1].final) and stops < 8:
+        before = sent()
+        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 90
+        while sent() == before:
+            assert time.time() < deadline and proc.poll() is None, "the prompt was never sent"
+            time.sleep(0.05)
+        time.sleep(4.0)  # the try's one request would time out at 6 s
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 3, out
+        stops += 1
+        last = p1()[-1] if p1() else None  # (the old code wrote nothing: the count stayed 0)
+        seen.append((last.status, last.tries, round(last.unanswered_s, 1)) if last else ("none", 0, 0.0))
+    print(f"stops: {stops}; p0001 after each (status, tries, unanswered_s): {seen}")
+    rec = p1()[-1]
+    assert (rec.status, rec.failure, rec.tries, rec.final) == ("failed", "timeout", 3, True), seen
+    assert rec.error.startswith("failed 3 times: timeout; last: no answer in "), rec.error
+    assert "every 6 s in flight without an answer (a try's bound), across stops, counts as a try" in rec.error
+    assert 4 <= stops <= 5, seen  # 18 s of waiting, 4 s and a little more per stop: within one stop of the bound
+    assert [t for _, t, _ in seen] == sorted(t for _, t, _ in seen)  # the count only grows
+    r = toolkit("worker", str(rd.root), "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {x.id: x for x in read_shard(rd.shard_file(0))}
+    assert sum(x.status == "ok" for x in got.values()) == 3 and got["p0001"].final
