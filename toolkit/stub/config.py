@@ -453,9 +453,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
             first, seconds = ns.fail_5xx_for.split(":")
             fail_5xx_for = (int(first), float(seconds))
         except ValueError:
-            parser.error(
-                f"--fail-5xx-for wants START:SECONDS (an integer, a number), got {ns.fail_5xx_for!r}"
-            )
+            parser.error(f"--fail-5xx-for wants START:SECONDS, got {ns.fail_5xx_for!r}")
     lognormal = None
     if ns.lognormal_lengths:
         try:

@@ -5,12 +5,13 @@ At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start
 ready), `--warmup-fails` (the process kills itself when the warm-up ends). Per /generate request, by
 its 1-based number: `--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503, or
 `--fail-status`), `--fail-5xx-for START:SECONDS` (the same for every request of SECONDS seconds from
-the START-th on: an overloaded engine), `--hang-after N` (never answered, which also wedges /health*), `--nan-every N`
-(SGLang's NaN stop). Per prompt: `--poison KIND` spoils the answer of every /generate whose prompt
-holds `--poison-text` (of every one, without it) after the first `--poison-after`: its connection
-cut (`reset`, `truncate`), an answer that breaks SGLang's contract, a 503, a NaN stop or no answer
-at all (POISONS); `--poison-prompt KIND=TEXT` (repeatable) does the same to every prompt holding
-TEXT, every time, so several prompts can each fail their own way in one run. At shutdown:
+the START-th on: an overloaded engine), `--hang-after N` (never answered, which also wedges
+/health*), `--nan-every N` (SGLang's NaN stop). Per prompt: `--poison KIND` spoils the answer of
+every /generate whose prompt holds `--poison-text` (of every one, without it) after the first
+`--poison-after`: its connection cut (`reset`, `truncate`), an answer that breaks SGLang's contract,
+a 503 or a 429, a NaN stop or no answer at all (POISONS); `--poison-prompt KIND=TEXT`
+(repeatable) does the same to every prompt holding TEXT, every time, so several prompts can each
+fail their own way in one run. At shutdown:
 `--ignore-sigterm`. The decisions are pure functions of the configuration (and the request number,
 or the prompt); the actions that end the process are here too, so that each fault logs the same line
 wherever it is triggered.

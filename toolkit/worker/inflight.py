@@ -452,15 +452,15 @@ def keep_unanswered(sh: Shard, ref, ds: str, pos: int, ids: list[int], prior: Re
         rec.tries, rec.unanswered_s = tries + counted, round(waited - counted * wait.try_s, 3)
         if counted:
             sh.tries[ref.id] = rec.tries
-            log.warning("prompt %s (%s): no answer in %.0f s in flight, its try cut short by a stop: "
-                        "counted as %s ([client] max_tries = %d)", ref.id, ds, waited,
+            log.warning("prompt %s (%s): no answer in %.0f s in flight, its try cut short by a "
+                        "stop: counted as %s ([client] max_tries = %d)", ref.id, ds, waited,
                         f"try {rec.tries}" if counted == 1 else f"tries up to {rec.tries}",
                         c.max_tries)
     sh.add(rec)
 
 
 def _empty_partial(ref: PromptRef, ds: str, pos: int, ids: list[int]) -> Record:
-    """A PARTIAL record with no output: only what it carries (tries, unanswered_s) to the next run."""
+    """A PARTIAL record with no output: what it carries (tries, unanswered_s) to the next run."""
     return Record(
         id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=b"",
         reasoning_end=None, tool_call_at=None, finish="abort", matched_stop=None,
