@@ -201,9 +201,9 @@ def cmd_run(args) -> int:
 
 def _as_status_says(rd, code: int) -> int:
     """The exit code of `run` and `retry` once they merged and audited: `status`'s verdict on the
-    run they leave (cluster.verdicts.verdict), said in its words, so that a run left with failures
-    that may pass, or otherwise not complete, never exits 0. `code`: theirs until then (kept when
-    it is not 0)."""
+    run they leave (cluster.verdicts.verdict), so that a run left with failures that may pass, or
+    otherwise not complete, never exits 0; said in its words when it is not complete (the audit's
+    summary stays the last line of a complete run). `code`: theirs until then (kept when not 0)."""
     if code != EXIT_OK:
         return code
     from toolkit.cluster.status import run_status
@@ -211,7 +211,8 @@ def _as_status_says(rd, code: int) -> int:
 
     _, rows, merge = run_status(rd.root)
     code, why = verdict(rows, merge, rd.shown)
-    print(f"run: {why} (exit {code})")
+    if code != EXIT_OK:
+        print(f"run: {why} (exit {code})")
     return code
 
 

@@ -21,7 +21,7 @@ import time
 import msgspec
 
 from toolkit.engines.base import EngineDied, EngineHung
-from toolkit.engines.client import HttpClient, Unreachable
+from toolkit.engines.client import HttpClient, TimedOut, Unreachable
 
 __all__ = ["EngineCheck"]
 
@@ -104,7 +104,9 @@ class EngineCheck:
 
     async def _probe(self) -> str | None:
         """None when a 1-token /generate of the probe conversation is answered 200 (or refused
-        with a 4xx but 429: the engine takes requests); else what went wrong, in words."""
+        with a 4xx but 429: the engine takes requests), or taken and not answered in time (a busy
+        engine, not a failing one: the hang watch judges a wedged one); else what went wrong, in
+        words: a 5xx, a 429, a refused or cut connection."""
         self.probes += 1
         body = msgspec.json.encode({
             "input_ids": self.engine.probe_ids or [1],
@@ -114,6 +116,8 @@ class EngineCheck:
             status, _ = await self.http.request(
                 "POST", "/generate", body, timeout=self.probe_timeout_s
             )
+        except TimedOut:
+            return None
         except Unreachable as e:
             return str(e)
         if status >= 500 or status == 429:

@@ -358,7 +358,7 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             while True:
                 rec = await _answer(sh, item, engine, info)
                 if rec is AGAIN:  # the engine's failure, not the prompt's: no try counted
-                    if sh.stopping:
+                    if _stopped(sh):
                         break
                     continue
                 if rec is None or not await _settle(sh, rec):
