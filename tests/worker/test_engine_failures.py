@@ -176,3 +176,84 @@ def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_c
     assert r.returncode == 0, r.stdout + r.stderr
     got = {x.id: x for x in read_shard(rd.shard_file(0))}
     assert sum(x.status == "ok" for x in got.values()) == 3 and got["p0001"].final
+
+
+def _serve_statuses(statuses: list[int]):
+    """A server answering each POST /generate with the next of `statuses` (the last one again when they run out);
+    (server coroutine factory, the list of statuses answered)."""
+    import asyncio
+
+    answered: list[int] = []
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            status = statuses[min(len(answered), len(statuses) - 1)]
+            answered.append(status)
+            body = b'{"output_ids":[5],"meta_info":{"id":"x","finish_reason":{"type":"length"},"completion_tokens":1}}'
+            writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
+            await writer.drain()
+        writer.close()
+
+    return handle, answered
+
+
+@pytest.mark.parametrize("statuses, unwell, probes", [([200], False, 1), ([503, 503, 429, 200], True, 4)])
+def test_failures_at_once_share_one_check_of_the_engine(monkeypatch, statuses, unwell, probes):
+    """Ten requests failing together ask the engine once: its probe answered at once, each failure is its prompt's;
+    failing (503, 429), they all wait on the same backoff until it answers, then go out again uncounted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from toolkit.worker import enginecheck
+
+    monkeypatch.setattr(enginecheck, "FIRST_WAIT_S", 0.02)
+    handle, answered = _serve_statuses(statuses)
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        engine = SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, probe_ids=[1, 2], alive=lambda: True,
+                                 exit_code=lambda: None, engine=SimpleNamespace(ready_timeout_s=30))
+        check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
+        try:
+            return await asyncio.gather(*(check.unwell(f"prompt {i}: HTTP 503") for i in range(10)))
+        finally:
+            check.close()
+            server.close()
+
+    assert asyncio.run(main()) == [unwell] * 10
+    assert answered == statuses[:probes]
+
+
+def test_an_engine_unwell_past_its_ready_timeout_is_hung_for_every_request_waiting(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from toolkit.engines.base import EngineHung
+    from toolkit.worker import enginecheck
+
+    monkeypatch.setattr(enginecheck, "FIRST_WAIT_S", 0.02)
+    handle, answered = _serve_statuses([503])
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        engine = SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, probe_ids=[1], alive=lambda: True,
+                                 exit_code=lambda: None, engine=SimpleNamespace(ready_timeout_s=0.5))
+        check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
+        try:
+            return await asyncio.gather(*(check.unwell("HTTP 503") for _ in range(3)), return_exceptions=True)
+        finally:
+            check.close()
+            server.close()
+
+    got = asyncio.run(main())
+    assert all(isinstance(e, EngineHung) and "its probe /generate still fails (HTTP 503)" in str(e) for e in got), got
+    assert 3 <= len(answered) <= 8  # probes with a doubling backoff over 0.5 s, one for all three requests
