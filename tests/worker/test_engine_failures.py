@@ -39,9 +39,9 @@ def burst_job(tmp: Path, kimi, stub_args: list[str], **client) -> Path:
 
 @pytest.mark.slow
 def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_exact(tmp_path, kimi):
-    """Every /generate answers 503 for 3 s from the second one on (the probe of a start is the first): on the old code
-    the 16 prompts in flight used their 3 tries in half a second and ended failed for the run, `toolkit run` exiting
-    0. Now the engine's probe fails too, so no prompt is charged: the run completes, every record equal to a run
+    """Every /generate answers 503 for 3 s from the second one on (the probe of a start is the first), over 400
+    requests in a row: on the old code the 16 prompts in flight used their 3 tries within the burst and ended failed
+    for the run. Now the engine's probe fails too, so no prompt is charged: the run completes, every record equal to a run
     without the burst, none failed for the run."""
     clean = burst_job(tmp_path / "clean", kimi, [])
     r = toolkit("run", str(clean))
@@ -49,14 +49,16 @@ def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_
     expected = {rec.id: rec.output_ids for rec in read_shard(prepared_run(clean)[0].shard_file(0))}
     assert len(expected) == 40
 
-    job = burst_job(tmp_path / "burst", kimi, ["--fail-5xx-for", "2:3"])
+    # each try 26 requests 10 ms apart: the 16 prompts in flight meet the burst with over 400 requests
+    job = burst_job(tmp_path / "burst", kimi, ["--fail-5xx-for", "2:3"], retries=25, backoff_s=0.01,
+                    backoff_max_s=0.02)
     r = toolkit("run", str(job))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     rd, _ = prepared_run(job)
     server_log = rd.server_log_file(0).read_text()
     failed_requests = server_log.count("Injected failure (--fail-5xx-for 2:3)")
-    assert failed_requests >= 16, server_log[-2000:]  # every prompt in flight met the burst
+    assert failed_requests >= 400, server_log[-2000:]  # 400 in a row, as in the issue's trial
     every = list(read_shard(rd.shard_file(0)))
     got = {rec.id: rec for rec in every}
     assert {i: rec.output_ids for i, rec in got.items()} == expected
