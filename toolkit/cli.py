@@ -255,7 +255,25 @@ def cmd_run(args) -> int:
     ):
         with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
             stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
-        return _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
+        code = _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
+    return code if args.no_merge else _as_status_says(rd, code)
+
+
+def _as_status_says(rd, code: int) -> int:
+    """The exit code of `run` and `retry` once they merged and audited: `status`'s verdict on the
+    run they leave (cluster.verdicts.verdict), so that a run left with failures that may pass, or
+    otherwise not complete, never exits 0; said in its words when it is not complete (the audit's
+    summary stays the last line of a complete run). `code`: theirs until then (kept when not 0)."""
+    if code != EXIT_OK:
+        return code
+    from toolkit.cluster.status import run_status
+    from toolkit.cluster.verdicts import verdict
+
+    _, rows, merge = run_status(rd.root)
+    code, why = verdict(rows, merge, rd.shown)
+    if code != EXIT_OK:
+        print(f"run: {why} (exit {code})")
+    return code
 
 
 def _after_shards(
@@ -492,7 +510,8 @@ def cmd_retry(args) -> int:
 
     with _running_here(rd.root, shards, "toolkit retry", group=local_group(), merges=True):
         stopped, failed = run_shards(rd.root, shards, log, parallel=None)
-        return _after_shards(rd, stopped, failed, again=f"`{rd.finish_command()}`")
+        code = _after_shards(rd, stopped, failed, again=f"`{rd.finish_command()}`")
+    return _as_status_says(rd, code)
 
 
 def _has_ids(path: Path) -> bool:

@@ -162,11 +162,13 @@ def test_a_failed_turn_fails_the_turns_after_it_and_they_are_generated_again_wit
     from toolkit.cluster.retry import request_retry
 
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
-                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "max_tries": 1})
+                    stub={"extra_args": ["--poison-prompt", "status_503=question 0 of chat 0",
+                                         "--poison-prompt", "status_503=question 0 of chat 1"]},
+                    client={"concurrency": 1, "retries": 0, "max_tries": 1})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == "done"
     recs = {r.id: r for r in read_shard(rd.shard_file(0))}
-    # requests 2 and 3 (the first turns of c0 and c1) get a 503: the turns after them cannot be rendered
+    # the first turns of c0 and c1 get a 503 (the engine's probe does not): the turns after them cannot be rendered
     assert {i: r.failure for i, r in recs.items()} == {
         "c0/t0": "server_error", "c0/t1": "previous_turn", "c1/t0": "server_error", "c1/t1": "previous_turn",
         "c1/t2": "previous_turn", "c2/t0": None, "c2/t1": None}
@@ -184,9 +186,10 @@ def test_a_turn_that_fails_once_is_tried_again_before_the_turns_after_it_are_ren
     """Within max_tries, a failed turn is tried again in the same run; the turns after it wait for its answer, so
     the conversation completes in one run, each turn rendered with the answers before it."""
     job = regen_job(tmp_path, toy_tokenizer("kimi"), chats(3), sampling={"max_new_tokens": 96},
-                    stub={"fail_5xx": "2:2"}, client={"concurrency": 1, "retries": 0, "backoff_s": 0.05})
+                    stub={"fail_5xx": "2:1"}, client={"concurrency": 1, "retries": 0, "backoff_s": 0.05})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == "done"
     failed = [(r.id, r.tries) for r in read_shard(rd.shard_file(0)) if r.status != "ok"]
-    assert failed == [("c0/t0", 1), ("c0/t0", 2)]  # requests 2 and 3: c0's first turn twice, then it passes
+    # request 2, c0's first turn, fails; the engine's probe (request 3) passes: a try of c0/t0, which then passes
+    assert failed == [("c0/t0", 1)]
     assert len(check_histories(job, rd)) == 7

@@ -83,17 +83,21 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
 
 
 @pytest.mark.slow
-def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_health_check(tmp_path, kimi):
-    """Every request cut and /health_generate failing: the engine, not a prompt, is at fault; the shard fails in
-    this task (the prompts in flight are not recorded failed) with a message naming a prompt and the health check."""
+def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_probe(tmp_path, kimi):
+    """Every request cut, the engine's own probe /generate too: the engine, not a prompt, is at fault; no prompt is
+    charged a try while it is, it is waited for up to [engine] ready_timeout_s, restarted up to max_restarts (none
+    here), and then the shard fails in this task (the prompts in flight are not recorded failed) with a message naming
+    a prompt and the probe."""
     job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 64}, client={"concurrency": 1, "retries": 1},
+                   engine={"ready_timeout_s": 10, "max_restarts": 0},
                    stub={"extra_args": ["--poison", "reset", "--poison-after", "3"]})  # probe + 2 prompts answered
     rd, _ = prepared_run(job)
     with pytest.raises(ShardFailed) as e:
         run_shard(rd.root, 0)
     msg = str(e.value)
-    assert "unreachable: prompt p0002 got no answer after 2 attempts" in msg
-    assert "/health_generate answered 503" in msg
+    assert "engine died 1 time" in msg and "engine unwell for" in msg, msg
+    assert "requests failed (prompt p0002: POST /generate:" in msg, msg
+    assert "its probe /generate still fails (POST /generate:" in msg, msg
     got = newest(rd)
     assert sorted(got) == ["p0000", "p0001"] and {r.status for r in got.values()} == {"ok"}
 
@@ -107,8 +111,10 @@ def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection
     got = newest(rd)
     assert {r.status for r in got.values()} == {"ok"} and sum(r.attempts for r in got.values()) == 8 + 3
 
-    job = make_job(tmp_path / "past", kimi, n=8, stub={"fail_5xx": "2:30", "extra_args": ["--fail-status", "429"]},
-                   client={"retries": 1, "concurrency": 2, "max_tries": 1})
+    # every prompt's request answered 429, the engine's probe not: each prompt's own failure
+    (tmp_path / "past").mkdir()
+    job = poison_job(tmp_path / "past", kimi, "status_429", poisoned=tuple(range(8)),
+                     client={"retries": 1, "concurrency": 2, "max_tries": 1})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     failed = [r for r in newest(rd).values() if r.status == "failed"]

@@ -387,7 +387,8 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     from toolkit.cli import main as cli_main
     from toolkit.dataset.merge import load_manifest
 
-    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:12"},
+    # a 503 on every request of the prompts holding "equivalent" (5 of 12); the engine's probe passes
+    job = make_job(tmp_path, kimi, n=12, stub={"extra_args": ["--poison", "status_503", "--poison-text", "equivalent"]},
                    client={"retries": 1, "concurrency": 2, "max_tries": 1})
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
@@ -404,7 +405,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     assert f"`toolkit retry {rd.root}`" in (rd.merged_dir / "audit.json").read_text()
     capsys.readouterr()
 
-    fix_engine(rd, fail_5xx=None)
+    fix_engine(rd, extra_args=[])
     assert cli_main(["retry", str(rd.root)]) == 0  # generates them again here, then merges and audits
     m = load_manifest(rd)
     assert (m.ok, m.failed, m.missing) == (12, 0, 0)

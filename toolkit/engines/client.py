@@ -497,6 +497,7 @@ async def generate(
     loop = asyncio.get_running_loop()
     max_new = sampling_params.get("max_new_tokens")
     attempt = 0
+    began = loop.time()
     while True:
         attempt += 1
         sent = rid() if callable(rid) else rid
@@ -530,6 +531,8 @@ async def generate(
         except (Unreachable, ServerError) as e:
             if attempt > retries or (engine_alive is not None and not engine_alive()):
                 e.attempts = attempt
+                if attempt > 1:  # the time really waited, not one attempt's
+                    e.args = (f"{e}; {attempt} attempts in {loop.time() - began:.0f} s",)
                 raise
             delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             log.debug("retrying after %s (attempt %d, %.1f s)", e, attempt, delay)

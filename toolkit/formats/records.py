@@ -135,6 +135,10 @@ class Record(msgspec.Struct, array_like=True):
     tries: int = 1
     # a failure that may pass, given up for this run after `tries` tries
     final: bool = False
+    # Seconds this id has been in flight without an answer, not yet counted as a try: carried by a
+    # PARTIAL record across stops, requeues and tasks (worker.inflight.keep_unanswered), so that a
+    # prompt never answered ends failed after its bound even when every stop cuts its try short.
+    unanswered_s: float = 0.0
 
     @property
     def n_output(self) -> int:

@@ -30,6 +30,7 @@ POISONS = {
     "abort_empty": "finish_reason abort (\"Abort in waiting queue\") with no output, as a request "
                    "aborted before it ran",
     "status_503": "HTTP 503, as an overloaded server answers",
+    "status_429": "HTTP 429, as a router that rate-limits answers",
     "nan": "SGLang's NaN stop: half the output, then an EOS id, finish_reason matched 'NaN "
            "happened'",
     "hang": "never answered (the other requests and /health* still are)",
@@ -83,6 +84,8 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True):
     hang_after: int | None = None
     crash_after: int | None = None
     fail_5xx: tuple[int, int] | None = None
+    # (START, SECONDS): every /generate for SECONDS s from the START-th on gets --fail-status
+    fail_5xx_for: tuple[int, float] | None = None
     fail_status: int = 503
     poison: str | None = None  # a key of POISONS
     poison_text: str | None = None
@@ -308,6 +311,12 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
         metavar="START:COUNT",
         help="/generate requests START..START+COUNT-1 get HTTP 503",
     )
+    a(
+        "--fail-5xx-for",
+        metavar="START:SECONDS",
+        help="every /generate request for SECONDS s from the START-th on gets HTTP 503 (an "
+        "overloaded engine: its probes fail too)",
+    )
     a("--fail-status", type=int, default=503, metavar="CODE",
       help="the status of the --fail-5xx answers: 503, or 429 as a router that rate-limits answers")
     a(
@@ -441,6 +450,13 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         except ValueError:
             parser.error(f"--fail-5xx wants START:COUNT (two integers), got {ns.fail_5xx!r}")
         fail_5xx = (start, count)
+    fail_5xx_for = None
+    if ns.fail_5xx_for:
+        try:
+            first, seconds = ns.fail_5xx_for.split(":")
+            fail_5xx_for = (int(first), float(seconds))
+        except ValueError:
+            parser.error(f"--fail-5xx-for wants START:SECONDS, got {ns.fail_5xx_for!r}")
     lognormal = None
     if ns.lognormal_lengths:
         try:
@@ -515,6 +531,7 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         hang_after=ns.hang_after,
         crash_after=ns.crash_after,
         fail_5xx=fail_5xx,
+        fail_5xx_for=fail_5xx_for,
         fail_status=ns.fail_status,
         poison=ns.poison,
         poison_text=ns.poison_text,

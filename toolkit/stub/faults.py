@@ -4,12 +4,14 @@ each fires.
 At start: `--exit-at-start CODE`, `--exit-at-start-if-exists PATH`. During start-up: `--hang` (never
 ready), `--warmup-fails` (the process kills itself when the warm-up ends). Per /generate request, by
 its 1-based number: `--crash-after N` (exit 1 on the N-th), `--fail-5xx START:COUNT` (HTTP 503, or
-`--fail-status`), `--hang-after N` (never answered, which also wedges /health*), `--nan-every N`
-(SGLang's NaN stop). Per prompt: `--poison KIND` spoils the answer of every /generate whose prompt
-holds `--poison-text` (of every one, without it) after the first `--poison-after`: its connection
-cut (`reset`, `truncate`), an answer that breaks SGLang's contract, a 503, a NaN stop or no answer
-at all (POISONS); `--poison-prompt KIND=TEXT` (repeatable) does the same to every prompt holding
-TEXT, every time, so several prompts can each fail their own way in one run. At shutdown:
+`--fail-status`), `--fail-5xx-for START:SECONDS` (the same for every request of SECONDS seconds from
+the START-th on: an overloaded engine), `--hang-after N` (never answered, which also wedges
+/health*), `--nan-every N` (SGLang's NaN stop). Per prompt: `--poison KIND` spoils the answer of
+every /generate whose prompt holds `--poison-text` (of every one, without it) after the first
+`--poison-after`: its connection cut (`reset`, `truncate`), an answer that breaks SGLang's contract,
+a 503 or a 429, a NaN stop or no answer at all (POISONS); `--poison-prompt KIND=TEXT`
+(repeatable) does the same to every prompt holding TEXT, every time, so several prompts can each
+fail their own way in one run. At shutdown:
 `--ignore-sigterm`. The decisions are pure functions of the configuration (and the request number,
 or the prompt); the actions that end the process are here too, so that each fault logs the same line
 wherever it is triggered.
@@ -42,12 +44,15 @@ class RequestFaults(msgspec.Struct, frozen=True):
 NONE = RequestFaults()
 
 
-def request_faults(cfg: StubConfig, number: int) -> RequestFaults:
-    """The faults of the `number`-th /generate request (counted from 1, every request counts)."""
+def request_faults(
+    cfg: StubConfig, number: int, burst_s: float | None = None
+) -> RequestFaults:
+    """The faults of the `number`-th /generate request (counted from 1, every request counts);
+    `burst_s`: seconds since --fail-5xx-for's START-th request came (None: it has not)."""
     crash = cfg.crash_after is not None and number >= cfg.crash_after
     fail = (
         cfg.fail_5xx is not None and cfg.fail_5xx[0] <= number < cfg.fail_5xx[0] + cfg.fail_5xx[1]
-    )
+    ) or (cfg.fail_5xx_for is not None and burst_s is not None and burst_s < cfg.fail_5xx_for[1])
     nan = bool(cfg.nan_every) and number % cfg.nan_every == 0
     hang = cfg.hang or (cfg.hang_after is not None and number > cfg.hang_after)
     if not (crash or fail or nan or hang):
@@ -106,14 +111,19 @@ def log_poison(kind: str, number: int) -> None:
     logger.warning("Injected poison (%s) in /generate request #%d: %s", kind, number, POISONS[kind])
 
 
-def poison_503_body(number: int) -> dict:
-    """The answer of a request poisoned with status_503 (SGLang's HTTPException shape)."""
+STATUSES = {"status_503": 503, "status_429": 429}  # the --poison kinds answered with a status
+
+
+def poison_status_body(kind: str, number: int) -> dict:
+    """The answer of a request poisoned with status_503 or status_429 (SGLang's HTTPException
+    shape)."""
+    code = STATUSES[kind]
     return {
         "object": "error",
-        "message": f"Injected failure (poison status_503) of /generate request #{number}",
-        "type": "503",
+        "message": f"Injected failure (poison {kind}) of /generate request #{number}",
+        "type": str(code),
         "param": None,
-        "code": 503,
+        "code": code,
     }
 
 
@@ -179,10 +189,13 @@ def exit_at_start(
 
 
 def fail_5xx_body(cfg: StubConfig, number: int) -> dict:
-    """The answer (status --fail-status, 503 by default) of a request inside the --fail-5xx window
-    (SGLang's HTTPException shape)."""
-    start, count = cfg.fail_5xx
-    msg = f"Injected failure (--fail-5xx {start}:{count}) of /generate request #{number}"
+    """The answer (status --fail-status, 503 by default) of a request inside the --fail-5xx (or
+    --fail-5xx-for) window (SGLang's HTTPException shape)."""
+    if cfg.fail_5xx is not None and cfg.fail_5xx[0] <= number < sum(cfg.fail_5xx):
+        flag = f"--fail-5xx {cfg.fail_5xx[0]}:{cfg.fail_5xx[1]}"
+    else:
+        flag = f"--fail-5xx-for {cfg.fail_5xx_for[0]}:{cfg.fail_5xx_for[1]:g}"
+    msg = f"Injected failure ({flag}) of /generate request #{number}"
     logger.warning(msg)
     code = cfg.fail_status
     return {"object": "error", "message": msg, "type": str(code), "param": None, "code": code}

@@ -67,6 +67,7 @@ class StubServer:
         self.exiting = False
         self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
         self.generate_count = 0
+        self.burst_t0: float | None = None  # when --fail-5xx-for's START-th request came
         self.dispatched = 0  # sequences sent to a data-parallel rank, round robin
         # sampled requests without a seed: another output each time (outputs.Draws)
         self.draws = Draws()
@@ -89,7 +90,11 @@ class StubServer:
         self.generate_count += 1
         number = self.generate_count
         t0 = time.perf_counter()
-        fault = faults.request_faults(cfg, number)
+        burst = cfg.fail_5xx_for
+        if burst is not None and number >= burst[0] and self.burst_t0 is None:
+            self.burst_t0 = time.monotonic()
+        since = None if self.burst_t0 is None else time.monotonic() - self.burst_t0
+        fault = faults.request_faults(cfg, number, since)
         if fault.crash:
             faults.crash(cfg, number)
         if fault.fail_5xx:
@@ -138,8 +143,9 @@ class StubServer:
             faults.log_poison(kind, number)
             if kind in faults.CUTS:
                 return faults.Cut(kind, self.render(items, single, t0))
-            if kind == "status_503":
-                return 503, _json_encode(faults.poison_503_body(number)), JSON
+            if kind in faults.STATUSES:
+                body = _json_encode(faults.poison_status_body(kind, number))
+                return faults.STATUSES[kind], body, JSON
             if kind == "hang":
                 return self.sched.hang([it.rid for it in items], wedge=False)
             for item in items:

@@ -19,6 +19,7 @@ from toolkit.engines.client import (
     GenerateResult,
     HttpClient,
     RequestRejected,
+    ServerError,
     TimedOut,
     Unreachable,
     abort_requests,
@@ -35,6 +36,7 @@ from toolkit.formats.records import (
     NAN_MATCHED,
     OK,
     PARTIAL,
+    TIMEOUT,
     TRANSIENT,
     Record,
     failed_record,
@@ -48,6 +50,8 @@ from toolkit.worker.shard import Batch, Shard, health_timeout
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
+# _answer: the request failed while the engine failed every request; no try, the prompt goes again
+AGAIN = "again"
 
 
 def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
@@ -108,6 +112,31 @@ def segment_tokens(client, params: dict) -> int | None:
     return client.segment_tokens
 
 
+MIN_TIMEOUT_S = 300.0  # the least a request may take ([client] request_timeout_s when smaller)
+
+
+def request_timeout(client, asked: int | None, full: int | None) -> float:
+    """The timeout of one request asking for `asked` new tokens of a prompt whose output may have
+    `full`: [client] request_timeout_s bounds an answer of the whole max_new_tokens; a request
+    that asks for a part of it (a segment of segment_tokens, a continuation) gets that part's share,
+    never less than MIN_TIMEOUT_S (or request_timeout_s when smaller)."""
+    t = client.request_timeout_s
+    if not asked or not full or asked >= full:
+        return t
+    return max(min(t, MIN_TIMEOUT_S), t * asked / full)
+
+
+class _Unanswered:
+    """How long a prompt's requests have gone without an answer that brought output, in this run
+    (`since`), and the bound of one try of the request it waits for (`try_s`: retries + 1 times its
+    timeout)."""
+
+    __slots__ = ("since", "try_s", "answered")
+
+    def __init__(self):
+        self.since, self.try_s, self.answered = time.monotonic(), 0.0, False
+
+
 class _SentIds:
     """A continuation's input_ids (prompt + output so far) as JSON text, made of the prompt's
     encoded once and of each answer's output_ids as the server wrote them: sending prompt + output
@@ -144,7 +173,8 @@ class _Generated:
 
 
 async def _generate(
-    sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None
+    sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None,
+    wait: _Unanswered | None = None,
 ):
     """One prompt's /generate, continued across aborts: an abort that leaves partial output (the
     server's own, or the worker's at a stop) goes on from where it stopped, with input_ids = prompt
@@ -188,10 +218,13 @@ async def _generate(
                     sp["min_new_tokens"] = seg
             sh.in_flight += 1
             made: list[str] = []
+            timeout = request_timeout(c, sp.get("max_new_tokens"), params.get("max_new_tokens"))
+            if wait is not None:
+                wait.try_s = (c.retries + 1) * timeout
             try:
                 res = await generate(
                     sh.http, ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
-                    timeout=c.request_timeout_s, retries=c.retries, backoff_s=c.backoff_s,
+                    timeout=timeout, retries=c.retries, backoff_s=c.backoff_s,
                     backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
                     input_json=sent.json() if len(out) else None, n_input=len(ids) + len(out),
                 )
@@ -206,6 +239,8 @@ async def _generate(
             if cached is None:
                 cached = res.cached_tokens
             if len(new):
+                if wait is not None:
+                    wait.since, wait.answered = time.monotonic(), True
                 segments += 1
                 out = np.concatenate([out, new]) if len(out) else new
                 sent.add(res.output_json, new)
@@ -322,6 +357,10 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             # bounded: every failed try counts (sh.tries), the last one is final (_settle)
             while True:
                 rec = await _answer(sh, item, engine, info)
+                if rec is AGAIN:  # the engine's failure, not the prompt's: no try counted
+                    if _stopped(sh):
+                        break
+                    continue
                 if rec is None or not await _settle(sh, rec):
                     break
         # cancelled, or the engine died: the prompt goes out again after the restart
@@ -330,20 +369,32 @@ async def consume(sh: Shard, feed: Feed, engine, info) -> None:
             raise
 
 
-async def _answer(sh: Shard, item, engine, info) -> Record | None:
-    """One try of a prompt: its record, or None when what came back is a partial output (recorded
-    here)."""
+async def _answer(sh: Shard, item, engine, info) -> Record | str | None:
+    """One try of a prompt: its record, None when what came back is a partial output (recorded
+    here), or AGAIN when its request failed because the engine failed every request at the time
+    (worker.enginecheck): that is no try of the prompt."""
     pos, ref, ids = item.pos, item.ref, item.ids
     ds = sh.plan.datasets[ref.dataset].name
     prior = _prior(sh, ref.id, ids)
+    wait = _Unanswered()
     try:
-        res = await _generate(sh, ids, ds, ref, engine, pos, prior)
+        res = await _generate(sh, ids, ds, ref, engine, pos, prior, wait)
+    except asyncio.CancelledError:
+        if _stopped(sh):  # a stop cut the try short: its time without an answer is kept
+            keep_unanswered(sh, ref, ds, pos, ids, prior, wait)
+        raise
     except RequestRejected as e:
         sh.last_answer = time.monotonic()
         return failed_record(ref.id, ds, pos, ids, str(e), e.attempts, e.kind)
     except ClientError as e:  # not answered, a 5xx, or an answer that breaks the protocol
         if not engine.alive():
             raise EngineDied(str(e)) from None  # (the item goes back to the feed: see consume)
+        check = getattr(sh.session, "check", None)
+        engine_wide = isinstance(e, ServerError) or (
+            isinstance(e, Unreachable) and not isinstance(e, TimedOut)
+        )
+        if engine_wide and check is not None and await check.unwell(f"prompt {ref.id}: {e}"):
+            return AGAIN
         message = str(e)
         if isinstance(e, Unreachable) and not isinstance(e, TimedOut):
             # raises EngineUnreachable for a dead engine
@@ -354,14 +405,69 @@ async def _answer(sh: Shard, item, engine, info) -> Record | None:
     if res.partial and not sh.stopping:
         return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
     if res.partial:
-        # else the stored one says it all
         if res.res.completion_tokens > (prior.n_output if prior else 0):
             rec = _partial_record(ref, ds, pos, ids, res, info)
             rec.tries = sh.tries.get(ref.id, 0)
             sh.add(rec)
             sh.progress.partial_saved += 1
+        else:  # aborted at the stop with nothing new: its time without an answer is kept
+            keep_unanswered(sh, ref, ds, pos, ids, prior, wait)
         return None
     return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
+
+
+def _stopped(sh: Shard) -> bool:
+    """Whether the shard is stopping (a stop signal, a handover), with or without saving."""
+    return sh.stopping or (sh.session is not None and sh.session.stop.is_set())
+
+
+def keep_unanswered(sh: Shard, ref, ds: str, pos: int, ids: list[int], prior: Record | None,
+                    wait: _Unanswered) -> None:
+    """At a stop, a prompt whose try was cut short without an answer: the time it waited (added to
+    what its partial record carried, unless output came meanwhile) counts — each try's bound of it
+    (retries + 1 request timeouts) as one try — and what is left is carried by a PARTIAL record
+    (Record.unanswered_s) to the next run of the shard, in whatever task. Past [client] max_tries it
+    is a final timeout, as a try that ran to its end would have been."""
+    c = sh.spec.client
+    carried = 0.0 if wait.answered or prior is None else prior.unanswered_s
+    waited = carried + time.monotonic() - wait.since
+    if wait.try_s <= 0 or waited < 1.0:
+        return
+    kept = sh.partial.pop(ref.id, None) or prior
+    tries = sh.tries.get(ref.id, 0)
+    counted = int(waited // wait.try_s)
+    if tries + counted >= c.max_tries:
+        rec = failed_record(
+            ref.id, ds, pos, ids,
+            f"failed {_times(c.max_tries)}: timeout; last: no answer in {waited:.0f} s in flight, "
+            f"cut short by a stop; every {wait.try_s:g} s in flight without an answer (a try's "
+            "bound), across stops, counts as a try", kept.attempts if kept else 0, TIMEOUT,
+        )
+        rec.tries, rec.final = c.max_tries, True
+        sh.tries.pop(ref.id, None)
+        log.warning("prompt %s (%s): no answer in %.0f s in flight across stops: final for this "
+                    "run after %s", ref.id, ds, waited, _times(c.max_tries))
+    else:
+        rec = _empty_partial(ref, ds, pos, ids) if kept is None else msgspec.structs.replace(kept)
+        rec.tries, rec.unanswered_s = tries + counted, round(waited - counted * wait.try_s, 3)
+        if counted:
+            sh.tries[ref.id] = rec.tries
+            log.warning("prompt %s (%s): no answer in %.0f s in flight, its try cut short by a "
+                        "stop: counted as %s ([client] max_tries = %d)", ref.id, ds, waited,
+                        f"try {rec.tries}" if counted == 1 else f"tries up to {rec.tries}",
+                        c.max_tries)
+    sh.add(rec)
+
+
+def _empty_partial(ref: PromptRef, ds: str, pos: int, ids: list[int]) -> Record:
+    """A PARTIAL record with no output: what it carries (tries, unanswered_s) to the next run."""
+    return Record(
+        id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=b"",
+        reasoning_end=None, tool_call_at=None, finish="abort", matched_stop=None,
+        prompt_tokens=len(ids), completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=0,
+        error="stopped before any answer; the time it waited counts on the next run of the shard",
+        failure=PARTIAL, segments=0,
+    )
 
 
 async def _settle(sh: Shard, rec: Record) -> bool:

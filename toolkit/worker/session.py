@@ -35,10 +35,11 @@ from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
 from toolkit.job.chat import model_vocab_size
 from toolkit.worker.concurrency import HangWatch, auto_target, pool, resize, watch, watch_load
+from toolkit.worker.enginecheck import EngineCheck
 from toolkit.worker.exitguard import ExitGuard, cancel_and_wait, describe_tasks
 from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
 from toolkit.worker.policy import opens_next
-from toolkit.worker.shard import SHARD, Batch, Shard, ShardFailed, count
+from toolkit.worker.shard import SHARD, Batch, Shard, ShardFailed, count, health_timeout
 
 __all__ = ["EngineSession", "MAX_OPEN", "exit_bound"]
 
@@ -87,6 +88,8 @@ class EngineSession:
             None  # (key, tokenizer, token info) once loaded
         )
         self.limits = None  # engines.client.ServerLimits of the engine's current start
+        # whose failure a failed request is, the engine's or its prompt's (one per engine start)
+        self.check: EngineCheck | None = None
         self.guard: ExitGuard | None = None
         self.most_open = 0  # most shards open at once on the engine
         # The run's tail (worker.policy.hands_over): `handover(batch)` decides and publishes that
@@ -265,6 +268,9 @@ class EngineSession:
                 engine.url, api_key=engine.api_key, max_connections=_max_in_flight(spec)
             )
             hang = HangWatch(engine, spec.engine.hang_timeout_s)
+            self.check = EngineCheck(
+                engine, self.stop, probe_timeout_s=health_timeout(spec.engine.hang_timeout_s)
+            )
             try:
                 await _race(self.stop, engine.wait_ready(http))
                 await self._probe(engine, http)
@@ -288,6 +294,7 @@ class EngineSession:
             finally:
                 http.close()
                 hang.close()
+                self.check.close()
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if left:  # nothing the shards started may still run
             log.error(
