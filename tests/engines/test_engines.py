@@ -27,7 +27,8 @@ FAKE_SGLANG = Path(__file__).parents[1] / "fake_sglang"
 def sglang_spec(tmp_path, tokenizer, **engine):
     """A job of the toolkit's own SGLang launch. Its engine starts with this Python (`[engine] python`), which has
     what the fake `sglang` package imports, whatever other python3 is first on PATH."""
-    engine.setdefault("python", sys.executable)
+    if "command" not in engine:
+        engine.setdefault("python", sys.executable)
     job = make_job(tmp_path, tokenizer, n=2, engine={"kind": "sglang", "tp_size": 8, "dp_size": 2, **engine},
                    model={"path": str(tokenizer), "trust_remote_code": True})
     return load_spec(job)
