@@ -374,3 +374,25 @@ def test_verbose_and_quiet_on_either_side_of_the_command(tmp_path):
         assert r.stderr.rstrip().splitlines()[-1].startswith("toolkit: error: "), (argv, r.stderr)
     r = toolkit("status", str(tmp_path), "--quiet")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_run_of_some_shards_exits_0_and_a_finished_run_run_again_says_nothing_to_generate(tmp_path, toy_tokenizer):
+    job = make_job(tmp_path, toy_tokenizer("kimi"), n=6, shards=2, sampling={"max_new_tokens": 32})
+    run = tmp_path / "run"
+    r = toolkit("run", str(job), "--shards", "0", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"shards 0 done; 1 of the run's 2 shards (1) not done: `toolkit retry {run}` generates them and merges "
+            "the run") in r.stdout
+    assert not (run / "merged").exists()  # a part of the run is not merged
+    again = toolkit("run", str(job), "--shards", "0", "--quiet")
+    assert again.returncode == 0 and f"nothing to generate: shards 0 of {run} done" in again.stdout
+    assert toolkit("run", str(job), "--quiet").returncode == 0 and (run / "merged" / "manifest.json").exists()
+    merged_at = (run / "merged" / "manifest.json").stat().st_mtime_ns
+    last = toolkit("run", str(job))
+    assert last.returncode == 0, last.stderr
+    assert last.stdout.splitlines()[1:] == [
+        f"nothing to generate: every shard of {run} done",
+        f"run: complete: every shard done, merged, audit passed (exit 0); `toolkit export {run}` writes the training "
+        "file"]
+    assert "merging shard" not in last.stderr and (run / "merged" / "manifest.json").stat().st_mtime_ns == merged_at

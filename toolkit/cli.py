@@ -34,6 +34,7 @@ from toolkit.errors import (
 )
 from toolkit.formats.files import shown_path
 from toolkit.formats.logline import RelayFormatter, error_line, text_formatter
+from toolkit.formats.text import ranges
 
 __all__ = [
     "main",
@@ -250,13 +251,56 @@ def cmd_run(args) -> int:
     from toolkit.cluster.livebar import LiveBar
 
     again = f"`{rd.finish_command()}`"  # the one command that resumes a run (status says it too)
+    if not _unfinished(rd, plan, shards):
+        return _nothing_to_generate(rd, plan, args)
     with _running_here(
         rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge
     ):
         with LiveBar(rd, plan):  # drawn on stderr only when it is a terminal
             stopped, failed = run_shards(rd.root, shards, log, parallel=args.parallel)
+        others = _unfinished(rd, plan, range(len(plan.shards)))
+        if args.shards is not None and others and not (stopped or failed):
+            # the shards asked for are done; the run is not, so it is not merged
+            print(f"shards {ranges(shards, sep=',')} done; {_of_run(others, plan)} not done: "
+                  f"{again} generates them and merges the run")
+            return EXIT_OK
         code = _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
     return code if args.no_merge else _as_status_says(rd, code)
+
+
+def _unfinished(rd, plan, shards) -> list[int]:
+    """The shards among `shards` with something left to generate (formats.shardstate)."""
+    from toolkit.formats.shardstate import shard_state
+
+    return [k for k in shards
+            if not shard_state(rd, k, fingerprint=plan.fingerprint, verify="cheap").finished]
+
+
+def _of_run(shards: list[int], plan) -> str:
+    return f"{len(shards)} of the run's {len(plan.shards)} shards ({ranges(shards, sep=',')})"
+
+
+def _nothing_to_generate(rd, plan, args) -> int:
+    """`run` of shards that are all done: said in those words; the run is merged and audited only
+    when it is complete and its merged dataset is not the run as it is."""
+    from toolkit.cluster.status import run_status
+    from toolkit.cluster.verdicts import verdict
+
+    which = "every shard" if args.shards is None else f"shards {ranges(args.shards, sep=',')}"
+    others = _unfinished(rd, plan, range(len(plan.shards)))
+    print(f"nothing to generate: {which} of {rd.shown} done")
+    if others:
+        print(f"{_of_run(others, plan)} not done: `{rd.finish_command()}` generates them and "
+              "merges the run")
+        return EXIT_OK
+    if args.no_merge:
+        return EXIT_OK
+    _, rows, merge = run_status(rd.root)
+    code, why = verdict(rows, merge, rd.shown)
+    if code == EXIT_OK:
+        print(f"run: {why} (exit 0); `toolkit export {rd.shown}` writes the training file")
+        return EXIT_OK
+    return _as_status_says(rd, _after_shards(rd, None, [], again=f"`{rd.finish_command()}`"))
 
 
 def _as_status_says(rd, code: int) -> int:
