@@ -114,6 +114,9 @@ FORMATS = ("jsonl", "parquet", "tokens", "conversations")
 # the recommended one: the model's exact ids, which each trainer's loader takes as they are
 DEFAULT_FORMAT = "tokens"
 PARQUET_ROWS = 1024  # records per Parquet row group
+# conversations rows whose round trip is checked in one tokenizer call (at most CHECK_TOKENS ids)
+CHECK_ROWS = 64
+CHECK_TOKENS = 1 << 18
 
 
 class ExportError(BadInputError):
@@ -358,6 +361,8 @@ class ExportSummary(msgspec.Struct):
     # conversations: rows rendered again as SpecForge renders them
     roundtrip_rows: int = 0
     roundtrip_identical: int = 0       # ... of which give the model's exact ids
+    # conversations: --check-sample N, the rows checked about N (None: every row checked)
+    roundtrip_sample: int | None = None
     # conversations: per row, whether the render gives the exact ids
     roundtrip_file: str | None = None
     # conversations: the SpecForge chat-template registration of the model
@@ -691,12 +696,17 @@ class _Chain:
 class _Checks:
     """The conversations export's own round trip: each row rendered with the model's chat template
     as SpecForge renders it (`trainers.RoundTrip`), written per row to the round-trip file; and
-    tool-call arguments SpecForge would re-serialise, counted."""
+    tool-call arguments SpecForge would re-serialise, counted. Rows are checked in batches
+    (CHECK_ROWS rows or CHECK_TOKENS ids, whichever comes first: one tokenizer call each, on every
+    core), written in row order; `every` > 1 checks one row in `every` (`--check-sample`)."""
 
-    def __init__(self, tokens: _Tokens, reg, out):
+    def __init__(self, tokens: _Tokens, reg, out, every: int = 1):
         self.trip = RoundTrip(tokens.tok, reg)
         self.out, self.enc = out, msgspec.json.Encoder()
         self.reformatted = 0
+        self.every, self.seen = every, 0
+        self.pending: list[tuple[str, int, list, list | None, list[int]]] = []
+        self.tokens = 0
 
     def row(self, row: dict[str, Any], last: Record) -> None:
         reformatted = 0
@@ -705,20 +715,36 @@ class _Checks:
                 args = call.get("function", {}).get("arguments")
                 reformatted += isinstance(args, str) and not trainer_json(args)
         self.reformatted += reformatted
-        at = self.trip.check(
-            row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids)
-        )
-        self.out.write(
-            self.enc.encode(
+        self.seen += 1
+        if (self.seen - 1) % self.every:
+            return
+        stored = _ids(last.prompt_ids + last.output_ids)
+        self.pending.append((row["id"], reformatted, row["conversations"], row["tools"], stored))
+        self.tokens += len(stored)
+        if len(self.pending) >= CHECK_ROWS or self.tokens >= CHECK_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Check the rows held and write their lines."""
+        if not self.pending:
+            return
+        firsts = self.trip.check_many([(c, t, ids) for _, _, c, t, ids in self.pending])
+        buf = bytearray()
+        for (row_id, reformatted, *_), at in zip(self.pending, firsts):
+            self.enc.encode_into(
                 {
-                    "id": row["id"],
+                    "id": row_id,
                     "identical": at is None,
                     "first_difference": at,
                     "arguments_reformatted": reformatted,
-                }
+                },
+                buf,
+                -1,
             )
-            + b"\n"
-        )
+            buf += b"\n"
+        self.out.write(buf)
+        self.pending.clear()
+        self.tokens = 0
 
 
 def _export_conversations(
@@ -821,6 +847,7 @@ def _export_conversations(
     with reader:
         for recs in _batches(path, defects):
             n += _write_lines(out, rows(recs, text.parts_and_tools(recs)), enc)
+    checks.flush()
     # conversations whose later turns the merged dataset does not hold
     for chain in chains.values():
         for rec, ref, _, why in chain.turns[chain.done + 1:]:
@@ -1022,6 +1049,7 @@ def export_run(
     select: Selection | None = None,
     trainer: str = "specforge",
     supervise_think_start: bool | None = None,
+    check_sample: int | None = None,
 ) -> ExportSummary:
     """Write the merged records of a run that `select` selects to `output` in `fmt`; return the
     account of every selected planned record (`ExportSummary`), also written beside the output as
@@ -1040,12 +1068,19 @@ def export_run(
     missing audit is said in `summary.warnings`. The files appear under their names only when
     complete (written to temporary names, then renamed). Ok records that fail the audit's record
     checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
+    `check_sample` N: the conversations round trip checks about N rows, one every planned/N rows
+    (None: every row).
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if trainer not in TRAINERS:
         raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()
+    if check_sample is not None and (check_sample < 1 or fmt != "conversations"):
+        raise ExportError(
+            f"--check-sample {check_sample}: give a number of rows, 1 or more, to a "
+            "conversations export (the only one with a round trip)"
+        )
     if select.max_length is not None and select.max_length < 1:
         raise ExportError(f"--max-length {select.max_length}: give a number of tokens, 1 or more")
     if select.mode is not None and select.mode not in MODES:
@@ -1194,7 +1229,9 @@ def export_run(
                 stub_note = f"# {STUB_EXPORT}\n" if plan.synthetic else ""
                 tmps[4].write_text(stub_note + reg.python())
                 with open(tmp, "wb") as out, open(tmps[3], "wb") as trip_out:
-                    acc.checks = _Checks(tokens, reg, trip_out)
+                    every = 1 if check_sample is None else -(-summary.planned // check_sample)
+                    summary.roundtrip_sample = check_sample
+                    acc.checks = _Checks(tokens, reg, trip_out, max(every, 1))
                     summary.rows = _export_conversations(path, plan, out, acc, tokens, found)
             else:
                 with open(tmp, "wb") as out:
