@@ -142,3 +142,28 @@ def test_a_check_sample_that_cannot_be_taken_is_refused_before_anything_is_writt
     err = capsys.readouterr().err
     assert "--check-sample" in err and why in err
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("name", ["deepseek-r1-distill", "kimi-k2-thinking", "qwen3", "glm-4.6"])
+def test_the_byte_table_decodes_what_the_tokenizer_decodes(real_tokenizer, name):
+    """Every id of the vocabulary, in random runs (partial UTF-8 sequences, control tokens between them)."""
+    from transformers import AutoTokenizer
+
+    backend = AutoTokenizer.from_pretrained(real_tokenizer(name))._tokenizer
+    decode = export._byte_table(backend)
+    assert decode is not None
+    rng = np.random.default_rng(7)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    seqs = [rng.permutation(size).tolist()] + rng.integers(0, size, (300, 64)).tolist() + [[]]
+    assert decode(seqs) == backend.decode_batch(seqs, skip_special_tokens=False)
+    assert decode([[size + 5, 1]]) == backend.decode_batch([[size + 5, 1]], skip_special_tokens=False)
+
+
+def test_a_byte_table_that_would_decode_otherwise_is_not_used(real_tokenizer, monkeypatch):
+    from transformers import AutoTokenizer
+
+    backend = AutoTokenizer.from_pretrained(real_tokenizer("qwen3"))._tokenizer
+    right = export._byte_values()
+    wrong = {c: {ord("a"): ord("b"), ord("b"): ord("a")}.get(b, b) for c, b in right.items()}
+    monkeypatch.setattr(export, "_byte_values", lambda: wrong)
+    assert export._byte_table(backend) is None

@@ -1,9 +1,10 @@
 """Exports of a merged run: JSONL, Parquet, token ids with a loss mask, and chat conversations.
 
 Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they
-come, so memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the
-reasoning is the output up to the think-end id (a think-start the model wrote at position 0
-excluded), the content is what follows it; the stop token and the think-end are in neither (see
+come, so memory stays flat. Text is derived from the token ids here, batch-decoded per frame (a
+byte-level BPE tokenizer's ids through a table of their bytes, `_byte_table`): the reasoning is
+the output up to the think-end id (a think-start the model wrote at position 0 excluded), the
+content is what follows it; the stop token and the think-end are in neither (see
 `records.split_parts` for outputs without a think-end). Only ok records are exported unless
 `include_failed`. Every ok record exported is checked as the audit checks one record on its own
 (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an export that meets one is
@@ -261,18 +262,68 @@ class _Text:
 
 
 def _batch_decoder(tok: Any):
-    """`tok.batch_decode` without cleanup; straight to the Rust backend of a fast tokenizer (same
-    text, several times faster, parallel)."""
+    """`tok.batch_decode` without cleanup: a byte-level BPE tokenizer's table of bytes
+    (`_byte_table`), else straight to the Rust backend of a fast tokenizer (same text, several times
+    faster, parallel)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - tokenizers ships with transformers
         Tokenizer = None
     backend = getattr(tok, "_tokenizer", None)
     if Tokenizer is not None and isinstance(backend, Tokenizer):
-        return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
+        return _byte_table(backend) or (
+            lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
+        )
     return lambda seqs: tok.batch_decode(
         seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
+
+
+def _byte_values() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's map)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = [b for b in range(256) if b not in bs]
+    return {chr(c): b for b, c in zip(bs + extra, bs + [256 + n for n in range(len(extra))])}
+
+
+def _byte_table(backend: Any):
+    """The decoding of a byte-level BPE tokenizer (its decoder `ByteLevel`) from a table of the
+    bytes of each id: the text `decode_batch` gives, at about a third of its CPU on this machine's
+    runs (`benchmarks/bench_merge.py`). Checked when built against `decode_batch` on every id of the
+    vocabulary in context and on random sequences; None (decode with the tokenizer) for another
+    decoder or when the check finds a difference."""
+    from tokenizers.decoders import ByteLevel
+
+    if not isinstance(backend.decoder, ByteLevel):
+        return None
+    byte_of = _byte_values()
+    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+    table: list[bytes] = []
+    for i in range(size):
+        token = added.get(i)
+        if token is not None:  # an added token: its text
+            table.append(token.encode())
+            continue
+        token = backend.id_to_token(i) or ""  # a hole in the vocabulary decodes to nothing
+        try:
+            table.append(bytes(byte_of[c] for c in token))
+        except KeyError:  # a character outside the map: the token's own text
+            table.append(token.encode())
+    get = table.__getitem__
+
+    def decode(seqs: list[list[int]]) -> list[str]:
+        try:
+            return [b"".join(map(get, s)).decode("utf-8", "replace") for s in seqs]
+        except IndexError:  # an id outside the vocabulary (an export forced past the audit)
+            return backend.decode_batch(seqs, skip_special_tokens=False)
+
+    rng = np.random.default_rng(0)
+    every = rng.permutation(size).tolist()
+    probe = [every[k:k + 7] for k in range(0, size, 7)]
+    probe += rng.integers(0, size, (500, 40)).tolist()
+    same = decode(probe) == backend.decode_batch(probe, skip_special_tokens=False)
+    return decode if same else None
 
 
 def _ids(packed: bytes) -> list[int]:
