@@ -66,6 +66,7 @@ import resource, sys, time
 import toolkit
 from toolkit.dataset.export import export_run
 fmt, run, out = sys.argv[1:4]
+kwargs = {"check_sample": int(sys.argv[4])} if len(sys.argv) > 4 else {}
 def cpu():
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -74,10 +75,11 @@ if fmt == "to_dataset":
     ds = toolkit.to_dataset(run, ok_only=False, cache_dir=out)
     n = ds.num_rows
 else:
-    n = export_run(run, fmt, out).rows
+    n = export_run(run, fmt, out, **kwargs).rows
 print("MEASURED", n, cpu() - c0, time.perf_counter() - w0, file=sys.stderr)
 """
 EXPORTS = ("jsonl", "parquet", "conversations", "to_dataset")
+SAMPLED = 100  # the conversations export again with --check-sample SAMPLED (this checkout only)
 
 
 def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, seed: int) -> tuple[Path, int]:
@@ -166,11 +168,11 @@ def measure_to_dataset(run: Path, tokens: int, cache: Path) -> None:
           f"{size / tokens:.2f} B per output token (output_ids {ds.data.schema.field('output_ids').type})")
 
 
-def measure_export(code: Path, run: Path, fmt: str, out: Path) -> tuple[int, float, float]:
+def measure_export(code: Path, run: Path, fmt: str, out: Path, *sample: str) -> tuple[int, float, float]:
     """(rows, CPU seconds, wall seconds) of one export (or `to_dataset`, its cache in `out`) made by the toolkit
     of `code` in a fresh process; its imports are not counted, its tokenizer threads are."""
     env = {**os.environ, "PYTHONPATH": str(code)}
-    proc = subprocess.run([sys.executable, "-c", EXPORT, fmt, str(run), str(out)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", EXPORT, fmt, str(run), str(out), *sample], env=env, capture_output=True,
                           text=True, cwd=out.parent)
     line = next((x for x in proc.stderr.splitlines() if x.startswith("MEASURED")), None)
     if line is None:
@@ -207,17 +209,23 @@ def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, r
                 if i == 0:
                     digests[name, fmt] = digest(out, fmt)
                 shutil.rmtree(d)
-    for fmt in EXPORTS:
+        d = tmp / "export-sampled"
+        d.mkdir()
+        got.setdefault(("after", "sampled"), []).append(
+            measure_export(codes["after"], run, "conversations", d / "out.jsonl", str(SAMPLED)))
+        shutil.rmtree(d)
+    for fmt in (*EXPORTS, "sampled"):
         walls = {}
-        for name in codes:
+        for name in codes if fmt != "sampled" else ["after"]:
             runs = got[name, fmt]
             n = runs[0][0]
             cpu, wall = (statistics.median(x[k] for x in runs) for k in (1, 2))
             walls[name] = wall
-            print(f"{fmt:13s} {name:6s}: {n} rows, {tokens / 1e6:.1f} M output tokens: wall {wall:6.2f} s = "
+            label = f"conversations --check-sample {SAMPLED}" if fmt == "sampled" else fmt
+            print(f"{label:13s} {name:6s}: {n} rows, {tokens / 1e6:.1f} M output tokens: wall {wall:6.2f} s = "
                   f"{wall / tokens * 1e9:6.0f} ns/token, CPU {cpu:6.2f} s = {cpu / tokens * 1e9:6.0f} ns/token "
                   f"(median of {repeat}; walls {', '.join(f'{x[2]:.2f}' for x in runs)})")
-        if "before" in codes:
+        if "before" in codes and fmt != "sampled":
             same = "identical" if digests["before", fmt] == digests["after", fmt] else "DIFFERENT"
             print(f"{fmt:13s} after/before wall {walls['after'] / walls['before']:.2f}x; files {same}")
 
