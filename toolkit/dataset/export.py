@@ -288,10 +288,10 @@ def _byte_values() -> dict[str, int]:
 
 def _byte_table(backend: Any):
     """The decoding of a byte-level BPE tokenizer (its decoder `ByteLevel`) from a table of the
-    bytes of each id: the text `decode_batch` gives, at about a third of its CPU on this machine's
-    runs (`benchmarks/bench_merge.py`). Checked when built against `decode_batch` on every id of the
-    vocabulary in context and on random sequences; None (decode with the tokenizer) for another
-    decoder or when the check finds a difference."""
+    bytes of each id: the text `decode_batch` gives, about three times faster (43 against 123 ns
+    per token, the latter on two cores; docs/benchmarks.md). Checked when built against
+    `decode_batch` on every id of the vocabulary in context and on random sequences; None (decode
+    with the tokenizer) for another decoder or when the check finds a difference."""
     from tokenizers.decoders import ByteLevel
 
     if not isinstance(backend.decoder, ByteLevel):
