@@ -167,3 +167,21 @@ def test_a_byte_table_that_would_decode_otherwise_is_not_used(real_tokenizer, mo
     wrong = {c: {ord("a"): ord("b"), ord("b"): ord("a")}.get(b, b) for c, b in right.items()}
     monkeypatch.setattr(export, "_byte_values", lambda: wrong)
     assert export._byte_table(backend) is None
+
+
+def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it(tmp_path, toy_tokenizer,
+                                                                                 monkeypatch):
+    """Many cores: `decode_batch` on all of them; few: the byte table. The jsonl, parquet and conversations exports
+    are the same bytes either way."""
+    s = conversations_run(tmp_path / "run", toy_tokenizer, "deepseek")
+    for many in (False, True):
+        monkeypatch.setattr(export, "TABLE_CORES", 0 if many else 10_000)
+        d = tmp_path / str(many)
+        d.mkdir()
+        decoder = export._batch_decoder(s.tok)
+        assert (getattr(decoder, "__name__", "") == "decode") is not many  # the table's own function, or not
+        for fmt in ("jsonl", "parquet", "conversations"):
+            export_run(s.root, fmt, d / f"out.{fmt}")
+    for name in ("out.jsonl", "out.parquet", "out.conversations", "out_roundtrip.jsonl"):
+        assert (tmp_path / "False" / name).read_bytes() == (tmp_path / "True" / name).read_bytes(), name
+    assert lines(tmp_path / "True" / "out.jsonl")[0]["reasoning"]
