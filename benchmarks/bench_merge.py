@@ -228,6 +228,11 @@ def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, r
         if "before" in codes and fmt != "sampled":
             same = "identical" if digests["before", fmt] == digests["after", fmt] else "DIFFERENT"
             print(f"{fmt:13s} after/before wall {walls['after'] / walls['before']:.2f}x; files {same}")
+    for name in codes:
+        jsonl = statistics.median(x[2] for x in got[name, "jsonl"])
+        ratios = [f"{fmt} {statistics.median(x[2] for x in got[name, fmt]) / jsonl:.2f}x"
+                  for fmt in ("conversations", "sampled") if (name, fmt) in got]
+        print(f"wall per token against jsonl ({name}): {', '.join(ratios)}")
 
 
 def main() -> None:
