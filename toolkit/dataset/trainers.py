@@ -16,7 +16,8 @@ conversations row through the chat template as SpecForge renders it.
   add or drop.
 - `RoundTrip` renders each conversations row as SpecForge will (its message fields, tool-call
   arguments parsed to objects, tools or None, `enable_thinking=True` for a thinking parser, no
-  generation prompt) and compares the ids with the stored ones.
+  generation prompt) and compares the ids with the stored ones, many rows encoded in one call of the
+  tokenizer (`RoundTrip.check_many`).
 """
 
 from __future__ import annotations
