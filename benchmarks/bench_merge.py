@@ -6,9 +6,12 @@ answer, EOS (a tenth cut by max_new_tokens instead: no EOS, finish length, so th
 runs on them) — each record at its own random offsets, records in the order a worker with 64 requests in flight
 completes them, frames of 64 records as the worker writes them. `toolkit merge RUN` (merge and audit, the run's
 final job) then runs in a subprocess that reports its CPU time and its peak RSS (VmHWM); the same is done on a
-run ten times smaller to show memory does not depend on run size. Exports run in-process on the large run.
+run ten times smaller to show memory does not depend on run size. The exports (jsonl, parquet, conversations, with
+its round trip of every row) and `to_dataset` run on the large run, each in a fresh process (its imports left out
+of the figures), `--repeat` times; with `--before CHECKOUT` the same is done with the toolkit of that checkout,
+alternating with this one, on the same run, and the files both write are compared byte for byte.
 
-    python benchmarks/bench_merge.py [--tokens 50000000] [--repeat 3] [--keep]
+    python benchmarks/bench_merge.py [--tokens 50000000] [--repeat 3] [--keep] [--before CHECKOUT]
 
 Figures are printed; the temporary runs are deleted at the end (unless --keep).
 """
@@ -16,6 +19,7 @@ Figures are printed; the temporary runs are deleted at the end (unless --keep).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -55,6 +59,27 @@ ru = resource.getrusage(resource.RUSAGE_SELF)
 hwm = [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
 print("MEASURED", rc, ru.ru_utime + ru.ru_stime, time.perf_counter() - t0, int(hwm) / 1024, file=sys.stderr)
 """
+
+
+EXPORT = """
+import resource, sys, time
+import toolkit
+from toolkit.dataset.export import export_run
+fmt, run, out = sys.argv[1:4]
+kwargs = {"check_sample": int(sys.argv[4])} if len(sys.argv) > 4 else {}
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+c0, w0 = cpu(), time.perf_counter()
+if fmt == "to_dataset":
+    ds = toolkit.to_dataset(run, ok_only=False, cache_dir=out)
+    n = ds.num_rows
+else:
+    n = export_run(run, fmt, out, **kwargs).rows
+print("MEASURED", n, cpu() - c0, time.perf_counter() - w0, file=sys.stderr)
+"""
+EXPORTS = ("jsonl", "parquet", "conversations", "to_dataset")
+SAMPLED = 100  # the conversations export again with --check-sample SAMPLED (this checkout only)
 
 
 def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, seed: int) -> tuple[Path, int]:
@@ -143,11 +168,79 @@ def measure_to_dataset(run: Path, tokens: int, cache: Path) -> None:
           f"{size / tokens:.2f} B per output token (output_ids {ds.data.schema.field('output_ids').type})")
 
 
+def measure_export(code: Path, run: Path, fmt: str, out: Path, *sample: str) -> tuple[int, float, float]:
+    """(rows, CPU seconds, wall seconds) of one export (or `to_dataset`, its cache in `out`) made by the toolkit
+    of `code` in a fresh process; its imports are not counted, its tokenizer threads are."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    proc = subprocess.run([sys.executable, "-c", EXPORT, fmt, str(run), str(out), *sample], env=env, capture_output=True,
+                          text=True, cwd=out.parent)
+    line = next((x for x in proc.stderr.splitlines() if x.startswith("MEASURED")), None)
+    if line is None:
+        raise SystemExit(f"{fmt} export with {code} failed:\n{proc.stderr[-3000:]}")
+    _, n, cpu, wall = line.split()
+    return int(n), float(cpu), float(wall)
+
+
+def digest(out: Path, fmt: str) -> str:
+    """sha256 of what an export wrote (its side files too, the summary's own file names aside); of the Arrow
+    files `to_dataset` left in its cache."""
+    h = hashlib.sha256()
+    if fmt == "to_dataset":
+        files = sorted(out.rglob("*.arrow"))
+    else:
+        files = sorted(p for p in out.parent.glob(out.stem + "*") if not p.name.endswith("_summary.json"))
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, repeat: int) -> None:
+    """Each export `repeat` times per code, alternating; medians per output token, and whether the codes wrote
+    the same bytes."""
+    got: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    digests: dict[tuple[str, str], str] = {}
+    for i in range(repeat):
+        for fmt in EXPORTS:
+            for name, code in codes.items():
+                d = tmp / f"export-{name}-{fmt}"
+                d.mkdir()
+                out = d / ("hf" if fmt == "to_dataset" else "out.parquet" if fmt == "parquet" else "out.jsonl")
+                got.setdefault((name, fmt), []).append(measure_export(code, run, fmt, out))
+                if i == 0:
+                    digests[name, fmt] = digest(out, fmt)
+                shutil.rmtree(d)
+        d = tmp / "export-sampled"
+        d.mkdir()
+        got.setdefault(("after", "sampled"), []).append(
+            measure_export(codes["after"], run, "conversations", d / "out.jsonl", str(SAMPLED)))
+        shutil.rmtree(d)
+    for fmt in (*EXPORTS, "sampled"):
+        walls = {}
+        for name in codes if fmt != "sampled" else ["after"]:
+            runs = got[name, fmt]
+            n = runs[0][0]
+            cpu, wall = (statistics.median(x[k] for x in runs) for k in (1, 2))
+            walls[name] = wall
+            label = f"conversations --check-sample {SAMPLED}" if fmt == "sampled" else fmt
+            print(f"{label:13s} {name:6s}: {n} rows, {tokens / 1e6:.1f} M output tokens: wall {wall:6.2f} s = "
+                  f"{wall / tokens * 1e9:6.0f} ns/token, CPU {cpu:6.2f} s = {cpu / tokens * 1e9:6.0f} ns/token "
+                  f"(median of {repeat}; walls {', '.join(f'{x[2]:.2f}' for x in runs)})")
+        if "before" in codes and fmt != "sampled":
+            same = "identical" if digests["before", fmt] == digests["after", fmt] else "DIFFERENT"
+            print(f"{fmt:13s} after/before wall {walls['after'] / walls['before']:.2f}x; files {same}")
+    for name in codes:
+        jsonl = statistics.median(x[2] for x in got[name, "jsonl"])
+        ratios = [f"{fmt} {statistics.median(x[2] for x in got[name, fmt]) / jsonl:.2f}x"
+                  for fmt in ("conversations", "sampled") if (name, fmt) in got]
+        print(f"wall per token against jsonl ({name}): {', '.join(ratios)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=50_000_000, help="output tokens of the large run")
     ap.add_argument("--repeat", type=int, default=3, help="merges per run (medians are printed)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary runs")
+    ap.add_argument("--before", type=Path, help="a checkout of the toolkit whose exports are measured too")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-merge-"))
@@ -181,18 +274,12 @@ def main() -> None:
         print(f"marginal merge+audit rate (large - small, start-up excluded): {(t_l - t_s) / (c_l - c_s) / 1e6:.1f} M "
               f"tokens/s per core; peak RSS large/small {r_l:.0f}/{r_s:.0f} MB")
 
-        from toolkit.dataset.export import export_run
-
         run, tokens = runs["large"]
-        for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet")):
-            out = tmp / name
-            c0, w0 = cpu_now(), time.perf_counter()
-            n = export_run(run, fmt, out).rows
-            cpu, wall = cpu_now() - c0, time.perf_counter() - w0
-            print(f"export {fmt:7s}: {n} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
-                  f"({tokens / wall / 1e6:.2f} M tokens/s), CPU {cpu:.1f} s ({tokens / cpu / 1e6:.2f} M tokens/s per "
-                  f"core, tokenizer decoding threads included); {out.stat().st_size / 1e6:.0f} MB")
-            out.unlink()
+        codes = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
+        print(f"load average before the exports: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+              f"({os.cpu_count()} cores)")
+        measure_exports(codes, run, tokens, tmp, args.repeat)
+        print(f"load average after: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
         measure_to_dataset(run, tokens, tmp / "hf")
     finally:
         if args.keep:

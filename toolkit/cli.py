@@ -408,6 +408,7 @@ def cmd_export(args) -> int:
         select=select,
         trainer=args.trainer,
         supervise_think_start=think,
+        check_sample=args.check_sample,
     )
     output = Path(s.output)
     for w in s.warnings:
@@ -430,6 +431,8 @@ def cmd_export(args) -> int:
             f"round trip as SpecForge renders the rows: {s.roundtrip_identical} of "
             f"{s.roundtrip_rows} rows give the model's exact ids, {differ} differ (per row: "
             f"{shown_path(s.roundtrip_file)})"
+            + ("" if s.roundtrip_sample is None else
+               f"; rows checked: {s.roundtrip_rows} of {s.rows} (--check-sample)")
         )
         if s.arguments_reformatted:
             print(
@@ -1019,6 +1022,14 @@ def _add_merge_commands(sub) -> None:
         help="leave out rows of more than N ids (prompt + output), each with the reason "
         "longer_than_max_length, instead of letting the trainer cut them; the trainer's config "
         "written beside a tokens export then says N",
+    )
+    s.add_argument(
+        "--check-sample",
+        type=int,
+        metavar="N",
+        help="conversations: check the round trip of about N rows, one every planned/N, "
+        "instead of every row (for very large exports; the summary says how many were checked "
+        "and how many give the model's ids)",
     )
     s.add_argument(
         "--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)"

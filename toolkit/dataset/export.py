@@ -1,9 +1,10 @@
 """Exports of a merged run: JSONL, Parquet, token ids with a loss mask, and chat conversations.
 
 Records are read frame by frame from `RUN/merged/records.zst` (planned order) and written as they
-come, so memory stays flat. Text is derived from the token ids here, batch-decoded per frame: the
-reasoning is the output up to the think-end id (a think-start the model wrote at position 0
-excluded), the content is what follows it; the stop token and the think-end are in neither (see
+come, so memory stays flat. Text is derived from the token ids here, batch-decoded per frame (a
+byte-level BPE tokenizer's ids through a table of their bytes, `_byte_table`): the reasoning is
+the output up to the think-end id (a think-start the model wrote at position 0 excluded), the
+content is what follows it; the stop token and the think-end are in neither (see
 `records.split_parts` for outputs without a think-end). Only ok records are exported unless
 `include_failed`. Every ok record exported is checked as the audit checks one record on its own
 (`records.defects`: counts, max_new_tokens, vocabulary, finish, split): an export that meets one is
@@ -120,6 +121,12 @@ FORMATS = ("jsonl", "parquet", "tokens", "conversations")
 # the recommended one: the model's exact ids, which each trainer's loader takes as they are
 DEFAULT_FORMAT = "tokens"
 PARQUET_ROWS = 1024  # records per Parquet row group
+# conversations rows whose round trip is checked in one tokenizer call (at most CHECK_TOKENS ids)
+CHECK_ROWS = 64
+CHECK_TOKENS = 1 << 18
+# decode_batch spreads a batch over the cores at about 130 ns of CPU per token; the byte table takes
+# 43 on one core (`_byte_table`): with more cores than this, decode_batch is the faster
+TABLE_CORES = 4
 
 
 class ExportError(BadInputError):
@@ -264,18 +271,80 @@ class _Text:
 
 
 def _batch_decoder(tok: Any):
-    """`tok.batch_decode` without cleanup; straight to the Rust backend of a fast tokenizer (same
-    text, several times faster, parallel)."""
+    """`tok.batch_decode` without cleanup: a byte-level BPE tokenizer's table of bytes
+    (`_byte_table`) on up to TABLE_CORES cores, else straight to the Rust backend of a fast
+    tokenizer (same text, several times faster than batch_decode, on every core)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - tokenizers ships with transformers
         Tokenizer = None
     backend = getattr(tok, "_tokenizer", None)
     if Tokenizer is not None and isinstance(backend, Tokenizer):
-        return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
+        return (_byte_table(backend) if _table_first() else None) or (
+            lambda seqs: backend.decode_batch(seqs, skip_special_tokens=False)
+        )
     return lambda seqs: tok.batch_decode(
         seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
+
+
+def _table_first() -> bool:
+    """Whether the byte table decodes faster than `decode_batch` here: on up to TABLE_CORES cores,
+    or when the tokenizer's own threads are turned off."""
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("false", "0", "off", "no"):
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return cores <= TABLE_CORES
+
+
+def _byte_values() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's map)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = [b for b in range(256) if b not in bs]
+    return {chr(c): b for b, c in zip(bs + extra, bs + [256 + n for n in range(len(extra))])}
+
+
+def _byte_table(backend: Any):
+    """The decoding of a byte-level BPE tokenizer (its decoder `ByteLevel`) from a table of the
+    bytes of each id: the text `decode_batch` gives, about three times faster (43 against 123 ns
+    per token, the latter on two cores; docs/benchmarks.md). Checked when built against
+    `decode_batch` on every id of the vocabulary in context and on random sequences; None (decode
+    with the tokenizer) for another decoder or when the check finds a difference."""
+    from tokenizers.decoders import ByteLevel
+
+    if not isinstance(backend.decoder, ByteLevel):
+        return None
+    byte_of = _byte_values()
+    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+    table: list[bytes] = []
+    for i in range(size):
+        token = added.get(i)
+        if token is not None:  # an added token: its text
+            table.append(token.encode())
+            continue
+        token = backend.id_to_token(i) or ""  # a hole in the vocabulary decodes to nothing
+        try:
+            table.append(bytes(byte_of[c] for c in token))
+        except KeyError:  # a character outside the map: the token's own text
+            table.append(token.encode())
+    get = table.__getitem__
+
+    def decode(seqs: list[list[int]]) -> list[str]:
+        try:
+            return [b"".join(map(get, s)).decode("utf-8", "replace") for s in seqs]
+        except IndexError:  # an id outside the vocabulary (an export forced past the audit)
+            return backend.decode_batch(seqs, skip_special_tokens=False)
+
+    rng = np.random.default_rng(0)
+    every = rng.permutation(size).tolist()
+    probe = [every[k:k + 7] for k in range(0, size, 7)]
+    probe += rng.integers(0, size, (500, 40)).tolist()
+    same = decode(probe) == backend.decode_batch(probe, skip_special_tokens=False)
+    return decode if same else None
 
 
 def _ids(packed: bytes) -> list[int]:
@@ -369,6 +438,8 @@ class ExportSummary(msgspec.Struct):
     # conversations: rows rendered again as SpecForge renders them
     roundtrip_rows: int = 0
     roundtrip_identical: int = 0       # ... of which give the model's exact ids
+    # conversations: --check-sample N, the rows checked about N (None: every row checked)
+    roundtrip_sample: int | None = None
     # conversations: per row, whether the render gives the exact ids
     roundtrip_file: str | None = None
     # conversations: the SpecForge chat-template registration of the model
@@ -714,12 +785,17 @@ class _Chain:
 class _Checks:
     """The conversations export's own round trip: each row rendered with the model's chat template
     as SpecForge renders it (`trainers.RoundTrip`), written per row to the round-trip file; and
-    tool-call arguments SpecForge would re-serialise, counted."""
+    tool-call arguments SpecForge would re-serialise, counted. Rows are checked in batches
+    (CHECK_ROWS rows or CHECK_TOKENS ids, whichever comes first: one tokenizer call each, on every
+    core), written in row order; `every` > 1 checks one row in `every` (`--check-sample`)."""
 
-    def __init__(self, tokens: _Tokens, reg, out):
+    def __init__(self, tokens: _Tokens, reg, out, every: int = 1):
         self.trip = RoundTrip(tokens.tok, reg)
         self.out, self.enc = out, msgspec.json.Encoder()
         self.reformatted = 0
+        self.every, self.seen = every, 0
+        self.pending: list[tuple[str, int, list, list | None, list[int]]] = []
+        self.tokens = 0
 
     def row(self, row: dict[str, Any], last: Record) -> None:
         reformatted = 0
@@ -728,20 +804,36 @@ class _Checks:
                 args = call.get("function", {}).get("arguments")
                 reformatted += isinstance(args, str) and not trainer_json(args)
         self.reformatted += reformatted
-        at = self.trip.check(
-            row["conversations"], row["tools"], _ids(last.prompt_ids + last.output_ids)
-        )
-        self.out.write(
-            self.enc.encode(
+        self.seen += 1
+        if (self.seen - 1) % self.every:
+            return
+        stored = _ids(last.prompt_ids + last.output_ids)
+        self.pending.append((row["id"], reformatted, row["conversations"], row["tools"], stored))
+        self.tokens += len(stored)
+        if len(self.pending) >= CHECK_ROWS or self.tokens >= CHECK_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Check the rows held and write their lines."""
+        if not self.pending:
+            return
+        firsts = self.trip.check_many([(c, t, ids) for _, _, c, t, ids in self.pending])
+        buf = bytearray()
+        for (row_id, reformatted, *_), at in zip(self.pending, firsts):
+            self.enc.encode_into(
                 {
-                    "id": row["id"],
+                    "id": row_id,
                     "identical": at is None,
                     "first_difference": at,
                     "arguments_reformatted": reformatted,
-                }
+                },
+                buf,
+                -1,
             )
-            + b"\n"
-        )
+            buf += b"\n"
+        self.out.write(buf)
+        self.pending.clear()
+        self.tokens = 0
 
 
 def _export_conversations(
@@ -844,6 +936,7 @@ def _export_conversations(
     with reader:
         for recs in _batches(path, defects):
             n += _write_lines(out, rows(recs, text.parts_and_tools(recs)), enc)
+    checks.flush()
     # conversations whose later turns the merged dataset does not hold
     for chain in chains.values():
         for rec, ref, _, why in chain.turns[chain.done + 1:]:
@@ -1109,6 +1202,7 @@ def export_run(
     select: Selection | None = None,
     trainer: str = "specforge",
     supervise_think_start: bool | None = None,
+    check_sample: int | None = None,
 ) -> ExportSummary:
     """Write the merged records of a run that `select` selects to `output` in `fmt` (None: as the
     output's extension says, `output_format`; a mismatch is refused); return the
@@ -1130,6 +1224,8 @@ def export_run(
     missing audit is said in `summary.warnings`. The files appear under their names only when
     complete (written to temporary names, then renamed). Ok records that fail the audit's record
     checks refuse the export (ExportError, nothing written) unless `force`, which warns about them.
+    `check_sample` N: the conversations round trip checks about N rows, one every planned/N rows
+    (None: every row).
     """
     if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -1137,6 +1233,11 @@ def export_run(
     if trainer not in TRAINERS:
         raise ExportError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}")
     select = select or Selection()
+    if check_sample is not None and (check_sample < 1 or fmt != "conversations"):
+        raise ExportError(
+            f"--check-sample {check_sample}: give a number of rows, 1 or more, to a "
+            "conversations export (the only one with a round trip)"
+        )
     if select.max_length is not None and select.max_length < 1:
         raise ExportError(f"--max-length {select.max_length}: give a number of tokens, 1 or more")
     if select.mode is not None and select.mode not in MODES:
@@ -1291,7 +1392,9 @@ def export_run(
                 stub_note = f"# {STUB_EXPORT}\n" if plan.synthetic else ""
                 tmps[4].write_text(stub_note + reg.python())
                 with open(tmp, "wb") as out, open(tmps[3], "wb") as trip_out:
-                    acc.checks = _Checks(tokens, reg, trip_out)
+                    every = 1 if check_sample is None else -(-summary.planned // check_sample)
+                    summary.roundtrip_sample = check_sample
+                    acc.checks = _Checks(tokens, reg, trip_out, max(every, 1))
                     summary.rows = _export_conversations(path, plan, out, acc, tokens, found)
             else:
                 with open(tmp, "wb") as out:

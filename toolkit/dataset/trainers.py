@@ -18,7 +18,8 @@ conversations row through the chat template as SpecForge renders it.
   add or drop.
 - `RoundTrip` renders each conversations row as SpecForge will (its message fields, tool-call
   arguments parsed to objects, tools or None, `enable_thinking=True` for a thinking parser, no
-  generation prompt) and compares the ids with the stored ones.
+  generation prompt) and compares the ids with the stored ones, many rows encoded in one call of the
+  tokenizer (`RoundTrip.check_many`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import json
 from typing import Any
 
 import msgspec
+
+from toolkit.job.chat import _encode_chats
 
 __all__ = [
     "TRAINERS",
@@ -293,21 +296,39 @@ class RoundTrip:
     ) -> int | None:
         """None when the render gives the stored ids (followed, perhaps, by what the template writes
         after the model's stop token), else the first position that differs."""
+        return self.check_many([(messages, tools, stored)])[0]
+
+    def check_many(
+        self, rows: list[tuple[list[dict[str, Any]], list[dict] | None, list[int]]]
+    ) -> list[int | None]:
+        """`check` of each (messages, tools, stored ids): the rows rendered one by one, then encoded
+        in one call of the tokenizer (a fast one spreads it over the machine's cores)."""
+        texts = [self._render(messages, tools) for messages, tools, _ in rows]
+        rendered = [t for t in texts if t is not None]
+        encoded = iter(_encode_chats(self.tok, rendered) if rendered else [])
+        self.rows += len(rows)
+        return [
+            0 if text is None else self._first_difference(next(encoded), stored)
+            for text, (_, _, stored) in zip(texts, rows)
+        ]
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
+        """The row's text as SpecForge renders it; None when the template refuses the row (it
+        cannot reach the stored ids)."""
         kwargs = {"enable_thinking": True} if self.reg.enable_thinking else {}
-        self.rows += 1
         try:
             thinking = self.reg.parser_type == "thinking"
-            text = self.tok.apply_chat_template(
+            return self.tok.apply_chat_template(
                 [sanitized(m, thinking) for m in messages],
                 tokenize=False,
                 add_generation_prompt=False,
                 tools=tools or None,
                 **kwargs,
             )
-        # the template refuses the row: it cannot reach the stored ids
         except Exception:  # noqa: BLE001
-            return 0
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            return None
+
+    def _first_difference(self, ids: list[int], stored: list[int]) -> int | None:
         if ids[: len(stored)] == stored:
             self.identical += 1
             return None
