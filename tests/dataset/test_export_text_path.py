@@ -180,8 +180,8 @@ def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it
         d.mkdir()
         decoder = export._batch_decoder(s.tok)
         assert (getattr(decoder, "__name__", "") == "decode") is not many  # the table's own function, or not
-        for fmt in ("jsonl", "parquet", "conversations"):
-            export_run(s.root, fmt, d / f"out.{fmt}")
-    for name in ("out.jsonl", "out.parquet", "out.conversations", "out_roundtrip.jsonl"):
+        for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet"), ("conversations", "conv.jsonl")):
+            export_run(s.root, fmt, d / name)
+    for name in ("out.jsonl", "out.parquet", "conv.jsonl", "conv_roundtrip.jsonl"):
         assert (tmp_path / "False" / name).read_bytes() == (tmp_path / "True" / name).read_bytes(), name
     assert lines(tmp_path / "True" / "out.jsonl")[0]["reasoning"]
