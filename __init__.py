@@ -1,5 +1,5 @@
-"""The clone's folder, imported as `toolkit` when the folder that holds a clone named `toolkit` is on
-Python's path: a script that sits beside the clone, or Python started there. The package is the
+"""The clone's folder, imported as `toolkit` when the folder that holds a clone named `toolkit` is
+on Python's path: a script that sits beside the clone, or Python started there. The package is the
 `toolkit` folder inside the clone: it is loaded here, in this module's place, so that `import
 toolkit` gives the package wherever the script sits. Inside the clone, and from an installed
 environment run elsewhere, this file is never imported.

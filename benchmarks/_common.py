@@ -37,20 +37,46 @@ path = "{prompts}"
 """
 
 
-def external_job(path: Path, *, run: Path, url: str, prompts: Path, concurrency: int, max_new: int,
-                 model: Path = TOKENIZER, client: dict | None = None, sampling: dict | None = None) -> Path:
+def external_job(
+    path: Path,
+    *,
+    run: Path,
+    url: str,
+    prompts: Path,
+    concurrency: int,
+    max_new: int,
+    model: Path = TOKENIZER,
+    client: dict | None = None,
+    sampling: dict | None = None,
+) -> Path:
     """Write a job file at `path` whose engine is the server at `url` (kind "external"), the key read from
     $BENCH_SERVER_KEY; `client` and `sampling`: more keys of those tables (TOML scalars)."""
 
     def lines(table: dict | None) -> str:
-        return "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in (table or {}).items())
+        return "\n".join(
+            f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in (table or {}).items()
+        )
 
-    path.write_text(_JOB.format(run=run, model=model, url=url, key_env=KEY_ENV, concurrency=concurrency,
-                                client=lines(client), max_new=max_new, sampling=lines(sampling), prompts=prompts))
+    path.write_text(
+        _JOB.format(
+            run=run,
+            model=model,
+            url=url,
+            key_env=KEY_ENV,
+            concurrency=concurrency,
+            client=lines(client),
+            max_new=max_new,
+            sampling=lines(sampling),
+            prompts=prompts,
+        )
+    )
     return path
 
 
-def run_child(argv: list[str], env: dict | None = None, log: Path | None = None) -> tuple[float, float]:
+def run_child(
+    argv: list[str], env: dict | None = None, log: Path | None = None
+) -> tuple[float, float]:
     """(wall seconds, CPU seconds user + system) of one child process run to completion, the children it waited
     for included; its output goes to `log` (else nowhere)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -59,7 +85,9 @@ def run_child(argv: list[str], env: dict | None = None, log: Path | None = None)
         r = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.monotonic() - t0
     if r.returncode != 0:
-        raise SystemExit(f"{argv[:4]} exited {r.returncode}" + (f"; its output: {log}" if log else ""))
+        raise SystemExit(
+            f"{argv[:4]} exited {r.returncode}" + (f"; its output: {log}" if log else "")
+        )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 

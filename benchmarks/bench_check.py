@@ -50,10 +50,32 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 TARGET_US = 50.0
 SUBMIT_TARGET_S = 2.0
-TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the documentation.",
-          "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
-         {"type": "function", "function": {"name": "run_python", "description": "Run Python code and return stdout.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the documentation.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Run Python code and return stdout.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    },
+]
 # (name, words per user turn (min, max), turns (min, max), system prompt, tools)
 KINDS = [
     ("questions", (15, 80), (1, 1), False, False),
@@ -89,7 +111,12 @@ def write_short(folder: Path, prompts: int) -> list[tuple[str, Path]]:
                 g = j * per + i
                 start = (g * 7) % span
                 text = " ".join(words[start : start + 12 + (g % 5) * 3])
-                f.write(json.dumps({"id": f"d{j}-{i:07d}", "messages": [{"role": "user", "content": text}]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": f"d{j}-{i:07d}", "messages": [{"role": "user", "content": text}]}
+                    )
+                    + "\n"
+                )
         out.append((f"short{j}", path))
     return out
 
@@ -126,9 +153,20 @@ def write_mixed(folder: Path, prompts: int) -> list[tuple[str, Path]]:
 
 
 def write_job(folder: Path, datasets: list[tuple[str, Path]]) -> Path:
-    lines = ['name = "bench-check"', f'output_dir = "{folder / "run"}"', "[model]", f'path = "{TOKENIZER}"',
-             "[engine]", 'kind = "stub"', "[engine.stub]", "context_length = 131072",
-             "[sampling]", "max_new_tokens = 32768", "[sharding]", "shards = 100"]
+    lines = [
+        'name = "bench-check"',
+        f'output_dir = "{folder / "run"}"',
+        "[model]",
+        f'path = "{TOKENIZER}"',
+        "[engine]",
+        'kind = "stub"',
+        "[engine.stub]",
+        "context_length = 131072",
+        "[sampling]",
+        "max_new_tokens = 32768",
+        "[sharding]",
+        "shards = 100",
+    ]
     for name, p in datasets:
         lines += ["[[datasets]]", f'name = "{name}"', f'path = "{p}"']
     job = folder / "job.toml"
@@ -136,12 +174,19 @@ def write_job(folder: Path, datasets: list[tuple[str, Path]]) -> Path:
     return job
 
 
-def timed(code_dir: Path, argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+def timed(
+    code_dir: Path, argv: list[str], env: dict[str, str] | None = None
+) -> tuple[float, float]:
     """(wall s, CPU s of the process and the processes it waited for) of `python argv...` run in `code_dir`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, *argv], cwd=code_dir, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(code_dir), **(env or {})})
+    r = subprocess.run(
+        [sys.executable, *argv],
+        cwd=code_dir,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(code_dir), **(env or {})},
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
@@ -169,8 +214,10 @@ done = sum(o.prompts for o in render_pool.measure(tok, setting, work, total=plan
 print(time.process_time() - t, done)
 """
 
-PREPARE = ("import sys; from toolkit.job.prepare import prepare_run; "
-           "prepare_run(sys.argv[1], as_submitted=True, print_warnings=False)")
+PREPARE = (
+    "import sys; from toolkit.job.prepare import prepare_run; "
+    "prepare_run(sys.argv[1], as_submitted=True, print_warnings=False)"
+)
 
 
 def median_of(repeat: int, run) -> tuple[float, float, list[float]]:
@@ -183,7 +230,9 @@ def median_of(repeat: int, run) -> tuple[float, float, list[float]]:
     return statistics.median(walls), statistics.median(cpus), walls
 
 
-def bench(code: Path, work: Path, prompts: int, kind: str, repeat: int) -> dict[str, tuple[float, float]]:
+def bench(
+    code: Path, work: Path, prompts: int, kind: str, repeat: int
+) -> dict[str, tuple[float, float]]:
     """The figures of one size: {what: (median wall s, median CPU s)}."""
     folder = work / f"{kind}-{prompts}"
     folder.mkdir()
@@ -195,21 +244,35 @@ def bench(code: Path, work: Path, prompts: int, kind: str, repeat: int) -> dict[
         def go():
             shutil.rmtree(run, ignore_errors=True)  # nothing kept: every prompt is rendered
             return timed(code, check, env)
+
         return go
 
     out = {}
     if (code / "toolkit" / "job" / "render_pool.py").exists():
-        r = subprocess.run([sys.executable, "-c", STAGE, str(job)], cwd=code, capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(code)}, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", STAGE, str(job)],
+            cwd=code,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(code)},
+            check=True,
+        )
         cpu, done = r.stdout.split()
         out["render stage"] = (0.0, float(cpu))
-        print(f"  {'render stage (1 process)':<28} CPU {float(cpu):7.2f} s for {int(done):,} prompts "
-              f"({float(cpu) / int(done) * 1e6:5.1f} µs CPU per prompt rendered and measured)")
-    for label, env in (("check, 1 process", {"TOOLKIT_RENDER_PROCESSES": "1"}), ("check, every core", {})):
+        print(
+            f"  {'render stage (1 process)':<28} CPU {float(cpu):7.2f} s for {int(done):,} prompts "
+            f"({float(cpu) / int(done) * 1e6:5.1f} µs CPU per prompt rendered and measured)"
+        )
+    for label, env in (
+        ("check, 1 process", {"TOOLKIT_RENDER_PROCESSES": "1"}),
+        ("check, every core", {}),
+    ):
         wall, cpu, walls = median_of(repeat, fresh(env))
         out[label] = (wall, cpu)
-        print(f"  {label:<28} wall {wall:7.2f} s  CPU {cpu:7.2f} s  ({cpu / prompts * 1e6:5.1f} µs CPU per prompt, "
-              f"{cpu / prompts * 1e3:.2f} CPU-s per 1,000)  walls {[round(w, 2) for w in walls]}")
+        print(
+            f"  {label:<28} wall {wall:7.2f} s  CPU {cpu:7.2f} s  ({cpu / prompts * 1e6:5.1f} µs CPU per prompt, "
+            f"{cpu / prompts * 1e3:.2f} CPU-s per 1,000)  walls {[round(w, 2) for w in walls]}"
+        )
     kept = (code / "toolkit" / "job" / "check_cache.py").exists()
     if kept:
         wall, cpu, _ = median_of(repeat, lambda: timed(code, check))
@@ -217,7 +280,9 @@ def bench(code: Path, work: Path, prompts: int, kind: str, repeat: int) -> dict[
         print(f"  {'check again (kept)':<28} wall {wall:7.2f} s  CPU {cpu:7.2f} s")
 
     def prepare():
-        for p in sorted(folder.glob("run*")):  # a created run would be resumed: keep only what check kept
+        for p in sorted(
+            folder.glob("run*")
+        ):  # a created run would be resumed: keep only what check kept
             if p.is_dir():
                 for child in p.iterdir():
                     if child.name != "check.msgpack":
@@ -230,25 +295,38 @@ def bench(code: Path, work: Path, prompts: int, kind: str, repeat: int) -> dict[
         timed(code, check)  # what submit finds after a check
     wall, cpu, _ = median_of(repeat, prepare)
     out["submit after check"] = (wall, cpu)
-    print(f"  {'submit after check' if kept else 'submit (renders again)':<28} wall {wall:7.2f} s  CPU {cpu:7.2f} s  "
-          "(prepare_run: spec, prompt lines, plan, run directory; no Slurm)")
+    print(
+        f"  {'submit after check' if kept else 'submit (renders again)':<28} wall {wall:7.2f} s  CPU {cpu:7.2f} s  "
+        "(prepare_run: spec, prompt lines, plan, run directory; no Slurm)"
+    )
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=100_000)
-    ap.add_argument("--million", action="store_true", help="measure 1,000,000 prompts too (else extrapolated)")
+    ap.add_argument(
+        "--million", action="store_true", help="measure 1,000,000 prompts too (else extrapolated)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--kind", choices=("short", "mixed"), default="short")
-    ap.add_argument("--code", type=Path, default=REPO, help="the checkout whose toolkit runs (default: this one)")
-    ap.add_argument("--profile", action="store_true", help="one more check in this process under cProfile")
+    ap.add_argument(
+        "--code",
+        type=Path,
+        default=REPO,
+        help="the checkout whose toolkit runs (default: this one)",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="one more check in this process under cProfile"
+    )
     args = ap.parse_args()
     code = args.code.resolve()
     work = Path(tempfile.mkdtemp(prefix="bench-check-"))
     cores = len(os.sched_getaffinity(0))
-    print(f"toolkit from {code}; {cores} cores; demo tokenizer (4,000 ids, Kimi-style template), stub engine; "
-          f"{args.kind} prompts; median of {args.repeat}")
+    print(
+        f"toolkit from {code}; {cores} cores; demo tokenizer (4,000 ids, Kimi-style template), stub engine; "
+        f"{args.kind} prompts; median of {args.repeat}"
+    )
     try:
         print("1,000 prompts (the fixed cost: imports, tokenizer):")
         small = bench(code, work, 1000, args.kind, args.repeat)
@@ -261,21 +339,29 @@ def main() -> int:
         fixed = small["check, 1 process"][1]
         one = results[n]["check, 1 process"]
         per = (one[1] - fixed) / (n - 1000) * 1e6
-        print(f"\nper further prompt (check, 1 process, less the fixed {fixed:.2f} s of 1,000 prompts): "
-              f"{per:.1f} µs CPU; target at most {TARGET_US:.0f} µs: {'met' if per <= TARGET_US else 'NOT met'}")
+        print(
+            f"\nper further prompt (check, 1 process, less the fixed {fixed:.2f} s of 1,000 prompts): "
+            f"{per:.1f} µs CPU; target at most {TARGET_US:.0f} µs: {'met' if per <= TARGET_US else 'NOT met'}"
+        )
         if "render stage" in results[n]:
             stage = results[n]["render stage"][1] / n * 1e6
-            print(f"render stage alone (reading, rendering, measuring; 1 process): {stage:.1f} µs CPU per prompt; target "
-                  f"at most {TARGET_US:.0f} µs: {'met' if stage <= TARGET_US else 'NOT met'}")
+            print(
+                f"render stage alone (reading, rendering, measuring; 1 process): {stage:.1f} µs CPU per prompt; target "
+                f"at most {TARGET_US:.0f} µs: {'met' if stage <= TARGET_US else 'NOT met'}"
+            )
         sub = results[n]["submit after check"][0]
-        print(f"submit after check at {n:,}: wall {sub:.2f} s; target {SUBMIT_TARGET_S:.0f} s: "
-              f"{'met' if sub <= SUBMIT_TARGET_S else 'NOT met'}")
+        print(
+            f"submit after check at {n:,}: wall {sub:.2f} s; target {SUBMIT_TARGET_S:.0f} s: "
+            f"{'met' if sub <= SUBMIT_TARGET_S else 'NOT met'}"
+        )
         if 1_000_000 not in results:
             every = results[n]["check, every core"]
             scale = (1_000_000 - 1000) / (n - 1000)
-            print(f"1,000,000 prompts, EXTRAPOLATED linearly from {n:,} (not measured; --million measures it): check "
-                  f"on 1 process ~{fixed + (one[1] - fixed) * scale:.0f} s CPU, wall ~{small['check, 1 process'][0] + (one[0] - small['check, 1 process'][0]) * scale:.0f} s; "
-                  f"on every core wall ~{small['check, every core'][0] + (every[0] - small['check, every core'][0]) * scale:.0f} s")
+            print(
+                f"1,000,000 prompts, EXTRAPOLATED linearly from {n:,} (not measured; --million measures it): check "
+                f"on 1 process ~{fixed + (one[1] - fixed) * scale:.0f} s CPU, wall ~{small['check, 1 process'][0] + (one[0] - small['check, 1 process'][0]) * scale:.0f} s; "
+                f"on every core wall ~{small['check, every core'][0] + (every[0] - small['check, every core'][0]) * scale:.0f} s"
+            )
         if args.profile:
             import cProfile
             import pstats

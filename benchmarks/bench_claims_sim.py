@@ -59,7 +59,15 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.worker.policy import HANDOVER_SHARE, Candidate, Tail, hands_over, opens_next, pick, start_of  # noqa: E402
+from toolkit.worker.policy import (
+    HANDOVER_SHARE,
+    Candidate,
+    Tail,
+    hands_over,
+    opens_next,
+    pick,
+    start_of,
+)  # noqa: E402
 
 LOAD_S = 20 * 60
 MAX_NEW = 32_768
@@ -69,8 +77,12 @@ STEP_S, PER_SEQ_S = 0.025, 0.00015
 GOAL = 0.86  # within 3 points of the one-load ceiling (89.1 % at the mission's figures)
 DECIDE_S = 10.0  # how often a task at the tail weighs a handover (seconds)
 # policy: (tasks claim shards, the next shard opens while the last ones drain, the tail is handed over)
-POLICIES = {"one shard per task": (False, False, False), "claims": (True, False, False),
-            "claims + overlap": (True, True, False), "claims + overlap + handover": (True, True, True)}
+POLICIES = {
+    "one shard per task": (False, False, False),
+    "claims": (True, False, False),
+    "claims + overlap": (True, True, False),
+    "claims + overlap + handover": (True, True, True),
+}
 
 
 def step_s(b: int) -> float:
@@ -102,16 +114,21 @@ class Pool:
 
     def __init__(self, lengths: list[int], shards: int):
         size = math.ceil(len(lengths) / shards)
-        self.left = [list(lengths[i * size:(i + 1) * size]) for i in range(shards)]
+        self.left = [list(lengths[i * size : (i + 1) * size]) for i in range(shards)]
         self.order = list(range(shards))
         self.held: dict[int, int] = {}
         self.done: set[int] = set()
         self.open_count = [len(x) for x in self.left]  # prompts not finished
-        self.prefill = [0] * shards  # tokens of the partial outputs released with the shard, to prefill again
+        self.prefill = [
+            0
+        ] * shards  # tokens of the partial outputs released with the shard, to prefill again
 
     def candidates(self) -> list[Candidate]:
-        return [Candidate(k, len(self.left[k])) for k in self.order if k not in self.held and k not in self.done
-                and self.left[k]]
+        return [
+            Candidate(k, len(self.left[k]))
+            for k in self.order
+            if k not in self.held and k not in self.done and self.left[k]
+        ]
 
 
 class Node:
@@ -121,18 +138,20 @@ class Node:
         self.i = i
         self.engine = engine
         self.alloc_start: float | None = None
-        self.ready_at: float | None = None    # engine ready (None: no engine)
-        self.shard: int | None = None         # the shard whose prompts it sends
-        self.holds: set[int] = set()          # the shards it holds (two while one's tail overlaps the next)
-        self.queue: list[int] = []            # remaining tokens of the prompts of its shard not sent yet
-        self.run: list[tuple[float, int, float]] = []  # (virtual progress at which it finishes, shard, at which begun)
-        self.v = 0.0                          # tokens each running sequence has made since the engine started
+        self.ready_at: float | None = None  # engine ready (None: no engine)
+        self.shard: int | None = None  # the shard whose prompts it sends
+        self.holds: set[int] = set()  # the shards it holds (two while one's tail overlaps the next)
+        self.queue: list[int] = []  # remaining tokens of the prompts of its shard not sent yet
+        self.run: list[
+            tuple[float, int, float]
+        ] = []  # (virtual progress at which it finishes, shard, at which begun)
+        self.v = 0.0  # tokens each running sequence has made since the engine started
         self.t = 0.0
         self.tokens = 0.0
         self.loading = 0.0
         self.alloc = 0.0
         self.starts = 0
-        self.stall_until = 0.0                # the batch waits for a continuation's prefill until then
+        self.stall_until = 0.0  # the batch waits for a continuation's prefill until then
 
     def next_event(self) -> float | None:
         if self.alloc_start is None:
@@ -141,7 +160,9 @@ class Node:
             return self.ready_at
         if not self.run:
             return self.t
-        return max(self.t, self.stall_until) + (self.run[0][0] - self.v) * self.engine.step(len(self.run))
+        return max(self.t, self.stall_until) + (self.run[0][0] - self.v) * self.engine.step(
+            len(self.run)
+        )
 
     def advance(self, t: float) -> None:
         begin = max(self.t, self.stall_until)
@@ -152,17 +173,26 @@ class Node:
         self.t = max(self.t, t)
 
 
-def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemptions: list[tuple[float, int]],
-             share: float = HANDOVER_SHARE, decide_s: float = DECIDE_S, prefill_tok_s: float = 0.0,
-             engine: Engine = Engine()) -> dict:
+def simulate(
+    lengths: list[int],
+    *,
+    nodes: int,
+    shards: int,
+    policy: str,
+    preemptions: list[tuple[float, int]],
+    share: float = HANDOVER_SHARE,
+    decide_s: float = DECIDE_S,
+    prefill_tok_s: float = 0.0,
+    engine: Engine = Engine(),
+) -> dict:
     """One run under `policy` (a key of POLICIES): node-hours loading, generating and idle, engine starts, wall
     time, and the handovers at the tail (tasks that gave their work away, sequences and tokens handed over)."""
     claims, overlap, handover = POLICIES[policy]
     pool = Pool(lengths, shards)
     ns = [Node(i, engine) for i in range(nodes)]
     batch = engine.batch
-    next_task = iter(range(shards))   # one shard per task: the array's order
-    requeued: dict[int, int] = {}     # one shard per task: node -> the shard its requeued task resumes
+    next_task = iter(range(shards))  # one shard per task: the array's order
+    requeued: dict[int, int] = {}  # one shard per task: node -> the shard its requeued task resumes
     pre = sorted(preemptions)
     handed = {"tasks": 0, "sequences": 0, "tokens": 0}
 
@@ -193,7 +223,9 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
             n.ready_at = t + engine.load_s
             n.loading += engine.load_s
             n.starts += 1
-        if prefill_tok_s > 0 and pool.prefill[k]:  # the whole batch waits while the partials are prefilled
+        if (
+            prefill_tok_s > 0 and pool.prefill[k]
+        ):  # the whole batch waits while the partials are prefilled
             n.stall_until = max(n.t, n.stall_until, n.ready_at) + pool.prefill[k] / prefill_tok_s
         pool.prefill[k] = 0
         return True
@@ -222,7 +254,9 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
             made = sum(round(n.v - b) for _, j, b in n.run if j == k)
             partial += made
             pool.prefill[k] += made
-            pool.left[k] = (n.queue if k == n.shard else []) + [max(1, round(f - n.v)) for f, j, _ in n.run if j == k]
+            pool.left[k] = (n.queue if k == n.shard else []) + [
+                max(1, round(f - n.v)) for f, j, _ in n.run if j == k
+            ]
             del pool.held[k]
             if not claims:
                 requeued[n.i] = k
@@ -334,9 +368,16 @@ def simulate(lengths: list[int], *, nodes: int, shards: int, policy: str, preemp
     alloc = sum(n.alloc for n in ns)
     loading = sum(n.loading for n in ns)
     generating = sum(n.tokens for n in ns) / engine.full_rate
-    return dict(alloc_h=alloc / 3600, loading_h=loading / 3600, generating_h=generating / 3600,
-                idle_h=(alloc - loading - generating) / 3600, starts=sum(n.starts for n in ns), wall_h=end / 3600,
-                tokens=sum(n.tokens for n in ns), handed=handed)
+    return dict(
+        alloc_h=alloc / 3600,
+        loading_h=loading / 3600,
+        generating_h=generating / 3600,
+        idle_h=(alloc - loading - generating) / 3600,
+        starts=sum(n.starts for n in ns),
+        wall_h=end / 3600,
+        tokens=sum(n.tokens for n in ns),
+        handed=handed,
+    )
 
 
 def main() -> None:
@@ -347,44 +388,95 @@ def main() -> None:
     ap.add_argument("--preemptions", type=int, default=5)
     ap.add_argument("--loop-rate", type=float, default=0.02)
     ap.add_argument("--segment-tokens", type=int, default=4096)
-    ap.add_argument("--share", type=float, default=HANDOVER_SHARE,
-                    help="the handover share (worker.policy.HANDOVER_SHARE by default)")
-    ap.add_argument("--decide-s", type=float, default=DECIDE_S, help="seconds between handover decisions")
-    ap.add_argument("--prefill-tok-s", type=float, default=0.0,
-                    help="prefill of a continued partial output: the node's whole batch waits its tokens at this rate "
-                         "(0: not modelled)")
-    ap.add_argument("--load-min", type=float, default=LOAD_S / 60,
-                    help="minutes an engine start takes (the model load; 20 at the mission's sizes)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also the handover at other shares and decision intervals (64 and 512 shards)")
+    ap.add_argument(
+        "--share",
+        type=float,
+        default=HANDOVER_SHARE,
+        help="the handover share (worker.policy.HANDOVER_SHARE by default)",
+    )
+    ap.add_argument(
+        "--decide-s", type=float, default=DECIDE_S, help="seconds between handover decisions"
+    )
+    ap.add_argument(
+        "--prefill-tok-s",
+        type=float,
+        default=0.0,
+        help="prefill of a continued partial output: the node's whole batch waits its tokens at this rate "
+        "(0: not modelled)",
+    )
+    ap.add_argument(
+        "--load-min",
+        type=float,
+        default=LOAD_S / 60,
+        help="minutes an engine start takes (the model load; 20 at the mission's sizes)",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also the handover at other shares and decision intervals (64 and 512 shards)",
+    )
     a = ap.parse_args()
     a.engine = Engine(load_s=a.load_min * 60)
     rng = random.Random(a.seed)
-    lengths = [min(MAX_NEW, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA)))) for _ in range(a.prompts)]
+    lengths = [
+        min(MAX_NEW, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA))))
+        for _ in range(a.prompts)
+    ]
     mean = sum(lengths) / len(lengths)
     ideal_h = sum(lengths) / FULL_RATE / 3600 / a.nodes
-    pre = [(rng.uniform(0.1, 0.9) * ideal_h * 3600, rng.randrange(a.nodes)) for _ in range(a.preemptions)]
-    print(f"{a.prompts:,} prompts, output tokens lognormal(median {MEDIAN:,}, sigma {SIGMA}) capped at {MAX_NEW:,}: "
-          f"mean {mean:,.0f}, p99 {sorted(lengths)[int(0.99 * len(lengths))]:,}, {sum(lengths) / 1e6:,.0f} M tokens")
-    print(f"{a.nodes} nodes; load {a.load_min:g} min; engine: up to {BATCH} sequences, step {STEP_S * 1000:g} ms + "
-          f"{PER_SEQ_S * 1000:g} ms/sequence ({FULL_RATE:,.0f} tok/s full, {1 / step_s(1):.0f} tok/s alone); "
-          f"{a.preemptions} preemptions; generation alone needs {ideal_h:.2f} h per node")
-    print(f"best possible with one load per node: {ideal_h / (ideal_h + a.engine.load_s / 3600):.1%} generating; handover "
-          f"share {a.share:g}, decided every {a.decide_s:g} s\n")
-    print(f"{'policy':<44} {'starts':>6} {'node-h':>8} {'loading':>8} {'generating':>11} {'idle':>7} "
-          f"{'gen share':>9} {'ceiling':>7} {'wall h':>7}  handed over")
+    pre = [
+        (rng.uniform(0.1, 0.9) * ideal_h * 3600, rng.randrange(a.nodes))
+        for _ in range(a.preemptions)
+    ]
+    print(
+        f"{a.prompts:,} prompts, output tokens lognormal(median {MEDIAN:,}, sigma {SIGMA}) capped at {MAX_NEW:,}: "
+        f"mean {mean:,.0f}, p99 {sorted(lengths)[int(0.99 * len(lengths))]:,}, {sum(lengths) / 1e6:,.0f} M tokens"
+    )
+    print(
+        f"{a.nodes} nodes; load {a.load_min:g} min; engine: up to {BATCH} sequences, step {STEP_S * 1000:g} ms + "
+        f"{PER_SEQ_S * 1000:g} ms/sequence ({FULL_RATE:,.0f} tok/s full, {1 / step_s(1):.0f} tok/s alone); "
+        f"{a.preemptions} preemptions; generation alone needs {ideal_h:.2f} h per node"
+    )
+    print(
+        f"best possible with one load per node: {ideal_h / (ideal_h + a.engine.load_s / 3600):.1%} generating; handover "
+        f"share {a.share:g}, decided every {a.decide_s:g} s\n"
+    )
+    print(
+        f"{'policy':<44} {'starts':>6} {'node-h':>8} {'loading':>8} {'generating':>11} {'idle':>7} "
+        f"{'gen share':>9} {'ceiling':>7} {'wall h':>7}  handed over"
+    )
     t0 = time.perf_counter()
     base: dict[int, dict] = {}
-    for policy, shards in (("one shard per task", 64), ("claims", 64), ("claims", 256), ("claims", 512),
-                           ("claims + overlap", 64), ("claims + overlap", 512),
-                           ("claims + overlap + handover", 64), ("claims + overlap + handover", 512)):
-        r = simulate(lengths, nodes=a.nodes, shards=shards, policy=policy, preemptions=pre, share=a.share,
-                     decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
+    for policy, shards in (
+        ("one shard per task", 64),
+        ("claims", 64),
+        ("claims", 256),
+        ("claims", 512),
+        ("claims + overlap", 64),
+        ("claims + overlap", 512),
+        ("claims + overlap + handover", 64),
+        ("claims + overlap + handover", 512),
+    ):
+        r = simulate(
+            lengths,
+            nodes=a.nodes,
+            shards=shards,
+            policy=policy,
+            preemptions=pre,
+            share=a.share,
+            decide_s=a.decide_s,
+            prefill_tok_s=a.prefill_tok_s,
+            engine=a.engine,
+        )
         if policy == "claims":
             base[shards] = r
-        print(row(f"{policy}, {shards} shards", r, base.get(shards) if policy != "claims" else None))
-    print(f"\n(goal: {GOAL:.0%} of allocated node time generating; against: node-hours and wall time as a ratio of "
-          f"today's claims at the same shards; simulated in {time.perf_counter() - t0:.1f} s)")
+        print(
+            row(f"{policy}, {shards} shards", r, base.get(shards) if policy != "claims" else None)
+        )
+    print(
+        f"\n(goal: {GOAL:.0%} of allocated node time generating; against: node-hours and wall time as a ratio of "
+        f"today's claims at the same shards; simulated in {time.perf_counter() - t0:.1f} s)"
+    )
     if a.sweep:
         sweep(a, lengths, pre, base)
     if a.loop_rate > 0:
@@ -394,11 +486,15 @@ def main() -> None:
 def row(name: str, r: dict, base: dict | None) -> str:
     share = r["generating_h"] / r["alloc_h"]
     h = r["handed"]
-    line = (f"{name:<44} {r['starts']:>6} {r['alloc_h']:>8.1f} {r['loading_h']:>8.1f} {r['generating_h']:>11.1f} "
-            f"{r['idle_h']:>7.1f} {share:>9.1%} {r['generating_h'] / (r['generating_h'] + r['loading_h']):>7.1%} "
-            f"{r['wall_h']:>7.2f}")
+    line = (
+        f"{name:<44} {r['starts']:>6} {r['alloc_h']:>8.1f} {r['loading_h']:>8.1f} {r['generating_h']:>11.1f} "
+        f"{r['idle_h']:>7.1f} {share:>9.1%} {r['generating_h'] / (r['generating_h'] + r['loading_h']):>7.1%} "
+        f"{r['wall_h']:>7.2f}"
+    )
     if h["tasks"]:
-        line += f"  {h['tasks']} tasks, {h['sequences']:,} sequences, {h['tokens'] / 1e6:.1f} M tokens"
+        line += (
+            f"  {h['tasks']} tasks, {h['sequences']:,} sequences, {h['tokens'] / 1e6:.1f} M tokens"
+        )
     if base is not None:
         line += f"  [node-h {r['alloc_h'] / base['alloc_h']:.2f}x, wall {r['wall_h'] / base['wall_h']:.2f}x]"
     return line
@@ -406,20 +502,42 @@ def row(name: str, r: dict, base: dict | None) -> str:
 
 def sweep(a, lengths: list[int], pre, base: dict[int, dict]) -> None:
     """Where the handover's gain comes from: the share below which a task hands over, and how often it decides."""
-    print(f"\n{'claims + overlap + handover':<44} {'starts':>6} {'node-h':>8} {'loading':>8} {'generating':>11} "
-          f"{'idle':>7} {'gen share':>9} {'ceiling':>7} {'wall h':>7}")
+    print(
+        f"\n{'claims + overlap + handover':<44} {'starts':>6} {'node-h':>8} {'loading':>8} {'generating':>11} "
+        f"{'idle':>7} {'gen share':>9} {'ceiling':>7} {'wall h':>7}"
+    )
     for shards in (64, 512):
-        for share, decide_s, prefill in ([(x, a.decide_s, 0.0) for x in (0.05, 0.1, 0.25, 0.5, 1.0)]
-                                         + [(a.share, x, 0.0) for x in (1.0, 60.0, 300.0)]
-                                         + [(x, a.decide_s, p) for p in (20_000.0, 5_000.0) for x in (0.25, 0.5, 1.0)]):
-            r = simulate(lengths, nodes=a.nodes, shards=shards, policy="claims + overlap + handover",
-                         preemptions=pre, share=share, decide_s=decide_s, prefill_tok_s=prefill, engine=a.engine)
+        for share, decide_s, prefill in (
+            [(x, a.decide_s, 0.0) for x in (0.05, 0.1, 0.25, 0.5, 1.0)]
+            + [(a.share, x, 0.0) for x in (1.0, 60.0, 300.0)]
+            + [(x, a.decide_s, p) for p in (20_000.0, 5_000.0) for x in (0.25, 0.5, 1.0)]
+        ):
+            r = simulate(
+                lengths,
+                nodes=a.nodes,
+                shards=shards,
+                policy="claims + overlap + handover",
+                preemptions=pre,
+                share=share,
+                decide_s=decide_s,
+                prefill_tok_s=prefill,
+                engine=a.engine,
+            )
             how = f", prefill {prefill:,.0f} tok/s" if prefill else ""
             print(row(f"share {share:g}, every {decide_s:g} s{how}, {shards} sh.", r, base[shards]))
     for n in (0, a.preemptions):
         pre_n = pre[:n]
-        r = simulate(lengths, nodes=a.nodes, shards=512, policy="claims + overlap + handover", preemptions=pre_n,
-                     share=a.share, decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
+        r = simulate(
+            lengths,
+            nodes=a.nodes,
+            shards=512,
+            policy="claims + overlap + handover",
+            preemptions=pre_n,
+            share=a.share,
+            decide_s=a.decide_s,
+            prefill_tok_s=a.prefill_tok_s,
+            engine=a.engine,
+        )
         print(row(f"{n} preemptions, 512 sh.", r, None))
 
 
@@ -428,22 +546,44 @@ def loops(a, rng: random.Random, lengths: list[int], pre) -> None:
     looping = set(rng.sample(range(len(lengths)), round(a.loop_rate * len(lengths))))
     seg = a.segment_tokens
     full = [MAX_NEW if i in looping else n for i, n in enumerate(lengths)]
-    stopped = [min(MAX_NEW, math.ceil((n + 512) / seg) * seg) if i in looping else n for i, n in enumerate(lengths)]
+    stopped = [
+        min(MAX_NEW, math.ceil((n + 512) / seg) * seg) if i in looping else n
+        for i, n in enumerate(lengths)
+    ]
     useful = sum(n for i, n in enumerate(lengths) if i not in looping) / FULL_RATE / 3600
     spent_full = sum(full[i] for i in looping)
     spent_stopped = sum(stopped[i] for i in looping)
-    print(f"\nwith {len(looping):,} outputs ({a.loop_rate:.0%}) in a loop: tokens decoded on them "
-          f"{spent_full / 1e6:,.0f} M run to max_new_tokens ({spent_full / sum(full):.1%} of all decoded), "
-          f"{spent_stopped / 1e6:,.1f} M stopped in segments of {seg:,} ({spent_stopped / spent_full:.1%} of that)")
-    print(f"{'policy':<44} {'loops':<8} {'node-h':>8} {'generating':>11} {'useful share':>12} {'gen share':>9} "
-          f"{'wall h':>7}")
-    for policy, shards in (("claims", 64), ("claims + overlap", 512), ("claims + overlap + handover", 64),
-                           ("claims + overlap + handover", 512)):
+    print(
+        f"\nwith {len(looping):,} outputs ({a.loop_rate:.0%}) in a loop: tokens decoded on them "
+        f"{spent_full / 1e6:,.0f} M run to max_new_tokens ({spent_full / sum(full):.1%} of all decoded), "
+        f"{spent_stopped / 1e6:,.1f} M stopped in segments of {seg:,} ({spent_stopped / spent_full:.1%} of that)"
+    )
+    print(
+        f"{'policy':<44} {'loops':<8} {'node-h':>8} {'generating':>11} {'useful share':>12} {'gen share':>9} "
+        f"{'wall h':>7}"
+    )
+    for policy, shards in (
+        ("claims", 64),
+        ("claims + overlap", 512),
+        ("claims + overlap + handover", 64),
+        ("claims + overlap + handover", 512),
+    ):
         for how, ls in (("run", full), ("stopped", stopped)):
-            r = simulate(ls, nodes=a.nodes, shards=shards, policy=policy, preemptions=pre, share=a.share,
-                         decide_s=a.decide_s, prefill_tok_s=a.prefill_tok_s, engine=a.engine)
-            print(f"{policy + f', {shards} shards':<44} {how:<8} {r['alloc_h']:>8.1f} {r['generating_h']:>11.1f} "
-                  f"{useful / r['alloc_h']:>12.1%} {r['generating_h'] / r['alloc_h']:>9.1%} {r['wall_h']:>7.2f}")
+            r = simulate(
+                ls,
+                nodes=a.nodes,
+                shards=shards,
+                policy=policy,
+                preemptions=pre,
+                share=a.share,
+                decide_s=a.decide_s,
+                prefill_tok_s=a.prefill_tok_s,
+                engine=a.engine,
+            )
+            print(
+                f"{policy + f', {shards} shards':<44} {how:<8} {r['alloc_h']:>8.1f} {r['generating_h']:>11.1f} "
+                f"{useful / r['alloc_h']:>12.1%} {r['generating_h'] / r['alloc_h']:>9.1%} {r['wall_h']:>7.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -28,16 +28,30 @@ from jobfiles import make_job  # noqa: E402
 
 
 def starts(run: Path) -> int:
-    return sum(p.read_text(errors="replace").count("===== toolkit: engine start #")
-               for p in (run / "logs").glob("*.server.log"))
+    return sum(
+        p.read_text(errors="replace").count("===== toolkit: engine start #")
+        for p in (run / "logs").glob("*.server.log")
+    )
 
 
 def one(checkout: Path, tmp: Path, load_s: float, tokenizer: Path) -> tuple[int, float]:
     """One run submitted with the toolkit of `checkout`: (engine starts, seconds to a merged, audited run)."""
-    job = make_job(tmp, tokenizer, n=64, shards=8, stub={"load_delay_s": load_s, "token_delay_s": 0.002},
-                   sampling={"max_new_tokens": 64},
-                   slurm={"partition": "gpu", "gpus_per_node": 1, "cpus_per_task": 1, "time": "00:20:00",
-                          "merge_cpus": 1, "array_parallelism": 2})
+    job = make_job(
+        tmp,
+        tokenizer,
+        n=64,
+        shards=8,
+        stub={"load_delay_s": load_s, "token_delay_s": 0.002},
+        sampling={"max_new_tokens": 64},
+        slurm={
+            "partition": "gpu",
+            "gpus_per_node": 1,
+            "cpus_per_task": 1,
+            "time": "00:20:00",
+            "merge_cpus": 1,
+            "array_parallelism": 2,
+        },
+    )
     wall = submit_and_wait(checkout, job, tmp)
     return starts(tmp / "run"), wall
 
@@ -48,14 +62,26 @@ def submit_and_wait(checkout: Path, job: Path, tmp: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     t0 = time.monotonic()
     # (from `tmp`: `python -m` puts the working folder first on the path, before PYTHONPATH)
-    r = subprocess.run([sys.executable, "-m", "toolkit", "submit", str(job)], capture_output=True, text=True,
-                       env=env, timeout=300, cwd=tmp)
+    r = subprocess.run(
+        [sys.executable, "-m", "toolkit", "submit", str(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp,
+    )
     if r.returncode:
         raise SystemExit(f"submit failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     run = tmp / "run"
     while True:
-        s = subprocess.run([sys.executable, "-m", "toolkit", "status", str(run)], capture_output=True, text=True,
-                           env=env, timeout=120, cwd=tmp)
+        s = subprocess.run(
+            [sys.executable, "-m", "toolkit", "status", str(run)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=tmp,
+        )
         if s.returncode == 0:
             break
         if s.returncode not in (4, 5) or time.monotonic() - t0 > 1200:
@@ -66,7 +92,9 @@ def submit_and_wait(checkout: Path, job: Path, tmp: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", type=Path, required=True, help="a checkout of the toolkit before claims")
+    ap.add_argument(
+        "--before", type=Path, required=True, help="a checkout of the toolkit before claims"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--load-s", type=float, default=5.0, help="the stub's model load, seconds")
     a = ap.parse_args()
@@ -79,8 +107,13 @@ def main() -> None:
             for name, checkout in (("one shard per task", a.before), ("claims", REPO)):
                 got = one(checkout, Path(d) / f"{name.split()[0]}-{i}", a.load_s, tok)
                 results[name].append(got)
-                print(f"  {name:<20} repetition {i + 1}: {got[0]} engine starts, {got[1]:.1f} s", flush=True)
-    print(f"\n8 shards of 8 prompts, parallelism 2, stub load {a.load_s:g} s; medians of {a.repeat}:")
+                print(
+                    f"  {name:<20} repetition {i + 1}: {got[0]} engine starts, {got[1]:.1f} s",
+                    flush=True,
+                )
+    print(
+        f"\n8 shards of 8 prompts, parallelism 2, stub load {a.load_s:g} s; medians of {a.repeat}:"
+    )
     print(f"{'policy':<20} {'engine starts':>13} {'wall s':>8}")
     med = {}
     for name, rs in results.items():

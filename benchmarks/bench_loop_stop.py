@@ -34,23 +34,33 @@ import msgspec
 import numpy as np
 from _common import KEY_ENV, TOKENIZER, child_cpu, external_job
 
-MAX_NEW = 32768      # the recipes' max_new_tokens
-SCALE = 16384        # the stub's outputs: uniform 8-95 % of this (mean ~8k tokens), a tenth longer
+MAX_NEW = 32768  # the recipes' max_new_tokens
+SCALE = 16384  # the stub's outputs: uniform 8-95 % of this (mean ~8k tokens), a tenth longer
 KEY = "benchkey"
+
 
 def self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def worker_run(work: Path, url: str, prompts: Path, name: str, segment: int | None) -> tuple[float, list]:
+def worker_run(
+    work: Path, url: str, prompts: Path, name: str, segment: int | None
+) -> tuple[float, list]:
     """(worker CPU s, records) of one shard run by `toolkit worker` on the external stub."""
     from toolkit.formats.frames import read_shard
     from toolkit.job.prepare import prepare_run
 
     run, job = work / f"run-{name}", work / f"job-{name}.toml"
-    external_job(job, run=run, url=url, prompts=prompts, concurrency=32, max_new=MAX_NEW,
-                 client={"loop_stop": bool(segment), "segment_tokens": segment or 4096})
+    external_job(
+        job,
+        run=run,
+        url=url,
+        prompts=prompts,
+        concurrency=32,
+        max_new=MAX_NEW,
+        client={"loop_stop": bool(segment), "segment_tokens": segment or 4096},
+    )
     prepare_run(str(job))  # planning happens on the login node: not part of the worker's cost
     cpu = child_cpu([sys.executable, "-m", "toolkit", "worker", str(run), "0"])
     return cpu, list(read_shard(run / "shards" / "00000.zst"))
@@ -63,7 +73,10 @@ def write_prompts(path: Path, n: int, offset: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(offset, offset + n):
             k = (i * 13) % (len(words) - 40)
-            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[k : k + 40]) + f" ({i})"}) + "\n")
+            f.write(
+                json.dumps({"id": f"p{i}", "prompt": " ".join(words[k : k + 40]) + f" ({i})"})
+                + "\n"
+            )
     return path
 
 
@@ -76,14 +89,21 @@ def stub(*args: str):
 # --- 1. the worker's CPU per token --------------------------------------------------------------------------------
 def worker_cpu(work: Path, n: int, repeat: int) -> dict:
     proc, url = stub("--output-scale", str(SCALE))
-    methods = {"one request (today)": None, "segments of 4096": 4096, "segments of 2048": 2048,
-               "segments of 1024": 1024}
+    methods = {
+        "one request (today)": None,
+        "segments of 4096": 4096,
+        "segments of 2048": 2048,
+        "segments of 1024": 1024,
+    }
     got: dict = {m: [] for m in methods}
     tokens = requests = 0
     try:
         prompts = write_prompts(work / "prompts.jsonl", n)
         for rep in range(repeat):
-            for m, seg in methods.items():  # alternating, so that a slower moment of the machine hits each
+            for (
+                m,
+                seg,
+            ) in methods.items():  # alternating, so that a slower moment of the machine hits each
                 cpu, recs = worker_run(work, url, prompts, f"{rep}-{seg}", seg)
                 got[m].append(cpu)
                 tokens = sum(r.n_output for r in recs)
@@ -91,20 +111,29 @@ def worker_cpu(work: Path, n: int, repeat: int) -> dict:
                 if seg is None:
                     ref = outs
                 elif outs != ref:
-                    raise SystemExit(f"segments of {seg}: the outputs differ from the one-request outputs")
+                    raise SystemExit(
+                        f"segments of {seg}: the outputs differ from the one-request outputs"
+                    )
                 requests = sum(r.segments for r in recs)
     finally:
         os.killpg(proc.pid, 9)
     med = {m: statistics.median(v) for m, v in got.items()}
     base = med["one request (today)"]
-    print(f"1. worker CPU per output token, all included (start-up, rendering, HTTP, parsing, checks, records), "
-          f"{n} prompts, outputs of {tokens / n:,.0f} tokens on average, max_new_tokens {MAX_NEW:,}; medians of "
-          f"{repeat}; outputs token-identical in every method")
+    print(
+        f"1. worker CPU per output token, all included (start-up, rendering, HTTP, parsing, checks, records), "
+        f"{n} prompts, outputs of {tokens / n:,.0f} tokens on average, max_new_tokens {MAX_NEW:,}; medians of "
+        f"{repeat}; outputs token-identical in every method"
+    )
     for m, v in med.items():
-        print(f"   {m:<22} {v / tokens * 1e9:6.1f} ns/token  ({v:5.2f} CPU s for {tokens:,} tokens; "
-              f"{v / base:4.2f}x today's, {(v - base) / tokens * 1e9:+6.1f} ns/token)")
-    print(f"   (requests at segments of 1024: {requests:,} for {n} outputs; runs: "
-          + "  ".join(f"{m.split(' of ')[-1]} {[round(x, 2) for x in v]}" for m, v in got.items()) + ")")
+        print(
+            f"   {m:<22} {v / tokens * 1e9:6.1f} ns/token  ({v:5.2f} CPU s for {tokens:,} tokens; "
+            f"{v / base:4.2f}x today's, {(v - base) / tokens * 1e9:+6.1f} ns/token)"
+        )
+    print(
+        f"   (requests at segments of 1024: {requests:,} for {n} outputs; runs: "
+        + "  ".join(f"{m.split(' of ')[-1]} {[round(x, 2) for x in v]}" for m, v in got.items())
+        + ")"
+    )
     return med
 
 
@@ -122,8 +151,11 @@ async def _stream_one(host: str, port: int, body: bytes, check_every: int) -> in
     from toolkit.formats.loops import repetition_loop
 
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 24)
-    writer.write(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nAuthorization: "
-                 f"Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    writer.write(
+        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nAuthorization: "
+        f"Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     await reader.readuntil(b"\r\n\r\n")
     ids: list[int] = []
     buf, next_check = b"", check_every
@@ -160,7 +192,9 @@ async def _requests(url: str, n: int, tokens: int, stream: bool) -> int:
         ids = list(range(100 + i, 140 + i))
         async with sem:
             if stream:
-                body = json.dumps({"input_ids": ids, "sampling_params": params, "stream": True}).encode()
+                body = json.dumps(
+                    {"input_ids": ids, "sampling_params": params, "stream": True}
+                ).encode()
                 return await _stream_one(u.hostname, u.port, body, 1024)
             return len((await generate(http, ids, params, timeout=600, retries=0)).output_ids)
 
@@ -182,9 +216,11 @@ def streaming_cpu(n: int, tokens: int, repeat: int) -> dict:
     finally:
         os.killpg(proc.pid, 9)
     med = {k: statistics.median(v) for k, v in out.items()}
-    print(f"2. client CPU per token, {n} requests of {tokens} tokens, 16 at once (medians of {repeat}): one request "
-          f"{med['one request']:.0f} ns/token, streamed (an event per token, incremental ids, a loop check every "
-          f"1,024) {med['streamed']:.0f} ns/token: {med['streamed'] / med['one request']:.0f}x")
+    print(
+        f"2. client CPU per token, {n} requests of {tokens} tokens, 16 at once (medians of {repeat}): one request "
+        f"{med['one request']:.0f} ns/token, streamed (an event per token, incremental ids, a loop check every "
+        f"1,024) {med['streamed']:.0f} ns/token: {med['streamed'] / med['one request']:.0f}x"
+    )
     return med
 
 
@@ -205,10 +241,12 @@ def loops_on_the_stub(work: Path, n: int, fraction: float) -> None:
     spent_off = sum(r.n_output for r in off if r.id in looping)
     spent_on = sum(stopped[i].n_output for i in looping if i in stopped)
     all_off, all_on = sum(r.n_output for r in off), sum(r.n_output for r in on)
-    print(f"3a. the worker on the stub, {n} prompts, {len(looping)} looping ({fraction:.0%} drawn), max_new_tokens "
-          f"{MAX_NEW:,}, segments of 4096: {len(stopped)} stopped; tokens decoded on them {spent_on:,} against "
-          f"{spent_off:,} run to max_new_tokens ({spent_on / max(spent_off, 1):.1%}); all decoded tokens "
-          f"{all_on:,} against {all_off:,} ({1 - all_on / all_off:.1%} fewer)")
+    print(
+        f"3a. the worker on the stub, {n} prompts, {len(looping)} looping ({fraction:.0%} drawn), max_new_tokens "
+        f"{MAX_NEW:,}, segments of 4096: {len(stopped)} stopped; tokens decoded on them {spent_on:,} against "
+        f"{spent_off:,} run to max_new_tokens ({spent_on / max(spent_off, 1):.1%}); all decoded tokens "
+        f"{all_on:,} against {all_off:,} ({1 - all_on / all_off:.1%} fewer)"
+    )
 
 
 def spent_by_onset(segment: int, onsets: np.ndarray, rng: np.random.Generator) -> float:
@@ -240,19 +278,26 @@ def loops_by_onset(samples: int) -> None:
     onsets = {
         "early (within 1k tokens)": rng.integers(0, 1024, samples),
         "uniform over max_new_tokens": rng.integers(0, MAX_NEW, samples),
-        "like output lengths (lognormal 5k, sigma 0.9)": np.minimum(rng.lognormal(np.log(5000), 0.9, samples),
-                                                                     MAX_NEW - 1),
+        "like output lengths (lognormal 5k, sigma 0.9)": np.minimum(
+            rng.lognormal(np.log(5000), 0.9, samples), MAX_NEW - 1
+        ),
     }
-    print("3b. decoded tokens of a looping output / max_new_tokens, by where the loop sets in (detector on synthetic "
-          f"outputs, {samples} each); the floor is stopping where it sets in")
+    print(
+        "3b. decoded tokens of a looping output / max_new_tokens, by where the loop sets in (detector on synthetic "
+        f"outputs, {samples} each); the floor is stopping where it sets in"
+    )
     for name, on in onsets.items():
         floor = float(np.mean(on)) / MAX_NEW
-        row = "  ".join(f"seg {seg}: {spent_by_onset(seg, on, rng):5.1%}" for seg in (4096, 2048, 1024))
+        row = "  ".join(
+            f"seg {seg}: {spent_by_onset(seg, on, rng):5.1%}" for seg in (4096, 2048, 1024)
+        )
         print(f"   {name:<46} floor {floor:5.1%}  {row}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--loop-prompts", type=int, default=200)

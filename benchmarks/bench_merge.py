@@ -46,8 +46,8 @@ from toolkit.job.spec import load_spec  # noqa: E402
 from toolkit.stub.toy_tokenizer import build_tokenizer, corpus  # noqa: E402
 
 OUTPUT_TOKENS = 4096
-IN_FLIGHT = 64        # a worker's concurrency: how far completion order strays from planned order
-FLUSH_RECORDS = 64    # records per frame, as the worker writes them
+IN_FLIGHT = 64  # a worker's concurrency: how far completion order strays from planned order
+FLUSH_RECORDS = 64  # records per frame, as the worker writes them
 SHARDS = 16
 
 MEASURED = """
@@ -82,7 +82,9 @@ EXPORTS = ("jsonl", "parquet", "conversations", "to_dataset")
 SAMPLED = 100  # the conversations export again with --check-sample SAMPLED (this checkout only)
 
 
-def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, seed: int) -> tuple[Path, int]:
+def make_run(
+    root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, seed: int
+) -> tuple[Path, int]:
     """Plan a run of `tokens` output tokens and write its shard files and done manifests directly."""
     n = -(-tokens // OUTPUT_TOKENS)
     root.mkdir(parents=True)
@@ -105,41 +107,71 @@ def make_run(root: Path, tokenizer: Path, tok, pool: np.ndarray, tokens: int, se
     from toolkit.job.inputs import read_prompt_at
 
     ds = plan.datasets[0]
-    prompt_ids = chat.render_many(tok, spec.model, (read_prompt_at(ds.path, ds.name, r.line, r.offset, r.length) for r in refs))
+    prompt_ids = chat.render_many(
+        tok,
+        spec.model,
+        (read_prompt_at(ds.path, ds.name, r.line, r.offset, r.length) for r in refs),
+    )
     rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
     te, eos = info.think_end_id, info.eos_ids[0]
     written = 0
     for sp in plan.shards:
-        order = sorted(range(sp.first, sp.first + sp.count), key=lambda p: p + rng.random() * IN_FLIGHT)
-        w = ShardWriter(rd.shard_file(sp.index), plan.fingerprint, sp.index, flush_records=FLUSH_RECORDS)
+        order = sorted(
+            range(sp.first, sp.first + sp.count), key=lambda p: p + rng.random() * IN_FLIGHT
+        )
+        w = ShardWriter(
+            rd.shard_file(sp.index), plan.fingerprint, sp.index, flush_records=FLUSH_RECORDS
+        )
         w.open(range(sp.first, sp.first + sp.count))
         for pos in order:
             reasoning = int(nprng.integers(OUTPUT_TOKENS // 4, OUTPUT_TOKENS * 9 // 10))
             content = OUTPUT_TOKENS - reasoning - 2
             a, b = nprng.integers(0, len(pool) - OUTPUT_TOKENS, 2)
-            cut = pos % 10 == 0  # a tenth cut by max_new_tokens (the audit looks for repetition loops in those)
-            out = np.concatenate([pool[a : a + reasoning], [te], pool[b : b + content + cut],
-                                  [] if cut else [eos]]).astype("<u4")
+            cut = (
+                pos % 10 == 0
+            )  # a tenth cut by max_new_tokens (the audit looks for repetition loops in those)
+            out = np.concatenate(
+                [pool[a : a + reasoning], [te], pool[b : b + content + cut], [] if cut else [eos]]
+            ).astype("<u4")
             p = prompt_ids[pos]
-            w.add(Record(
-                id=refs[pos].id, dataset=ds.name, index=pos, status=OK, prompt_ids=np.array(p, "<u4").tobytes(),
-                output_ids=out.tobytes(), reasoning_end=reasoning, tool_call_at=None, finish="length" if cut else "stop",
-                matched_stop=None if cut else eos,
-                prompt_tokens=len(p), completion_tokens=OUTPUT_TOKENS, cached_tokens=0,
-                latency_s=round(rng.uniform(20, 90), 3), attempts=1,
-            ))
+            w.add(
+                Record(
+                    id=refs[pos].id,
+                    dataset=ds.name,
+                    index=pos,
+                    status=OK,
+                    prompt_ids=np.array(p, "<u4").tobytes(),
+                    output_ids=out.tobytes(),
+                    reasoning_end=reasoning,
+                    tool_call_at=None,
+                    finish="length" if cut else "stop",
+                    matched_stop=None if cut else eos,
+                    prompt_tokens=len(p),
+                    completion_tokens=OUTPUT_TOKENS,
+                    cached_tokens=0,
+                    latency_s=round(rng.uniform(20, 90), 3),
+                    attempts=1,
+                )
+            )
             written += OUTPUT_TOKENS
         w.close()
-        write_done(rd.done_file(sp.index), rd.shard_file(sp.index), sp.index, plan.fingerprint,
-                   positions=range(sp.first, sp.first + sp.count))
+        write_done(
+            rd.done_file(sp.index),
+            rd.shard_file(sp.index),
+            sp.index,
+            plan.fingerprint,
+            positions=range(sp.first, sp.first + sp.count),
+        )
     return rd.root, written
 
 
 def measure_merge(run: Path) -> tuple[float, float, float]:
     """(CPU seconds, wall seconds, peak RSS MB) of `toolkit merge RUN` (merge + audit) in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", MEASURED, "merge", str(run)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURED, "merge", str(run)], env=env, capture_output=True, text=True
+    )
     line = next((x for x in proc.stderr.splitlines() if x.startswith("MEASURED")), None)
     if line is None:
         raise SystemExit(f"merge failed:\n{proc.stderr[-3000:]}")
@@ -163,17 +195,26 @@ def measure_to_dataset(run: Path, tokens: int, cache: Path) -> None:
     ds = toolkit.to_dataset(run, ok_only=False, cache_dir=cache)
     cpu, wall = cpu_now() - c0, time.perf_counter() - w0
     size = sum(f.stat().st_size for f in cache.rglob("*.arrow"))
-    print(f"to_dataset     : {ds.num_rows} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
-          f"({wall / tokens * 1e9:.0f} ns/token), CPU {cpu:.1f} s; cache {size / 1e6:.0f} MB = "
-          f"{size / tokens:.2f} B per output token (output_ids {ds.data.schema.field('output_ids').type})")
+    print(
+        f"to_dataset     : {ds.num_rows} records, {tokens / 1e6:.1f} M output tokens in {wall:.1f} s wall "
+        f"({wall / tokens * 1e9:.0f} ns/token), CPU {cpu:.1f} s; cache {size / 1e6:.0f} MB = "
+        f"{size / tokens:.2f} B per output token (output_ids {ds.data.schema.field('output_ids').type})"
+    )
 
 
-def measure_export(code: Path, run: Path, fmt: str, out: Path, *sample: str) -> tuple[int, float, float]:
+def measure_export(
+    code: Path, run: Path, fmt: str, out: Path, *sample: str
+) -> tuple[int, float, float]:
     """(rows, CPU seconds, wall seconds) of one export (or `to_dataset`, its cache in `out`) made by the toolkit
     of `code` in a fresh process; its imports are not counted, its tokenizer threads are."""
     env = {**os.environ, "PYTHONPATH": str(code)}
-    proc = subprocess.run([sys.executable, "-c", EXPORT, fmt, str(run), str(out), *sample], env=env, capture_output=True,
-                          text=True, cwd=out.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPORT, fmt, str(run), str(out), *sample],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=out.parent,
+    )
     line = next((x for x in proc.stderr.splitlines() if x.startswith("MEASURED")), None)
     if line is None:
         raise SystemExit(f"{fmt} export with {code} failed:\n{proc.stderr[-3000:]}")
@@ -188,7 +229,9 @@ def digest(out: Path, fmt: str) -> str:
     if fmt == "to_dataset":
         files = sorted(out.rglob("*.arrow"))
     else:
-        files = sorted(p for p in out.parent.glob(out.stem + "*") if not p.name.endswith("_summary.json"))
+        files = sorted(
+            p for p in out.parent.glob(out.stem + "*") if not p.name.endswith("_summary.json")
+        )
     for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()
@@ -204,7 +247,13 @@ def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, r
             for name, code in codes.items():
                 d = tmp / f"export-{name}-{fmt}"
                 d.mkdir()
-                out = d / ("hf" if fmt == "to_dataset" else "out.parquet" if fmt == "parquet" else "out.jsonl")
+                out = d / (
+                    "hf"
+                    if fmt == "to_dataset"
+                    else "out.parquet"
+                    if fmt == "parquet"
+                    else "out.jsonl"
+                )
                 got.setdefault((name, fmt), []).append(measure_export(code, run, fmt, out))
                 if i == 0:
                     digests[name, fmt] = digest(out, fmt)
@@ -212,7 +261,8 @@ def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, r
         d = tmp / "export-sampled"
         d.mkdir()
         got.setdefault(("after", "sampled"), []).append(
-            measure_export(codes["after"], run, "conversations", d / "out.jsonl", str(SAMPLED)))
+            measure_export(codes["after"], run, "conversations", d / "out.jsonl", str(SAMPLED))
+        )
         shutil.rmtree(d)
     for fmt in (*EXPORTS, "sampled"):
         walls = {}
@@ -222,16 +272,23 @@ def measure_exports(codes: dict[str, Path], run: Path, tokens: int, tmp: Path, r
             cpu, wall = (statistics.median(x[k] for x in runs) for k in (1, 2))
             walls[name] = wall
             label = f"conversations --check-sample {SAMPLED}" if fmt == "sampled" else fmt
-            print(f"{label:13s} {name:6s}: {n} rows, {tokens / 1e6:.1f} M output tokens: wall {wall:6.2f} s = "
-                  f"{wall / tokens * 1e9:6.0f} ns/token, CPU {cpu:6.2f} s = {cpu / tokens * 1e9:6.0f} ns/token "
-                  f"(median of {repeat}; walls {', '.join(f'{x[2]:.2f}' for x in runs)})")
+            print(
+                f"{label:13s} {name:6s}: {n} rows, {tokens / 1e6:.1f} M output tokens: wall {wall:6.2f} s = "
+                f"{wall / tokens * 1e9:6.0f} ns/token, CPU {cpu:6.2f} s = {cpu / tokens * 1e9:6.0f} ns/token "
+                f"(median of {repeat}; walls {', '.join(f'{x[2]:.2f}' for x in runs)})"
+            )
         if "before" in codes and fmt != "sampled":
             same = "identical" if digests["before", fmt] == digests["after", fmt] else "DIFFERENT"
-            print(f"{fmt:13s} after/before wall {walls['after'] / walls['before']:.2f}x; files {same}")
+            print(
+                f"{fmt:13s} after/before wall {walls['after'] / walls['before']:.2f}x; files {same}"
+            )
     for name in codes:
         jsonl = statistics.median(x[2] for x in got[name, "jsonl"])
-        ratios = [f"{fmt} {statistics.median(x[2] for x in got[name, fmt]) / jsonl:.2f}x"
-                  for fmt in ("conversations", "sampled") if (name, fmt) in got]
+        ratios = [
+            f"{fmt} {statistics.median(x[2] for x in got[name, fmt]) / jsonl:.2f}x"
+            for fmt in ("conversations", "sampled")
+            if (name, fmt) in got
+        ]
         print(f"wall per token against jsonl ({name}): {', '.join(ratios)}")
 
 
@@ -240,7 +297,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=50_000_000, help="output tokens of the large run")
     ap.add_argument("--repeat", type=int, default=3, help="merges per run (medians are printed)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary runs")
-    ap.add_argument("--before", type=Path, help="a checkout of the toolkit whose exports are measured too")
+    ap.add_argument(
+        "--before", type=Path, help="a checkout of the toolkit whose exports are measured too"
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-merge-"))
@@ -249,35 +308,50 @@ def main() -> None:
         tokenizer = build_tokenizer(tmp / "tokenizer", "kimi")
         from types import SimpleNamespace
 
-        tok = chat.load_tokenizer(SimpleNamespace(path=str(tokenizer), tokenizer_path=None, trust_remote_code=False,
-                                                  chat_template=None, chat_template_kwargs={}))
+        tok = chat.load_tokenizer(
+            SimpleNamespace(
+                path=str(tokenizer),
+                tokenizer_path=None,
+                trust_remote_code=False,
+                chat_template=None,
+                chat_template_kwargs={},
+            )
+        )
         pool = np.array(tok("".join(corpus()), add_special_tokens=False)["input_ids"], np.uint32)
         pool = pool[~np.isin(pool, list(tok.added_tokens_decoder))]
         runs = {}
         for name, tokens in (("small", args.tokens // 10), ("large", args.tokens)):
             runs[name] = make_run(tmp / name, tokenizer, tok, pool, tokens, seed=len(name))
         size = sum(f.stat().st_size for f in (runs["large"][0] / "shards").glob("*.zst"))
-        print(f"runs written in {time.perf_counter() - t:.0f} s: large {runs['large'][1] / 1e6:.1f} M output tokens "
-              f"({size / 1e6:.0f} MB of shard files, {size / runs['large'][1]:.2f} B/token), small "
-              f"{runs['small'][1] / 1e6:.1f} M; text pool {len(pool):,} ids, {OUTPUT_TOKENS}-token outputs, "
-              f"{SHARDS} shards")
+        print(
+            f"runs written in {time.perf_counter() - t:.0f} s: large {runs['large'][1] / 1e6:.1f} M output tokens "
+            f"({size / 1e6:.0f} MB of shard files, {size / runs['large'][1]:.2f} B/token), small "
+            f"{runs['small'][1] / 1e6:.1f} M; text pool {len(pool):,} ids, {OUTPUT_TOKENS}-token outputs, "
+            f"{SHARDS} shards"
+        )
 
         figures = {}
         for name, (run, tokens) in runs.items():
             got = [measure_merge(run) for _ in range(args.repeat)]
             cpu, wall, rss = (statistics.median(x[i] for x in got) for i in range(3))
             figures[name] = (tokens, cpu, wall, rss)
-            print(f"merge+audit {name:5s} {tokens / 1e6:6.1f} M tokens: CPU {cpu:6.2f} s -> {tokens / cpu / 1e6:5.1f} M "
-                  f"tokens/s per core; wall {wall:6.2f} s; peak RSS {rss:6.1f} MB   (median of {args.repeat}; "
-                  f"runs: {', '.join(f'{x[0]:.2f}s/{x[2]:.0f}MB' for x in got)})")
+            print(
+                f"merge+audit {name:5s} {tokens / 1e6:6.1f} M tokens: CPU {cpu:6.2f} s -> {tokens / cpu / 1e6:5.1f} M "
+                f"tokens/s per core; wall {wall:6.2f} s; peak RSS {rss:6.1f} MB   (median of {args.repeat}; "
+                f"runs: {', '.join(f'{x[0]:.2f}s/{x[2]:.0f}MB' for x in got)})"
+            )
         (t_s, c_s, _, r_s), (t_l, c_l, _, r_l) = figures["small"], figures["large"]
-        print(f"marginal merge+audit rate (large - small, start-up excluded): {(t_l - t_s) / (c_l - c_s) / 1e6:.1f} M "
-              f"tokens/s per core; peak RSS large/small {r_l:.0f}/{r_s:.0f} MB")
+        print(
+            f"marginal merge+audit rate (large - small, start-up excluded): {(t_l - t_s) / (c_l - c_s) / 1e6:.1f} M "
+            f"tokens/s per core; peak RSS large/small {r_l:.0f}/{r_s:.0f} MB"
+        )
 
         run, tokens = runs["large"]
         codes = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
-        print(f"load average before the exports: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
-              f"({os.cpu_count()} cores)")
+        print(
+            f"load average before the exports: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+            f"({os.cpu_count()} cores)"
+        )
         measure_exports(codes, run, tokens, tmp, args.repeat)
         print(f"load average after: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
         measure_to_dataset(run, tokens, tmp / "hf")

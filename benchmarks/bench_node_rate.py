@@ -43,7 +43,9 @@ def toml_value(v) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+        return (
+            "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+        )
     raise TypeError(v)
 
 
@@ -57,8 +59,12 @@ def job_text(spec: dict) -> str:
     lines += ["[sampling]"] + [f"{k} = {toml_value(v)}" for k, v in spec["sampling"].items()]
     for table, keys in tables.items():
         lines.append(f"[{table}]")
-        nested = {k: v for k, v in keys.items() if isinstance(v, dict) and k != "env" and k != "extra"}
-        lines += [f"{k} = {toml_value(v)}" for k, v in keys.items() if v is not None and k not in nested]
+        nested = {
+            k: v for k, v in keys.items() if isinstance(v, dict) and k != "env" and k != "extra"
+        }
+        lines += [
+            f"{k} = {toml_value(v)}" for k, v in keys.items() if v is not None and k not in nested
+        ]
         for name, sub in nested.items():
             lines.append(f"[{table}.{name}]")
             lines += [f"{k} = {toml_value(v)}" for k, v in sub.items() if v is not None]
@@ -90,7 +96,9 @@ def sample_prompts(spec: dict, n: int, out: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("job", help="the job whose engine is measured")
-    ap.add_argument("--prompts", type=int, default=1024, help="prompts to generate (at least 4 x concurrency)")
+    ap.add_argument(
+        "--prompts", type=int, default=1024, help="prompts to generate (at least 4 x concurrency)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary run")
     args = ap.parse_args()
 
@@ -102,21 +110,38 @@ def main() -> None:
         spec["datasets"] = [{"name": "sample", "path": str(tmp / "prompts.jsonl")}]
         spec["sharding"]["shards"] = 1
         (tmp / "job.toml").write_text(job_text(spec))
-        cmd = [sys.executable, "-m", "toolkit", "run", str(tmp / "job.toml"), "--parallel", "1", "--no-merge",
-               "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "toolkit",
+            "run",
+            str(tmp / "job.toml"),
+            "--parallel",
+            "1",
+            "--no-merge",
+            "--quiet",
+        ]
         r = subprocess.run(cmd, cwd=REPO)
         if r.returncode != 0:
-            sys.exit(f"toolkit run exited {r.returncode}; the run's logs are in {tmp / 'run' / 'logs'}")
+            sys.exit(
+                f"toolkit run exited {r.returncode}; the run's logs are in {tmp / 'run' / 'logs'}"
+            )
         rd = RunDir(tmp / "run")
         p = read_progress(rd.progress_file(0))
-        ready = re.findall(r"engine ready after ([\d.]+) s", rd.log_file(0).read_text(errors="replace"))
+        ready = re.findall(
+            r"engine ready after ([\d.]+) s", rd.log_file(0).read_text(errors="replace")
+        )
         load = float(ready[0]) if ready else None
         kind = spec["engine"]["kind"]
-        print(f"{taken} prompts, {p.done - p.failed} outputs, {p.output_tokens:,} output tokens on one engine "
-              f"({kind}, tp {spec['engine']['tp_size']}, dp {spec['engine']['dp_size']}, concurrency "
-              f"{spec['client']['concurrency']})")
-        print(f"output tokens/s: {p.tok_per_s:,.0f} (first request to last record); load: "
-              f"{'unknown' if load is None else f'{load:.0f} s'}")
+        print(
+            f"{taken} prompts, {p.done - p.failed} outputs, {p.output_tokens:,} output tokens on one engine "
+            f"({kind}, tp {spec['engine']['tp_size']}, dp {spec['engine']['dp_size']}, concurrency "
+            f"{spec['client']['concurrency']})"
+        )
+        print(
+            f"output tokens/s: {p.tok_per_s:,.0f} (first request to last record); load: "
+            f"{'unknown' if load is None else f'{load:.0f} s'}"
+        )
         print("for the job's [estimate] table:")
         print(f"tokens_per_s = {p.tok_per_s:.0f}")
         if load is not None:

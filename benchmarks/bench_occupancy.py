@@ -39,8 +39,10 @@ from bench_claims_slurm import starts, submit_and_wait  # noqa: E402
 from jobfiles import make_job  # noqa: E402
 
 MEDIAN, SIGMA = 60, 0.9  # the stub's output lengths (--lognormal-lengths)
-OCCUPANCY = re.compile(r"Batch occupancy (\d+\.\d+) \(time-weighted running / max running (\d+)\) over "
-                       r"(\d+\.\d+) s")
+OCCUPANCY = re.compile(
+    r"Batch occupancy (\d+\.\d+) \(time-weighted running / max running (\d+)\) over "
+    r"(\d+\.\d+) s"
+)
 
 
 def occupancies(run: Path) -> list[tuple[str, float, float]]:
@@ -53,19 +55,39 @@ def occupancies(run: Path) -> list[tuple[str, float, float]]:
 
 
 def one(checkout: Path, tmp: Path, a: argparse.Namespace, tokenizer: Path) -> dict:
-    job = make_job(tmp, tokenizer, n=8 * a.prompts_per_shard, shards=8,
-                   stub={"load_delay_s": a.load_s, "token_delay_s": a.token_delay,
-                         "extra_args": ["--lognormal-lengths", f"{MEDIAN}:{SIGMA}",
-                                        "--max-running-requests", str(a.slots)]},
-                   sampling={"max_new_tokens": a.max_new_tokens},
-                   client={"concurrency": "auto", "request_timeout_s": 120},
-                   slurm={"partition": "gpu", "gpus_per_node": 1, "cpus_per_task": 1, "time": "00:20:00",
-                          "merge_cpus": 1, "array_parallelism": 2})
+    job = make_job(
+        tmp,
+        tokenizer,
+        n=8 * a.prompts_per_shard,
+        shards=8,
+        stub={
+            "load_delay_s": a.load_s,
+            "token_delay_s": a.token_delay,
+            "extra_args": [
+                "--lognormal-lengths",
+                f"{MEDIAN}:{SIGMA}",
+                "--max-running-requests",
+                str(a.slots),
+            ],
+        },
+        sampling={"max_new_tokens": a.max_new_tokens},
+        client={"concurrency": "auto", "request_timeout_s": 120},
+        slurm={
+            "partition": "gpu",
+            "gpus_per_node": 1,
+            "cpus_per_task": 1,
+            "time": "00:20:00",
+            "merge_cpus": 1,
+            "array_parallelism": 2,
+        },
+    )
     wall = submit_and_wait(checkout, job, tmp)
     engines = occupancies(tmp / "run")
     if not engines:
-        raise SystemExit(f"no engine log of {tmp / 'run'} says its batch occupancy: does the stub of {checkout} "
-                         "report it at shutdown?")
+        raise SystemExit(
+            f"no engine log of {tmp / 'run'} says its batch occupancy: does the stub of {checkout} "
+            "report it at shutdown?"
+        )
     span = sum(s for _, _, s in engines)
     mean = sum(o * s for _, o, s in engines) / span if span else 0.0
     return {"engines": engines, "mean": mean, "wall": wall, "starts": starts(tmp / "run")}
@@ -78,43 +100,76 @@ def modelled(a: argparse.Namespace) -> dict[str, float]:
     got: dict[str, list[float]] = {}
     for seed in range(5):
         rng = random.Random(seed)
-        lengths = [min(a.max_new_tokens, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA))))
-                   for _ in range(8 * a.prompts_per_shard)]
+        lengths = [
+            min(a.max_new_tokens, max(1, round(rng.lognormvariate(math.log(MEDIAN), SIGMA))))
+            for _ in range(8 * a.prompts_per_shard)
+        ]
         for policy in ("claims", "claims + overlap", "claims + overlap + handover"):
-            r = sim.simulate(lengths, nodes=2, shards=8, policy=policy, preemptions=[], decide_s=1.0, engine=engine)
+            r = sim.simulate(
+                lengths,
+                nodes=2,
+                shards=8,
+                policy=policy,
+                preemptions=[],
+                decide_s=1.0,
+                engine=engine,
+            )
             got.setdefault(policy, []).append(r["generating_h"] / (r["alloc_h"] - r["loading_h"]))
     return {p: statistics.median(v) for p, v in got.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkout", type=Path, default=REPO, help="the toolkit checkout that submits (default: this)")
+    ap.add_argument(
+        "--checkout",
+        type=Path,
+        default=REPO,
+        help="the toolkit checkout that submits (default: this)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8, help="sequences each engine runs at once")
     ap.add_argument("--prompts-per-shard", type=int, default=40)
-    ap.add_argument("--max-new-tokens", type=int, default=400, help="where the lognormal output lengths are cut")
-    ap.add_argument("--token-delay", type=float, default=0.01, help="seconds per token of a sequence")
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=400, help="where the lognormal output lengths are cut"
+    )
+    ap.add_argument(
+        "--token-delay", type=float, default=0.01, help="seconds per token of a sequence"
+    )
     ap.add_argument("--load-s", type=float, default=2.0, help="the stub's model load, seconds")
     a = ap.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("set SLURM_CONF to the local cluster's slurm.conf")
     tok = REPO / "jobs" / "demo" / "tokenizer"
     runs = []
-    with tempfile.TemporaryDirectory(prefix="bench-occupancy-", dir=os.environ.get("BENCH_TMP")) as d:
+    with tempfile.TemporaryDirectory(
+        prefix="bench-occupancy-", dir=os.environ.get("BENCH_TMP")
+    ) as d:
         for i in range(a.repeat):
             r = one(a.checkout.resolve(), Path(d) / f"run-{i}", a, tok)
             runs.append(r)
-            each = ", ".join(f"{name} {occ:.3f} over {span:.1f} s" for name, occ, span in r["engines"])
-            print(f"  repetition {i + 1}: occupancy {each}; span-weighted {r['mean']:.3f}; "
-                  f"{r['starts']} engine starts; wall {r['wall']:.1f} s", flush=True)
-    print(f"\n8 shards of {a.prompts_per_shard} prompts, parallelism 2, {a.slots} slots per engine, output lengths "
-          f"lognormal (median {MEDIAN}, sigma {SIGMA}) cut at {a.max_new_tokens:,}, {a.token_delay * 1000:g} ms per "
-          f"token; medians of {a.repeat}:")
-    print(f"batch occupancy (span-weighted over the engines) {statistics.median(r['mean'] for r in runs):.3f}; "
-          f"lowest engine {statistics.median(min(o for _, o, _ in r['engines']) for r in runs):.3f}; "
-          f"engine starts {statistics.median(r['starts'] for r in runs):g}; "
-          f"wall {statistics.median(r['wall'] for r in runs):.1f} s")
-    print("the simulation for such a job: " + ", ".join(f"{p} {v:.3f}" for p, v in modelled(a).items()))
+            each = ", ".join(
+                f"{name} {occ:.3f} over {span:.1f} s" for name, occ, span in r["engines"]
+            )
+            print(
+                f"  repetition {i + 1}: occupancy {each}; span-weighted {r['mean']:.3f}; "
+                f"{r['starts']} engine starts; wall {r['wall']:.1f} s",
+                flush=True,
+            )
+    print(
+        f"\n8 shards of {a.prompts_per_shard} prompts, parallelism 2, {a.slots} slots per engine, output lengths "
+        f"lognormal (median {MEDIAN}, sigma {SIGMA}) cut at {a.max_new_tokens:,}, {a.token_delay * 1000:g} ms per "
+        f"token; medians of {a.repeat}:"
+    )
+    print(
+        f"batch occupancy (span-weighted over the engines) {statistics.median(r['mean'] for r in runs):.3f}; "
+        f"lowest engine {statistics.median(min(o for _, o, _ in r['engines']) for r in runs):.3f}; "
+        f"engine starts {statistics.median(r['starts'] for r in runs):g}; "
+        f"wall {statistics.median(r['wall'] for r in runs):.1f} s"
+    )
+    print(
+        "the simulation for such a job: "
+        + ", ".join(f"{p} {v:.3f}" for p, v in modelled(a).items())
+    )
 
 
 if __name__ == "__main__":

@@ -40,23 +40,39 @@ from toolkit.formats.rundir import RunDir  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompts", type=int, default=100_000)
     ap.add_argument("--shards", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     n, s = args.prompts, args.shards
-    refs = [PromptRef(f"math-{i:07d}", i % 8, i + 1, i * 311, 290, 0, 0, f"{i * 7919:016x}") for i in range(n)]
+    refs = [
+        PromptRef(f"math-{i:07d}", i % 8, i + 1, i * 311, 290, 0, 0, f"{i * 7919:016x}")
+        for i in range(n)
+    ]
     per = n // s
     shards = [ShardPlan(k, k * per, per if k < s - 1 else n - k * per) for k in range(s)]
-    plan = RunPlan(format=2, name="bench", fingerprint="0" * 16, parts={}, created="", total=n, spec={},
-                   datasets=[], shards=shards)
+    plan = RunPlan(
+        format=2,
+        name="bench",
+        fingerprint="0" * 16,
+        parts={},
+        created="",
+        total=n,
+        spec={},
+        datasets=[],
+        shards=shards,
+    )
     with tempfile.TemporaryDirectory(prefix="bench-prompt-index-") as tmp:
         rd = RunDir(tmp)
         data = refs_bytes(plan, refs)
         rd.prompts_file.write_bytes(data)
-        print(f"prompts.msgpack: {n:,} refs in {s:,} shards, {len(data) / 1e6:.2f} MB "
-              f"({len(data) / n:.1f} B a ref); median of {args.repeat}, peak Python memory of one run")
+        print(
+            f"prompts.msgpack: {n:,} refs in {s:,} shards, {len(data) / 1e6:.2f} MB "
+            f"({len(data) / n:.1f} B a ref); median of {args.repeat}, peak Python memory of one run"
+        )
         positions = random.Random(0).sample(range(n), min(10_000, n))
         index = PromptIndex(rd, plan)
         assert index.refs() == refs
@@ -77,16 +93,35 @@ def main() -> None:
             ("PromptIndex: open (the C split into raw refs)", n, lambda: PromptIndex(rd, plan)),
             ("PromptIndex: every ref decoded (.refs())", n, lambda: PromptIndex(rd, plan).refs()),
             ("PromptIndex: every shard in turn (.shard(k))", n, every_shard),
-            (f"PromptIndex: {len(positions):,} random positions (.at)", len(positions), random_positions),
-            (f"ShardRefs: one shard of {per:,} refs, streamed", per, lambda: list(ShardRefs(rd, shards[s // 2]))),
-            (f"ShardRefs: one shard of {n:,} refs, streamed", n, lambda: sum(1 for _ in ShardRefs(rd, whole))),
+            (
+                f"PromptIndex: {len(positions):,} random positions (.at)",
+                len(positions),
+                random_positions,
+            ),
+            (
+                f"ShardRefs: one shard of {per:,} refs, streamed",
+                per,
+                lambda: list(ShardRefs(rd, shards[s // 2])),
+            ),
+            (
+                f"ShardRefs: one shard of {n:,} refs, streamed",
+                n,
+                lambda: sum(1 for _ in ShardRefs(rd, whole)),
+            ),
             (f"RefSlice: making one of {n:,} refs", n, lambda: RefSlice(rd, 0, n)),
-            (f"RefSlice: every one of {n:,} refs looked up", n, lambda: [window[i] for i in range(len(window))]),
+            (
+                f"RefSlice: every one of {n:,} refs looked up",
+                n,
+                lambda: [window[i] for i in range(len(window))],
+            ),
         ]
         width = max(len(name) for name, _, _ in cases)
         for name, count, run in cases:
             sec, peak = median_and_peak(run, args.repeat)
-            print(f"  {name:<{width}}  {sec * 1e3:9.1f} ms  {sec / count * 1e6:6.2f} µs/ref  peak {peak:7.2f} MB")
+            print(
+                f"  {name:<{width}}  {sec * 1e3:9.1f} ms  {sec / count * 1e6:6.2f} µs/ref  peak {peak:7.2f} MB"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -34,10 +34,23 @@ FINGERPRINT = "b" * 16
 
 def record(pos: int, rng: random.Random, n_out: int, status: str = OK) -> Record:
     out = [rng.randrange(150_000) for _ in range(n_out)]
-    return Record(id=f"p{pos:07d}", dataset="bench", index=pos, status=status, prompt_ids=pack_ids(out[:200]),
-                  output_ids=pack_ids(out), reasoning_end=n_out // 2, tool_call_at=None,
-                  finish="stop" if status == OK else None, matched_stop=out[-1], prompt_tokens=200,
-                  completion_tokens=n_out, cached_tokens=0, latency_s=1.0, attempts=1)
+    return Record(
+        id=f"p{pos:07d}",
+        dataset="bench",
+        index=pos,
+        status=status,
+        prompt_ids=pack_ids(out[:200]),
+        output_ids=pack_ids(out),
+        reasoning_end=n_out // 2,
+        tool_call_at=None,
+        finish="stop" if status == OK else None,
+        matched_stop=out[-1],
+        prompt_tokens=200,
+        completion_tokens=n_out,
+        cached_tokens=0,
+        latency_s=1.0,
+        attempts=1,
+    )
 
 
 def write_file(path: Path, n: int, n_out: int) -> None:
@@ -69,7 +82,9 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args()
-    print(f"{'records':>8} {'file MB':>8} {'recover s':>10} {'plain pass s':>13} {'ratio':>6} {'peak MB':>8}")
+    print(
+        f"{'records':>8} {'file MB':>8} {'recover s':>10} {'plain pass s':>13} {'ratio':>6} {'peak MB':>8}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.records:
             path = Path(tmp) / f"{n}.zst"
@@ -78,7 +93,9 @@ def main() -> None:
             rec_s, peak = median_and_peak(lambda: recover(path, n), a.repeat)
             plain_s, _ = median_and_peak(lambda: plain_pass(path), a.repeat)
             mb = path.stat().st_size / 1e6
-            print(f"{n:>8} {mb:>8.1f} {rec_s:>10.3f} {plain_s:>13.3f} {rec_s / plain_s:>6.2f} {peak:>8.1f}")
+            print(
+                f"{n:>8} {mb:>8.1f} {rec_s:>10.3f} {plain_s:>13.3f} {rec_s / plain_s:>6.2f} {peak:>8.1f}"
+            )
 
 
 if __name__ == "__main__":

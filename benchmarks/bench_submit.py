@@ -86,7 +86,12 @@ def write_datasets(folder: Path, prompts: int, datasets: int) -> list[tuple[str,
                 g = j * per + i
                 start = (g * 7) % span
                 text = " ".join(words[start : start + 12 + (g % 5) * 3])
-                f.write(json.dumps({"id": f"d{j}-{i:05d}", "messages": [{"role": "user", "content": text}]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": f"d{j}-{i:05d}", "messages": [{"role": "user", "content": text}]}
+                    )
+                    + "\n"
+                )
         out.append((f"dataset{j}", path))
     return out
 
@@ -126,7 +131,9 @@ def count_files(root: Path) -> tuple[int, int, Counter]:
         for name in names:
             files += 1
             link = " (symlinks)" if os.path.islink(os.path.join(folder, name)) else ""
-            if rel and rel[0] == "slurm" and name != "jobs.json":  # submitit's files: one folder per job / array task
+            if (
+                rel and rel[0] == "slurm" and name != "jobs.json"
+            ):  # submitit's files: one folder per job / array task
                 kinds[f"slurm/{'<job>/' if len(rel) > 1 else ''}*{Path(name).suffix}{link}"] += 1
             else:
                 kinds["/".join([*rel, name])] += 1
@@ -138,16 +145,24 @@ def check_held(run: Path) -> tuple[int, Counter]:
     jobs = read_jobs(RunDir(run))
     sub = jobs.submissions[-1]
     array_ids = [a.job_id for a in sub.arrays]
-    out = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(array_ids), "-o", "%i|%T|%r"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-j", ",".join(array_ids), "-o", "%i|%T|%r"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     states: Counter = Counter()
     for line in out.splitlines():
         _, state, reason = line.split("|", 2)
         states[f"{state} ({reason})"] += 1
-    tasks = sum(len(a.tasks) or 1 for a in sub.arrays)  # claiming arrays: as many tasks as may run at once
+    tasks = sum(
+        len(a.tasks) or 1 for a in sub.arrays
+    )  # claiming arrays: as many tasks as may run at once
     pending = sum(n for s, n in states.items() if s.startswith("PENDING"))
     if pending != tasks:
-        raise SystemExit(f"expected {tasks} pending array tasks of {run}, squeue shows {dict(states)}")
+        raise SystemExit(
+            f"expected {tasks} pending array tasks of {run}, squeue shows {dict(states)}"
+        )
     return len(sub.arrays), states
 
 
@@ -158,17 +173,22 @@ def cancel(run: Path) -> None:
 
 def top_imports(argv: list[str], n: int = 12) -> list[str]:
     """The slowest modules to import in `argv` (cumulative, as python -X importtime reports them)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True
+    )
     rows = []
     for line in r.stderr.splitlines():
         if not line.startswith("import time:") or "cumulative" in line:
             continue
-        self_us, cum_us, name = line[len("import time:"):].split("|", 2)
+        self_us, cum_us, name = line[len("import time:") :].split("|", 2)
         rows.append((int(cum_us), int(self_us), name.rstrip()))
     # top-level imports and the ones directly below them: the indentation of the name is the nesting level
     rows = [r for r in rows if len(r[2]) - len(r[2].lstrip()) <= 4]
     rows.sort(reverse=True)
-    return [f"{cum / 1e6:6.2f} s cumulative {self / 1e6:6.3f} s self  {name.strip()}" for cum, self, name in rows[:n]]
+    return [
+        f"{cum / 1e6:6.2f} s cumulative {self / 1e6:6.3f} s self  {name.strip()}"
+        for cum, self, name in rows[:n]
+    ]
 
 
 def profile(argv: list[str], out: Path, n: int = 15) -> list[str]:
@@ -176,16 +196,24 @@ def profile(argv: list[str], out: Path, n: int = 15) -> list[str]:
     every function by its own time."""
     import io
 
-    subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), *argv[1:]], capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(out), *argv[1:]],
+        capture_output=True,
+        text=True,
+    )
     lines = []
-    for sort, restrict, title in (("cumulative", "/toolkit/", "toolkit functions by cumulative time"),
-                                  ("tottime", "", "all functions by own time")):
+    for sort, restrict, title in (
+        ("cumulative", "/toolkit/", "toolkit functions by cumulative time"),
+        ("tottime", "", "all functions by own time"),
+    ):
         buf = io.StringIO()
         pstats.Stats(str(out), stream=buf).sort_stats(sort).print_stats(restrict, n)
         text = buf.getvalue()
         lines.append(f"{title}:")
-        for line in text[text.find("   ncalls"):].rstrip().splitlines():
-            line = line.replace(str(REPO) + "/", "")  # paths shown from the package (or the stdlib) on
+        for line in text[text.find("   ncalls") :].rstrip().splitlines():
+            line = line.replace(
+                str(REPO) + "/", ""
+            )  # paths shown from the package (or the stdlib) on
             lines.append("  " + re.sub(r"\S*/(site-packages|lib/python3\.\d+)/", "", line))
     return lines
 
@@ -195,31 +223,47 @@ def med(xs: list[float]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shards", type=int, default=1000)
     ap.add_argument("--prompts", type=int, default=100_000)
     ap.add_argument("--datasets", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="submits (and dry runs) measured")
-    ap.add_argument("--profile", action="store_true", help="print where the time goes even when the targets are met")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where the time goes even when the targets are met",
+    )
     args = ap.parse_args()
     if not os.environ.get("SLURM_CONF"):
-        raise SystemExit('SLURM_CONF is not set: start the local Slurm cluster first with `eval "$(bash slurm/start.sh)"` '
-                         "(or run this on a Slurm login node)")
+        raise SystemExit(
+            'SLURM_CONF is not set: start the local Slurm cluster first with `eval "$(bash slurm/start.sh)"` '
+            "(or run this on a Slurm login node)"
+        )
 
     work = Path(tempfile.mkdtemp(prefix="bench-submit-"))
     runs: list[Path] = []
     try:
         datasets = write_datasets(work, args.prompts, args.datasets)
-        print(f"{args.prompts:,} prompts in {args.datasets} datasets "
-              f"({sum(p.stat().st_size for _, p in datasets) / 1e6:.1f} MB of JSONL), {args.shards:,} shards, "
-              f"demo tokenizer, stub engine, tasks held")
+        print(
+            f"{args.prompts:,} prompts in {args.datasets} datasets "
+            f"({sum(p.stat().st_size for _, p in datasets) / 1e6:.1f} MB of JSONL), {args.shards:,} shards, "
+            f"demo tokenizer, stub engine, tasks held"
+        )
 
         dry = {"wall": [], "cpu": []}
         sub = {"wall": [], "cpu": []}
         files = folders = kinds = arrays = states = None
         for rep in range(args.repeat):
             run = work / f"dry{rep}"
-            wall, cpu, _ = timed(toolkit("submit", str(write_job(work / f"dry{rep}.toml", run, args.shards, datasets)), "--dry-run"))
+            wall, cpu, _ = timed(
+                toolkit(
+                    "submit",
+                    str(write_job(work / f"dry{rep}.toml", run, args.shards, datasets)),
+                    "--dry-run",
+                )
+            )
             if run.exists():
                 raise SystemExit(f"--dry-run created {run}")
             dry["wall"].append(wall)
@@ -239,7 +283,9 @@ def main() -> None:
         last = runs[-1]
         stat = {"wall": [], "cpu": []}
         for _ in range(STATUS_REPEAT):
-            wall, cpu, out = timed(toolkit("status", str(last)), ok=(5,))  # held, so still going: exit 5
+            wall, cpu, out = timed(
+                toolkit("status", str(last)), ok=(5,)
+            )  # held, so still going: exit 5
             stat["wall"].append(wall)
             stat["cpu"].append(cpu)
         rows = sum(1 for line in out.splitlines() if line[:5].strip().isdigit())
@@ -247,29 +293,50 @@ def main() -> None:
         rd = RunDir(last)
         run_json = rd.plan_file.stat().st_size
         refs = rd.prompts_file.stat().st_size
-        print(f"\nsubmit ({args.repeat} fresh run directories): wall {[round(x, 2) for x in sub['wall']]} s, "
-              f"CPU {[round(x, 2) for x in sub['cpu']]} s")
-        print(f"dry-run: wall {[round(x, 2) for x in dry['wall']]} s, CPU {[round(x, 2) for x in dry['cpu']]} s")
-        print(f"status ({STATUS_REPEAT} runs, {rows} shard rows): wall {[round(x, 3) for x in stat['wall']]} s, "
-              f"CPU {[round(x, 3) for x in stat['cpu']]} s")
-        print(f"squeue after submit: {arrays} arrays, " + ", ".join(f"{n} {s}" for s, n in states.most_common()))
-        print(f"run directory: {files} files ({files / args.shards:.2f} per shard, "
-              f"{files / args.prompts:.4f} per prompt) in {folders} folders")
+        print(
+            f"\nsubmit ({args.repeat} fresh run directories): wall {[round(x, 2) for x in sub['wall']]} s, "
+            f"CPU {[round(x, 2) for x in sub['cpu']]} s"
+        )
+        print(
+            f"dry-run: wall {[round(x, 2) for x in dry['wall']]} s, CPU {[round(x, 2) for x in dry['cpu']]} s"
+        )
+        print(
+            f"status ({STATUS_REPEAT} runs, {rows} shard rows): wall {[round(x, 3) for x in stat['wall']]} s, "
+            f"CPU {[round(x, 3) for x in stat['cpu']]} s"
+        )
+        print(
+            f"squeue after submit: {arrays} arrays, "
+            + ", ".join(f"{n} {s}" for s, n in states.most_common())
+        )
+        print(
+            f"run directory: {files} files ({files / args.shards:.2f} per shard, "
+            f"{files / args.prompts:.4f} per prompt) in {folders} folders"
+        )
         for kind, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"  {n:6d}  {kind}")
-        print(f"  run.json {run_json / 1e3:.1f} kB; prompts.msgpack (the prompt index: dataset, line, offset per prompt) "
-              f"{refs / 1e6:.2f} MB = {refs / args.prompts:.1f} B per prompt")
+        print(
+            f"  run.json {run_json / 1e3:.1f} kB; prompts.msgpack (the prompt index: dataset, line, offset per prompt) "
+            f"{refs / 1e6:.2f} MB = {refs / args.prompts:.1f} B per prompt"
+        )
 
-        s_w, s_c, d_w, d_c, st_w, st_c = (med(sub["wall"]), med(sub["cpu"]), med(dry["wall"]), med(dry["cpu"]),
-                                          med(stat["wall"]), med(stat["cpu"]))
+        s_w, s_c, d_w, d_c, st_w, st_c = (
+            med(sub["wall"]),
+            med(sub["cpu"]),
+            med(dry["wall"]),
+            med(dry["cpu"]),
+            med(stat["wall"]),
+            med(stat["cpu"]),
+        )
         ok_submit = s_w < SUBMIT_TARGET_S
         ok_status = st_w < STATUS_TARGET_S
-        print(f"\nsubmit: {args.shards:,} shards / {args.prompts:,} prompts: median {s_w:.1f} s wall ({s_c:.1f} s CPU), "
-              f"{files:,} files in the run dir ({files / args.shards:.1f} per shard), {arrays} arrays "
-              f"[target < {SUBMIT_TARGET_S:.0f} s: {'met' if ok_submit else 'MISSED'}]; "
-              f"dry-run: median {d_w:.1f} s wall ({d_c:.1f} s CPU), no files; "
-              f"status: median {st_w:.2f} s wall ({st_c:.2f} s CPU) "
-              f"[target < {STATUS_TARGET_S:.0f} s: {'met' if ok_status else 'MISSED'}]")
+        print(
+            f"\nsubmit: {args.shards:,} shards / {args.prompts:,} prompts: median {s_w:.1f} s wall ({s_c:.1f} s CPU), "
+            f"{files:,} files in the run dir ({files / args.shards:.1f} per shard), {arrays} arrays "
+            f"[target < {SUBMIT_TARGET_S:.0f} s: {'met' if ok_submit else 'MISSED'}]; "
+            f"dry-run: median {d_w:.1f} s wall ({d_c:.1f} s CPU), no files; "
+            f"status: median {st_w:.2f} s wall ({st_c:.2f} s CPU) "
+            f"[target < {STATUS_TARGET_S:.0f} s: {'met' if ok_status else 'MISSED'}]"
+        )
 
         if args.profile or not ok_status:
             cmd = toolkit("status", str(last))
@@ -281,7 +348,9 @@ def main() -> None:
             cancel(last)
             run = work / "profiled"
             runs.append(run)
-            cmd = toolkit("submit", str(write_job(work / "profiled.toml", run, args.shards, datasets)))
+            cmd = toolkit(
+                "submit", str(write_job(work / "profiled.toml", run, args.shards, datasets))
+            )
             print("\nwhere `toolkit submit` spends its time -- slowest imports (--dry-run):")
             print("\n".join("  " + line for line in top_imports([*cmd, "--dry-run"])))
             print("cProfile:")

@@ -49,8 +49,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
         root = Path(tmp)
         prompts = root / "p.jsonl"
-        prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"say {i}"}) + "\n"
-                                   for i in range(2 * a.shards)))
+        prompts.write_text(
+            "".join(
+                json.dumps({"id": f"q{i}", "prompt": f"say {i}"}) + "\n"
+                for i in range(2 * a.shards)
+            )
+        )
         (root / "job.toml").write_text(
             f'name = "bench"\noutput_dir = "{root / "run"}"\n[model]\npath = "{TOKENIZER}"\n'
             f'[engine]\nkind = "stub"\n[sampling]\nmax_new_tokens = 64\n[sharding]\nshards = {a.shards}\n'
@@ -66,15 +70,29 @@ def main() -> None:
             w.open(range(sp.first, sp.first + sp.count))
             w.close()
             if k < a.shards - a.unfinished:
-                write_done(rd.done_file(k), rd.shard_file(k), k, plan.fingerprint,
-                           positions=range(sp.first, sp.first + sp.count))
+                write_done(
+                    rd.done_file(k),
+                    rd.shard_file(k),
+                    k,
+                    plan.fingerprint,
+                    positions=range(sp.first, sp.first + sp.count),
+                )
                 write_progress(rd.progress_file(k), Progress(shard=k, total=sp.count, state="done"))
             else:
                 f = open(rd.shard_file(k), "rb")
                 fcntl.flock(f, fcntl.LOCK_EX)  # another task's writer
                 held.append(f)
-                write_progress(rd.progress_file(k), Progress(shard=k, total=sp.count, state="generating",
-                                                             task=f"9_{k}", running=3, in_flight_target=16))
+                write_progress(
+                    rd.progress_file(k),
+                    Progress(
+                        shard=k,
+                        total=sp.count,
+                        state="generating",
+                        task=f"9_{k}",
+                        running=3,
+                        in_flight_target=16,
+                    ),
+                )
         pool = list(range(a.shards))
         sys.addaudithook(_count_opens)
         times, opens = [], []
@@ -85,10 +103,15 @@ def main() -> None:
             others = tails(rd, pool, "9_0")
             times.append(time.perf_counter() - t0)
             opens.append(opened[0])
-        assert len(others) == a.unfinished and sum(st.progress is not None for st in states) == a.unfinished
-        print(f"{a.shards} shards, {a.unfinished} held by other tasks; per tail second (look + tails), "
-              f"median of {a.repeat}: {statistics.median(times) * 1e3:.1f} ms, "
-              f"{statistics.median(opens):.0f} files opened ({statistics.median(opens) / a.shards:.2f} a shard)")
+        assert (
+            len(others) == a.unfinished
+            and sum(st.progress is not None for st in states) == a.unfinished
+        )
+        print(
+            f"{a.shards} shards, {a.unfinished} held by other tasks; per tail second (look + tails), "
+            f"median of {a.repeat}: {statistics.median(times) * 1e3:.1f} ms, "
+            f"{statistics.median(opens):.0f} files opened ({statistics.median(opens) / a.shards:.2f} a shard)"
+        )
         for f in held:
             f.close()
 

@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's toolkit, in this process and in the worker (PYTHONPATH below)
+sys.path.insert(
+    0, str(REPO)
+)  # this checkout's toolkit, in this process and in the worker (PYTHONPATH below)
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 
 JOB = """
@@ -61,14 +63,18 @@ def peak_rss_mb(args: list[str]) -> tuple[float, float]:
     """(peak RSS in MB, wall seconds) of one `toolkit` process."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", MEASURED, *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURED, *args], env=env, capture_output=True, text=True
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     return int(proc.stderr.rsplit("VmHWM", 1)[1].split()[0]) / 1024, time.monotonic() - t0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 300_000])
     ap.add_argument("--concurrency", type=int, default=64)
     args = ap.parse_args()
@@ -81,8 +87,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-worker-memory-"))
     key = "benchkey"
     os.environ["BENCH_SERVER_KEY"] = key  # the workers read the server's key from their environment
-    stub, url = start_standalone(str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", "16",
-                                 "--context-length", "32768")
+    stub, url = start_standalone(
+        str(TOKENIZER), "--api-key", key, "--fixed-output-tokens", "16", "--context-length", "32768"
+    )
     try:
         peaks = {}
         for n in args.sizes:
@@ -90,17 +97,30 @@ def main() -> None:
             with open(prompts, "w") as f:
                 for i in range(n):
                     k = (i * 13) % (len(words) - 40)
-                    f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[k : k + 40])}) + "\n")
+                    f.write(
+                        json.dumps({"id": f"p{i}", "prompt": " ".join(words[k : k + 40])}) + "\n"
+                    )
             run = work / f"run{n}"
             job = work / f"job{n}.toml"
-            job.write_text(JOB.format(run=run, tokenizer=TOKENIZER, url=url, concurrency=args.concurrency,
-                                      prompts=prompts))
+            job.write_text(
+                JOB.format(
+                    run=run,
+                    tokenizer=TOKENIZER,
+                    url=url,
+                    concurrency=args.concurrency,
+                    prompts=prompts,
+                )
+            )
             prepare_run(str(job))  # planning happens on the login node: not the worker's memory
             peaks[n] = peak_rss_mb(["worker", str(run), "0"])
-            print(f"  {n:>7,} prompts in one shard: worker peak RSS {peaks[n][0]:6.1f} MB ({peaks[n][1]:.0f} s wall)")
+            print(
+                f"  {n:>7,} prompts in one shard: worker peak RSS {peaks[n][0]:6.1f} MB ({peaks[n][1]:.0f} s wall)"
+            )
         small = min(args.sizes)
         for large in sorted(args.sizes)[1:]:
-            print(f"  ratio {large:,} / {small:,}: {peaks[large][0] / peaks[small][0]:.3f} (target <= 1.05)")
+            print(
+                f"  ratio {large:,} / {small:,}: {peaks[large][0] / peaks[small][0]:.3f} (target <= 1.05)"
+            )
     finally:
         os.killpg(stub.pid, 9)
         shutil.rmtree(work, ignore_errors=True)

@@ -50,12 +50,20 @@ FIELDS_DIR = "sglang/srt/arg_groups/fields/"
 
 # Actions by name -> the nargs they default to (0: a switch). Anything else stops the script.
 ACTIONS = {
-    "store": None, "append": None, "extend": "+",
-    "store_true": 0, "store_false": 0, "store_const": 0, "append_const": 0, "count": 0, "help": 0, "version": 0,
-    "BooleanOptionalAction": 0,          # also registers --no-<flag>
-    "DeprecatedAction": 0,               # warns (or, with error_message, stops the launch)
+    "store": None,
+    "append": None,
+    "extend": "+",
+    "store_true": 0,
+    "store_false": 0,
+    "store_const": 0,
+    "append_const": 0,
+    "count": 0,
+    "help": 0,
+    "version": 0,
+    "BooleanOptionalAction": 0,  # also registers --no-<flag>
+    "DeprecatedAction": 0,  # warns (or, with error_message, stops the launch)
     "DeprecatedStoreTrueAction": 0,
-    "DeprecatedStoreConstAction": 0,     # nargs=None given explicitly when it retires a valued flag
+    "DeprecatedStoreConstAction": 0,  # nargs=None given explicitly when it retires a valued flag
     "DeprecatedAliasStoreAction": None,
     "LoRAPathAction": None,
 }
@@ -109,6 +117,7 @@ class Instance:
 @dataclass(frozen=True)
 class Member:
     """An Enum member (iterating an Enum class gives these)."""
+
     name: str
     value: object
 
@@ -116,7 +125,9 @@ class Member:
 @dataclass
 class Scope:
     module: str
-    names: dict = field(default_factory=dict)  # local bindings; an Unresolved value is raised when read
+    names: dict = field(
+        default_factory=dict
+    )  # local bindings; an Unresolved value is raised when read
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,7 @@ ENUM_BASES = {"Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"}
 
 
 def _module_name(path: str) -> str:
-    return path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+    return path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
 
 
 class Source:
@@ -202,8 +213,12 @@ class Source:
     def imported(self, module: str, stmt: ast.ImportFrom, name: str):
         package = module.split(".")
         if stmt.level:
-            package = package[:len(package) - stmt.level + (1 if self._is_package(module) else 0)]
-        source = ".".join(package + ([stmt.module] if stmt.module else [])) if stmt.level else stmt.module
+            package = package[: len(package) - stmt.level + (1 if self._is_package(module) else 0)]
+        source = (
+            ".".join(package + ([stmt.module] if stmt.module else []))
+            if stmt.level
+            else stmt.module
+        )
         if source != "sglang" and not source.startswith("sglang."):
             raise Unresolved(f"{name} comes from {source}, outside the wheel")
         return self.global_(source, name)
@@ -229,19 +244,27 @@ class Source:
             for t in targets:
                 scope.names[t.id] = value
             return None
-        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and isinstance(stmt.op, ast.Add):
-            scope.names[stmt.target.id] = self._lenient(ast.BinOp(stmt.target, ast.Add(), stmt.value), scope)
+        if (
+            isinstance(stmt, ast.AugAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(stmt.op, ast.Add)
+        ):
+            scope.names[stmt.target.id] = self._lenient(
+                ast.BinOp(stmt.target, ast.Add(), stmt.value), scope
+            )
             return None
         if isinstance(stmt, ast.ImportFrom):
             for alias in stmt.names:
                 if only is None or (alias.asname or alias.name) in only:
                     scope.names[alias.asname or alias.name] = self._lenient_call(
-                        lambda a=alias: self.imported(scope.module, stmt, a.name))
+                        lambda a=alias: self.imported(scope.module, stmt, a.name)
+                    )
             return None
         if isinstance(stmt, ast.Import):
             for alias in stmt.names:
-                scope.names[alias.asname or alias.name.split(".")[0]] = Module(alias.name if alias.asname else
-                                                                               alias.name.split(".")[0])
+                scope.names[alias.asname or alias.name.split(".")[0]] = Module(
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
             return None
         if isinstance(stmt, ast.ClassDef):
             scope.names[stmt.name] = Class(scope.module, stmt)
@@ -257,9 +280,13 @@ class Source:
             return None
         if isinstance(stmt, ast.Expr) and _mutation(stmt):
             target, method = stmt.value.func.value.id, stmt.value.func.attr
-            scope.names[target] = self._lenient_call(lambda: self._mutate(scope, target, method, stmt.value))
+            scope.names[target] = self._lenient_call(
+                lambda: self._mutate(scope, target, method, stmt.value)
+            )
             return None
-        raise Unresolved(f"line {stmt.lineno}: {type(stmt).__name__} statement {ast.unparse(stmt)[:60]!r}")
+        raise Unresolved(
+            f"line {stmt.lineno}: {type(stmt).__name__} statement {ast.unparse(stmt)[:60]!r}"
+        )
 
     def step_leniently(self, stmt: ast.stmt, scope: Scope) -> None:
         """A statement of add_cli_args: run it if possible, else every local it binds or changes is unknown."""
@@ -272,8 +299,12 @@ class Source:
     def _mutate(self, scope: Scope, target: str, method: str, call: ast.Call):
         old = self.read(scope, target)
         args = [self.value(a, scope) for a in call.args]
-        if len(args) == 1 and (isinstance(old, list) and method in ("append", "extend")
-                               or isinstance(old, set) and method in ("add", "update")):
+        if len(args) == 1 and (
+            isinstance(old, list)
+            and method in ("append", "extend")
+            or isinstance(old, set)
+            and method in ("add", "update")
+        ):
             new = [args[0]] if method in ("append", "add") else self.iterate(args[0])
             return old + new if isinstance(old, list) else old | set(new)
         raise Unresolved(f"line {call.lineno}: {ast.unparse(call)}")
@@ -295,7 +326,11 @@ class Source:
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
             items = []
             for e in node.elts:
-                items += self.iterate(self.value(e.value, scope)) if isinstance(e, ast.Starred) else [self.value(e, scope)]
+                items += (
+                    self.iterate(self.value(e.value, scope))
+                    if isinstance(e, ast.Starred)
+                    else [self.value(e, scope)]
+                )
             return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
         if isinstance(node, ast.Dict):
             if any(k is None for k in node.keys):
@@ -316,10 +351,14 @@ class Source:
         if isinstance(node, (ast.ListComp, ast.SetComp)):
             return self.comprehension(node, scope)
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            return _compare(node.ops[0], self.value(node.left, scope), self.value(node.comparators[0], scope))
+            return _compare(
+                node.ops[0], self.value(node.left, scope), self.value(node.comparators[0], scope)
+            )
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             return not self.value(node.operand, scope)
-        raise Unresolved(f"line {getattr(node, 'lineno', '?')}: cannot evaluate {ast.unparse(node)!r}")
+        raise Unresolved(
+            f"line {getattr(node, 'lineno', '?')}: cannot evaluate {ast.unparse(node)!r}"
+        )
 
     def attribute(self, obj, attr: str):
         if isinstance(obj, Module):
@@ -358,7 +397,9 @@ class Source:
                 if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                     self.step_leniently(stmt, scope)
             if _is_enum(cls.node):
-                scope.names = {k: Member(k, v) if not k.startswith("_") else v for k, v in scope.names.items()}
+                scope.names = {
+                    k: Member(k, v) if not k.startswith("_") else v for k, v in scope.names.items()
+                }
             self.classes[cls] = scope.names
         return self.classes[cls]
 
@@ -382,8 +423,11 @@ class Source:
         if isinstance(callee, Function) and not node.args and not node.keywords:
             return self.run(callee)
         if isinstance(callee, Class):
-            return Instance(callee, tuple(self._lenient(a, scope) for a in node.args),
-                            tuple((k.arg, self._lenient(k.value, scope)) for k in node.keywords))
+            return Instance(
+                callee,
+                tuple(self._lenient(a, scope) for a in node.args),
+                tuple((k.arg, self._lenient(k.value, scope)) for k in node.keywords),
+            )
         raise Unresolved(f"line {node.lineno}: cannot evaluate the call {ast.unparse(node)[:80]!r}")
 
     def run(self, fn: Function):
@@ -420,14 +464,24 @@ class Source:
     def choices(self, node: ast.AST, scope: Scope) -> list:
         """The choices argparse is given: plain values, a set's in sorted order."""
         value = self.value(node, scope)
-        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else self.iterate(value)
+        items = (
+            sorted(value, key=str) if isinstance(value, (set, frozenset)) else self.iterate(value)
+        )
         if not all(isinstance(v, (str, int, float)) for v in items):
             raise Unresolved(f"choices {ast.unparse(node)!r} are not plain strings or numbers")
         return items
 
 
-NEW_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
-              ast.DictComp, ast.GeneratorExp)
+NEW_SCOPES = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Lambda,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
 
 
 def _same_scope(node: ast.AST):
@@ -453,20 +507,34 @@ def _bound_names(stmt: ast.stmt, top: bool) -> set[str]:
             names |= {a.asname or a.name.split(".")[0] for a in n.names}
         elif isinstance(n, ast.Expr) and _mutation(n):
             names.add(n.value.func.value.id)
-        elif isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name):
+        elif (
+            isinstance(n, (ast.Subscript, ast.Attribute))
+            and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name)
+        ):
             names.add(n.value.id)  # X[k] = v, X.a = v: X changes (and stops being known)
     return names
 
 
 def _mutation(stmt: ast.Expr) -> bool:
     call = stmt.value
-    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in MUTATORS
-            and isinstance(call.func.value, ast.Name))
+    return (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr in MUTATORS
+        and isinstance(call.func.value, ast.Name)
+    )
 
 
 def _compare(op: ast.cmpop, left, right) -> bool:
-    ops = {ast.Is: lambda: left is right, ast.IsNot: lambda: left is not right, ast.Eq: lambda: left == right,
-           ast.NotEq: lambda: left != right, ast.In: lambda: left in right, ast.NotIn: lambda: left not in right}
+    ops = {
+        ast.Is: lambda: left is right,
+        ast.IsNot: lambda: left is not right,
+        ast.Eq: lambda: left == right,
+        ast.NotEq: lambda: left != right,
+        ast.In: lambda: left in right,
+        ast.NotIn: lambda: left not in right,
+    }
     if type(op) not in ops:
         raise Unresolved(f"comparison {type(op).__name__}")
     return ops[type(op)]()
@@ -477,11 +545,19 @@ def _is_enum(node: ast.ClassDef) -> bool:
 
 
 def _is_env_field(obj) -> bool:
-    return isinstance(obj, Instance) and obj.cls.node.name.startswith("Env") and obj.cls.module == "sglang.srt.environ"
+    return (
+        isinstance(obj, Instance)
+        and obj.cls.node.name.startswith("Env")
+        and obj.cls.module == "sglang.srt.environ"
+    )
 
 
 def _env_default(obj: Instance):
-    default = obj.args[0] if obj.args else dict(obj.kwargs).get("default", Unresolved("an Env field without a default"))
+    default = (
+        obj.args[0]
+        if obj.args
+        else dict(obj.kwargs).get("default", Unresolved("an Env field without a default"))
+    )
     if isinstance(default, Unresolved):
         raise default
     return default
@@ -494,7 +570,15 @@ def _describe(obj) -> str:
 # ---------------------------------------------------------------------------------------------------
 # One flag
 # ---------------------------------------------------------------------------------------------------
-def _flag(options: list[str], dest: str, nargs, type_: str | None, choices, action: str, deprecated: str | None = None):
+def _flag(
+    options: list[str],
+    dest: str,
+    nargs,
+    type_: str | None,
+    choices,
+    action: str,
+    deprecated: str | None = None,
+):
     entry = {"options": options, "dest": dest, "nargs": nargs}
     if type_ in ("int", "float"):
         entry["type"] = type_
@@ -538,14 +622,18 @@ def from_add_argument(call: ast.Call, source: Source, scope: Scope) -> list[dict
     options = []
     for a in call.args:
         if not (isinstance(a, ast.Constant) and isinstance(a.value, str)):
-            raise Unsupported(f"line {call.lineno}: option string {ast.unparse(a)!r} is not a literal")
+            raise Unsupported(
+                f"line {call.lineno}: option string {ast.unparse(a)!r} is not a literal"
+            )
         options.append(a.value)
     kw = {k.arg: k.value for k in call.keywords if k.arg}
     if any(k.arg is None for k in call.keywords):
         raise Unsupported(f"line {call.lineno}: **kwargs in add_argument")
     action = _name(kw["action"]) if "action" in kw else "store"
     if action not in ACTIONS:
-        raise Unsupported(f"line {call.lineno}: unknown action {action!r} for {options}: add it to ACTIONS")
+        raise Unsupported(
+            f"line {call.lineno}: unknown action {action!r} for {options}: add it to ACTIONS"
+        )
     nargs = _nargs_value(kw.get("nargs"), ACTIONS[action])
     type_ = _name(kw["type"]) if "type" in kw else None
     dest = ast.literal_eval(kw["dest"]) if "dest" in kw else _dest(options)
@@ -560,7 +648,17 @@ def from_add_argument(call: ast.Call, source: Source, scope: Scope) -> list[dict
                     pass
         if "error_message" in kw:
             action = "DeprecatedError"
-    out = [_flag(options, dest, nargs, type_, _choices(kw.get("choices"), source, scope), action, deprecated)]
+    out = [
+        _flag(
+            options,
+            dest,
+            nargs,
+            type_,
+            _choices(kw.get("choices"), source, scope),
+            action,
+            deprecated,
+        )
+    ]
     if action == "BooleanOptionalAction":
         out[0]["options"] = options + ["--no-" + o[2:] for o in options if o.startswith("--")]
     return out
@@ -596,9 +694,13 @@ def _type_name(node: ast.AST) -> str:
         return ast.unparse(node)
 
 
-def from_field(name: str, annotation: ast.AST, source: Source, scope: Scope, where: str) -> list[dict]:
+def from_field(
+    name: str, annotation: ast.AST, source: Source, scope: Scope, where: str
+) -> list[dict]:
     """One `name: A[T, ...]` namespace field -> its flag (none for fields without CLI metadata)."""
-    if not (isinstance(annotation, ast.Subscript) and _type_name(annotation.value) in ("A", "Annotated")):
+    if not (
+        isinstance(annotation, ast.Subscript) and _type_name(annotation.value) in ("A", "Annotated")
+    ):
         return []
     parts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
     raw_type, meta = parts[0], None
@@ -615,13 +717,19 @@ def from_field(name: str, annotation: ast.AST, source: Source, scope: Scope, whe
         return []
     if "no_cli" in meta and ast.literal_eval(meta["no_cli"]):
         return []
-    cli_name = ast.literal_eval(meta["cli_name"]) if "cli_name" in meta else "--" + name.replace("_", "-")
+    cli_name = (
+        ast.literal_eval(meta["cli_name"]) if "cli_name" in meta else "--" + name.replace("_", "-")
+    )
     options = [cli_name] + (ast.literal_eval(meta["aliases"]) if "aliases" in meta else [])
-    explicit_choices = _choices(meta.get("choices"), source, scope) or None  # arg_utils ignores choices=[]
+    explicit_choices = (
+        _choices(meta.get("choices"), source, scope) or None
+    )  # arg_utils ignores choices=[]
     if "action" in meta:
         action = _name(meta["action"])
         if action not in ACTIONS:
-            raise Unsupported(f"{where}: field {name}: unknown action {action!r}: add it to ACTIONS")
+            raise Unsupported(
+                f"{where}: field {name}: unknown action {action!r}: add it to ACTIONS"
+            )
         kwargs: dict[str, ast.AST] = {}
         if "action_kwargs" in meta:
             d = meta["action_kwargs"]
@@ -630,7 +738,14 @@ def from_field(name: str, annotation: ast.AST, source: Source, scope: Scope, whe
             kwargs = {k.value: v for k, v in zip(d.keys, d.values)}
         nargs = _nargs_value(kwargs.get("nargs"), ACTIONS[action])
         type_ = _name(kwargs["type"]) if "type" in kwargs else None
-        entry = _flag(options, name, nargs, type_, explicit_choices or _choices(kwargs.get("choices"), source, scope), action)
+        entry = _flag(
+            options,
+            name,
+            nargs,
+            type_,
+            explicit_choices or _choices(kwargs.get("choices"), source, scope),
+            action,
+        )
         if action == "BooleanOptionalAction":
             entry["options"] = options + ["--no-" + o[2:] for o in options if o.startswith("--")]
         return [entry]
@@ -639,14 +754,23 @@ def from_field(name: str, annotation: ast.AST, source: Source, scope: Scope, whe
     nargs_meta = _nargs_value(meta.get("nargs"), None)
     if isinstance(inner, ast.Subscript) and _type_name(inner.value) == "Literal":
         try:  # Literal[None, "a"] is allowed: argparse never matches a None choice, but arg_utils passes it
-            values = list(source.value(inner.slice, scope) if isinstance(inner.slice, ast.Tuple) else
-                          [source.value(inner.slice, scope)])
+            values = list(
+                source.value(inner.slice, scope)
+                if isinstance(inner.slice, ast.Tuple)
+                else [source.value(inner.slice, scope)]
+            )
         except Unresolved as e:
-            raise Unsupported(f"{where}: field {name}: Literal[{ast.unparse(inner.slice)}]: {e}") from None
+            raise Unsupported(
+                f"{where}: field {name}: Literal[{ast.unparse(inner.slice)}]: {e}"
+            ) from None
         choices = explicit_choices or values
         type_ = None if has_parser else type(values[0]).__name__ if values else "str"
         return [_flag(options, name, None, type_, choices, "store")]
-    if isinstance(inner, ast.Subscript) and _type_name(inner.value) in ("list", "List") and not has_parser:
+    if (
+        isinstance(inner, ast.Subscript)
+        and _type_name(inner.value) in ("list", "List")
+        and not has_parser
+    ):
         elem = _type_name(inner.slice)
         return [_flag(options, name, nargs_meta or "+", elem, explicit_choices, "store")]
     if _type_name(inner) == "bool":
@@ -670,7 +794,11 @@ def _namespace_classes(source: Source) -> dict[str, tuple[str, ast.ClassDef]]:
 def _field_flags(source: Source, module: str, node: ast.ClassDef, where: str) -> list[dict]:
     flags = []
     for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and not stmt.target.id.startswith("_"):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and not stmt.target.id.startswith("_")
+        ):
             flags += from_field(stmt.target.id, stmt.annotation, source, Scope(module), where)
     return flags
 
@@ -679,7 +807,9 @@ def dataclass_flags(source: Source, server_args: ast.Module) -> list[dict]:
     """The flags of the namespaces `ServerArgs` collects, in the order of `_INPUT_NAMESPACES`."""
     namespaces = None
     for node in server_args.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets
+        ):
             namespaces = [_name(e) for e in node.value.elts]
     classes = _namespace_classes(source)
     own = [n for n in server_args.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs"]
@@ -689,7 +819,9 @@ def dataclass_flags(source: Source, server_args: ast.Module) -> list[dict]:
     flags = []
     for cls in namespaces:
         if cls not in classes:
-            raise Unsupported(f"namespace class {cls} of _INPUT_NAMESPACES not found under {FIELDS_DIR}")
+            raise Unsupported(
+                f"namespace class {cls} of _INPUT_NAMESPACES not found under {FIELDS_DIR}"
+            )
         module, node = classes[cls]
         flags += _field_flags(source, module, node, f"{module}: {cls}")
     if own and namespaces != ["ServerArgs"]:
@@ -713,10 +845,15 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
 
 
 def _calls(stmt: ast.stmt) -> list[ast.Call]:
-    return sorted((n for n in ast.walk(stmt) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    return sorted(
+        (n for n in ast.walk(stmt) if isinstance(n, ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
 
 
-def parser_flags(func: ast.FunctionDef, source: Source, tree: ast.Module, seen: set[str]) -> tuple[list[dict], list[str]]:
+def parser_flags(
+    func: ast.FunctionDef, source: Source, tree: ast.Module, seen: set[str]
+) -> tuple[list[dict], list[str]]:
     """Every option `func(parser)` registers, following helper calls that receive the parser. Its statements
     are also run (leniently) in order, so choices held in a local variable are known at each call."""
     functions = _functions(tree)
@@ -732,24 +869,39 @@ def parser_flags(func: ast.FunctionDef, source: Source, tree: ast.Module, seen: 
     return flags, notes
 
 
-def _call_flags(call: ast.Call, parser_name: str, functions: dict, source: Source, tree: ast.Module, scope: Scope,
-                seen: set[str]) -> tuple[list[dict], list[str]]:
+def _call_flags(
+    call: ast.Call,
+    parser_name: str,
+    functions: dict,
+    source: Source,
+    tree: ast.Module,
+    scope: Scope,
+    seen: set[str],
+) -> tuple[list[dict], list[str]]:
     """The flags one call in add_cli_args (or a helper) registers: add_argument, or a call handed the parser."""
     f = call.func
     if isinstance(f, ast.Attribute) and f.attr == "add_argument":
         return from_add_argument(call, source, scope), []
-    if isinstance(f, ast.Attribute) and f.attr in ("add_argument_group", "add_mutually_exclusive_group"):
-        raise Unsupported(f"line {call.lineno}: argument groups are not handled yet ({ast.unparse(f)})")
+    if isinstance(f, ast.Attribute) and f.attr in (
+        "add_argument_group",
+        "add_mutually_exclusive_group",
+    ):
+        raise Unsupported(
+            f"line {call.lineno}: argument groups are not handled yet ({ast.unparse(f)})"
+        )
     if not any(isinstance(a, ast.Name) and a.id == parser_name for a in call.args):
         return [], []
     called = ast.unparse(f)
     if called.endswith("add_cli_args_from_dataclass"):
         return dataclass_flags(source, tree), [
-            "add_cli_args_from_dataclass(parser, ServerArgs): the fields of sglang/srt/arg_groups/fields/"]
+            "add_cli_args_from_dataclass(parser, ServerArgs): the fields of sglang/srt/arg_groups/fields/"
+        ]
     target = functions.get(called) or functions.get(called.split(".")[-1])
     if target is None or called in seen:
-        raise Unsupported(f"line {call.lineno}: add_cli_args hands the parser to {called}(), which this script "
-                          "cannot follow; extend parser_flags()")
+        raise Unsupported(
+            f"line {call.lineno}: add_cli_args hands the parser to {called}(), which this script "
+            "cannot follow; extend parser_flags()"
+        )
     more, more_notes = parser_flags(target, source, tree, seen | {called})
     return more, [f"{called}(parser)"] + more_notes
 
@@ -769,19 +921,34 @@ def read_wheel(wheel: Path) -> dict:
     for f in flags:
         for o in f["options"]:
             if o in seen:
-                raise Unsupported(f"{wheel.name}: option {o} registered twice ({seen[o]} and {f['options']})")
+                raise Unsupported(
+                    f"{wheel.name}: option {o} registered twice ({seen[o]} and {f['options']})"
+                )
             seen[o] = f["options"]
     return {
         "version": wheel.name.split("-")[1],  # the wheel file name's version field (PEP 427)
-        "source": f"{wheel.name}: {SERVER_ARGS} ServerArgs.add_cli_args" + "".join(f"; {n}" for n in notes),
+        "source": f"{wheel.name}: {SERVER_ARGS} ServerArgs.add_cli_args"
+        + "".join(f"; {n}" for n in notes),
         "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
         "flags": flags,
     }
 
 
 def download(version: str, folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", "--quiet",
-                    "-d", str(folder)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"sglang=={version}",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            str(folder),
+        ],
+        check=True,
+    )
     wheels = sorted(folder.glob(f"sglang-{version}-*.whl"))
     if not wheels:
         raise SystemExit(f"pip download left no sglang-{version} wheel in {folder}")
@@ -794,9 +961,15 @@ def write(data: dict, out: Path) -> None:
     versions = list(data["versions"].items())
     for i, (v, d) in enumerate(versions):
         lines.append(f"    {json.dumps(v)}: {{")
-        lines += [f'      "source": {json.dumps(d["source"])},', f'      "wheel_sha256": {json.dumps(d["wheel_sha256"])},',
-                  '      "flags": [']
-        lines += [f"        {json.dumps(f)}" + ("," if j < len(d["flags"]) - 1 else "") for j, f in enumerate(d["flags"])]
+        lines += [
+            f'      "source": {json.dumps(d["source"])},',
+            f'      "wheel_sha256": {json.dumps(d["wheel_sha256"])},',
+            '      "flags": [',
+        ]
+        lines += [
+            f"        {json.dumps(f)}" + ("," if j < len(d["flags"]) - 1 else "")
+            for j, f in enumerate(d["flags"])
+        ]
         lines += ["      ]", "    }" + ("," if i < len(versions) - 1 else "")]
     lines += ["  }", "}", ""]
     out.write_text("\n".join(lines))
@@ -804,32 +977,61 @@ def write(data: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("versions", nargs="*", help=f"sglang releases to read (default: {' '.join(DEFAULT_VERSIONS)})")
-    p.add_argument("--wheel", action="append", type=Path, default=[], help="read this wheel instead of downloading")
+    p.add_argument(
+        "versions",
+        nargs="*",
+        help=f"sglang releases to read (default: {' '.join(DEFAULT_VERSIONS)})",
+    )
+    p.add_argument(
+        "--wheel",
+        action="append",
+        type=Path,
+        default=[],
+        help="read this wheel instead of downloading",
+    )
     p.add_argument("-o", "--output", type=Path, default=OUT)
     args = p.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        wheels = list(args.wheel) + [download(v, Path(tmp)) for v in (args.versions or ([] if args.wheel else DEFAULT_VERSIONS))]
+        wheels = list(args.wheel) + [
+            download(v, Path(tmp))
+            for v in (args.versions or ([] if args.wheel else DEFAULT_VERSIONS))
+        ]
         for wheel in wheels:
             try:
                 d = read_wheel(wheel)
             except Unsupported as e:
                 raise SystemExit(f"{wheel.name}: {e}") from None
             results[d.pop("version")] = d
-            print(f"{wheel.name}: {len(d['flags'])} flags, {sum(len(f['options']) for f in d['flags'])} option strings")
+            print(
+                f"{wheel.name}: {len(d['flags'])} flags, {sum(len(f['options']) for f in d['flags'])} option strings"
+            )
             for f in d["flags"]:
                 if "choices_unknown" in f:
-                    print(f"  warning: {f['options'][0]}: choices unknown ({f['choices_unknown']})", file=sys.stderr)
-    ordered = dict(sorted(results.items(), key=lambda kv: tuple(int(x) for x in kv[0].split(".") if x.isdigit()), reverse=True))
-    write({"about": "SGLang server flags per release, read from each wheel's source (never imported) by "
-                    "scripts/sglang_flags.py; regenerate with it, do not edit by hand. nargs: 0 takes no value, "
-                    "null exactly one, '?', '*' or '+' as in argparse. choices: the values SGLang accepts, as its "
-                    "default environment computes them at import (no plugin loaded, environment variables unset; "
-                    "a set's in sorted order), including those computed by code (--reasoning-parser, "
-                    "--tool-call-parser). choices_unknown: SGLang computes the choices in a way the script cannot "
-                    "follow from source (the reason is given); the value is then not checked.",
-           "versions": ordered}, args.output)
+                    print(
+                        f"  warning: {f['options'][0]}: choices unknown ({f['choices_unknown']})",
+                        file=sys.stderr,
+                    )
+    ordered = dict(
+        sorted(
+            results.items(),
+            key=lambda kv: tuple(int(x) for x in kv[0].split(".") if x.isdigit()),
+            reverse=True,
+        )
+    )
+    write(
+        {
+            "about": "SGLang server flags per release, read from each wheel's source (never imported) by "
+            "scripts/sglang_flags.py; regenerate with it, do not edit by hand. nargs: 0 takes no value, "
+            "null exactly one, '?', '*' or '+' as in argparse. choices: the values SGLang accepts, as its "
+            "default environment computes them at import (no plugin loaded, environment variables unset; "
+            "a set's in sorted order), including those computed by code (--reasoning-parser, "
+            "--tool-call-parser). choices_unknown: SGLang computes the choices in a way the script cannot "
+            "follow from source (the reason is given); the value is then not checked.",
+            "versions": ordered,
+        },
+        args.output,
+    )
     print(f"wrote {args.output}")
     return 0
 

@@ -19,7 +19,11 @@ def pytest_collection_modifyitems(items) -> None:
     """A test that needs the local cluster, real SGLang or the trainers is slow by nature: `-m "not slow"` leaves it
     out."""
     for item in items:
-        if item.get_closest_marker("slurm") or item.get_closest_marker("sglang") or item.get_closest_marker("trainers"):
+        if (
+            item.get_closest_marker("slurm")
+            or item.get_closest_marker("sglang")
+            or item.get_closest_marker("trainers")
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -75,8 +79,11 @@ def real_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     def get(name: str) -> Path:
         if name not in built:
             template = (REAL_TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
-            built[name] = build_tokenizer(tmp_path_factory.mktemp(f"real-{name}"), REAL_TEMPLATES[name],
-                                          chat_template=template)
+            built[name] = build_tokenizer(
+                tmp_path_factory.mktemp(f"real-{name}"),
+                REAL_TEMPLATES[name],
+                chat_template=template,
+            )
         return built[name]
 
     return get

@@ -33,7 +33,11 @@ def cmdlines() -> dict[int, list[str]]:
 
 def on_command_lines(secret: str) -> list[str]:
     """The command lines (pid: line) that hold `secret`."""
-    return [f"{pid}: {' '.join(argv)}" for pid, argv in cmdlines().items() if any(secret in a for a in argv)]
+    return [
+        f"{pid}: {' '.join(argv)}"
+        for pid, argv in cmdlines().items()
+        if any(secret in a for a in argv)
+    ]
 
 
 def files_holding(root: Path, secret: str) -> list[str]:
@@ -77,7 +81,9 @@ def key_of(argv: list[str]) -> str:
 
 def status_of(url: str, key: str | None, path: str = "/server_info") -> int:
     """The HTTP status `path` answers, with `key` as the bearer (or none); 0: no answer."""
-    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(
+        url + path, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(req, timeout=30) as r:
@@ -108,7 +114,10 @@ def watch_run(proc: subprocess.Popen, marker: str, timeout: float) -> dict:
                 seen["folder"] = Path(argv[argv.index("--config") + 1]).parent
                 seen["url"] = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
         if "key" in seen and not seen.get("authorized"):  # once the server answers
-            seen["unauthorized"], seen["authorized"] = status_of(seen["url"], None), status_of(seen["url"], seen["key"])
+            seen["unauthorized"], seen["authorized"] = (
+                status_of(seen["url"], None),
+                status_of(seen["url"], seen["key"]),
+            )
         if "key" in seen:
             seen["scans"] += 1
             seen["found"] += on_command_lines(seen["key"])

@@ -51,8 +51,13 @@ def conversation_problem(messages: Any) -> str | None:
     return None if saw_user else "no user message"
 
 
-def row_problem(row: Any, *, expect_reasoning: bool = False, expect_non_reasoning: bool = False,
-                strict_think_markers: bool = False) -> str | None:
+def row_problem(
+    row: Any,
+    *,
+    expect_reasoning: bool = False,
+    expect_non_reasoning: bool = False,
+    strict_think_markers: bool = False,
+) -> str | None:
     """What the validator refuses in one row (None: it passes)."""
     if not isinstance(row, dict):
         return "not an object"
@@ -76,7 +81,9 @@ def row_problem(row: Any, *, expect_reasoning: bool = False, expect_non_reasonin
             return f"assistant message {i} has reasoning"
         if expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
             return f"assistant message {i} has empty reasoning"
-        if strict_think_markers and (_marker(m["content"]) or isinstance(reasoning, str) and _marker(reasoning)):
+        if strict_think_markers and (
+            _marker(m["content"]) or isinstance(reasoning, str) and _marker(reasoning)
+        ):
             return f"assistant message {i} holds a think marker"
     if not assistants:
         return "no assistant message"
@@ -100,21 +107,40 @@ def expand(row: dict) -> list[dict]:
         if m["role"] != "assistant":
             history.append(dict(m))
             continue
-        events.append({"id": f"{row['id']}#turn{len(events)}", "status": row["status"],
-                       "conversations": [dict(h) for h in history] + [dict(m)]})
+        events.append(
+            {
+                "id": f"{row['id']}#turn{len(events)}",
+                "status": row["status"],
+                "conversations": [dict(h) for h in history] + [dict(m)],
+            }
+        )
         history.append({k: v for k, v in m.items() if k != "reasoning_content"})
     return events
 
 
-def specforge_mask(tok: Any, messages: list[dict], tools: list | None, header: str, end: str,
-                   train_only_last_turn: bool = True, **template_kwargs) -> tuple[list[int], list[int], str, list]:
+def specforge_mask(
+    tok: Any,
+    messages: list[dict],
+    tools: list | None,
+    header: str,
+    end: str,
+    train_only_last_turn: bool = True,
+    **template_kwargs,
+) -> tuple[list[int], list[int], str, list]:
     """(input_ids, loss_mask, text, supervised character spans) as SpecForge builds them from a conversation."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, tools=tools or None,
-                                   **template_kwargs)
+    text = tok.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=False,
+        tools=tools or None,
+        **template_kwargs,
+    )
     ids = tok(text, add_special_tokens=False)["input_ids"]
     mask = [0] * len(ids)
-    spans = [(m.start(1), m.end(1)) for m in re.finditer(re.escape(header) + r"([\s\S]*?(?:" + re.escape(end) + "|$))",
-                                                         text)]
+    spans = [
+        (m.start(1), m.end(1))
+        for m in re.finditer(re.escape(header) + r"([\s\S]*?(?:" + re.escape(end) + "|$))", text)
+    ]
     if train_only_last_turn and spans:
         spans = spans[-1:]
     for a, b in spans:

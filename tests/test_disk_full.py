@@ -60,7 +60,12 @@ def test_merge_audit_and_export_on_a_full_disk(merged, monkeypatch, capsys):
     with monkeypatch.context() as m:  # the records themselves
         m.setattr(os, "write", _full)
         assert cli_main(["merge", root, "--no-audit"]) == 1
-    one_line(capsys.readouterr().err, "cannot write", "merged/records.zst", f"`toolkit merge {s.rd.shown}` again")
+    one_line(
+        capsys.readouterr().err,
+        "cannot write",
+        "merged/records.zst",
+        f"`toolkit merge {s.rd.shown}` again",
+    )
     assert not [p.name for p in s.rd.merged_dir.iterdir() if p.name.startswith(".")]
 
     with monkeypatch.context() as m:  # the audit's report
@@ -69,7 +74,9 @@ def test_merge_audit_and_export_on_a_full_disk(merged, monkeypatch, capsys):
         one_line(capsys.readouterr().err, "merged/audit.json")
         assert cli_main(["audit", root]) == 1
         one_line(capsys.readouterr().err, f"`toolkit audit {s.rd.shown}` again")
-    assert not [p.name for p in s.rd.merged_dir.iterdir() if p.name.startswith(".")]  # no .audit.json.<pid>.tmp
+    assert not [
+        p.name for p in s.rd.merged_dir.iterdir() if p.name.startswith(".")
+    ]  # no .audit.json.<pid>.tmp
 
     assert cli_main(["merge", root]) == 0
     capsys.readouterr()
@@ -83,7 +90,9 @@ def test_merge_audit_and_export_on_a_full_disk(merged, monkeypatch, capsys):
     assert not out.exists() and not list(s.root.glob(".out.jsonl*"))
 
 
-def test_planning_on_a_full_disk_leaves_no_run_directory(tmp_path, toy_tokenizer, monkeypatch, capsys):
+def test_planning_on_a_full_disk_leaves_no_run_directory(
+    tmp_path, toy_tokenizer, monkeypatch, capsys
+):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4)
     monkeypatch.setattr(files, "open", full_for(".tmp"), raising=False)
     assert cli_main(["run", str(job)]) == 1
@@ -92,7 +101,9 @@ def test_planning_on_a_full_disk_leaves_no_run_directory(tmp_path, toy_tokenizer
 
 
 @pytest.mark.slow
-def test_a_log_file_on_a_full_disk_is_said_once_not_a_traceback_per_line(tmp_path, toy_tokenizer, capsys):
+def test_a_log_file_on_a_full_disk_is_said_once_not_a_traceback_per_line(
+    tmp_path, toy_tokenizer, capsys
+):
     """/dev/full takes nothing: the shard's log lines cannot be kept, which is said once; the shard goes on."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")

@@ -20,7 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "jobs.md"]
-RUNNABLE = re.compile(r"toolkit (check jobs/demo\.toml|run jobs/demo\.toml|status runs/demo|export runs/demo( --format \w+)?)$")
+RUNNABLE = re.compile(
+    r"toolkit (check jobs/demo\.toml|run jobs/demo\.toml|status runs/demo|export runs/demo( --format \w+)?)$"
+)
 FINGERPRINT = re.compile(r"\b[0-9a-f]{16}\b")
 
 
@@ -82,13 +84,25 @@ def test_the_demo_examples_are_what_the_commands_print(tmp_path):
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
     env_cmd = [sys.executable, "-m", "toolkit"]
     # the run first: the other commands read the run it makes
-    order = sorted(((c, shown, page.name) for page in PAGES for c, shown in examples(page)),
-                   key=lambda e: not e[0].startswith("toolkit run"))
+    order = sorted(
+        ((c, shown, page.name) for page in PAGES for c, shown in examples(page)),
+        key=lambda e: not e[0].startswith("toolkit run"),
+    )
     wrong = []
     for cmd, shown, page in order:
-        r = subprocess.run(env_cmd + cmd.split()[1:], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
-        printed = [ln for ln in (r.stdout + r.stderr).splitlines() if not re.match(r"\d{4}-\d\d-\d\d ", ln)]
+        r = subprocess.run(
+            env_cmd + cmd.split()[1:],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+        )
+        printed = [
+            ln for ln in (r.stdout + r.stderr).splitlines() if not re.match(r"\d{4}-\d\d-\d\d ", ln)
+        ]
         assert r.returncode == 0, f"{page}: `{cmd}` exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
-        wrong += [f"{page}: `{cmd}` did not print: {line}" for line in missing_lines(shown, printed)]
+        wrong += [
+            f"{page}: `{cmd}` did not print: {line}" for line in missing_lines(shown, printed)
+        ]
     assert not wrong, "\n".join(wrong)

@@ -14,7 +14,15 @@ import pytest
 import toolkit
 from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
-from toolkit.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_MEANINGS, KINDS, BadInputError, FailedError, ToolkitError
+from toolkit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_MEANINGS,
+    KINDS,
+    BadInputError,
+    FailedError,
+    ToolkitError,
+)
 
 PACKAGE = Path(toolkit.__file__).parent
 
@@ -40,29 +48,46 @@ def _error_classes() -> dict[str, type[BaseException]]:
             continue
         mod = importlib.import_module(info.name)
         for name, obj in vars(mod).items():
-            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name:
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == info.name
+            ):
                 found[f"{info.name}.{name}"] = obj
     return found
 
 
 def test_every_error_class_is_one_kind_whose_code_it_keeps():
     classes = _error_classes()
-    assert {"toolkit.worker.shard.ShardFailed", "toolkit.engines.client.ClientError"} <= classes.keys()
-    assert set(KINDS) <= set(EXIT_MEANINGS) and all(k.exit_code == code for code, k in KINDS.items())
+    assert {
+        "toolkit.worker.shard.ShardFailed",
+        "toolkit.engines.client.ClientError",
+    } <= classes.keys()
+    assert set(KINDS) <= set(EXIT_MEANINGS) and all(
+        k.exit_code == code for code, k in KINDS.items()
+    )
     wrong = []
     for name, cls in sorted(classes.items()):
         if name in OUTSIDE_THE_KINDS:
-            assert not issubclass(cls, ToolkitError), f"{name} is in the tree now: take it off OUTSIDE_THE_KINDS"
+            assert not issubclass(cls, ToolkitError), (
+                f"{name} is in the tree now: take it off OUTSIDE_THE_KINDS"
+            )
             continue
         if cls is ToolkitError or cls in KINDS.values():
             continue
         kinds = [k for k in KINDS.values() if issubclass(cls, k)]
         if len(kinds) != 1:
-            wrong.append(f"{name}: derives from {len(kinds)} kinds ({', '.join(k.__name__ for k in kinds)})")
+            wrong.append(
+                f"{name}: derives from {len(kinds)} kinds ({', '.join(k.__name__ for k in kinds)})"
+            )
         elif "exit_code" in vars(cls) or cls.exit_code != kinds[0].exit_code:
             wrong.append(f"{name}: a {kinds[0].__name__} with its own exit code {cls.exit_code}")
-    assert not wrong, "error classes that are not one kind (toolkit.errors.KINDS):\n  " + "\n  ".join(wrong)
-    assert not [n for n in OUTSIDE_THE_KINDS if n not in classes], "a class listed outside the kinds is gone"
+    assert not wrong, (
+        "error classes that are not one kind (toolkit.errors.KINDS):\n  " + "\n  ".join(wrong)
+    )
+    assert not [n for n in OUTSIDE_THE_KINDS if n not in classes], (
+        "a class listed outside the kinds is gone"
+    )
 
 
 def test_no_raise_gives_an_exit_code_of_its_own():
@@ -81,12 +106,28 @@ def test_client_errors_are_failures_whose_kind_is_the_records_word():
     from toolkit.engines import client
     from toolkit.formats.records import FAILURES
 
-    kinds = {c: c.kind for c in (client.Unreachable, client.TimedOut, client.ServerError, client.RequestRejected,
-                                 client.BadResponse)}
-    assert kinds == {client.Unreachable: "unreachable", client.TimedOut: "timeout", client.ServerError: "server_error",
-                     client.RequestRejected: "rejected", client.BadResponse: "bad_response"}
+    kinds = {
+        c: c.kind
+        for c in (
+            client.Unreachable,
+            client.TimedOut,
+            client.ServerError,
+            client.RequestRejected,
+            client.BadResponse,
+        )
+    }
+    assert kinds == {
+        client.Unreachable: "unreachable",
+        client.TimedOut: "timeout",
+        client.ServerError: "server_error",
+        client.RequestRejected: "rejected",
+        client.BadResponse: "bad_response",
+    }
     assert set(kinds.values()) <= FAILURES.keys()
-    assert issubclass(client.ClientError, FailedError) and client.ServerError(503, b"busy").kind == "server_error"
+    assert (
+        issubclass(client.ClientError, FailedError)
+        and client.ServerError(503, b"busy").kind == "server_error"
+    )
 
 
 @pytest.fixture

@@ -22,7 +22,9 @@ def import_graph() -> dict[str, set[str]]:
     """{module: toolkit modules it imports}; a package counts as its `__init__`."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
-    runs: dict[str, set[str]] = {m: set() for m in files}  # package __init__s an import runs on the way
+    runs: dict[str, set[str]] = {
+        m: set() for m in files
+    }  # package __init__s an import runs on the way
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -37,14 +39,21 @@ def import_graph() -> dict[str, set[str]]:
                 else:
                     base = node.module or ""
                 # `from . import audit` imports the module toolkit.dataset.audit; `from .merge import X` imports toolkit.dataset.merge
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
             for t in targets:
-                while t and t not in files:  # `import toolkit.x.y` -> the innermost toolkit module it names
+                while (
+                    t and t not in files
+                ):  # `import toolkit.x.y` -> the innermost toolkit module it names
                     t = t.rpartition(".")[0]
                 if t and t != mod:
                     graph[mod].add(t)
                 runs[mod].update(_packages_run(t, mod, files))
-    for mod, packages in runs.items():  # an __init__ that imports no toolkit module loads nothing more
+    for (
+        mod,
+        packages,
+    ) in runs.items():  # an __init__ that imports no toolkit module loads nothing more
         graph[mod].update(p for p in packages if graph[p])
     return graph
 
@@ -98,12 +107,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles():
     graph = import_graph()
     assert {"toolkit.cli", "toolkit.dataset.merge", "toolkit.engines.base"} <= graph.keys()
-    assert "toolkit.formats.records" in graph["toolkit.dataset.merge"]  # the graph sees imports at all
-    assert _packages_run("toolkit.engines.sglang_contract.flags", "toolkit.job.spec", {"toolkit", "toolkit.engines"}) == \
-        {"toolkit.engines"}, "importing a module runs the __init__ of its package"
+    assert (
+        "toolkit.formats.records" in graph["toolkit.dataset.merge"]
+    )  # the graph sees imports at all
+    assert _packages_run(
+        "toolkit.engines.sglang_contract.flags", "toolkit.job.spec", {"toolkit", "toolkit.engines"}
+    ) == {"toolkit.engines"}, "importing a module runs the __init__ of its package"
     found = cycles(graph)
-    shown = "\n".join("  " + " <-> ".join(c) + "\n    " + "; ".join(
-        f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found)
+    shown = "\n".join(
+        "  "
+        + " <-> ".join(c)
+        + "\n    "
+        + "; ".join(f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c)
+        for c in found
+    )
     assert not found, f"import cycles between toolkit modules:\n{shown}"
 
 
@@ -134,7 +151,9 @@ def layer_of(module: str) -> int | None:
     best, found = -1, None
     for i, (_, names) in enumerate(LAYERS):
         for name in names:
-            inside = module.startswith(name + ".") and name != "toolkit"  # `toolkit` is the package's __init__ only
+            inside = (
+                module.startswith(name + ".") and name != "toolkit"
+            )  # `toolkit` is the package's __init__ only
             if (module == name or inside) and len(name) > best:
                 best, found = len(name), i
     return found
@@ -147,33 +166,64 @@ def test_every_module_has_a_layer():
 
 def test_imports_run_one_way():
     graph = import_graph()
-    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-              for a in sorted(graph) for b in sorted(graph[a])
-              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) < layer_of(a)]
-    assert not upward, "imports against the layers, top to bottom " + " > ".join(n for n, _ in LAYERS) + ":\n  " + \
-        "\n  ".join(upward)
+    upward = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) < layer_of(a)
+    ]
+    assert not upward, (
+        "imports against the layers, top to bottom "
+        + " > ".join(n for n, _ in LAYERS)
+        + ":\n  "
+        + "\n  ".join(upward)
+    )
 
 
 def test_rooms_of_a_layer_keep_apart_and_nothing_imports_the_stub():
     graph = import_graph()
-    crossing = [f"{a} imports {b}" for a in sorted(graph) for b in sorted(graph[a]) for x, y in APART
-                if _inside(a, x) and _inside(b, y) or _inside(a, y) and _inside(b, x)]
-    crossing += [f"{a} imports {b} (a separate program: start it by name)" for a in sorted(graph)
-                 for b in sorted(graph[a]) for s in NOT_IMPORTED if _inside(b, s) and not _inside(a, s)]
+    crossing = [
+        f"{a} imports {b}"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        for x, y in APART
+        if _inside(a, x) and _inside(b, y) or _inside(a, y) and _inside(b, x)
+    ]
+    crossing += [
+        f"{a} imports {b} (a separate program: start it by name)"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        for s in NOT_IMPORTED
+        if _inside(b, s) and not _inside(a, s)
+    ]
     assert not crossing, "\n  ".join(["imports between rooms that keep apart:", *crossing])
 
 
 def test_layer_check_can_fail():
-    assert layer_of("toolkit.stub.app") == layer_of("toolkit.engines.sglang_contract.flags") == len(LAYERS) - 2
-    assert layer_of("toolkit.cli") < layer_of("toolkit.worker.run") < layer_of("toolkit.formats.records")
+    assert (
+        layer_of("toolkit.stub.app")
+        == layer_of("toolkit.engines.sglang_contract.flags")
+        == len(LAYERS) - 2
+    )
+    assert (
+        layer_of("toolkit.cli")
+        < layer_of("toolkit.worker.run")
+        < layer_of("toolkit.formats.records")
+    )
     assert layer_of("toolkit.not_placed") is None
 
 
 def test_nothing_below_the_cli_parses_arguments():
     """argparse belongs to the command line; the separate programs (stub server, rank launcher, toy tokenizer)
     and the SGLang flag checker, which mirrors SGLang's own parser, have command lines of their own."""
-    own_programs = ("toolkit.cli", "toolkit.stub", "toolkit.engines.rank", "toolkit.engines.sglang",
-                    "toolkit.engines.sglang_contract.flags", "toolkit.stub.toy_tokenizer")
+    own_programs = (
+        "toolkit.cli",
+        "toolkit.stub",
+        "toolkit.engines.rank",
+        "toolkit.engines.sglang",
+        "toolkit.engines.sglang_contract.flags",
+        "toolkit.stub.toy_tokenizer",
+    )
     users = []
     for path in PACKAGE.rglob("*.py"):
         mod = _module_name(path)
@@ -181,7 +231,11 @@ def test_nothing_below_the_cli_parses_arguments():
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
                 if "argparse" in names:
                     users.append(mod)
             elif isinstance(node, ast.Attribute) and node.attr in ("Namespace",):
@@ -195,14 +249,27 @@ def test_reading_a_spec_loads_no_engine_or_client():
     import sys
 
     code = "import sys, toolkit.job.spec; print(sorted(m for m in sys.modules if m.startswith('toolkit')))"
-    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    loaded = eval(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert "toolkit.job.spec" in loaded
     graph = import_graph()
-    empty_packages = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()
-                      and not graph[m]}  # a package __init__ that imports nothing loads nothing
+    empty_packages = {
+        m
+        for m in graph
+        if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists() and not graph[m]
+    }  # a package __init__ that imports nothing loads nothing
     assert "toolkit.engines" in empty_packages
-    above = [m for m in loaded if layer_of(m) is not None and layer_of(m) < layer_of("toolkit.job.spec")
-             and m != "toolkit" and m not in empty_packages]
+    above = [
+        m
+        for m in loaded
+        if layer_of(m) is not None
+        and layer_of(m) < layer_of("toolkit.job.spec")
+        and m != "toolkit"
+        and m not in empty_packages
+    ]
     assert not above, f"importing toolkit.job.spec loads modules above the formats: {above}"
 
 
@@ -221,12 +288,21 @@ def test_the_benchmarks_and_scripts_import_names_the_package_has():
     import importlib
 
     broken = []
-    for path in sorted([*(PACKAGE.parent / "benchmarks").glob("*.py"), *(PACKAGE.parent / "scripts").glob("*.py")]):
+    for path in sorted(
+        [*(PACKAGE.parent / "benchmarks").glob("*.py"), *(PACKAGE.parent / "scripts").glob("*.py")]
+    ):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "toolkit":
+            if (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and (node.module or "").split(".")[0] == "toolkit"
+            ):
                 module = importlib.import_module(node.module)
-                broken += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
-                           if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")]
+                broken += [
+                    f"{path.name}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")
+                ]
     assert not broken, "imports of names the toolkit does not have:\n  " + "\n  ".join(broken)
 
 
@@ -245,6 +321,10 @@ def test_the_readme_names_every_module_in_its_layer():
         named = set(re.findall(r"`([\w/]+)`", row.group(1)))
         for m in modules:
             short = m.removeprefix("toolkit.").replace(".", "/")
-            if m not in ("toolkit", "toolkit.__main__") and short not in named and f"{short}/" not in named:
+            if (
+                m not in ("toolkit", "toolkit.__main__")
+                and short not in named
+                and f"{short}/" not in named
+            ):
                 wrong.append(f"{m} is not named in docs/architecture.md's row {name!r}")
     assert not wrong, "\n".join(wrong)

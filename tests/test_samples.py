@@ -28,7 +28,9 @@ def kimi(toy_tokenizer):
 
 
 def test_each_prompt_is_planned_once_per_sample_and_samples_stay_in_one_shard(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=7, shards=3, sampling={"max_new_tokens": 64, "n": 3, "temperature": 0.6})
+    job = make_job(
+        tmp_path, kimi, n=7, shards=3, sampling={"max_new_tokens": 64, "n": 3, "temperature": 0.6}
+    )
     plan, refs = plan_job(load_spec(job))
     assert plan.total == 21 and plan.datasets[0].prompts == 7 and plan.datasets[0].planned == 21
     assert len({r.id for r in refs}) == 21
@@ -41,11 +43,18 @@ def test_each_prompt_is_planned_once_per_sample_and_samples_stay_in_one_shard(tm
 def test_one_sample_keeps_the_ids_and_plan_of_before(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4)
     plan, refs = plan_job(load_spec(job))
-    assert [r.id for r in refs] == [f"p{i:04d}" for i in range(4)] and all(r.sample == 0 for r in refs)
+    assert [r.id for r in refs] == [f"p{i:04d}" for i in range(4)] and all(
+        r.sample == 0 for r in refs
+    )
 
 
 def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=2, sampling={"max_new_tokens": 64, "n": 4, "temperature": 0.6, "sampling_seed": 100})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=2,
+        sampling={"max_new_tokens": 64, "n": 4, "temperature": 0.6, "sampling_seed": 100},
+    )
     spec = load_spec(job)
     params = [spec.request_sampling("d", k) for k in range(4)]
     assert all("n" not in p for p in params)
@@ -54,10 +63,17 @@ def test_requests_never_carry_n_and_seeded_samples_differ(tmp_path, kimi):
 
 
 @pytest.mark.slow
-def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=5, shards=2, sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6,
-                                                           "sampling_seed": 3},
-                   audit={"max_length_share": 1.0})
+def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the_index(
+    tmp_path, kimi
+):
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=5,
+        shards=2,
+        sampling={"max_new_tokens": 64, "n": 2, "temperature": 0.6, "sampling_seed": 3},
+        audit={"max_length_share": 1.0},
+    )
     rd, plan = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     assert run_shard(rd.root, 0).end == DONE  # resumed: nothing generated twice
@@ -69,9 +85,14 @@ def test_a_run_with_samples_has_every_prompt_sample_exactly_once_and_exports_the
     out = tmp_path / "out.jsonl"
     assert export_run(rd.root, "jsonl", out).rows == 10
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert sorted((r["id"], r["sample"]) for r in rows) == sorted((f"p{i:04d}#{k}", k) for i in range(5) for k in range(2))
+    assert sorted((r["id"], r["sample"]) for r in rows) == sorted(
+        (f"p{i:04d}#{k}", k) for i in range(5) for k in range(2)
+    )
     export_run(rd.root, "tokens", tmp_path / "t.jsonl")
-    assert {json.loads(x)["sample"] for x in (tmp_path / "t.jsonl").read_text().splitlines()} == {0, 1}
+    assert {json.loads(x)["sample"] for x in (tmp_path / "t.jsonl").read_text().splitlines()} == {
+        0,
+        1,
+    }
 
 
 @pytest.mark.slow
@@ -80,14 +101,25 @@ def test_ctrl_c_then_run_again_with_samples_and_no_seed_passes_the_audit(tmp_pat
     must draw sample 1 as sample 1 (not as a twin of sample 0) and continue each partial from the draw it was cut
     from (no second think-start): the run then passes its audit, identical_samples and double_think_start
     included."""
-    job = make_job(tmp_path, kimi, n=10, shards=1, stub={"token_delay_s": 0.01},
-                   sampling={"max_new_tokens": 400, "min_new_tokens": 100, "n": 2, "temperature": 0.8},
-                   client={"concurrency": 4}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=10,
+        shards=1,
+        stub={"token_delay_s": 0.01},
+        sampling={"max_new_tokens": 400, "min_new_tokens": 100, "n": 2, "temperature": 0.8},
+        client={"concurrency": 4},
+        audit={"max_length_share": 1.0},
+    )
     rd, _ = prepared_run(job)
     saved = 0
     for at_least in (4, 10):  # two interruptions, at two moments
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit", "run", str(job)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             p = read_progress(rd.progress_file(0))

@@ -27,8 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def toolkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wait_for(what, timeout: float = 60.0, poll: float = 0.1):
@@ -42,15 +47,34 @@ def wait_for(what, timeout: float = 60.0, poll: float = 0.1):
 
 
 @pytest.mark.slow
-def test_ctrl_c_of_toolkit_run_exits_130_and_status_says_stopped_with_the_command_that_resumes(tmp_path, toy_tokenizer):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=12, shards=3, sampling={"max_new_tokens": 400},
-                   stub={"token_delay_s": 0.01, "fixed_output_tokens": 300})
+def test_ctrl_c_of_toolkit_run_exits_130_and_status_says_stopped_with_the_command_that_resumes(
+    tmp_path, toy_tokenizer
+):
+    job = make_job(
+        tmp_path,
+        toy_tokenizer("kimi"),
+        n=12,
+        shards=3,
+        sampling={"max_new_tokens": 400},
+        stub={"token_delay_s": 0.01, "fixed_output_tokens": 300},
+    )
     rd = RunDir(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "run", str(job)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: rd.log_file(0).exists() and "generating" in rd.log_file(0).read_text()
-                 or rd.log_file(1).exists() and "generating" in rd.log_file(1).read_text())
+        wait_for(
+            lambda: (
+                rd.log_file(0).exists()
+                and "generating" in rd.log_file(0).read_text()
+                or rd.log_file(1).exists()
+                and "generating" in rd.log_file(1).read_text()
+            )
+        )
         live = live_local_runs(rd)
         assert [(r.pid, r.command, r.merges) for r in live] == [(proc.pid, "toolkit run", True)]
         st = toolkit("status", str(rd.root))
@@ -61,7 +85,10 @@ def test_ctrl_c_of_toolkit_run_exits_130_and_status_says_stopped_with_the_comman
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
-    assert f"stopped by SIGINT: what was done is kept; `toolkit retry {rd.shown}` resumes the run" in out
+    assert (
+        f"stopped by SIGINT: what was done is kept; `toolkit retry {rd.shown}` resumes the run"
+        in out
+    )
     assert live_local_runs(rd) == [] and not any(rd.local_run_file("h", 0).parent.iterdir())
     st = toolkit("status", str(rd.root))
     last = st.stdout.strip().splitlines()[-1]
@@ -85,12 +112,19 @@ def test_a_run_of_some_shards_without_merge_is_not_in_progress(tmp_path, toy_tok
     assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
     out = capsys.readouterr().out
     assert "    1 not_started" in out
-    assert f"run: stopped: shard 1 not_started and nothing runs them: `toolkit retry {rd.shown}` resumes" in out
+    assert (
+        f"run: stopped: shard 1 not_started and nothing runs them: `toolkit retry {rd.shown}` resumes"
+        in out
+    )
     assert cli_main(["status", str(rd.root), "--watch", "-i", "0.1"]) == EXIT_FAILED  # ends
-    follow = toolkit("logs", str(rd.root), "1", "-f", timeout=30)  # ends too: nothing will write that log
+    follow = toolkit(
+        "logs", str(rd.root), "1", "-f", timeout=30
+    )  # ends too: nothing will write that log
     assert follow.returncode == 0
-    assert f"(shard 1 not started, and nothing runs it (`toolkit retry {rd.root}` runs it here): stopped following)" \
+    assert (
+        f"(shard 1 not started, and nothing runs it (`toolkit retry {rd.root}` runs it here): stopped following)"
         in follow.stderr
+    )
 
 
 def test_a_dead_local_process_is_not_taken_as_running(tmp_path, toy_tokenizer):
@@ -98,11 +132,18 @@ def test_a_dead_local_process_is_not_taken_as_running(tmp_path, toy_tokenizer):
     from toolkit.formats.progress import local_run
 
     rd = RunDir(tmp_path)
-    code = ("import sys, os; from toolkit.formats.progress import local_run; from toolkit.formats.rundir import RunDir\n"
-            f"cm = local_run(RunDir({str(tmp_path)!r}), [0, 1], 'toolkit run'); cm.__enter__()\n"
-            "print('ready', flush=True); sys.stdin.read()\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         cwd=REPO)
+    code = (
+        "import sys, os; from toolkit.formats.progress import local_run; from toolkit.formats.rundir import RunDir\n"
+        f"cm = local_run(RunDir({str(tmp_path)!r}), [0, 1], 'toolkit run'); cm.__enter__()\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         assert [r.shards for r in live_local_runs(rd)] == [[0, 1]]
@@ -138,7 +179,9 @@ def test_status_agrees_with_merge_on_a_damaged_done_manifest(complete_run, capsy
     assert "    1 unfinished" in out and f"`toolkit retry {rd.shown}` resumes them here" in out
     assert cli_main(["merge", str(rd.root)]) != EXIT_OK  # merge refuses it too
     capsys.readouterr()
-    assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # the advice works: the manifest is written again
+    assert (
+        cli_main(["retry", str(rd.root)]) == EXIT_OK
+    )  # the advice works: the manifest is written again
     assert cli_main(["status", str(rd.root)]) == EXIT_OK
 
 
@@ -154,13 +197,18 @@ def test_status_agrees_with_the_audit_on_a_damaged_merged_file(complete_run, cap
     rd.merged_file.write_bytes(bytes(data))
     assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
     out = capsys.readouterr().out
-    assert "the merged dataset is damaged (" in out and f"`toolkit merge {rd.shown}` makes it again" in out
+    assert (
+        "the merged dataset is damaged (" in out
+        and f"`toolkit merge {rd.shown}` makes it again" in out
+    )
     assert cli_main(["merge", str(rd.root)]) == EXIT_OK
     assert cli_main(["status", str(rd.root)]) == EXIT_OK
 
 
 @pytest.mark.slow
-def test_logs_server_of_a_shard_served_by_another_shards_engine_shows_that_engines_log(complete_run, capsys):
+def test_logs_server_of_a_shard_served_by_another_shards_engine_shows_that_engines_log(
+    complete_run, capsys
+):
     """One worker claims both shards with one engine: the engine writes the log of the shard it was started for;
     the other shard's --server shows that log, and says so."""
     rd = complete_run
@@ -171,35 +219,47 @@ def test_logs_server_of_a_shard_served_by_another_shards_engine_shows_that_engin
     out, err = capsys.readouterr()
     assert out.splitlines() == rd.server_log_file(first).read_text().splitlines()[-5:]
     assert f"(shard {other} was served by the engine worker 0 (pid " in err
-    assert f"started for shard {first}: " in err and err.rstrip().endswith(f"{first:05d}.server.log)")
+    assert f"started for shard {first}: " in err and err.rstrip().endswith(
+        f"{first:05d}.server.log)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # a damaged run.json or prompts.msgpack: one line, with the command that recovers; that command recovers
 # ---------------------------------------------------------------------------------------------------
-DAMAGES = {"garbage": lambda b: b"\x00garbage\xff", "empty": lambda b: b"", "truncated": lambda b: b[: len(b) // 2],
-           "flipped": lambda b: b[:40] + b"\xc1" + b[41:]}
+DAMAGES = {
+    "garbage": lambda b: b"\x00garbage\xff",
+    "empty": lambda b: b"",
+    "truncated": lambda b: b[: len(b) // 2],
+    "flipped": lambda b: b[:40] + b"\xc1" + b[41:],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["run.json", "prompts.msgpack"])
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_plan_file_is_one_line_and_planning_again_recovers_without_generating(complete_run, capsys, name,
-                                                                                       damage):
+def test_a_damaged_plan_file_is_one_line_and_planning_again_recovers_without_generating(
+    complete_run, capsys, name, damage
+):
     rd = complete_run
     job = rd.root.parent / "job.toml"
     shards = [rd.shard_file(k).read_bytes() for k in (0, 1)]
     path = rd.root / name
     path.write_bytes(DAMAGES[damage](path.read_bytes()))
-    commands = [["merge"], ["export", "--format", "jsonl"], ["audit"]] + ([["status"], ["logs", "--failed"]]
-                                                                          if name == "run.json" else [])
+    commands = [["merge"], ["export", "--format", "jsonl"], ["audit"]] + (
+        [["status"], ["logs", "--failed"]] if name == "run.json" else []
+    )
     for cmd in commands:
         code = cli_main([cmd[0], str(rd.root), *cmd[1:]])
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("toolkit: error: ")]
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, (cmd, err)
-        assert f"{path} is damaged (" in lines[0] and "plan the job again into this folder to recover it: " \
-            "`toolkit run JOB` (or `toolkit submit JOB`)" in lines[0], lines[0]
+        assert (
+            f"{path} is damaged (" in lines[0]
+            and "plan the job again into this folder to recover it: "
+            "`toolkit run JOB` (or `toolkit submit JOB`)"
+            in lines[0]
+        ), lines[0]
     assert cli_main(["run", str(job)]) == EXIT_OK  # planned again into the same folder
     out, err = capsys.readouterr()
     assert "claims shard" not in err and "generating" not in err  # nothing generated again
@@ -216,7 +276,10 @@ def test_a_damaged_run_json_among_another_jobs_shards_is_not_planned_over(comple
     from toolkit.job.prepare import prepare_run
 
     plan = prepare_run(rd.root.parent / "job.toml", dry_run=True, keep_learned=False).preflight.plan
-    assert find_run(plan) == (rd.root, False)  # its shard files are this job's: planned again into it
+    assert find_run(plan) == (
+        rd.root,
+        False,
+    )  # its shard files are this job's: planned again into it
     plan.fingerprint = "0" * 16  # another job's plan
     with pytest.raises(PlanError, match="its shard files are not of this job"):
         find_run(plan)
@@ -229,18 +292,24 @@ def test_a_failed_merge_job_says_so_in_one_line_without_a_traceback(tmp_path, to
 
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2)
     rd, _ = prepared_run(job)  # planned, no shard run: the merge refuses it
-    code = ("import submitit.core.submission as s, sys\n"
-            "from toolkit.cluster.tasks import MergeTask\n"
-            "try:\n"
-            f"    MergeTask({str(rd.root)!r})()\n"
-            "except Exception as e:  # as submitit.core.submission.process_job catches\n"
-            "    raise\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    code = (
+        "import submitit.core.submission as s, sys\n"
+        "from toolkit.cluster.tasks import MergeTask\n"
+        "try:\n"
+        f"    MergeTask({str(rd.root)!r})()\n"
+        "except Exception as e:  # as submitit.core.submission.process_job catches\n"
+        "    raise\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert lines[-1] == (f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
-                         f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm")
+    assert lines[-1] == (
+        f"merge job: `toolkit merge {rd.root}` exited 2 (the lines above say why); once that is "
+        f"fixed, `toolkit merge {rd.root}` merges here, or `toolkit resubmit {rd.root}` on Slurm"
+    )
     assert lines[-2].startswith("toolkit: error: ") and "shards are not done" in lines[-2]
 
 
@@ -254,7 +323,9 @@ def _flip(path: Path, at: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(complete_run, capsys, monkeypatch):
+def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(
+    complete_run, capsys, monkeypatch
+):
     from toolkit.cluster import submit
     from toolkit.dataset.audit_report import read_report
 
@@ -262,9 +333,14 @@ def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(comple
     _flip(rd.shard_file(0), rd.shard_file(0).stat().st_size // 2)
     before = rd.merged_file.read_bytes()
     capsys.readouterr()
-    assert cli_main(["merge", str(rd.root)]) == EXIT_BAD_INPUT  # refused: its records would go missing
+    assert (
+        cli_main(["merge", str(rd.root)]) == EXIT_BAD_INPUT
+    )  # refused: its records would go missing
     err = capsys.readouterr().err
-    assert "nothing merged, the merged dataset is kept as it was" in err and f"`toolkit retry {rd.shown}`" in err
+    assert (
+        "nothing merged, the merged dataset is kept as it was" in err
+        and f"`toolkit retry {rd.shown}`" in err
+    )
     assert rd.merged_file.read_bytes() == before
     assert cli_main(["status", str(rd.root)]) == EXIT_FAILED
     assert "shard 0 changed since done" in capsys.readouterr().out
@@ -274,7 +350,9 @@ def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(comple
     capsys.readouterr()
     checks = {c.name: c.message for c in read_report(rd).checks}
     for name in ("coverage", "damaged_frames"):
-        assert f"`toolkit retry {rd.shown}`" in checks[name] and "resubmit" not in checks[name], checks[name]
+        assert f"`toolkit retry {rd.shown}`" in checks[name] and "resubmit" not in checks[name], (
+            checks[name]
+        )
     # on Slurm, `resubmit` takes that shard (its done manifest no longer matches the file)
     monkeypatch.setattr(submit, "live_jobs", lambda rd: {})
     monkeypatch.setattr(submit, "validate_resources", lambda plan, r: r)
@@ -295,11 +373,18 @@ def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(comple
 
 
 @pytest.mark.slow
-def test_a_shard_file_of_another_run_is_told_to_be_moved_aside_and_that_works(complete_run, tmp_path, toy_tokenizer,
-                                                                               capsys, caplog):
+def test_a_shard_file_of_another_run_is_told_to_be_moved_aside_and_that_works(
+    complete_run, tmp_path, toy_tokenizer, capsys, caplog
+):
     rd = complete_run
-    other = make_job(tmp_path / "other", toy_tokenizer("kimi"), n=8, shards=2, name="other",
-                     sampling={"max_new_tokens": 40})
+    other = make_job(
+        tmp_path / "other",
+        toy_tokenizer("kimi"),
+        n=8,
+        shards=2,
+        name="other",
+        sampling={"max_new_tokens": 40},
+    )
     assert cli_main(["run", str(other)]) == EXIT_OK
     rd.shard_file(1).write_bytes((tmp_path / "other" / "run" / "shards" / "00001.zst").read_bytes())
     capsys.readouterr()
@@ -314,19 +399,27 @@ def test_a_shard_file_of_another_run_is_told_to_be_moved_aside_and_that_works(co
 
 @pytest.mark.slow
 @pytest.mark.parametrize("at", [2, 20])  # the header's magic, its fingerprint
-def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_run, capsys, caplog, at):
+def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(
+    complete_run, capsys, caplog, at
+):
     from toolkit.dataset.merge import load_manifest
 
     rd = complete_run
     _flip(rd.shard_file(0), at)
-    assert cli_main(["merge", str(rd.root), "--no-audit"]) == EXIT_BAD_INPUT  # a finished shard's file changed
+    assert (
+        cli_main(["merge", str(rd.root), "--no-audit"]) == EXIT_BAD_INPUT
+    )  # a finished shard's file changed
     rd.manifest_file.unlink()  # merged anyway, with no complete merged dataset in place
-    assert cli_main(["merge", str(rd.root), "--no-audit", "--allow-incomplete"]) == EXIT_FAILED  # the header is said
+    assert (
+        cli_main(["merge", str(rd.root), "--no-audit", "--allow-incomplete"]) == EXIT_FAILED
+    )  # the header is said
     m = load_manifest(rd)
     assert m.missing == 0 and m.records == m.planned and [p.offset for p in m.corrupt] == [0]
     merged_before = m.shards[0]
     capsys.readouterr()
-    assert cli_main(["retry", str(rd.root)]) == EXIT_OK  # the worker salvages the file: every frame after the header
+    assert (
+        cli_main(["retry", str(rd.root)]) == EXIT_OK
+    )  # the worker salvages the file: every frame after the header
     err = caplog.text
     assert "keeping its" in err and "damaged header" in err
     m = load_manifest(rd)
@@ -334,7 +427,9 @@ def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(complete_ru
 
 
 @pytest.mark.slow
-def test_after_a_full_disk_failed_the_run_status_is_not_in_progress(tmp_path, toy_tokenizer, monkeypatch, capsys):
+def test_after_a_full_disk_failed_the_run_status_is_not_in_progress(
+    tmp_path, toy_tokenizer, monkeypatch, capsys
+):
     """The disk full from the start: neither a shard file nor a progress file can be written; `toolkit run` fails,
     and status says what to run once there is space, with an exit code that is not "in progress"."""
     import errno
@@ -372,7 +467,7 @@ def test_after_a_full_disk_failed_the_run_status_is_not_in_progress(tmp_path, to
 def backticked(text: str, after: str) -> str:
     """The first `command` quoted in backticks on the line of `text` holding `after`."""
     line = next(line for line in text.splitlines() if after in line)
-    return re.search(r"`(toolkit [^`]+)`", line[line.index(after):]).group(1)
+    return re.search(r"`(toolkit [^`]+)`", line[line.index(after) :]).group(1)
 
 
 def run_as_printed(command: str) -> subprocess.CompletedProcess:
@@ -382,19 +477,38 @@ def run_as_printed(command: str) -> subprocess.CompletedProcess:
 
 
 def start_and_wait(job: Path, rd: RunDir) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(rd.log_file(k).exists() and "generating" in rd.log_file(k).read_text() for k in (0, 1)))
-    wait_for(lambda: any(rd.shard_file(k).exists() and rd.shard_file(k).stat().st_size for k in (0, 1)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "run", str(job)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(
+        lambda: any(
+            rd.log_file(k).exists() and "generating" in rd.log_file(k).read_text() for k in (0, 1)
+        )
+    )
+    wait_for(
+        lambda: any(rd.shard_file(k).exists() and rd.shard_file(k).stat().st_size for k in (0, 1))
+    )
     return proc
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
-def test_every_resume_hint_is_one_command_and_it_resumes_the_stopped_run(tmp_path, toy_tokenizer, sig):
+def test_every_resume_hint_is_one_command_and_it_resumes_the_stopped_run(
+    tmp_path, toy_tokenizer, sig
+):
     n = 12
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=n, shards=3, sampling={"max_new_tokens": 400},
-                   stub={"token_delay_s": 0.01, "fixed_output_tokens": 300})
+    job = make_job(
+        tmp_path,
+        toy_tokenizer("kimi"),
+        n=n,
+        shards=3,
+        sampling={"max_new_tokens": 400},
+        stub={"token_delay_s": 0.01, "fixed_output_tokens": 300},
+    )
     rd = RunDir(tmp_path / "run")
     proc = start_and_wait(job, rd)
     try:

@@ -116,7 +116,6 @@ the exit code means:
      failed yet"""
 
 
-
 # --------------------------------------------------------------------------------------------------
 # run, worker, check: local execution
 # --------------------------------------------------------------------------------------------------
@@ -127,8 +126,12 @@ def cmd_check(args) -> int:
     from toolkit.job.prepare import prepare_run
 
     # the [slurm] table as `submit` takes it (no cluster asked): no GPU billed and left idle
-    pf = prepare_run(args.job, dry_run=True, print_warnings=False,
-                     validate=lambda plan, _rd: check_resources(plan, Resources())).preflight
+    pf = prepare_run(
+        args.job,
+        dry_run=True,
+        print_warnings=False,
+        validate=lambda plan, _rd: check_resources(plan, Resources()),
+    ).preflight
     plan = pf.plan
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
@@ -243,8 +246,13 @@ def cmd_run(args) -> int:
         _shards_of("--shards", args.shards, plan)
         workers_here(plan.spec, args.parallel)  # the GPUs here, split between the workers
 
-    prep = prepare_run(args.job, new_run=args.new_run, local=True, allow_changed=args.allow_changed,
-                       validate=validate)
+    prep = prepare_run(
+        args.job,
+        new_run=args.new_run,
+        local=True,
+        allow_changed=args.allow_changed,
+        validate=validate,
+    )
     rd, plan = prep.run_dir, prep.plan
     print(f"run directory: {rd.shown}")
     shards = args.shards if args.shards is not None else range(len(plan.shards))
@@ -261,8 +269,10 @@ def cmd_run(args) -> int:
         others = _unfinished(rd, plan, range(len(plan.shards)))
         if args.shards is not None and others and not (stopped or failed):
             # the shards asked for are done; the run is not, so it is not merged
-            print(f"shards {ranges(shards, sep=',')} done; {_of_run(others, plan)} not done: "
-                  f"{again} generates them and merges the run")
+            print(
+                f"shards {ranges(shards, sep=',')} done; {_of_run(others, plan)} not done: "
+                f"{again} generates them and merges the run"
+            )
             return EXIT_OK
         code = _after_shards(rd, stopped, failed, merge=not args.no_merge, again=again)
     return code if args.no_merge else _as_status_says(rd, code)
@@ -272,8 +282,11 @@ def _unfinished(rd, plan, shards) -> list[int]:
     """The shards among `shards` with something left to generate (formats.shardstate)."""
     from toolkit.formats.shardstate import shard_state
 
-    return [k for k in shards
-            if not shard_state(rd, k, fingerprint=plan.fingerprint, verify="cheap").finished]
+    return [
+        k
+        for k in shards
+        if not shard_state(rd, k, fingerprint=plan.fingerprint, verify="cheap").finished
+    ]
 
 
 def _of_run(shards: list[int], plan) -> str:
@@ -290,8 +303,10 @@ def _nothing_to_generate(rd, plan, args) -> int:
     others = _unfinished(rd, plan, range(len(plan.shards)))
     print(f"nothing to generate: {which} of {rd.shown} done")
     if others:
-        print(f"{_of_run(others, plan)} not done: `{rd.finish_command()}` generates them and "
-              "merges the run")
+        print(
+            f"{_of_run(others, plan)} not done: `{rd.finish_command()}` generates them and "
+            "merges the run"
+        )
         return EXIT_OK
     if args.no_merge:
         return EXIT_OK
@@ -417,12 +432,16 @@ def cmd_export(args) -> int:
     if not args.format and fmt != export.DEFAULT_FORMAT:
         what = f"{fmt}, from the output's extension"
     if fmt == "tokens":
-        what += (f"; loss mask for {s.trainer}, the template's think-start "
-                 f"{'supervised' if s.supervise_think_start else 'not supervised'}")
+        what += (
+            f"; loss mask for {s.trainer}, the template's think-start "
+            f"{'supervised' if s.supervise_think_start else 'not supervised'}"
+        )
     print(f"wrote {s.rows} rows ({s.exported} records) to {shown_path(output)} ({what})")
     print(s.line())
-    print(f"left out, with the reason per id: {shown_path(s.skipped_file)}; summary: "
-          f"{shown_path(export.side_file(output, 'summary', '.json'))}")
+    print(
+        f"left out, with the reason per id: {shown_path(s.skipped_file)}; summary: "
+        f"{shown_path(export.side_file(output, 'summary', '.json'))}"
+    )
     if s.lengths is not None and s.lengths.rows:
         _print_lengths(s, args)
     if fmt == "conversations":
@@ -431,8 +450,11 @@ def cmd_export(args) -> int:
             f"round trip as SpecForge renders the rows: {s.roundtrip_identical} of "
             f"{s.roundtrip_rows} rows give the model's exact ids, {differ} differ (per row: "
             f"{shown_path(s.roundtrip_file)})"
-            + ("" if s.roundtrip_sample is None else
-               f"; rows checked: {s.roundtrip_rows} of {s.rows} (--check-sample)")
+            + (
+                ""
+                if s.roundtrip_sample is None
+                else f"; rows checked: {s.roundtrip_rows} of {s.rows} (--check-sample)"
+            )
         )
         if s.arguments_reformatted:
             print(
@@ -459,9 +481,11 @@ def _print_lengths(s, args) -> None:
     trainer = s.trainer or "specforge"
     length = args.max_length or n.needed
     cut = n.supervised_cut_by_default / n.supervised if n.supervised else 0.0
-    print(f"tokens per row: p50 {n.p50:,}, p99 {n.p99:,}, max {n.max:,}; at its default "
-          f"{n.setting} {n.default_length}, {trainer} would cut {n.rows_cut_by_default} of "
-          f"{n.rows} rows ({cut:.1%} of the supervised tokens)")
+    print(
+        f"tokens per row: p50 {n.p50:,}, p99 {n.p99:,}, max {n.max:,}; at its default "
+        f"{n.setting} {n.default_length}, {trainer} would cut {n.rows_cut_by_default} of "
+        f"{n.rows} rows ({cut:.1%} of the supervised tokens)"
+    )
     where = f" (written in {shown_path(s.trainer_config)})" if s.trainer_config else ""
     sep = ":" if n.setting.startswith("data.") else ""
     print(f"every row whole: {trainer} {n.setting}{sep} {length}{where}")
@@ -494,8 +518,13 @@ def cmd_submit(args) -> int:
     from toolkit.cluster.submit import format_dry_run, format_submission, submit
     from toolkit.formats.rundir import RunDir
 
-    r = submit(args.job, _resources(args), dry_run=args.dry_run, new_run=args.new_run,
-               allow_changed=args.allow_changed)
+    r = submit(
+        args.job,
+        _resources(args),
+        dry_run=args.dry_run,
+        new_run=args.new_run,
+        allow_changed=args.allow_changed,
+    )
     if r.submission is None:
         print(format_dry_run(r.dry_run))
     else:
@@ -547,8 +576,10 @@ def cmd_retry(args) -> int:
             )
             if _has_ids(f)
         ]
-        print(f"nothing to retry: every shard of {rd.shown} is done with no failure that may pass"
-              + (f"; {'; '.join(lists)}" if lists else ""))
+        print(
+            f"nothing to retry: every shard of {rd.shown} is done with no failure that may pass"
+            + (f"; {'; '.join(lists)}" if lists else "")
+        )
         return EXIT_OK
     print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
     if args.slurm:
@@ -575,8 +606,14 @@ def _has_ids(path: Path) -> bool:
 def cmd_status(args) -> int:
     from toolkit.cluster.status import status_command
 
-    return status_command(args.run, watch=args.watch, interval=args.interval, as_json=args.json,
-                          unknown_limit_s=args.unknown_limit_s, every_row=args.all)
+    return status_command(
+        args.run,
+        watch=args.watch,
+        interval=args.interval,
+        as_json=args.json,
+        unknown_limit_s=args.unknown_limit_s,
+        every_row=args.all,
+    )
 
 
 def cmd_logs(args) -> int:
@@ -600,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="toolkit",
         description="Generate a training dataset from a reasoning model served by SGLang, via raw "
-                    "token ids, on Slurm.",
+        "token ids, on Slurm.",
         epilog=EPILOG + _exit_codes(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -613,8 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("run", help="run every shard of a job here (no Slurm), then merge and audit",
-                       description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = sub.add_parser(
+        "run",
+        help="run every shard of a job here (no Slurm), then merge and audit",
+        description=RUN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("job", help="job spec (TOML), e.g. jobs/demo.toml")
     s.add_argument("--shards", type=int, nargs="+", metavar="K", help="only these shard indices")
     s.add_argument(
@@ -675,8 +716,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_retry_command(sub)
     for s in sub.choices.values():  # also after the command: `toolkit run --quiet JOB`
         s.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
-        s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                       help="debug logging, and the traceback of an error")
+        s.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="debug logging, and the traceback of an error",
+        )
     return p
 
 
@@ -719,8 +765,9 @@ def _unrecognized(parser: argparse.ArgumentParser, args, extras: list[str]) -> N
                 f"`{name}` is not an option here: any sbatch option goes in the job's [slurm] "
                 f'table as extra = {{ {key} = "..." }}'
             )
-    sub.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints
-                                                                  else ""))
+    sub.error(
+        f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints else "")
+    )
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None):
@@ -760,16 +807,23 @@ def _add_resource_flags(s) -> None:
         metavar="LINE",
         help="a line run before the task, e.g. 'module load cuda' (repeatable)",
     )
-    g.add_argument("--merge-partition", metavar="PARTITION",
-                   help="the merge + audit job's partition (it needs no GPU; default: -p's)")
+    g.add_argument(
+        "--merge-partition",
+        metavar="PARTITION",
+        help="the merge + audit job's partition (it needs no GPU; default: -p's)",
+    )
     g = s.add_argument_group(
         "more sbatch options, as sbatch spells them (any other: the job's [slurm] extra, e.g. "
         'extra = { gres = "gpu:h100:8" })'
     )
     g.add_argument("-C", "--constraint", help="node features the GPU tasks need, as sbatch -C")
     g.add_argument("-w", "--nodelist", help="nodes the GPU tasks run on, as sbatch -w")
-    g.add_argument("--exclusive", action="store_true", default=None,
-                   help="whole nodes for the GPU tasks, as sbatch --exclusive")
+    g.add_argument(
+        "--exclusive",
+        action="store_true",
+        default=None,
+        help="whole nodes for the GPU tasks, as sbatch --exclusive",
+    )
     g.add_argument("-x", "--exclude", help="nodes not to use, as sbatch -x")
     g.add_argument("--reservation", help="the reservation to run in, as sbatch --reservation")
     g.add_argument("--mail-type", help="mail on these events, as sbatch --mail-type (END,FAIL)")
@@ -807,7 +861,7 @@ def _add_slurm_commands(sub) -> None:
         "--new-run",
         action="store_true",
         help="when output_dir holds another job's run, a new run directory beside it (as `run "
-             "--new-run`)",
+        "--new-run`)",
     )
     _add_allow_changed(s)
     s.set_defaults(func=cmd_submit)
@@ -870,7 +924,7 @@ def _add_status_commands(sub) -> None:
         "--follow",
         action="store_true",
         help="keep printing what is appended, like tail -f; ends when the shard is done, failed "
-             "or stopped",
+        "or stopped",
     )
     s.add_argument(
         "--server", action="store_true", help="the engine's own log instead of the worker's"
@@ -879,7 +933,7 @@ def _add_status_commands(sub) -> None:
         "--failed",
         action="store_true",
         help="every failed shard (error and log tail), a failed merge job's log, and the failed "
-             "records",
+        "records",
     )
     s.add_argument(
         "-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)"
@@ -893,7 +947,7 @@ def _add_merge_commands(sub) -> None:
     s = sub.add_parser(
         "merge",
         help="merge a run's shard files into one dataset (in planned order, exactly once) and "
-             "audit it",
+        "audit it",
         formatter_class=fmt,
         description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt "
         "order, keeping each\nrecord exactly once, with RUN/merged/manifest.json (counts, "
@@ -913,7 +967,7 @@ def _add_merge_commands(sub) -> None:
     s = sub.add_parser(
         "audit",
         help="check a merged run: coverage, reasoning capture, truncation, consistency; write "
-             "reports",
+        "reports",
         formatter_class=fmt,
         description="Audit RUN/merged/records.zst: every planned id present once, reasoning split "
         "on the think-end id,\ntruncation, stop tokens, token counts, prompts re-rendered from "
@@ -927,15 +981,15 @@ def _add_merge_commands(sub) -> None:
     s = sub.add_parser(
         "export",
         help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or "
-             "conversations",
+        "conversations",
         formatter_class=fmt,
         description="Export RUN/merged/records.zst (ok records only unless --include-failed):\n  "
         "jsonl          one object per record: id, dataset, sample, turn, segments, status, "
         "error, prompt_ids,\n                 output_ids, reasoning_end, reasoning, content, "
         "finish_reason, matched_stop (token id),\n                 matched_stop_str (stop "
         "string), prompt_tokens, completion_tokens\n  parquet        the same columns and types "
-        "(needs pyarrow)\n  tokens         the default: {\"id\", \"dataset\", \"sample\", "
-        "\"turn\", \"segments\", \"input_ids\": prompt +\n                 output, "
+        '(needs pyarrow)\n  tokens         the default: {"id", "dataset", "sample", '
+        '"turn", "segments", "input_ids": prompt +\n                 output, '
         "\"loss_mask\"}, the model's exact ids, which SpecForge's and speculators' "
         "loaders\n                 take as they are; the mask: 1 on every output id, and for "
         "SpecForge also on a\n                 think-start the template wrote after its assistant "
@@ -1078,7 +1132,7 @@ def _add_retry_command(sub) -> None:
     s = sub.add_parser(
         "retry",
         help="generate failed records again in the same run (default: failures that may pass), "
-             "then merge",
+        "then merge",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=retry.__doc__.split("\n", 2)[2],
     )

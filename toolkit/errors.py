@@ -47,9 +47,9 @@ EXIT_MEANINGS: dict[int, str] = {
     EXIT_UNKNOWN: "state unknown (Slurm did not answer; status)",
     EXIT_IN_PROGRESS: "still going: something runs it (status)",
     EXIT_STUCK: "a worker did not end in time once its work was over (ended by its exit guard; "
-                "the shard resumes)",
+    "the shard resumes)",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (what was done is kept; `toolkit retry RUN` resumes a "
-                      "run)",
+    "run)",
 }
 
 

@@ -68,8 +68,9 @@ def local_group() -> str:
     return f"run {os.getpid()}"
 
 
-def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
-               parallel: int | None = 1) -> tuple[str | None, list[int]]:
+def run_shards(
+    run_dir: str | os.PathLike, shards, log: logging.Logger, *, parallel: int | None = 1
+) -> tuple[str | None, list[int]]:
     """Run `shards` of a run here: (the signal that stopped it, e.g. "SIGINT", or None; shards that
     failed). `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file
     another process holds is waited for once the others are done, and run here if that process ends
@@ -102,8 +103,9 @@ def run_shards(run_dir: str | os.PathLike, shards, log: logging.Logger, *,
             return None, failed
 
 
-def _claim_here(rd: RunDir, pool: list[int], group: str, failed: list[int], gpus: list[str],
-                log: logging.Logger) -> tuple[str | None, list[int]]:
+def _claim_here(
+    rd: RunDir, pool: list[int], group: str, failed: list[int], gpus: list[str], log: logging.Logger
+) -> tuple[str | None, list[int]]:
     from toolkit.worker.claims import run_claims
 
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -156,8 +158,15 @@ def _claim_in_workers(
             "--group",
             group,
         ]
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
         threading.Thread(
             target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log"
         ).start()
@@ -196,8 +205,11 @@ def _claim_in_workers(
     for k in busy:
         _say_busy(rd, k, log)
     left = [k for k, st in states.items() if not st.ended and k not in busy]
-    died = [f"worker {i} ({'killed by ' + signal.Signals(-c).name if c < 0 else f'exit {c}'})"
-            for i, c in enumerate(codes) if c not in (0, 1)]
+    died = [
+        f"worker {i} ({'killed by ' + signal.Signals(-c).name if c < 0 else f'exit {c}'})"
+        for i, c in enumerate(codes)
+        if c not in (0, 1)
+    ]
     progressed = sum(shard_state(rd, k).ended for k in pool) > done_before
     # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
     if left and progressed:

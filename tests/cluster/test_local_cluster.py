@@ -19,8 +19,18 @@ pytestmark = pytest.mark.slurm
 
 N_TASKS = 4
 TASK_SECONDS = 4  # long enough for the 4 tasks to overlap, so each must hold its own GPU
-SACCT_WAIT_S = 40.0  # bound for the tasks to run and their records to reach sacct (they lag 0.2-3 s)
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
+SACCT_WAIT_S = (
+    40.0  # bound for the tasks to run and their records to reach sacct (they lag 0.2-3 s)
+)
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+}
 
 TASK_SCRIPT = """#!/bin/bash
 start=$(date +%s.%N)
@@ -69,14 +79,27 @@ def test_gpu_array_runs_in_parallel_and_is_accounted(tmp_path: Path) -> None:
     env = slurm_env()
     script = tmp_path / "task.sh"
     script.write_text(TASK_SCRIPT.format(seconds=TASK_SECONDS, out=tmp_path))
-    job_id = run(
-        [
-            "sbatch", "--parsable", "--partition=gpu", f"--array=0-{N_TASKS - 1}", "--gpus-per-node=1",
-            "--cpus-per-task=1", "--mem=2G", "--time=5", "--job-name=toolkit-local-test",
-            f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%A_%a.out", str(script),
-        ],
-        env,
-    ).strip().split(";")[0]
+    job_id = (
+        run(
+            [
+                "sbatch",
+                "--parsable",
+                "--partition=gpu",
+                f"--array=0-{N_TASKS - 1}",
+                "--gpus-per-node=1",
+                "--cpus-per-task=1",
+                "--mem=2G",
+                "--time=5",
+                "--job-name=toolkit-local-test",
+                f"--chdir={tmp_path}",
+                f"--output={tmp_path}/slurm-%A_%a.out",
+                str(script),
+            ],
+            env,
+        )
+        .strip()
+        .split(";")[0]
+    )
     assert job_id.isdigit(), f"sbatch --parsable printed {job_id!r}"
 
     # Poll sacct until every task has a final record; right after an array ends sacct may briefly show a
@@ -99,13 +122,21 @@ def test_gpu_array_runs_in_parallel_and_is_accounted(tmp_path: Path) -> None:
         assert path.is_file(), f"task {i} completed but wrote no {path.name}; task logs: {logs}"
         results.append(json.loads(path.read_text()))
     for r in results:
-        assert r["cuda"].isdigit(), f"task {r['task']} saw CUDA_VISIBLE_DEVICES={r['cuda']!r}, not one GPU index"
-        assert r["cuda"] == r["job_gpus"], f"task {r['task']}: CUDA_VISIBLE_DEVICES != SLURM_JOB_GPUS: {r}"
+        assert r["cuda"].isdigit(), (
+            f"task {r['task']} saw CUDA_VISIBLE_DEVICES={r['cuda']!r}, not one GPU index"
+        )
+        assert r["cuda"] == r["job_gpus"], (
+            f"task {r['task']}: CUDA_VISIBLE_DEVICES != SLURM_JOB_GPUS: {r}"
+        )
     # All tasks ran at the same time, so the 4 fake GPUs were handed out once each.
     latest_start = max(r["start"] for r in results)
     earliest_end = min(r["end"] for r in results)
-    assert latest_start < earliest_end, f"the {N_TASKS} tasks did not run at the same time: {results}"
-    assert sorted(int(r["cuda"]) for r in results) == list(range(N_TASKS)), f"GPUs shared or missing: {results}"
+    assert latest_start < earliest_end, (
+        f"the {N_TASKS} tasks did not run at the same time: {results}"
+    )
+    assert sorted(int(r["cuda"]) for r in results) == list(range(N_TASKS)), (
+        f"GPUs shared or missing: {results}"
+    )
 
 
 def test_max_array_size_is_100(tmp_path: Path) -> None:
@@ -116,12 +147,17 @@ def test_max_array_size_is_100(tmp_path: Path) -> None:
         for key, sep, value in (line.partition("=") for line in config.splitlines())
         if sep
     )
-    assert values.get("MaxArraySize") == "100", f"MaxArraySize = {values.get('MaxArraySize')!r}, expected '100'"
+    assert values.get("MaxArraySize") == "100", (
+        f"MaxArraySize = {values.get('MaxArraySize')!r}, expected '100'"
+    )
 
     # Index 100 is one past the limit: Slurm must refuse the array at submission.
     proc = subprocess.run(
         ["sbatch", "--array=0-100", f"--chdir={tmp_path}", "--wrap=true"],
-        env=env, capture_output=True, text=True, timeout=30,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode != 0, f"sbatch --array=0-100 was accepted: {proc.stdout.strip()}"
     assert "array" in proc.stderr.lower(), f"unexpected sbatch error: {proc.stderr.strip()}"
@@ -147,31 +183,62 @@ print(json.dumps({"host": me, "node": os.environ["SLURMD_NODENAME"], "own_name":
 """
 
 
-def test_two_hosts_have_their_own_names_and_addresses_and_know_each_other_only_through_slurm(tmp_path: Path) -> None:
+def test_two_hosts_have_their_own_names_and_addresses_and_know_each_other_only_through_slurm(
+    tmp_path: Path,
+) -> None:
     """Partition `hosts`: two slurmds, each in its own network and UTS namespace (slurm/start.sh), as two machines of
     a Debian cluster: its own hostname, which it resolves to 127.0.1.1; the other host reached at its NodeAddr on
     the private subnet, which no name resolves to."""
     env = slurm_env()
     names = run(["sinfo", "-h", "-N", "-p", "hosts", "-o", "%N"], env).split()
-    assert len(names) == 2, f"partition hosts has {names}: start the cluster with slurm/start.sh (SLURM_LOCAL_HOSTS=2)"
+    assert len(names) == 2, (
+        f"partition hosts has {names}: start the cluster with slurm/start.sh (SLURM_LOCAL_HOSTS=2)"
+    )
     addrs = {}
     for name in names:
-        fields = dict(f.split("=", 1) for f in run(["scontrol", "show", "node", "-o", name], env).split() if "=" in f)
+        fields = dict(
+            f.split("=", 1)
+            for f in run(["scontrol", "show", "node", "-o", name], env).split()
+            if "=" in f
+        )
         addrs[name] = fields["NodeAddr"]
     config = run(["scontrol", "show", "config"], env).splitlines()
-    port = next(line.split("=", 1)[1].strip() for line in config if line.split("=", 1)[0].strip() == "SlurmdPort")
+    port = next(
+        line.split("=", 1)[1].strip()
+        for line in config
+        if line.split("=", 1)[0].strip() == "SlurmdPort"
+    )
     out = subprocess.run(
-        ["srun", "--partition=hosts", "--nodes=2", "--ntasks-per-node=1", "--time=1", f"--chdir={tmp_path}",
-         f"--export=ALL,SLURMD_PORT={port}", sys.executable, "-c", HOST_PROBE, *(f"{n}={a}" for n, a in addrs.items())],
-        env=env, capture_output=True, text=True, timeout=60)
+        [
+            "srun",
+            "--partition=hosts",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--time=1",
+            f"--chdir={tmp_path}",
+            f"--export=ALL,SLURMD_PORT={port}",
+            sys.executable,
+            "-c",
+            HOST_PROBE,
+            *(f"{n}={a}" for n, a in addrs.items()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     seen = {r["host"]: r for r in map(json.loads, out.stdout.splitlines())}
     assert sorted(seen) == sorted(names), out.stdout
     for name, r in seen.items():
         assert r["node"] == name, "each host's hostname is its node name"
-        assert r["address"] == addrs[name] and not addrs[name].startswith("127."), "its own address on the subnet"
+        assert r["address"] == addrs[name] and not addrs[name].startswith("127."), (
+            "its own address on the subnet"
+        )
         assert r["own_name"] == "127.0.1.1", "its own name is 127.0.1.1, as on Debian"
-        assert r["other_name"] is None, "the other host has no name here: only Slurm's NodeAddr knows it"
+        assert r["other_name"] is None, (
+            "the other host has no name here: only Slurm's NodeAddr knows it"
+        )
 
 
 def test_the_node_environment_script_builds_sglang_on_a_node_of_the_cluster(tmp_path):
@@ -181,11 +248,28 @@ def test_the_node_environment_script_builds_sglang_on_a_node_of_the_cluster(tmp_
     repo = Path(__file__).resolve().parents[2]
     venv = Path(os.environ.get("TOOLKIT_SGLANG_VENV") or repo / ".venv-sglang")
     env = slurm_env()
-    proc = subprocess.run(["srun", "-N1", "-n1", "--gpus-per-node=1", "-t", "10", "bash",
-                           str(repo / "scripts" / "node-env.sh"), str(venv), "--cpu"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "srun",
+            "-N1",
+            "-n1",
+            "--gpus-per-node=1",
+            "-t",
+            "10",
+            "bash",
+            str(repo / "scripts" / "node-env.sh"),
+            str(venv),
+            "--cpu",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"[node-env] {venv}: sglang 0.5.23 and the toolkit ready in" in proc.stderr
     assert f"submit with: --setup 'source {venv}/bin/activate'" in proc.stderr
-    bad = subprocess.run(["bash", str(repo / "scripts" / "node-env.sh")], capture_output=True, text=True)
+    bad = subprocess.run(
+        ["bash", str(repo / "scripts" / "node-env.sh")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "usage: " in bad.stderr

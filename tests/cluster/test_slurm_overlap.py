@@ -30,7 +30,7 @@ def cluster():
     if not os.environ.get("SLURM_CONF"):
         pytest.fail(
             'SLURM_CONF is not set: start the local cluster first, eval "$(slurm/start.sh)" (see '
-            'README)'
+            "README)"
         )
 
 

@@ -112,8 +112,10 @@ DAMAGE = {
     "shard emptied": (lambda rd: cut(shard_file(rd), 0), SHARD_CMD),
     "shard deleted": (lambda rd: shard_file(rd).unlink(), SHARD_CMD),
     "shard appended garbage": (lambda rd: grow(shard_file(rd), b"\x00garbage" * 8), SHARD_CMD),
-    "shard appended its own first bytes": (lambda rd: grow(shard_file(rd), shard_file(rd).read_bytes()[:200]),
-                                           SHARD_CMD),
+    "shard appended its own first bytes": (
+        lambda rd: grow(shard_file(rd), shard_file(rd).read_bytes()[:200]),
+        SHARD_CMD,
+    ),
     "shard replaced by the other shard's file": (swap_shards, SHARD_CMD),
     "done manifest deleted": (lambda rd: rd.done_file(SHARD).unlink(), SHARD_CMD),
     "done manifest truncated": (lambda rd: cut(rd.done_file(SHARD), 0.5), SHARD_CMD),
@@ -145,7 +147,9 @@ def test_the_undamaged_demo_run_is_complete(pristine, tmp_path, capsys):
     rd = a_copy(pristine, tmp_path)
     code, table, _ = status(rd, capsys)
     assert code == EXIT_OK, table
-    assert table.splitlines()[-1] == "run: complete: every shard done, merged, audit passed (exit 0)"
+    assert (
+        table.splitlines()[-1] == "run: complete: every shard done, merged, audit passed (exit 0)"
+    )
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
@@ -161,18 +165,29 @@ def test_status_names_each_kind_of_damage_and_its_repair(kind, pristine, tmp_pat
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
-def test_a_merge_keeps_the_complete_dataset_and_export_never_exits_0_short(kind, pristine, tmp_path, capsys):
+def test_a_merge_keeps_the_complete_dataset_and_export_never_exits_0_short(
+    kind, pristine, tmp_path, capsys
+):
     _, _, rows = pristine
     rd = a_copy(pristine, tmp_path)
     before = rd.merged_file.read_bytes() if rd.merged_file.exists() else None
     damage, _ = DAMAGE[kind]
     damage(rd)
     merged = cli_main(["merge", str(rd.root)])
-    if merged != EXIT_OK and before is not None and rd.merged_file.exists() and not kind.startswith("merge"):
-        assert rd.merged_file.read_bytes() == before  # refused: the earlier merged dataset is kept as it was
+    if (
+        merged != EXIT_OK
+        and before is not None
+        and rd.merged_file.exists()
+        and not kind.startswith("merge")
+    ):
+        assert (
+            rd.merged_file.read_bytes() == before
+        )  # refused: the earlier merged dataset is kept as it was
     if merged == EXIT_OK:
         m = json.loads(rd.manifest_file.read_text())
-        assert m["complete"] and m["records"] == 44, m  # never a smaller one in place of the complete one
+        assert m["complete"] and m["records"] == 44, (
+            m
+        )  # never a smaller one in place of the complete one
     capsys.readouterr()
     if cli_main(["export", str(rd.root)]) == EXIT_OK:
         out = capsys.readouterr().out
@@ -184,8 +199,16 @@ def repaired(rd: RunDir, capsys) -> None:
     assert code == EXIT_OK, table
 
 
-@pytest.mark.parametrize("kind", ["shard byte flipped in the middle", "shard truncated by half", "shard deleted",
-                                  "shard appended garbage", "done manifest truncated"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "shard byte flipped in the middle",
+        "shard truncated by half",
+        "shard deleted",
+        "shard appended garbage",
+        "done manifest truncated",
+    ],
+)
 def test_the_command_status_names_repairs_a_damaged_shard(kind, pristine, tmp_path, capsys):
     rd = a_copy(pristine, tmp_path)
     DAMAGE[kind][0](rd)
@@ -194,11 +217,15 @@ def test_the_command_status_names_repairs_a_damaged_shard(kind, pristine, tmp_pa
     assert json.loads(rd.manifest_file.read_text())["records"] == 44
 
 
-@pytest.mark.parametrize("kind", ["prompts.msgpack byte flipped in an id", "prompts.msgpack deleted"])
+@pytest.mark.parametrize(
+    "kind", ["prompts.msgpack byte flipped in an id", "prompts.msgpack deleted"]
+)
 def test_planning_the_job_again_repairs_prompts_msgpack(kind, tmp_path, capsys):
     job = demo_job(tmp_path)
     assert cli_main(["run", str(job), "--quiet"]) == EXIT_OK
     rd = RunDir(tmp_path / "run")
     DAMAGE[kind][0](rd)
-    assert cli_main(["run", str(job), "--quiet"]) == EXIT_OK  # writes the damaged file again, generates nothing
+    assert (
+        cli_main(["run", str(job), "--quiet"]) == EXIT_OK
+    )  # writes the damaged file again, generates nothing
     repaired(rd, capsys)

@@ -39,10 +39,16 @@ def loops_column(table: str) -> dict[int, int]:
 
 def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_path, kimi, capsys):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
-    job = make_job(tmp_path, kimi, prompts=prompts, shards=2, sampling={"max_new_tokens": 4096},
-                   stub={"degenerate_fraction": 0.2, "output_scale": 4096},
-                   client={"concurrency": 8, "loop_stop": True, "segment_tokens": 512},
-                   audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        shards=2,
+        sampling={"max_new_tokens": 4096},
+        stub={"degenerate_fraction": 0.2, "output_scale": 4096},
+        client={"concurrency": 8, "loop_stop": True, "segment_tokens": 512},
+        audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0},
+    )
     rd, _ = prepared_run(job)
 
     # before any shard ran: no loops, and the total line does not speak of them
@@ -53,10 +59,23 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     assert run_shard(rd.root, 0).end == DONE
     loops0 = sum(r.finish == LOOP for r in read_shard(rd.shard_file(0)))
     assert loops0 >= 1  # the stub's draw: a fifth of the outputs loop
-    assert read_done(rd.done_file(0)).loops == loops0 == read_progress(rd.progress_file(0)).loops_stopped
+    assert (
+        read_done(rd.done_file(0)).loops
+        == loops0
+        == read_progress(rd.progress_file(0)).loops_stopped
+    )
     # shard 1 stopped part-way in an earlier attempt: its progress file is all there is
-    write_progress(rd.progress_file(1), msgspec.structs.replace(read_progress(rd.progress_file(0)), shard=1,
-                                                                state="stopped", loops_stopped=3, done=5, pid=0))
+    write_progress(
+        rd.progress_file(1),
+        msgspec.structs.replace(
+            read_progress(rd.progress_file(0)),
+            shard=1,
+            state="stopped",
+            loops_stopped=3,
+            done=5,
+            pid=0,
+        ),
+    )
     table, st = status(rd.root, capsys)
     assert loops_column(table) == {0: loops0, 1: 3}
     assert [s.loops for s in st.shards] == [loops0, 3] and st.totals.loops == loops0 + 3
@@ -67,15 +86,22 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     table, st = status(rd.root, capsys)
     assert loops_column(table) == {0: loops0, 1: loops1} and st.totals.loops == loops0 + loops1
     total = next(line for line in table.splitlines() if line.startswith("total:"))
-    assert total.startswith(f"total: 40/40 prompts (100.0%), 0 failed, {loops0 + loops1} stopped in a repetition loop, ")
+    assert total.startswith(
+        f"total: 40/40 prompts (100.0%), 0 failed, {loops0 + loops1} stopped in a repetition loop, "
+    )
 
 
 def test_a_resumed_shard_counts_the_loops_its_earlier_attempts_recorded(tmp_path, kimi, capsys):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 30)
-    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 4096},
-                   stub={"degenerate_fraction": 0.3, "output_scale": 4096},
-                   client={"concurrency": 4, "loop_stop": True, "segment_tokens": 512},
-                   audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        sampling={"max_new_tokens": 4096},
+        stub={"degenerate_fraction": 0.3, "output_scale": 4096},
+        client={"concurrency": 4, "loop_stop": True, "segment_tokens": 512},
+        audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     first = list(read_shard(rd.shard_file(0)))

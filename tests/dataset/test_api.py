@@ -32,8 +32,13 @@ def lines(path: Path) -> list[dict]:
 def merged(tmp_path_factory, toy_tokenizer):
     """A merged kimi run of 2 samples per prompt: healthy outputs, a truncated one, one without think-end and a
     failure (training rows leave the three out)."""
-    s = runs.plan_run(tmp_path_factory.mktemp("api"), toy_tokenizer("kimi"), datasets={"math": 5, "chat": 3},
-                      shards=2, sampling={"n": 2, "temperature": 0.7})
+    s = runs.plan_run(
+        tmp_path_factory.mktemp("api"),
+        toy_tokenizer("kimi"),
+        datasets={"math": 5, "chat": 3},
+        shards=2,
+        sampling={"n": 2, "temperature": 0.7},
+    )
     runs.write_run(s, runs.mix(runs.healthy(), p2=runs.truncated, p6=runs.no_think_end), failed=[9])
     merge_run(s.root)
     return s
@@ -41,7 +46,14 @@ def merged(tmp_path_factory, toy_tokenizer):
 
 def test_dir_and_help_show_the_api_alone():
     assert dir(toolkit) == sorted(toolkit.__all__)
-    assert set(toolkit.__all__) == {"Record", "read_rows", "read_run", "read_shard", "to_dataset", "unpack_ids"}
+    assert set(toolkit.__all__) == {
+        "Record",
+        "read_rows",
+        "read_run",
+        "read_shard",
+        "to_dataset",
+        "unpack_ids",
+    }
     assert all(hasattr(toolkit, name) for name in toolkit.__all__)
     text = pydoc.plain(pydoc.render_doc(toolkit))
     assert "\nDATA\n" not in text  # no `annotations = _Feature(...)`, no imported names
@@ -81,23 +93,31 @@ def test_the_tokens_view_is_the_tokens_exports_rows_as_uint32_ids(merged, tmp_pa
     left_out = {by_index[6]: "no_think_end", failed.id: failed.failure}
     assert {x["id"]: x["reason"] for x in lines(tmp_path / "t_skipped.jsonl")} == left_out
     assert ds["id"] == [by_index[i] for i in sorted(by_index) if by_index[i] not in left_out]
-    everything = toolkit.to_dataset(merged.root, cache_dir=tmp_path / "hf")  # the records view keeps the ok ones
+    everything = toolkit.to_dataset(
+        merged.root, cache_dir=tmp_path / "hf"
+    )  # the records view keeps the ok ones
     assert everything["id"] == [by_index[i] for i in sorted(by_index) if i != failed.index]
     assert everything["finish_reason"][2] == "length"
 
 
 def test_the_tokens_views_mask_follows_the_trainer(merged, tmp_path):
-    views = {t: toolkit.to_dataset(merged.root, view="tokens", trainer=t, cache_dir=tmp_path / "hf")
-             for t in ("specforge", "speculators")}
+    views = {
+        t: toolkit.to_dataset(merged.root, view="tokens", trainer=t, cache_dir=tmp_path / "hf")
+        for t in ("specforge", "speculators")
+    }
     assert views["specforge"]["input_ids"] == views["speculators"]["input_ids"]
     # the template opens <think> after its assistant header: SpecForge supervises it, speculators does not
-    assert [sum(m) for m in views["specforge"]["loss_mask"]] == [sum(m) + 1 for m in views["speculators"]["loss_mask"]]
+    assert [sum(m) for m in views["specforge"]["loss_mask"]] == [
+        sum(m) + 1 for m in views["speculators"]["loss_mask"]
+    ]
 
 
 def test_the_tokens_view_refuses_what_the_export_refuses(tmp_path, toy_tokenizer):
     s = runs.plan_run(tmp_path / "r", toy_tokenizer("kimi"), datasets={"math": 4}, shards=1)
     runs.write_run(s)
-    with pytest.raises(ToolkitError, match=r"toolkit merge"):  # not merged: the export's own words, not datasets'
+    with pytest.raises(
+        ToolkitError, match=r"toolkit merge"
+    ):  # not merged: the export's own words, not datasets'
         toolkit.to_dataset(s.root, view="tokens", cache_dir=tmp_path / "hf")
     with pytest.raises(ValueError, match=r"view='row': choose one of 'records', 'tokens'"):
         toolkit.to_dataset(s.root, view="row", cache_dir=tmp_path / "hf")
@@ -115,14 +135,26 @@ def test_a_script_beside_a_clone_named_toolkit_imports_the_package(tmp_path):
         "print(toolkit.__file__)\nprint(toolkit.cli.__file__)\nprint(' '.join(dir(toolkit)))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
-    r = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     package, cli, names = r.stdout.splitlines()
     assert Path(package).resolve() == ROOT / "toolkit" / "__init__.py"
     assert Path(cli).resolve() == ROOT / "toolkit" / "cli.py"
     assert names.split() == sorted(toolkit.__all__)
     # and `python -m toolkit` started in that folder, as the toolkit starts its own processes
-    r = subprocess.run([sys.executable, "-m", "toolkit", "--version"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "toolkit", "--version"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.startswith("toolkit "), r.stderr

@@ -5,14 +5,28 @@ from pathlib import Path
 import pytest
 
 from toolkit.dataset import audit_checks as checks
-from toolkit.dataset.audit_report import DatasetStats, Integrity, ReasoningCounts, Reprompt, ShardStats
+from toolkit.dataset.audit_report import (
+    DatasetStats,
+    Integrity,
+    ReasoningCounts,
+    Reprompt,
+    ShardStats,
+)
 from toolkit.dataset.merge import FrameProblem
 from toolkit.job.chat import TokenInfo
 from toolkit.job.spec import AuditSpec, ModelSpec
 
 RUN = Path("runs/r")
-INFO = TokenInfo(think_start_id=10, think_end_id=11, eos_ids=[2], tool_call_start_id=None, tool_call_end_id=None,
-                 vocab_size=1000, opens_reasoning=True, thinking_kwargs=["thinking"])
+INFO = TokenInfo(
+    think_start_id=10,
+    think_end_id=11,
+    eos_ids=[2],
+    tool_call_start_id=None,
+    tool_call_end_id=None,
+    vocab_size=1000,
+    opens_reasoning=True,
+    thinking_kwargs=["thinking"],
+)
 MODEL = ModelSpec(path="m")
 
 
@@ -27,11 +41,24 @@ def shard(index=0, **kw) -> ShardStats:
 def test_coverage():
     ok = checks.coverage(stats(ok=8, failed=2), Integrity(), [shard()], 3, [], RUN / "m.txt", RUN)
     assert ok.passed and ok.value == 1.0 and ok.unit == "share"
-    assert "all 10 planned prompts present exactly once (8 ok, 2 failed; 3 duplicates kept once)" in ok.message
-    bad = checks.coverage(stats(records=7, ok=7), Integrity(), [shard(0, missing=3), shard(1)], 0, ["a", "b"],
-                          RUN / "m.txt", RUN)
+    assert (
+        "all 10 planned prompts present exactly once (8 ok, 2 failed; 3 duplicates kept once)"
+        in ok.message
+    )
+    bad = checks.coverage(
+        stats(records=7, ok=7),
+        Integrity(),
+        [shard(0, missing=3), shard(1)],
+        0,
+        ["a", "b"],
+        RUN / "m.txt",
+        RUN,
+    )
     assert not bad.passed and bad.value == 0.7
-    assert "7 of 10 planned prompts present" in bad.message and "3 missing (e.g. a, b; all in runs/r/m.txt)" in bad.message
+    assert (
+        "7 of 10 planned prompts present" in bad.message
+        and "3 missing (e.g. a, b; all in runs/r/m.txt)" in bad.message
+    )
     assert "in shards 0;" in bad.message and "toolkit resubmit runs/r" in bad.message
     twice = checks.coverage(stats(), Integrity(seen_twice=1), [shard()], 0, [], RUN / "m.txt", RUN)
     assert not twice.passed and "1 present twice" in twice.message
@@ -54,28 +81,48 @@ def test_failed_share():
     assert checks.failed_share(stats(ok=10), 0.01, RUN / "f.txt", RUN).passed
     bad = checks.failed_share(stats(ok=8, failed=2, errors={"timeout": 2}), 0.1, RUN / "f.txt", RUN)
     assert not bad.passed and bad.value == 0.2
-    assert "2 of 10 prompts failed (20.0%, limit 10.0%): timeout (2). Ids in runs/r/f.txt" in bad.message
+    assert (
+        "2 of 10 prompts failed (20.0%, limit 10.0%): timeout (2). Ids in runs/r/f.txt"
+        in bad.message
+    )
     # what `toolkit retry` generates again is every kind that may pass, the unreachable and wrong answers too
-    assert "may pass (aborted, bad_response, nan, server_error, timeout, unreachable) again" in bad.message
+    assert (
+        "may pass (aborted, bad_response, nan, server_error, timeout, unreachable) again"
+        in bad.message
+    )
 
 
 def test_failed_share_names_failure_kinds_with_a_real_message():
     msg = "SGLang's NaN stop (finish_reason matched 'NaN happened'): a token sampled from NaN logits after 41 tokens"
-    bad = checks.failed_share(stats(ok=0, failed=10, errors={"nan": 10}, error_examples={"nan": msg}), 0.1,
-                              RUN / "f.txt", RUN)
+    bad = checks.failed_share(
+        stats(ok=0, failed=10, errors={"nan": 10}, error_examples={"nan": msg}),
+        0.1,
+        RUN / "f.txt",
+        RUN,
+    )
     assert f"nan (10); e.g. {msg!r}" in bad.message and "'…'" not in bad.message
 
 
 def test_nan_stop():
     assert checks.nan_stop(ReasoningCounts(), [], RUN).passed
     bad = checks.nan_stop(ReasoningCounts(nan_stops=1, nan_failed=2), ["x"], RUN)
-    assert not bad.passed and bad.value == 3 and "e.g. x" in bad.message and "1 of them are stored as ok" in bad.message
+    assert (
+        not bad.passed
+        and bad.value == 3
+        and "e.g. x" in bad.message
+        and "1 of them are stored as ok" in bad.message
+    )
 
 
 def test_reasoning_mode():
     good = checks.reasoning_mode(ReasoningCounts(in_reasoning=5, mode_opened=5), 5, [], INFO, MODEL)
-    assert good.passed and "5 of 5 ok outputs are in reasoning mode (5 opened by the template)" in good.message
-    closed = checks.reasoning_mode(ReasoningCounts(in_reasoning=4, closed_by_template=1), 5, ["c"], INFO, MODEL)
+    assert (
+        good.passed
+        and "5 of 5 ok outputs are in reasoning mode (5 opened by the template)" in good.message
+    )
+    closed = checks.reasoning_mode(
+        ReasoningCounts(in_reasoning=4, closed_by_template=1), 5, ["c"], INFO, MODEL
+    )
     assert not closed.passed and "CLOSED reasoning" in closed.message and "e.g. c" in closed.message
     assert "chat_template_kwargs = { thinking = true }" in closed.message
     none = checks.reasoning_mode(ReasoningCounts(mode_unknown=5), 5, [], INFO, MODEL)
@@ -83,37 +130,65 @@ def test_reasoning_mode():
 
 
 def test_think_end_share():
-    assert checks.think_end_share(ReasoningCounts(expected=10, think_end=10), 0.9, INFO, MODEL).passed
-    bad = checks.think_end_share(ReasoningCounts(expected=10, think_end=5, length_without_think_end=3,
-                                                 stopped_without_think_end=2), 0.9, INFO, MODEL)
+    assert checks.think_end_share(
+        ReasoningCounts(expected=10, think_end=10), 0.9, INFO, MODEL
+    ).passed
+    bad = checks.think_end_share(
+        ReasoningCounts(
+            expected=10, think_end=5, length_without_think_end=3, stopped_without_think_end=2
+        ),
+        0.9,
+        INFO,
+        MODEL,
+    )
     assert not bad.passed and bad.value == 0.5 and "3 hit max_new_tokens" in bad.message
     assert "think-end id 11 ('</think>')" in bad.message
 
 
 def test_stop_without_think_end():
     assert checks.stop_without_think_end(ReasoningCounts(stopped=10), 0.01, [], INFO, MODEL).passed
-    bad = checks.stop_without_think_end(ReasoningCounts(stopped=10, stopped_without_think_end=10), 0.01, ["s"], INFO,
-                                        MODEL)
-    assert not bad.passed and bad.value == 1.0 and "the reasoning sits in the content" in bad.message
+    bad = checks.stop_without_think_end(
+        ReasoningCounts(stopped=10, stopped_without_think_end=10), 0.01, ["s"], INFO, MODEL
+    )
+    assert (
+        not bad.passed and bad.value == 1.0 and "the reasoning sits in the content" in bad.message
+    )
 
 
 def test_empty_reasoning():
     assert checks.empty_reasoning(ReasoningCounts(think_end=10), 0.05, [], MODEL).passed
-    bad = checks.empty_reasoning(ReasoningCounts(think_end=10, empty_reasoning=5), 0.05, ["e"], MODEL)
+    bad = checks.empty_reasoning(
+        ReasoningCounts(think_end=10, empty_reasoning=5), 0.05, ["e"], MODEL
+    )
     assert not bad.passed and "closes reasoning at once" in bad.message and "e.g. e" in bad.message
 
 
 def test_empty_content():
-    assert checks.empty_content(ReasoningCounts(stopped_with_think_end=10), 0.2, [], INFO, MODEL).passed
-    bad = checks.empty_content(ReasoningCounts(stopped_with_think_end=10, empty_content=5), 0.2, ["e"], INFO, MODEL)
-    assert not bad.passed and bad.value == 0.5 and "the answer after the think-end id 11" in bad.message
+    assert checks.empty_content(
+        ReasoningCounts(stopped_with_think_end=10), 0.2, [], INFO, MODEL
+    ).passed
+    bad = checks.empty_content(
+        ReasoningCounts(stopped_with_think_end=10, empty_content=5), 0.2, ["e"], INFO, MODEL
+    )
+    assert (
+        not bad.passed
+        and bad.value == 0.5
+        and "the answer after the think-end id 11" in bad.message
+    )
 
 
 def test_double_think_start():
-    assert checks.double_think_start(ReasoningCounts(opened_by_template=10), 0.01, [], INFO, MODEL).passed
-    bad = checks.double_think_start(ReasoningCounts(opened_by_template=10, double_think_start=2), 0.01, ["d"], INFO,
-                                    MODEL)
-    assert not bad.passed and "another think-start id 10" in bad.message and "model opens it again" in bad.message
+    assert checks.double_think_start(
+        ReasoningCounts(opened_by_template=10), 0.01, [], INFO, MODEL
+    ).passed
+    bad = checks.double_think_start(
+        ReasoningCounts(opened_by_template=10, double_think_start=2), 0.01, ["d"], INFO, MODEL
+    )
+    assert (
+        not bad.passed
+        and "another think-start id 10" in bad.message
+        and "model opens it again" in bad.message
+    )
 
 
 def test_no_reasoning():
@@ -124,16 +199,24 @@ def test_no_reasoning():
 
 
 def test_length_share():
-    assert checks.length_share([stats("a", length_share=0.1), stats("b", ok=0, length_share=0.9)], 0.2).passed
+    assert checks.length_share(
+        [stats("a", length_share=0.1), stats("b", ok=0, length_share=0.9)], 0.2
+    ).passed
     bad = checks.length_share([stats("a", length_share=0.5, finish={"length": 5}), stats("b")], 0.2)
     assert not bad.passed and bad.value == 0.5
-    assert "dataset 'a': 5 of 10 outputs (50.0%) hit max_new_tokens" in bad.message and "'b'" not in bad.message
+    assert (
+        "dataset 'a': 5 of 10 outputs (50.0%) hit max_new_tokens" in bad.message
+        and "'b'" not in bad.message
+    )
 
 
-@pytest.mark.parametrize("check, kinds", [
-    (checks.stop_tokens, ("stop_mismatch", "bad_finish")),
-    (checks.token_counts, ("completion_mismatch", "prompt_mismatch")),
-])
+@pytest.mark.parametrize(
+    "check, kinds",
+    [
+        (checks.stop_tokens, ("stop_mismatch", "bad_finish")),
+        (checks.token_counts, ("completion_mismatch", "prompt_mismatch")),
+    ],
+)
 def test_consistency_counts(check, kinds):
     assert check(Integrity()).passed
     for kind in kinds:
@@ -143,7 +226,9 @@ def test_consistency_counts(check, kinds):
 
 def test_reasoning_split():
     assert checks.reasoning_split(Integrity(), INFO, MODEL).passed
-    bad = checks.reasoning_split(Integrity(split_mismatch=1, examples={"split_mismatch": ["r"]}), INFO, MODEL)
+    bad = checks.reasoning_split(
+        Integrity(split_mismatch=1, examples={"split_mismatch": ["r"]}), INFO, MODEL
+    )
     assert not bad.passed and "not the first think-end id 11" in bad.message
 
 
@@ -156,22 +241,53 @@ def test_vocabulary():
 def test_prompt_rerender():
     good = checks.prompt_rerender(Reprompt(sampled=4))
     assert good.passed and "4 sampled prompts render to exactly the stored ids" in good.message
-    bad = checks.prompt_rerender(Reprompt(sampled=4, mismatched=1, examples=["p: 3 ids rendered now, 4 stored"]))
+    bad = checks.prompt_rerender(
+        Reprompt(sampled=4, mismatched=1, examples=["p: 3 ids rendered now, 4 stored"])
+    )
     assert not bad.passed and "1 of 4 sampled prompts" in bad.message and "p: 3 ids" in bad.message
 
 
 def _all(model: ModelSpec, **kw) -> list:
-    args = dict(a=AuditSpec(), model=model, info=INFO, overall=stats(), datasets=[stats("d")], shards=[shard()],
-                integ=Integrity(), reprompt=Reprompt(), corrupt=[], duplicates=0, missing_ids=[], examples={},
-                missing_file=RUN / "m.txt", failed_file=RUN / "f.txt", run=RUN)
+    args = dict(
+        a=AuditSpec(),
+        model=model,
+        info=INFO,
+        overall=stats(),
+        datasets=[stats("d")],
+        shards=[shard()],
+        integ=Integrity(),
+        reprompt=Reprompt(),
+        corrupt=[],
+        duplicates=0,
+        missing_ids=[],
+        examples={},
+        missing_file=RUN / "m.txt",
+        failed_file=RUN / "f.txt",
+        run=RUN,
+    )
     return checks.run_checks(**{**args, **kw})
 
 
 def test_run_checks_order_and_the_reasoning_switch():
     common = ["coverage", "damaged_frames", "shard_checksums", "failed_share", "nan_stop"]
-    tail = ["length_share", "degenerate", "identical_samples", "stop_tokens", "token_counts", "reasoning_split",
-            "vocabulary", "prompt_rerender"]
+    tail = [
+        "length_share",
+        "degenerate",
+        "identical_samples",
+        "stop_tokens",
+        "token_counts",
+        "reasoning_split",
+        "vocabulary",
+        "prompt_rerender",
+    ]
     assert [c.name for c in _all(MODEL)] == common + [
-        "reasoning_mode", "think_end_share", "stop_without_think_end", "empty_reasoning", "empty_content",
-        "double_think_start"] + tail
-    assert [c.name for c in _all(ModelSpec(path="m", expect_reasoning=False))] == common + ["no_reasoning"] + tail
+        "reasoning_mode",
+        "think_end_share",
+        "stop_without_think_end",
+        "empty_reasoning",
+        "empty_content",
+        "double_think_start",
+    ] + tail
+    assert [c.name for c in _all(ModelSpec(path="m", expect_reasoning=False))] == common + [
+        "no_reasoning"
+    ] + tail

@@ -17,8 +17,12 @@ from toolkit.dataset.export import export_run
 from toolkit.dataset.finish import merge_and_audit
 from toolkit.dataset.trainers import sanitized
 
-OUTPUTS = ("conversations.jsonl", "conversations_roundtrip.jsonl", "conversations_skipped.jsonl",
-           "conversations_specforge_template.py")
+OUTPUTS = (
+    "conversations.jsonl",
+    "conversations_roundtrip.jsonl",
+    "conversations_skipped.jsonl",
+    "conversations_specforge_template.py",
+)
 
 
 def lines(path) -> list[dict]:
@@ -34,7 +38,9 @@ def split_word(s: runs.Synth) -> list[int]:
 
 
 def conversations_run(tmp_path, toy_tokenizer, family: str) -> runs.Synth:
-    s = runs.plan_run(tmp_path, toy_tokenizer(family), family, datasets={"math": 14, "tools": 8}, shards=2)
+    s = runs.plan_run(
+        tmp_path, toy_tokenizer(family), family, datasets={"math": 14, "tools": 8}, shards=2
+    )
     healthy = runs.healthy()
 
     def differs(s, pos, rng):
@@ -60,20 +66,39 @@ def one_row_at_a_time(s: runs.Synth, trip, rows: list[dict]) -> bytes:
     for row in rows:
         rec = s.written[row["id"]]
         stored = np.frombuffer(rec.prompt_ids + rec.output_ids, "<u4").tolist()
-        text = s.tok.apply_chat_template([sanitized(m, thinking) for m in row["conversations"]], tokenize=False,
-                                         add_generation_prompt=False, tools=row["tools"] or None, **kwargs)
+        text = s.tok.apply_chat_template(
+            [sanitized(m, thinking) for m in row["conversations"]],
+            tokenize=False,
+            add_generation_prompt=False,
+            tools=row["tools"] or None,
+            **kwargs,
+        )
         ids = s.tok(text, add_special_tokens=False)["input_ids"]
         at = None
         if ids[: len(stored)] != stored:
-            at = next(n for n in range(len(ids) + 1) if n == min(len(ids), len(stored)) or ids[n] != stored[n])
-        out += enc.encode({"id": row["id"], "identical": at is None, "first_difference": at,
-                           "arguments_reformatted": 0}) + b"\n"
+            at = next(
+                n
+                for n in range(len(ids) + 1)
+                if n == min(len(ids), len(stored)) or ids[n] != stored[n]
+            )
+        out += (
+            enc.encode(
+                {
+                    "id": row["id"],
+                    "identical": at is None,
+                    "first_difference": at,
+                    "arguments_reformatted": 0,
+                }
+            )
+            + b"\n"
+        )
     return out
 
 
 @pytest.mark.parametrize("family", ["kimi", "deepseek"])
-def test_the_round_trip_in_batches_writes_what_one_row_at_a_time_wrote(tmp_path, toy_tokenizer, monkeypatch,
-                                                                         family):
+def test_the_round_trip_in_batches_writes_what_one_row_at_a_time_wrote(
+    tmp_path, toy_tokenizer, monkeypatch, family
+):
     s = conversations_run(tmp_path / "run", toy_tokenizer, family)
     trips = []
 
@@ -87,32 +112,61 @@ def test_the_round_trip_in_batches_writes_what_one_row_at_a_time_wrote(tmp_path,
     (tmp_path / "single").mkdir()
     single = export_run(s.root, "conversations", tmp_path / "single" / "conversations.jsonl")
     monkeypatch.setattr(export, "CHECK_ROWS", 3)
-    monkeypatch.setattr(export, "CHECK_TOKENS", 400)  # some batches closed by their ids, not their rows
+    monkeypatch.setattr(
+        export, "CHECK_TOKENS", 400
+    )  # some batches closed by their ids, not their rows
     (tmp_path / "batched").mkdir()
     batched = export_run(s.root, "conversations", tmp_path / "batched" / "conversations.jsonl")
     for name in OUTPUTS:
-        assert (tmp_path / "single" / name).read_bytes() == (tmp_path / "batched" / name).read_bytes(), name
+        assert (tmp_path / "single" / name).read_bytes() == (
+            tmp_path / "batched" / name
+        ).read_bytes(), name
     rows = lines(tmp_path / "batched" / "conversations.jsonl")
     assert len(rows) == batched.rows == 21  # the truncated record left out
-    assert (tmp_path / "batched" / "conversations_roundtrip.jsonl").read_bytes() == one_row_at_a_time(s, trips[1], rows)
+    assert (
+        tmp_path / "batched" / "conversations_roundtrip.jsonl"
+    ).read_bytes() == one_row_at_a_time(s, trips[1], rows)
     trip = lines(tmp_path / "batched" / "conversations_roundtrip.jsonl")
     differ = {t["id"] for t in trip if not t["identical"]}
     assert split_rows(s) <= differ
     if family == "kimi":  # every other row gives the model's ids back; these differ in their output
         assert differ == split_rows(s)
-        assert all(t["first_difference"] > s.written[t["id"]].prompt_tokens for t in trip if t["id"] in differ)
+        assert all(
+            t["first_difference"] > s.written[t["id"]].prompt_tokens
+            for t in trip
+            if t["id"] in differ
+        )
     identical = 21 - len(differ)
-    assert (batched.roundtrip_rows, batched.roundtrip_identical, batched.roundtrip_sample) == (21, identical, None)
+    assert (batched.roundtrip_rows, batched.roundtrip_identical, batched.roundtrip_sample) == (
+        21,
+        identical,
+        None,
+    )
     assert (single.roundtrip_rows, single.roundtrip_identical) == (21, identical)
 
 
-def test_check_sample_checks_one_row_in_every_planned_over_n_and_says_so(tmp_path, toy_tokenizer, capsys):
+def test_check_sample_checks_one_row_in_every_planned_over_n_and_says_so(
+    tmp_path, toy_tokenizer, capsys
+):
     s = conversations_run(tmp_path / "run", toy_tokenizer, "kimi")
     full = export_run(s.root, "conversations", tmp_path / "full.jsonl")
     every_row = lines(tmp_path / "full_roundtrip.jsonl")
     capsys.readouterr()
-    assert cli_main(["export", str(s.root), "--format", "conversations", "--check-sample", "5",
-                     "-o", str(tmp_path / "sample.jsonl")]) == 0
+    assert (
+        cli_main(
+            [
+                "export",
+                str(s.root),
+                "--format",
+                "conversations",
+                "--check-sample",
+                "5",
+                "-o",
+                str(tmp_path / "sample.jsonl"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     summary = json.loads((tmp_path / "sample_summary.json").read_text())
     sampled = lines(tmp_path / "sample_roundtrip.jsonl")
@@ -120,20 +174,49 @@ def test_check_sample_checks_one_row_in_every_planned_over_n_and_says_so(tmp_pat
     assert sampled == every_row[::5] and len(sampled) == 5
     assert (tmp_path / "sample.jsonl").read_bytes() == (tmp_path / "full.jsonl").read_bytes()
     identical = sum(t["identical"] for t in sampled)
-    assert {t["id"] for t in sampled if not t["identical"]} == {t["id"] for t in sampled} & split_rows(s)
-    assert (summary["roundtrip_rows"], summary["roundtrip_identical"], summary["roundtrip_sample"]) == (5, identical, 5)
+    assert {t["id"] for t in sampled if not t["identical"]} == {
+        t["id"] for t in sampled
+    } & split_rows(s)
+    assert (
+        summary["roundtrip_rows"],
+        summary["roundtrip_identical"],
+        summary["roundtrip_sample"],
+    ) == (5, identical, 5)
     assert full.roundtrip_rows == 21 and full.roundtrip_sample is None
-    assert (f"{identical} of 5 rows give the model's exact ids, 1 differ" in printed
-            and "rows checked: 5 of 21 (--check-sample)" in printed)
-    assert cli_main(["export", str(s.root), "--format", "conversations", "--check-sample", "100",
-                     "-o", str(tmp_path / "all.jsonl")]) == 0
-    assert (tmp_path / "all_roundtrip.jsonl").read_bytes() == (tmp_path / "full_roundtrip.jsonl").read_bytes()
+    assert (
+        f"{identical} of 5 rows give the model's exact ids, 1 differ" in printed
+        and "rows checked: 5 of 21 (--check-sample)" in printed
+    )
+    assert (
+        cli_main(
+            [
+                "export",
+                str(s.root),
+                "--format",
+                "conversations",
+                "--check-sample",
+                "100",
+                "-o",
+                str(tmp_path / "all.jsonl"),
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "all_roundtrip.jsonl").read_bytes() == (
+        tmp_path / "full_roundtrip.jsonl"
+    ).read_bytes()
 
 
-@pytest.mark.parametrize("args, why", [(["--format", "conversations", "--check-sample", "0"], "1 or more"),
-                                       (["--format", "jsonl", "--check-sample", "5"], "conversations export")])
-def test_a_check_sample_that_cannot_be_taken_is_refused_before_anything_is_written(tmp_path, toy_tokenizer, capsys,
-                                                                                    args, why):
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--format", "conversations", "--check-sample", "0"], "1 or more"),
+        (["--format", "jsonl", "--check-sample", "5"], "conversations export"),
+    ],
+)
+def test_a_check_sample_that_cannot_be_taken_is_refused_before_anything_is_written(
+    tmp_path, toy_tokenizer, capsys, args, why
+):
     s = runs.plan_run(tmp_path / "run", toy_tokenizer("kimi"), datasets={"math": 3}, shards=1)
     runs.write_run(s, runs.healthy())
     merge_and_audit(s.root)
@@ -156,7 +239,9 @@ def test_the_byte_table_decodes_what_the_tokenizer_decodes(real_tokenizer, name)
     size = backend.get_vocab_size(with_added_tokens=True)
     seqs = [rng.permutation(size).tolist()] + rng.integers(0, size, (300, 64)).tolist() + [[]]
     assert decode(seqs) == backend.decode_batch(seqs, skip_special_tokens=False)
-    assert decode([[size + 5, 1]]) == backend.decode_batch([[size + 5, 1]], skip_special_tokens=False)
+    assert decode([[size + 5, 1]]) == backend.decode_batch(
+        [[size + 5, 1]], skip_special_tokens=False
+    )
 
 
 def test_a_byte_table_that_would_decode_otherwise_is_not_used(real_tokenizer, monkeypatch):
@@ -169,8 +254,9 @@ def test_a_byte_table_that_would_decode_otherwise_is_not_used(real_tokenizer, mo
     assert export._byte_table(backend) is None
 
 
-def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it(tmp_path, toy_tokenizer,
-                                                                                 monkeypatch):
+def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it(
+    tmp_path, toy_tokenizer, monkeypatch
+):
     """Many cores: `decode_batch` on all of them; few: the byte table. The jsonl, parquet and conversations exports
     are the same bytes either way."""
     s = conversations_run(tmp_path / "run", toy_tokenizer, "deepseek")
@@ -179,9 +265,17 @@ def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it
         d = tmp_path / str(many)
         d.mkdir()
         decoder = export._batch_decoder(s.tok)
-        assert (getattr(decoder, "__name__", "") == "decode") is not many  # the table's own function, or not
-        for fmt, name in (("jsonl", "out.jsonl"), ("parquet", "out.parquet"), ("conversations", "conv.jsonl")):
+        assert (
+            getattr(decoder, "__name__", "") == "decode"
+        ) is not many  # the table's own function, or not
+        for fmt, name in (
+            ("jsonl", "out.jsonl"),
+            ("parquet", "out.parquet"),
+            ("conversations", "conv.jsonl"),
+        ):
             export_run(s.root, fmt, d / name)
     for name in ("out.jsonl", "out.parquet", "conv.jsonl", "conv_roundtrip.jsonl"):
-        assert (tmp_path / "False" / name).read_bytes() == (tmp_path / "True" / name).read_bytes(), name
+        assert (tmp_path / "False" / name).read_bytes() == (
+            tmp_path / "True" / name
+        ).read_bytes(), name
     assert lines(tmp_path / "True" / "out.jsonl")[0]["reasoning"]

@@ -23,7 +23,13 @@ META = {
 }
 
 # Texts that would fool a search from the start: the keys themselves, brackets, escapes.
-TEXTS = ["Paris.", 'say "output_ids":[1,2] and "meta_info":{}', "a ] , [ b", "\\\"meta_info\\\":", "é\n\u2028"]
+TEXTS = [
+    "Paris.",
+    'say "output_ids":[1,2] and "meta_info":{}',
+    "a ] , [ b",
+    '\\"meta_info\\":',
+    "é\n\u2028",
+]
 
 
 def orjson_like(obj) -> bytes:
@@ -32,7 +38,9 @@ def orjson_like(obj) -> bytes:
 
 def full_decode(body: bytes):
     resp = client._resp_decoder.decode(body)
-    return client.ids_from_json(resp.output_ids, resp.meta_info.completion_tokens).tolist(), resp.meta_info
+    return client.ids_from_json(
+        resp.output_ids, resp.meta_info.completion_tokens
+    ).tolist(), resp.meta_info
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -67,10 +75,19 @@ def test_whitespace_between_tokens_is_decoded_in_full():
     "body, match",
     [
         (orjson_like({"text": "x", "output_ids": [5, 6], "meta_info": META}), "completion_tokens"),
-        (orjson_like({"text": "x", "output_ids": [5, -6, 7], "meta_info": META}), "completion_tokens"),
-        (orjson_like({"text": "x", "output_ids": [5, 6.5, 7], "meta_info": META}), "completion_tokens"),
+        (
+            orjson_like({"text": "x", "output_ids": [5, -6, 7], "meta_info": META}),
+            "completion_tokens",
+        ),
+        (
+            orjson_like({"text": "x", "output_ids": [5, 6.5, 7], "meta_info": META}),
+            "completion_tokens",
+        ),
         (orjson_like({"text": "x", "output_ids": [5, 6, 7]}), "unexpected /generate answer"),
-        (b'{"text":"x","output_ids":[5,6,7],"meta_info":{"completion_tokens":3', "unexpected /generate answer"),
+        (
+            b'{"text":"x","output_ids":[5,6,7],"meta_info":{"completion_tokens":3',
+            "unexpected /generate answer",
+        ),
         (b"<html>Bad Gateway</html>", "unexpected /generate answer"),
     ],
 )
@@ -112,11 +129,16 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
         loop = asyncio.get_running_loop()
         assert await http.request("POST", "/generate", b"{}", timeout=5) == (200, b"ok")
         t0 = loop.time()
-        with pytest.raises(client.TimedOut, match="no answer within 0.5 s"):  # a kind of Unreachable
+        with pytest.raises(
+            client.TimedOut, match="no answer within 0.5 s"
+        ):  # a kind of Unreachable
             await http.request("POST", "/generate", b"{}", timeout=0.5)
         waited = loop.time() - t0
         assert 0.5 <= waited < 0.5 + 2 * http.SWEEP_S + 0.5
-        assert await http.request("POST", "/generate", b"{}", timeout=2) == (200, b"ok")  # slow, within its time
+        assert await http.request("POST", "/generate", b"{}", timeout=2) == (
+            200,
+            b"ok",
+        )  # slow, within its time
         # Concurrent requests: only the one past its deadline fails.
         results = await asyncio.gather(
             http.request("POST", "/generate", b"{}", timeout=0.5),
@@ -134,8 +156,16 @@ def test_a_request_without_an_answer_times_out_and_the_client_goes_on():
 @pytest.mark.slow
 def test_the_errors_generate_raises_say_how_many_attempts_it_made():
     assert client.RequestRejected(400, b"{}").attempts == 1  # declared, before generate sets it
-    for kind in (client.Unreachable, client.TimedOut, client.ServerError, client.RequestRejected, BadResponse):
-        assert issubclass(kind, client.ClientError), "the worker catches every failed request as a ClientError"
+    for kind in (
+        client.Unreachable,
+        client.TimedOut,
+        client.ServerError,
+        client.RequestRejected,
+        BadResponse,
+    ):
+        assert issubclass(kind, client.ClientError), (
+            "the worker catches every failed request as a ClientError"
+        )
 
     async def main():
         server, url = await _server([0, -1, -1])
@@ -194,10 +224,15 @@ def test_a_cancel_that_lands_as_the_connection_opens_is_raised_not_swallowed(mon
             if opened and opened[0].is_closing():
                 break
             await asyncio.sleep(0.01)
-        assert opened and opened[0].is_closing(), "the connection the cancelled request opened is closed"
+        assert opened and opened[0].is_closing(), (
+            "the connection the cancelled request opened is closed"
+        )
         assert not http._deadlines and not http._idle
         monkeypatch.setattr(client.asyncio, "open_connection", real_open)
-        assert await http.request("GET", "/v1/loads", timeout=5) == (200, b"ok")  # the client goes on
+        assert await http.request("GET", "/v1/loads", timeout=5) == (
+            200,
+            b"ok",
+        )  # the client goes on
         http.close()
         server.close()
 
@@ -227,13 +262,31 @@ def test_a_length_finish_short_of_max_new_tokens_is_good_only_at_the_context_lim
     import numpy as np
 
     ids = np.arange(5, dtype="<u4")
-    meta = client.MetaInfo(id="r", finish_reason={"type": "length", "length": 5}, completion_tokens=5)
+    meta = client.MetaInfo(
+        id="r", finish_reason={"type": "length", "length": 5}, completion_tokens=5
+    )
     limits = client.Expect(vocab_size=100, max_req_len=20)
-    assert client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=limits)["type"] == "length"
-    assert client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=5, expect=limits)["type"] == "length"
-    with pytest.raises(BadResponse, match=r"short of max_new_tokens = 64 and of the context limit \(3 prompt"):
+    assert (
+        client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=limits)[
+            "type"
+        ]
+        == "length"
+    )
+    assert (
+        client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=5, expect=limits)["type"]
+        == "length"
+    )
+    with pytest.raises(
+        BadResponse, match=r"short of max_new_tokens = 64 and of the context limit \(3 prompt"
+    ):
         client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=limits)
-    assert client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=client.Expect())
+    assert client.check_answer(
+        ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=client.Expect()
+    )
     with pytest.raises(BadResponse, match=r"output id 4 outside the vocabulary \(4 ids\)"):
-        client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=client.Expect(vocab_size=4))
-    assert client.check_answer(ids, meta, rid=None, n_input=3, max_new_tokens=5)  # no rid sent: any id
+        client.check_answer(
+            ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=client.Expect(vocab_size=4)
+        )
+    assert client.check_answer(
+        ids, meta, rid=None, n_input=3, max_new_tokens=5
+    )  # no rid sent: any id

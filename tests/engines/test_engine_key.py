@@ -25,17 +25,40 @@ from toolkit.job.specerrors import SpecError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def toolkit(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+def toolkit(
+    *args: str, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow
-def test_a_stub_job_puts_its_key_on_no_command_line_and_in_no_file_of_the_run(tmp_path, toy_tokenizer):
-    job = make_job(tmp_path, toy_tokenizer("kimi"), n=16, shards=2, stub={"token_delay_s": 0.01},
-                   sampling={"max_new_tokens": 48})
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "1"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+def test_a_stub_job_puts_its_key_on_no_command_line_and_in_no_file_of_the_run(
+    tmp_path, toy_tokenizer
+):
+    job = make_job(
+        tmp_path,
+        toy_tokenizer("kimi"),
+        n=16,
+        shards=2,
+        stub={"token_delay_s": 0.01},
+        sampling={"max_new_tokens": 48},
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         seen = watch_run(proc, "toolkit.stub", timeout=240)
         out = proc.communicate(timeout=240)[0]
@@ -46,7 +69,9 @@ def test_a_stub_job_puts_its_key_on_no_command_line_and_in_no_file_of_the_run(tm
     assert key and len(key) == 32, f"no stub started with --config seen: {seen}"
     assert seen["scans"] >= 3, "the command lines were read while the engine ran"
     assert seen["found"] == [], "the key is on a command line every user of the node can read"
-    assert (seen["unauthorized"], seen["authorized"]) == (401, 200), "the key in the file is the key that guards it"
+    assert (seen["unauthorized"], seen["authorized"]) == (401, 200), (
+        "the key in the file is the key that guards it"
+    )
     assert not seen["folder"].exists(), "the key's folder goes when the engine stops"
     run = tmp_path / "run"
     assert (run / "logs").is_dir() and list((run / "logs").glob("*.server.log"))
@@ -59,14 +84,19 @@ def test_the_log_pump_masks_a_key_cut_between_two_reads(tmp_path):
     read_fd, write_fd = os.pipe()
     log = tmp_path / "server.log"
     pump = LogPump(read_fd, log, key)
-    for part in (b"server_args={'api_key': '" + key[:7].encode(), key[7:].encode() + b"', 'port': 1}\n",
-                 b"tail " + key[:5].encode()):
+    for part in (
+        b"server_args={'api_key': '" + key[:7].encode(),
+        key[7:].encode() + b"', 'port': 1}\n",
+        b"tail " + key[:5].encode(),
+    ):
         os.write(write_fd, part)
     os.close(write_fd)
     assert pump.join(10)
     text = log.read_text()
     assert key not in text and "'api_key': '" + "*" * 32 + "'" in text
-    assert text.endswith("tail " + key[:5]), "a start of the key at the very end is written once the pipe closes"
+    assert text.endswith("tail " + key[:5]), (
+        "a start of the key at the very end is written once the pipe closes"
+    )
 
 
 def test_key_folders_of_processes_that_are_gone_are_swept(tmp_path):
@@ -84,8 +114,13 @@ def test_key_folders_of_processes_that_are_gone_are_swept(tmp_path):
 
 
 def external_job(tmp_path, tok, url: str, **engine):
-    return make_job(tmp_path, tok, n=6, engine={"kind": "external", "url": url, **engine},
-                    sampling={"max_new_tokens": 16})
+    return make_job(
+        tmp_path,
+        tok,
+        n=6,
+        engine={"kind": "external", "url": url, **engine},
+        sampling={"max_new_tokens": 16},
+    )
 
 
 @pytest.fixture
@@ -95,7 +130,9 @@ def keyed_stub(tmp_path, toy_tokenizer):
     config = tmp_path / "server.yaml"
     config.write_text(f'api-key: "{key}"\n')
     config.chmod(0o600)
-    proc, url = start_standalone(str(toy_tokenizer("kimi")), "--config", str(config), "--fixed-output-tokens", "8")
+    proc, url = start_standalone(
+        str(toy_tokenizer("kimi")), "--config", str(config), "--fixed-output-tokens", "8"
+    )
     try:
         yield url, key
     finally:
@@ -104,13 +141,19 @@ def keyed_stub(tmp_path, toy_tokenizer):
 
 
 @pytest.mark.slow
-def test_an_external_servers_key_from_the_environment_is_kept_nowhere(tmp_path, toy_tokenizer, keyed_stub):
+def test_an_external_servers_key_from_the_environment_is_kept_nowhere(
+    tmp_path, toy_tokenizer, keyed_stub
+):
     url, key = keyed_stub
     tok = toy_tokenizer("kimi")
     job = external_job(tmp_path, tok, url, api_key_env="TEST_SERVER_KEY")
     # the dry run is shown without a cluster (a real one would check the job's GPUs against its partition)
-    dry = toolkit("submit", str(job), "--dry-run",
-                  env={"TEST_SERVER_KEY": key, "SLURM_CONF": str(tmp_path / "no-cluster" / "slurm.conf")})
+    dry = toolkit(
+        "submit",
+        str(job),
+        "--dry-run",
+        env={"TEST_SERVER_KEY": key, "SLURM_CONF": str(tmp_path / "no-cluster" / "slurm.conf")},
+    )
     assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stdout + dry.stderr
     r = toolkit("run", str(job), env={"TEST_SERVER_KEY": key})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -126,7 +169,10 @@ def test_an_external_servers_key_from_the_environment_is_kept_nowhere(tmp_path, 
     job = external_job(tmp_path / "again", tok, url, api_key_env="TEST_SERVER_KEY")
     no = toolkit("run", str(job), env={"TEST_SERVER_KEY": ""})
     assert no.returncode != 0
-    assert "the environment variable TEST_SERVER_KEY is not set (or empty) where the worker runs" in no.stdout + no.stderr
+    assert (
+        "the environment variable TEST_SERVER_KEY is not set (or empty) where the worker runs"
+        in no.stdout + no.stderr
+    )
 
 
 @pytest.mark.slow
@@ -139,7 +185,10 @@ def test_an_external_servers_key_from_a_file(tmp_path, toy_tokenizer, keyed_stub
     job = external_job(tmp_path, toy_tokenizer("kimi"), url, api_key_file="secret/key")
     check = toolkit("check", str(job))
     assert check.returncode == 0, check.stderr
-    assert f"[engine] api_key_file {key_file} may be read by other users (mode -rw-r--r--)" in check.stdout + check.stderr
+    assert (
+        f"[engine] api_key_file {key_file} may be read by other users (mode -rw-r--r--)"
+        in check.stdout + check.stderr
+    )
     key_file.chmod(0o600)
     r = toolkit("run", str(job))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -160,7 +209,9 @@ def test_the_engine_reads_the_key_where_the_job_says(tmp_path, toy_tokenizer, mo
     (tmp_path / "k").unlink()
     with pytest.raises(EngineError, match="cannot be read here"):
         e.start()
-    spec = load_spec(external_job(tmp_path / "env", tok, "http://127.0.0.1:9", api_key_env="TK_TEST_KEY"))
+    spec = load_spec(
+        external_job(tmp_path / "env", tok, "http://127.0.0.1:9", api_key_env="TK_TEST_KEY")
+    )
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[1])
     monkeypatch.setenv("TK_TEST_KEY", "from-env")
     e.start()
@@ -172,24 +223,50 @@ def test_the_engine_reads_the_key_where_the_job_says(tmp_path, toy_tokenizer, mo
 
 def test_a_command_that_puts_the_key_on_its_command_line_is_warned_about(tmp_path, toy_tokenizer):
     command = ["srv", "--port", "{port}", "--api-key", "{api_key}"]
-    spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), n=2, engine={"kind": "sglang", "command": command}))
-    assert any("{api_key} puts the engine's key on its command line" in w for w in key_source_warnings(spec.engine))
+    spec = load_spec(
+        make_job(
+            tmp_path, toy_tokenizer("kimi"), n=2, engine={"kind": "sglang", "command": command}
+        )
+    )
+    assert any(
+        "{api_key} puts the engine's key on its command line" in w
+        for w in key_source_warnings(spec.engine)
+    )
     spec.engine.command = ["srv", "--port", "{port}", "--api-key-file", "{api_key_file}"]
     assert key_source_warnings(spec.engine) == []
 
 
-@pytest.mark.parametrize("engine, message", [
-    ({"kind": "external", "url": "http://127.0.0.1:9", "api_key": "sekret"},
-     ":\\d+: \\[engine\\] api_key: a key written here stays in clear in the job file and in the run's run.json"),
-    ({"kind": "stub", "api_key_env": "K"}, "api_key_env is for kind = \"external\": an engine the toolkit starts "
-                                          "gets a fresh key at each start"),
-    ({"kind": "external", "url": "http://127.0.0.1:9", "api_key_env": "K", "api_key_file": "k"},
-     "api_key_env and api_key_file are both set"),
-    ({"kind": "external", "url": "http://127.0.0.1:9", "api_key_env": "0123abcd-key"},
-     "is not an environment variable's name"),
-    ({"kind": "external", "url": "http://127.0.0.1:9", "api_key_file": "nowhere"},
-     "api_key_file .*nowhere does not exist"),
-])
+@pytest.mark.parametrize(
+    "engine, message",
+    [
+        (
+            {"kind": "external", "url": "http://127.0.0.1:9", "api_key": "sekret"},
+            ":\\d+: \\[engine\\] api_key: a key written here stays in clear in the job file and in the run's run.json",
+        ),
+        (
+            {"kind": "stub", "api_key_env": "K"},
+            'api_key_env is for kind = "external": an engine the toolkit starts '
+            "gets a fresh key at each start",
+        ),
+        (
+            {
+                "kind": "external",
+                "url": "http://127.0.0.1:9",
+                "api_key_env": "K",
+                "api_key_file": "k",
+            },
+            "api_key_env and api_key_file are both set",
+        ),
+        (
+            {"kind": "external", "url": "http://127.0.0.1:9", "api_key_env": "0123abcd-key"},
+            "is not an environment variable's name",
+        ),
+        (
+            {"kind": "external", "url": "http://127.0.0.1:9", "api_key_file": "nowhere"},
+            "api_key_file .*nowhere does not exist",
+        ),
+    ],
+)
 def test_a_job_never_holds_a_key(tmp_path, toy_tokenizer, engine, message):
     job = make_job(tmp_path, toy_tokenizer("kimi"), n=2, engine=engine)
     with pytest.raises(SpecError, match=message) as err:

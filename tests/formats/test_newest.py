@@ -25,19 +25,32 @@ def test_the_newest_record_of_each_position_wins_and_the_rest_is_counted(tmp_pat
     pos = list(range(sp.first, sp.first + sp.count))
     ok = {p: runs.record(s, p, runs.healthy()(s, p, rng)) for p in pos}
     failed = runs.record(s, pos[0], None, failure=SERVER_ERROR)
-    given_up = msgspec.structs.replace(runs.record(s, pos[3], None, failure=SERVER_ERROR), final=True, tries=3)
+    given_up = msgspec.structs.replace(
+        runs.record(s, pos[3], None, failure=SERVER_ERROR), final=True, tries=3
+    )
     cut = msgspec.structs.replace(ok[pos[1]], status=PARTIAL, failure=PARTIAL, finish="abort")
-    other = runs.record(s, s.plan.shards[1].first, runs.healthy()(s, s.plan.shards[1].first, rng))  # shard 1's
+    other = runs.record(
+        s, s.plan.shards[1].first, runs.healthy()(s, s.plan.shards[1].first, rng)
+    )  # shard 1's
     # written in this order: a failure then its retry; a partial output then its continuation; a record of another
     # shard; position 2 once; position 3 ok, then given up on a later try (the newest wins, whatever it says)
-    path = runs.write_shard(s, 0, [failed, cut, ok[pos[2]], other, ok[pos[0]], ok[pos[1]], ok[pos[3]], given_up],
-                            done=False, flush_records=2)
+    path = runs.write_shard(
+        s,
+        0,
+        [failed, cut, ok[pos[2]], other, ok[pos[0]], ok[pos[1]], ok[pos[3]], given_up],
+        done=False,
+        flush_records=2,
+    )
     refs = s.refs[sp.first : sp.first + sp.count]
     for planned in (refs, sp.count):  # checked against the planned ids, or by position only
         sc = scan_shard(path, sp.first, planned)
         assert (sc.records, sc.duplicates, sc.continued, sc.foreign) == (8, 2, 1, 1)
-        assert sc.duplicate_ids == [s.refs[pos[0]].id, s.refs[pos[3]].id] and sc.foreign_ids == [other.id]
-        newest = list(newest_records(path, sc, cache_bytes=1))  # a cache of one frame: frames read again
+        assert sc.duplicate_ids == [s.refs[pos[0]].id, s.refs[pos[3]].id] and sc.foreign_ids == [
+            other.id
+        ]
+        newest = list(
+            newest_records(path, sc, cache_bytes=1)
+        )  # a cache of one frame: frames read again
         assert newest == [ok[pos[0]], ok[pos[1]], ok[pos[2]], given_up]
     # the same answer for `toolkit retry` (given up ids) and `toolkit logs` (failures, partial outputs)
     assert given_up_ids(s.rd, s.plan, 0) == [given_up.id]

@@ -42,7 +42,9 @@ def merged(tmp_path, toy_tokenizer):
     merge_run(s.root)
     plan = Run.open(s.root, JobSpec).plan
     plan.aliases = ["0123456789abcdef"]  # what the change makes of run.json: something to see
-    atomic_write(s.rd.pending_file, msgspec.msgpack.encode(PendingChange("a test change", plan_bytes(plan))))
+    atomic_write(
+        s.rd.pending_file, msgspec.msgpack.encode(PendingChange("a test change", plan_bytes(plan)))
+    )
     return s
 
 
@@ -53,9 +55,17 @@ def test_status_logs_export_and_read_run_write_nothing_into_the_run(merged, tmp_
     assert cli_main(["status", str(s.root)]) in (0, 1, 5)
     assert cli_main(["logs", str(s.root), "0"]) in (0, 1)
     assert cli_main(["logs", str(s.root), "--failed"]) in (0, 1)
-    assert cli_main(["export", str(s.root), "-o", str(tmp_path / "out" / "tokens.jsonl"), "--force"]) == 0
+    assert (
+        cli_main(["export", str(s.root), "-o", str(tmp_path / "out" / "tokens.jsonl"), "--force"])
+        == 0
+    )
     assert (tmp_path / "out" / "tokens.jsonl").stat().st_size > 0
-    assert cli_main(["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "out" / "r.jsonl")]) == 0
+    assert (
+        cli_main(
+            ["export", str(s.root), "--format", "jsonl", "-o", str(tmp_path / "out" / "r.jsonl")]
+        )
+        == 0
+    )
     got = list(toolkit.read_run(s.root))
     assert [r.id for r in got] == [r.id for r in s.refs]
     assert len(list(toolkit.read_rows(s.root, ok_only=True))) == len(s.refs) - 1
@@ -90,7 +100,9 @@ def test_every_reader_of_the_prompt_index_gives_the_planned_refs(merged):
     assert isinstance(index, PromptIndex) and len(index) == len(s.refs)
     assert index.refs() == s.refs and index.refs(3, 4) == s.refs[3:7]
     assert [index.at(i) for i in range(len(s.refs))] == s.refs and index.at(len(s.refs)) is None
-    shuffled = sorted(range(len(s.refs)), key=lambda i: (i * 7) % len(s.refs))  # one at a time, then whole shards
+    shuffled = sorted(
+        range(len(s.refs)), key=lambda i: (i * 7) % len(s.refs)
+    )  # one at a time, then whole shards
     fresh = run.prompts()
     assert [fresh.at(i) for i in shuffled] == [s.refs[i] for i in shuffled] and fresh.at(-1) is None
     for k, sp in enumerate(run.plan.shards):
@@ -104,7 +116,9 @@ def test_a_prompt_index_that_does_not_hold_the_plan_is_refused(merged):
     s = merged
     run = Run.open(s.root, JobSpec)
     s.rd.prompts_file.write_bytes(msgspec.msgpack.encode(s.refs[:-1]))
-    with pytest.raises(PlanError, match=f"holds {len(s.refs) - 1} prompts but run.json plans {len(s.refs)}"):
+    with pytest.raises(
+        PlanError, match=f"holds {len(s.refs) - 1} prompts but run.json plans {len(s.refs)}"
+    ):
         run.prompts()
     s.rd.prompts_file.unlink()
     with pytest.raises(PlanError, match="prompts.msgpack is missing: plan the job again"):

@@ -18,18 +18,47 @@ import zstandard
 
 import toolkit.formats.shardfile as sf
 from toolkit.formats import frames, locks
-from toolkit.formats.frames import CorruptShard, Damage, intact_frames, iter_frames, read_shard, scan
+from toolkit.formats.frames import (
+    CorruptShard,
+    Damage,
+    intact_frames,
+    iter_frames,
+    read_shard,
+    scan,
+)
 from toolkit.formats.locks import ShardLocked
 from toolkit.formats.manifests import read_done, verify_done, write_done
-from toolkit.formats.records import OK, PARTIAL, Record, failed_record, is_transient, pack_ids, unpack_ids
+from toolkit.formats.records import (
+    OK,
+    PARTIAL,
+    Record,
+    failed_record,
+    is_transient,
+    pack_ids,
+    unpack_ids,
+)
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 
 
 def rec(i: int) -> Record:
     out = [(i * 7 + k) % 5000 for k in range(50 + i)]
-    return Record(id=f"p{i}", dataset="d", index=i, status=OK, prompt_ids=pack_ids([1, 2, i]), output_ids=pack_ids(out),
-                  reasoning_end=3, tool_call_at=None, finish="stop", matched_stop=out[-1], prompt_tokens=3,
-                  completion_tokens=len(out), cached_tokens=0, latency_s=0.5, attempts=1)
+    return Record(
+        id=f"p{i}",
+        dataset="d",
+        index=i,
+        status=OK,
+        prompt_ids=pack_ids([1, 2, i]),
+        output_ids=pack_ids(out),
+        reasoning_end=3,
+        tool_call_at=None,
+        finish="stop",
+        matched_stop=out[-1],
+        prompt_tokens=3,
+        completion_tokens=len(out),
+        cached_tokens=0,
+        latency_s=0.5,
+        attempts=1,
+    )
 
 
 PLANNED = range(64)  # the planned positions of the shard these tests write
@@ -55,7 +84,10 @@ def test_roundtrip_and_zstd_compatible(tmp_path):
     import io
 
     import zstandard
-    stream = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(path.read_bytes()), read_across_frames=True)
+
+    stream = zstandard.ZstdDecompressor().stream_reader(
+        io.BytesIO(path.read_bytes()), read_across_frames=True
+    )
     assert stream.read() == b"".join(f.data for f in iter_frames(path))
 
 
@@ -81,7 +113,9 @@ def test_torn_tail_at_every_cut_is_dropped_and_nothing_else(tmp_path):
         done = w.open(PLANNED)
         assert len(done) == 4 * complete, cut
         w.close()
-        assert path.stat().st_size == max([e for e in ends if e <= cut], default=path.stat().st_size)
+        assert path.stat().st_size == max(
+            [e for e in ends if e <= cut], default=path.stat().st_size
+        )
 
 
 def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_path):
@@ -96,7 +130,11 @@ def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_pat
     assert e.value.offset == frames[1].offset and "s.zst" in str(e.value)
     items = list(scan(path))
     assert [type(i).__name__ for i in items] == ["Frame", "Damage", "Frame"]
-    assert items[1].offset == frames[1].offset and items[1].end == frames[2].offset and not items[1].torn
+    assert (
+        items[1].offset == frames[1].offset
+        and items[1].end == frames[2].offset
+        and not items[1].torn
+    )
 
     w = ShardWriter(path, "f" * 16, 0)
     done = w.open(PLANNED)  # keeps frames 0 and 2, drops only frame 1's four records
@@ -106,7 +144,9 @@ def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_pat
     w.close()
     assert sorted(r.index for r in read_shard(path)) == list(range(12))  # the file is whole again
     kept = list(tmp_path.glob("s.zst.damaged-*"))
-    assert kept == [w.damaged] and kept[0].read_bytes() == bytes(data)  # the original, untouched, for inspection
+    assert kept == [w.damaged] and kept[0].read_bytes() == bytes(
+        data
+    )  # the original, untouched, for inspection
     assert not list(tmp_path.glob(".*"))  # no temporary file left
 
 
@@ -121,7 +161,10 @@ def test_intact_frames_reads_on_past_a_damaged_middle_frame_and_notes_a_torn_end
     kept = list(intact_frames(path, damage))
     assert [f.offset for f in kept] == [frames[0].offset, frames[2].offset]
     assert [r.index for f in kept for r in f.batch] == [0, 1, 2, 3, 8, 9, 10, 11]
-    assert [(d.offset, d.torn) for d in damage] == [(frames[1].offset, False), (frames[3].offset, True)]
+    assert [(d.offset, d.torn) for d in damage] == [
+        (frames[1].offset, False),
+        (frames[3].offset, True),
+    ]
     assert damage[0].end == frames[2].offset and "checksum" in damage[0].why
 
 
@@ -140,14 +183,21 @@ def test_intact_frames_of_a_file_with_a_bad_header_yield_nothing_and_note_it(tmp
     path.write_bytes(bytes(data))
     damage: list[Damage] = []
     assert list(intact_frames(path, damage)) == []
-    assert len(damage) == 1 and damage[0].offset == 0 and damage[0].end == len(data) and not damage[0].torn
+    assert (
+        len(damage) == 1
+        and damage[0].offset == 0
+        and damage[0].end == len(data)
+        and not damage[0].torn
+    )
     assert "bad header" in damage[0].why
 
 
 def _flip_count(path, frame_no: int) -> None:
     frame = list(iter_frames(path))[frame_no]
     data = bytearray(path.read_bytes())
-    data[frame.offset + 8 + 8] ^= 0x01  # the record count in the descriptor (after magic, size, tag, length)
+    data[frame.offset + 8 + 8] ^= (
+        0x01  # the record count in the descriptor (after magic, size, tag, length)
+    )
     path.write_bytes(bytes(data))
 
 
@@ -160,7 +210,9 @@ def test_a_bit_flip_in_the_record_count_is_caught_by_every_reader(tmp_path):
     damage = [i for i in scan(path) if isinstance(i, Damage)]
     assert len(damage) == 1 and "descriptor" in damage[0].why
     w = ShardWriter(path, "f" * 16, 0)
-    assert set(w.open(PLANNED)) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}  # the frame's records are redone
+    assert set(w.open(PLANNED)) == {
+        f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)
+    }  # the frame's records are redone
     w.close()
 
 
@@ -170,8 +222,13 @@ def _write_format1(path, records, batch=4, fp="f" * 16):
     cctx = zstandard.ZstdCompressor(level=3)
     for k in range(0, len(records), batch):
         comp = cctx.compress(msgspec.msgpack.encode(records[k : k + batch]))
-        out += struct.pack("<II", 0x184D2A5F, 16) + struct.pack("<4sIII", b"TKFR", len(comp), len(records[k : k + batch]),
-                                                                  zlib.crc32(comp)) + comp
+        out += (
+            struct.pack("<II", 0x184D2A5F, 16)
+            + struct.pack(
+                "<4sIII", b"TKFR", len(comp), len(records[k : k + batch]), zlib.crc32(comp)
+            )
+            + comp
+        )
     path.write_bytes(out)
 
 
@@ -191,7 +248,9 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     write(path, [rec(0), timeout, rejected, rec(3)])
     w = ShardWriter(path, "f" * 16, 0)
     done = w.open(PLANNED)
-    assert set(done) == {"p0", "p1", "p2", "p3"} and w.transient == {"p1"}  # only the transient one is redone
+    assert set(done) == {"p0", "p1", "p2", "p3"} and w.transient == {
+        "p1"
+    }  # only the transient one is redone
     w.add(rec(1))
     w.close()
     w = ShardWriter(path, "f" * 16, 0)
@@ -214,7 +273,11 @@ def test_done_counts_the_newest_record_of_each_planned_position(tmp_path):
     timeout = failed_record("p1", "d", 1, [1, 2], "no answer", 2, failure="timeout")
     late_fail = failed_record("p4", "d", 4, [1, 2], "no answer", 2, failure="timeout")
     stray = msgspec.structs.replace(rec(9), id="x", index=99)
-    written = [rec(0), timeout, rec(2), rec(3), rec(4), rec(1), late_fail, stray] + [rec(5)] * 300 + [rec(6)]
+    written = (
+        [rec(0), timeout, rec(2), rec(3), rec(4), rec(1), late_fail, stray]
+        + [rec(5)] * 300
+        + [rec(6)]
+    )
     write(path, written)
     m = write_done(tmp_path / "b.done", path, 0, "f" * 16, positions=range(0, 7))
     newest = {r.index: r for r in written if r.index < 7}
@@ -288,6 +351,7 @@ except ShardLocked as e:
 # file systems without flock (older NFS, Lustre without -o flock): a lock file stands in (`no_flock`: conftest)
 # ---------------------------------------------------------------------------------------------------
 
+
 def lock_info(path) -> dict:
     return msgspec.json.decode((path.parent / (path.name + ".lock")).read_bytes())
 
@@ -297,8 +361,12 @@ def test_without_flock_a_lock_file_keeps_one_writer_per_shard(tmp_path, no_flock
     w = ShardWriter(path, "f" * 16, 0, flush_records=1)
     w.open(PLANNED)
     info = lock_info(path)
-    assert info["host"] == socket.gethostname() and info["pid"] == os.getpid() and info["started"] > 0
-    with pytest.raises(ShardLocked, match=rf"pid {os.getpid()} on this host holds it .* rm {path}.lock"):
+    assert (
+        info["host"] == socket.gethostname() and info["pid"] == os.getpid() and info["started"] > 0
+    )
+    with pytest.raises(
+        ShardLocked, match=rf"pid {os.getpid()} on this host holds it .* rm {path}.lock"
+    ):
         ShardWriter(path, "f" * 16, 0).open(PLANNED)
     w.add(rec(0))
     w.close()
@@ -312,14 +380,22 @@ def test_a_stale_lock_file_is_taken_over_and_a_live_one_on_another_host_refused(
     lock = tmp_path / "00000.zst.lock"
     gone = subprocess.Popen(["true"])
     gone.wait()
-    lock.write_bytes(msgspec.json.encode({"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}))
+    lock.write_bytes(
+        msgspec.json.encode({"host": socket.gethostname(), "pid": gone.pid, "started": 1.0})
+    )
     write(path, [rec(0)])  # same host, pid gone: taken over
     assert not lock.exists()
-    lock.write_bytes(msgspec.json.encode({"host": "gpu-17", "pid": 4242, "started": time.time(), "since": "now"}))
+    lock.write_bytes(
+        msgspec.json.encode({"host": "gpu-17", "pid": 4242, "started": time.time(), "since": "now"})
+    )
     with pytest.raises(ShardLocked) as e:
         ShardWriter(path, "f" * 16, 0).open(PLANNED)
     msg = str(e.value)
-    assert "pid 4242 on host gpu-17 holds it since now" in msg and f"rm {lock}" in msg and "\n" not in msg
+    assert (
+        "pid 4242 on host gpu-17 holds it since now" in msg
+        and f"rm {lock}" in msg
+        and "\n" not in msg
+    )
     old = time.time() - locks.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     write(path, [rec(1)])  # another host's lock untouched for longer than the bound: taken over
@@ -334,7 +410,11 @@ def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, c
     for flockless in (False, True):
         mp = pytest.MonkeyPatch()
         if flockless:
-            mp.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOTSUP, "Not supported")))
+            mp.setattr(
+                fcntl,
+                "flock",
+                lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOTSUP, "Not supported")),
+            )
         try:
             holder = ShardWriter(rd.shard_file(0), plan.fingerprint, 0)
             holder.open(PLANNED)
@@ -345,7 +425,11 @@ def test_a_second_worker_of_a_shard_fails_in_one_line(tmp_path, toy_tokenizer, c
         finally:
             mp.undo()
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert errors and "locked by another worker of this shard" in errors[-1] and "Traceback" not in capsys.readouterr().err
+        assert (
+            errors
+            and "locked by another worker of this shard" in errors[-1]
+            and "Traceback" not in capsys.readouterr().err
+        )
         assert "rm " in errors[-1] if flockless else "wait for it to end or cancel it" in errors[-1]
 
 
@@ -358,12 +442,24 @@ from toolkit.formats.newest import newest_records, scan_shard  # noqa: E402
 def _random_record(rng: random.Random, pos: int) -> Record:
     kind = rng.choice(["ok", "ok", "timeout", "rejected", "partial", "given up"])
     if kind == "ok":
-        return msgspec.structs.replace(rec(pos), output_ids=pack_ids([rng.randrange(5000) for _ in range(rng.randrange(1, 40))]))
+        return msgspec.structs.replace(
+            rec(pos),
+            output_ids=pack_ids([rng.randrange(5000) for _ in range(rng.randrange(1, 40))]),
+        )
     if kind == "partial":
-        return msgspec.structs.replace(rec(pos), status=PARTIAL, finish=None,
-                                       output_ids=pack_ids([7] * rng.randrange(1, 30)))
-    r = failed_record(f"p{pos}", "d", pos, [1, 2], "no answer", 2, failure="rejected" if kind == "rejected" else "timeout",
-                      final=kind == "given up")
+        return msgspec.structs.replace(
+            rec(pos), status=PARTIAL, finish=None, output_ids=pack_ids([7] * rng.randrange(1, 30))
+        )
+    r = failed_record(
+        f"p{pos}",
+        "d",
+        pos,
+        [1, 2],
+        "no answer",
+        2,
+        failure="rejected" if kind == "rejected" else "timeout",
+        final=kind == "given up",
+    )
     r.tries = rng.randrange(1, 4)
     return r
 
@@ -388,13 +484,18 @@ def test_recovery_keeps_the_newest_record_of_each_position_like_every_reader(tmp
     harm = rng.choice(["none", "torn", "middle"])
     lost = set()
     if harm == "torn":
-        del data[frames[-1].end - 3:]
+        del data[frames[-1].end - 3 :]
         lost = {-1}
     elif harm == "middle" and len(frames) > 2:
         data[frames[1].offset + 30] ^= 0xFF
         lost = {1}
     path.write_bytes(bytes(data))
-    kept = [r for k, f in enumerate(frames) if k not in lost and k - len(frames) not in lost for r in f.batch]
+    kept = [
+        r
+        for k, f in enumerate(frames)
+        if k not in lost and k - len(frames) not in lost
+        for r in f.batch
+    ]
 
     newest = {}
     for r in kept:  # the oracle: the last record written at each planned position
@@ -408,12 +509,18 @@ def test_recovery_keeps_the_newest_record_of_each_position_like_every_reader(tmp
     assert w.tries == {r.id: r.tries for r in newest.values() if is_transient(r)}
     assert w.partial == {r.id: r for r in newest.values() if r.status == PARTIAL}
     if newest:
-        assert list(w.output_tokens_at) == [newest[p].n_output if p in newest else 0 for p in planned]
+        assert list(w.output_tokens_at) == [
+            newest[p].n_output if p in newest else 0 for p in planned
+        ]
     else:
         assert w.output_tokens_at is None
     assert w.written == len(kept)
     assert w.foreign == sum(r.index not in planned for r in kept)
-    offsets = {f.offset for f in iter_frames(path)}  # the file as recovered: the offsets point at its frames
+    offsets = {
+        f.offset for f in iter_frames(path)
+    }  # the file as recovered: the offsets point at its frames
     assert set(done.values()) <= offsets
     sc = scan_shard(path, planned.start, len(planned))
-    assert [r and r.id for r in newest_records(path, sc)] == [newest[p].id if p in newest else None for p in planned]
+    assert [r and r.id for r in newest_records(path, sc)] == [
+        newest[p].id if p in newest else None for p in planned
+    ]

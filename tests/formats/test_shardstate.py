@@ -25,36 +25,65 @@ def synth(tmp_path, toy_tokenizer):
 def _write(s, k: int, *, failed: bool = False, done: bool = True) -> None:
     sp = s.plan.shards[k]
     rng = random.Random(k)
-    recs = [runs.record(s, pos, None if failed else runs.healthy()(s, pos, rng), failure=SERVER_ERROR)
-            for pos in range(sp.first, sp.first + sp.count)]
+    recs = [
+        runs.record(s, pos, None if failed else runs.healthy()(s, pos, rng), failure=SERVER_ERROR)
+        for pos in range(sp.first, sp.first + sp.count)
+    ]
     runs.write_shard(s, k, recs, done=done)
 
 
 def test_each_state_from_the_files_beside_a_shard(synth):
     s = synth
     rd, fp = s.rd, s.plan.fingerprint
-    _write(s, 0)                          # 0: complete
-    _write(s, 1, failed=True)             # 1: complete with failures that may pass (server errors)
-    _write(s, 2)                          # 2: complete, then `toolkit retry --ids` asks for one of its ids
+    _write(s, 0)  # 0: complete
+    _write(s, 1, failed=True)  # 1: complete with failures that may pass (server errors)
+    _write(s, 2)  # 2: complete, then `toolkit retry --ids` asks for one of its ids
     request_retry(rd.root, [s.refs[s.plan.shards[2].first].id])
-    _write(s, 3)                          # 3: complete, then its file changed
+    _write(s, 3)  # 3: complete, then its file changed
     with open(rd.shard_file(3), "ab") as f:
         f.write(b"\0" * 7)
-    _write(s, 4, done=False)              # 4: part way, its file held by a writer elsewhere
-    write_progress(rd.progress_file(5), Progress(shard=5, total=2, state="failed", group="g"))  # 5: failed in g
+    _write(s, 4, done=False)  # 4: part way, its file held by a writer elsewhere
+    write_progress(
+        rd.progress_file(5), Progress(shard=5, total=2, state="failed", group="g")
+    )  # 5: failed in g
     # 6: never started
 
     with open(rd.shard_file(4), "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        got = [st.state for st in shard_states(rd, range(7), fingerprint=fp, verify=True, held=True, group="g")]
-    assert got == [ShardState.DONE, ShardState.MAY_PASS, ShardState.RETRY, ShardState.UNTRUSTED, ShardState.HELD,
-                   ShardState.FAILED, ShardState.MISSING]
+        got = [
+            st.state
+            for st in shard_states(rd, range(7), fingerprint=fp, verify=True, held=True, group="g")
+        ]
+    assert got == [
+        ShardState.DONE,
+        ShardState.MAY_PASS,
+        ShardState.RETRY,
+        ShardState.UNTRUSTED,
+        ShardState.HELD,
+        ShardState.FAILED,
+        ShardState.MISSING,
+    ]
 
     # the cheap reading (no checks asked) takes the changed file's manifest at its word, sees no lock, no group
     cheap = shard_states(rd, range(7))
-    assert [st.state for st in cheap] == [ShardState.DONE, ShardState.MAY_PASS, ShardState.RETRY, ShardState.DONE,
-                                          ShardState.MISSING, ShardState.MISSING, ShardState.MISSING]
-    assert [st.ended for st in cheap] == [True, True, False, True, False, False, False]  # retry removes the manifest
+    assert [st.state for st in cheap] == [
+        ShardState.DONE,
+        ShardState.MAY_PASS,
+        ShardState.RETRY,
+        ShardState.DONE,
+        ShardState.MISSING,
+        ShardState.MISSING,
+        ShardState.MISSING,
+    ]
+    assert [st.ended for st in cheap] == [
+        True,
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]  # retry removes the manifest
     assert cheap[1].done.transient == 2 and cheap[0].finished and not cheap[1].finished
     # a failed shard of another group is offered again; a lock no longer held is not HELD
     assert shard_state(rd, 5, group="h").state is ShardState.MISSING
@@ -69,12 +98,16 @@ def test_an_untrusted_manifest_says_why_and_is_removed_only_when_asked(synth):
     with open(rd.shard_file(1), "ab") as f:
         f.write(b"\0")
     foreign = shard_state(rd, 0, fingerprint="another-run")
-    assert foreign.state is ShardState.UNTRUSTED and foreign.foreign and "another-run" in foreign.why
+    assert (
+        foreign.state is ShardState.UNTRUSTED and foreign.foreign and "another-run" in foreign.why
+    )
     assert foreign.done is None and read_done(rd.done_file(0)) is not None  # not removed: not asked
     assert shard_state(rd, 0, fingerprint=s.plan.fingerprint, verify=True).state is ShardState.DONE
     changed = shard_state(rd, 1, fingerprint=s.plan.fingerprint, verify=True, remove=True)
     assert changed.state is ShardState.UNTRUSTED and not changed.foreign and "bytes" in changed.why
-    assert read_done(rd.done_file(1)) is None  # removed: its next run checks the file and generates the rest
+    assert (
+        read_done(rd.done_file(1)) is None
+    )  # removed: its next run checks the file and generates the rest
     assert shard_state(rd, 1).state is ShardState.MISSING
     # `recheck`: the caller found it untrusted already (a worker's claim loop checks once per pool)
     assert shard_state(rd, 0, recheck=True).state is ShardState.UNTRUSTED
@@ -96,18 +129,30 @@ def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, mon
         write_progress(rd.progress_file(k), Progress(shard=k, total=2, state="generating", done=1))
     read = []
     real = shardstate.read_progress
-    monkeypatch.setattr(shardstate, "read_progress", lambda path: read.append(path.name) or real(path))
+    monkeypatch.setattr(
+        shardstate, "read_progress", lambda path: read.append(path.name) or real(path)
+    )
     for group in (None, "g"):
         read.clear()
         states = look(rd, list(range(7)), group=group)
-        assert [st.progress is not None for st in states] == [False, False, True, True, False, False, False]
+        assert [st.progress is not None for st in states] == [
+            False,
+            False,
+            True,
+            True,
+            False,
+            False,
+            False,
+        ]
         assert sorted(read) == [f"{k:05d}.json" for k in range(2, 7)], group
         assert [c.shard for c in claimable(s.plan, states, skip={6})] == [2, 3, 4, 5]
     read.clear()
     assert shard_state(rd, 0, progress=True).progress.state == "done" and read == ["00000.json"]
 
 
-def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_written_after_its_manifest(synth):
+def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_written_after_its_manifest(
+    synth,
+):
     import os
 
     s = synth
@@ -116,15 +161,17 @@ def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_wri
         _write(s, k)
     done_at = rd.done_file(0).stat().st_mtime_ns
     cut = rd.shard_file(0)
-    cut.write_bytes(cut.read_bytes()[:-1])             # 0: cut by a byte: its size tells
+    cut.write_bytes(cut.read_bytes()[:-1])  # 0: cut by a byte: its size tells
     os.utime(cut, ns=(done_at, done_at))
-    for k in (1, 2):                                   # 1, 2: a byte changed in place, the size kept
+    for k in (1, 2):  # 1, 2: a byte changed in place, the size kept
         path = rd.shard_file(k)
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         at = rd.done_file(k).stat().st_mtime_ns
-        os.utime(path, ns=(at, at + (1_000_000_000 if k == 1 else 0)))  # 1 written after its manifest; 2 not
+        os.utime(
+            path, ns=(at, at + (1_000_000_000 if k == 1 else 0))
+        )  # 1 written after its manifest; 2 not
     st = [shard_state(rd, k, verify="cheap") for k in (0, 1, 2)]
     assert [x.state for x in st] == [ShardState.UNTRUSTED, ShardState.UNTRUSTED, ShardState.DONE]
     assert "bytes, its done manifest says" in st[0].why and "sha256" in st[1].why

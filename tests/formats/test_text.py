@@ -25,10 +25,25 @@ def test_rundir_owns_every_merged_file(tmp_path):
     rd.make_dirs()
     rd.plan_file.write_text("{}")
     assert RunDir.is_run(tmp_path)
-    names = {p.relative_to(tmp_path).as_posix() for p in (rd.merged_file, rd.manifest_file, rd.missing_file,
-                                                          rd.failed_file, rd.audit_json, rd.audit_html)}
-    assert names == {"merged/records.zst", "merged/manifest.json", "merged/missing_ids.txt",
-                     "merged/failed_ids.txt", "merged/audit.json", "merged/audit.html"}
+    names = {
+        p.relative_to(tmp_path).as_posix()
+        for p in (
+            rd.merged_file,
+            rd.manifest_file,
+            rd.missing_file,
+            rd.failed_file,
+            rd.audit_json,
+            rd.audit_html,
+        )
+    }
+    assert names == {
+        "merged/records.zst",
+        "merged/manifest.json",
+        "merged/missing_ids.txt",
+        "merged/failed_ids.txt",
+        "merged/audit.json",
+        "merged/audit.html",
+    }
     assert rd.job_log("123") == tmp_path / "slurm" / "123" / "123_0_log.out"
     (tmp_path / "slurm" / "77").mkdir()
     (tmp_path / "slurm" / "77" / "78_0_log.out").write_text("")

@@ -82,20 +82,30 @@ def test_a_changed_line_renders_its_dataset_again(tmp_path, toy_tokenizer, capsy
     assert rendered()["prompts"] == {}
 
 
-def test_a_changed_template_or_context_renders_everything_again(tmp_path, toy_tokenizer, capsys, rendered):
+def test_a_changed_template_or_context_renders_everything_again(
+    tmp_path, toy_tokenizer, capsys, rendered
+):
     job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
     check(job, capsys)
     rendered()
-    job2, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"), model={"chat_template_kwargs": {"thinking": True}})
+    job2, _, _ = job_of_two(
+        tmp_path, toy_tokenizer("kimi"), model={"chat_template_kwargs": {"thinking": True}}
+    )
     check(job2, capsys)
     assert rendered()["prompts"] == {"d": 20, "e": 30}
-    job3, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"), model={"chat_template_kwargs": {"thinking": True}},
-                            stub={"context_length": 9000})
+    job3, _, _ = job_of_two(
+        tmp_path,
+        toy_tokenizer("kimi"),
+        model={"chat_template_kwargs": {"thinking": True}},
+        stub={"context_length": 9000},
+    )
     check(job3, capsys)
     assert rendered()["prompts"] == {"d": 20, "e": 30}
 
 
-def test_a_failed_check_keeps_nothing_and_a_damaged_file_is_ignored(tmp_path, toy_tokenizer, capsys, rendered):
+def test_a_failed_check_keeps_nothing_and_a_damaged_file_is_ignored(
+    tmp_path, toy_tokenizer, capsys, rendered
+):
     job, a, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
     good = a.read_text()
     a.write_text(good.replace('"role": "user"', '"role": "bot"', 1))
@@ -109,22 +119,29 @@ def test_a_failed_check_keeps_nothing_and_a_damaged_file_is_ignored(tmp_path, to
     assert rendered()["prompts"] == {"d": 20, "e": 30}
 
 
-def test_nothing_is_kept_in_another_jobs_run_nor_beside_it_by_a_dry_run(tmp_path, toy_tokenizer, capsys, rendered):
+def test_nothing_is_kept_in_another_jobs_run_nor_beside_it_by_a_dry_run(
+    tmp_path, toy_tokenizer, capsys, rendered
+):
     from toolkit.job.prepare import prepare_run
 
     job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))
     rd, _ = prepared_run(job)  # a run of this job in output_dir
     kept = rd.check_file.read_bytes()
     other = make_job(tmp_path / "other", toy_tokenizer("kimi"), n=5, name="other")
-    other.write_text(other.read_text().replace(str(tmp_path / "other" / "run"), str(tmp_path / "run")))
+    other.write_text(
+        other.read_text().replace(str(tmp_path / "other" / "run"), str(tmp_path / "run"))
+    )
     assert main(["check", str(other)]) == 0 and "holds another run" in capsys.readouterr().out
     prepare_run(other, dry_run=True, as_submitted=True, new_run=True)  # submit --dry-run --new-run
     assert rd.check_file.read_bytes() == kept  # the other job's run keeps its own
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == ["run"]  # no run beside it
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == [
+        "run"
+    ]  # no run beside it
 
 
-def test_a_dry_run_of_submit_writes_nothing_but_reads_what_check_kept(tmp_path, toy_tokenizer, capsys, rendered,
-                                                                       monkeypatch):
+def test_a_dry_run_of_submit_writes_nothing_but_reads_what_check_kept(
+    tmp_path, toy_tokenizer, capsys, rendered, monkeypatch
+):
     monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # no cluster answers: the same on every machine
     job, _, _ = job_of_two(tmp_path, toy_tokenizer("kimi"))

@@ -31,28 +31,40 @@ def append(path, lines: list[str]) -> None:
 
 
 def new_lines(n: int, start: int = 0) -> list[str]:
-    return [json.dumps({"prompt": f"An appended question number {start + i}: what is {i} + {i}?"}) for i in range(n)]
+    return [
+        json.dumps({"prompt": f"An appended question number {start + i}: what is {i} + {i}?"})
+        for i in range(n)
+    ]
 
 
 def edit_second_prompt(src):
     """Its second prompt's message changed in place (same id, other content): the prompt file."""
     lines = src.read_text().splitlines()
     row = json.loads(lines[1])
-    row["messages"][0]["content"] = "Something else entirely, and longer than it was before the edit."
+    row["messages"][0]["content"] = (
+        "Something else entirely, and longer than it was before the edit."
+    )
     src.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
     return src
 
 
 @pytest.mark.slow
-def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(tmp_path, kimi, capsys):
-    job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(
+    tmp_path, kimi, capsys
+):
+    job = make_job(
+        tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
+    )
     assert cli_main(["run", str(job)]) == 0
     rd, plan = load_run(tmp_path / "run")
     before = sha256_file(rd.shard_file(0))
     append(tmp_path / "prompts.jsonl", new_lines(3))
     capsys.readouterr()
     assert cli_main(["check", str(job)]) == 0
-    assert "add its 3 new prompts (3 records) in 1 new shard and generate only those" in capsys.readouterr().out
+    assert (
+        "add its 3 new prompts (3 records) in 1 new shard and generate only those"
+        in capsys.readouterr().out
+    )
     assert cli_main(["run", str(job)]) == 0
     rd2, grown = load_run(tmp_path / "run")
     assert rd2.root == rd.root and grown.fingerprint == plan.fingerprint and len(grown.aliases) == 1
@@ -84,17 +96,24 @@ def test_changed_and_removed_prompts_are_named_and_refused(tmp_path, kimi):
         prepared_run(job)
     msg = str(e.value)
     assert f"{rd.root} holds this job's run" in msg and "(differs in: inputs)" in msg
-    assert f"1 prompt changed:\n    {src}:2: id 'p0001' (its messages or tools changed; was line 2)" in msg
+    assert (
+        f"1 prompt changed:\n    {src}:2: id 'p0001' (its messages or tools changed; was line 2)"
+        in msg
+    )
     assert f"1 prompt removed:\n    {src}:6 (was): id 'p0005'" in msg
     assert "give it a new id" in msg and "--new-run" in msg
     assert (rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()) == pinned  # nothing written
-    rd2, plan2 = prepared_run(job, new_run=True)  # what the refusal offers: a new run beside it, of the job as it is
+    rd2, plan2 = prepared_run(
+        job, new_run=True
+    )  # what the refusal offers: a new run beside it, of the job as it is
     assert rd2.root != rd.root and rd2.root.name.startswith("run.") and plan2.total == 7
 
 
 def test_reordered_and_edited_around_prompts_keep_their_records(tmp_path, kimi):
     src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(line + "\n" for line in new_lines(6)))  # no ids: derived from the content
+    src.write_text(
+        "".join(line + "\n" for line in new_lines(6))
+    )  # no ids: derived from the content
     job = make_job(tmp_path, kimi, prompts=src, shards=2)
     rd, plan = prepared_run(job)
     old = planned_refs(rd)
@@ -108,7 +127,9 @@ def test_reordered_and_edited_around_prompts_keep_their_records(tmp_path, kimi):
     assert [r.line for r in now] == [7 - r.line + 1 for r in old]  # ... and follows its line
     text = src.read_bytes()
     for r in now:
-        assert json.loads(text[r.offset : r.offset + r.length]) == json.loads(lines[6 - (r.line - 1)])
+        assert json.loads(text[r.offset : r.offset + r.length]) == json.loads(
+            lines[6 - (r.line - 1)]
+        )
 
 
 def test_a_dataset_added_to_the_job_is_planned_in_new_shards(tmp_path, kimi):
@@ -128,7 +149,9 @@ def test_what_differs_is_said_down_to_keys_and_files(tmp_path, kimi):
     job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64})
     prepared_run(job)
     append(tmp_path / "prompts.jsonl", new_lines(1))
-    job = make_job(tmp_path, kimi, prompts=tmp_path / "prompts.jsonl", sampling={"max_new_tokens": 65})
+    job = make_job(
+        tmp_path, kimi, prompts=tmp_path / "prompts.jsonl", sampling={"max_new_tokens": 65}
+    )
     with pytest.raises(PlanError) as e:
         prepared_run(job)
     src = tmp_path / "prompts.jsonl"
@@ -151,14 +174,22 @@ def legacy(rd) -> None:
 def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kimi, capsys):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(line + "\n" for line in new_lines(5)))
-    job = make_job(tmp_path, kimi, prompts=src, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=src,
+        sampling={"max_new_tokens": 64},
+        audit={"max_length_share": 1.0},
+    )
     rd, _ = prepared_run(job)
     legacy(rd)
     fingerprint = load_run(rd.root)[1].fingerprint
     capsys.readouterr()
     assert cli_main(["check", str(job)]) == 0
-    assert "holds this run, planned with ids from line numbers (kept); `toolkit run`/`submit` resume it" in \
-        capsys.readouterr().out
+    assert (
+        "holds this run, planned with ids from line numbers (kept); `toolkit run`/`submit` resume it"
+        in capsys.readouterr().out
+    )
     assert cli_main(["run", str(job)]) == 0  # resumed, not refused as another job's run
     _, plan = load_run(rd.root)
     assert plan.fingerprint == fingerprint and plan.format == 1 and len(plan.aliases) == 1
@@ -166,29 +197,42 @@ def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kim
     assert read_report(rd).passed
     # it does not grow: its ids come from line numbers
     append(src, new_lines(1, start=9))
-    with pytest.raises(PlanError, match="planned by an older toolkit, whose ids came from line numbers"):
+    with pytest.raises(
+        PlanError, match="planned by an older toolkit, whose ids came from line numbers"
+    ):
         prepared_run(job)
 
 
-def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(tmp_path, kimi, monkeypatch):
+def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(
+    tmp_path, kimi, monkeypatch
+):
     from toolkit.cluster import submit as submit_mod
     from toolkit.cluster.jobs import ArrayJob, Submission, append_submission
     from toolkit.cluster.resources import SubmitRefused
 
     monkeypatch.delenv("SLURM_CONF", raising=False)
-    monkeypatch.setenv("PATH", "/nonexistent")  # no cluster answers the dry runs: the same on every machine
+    monkeypatch.setenv(
+        "PATH", "/nonexistent"
+    )  # no cluster answers the dry runs: the same on every machine
     job = make_job(tmp_path, kimi, n=6)
     rd, plan = prepared_run(job)
-    append_submission(rd, Submission(submitted="now", arrays=[ArrayJob("7", [0], ["7"])], merge_job_id="8"))
+    append_submission(
+        rd, Submission(submitted="now", arrays=[ArrayJob("7", [0], ["7"])], merge_job_id="8")
+    )
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {})
-    with pytest.raises(SubmitRefused, match="already submitted"):  # nothing new: resubmit is for what is left
+    with pytest.raises(
+        SubmitRefused, match="already submitted"
+    ):  # nothing new: resubmit is for what is left
         submit_mod.submit(str(job), dry_run=True)
     append(tmp_path / "prompts.jsonl", new_lines(2))
     r = submit_mod.submit(str(job), dry_run=True)
     assert r.dry_run.arrays == [[0, 1]] and r.dry_run.shards == 2  # the new shard, and what is left
     assert len(load_run(rd.root)[1].shards) == 1  # a dry run writes nothing
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {"8": "PENDING"})
-    with pytest.raises(SubmitRefused, match=r"gained prompts, but 1 jobs of its run .* are still pending or running"):
+    with pytest.raises(
+        SubmitRefused,
+        match=r"gained prompts, but 1 jobs of its run .* are still pending or running",
+    ):
         submit_mod.submit(str(job), dry_run=True)
 
 
@@ -203,7 +247,9 @@ def test_the_plan_does_not_grow_under_a_shard_being_generated(tmp_path, kimi):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a worker generating shard 0
         append(tmp_path / "prompts.jsonl", new_lines(1))
-        with pytest.raises(PlanError, match="shard 0 of its run is being generated .* wait for it to end"):
+        with pytest.raises(
+            PlanError, match="shard 0 of its run is being generated .* wait for it to end"
+        ):
             prepared_run(job)
     finally:
         os.close(fd)
@@ -212,7 +258,9 @@ def test_the_plan_does_not_grow_under_a_shard_being_generated(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsys):
-    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
+    )
     assert cli_main(["run", str(job)]) == 0
     rd, _ = load_run(tmp_path / "run")
     old = {r.id: r for r in read_shard(rd.merged_file)}
@@ -220,18 +268,25 @@ def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsy
     capsys.readouterr()
     assert cli_main(["run", str(job)]) == 2
     err = capsys.readouterr().err
-    assert f"{src}:2: id 'p0001' (its messages or tools changed; was line 2)" in err and "--allow-changed" in err
+    assert (
+        f"{src}:2: id 'p0001' (its messages or tools changed; was line 2)" in err
+        and "--allow-changed" in err
+    )
     assert cli_main(["run", str(job), "--allow-changed"]) == 0
     new = {r.id: r for r in read_shard(rd.merged_file)}
     assert set(new) == set(old) and new["p0001"].prompt_ids != old["p0001"].prompt_ids
-    assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")  # only it was generated again
+    assert all(
+        new[i].output_ids == old[i].output_ids for i in old if i != "p0001"
+    )  # only it was generated again
     assert len(list(read_shard(rd.shard_file(0)))) == 7 and not rd.retry_file(0).exists()
     assert read_report(rd).passed  # the re-rendered prompts match their records
 
 
 @pytest.mark.slow
 def test_a_grown_or_changed_run_is_exported_only_after_it_is_merged_again(tmp_path, kimi, capsys):
-    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 16}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path, kimi, n=6, sampling={"max_new_tokens": 16}, audit={"max_length_share": 1.0}
+    )
     assert cli_main(["run", str(job)]) == 0
     rd, _ = load_run(tmp_path / "run")
     out = tmp_path / "out.jsonl"
@@ -249,7 +304,9 @@ def test_a_grown_or_changed_run_is_exported_only_after_it_is_merged_again(tmp_pa
     assert len(out.read_text().splitlines()) == 8
     # a shard asked for some of its records again (as `toolkit retry --ids` or --allow-changed do) is not exported
     # from the older merge
-    write_retry(rd.retry_file(0), RetryRequest(before=rd.shard_file(0).stat().st_size, ids=["p0001"]))
+    write_retry(
+        rd.retry_file(0), RetryRequest(before=rd.shard_file(0).stat().st_size, ids=["p0001"])
+    )
     capsys.readouterr()
     assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 2
     assert "shard 0 changed since (records written, or asked for again)" in capsys.readouterr().err
@@ -261,10 +318,14 @@ class Crash(BaseException):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("at", ["prompts", "plan", "retry"])
-def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(tmp_path, kimi, monkeypatch, at):
+def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(
+    tmp_path, kimi, monkeypatch, at
+):
     """The prompt index, the plan and the retry requests of changed prompts change together: a crash between two of
     their writes is finished by the next command, so a changed prompt is never left with its old answer."""
-    job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
+    )
     assert cli_main(["run", str(job)]) == 0
     rd, _ = load_run(tmp_path / "run")
     old = {r.id: r for r in read_shard(rd.merged_file)}
@@ -295,7 +356,9 @@ def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(t
     assert not rd.pending_file.exists() and not rd.retry_file(0).exists()
     new = {r.id: r for r in read_shard(rd.merged_file)}
     assert len(new) == 8 and set(old) < set(new)
-    assert new["p0001"].prompt_ids != old["p0001"].prompt_ids  # generated again from its new messages
+    assert (
+        new["p0001"].prompt_ids != old["p0001"].prompt_ids
+    )  # generated again from its new messages
     assert all(new[i].output_ids == old[i].output_ids for i in old if i != "p0001")
     assert read_report(rd).passed
 
@@ -310,4 +373,7 @@ def test_a_damaged_pending_change_is_refused_in_one_line_not_guessed_at(tmp_path
     assert cli_main(["status", str(rd.root)]) == 2
     err = capsys.readouterr().err
     assert "is damaged" in err and "Traceback" not in err
-    assert (rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()) == pinned and rd.pending_file.exists()
+    assert (
+        rd.plan_file.read_bytes(),
+        rd.prompts_file.read_bytes(),
+    ) == pinned and rd.pending_file.exists()

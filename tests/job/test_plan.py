@@ -62,7 +62,9 @@ def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, 
 
 @pytest.mark.slow
 def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0})
+    job = make_job(
+        tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
+    )
     assert cli_main(["run", str(job)]) == 0
     rd, plan = load_run(tmp_path / "run")
     src = tmp_path / "prompts.jsonl"
@@ -74,8 +76,12 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
         export_run(rd.root, "conversations", tmp_path / "c.jsonl")
     report = audit_run(rd.root)
     bad = {c.name: c for c in report.checks if not c.passed}
-    assert "source_files" in bad and "changed since the run was planned" in bad["source_files"].message
-    assert export_run(rd.root, "jsonl", tmp_path / "j.jsonl").rows == 4  # ids only: the sources are not read
+    assert (
+        "source_files" in bad and "changed since the run was planned" in bad["source_files"].message
+    )
+    assert (
+        export_run(rd.root, "jsonl", tmp_path / "j.jsonl").rows == 4
+    )  # ids only: the sources are not read
 
 
 @pytest.mark.slow
@@ -94,10 +100,15 @@ def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, 
     job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)
     plan, refs = plan_job(load_spec(job))
     rd = create_run(plan, refs)
-    assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(refs)  # the file every reader knows
+    assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(
+        refs
+    )  # the file every reader knows
     for sp in load_run(rd.root)[1].shards:
         assert sp.refs_at > 0 and list(ShardRefs(rd, sp)) == refs[sp.first : sp.first + sp.count]
-        assert list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0))) == refs[sp.first : sp.first + sp.count]
+        assert (
+            list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0)))
+            == refs[sp.first : sp.first + sp.count]
+        )
     sp = load_run(rd.root)[1].shards[1]
 
     def peak_of(make) -> float:

@@ -43,8 +43,12 @@ def outcome(job, monkeypatch, processes: int):
 
 @pytest.mark.slow
 def test_a_pool_gives_the_answer_of_one_process(tmp_path, toy_tokenizer, monkeypatch):
-    job = two_datasets(tmp_path, toy_tokenizer("kimi"), stub={"context_length": 3000},
-                       sampling={"max_new_tokens": 200})
+    job = two_datasets(
+        tmp_path,
+        toy_tokenizer("kimi"),
+        stub={"context_length": 3000},
+        sampling={"max_new_tokens": 200},
+    )
     pooled = []
     real = render_pool._pooled
 
@@ -63,8 +67,14 @@ def test_a_pool_gives_the_answer_of_one_process(tmp_path, toy_tokenizer, monkeyp
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     # the places are named in file order, whichever process rendered them
     assert f"the chat template fails on 6 prompts: {a}:5 (id 'p0004'): TemplateError: " in one
-    assert one.index(f"{a}:23 (id 'p0022')") < one.index(f"{a}:41 (id 'p0040')") < one.index(f"{b}:2 (id 'q0001')")
-    assert f"{b}:50 (id 'q0049')" in one and f"{b}:56" not in one and "(and 1 more)" in one  # five shown
+    assert (
+        one.index(f"{a}:23 (id 'p0022')")
+        < one.index(f"{a}:41 (id 'p0040')")
+        < one.index(f"{b}:2 (id 'q0001')")
+    )
+    assert (
+        f"{b}:50 (id 'q0049')" in one and f"{b}:56" not in one and "(and 1 more)" in one
+    )  # five shown
     assert "do not fit the context length 3,000" in one and f"{a}:7 (" in one
 
 
@@ -79,7 +89,10 @@ def test_the_pool_passes_a_run_to_the_same_counts(tmp_path, toy_tokenizer, monke
 
 def test_slices_are_whole_lines_that_cover_the_file(tmp_path):
     path = tmp_path / "p.jsonl"
-    lines = [b"x" * (i % 13) + b"\n" for i in range(200)] + [b"y" * 5000 + b"\n", b"last line without newline"]
+    lines = [b"x" * (i % 13) + b"\n" for i in range(200)] + [
+        b"y" * 5000 + b"\n",
+        b"last line without newline",
+    ]
     path.write_bytes(b"".join(lines))
     got = [piece[:3] for piece in render_pool.slices(str(path), size=64)]
     data = path.read_bytes()
@@ -100,7 +113,9 @@ def test_processes_default_to_the_cores_this_process_may_use(monkeypatch):
     assert render_pool.processes() == 3
     for bad in ("0", "two"):
         monkeypatch.setenv(render_pool.ENV_PROCESSES, bad)
-        with pytest.raises(BadInputError, match=f"{render_pool.ENV_PROCESSES}='{bad}': must be a whole number"):
+        with pytest.raises(
+            BadInputError, match=f"{render_pool.ENV_PROCESSES}='{bad}': must be a whole number"
+        ):
             render_pool.processes()
 
 
@@ -119,7 +134,9 @@ def test_progress_is_a_line_redrawn_on_a_terminal_and_log_lines_elsewhere(monkey
     bar.close()
     shown = term.getvalue()
     assert shown.startswith("\r\x1b[Krendering prompts: 50 / 200 (25%), 0s")
-    assert "\r\x1b[Krendering prompts: 200 / 200 (100%)" in shown and shown.endswith("\r\x1b[K")  # then cleared
+    assert "\r\x1b[Krendering prompts: 200 / 200 (100%)" in shown and shown.endswith(
+        "\r\x1b[K"
+    )  # then cleared
 
     monkeypatch.setattr(render_pool, "LOG_EVERY_S", 0)
     pipe = io.StringIO()
@@ -128,7 +145,9 @@ def test_progress_is_a_line_redrawn_on_a_terminal_and_log_lines_elsewhere(monkey
         bar.update(100)
         bar.close()
     assert pipe.getvalue() == ""  # nothing drawn into a pipe or a file
-    assert [r.getMessage() for r in caplog.records][0].startswith("rendering prompts: 100 / 200 (50%)")
+    assert [r.getMessage() for r in caplog.records][0].startswith(
+        "rendering prompts: 100 / 200 (50%)"
+    )
 
 
 def test_a_quick_job_draws_nothing(monkeypatch):
@@ -145,11 +164,15 @@ def test_a_slice_whose_file_changed_since_planning_is_an_error_naming_it(tmp_pat
 
     model = ModelSpec(path=str(toy_tokenizer("kimi")))
     tok = chat.load_tokenizer(model)
-    setting = render_pool.Setting(model, chat.token_info(tok, model), 4096, *render_pool.bound_kind(tok, model))
+    setting = render_pool.Setting(
+        model, chat.token_info(tok, model), 4096, *render_pool.bound_kind(tok, model)
+    )
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
-    work = [render_pool.Slice(0, str(path), "d", False, 64, offset, size, line)
-            for offset, size, line, *_ in render_pool.slices(str(path), size=8)]
+    work = [
+        render_pool.Slice(0, str(path), "d", False, 64, offset, size, line)
+        for offset, size, line, *_ in render_pool.slices(str(path), size=8)
+    ]
     assert len(work) == 2
     with pytest.raises(render_pool.RenderPoolError) as e:
         list(render_pool.measure(tok, setting, work, total=2, workers=1))

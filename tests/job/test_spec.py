@@ -43,7 +43,9 @@ def test_demo_job_loads_with_resolved_paths():
 def test_minimal_spec_gets_defaults(tmp_path):
     spec = load_spec(write(tmp_path, BASE))
     assert spec.sharding.shards == 1 and spec.engine.kind == "sglang"
-    assert spec.client.max_tries == 3  # a failure that may pass: tried 3 times within a run, then final
+    assert (
+        spec.client.max_tries == 3
+    )  # a failure that may pass: tried 3 times within a run, then final
     assert spec.output_dir == str(tmp_path / "out")
 
 
@@ -51,25 +53,56 @@ def test_minimal_spec_gets_defaults(tmp_path):
     "edit, expected",
     [
         (("max_new_tokens = 64", "temperature = 0.6"), "needs `max_new_tokens`"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\nseed = 1"), ":8: unknown sampling key `seed` in [sampling]; there is no `seed`: use `sampling_seed`"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\ntop_pp = 1"), ":8: unknown sampling key `top_pp` in [sampling]; did you mean `top_p`?"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\nfrobnicate = 1"), "SGLang's sampling_params takes: "),
+        (
+            ("max_new_tokens = 64", "max_new_tokens = 64\nseed = 1"),
+            ":8: unknown sampling key `seed` in [sampling]; there is no `seed`: use `sampling_seed`",
+        ),
+        (
+            ("max_new_tokens = 64", "max_new_tokens = 64\ntop_pp = 1"),
+            ":8: unknown sampling key `top_pp` in [sampling]; did you mean `top_p`?",
+        ),
+        (
+            ("max_new_tokens = 64", "max_new_tokens = 64\nfrobnicate = 1"),
+            "SGLang's sampling_params takes: ",
+        ),
         (("max_new_tokens = 64", "max_new_tokens = 0"), "positive integer"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\nn = 0"), "`n` (samples per prompt) must be a positive integer"),
-        (("max_new_tokens = 64", "max_new_tokens = 64\nn = 2\ntemperature = 0"), "identical greedy outputs"),
-        (('name = "t"', 'name = "t"\nbogus = 1'), "unknown key `bogus` at the top level; templates/job.toml lists every key"),
-        (('path = "tok"', 'path = "tok"\ntrust_remote = true'), ":6: unknown key `trust_remote` in [model]; did you mean `trust_remote_code`?"),
+        (
+            ("max_new_tokens = 64", "max_new_tokens = 64\nn = 0"),
+            "`n` (samples per prompt) must be a positive integer",
+        ),
+        (
+            ("max_new_tokens = 64", "max_new_tokens = 64\nn = 2\ntemperature = 0"),
+            "identical greedy outputs",
+        ),
+        (
+            ('name = "t"', 'name = "t"\nbogus = 1'),
+            "unknown key `bogus` at the top level; templates/job.toml lists every key",
+        ),
+        (
+            ('path = "tok"', 'path = "tok"\ntrust_remote = true'),
+            ":6: unknown key `trust_remote` in [model]; did you mean `trust_remote_code`?",
+        ),
         (('path = "a.jsonl"', 'path = "missing.jsonl"'), "missing.jsonl does not exist"),
         (('path = "tok"', 'path = "nope/"'), "tokenizer path"),
         (('path = "tok"', 'path = "tok"\nchat_template = "t.jinja"'), "chat_template file"),
-        (("max_new_tokens = 64", "max_new_tokens = \"many\""), "positive integer"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 0'),
-         "[client] max_tries must be between 1 and 100 (tries of a prompt whose failure may pass, within a run), "
-         "got 0"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 1000'), "max_tries must be between 1 and 100"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = "3"'), "`max_tries` in [client]"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nbackoff_s = -1'),
-         "backoff_s and backoff_max_s must be >= 0"),
+        (("max_new_tokens = 64", 'max_new_tokens = "many"'), "positive integer"),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 0'),
+            "[client] max_tries must be between 1 and 100 (tries of a prompt whose failure may pass, within a run), "
+            "got 0",
+        ),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = 1000'),
+            "max_tries must be between 1 and 100",
+        ),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nmax_tries = "3"'),
+            "`max_tries` in [client]",
+        ),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\n[client]\nbackoff_s = -1'),
+            "backoff_s and backoff_max_s must be >= 0",
+        ),
     ],
 )
 def test_bad_specs_are_named(tmp_path, edit, expected):
@@ -82,33 +115,57 @@ def test_bad_specs_are_named(tmp_path, edit, expected):
 
 
 def test_dataset_sampling_override_checked(tmp_path):
-    p = write(tmp_path, BASE + 'sampling = { seed = 3 }\n')
-    with pytest.raises(SpecError, match=r"job.toml:11: unknown sampling key `seed` in \[\[datasets\]\] #1 \('a'\) sampling"):
+    p = write(tmp_path, BASE + "sampling = { seed = 3 }\n")
+    with pytest.raises(
+        SpecError,
+        match=r"job.toml:11: unknown sampling key `seed` in \[\[datasets\]\] #1 \('a'\) sampling",
+    ):
         load_spec(p)
 
 
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (("[sampling]", "[client]\nconcurency = 8\n[sampling]"),
-         ":7: unknown key `concurency` in [client]; did you mean `concurrency`?"),
-        (("[sampling]", "[client]\nconcurrency = \"eight\"\n[sampling]"),
-         ':7: `concurrency` in [client] takes an integer or "auto", got "eight" (a string)'),
-        (("[sampling]", "[sharding]\nshards = \"2\"\n[sampling]"),
-         ':7: `shards` in [sharding] takes an integer, got "2" (a string)'),
-        (("[sampling]", "[engine]\nkind = \"sglan\"\n[sampling]"),
-         ':7: `kind` in [engine] takes one of "external", "sglang", "stub", got "sglan" (a string); did you mean "sglang"?'),
-        (("[sampling]", "[engine.stub]\nload_delay = 1\n[sampling]"),
-         ":7: unknown key `load_delay` in [engine.stub]; did you mean `load_delay_s`?"),
-        (("[sampling]", "[engine]\nextra_args = \"--x\"\n[sampling]"),
-         ":7: `extra_args` in [engine] takes a list of strings, got \"--x\" (a string)"),
-        (("max_new_tokens = 64", "max_new_token = 64"),
-         ":7: unknown sampling key `max_new_token` in [sampling]; did you mean `max_new_tokens`?"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\nsampling = { max_new_token = 4 }'),
-         ":11: unknown sampling key `max_new_token` in [[datasets]] #1 ('a') sampling; did you mean `max_new_tokens`?"),
-        (('path = "a.jsonl"', 'path = "a.jsonl"\nregenrate = true'),
-         ":11: unknown key `regenrate` in [[datasets]] #1 ('a'); did you mean `regenerate`?"),
-        (('name = "t"\n', 'name = 3\n'), ":2: `name` at the top level takes a string, got 3 (an integer)"),
+        (
+            ("[sampling]", "[client]\nconcurency = 8\n[sampling]"),
+            ":7: unknown key `concurency` in [client]; did you mean `concurrency`?",
+        ),
+        (
+            ("[sampling]", '[client]\nconcurrency = "eight"\n[sampling]'),
+            ':7: `concurrency` in [client] takes an integer or "auto", got "eight" (a string)',
+        ),
+        (
+            ("[sampling]", '[sharding]\nshards = "2"\n[sampling]'),
+            ':7: `shards` in [sharding] takes an integer, got "2" (a string)',
+        ),
+        (
+            ("[sampling]", '[engine]\nkind = "sglan"\n[sampling]'),
+            ':7: `kind` in [engine] takes one of "external", "sglang", "stub", got "sglan" (a string); did you mean "sglang"?',
+        ),
+        (
+            ("[sampling]", "[engine.stub]\nload_delay = 1\n[sampling]"),
+            ":7: unknown key `load_delay` in [engine.stub]; did you mean `load_delay_s`?",
+        ),
+        (
+            ("[sampling]", '[engine]\nextra_args = "--x"\n[sampling]'),
+            ':7: `extra_args` in [engine] takes a list of strings, got "--x" (a string)',
+        ),
+        (
+            ("max_new_tokens = 64", "max_new_token = 64"),
+            ":7: unknown sampling key `max_new_token` in [sampling]; did you mean `max_new_tokens`?",
+        ),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\nsampling = { max_new_token = 4 }'),
+            ":11: unknown sampling key `max_new_token` in [[datasets]] #1 ('a') sampling; did you mean `max_new_tokens`?",
+        ),
+        (
+            ('path = "a.jsonl"', 'path = "a.jsonl"\nregenrate = true'),
+            ":11: unknown key `regenrate` in [[datasets]] #1 ('a'); did you mean `regenerate`?",
+        ),
+        (
+            ('name = "t"\n', "name = 3\n"),
+            ":2: `name` at the top level takes a string, got 3 (an integer)",
+        ),
     ],
 )
 def test_a_wrong_key_is_named_with_its_table_line_and_what_it_takes(tmp_path, edit, expected):
@@ -124,8 +181,11 @@ def test_a_wrong_key_is_named_with_its_table_line_and_what_it_takes(tmp_path, ed
 
 def test_unknown_keys_without_a_close_match_say_where_every_key_is_listed(tmp_path):
     p = write(tmp_path, BASE.replace("[sampling]", "[client]\nwhatever = 1\nzzz = 2\n[sampling]"))
-    with pytest.raises(SpecError, match=r"job.toml:7: unknown key `whatever` in \[client\] \(and 1 more: `client.zzz`\); "
-                                        r"templates/job.toml lists every key"):
+    with pytest.raises(
+        SpecError,
+        match=r"job.toml:7: unknown key `whatever` in \[client\] \(and 1 more: `client.zzz`\); "
+        r"templates/job.toml lists every key",
+    ):
         load_spec(p)
 
 
@@ -147,17 +207,30 @@ def test_external_engine_needs_url(tmp_path):
         load_spec(write(tmp_path, BASE + '[engine]\nkind = "external"\n'))
 
 
-@pytest.mark.parametrize("recipe", sorted((REPO / "jobs").glob("*.toml")) + [REPO / "templates" / "job.toml"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "recipe",
+    sorted((REPO / "jobs").glob("*.toml")) + [REPO / "templates" / "job.toml"],
+    ids=lambda p: p.name,
+)
 def test_recipes_and_the_template_decode(recipe):
     """Every shipped recipe (and the template listing every key) is a valid spec; data paths may not exist here."""
     spec = load_spec(recipe, check_paths=False)
     assert spec.sampling["max_new_tokens"] >= 1024
 
 
-@pytest.mark.parametrize("name", ["kimi-k2.5", "deepseek-r1", "qwen3-thinking", "kimi-k2.5-dp-attention",
-                                  "deepseek-r1-dp-attention"])
-def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other_flags(name, tmp_path):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kimi-k2.5",
+        "deepseek-r1",
+        "qwen3-thinking",
+        "kimi-k2.5-dp-attention",
+        "deepseek-r1-dp-attention",
+    ],
+)
+def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other_flags(
+    name, tmp_path
+):
     """The commented `extra_args` of a recipe (a shorter node start, docs/submit.md) is what `toolkit check` takes
     once uncommented: SGLang 0.5.23's parser accepts it, and it keeps every flag of the active line."""
     import re
@@ -165,17 +238,23 @@ def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other
     text = (REPO / "jobs" / f"{name}.toml").read_text()
     block = re.search(r"^# (extra_args = \[.*?\])$", text, re.M | re.S)
     assert block, "no commented extra_args in the recipe"
-    commented = "\n".join(line.removeprefix("# ").removeprefix("#") for line in block.group(1).splitlines())
+    commented = "\n".join(
+        line.removeprefix("# ").removeprefix("#") for line in block.group(1).splitlines()
+    )
     active = re.search(r"^extra_args = \[.*?\]$", text, re.M | re.S)
     (tmp_path / "job.toml").write_text(text.replace(active.group(0), commented))
     before = load_spec(REPO / "jobs" / f"{name}.toml", check_paths=False).engine.extra_args
-    after = load_spec(tmp_path / "job.toml", check_paths=False)  # the check of [engine] extra_args included
+    after = load_spec(
+        tmp_path / "job.toml", check_paths=False
+    )  # the check of [engine] extra_args included
     assert after.engine.extra_args[: len(before)] == before
-    added = after.engine.extra_args[len(before):]
+    added = after.engine.extra_args[len(before) :]
     assert {"--weight-loader-prefetch-checkpoints", "--cuda-graph-max-bs-decode"} <= set(added)
     graphs = int(added[added.index("--cuda-graph-max-bs-decode") + 1])
     assert graphs >= after.client.concurrency  # no batch the job sends runs without CUDA graphs
-    bad = commented.replace("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs")  # ambiguous since 0.5.2x
+    bad = commented.replace(
+        "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs"
+    )  # ambiguous since 0.5.2x
     (tmp_path / "job.toml").write_text(text.replace(active.group(0), bad))
     with pytest.raises(SpecError, match="cuda-graph-max-bs"):
         load_spec(tmp_path / "job.toml", check_paths=False)
@@ -183,7 +262,9 @@ def test_each_recipes_commented_start_up_flags_pass_the_check_and_keep_its_other
 
 def test_real_recipes_match_their_models():
     kimi = load_spec(REPO / "jobs" / "kimi-k2.5.toml", check_paths=False)
-    assert kimi.model.trust_remote_code and kimi.engine.tp_size == 8 and kimi.slurm.gpus_per_node == 8
+    assert (
+        kimi.model.trust_remote_code and kimi.engine.tp_size == 8 and kimi.slurm.gpus_per_node == 8
+    )
     assert kimi.model.chat_template_kwargs == {"thinking": True}
     assert kimi.model.tool_call_start == "<|tool_calls_section_begin|>" and len(kimi.datasets) == 8
     qwen = load_spec(REPO / "jobs" / "qwen3-thinking.toml", check_paths=False)
@@ -193,10 +274,19 @@ def test_real_recipes_match_their_models():
 @pytest.mark.parametrize(
     ("edit", "where"),
     [
-        (("", '[[datasets]]\nname = "math"\npath = "${DATA_ROOT}/math.jsonl"\n'), "[[datasets]] #2 ('math') path"),
+        (
+            ("", '[[datasets]]\nname = "math"\npath = "${DATA_ROOT}/math.jsonl"\n'),
+            "[[datasets]] #2 ('math') path",
+        ),
         (('path = "tok"', 'path = "${DATA_ROOT}/models/x"'), "[model] path"),
-        (('path = "tok"', 'path = "tok"\ntokenizer_path = "$DATA_ROOT/tok"'), "[model] tokenizer_path"),
-        (('path = "tok"', 'path = "tok"\nchat_template = "${DATA_ROOT}/t.jinja"'), "[model] chat_template"),
+        (
+            ('path = "tok"', 'path = "tok"\ntokenizer_path = "$DATA_ROOT/tok"'),
+            "[model] tokenizer_path",
+        ),
+        (
+            ('path = "tok"', 'path = "tok"\nchat_template = "${DATA_ROOT}/t.jinja"'),
+            "[model] chat_template",
+        ),
         (('output_dir = "out"', 'output_dir = "${DATA_ROOT}/runs"'), "output_dir"),
     ],
 )
@@ -206,8 +296,10 @@ def test_unset_environment_variable_in_a_path_is_named(tmp_path, monkeypatch, ed
     p = write(tmp_path, BASE.replace(old, new, 1) if old else BASE + new)
     with pytest.raises(SpecError) as e:
         load_spec(p)
-    assert str(e.value) == (f"{p}: {where}: environment variable DATA_ROOT is not set "
-                            "(export it, or write the path out)")
+    assert str(e.value) == (
+        f"{p}: {where}: environment variable DATA_ROOT is not set "
+        "(export it, or write the path out)"
+    )
     monkeypatch.setenv("DATA_ROOT", str(tmp_path))
     (tmp_path / "math.jsonl").write_text('{"prompt": "x"}\n')
     (tmp_path / "t.jinja").write_text("{{ messages }}")
@@ -218,26 +310,57 @@ def test_unset_environment_variable_in_a_path_is_named(tmp_path, monkeypatch, ed
 @pytest.mark.parametrize(
     "sampling, dataset, expected",
     [
-        ("top_p = 0.0", "", "dataset 'a': [sampling]: SGLang 0.5.23 refuses it with HTTP 400 for every request: "
-                            "top_p must be in (0, 1], got 0.0."),
-        ("repetition_penalty = 0.0", "", "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0."),
+        (
+            "top_p = 0.0",
+            "",
+            "dataset 'a': [sampling]: SGLang 0.5.23 refuses it with HTTP 400 for every request: "
+            "top_p must be in (0, 1], got 0.0.",
+        ),
+        (
+            "repetition_penalty = 0.0",
+            "",
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0.",
+        ),
         ("temperature = -0.5", "", "temperature must be a non-negative finite number, got -0.5."),
         ("min_new_tokens = 100", "", "min_new_tokens must be in [0, max_new_tokens(64)], got 100."),
-        ('regex = "a+"\njson_schema = "{}"', "", "Only one of json_schema, regex, ebnf, or structural_tag"),
-        ("stop = [" + ", ".join(f'"s{i}"' for i in range(33)) + "]", "",
-         "at most 32 stop strings are allowed, got 33"),
-        ("sampling_seed = 9223372036854775807", "sampling = { sampling_seed = -9223372036854775808 }", None),
-        ("top_k = 20", "sampling = { top_k = 0 }", "top_k must be -1 (disable) or at least 1, got 0."),
-        ('temperature = "hot"', "", "`temperature`: invalid type: string \"hot\", expected f64"),
-        ("stop_token_ids = [1, 2.5]", "", "`stop_token_ids`: invalid type: floating point `2.5`, expected i64"),
+        (
+            'regex = "a+"\njson_schema = "{}"',
+            "",
+            "Only one of json_schema, regex, ebnf, or structural_tag",
+        ),
+        (
+            "stop = [" + ", ".join(f'"s{i}"' for i in range(33)) + "]",
+            "",
+            "at most 32 stop strings are allowed, got 33",
+        ),
+        (
+            "sampling_seed = 9223372036854775807",
+            "sampling = { sampling_seed = -9223372036854775808 }",
+            None,
+        ),
+        (
+            "top_k = 20",
+            "sampling = { top_k = 0 }",
+            "top_k must be -1 (disable) or at least 1, got 0.",
+        ),
+        ('temperature = "hot"', "", '`temperature`: invalid type: string "hot", expected f64'),
+        (
+            "stop_token_ids = [1, 2.5]",
+            "",
+            "`stop_token_ids`: invalid type: floating point `2.5`, expected i64",
+        ),
         ("beam_width = 4", "", "asks for beam search"),
         ("choice = 1", "", "unknown sampling key `choice` in [sampling]"),
     ],
 )
-def test_sampling_sglang_would_refuse_is_refused_before_any_gpu_time(tmp_path, sampling, dataset, expected):
+def test_sampling_sglang_would_refuse_is_refused_before_any_gpu_time(
+    tmp_path, sampling, dataset, expected
+):
     """What SGLang's SamplingParams.verify (or its schema gate) refuses on every request is refused at load time,
     with SGLang's own text, the key and the dataset named; a valid job with the same keys loads."""
-    text = BASE.replace("max_new_tokens = 64", "max_new_tokens = 64\n" + sampling, 1) + dataset + "\n"
+    text = (
+        BASE.replace("max_new_tokens = 64", "max_new_tokens = 64\n" + sampling, 1) + dataset + "\n"
+    )
     p = write(tmp_path, text)
     if expected is None:
         assert load_spec(p).sampling_for("a")["sampling_seed"] == -(2**63)
@@ -255,12 +378,17 @@ def test_the_release_the_engine_runs_judges_the_sampling(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_SGLANG_VERSION", "0.5.9")
     assert load_spec(write(tmp_path, text)).sampling["repetition_penalty"] == 0.0
     monkeypatch.delenv("TOOLKIT_SGLANG_VERSION")
-    assert load_spec(write(tmp_path, text + '[engine]\nkind = "stub"\n[engine.stub]\nversion = "0.5.9"\n'))
+    assert load_spec(
+        write(tmp_path, text + '[engine]\nkind = "stub"\n[engine.stub]\nversion = "0.5.9"\n')
+    )
 
 
 def test_stop_strings_need_the_servers_tokenizer(tmp_path):
     text = BASE.replace("max_new_tokens = 64", 'max_new_tokens = 64\nstop = ["END"]', 1)
     assert load_spec(write(tmp_path, text))
-    with pytest.raises(SpecError, match=r"stop need the server's tokenizer, and \[engine\] extra_args has "
-                                        r"--skip-tokenizer-init"):
+    with pytest.raises(
+        SpecError,
+        match=r"stop need the server's tokenizer, and \[engine\] extra_args has "
+        r"--skip-tokenizer-init",
+    ):
         load_spec(write(tmp_path, text + '[engine]\nextra_args = ["--skip-tokenizer-init"]\n'))

@@ -37,14 +37,27 @@ def main() -> None:
 
     try:
         asyncio.run(ready())
-        print(json.dumps({"url": engine.url, "api_key": engine.api_key, "pid": engine.proc.pid,
-                          "version": engine.version, "ready_s": round(time.monotonic() - t0, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "url": engine.url,
+                    "api_key": engine.api_key,
+                    "pid": engine.proc.pid,
+                    "version": engine.version,
+                    "ready_s": round(time.monotonic() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
         sys.stdin.read()
     finally:
         proc = engine.proc
         t0 = time.monotonic()
         engine.stop()
-        print(json.dumps({"stop_s": round(time.monotonic() - t0, 2), "exit_code": proc.returncode}), flush=True)
+        print(
+            json.dumps({"stop_s": round(time.monotonic() - t0, 2), "exit_code": proc.returncode}),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ import json
 import shutil
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def build(tokenizer_dir: Path, out: Path, *, seed: int = 0, context: int = 8192) -> Path:
@@ -24,9 +29,17 @@ def build(tokenizer_dir: Path, out: Path, *, seed: int = 0, context: int = 8192)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     old = json.loads((tokenizer_dir / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=old.get("vocab_size", len(tok)), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=context,
-        bos_token_id=old.get("bos_token_id"), eos_token_id=old.get("eos_token_id"), tie_word_embeddings=False,
+        vocab_size=old.get("vocab_size", len(tok)),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=context,
+        bos_token_id=old.get("bos_token_id"),
+        eos_token_id=old.get("eos_token_id"),
+        tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)

@@ -38,13 +38,13 @@ def test_a_full_batch_then_a_draining_tail_and_an_idle_gap() -> None:
     clock = Clock()
     occ = Occupancy(4, clock)
     occ.change(4)
-    clock.t += 6.0   # full: 24 slot-seconds
+    clock.t += 6.0  # full: 24 slot-seconds
     occ.change(1)
-    clock.t += 2.0   # one long trace alone: 2
+    clock.t += 2.0  # one long trace alone: 2
     occ.change(0)
-    clock.t += 2.0   # nothing in flight between two requests: 0, but inside the span
+    clock.t += 2.0  # nothing in flight between two requests: 0, but inside the span
     occ.change(2)
-    clock.t += 2.0   # 4
+    clock.t += 2.0  # 4
     occ.change(0)
     assert occ.span() == pytest.approx(12.0)
     assert occ.share() == pytest.approx(30 / 48)

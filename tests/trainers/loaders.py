@@ -50,13 +50,32 @@ def specforge_tokens(tokenizer: str, path: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    tasks = prepare_prompt_tasks(path, tok, chat_template=None, max_length=BIG, is_preformatted=False,
-                                 train_only_last_turn=True, cache_dir=None, cache_key=None, num_proc=1)
-    _dump(out, [{"input_ids": _aslist(t["payload"]["input_ids"]), "loss_mask": _aslist(t["payload"]["loss_mask"])}
-                for t in tasks])
+    tasks = prepare_prompt_tasks(
+        path,
+        tok,
+        chat_template=None,
+        max_length=BIG,
+        is_preformatted=False,
+        train_only_last_turn=True,
+        cache_dir=None,
+        cache_key=None,
+        num_proc=1,
+    )
+    _dump(
+        out,
+        [
+            {
+                "input_ids": _aslist(t["payload"]["input_ids"]),
+                "loss_mask": _aslist(t["payload"]["loss_mask"]),
+            }
+            for t in tasks
+        ],
+    )
 
 
-def specforge_conversations(tokenizer: str, path: str, template: str, out: str, registration: str | None) -> None:
+def specforge_conversations(
+    tokenizer: str, path: str, template: str, out: str, registration: str | None
+) -> None:
     import warnings
 
     from datasets import Dataset, load_dataset
@@ -70,8 +89,15 @@ def specforge_conversations(tokenizer: str, path: str, template: str, out: str, 
     data = load_dataset("json", data_files=path, split="train")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = build_eagle3_dataset(data, tok, chat_template=template, max_length=BIG, num_proc=None,
-                                     train_only_last_turn=True, shuffle_seed=42)
+        built = build_eagle3_dataset(
+            data,
+            tok,
+            chat_template=template,
+            max_length=BIG,
+            num_proc=None,
+            train_only_last_turn=True,
+            shuffle_seed=42,
+        )
     order = Dataset.from_dict({"i": list(range(len(data)))}).shuffle(seed=42)["i"]
     rows: list[dict | None] = [None] * len(data)
     for k, i in enumerate(order):
@@ -87,14 +113,35 @@ def specforge_config(tokenizer: str, config: str, which: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     cfg = load_config(config, [])
-    length = cfg.data.max_length if which == "config" else DataConfig.model_fields["max_length"].default
+    length = (
+        cfg.data.max_length if which == "config" else DataConfig.model_fields["max_length"].default
+    )
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    tasks = prepare_prompt_tasks(cfg.data.prompts_path, tok, chat_template=None, max_length=length,
-                                 is_preformatted=cfg.data.is_preformatted, train_only_last_turn=True, cache_dir=None,
-                                 cache_key=None, num_proc=1)
-    Path(out).write_text(json.dumps({"max_length": length, "rows": [
-        {"input_ids": _aslist(t["payload"]["input_ids"]), "loss_mask": _aslist(t["payload"]["loss_mask"])}
-        for t in tasks]}))
+    tasks = prepare_prompt_tasks(
+        cfg.data.prompts_path,
+        tok,
+        chat_template=None,
+        max_length=length,
+        is_preformatted=cfg.data.is_preformatted,
+        train_only_last_turn=True,
+        cache_dir=None,
+        cache_key=None,
+        num_proc=1,
+    )
+    Path(out).write_text(
+        json.dumps(
+            {
+                "max_length": length,
+                "rows": [
+                    {
+                        "input_ids": _aslist(t["payload"]["input_ids"]),
+                        "loss_mask": _aslist(t["payload"]["loss_mask"]),
+                    }
+                    for t in tasks
+                ],
+            }
+        )
+    )
 
 
 def speculators_command(tokenizer: str, script: str, which: str, out: str) -> None:
@@ -110,12 +157,23 @@ def speculators_command(tokenizer: str, script: str, which: str, out: str) -> No
     with tempfile.TemporaryDirectory() as tmp:
         flags["--output"] = tmp + "/out"
         exe = Path(sys.executable).with_name("speculators")
-        r = subprocess.run([str(exe), "prepare-data", *sum(flags.items(), ()), "--num-preprocessing-workers", "1"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(exe), "prepare-data", *sum(flags.items(), ()), "--num-preprocessing-workers", "1"],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            sys.exit(f"speculators prepare-data exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            sys.exit(
+                f"speculators prepare-data exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            )
         ds = load_from_disk(tmp + "/out")
-        _dump(out, [{"input_ids": _aslist(row["input_ids"]), "loss_mask": _aslist(row["loss_mask"])} for row in ds])
+        _dump(
+            out,
+            [
+                {"input_ids": _aslist(row["input_ids"]), "loss_mask": _aslist(row["loss_mask"])}
+                for row in ds
+            ],
+        )
 
 
 def speculators(tokenizer: str, path: str, out: str) -> None:
@@ -123,13 +181,36 @@ def speculators(tokenizer: str, path: str, out: str) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(sys.executable).with_name("speculators")
-        r = subprocess.run([str(exe), "prepare-data", "--model", tokenizer, "--data", path, "--output", tmp + "/out",
-                            "--seq-length", str(BIG), "--num-preprocessing-workers", "1"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                str(exe),
+                "prepare-data",
+                "--model",
+                tokenizer,
+                "--data",
+                path,
+                "--output",
+                tmp + "/out",
+                "--seq-length",
+                str(BIG),
+                "--num-preprocessing-workers",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            sys.exit(f"speculators prepare-data exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            sys.exit(
+                f"speculators prepare-data exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            )
         ds = load_from_disk(tmp + "/out")
-        _dump(out, [{"input_ids": _aslist(row["input_ids"]), "loss_mask": _aslist(row["loss_mask"])} for row in ds])
+        _dump(
+            out,
+            [
+                {"input_ids": _aslist(row["input_ids"]), "loss_mask": _aslist(row["loss_mask"])}
+                for row in ds
+            ],
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -137,7 +218,9 @@ def main(argv: list[str]) -> None:
     if what == "specforge-tokens":
         specforge_tokens(*args)
     elif what == "specforge-conversations":
-        specforge_conversations(args[0], args[1], args[2], args[3], args[4] if len(args) > 4 else None)
+        specforge_conversations(
+            args[0], args[1], args[2], args[3], args[4] if len(args) > 4 else None
+        )
     elif what == "speculators":
         speculators(*args)
     elif what == "specforge-config":

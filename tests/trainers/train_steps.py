@@ -20,8 +20,13 @@ import types
 from pathlib import Path
 
 # The tiny target's shapes (the draft takes the same).
-SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 4096}
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
 
 
 def _loss_stand_in() -> None:
@@ -53,7 +58,9 @@ def build_target(tokenizer: str, out: Path):
     tok = AutoTokenizer.from_pretrained(tokenizer)
     cfg = LlamaConfig(vocab_size=len(tok), **SHAPE, num_hidden_layers=4, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(out, max_shard_size="512KB")  # sharded: SpecForge reads the index to find its head
+    model.save_pretrained(
+        out, max_shard_size="512KB"
+    )  # sharded: SpecForge reads the index to find its head
     tok.save_pretrained(out)
     return model
 
@@ -70,10 +77,17 @@ def capture(model, rows: list[dict], features: Path) -> None:
             ids = torch.tensor(row["input_ids"], dtype=torch.long)
             out = model(ids[None, :], output_hidden_states=True)
             hs = out.hidden_states
-            torch.save({"input_ids": ids, "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long),
-                        "hidden_state": hs[-1].to(torch.bfloat16),
-                        "aux_hidden_state": torch.cat([hs[k + 1] for k in aux], dim=-1).to(torch.bfloat16)},
-                       group / f"data_{i}.ckpt")
+            torch.save(
+                {
+                    "input_ids": ids,
+                    "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long),
+                    "hidden_state": hs[-1].to(torch.bfloat16),
+                    "aux_hidden_state": torch.cat([hs[k + 1] for k in aux], dim=-1).to(
+                        torch.bfloat16
+                    ),
+                },
+                group / f"data_{i}.ckpt",
+            )
 
 
 def main(tokens: str, tokenizer: str, workdir: str, steps: str, out: str) -> None:
@@ -85,30 +99,65 @@ def main(tokens: str, tokenizer: str, workdir: str, steps: str, out: str) -> Non
     vocab = model.config.vocab_size
     del model
     # the draft: one layer over the target's shapes, its vocabulary the target's (no t2d/d2t mapping to build)
-    draft = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": vocab,
-             "draft_vocab_size": vocab, **SHAPE, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-             "pad_token_id": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    draft = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab,
+        **SHAPE,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     (work / "draft.json").write_text(json.dumps(draft))
     config = {
-        "model": {"target_model_path": str(target), "torch_dtype": "bfloat16",
-                  "draft_model_config": str(work / "draft.json")},
-        "data": {"hidden_states_path": str(work / "features"), "max_length": 4096, "dataloader_num_workers": 0},
-        "training": {"max_steps": int(steps), "batch_size": 1, "fsdp_sharding": "NO_SHARD",
-                     "attention_backend": "sdpa", "ttt_length": 2, "log_interval": 1, "save_interval": 0,
-                     "learning_rate": 1e-3, "warmup_ratio": 0.0},
+        "model": {
+            "target_model_path": str(target),
+            "torch_dtype": "bfloat16",
+            "draft_model_config": str(work / "draft.json"),
+        },
+        "data": {
+            "hidden_states_path": str(work / "features"),
+            "max_length": 4096,
+            "dataloader_num_workers": 0,
+        },
+        "training": {
+            "max_steps": int(steps),
+            "batch_size": 1,
+            "fsdp_sharding": "NO_SHARD",
+            "attention_backend": "sdpa",
+            "ttt_length": 2,
+            "log_interval": 1,
+            "save_interval": 0,
+            "learning_rate": 1e-3,
+            "warmup_ratio": 0.0,
+        },
         "output_dir": str(work / "output"),
     }
     import yaml
 
     (work / "run.yaml").write_text(yaml.safe_dump(config))
-    os.environ.update({"SPECFORGE_DEVICE": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get(
-                           "MASTER_PORT", "29517")})
+    os.environ.update(
+        {
+            "SPECFORGE_DEVICE": "cpu",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29517"),
+        }
+    )
     _loss_stand_in()
     from specforge.cli import main as specforge_main
 
     specforge_main(["train", "--config", str(work / "run.yaml")])
-    Path(out).write_text(json.dumps({"rows": len(rows), "features": len(list((work / "features").rglob("*.ckpt")))}))
+    Path(out).write_text(
+        json.dumps({"rows": len(rows), "features": len(list((work / "features").rglob("*.ckpt")))})
+    )
 
 
 if __name__ == "__main__":

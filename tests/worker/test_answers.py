@@ -41,8 +41,14 @@ def poison_job(tmp_path, kimi, kind: str, *, n: int = 8, poisoned=(3,), **tables
     prompts = poisoned_prompts(tmp_path / "prompts.jsonl", n, poisoned)
     tables.setdefault("client", {}).update({"concurrency": 2, "retries": 1})
     sampling = tables.pop("sampling", {"max_new_tokens": 64})
-    return make_job(tmp_path, kimi, prompts=prompts, sampling=sampling,
-                    stub={"extra_args": ["--poison", kind, "--poison-text", MARK]}, **tables)
+    return make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        sampling=sampling,
+        stub={"extra_args": ["--poison", kind, "--poison-text", MARK]},
+        **tables,
+    )
 
 
 def fix_engine(rd) -> None:
@@ -53,7 +59,9 @@ def fix_engine(rd) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["reset", "truncate"])
-def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shard_goes_on(tmp_path, kimi, kind):
+def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shard_goes_on(
+    tmp_path, kimi, kind
+):
     """The connection of one prompt's request is reset (or its body cut) on every attempt while the engine answers
     /health_generate and every other prompt: that prompt is tried [client] max_tries times, then it is a failed
     record of kind `unreachable`, final for the run, with the reason and the count; the shard completes, and a rerun
@@ -67,14 +75,20 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
     assert sorted(failed) == ["p0000", "p0003"] and len(got) == 8
     for r in failed.values():
         assert (r.failure, r.attempts, r.tries, r.final) == ("unreachable", 2, 3, True)
-        assert r.error.startswith("failed 3 times: unreachable; last: no complete answer after 2 attempts")
+        assert r.error.startswith(
+            "failed 3 times: unreachable; last: no complete answer after 2 attempts"
+        )
         assert "/health_generate" in r.error
     m = read_done(rd.done_file(0))
     assert (m.given_up, m.transient, m.failed) == (2, 0, 2)
     size = rd.shard_file(0).stat().st_size
-    assert run_shard(rd.root, 0).end == DONE and rd.shard_file(0).stat().st_size == size  # nothing left to try
+    assert (
+        run_shard(rd.root, 0).end == DONE and rd.shard_file(0).stat().st_size == size
+    )  # nothing left to try
     log = rd.log_file(0).read_text()
-    assert "prompt p0003 (d) failed (unreachable), try 1 of 3" in log and "probe /generate" not in log
+    assert (
+        "prompt p0003 (d) failed (unreachable), try 1 of 3" in log and "probe /generate" not in log
+    )
 
     fix_engine(rd)
     request_retry(rd.root)
@@ -83,14 +97,22 @@ def test_a_prompt_whose_answer_is_cut_every_time_is_a_failed_record_and_the_shar
 
 
 @pytest.mark.slow
-def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_probe(tmp_path, kimi):
+def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_the_probe(
+    tmp_path, kimi
+):
     """Every request cut, the engine's own probe /generate too: the engine, not a prompt, is at fault; no prompt is
     charged a try while it is, it is waited for up to [engine] ready_timeout_s, restarted up to max_restarts (none
     here), and then the shard fails in this task (the prompts in flight are not recorded failed) with a message naming
     a prompt and the probe."""
-    job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 64}, client={"concurrency": 1, "retries": 1},
-                   engine={"ready_timeout_s": 10, "max_restarts": 0},
-                   stub={"extra_args": ["--poison", "reset", "--poison-after", "3"]})  # probe + 2 prompts answered
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=8,
+        sampling={"max_new_tokens": 64},
+        client={"concurrency": 1, "retries": 1},
+        engine={"ready_timeout_s": 10, "max_restarts": 0},
+        stub={"extra_args": ["--poison", "reset", "--poison-after", "3"]},
+    )  # probe + 2 prompts answered
     rd, _ = prepared_run(job)
     with pytest.raises(ShardFailed) as e:
         run_shard(rd.root, 0)
@@ -104,22 +126,36 @@ def test_an_engine_that_answers_nothing_fails_the_shard_naming_the_prompt_and_th
 
 @pytest.mark.slow
 def test_429_is_retried_and_past_the_retries_a_transient_failure_not_a_rejection(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=8, stub={"fail_5xx": "2:3", "extra_args": ["--fail-status", "429"]},
-                   client={"retries": 6, "concurrency": 2})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=8,
+        stub={"fail_5xx": "2:3", "extra_args": ["--fail-status", "429"]},
+        client={"retries": 6, "concurrency": 2},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd)
-    assert {r.status for r in got.values()} == {"ok"} and sum(r.attempts for r in got.values()) == 8 + 3
+    assert {r.status for r in got.values()} == {"ok"} and sum(
+        r.attempts for r in got.values()
+    ) == 8 + 3
 
     # every prompt's request answered 429, the engine's probe not: each prompt's own failure
     (tmp_path / "past").mkdir()
-    job = poison_job(tmp_path / "past", kimi, "status_429", poisoned=tuple(range(8)),
-                     client={"retries": 1, "concurrency": 2, "max_tries": 1})
+    job = poison_job(
+        tmp_path / "past",
+        kimi,
+        "status_429",
+        poisoned=tuple(range(8)),
+        client={"retries": 1, "concurrency": 2, "max_tries": 1},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     failed = [r for r in newest(rd).values() if r.status == "failed"]
     assert len(failed) == 8 and {r.failure for r in failed} == {"server_error"}
-    assert all("HTTP 429" in r.error and r.error.startswith("failed once: server_error") for r in failed)
+    assert all(
+        "HTTP 429" in r.error and r.error.startswith("failed once: server_error") for r in failed
+    )
     m = read_done(rd.done_file(0))
     assert (m.transient, m.given_up) == (0, 8)
 
@@ -130,8 +166,11 @@ BAD_ANSWERS = {
     "over_max": ("bad_response", "output ids, more than max_new_tokens = 64"),
     "early_length": ("bad_response", "finish_reason length after"),
     "out_of_vocab": ("bad_response", "outside the vocabulary"),
-    "unknown_finish": ("bad_response", "finish_reason {'type': 'finished', 'matched': None} is not an object whose "
-                                       "type is stop, length or abort"),
+    "unknown_finish": (
+        "bad_response",
+        "finish_reason {'type': 'finished', 'matched': None} is not an object whose "
+        "type is stop, length or abort",
+    ),
     "finish_string": ("bad_response", "finish_reason 'stop' is not an object"),
     "finish_null": ("bad_response", "finish_reason None is not an object"),
     "no_completion_tokens": ("bad_response", "meta_info has no completion_tokens"),
@@ -143,7 +182,9 @@ BAD_ANSWERS = {
 def healthy_outputs(tmp_path_factory, kimi) -> dict[str, bytes]:
     """The outputs of the poisoned jobs' prompts (greedy) from an engine without poison."""
     tmp = tmp_path_factory.mktemp("healthy")
-    job = poison_job(tmp, kimi, "reset", n=6, poisoned=(0, 3), sampling={"max_new_tokens": 64, "temperature": 0})
+    job = poison_job(
+        tmp, kimi, "reset", n=6, poisoned=(0, 3), sampling={"max_new_tokens": 64, "temperature": 0}
+    )
     rd, _ = prepared_run(job)
     fix_engine(rd)
     assert run_shard(rd.root, 0).end == DONE
@@ -152,13 +193,23 @@ def healthy_outputs(tmp_path_factory, kimi) -> dict[str, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_ANSWERS))
-def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(tmp_path, kimi, kind, healthy_outputs):
+def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(
+    tmp_path, kimi, kind, healthy_outputs
+):
     """Each way an answer can be wrong, checked against its request when it arrives: never stored ok. The shard's
     first prompt is poisoned too: the readiness probe is not that prompt, so its bad answer is its own failure,
     never the engine's. Both are tried max_tries times, then final; the run ends, every other record exact."""
     failure, words = BAD_ANSWERS[kind]
-    rd, _ = prepared_run(poison_job(tmp_path, kimi, kind, n=6, poisoned=(0, 3),
-                                    sampling={"max_new_tokens": 64, "temperature": 0}))
+    rd, _ = prepared_run(
+        poison_job(
+            tmp_path,
+            kimi,
+            kind,
+            n=6,
+            poisoned=(0, 3),
+            sampling={"max_new_tokens": 64, "temperature": 0},
+        )
+    )
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd)
     for i in ("p0000", "p0003"):
@@ -166,14 +217,19 @@ def test_an_answer_that_breaks_the_contract_is_a_failed_record_with_the_reason(t
         assert (bad.status, bad.failure, bad.tries, bad.final) == ("failed", failure, 3, True), bad
         assert words in bad.error and bad.error.startswith(f"failed 3 times: {failure}"), bad.error
         assert bad.output_ids == b"" and bad.finish is None
-    assert all(r.status == "ok" and r.output_ids == healthy_outputs[i] for i, r in got.items()
-               if i not in ("p0000", "p0003"))
+    assert all(
+        r.status == "ok" and r.output_ids == healthy_outputs[i]
+        for i, r in got.items()
+        if i not in ("p0000", "p0003")
+    )
     m = read_done(rd.done_file(0))
     assert (m.transient, m.given_up) == (0, 2)
 
 
 @pytest.mark.slow
-def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_not_unreachable(monkeypatch):
+def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_not_unreachable(
+    monkeypatch,
+):
     """A multi-node engine whose rank died closes rank 0's port seconds before srun ends the step: a request refused
     meanwhile waits for the process to end (EngineDied: restarted) before calling the engine unreachable."""
     import asyncio
@@ -191,8 +247,12 @@ def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_
 
     def engine(ends_after: float | None):
         t0 = _time.monotonic()
-        return SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, exit_code=lambda: -9,
-                               alive=lambda: ends_after is None or _time.monotonic() - t0 < ends_after)
+        return SimpleNamespace(
+            url=f"http://127.0.0.1:{port}",
+            api_key=None,
+            exit_code=lambda: -9,
+            alive=lambda: ends_after is None or _time.monotonic() - t0 < ends_after,
+        )
 
     sh = SimpleNamespace(spec=SimpleNamespace(engine=SimpleNamespace(hang_timeout_s=5.0)))
     refused = Unreachable("POST /generate: ConnectionRefusedError")

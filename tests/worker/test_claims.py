@@ -29,7 +29,9 @@ def kimi(toy_tokenizer):
 
 
 def engine_starts(server_log: Path) -> int:
-    return server_log.read_text().count("===== toolkit: engine start #") if server_log.exists() else 0
+    return (
+        server_log.read_text().count("===== toolkit: engine start #") if server_log.exists() else 0
+    )
 
 
 def all_engine_starts(rd) -> int:
@@ -47,8 +49,13 @@ def merged_ids(rd) -> list[str]:
 def test_the_shard_with_most_prompts_left_is_claimed_first_ties_in_the_workers_own_order():
     pool = [0, 1, 2, 3, 4, 5]
     fresh = [Candidate(k, 10) for k in pool]
-    assert pick(fresh, pool, start_of(0, 2, pool)) == 0 and pick(fresh, pool, start_of(1, 2, pool)) == 3
-    assert [start_of(i, 6, pool) for i in range(6)] == pool  # as many workers as shards: worker i takes shard i
+    assert (
+        pick(fresh, pool, start_of(0, 2, pool)) == 0
+        and pick(fresh, pool, start_of(1, 2, pool)) == 3
+    )
+    assert [
+        start_of(i, 6, pool) for i in range(6)
+    ] == pool  # as many workers as shards: worker i takes shard i
     # a shard half done by a preempted task waits until the fresh ones are taken
     assert pick([Candidate(0, 4), Candidate(4, 10)], pool, 0) == 4
     assert pick([Candidate(1, 3), Candidate(5, 3)], pool, start_of(1, 2, pool)) == 5
@@ -60,16 +67,22 @@ def test_the_shard_with_most_prompts_left_is_claimed_first_ties_in_the_workers_o
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
-    rd, plan = prepared_run(make_job(tmp_path, kimi, n=16, shards=4, sampling={"max_new_tokens": 32}))
+    rd, plan = prepared_run(
+        make_job(tmp_path, kimi, n=16, shards=4, sampling={"max_new_tokens": 32})
+    )
     r = run_claims(rd.root, [0, 1, 2, 3], task="w0", group="g")
     assert sorted(r.done) == [0, 1, 2, 3] and not r.failed and r.stopped is None
     assert r.engine_starts == 1 and all_engine_starts(rd) == 1
     ps = [read_progress(rd.progress_file(k)) for k in range(4)]
-    assert [(p.state, p.task, p.group, p.task_engine_starts) for p in ps] == [("done", "w0", "g", 1)] * 4
+    assert [(p.state, p.task, p.group, p.task_engine_starts) for p in ps] == [
+        ("done", "w0", "g", 1)
+    ] * 4
     assert sorted(p.task_shards for p in ps) == [1, 2, 3, 4]
     second = next(k for k, p in enumerate(ps) if p.task_shards == 2)
     assert "already running" in rd.log_file(second).read_text()
-    logs = [rd.log_file(k).read_text() for k in range(4)]  # the tokenizer too is loaded once for the four
+    logs = [
+        rd.log_file(k).read_text() for k in range(4)
+    ]  # the tokenizer too is loaded once for the four
     assert sum(t.count("loaded tokenizer") for t in logs) == 1
     assert sum(t.count("tokenizer kept from this task's previous shard") for t in logs) == 3
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
@@ -80,22 +93,53 @@ def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
     with open(rd.shard_file(2), "ab") as f:
         f.write(b"\0torn")
     third = run_claims(rd.root, [0, 1, 2, 3], task="w2", group="g3")
-    assert third.done == [2] and "the file changed after the shard finished" in rd.log_file(2).read_text()
+    assert (
+        third.done == [2]
+        and "the file changed after the shard finished" in rd.log_file(2).read_text()
+    )
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(16))
 
 
 def claiming_worker(rd, pool: list[int], i: int, n: int, group: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "toolkit", "worker", str(rd.root), "--claim", *map(str, pool), "--worker", str(i),
-            "--workers", str(n), "--group", group]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    argv = [
+        sys.executable,
+        "-m",
+        "toolkit",
+        "worker",
+        str(rd.root),
+        "--claim",
+        *map(str, pool),
+        "--worker",
+        str(i),
+        "--workers",
+        str(n),
+        "--group",
+        group,
+    ]
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_id_once(tmp_path, kimi):
+def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_id_once(
+    tmp_path, kimi
+):
     n, shards = 36, 6
-    rd, plan = prepared_run(make_job(tmp_path, kimi, n=n, shards=shards, stub={"token_delay_s": 0.01},
-                                     sampling={"max_new_tokens": 200}, client={"concurrency": 2}))
+    rd, plan = prepared_run(
+        make_job(
+            tmp_path,
+            kimi,
+            n=n,
+            shards=shards,
+            stub={"token_delay_s": 0.01},
+            sampling={"max_new_tokens": 200},
+            client={"concurrency": 2},
+        )
+    )
     pool = list(range(shards))
     workers = [claiming_worker(rd, pool, i, 2, "g") for i in range(2)]
     try:
@@ -103,7 +147,12 @@ def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_
         victim = None
         while time.time() < deadline and victim is None:  # worker 0 starts with shard 0
             p = read_progress(rd.progress_file(0))
-            if p is not None and p.state == "generating" and p.done >= 1 and p.pid == workers[0].pid:
+            if (
+                p is not None
+                and p.state == "generating"
+                and p.done >= 1
+                and p.pid == workers[0].pid
+            ):
                 victim = p
             time.sleep(0.1)
         assert victim is not None, "worker 0 never generated shard 0"
@@ -119,8 +168,11 @@ def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_
     p0 = read_progress(rd.progress_file(0))
     assert p0.state == "done" and p0.pid == workers[1].pid and p0.resumed >= 1
     assert all(read_done(rd.done_file(k)) is not None for k in pool)
-    assert {read_progress(rd.progress_file(k)).task_engine_starts for k in pool if
-            read_progress(rd.progress_file(k)).pid == workers[1].pid} == {1}
+    assert {
+        read_progress(rd.progress_file(k)).task_engine_starts
+        for k in pool
+        if read_progress(rd.progress_file(k)).pid == workers[1].pid
+    } == {1}
     ids = merged_ids(rd)
     assert len(ids) == n and sorted(ids) == sorted(f"p{i:04d}" for i in range(n))
 
@@ -133,15 +185,26 @@ def toolkit_run(job: Path, *args: str, gpus: str | None) -> subprocess.Completed
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    return subprocess.run([sys.executable, "-m", "toolkit", "run", str(job), *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", "run", str(job), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, parallel, expected", [(1, None, ["0", "1", "2", "3"]), (2, None, ["0,1", "2,3"]),
-                                                     (1, "4", ["0", "1", "2", "3"])])
-def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(tmp_path, kimi, tp, parallel, expected):
-    job = make_job(tmp_path, kimi, n=24, shards=8, sampling={"max_new_tokens": 32}, engine={"tp_size": tp})
+@pytest.mark.parametrize(
+    "tp, parallel, expected",
+    [(1, None, ["0", "1", "2", "3"]), (2, None, ["0,1", "2,3"]), (1, "4", ["0", "1", "2", "3"])],
+)
+def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(
+    tmp_path, kimi, tp, parallel, expected
+):
+    job = make_job(
+        tmp_path, kimi, n=24, shards=8, sampling={"max_new_tokens": 32}, engine={"tp_size": tp}
+    )
     r = toolkit_run(job, *(["--parallel", parallel] if parallel else []), gpus="0,1,2,3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "audit of run" in r.stdout and "PASSED" in r.stdout
@@ -160,22 +223,38 @@ def test_more_workers_than_the_gpus_hold_is_refused_before_any_engine_starts(tmp
     job = make_job(tmp_path, kimi, n=4, shards=2, engine={"tp_size": 2})
     r = toolkit_run(job, "--parallel", "3", gpus="0,1,2,3")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert ("--parallel 3 needs 6 GPUs (2 per engine) but 4 are visible (0,1,2,3); at most --parallel 2"
-            in r.stderr), r.stderr
+    assert (
+        "--parallel 3 needs 6 GPUs (2 per engine) but 4 are visible (0,1,2,3); at most --parallel 2"
+        in r.stderr
+    ), r.stderr
 
 
 def test_gpus_split_between_workers():
     from toolkit.engines.layout import split_gpus, visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == ["0", "1", "2", "3"]
-    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == [] and visible_gpus({}, lambda: 2) == ["0", "1"]
-    assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 8, None) == (1, [["0", "1", "2", "3", "4", "5", "6", "7"]])
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == [] and visible_gpus({}, lambda: 2) == [
+        "0",
+        "1",
+    ]
+    assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 8, None) == (
+        1,
+        [["0", "1", "2", "3", "4", "5", "6", "7"]],
+    )
     assert split_gpus(["0", "1", "2", "3", "4", "5", "6", "7"], 2, None)[0] == 4
-    assert split_gpus(["4", "5", "6"], 1, 3) == (3, [["4"], ["5"], ["6"]])  # the visible ids, not 0..n-1
-    with pytest.raises(ValueError, match="GPU 6 would sit idle .*give --parallel 3, or CUDA_VISIBLE_DEVICES=4,5 "):
+    assert split_gpus(["4", "5", "6"], 1, 3) == (
+        3,
+        [["4"], ["5"], ["6"]],
+    )  # the visible ids, not 0..n-1
+    with pytest.raises(
+        ValueError, match="GPU 6 would sit idle .*give --parallel 3, or CUDA_VISIBLE_DEVICES=4,5 "
+    ):
         split_gpus(["4", "5", "6"], 1, 2)
-    with pytest.raises(ValueError, match=r"2 workers of 3 GPUs per engine use 6 of the 8 visible GPUs \(0,1,2,3,4,5,6,7\): "
-                                         r"GPUs 6,7 would sit idle for the whole run; give CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 "):
+    with pytest.raises(
+        ValueError,
+        match=r"2 workers of 3 GPUs per engine use 6 of the 8 visible GPUs \(0,1,2,3,4,5,6,7\): "
+        r"GPUs 6,7 would sit idle for the whole run; give CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 ",
+    ):
         split_gpus([str(i) for i in range(8)], 3, None)
     assert split_gpus([], 8, None) == (1, [[]]) and split_gpus([], 8, 3) == (3, [[], [], []])
     with pytest.raises(ValueError, match="one engine needs 8 GPUs but 4 are visible"):
@@ -197,11 +276,27 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
     rd, plan = prepared_run(make_job(tmp_path, kimi, n=10, shards=5))
     pool = list(range(5))
     rd.done_file(0).parent.mkdir(parents=True, exist_ok=True)
-    rd.done_file(0).write_bytes(msgspec.json.encode(DoneManifest(
-        shard=0, fingerprint=plan.fingerprint, records=2, ok=2, failed=0, prompt_tokens=1, output_tokens=1, bytes=0,
-        sha256="0", host="h", finished="2026-01-01T00:00:00+00:00")))
+    rd.done_file(0).write_bytes(
+        msgspec.json.encode(
+            DoneManifest(
+                shard=0,
+                fingerprint=plan.fingerprint,
+                records=2,
+                ok=2,
+                failed=0,
+                prompt_tokens=1,
+                output_tokens=1,
+                bytes=0,
+                sha256="0",
+                host="h",
+                finished="2026-01-01T00:00:00+00:00",
+            )
+        )
+    )
     write_progress(rd.progress_file(1), Progress(shard=1, total=2, state="failed", group="g"))
-    write_progress(rd.progress_file(3), Progress(shard=3, total=2, done=1, state="stopped", group="g"))
+    write_progress(
+        rd.progress_file(3), Progress(shard=3, total=2, done=1, state="stopped", group="g")
+    )
     rd.shard_file(2).write_bytes(b"")
     with open(rd.shard_file(2), "rb") as held:  # another worker holds shard 2
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -214,11 +309,24 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
 def parallel_run_generating(tmp_path, kimi, n: int, env: dict[str, str]):
     """`toolkit run --parallel 2` of n prompts in 4 shards, started in its own session and returned once both
     workers generate, a few records in: (job, run dir, process)."""
-    job = make_job(tmp_path, kimi, n=n, shards=4, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 200},
-                   client={"concurrency": 2})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=n,
+        shards=4,
+        stub={"token_delay_s": 0.01},
+        sampling={"max_new_tokens": 200},
+        client={"concurrency": 2},
+    )
     env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     rd, _ = prepared_run(job)
     deadline = time.time() + 90
     while time.time() < deadline:
@@ -231,12 +339,16 @@ def parallel_run_generating(tmp_path, kimi, n: int, env: dict[str, str]):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id_once(tmp_path, kimi):
+def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id_once(
+    tmp_path, kimi
+):
     """SIGTERM to `toolkit run` with two workers mid-run: it is passed on, each worker stops its shard (what is in
     flight kept as partial outputs), the run exits 3 with no engine left; the next `toolkit run` claims what is
     left and merges every id once."""
     n = 32
-    job, rd, proc = parallel_run_generating(tmp_path, kimi, n, {**os.environ, "PYTHONPATH": str(REPO)})
+    job, rd, proc = parallel_run_generating(
+        tmp_path, kimi, n, {**os.environ, "PYTHONPATH": str(REPO)}
+    )
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out
@@ -245,7 +357,9 @@ def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id
     stopped = [p for p in ps if p is not None and p.state == "stopped"]
     assert len(stopped) == 2 and all(p.stop_signal == "SIGTERM" for p in stopped)
     assert not any(p is not None and p.state in ("loading", "generating") for p in ps)
-    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    left = subprocess.run(
+        ["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True
+    ).stdout
     assert not left.strip(), "no engine outlives its worker"
     r = toolkit_run(job, "--parallel", "2", gpus=None)
     assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
@@ -254,20 +368,23 @@ def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id
 
 # overlap and tail handover decisions (the simulation calls the same functions)
 
+
 def test_opens_next_only_when_nothing_left_to_send_and_room():
     from toolkit.worker.policy import opens_next
+
     assert opens_next(0, 10, 16)
-    assert not opens_next(1, 10, 16)   # the shard held still has prompts to send
-    assert not opens_next(0, 16, 16)   # the batch is full
+    assert not opens_next(1, 10, 16)  # the shard held still has prompts to send
+    assert not opens_next(0, 16, 16)  # the batch is full
 
 
 def test_hands_over_the_smallest_tail_to_tasks_with_room():
     from toolkit.worker.policy import Tail, hands_over
+
     a, b, c = Tail("a", 3, 64), Tail("b", 20, 64), Tail("c", 30, 64)
     assert hands_over(a, [b, c], claimable=0)
-    assert not hands_over(a, [b, c], claimable=1)            # shards left to claim: no tail yet
-    assert not hands_over(b, [a, c], claimable=0)            # a runs fewer: a leaves first
-    assert not hands_over(Tail("a", 20, 64), [b, c], 0)      # over the share of its target
+    assert not hands_over(a, [b, c], claimable=1)  # shards left to claim: no tail yet
+    assert not hands_over(b, [a, c], claimable=0)  # a runs fewer: a leaves first
+    assert not hands_over(Tail("a", 20, 64), [b, c], 0)  # over the share of its target
     assert not hands_over(a, [Tail("b", 63, 64), Tail("c", 63, 64)], 0)  # no room for its 3
     assert not hands_over(a, [], 0) and not hands_over(Tail("a", 0, 64), [b], 0)
     # the task leaving is not a recipient, and two equal tails never leave for each other
@@ -301,7 +418,9 @@ def test_without_flock_a_parallel_run_killed_mid_run_finishes_every_id_once(tmp_
     os.killpg(proc.pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert len(held) == 2, out  # the claims: one lock file per worker's shard
-    assert sorted(p.name for p in rd.shards_dir.glob("*.zst.lock")) == held, "left behind by kill -9"
+    assert sorted(p.name for p in rd.shards_dir.glob("*.zst.lock")) == held, (
+        "left behind by kill -9"
+    )
 
     argv = [sys.executable, "-m", "toolkit", "run", str(job), "--parallel", "2"]
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -310,6 +429,10 @@ def test_without_flock_a_parallel_run_killed_mid_run_finishes_every_id_once(tmp_
     assert "no flock: an exclusive lock file stands in" in logs
     assert "which is gone" in logs  # a lock of a killed worker taken over
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(n))
-    assert not [*rd.shards_dir.glob("*.lock"), *rd.merged_dir.glob("*.lock")], "every lock file released"
-    left = subprocess.run(["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True).stdout
+    assert not [*rd.shards_dir.glob("*.lock"), *rd.merged_dir.glob("*.lock")], (
+        "every lock file released"
+    )
+    left = subprocess.run(
+        ["pgrep", "-f", f"toolkit.stub .*{rd.root}"], capture_output=True, text=True
+    ).stdout
     assert not left.strip(), "no engine outlives its worker"

@@ -25,20 +25,41 @@ def kimi(toy_tokenizer):
 def toolkit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def burst_job(tmp: Path, kimi, stub_args: list[str], **client) -> Path:
     """40 greedy prompts, 16 in flight, each try one request and one retry, three tries (the defaults' shape)."""
-    c = {"concurrency": 16, "retries": 1, "request_timeout_s": 10, "backoff_s": 0.05, "backoff_max_s": 0.2,
-         "max_tries": 3, **client}
-    return make_job(tmp, kimi, n=40, shards=1, sampling={"max_new_tokens": 48, "temperature": 0},
-                    stub={"extra_args": stub_args}, client=c)
+    c = {
+        "concurrency": 16,
+        "retries": 1,
+        "request_timeout_s": 10,
+        "backoff_s": 0.05,
+        "backoff_max_s": 0.2,
+        "max_tries": 3,
+        **client,
+    }
+    return make_job(
+        tmp,
+        kimi,
+        n=40,
+        shards=1,
+        sampling={"max_new_tokens": 48, "temperature": 0},
+        stub={"extra_args": stub_args},
+        client=c,
+    )
 
 
 @pytest.mark.slow
-def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_exact(tmp_path, kimi):
+def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_exact(
+    tmp_path, kimi
+):
     """Every /generate answers 503 for 3 s from the second one on (the probe of a start is the first), over 400
     requests in a row: on the old code the 16 prompts in flight used their 3 tries within the burst and ended failed
     for the run. Now the engine's probe fails too, so no prompt is charged: the run completes, every record equal to a run
@@ -50,8 +71,14 @@ def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_
     assert len(expected) == 40
 
     # each try 26 requests 10 ms apart: the 16 prompts in flight meet the burst with over 400 requests
-    job = burst_job(tmp_path / "burst", kimi, ["--fail-5xx-for", "2:3"], retries=25, backoff_s=0.01,
-                    backoff_max_s=0.02)
+    job = burst_job(
+        tmp_path / "burst",
+        kimi,
+        ["--fail-5xx-for", "2:3"],
+        retries=25,
+        backoff_s=0.01,
+        backoff_max_s=0.02,
+    )
     r = toolkit("run", str(job))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -68,18 +95,27 @@ def test_a_burst_of_503s_on_every_request_charges_no_prompt_and_every_record_is_
     assert "the engine is unwell; no prompt is charged a try" in log, log
     assert "answers its probe again" in log, log
     tries = [rec for rec in every if rec.status != "ok"]
-    print(f"requests failed in the burst: {failed_requests}; tries recorded: {len(tries)}; prompts failed: 0")
-    assert len(tries) <= 16  # at most a try each, charged when the burst ended between a request and its probe
+    print(
+        f"requests failed in the burst: {failed_requests}; tries recorded: {len(tries)}; prompts failed: 0"
+    )
+    assert (
+        len(tries) <= 16
+    )  # at most a try each, charged when the burst ended between a request and its probe
 
 
 @pytest.mark.slow
-def test_an_engine_unwell_past_its_ready_timeout_is_restarted_and_then_the_shard_fails(tmp_path, kimi):
+def test_an_engine_unwell_past_its_ready_timeout_is_restarted_and_then_the_shard_fails(
+    tmp_path, kimi
+):
     """503 on every request for longer than [engine] ready_timeout_s: the engine is restarted (its probe still fails:
     the stub's burst begins again), up to max_restarts, then the shard fails in this task; no prompt is recorded
     failed, so the next run generates them all."""
     job = burst_job(tmp_path, kimi, ["--fail-5xx-for", "2:600"])
-    text = job.read_text().replace("ready_timeout_s = 60", "ready_timeout_s = 10").replace("max_restarts = 2",
-                                                                                            "max_restarts = 1")
+    text = (
+        job.read_text()
+        .replace("ready_timeout_s = 60", "ready_timeout_s = 10")
+        .replace("max_restarts = 2", "max_restarts = 1")
+    )
     job.write_text(text)
     r = toolkit("run", str(job))
     out = r.stdout + r.stderr
@@ -103,10 +139,15 @@ def test_toolkit_run_exits_as_status_does_when_it_leaves_failures_that_may_pass(
     lines = prompts.read_text().splitlines()
     lines[2] = lines[2].replace('"}]', ' ALWAYSFAILS"}]')
     prompts.write_text("\n".join(lines) + "\n")
-    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 32, "temperature": 0},
-                   stub={"extra_args": ["--poison-prompt", "status_503=ALWAYSFAILS"]},
-                   client={"concurrency": 2, "retries": 0, "max_tries": 2, "backoff_s": 0.05},
-                   audit={"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        sampling={"max_new_tokens": 32, "temperature": 0},
+        stub={"extra_args": ["--poison-prompt", "status_503=ALWAYSFAILS"]},
+        client={"concurrency": 2, "retries": 0, "max_tries": 2, "backoff_s": 0.05},
+        audit={"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0},
+    )
     rd, _ = prepared_run(job)
     for _ in range(2):
         r = toolkit("run", str(job))
@@ -122,7 +163,9 @@ def test_toolkit_run_exits_as_status_does_when_it_leaves_failures_that_may_pass(
 
 
 @pytest.mark.slow
-def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_cut_every_try_short(tmp_path, kimi):
+def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_cut_every_try_short(
+    tmp_path, kimi
+):
     """One prompt the server never answers, the worker stopped (SIGTERM) 4 s after each time it is sent: no try ever
     runs to its end (6 s, one request of request_timeout_s, no retry). On the old code its count stayed 0 whatever the
     stops. Now the time it waited is carried across the stops by its partial record, each 6 s of it a try: it ends
@@ -136,11 +179,21 @@ def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_c
     lines = prompts.read_text().splitlines()
     lines[1] = lines[1].replace('"}]', ' NEVERANSWERED"}]')
     prompts.write_text("\n".join(lines) + "\n")
-    job = make_job(tmp_path, kimi, prompts=prompts, sampling={"max_new_tokens": 32, "temperature": 0},
-                   stub={"extra_args": ["--poison-prompt", "hang=NEVERANSWERED"]},
-                   client={"concurrency": 2, "retries": 0, "request_timeout_s": 6, "max_tries": 3,
-                           "save_in_flight": False},
-                   sharding={"flush_records": 1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        sampling={"max_new_tokens": 32, "temperature": 0},
+        stub={"extra_args": ["--poison-prompt", "hang=NEVERANSWERED"]},
+        client={
+            "concurrency": 2,
+            "retries": 0,
+            "request_timeout_s": 6,
+            "max_tries": 3,
+            "save_in_flight": False,
+        },
+        sharding={"flush_records": 1},
+    )
     rd, _ = prepared_run(job)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -149,13 +202,22 @@ def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_c
         return log.read_text().count("Injected poison (hang)") if log.exists() else 0
 
     def p1() -> list:
-        return [rec for rec in read_shard(rd.shard_file(0)) if rec.id == "p0001"] if rd.shard_file(0).exists() else []
+        return (
+            [rec for rec in read_shard(rd.shard_file(0)) if rec.id == "p0001"]
+            if rd.shard_file(0).exists()
+            else []
+        )
 
     stops, seen = 0, []
     while not (p1() and p1()[-1].final) and stops < 8:
         before = sent()
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.time() + 90
         while sent() == before:
             assert time.time() < deadline and proc.poll() is None, "the prompt was never sent"
@@ -166,13 +228,20 @@ def test_a_prompt_never_answered_ends_failed_within_its_bound_under_stops_that_c
         assert proc.returncode == 3, out
         stops += 1
         last = p1()[-1] if p1() else None  # (the old code wrote nothing: the count stayed 0)
-        seen.append((last.status, last.tries, round(last.unanswered_s, 1)) if last else ("none", 0, 0.0))
+        seen.append(
+            (last.status, last.tries, round(last.unanswered_s, 1)) if last else ("none", 0, 0.0)
+        )
     print(f"stops: {stops}; p0001 after each (status, tries, unanswered_s): {seen}")
     rec = p1()[-1]
     assert (rec.status, rec.failure, rec.tries, rec.final) == ("failed", "timeout", 3, True), seen
     assert rec.error.startswith("failed 3 times: timeout; last: no answer in "), rec.error
-    assert "every 6 s in flight without an answer (a try's bound), across stops, counts as a try" in rec.error
-    assert 4 <= stops <= 5, seen  # 18 s of waiting, 4 s and a little more per stop: within one stop of the bound
+    assert (
+        "every 6 s in flight without an answer (a try's bound), across stops, counts as a try"
+        in rec.error
+    )
+    assert 4 <= stops <= 5, (
+        seen
+    )  # 18 s of waiting, 4 s and a little more per stop: within one stop of the bound
     assert [t for _, t, _ in seen] == sorted(t for _, t, _ in seen)  # the count only grows
     r = toolkit("worker", str(rd.root), "0")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -193,20 +262,27 @@ def _serve_statuses(statuses: list[int]):
                 head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, ConnectionError):
                 break
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length"))
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
             await reader.readexactly(length)
             status = statuses[min(len(answered), len(statuses) - 1)]
             answered.append(status)
             body = b'{"output_ids":[5],"meta_info":{"id":"x","finish_reason":{"type":"length"},"completion_tokens":1}}'
-            writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
+            writer.write(
+                b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
+            )
             await writer.drain()
         writer.close()
 
     return handle, answered
 
 
-@pytest.mark.parametrize("statuses, unwell, probes", [([200], False, 1), ([503, 503, 429, 200], True, 4)])
+@pytest.mark.parametrize(
+    "statuses, unwell, probes", [([200], False, 1), ([503, 503, 429, 200], True, 4)]
+)
 def test_failures_at_once_share_one_check_of_the_engine(monkeypatch, statuses, unwell, probes):
     """Ten requests failing together ask the engine once: its probe answered at once, each failure is its prompt's;
     failing (503, 429), they all wait on the same backoff until it answers, then go out again uncounted."""
@@ -221,8 +297,14 @@ def test_failures_at_once_share_one_check_of_the_engine(monkeypatch, statuses, u
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        engine = SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, probe_ids=[1, 2], alive=lambda: True,
-                                 exit_code=lambda: None, engine=SimpleNamespace(ready_timeout_s=30))
+        engine = SimpleNamespace(
+            url=f"http://127.0.0.1:{port}",
+            api_key=None,
+            probe_ids=[1, 2],
+            alive=lambda: True,
+            exit_code=lambda: None,
+            engine=SimpleNamespace(ready_timeout_s=30),
+        )
         check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
         try:
             return await asyncio.gather(*(check.unwell(f"prompt {i}: HTTP 503") for i in range(10)))
@@ -247,15 +329,28 @@ def test_an_engine_unwell_past_its_ready_timeout_is_hung_for_every_request_waiti
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        engine = SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key=None, probe_ids=[1], alive=lambda: True,
-                                 exit_code=lambda: None, engine=SimpleNamespace(ready_timeout_s=0.5))
+        engine = SimpleNamespace(
+            url=f"http://127.0.0.1:{port}",
+            api_key=None,
+            probe_ids=[1],
+            alive=lambda: True,
+            exit_code=lambda: None,
+            engine=SimpleNamespace(ready_timeout_s=0.5),
+        )
         check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
         try:
-            return await asyncio.gather(*(check.unwell("HTTP 503") for _ in range(3)), return_exceptions=True)
+            return await asyncio.gather(
+                *(check.unwell("HTTP 503") for _ in range(3)), return_exceptions=True
+            )
         finally:
             check.close()
             server.close()
 
     got = asyncio.run(main())
-    assert all(isinstance(e, EngineHung) and "its probe /generate still fails (HTTP 503)" in str(e) for e in got), got
-    assert 3 <= len(answered) <= 8  # probes with a doubling backoff over 0.5 s, one for all three requests
+    assert all(
+        isinstance(e, EngineHung) and "its probe /generate still fails (HTTP 503)" in str(e)
+        for e in got
+    ), got
+    assert (
+        3 <= len(answered) <= 8
+    )  # probes with a doubling backoff over 0.5 s, one for all three requests

@@ -26,8 +26,17 @@ from toolkit.worker.concurrency import auto_target
 from toolkit.worker.inflight import continued_params, rid_maker
 from toolkit.worker.run import DONE, run_shard
 
-SAME = ("output_ids", "finish", "matched_stop", "reasoning_end", "tool_call_at", "completion_tokens", "prompt_ids",
-        "prompt_tokens", "status")
+SAME = (
+    "output_ids",
+    "finish",
+    "matched_stop",
+    "reasoning_end",
+    "tool_call_at",
+    "completion_tokens",
+    "prompt_ids",
+    "prompt_tokens",
+    "status",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +57,12 @@ def fields(r: Record) -> dict:
 
 
 def worker(rd) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
@@ -61,11 +74,18 @@ def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
 
 def generating(rd) -> bool:
     p = read_progress(rd.progress_file(0))
-    return p is not None and p.state == "generating" and rd.shard_file(0).exists() and len(records(rd.root)) >= 2
+    return (
+        p is not None
+        and p.state == "generating"
+        and rd.shard_file(0).exists()
+        and len(records(rd.root)) >= 2
+    )
 
 
 def post(url: str, path: str, body: dict) -> None:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         r.read()
 
@@ -78,9 +98,12 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
     # 4 at a time (about 10 s of the stub's pace, however fast the machine)
     n = 24
     prompts = write_prompts(tmp_path / "prompts.jsonl", n)
-    common = dict(prompts=prompts, stub={"token_delay_s": 0.004},
-                  sampling={"max_new_tokens": 400, "min_new_tokens": 400},
-                  client={"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05})
+    common = dict(
+        prompts=prompts,
+        stub={"token_delay_s": 0.004},
+        sampling={"max_new_tokens": 400, "min_new_tokens": 400},
+        client={"concurrency": 4, "request_timeout_s": 30, "retries": 3, "backoff_s": 0.05},
+    )
     ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
     assert run_shard(ref.root, 0).end == DONE
     expected = {i: fields(r) for i, r in newest(ref.root).items()}
@@ -92,8 +115,12 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
         before = len(records(rd.root)) if rd.shard_file(0).exists() else 0
         wait_for(lambda: generating(rd) and len(records(rd.root)) >= before + 2, what="records")
         # requests in flight: the stub's /v1/loads, read into the progress file by this worker, says they run
-        wait_for(lambda: (lambda p: p.pid == proc.pid and (p.running or 0) > 0)(read_progress(rd.progress_file(0))),
-                 what="requests running on the engine")
+        wait_for(
+            lambda: (lambda p: p.pid == proc.pid and (p.running or 0) > 0)(
+                read_progress(rd.progress_file(0))
+            ),
+            what="requests running on the engine",
+        )
         assert read_progress(rd.progress_file(0)).done < n, "work is left when the signal comes"
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(60) == 3, proc.stderr.read()
@@ -101,12 +128,16 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
         assert p.state == "stopped" and p.stop_signal == "SIGUSR2" and p.partial_saved > 0
         got = newest(rd.root)
         part = [r for r in got.values() if r.status == PARTIAL]
-        assert part and all(r.finish == "abort" and r.n_output == r.completion_tokens > 0 for r in part)
+        assert part and all(
+            r.finish == "abort" and r.n_output == r.completion_tokens > 0 for r in part
+        )
         for r in part:  # a prefix of the uninterrupted output
             assert r.output_ids == expected[r.id]["output_ids"][: len(r.output_ids)]
         partial_seen += len(part)
         assert not rd.done_file(0).exists()
-        assert read_progress(rd.progress_file(0)).done == sum(r.status != PARTIAL for r in got.values())
+        assert read_progress(rd.progress_file(0)).done == sum(
+            r.status != PARTIAL for r in got.values()
+        )
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
     assert len(got) == n and not any(r.status == PARTIAL for r in got.values())
@@ -119,8 +150,14 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
 
 @pytest.mark.slow
 def test_without_save_in_flight_a_stop_throws_the_requests_in_flight_away(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=12, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 400},
-                   client={"concurrency": 4, "save_in_flight": False})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=12,
+        stub={"token_delay_s": 0.004},
+        sampling={"max_new_tokens": 400},
+        client={"concurrency": 4, "save_in_flight": False},
+    )
     rd, _ = prepared_run(job)
     proc = worker(rd)
     wait_for(lambda: generating(rd), what="records")
@@ -140,9 +177,12 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
     stub, url = start_standalone(str(kimi), "--context-length", "32768", "--token-delay", "0.004")
     try:
         # seeded: one server answers both runs, and a sampled request without a seed sent again draws anew
-        common = dict(prompts=prompts, engine={"kind": "external", "url": url},
-                      sampling={"max_new_tokens": 400, "sampling_seed": 7},
-                      client={"concurrency": 4, "request_timeout_s": 30, "retries": 2, "backoff_s": 0.05})
+        common = dict(
+            prompts=prompts,
+            engine={"kind": "external", "url": url},
+            sampling={"max_new_tokens": 400, "sampling_seed": 7},
+            client={"concurrency": 4, "request_timeout_s": 30, "retries": 2, "backoff_s": 0.05},
+        )
         ref, _ = prepared_run(make_job(tmp_path / "ref", kimi, **common))
         assert run_shard(ref.root, 0).end == DONE
         expected = {i: fields(r) for i, r in newest(ref.root).items()}
@@ -189,7 +229,9 @@ def test_rids_are_fixed_width_and_never_prefixes_of_each_other():
 def test_auto_target_is_capacity_plus_a_small_queue():
     assert auto_target(8, 0, 0, 1024) == 10
     assert auto_target(256, 256, 10, 1024) == 288
-    assert auto_target(256, 100, 40, 1024) == 132  # waiting while below the limit: the KV cache is the limit
+    assert (
+        auto_target(256, 100, 40, 1024) == 132
+    )  # waiting while below the limit: the KV cache is the limit
     assert auto_target(4096, 0, 0, 1024) == 1024
     assert auto_target(0, 0, 0, 1024) == 64  # the server does not say
 
@@ -203,17 +245,33 @@ def test_auto_target_caps_at_max_concurrency_and_keeps_a_queue_of_at_least_two()
 def test_continued_params_take_off_what_was_generated():
     params = {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}
     assert continued_params(params, 0) is params
-    assert continued_params(params, 3) == {"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0.6}
+    assert continued_params(params, 3) == {
+        "max_new_tokens": 7,
+        "min_new_tokens": 1,
+        "temperature": 0.6,
+    }
     assert continued_params(params, 6)["min_new_tokens"] == 0
     assert continued_params(params, 10) is None  # the budget is used up
-    assert params == {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0.6}  # the caller's are unchanged
+    assert params == {
+        "max_new_tokens": 10,
+        "min_new_tokens": 4,
+        "temperature": 0.6,
+    }  # the caller's are unchanged
 
 
 @pytest.mark.slow
-def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_the_load(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=40, stub={"token_delay_s": 0.005, "fixed_output_tokens": 120},
-                   engine={"extra_args": ["--max-running-requests", "3"]}, sampling={"max_new_tokens": 200},
-                   client={"concurrency": "auto"})
+def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_the_load(
+    tmp_path, kimi
+):
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=40,
+        stub={"token_delay_s": 0.005, "fixed_output_tokens": 120},
+        engine={"extra_args": ["--max-running-requests", "3"]},
+        sampling={"max_new_tokens": 200},
+        client={"concurrency": "auto"},
+    )
     rd, _ = prepared_run(job)
     seen: list = []
     stop = threading.Event()
@@ -240,7 +298,9 @@ def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_t
 
 
 def test_records_written_before_segments_still_decode():
-    old = msgspec.msgpack.encode(["p1", "d", 0, "ok", b"", b"", None, None, "stop", 2, 3, 0, 0, 0.1, 1, None, None])
+    old = msgspec.msgpack.encode(
+        ["p1", "d", 0, "ok", b"", b"", None, None, "stop", 2, 3, 0, 0, 0.1, 1, None, None]
+    )
     r = msgspec.msgpack.decode(old, type=Record)
     assert r.segments == 1 and r.failure is None
 
@@ -250,9 +310,23 @@ def test_status_shows_the_engines_running_queued_and_kv_use(tmp_path, kimi):
     from toolkit.formats.progress import Progress, write_progress
 
     rd, _ = prepared_run(make_job(tmp_path, kimi, n=4))
-    write_progress(rd.progress_file(0), Progress(shard=0, state="generating", total=4, done=1, running=12, queued=3,
-                                                 kv_usage=0.41, capacity=12, in_flight_target=15, pid=os.getpid(),
-                                                 host="here", started=time.time()))
+    write_progress(
+        rd.progress_file(0),
+        Progress(
+            shard=0,
+            state="generating",
+            total=4,
+            done=1,
+            running=12,
+            queued=3,
+            kv_usage=0.41,
+            capacity=12,
+            in_flight_target=15,
+            pid=os.getpid(),
+            host="here",
+            started=time.time(),
+        ),
+    )
     root, rows, merge = run_status(rd.root)
     assert (rows[0].running, rows[0].queued, rows[0].kv_usage) == (12, 3, 0.41)
     table = format_status(root, rows, merge)
@@ -272,8 +346,14 @@ def test_the_watch_hands_freed_memory_back_while_generating(tmp_path, kimi, monk
     calls = []
     monkeypatch.setattr(concurrency, "_TRIM", lambda pad: calls.append(pad) or 0)
     monkeypatch.setattr(concurrency, "TRIM_S", 0.3)
-    job = make_job(tmp_path, kimi, n=6, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 300},
-                   client={"concurrency": 2})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=6,
+        stub={"token_delay_s": 0.01},
+        sampling={"max_new_tokens": 300},
+        client={"concurrency": 2},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     assert calls and set(calls) == {0}

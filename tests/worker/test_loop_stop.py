@@ -25,8 +25,16 @@ from toolkit.job.spec import ClientSpec, SpecError, load_spec
 from toolkit.worker.inflight import segment_tokens
 from toolkit.worker.run import DONE, run_shard
 
-SAME = ("output_ids", "finish", "matched_stop", "reasoning_end", "tool_call_at", "completion_tokens", "prompt_ids",
-        "status")
+SAME = (
+    "output_ids",
+    "finish",
+    "matched_stop",
+    "reasoning_end",
+    "tool_call_at",
+    "completion_tokens",
+    "prompt_ids",
+    "status",
+)
 MAX_NEW = 4096
 SEGMENT = 512
 
@@ -50,10 +58,15 @@ def fields(r: Record) -> dict:
 
 def loop_job(tmp: Path, prompts: Path, loop_stop: bool, **stub) -> Path:
     # output_scale: the stub's lengths follow max_new_tokens, a model's do not; both runs get the same outputs
-    return make_job(tmp, _KIMI[0], prompts=prompts, sampling={"max_new_tokens": MAX_NEW},
-                    stub={"degenerate_fraction": 0.2, "output_scale": MAX_NEW, **stub},
-                    client={"concurrency": 8, "loop_stop": loop_stop, "segment_tokens": SEGMENT},
-                    audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0})
+    return make_job(
+        tmp,
+        _KIMI[0],
+        prompts=prompts,
+        sampling={"max_new_tokens": MAX_NEW},
+        stub={"degenerate_fraction": 0.2, "output_scale": MAX_NEW, **stub},
+        client={"concurrency": 8, "loop_stop": loop_stop, "segment_tokens": SEGMENT},
+        audit={"max_degenerate_share": 1.0, "max_length_share": 1.0, "min_think_end_share": 0.0},
+    )
 
 
 _KIMI: list[Path] = []
@@ -70,8 +83,12 @@ def runs(tmp_path, kimi):
 
 def test_loops_are_stopped_at_a_segment_end_and_every_other_output_is_the_one_request_output(runs):
     tmp_path, prompts, expected = runs
-    looping = {i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None}
-    assert 3 <= len(looping) <= 20  # the stub's draw: a fifth of the outputs loop until max_new_tokens
+    looping = {
+        i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None
+    }
+    assert (
+        3 <= len(looping) <= 20
+    )  # the stub's draw: a fifth of the outputs loop until max_new_tokens
     rd, _ = prepared_run(loop_job(tmp_path / "stopped", prompts, loop_stop=True))
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
@@ -80,12 +97,18 @@ def test_loops_are_stopped_at_a_segment_end_and_every_other_output_is_the_one_re
     assert stopped == looping
     for i, r in got.items():
         if i in looping:  # what the loop had written by the first segment's end, no more
-            assert r.status == OK and r.failure is None and r.n_output == SEGMENT == r.completion_tokens
+            assert (
+                r.status == OK
+                and r.failure is None
+                and r.n_output == SEGMENT == r.completion_tokens
+            )
             assert r.output_ids == expected[i].output_ids[: 4 * SEGMENT] and r.matched_stop is None
             assert defects(r, 4000, r.reasoning_end, MAX_NEW) == []
         else:
             assert fields(r) == fields(expected[i]), i
-    assert max(r.segments for i, r in got.items() if i not in looping) > 1  # long outputs came in several segments
+    assert (
+        max(r.segments for i, r in got.items() if i not in looping) > 1
+    )  # long outputs came in several segments
     assert all(r.segments == 1 for r in expected.values())
     spent = sum(got[i].n_output for i in looping) / sum(expected[i].n_output for i in looping)
     assert spent <= SEGMENT / MAX_NEW
@@ -103,11 +126,18 @@ def test_loops_are_stopped_at_a_segment_end_and_every_other_output_is_the_one_re
 @pytest.mark.slow
 def test_kill_9_mid_run_records_each_stopped_loop_once(runs):
     tmp_path, prompts, expected = runs
-    looping = {i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None}
-    rd, _ = prepared_run(loop_job(tmp_path / "killed", prompts, loop_stop=True, token_delay_s=0.0005))
+    looping = {
+        i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None
+    }
+    rd, _ = prepared_run(
+        loop_job(tmp_path / "killed", prompts, loop_stop=True, token_delay_s=0.0005)
+    )
     for _ in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         before = len(records(rd.root)) if rd.shard_file(0).exists() else 0
         deadline = time.monotonic() + 120
         while not (rd.shard_file(0).exists() and len(records(rd.root)) >= before + 3):
@@ -126,16 +156,29 @@ def test_kill_9_mid_run_records_each_stopped_loop_once(runs):
 def test_params_a_segment_would_change_are_asked_for_in_one_request():
     c = ClientSpec()
     assert segment_tokens(c, {"max_new_tokens": 32768, "temperature": 0.6}) == 4096
-    assert segment_tokens(c, {"max_new_tokens": 32768, "repetition_penalty": 1.0, "frequency_penalty": 0}) == 4096
-    for extra in ({"stop": ["END"]}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.1},
-                  {"repetition_penalty": 1.1}, {"json_schema": "{}"}, {"regex": "a+"}):
+    assert (
+        segment_tokens(
+            c, {"max_new_tokens": 32768, "repetition_penalty": 1.0, "frequency_penalty": 0}
+        )
+        == 4096
+    )
+    for extra in (
+        {"stop": ["END"]},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": 0.1},
+        {"repetition_penalty": 1.1},
+        {"json_schema": "{}"},
+        {"regex": "a+"},
+    ):
         assert segment_tokens(c, {"max_new_tokens": 32768, **extra}) is None, extra
     assert segment_tokens(ClientSpec(loop_stop=False), {"max_new_tokens": 32768}) is None
 
 
 def test_loop_settings_are_checked_with_a_message_naming_them(tmp_path, kimi):
     job = make_job(tmp_path, kimi, client={"segment_tokens": 300, "loop_window": 512})
-    with pytest.raises(SpecError, match=r"\[client\] loop stop needs .*segment_tokens = 300, loop_window = 512"):
+    with pytest.raises(
+        SpecError, match=r"\[client\] loop stop needs .*segment_tokens = 300, loop_window = 512"
+    ):
         load_spec(job)
 
 
@@ -156,8 +199,11 @@ def _demo_job(tmp: Path, loop_stop: bool) -> Path:
     text = (REPO / "jobs" / "demo.toml").read_text()
     text = text.replace('output_dir = "../runs/demo"', f'output_dir = "{tmp / "run"}"')
     text = text.replace('"demo/', f'"{REPO / "jobs" / "demo"}/')
-    text = text.replace("[client]\n", f"[client]\nloop_stop = {'true' if loop_stop else 'false'}\nsegment_tokens = 256\n"
-                        "loop_window = 256\nloop_max_period = 64\n")
+    text = text.replace(
+        "[client]\n",
+        f"[client]\nloop_stop = {'true' if loop_stop else 'false'}\nsegment_tokens = 256\n"
+        "loop_window = 256\nloop_max_period = 64\n",
+    )
     text = text.replace("[sampling]\n", "[engine.stub]\noutput_scale = 1024\n[sampling]\n")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "job.toml").write_text(text)
@@ -173,8 +219,11 @@ def test_no_loop_is_seen_in_the_demo_outputs_at_any_segment_end(tmp_path):
         rd, plan = prepared_run(_demo_job(tmp_path / str(loop_stop), loop_stop))
         for k in range(len(plan.shards)):
             assert run_shard(rd.root, k).end == DONE
-        got[loop_stop] = {r.id: r for k in range(len(plan.shards))
-                          for r in read_shard(rd.root / "shards" / f"{k:05d}.zst")}
+        got[loop_stop] = {
+            r.id: r
+            for k in range(len(plan.shards))
+            for r in read_shard(rd.root / "shards" / f"{k:05d}.zst")
+        }
     ref, seg = got[False], got[True]
     assert len(ref) == 44 and ref.keys() == seg.keys()
     assert not any(r.finish == LOOP for r in seg.values())
@@ -206,12 +255,19 @@ def test_a_stop_mid_segment_keeps_partial_outputs_and_the_resume_ends_as_an_unin
     partial records, the resume continues them in segments, and the shard ends with each loop stopped once and
     every other output the one-request output."""
     tmp_path, prompts, expected = runs
-    looping = {i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None}
-    rd, _ = prepared_run(loop_job(tmp_path / "stopped", prompts, loop_stop=True, token_delay_s=0.0005))
+    looping = {
+        i for i, r in expected.items() if r.finish == "length" and record_loop(r) is not None
+    }
+    rd, _ = prepared_run(
+        loop_job(tmp_path / "stopped", prompts, loop_stop=True, token_delay_s=0.0005)
+    )
     partial = 0
     for _ in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         before = len(records(rd.root)) if rd.shard_file(0).exists() else 0
         deadline = time.monotonic() + 120
         while not (rd.shard_file(0).exists() and len(records(rd.root)) >= before + 2):
@@ -227,4 +283,6 @@ def test_a_stop_mid_segment_keeps_partial_outputs_and_the_resume_ends_as_an_unin
     assert sorted(r.id for r in records(rd.root) if r.status != PARTIAL) == sorted(expected)
     assert {i for i, r in got.items() if r.finish == LOOP} == looping
     assert all(fields(r) == fields(expected[i]) for i, r in got.items() if i not in looping)
-    assert all(got[i].output_ids == expected[i].output_ids[: len(got[i].output_ids)] for i in looping)
+    assert all(
+        got[i].output_ids == expected[i].output_ids[: len(got[i].output_ids)] for i in looping
+    )

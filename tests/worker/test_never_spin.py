@@ -21,7 +21,12 @@ from toolkit.formats.progress import read_progress
 REPO = Path(__file__).resolve().parents[2]
 
 # prompt position -> (the stub's poison kind, the failure kind it is recorded with)
-ALWAYS = {2: ("status_503", "server_error"), 5: ("nan", "nan"), 7: ("reset", "unreachable"), 9: ("hang", "timeout")}
+ALWAYS = {
+    2: ("status_503", "server_error"),
+    5: ("nan", "nan"),
+    7: ("reset", "unreachable"),
+    9: ("hang", "timeout"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +49,57 @@ def mark(kind: str) -> str:
     return f"ALWAYS{kind.upper().replace('_', '')}"
 
 
-def always_job(tmp: Path, kimi, faults: dict[int, str], *, n: int = 12, shards: int = 2, max_tries: int = 3,
-               poison: bool = True, **tables) -> Path:
+def always_job(
+    tmp: Path,
+    kimi,
+    faults: dict[int, str],
+    *,
+    n: int = 12,
+    shards: int = 2,
+    max_tries: int = 3,
+    poison: bool = True,
+    **tables,
+) -> Path:
     """A greedy job (outputs repeat exactly) whose prompts at `faults` get the stub's poison of that kind on every
     request (with `poison` False: the same prompts, a healthy engine)."""
     prompts = marked_prompts(tmp / "prompts.jsonl", n, {i: mark(k) for i, k in faults.items()})
-    rules = [a for k in dict.fromkeys(faults.values()) for a in ("--poison-prompt", f"{k}={mark(k)}")]
-    client = {"concurrency": 2, "retries": 1, "request_timeout_s": 2.0, "backoff_s": 0.05, "backoff_max_s": 0.2,
-              "max_tries": max_tries, **tables.pop("client", {})}
-    tables.setdefault("audit", {"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0})  # (a few tiny outputs)
-    return make_job(tmp, kimi, prompts=prompts, shards=shards, sampling={"max_new_tokens": 48, "temperature": 0},
-                    stub={"extra_args": rules if poison else []}, client=client, **tables)
+    rules = [
+        a for k in dict.fromkeys(faults.values()) for a in ("--poison-prompt", f"{k}={mark(k)}")
+    ]
+    client = {
+        "concurrency": 2,
+        "retries": 1,
+        "request_timeout_s": 2.0,
+        "backoff_s": 0.05,
+        "backoff_max_s": 0.2,
+        "max_tries": max_tries,
+        **tables.pop("client", {}),
+    }
+    tables.setdefault(
+        "audit", {"max_failed_share": 1.0, "max_empty_reasoning_share": 1.0}
+    )  # (a few tiny outputs)
+    return make_job(
+        tmp,
+        kimi,
+        prompts=prompts,
+        shards=shards,
+        sampling={"max_new_tokens": 48, "temperature": 0},
+        stub={"extra_args": rules if poison else []},
+        client=client,
+        **tables,
+    )
 
 
 def toolkit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def newest(rd, shards: int) -> dict:
@@ -82,7 +120,9 @@ def clean_outputs(tmp: Path, kimi, faults: dict[int, str], n: int = 12) -> dict[
 
 
 @pytest.mark.slow
-def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their_count(tmp_path, kimi):
+def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their_count(
+    tmp_path, kimi
+):
     """One prompt always answered 503, one always a NaN stop, one whose connection is always reset, one never
     answered: `toolkit run` ends by itself, each of them failed 3 times and final (the shard done), every other
     record exactly what a healthy engine gives; `status` names the failures and `toolkit retry`, which starts a
@@ -105,7 +145,9 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
     assert sum(rec.status == "ok" for rec in got.values()) == 12 - len(ALWAYS)
     # three tries of each, each written (the count lives in the records), then nothing more
     tries = [rec for rec in every_record(rd, 2) if rec.status != "ok"]
-    assert sorted((rec.id, rec.tries) for rec in tries) == sorted((f"p{i:04d}", t) for i in ALWAYS for t in (1, 2, 3))
+    assert sorted((rec.id, rec.tries) for rec in tries) == sorted(
+        (f"p{i:04d}", t) for i in ALWAYS for t in (1, 2, 3)
+    )
     dones = [read_done(rd.done_file(k)) for k in range(2)]
     assert all(m is not None for m in dones), out
     assert sum(m.given_up for m in dones) == 4 and sum(m.transient for m in dones) == 0
@@ -117,7 +159,9 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
 
     st = toolkit("status", str(rd.root))
     assert st.returncode == 1, st.stdout + st.stderr
-    assert "4 failures that may pass" in st.stdout and f"toolkit retry {rd.shown}" in st.stdout, st.stdout
+    assert "4 failures that may pass" in st.stdout and f"toolkit retry {rd.shown}" in st.stdout, (
+        st.stdout
+    )
 
     # `toolkit retry` gives them a fresh budget: tried 3 more times (counted from 1 again), final again
     r = toolkit("retry", str(rd.root))
@@ -134,13 +178,42 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
 EVERY = "EVERYONE"  # a word every prompt of these jobs holds
 LOOPS = {
     # the loop: (what the stub does, job tables, what becomes of each shard, words in the worker's output)
-    "retry of failures that may pass": (["--poison-prompt", f"status_503={EVERY}"], {}, "done", "failed 3 times"),
-    "reconnect of a reset connection": (["--poison-prompt", f"reset={EVERY}"], {}, "done", "failed 3 times"),
-    "continuation of aborts": (["--poison-prompt", f"abort_empty={EVERY}"], {}, "done", "failed 3 times: aborted"),
-    "engine restart": ([], {"stub": {"crash_after": 2}, "engine": {"max_restarts": 1}}, "failed",
-                       "engine died 2 times"),
-    "engine start (never ready)": (["--hang"], {"engine": {"ready_timeout_s": 2}}, "failed", "not ready after 2 s"),
-    "readiness probe": (["--poison", "no_completion_tokens"], {}, "failed", "probe /generate breaks SGLang's protocol"),
+    "retry of failures that may pass": (
+        ["--poison-prompt", f"status_503={EVERY}"],
+        {},
+        "done",
+        "failed 3 times",
+    ),
+    "reconnect of a reset connection": (
+        ["--poison-prompt", f"reset={EVERY}"],
+        {},
+        "done",
+        "failed 3 times",
+    ),
+    "continuation of aborts": (
+        ["--poison-prompt", f"abort_empty={EVERY}"],
+        {},
+        "done",
+        "failed 3 times: aborted",
+    ),
+    "engine restart": (
+        [],
+        {"stub": {"crash_after": 2}, "engine": {"max_restarts": 1}},
+        "failed",
+        "engine died 2 times",
+    ),
+    "engine start (never ready)": (
+        ["--hang"],
+        {"engine": {"ready_timeout_s": 2}},
+        "failed",
+        "not ready after 2 s",
+    ),
+    "readiness probe": (
+        ["--poison", "no_completion_tokens"],
+        {},
+        "failed",
+        "probe /generate breaks SGLang's protocol",
+    ),
 }
 
 
@@ -154,10 +227,20 @@ def test_every_loop_of_a_claiming_worker_ends_when_its_fault_always_recurs(tmp_p
     stub = {"extra_args": args, **tables.pop("stub", {})}
     prompts = marked_prompts(tmp_path / "prompts.jsonl", 6, {i: EVERY for i in range(6)})
     engine = {"max_restarts": 2, **tables.pop("engine", {})}
-    job = make_job(tmp_path, kimi, prompts=prompts, shards=2, sampling={"max_new_tokens": 32}, stub=stub,
-                   engine=engine, client={"concurrency": 2, "retries": 1, "backoff_s": 0.05, "backoff_max_s": 0.1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        shards=2,
+        sampling={"max_new_tokens": 32},
+        stub=stub,
+        engine=engine,
+        client={"concurrency": 2, "retries": 1, "backoff_s": 0.05, "backoff_max_s": 0.1},
+    )
     rd, _ = prepared_run(job)
-    r = toolkit("worker", str(rd.root), "--claim", "0", "1", timeout=180)  # a worker that spins fails here
+    r = toolkit(
+        "worker", str(rd.root), "--claim", "0", "1", timeout=180
+    )  # a worker that spins fails here
     out = r.stdout + r.stderr
     assert "Traceback" not in out, out
     assert out.count("claims shard 0") == 1 and out.count("claims shard 1") == 1, out
@@ -166,7 +249,9 @@ def test_every_loop_of_a_claiming_worker_ends_when_its_fault_always_recurs(tmp_p
     if outcome == "done":
         assert r.returncode == 0, out
         got = newest(rd, 2)
-        assert len(got) == 6 and all(rec.status == "failed" and rec.final and rec.tries == 3 for rec in got.values())
+        assert len(got) == 6 and all(
+            rec.status == "failed" and rec.final and rec.tries == 3 for rec in got.values()
+        )
         assert all(read_done(rd.done_file(k)).given_up == 3 for k in range(2))
     else:
         assert r.returncode == 1, out
@@ -187,32 +272,48 @@ def test_on_slurm_prompts_that_always_fail_end_the_array_and_the_merge_job_runs(
     from toolkit.cluster.status import run_status
 
     if not os.environ.get("SLURM_CONF"):
-        pytest.fail("SLURM_CONF is not set: start the local cluster first, eval \"$(slurm/start.sh)\" (see README)")
+        pytest.fail(
+            'SLURM_CONF is not set: start the local cluster first, eval "$(slurm/start.sh)" (see README)'
+        )
     faults = {i: k for i, (k, _) in ALWAYS.items()}
-    job = always_job(tmp_path, kimi, faults, slurm={"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00",
-                                                    "merge_cpus": 1})
+    job = always_job(
+        tmp_path,
+        kimi,
+        faults,
+        slurm={"gpus_per_node": 1, "cpus_per_task": 1, "time": "00:10:00", "merge_cpus": 1},
+    )
     r = toolkit("submit", str(job), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     rd, _ = prepared_run(job)
     active = ("pending", "running", "submitted", "requeued", "configuring", "completing")
     deadline = time.time() + 300
-    while True:  # until every task and the merge job have left the queue (a spinning task would hold it)
+    while (
+        True
+    ):  # until every task and the merge job have left the queue (a spinning task would hold it)
         _, rows, merge = run_status(rd.root)
         if all(x.state not in active for x in rows) and merge.state not in (*active, None):
             break
-        assert time.time() < deadline, f"the run did not end: {[(x.shard, x.state) for x in rows]}, merge {merge}"
+        assert time.time() < deadline, (
+            f"the run did not end: {[(x.shard, x.state) for x in rows]}, merge {merge}"
+        )
         time.sleep(1.0)
     assert [x.state for x in rows] == ["completed", "completed"] and merge.merged, (rows, merge)
     got = newest(rd, 2)
-    assert sorted(i for i, rec in got.items() if rec.status != "ok") == sorted(f"p{i:04d}" for i in ALWAYS)
-    assert all(got[f"p{i:04d}"].error.startswith(f"failed 3 times: {f}") for i, (_, f) in ALWAYS.items())
+    assert sorted(i for i, rec in got.items() if rec.status != "ok") == sorted(
+        f"p{i:04d}" for i in ALWAYS
+    )
+    assert all(
+        got[f"p{i:04d}"].error.startswith(f"failed 3 times: {f}") for i, (_, f) in ALWAYS.items()
+    )
     st = toolkit("status", str(rd.root))
     assert st.returncode == 1 and "4 failures that may pass in shards 0-1" in st.stdout, st.stdout
     assert f"`toolkit retry {rd.shown}`" in st.stdout, st.stdout
 
 
 @pytest.mark.slow
-def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_it_afresh(tmp_path, kimi):
+def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_it_afresh(
+    tmp_path, kimi
+):
     """The count lives in the records, not in a process: a worker stopped (SIGTERM) while it waits to try a prompt
     again leaves its first try recorded; the next run (a requeued task) goes on with tries 2 and 3, then the failure
     is final. `toolkit retry --ids` asks for it again with a fresh count: tries 1 to 3 again."""
@@ -220,13 +321,26 @@ def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_i
     import time
 
     # (no retry within a try: its backoff, 30 to 60 s with these settings, would delay the first try's record)
-    job = always_job(tmp_path, kimi, {1: "status_503"}, n=4, shards=1, sharding={"flush_records": 1},
-                     client={"backoff_s": 60.0, "backoff_max_s": 60.0, "retries": 0})
+    job = always_job(
+        tmp_path,
+        kimi,
+        {1: "status_503"},
+        n=4,
+        shards=1,
+        sharding={"flush_records": 1},
+        client={"backoff_s": 60.0, "backoff_max_s": 60.0, "retries": 0},
+    )
     rd, _ = prepared_run(job)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 60
+
     def first_try_recorded() -> bool:
         return rd.shard_file(0).exists() and any(rec.id == "p0001" for rec in every_record(rd, 1))
 
@@ -237,9 +351,13 @@ def test_the_count_of_tries_survives_a_stop_and_a_requeue_and_retry_ids_starts_i
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 3, out
     first = [rec for rec in every_record(rd, 1) if rec.id == "p0001"]
-    assert [(rec.tries, rec.final) for rec in first] == [(1, False)] and read_done(rd.done_file(0)) is None
+    assert [(rec.tries, rec.final) for rec in first] == [(1, False)] and read_done(
+        rd.done_file(0)
+    ) is None
 
-    plan = json.loads(rd.plan_file.read_text())  # the job's backoff shortened, as a job planned again would
+    plan = json.loads(
+        rd.plan_file.read_text()
+    )  # the job's backoff shortened, as a job planned again would
     plan["spec"]["client"].update(backoff_s=0.05, backoff_max_s=0.1)
     rd.plan_file.write_text(json.dumps(plan))
     r = toolkit("worker", str(rd.root), "0")

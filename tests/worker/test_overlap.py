@@ -244,4 +244,7 @@ def test_without_flock_no_task_hands_over(tmp_path, kimi, no_flock):
         rd.shard_file(k).with_name(rd.shard_file(k).name + ".lock").write_text("{}")
     assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8))
     assert not hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
-    assert not read_progress(rd.progress_file(0)).leaving and not read_progress(rd.progress_file(1)).leaving
+    assert (
+        not read_progress(rd.progress_file(0)).leaving
+        and not read_progress(rd.progress_file(1)).leaving
+    )

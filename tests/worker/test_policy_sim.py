@@ -20,8 +20,10 @@ import bench_claims_sim as sim  # noqa: E402
 @pytest.fixture(scope="module")
 def lengths() -> list[int]:
     rng = random.Random(1)
-    return [min(sim.MAX_NEW, max(1, round(rng.lognormvariate(math.log(sim.MEDIAN), sim.SIGMA))))
-            for _ in range(4000)]
+    return [
+        min(sim.MAX_NEW, max(1, round(rng.lognormvariate(math.log(sim.MEDIAN), sim.SIGMA))))
+        for _ in range(4000)
+    ]
 
 
 def run(lengths, policy: str, **kw) -> dict:
@@ -29,17 +31,23 @@ def run(lengths, policy: str, **kw) -> dict:
 
 
 def test_each_policy_generates_every_token_and_overlap_then_handover_cut_the_idle_time(lengths):
-    got = {p: run(lengths, p) for p in ("claims", "claims + overlap", "claims + overlap + handover")}
+    got = {
+        p: run(lengths, p) for p in ("claims", "claims + overlap", "claims + overlap + handover")
+    }
     for r in got.values():
         # preempted partials continue: no token lost (but rounding the partials to whole tokens)
         assert r["tokens"] == pytest.approx(sum(lengths), rel=1e-5)
         assert r["starts"] == 5  # one load per node, one more for the preempted task
-    claims, overlap, handover = (got[p] for p in ("claims", "claims + overlap", "claims + overlap + handover"))
+    claims, overlap, handover = (
+        got[p] for p in ("claims", "claims + overlap", "claims + overlap + handover")
+    )
     assert overlap["idle_h"] < 0.5 * claims["idle_h"]
     assert handover["idle_h"] < 0.7 * overlap["idle_h"]
     assert handover["alloc_h"] < overlap["alloc_h"] < claims["alloc_h"]
     h = handover["handed"]
-    assert 1 <= h["tasks"] <= 3 and h["sequences"] > 0 and h["tokens"] > 0  # one task stays to the end
+    assert (
+        1 <= h["tasks"] <= 3 and h["sequences"] > 0 and h["tokens"] > 0
+    )  # one task stays to the end
     assert overlap["handed"]["tasks"] == 0
 
 
@@ -47,7 +55,9 @@ def test_the_simulation_follows_the_policy_functions(lengths, monkeypatch):
     overlap = run(lengths, "claims + overlap")
     monkeypatch.setattr(sim, "hands_over", lambda *a, **k: False)
     assert run(lengths, "claims + overlap + handover") == overlap
-    monkeypatch.setattr(sim, "opens_next", lambda *a: False)  # never open a shard early, nor the first: no work
+    monkeypatch.setattr(
+        sim, "opens_next", lambda *a: False
+    )  # never open a shard early, nor the first: no work
     with pytest.raises(AssertionError, match="shards done"):
         run(lengths, "claims + overlap")
 

@@ -56,8 +56,11 @@ def start_stub(tokenizer: Path, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def post_generate(url: str, ids: list[int], params: dict) -> dict:
-    req = urllib.request.Request(url + "/generate", data=json.dumps({"input_ids": ids, "sampling_params": params}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/generate",
+        data=json.dumps({"input_ids": ids, "sampling_params": params}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -102,15 +105,27 @@ def test_records_hold_the_cached_token_counts_the_server_sent(tmp_path, kimi):
     recs = sorted(records(rd.root), key=lambda r: r.index)
     from toolkit.job import chat
 
-    seen = [chat.probe_ids(chat.load_tokenizer(plan.spec.model), plan.spec.model)]  # the probe went first
+    seen = [
+        chat.probe_ids(chat.load_tokenizer(plan.spec.model), plan.spec.model)
+    ]  # the probe went first
     for r in recs:
         prompt = unpack_ids(r.prompt_ids)
-        common = max((next((k for k, (a, b) in enumerate(zip(prompt, q)) if a != b), min(len(prompt), len(q)))
-                      for q in seen), default=0)
+        common = max(
+            (
+                next(
+                    (k for k, (a, b) in enumerate(zip(prompt, q)) if a != b),
+                    min(len(prompt), len(q)),
+                )
+                for q in seen
+            ),
+            default=0,
+        )
         assert r.cached_tokens == min(common, len(prompt) - 1), r.id
         seen.append(prompt)
     # the probe is a conversation of its own: the first prompt shares only the template's opening with it
-    assert 0 < recs[0].cached_tokens < recs[0].prompt_tokens - 1 and all(r.cached_tokens > 0 for r in recs)
+    assert 0 < recs[0].cached_tokens < recs[0].prompt_tokens - 1 and all(
+        r.cached_tokens > 0 for r in recs
+    )
 
 
 @pytest.mark.slow
@@ -160,9 +175,12 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
     stub, url = start_stub(kimi, "--token-delay", "0.005")
     try:
         # seeded: one server answers every run, and a sampled request without a seed sent again draws anew
-        common = dict(engine={"kind": "external", "url": url}, client={"concurrency": 4, "request_timeout_s": 30},
-                      sampling={"max_new_tokens": 300, "sampling_seed": 7},
-                      sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3})
+        common = dict(
+            engine={"kind": "external", "url": url},
+            client={"concurrency": 4, "request_timeout_s": 30},
+            sampling={"max_new_tokens": 300, "sampling_seed": 7},
+            sharding={"shards": 1, "flush_records": 3, "flush_seconds": 0.3},
+        )
         ref_rd, _ = prepared_run(make_job(tmp_path / "ref", kimi, prompts=prompts, **common))
         assert run_shard(ref_rd.root, 0).end == DONE
         expected = {r.id: comparable(r) for r in records(ref_rd.root)}
@@ -174,13 +192,19 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
         progress_seen = []
         while kills < 20 and not rd.done_file(0).exists():
             size = rd.shard_file(0).stat().st_size if rd.shard_file(0).exists() else 0
-            proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             if kills % 3 == 2:
                 # a kill mid-shard whatever the machine's load: once this attempt has written a frame
                 deadline = time.monotonic() + 120
-                while (proc.poll() is None and time.monotonic() < deadline
-                       and not (rd.shard_file(0).exists() and rd.shard_file(0).stat().st_size > size)):
+                while (
+                    proc.poll() is None
+                    and time.monotonic() < deadline
+                    and not (rd.shard_file(0).exists() and rd.shard_file(0).stat().st_size > size)
+                ):
                     time.sleep(0.02)
                 time.sleep(rng.uniform(0, 0.5))
             else:  # from the start: loading, the engine's check, the first requests, ...
@@ -191,7 +215,9 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, kimi):
             proc.wait()
             if rd.shard_file(0).exists():
                 progress_seen.append(sum(1 for _ in read_shard(rd.shard_file(0))))
-        if kills < 20:  # the shard finished before 20 kills: restart from scratch to get the rest of the kills in
+        if (
+            kills < 20
+        ):  # the shard finished before 20 kills: restart from scratch to get the rest of the kills in
             pytest.fail(f"only {kills} kills landed before the shard completed; slow the stub down")
         assert run_shard(rd.root, 0).end == DONE
         got = records(rd.root)
@@ -207,28 +233,43 @@ def test_the_render_thread_stays_a_bounded_number_of_prompts_ahead(tmp_path, kim
     """Rendering is far faster than generating: without backpressure every prompt of the shard would be rendered and
     held before the requests catch up (54,000 prompts at 100,000 in a shard). The bound: max(4 x concurrency,
     2 render batches of 256)."""
-    job = make_job(tmp_path, kimi, n=1500, stub={"fixed_output_tokens": 8, "token_delay_s": 0.001},
-                   sampling={"max_new_tokens": 16}, client={"concurrency": 4},
-                   sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=1500,
+        stub={"fixed_output_tokens": 8, "token_delay_s": 0.001},
+        sampling={"max_new_tokens": 16},
+        client={"concurrency": 4},
+        sharding={"shards": 1, "flush_records": 256, "flush_seconds": 5},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     assert len(records(rd.root)) == 1500
-    line = next(x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x)
+    line = next(
+        x for x in rd.log_file(0).read_text().splitlines() if "rendered prompts waited" in x
+    )
     peak = int(line.split("at most ")[1].split()[0])
     assert 0 < peak <= 512, line
 
 
 @pytest.mark.slow
 def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400})
+    job = make_job(
+        tmp_path, kimi, n=30, stub={"token_delay_s": 0.01}, sampling={"max_new_tokens": 400}
+    )
     rd, _ = prepared_run(job)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 60
     children: list[str] = []
     while time.time() < deadline and not (rd.shard_file(0).exists() and children):
         time.sleep(0.2)
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
     assert children, "the stub engine should be running under the worker"
     assert all(process_running(int(pid)) for pid in children)
     proc.kill()
@@ -236,7 +277,9 @@ def test_killed_worker_leaves_no_engine_running(tmp_path, kimi):
     deadline = time.time() + 10
     while time.time() < deadline and any(process_running(int(pid)) for pid in children):
         time.sleep(0.1)
-    assert not any(process_running(int(pid)) for pid in children), "the engine must die with its worker"
+    assert not any(process_running(int(pid)) for pid in children), (
+        "the engine must die with its worker"
+    )
 
 
 @pytest.mark.slow
@@ -281,14 +324,21 @@ def test_engine_never_ready_times_out_with_log_tail(tmp_path, kimi):
 
 
 @pytest.mark.slow
-def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_and_a_rerun_fills_the_holes(tmp_path, kimi):
+def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_and_a_rerun_fills_the_holes(
+    tmp_path, kimi
+):
     """A server that stops answering (alive, but wedged): each request times out, is retried, and is recorded
     failed naming the timeout; the shard completes, but a timeout may pass: the done manifest counts it, and the
     next run of the shard generates those prompts again in place, so merge has no failed record."""
     from toolkit.dataset.merge import merge_run
 
-    job = make_job(tmp_path, kimi, n=6, stub={"hang_after": 3},  # the probe and two prompts are answered
-                   client={"concurrency": 2, "request_timeout_s": 1, "retries": 1, "max_tries": 1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=6,
+        stub={"hang_after": 3},  # the probe and two prompts are answered
+        client={"concurrency": 2, "request_timeout_s": 1, "retries": 1, "max_tries": 1},
+    )
     rd, _ = prepared_run(job)
     t0 = time.monotonic()
     assert run_shard(rd.root, 0).end == DONE
@@ -297,16 +347,22 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
     ok = [r for r in recs if r.status == "ok"]
     failed = [r for r in recs if r.status == "failed"]
     assert len(ok) == 2 and len(failed) == 4
-    assert all("no answer within 1 s" in r.error and r.attempts == 2 for r in failed), [r.error for r in failed]
+    assert all("no answer within 1 s" in r.error and r.attempts == 2 for r in failed), [
+        r.error for r in failed
+    ]
     assert {r.failure for r in failed} == {"timeout"}
     assert (read_done(rd.done_file(0)).transient, read_done(rd.done_file(0)).given_up) == (0, 4)
     assert "toolkit retry" in rd.log_file(0).read_text()
 
     fix_engine(rd, hang_after=None)
-    assert run_shard(rd.root, 0).end == DONE and len(records(rd.root)) == 6  # final for this run: nothing tried again
+    assert (
+        run_shard(rd.root, 0).end == DONE and len(records(rd.root)) == 6
+    )  # final for this run: nothing tried again
     request_retry(rd.root)  # a fresh count of tries
     assert run_shard(rd.root, 0).end == DONE
-    assert {r.status for r in newest(rd.root).values()} == {"ok"} and len(records(rd.root)) == 10  # appended
+    assert {r.status for r in newest(rd.root).values()} == {"ok"} and len(
+        records(rd.root)
+    ) == 10  # appended
     done = read_done(rd.done_file(0))
     assert (done.records, done.failed, done.transient, done.superseded) == (6, 0, 0, 4)
     m = merge_run(rd.root)
@@ -319,9 +375,14 @@ def test_requests_without_an_answer_time_out_are_retried_then_recorded_failed_an
 def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeout(tmp_path, kimi):
     """--hang-after: the server stays up but answers nothing; /health_generate fails (here: no answer within its
     bounded timeout), the engine is restarted and the requests in flight go back to the queue, not to failed."""
-    job = make_job(tmp_path, kimi, n=20, stub={"hang_after": 8},  # the probe and 7 prompts per engine start
-                   engine={"hang_timeout_s": 2, "max_restarts": 4},
-                   client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=20,
+        stub={"hang_after": 8},  # the probe and 7 prompts per engine start
+        engine={"hang_timeout_s": 2, "max_restarts": 4},
+        client={"concurrency": 2, "request_timeout_s": 300, "retries": 1},
+    )
     rd, _ = prepared_run(job)
     t0 = time.monotonic()
     assert run_shard(rd.root, 0).end == DONE
@@ -336,17 +397,31 @@ def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeou
 
 @pytest.mark.slow
 def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=16, stub={"token_delay_s": 0.005}, sampling={"max_new_tokens": 200},
-                   engine={"hang_timeout_s": 2, "max_restarts": 2},
-                   client={"concurrency": 2, "request_timeout_s": 300, "retries": 1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=16,
+        stub={"token_delay_s": 0.005},
+        sampling={"max_new_tokens": 200},
+        engine={"hang_timeout_s": 2, "max_restarts": 2},
+        client={"concurrency": 2, "request_timeout_s": 300, "retries": 1},
+    )
     rd, _ = prepared_run(job)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and not (rd.shard_file(0).exists() and len(records(rd.root)) >= 3):
+        while time.time() < deadline and not (
+            rd.shard_file(0).exists() and len(records(rd.root)) >= 3
+        ):
             time.sleep(0.1)
-        engine = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        engine = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         assert len(engine) == 1, engine
         t0 = time.monotonic()
         os.kill(int(engine[0]), signal.SIGSTOP)
@@ -374,7 +449,9 @@ def test_engine_exiting_at_start_fails_fast(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_5xx_bursts_are_retried(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2})
+    job = make_job(
+        tmp_path, kimi, n=12, stub={"fail_5xx": "2:5"}, client={"retries": 6, "concurrency": 2}
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     got = records(rd.root)
@@ -388,8 +465,13 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     from toolkit.dataset.merge import load_manifest
 
     # a 503 on every request of the prompts holding "equivalent" (5 of 12); the engine's probe passes
-    job = make_job(tmp_path, kimi, n=12, stub={"extra_args": ["--poison", "status_503", "--poison-text", "equivalent"]},
-                   client={"retries": 1, "concurrency": 2, "max_tries": 1})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=12,
+        stub={"extra_args": ["--poison", "status_503", "--poison-text", "equivalent"]},
+        client={"retries": 1, "concurrency": 2, "max_tries": 1},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     failed = [r for r in records(rd.root) if r.status == "failed"]
@@ -406,7 +488,9 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     capsys.readouterr()
 
     fix_engine(rd, extra_args=[])
-    assert cli_main(["retry", str(rd.root)]) == 0  # generates them again here, then merges and audits
+    assert (
+        cli_main(["retry", str(rd.root)]) == 0
+    )  # generates them again here, then merges and audits
     m = load_manifest(rd)
     assert (m.ok, m.failed, m.missing) == (12, 0, 0)
     assert "retrying in 1 shards: 0" in capsys.readouterr().out
@@ -432,14 +516,24 @@ def test_sglang_nan_stop_is_a_failure_and_generated_again(tmp_path, kimi):
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     nan = [r for r in records(rd.root) if r.matched_stop == "NaN happened"]
-    assert len(nan) == 4  # requests 4, 8, 12, 16 (the probe is request 1; each NaN prompt is request n + 1 again)
+    assert (
+        len(nan) == 4
+    )  # requests 4, 8, 12, 16 (the probe is request 1; each NaN prompt is request n + 1 again)
     assert all(r.status == "failed" and r.failure == "nan" and r.finish == "stop" for r in nan)
     assert all(r.tries == 1 and not r.final for r in nan)
     eos = {r.matched_stop for r in records(rd.root) if r.status == "ok" and r.finish == "stop"}
-    assert all(unpack_ids(r.output_ids)[-1] in eos for r in nan)  # SGLang's stop id closes the output
+    assert all(
+        unpack_ids(r.output_ids)[-1] in eos for r in nan
+    )  # SGLang's stop id closes the output
     assert "NaN stop" in rd.log_file(0).read_text()
     done = read_done(rd.done_file(0))
-    assert (done.ok, done.failed, done.transient, done.given_up, done.superseded) == (12, 0, 0, 0, 4)
+    assert (done.ok, done.failed, done.transient, done.given_up, done.superseded) == (
+        12,
+        0,
+        0,
+        0,
+        4,
+    )
     m = merge_run(rd.root)
     assert (m.ok, m.failed) == (12, 0)
 
@@ -453,8 +547,14 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
     from toolkit.dataset.merge import merge_run
     from toolkit.formats.frames import iter_frames
 
-    job = make_job(tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, client={"concurrency": 1},
-                   sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=12,
+        sampling={"max_new_tokens": 64},
+        client={"concurrency": 1},
+        sharding={"shards": 1, "flush_records": 3, "flush_seconds": 60},
+    )
     rd, _ = prepared_run(job)
     assert run_shard(rd.root, 0).end == DONE
     before = {r.id: comparable(r) for r in records(rd.root)}
@@ -475,7 +575,9 @@ def test_a_shard_damaged_after_it_finished_is_salvaged_not_trusted(tmp_path, kim
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field, at", [("format", 12), ("fingerprint", 14), ("fingerprint as hex", 14), ("shard", 30)])
+@pytest.mark.parametrize(
+    "field, at", [("format", 12), ("fingerprint", 14), ("fingerprint as hex", 14), ("shard", 30)]
+)
 def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, field, at):
     """The header's format, fingerprint (a byte that is no ASCII, or another hex digit) or shard number damaged:
     salvaged like any other damage (the frames after it kept, the original kept aside), not a traceback."""
@@ -486,7 +588,9 @@ def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, fiel
     assert run_shard(rd.root, 0).end == DONE
     before = {r.id: comparable(r) for r in records(rd.root)}
     data = bytearray(rd.shard_file(0).read_bytes())
-    data[at] = {"format": 253, "fingerprint": 0xE9, "shard": 7}.get(field, ord("0") if data[at] != ord("0") else ord("1"))
+    data[at] = {"format": 253, "fingerprint": 0xE9, "shard": 7}.get(
+        field, ord("0") if data[at] != ord("0") else ord("1")
+    )
     rd.shard_file(0).write_bytes(bytes(data))
 
     assert run_shard(rd.root, 0).end == DONE
@@ -502,8 +606,9 @@ def test_a_damaged_byte_in_a_shard_files_header_is_salvaged(tmp_path, kimi, fiel
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["done", "retry"])
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"shard": "zero"}'])
-def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_run_goes_on(tmp_path, kimi, caplog,
-                                                                                        capsys, which, content):
+def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_run_goes_on(
+    tmp_path, kimi, caplog, capsys, which, content
+):
     from toolkit.cli import main as cli_main
 
     job = make_job(tmp_path, kimi, n=6, sampling={"max_new_tokens": 64})
@@ -521,7 +626,9 @@ def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_ru
         said += [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert code == 0  # retry ran the shard here: nothing to generate, a new done manifest
     assert len(said) == 1 and "\n" not in said[0], said  # once, in one line
-    assert ("damaged done manifest" if which == "done" else "damaged retry request") in said[0], said
+    assert ("damaged done manifest" if which == "done" else "damaged retry request") in said[0], (
+        said
+    )
     assert read_done(rd.done_file(0)).records == 6 and not rd.retry_file(0).exists()
     assert len(records(rd.root)) == 6
 
@@ -529,9 +636,17 @@ def test_a_damaged_done_manifest_or_retry_request_is_said_in_one_line_and_the_ru
 @pytest.mark.slow
 def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 12, long_every=4)
-    job = make_job(tmp_path, kimi, prompts=prompts, stub={"context_length": 1024}, sampling={"max_new_tokens": 100})
+    job = make_job(
+        tmp_path,
+        kimi,
+        prompts=prompts,
+        stub={"context_length": 1024},
+        sampling={"max_new_tokens": 100},
+    )
     with pytest.raises(PreflightError, match="3 prompts .* do not fit the context length 1,024"):
-        prepared_run(job)  # the pre-flight refuses them; past it (a server with a shorter context), the worker records them
+        prepared_run(
+            job
+        )  # the pre-flight refuses them; past it (a server with a shorter context), the worker records them
     rd, _ = prepared_run(job, check_tokenizer=False)
     assert run_shard(rd.root, 0).end == DONE
     got = {r.id: r for r in records(rd.root)}
@@ -544,10 +659,16 @@ def test_400_is_recorded_failed_and_the_shard_completes(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=30, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 300})
+    job = make_job(
+        tmp_path, kimi, n=30, stub={"token_delay_s": 0.004}, sampling={"max_new_tokens": 300}
+    )
     rd, _ = prepared_run(job)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not (rd.shard_file(0).exists() and len(records(rd.root)) >= 3):
         time.sleep(0.1)
@@ -557,7 +678,9 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
     assert p.state == "stopped" and 3 <= p.done < 30
     assert not rd.done_file(0).exists()
     assert run_shard(rd.root, 0).end == DONE
-    got = newest(rd.root)  # the requests in flight at the stop left partial records, superseded since
+    got = newest(
+        rd.root
+    )  # the requests in flight at the stop left partial records, superseded since
     assert len(got) == 30 and all(r.status == "ok" for r in got.values())
 
 

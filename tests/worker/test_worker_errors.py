@@ -44,7 +44,11 @@ def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(
 ):
     file, func, (records, seconds, delay) = FULL_DISK_AT[where]
     job = make_job(
-        tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, stub={"token_delay_s": delay},
+        tmp_path,
+        kimi,
+        n=12,
+        sampling={"max_new_tokens": 64},
+        stub={"token_delay_s": delay},
         sharding={"flush_records": records, "flush_seconds": seconds},
     )
     rd, _ = prepared_run(job)
@@ -89,7 +93,11 @@ def test_a_run_directory_that_cannot_be_written_is_exit_2(tmp_path, kimi, monkey
     monkeypatch.setattr(sf.os, "open", deny)
     assert cli_main(["worker", str(rd.root), "0"]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "Read-only file system (EROFS)" in errors[0] and "must be writable" in errors[0]
+    assert (
+        len(errors) == 1
+        and "Read-only file system (EROFS)" in errors[0]
+        and "must be writable" in errors[0]
+    )
 
 
 def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplog):
@@ -103,19 +111,34 @@ def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplo
         other.close()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "locked by another worker" in errors[0]
-    assert "shard 0 failed: " in rd.log_file(0).read_text()  # said in the shard's log too, where `logs` looks
+    assert (
+        "shard 0 failed: " in rd.log_file(0).read_text()
+    )  # said in the shard's log too, where `logs` looks
     # the progress file belongs to the worker that holds the shard: the refused one leaves it alone
     assert read_progress(rd.progress_file(0)) is None
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
-    job = make_job(tmp_path, kimi, n=8, sampling={"max_new_tokens": 4000},
-                   stub={"ignore_sigterm": True, "token_delay_s": 0.02, "fixed_output_tokens": 3000},  # a shutdown that hangs until SIGKILL
-                   engine={"shutdown_timeout_s": 6})
+    job = make_job(
+        tmp_path,
+        kimi,
+        n=8,
+        sampling={"max_new_tokens": 4000},
+        stub={
+            "ignore_sigterm": True,
+            "token_delay_s": 0.02,
+            "fixed_output_tokens": 3000,
+        },  # a shutdown that hangs until SIGKILL
+        engine={"shutdown_timeout_s": 6},
+    )
     rd, _ = prepared_run(job)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit", "worker", str(rd.root), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = rd.log_file(0)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (log.exists() and "generating" in log.read_text()):
@@ -131,8 +154,9 @@ def test_a_second_ctrl_c_says_what_the_worker_waits_for(tmp_path, kimi):
     text = log.read_text()
     assert "got SIGINT again: still stopping, waiting for the engine (pid" in text
     assert "SIGKILL after 6 s ([engine] shutdown_timeout_s)" in text
-    assert proc.returncode == 130  # Ctrl-C: interrupted (SIGTERM and SIGUSR2 exit 3, to be requeued)
-
+    assert (
+        proc.returncode == 130
+    )  # Ctrl-C: interrupted (SIGTERM and SIGUSR2 exit 3, to be requeued)
 
 
 def _with_vocab_size(folder, vocab_size: int) -> None:
@@ -145,22 +169,40 @@ def _with_vocab_size(folder, vocab_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_prompt_is_sent(tmp_path, kimi, capsys):
+def test_a_tokenizer_with_ids_past_the_models_vocab_size_is_refused_before_any_prompt_is_sent(
+    tmp_path, kimi, capsys
+):
     import shutil
 
     from toolkit.job.chat import load_tokenizer
 
     model = tmp_path / "model"
     shutil.copytree(kimi, model)
-    size = len(load_tokenizer(type("M", (), {"path": str(model), "tokenizer_path": None, "chat_template": None,
-                                             "trust_remote_code": False, "chat_template_kwargs": {}})()))
+    size = len(
+        load_tokenizer(
+            type(
+                "M",
+                (),
+                {
+                    "path": str(model),
+                    "tokenizer_path": None,
+                    "chat_template": None,
+                    "trust_remote_code": False,
+                    "chat_template_kwargs": {},
+                },
+            )()
+        )
+    )
     job = make_job(tmp_path, model, n=4, sampling={"max_new_tokens": 64})
     rd, _ = prepared_run(job)  # planned while the model folder was right
     _with_vocab_size(model, size - 20)
     assert cli_main(["check", str(job)]) == 2
     err = capsys.readouterr().err
     assert f"the tokenizer makes {size:,} ids but the model has {size - 20:,}" in err
-    assert f"{model / 'config.json'} vocab_size" in err and "SGLang dies on a prompt holding one" in err
+    assert (
+        f"{model / 'config.json'} vocab_size" in err
+        and "SGLang dies on a prompt holding one" in err
+    )
     # The worker refuses it too, before a prompt reaches the engine: no record is written; bad input, exit 2.
     with pytest.raises(ShardRefused, match="outside its embedding") as e:
         run_shard(rd.root, 0)
@@ -176,8 +218,13 @@ def test_a_shard_file_holding_records_this_shard_does_not_own_is_refused_untouch
     assert run_shard(rd.root, 1).end == DONE
     theirs = list(read_shard(rd.shard_file(1)))
     sp = plan.shards[0]
-    for name, records in (("another shard's positions", theirs[:2]),
-                          ("another id at a planned position", [msgspec.structs.replace(theirs[0], index=sp.first, id="zz")])):
+    for name, records in (
+        ("another shard's positions", theirs[:2]),
+        (
+            "another id at a planned position",
+            [msgspec.structs.replace(theirs[0], index=sp.first, id="zz")],
+        ),
+    ):
         path = rd.shard_file(0)
         path.unlink(missing_ok=True)
         w = ShardWriter(path, plan.fingerprint, 0)
@@ -186,6 +233,9 @@ def test_a_shard_file_holding_records_this_shard_does_not_own_is_refused_untouch
             w.add(r)
         w.close()
         before = path.read_bytes()
-        with pytest.raises(ShardFailed, match=rf"holds ids this shard does not own \(e.g. '{records[0].id}'\).*move it aside"):
+        with pytest.raises(
+            ShardFailed,
+            match=rf"holds ids this shard does not own \(e.g. '{records[0].id}'\).*move it aside",
+        ):
             run_shard(rd.root, 0)
         assert path.read_bytes() == before, name

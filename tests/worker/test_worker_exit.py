@@ -46,23 +46,42 @@ def kimi(toy_tokenizer):
 def test_a_hundred_one_prompt_shards_in_a_row_all_end_with_nothing_left_running(tmp_path, kimi):
     proc, url = start_standalone(str(kimi), "--context-length", "32768")
     try:
-        job = make_job(tmp_path, kimi, n=RUNS, shards=RUNS,
-                       engine={"kind": "external", "url": url, "shutdown_timeout_s": 5, "exit_grace_s": 20},
-                       client={"concurrency": "auto"}, sampling={"max_new_tokens": 16})
+        job = make_job(
+            tmp_path,
+            kimi,
+            n=RUNS,
+            shards=RUNS,
+            engine={"kind": "external", "url": url, "shutdown_timeout_s": 5, "exit_grace_s": 20},
+            client={"concurrency": "auto"},
+            sampling={"max_new_tokens": 16},
+        )
         rd, _ = prepared_run(job)
         t0 = time.monotonic()
         try:  # ~0.1 s a shard; a shard whose tasks do not end costs 10 s or more
-            r = subprocess.run([sys.executable, "-c", _DRIVER, str(rd.root), str(RUNS)], capture_output=True,
-                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            r = subprocess.run(
+                [sys.executable, "-c", _DRIVER, str(rd.root), str(RUNS)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
         except subprocess.TimeoutExpired:
-            stuck = [k for k in range(RUNS) if rd.log_file(k).exists() and "did not end" in rd.log_file(k).read_text()]
-            pytest.fail(f"{RUNS} one-prompt shards did not end within 300 s; shards whose tasks did not end when "
-                        f"cancelled: {stuck[:10]}")
+            stuck = [
+                k
+                for k in range(RUNS)
+                if rd.log_file(k).exists() and "did not end" in rd.log_file(k).read_text()
+            ]
+            pytest.fail(
+                f"{RUNS} one-prompt shards did not end within 300 s; shards whose tasks did not end when "
+                f"cancelled: {stuck[:10]}"
+            )
         took = time.monotonic() - t0
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert r.returncode == 0, f"exit {r.returncode} (6: the exit guard ended a stuck worker)\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode} (6: the exit guard ended a stuck worker)\n{r.stderr[-3000:]}"
+    )
     runs = json.loads(r.stdout.strip().splitlines()[-1])
     assert [x["result"] for x in runs] == ["done"] * RUNS
     assert [x for x in runs if x["threads_left"]] == [], "a shard's threads outlived it"
@@ -82,7 +101,10 @@ def test_the_exit_guard_ends_the_process_when_the_work_is_over_and_a_task_does_n
     async def main():
         loop = asyncio.get_running_loop()
         guard = ExitGuard(7, loop, exit=exits.append)
-        guard.before_exit += [lambda: steps.append("flushed"), lambda: steps.append("engine killed")]
+        guard.before_exit += [
+            lambda: steps.append("flushed"),
+            lambda: steps.append("engine killed"),
+        ]
 
         async def deaf():  # a task that swallows every cancel
             while True:
@@ -94,7 +116,7 @@ def test_the_exit_guard_ends_the_process_when_the_work_is_over_and_a_task_does_n
         task = asyncio.ensure_future(deaf(), loop=loop)
         guard.arm(5.0, "its prompts were all answered")
         guard.arm(0.3, "SIGTERM asked it to stop")  # an earlier deadline brings it forward
-        guard.arm(60.0, "later")                   # a later one never pushes it back
+        guard.arm(60.0, "later")  # a later one never pushes it back
         task.cancel()
         t0 = time.monotonic()
         while not exits and time.monotonic() - t0 < 5:
@@ -136,14 +158,21 @@ def test_a_disarmed_guard_never_fires():
 
 
 @pytest.mark.slow
-def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_did_not_finish(tmp_path, kimi):
+def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_did_not_finish(
+    tmp_path, kimi
+):
     """End to end: a background task of the worker that ignores its cancel (what Python 3.11's wait_for did) keeps
     the shard's final gather from returning; the exit guard ends the process within its bound, the record is
     flushed, and the log names the task."""
     proc, url = start_standalone(str(kimi), "--context-length", "32768")
     try:
-        job = make_job(tmp_path, kimi, n=1, engine={"kind": "external", "url": url, "shutdown_timeout_s": 0,
-                                                  "exit_grace_s": 2}, sampling={"max_new_tokens": 16})
+        job = make_job(
+            tmp_path,
+            kimi,
+            n=1,
+            engine={"kind": "external", "url": url, "shutdown_timeout_s": 0, "exit_grace_s": 2},
+            sampling={"max_new_tokens": 16},
+        )
         rd, _ = prepared_run(job)
         deaf = textwrap.dedent("""
             import asyncio, sys
@@ -158,8 +187,13 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
             worker.run_shard(sys.argv[1], 0)
         """)
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-c", deaf, str(rd.root)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        r = subprocess.run(
+            [sys.executable, "-c", deaf, str(rd.root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         took = time.monotonic() - t0
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -173,7 +207,9 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
 
     recs = list(read_shard(rd.shard_file(0)))
     assert [x.status for x in recs] == ["ok"], "the record answered before the hang was flushed"
-    assert read_done(rd.done_file(0)) is None  # not complete: the next run finds the record and finishes at once
+    assert (
+        read_done(rd.done_file(0)) is None
+    )  # not complete: the next run finds the record and finishes at once
     assert run_shard_again(rd).end == "done"
 
 

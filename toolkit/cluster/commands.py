@@ -26,11 +26,11 @@ TIMEOUT, MISSING, FAILED = "timeout", "missing", "failed"
 
 
 class SlurmAnswer(msgspec.Struct):
-    command: str                 # the program, e.g. "sacct"
+    command: str  # the program, e.g. "sacct"
     ok: bool
-    out: str = ""                # stdout when ok
-    problem: str | None = None   # TIMEOUT | MISSING | FAILED
-    why: str = ""                # one line for the user, e.g. "sacct did not answer in 5 s"
+    out: str = ""  # stdout when ok
+    problem: str | None = None  # TIMEOUT | MISSING | FAILED
+    why: str = ""  # one line for the user, e.g. "sacct did not answer in 5 s"
 
 
 def _one_line(text: str, command: str) -> str:
@@ -40,7 +40,7 @@ def _one_line(text: str, command: str) -> str:
     last = lines[-1]
     for prefix in (f"{command}: error: ", f"{command}: "):
         if last.startswith(prefix):
-            last = last[len(prefix):]
+            last = last[len(prefix) :]
     return last
 
 
@@ -96,6 +96,10 @@ def call(argv: list[str], timeout: float | None = None) -> SlurmAnswer:
             cmd, False, problem=TIMEOUT, why=f"{cmd} did not answer in {timeout:g} s"
         )
     if p.returncode != 0:
-        return SlurmAnswer(cmd, False, problem=FAILED,
-                           why=f"{cmd} failed (exit {p.returncode}): {_one_line(err or out, cmd)}")
+        return SlurmAnswer(
+            cmd,
+            False,
+            problem=FAILED,
+            why=f"{cmd} failed (exit {p.returncode}): {_one_line(err or out, cmd)}",
+        )
     return SlurmAnswer(cmd, True, out=out)

@@ -28,10 +28,10 @@ POLL_S = 0.5
 
 
 class Snapshot(msgspec.Struct):
-    done: int            # records written (ok + failed), all shards
+    done: int  # records written (ok + failed), all shards
     total: int
     failed: int
-    tok_per_s: float     # of the shards generating now
+    tok_per_s: float  # of the shards generating now
     shards_done: int
     shards: int
 

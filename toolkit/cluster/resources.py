@@ -74,7 +74,7 @@ def slurm_output(argv: list[str], timeout: float = 60) -> str:
         return a.out
     # "sacct did not answer in 5 s" -> "`sacct -j 12` did not answer in 5 s"
     if a.why.startswith(argv[0] + " "):
-        raise SlurmError(f"`{' '.join(argv)}`{a.why[len(argv[0]):]}")
+        raise SlurmError(f"`{' '.join(argv)}`{a.why[len(argv[0]) :]}")
     raise SlurmError(a.why)
 
 
@@ -94,8 +94,8 @@ def max_array_size(config: dict[str, str] | None = None) -> int:
 
 class PartitionInfo(msgspec.Struct):
     name: str
-    gpus_per_node: int   # most GPUs any of its nodes has
-    cpus_per_node: int   # most CPUs any of its nodes has (0: unknown)
+    gpus_per_node: int  # most GPUs any of its nodes has
+    cpus_per_node: int  # most CPUs any of its nodes has (0: unknown)
 
 
 def partition_info(name: str | None) -> PartitionInfo:
@@ -321,8 +321,10 @@ def validate_on_cluster(plan: RunPlan, o: Resources) -> tuple[Resources, Partiti
         )
     cpus = _given(o, plan.spec.slurm, "cpus_per_task")
     if part.cpus_per_node and cpus > part.cpus_per_node:
-        raise refuse(f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
-                         f"{part.cpus_per_node} CPUs; lower it or choose another partition")
+        raise refuse(
+            f"--cpus-per-task {cpus} but the nodes of partition {name!r} have at most "
+            f"{part.cpus_per_node} CPUs; lower it or choose another partition"
+        )
     check_memory(o.mem or plan.spec.slurm.mem, name)
     merge_partition = o.merge_partition or plan.spec.slurm.merge_partition
     if merge_partition:

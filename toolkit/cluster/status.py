@@ -74,8 +74,9 @@ class RunStatus(msgspec.Struct):
     tasks: list[TaskStatus] = []
 
 
-def status_report(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
-                  tasks: list[TaskStatus] | None = None) -> RunStatus:
+def status_report(
+    rd: RunDir, rows: list[ShardStatus], merge: MergeStatus, tasks: list[TaskStatus] | None = None
+) -> RunStatus:
     code, why = verdict(rows, merge, rd.shown)
     return RunStatus(
         run=str(Path(rd.root).resolve()),
@@ -100,8 +101,11 @@ def slurm_view(ids: list[str]) -> SlurmView:
     joined = ",".join(ids)
     sacct = call(["sacct", "-n", "-P", "-X", "-D", "-j", joined, "--format=JobID,State,NodeList"])
     squeue = call(["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T|%N|%r"])
-    scontrol = ({j: call(["scontrol", "show", "job", "-o", j]) for j in ids}
-                if needs_scontrol(sacct, squeue) else None)
+    scontrol = (
+        {j: call(["scontrol", "show", "job", "-o", j]) for j in ids}
+        if needs_scontrol(sacct, squeue)
+        else None
+    )
     return view_of_answers(sacct, squeue, scontrol)
 
 
@@ -134,10 +138,17 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
             and p.group == runner.group
         ):
             runner = None  # failed in that run's workers: not claimed again by them
-        shards.append(ShardFacts(shard=s.index, total=s.count, done=done, progress=p,
-                                 gone=worker_gone(p) if local and p is not None else None,
-                                 runner=_who(runner) if runner is not None else None,
-                                 untrusted=st.why))
+        shards.append(
+            ShardFacts(
+                shard=s.index,
+                total=s.count,
+                done=done,
+                progress=p,
+                gone=worker_gone(p) if local and p is not None else None,
+                runner=_who(runner) if runner is not None else None,
+                untrusted=st.why,
+            )
+        )
     merged_at = _mtime(rd.manifest_file)
     current = merged_at is not None and merged_at >= last_done
     audit = _audit_verdict(rd, merged_at)
@@ -180,7 +191,7 @@ class _Verdict(msgspec.Struct):
 
 
 def _audit_verdict(rd: RunDir, merged_at: float | None) -> str | None:
-    """"passed" / "failed": the verdict of audit.json when it audits the current merge (written
+    """ "passed" / "failed": the verdict of audit.json when it audits the current merge (written
     after it); else None."""
     at = _mtime(rd.audit_json)
     if merged_at is None or at is None or at < merged_at:
@@ -266,21 +277,31 @@ def format_summary(rows: list[ShardStatus]) -> tuple[list[str], list[ShardStatus
     for r in rows:
         by_state.setdefault(r.state, []).append(r.shard)
     attention = [r for r in rows if needs_attention(r)]
-    said = (f"the {len(attention)} that need attention below" if attention
-            else "none needs attention")
+    said = (
+        f"the {len(attention)} that need attention below" if attention else "none needs attention"
+    )
     lines = [f"shards: {len(rows)}, by state ({said}; --all: a row for each)"]
     width = max(map(len, by_state))
-    lines += [f"  {st:<{width}} {len(ks):>5}  {ranges(ks, sep=',', limit=8)}"
-              for st, ks in sorted(by_state.items())]
+    lines += [
+        f"  {st:<{width}} {len(ks):>5}  {ranges(ks, sep=',', limit=8)}"
+        for st, ks in sorted(by_state.items())
+    ]
     if len(attention) > SUMMARY_OVER:
-        lines.append(f"  (the first {SUMMARY_OVER} of the {len(attention)} that need attention "
-                     "below; --all lists every shard)")
+        lines.append(
+            f"  (the first {SUMMARY_OVER} of the {len(attention)} that need attention "
+            "below; --all lists every shard)"
+        )
     return lines, attention[:SUMMARY_OVER]
 
 
-def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
-                  tasks: list[TaskStatus] | None = None, noun: str = "prompt",
-                  every_row: bool = False) -> str:
+def format_status(
+    rd: RunDir,
+    rows: list[ShardStatus],
+    merge: MergeStatus,
+    tasks: list[TaskStatus] | None = None,
+    noun: str = "prompt",
+    every_row: bool = False,
+) -> str:
     """The table of `status`: a row per shard, or with more than SUMMARY_OVER shards (and not
     `every_row`) a summary (format_summary)."""
     head = (
@@ -308,8 +329,9 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
         )
     t = totals(rows)
     loops = f"{t.loops} stopped in a repetition loop, " if t.loops else ""
-    eta = (f", run ETA {_fmt_eta(t.eta_s)} at {t.per_s:,.2f} {noun}s/s"
-           if t.eta_s is not None else "")
+    eta = (
+        f", run ETA {_fmt_eta(t.eta_s)} at {t.per_s:,.2f} {noun}s/s" if t.eta_s is not None else ""
+    )
     lines.append(
         f"total: {t.done}/{t.total} {noun}s ({_percent(t.percent)}), {t.failed} failed, {loops}"
         f"{t.output_tokens:,} output tokens, {t.tok_per_s:,.0f} tok/s{eta}; "
@@ -319,8 +341,10 @@ def format_status(rd: RunDir, rows: list[ShardStatus], merge: MergeStatus,
     if merge.job or merge.merged or merge.state:
         files = []
         if merge.merged:
-            files.append(f"{rd.manifest_file.relative_to(rd.root).as_posix()} written"
-                         + ("" if merge.current else ", before a shard finished again"))
+            files.append(
+                f"{rd.manifest_file.relative_to(rd.root).as_posix()} written"
+                + ("" if merge.current else ", before a shard finished again")
+            )
             if merge.damaged:
                 files.append(f"but {merge.damaged}")
             if merge.current:

@@ -55,6 +55,7 @@ def _executor(rd: RunDir, params: dict[str, Any], *, script_only: bool = False):
 
     cls = submitit.SlurmExecutor
     if script_only:
+
         class _ScriptOnly(cls):  # submitit refuses to build an executor where `srun` is missing
             @classmethod
             def affinity(cls) -> int:
@@ -129,12 +130,12 @@ DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no c
 DEPENDENCY_PLACEHOLDER = "ARRAY_JOB_ID"
 
 
-PROBE_TIMEOUT_S = 20           # a dry run waits this long for a cluster to answer
+PROBE_TIMEOUT_S = 20  # a dry run waits this long for a cluster to answer
 
 
 class ClusterCheck(msgspec.Struct):
     reachable: bool
-    why: str = ""                           # why not reachable
+    why: str = ""  # why not reachable
     partition: PartitionInfo | None = None  # as validated
     max_array_size: int = DEFAULT_MAX_ARRAY_SIZE
 
@@ -146,13 +147,13 @@ class DryRun(msgspec.Struct):
     shards: int
     fingerprint: str
     cluster: ClusterCheck
-    arrays: list[list[int]]     # the pool of shards each array's tasks claim
-    array_scripts: list[str]    # the sbatch script of each array, as submitit writes it
+    arrays: list[list[int]]  # the pool of shards each array's tasks claim
+    array_scripts: list[str]  # the sbatch script of each array, as submitit writes it
     merge_script: str
-    tasks: list[int] = []       # the tasks of each array (the run's parallelism)
+    tasks: list[int] = []  # the tasks of each array (the run's parallelism)
     # `prompts` in words: `60 outputs (30 prompts × 2 samples)` with samples
     counted: str = ""
-    cost: list[str] = []        # job.cost's estimate, in lines; a warning on the time limit first
+    cost: list[str] = []  # job.cost's estimate, in lines; a warning on the time limit first
 
 
 def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
@@ -240,8 +241,11 @@ def format_dry_run(d: DryRun) -> str:
     lines += d.cost
     lines.append("nothing submitted. The scripts submitit will write and sbatch:")
     for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
-        runs = ("one job, sent as a plain job (not an array): it starts" if n == 1 else
-                f"{n} tasks at once: each task starts")
+        runs = (
+            "one job, sent as a plain job (not an array): it starts"
+            if n == 1
+            else f"{n} tasks at once: each task starts"
+        )
         lines.append(
             f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs} its "
             "engine once and claims unfinished shards one after another until none is left) <=="
@@ -265,8 +269,14 @@ class SubmitResult(msgspec.Struct):
     dry_run: DryRun | None = None
 
 
-def submit(job: str, resources: Resources | None = None, *, dry_run: bool = False,
-           new_run: bool = False, allow_changed: bool = False) -> SubmitResult:
+def submit(
+    job: str,
+    resources: Resources | None = None,
+    *,
+    dry_run: bool = False,
+    new_run: bool = False,
+    allow_changed: bool = False,
+) -> SubmitResult:
     """Validate and plan `job` (the pre-flight `run` and `check` share), then submit its arrays and
     merge job, or with dry_run only render them (another run in output_dir is then a warning; a real
     submission is refused there)."""
@@ -279,8 +289,15 @@ def submit(job: str, resources: Resources | None = None, *, dry_run: bool = Fals
         check_resources(plan, o)
         return plan_dry_run(plan, o, rd) if dry_run else validate_resources(plan, o)
 
-    prep = prepare_run(job, new_run=new_run, dry_run=dry_run, validate=validate, as_submitted=True,
-                       allow_changed=allow_changed, keep_learned=False)  # a dry run writes nothing
+    prep = prepare_run(
+        job,
+        new_run=new_run,
+        dry_run=dry_run,
+        validate=validate,
+        as_submitted=True,
+        allow_changed=allow_changed,
+        keep_learned=False,
+    )  # a dry run writes nothing
     if dry_run:
         return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
     rd, plan, o = prep.run_dir, prep.plan, prep.validated
@@ -398,15 +415,19 @@ def describe_array(a: ArrayJob) -> str:
     """What an array's tasks run, in words: `Submitted batch job 7 (array of 2 tasks 7_[0-1]
     claiming shards 0-7: ...)`."""
     n, shards = len(a.tasks) or 1, ranges(a.shards, sep=",")
-    claim = ("each starts its engine once and claims unfinished shards one after another until "
-             "none is left")
+    claim = (
+        "each starts its engine once and claims unfinished shards one after another until "
+        "none is left"
+    )
     if n == 1:  # submitit sends a single task as a plain job
         return (
             f"Submitted batch job {a.job_id} (1 task claiming shards {shards}: it starts its "
             "engine once and runs them one after another)"
         )
-    return (f"Submitted batch job {a.job_id} (array of {n} tasks {a.job_id}_[0-{n - 1}] claiming "
-            f"shards {shards}: {claim})")
+    return (
+        f"Submitted batch job {a.job_id} (array of {n} tasks {a.job_id}_[0-{n - 1}] claiming "
+        f"shards {shards}: {claim})"
+    )
 
 
 def one_shard_each(tasks: int, shards: int) -> str:

@@ -68,7 +68,7 @@ __all__ = [
 UNKNOWN = "unknown"
 # a shard not submitted to Slurm that no attempt has started, and nothing runs it now
 NOT_STARTED = "not_started"
-UNFINISHED = "unfinished"    # its worker finished it, but its done manifest is missing or damaged
+UNFINISHED = "unfinished"  # its worker finished it, but its done manifest is missing or damaged
 # its done manifest is there, but its file is no longer what it says (cut, grown, changed, gone)
 CHANGED = "changed"
 DEAD = "dead"  # a local worker's progress says generating, but its pid is gone from this host
@@ -129,7 +129,7 @@ class ShardStatus(msgspec.Struct):
     output_tokens: int
     tok_per_s: float
     eta_s: float | None
-    job: str | None      # Slurm id of the task that ran (or runs) it, e.g. 1234_5
+    job: str | None  # Slurm id of the task that ran (or runs) it, e.g. 1234_5
     node: str | None
     error: str | None
     # why a pending task waits (squeue's REASON), or why the state is unknown
@@ -151,11 +151,11 @@ class ShardStatus(msgspec.Struct):
 
 
 class MergeStatus(msgspec.Struct):
-    job: str | None      # Slurm id of the run's (latest) merge + audit job
-    state: str | None    # its Slurm state, lower case
-    merged: bool         # merged/manifest.json exists
+    job: str | None  # Slurm id of the run's (latest) merge + audit job
+    state: str | None  # its Slurm state, lower case
+    merged: bool  # merged/manifest.json exists
     reason: str | None = None  # why it is pending, or why its state is unknown
-    current: bool = True       # the merge is newer than every shard's done manifest
+    current: bool = True  # the merge is newer than every shard's done manifest
     # "passed" / "failed": the verdict of audit.json on this merge (None: not audited)
     audit: str | None = None
     # what is wrong with the merged dataset against its manifest (None: intact)
@@ -171,10 +171,10 @@ class Totals(msgspec.Struct):
     failed: int
     output_tokens: int
     tok_per_s: float
-    shards: dict[str, int]   # shards per state
-    loops: int = 0           # outputs stopped in a repetition loop (ShardStatus.loops, summed)
-    percent: float = 0.0     # done / total, in percent
-    per_s: float = 0.0       # records per second of the shards running now, summed
+    shards: dict[str, int]  # shards per state
+    loops: int = 0  # outputs stopped in a repetition loop (ShardStatus.loops, summed)
+    percent: float = 0.0  # done / total, in percent
+    per_s: float = 0.0  # records per second of the shards running now, summed
     # seconds left for the prompts of the shards something runs (running or pending) at `per_s`
     # (None: nothing generates now)
     eta_s: float | None = None
@@ -184,7 +184,7 @@ class Totals(msgspec.Struct):
 # what Slurm said
 # --------------------------------------------------------------------------------------------------
 class SlurmJob(msgspec.Struct):
-    state: str                   # Slurm's word, upper case: PENDING RUNNING COMPLETED REQUEUED ...
+    state: str  # Slurm's word, upper case: PENDING RUNNING COMPLETED REQUEUED ...
     node: str | None = None
     # why a pending job waits (squeue %r: Priority, Resources, Dependency, ...)
     reason: str | None = None
@@ -193,9 +193,9 @@ class SlurmJob(msgspec.Struct):
 class SlurmView(msgspec.Struct):
     """What Slurm said about a run's jobs in one refresh, and what it could not say."""
 
-    jobs: dict[str, SlurmJob]    # {job or array-task id: state}
-    sacct: str | None = None     # why sacct gave no answer (None: it answered)
-    squeue: str | None = None    # why squeue gave no answer (None: it answered)
+    jobs: dict[str, SlurmJob]  # {job or array-task id: state}
+    sacct: str | None = None  # why sacct gave no answer (None: it answered)
+    squeue: str | None = None  # why squeue gave no answer (None: it answered)
     # {id: live state sacct last heard of} when slurmctld did not answer: not believed
     stale: dict[str, str] = {}
 
@@ -283,8 +283,11 @@ def needs_scontrol(sacct: SlurmAnswer, squeue: SlurmAnswer) -> bool:
     return _lines(sacct)[1] is not None and _lines(squeue)[1] is None
 
 
-def view_of_answers(sacct: SlurmAnswer | None, squeue: SlurmAnswer | None,
-               scontrol: dict[str, SlurmAnswer] | None = None) -> SlurmView:
+def view_of_answers(
+    sacct: SlurmAnswer | None,
+    squeue: SlurmAnswer | None,
+    scontrol: dict[str, SlurmAnswer] | None = None,
+) -> SlurmView:
     """One view of the answers: squeue for live jobs (slurmctld), sacct for the rest (slurmdbd;
     REQUEUED kept visible), `scontrol show job` ({job id: answer}) for what slurmctld still knows
     when sacct did not answer. No answers at all (None): nothing was asked (a run never
@@ -319,18 +322,21 @@ class JobsIndex(msgspec.Struct):
     array of one shard per task, the array whose tasks claim each shard of a claiming array (its
     pool), and the merge job."""
 
-    task_of: dict[int, str]          # {shard: Slurm task id}
-    submitted_at: dict[str, str]     # {task or array job id: ISO time of its submission}
+    task_of: dict[int, str]  # {shard: Slurm task id}
+    submitted_at: dict[str, str]  # {task or array job id: ISO time of its submission}
     merge_job: str | None = None
     merge_submitted: str = ""
-    pool_of: dict[int, str] = {}     # {shard: array job id whose tasks claim it}
+    pool_of: dict[int, str] = {}  # {shard: array job id whose tasks claim it}
     pool_tasks: dict[str, list[str]] = {}  # {array job id: its task ids}
 
     @property
     def job_ids(self) -> list[str]:
         """The jobs to ask Slurm about: each array once, and the merge job."""
-        return sorted({t.split("_")[0] for t in self.task_of.values()} | set(self.pool_of.values())
-                      | ({self.merge_job} if self.merge_job else set()))
+        return sorted(
+            {t.split("_")[0] for t in self.task_of.values()}
+            | set(self.pool_of.values())
+            | ({self.merge_job} if self.merge_job else set())
+        )
 
 
 def index_jobs(submissions) -> JobsIndex:
@@ -424,9 +430,9 @@ class ShardFacts(msgspec.Struct):
     """What the run directory says of one shard, as read."""
 
     shard: int
-    total: int                       # prompts it owns
-    done: DoneManifest | None        # its done manifest
-    progress: Progress | None        # its progress file
+    total: int  # prompts it owns
+    done: DoneManifest | None  # its done manifest
+    progress: Progress | None  # its progress file
     # why its local worker is gone (progress.worker_gone), when it is
     gone: str | None = None
     # a live `toolkit run` (retry, worker) that will run it (progress.local_run)
@@ -435,8 +441,16 @@ class ShardFacts(msgspec.Struct):
     untrusted: str | None = None
 
 
-def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: str, now: float,
-                 run_shown: str, unclaimed: tuple[str, str | None] | None = None) -> ShardStatus:
+def shard_status(
+    f: ShardFacts,
+    view: SlurmView,
+    *,
+    job: str | None,
+    submitted: str,
+    now: float,
+    run_shown: str,
+    unclaimed: tuple[str, str | None] | None = None,
+) -> ShardStatus:
     """The state of one shard: its done manifest first, then what Slurm says of its task `job`, then
     `unclaimed` (the state and reason of a shard no task of its claiming array has claimed yet:
     pool_state), else (no Slurm job: `toolkit run`) its progress file and whether its local worker
@@ -456,8 +470,10 @@ def shard_status(f: ShardFacts, view: SlurmView, *, job: str | None, submitted: 
     elif f.untrusted and not (known and known.state.lower() in ACTIVE):
         state, reason = CHANGED, f.untrusted
         again = "resubmit" if job else "retry"
-        error = (f"{f.untrusted}: its done manifest no longer vouches for it; `toolkit {again} "
-                 f"{run_shown}` checks the file, keeps what is intact and generates the rest")
+        error = (
+            f"{f.untrusted}: its done manifest no longer vouches for it; `toolkit {again} "
+            f"{run_shown}` checks the file, keeps what is intact and generates the rest"
+        )
     elif known:
         state = known.state.lower()
         # the task ended without finishing the shard (e.g. stopped, not requeued)
@@ -550,8 +566,8 @@ class RunFacts(msgspec.Struct):
     shards: list[ShardFacts]
     jobs: JobsIndex
     view: SlurmView
-    merged: bool                 # merged/manifest.json exists
-    now: float                   # Unix time of the refresh
+    merged: bool  # merged/manifest.json exists
+    now: float  # Unix time of the refresh
     merged_current: bool = True  # merged/manifest.json is newer than every done manifest
     # "passed" / "failed": audit.json's verdict on the current merge (None: none)
     audit: str | None = None
@@ -582,8 +598,15 @@ def _row(s: ShardFacts, f: RunFacts) -> ShardStatus:
         if job
         else pool_state(f.view, array, f.jobs.pool_tasks.get(array, [array]), submitted, f.now)
     )
-    return shard_status(s, f.view, job=job, submitted=submitted, now=f.now, run_shown=f.run_shown,
-                        unclaimed=unclaimed)
+    return shard_status(
+        s,
+        f.view,
+        job=job,
+        submitted=submitted,
+        now=f.now,
+        run_shown=f.run_shown,
+        unclaimed=unclaimed,
+    )
 
 
 def run_states(f: RunFacts) -> tuple[list[ShardStatus], MergeStatus]:
@@ -607,7 +630,7 @@ class TaskStatus(msgspec.Struct):
     """One worker of the newest claiming group (a Slurm array job, or one `toolkit run`), as the
     progress files of the shards it took say."""
 
-    task: str                  # `12_3`, or `worker 1 (pid 4242)` of `toolkit run`
+    task: str  # `12_3`, or `worker 1 (pid 4242)` of `toolkit run`
     node: str | None
     # the shards it took, in the order it took them (those no other task took since)
     shards: list[int]
@@ -733,8 +756,14 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
             "generates nothing already done"
         )
     retry = [r for r in rows if r.state == "completed" and r.transient]
-    if (all(r.state == "completed" for r in rows) and not retry and merge.merged and merge.current
-            and merge.audit == "passed" and not merge.damaged):
+    if (
+        all(r.state == "completed" for r in rows)
+        and not retry
+        and merge.merged
+        and merge.current
+        and merge.audit == "passed"
+        and not merge.damaged
+    ):
         return EXIT_OK, "complete: every shard done, merged, audit passed"
     problems = []
     bad = [r for r in rows if r.state in BAD_STATES]
@@ -746,8 +775,12 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
     if merge.merged and merge.current and merge.audit == "failed" and not merge.damaged:
         problems.append("the audit failed")
     if problems:
-        also = (f"; {sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
-                f"`toolkit retry {run_shown}`" if retry else "")
+        also = (
+            f"; {sum(r.transient for r in retry)} failures that may pass in {_shards(retry)}: "
+            f"`toolkit retry {run_shown}`"
+            if retry
+            else ""
+        )
         return (
             EXIT_FAILED,
             f"failed: {'; '.join(problems)}; `toolkit logs {run_shown} --failed` says why{also}",
@@ -775,8 +808,10 @@ def verdict(rows: list[ShardStatus], merge: MergeStatus, run_shown: str = "RUN")
         if any(r.job for r in stopped):
             resume = f"`toolkit resubmit {run_shown}` resumes them on Slurm"
         else:  # not submitted to Slurm: nothing will pick them up
-            resume = (f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit "
-                      f"{run_shown}` on Slurm)")
+            resume = (
+                f"`toolkit retry {run_shown}` resumes them here (`toolkit resubmit "
+                f"{run_shown}` on Slurm)"
+            )
         todo.append(f"{_shards(stopped)} {states} and nothing runs them: {resume}")
     if retry:
         todo.append(

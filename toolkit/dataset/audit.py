@@ -71,7 +71,7 @@ __all__ = ["Auditor", "audit_run"]
 log = logging.getLogger(__name__)
 
 HIST_BINS = 30
-EXAMPLES = 5                     # ids quoted per kind of problem
+EXAMPLES = 5  # ids quoted per kind of problem
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class Auditor:
         }
         self.integ = Integrity()
         self.failed_ids: list[str] = []
-        self.problems: list[Check] = []   # failures found outside records (damaged merged file)
+        self.problems: list[Check] = []  # failures found outside records (damaged merged file)
         self.examples: dict[str, list[str]] = {}
         self.sample_at = sample_positions(plan.total, self.spec.reprompt_sample)
         self.sampled: dict[int, bytes] = {}
@@ -152,14 +152,21 @@ class Auditor:
         # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset,
         # line); its samples
         # are adjacent in planned order), by turn and hash of their ids -> the first sample's id
-        self.sampled_at = {i for i, d in enumerate(plan.datasets)
-                           if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
-                           and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0}
+        self.sampled_at = {
+            i
+            for i, d in enumerate(plan.datasets)
+            if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
+            and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0
+        }
         self.prompt_at: tuple[int, int] | None = None
         self.outputs_seen: dict[tuple[int, bytes], str] = {}
         # what the default training export holds of the decoded tokens (the export's own judge)
-        self.judge = Judge(self.info.think_start_id, self.info.think_end_id, self.info.blank_ids,
-                           model.expect_reasoning)
+        self.judge = Judge(
+            self.info.think_start_id,
+            self.info.think_end_id,
+            self.info.blank_ids,
+            model.expect_reasoning,
+        )
         self.training = TrainingShare()
 
     def _example(self, kind: str, rec_id: str) -> None:
@@ -325,6 +332,7 @@ class Auditor:
         the prompt files changed since the run was planned: a line would be another prompt)."""
         plan = self.plan
         with PromptReader() as reader:
+
             def prompt_of(rec) -> str | None:
                 ref = self.refs.at(rec.index) if trust_sources else None
                 if ref is None:
@@ -492,6 +500,7 @@ def _lengths(a: array) -> Lengths:
 def _hist_tops(accs: list[_Acc]) -> dict[str, int]:
     """The largest length of each kind over every dataset: the datasets' histograms share their
     bins."""
+
     def top(a: array) -> int:
         return int(np.frombuffer(a, np.uint32).max()) if len(a) else 0
 

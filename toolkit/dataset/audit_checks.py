@@ -126,9 +126,18 @@ def _what_to_check(info: chat.TokenInfo, model: ModelSpec) -> str:
 # --------------------------------------------------------------------------------------------------
 # coverage and integrity of the merge
 # --------------------------------------------------------------------------------------------------
-def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStats], duplicates: int,
-             missing_ids: Sequence[str], missing_file: Path, run: Path, continued: int = 0,
-             finish: str | None = None, noun: str = "prompt") -> Check:
+def coverage(
+    overall: DatasetStats,
+    integ: Integrity,
+    shards: Sequence[ShardStats],
+    duplicates: int,
+    missing_ids: Sequence[str],
+    missing_file: Path,
+    run: Path,
+    continued: int = 0,
+    finish: str | None = None,
+    noun: str = "prompt",
+) -> Check:
     """Every planned prompt present exactly once, at its planned position (`missing_ids`: a few
     examples). `finish`: the command that finishes the run's shards (RunDir.finish_command)."""
     planned, present = overall.planned, overall.records
@@ -146,9 +155,16 @@ def coverage(overall: DatasetStats, integ: Integrity, shards: Sequence[ShardStat
             f"Finish the shards with `{finish or f'toolkit resubmit {run}'}`, then `toolkit merge "
             f"{run}` again.",
         )
-    return _check("coverage", True, 1.0, 1.0, f"all {planned} planned {noun}s present exactly once "
-                  f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once"
-                  + (f", {continued} partial outputs continued" if continued else "") + ")")
+    return _check(
+        "coverage",
+        True,
+        1.0,
+        1.0,
+        f"all {planned} planned {noun}s present exactly once "
+        f"({overall.ok} ok, {overall.failed} failed; {duplicates} duplicates kept once"
+        + (f", {continued} partial outputs continued" if continued else "")
+        + ")",
+    )
 
 
 def damaged_frames(corrupt: Sequence, run: Path, finish: str | None = None) -> Check:
@@ -267,12 +283,25 @@ def reasoning_mode(
                 else f"({modes})"
             ),
         )
-    return _check("reasoning_mode", True, r.in_reasoning, ok,
-                  f"{r.in_reasoning} of {ok} ok outputs are in reasoning mode ({modes})")
+    return _check(
+        "reasoning_mode",
+        True,
+        r.in_reasoning,
+        ok,
+        f"{r.in_reasoning} of {ok} ok outputs are in reasoning mode ({modes})",
+    )
 
 
-def _share_check(name: str, part: int, whole: int, limit: float, counted: str, when_failed: str, *,
-                 minimum: bool = False) -> Check:
+def _share_check(
+    name: str,
+    part: int,
+    whole: int,
+    limit: float,
+    counted: str,
+    when_failed: str,
+    *,
+    minimum: bool = False,
+) -> Check:
     """`part` of `whole` against a limit (a maximum, or with `minimum` a minimum): the message says
     "<part> of <whole> <counted> (share, limit)", and adds `when_failed` only when the check
     fails."""
@@ -345,8 +374,13 @@ def empty_reasoning(
     )
 
 
-def empty_content(r: ReasoningCounts, limit: float, examples: Sequence[str], info: chat.TokenInfo,
-                  model: ModelSpec) -> Check:
+def empty_content(
+    r: ReasoningCounts,
+    limit: float,
+    examples: Sequence[str],
+    info: chat.TokenInfo,
+    model: ModelSpec,
+) -> Check:
     """Finished outputs with reasoning but nothing after the think-end, at most the limit."""
     return _share_check(
         "empty_content",
@@ -432,7 +466,7 @@ def length_share(datasets: Sequence[DatasetStats], limit: float) -> Check:
             "sampling) or accept truncated outputs by raising [audit] max_length_share"
             if over
             else f"at most {worst:.1%} of a dataset's outputs hit max_new_tokens (limit "
-                 f"{limit:.0%})"
+            f"{limit:.0%})"
         ),
     )
 
@@ -443,8 +477,14 @@ def degenerate(datasets: Sequence[DatasetStats], limit: float, examples: Sequenc
     share = {d.name: d.degenerate / d.ok for d in datasets if d.ok}
     over = [d for d in datasets if d.ok and share[d.name] > limit]
     worst = max(share.values(), default=0.0)
-    counts = "; ".join(f"dataset {d.name!r}: {d.degenerate} of {d.ok} outputs ({share[d.name]:.1%})"
-                       for d in datasets if d.degenerate) or "no output"
+    counts = (
+        "; ".join(
+            f"dataset {d.name!r}: {d.degenerate} of {d.ok} outputs ({share[d.name]:.1%})"
+            for d in datasets
+            if d.degenerate
+        )
+        or "no output"
+    )
     return _check(
         "degenerate",
         not over,
@@ -545,7 +585,7 @@ def token_counts(integ: Integrity) -> Check:
         "the ids it returned; check the engine version"
         if bad
         else "completion_tokens and prompt_tokens equal the stored ids everywhere, no output over "
-             "max_new_tokens",
+        "max_new_tokens",
     )
 
 
@@ -585,11 +625,16 @@ def prompt_rerender(reprompt: Reprompt) -> Check:
     """Sampled prompts, rendered again from their source lines, give exactly the stored ids."""
     rp = reprompt
     return _check(
-        "prompt_rerender", not rp.mismatched, rp.mismatched, 0,
+        "prompt_rerender",
+        not rp.mismatched,
+        rp.mismatched,
+        0,
         f"{rp.mismatched} of {rp.sampled} sampled prompts render to other ids than those stored "
         f"({'; '.join(rp.examples)}): the tokenizer, chat template or prompt files changed since "
-        f"generation; restore them, or the dataset does not match its sources" if rp.mismatched else
-        f"{rp.sampled} sampled prompts render to exactly the stored ids")
+        f"generation; restore them, or the dataset does not match its sources"
+        if rp.mismatched
+        else f"{rp.sampled} sampled prompts render to exactly the stored ids",
+    )
 
 
 # --------------------------------------------------------------------------------------------------

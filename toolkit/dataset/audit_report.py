@@ -38,10 +38,10 @@ AUDIT_FORMAT = 1
 class Check(msgspec.Struct):
     name: str
     passed: bool
-    value: float | None      # the measured share or count
-    limit: float | None      # the threshold it is held to
+    value: float | None  # the measured share or count
+    limit: float | None  # the threshold it is held to
     message: str
-    unit: str = "count"      # "share" (a fraction) or "count"
+    unit: str = "count"  # "share" (a fraction) or "count"
 
 
 class Lengths(msgspec.Struct):
@@ -55,7 +55,7 @@ class Lengths(msgspec.Struct):
 
 
 class Histogram(msgspec.Struct):
-    edges: list[int]         # bin i holds lengths in [edges[i], edges[i+1])
+    edges: list[int]  # bin i holds lengths in [edges[i], edges[i+1])
     counts: list[int]
 
 
@@ -64,26 +64,26 @@ class ReasoningCounts(msgspec.Struct):
     on)."""
 
     expected: int = 0
-    think_end: int = 0                   # output holds the think-end id
-    stopped: int = 0                     # expected and finished with a stop token
-    stopped_without_think_end: int = 0   # the seed's failure: reasoning left in the content
-    length_without_think_end: int = 0    # truncated while reasoning
-    empty_reasoning: int = 0             # think-end present, nothing but blanks before it
+    think_end: int = 0  # output holds the think-end id
+    stopped: int = 0  # expected and finished with a stop token
+    stopped_without_think_end: int = 0  # the seed's failure: reasoning left in the content
+    length_without_think_end: int = 0  # truncated while reasoning
+    empty_reasoning: int = 0  # think-end present, nothing but blanks before it
     stopped_with_think_end: int = 0
-    empty_content: int = 0               # reasoning, then nothing but blanks after the think-end
-    opened_by_template: int = 0          # prompt ends with the think-start id
-    double_think_start: int = 0          # ... and the model wrote a think-start again
-    closed_by_template: int = 0          # prompt ends with the think-end id (thinking off)
+    empty_content: int = 0  # reasoning, then nothing but blanks after the think-end
+    opened_by_template: int = 0  # prompt ends with the think-start id
+    double_think_start: int = 0  # ... and the model wrote a think-start again
+    closed_by_template: int = 0  # prompt ends with the think-end id (thinking off)
     # Every ok output by the reasoning mode its prompt left the model in (chat.reasoning_mode).
     # the template opened reasoning (= opened_by_template + closed ones: none)
     mode_opened: int = 0
     # the prompt ends at the assistant header: the model opens it itself
     mode_model_opens: int = 0
-    mode_unknown: int = 0                # a template that never mentions the think tokens
+    mode_unknown: int = 0  # a template that never mentions the think tokens
     # outputs really in reasoning mode: opened by the prompt or the model,
     in_reasoning: int = 0
-                                         # or holding the think-end id
-    think_tokens: int = 0                # outputs holding a think-start or think-end id anywhere
+    # or holding the think-end id
+    think_tokens: int = 0  # outputs holding a think-start or think-end id anywhere
     # ok records SGLang stopped on NaN logits (older runs stored them as ok)
     nan_stops: int = 0
     # failed records of the NaN stop (failure "nan"): to generate again
@@ -98,7 +98,7 @@ class DatasetStats(msgspec.Struct):
     failed: int = 0
     missing: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0               # of prompt_tokens, found in the server's prefix cache
+    cached_tokens: int = 0  # of prompt_tokens, found in the server's prefix cache
     output_tokens: int = 0
     prompt_len: Lengths = msgspec.field(default_factory=Lengths)
     output_len: Lengths = msgspec.field(default_factory=Lengths)
@@ -132,7 +132,7 @@ class ShardStats(msgspec.Struct):
     torn_frames: int = 0
     output_tokens: int = 0
     matches_done: bool | None = None
-    tok_per_s: float | None = None      # generation throughput of its last attempt (progress file)
+    tok_per_s: float | None = None  # generation throughput of its last attempt (progress file)
     mean_latency_s: float | None = None
     host: str | None = None
     engine_restarts: int | None = None
@@ -142,26 +142,26 @@ class TurnStats(msgspec.Struct):
     """Per user turn of a regenerated dataset ([[datasets]] regenerate = true)."""
 
     dataset: str
-    turn: int                    # 1-based, as people count turns
+    turn: int  # 1-based, as people count turns
     records: int = 0
     ok: int = 0
     failed: int = 0
     output_tokens: int = 0
-    think_end: int = 0           # ok outputs holding the think-end id
-    length: int = 0              # ok outputs cut by max_new_tokens
-    prompt_tokens: int = 0       # the history grows turn by turn
+    think_end: int = 0  # ok outputs holding the think-end id
+    length: int = 0  # ok outputs cut by max_new_tokens
+    prompt_tokens: int = 0  # the history grows turn by turn
 
 
 class Integrity(msgspec.Struct):
-    id_mismatch: int = 0          # record id differs from the planned id at its position
-    seen_twice: int = 0           # a position present more than once in the merged file
+    id_mismatch: int = 0  # record id differs from the planned id at its position
+    seen_twice: int = 0  # a position present more than once in the merged file
     completion_mismatch: int = 0  # completion_tokens != len(output_ids)
-    prompt_mismatch: int = 0      # prompt_tokens != len(prompt_ids)
-    split_mismatch: int = 0       # stored reasoning_end is not the first think-end id
-    stop_mismatch: int = 0        # a `stop` finish whose matched id is not the last output id
-    unexpected_stop: int = 0      # matched stop id neither an eos id nor a configured stop_token_id
-    bad_finish: int = 0           # an ok record without a stop or length finish
-    out_of_vocab: int = 0         # an id >= the tokenizer's size
+    prompt_mismatch: int = 0  # prompt_tokens != len(prompt_ids)
+    split_mismatch: int = 0  # stored reasoning_end is not the first think-end id
+    stop_mismatch: int = 0  # a `stop` finish whose matched id is not the last output id
+    unexpected_stop: int = 0  # matched stop id neither an eos id nor a configured stop_token_id
+    bad_finish: int = 0  # an ok record without a stop or length finish
+    out_of_vocab: int = 0  # an id >= the tokenizer's size
     over_max_new_tokens: int = 0  # more output ids than the dataset's max_new_tokens
     examples: dict[str, list[str]] = {}
 
@@ -202,13 +202,13 @@ class TrainingShare(msgspec.Struct):
     failed records: the output ids a failed record holds, those of an abort say, count; most hold
     none). A figure, not a check."""
 
-    decoded_tokens: int = 0          # output ids of the merged records
-    exported_tokens: int = 0         # ... of the records the tokens export holds
-    share: float = 0.0               # exported_tokens / decoded_tokens
+    decoded_tokens: int = 0  # output ids of the merged records
+    exported_tokens: int = 0  # ... of the records the tokens export holds
+    share: float = 0.0  # exported_tokens / decoded_tokens
     exported_records: int = 0
-    cut_tokens: int = 0              # of exported_tokens: outputs cut by max_new_tokens, kept
+    cut_tokens: int = 0  # of exported_tokens: outputs cut by max_new_tokens, kept
     cut_records: int = 0
-    left_out_tokens: dict[str, int] = {}   # reason -> output ids left out for it
+    left_out_tokens: dict[str, int] = {}  # reason -> output ids left out for it
     left_out_records: dict[str, int] = {}  # reason -> records left out for it
 
     def add(self, n: int, reason: str | None, kept: bool) -> None:

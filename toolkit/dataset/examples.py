@@ -25,26 +25,26 @@ from toolkit.formats.records import Record
 
 __all__ = ["DatasetSamples", "Sample", "SampleCollector", "last_user_text", "shorten"]
 
-SAMPLES = 3                  # outputs shown per dataset
-HEAD, TAIL = 200, 80         # tokens kept of a long part: its head and its tail
-MAX_CHARS = 4000             # characters kept of a decoded head (a tail gets half)
-PROMPT_CHARS = 300           # characters kept of the prompt shown beside an output
+SAMPLES = 3  # outputs shown per dataset
+HEAD, TAIL = 200, 80  # tokens kept of a long part: its head and its tail
+MAX_CHARS = 4000  # characters kept of a decoded head (a tail gets half)
+PROMPT_CHARS = 300  # characters kept of the prompt shown beside an output
 
 
 class Sample(msgspec.Struct):
     id: str
-    why: str                      # why it was picked: "first outputs" or what looks wrong with it
+    why: str  # why it was picked: "first outputs" or what looks wrong with it
     finish: str | None
     matched_stop: int | str | None
     # the matched stop id as its token text, when the output ends with it
     stop_token: str | None
-    think_end: str | None         # the think-end token text, when the output holds it
+    think_end: str | None  # the think-end token text, when the output holds it
     think_end_id: int
     output_tokens: int
     reasoning_tokens: int
     content_tokens: int
     reasoning_head: str
-    reasoning_tail: str           # "" when the head holds all of it
+    reasoning_tail: str  # "" when the head holds all of it
     # tokens between head and tail (0: none, or cut on characters only)
     reasoning_omitted: int
     content_head: str
@@ -58,7 +58,7 @@ class DatasetSamples(msgspec.Struct):
     dataset: str
     max_new_tokens: int | None = None
     outputs: list[Sample] = []
-    errors: dict[str, str] = {}   # failure kind (as counted) -> one real message of that kind
+    errors: dict[str, str] = {}  # failure kind (as counted) -> one real message of that kind
 
 
 class _Pick(msgspec.Struct):
@@ -164,7 +164,7 @@ def shorten(text: str, limit: int = PROMPT_CHARS) -> str:
     text = " ".join(text.split())
     if len(text) <= limit:
         return text
-    return text[: limit * 2 // 3].rstrip() + " … " + text[-(limit // 3):].lstrip()
+    return text[: limit * 2 // 3].rstrip() + " … " + text[-(limit // 3) :].lstrip()
 
 
 def last_user_text(messages: list[dict[str, Any]], turn: int | None = None) -> str | None:

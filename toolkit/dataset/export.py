@@ -154,7 +154,7 @@ class JsonlRecord(msgspec.Struct):
     finish_reason: str | None
     # the stop token id SGLang matched (None: a stop string, or no stop)
     matched_stop: int | None
-    matched_stop_str: str | None    # the stop string SGLang matched, when the stop was a string
+    matched_stop_str: str | None  # the stop string SGLang matched, when the stop was a string
     prompt_tokens: int
     completion_tokens: int
     # the prompt line's other fields (`_Meta`); None: its file changed
@@ -229,12 +229,13 @@ class _Defects:
     def summary(self) -> str:
         """e.g. `2 ok records fail the audit's record checks: an id outside the tokenizer (p0003,
         p0007)`."""
-        parts = [f"{RECORD_CHECKS[k]} ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})"
-                 for k, ids in self.found.items()]
+        parts = [
+            f"{RECORD_CHECKS[k]} ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})"
+            for k, ids in self.found.items()
+        ]
         return (
             f"{self.count} ok record{'s' if self.count != 1 else ''} fail the audit's record "
-            "checks: "
-            + "; ".join(parts)
+            "checks: " + "; ".join(parts)
         )
 
 
@@ -341,7 +342,7 @@ def _byte_table(backend: Any):
 
     rng = np.random.default_rng(0)
     every = rng.permutation(size).tolist()
-    probe = [every[k:k + 7] for k in range(0, size, 7)]
+    probe = [every[k : k + 7] for k in range(0, size, 7)]
     probe += rng.integers(0, size, (500, 40)).tolist()
     same = decode(probe) == backend.decode_batch(probe, skip_special_tokens=False)
     return decode if same else None
@@ -389,11 +390,11 @@ class Selection(msgspec.Struct, frozen=True):
 
     datasets: frozenset[str] | None = None
     finish: frozenset[str] | None = None
-    mode: str | None = None                  # "reasoning" | "non-reasoning"
+    mode: str | None = None  # "reasoning" | "non-reasoning"
     samples: frozenset[int] | None = None
     turns: frozenset[int] | None = None
     include: frozenset[str] | None = None
-    max_length: int | None = None            # rows of more ids are left out (LONGER)
+    max_length: int | None = None  # rows of more ids are left out (LONGER)
     exclude: frozenset[str] | None = None
 
     def planned(self, ref: PromptRef, dataset: str) -> bool:
@@ -413,31 +414,31 @@ class ExportSummary(msgspec.Struct):
     format: str
     output: str
     skipped_file: str
-    planned: int = 0           # planned records the --dataset / --sample / --turn filters select
+    planned: int = 0  # planned records the --dataset / --sample / --turn filters select
     # records written (rows of a regenerated conversation count each turn they hold)
     exported: int = 0
-    rows: int = 0              # rows (lines) written
+    rows: int = 0  # rows (lines) written
     # ok records that are not training data (skipped file, with the reason)
     skipped: int = 0
-    failed: int = 0            # failed records not exported (skipped file, with their failure kind)
+    failed: int = 0  # failed records not exported (skipped file, with their failure kind)
     # planned records the merged dataset does not hold (merged with --allow-incomplete)
     missing: int = 0
-    filtered: int = 0          # ok records --finish / --mode leave out
+    filtered: int = 0  # ok records --finish / --mode leave out
     skipped_by_reason: dict[str, int] = {}
     failed_by_kind: dict[str, int] = {}
     # jsonl, parquet, tokens: records exported that a reason names, by reason (in tokens, outputs
     # cut by max_new_tokens: kept for the drafter)
     kept_by_reason: dict[str, int] = {}
-    trainer: str | None = None         # tokens: the trainer whose loss-mask rule the export follows
+    trainer: str | None = None  # tokens: the trainer whose loss-mask rule the export follows
     # tokens: a think-start the template wrote is in the loss mask
     supervise_think_start: bool | None = None
-    audit: str = "none"                # the run's audit: "passed", "failed" or "none" (not run)
+    audit: str = "none"  # the run's audit: "passed", "failed" or "none" (not run)
     # what made the records, as the run pinned it (RunPlan.synthetic): "model", or "stub":
     # synthetic text from the stand-in for SGLang's protocol, not training data
     engine: str = "model"
     # conversations: rows rendered again as SpecForge renders them
     roundtrip_rows: int = 0
-    roundtrip_identical: int = 0       # ... of which give the model's exact ids
+    roundtrip_identical: int = 0  # ... of which give the model's exact ids
     # conversations: --check-sample N, the rows checked about N (None: every row checked)
     roundtrip_sample: int | None = None
     # conversations: per row, whether the render gives the exact ids
@@ -455,18 +456,17 @@ class ExportSummary(msgspec.Struct):
     def line(self) -> str:
         """e.g. `44 planned: 39 exported, 4 skipped (truncated 3, degenerate 1), 1 failed
         (server_error 1)`."""
+
         def by(counts: dict[str, int]) -> str:
             ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-            return (
-                f" ({', '.join(f'{k} {v}' for k, v in ranked)})"
-                if counts
-                else ""
-            )
+            return f" ({', '.join(f'{k} {v}' for k, v in ranked)})" if counts else ""
 
         kept = f" ({by(self.kept_by_reason)[2:-1]} kept)" if self.kept_by_reason else ""
-        parts = [f"{self.exported} exported{kept}",
-                 f"{self.skipped} skipped{by(self.skipped_by_reason)}",
-                 f"{self.failed} failed{by(self.failed_by_kind)}"]
+        parts = [
+            f"{self.exported} exported{kept}",
+            f"{self.skipped} skipped{by(self.skipped_by_reason)}",
+            f"{self.failed} failed{by(self.failed_by_kind)}",
+        ]
         if self.missing:
             parts.append(f"{self.missing} missing")
         if self.filtered:
@@ -481,8 +481,8 @@ class SkippedRow(msgspec.Struct):
     dataset: str
     sample: int
     turn: int
-    status: str                # "skipped" (ok, not training data) or "failed"
-    reason: str                # a key of EXPORT_REASONS, or the failure kind of a failed record
+    status: str  # "skipped" (ok, not training data) or "failed"
+    reason: str  # a key of EXPORT_REASONS, or the failure kind of a failed record
     finish_reason: str | None
     completion_tokens: int
     error: str | None = None
@@ -651,8 +651,9 @@ def _kept(
             yield keep, refs
 
 
-def _jsonl_rows(recs: list[Record], refs: list[PromptRef], texts: list[tuple[str, str]],
-                meta: _Meta) -> Iterator[JsonlRecord]:
+def _jsonl_rows(
+    recs: list[Record], refs: list[PromptRef], texts: list[tuple[str, str]], meta: _Meta
+) -> Iterator[JsonlRecord]:
     for r, ref, (reasoning, content) in zip(recs, refs, texts):
         stop_id, stop_str = stop_columns(r.matched_stop)
         yield JsonlRecord(
@@ -879,7 +880,7 @@ def _export_conversations(
         if [t[1].turn for t in turns] != list(range(ref.turn + 1)):
             return
         bad = next((t for t in turns if t[3] is not None), None)
-        selected = [t for t in turns[chain.done + 1:] if acc.selected(t[0], t[1])]
+        selected = [t for t in turns[chain.done + 1 :] if acc.selected(t[0], t[1])]
         chain.done = ref.turn
         if bad is not None:
             for rec, tref, _, twhy in selected:
@@ -901,8 +902,11 @@ def _export_conversations(
         for r, p in zip(recs, parts):
             ref = acc.ref(r)
             ds = plan.datasets[ref.dataset]
-            if not acc.selected(r, ref) and (not ds.regenerate or acc.sel.datasets is not None
-                                             and ds.name not in acc.sel.datasets):
+            if not acc.selected(r, ref) and (
+                not ds.regenerate
+                or acc.sel.datasets is not None
+                and ds.name not in acc.sel.datasets
+            ):
                 # (a regenerated turn not selected may still be the history of one that is)
                 continue
             prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
@@ -939,7 +943,7 @@ def _export_conversations(
     checks.flush()
     # conversations whose later turns the merged dataset does not hold
     for chain in chains.values():
-        for rec, ref, _, why in chain.turns[chain.done + 1:]:
+        for rec, ref, _, why in chain.turns[chain.done + 1 :]:
             if acc.selected(rec, ref):
                 acc.left_out(rec, ref, why if why is not None else OTHER_TURN)
     return n
@@ -1127,8 +1131,12 @@ def _kind(fmt: str) -> str:
     return "parquet" if fmt == "parquet" else "JSON lines"
 
 
-def output_path(run_dir: str | os.PathLike, fmt: str, output: str | os.PathLike | None,
-                trainer: str = "specforge") -> Path:
+def output_path(
+    run_dir: str | os.PathLike,
+    fmt: str,
+    output: str | os.PathLike | None,
+    trainer: str = "specforge",
+) -> Path:
     """The file an export writes: `output`; the default name inside it when it is a folder or ends
     with a slash (the folder made when its parent exists); `default_output` when None."""
     default = default_output(run_dir, fmt, trainer)
@@ -1178,8 +1186,10 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
     shard written to or asked to generate records again since), or None when the merge is of the run
     as it is. Reads no record."""
     if manifest.planned != plan.total or len(manifest.shards) != len(plan.shards):
-        return (f"the run plans {plan.total} records in {len(plan.shards)} shards, the merge had "
-                f"{manifest.planned} in {len(manifest.shards)} (the job grew)")
+        return (
+            f"the run plans {plan.total} records in {len(plan.shards)} shards, the merge had "
+            f"{manifest.planned} in {len(manifest.shards)} (the job grew)"
+        )
     changed = []
     for m in manifest.shards:
         path = rd.shard_file(m.index)
@@ -1187,8 +1197,10 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
         if size != m.bytes or shard_state(rd, m.index).state is ShardState.RETRY:
             changed.append(m.index)
     if changed:
-        return (f"shard{'s' * (len(changed) != 1)} {ranges(changed, sep=',')} changed since "
-                "(records written, or asked for again)")
+        return (
+            f"shard{'s' * (len(changed) != 1)} {ranges(changed, sep=',')} changed since "
+            "(records written, or asked for again)"
+        )
     return None
 
 
@@ -1367,8 +1379,13 @@ def export_run(
                 kwargs=dict(plan.spec.model.chat_template_kwargs),
             )
         except Exception as e:  # noqa: BLE001 - a template that refuses the probe conversation
-            reg = Registration(name=plan.spec.name, assistant_header="", end_of_turn_token=None,
-                               parser_type="thinking", enable_thinking=True)
+            reg = Registration(
+                name=plan.spec.name,
+                assistant_header="",
+                end_of_turn_token=None,
+                parser_type="thinking",
+                enable_thinking=True,
+            )
             summary.warnings.append(
                 f"the chat template refuses a probe conversation ({type(e).__name__}: {e}): no "
                 "SpecForge registration could be read from it; the round trip assumes its "

@@ -50,9 +50,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MERGED = 2**32 - 1             # shard number in the merged file's header
+MERGED = 2**32 - 1  # shard number in the merged file's header
 MANIFEST_FORMAT = 1
-MERGED_FLUSH_RECORDS = 128     # records per frame of the merged file
+MERGED_FLUSH_RECORDS = 128  # records per frame of the merged file
 
 
 class MergeError(BadInputError):
@@ -62,20 +62,20 @@ class MergeError(BadInputError):
 class FrameProblem(msgspec.Struct):
     shard: int
     file: str
-    offset: int      # byte offset of the frame in the shard file
+    offset: int  # byte offset of the frame in the shard file
     why: str
 
 
 class ShardMerge(msgspec.Struct):
     index: int
     file: str
-    done: bool                   # has a done manifest of this run
+    done: bool  # has a done manifest of this run
     frames: int = 0
-    records: int = 0             # records read (duplicates and foreign ones included)
+    records: int = 0  # records read (duplicates and foreign ones included)
     kept: int = 0
     # records superseded by a later one of their id (partial outputs continued apart)
     duplicates: int = 0
-    foreign: int = 0             # records whose id or position this shard does not own
+    foreign: int = 0  # records whose id or position this shard does not own
     missing: int = 0
     bytes: int = 0
     sha256: str | None = None
@@ -98,7 +98,7 @@ class MergeManifest(msgspec.Struct):
     fingerprint: str
     created: str
     allow_incomplete: bool
-    complete: bool               # every planned prompt present exactly once and no damaged frame
+    complete: bool  # every planned prompt present exactly once and no damaged frame
     planned: int
     records: int
     ok: int
@@ -111,11 +111,11 @@ class MergeManifest(msgspec.Struct):
     datasets: dict[str, DatasetCounts]
     shards: list[ShardMerge]
     corrupt: list[FrameProblem]  # damaged frames inside a file (their records are missing)
-    torn: list[FrameProblem]     # incomplete last frames (a write cut short)
+    torn: list[FrameProblem]  # incomplete last frames (a write cut short)
     file: str
     bytes: int
     sha256: str
-    missing_ids: list[str] = []      # the first SAMPLE_IDS; all are in missing_ids.txt
+    missing_ids: list[str] = []  # the first SAMPLE_IDS; all are in missing_ids.txt
     duplicate_ids: list[str] = []
     foreign_ids: list[str] = []
     # partial outputs superseded by their continuation: not duplicates
@@ -156,8 +156,8 @@ def _merge_shard(
     sc = scan_shard(path, sp.first, refs, header=header)
     sm.frames, sm.records, sm.foreign = len(sc.offsets), sc.records, sc.foreign
     sm.duplicates, sm.continued = sc.duplicates, sc.continued
-    t.foreign_ids += sc.foreign_ids[:SAMPLE_IDS - len(t.foreign_ids)]
-    t.duplicate_ids += sc.duplicate_ids[:SAMPLE_IDS - len(t.duplicate_ids)]
+    t.foreign_ids += sc.foreign_ids[: SAMPLE_IDS - len(t.foreign_ids)]
+    t.duplicate_ids += sc.duplicate_ids[: SAMPLE_IDS - len(t.duplicate_ids)]
     for d in sc.damage:
         (torn if d.torn else corrupt).append(FrameProblem(sp.index, str(path), d.offset, d.why))
     for ref, rec in zip(refs, newest_records(path, sc, cache_bytes)):
@@ -203,8 +203,11 @@ def finished_shards(
 
 
 def merge_run(
-    run_dir: str | os.PathLike, *, allow_incomplete: bool = False,
-    on_record: Callable[[Record], None] | None = None, cache_bytes: int = CACHE_BYTES,
+    run_dir: str | os.PathLike,
+    *,
+    allow_incomplete: bool = False,
+    on_record: Callable[[Record], None] | None = None,
+    cache_bytes: int = CACHE_BYTES,
 ) -> MergeManifest:
     """Merge every shard file of a run into `merged/records.zst` and write `merged/manifest.json`.
 
@@ -362,8 +365,14 @@ def _merge_run(
     return manifest
 
 
-def _check_file(path: Path, k: int, plan: RunPlan, sm: ShardMerge, done: dict[int, DoneManifest],
-                corrupt: list[FrameProblem]) -> bool | None:
+def _check_file(
+    path: Path,
+    k: int,
+    plan: RunPlan,
+    sm: ShardMerge,
+    done: dict[int, DoneManifest],
+    corrupt: list[FrameProblem],
+) -> bool | None:
     """Size and checksum of a shard file, and its header: True when it is this shard's; False when
     its header is damaged (reported: its frames are read past it, as the worker's salvage keeps
     them); None when it is absent or another run's (reported: none of its records is this run's)."""
@@ -486,8 +495,11 @@ def _log_problems(rd: RunDir, m: MergeManifest) -> None:
             ", ".join(m.duplicate_ids[:3]),
         )
     if m.foreign:
-        log.error("%d records do not belong to their shard's plan (e.g. %s); left out", m.foreign,
-                  ", ".join(m.foreign_ids[:3]))
+        log.error(
+            "%d records do not belong to their shard's plan (e.g. %s); left out",
+            m.foreign,
+            ", ".join(m.foreign_ids[:3]),
+        )
     if m.missing:
         log.warning(
             "%d of %d planned records missing; ids in %s", m.missing, m.planned, rd.missing_file
@@ -521,8 +533,10 @@ def merged_file_problem(rd: RunDir, *, checksum: bool = False) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, msgspec.MsgspecError) as e:
-        return (f"{rd.manifest_file.name} is unreadable "
-                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        return (
+            f"{rd.manifest_file.name} is unreadable "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        )
     try:
         size = rd.merged_file.stat().st_size
     except FileNotFoundError:

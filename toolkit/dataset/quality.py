@@ -58,10 +58,10 @@ __all__ = [
 SKIP_REASONS = {
     "nan": "stopped by SGLang on NaN logits (it ends in an EOS the model never wrote)",
     "degenerate": "a repetition loop: cut by max_new_tokens or stopped while generated, one span "
-                  "of ids repeated",
+    "of ids repeated",
     "truncated": "cut by max_new_tokens (finish_reason length)",
     "no_think_end": "no think-end id: the reasoning never ended (or never started) and there is "
-                    "no answer",
+    "no answer",
     "empty_reasoning": "nothing but blanks before the think-end",
     "empty_content": "nothing but blanks after the think-end, and no tool call",
     "think_marker": "a think-start or think-end id inside the reasoning or the answer",

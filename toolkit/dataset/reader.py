@@ -206,8 +206,10 @@ def to_dataset(
     if view == "records" and trainer is not None:
         raise ValueError("trainer= is the tokens view's (its loss mask): give view='tokens'")
     if view == "tokens" and not ok_only:
-        raise ValueError("the tokens view holds training rows, ok records only: drop ok_only=False "
-                         "(view='records' gives every record)")
+        raise ValueError(
+            "the tokens view holds training rows, ok records only: drop ok_only=False "
+            "(view='records' gives every record)"
+        )
     if trainer is not None and trainer not in TRAINERS:
         raise ValueError(f"trainer={trainer!r}: choose one of {', '.join(map(repr, TRAINERS))}")
     try:
@@ -215,13 +217,19 @@ def to_dataset(
         import pyarrow as pa
         from datasets.exceptions import DatasetGenerationError
     except ImportError:
-        raise ImportError("to_dataset needs the `datasets` package: pip install datasets "
-                          "(or read the records with toolkit.read_rows)") from None
+        raise ImportError(
+            "to_dataset needs the `datasets` package: pip install datasets "
+            "(or read the records with toolkit.read_rows)"
+        ) from None
     cache = None if cache_dir is None else str(cache_dir)
     if view == "tokens":
         rows, schema = _token_dicts, tokens_schema(pa)
-        kwargs = {"run_dir": str(run_dir), "trainer": trainer or "specforge",
-                  "state": _state(run_dir), "tmp": cache}
+        kwargs = {
+            "run_dir": str(run_dir),
+            "trainer": trainer or "specforge",
+            "state": _state(run_dir),
+            "tmp": cache,
+        }
     else:
         rows, schema = _row_dicts, rows_schema(pa)
         kwargs = {"run_dir": str(run_dir), "ok_only": ok_only, "state": _state(run_dir)}

@@ -21,7 +21,7 @@ from toolkit.formats.rundir import RunDir
 __all__ = ["summary_table", "write_html", "write_reports"]
 
 SHARD_ROWS = 16  # shards listed in the terminal table (all of them in the HTML page)
-WIDTH = 120      # of the wrapped check messages
+WIDTH = 120  # of the wrapped check messages
 
 
 def write_reports(rd: RunDir, report: AuditReport) -> tuple[Path, Path]:
@@ -68,11 +68,19 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 def _dataset_row(d: DatasetStats) -> list[str]:
     r = d.reasoning
     return [
-        d.name, str(d.planned), str(d.ok), str(d.failed), str(d.missing), _num(d.prompt_tokens),
-        _pct(d.cached_tokens / d.prompt_tokens) if d.prompt_tokens else "-", _num(d.output_tokens),
+        d.name,
+        str(d.planned),
+        str(d.ok),
+        str(d.failed),
+        str(d.missing),
+        _num(d.prompt_tokens),
+        _pct(d.cached_tokens / d.prompt_tokens) if d.prompt_tokens else "-",
+        _num(d.output_tokens),
         f"{d.output_len.p50}/{d.output_len.p90}/{d.output_len.p99}/{d.output_len.max}",
-        str(d.reasoning_len.p50), str(d.content_len.p50),
-        _pct(r.think_end / r.expected) if r.expected else "-", _pct(d.length_share),
+        str(d.reasoning_len.p50),
+        str(d.content_len.p50),
+        _pct(r.think_end / r.expected) if r.expected else "-",
+        _pct(d.length_share),
     ]
 
 
@@ -88,8 +96,7 @@ def _skipped_inputs(report: AuditReport) -> list[str]:
         n = s.bad_lines + s.too_long
         out.append(
             f"inputs skipped in {s.dataset}: {n} line{'s' * (n != 1)} ({', '.join(kinds)}), not "
-            "planned"
-            + "".join(f"\n  {e}" for e in s.examples[:3])
+            "planned" + "".join(f"\n  {e}" for e in s.examples[:3])
         )
     return out
 
@@ -100,8 +107,10 @@ def training_line(t: TrainingShare) -> str:
     if not t.decoded_tokens and not t.left_out_records:
         return "training export (tokens): no decoded output tokens"
     whole = t.decoded_tokens or 1
-    out = (f"training export (tokens): {_pct(t.share)} of {_num(t.decoded_tokens)} decoded output "
-           f"tokens ({_pct(t.cut_tokens / whole)} cut by max_new_tokens, kept)")
+    out = (
+        f"training export (tokens): {_pct(t.share)} of {_num(t.decoded_tokens)} decoded output "
+        f"tokens ({_pct(t.cut_tokens / whole)} cut by max_new_tokens, kept)"
+    )
     gone = sorted(t.left_out_records, key=lambda k: (-t.left_out_tokens.get(k, 0), k))
     if gone:
         out += "; left out: " + ", ".join(
@@ -143,8 +152,10 @@ def summary_table(report: AuditReport) -> str:
     if len(report.datasets) > 1:
         rows.append(_dataset_row(report.overall))
     lines += _table(rows, right=set(range(1, len(head))))
-    lines.append(f"reasoning modes of ok outputs: {modes_text(report.overall.reasoning)}; "
-                 f"{report.overall.reasoning.in_reasoning} in reasoning mode")
+    lines.append(
+        f"reasoning modes of ok outputs: {modes_text(report.overall.reasoning)}; "
+        f"{report.overall.reasoning.in_reasoning} in reasoning mode"
+    )
     lines.append(training_line(report.training))
     shards = report.shards
     shown = (
@@ -159,8 +170,10 @@ def summary_table(report: AuditReport) -> str:
     if shown:
         lines.append("")
         if len(shown) < len(shards):
-            lines.append(f"shards with problems ({len(shown)} shown of {len(shards)}; all in "
-                         f"{_shown(report.files.get('html', '-'))}):")
+            lines.append(
+                f"shards with problems ({len(shown)} shown of {len(shards)}; all in "
+                f"{_shown(report.files.get('html', '-'))}):"
+            )
         rows = [
             [
                 "shard",

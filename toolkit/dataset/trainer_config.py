@@ -25,8 +25,14 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["DEFAULT_LENGTH", "LENGTH_SETTING", "LengthFigures", "RowLengths", "config_name",
-           "write_config"]
+__all__ = [
+    "DEFAULT_LENGTH",
+    "LENGTH_SETTING",
+    "LengthFigures",
+    "RowLengths",
+    "config_name",
+    "write_config",
+]
 
 # what each trainer cuts a row to when it is not told otherwise
 DEFAULT_LENGTH = {"specforge": 2048, "speculators": 8192}
@@ -42,12 +48,12 @@ class LengthFigures(msgspec.Struct):
     p50: int = 0
     p99: int = 0
     max: int = 0
-    supervised: int = 0            # supervised tokens of every row written
-    default_length: int = 0        # the trainer's own default length
-    rows_cut_by_default: int = 0   # rows longer than it
+    supervised: int = 0  # supervised tokens of every row written
+    default_length: int = 0  # the trainer's own default length
+    rows_cut_by_default: int = 0  # rows longer than it
     supervised_cut_by_default: int = 0  # supervised tokens past it
-    setting: str = ""              # data.max_length (SpecForge) or --seq-length (speculators)
-    needed: int = 0                # the length that keeps every row whole
+    setting: str = ""  # data.max_length (SpecForge) or --seq-length (speculators)
+    needed: int = 0  # the length that keeps every row whole
 
 
 class RowLengths:
@@ -75,9 +81,14 @@ class RowLengths:
             return ranked[max(0, -(-n * q // 100) - 1)] if n else 0
 
         return LengthFigures(
-            rows=n, p50=int(rank(50)), p99=int(rank(99)), max=ranked[-1] if n else 0,
-            supervised=self.supervised, default_length=self.default,
-            rows_cut_by_default=self.rows_cut, supervised_cut_by_default=self.cut,
+            rows=n,
+            p50=int(rank(50)),
+            p99=int(rank(99)),
+            max=ranked[-1] if n else 0,
+            supervised=self.supervised,
+            default_length=self.default,
+            rows_cut_by_default=self.rows_cut,
+            supervised_cut_by_default=self.cut,
             setting=LENGTH_SETTING[self.trainer],
             needed=ranked[-1] if n else 0,
         )
@@ -101,19 +112,30 @@ def _specforge_yaml(model: str, tokens: Path, length: int) -> str:
         "    backend: mooncake\n"
         f"    control_dir: {q(str(tokens.parent / 'specforge-control'))}\n"
         "    managed_local:\n"
-        "      trainer_cuda_visible_devices: [\"0\"]\n"
-        "      capture_servers: [{port: 30000, cuda_visible_devices: [\"1\"]}]\n"
+        '      trainer_cuda_visible_devices: ["0"]\n'
+        '      capture_servers: [{port: 30000, cuda_visible_devices: ["1"]}]\n'
     )
 
 
 def _speculators_sh(model: str, tokens: Path, length: int) -> str:
-    cmd = ["speculators", "prepare-data", "--model", model, "--data", str(tokens),
-           "--output", str(tokens.parent / "speculators-data"), "--seq-length", str(length)]
+    cmd = [
+        "speculators",
+        "prepare-data",
+        "--model",
+        model,
+        "--data",
+        str(tokens),
+        "--output",
+        str(tokens.parent / "speculators-data"),
+        "--seq-length",
+        str(length),
+    ]
     return (
         "#!/bin/sh\n"
         f"# speculators 0.9.0: no row of the export has more than {length} ids: --seq-length\n"
         "# keeps each whole (the default 8192 cuts longer rows).\n"
-        + " ".join(shlex.quote(c) for c in cmd) + "\n"
+        + " ".join(shlex.quote(c) for c in cmd)
+        + "\n"
     )
 
 

@@ -50,7 +50,7 @@ class Trainer(msgspec.Struct, frozen=True):
     name: str
     # a think-start the template wrote at the end of the prompt is in the loss
     supervise_think_start: bool
-    output: str                  # the default file name of its tokens export
+    output: str  # the default file name of its tokens export
 
 
 TRAINERS = {
@@ -158,8 +158,15 @@ def _after(a: str, b: str) -> str:
     return b[n:]
 
 
-def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = "toolkit-model", *,
-                 think_end: str = "", kwargs: dict[str, Any] | None = None) -> Registration:
+def registration(
+    tok: Any,
+    think_start: str,
+    stop_texts: list[str],
+    name: str = "toolkit-model",
+    *,
+    think_end: str = "",
+    kwargs: dict[str, Any] | None = None,
+) -> Registration:
     """The registration of the tokenizer's chat template: the assistant header is what the
     generation prompt adds to a user turn (a think-start the template writes there, and what follows
     it, left to the supervised span as the model's output starts it); the end of turn is the stop
@@ -174,7 +181,7 @@ def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = 
     )
     ignore = None
     if think_start and think_start in header:
-        header, written = header[: header.index(think_start)], header[header.index(think_start):]
+        header, written = header[: header.index(think_start)], header[header.index(think_start) :]
         # reasoning closed by the template: not the model's, not supervised
         if think_end and think_end in written:
             ignore = [written]
@@ -184,7 +191,7 @@ def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = 
         generation=False,
     )
     end = None
-    tail = answered[answered.rfind("ANSWER") + len("ANSWER"):] if "ANSWER" in answered else ""
+    tail = answered[answered.rfind("ANSWER") + len("ANSWER") :] if "ANSWER" in answered else ""
     for s in sorted(stop_texts, key=len, reverse=True):
         if s and tail.startswith(s):
             end = s
@@ -194,9 +201,14 @@ def registration(tok: Any, think_start: str, stop_texts: list[str], name: str = 
     )
     # (some write it on later turns only)
     thinking = "REASONING" in answered or "reasoning_content" in (source or "")
-    return Registration(name=name, assistant_header=header, end_of_turn_token=end,
-                        parser_type="thinking" if thinking else "general", enable_thinking=thinking,
-                        ignore_token=ignore)
+    return Registration(
+        name=name,
+        assistant_header=header,
+        end_of_turn_token=end,
+        parser_type="thinking" if thinking else "general",
+        enable_thinking=thinking,
+        ignore_token=ignore,
+    )
 
 
 def writes_default_system(tok: Any) -> bool:
@@ -217,8 +229,10 @@ def builtin_problems(reg: Registration, default_system: bool) -> list[str]:
             continue
         why = []
         if system:
-            why.append(f"inserts the system prompt {system!r} in rows without one"
-                       + (" (the model saw its template's own default)" if default_system else ""))
+            why.append(
+                f"inserts the system prompt {system!r} in rows without one"
+                + (" (the model saw its template's own default)" if default_system else "")
+            )
         if reg.parser_type == "thinking" and parser != "thinking":
             why.append(
                 "drops the reasoning of every row (a general parser keeps no reasoning_content)"
@@ -229,8 +243,11 @@ def builtin_problems(reg: Registration, default_system: bool) -> list[str]:
                 "(not supervised)"
             )
         if end != reg.end_of_turn_token:
-            why.append(f"ends a turn at {end!r}, the model at {reg.end_of_turn_token!r}" if end else
-                       f"names no end of turn, the model ends it at {reg.end_of_turn_token!r}")
+            why.append(
+                f"ends a turn at {end!r}, the model at {reg.end_of_turn_token!r}"
+                if end
+                else f"names no end of turn, the model ends it at {reg.end_of_turn_token!r}"
+            )
         if why:
             out.append(
                 f"SpecForge's built-in {name!r} "

@@ -154,9 +154,13 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         head = (
-            f"{method} {self.base_path}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body) if body else 0}\r\n"
-        ).encode() + self._auth + b"\r\n"
+            (
+                f"{method} {self.base_path}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body) if body else 0}\r\n"
+            ).encode()
+            + self._auth
+            + b"\r\n"
+        )
         # A pooled connection may have been closed by the server meanwhile: retry once on a fresh
         # one.
         for fresh in (False, True):
@@ -416,8 +420,15 @@ class Expect(msgspec.Struct, frozen=True):
 FINISH_TYPES = ("stop", "length", "abort")
 
 
-def check_answer(ids, meta: MetaInfo, *, rid: str | None, n_input: int, max_new_tokens: int | None,
-                 expect: Expect | None = None) -> dict:
+def check_answer(
+    ids,
+    meta: MetaInfo,
+    *,
+    rid: str | None,
+    n_input: int,
+    max_new_tokens: int | None,
+    expect: Expect | None = None,
+) -> dict:
     """The finish_reason of a 200 answer to the request (`rid`, `n_input` prompt ids,
     `max_new_tokens`), once the answer is checked against it; BadResponse saying what breaks
     SGLang's contract. An abort that carries an HTTP status code is that error, as SGLang's own HTTP
@@ -568,9 +579,9 @@ async def abort_requests(
 class EngineLoad(msgspec.Struct):
     """What the server says about its load, summed over its data-parallel ranks."""
 
-    running: int = 0          # requests generating
-    waiting: int = 0          # requests queued for a running slot
-    capacity: int = 0         # requests it can run at once (0: unknown)
+    running: int = 0  # requests generating
+    waiting: int = 0  # requests queued for a running slot
+    capacity: int = 0  # requests it can run at once (0: unknown)
     token_usage: float = 0.0  # share of the KV pool in use (the fullest rank)
 
 
@@ -597,7 +608,7 @@ class _ServerInfo(msgspec.Struct):
 class ServerLimits(msgspec.Struct):
     """What /server_info says of the server's limits (0 and None: it does not say)."""
 
-    capacity: int = 0               # requests it can run at once
+    capacity: int = 0  # requests it can run at once
     # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
     max_req_len: int | None = None
 

@@ -40,7 +40,7 @@ def read_key(engine) -> str | None:
         key = os.environ.get(engine.api_key_env, "").strip()
         if not key:
             raise EngineError(
-                f"[engine] api_key_env = \"{engine.api_key_env}\": the environment variable "
+                f'[engine] api_key_env = "{engine.api_key_env}": the environment variable '
                 f"{engine.api_key_env} is not set (or empty) where the worker runs; export it "
                 "before `toolkit run` or `toolkit submit` (sbatch passes the environment on), or "
                 "set it in [slurm] setup"
@@ -109,8 +109,11 @@ async def served_model(http: HttpClient) -> dict[str, Any]:
         cards = info.get("data")
         if isinstance(cards, list) and cards and isinstance(cards[0], dict):
             card = cards[0]
-            return {"model_path": card.get("root") or card.get("id"),
-                    "served_model_name": card.get("id"), "answered": path}
+            return {
+                "model_path": card.get("root") or card.get("id"),
+                "served_model_name": card.get("id"),
+                "answered": path,
+            }
     return {}
 
 
@@ -149,12 +152,14 @@ def check_served(
             f"[engine] url {url} serves model {served!r} ({where}), but this job's model is "
             f"{model.path!r} ([model] path): its records would not be this model's. Point [engine] "
             f"url at a server of {model.path}; if it is the same model under another path, set "
-            f"[model] path = \"{served}\" (and tokenizer_path to its tokenizer here)"
+            f'[model] path = "{served}" (and tokenizer_path to its tokenizer here)'
         )
     theirs, read = vocab_of(SimpleNamespace(path=served))
     if theirs is None:
-        log.info("the server's model folder cannot be read here (%s): its vocabulary is not "
-                 "checked", read)
+        log.info(
+            "the server's model folder cannot be read here (%s): its vocabulary is not checked",
+            read,
+        )
         return
     ours, ours_read = vocab_of(model)
     if ours is not None and ours != theirs:
@@ -170,5 +175,10 @@ def check_served(
             f"are outside its embedding. Point [engine] url at a server of {model.path}, or use "
             "that model's own tokenizer ([model] tokenizer_path)"
         )
-    log.info("the server at %s serves %s (%s), vocabulary %d ids: the job's model", url, served,
-             where, theirs)
+    log.info(
+        "the server at %s serves %s (%s), vocabulary %d ids: the job's model",
+        url,
+        served,
+        where,
+        theirs,
+    )

@@ -89,7 +89,7 @@ def sweep(tmp: Path) -> list[Path]:
     removed = []
     for folder in tmp.glob(PREFIX + "*-*"):
         try:
-            pid = int(folder.name[len(PREFIX):].split("-", 1)[0])
+            pid = int(folder.name[len(PREFIX) :].split("-", 1)[0])
             if folder.stat().st_uid != os.getuid() or pid == os.getpid():
                 continue
             os.kill(pid, 0)
@@ -163,7 +163,7 @@ def _write(out, data: bytes, path: Path, warned: bool) -> bool:
     try:
         view = memoryview(data)
         while view:
-            view = view[out.write(view):]
+            view = view[out.write(view) :]
     except OSError as e:
         if not warned:
             log.warning(

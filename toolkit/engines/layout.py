@@ -51,8 +51,10 @@ def check_engine_layout(
     pp, _ = _parallel_flags(e)
     total = engine_gpus(e)
     nodes_per_tp_group = max(1, n // pp)
-    fix = (f"set tp_size = {n * gpus_per_node * e.tp_size // total} for {n} nodes of "
-           f"{gpus_per_node} GPUs")
+    fix = (
+        f"set tp_size = {n * gpus_per_node * e.tp_size // total} for {n} nodes of "
+        f"{gpus_per_node} GPUs"
+    )
     if e.tp_size % nodes_per_tp_group or total % n:
         return (
             f"[engine] tp_size = {e.tp_size} does not split over nodes = {n}: SGLang's --tp-size "
@@ -107,7 +109,7 @@ def _one_node(e: Any, gpus: int, where: str) -> str | None:
         return (
             f"[engine] {layout} needs {_gpus(used)} on one node but {where} = {gpus}: set "
             f"{where} = {used} where the nodes have that many, or lower tp_size / dp_size (on "
-            f"several nodes, kind = \"sglang\" with nodes = N and tp_size counting every node)"
+            f'several nodes, kind = "sglang" with nodes = N and tp_size counting every node)'
         )
     fixes = []
     if not dp_attention and gpus % (e.tp_size * pp) == 0:
@@ -159,7 +161,7 @@ def split_gpus(
             f"({shown}); at most --parallel {fits}"
         )
     if n * per < len(gpus):
-        used, idle = gpus[:n * per], gpus[n * per:]
+        used, idle = gpus[: n * per], gpus[n * per :]
         fixes = [f"--parallel {fits}"] if fits * per == len(gpus) else []
         fixes.append(f"CUDA_VISIBLE_DEVICES={','.join(used)} to name only the GPUs to use")
         raise ValueError(
@@ -168,4 +170,4 @@ def split_gpus(
             f"of the {len(gpus)} visible GPUs ({shown}): GPU{'s' * (len(idle) != 1)} "
             f"{','.join(idle)} would sit idle for the whole run; give " + ", or ".join(fixes)
         )
-    return n, [gpus[i * per:(i + 1) * per] for i in range(n)]
+    return n, [gpus[i * per : (i + 1) * per] for i in range(n)]

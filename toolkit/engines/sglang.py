@@ -22,6 +22,7 @@ __all__ = ["SGLangEngine", "MANAGED", "check_extra_args", "engine_python"]
 
 log = logging.getLogger(__name__)
 
+
 def substitute(template: list[str], **values: str) -> list[str]:
     """Fill the placeholders of a custom launch argv: `{host}` `{port}` `{model_path}`, and for the
     key `{api_key_file}` `{config_file}` (files only the user can read) or `{api_key}` (the key
@@ -49,14 +50,21 @@ parser.parse_args(sys.argv[1:])
 ARGV_CHECK_TIMEOUT_S = 600.0
 
 
-def check_argv_with_sglang(args: list[str], env: dict[str, str], python: str = sys.executable,
-                           secret: str | None = None) -> None:
+def check_argv_with_sglang(
+    args: list[str], env: dict[str, str], python: str = sys.executable, secret: str | None = None
+) -> None:
     """Parse `args` (the flags after `-m sglang.launch_server`) with SGLang's own parser, where
     sglang is installed; a refusal raises EngineError with argparse's message. Anything else (no
     sglang, an import that fails, a timeout) is logged and left to the launch itself."""
     try:
-        r = subprocess.run([python, "-c", _ARGV_CHECK, *args], env=env, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=ARGV_CHECK_TIMEOUT_S)
+        r = subprocess.run(
+            [python, "-c", _ARGV_CHECK, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=ARGV_CHECK_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning(
             "could not check the command line with SGLang's parser (%s); launching anyway", e
@@ -85,8 +93,10 @@ def check_argv_with_sglang(args: list[str], env: dict[str, str], python: str = s
 
 # Asked of a candidate interpreter: its environment (sys.prefix) and whether sglang is importable
 # there.
-_PROBE = ("import importlib.util, sys; print(sys.prefix); "
-          "print(importlib.util.find_spec('sglang') is not None)")
+_PROBE = (
+    "import importlib.util, sys; print(sys.prefix); "
+    "print(importlib.util.find_spec('sglang') is not None)"
+)
 PROBE_TIMEOUT_S = 120.0
 
 

@@ -35,13 +35,30 @@ class StubEngine(Engine):
     def argv(self) -> list[str]:
         m, s = self.spec.model, self.engine.stub
         argv = [
-            sys.executable, "-m", "toolkit.stub", "--model-path", m.path,
-            "--host", LOOPBACK, "--port", str(self.port),
-            "--think-start", m.think_start, "--think-end", m.think_end,
-            "--context-length", str(s.context_length), "--version", s.version,
-            "--tp-size", str(self.engine.tp_size), "--dp-size", str(self.engine.dp_size),
+            sys.executable,
+            "-m",
+            "toolkit.stub",
+            "--model-path",
+            m.path,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--think-start",
+            m.think_start,
+            "--think-end",
+            m.think_end,
+            "--context-length",
+            str(s.context_length),
+            "--version",
+            s.version,
+            "--tp-size",
+            str(self.engine.tp_size),
+            "--dp-size",
+            str(self.engine.dp_size),
             # SGLang polls every 5 s while draining; the stub need not make tests wait
-            "--drain-poll", "0.2",
+            "--drain-poll",
+            "0.2",
         ]
         # the key, in the file SGLang's --config reads (toolkit.engines.keys)
         if self.key_files is not None:
@@ -105,8 +122,14 @@ def stub_args_problem(spec) -> str | None:
         return None
     argv = StubEngine(spec, Path(os.devnull), probe_ids=[]).argv() + ["--check-args"]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_ARGS_S,
-                             stdin=subprocess.DEVNULL, errors="replace")
+        out = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=CHECK_ARGS_S,
+            stdin=subprocess.DEVNULL,
+            errors="replace",
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"the stub did not say whether it takes its arguments: {e}"
     if out.returncode == 0:
@@ -131,9 +154,21 @@ def start_standalone(
     """
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.stub", "--model-path", str(model_path), "--host", LOOPBACK,
-         "--port", str(port), *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "toolkit.stub",
+            "--model-path",
+            str(model_path),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"http://{LOOPBACK}:{port}"
     # loopback never goes through a proxy
@@ -147,5 +182,7 @@ def start_standalone(
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise EngineError(f"the stub server at {url} did not become ready within {timeout_s:g} s "
-                       f"(exit code {proc.poll()})")
+    raise EngineError(
+        f"the stub server at {url} did not become ready within {timeout_s:g} s "
+        f"(exit code {proc.poll()})"
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 __all__ = ["FULL", "LogFile", "READ_ONLY", "atomic_write", "fsync_dir", "io_problem", "shown_path"]
 
-FULL = frozenset({errno.ENOSPC, errno.EDQUOT})                 # a full file system, or a quota
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full file system, or a quota
 # a read-only mount, or another user's folder
 READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 

@@ -32,18 +32,18 @@ from toolkit.formats.records import Record
 log = logging.getLogger(__name__)
 
 
-_HEAD_MAGIC = 0x184D2A5E   # zstd skippable frame: file header
+_HEAD_MAGIC = 0x184D2A5E  # zstd skippable frame: file header
 _BATCH_MAGIC = 0x184D2A5F  # zstd skippable frame: describes the data frame that follows
 _FILE_TAG = b"TKSH"
 _BATCH_TAG = b"TKFR"
 # written; format 1 files (descriptors without their own CRC) are read
 FORMAT = 2
 READS = (1, 2)
-_SKIP = struct.Struct("<II")             # magic, payload size
-_HEAD = struct.Struct("<4sH16sI")        # tag, format, fingerprint, shard
-_BATCH1 = struct.Struct("<4sIII")        # format 1: tag, compressed size, records, crc32 of the
-                                         # compressed frame
-_BATCH = struct.Struct("<4sIIII")        # format 2: the same, then crc32 of those 16 bytes
+_SKIP = struct.Struct("<II")  # magic, payload size
+_HEAD = struct.Struct("<4sH16sI")  # tag, format, fingerprint, shard
+_BATCH1 = struct.Struct("<4sIII")  # format 1: tag, compressed size, records, crc32 of the
+# compressed frame
+_BATCH = struct.Struct("<4sIIII")  # format 2: the same, then crc32 of those 16 bytes
 _DESC_SIZES = (_BATCH.size, _BATCH1.size)
 _MARKER = _BATCH_MAGIC.to_bytes(4, "little")
 
@@ -65,10 +65,10 @@ class FrameError(Exception):
 
 
 class Frame(msgspec.Struct):
-    offset: int      # byte offset of the batch's descriptor
-    end: int         # byte offset just past its data frame
+    offset: int  # byte offset of the batch's descriptor
+    end: int  # byte offset just past its data frame
     records: int
-    data: bytes      # decompressed msgpack batch
+    data: bytes  # decompressed msgpack batch
     batch: list[Record] = []  # the decoded records (checked: as many as the descriptor says)
 
 
@@ -79,7 +79,7 @@ class Damage(msgspec.Struct):
     offset: int
     end: int
     why: str
-    torn: bool       # nothing intact follows: what a crash mid-write leaves
+    torn: bool  # nothing intact follows: what a crash mid-write leaves
 
 
 def header_bytes(fingerprint: str, shard: int) -> bytes:
@@ -287,5 +287,3 @@ def read_shard(path: str | Path) -> Iterator[Record]:
     """Every record of a shard file, in the order written (a torn last frame is ignored)."""
     for frame in iter_frames(path):
         yield from frame.batch
-
-

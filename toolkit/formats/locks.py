@@ -26,6 +26,7 @@ from toolkit.formats.text import local_time
 
 log = logging.getLogger(__name__)
 
+
 class ShardLocked(FailedError):
     """Another writer holds this shard file (or may): the message says who and what to do."""
 
@@ -240,5 +241,3 @@ def held_elsewhere(path: Path) -> bool:
     writer may take the lock the next moment (ShardLocked says so)."""
     held = flock_held(path)
     return lock_file_held(path.with_name(path.name + ".lock")) if held is None else held
-
-

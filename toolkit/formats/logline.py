@@ -41,16 +41,22 @@ class LogLine(msgspec.Struct, frozen=True):
     reads."""
 
     created: float  # seconds since the epoch
-    level: int      # logging.INFO, ...
-    name: str       # the logger's name
-    message: str    # the message with its arguments in place (and a traceback, when it has one)
+    level: int  # logging.INFO, ...
+    name: str  # the logger's name
+    message: str  # the message with its arguments in place (and a traceback, when it has one)
 
     def record(self) -> logging.LogRecord:
         """The record, for this process's logging: shown as when and where it was written."""
-        return logging.makeLogRecord({
-            "name": self.name, "levelno": self.level, "levelname": logging.getLevelName(self.level),
-            "msg": self.message, "created": self.created, "msecs": int(self.created % 1 * 1000),
-        })
+        return logging.makeLogRecord(
+            {
+                "name": self.name,
+                "levelno": self.level,
+                "levelname": logging.getLevelName(self.level),
+                "msg": self.message,
+                "created": self.created,
+                "msecs": int(self.created % 1 * 1000),
+            }
+        )
 
 
 def text_formatter() -> logging.Formatter:

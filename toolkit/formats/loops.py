@@ -25,14 +25,18 @@ __all__ = [
     "repetition_loop",
 ]
 
-LOOP_WINDOW = 512       # tail ids looked at
-LOOP_MIN_TOKENS = 64    # shorter outputs are never called loops
-LOOP_MAX_PERIOD = 128   # longest repeated span looked for
-LOOP_MATCH = 0.9        # share of tail positions that must repeat the id one period before
+LOOP_WINDOW = 512  # tail ids looked at
+LOOP_MIN_TOKENS = 64  # shorter outputs are never called loops
+LOOP_MAX_PERIOD = 128  # longest repeated span looked for
+LOOP_MATCH = 0.9  # share of tail positions that must repeat the id one period before
 
 
-def repetition_loop(ids: np.ndarray, window: int = LOOP_WINDOW, max_period: int = LOOP_MAX_PERIOD,
-                    match: float = LOOP_MATCH) -> int | None:
+def repetition_loop(
+    ids: np.ndarray,
+    window: int = LOOP_WINDOW,
+    max_period: int = LOOP_MAX_PERIOD,
+    match: float = LOOP_MATCH,
+) -> int | None:
     """The period of the repetition loop that ends `ids` (an output's ids, stop token excluded), or
     None; see the module's docstring for the definition."""
     n = len(ids)

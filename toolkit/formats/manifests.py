@@ -17,10 +17,11 @@ from toolkit.formats.text import utc_now
 
 log = logging.getLogger(__name__)
 
+
 class DoneManifest(msgspec.Struct):
     shard: int
     fingerprint: str
-    records: int                 # distinct ids (the newest record of each)
+    records: int  # distinct ids (the newest record of each)
     ok: int
     failed: int
     prompt_tokens: int
@@ -35,8 +36,8 @@ class DoneManifest(msgspec.Struct):
     superseded: int = 0
     # failures that may pass, final for this run after client.max_tries tries (counted in
     given_up: int = 0
-                                 # `failed`, not in `transient`): `toolkit retry` generates them
-                                 # again
+    # `failed`, not in `transient`): `toolkit retry` generates them
+    # again
     # records stopped in a repetition loop ([client] loop_stop; finish "loop")
     loops: int = 0
 
@@ -68,7 +69,10 @@ def write_done(
         sha256=sha256_file(shard_path),
         host=socket.gethostname(),
         finished=utc_now(),
-        transient=transient, superseded=total - ok - failed, given_up=given_up, loops=loops,
+        transient=transient,
+        superseded=total - ok - failed,
+        given_up=given_up,
+        loops=loops,
     )
     atomic_write(path, msgspec.json.encode(m))
     return m

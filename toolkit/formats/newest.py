@@ -23,8 +23,8 @@ from typing import Protocol
 from toolkit.formats.frames import Damage, decode_batch, intact_frames, read_frame_at
 from toolkit.formats.records import PARTIAL, Record
 
-CACHE_BYTES = 64 << 20         # decoded frames kept by the second pass
-SAMPLE_IDS = 100               # ids listed per kind of problem (all are counted)
+CACHE_BYTES = 64 << 20  # decoded frames kept by the second pass
+SAMPLE_IDS = 100  # ids listed per kind of problem (all are counted)
 
 
 class Planned(Protocol):
@@ -46,21 +46,27 @@ class ShardScan:
 
     def __init__(self, n: int):
         self.frame_of = array("q", [-1]) * n  # frame number holding the kept record of each
-                                              # position
-        self.item_of = array("i", [0]) * n    # index of that record in its frame
-        self.partial_at = bytearray(n)         # 1 where that record is a partial output (to be
-                                               # continued)
-        self.offsets: list[int] = []           # frame number -> byte offset
-        self.sizes: list[int] = []             # frame number -> decompressed size
-        self.ends: list[int] = []              # frame number -> byte offset just past it
+        # position
+        self.item_of = array("i", [0]) * n  # index of that record in its frame
+        self.partial_at = bytearray(n)  # 1 where that record is a partial output (to be
+        # continued)
+        self.offsets: list[int] = []  # frame number -> byte offset
+        self.sizes: list[int] = []  # frame number -> decompressed size
+        self.ends: list[int] = []  # frame number -> byte offset just past it
         self.records = self.duplicates = self.continued = self.foreign = 0
-        self.duplicate_ids: list[str] = []     # the first SAMPLE_IDS
+        self.duplicate_ids: list[str] = []  # the first SAMPLE_IDS
         self.foreign_ids: list[str] = []
         self.damage: list[Damage] = []
 
 
-def scan_shard(path: Path | None, first: int, refs: Sequence[Planned] | int, *, header: bool = True,
-               each: Callable[[Record], None] | None = None) -> ShardScan:
+def scan_shard(
+    path: Path | None,
+    first: int,
+    refs: Sequence[Planned] | int,
+    *,
+    header: bool = True,
+    each: Callable[[Record], None] | None = None,
+) -> ShardScan:
     """Pass 1 over a shard file whose planned positions are first .. first + len(refs) - 1 (`refs`
     in order): every intact frame read, the newest record of each position located, damaged frames
     noted and read past. `refs` a count: the positions' ids are not checked (a record at a planned

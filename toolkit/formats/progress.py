@@ -32,31 +32,31 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 2.0   # a generating worker rewrites its progress file this often
-STALE_S = 30.0    # a generating worker's progress file older than this (15 refreshes missed) is
-                  # stale
+REFRESH_S = 2.0  # a generating worker rewrites its progress file this often
+STALE_S = 30.0  # a generating worker's progress file older than this (15 refreshes missed) is
+# stale
 
 
 class Progress(msgspec.Struct, kw_only=True):
     shard: int
-    state: str = "starting"          # starting | loading | generating | done | stopped | failed
-    total: int = 0                   # prompts the shard owns
-    done: int = 0                    # records in the shard file (ok + failed)
-    resumed: int = 0                 # records already in the file when this attempt started
+    state: str = "starting"  # starting | loading | generating | done | stopped | failed
+    total: int = 0  # prompts the shard owns
+    done: int = 0  # records in the shard file (ok + failed)
+    resumed: int = 0  # records already in the file when this attempt started
     failed: int = 0
-    output_tokens: int = 0           # recorded in the shard file: this attempt's and those resumed
-    resumed_tokens: int = 0          # of those, already recorded when this attempt started
-                                     # (tok_per_s excludes them)
+    output_tokens: int = 0  # recorded in the shard file: this attempt's and those resumed
+    resumed_tokens: int = 0  # of those, already recorded when this attempt started
+    # (tok_per_s excludes them)
     tok_per_s: float = 0.0
     engine: str = ""
     engine_restarts: int = 0
     host: str = ""
     pid: int = 0
-    gpus: str | None = None          # CUDA_VISIBLE_DEVICES
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES
     job_id: str | None = None
     array_job_id: str | None = None
     array_task_id: str | None = None
-    restart_count: int = 0           # SLURM_RESTART_COUNT: requeues of this task
+    restart_count: int = 0  # SLURM_RESTART_COUNT: requeues of this task
     started: float = 0.0
     updated: float = 0.0
     error: str | None = None
@@ -64,33 +64,33 @@ class Progress(msgspec.Struct, kw_only=True):
     stop_signal: str | None = None
     # the server's load while generating (GET /v1/loads; None: not read, or the server has no such
     # endpoint)
-    running: int | None = None       # requests it is generating
-    queued: int | None = None        # requests waiting for a running slot
-    kv_usage: float | None = None    # share of its KV cache in use
-    capacity: int | None = None      # requests it can run at once
+    running: int | None = None  # requests it is generating
+    queued: int | None = None  # requests waiting for a running slot
+    kv_usage: float | None = None  # share of its KV cache in use
+    capacity: int | None = None  # requests it can run at once
     # requests the worker keeps in flight ([client] concurrency, or "auto")
     in_flight_target: int | None = None
-    partial_saved: int = 0           # partial outputs kept when this attempt stopped (continued
-                                     # next time)
-    loops_stopped: int = 0           # outputs stopped in a repetition loop by this attempt
-                                     # ([client] loop_stop)
-    resumed_loops: int = 0           # such outputs already recorded when this attempt started
+    partial_saved: int = 0  # partial outputs kept when this attempt stopped (continued
+    # next time)
+    loops_stopped: int = 0  # outputs stopped in a repetition loop by this attempt
+    # ([client] loop_stop)
+    resumed_loops: int = 0  # such outputs already recorded when this attempt started
     # the worker that runs this attempt, which claims shards one after another with one engine
     # (worker.claims)
-    task: str | None = None          # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of
-                                     # `toolkit run`
-    task_engine_starts: int = 0      # engine starts of that worker so far (this attempt of it: a
-                                     # requeue restarts it)
-    task_shards: int = 0             # shards that worker has taken so far, this one included
-    group: str | None = None         # the workers sharing one pool of shards (a Slurm array job,
-                                     # one `toolkit run`)
+    task: str | None = None  # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of
+    # `toolkit run`
+    task_engine_starts: int = 0  # engine starts of that worker so far (this attempt of it: a
+    # requeue restarts it)
+    task_shards: int = 0  # shards that worker has taken so far, this one included
+    group: str | None = None  # the workers sharing one pool of shards (a Slurm array job,
+    # one `toolkit run`)
     engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the
-                                     # serving engine writes:
-                                     # the first its worker started it for (this shard, or one
-                                     # claimed before)
+    # serving engine writes:
+    # the first its worker started it for (this shard, or one
+    # claimed before)
     # its task hands the run's tail over (worker.policy.hands_over):
     leaving: bool = False
-                                     # its requests are kept as partial outputs for a task with room
+    # its requests are kept as partial outputs for a task with room
 
     def per_s(self) -> float | None:
         """Records per second of this attempt, from its start (None before it has a pace): the
@@ -170,14 +170,18 @@ def worker_gone(p: Progress, host: str | None = None) -> str | None:
     try:
         os.kill(p.pid, 0)
     except ProcessLookupError:
-        return (f"worker gone: pid {p.pid} on {p.host} is not running (killed, or the machine "
-                "restarted)")
+        return (
+            f"worker gone: pid {p.pid} on {p.host} is not running (killed, or the machine "
+            "restarted)"
+        )
     except PermissionError:
         pass  # alive, another user's
     started = _started_at(p.pid)
     if started is not None and p.started and started > p.started + 5:
-        return (f"worker gone: pid {p.pid} on {p.host} is another process now (started after the "
-                "worker)")
+        return (
+            f"worker gone: pid {p.pid} on {p.host} is another process now (started after the "
+            "worker)"
+        )
     return None
 
 
@@ -194,10 +198,10 @@ class LocalRun(msgspec.Struct, kw_only=True):
     pid: int
     started: float
     shards: list[int]
-    command: str                 # `toolkit run`, `toolkit retry`, `toolkit worker`
-    group: str | None = None     # the claiming group of its workers (a shard failed in it is not
-                                 # claimed again)
-    merges: bool = False         # it merges and audits the run once its shards are done
+    command: str  # `toolkit run`, `toolkit retry`, `toolkit worker`
+    group: str | None = None  # the claiming group of its workers (a shard failed in it is not
+    # claimed again)
+    merges: bool = False  # it merges and audits the run once its shards are done
 
 
 @contextlib.contextmanager

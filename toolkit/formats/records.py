@@ -62,15 +62,15 @@ LOOP = "loop"
 # Why a record failed (`Record.failure`). Permanent failures are the request's own fault and come
 # back the same every time; transient ones depend on the server's state at that moment, so they are
 # generated again (a rerun of the shard, `toolkit resubmit`, `toolkit retry`).
-REJECTED = "rejected"          # a 4xx answer, e.g. a prompt over the context length (permanent)
-TEMPLATE = "template"          # the chat template failed on the prompt (permanent)
-TIMEOUT = "timeout"            # no answer within request_timeout_s, retries included (transient)
+REJECTED = "rejected"  # a 4xx answer, e.g. a prompt over the context length (permanent)
+TEMPLATE = "template"  # the chat template failed on the prompt (permanent)
+TIMEOUT = "timeout"  # no answer within request_timeout_s, retries included (transient)
 SERVER_ERROR = "server_error"  # 5xx past the client's retries (transient)
-UNREACHABLE = "unreachable"    # the connection failed past the retries (transient)
+UNREACHABLE = "unreachable"  # the connection failed past the retries (transient)
 BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol (transient)
-ABORTED = "aborted"            # the server aborted the request (finish_reason abort) (transient)
-NAN = "nan"                    # SGLang's NaN stop: a token sampled from NaN logits was replaced by
-                               # a stop id
+ABORTED = "aborted"  # the server aborted the request (finish_reason abort) (transient)
+NAN = "nan"  # SGLang's NaN stop: a token sampled from NaN logits was replaced by
+# a stop id
 # regenerated conversations: the turn before failed in a way that may pass
 PREVIOUS_TURN = "previous_turn"
 # PARTIAL (above) is also the failure kind of a PARTIAL record: transient, so the shard is not
@@ -91,7 +91,7 @@ TRANSIENT = frozenset(k for k, transient in FAILURES.items() if transient)
 # The kinds of failure that may pass when generated again, as messages name them (a partial output
 # is not a failure)
 MAY_PASS = ", ".join(sorted(TRANSIENT - {PARTIAL, PREVIOUS_TURN}))
-NAN_MATCHED = "NaN happened"   # meta_info.finish_reason.matched of SGLang's NaN stop
+NAN_MATCHED = "NaN happened"  # meta_info.finish_reason.matched of SGLang's NaN stop
 
 
 def is_nan_stop(finish: str | None, matched: Any) -> bool:
@@ -107,27 +107,27 @@ class Record(msgspec.Struct, array_like=True):
 
     id: str
     dataset: str
-    index: int                      # position in the run's planned order
-    status: str                     # "ok" | "failed" | "partial"
-    prompt_ids: bytes               # uint32 LE
-    output_ids: bytes               # uint32 LE, exactly as the server returned them, stop token
-                                    # included
-    reasoning_end: int | None       # index of the think-end id in output_ids, None when absent
-    tool_call_at: int | None        # index of the tool-call section start in output_ids, None when
-                                    # absent
-    finish: str | None              # "stop" | "length" | "abort", or LOOP (stopped in a loop);
-                                    # None: a failed request
+    index: int  # position in the run's planned order
+    status: str  # "ok" | "failed" | "partial"
+    prompt_ids: bytes  # uint32 LE
+    output_ids: bytes  # uint32 LE, exactly as the server returned them, stop token
+    # included
+    reasoning_end: int | None  # index of the think-end id in output_ids, None when absent
+    tool_call_at: int | None  # index of the tool-call section start in output_ids, None when
+    # absent
+    finish: str | None  # "stop" | "length" | "abort", or LOOP (stopped in a loop);
+    # None: a failed request
     matched_stop: int | str | None  # the stop token id (or string) SGLang matched
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int              # prompt tokens the server found in its prefix cache
-    latency_s: float                # wall time of the successful attempt
+    cached_tokens: int  # prompt tokens the server found in its prefix cache
+    latency_s: float  # wall time of the successful attempt
     attempts: int
     error: str | None = None
-    failure: str | None = None      # why a failed record failed: a key of FAILURES (None: ok, or
-                                    # written before kinds)
-    segments: int = 1               # requests the output took: > 1 when continued after an abort or
-                                    # a stop
+    failure: str | None = None  # why a failed record failed: a key of FAILURES (None: ok, or
+    # written before kinds)
+    segments: int = 1  # requests the output took: > 1 when continued after an abort or
+    # a stop
     # Failed generations of this id in the current budget (since the run began, or since `toolkit
     # retry` asked for it), this one included when it failed; what bounds a failure that may pass
     # (client.max_tries) across requeues, tasks and resubmits. A PARTIAL record carries the count of

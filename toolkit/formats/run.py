@@ -99,7 +99,7 @@ class DatasetPlan(msgspec.Struct):
     regenerate: bool = False  # one record per user turn of each conversation (job.turns)
     conversations: int = 0  # regenerate: conversations of the file (prompts counts their turns)
     bad_lines: int = 0  # lines left out: [inputs] on_bad_line = "skip"
-    too_long: int = 0   # prompts left out: [inputs] on_too_long = "skip"
+    too_long: int = 0  # prompts left out: [inputs] on_too_long = "skip"
     skipped: list[SkippedLine] = []  # the first lines left out (job.plan.SKIPPED_KEPT), with why
 
     @property
@@ -121,14 +121,14 @@ class ShardPlan(msgspec.Struct):
 
 
 class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
-    id: str          # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1
-                     # samples
-    dataset: int     # index into RunPlan.datasets
+    id: str  # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1
+    # samples
+    dataset: int  # index into RunPlan.datasets
     line: int
     offset: int
     length: int
     sample: int = 0  # sample index of the prompt (0 .. n-1)
-    turn: int = 0    # regenerated datasets: the user turn this record answers (0 .. turns-1)
+    turn: int = 0  # regenerated datasets: the user turn this record answers (0 .. turns-1)
     # the prompt's content digest (inputs.content_digest; "": planned by an older toolkit)
     digest: str = ""
 
@@ -137,9 +137,9 @@ class Growth(msgspec.Struct):
     """One time a run took the prompts its job's files gained (job.grow)."""
 
     at: str
-    prompts: int         # prompts added (records: samples and turns of each)
+    prompts: int  # prompts added (records: samples and turns of each)
     records: int
-    shards: list[int]    # the shards added for them
+    shards: list[int]  # the shards added for them
     datasets: list[str] = []  # datasets the job gained
 
 
@@ -175,8 +175,11 @@ class RunPlan(msgspec.Struct, Generic[S]):
             return f"{self.total} prompt{'s' * (self.total != 1)}"
         prompts = sum(d.prompts for d in self.datasets)
         samples = sorted({d.samples for d in self.datasets if d.prompts})
-        each = (f"× {samples[0]} samples" if len(samples) == 1
-                else f"with {samples[0]} to {samples[-1]} samples each")
+        each = (
+            f"× {samples[0]} samples"
+            if len(samples) == 1
+            else f"with {samples[0]} to {samples[-1]} samples each"
+        )
         return f"{self.total} outputs ({prompts} prompt{'s' * (prompts != 1)} {each})"
 
     @property
@@ -441,8 +444,9 @@ def prompts_problem(rd: RunDir, plan: RunPlan, *, cheap: bool = True) -> str | N
     except OSError as e:
         return f"{path.name} cannot be read ({e.strerror})"
     if plan.prompts_bytes and st.st_size != plan.prompts_bytes:
-        return (f"{path.name} has {st.st_size:,} bytes, {rd.plan_file.name} says "
-                f"{plan.prompts_bytes:,}")
+        return (
+            f"{path.name} has {st.st_size:,} bytes, {rd.plan_file.name} says {plan.prompts_bytes:,}"
+        )
     if cheap:
         try:
             if st.st_mtime <= rd.plan_file.stat().st_mtime:
@@ -483,21 +487,21 @@ def _item_end(buf: bytes, i: int) -> int:
     """Where the msgpack object starting at buf[i] ends (what a PromptRef holds: arrays, strings,
     numbers). IndexError when `buf` ends first."""
     b = buf[i]
-    if b < 0x80 or b >= 0xe0:
+    if b < 0x80 or b >= 0xE0:
         return i + 1
-    if 0xa0 <= b <= 0xbf:
-        end = i + 1 + (b & 0x1f)
-    elif 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
-        if b <= 0x9f:
-            n, i = b & 0x0f, i + 1
+    if 0xA0 <= b <= 0xBF:
+        end = i + 1 + (b & 0x1F)
+    elif 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+        if b <= 0x9F:
+            n, i = b & 0x0F, i + 1
         else:
-            size = 2 if b == 0xdc else 4
+            size = 2 if b == 0xDC else 4
             n, i = int.from_bytes(buf[i + 1 : i + 1 + size], "big"), i + 1 + size
         for _ in range(n):
             i = _item_end(buf, i)
         return i
-    elif b in (0xd9, 0xda, 0xdb):
-        size = {0xd9: 1, 0xda: 2, 0xdb: 4}[b]
+    elif b in (0xD9, 0xDA, 0xDB):
+        size = {0xD9: 1, 0xDA: 2, 0xDB: 4}[b]
         end = i + 1 + size + int.from_bytes(buf[i + 1 : i + 1 + size], "big")
     elif b in _FIXED:
         end = i + 1 + _FIXED[b]
@@ -531,7 +535,7 @@ class ShardRefs:
             # before
             else:
                 buf = f.read(self.CHUNK)
-                i, skip = ({0xdc: 3, 0xdd: 5}.get(buf[0], 1) if buf else 0), self.first
+                i, skip = ({0xDC: 3, 0xDD: 5}.get(buf[0], 1) if buf else 0), self.first
             for n in range(skip + self.count):
                 while True:
                     try:

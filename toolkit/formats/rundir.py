@@ -45,8 +45,12 @@ from toolkit.formats.files import shown_path
 __all__ = ["PLAN_FILE", "RunDir"]
 
 PLAN_FILE = "run.json"  # its presence is what makes a folder a run directory
-EXPORT_NAMES = {"jsonl": "records.jsonl", "parquet": "records.parquet", "tokens": "tokens.jsonl",
-                "conversations": "conversations.jsonl"}
+EXPORT_NAMES = {
+    "jsonl": "records.jsonl",
+    "parquet": "records.parquet",
+    "tokens": "tokens.jsonl",
+    "conversations": "conversations.jsonl",
+}
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from toolkit.formats.text import file_stamp
 
 log = logging.getLogger(__name__)
 
+
 class ForeignShard(BadInputError):
     """A shard file that belongs to another run (another fingerprint or shard): the run directory
     was planned for another job. Nothing is written to it."""
@@ -53,8 +54,16 @@ class ShardWriter:
     (the newest attempt counts: formats.newest, as every reader reads a shard).
     """
 
-    def __init__(self, path: str | Path, fingerprint: str, shard: int, *, flush_records: int = 64,
-                 flush_seconds: float = 10.0, level: int = 3):
+    def __init__(
+        self,
+        path: str | Path,
+        fingerprint: str,
+        shard: int,
+        *,
+        flush_records: int = 64,
+        flush_seconds: float = 10.0,
+        level: int = 3,
+    ):
         self.path = Path(path)
         self.fingerprint, self.shard = fingerprint, shard
         self.flush_records, self.flush_seconds = flush_records, flush_seconds
@@ -296,5 +305,3 @@ class ShardWriter:
             if self._lockfile is not None:
                 self._lockfile.release()
                 self._lockfile = None
-
-

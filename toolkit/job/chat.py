@@ -94,14 +94,14 @@ class TokenInfo(msgspec.Struct, frozen=True, dict=True):
 # meaningful token (`reasoning_mode`, `opens_reasoning`: the pre-flight, the worker's turns, the
 # audit and the export), and whether a generated output is reasoning (`output_in_reasoning`: the
 # audit and the export's --mode).
-OPENED = "opened"            # the prompt ends with think-start: the template opened reasoning
-CLOSED = "closed"            # the prompt ends with think-end: the template closed it (thinking
-                             # switched off)
+OPENED = "opened"  # the prompt ends with think-start: the template opened reasoning
+CLOSED = "closed"  # the prompt ends with think-end: the template closed it (thinking
+# switched off)
 MODEL_OPENS = "model_opens"  # the prompt ends at the assistant header of a template that knows the
-                             # think tokens:
-                             # the model writes think-start itself (Qwen3, Kimi-K2-Thinking,
-                             # GLM-4.6)
-UNKNOWN = "unknown"          # a template that never mentions the think tokens: cannot tell
+# think tokens:
+# the model writes think-start itself (Qwen3, Kimi-K2-Thinking,
+# GLM-4.6)
+UNKNOWN = "unknown"  # a template that never mentions the think tokens: cannot tell
 MODES = (OPENED, CLOSED, MODEL_OPENS, UNKNOWN)
 
 # Template variables that switch reasoning, in the order a hint names them.
@@ -295,8 +295,11 @@ def output_in_reasoning(rec: records.Record, info: TokenInfo, opened: bool) -> b
     (`opened`, from `opens_reasoning`), the model opened it (its first output id is think-start), or
     its ids hold the think-end id."""
     out = rec.output_ids
-    return (opened or (len(out) >= 4 and records.id_at(out, 0) == info.think_start_id)
-            or records.id_positions(out, info.think_end_id) is not None)
+    return (
+        opened
+        or (len(out) >= 4 and records.id_at(out, 0) == info.think_start_id)
+        or records.id_positions(out, info.think_end_id) is not None
+    )
 
 
 def thinking_hint(info: TokenInfo, on: bool) -> str:

@@ -63,8 +63,11 @@ class PreflightError(BadInputError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__(problems[0] if len(problems) == 1 else
-                         f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems))
+        super().__init__(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems)
+        )
 
 
 @dataclass
@@ -128,7 +131,7 @@ def sglang_missing(spec: JobSpec) -> str | None:
     if python != sys.executable and has_sglang(python, env):
         return None
     return (
-        f"[engine] kind = \"sglang\": {python} ({why}) cannot start SGLang (no module named "
+        f'[engine] kind = "sglang": {python} ({why}) cannot start SGLang (no module named '
         "'sglang'); build the nodes' environment with `bash scripts/node-env.sh VENV` (SGLang and "
         "the toolkit) and start tasks in it (--setup 'source VENV/bin/activate')"
     )
@@ -142,8 +145,13 @@ def require_engine_here(spec: JobSpec) -> None:
         raise PreflightError([why + ", or run the job where SGLang is installed"])
 
 
-def preflight(job: str | os.PathLike, *, check_tokenizer: bool = True, warn_other_run: bool = True,
-              exact: bool = False) -> Preflight:
+def preflight(
+    job: str | os.PathLike,
+    *,
+    check_tokenizer: bool = True,
+    warn_other_run: bool = True,
+    exact: bool = False,
+) -> Preflight:
     """Load, plan and verify `job` completely; raise SpecError / InputError / PlanError / ChatError
     (a stage that cannot go on) or PreflightError (every problem of the render, reasoning and length
     checks).
@@ -200,8 +208,10 @@ def skipped_warnings(plan: RunPlan) -> list[str]:
         ]
         shown = "; ".join(f"{d.path}:{s.line}: {s.reason}" for s in d.skipped[:SHOWN])
         more = f" (and {d.skipped_lines - SHOWN:,} more)" if d.skipped_lines > SHOWN else ""
-        out.append(f"skipped {d.skipped_lines:,} line{_s(d.skipped_lines)} of dataset {d.name!r}, "
-                   f"{' and '.join(kinds)}: {shown}{more}")
+        out.append(
+            f"skipped {d.skipped_lines:,} line{_s(d.skipped_lines)} of dataset {d.name!r}, "
+            f"{' and '.join(kinds)}: {shown}{more}"
+        )
     return out
 
 
@@ -334,8 +344,9 @@ def _check_prompts(pf: Preflight, job: Any, exact: bool = False) -> None:
             pf.info = chat.token_info(tok, m)
             chat.check_model_vocab(tok, pf.info, m)
         _measure_datasets(pf, tok, todo, outcomes, mnts, exact)
-        pf.learned = check_cache.CheckCache(check_cache.FORMAT, pf.plan.fingerprint, key, pf.info,
-                                            dict(zip(keys, outcomes)))
+        pf.learned = check_cache.CheckCache(
+            check_cache.FORMAT, pf.plan.fingerprint, key, pf.info, dict(zip(keys, outcomes))
+        )
     _judge(pf, job, [o for o in outcomes if o is not None], truncate)
 
 

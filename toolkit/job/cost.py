@@ -24,14 +24,14 @@ MEASURED_AT_LEAST = 32  # outputs a run must have recorded before its mean outpu
 
 
 class Cost(msgspec.Struct, kw_only=True):
-    outputs: int                  # planned outputs
-    max_tokens: int               # every output to its max_new_tokens
-    mean_tokens: float | None     # expected output length (None: unknown)
-    mean_source: str              # where mean_tokens comes from
-    tokens_per_s: float | None    # one engine's output tokens/s at full batch
-    engines: int                  # engines generating at once (the array's tasks)
+    outputs: int  # planned outputs
+    max_tokens: int  # every output to its max_new_tokens
+    mean_tokens: float | None  # expected output length (None: unknown)
+    mean_source: str  # where mean_tokens comes from
+    tokens_per_s: float | None  # one engine's output tokens/s at full batch
+    engines: int  # engines generating at once (the array's tasks)
     nodes_per_engine: int
-    load_minutes: float | None    # one model load (weights, CUDA graphs)
+    load_minutes: float | None  # one model load (weights, CUDA graphs)
     shards: int
 
     @property
@@ -79,8 +79,7 @@ def estimate(plan: RunPlan, *, engines: int, measured: tuple[float, int] | None 
     spec = plan.spec
     e = spec.estimate
     max_tokens = sum(
-        d.planned * int(spec.sampling_for(d.name).get("max_new_tokens") or 0)
-        for d in plan.datasets
+        d.planned * int(spec.sampling_for(d.name).get("max_new_tokens") or 0) for d in plan.datasets
     )
     if measured is not None:
         mean, n = measured
@@ -136,8 +135,11 @@ def describe(cost: Cost, kind: str) -> list[str]:
             "mean_output_tokens (reasoning outputs often average 5-8k tokens)"
         )
     if cost.tokens_per_s:
-        load = (f", {cost.load_minutes:g} min per model load" if cost.load_minutes else
-                ", model loads not counted ([estimate] load_minutes)")
+        load = (
+            f", {cost.load_minutes:g} min per model load"
+            if cost.load_minutes
+            else ", model loads not counted ([estimate] load_minutes)"
+        )
         lines.append(
             f"  at {cost.tokens_per_s:,.0f} output tokens/s per engine ([estimate] tokens_per_s), "
             f"{cost.engines} engine(s) of {per} at once{load}"

@@ -56,8 +56,10 @@ log = logging.getLogger(__name__)
 __all__ = ["InputsDiff", "compare", "grow_run", "grown_plan"]
 
 SHOWN = 10  # prompts named per kind of change; the rest are counted
-_ALLOW = ("pass --allow-changed to generate the changed prompts again (their new records replace "
-          "the old), ")
+_ALLOW = (
+    "pass --allow-changed to generate the changed prompts again (their new records replace "
+    "the old), "
+)
 
 
 @dataclass(slots=True)
@@ -137,8 +139,11 @@ class InputsDiff:
                     f"{paths[ds]}:{line}{' (was)' if what == 'removed' else ''}: id {pid!r}{how}"
                 )
             more = f"\n    ... and {len(items) - SHOWN:,} more" if len(items) > SHOWN else ""
-            parts.append(f"{len(items):,} prompt{'s' * (len(items) != 1)} {what}:"
-                         + "".join(f"\n    {s}" for s in shown) + more)
+            parts.append(
+                f"{len(items):,} prompt{'s' * (len(items) != 1)} {what}:"
+                + "".join(f"\n    {s}" for s in shown)
+                + more
+            )
         if self.moved:
             parts.append(
                 f"{self.moved:,} prompt{'s' * (self.moved != 1)} at another line or offset (same "
@@ -168,8 +173,11 @@ def compare(
             diff.removed = [
                 (ds, line, rid) for (ds, line), rid in old.items() if (ds, line) not in new
             ]
-            diff.changed = [(ds, line, rid, "its file changed since the run was planned")
-                            for (ds, line), rid in old.items() if (ds, line) in new][:SHOWN]
+            diff.changed = [
+                (ds, line, rid, "its file changed since the run was planned")
+                for (ds, line), rid in old.items()
+                if (ds, line) in new
+            ][:SHOWN]
         return diff
     mine, theirs = _prompts(run, run_refs), _prompts(plan, refs)
     for pid, p in mine.items():
@@ -201,16 +209,20 @@ def compare(
     return diff
 
 
-def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *,
-               allow_changed: bool = False) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
+def grown_plan(
+    rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *, allow_changed: bool = False
+) -> tuple[RunPlan, list[PromptRef], InputsDiff]:
     """The run's plan with the job's prompts (`plan`, `refs`) taken in: new shards for the added
     ones, refs of the moved (and, with `allow_changed`, the changed) ones updated; nothing is
     written. PlanError naming the changed and removed prompts."""
     run_refs = PromptIndex(rd, run).refs()
     diff = compare(run, run_refs, plan, refs)
     if diff.refused(allow_changed):
-        what = ("its prompt files changed since the run was planned" if diff.legacy
-                else "some of its prompts changed or are gone")
+        what = (
+            "its prompt files changed since the run was planned"
+            if diff.legacy
+            else "some of its prompts changed or are gone"
+        )
         legacy = (
             " It was planned by an older toolkit, whose ids came from line numbers: it resumes "
             "while its prompts stay where they were, and cannot grow (its ids are kept)."
@@ -273,8 +285,15 @@ def grown_plan(rd: RunDir, run: RunPlan, plan: RunPlan, refs: list[PromptRef], *
             k = len(grown.shards)
             grown.shards.append(ShardPlan(k, first, len(out) - first))
             shards.append(k)
-        grown.grown.append(Growth(at=utc_now(), prompts=len(added), records=records, shards=shards,
-                                  datasets=diff.new_datasets))
+        grown.grown.append(
+            Growth(
+                at=utc_now(),
+                prompts=len(added),
+                records=records,
+                shards=shards,
+                datasets=diff.new_datasets,
+            )
+        )
     grown.total = len(out)
     grown.spec.datasets = plan.spec.datasets
     grown.spec.inputs = plan.spec.inputs

@@ -60,8 +60,16 @@ class InputError(BadInputError):
     One error may stand for many (see `many`): then `errors` holds each of them, first to last.
     """
 
-    def __init__(self, path: str | Path, line: int | None, field: str | None, problem: str, *,
-                 message: str | None = None, errors: list[InputError] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        line: int | None,
+        field: str | None,
+        problem: str,
+        *,
+        message: str | None = None,
+        errors: list[InputError] | None = None,
+    ):
         self.path, self.line, self.field, self.problem = str(path), line, field, problem
         self.errors = errors if errors is not None else [self]
         where = f"{path}:{line}" if line else str(path)
@@ -138,6 +146,7 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
         body["tools"] = tools
     return hashlib.sha256(msgspec.json.encode(body, order="deterministic")).hexdigest()[:DIGEST_HEX]
 
+
 _INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
@@ -147,8 +156,12 @@ def _empty(content: Any) -> bool:
     if isinstance(content, str):
         return not content.strip()
     if isinstance(content, list):
-        return all(isinstance(part, dict) and part.get("type", "text") == "text"
-                   and not str(part.get("text") or "").strip() for part in content)
+        return all(
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and not str(part.get("text") or "").strip()
+            for part in content
+        )
     return content is None
 
 
@@ -156,8 +169,14 @@ def _empty(content: Any) -> bool:
 _FORMS = ("messages", "prompt", "conversations")
 # ShareGPT's speakers (`from`) as chat roles, as SpecForge maps them
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-    "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
 }
 
 
@@ -175,7 +194,9 @@ def _from_sharegpt(turns: list[Any], path: str, lineno: int) -> tuple[list[Any],
         role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
             raise InputError(
-                path, lineno, f"conversations[{i}].from",
+                path,
+                lineno,
+                f"conversations[{i}].from",
                 f"unknown speaker {speaker!r} (one of {', '.join(SHAREGPT_ROLES)}); {_FIX}",
             )
         messages.append({"role": role, "content": t["value"]} if "value" in t else {"role": role})
@@ -272,8 +293,7 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
                 )
             if role == "user" and _empty(content):
                 raise InputError(
-                    path, lineno, f"{f}.{values[i]}",
-                    f"is empty: a user message needs text; {_FIX}"
+                    path, lineno, f"{f}.{values[i]}", f"is empty: a user message needs text; {_FIX}"
                 )
         if all(m["role"] in _INSTRUCTION_ROLES for m in messages):
             raise InputError(
@@ -302,8 +322,9 @@ def _parse_line(raw: bytes, path: str, dataset: str, lineno: int, digest: bool =
     )
 
 
-def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None = None, *,
-                 digest: bool = True) -> Iterator[Prompt]:
+def scan_dataset(
+    path: str | Path, dataset: str, errors: list[InputError] | None = None, *, digest: bool = True
+) -> Iterator[Prompt]:
     """Yield every prompt of a JSONL file in order, validating each line (blank lines are skipped).
 
     A bad line raises InputError; with an `errors` list, it is appended there instead and the scan
@@ -316,8 +337,9 @@ def scan_dataset(path: str | Path, dataset: str, errors: list[InputError] | None
     n = 0
     before = len(errors) if errors is not None else 0
     with contextlib.closing(source):
-        for p in scan_lines(source.lines(), path, dataset, errors=errors, digest=digest, seen={},
-                            rows=source.rows):
+        for p in scan_lines(
+            source.lines(), path, dataset, errors=errors, digest=digest, seen={}, rows=source.rows
+        ):
             n += 1
             yield p
     if n == 0 and (errors is None or len(errors) == before):
@@ -463,8 +485,11 @@ def duplicate_id(path: str, line: int, pid: str, prev_path: str, prev_line: int)
     )
 
 
-def check_unique_ids(prompts: Iterator[Prompt] | list[Prompt], paths: dict[str, str],
-                     errors: list[InputError] | None = None) -> None:
+def check_unique_ids(
+    prompts: Iterator[Prompt] | list[Prompt],
+    paths: dict[str, str],
+    errors: list[InputError] | None = None,
+) -> None:
     """Find every id used twice, within or across datasets, naming both places: raise on the first,
     or with an `errors` list, append each there."""
     seen: dict[str, tuple[str, int]] = {}

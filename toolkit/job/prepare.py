@@ -28,8 +28,8 @@ class PreparedRun:
 
     preflight: Preflight
     run_dir: RunDir
-    created: bool          # False with dry_run: `run_dir` is where the run would be, nothing was
-                           # written
+    created: bool  # False with dry_run: `run_dir` is where the run would be, nothing was
+    # written
     validated: Any = None  # what the caller's `validate` returned
     # the plan the run holds (or would hold, with dry_run); None: the job's own
     run_plan: RunPlan | None = None

@@ -96,7 +96,7 @@ class Outcome(msgspec.Struct):
     # prompts read (a regenerated conversation counts once: its first turn is what is measured)
     prompts: int = 0
     modes: dict[str, int] = {}  # reasoning mode -> prompts
-    failed: Places = msgspec.field(default_factory=Places)       # the chat template fails on them
+    failed: Places = msgspec.field(default_factory=Places)  # the chat template fails on them
     # their reasoning mode goes against expect_reasoning
     refused: Places = msgspec.field(default_factory=Places)
     # expect_reasoning = false: the model may open it
@@ -129,10 +129,10 @@ class Setting(msgspec.Struct, frozen=True):
     bounded: str | None  # see bound_kind: None encodes every prompt whole
     # think_start and think_end are added tokens: a prompt's end is read from its text (_ending)
     anchored: bool
-    skip_bad: bool = False   # [inputs] on_bad_line = "skip": the plan left bad lines out, and so
-                             # does measuring
+    skip_bad: bool = False  # [inputs] on_bad_line = "skip": the plan left bad lines out, and so
+    # does measuring
     skip_long: bool = False  # [inputs] on_too_long = "skip": too long prompts are kept apart
-                             # (Outcome.skipped_long)
+    # (Outcome.skipped_long)
 
 
 class Slice(msgspec.Struct, frozen=True, array_like=True):
@@ -153,8 +153,9 @@ class Slice(msgspec.Struct, frozen=True, array_like=True):
     @property
     def bytes(self) -> int:
         """Its bytes (a table's row counted as ROW_BYTES), to tell whether a pool is worth it."""
-        return len(self.data) if self.data is not None else self.size * (ROW_BYTES if self.rows
-                                                                          else 1)
+        return (
+            len(self.data) if self.data is not None else self.size * (ROW_BYTES if self.rows else 1)
+        )
 
 
 class _Memo:
@@ -206,8 +207,9 @@ def slices(
             yield (*chunk, source.rows)
 
 
-def measure(tok: Any, setting: Setting, work: Sequence[Slice], *, total: int,
-            workers: int | None = None) -> Iterator[Outcome]:
+def measure(
+    tok: Any, setting: Setting, work: Sequence[Slice], *, total: int, workers: int | None = None
+) -> Iterator[Outcome]:
     """The Outcome of every slice of `work`, in order, while a RenderProgress line counts `total`
     prompts. With more than one worker (default: processes()) and enough bytes to measure, the
     slices go to a process pool."""
@@ -348,8 +350,9 @@ def _outcome(tok: Any, setting: Setting, s: Slice, prompts: list, memo: _Memo) -
     return out
 
 
-def _lengths(tok: Any, setting: Setting, texts: list[str | None], mnt: int,
-             memo: _Memo) -> list[tuple[int, list[int] | None]]:
+def _lengths(
+    tok: Any, setting: Setting, texts: list[str | None], mnt: int, memo: _Memo
+) -> list[tuple[int, list[int] | None]]:
     """(length or an upper bound of it, ids ending like the prompt's) per text; (0, None) for a
     prompt the template failed on. The length is exact, and the ids all of them, unless
     `setting.bounded` (see bound_kind) and the text's UTF-8 length + 1 (more than the tokenizer can
@@ -391,7 +394,7 @@ def _ending(text: str, model: Any) -> str:
     stripped = text.rstrip()
     for token in (model.think_start, model.think_end):
         if stripped.endswith(token):
-            return text[len(stripped) - len(token):]
+            return text[len(stripped) - len(token) :]
     return ""
 
 
@@ -487,8 +490,10 @@ class RenderProgress:
         elapsed = now - self.start
         share = done / self.total if self.total else 1.0
         left = f", about {_duration(elapsed / share - elapsed)} left" if 0 < share < 1 else ""
-        return (f"rendering prompts: {done:,} / {self.total:,} ({share:.0%}), "
-                f"{_duration(elapsed)}{left}")
+        return (
+            f"rendering prompts: {done:,} / {self.total:,} ({share:.0%}), "
+            f"{_duration(elapsed)}{left}"
+        )
 
     def update(self, done: int) -> None:
         now = time.monotonic()

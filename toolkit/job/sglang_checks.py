@@ -93,8 +93,9 @@ def check_requests(spec: Any, source: Path) -> None:
                 "Change that key in [sampling] or in the dataset's `sampling`."
             ) from None
         if skip_tokenizer:
-            needs = [k for k in ("stop", "stop_regex") if params.get(k)] + \
-                (["min_new_tokens"] if (params.get("min_new_tokens") or 0) > 0 else [])
+            needs = [k for k in ("stop", "stop_regex") if params.get(k)] + (
+                ["min_new_tokens"] if (params.get("min_new_tokens") or 0) > 0 else []
+            )
             if needs:
                 raise SpecError(
                     f"{where}: {', '.join(needs)} need the server's tokenizer, and [engine] "

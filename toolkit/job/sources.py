@@ -80,7 +80,7 @@ _WHAT = {
     "zip": "a zip archive (unzip it and name the file inside)",
     "xz": "xz-compressed (decompress it, or compress it with gzip or zstd: .jsonl.gz, .jsonl.zst)",
     "bz2": "bzip2-compressed (decompress it, or compress it with gzip or zstd: .jsonl.gz, "
-           ".jsonl.zst)",
+    ".jsonl.zst)",
     "utf16": "UTF-16 text, not UTF-8 (re-encode it as UTF-8)",
 }
 _SUFFIX = {"gzip": ".jsonl.gz", "zstd": ".jsonl.zst", "parquet": ".parquet"}
@@ -103,10 +103,13 @@ def is_hub(path: str) -> bool:
 
 
 def _hub_id(path: str) -> tuple[str, str]:
-    m = _HUB_ID.fullmatch(path[len(HUB_PREFIX):])
+    m = _HUB_ID.fullmatch(path[len(HUB_PREFIX) :])
     if m is None:
-        raise SourceError(path, "a hub dataset is named hf://datasets/ORG/NAME, or "
-                                "hf://datasets/ORG/NAME:SPLIT for a split other than train")
+        raise SourceError(
+            path,
+            "a hub dataset is named hf://datasets/ORG/NAME, or "
+            "hf://datasets/ORG/NAME:SPLIT for a split other than train",
+        )
     return m.group(1), m.group(2) or "train"
 
 
@@ -115,8 +118,9 @@ def _need(module: str, package: str, what: str, path: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise SourceError(
-            path, f"reading {what} needs the {package} package, not installed in this Python: "
-            f"pip install {package}"
+            path,
+            f"reading {what} needs the {package} package, not installed in this Python: "
+            f"pip install {package}",
         ) from None
 
 
@@ -133,25 +137,40 @@ def _kind(path: str) -> str:
     if found == named:
         return named
     if found is None and named != "jsonl":
-        raise SourceError(path, f"named {Path(name).suffix} but not {_WHAT[named].split(' (')[0]}: "
-                                "name it for what it holds (.jsonl for JSON lines)")
+        raise SourceError(
+            path,
+            f"named {Path(name).suffix} but not {_WHAT[named].split(' (')[0]}: "
+            "name it for what it holds (.jsonl for JSON lines)",
+        )
     if found in _SUFFIX:
         named_as = Path(name).suffix or "without a suffix"
-        raise SourceError(path, f"{_WHAT[found]} but named {named_as}: name it with "
-                                f"{_SUFFIX[found]} to read it as such")
+        raise SourceError(
+            path,
+            f"{_WHAT[found]} but named {named_as}: name it with "
+            f"{_SUFFIX[found]} to read it as such",
+        )
     if found is not None:
         raise SourceError(path, f"{_WHAT[found]}, not JSON lines")
     if b"\x00" in head:
-        raise SourceError(path, "not UTF-8 text (binary data): a prompt file is JSON lines "
-                                "(.jsonl, .jsonl.gz, .jsonl.zst), parquet, or a datasets folder")
+        raise SourceError(
+            path,
+            "not UTF-8 text (binary data): a prompt file is JSON lines "
+            "(.jsonl, .jsonl.gz, .jsonl.zst), parquet, or a datasets folder",
+        )
     lines = head.removeprefix(BOM).lstrip().split(b"\n", 2)
     first = lines[0].strip()
     if first.startswith(b"["):
-        raise SourceError(path, "a JSON array, not JSON lines (one object per line): convert it, "
-                                f"e.g. jq -c '.[]' {p.name} > {p.stem}.jsonl")
+        raise SourceError(
+            path,
+            "a JSON array, not JSON lines (one object per line): convert it, "
+            f"e.g. jq -c '.[]' {p.name} > {p.stem}.jsonl",
+        )
     if first == b"{" and len(lines) > 1 and re.match(rb'\s+"', lines[1]):  # {, then  "key": ...
-        raise SourceError(path, "pretty-printed JSON, not JSON lines (one object per line): "
-                                f"write each object on one line, e.g. jq -c . {p.name}")
+        raise SourceError(
+            path,
+            "pretty-printed JSON, not JSON lines (one object per line): "
+            f"write each object on one line, e.g. jq -c . {p.name}",
+        )
     return "jsonl"
 
 
@@ -216,8 +235,11 @@ class _Text(Source):
     def __init__(self, path: str, kind: str):
         super().__init__(path)
         self.codec = kind
-        self.kind = {"jsonl": "JSONL", "gzip": "gzip-compressed JSONL",
-                     "zstd": "zstd-compressed JSONL"}[kind]
+        self.kind = {
+            "jsonl": "JSONL",
+            "gzip": "gzip-compressed JSONL",
+            "zstd": "zstd-compressed JSONL",
+        }[kind]
         self._f: Any = None
         self._pos = 0
         self._kept: OrderedDict[tuple[int, int], bytes] = OrderedDict()
@@ -227,13 +249,17 @@ class _Text(Source):
             return gzip.open(self.path, "rb")
         if self.codec == "zstd":
             raw = open(self.path, "rb")
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True),
-                                     _READ)
+            return io.BufferedReader(
+                zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), _READ
+            )
         return open(self.path, "rb")
 
     def _damaged(self, e: Exception) -> SourceError:
-        return SourceError(self.path, f"the {self.kind} is damaged ({type(e).__name__}: {e}); "
-                                      "compress it again from the original file")
+        return SourceError(
+            self.path,
+            f"the {self.kind} is damaged ({type(e).__name__}: {e}); "
+            "compress it again from the original file",
+        )
 
     def lines(self) -> Iterator[bytes]:
         with self._open() as f:
@@ -376,7 +402,7 @@ class _Rows(Source):
         return _row_chunks(len(self.ds))
 
     def span(self, offset: int, size: int) -> bytes:
-        batch = self.ds[offset:offset + size]
+        batch = self.ds[offset : offset + size]
         keys = list(batch)
         return b"".join(_row_line(dict(zip(keys, values))) for values in zip(*batch.values()))
 
@@ -388,16 +414,23 @@ def _load_from_disk(path: str) -> Source:
     datasets = _need("datasets", "datasets", "a datasets folder", path)
     if (Path(path) / "dataset_dict.json").is_file():
         splits = sorted(q.name for q in Path(path).iterdir() if q.is_dir())
-        raise SourceError(path, f"a DatasetDict of splits {', '.join(splits)}: name one of their "
-                                f"folders ({Path(path) / (splits[0] if splits else 'train')})")
+        raise SourceError(
+            path,
+            f"a DatasetDict of splits {', '.join(splits)}: name one of their "
+            f"folders ({Path(path) / (splits[0] if splits else 'train')})",
+        )
     if not (Path(path) / "dataset_info.json").is_file():
-        raise SourceError(path, "a folder, but not one a datasets.Dataset was saved to "
-                                "(save_to_disk): name a prompt file or such a folder")
+        raise SourceError(
+            path,
+            "a folder, but not one a datasets.Dataset was saved to "
+            "(save_to_disk): name a prompt file or such a folder",
+        )
     try:
         ds = datasets.load_from_disk(path)
     except Exception as e:  # noqa: BLE001 - the library's own errors, said as they are
-        raise SourceError(path, f"cannot load the datasets folder ({type(e).__name__}: {e})") \
-            from None
+        raise SourceError(
+            path, f"cannot load the datasets folder ({type(e).__name__}: {e})"
+        ) from None
     return _Rows(path, ds, "datasets folder")
 
 

@@ -73,9 +73,9 @@ class StubSpec(_Config):
     no_think_end: bool = False
     double_think_start: bool = False
     degenerate_fraction: float = 0.0  # share of outputs that fall into a repetition loop until
-                                      # max_new_tokens
-    identical_samples: bool = False   # samples of one prompt (n > 1) token-identical even with a
-                                      # sampling_seed
+    # max_new_tokens
+    identical_samples: bool = False  # samples of one prompt (n > 1) token-identical even with a
+    # sampling_seed
     version: str = "0.5.23"
     extra_args: list[str] = []
 
@@ -129,7 +129,7 @@ class ClientSpec(_Config):
     # /v1/loads as it generates): its running capacity plus a small waiting queue, so the engine
     # never waits for a request.
     concurrency: int | Literal["auto"] = 64
-    max_concurrency: int = 1024         # "auto" never goes above this
+    max_concurrency: int = 1024  # "auto" never goes above this
     # On a stop signal, abort the requests in flight and keep their partial outputs (continued on
     # the next run) instead of throwing them away.
     save_in_flight: bool = True
@@ -149,10 +149,10 @@ class ClientSpec(_Config):
     # output one request would have given.
     loop_stop: bool = True
     segment_tokens: int = 4096
-    loop_window: int = 512              # tail ids looked at
-    loop_max_period: int = 128          # longest repeated span looked for
-    loop_match: float = 0.9             # share of the tail that must repeat the id one period
-                                        # before
+    loop_window: int = 512  # tail ids looked at
+    loop_max_period: int = 128  # longest repeated span looked for
+    loop_match: float = 0.9  # share of the tail that must repeat the id one period
+    # before
 
 
 class DatasetSpec(_Config):
@@ -170,9 +170,9 @@ class InputsSpec(_Config):
     `check`, `run`, `submit` and the audit."""
 
     on_bad_line: Literal["fail", "skip"] = "fail"  # malformed JSON, a missing or wrong field, a
-                                                   # duplicate id, ...
+    # duplicate id, ...
     on_too_long: Literal["fail", "skip"] = "fail"  # its length + max_new_tokens does not fit the
-                                                   # context length
+    # context length
 
 
 class ShardingSpec(_Config):
@@ -195,7 +195,7 @@ class SlurmSpec(_Config):
     merge_time: str = "02:00:00"
     merge_cpus: int = 2
     merge_mem: str | None = None
-    merge_partition: str | None = None   # the merge + audit job's (no GPU); default: `partition`
+    merge_partition: str | None = None  # the merge + audit job's (no GPU); default: `partition`
     extra: dict[str, str | int | bool] = {}
 
 
@@ -203,9 +203,9 @@ class EstimateSpec(_Config):
     """What `check` and `submit --dry-run` estimate a run's cost from (job.cost); not part of the
     fingerprint."""
 
-    tokens_per_s: float | None = None       # one engine's output tokens/s at full batch
-    load_minutes: float | None = None       # one model load: weights read, CUDA graphs captured
-    mean_output_tokens: int | None = None   # expected output length, until a run measures its own
+    tokens_per_s: float | None = None  # one engine's output tokens/s at full batch
+    load_minutes: float | None = None  # one model load: weights read, CUDA graphs captured
+    mean_output_tokens: int | None = None  # expected output length, until a run measures its own
 
 
 class AuditSpec(_Config):
@@ -218,9 +218,9 @@ class AuditSpec(_Config):
     max_double_think_start_share: float = 0.01
     max_length_share: float = 0.2
     max_failed_share: float = 0.01
-    max_reasoning_share: float = 0.01    # expect_reasoning = false: outputs that hold a think token
-    max_degenerate_share: float = 0.02   # outputs in a repetition loop (dataset.quality), per
-                                         # dataset
+    max_reasoning_share: float = 0.01  # expect_reasoning = false: outputs that hold a think token
+    max_degenerate_share: float = 0.02  # outputs in a repetition loop (dataset.quality), per
+    # dataset
     # n > 1, temperature > 0: samples token-identical to an earlier one
     max_identical_sample_share: float = 0.01
     reprompt_sample: int = 64
@@ -288,8 +288,10 @@ def _resolve(
         for m in _VAR.finditer(expanded):
             name = m.group(1) or m.group(2)
             if name not in os.environ:
-                raise SpecError(f"{source}: {where}: environment variable {name} is not set "
-                                "(export it, or write the path out)")
+                raise SpecError(
+                    f"{source}: {where}: environment variable {name} is not set "
+                    "(export it, or write the path out)"
+                )
     q = Path(expanded)
     return str(q if q.is_absolute() else (base / q).resolve())
 
@@ -429,8 +431,12 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:
         raise SpecError(f"{source}: [sharding] flush_records must be >= 1 and flush_seconds > 0")
     c = spec.client
-    if (c.concurrency != "auto" and c.concurrency < 1) or c.max_concurrency < 1 or c.retries < 0 \
-            or c.request_timeout_s <= 0:
+    if (
+        (c.concurrency != "auto" and c.concurrency < 1)
+        or c.max_concurrency < 1
+        or c.retries < 0
+        or c.request_timeout_s <= 0
+    ):
         raise SpecError(
             f'{source}: [client] needs concurrency >= 1 (or "auto"), max_concurrency >= 1, '
             "retries >= 0, request_timeout_s > 0"
@@ -440,8 +446,13 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
             f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt "
             f"whose failure may pass, within a run), got {c.max_tries}"
         )
-    if c.segment_tokens < 256 or c.loop_max_period < 1 or c.loop_window < 4 * c.loop_max_period \
-            or not 0.5 <= c.loop_match <= 1.0 or c.loop_window > c.segment_tokens:
+    if (
+        c.segment_tokens < 256
+        or c.loop_max_period < 1
+        or c.loop_window < 4 * c.loop_max_period
+        or not 0.5 <= c.loop_match <= 1.0
+        or c.loop_window > c.segment_tokens
+    ):
         raise SpecError(
             f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, "
             "loop_window between 4 * loop_max_period and segment_tokens, loop_match between 0.5 "
@@ -467,7 +478,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         if e.kind != "sglang" or e.command is not None:
             raise SpecError(
                 f'{source}: [engine] nodes = {e.nodes} needs kind = "sglang" without `command`: '
-                'only '
+                "only "
                 "the toolkit's own SGLang launch starts one rank per node"
             )
         problem = check_engine_layout(e, spec.slurm.gpus_per_node)
@@ -478,7 +489,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     ):
         raise SpecError(
             f'{source}: [engine] python = {e.python!r}: only for kind = "sglang" without `command` '
-            '(the '
+            "(the "
             "Python the toolkit starts SGLang with), and not empty; remove it"
         )
     if e.kind == "external" and not e.url:
@@ -496,6 +507,7 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     check_requests(spec, source)
     _check_estimate(spec.estimate, source)
     m = spec.model
+
     # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
     def key(name: str) -> str | None:
         return name if check_paths else None
@@ -506,8 +518,11 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         else m.path
     )
     if m.tokenizer_path is not None:
-        m.tokenizer_path = (_resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
-                            if _looks_local(m.tokenizer_path, base) else m.tokenizer_path)
+        m.tokenizer_path = (
+            _resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
+            if _looks_local(m.tokenizer_path, base)
+            else m.tokenizer_path
+        )
     m.chat_template = _resolve(base, m.chat_template, key("[model] chat_template"), source)
     if check_paths and m.chat_template and not Path(m.chat_template).is_file():
         raise SpecError(f"{source}: [model] chat_template file {m.chat_template} does not exist")
@@ -579,8 +594,10 @@ def key_source_warnings(e: EngineSpec) -> list[str]:
         except OSError:
             return []
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            return [f"[engine] api_key_file {e.api_key_file} may be read by other users (mode "
-                    f"{stat.filemode(mode)}): `chmod 600 {e.api_key_file}`"]
+            return [
+                f"[engine] api_key_file {e.api_key_file} may be read by other users (mode "
+                f"{stat.filemode(mode)}): `chmod 600 {e.api_key_file}`"
+            ]
     return []
 
 

@@ -23,6 +23,7 @@ from toolkit.errors import BadInputError
 class SpecError(BadInputError):
     """A job spec that cannot be run. The message names the file and the key."""
 
+
 __all__ = [
     "KeyProblem",
     "closest",
@@ -127,8 +128,12 @@ def _unknown(data: Any, t: mi.Type, path: KeyPath, doc: Any) -> list[KeyProblem]
         problems = []
         for key, value in data.items():
             if key not in fields:
-                problems.append(KeyProblem((*path, key), f"unknown key `{key}` {where(path, doc)}"
-                                                         f"{did_you_mean(key, fields)}"))
+                problems.append(
+                    KeyProblem(
+                        (*path, key),
+                        f"unknown key `{key}` {where(path, doc)}{did_you_mean(key, fields)}",
+                    )
+                )
             else:
                 problems += _unknown(value, fields[key].type, (*path, key), doc)
         return problems

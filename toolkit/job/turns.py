@@ -25,7 +25,6 @@ import msgspec
 __all__ = ["answer_of", "turn_id", "user_turns", "turn_messages", "turn_prompt", "answer_message"]
 
 
-
 def turn_id(record_id: str, turn: int, regenerate: bool) -> str:
     """The record id of turn `turn`: the id itself for a dataset that is not regenerated turn by
     turn."""

@@ -138,8 +138,11 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
     serving = loop.create_task(server.serve(sockets=[sock]))
-    tasks = [loop.create_task(srv.warmup()), loop.create_task(srv.throughput_log()),
-             loop.create_task(srv.drain_watchdog())]
+    tasks = [
+        loop.create_task(srv.warmup()),
+        loop.create_task(srv.throughput_log()),
+        loop.create_task(srv.drain_watchdog()),
+    ]
     stopping = loop.create_task(srv.stop.wait())
     await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True

@@ -23,16 +23,16 @@ POISONS = {
     "early_length": "finish_reason length after a third of the output, short of max_new_tokens",
     "out_of_vocab": "an output id outside the vocabulary",
     "unknown_finish": "finish_reason of an unknown type",
-    "finish_string": "finish_reason as a string (\"stop\")",
+    "finish_string": 'finish_reason as a string ("stop")',
     "finish_null": "finish_reason null",
     "no_completion_tokens": "meta_info without completion_tokens",
     "abort_500": "finish_reason abort with status_code 500 and half the output",
-    "abort_empty": "finish_reason abort (\"Abort in waiting queue\") with no output, as a request "
-                   "aborted before it ran",
+    "abort_empty": 'finish_reason abort ("Abort in waiting queue") with no output, as a request '
+    "aborted before it ran",
     "status_503": "HTTP 503, as an overloaded server answers",
     "status_429": "HTTP 429, as a router that rate-limits answers",
     "nan": "SGLang's NaN stop: half the output, then an EOS id, finish_reason matched 'NaN "
-           "happened'",
+    "happened'",
     "hang": "never answered (the other requests and /health* still are)",
 }
 
@@ -258,14 +258,18 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
         default=5.0,
         help="poll interval of the SIGTERM drain (SGLang: 5 s)",
     )
-    a("--keep-alive-timeout", type=float, default=5.0,
-      help="idle keep-alive connections close after this (uvicorn: 5 s)")
+    a(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="idle keep-alive connections close after this (uvicorn: 5 s)",
+    )
     a(
         "--health-check-timeout",
         type=float,
         default=20.0,
         help="while generation is wedged (--hang-after), /health* waits this long, then 503 "
-             "(SGLang: 20 s)",
+        "(SGLang: 20 s)",
     )
     a(
         "--fixed-output-tokens",
@@ -317,8 +321,14 @@ def build_parser(version: str = "0.5.23") -> argparse.ArgumentParser:
         help="every /generate request for SECONDS s from the START-th on gets HTTP 503 (an "
         "overloaded engine: its probes fail too)",
     )
-    a("--fail-status", type=int, default=503, metavar="CODE",
-      help="the status of the --fail-5xx answers: 503, or 429 as a router that rate-limits answers")
+    a(
+        "--fail-status",
+        type=int,
+        default=503,
+        metavar="CODE",
+        help="the status of the --fail-5xx answers: 503, or 429 as a router that rate-limits "
+        "answers",
+    )
     a(
         "--poison",
         choices=sorted(POISONS),
@@ -418,8 +428,13 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
         parser.error(f"--config: cannot read {path}: {e}")
     if not isinstance(data, dict):
         parser.error(f"--config: {path} must hold a mapping of server arguments at its root")
-    switches = {o[2:].replace("-", "_") for act in parser._actions if act.nargs == 0
-                for o in act.option_strings if o.startswith("--")}
+    switches = {
+        o[2:].replace("-", "_")
+        for act in parser._actions
+        if act.nargs == 0
+        for o in act.option_strings
+        if o.startswith("--")
+    }
     args: list[str] = []
     for key, value in data.items():
         flag = f"--{key}"
@@ -434,7 +449,7 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
             args += [flag, json.dumps(value)]
         else:
             args += [flag, str(value)]
-    return args + argv[:i] + argv[i + 2:]
+    return args + argv[:i] + argv[i + 2 :]
 
 
 def parse_config(argv: list[str] | None) -> StubConfig:
@@ -488,8 +503,11 @@ def parse_config(argv: list[str] | None) -> StubConfig:
         parser.error("--served-model-name must not contain ':'")
     if ns.context_length < 16:
         parser.error("--context-length must be at least 16")
-    other = {f.dest: getattr(ns, f.dest, None) for f in parser.sglang_flags.flags
-             if f.dest not in parser.modelled_dests and f.action != "help"}
+    other = {
+        f.dest: getattr(ns, f.dest, None)
+        for f in parser.sglang_flags.flags
+        if f.dest not in parser.modelled_dests and f.action != "help"
+    }
     cfg = StubConfig(
         model_path=ns.model_path,
         tokenizer_path=ns.tokenizer_path,

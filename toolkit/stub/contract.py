@@ -31,6 +31,7 @@ class ParseError(ValueError):
 def _input_ids_problem(v: Any) -> str | None:
     """SGLang's validate_optional_list_i64_1d_2d (srt/utils/field_validators.py): what it raises, or
     None."""
+
     def row(r: Any) -> str | None:
         if not isinstance(r, list):
             return f"must be list; got {type(r).__name__}"
@@ -69,8 +70,11 @@ def parse_body(obj: Any) -> None:
             f"'msg': 'Value error, {problem}'}}"
         )
     rid = obj.get("rid")
-    if rid is not None and not isinstance(rid, str) and not (
-            isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+    if (
+        rid is not None
+        and not isinstance(rid, str)
+        and not (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+    ):
         raise ParseError(
             "2 validation errors:\n  {'type': 'string_type', 'loc': ('body', 'rid', 'str'), "
             "'msg': 'Input should be a valid string'}\n  {'type': 'list_type', 'loc': ('body', "
@@ -185,13 +189,17 @@ def make_sampling(raw: dict, preferred: dict | None, skip_tokenizer: bool) -> Sa
     g = raw.get
     if skip_tokenizer:
         if sp.stop:
-            raise RequestError(f"stop={sp.stop!r} is unavailable when skip_tokenizer_init=True "
-                               "(requires tokenizer to decode tokens to text for matching).")
+            raise RequestError(
+                f"stop={sp.stop!r} is unavailable when skip_tokenizer_init=True "
+                "(requires tokenizer to decode tokens to text for matching)."
+            )
         if g("stop_regex"):
             regex = g("stop_regex")
             regex = [regex] if isinstance(regex, str) else regex
-            raise RequestError(f"stop_regex={regex!r} is unavailable when skip_tokenizer_init=True "
-                               "(requires tokenizer to decode tokens to text for matching).")
+            raise RequestError(
+                f"stop_regex={regex!r} is unavailable when skip_tokenizer_init=True "
+                "(requires tokenizer to decode tokens to text for matching)."
+            )
         if sp.min_new_tokens > 0:
             raise RequestError(
                 f"min_new_tokens={sp.min_new_tokens} is unavailable when skip_tokenizer_init=True "

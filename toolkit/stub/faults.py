@@ -44,9 +44,7 @@ class RequestFaults(msgspec.Struct, frozen=True):
 NONE = RequestFaults()
 
 
-def request_faults(
-    cfg: StubConfig, number: int, burst_s: float | None = None
-) -> RequestFaults:
+def request_faults(cfg: StubConfig, number: int, burst_s: float | None = None) -> RequestFaults:
     """The faults of the `number`-th /generate request (counted from 1, every request counts);
     `burst_s`: seconds since --fail-5xx-for's START-th request came (None: it has not)."""
     crash = cfg.crash_after is not None and number >= cfg.crash_after

@@ -68,13 +68,20 @@ def model_info(srv: StubServer) -> Reply:
     info: dict[str, Any] = {"model_path": cfg.model_path}
     if not srv.v9:
         info["served_model_name"] = srv.served_name
-    info.update(tokenizer_path=cfg.tokenizer_path or cfg.model_path, is_generation=True,
-                # parsed JSON, as SGLang's server args
-                preferred_sampling_params=cfg.preferred_sampling_params or None,
-                weight_version="default")
+    info.update(
+        tokenizer_path=cfg.tokenizer_path or cfg.model_path,
+        is_generation=True,
+        # parsed JSON, as SGLang's server args
+        preferred_sampling_params=cfg.preferred_sampling_params or None,
+        weight_version="default",
+    )
     if not srv.v9:
-        info.update(load_format="auto", reasoning_parser=cfg.reasoning_parser,
-                    tool_call_parser=cfg.tool_call_parser, disaggregation_mode="null")
+        info.update(
+            load_format="auto",
+            reasoning_parser=cfg.reasoning_parser,
+            tool_call_parser=cfg.tool_call_parser,
+            disaggregation_mode="null",
+        )
     info.update(
         has_image_understanding=False,
         has_audio_understanding=False,
@@ -167,13 +174,26 @@ def loads(srv: StubServer) -> Reply:
         queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
         # no disaggregation; 0.5.23 renamed the first queue (prefill_prealloc -> prefill_bootstrap)
         first_queue = "prefill_prealloc_queue_reqs" if srv.v9 else "prefill_bootstrap_queue_reqs"
-        disaggregation = {"mode": "null", first_queue: 0, "prefill_inflight_queue_reqs": 0,
-                          "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-                          "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
-                          "kv_transfer_latency_ms": 0.0}
+        disaggregation = {
+            "mode": "null",
+            first_queue: 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        }
         if srv.v9:
-            rows.append({"dp_rank": i, **core, "disaggregation": disaggregation, "queues": queues,
-                         "num_total_reqs": running + waiting})
+            rows.append(
+                {
+                    "dp_rank": i,
+                    **core,
+                    "disaggregation": disaggregation,
+                    "queues": queues,
+                    "num_total_reqs": running + waiting,
+                }
+            )
             continue
         rows.append(
             {
@@ -216,11 +236,21 @@ def loads(srv: StubServer) -> Reply:
             "avg_throughput": round(sum(r["gen_throughput"] for r in rows) / n, 2),
             "avg_utilization": round(sum(r["utilization"] for r in rows) / n, 4),
         }
-        body = {"timestamp": stamp, "version": srv.cfg.version, "dp_rank_count": n, "loads": rows,
-                "aggregate": aggregate}
+        body = {
+            "timestamp": stamp,
+            "version": srv.cfg.version,
+            "dp_rank_count": n,
+            "loads": rows,
+            "aggregate": aggregate,
+        }
     else:
-        body = {"timestamp": stamp, "version": srv.cfg.version, "accelerator": None,
-                "num_accelerators": max(1, srv.cfg.tp_size), "loads": rows}
+        body = {
+            "timestamp": stamp,
+            "version": srv.cfg.version,
+            "accelerator": None,
+            "num_accelerators": max(1, srv.cfg.tp_size),
+            "loads": rows,
+        }
     return 200, _json_encode(body), JSON
 
 
@@ -313,10 +343,12 @@ def metrics(srv: StubServer) -> Reply:
             f"# TYPE sglang:{metric} {kind}",
             f"sglang:{metric}{label} {value}",
         ]
-    lines += ["# HELP sglang:e2e_request_latency_seconds e2e latency (stub engine)",
-              "# TYPE sglang:e2e_request_latency_seconds summary",
-              f"sglang:e2e_request_latency_seconds_sum{label} {s['e2e_sum']}",
-              f"sglang:e2e_request_latency_seconds_count{label} {s['requests']}"]
+    lines += [
+        "# HELP sglang:e2e_request_latency_seconds e2e latency (stub engine)",
+        "# TYPE sglang:e2e_request_latency_seconds summary",
+        f"sglang:e2e_request_latency_seconds_sum{label} {s['e2e_sum']}",
+        f"sglang:e2e_request_latency_seconds_count{label} {s['requests']}",
+    ]
     return 200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -329,11 +361,16 @@ def routes(srv: StubServer) -> dict[str, tuple[tuple[str, ...], Callable | None]
     """path -> (methods, handler of the state); None: /generate and /abort_request, which take the
     body."""
     table: dict[str, tuple[tuple[str, ...], Callable | None]] = {
-        "/health": (("GET",), health), "/health_generate": (("GET",), health),
-        "/model_info": (("GET",), model_info), "/get_model_info": (("GET",), model_info_deprecated),
-        "/server_info": (("GET",), server_info), "/get_server_info": (("GET",), server_info),
-        "/v1/models": (("GET",), v1_models), "/generate": (("POST", "PUT"), None),
-        "/abort_request": (("POST",), None), "/flush_cache": (("GET", "POST"), flush_cache),
+        "/health": (("GET",), health),
+        "/health_generate": (("GET",), health),
+        "/model_info": (("GET",), model_info),
+        "/get_model_info": (("GET",), model_info_deprecated),
+        "/server_info": (("GET",), server_info),
+        "/get_server_info": (("GET",), server_info),
+        "/v1/models": (("GET",), v1_models),
+        "/generate": (("POST", "PUT"), None),
+        "/abort_request": (("POST",), None),
+        "/flush_cache": (("GET", "POST"), flush_cache),
         "/v1/loads": (("GET",), loads),
         "/stub/counters": (("GET",), stub_counters),
     }

@@ -34,7 +34,7 @@ TOOL_FORMATS = (
         "qwen3",
         ("<tool_call>", "</tool_call>"),
         "{calls}",
-        "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>",
+        '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>',
     ),
     (
         "deepseek",
@@ -160,7 +160,7 @@ class StubModel:
             if start >= 0:
                 if start in unsafe or start + m in unsafe:
                     return None
-                parts.append(self.corpus_text[cuts[start]:cuts[start + m]])
+                parts.append(self.corpus_text[cuts[start] : cuts[start + m]])
             else:
                 key = (tuple(ids[:m]), skip)
                 text = self._segment_text.get(key)
@@ -189,8 +189,10 @@ class StubModel:
             if all(self.single_id(t) is not None for t in tokens):
                 out = []
                 for calls in TOOL_CALLS:
-                    body = "".join(call.format(name=name, args=json.dumps(args), i=i)
-                                   for i, (name, args) in enumerate(calls))
+                    body = "".join(
+                        call.format(name=name, args=json.dumps(args), i=i)
+                        for i, (name, args) in enumerate(calls)
+                    )
                     out.append(
                         self.tokenizer.encode(section.format(calls=body), add_special_tokens=False)
                     )

@@ -60,8 +60,20 @@ def output_seed(prompt: list[int], sp: Sampling, sample: int) -> int:
     > 1) differ by their index unless decoding is greedy.
     """
     h = hashlib.blake2b(_json_encode(prompt), digest_size=8)
-    h.update(_json_encode([sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.frequency_penalty,
-                           sp.presence_penalty, sp.repetition_penalty, sp.sampling_seed]))
+    h.update(
+        _json_encode(
+            [
+                sp.temperature,
+                sp.top_p,
+                sp.top_k,
+                sp.min_p,
+                sp.frequency_penalty,
+                sp.presence_penalty,
+                sp.repetition_penalty,
+                sp.sampling_seed,
+            ]
+        )
+    )
     if sp.top_k != 1:
         h.update(sample.to_bytes(4, "little"))
     return int.from_bytes(h.digest(), "little")
@@ -71,8 +83,15 @@ def output_seed(prompt: list[int], sp: Sampling, sample: int) -> int:
 Segments = list
 
 
-def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampling, budget: int,
-                sample: int, within: str | None = None) -> Segments:
+def plan_output(
+    model: StubModel,
+    cfg: StubConfig,
+    prompt: list[int],
+    sp: Sampling,
+    budget: int,
+    sample: int,
+    within: str | None = None,
+) -> Segments:
     """What the "model" writes for this prompt, before the server cuts at a stop or at `budget`.
 
     Rule: seed a PRNG from (prompt ids, sampling params). The output is [think-start] + reasoning +
@@ -120,8 +139,11 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
         total = max(1, min(scale, round(scale * rng.uniform(0.08, 0.95))))
     total = max(total, sp.min_new_tokens)
 
-    thinking = (model.think_end_id is not None and within != "answer"
-                and not model.prompt_ends_with(prompt, model.think_end_id))
+    thinking = (
+        model.think_end_id is not None
+        and within != "answer"
+        and not model.prompt_ends_with(prompt, model.think_end_id)
+    )
     head, end, sep = [], [], []
     if thinking:
         opened = within == "reasoning" or model.prompt_ends_with(prompt, model.think_start_id)
@@ -149,7 +171,7 @@ def plan_output(model: StubModel, cfg: StubConfig, prompt: list[int], sp: Sampli
     def run(n: int) -> None:  # n corpus tokens from a PRNG offset, wrapping around
         offset = rng.randrange(size)
         while n > 0:
-            part = corpus[offset:offset + n]
+            part = corpus[offset : offset + n]
             segments.append((offset, part))
             n -= len(part)
             offset = 0
@@ -186,12 +208,12 @@ def _loop(
     )
     lead = max(1, min(rng.randint(8, 40), scale // 20))
     start = rng.randrange(size - lead - 24)
-    segments.append((start, corpus[start:start + lead]))
+    segments.append((start, corpus[start : start + lead]))
     span = rng.randint(4, 24)
     at = rng.randrange(size - span)
     written = lead + len(segments) - 1
     while written <= budget:
-        segments.append((at, corpus[at:at + span]))
+        segments.append((at, corpus[at : at + span]))
         written += span
     return segments
 
@@ -252,15 +274,17 @@ def plan_continuation(
         if p == 1 and prompt[k] == model.think_start_id:
             continue
         sp0 = msgspec.structs.replace(
-            sp, max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
-            min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0)
+            sp,
+            max_new_tokens=None if sp.max_new_tokens is None else sp.max_new_tokens + p,
+            min_new_tokens=sp.min_new_tokens + p if sp.min_new_tokens else 0,
+        )
         for sample in drawn(head, sp0):
             segments = plan_output(model, cfg, head, sp0, budget + p, sample)
             got, need = 0, prompt[k:]
             # compare the plan's first p tokens with the tail, segment by segment
             for _, ids in segments:
                 m = min(len(ids), p - got)
-                if ids[:m] != need[got:got + m]:
+                if ids[:m] != need[got : got + m]:
                     break
                 got += m
                 if got == p:
@@ -284,13 +308,13 @@ def open_section(model: StubModel, prompt: list[int]) -> str | None:
     starts = _positions(prompt, model.think_start_id)
     if not starts:
         return None
-    tail = prompt[starts[-1] + 1:]
+    tail = prompt[starts[-1] + 1 :]
     if not tail or tail[-1] == model.think_end_id:
         return None
     words, sep = model.corpus_ids, set(model.sep_ids)
     if model.think_end_id in tail:
         e = tail.index(model.think_end_id)
-        before, after = tail[:e], tail[e + 1:]
+        before, after = tail[:e], tail[e + 1 :]
         ok = all(t in words for t in before) and all(t in words or t in sep for t in after)
         return "answer" if ok else None
     return "reasoning" if all(t in words for t in tail) else None
@@ -344,6 +368,7 @@ class Draws:
             return [
                 index + n * d for d in range(max(1, self._count.get(output_seed(head, sp, 0), 0)))
             ]
+
         return numbers
 
 
@@ -441,7 +466,7 @@ def item_text(model: StubModel, item: Item, ids: list[int], final: bool) -> str:
     if final and item.stop_str is not None:
         text = model.decode(ids, skip)
         cut = text.find(item.stop_str)
-        return text[:cut + len(item.stop_str)] if item.sp.no_stop_trim else text[:cut]
+        return text[: cut + len(item.stop_str)] if item.sp.no_stop_trim else text[:cut]
     k = len(ids) - (item.trim if final else 0)
     return model.prefix_text(item.segments, item.planned, k, skip)
 
@@ -463,9 +488,9 @@ class IncrementalText:
 
     def extend(self, ids: list[int]) -> str:
         if len(ids) > self.read_offset:
-            prefix = self.model.decode(ids[self.prefix_offset:self.read_offset], self.skip)
-            full = self.model.decode(ids[self.prefix_offset:], self.skip)
+            prefix = self.model.decode(ids[self.prefix_offset : self.read_offset], self.skip)
+            full = self.model.decode(ids[self.prefix_offset :], self.skip)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix):]
+                self.text += full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return self.text

@@ -41,10 +41,10 @@ class Occupancy:
         self.slots = max(1, slots)
         self.clock = clock
         self.first: float | None = None  # when the first request began running
-        self.last = 0.0                  # when the running count last dropped to zero
-        self.at = 0.0                    # the time of the last change
+        self.last = 0.0  # when the running count last dropped to zero
+        self.at = 0.0  # the time of the last change
         self.running = 0
-        self.area = 0.0                  # integral of the running count up to `at`
+        self.area = 0.0  # integral of the running count up to `at`
 
     def change(self, running: int) -> None:
         now = self.clock()

@@ -282,8 +282,14 @@ class StubServer:
             # a request may
             # also be the next segment of an output asked for in segments
             if cfg.token_delay > 0 or cfg.output_scale:
-                segments = plan_continuation(model, cfg, item.prompt, item.sp, item.budget,
-                                             self.draws.drawn(item.index % n, n, item.rid))
+                segments = plan_continuation(
+                    model,
+                    cfg,
+                    item.prompt,
+                    item.sp,
+                    item.budget,
+                    self.draws.drawn(item.index % n, n, item.rid),
+                )
             if segments is not None:
                 self.sched.counters["continued"] += 1
             else:
@@ -357,8 +363,10 @@ class StubServer:
     def add_logprobs(self, m: dict, item: Item, ids: list[int]) -> None:
         start = item.logprob_start_len
         start = len(item.prompt) if start is None or start < 0 else start
-        m["input_token_logprobs"] = [[None if k == 0 else fake_logprob(t, k), t, None]
-                                     for k, t in enumerate(item.prompt[start:], start)]
+        m["input_token_logprobs"] = [
+            [None if k == 0 else fake_logprob(t, k), t, None]
+            for k, t in enumerate(item.prompt[start:], start)
+        ]
         m["output_token_logprobs"] = [[fake_logprob(t, k), t, None] for k, t in enumerate(ids)]
         m["output_token_logprobs_length"] = len(ids)
         if item.top_logprobs_num > 0:
@@ -450,9 +458,12 @@ class StubServer:
         if self.v9:
             m.update(e2e_latency=round(e2e, 6))
         else:
-            m.update(weight_version="default", e2e_latency=round(e2e, 6),
-                     weight_versions=[{"version": "default", "start": 0, "end": 0}],
-                     response_sent_to_client_ts=time.time())
+            m.update(
+                weight_version="default",
+                e2e_latency=round(e2e, 6),
+                weight_versions=[{"version": "default", "start": 0, "end": 0}],
+                response_sent_to_client_ts=time.time(),
+            )
         m["completion_tokens"] = 0
         out: dict[str, Any] = {} if self.cfg.skip_tokenizer_init and self.v9 else {"text": ""}
         out.update(output_ids=[], meta_info=m)
@@ -509,9 +520,9 @@ class StubServer:
                             full = item_text(self.model, it, ids, finish is it.finish)
                         else:
                             full = texts[k].extend(ids)
-                        chunk["text"] = full[texts[k].sent_chars:] if delta_text else full
+                        chunk["text"] = full[texts[k].sent_chars :] if delta_text else full
                         texts[k].sent_chars = len(full)
-                    chunk["output_ids"] = ids[sent[k]:] if incremental else ids
+                    chunk["output_ids"] = ids[sent[k] :] if incremental else ids
                     e2e = time.perf_counter() - t0 if last else None
                     chunk["meta_info"] = self.meta(it, ids, finish, e2e, first=sent[k] == 0)
                     if not single:
@@ -526,8 +537,11 @@ class StubServer:
                 if delay > 0:
                     target = min(begin + delay * due(k) for k in live)
                     waiters = [loop.create_task(states[k].aborted.wait()) for k in live]
-                    await asyncio.wait(waiters, timeout=max(0.0, target - loop.time()),
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        waiters,
+                        timeout=max(0.0, target - loop.time()),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     for w in waiters:
                         w.cancel()
                 else:
@@ -577,8 +591,12 @@ class StubServer:
             if self.status == "unhealthy":
                 logger.error("Signal SIGTERM received while health check failed. Force exiting.")
                 break
-            logger.info("Gracefully exiting... Remaining number of requests %d. Remaining requests "
-                        "remaining_rids=%s.", len(self.in_flight), list(self.in_flight)[:20])
+            logger.info(
+                "Gracefully exiting... Remaining number of requests %d. Remaining requests "
+                "remaining_rids=%s.",
+                len(self.in_flight),
+                list(self.in_flight)[:20],
+            )
             if not self.in_flight:
                 break
             await asyncio.sleep(poll)

@@ -319,8 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chat-template", type=Path, help="Jinja file to use instead of the family's template"
     )
-    parser.add_argument("--extra-special", action="append", default=[], metavar="TOKEN",
-                        help="one more control token (repeatable)")
+    parser.add_argument(
+        "--extra-special",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="one more control token (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         template = args.chat_template.read_text(encoding="utf-8") if args.chat_template else None

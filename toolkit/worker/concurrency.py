@@ -21,7 +21,7 @@ from toolkit.worker.shard import AUTO_START, Batch, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
-LOAD_POLL_S = 1.0      # how often /v1/loads is read while generating
+LOAD_POLL_S = 1.0  # how often /v1/loads is read while generating
 # how often the memory the worker freed is handed back to the OS (malloc_trim)
 TRIM_S = 5.0
 
@@ -62,15 +62,19 @@ class HangWatch:
             return
         why = await health_generate(self.http, timeout=self.probe_timeout_s)
         if why is None:  # generating, only slowly (long outputs): look again later
-            log.info("no request answered for %.0f s (%d in flight), but /health_generate answers "
-                     "200",
-                     stall, n)
+            log.info(
+                "no request answered for %.0f s (%d in flight), but /health_generate answers 200",
+                stall,
+                n,
+            )
             self.next_probe = time.monotonic() + self.hang_timeout_s
             return
-        raise EngineHung(f"engine hung: no request answered for {stall:.0f} s with {n} in flight, "
-                         f"and "
-                         f"/health_generate {why} (limit engine.hang_timeout_s = "
-                         f"{self.hang_timeout_s:g})")
+        raise EngineHung(
+            f"engine hung: no request answered for {stall:.0f} s with {n} in flight, "
+            f"and "
+            f"/health_generate {why} (limit engine.hang_timeout_s = "
+            f"{self.hang_timeout_s:g})"
+        )
 
     def close(self) -> None:
         self.http.close()

@@ -73,7 +73,10 @@ class EngineCheck:
         log.warning(
             "a request failed (%s) and so did the engine's probe (%s): the engine is unwell; "
             "no prompt is charged a try while it is; waiting up to %g s ([engine] "
-            "ready_timeout_s) for it to answer again", why, failed, self.ready_timeout_s,
+            "ready_timeout_s) for it to answer again",
+            why,
+            failed,
+            self.ready_timeout_s,
         )
         delay = FIRST_WAIT_S
         while not self.stop.is_set():
@@ -92,7 +95,8 @@ class EngineCheck:
             if again is None:
                 log.warning(
                     "the engine answers its probe again after %.1f s: the requests that failed "
-                    "meanwhile go out again, not counted as tries", time.monotonic() - t0,
+                    "meanwhile go out again, not counted as tries",
+                    time.monotonic() - t0,
                 )
                 return
             failed = again
@@ -108,10 +112,12 @@ class EngineCheck:
         engine, not a failing one: the hang watch judges a wedged one); else what went wrong, in
         words: a 5xx, a 429, a refused or cut connection."""
         self.probes += 1
-        body = msgspec.json.encode({
-            "input_ids": self.engine.probe_ids or [1],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        })
+        body = msgspec.json.encode(
+            {
+                "input_ids": self.engine.probe_ids or [1],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            }
+        )
         try:
             status, _ = await self.http.request(
                 "POST", "/generate", body, timeout=self.probe_timeout_s

@@ -27,7 +27,6 @@ __all__ = ["EXIT_STUCK", "ExitGuard", "cancel_and_wait", "describe_tasks"]
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
 
-
 def describe_tasks(tasks) -> str:
     """`coroutine (waiting at file:line in function)` for each task: what a task that did not end is
     doing."""
@@ -66,8 +65,13 @@ class ExitGuard:
     engine) run in the guard's thread, each bounded by what it does itself, before
     `os._exit(EXIT_STUCK)`."""
 
-    def __init__(self, name: int | str, loop: asyncio.AbstractEventLoop, *,
-                 exit: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        name: int | str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        exit: Callable[[int], None] = os._exit,
+    ):
         # whose end it bounds, in its lines
         self.name = f"shard {name}" if isinstance(name, int) else name
         self.loop = loop
@@ -121,16 +125,27 @@ class ExitGuard:
             tasks = f"(could not list them: {e})"
         where = _thread_stack(self.loop)
         at = f"; the event loop's thread is at {where}" if where else ""
-        log.error("%s: the worker has not ended %.0f s after %s; still running: %s%s. Ending the "
-                  "process (exit %d): the engine is killed; what was written is kept, and the "
-                  "shard resumes from it when run again",
-                  self.name, waited, why, tasks, at, EXIT_STUCK)
+        log.error(
+            "%s: the worker has not ended %.0f s after %s; still running: %s%s. Ending the "
+            "process (exit %d): the engine is killed; what was written is kept, and the "
+            "shard resumes from it when run again",
+            self.name,
+            waited,
+            why,
+            tasks,
+            at,
+            EXIT_STUCK,
+        )
         for step in self.before_exit:
             try:
                 step()
             except Exception as e:  # each step is best effort: the process ends whatever happens
-                log.error("%s: before ending the process, %s failed: %s", self.name,
-                          getattr(step, "__name__", step), e)
+                log.error(
+                    "%s: before ending the process, %s failed: %s",
+                    self.name,
+                    getattr(step, "__name__", step),
+                    e,
+                )
         for h in logging.getLogger("toolkit").handlers:
             try:
                 h.flush()

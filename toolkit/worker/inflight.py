@@ -49,7 +49,7 @@ from toolkit.worker.shard import Batch, Shard, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
-ABORT_GRACE_S = 30.0   # after a stop's abort, how long the partial outputs may take to come back
+ABORT_GRACE_S = 30.0  # after a stop's abort, how long the partial outputs may take to come back
 # _answer: the request failed while the engine failed every request; no try, the prompt goes again
 AGAIN = "again"
 
@@ -57,12 +57,14 @@ AGAIN = "again"
 def rid_maker(sh: Shard, pos: int, sample: int, made: list[str]):
     """A fresh rid per HTTP attempt (engines/rids: one width, so an abort by rid never takes another
     request with it; naming the sample asked for)."""
+
     def make() -> str:
         sh.rid_seq += 1
         rid = make_rid(sh.rid_tag, sh.shard, pos, sample, sh.rid_seq)
         made.append(rid)
         sh.rids.add(rid)
         return rid
+
     return make
 
 
@@ -173,7 +175,13 @@ class _Generated:
 
 
 async def _generate(
-    sh: Shard, ids: list[int], ds: str, ref, engine, pos: int = 0, prior: Record | None = None,
+    sh: Shard,
+    ids: list[int],
+    ds: str,
+    ref,
+    engine,
+    pos: int = 0,
+    prior: Record | None = None,
     wait: _Unanswered | None = None,
 ):
     """One prompt's /generate, continued across aborts: an abort that leaves partial output (the
@@ -223,10 +231,18 @@ async def _generate(
                 wait.try_s = (c.retries + 1) * timeout
             try:
                 res = await generate(
-                    sh.http, ids, sp, rid=rid_maker(sh, pos, ref.sample, made),
-                    timeout=timeout, retries=c.retries, backoff_s=c.backoff_s,
-                    backoff_max_s=c.backoff_max_s, engine_alive=engine.alive, expect=sh.expect,
-                    input_json=sent.json() if len(out) else None, n_input=len(ids) + len(out),
+                    sh.http,
+                    ids,
+                    sp,
+                    rid=rid_maker(sh, pos, ref.sample, made),
+                    timeout=timeout,
+                    retries=c.retries,
+                    backoff_s=c.backoff_s,
+                    backoff_max_s=c.backoff_max_s,
+                    engine_alive=engine.alive,
+                    expect=sh.expect,
+                    input_json=sent.json() if len(out) else None,
+                    n_input=len(ids) + len(out),
                 )
             finally:
                 sh.in_flight -= 1
@@ -330,7 +346,7 @@ def _partial_record(
         latency_s=round(res.latency_s, 4),
         attempts=res.attempts,
         error=f"stopped after {len(out)} generated tokens; continued from there on the next run of "
-              "the shard",
+        "the shard",
         failure=PARTIAL,
         segments=g.segments,
     )
@@ -421,8 +437,9 @@ def _stopped(sh: Shard) -> bool:
     return sh.stopping or (sh.session is not None and sh.session.stop.is_set())
 
 
-def keep_unanswered(sh: Shard, ref, ds: str, pos: int, ids: list[int], prior: Record | None,
-                    wait: _Unanswered) -> None:
+def keep_unanswered(
+    sh: Shard, ref, ds: str, pos: int, ids: list[int], prior: Record | None, wait: _Unanswered
+) -> None:
     """At a stop, a prompt whose try was cut short without an answer: the time it waited (added to
     what its partial record carried, unless output came meanwhile) counts — each try's bound of it
     (retries + 1 request timeouts) as one try — and what is left is carried by a PARTIAL record
@@ -438,35 +455,64 @@ def keep_unanswered(sh: Shard, ref, ds: str, pos: int, ids: list[int], prior: Re
     counted = int(waited // wait.try_s)
     if tries + counted >= c.max_tries:
         rec = failed_record(
-            ref.id, ds, pos, ids,
+            ref.id,
+            ds,
+            pos,
+            ids,
             f"failed {_times(c.max_tries)}: timeout; last: no answer in {waited:.0f} s in flight, "
             f"cut short by a stop; every {wait.try_s:g} s in flight without an answer (a try's "
-            "bound), across stops, counts as a try", kept.attempts if kept else 0, TIMEOUT,
+            "bound), across stops, counts as a try",
+            kept.attempts if kept else 0,
+            TIMEOUT,
         )
         rec.tries, rec.final = c.max_tries, True
         sh.tries.pop(ref.id, None)
-        log.warning("prompt %s (%s): no answer in %.0f s in flight across stops: final for this "
-                    "run after %s", ref.id, ds, waited, _times(c.max_tries))
+        log.warning(
+            "prompt %s (%s): no answer in %.0f s in flight across stops: final for this "
+            "run after %s",
+            ref.id,
+            ds,
+            waited,
+            _times(c.max_tries),
+        )
     else:
         rec = _empty_partial(ref, ds, pos, ids) if kept is None else msgspec.structs.replace(kept)
         rec.tries, rec.unanswered_s = tries + counted, round(waited - counted * wait.try_s, 3)
         if counted:
             sh.tries[ref.id] = rec.tries
-            log.warning("prompt %s (%s): no answer in %.0f s in flight, its try cut short by a "
-                        "stop: counted as %s ([client] max_tries = %d)", ref.id, ds, waited,
-                        f"try {rec.tries}" if counted == 1 else f"tries up to {rec.tries}",
-                        c.max_tries)
+            log.warning(
+                "prompt %s (%s): no answer in %.0f s in flight, its try cut short by a "
+                "stop: counted as %s ([client] max_tries = %d)",
+                ref.id,
+                ds,
+                waited,
+                f"try {rec.tries}" if counted == 1 else f"tries up to {rec.tries}",
+                c.max_tries,
+            )
     sh.add(rec)
 
 
 def _empty_partial(ref: PromptRef, ds: str, pos: int, ids: list[int]) -> Record:
     """A PARTIAL record with no output: what it carries (tries, unanswered_s) to the next run."""
     return Record(
-        id=ref.id, dataset=ds, index=pos, status=PARTIAL, prompt_ids=pack_ids(ids), output_ids=b"",
-        reasoning_end=None, tool_call_at=None, finish="abort", matched_stop=None,
-        prompt_tokens=len(ids), completion_tokens=0, cached_tokens=0, latency_s=0.0, attempts=0,
+        id=ref.id,
+        dataset=ds,
+        index=pos,
+        status=PARTIAL,
+        prompt_ids=pack_ids(ids),
+        output_ids=b"",
+        reasoning_end=None,
+        tool_call_at=None,
+        finish="abort",
+        matched_stop=None,
+        prompt_tokens=len(ids),
+        completion_tokens=0,
+        cached_tokens=0,
+        latency_s=0.0,
+        attempts=0,
         error="stopped before any answer; the time it waited counts on the next run of the shard",
-        failure=PARTIAL, segments=0,
+        failure=PARTIAL,
+        segments=0,
     )
 
 
@@ -587,12 +633,24 @@ def _result_record(
             "model's"
         )
     return Record(
-        id=ref.id, dataset=ds, index=pos, status=OK if failure is None else FAILED,
-        prompt_ids=pack_ids(ids), output_ids=out.tobytes(), reasoning_end=reasoning_end,
-        tool_call_at=tool_call_at, finish=res.finish, matched_stop=res.matched,
-        prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
-        cached_tokens=res.cached_tokens, latency_s=res.latency_s, attempts=res.attempts,
-        error=error, failure=failure, segments=segments,
+        id=ref.id,
+        dataset=ds,
+        index=pos,
+        status=OK if failure is None else FAILED,
+        prompt_ids=pack_ids(ids),
+        output_ids=out.tobytes(),
+        reasoning_end=reasoning_end,
+        tool_call_at=tool_call_at,
+        finish=res.finish,
+        matched_stop=res.matched,
+        prompt_tokens=res.prompt_tokens,
+        completion_tokens=res.completion_tokens,
+        cached_tokens=res.cached_tokens,
+        latency_s=res.latency_s,
+        attempts=res.attempts,
+        error=error,
+        failure=failure,
+        segments=segments,
     )
 
 
@@ -630,5 +688,8 @@ async def save_in_flight(batch: Batch, stop: asyncio.Event, engine) -> None:
     deadline = time.monotonic() + ABORT_GRACE_S
     while time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    log.warning("%d requests still unanswered %.0f s after the abort: generated again next time",
-                batch.in_flight, ABORT_GRACE_S)
+    log.warning(
+        "%d requests still unanswered %.0f s after the abort: generated again next time",
+        batch.in_flight,
+        ABORT_GRACE_S,
+    )

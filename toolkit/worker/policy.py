@@ -23,7 +23,7 @@ HANDOVER_SHARE = 0.25
 
 class Candidate(NamedTuple):
     shard: int
-    remaining: int   # prompts of the shard without a record yet (the whole shard when it never ran)
+    remaining: int  # prompts of the shard without a record yet (the whole shard when it never ran)
 
 
 def start_of(worker: int, workers: int, pool: list[int]) -> int:
@@ -57,8 +57,8 @@ class Tail(NamedTuple):
     """One live task at the run's tail, as its progress says."""
 
     task: str
-    running: int           # requests it has in flight
-    target: int            # requests it keeps in flight (its batch's room)
+    running: int  # requests it has in flight
+    target: int  # requests it keeps in flight (its batch's room)
     leaving: bool = False  # it is handing its work over already
 
     @property

@@ -25,7 +25,7 @@ from toolkit.worker.turn_order import Chains
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
-AUTO_START = 64        # concurrency "auto" before the server has said what it can run
+AUTO_START = 64  # concurrency "auto" before the server has said what it can run
 
 # The shard a log line is about, set in each shard's tasks and while the worker opens or ends it:
 # the shard's log keeps its own lines and the engine's (none set), never another's (run.ShardLog).
@@ -78,8 +78,8 @@ class Batch:
     def __init__(self, client):
         self.client = client
         self.target = client.concurrency if client.concurrency != "auto" else AUTO_START
-        self.live = 0              # consumers running, all shards together (see concurrency.pool)
-        self.capacity = 0          # what the server says it can run (0: not said)
+        self.live = 0  # consumers running, all shards together (see concurrency.pool)
+        self.capacity = 0  # what the server says it can run (0: not said)
         self.shards: list[Shard] = []  # the shards open on this engine, oldest first
         self._waiters: list[asyncio.Future] = []
 
@@ -139,9 +139,9 @@ class Shard:
         )
         self.tokens = 0
         self.t_gen = 0.0
-        self.recorded = 0          # distinct ids recorded (resumed ones included)
-        self.transient = 0         # of those, transient failures left (see records.TRANSIENT)
-        self.in_flight = 0         # requests sent and not answered
+        self.recorded = 0  # distinct ids recorded (resumed ones included)
+        self.transient = 0  # of those, transient failures left (see records.TRANSIENT)
+        self.in_flight = 0  # requests sent and not answered
         self.last_answer = time.monotonic()
         self.chains: Chains | None = None  # regenerated datasets: the conversations' answers so far
         # regenerated datasets: turns recorded ok before this run
@@ -158,7 +158,7 @@ class Shard:
         self.rid_tag = os.urandom(3).hex()
         # the requests in flight of the engine serving it (set by the session)
         self.batch: Batch | None = None
-        self.feed = None           # feed.Feed of its rendered prompts, while it is open
+        self.feed = None  # feed.Feed of its rendered prompts, while it is open
         # the requests' client, one per engine start (the session's)
         self.http: HttpClient | None = None
         # what every answer is checked against (the vocabulary, SGLang's limit)
@@ -198,6 +198,10 @@ class Shard:
         self.recorded += record.status != PARTIAL and settled
         self.writer.add(record)
         # a partial turn is no answer yet
-        if (settled and self.chains is not None and record.status != PARTIAL
-                and self.plan.datasets[self.chains.dataset_of(record)].regenerate):
+        if (
+            settled
+            and self.chains is not None
+            and record.status != PARTIAL
+            and self.plan.datasets[self.chains.dataset_of(record)].regenerate
+        ):
             self.chains.recorded(record)

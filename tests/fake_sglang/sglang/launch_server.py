@@ -37,15 +37,31 @@ if os.environ.get("FAKE_SGLANG_FAIL"):
     sys.exit(2)
 rank, nnodes = args.node_rank or 0, args.nnodes or 1
 
-child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-record = {"argv": sys.argv[1:], "scheduler_pid": child.pid, "pid": os.getpid(), "pgid": os.getpgid(0),
-          "no_proxy": os.environ.get("NO_PROXY"), "env_marker": os.environ.get("ENGINE_MARKER"),
-          "usr2_ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, "rank": rank,
-          "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
-          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "host": socket.gethostname(),
-          "config_mode": oct(os.stat(args.config).st_mode & 0o777) if args.config else None,
-          "key_in_env": any(k == "TOOLKIT_ENGINE_API_KEY" for k in os.environ),
-          "python": sys.executable, "prefix": sys.prefix}
+child = subprocess.Popen(
+    [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)",
+    ]
+)
+record = {
+    "argv": sys.argv[1:],
+    "scheduler_pid": child.pid,
+    "pid": os.getpid(),
+    "pgid": os.getpgid(0),
+    "no_proxy": os.environ.get("NO_PROXY"),
+    "env_marker": os.environ.get("ENGINE_MARKER"),
+    "usr2_ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN,
+    "rank": rank,
+    "slurm_procid": os.environ.get("SLURM_PROCID"),
+    "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
+    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "host": socket.gethostname(),
+    "config_mode": oct(os.stat(args.config).st_mode & 0o777) if args.config else None,
+    "key_in_env": any(k == "TOOLKIT_ENGINE_API_KEY" for k in os.environ),
+    "python": sys.executable,
+    "prefix": sys.prefix,
+}
 
 
 def write_record(**more) -> None:
@@ -55,8 +71,15 @@ def write_record(**more) -> None:
 
 if nnodes > 1 and rank >= 1:
     told = []
-    signal.signal(signal.SIGTERM, lambda *_: (told.append(1), print(
-        f"[rank {rank}] SIGTERM: waiting for the rank-0 ShutdownReq broadcast", flush=True)))
+    signal.signal(
+        signal.SIGTERM,
+        lambda *_: (
+            told.append(1),
+            print(
+                f"[rank {rank}] SIGTERM: waiting for the rank-0 ShutdownReq broadcast", flush=True
+            ),
+        ),
+    )
     host, port = args.dist_init_addr.rsplit(":", 1)
     deadline = time.monotonic() + 60
     while True:
@@ -132,9 +155,24 @@ keep: list[socket.socket] = []  # open across the exec
 write_record()
 if nnodes > 1:  # rank 0: not ready before every rank has joined
     write_record(joined=rendezvous_rank0(int(args.dist_init_addr.rsplit(":", 1)[1])))
-argv = [sys.executable, "-m", "toolkit.stub", "--model-path", args.model_path, "--host", args.host,
-        "--port", str(args.port), "--context-length", str(args.context_length or 8192), "--warmup-delay", "0.5",
-        "--load-delay", "0.5", *os.environ.get("FAKE_SGLANG_STUB_ARGS", "").split()]
+argv = [
+    sys.executable,
+    "-m",
+    "toolkit.stub",
+    "--model-path",
+    args.model_path,
+    "--host",
+    args.host,
+    "--port",
+    str(args.port),
+    "--context-length",
+    str(args.context_length or 8192),
+    "--warmup-delay",
+    "0.5",
+    "--load-delay",
+    "0.5",
+    *os.environ.get("FAKE_SGLANG_STUB_ARGS", "").split(),
+]
 if args.api_key:
     argv += ["--api-key", args.api_key]
 if args.config:  # SGLang reads its server arguments (the toolkit's: the API key) from it; the stub reads it the same

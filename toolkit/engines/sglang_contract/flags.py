@@ -111,8 +111,10 @@ def flag_set(version: str | None = None) -> FlagSet:
     known = versions()
     version = version or os.environ.get(VERSION_ENV) or known[0]
     if version not in known:
-        raise KeyError(f"SGLang {version} is not in {DATA_FILE.name} (it has {', '.join(known)}); "
-                       f"add it with scripts/sglang_flags.py {version}")
+        raise KeyError(
+            f"SGLang {version} is not in {DATA_FILE.name} (it has {', '.join(known)}); "
+            f"add it with scripts/sglang_flags.py {version}"
+        )
     d = _data()["versions"][version]
     return FlagSet(
         version,
@@ -389,15 +391,16 @@ MANAGED = {
 STUB_MANAGED = {"context_length": "[engine.stub] context_length"}
 REFUSED = {
     "skip_server_warmup": "marks the server ready before warm-up: readiness would be a false "
-                          "positive",
+    "positive",
     "help": "prints SGLang's help and exits: the server would never start",
     "config": "reads more flags from a YAML file the toolkit cannot check (and that could set the "
     "port, the API key or the model); put those flags in extra_args instead",
 }
 
 
-def check_extra_args(extra: list[str], *, version: str | None = None, dp_size: int = 1,
-                     kind: str = "sglang") -> list[str]:
+def check_extra_args(
+    extra: list[str], *, version: str | None = None, dp_size: int = 1, kind: str = "sglang"
+) -> list[str]:
     """Problems with a job's extra server args (empty when fine), judged as SGLang `version`'s
     parser would judge them (default: the newest release in sglang_flags.json), then against what
     the toolkit manages."""

@@ -241,8 +241,11 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
         raise SamplingError(f"beam_width must be at least 1, got {sp.beam_width}.")
     t = sp.temperature
     if not math.isfinite(t) or t < 0.0:
-        raise SamplingError(f"temperature must be non-negative, got {t}." if old else
-                            f"temperature must be a non-negative finite number, got {t}.")
+        raise SamplingError(
+            f"temperature must be non-negative, got {t}."
+            if old
+            else f"temperature must be a non-negative finite number, got {t}."
+        )
     if not 0.0 < sp.top_p <= 1.0:
         raise SamplingError(f"top_p must be in (0, 1], got {sp.top_p}.")
     if not 0.0 <= sp.min_p <= 1.0:
@@ -293,8 +296,11 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
     else:  # an empty grammar means none
         grammars = sum(bool(v) for v in sp.grammars.values())
     if grammars > 1:
-        raise SamplingError("Only one of regex, json_schema, or ebnf can be set." if old else
-                            "Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+        raise SamplingError(
+            "Only one of regex, json_schema, or ebnf can be set."
+            if old
+            else "Only one of json_schema, regex, ebnf, or structural_tag can be set."
+        )
     if not old and len(sp.stop) > MAX_STOP_COUNT:
         raise SamplingError(
             f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop)}"

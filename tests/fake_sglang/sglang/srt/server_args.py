@@ -7,7 +7,13 @@ import json
 import os
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[4] / "toolkit" / "engines" / "sglang_contract" / "sglang_flags.json"
+DATA = (
+    Path(__file__).resolve().parents[4]
+    / "toolkit"
+    / "engines"
+    / "sglang_contract"
+    / "sglang_flags.json"
+)
 
 
 class ServerArgs:
@@ -29,6 +35,8 @@ class ServerArgs:
             else:
                 kwargs["nargs"] = f["nargs"]
                 kwargs["type"] = {"int": int, "float": float}.get(f.get("type"), str)
-                if f.get("choices") is not None and (f.get("type") or all(isinstance(c, str) for c in f["choices"])):
+                if f.get("choices") is not None and (
+                    f.get("type") or all(isinstance(c, str) for c in f["choices"])
+                ):
                     kwargs["choices"] = f["choices"]
             parser.add_argument(*options, **kwargs)

@@ -16,9 +16,14 @@ import torch
 __all__ = ["assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu"]
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor,
-                                 out_cache_loc: torch.Tensor, pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """For request i: req_to_token[req_pool_indices[i], start[i]:end[i]] = its run of out_cache_loc, the runs
     of all requests laid end to end in out_cache_loc (what the Triton kernel assign_req_to_token_pool does)."""
     rows = req_pool_indices.tolist()
@@ -31,19 +36,19 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
             continue
         if end > pool_len:
             raise IndexError(f"request row {row}: end {end} past the pool length {pool_len}")
-        req_to_token[row, start:end] = out_cache_loc[at:at + n].to(req_to_token.dtype)
+        req_to_token[row, start:end] = out_cache_loc[at : at + n].to(req_to_token.dtype)
         at += n
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
-                                src_loc: torch.Tensor) -> None:
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """For every layer buffer (its address and its row size in bytes): row tgt_loc[i] = row src_loc[i]."""
     pairs = list(zip(tgt_loc.tolist(), src_loc.tolist()))
     for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
         for tgt, src in pairs:
             if tgt != src:
                 ctypes.memmove(base + tgt * stride, base + src * stride, stride)
-
 
 
 def __getattr__(name: str):
@@ -54,7 +59,9 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'sgl_kernel' (test stand-in) has no attribute {name!r}")
 
     def op(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name}: not in this test stand-in (speculative decoding only)")
+        raise NotImplementedError(
+            f"sgl_kernel.{name}: not in this test stand-in (speculative decoding only)"
+        )
 
     op.__name__ = name
     return op
