@@ -77,11 +77,9 @@ class ClaimTask:
             worker=worker,
             workers=self.workers,
             task=slurm_task(),
-            # raises ShardFailed: Slurm shows FAILED
             group=slurm_group(),
-            keep_going=False,
-            # (submitted: the shards without a done manifest, and failures that may
-            # pass)
+            keep_going=False,  # a failed shard raises ShardFailed: Slurm shows FAILED
+            # the shards submitted are those without a done manifest, and failures that may pass
             verify=False,
         )
         _requeue_if_stopped(result.stopped, submitit_handler)

@@ -143,8 +143,8 @@ class ShardStatus(msgspec.Struct):
     # why the progress file is not believed (not written for far too long)
     stale: str | None = None
     # outputs stopped in a repetition loop ([client] loop_stop): the shard's records with finish
-    # "loop" (done
-    # manifest) once it is done; before, those its current (or last) attempt stopped (progress file)
+    # "loop" (done manifest) once it is done; before, those its current (or last) attempt stopped
+    # (progress file)
     loops: int = 0
     # records per second of its current attempt while running (Progress.per_s): its ETA's pace
     per_s: float = 0.0

@@ -150,8 +150,8 @@ class Auditor:
         }
         self.samples = SampleCollector([d.name for d in plan.datasets], self.max_new)
         # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset,
-        # line); its samples
-        # are adjacent in planned order), by turn and hash of their ids -> the first sample's id
+        # line); its samples are adjacent in planned order), by turn and hash of their ids -> the
+        # first sample's id
         self.sampled_at = {
             i
             for i, d in enumerate(plan.datasets)

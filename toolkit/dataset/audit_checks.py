@@ -10,41 +10,39 @@ pass unnoticed.
 
 Checks (name: what must hold; [audit] key):
   coverage                every planned id present exactly once, ok or failed (ids of the rest:
-  missing_ids.txt) damaged_frames          no damaged frame in any shard file; shard_checksums:
-  finished files match their manifests failed_share            failed / planned <= max_failed_share
-  (ids: failed_ids.txt) nan_stop                no output stopped by SGLang on NaN logits (failed
-  records of kind nan, or ok ones of
-                          older runs): they end in an EOS the model never wrote
+                          missing_ids.txt)
+  damaged_frames          no damaged frame in any shard file
+  shard_checksums         finished files match their done manifests
+  failed_share            failed / planned <= max_failed_share (ids: failed_ids.txt)
+  nan_stop                no output stopped by SGLang on NaN logits (failed records of kind nan,
+                          or ok ones of older runs): they end in an EOS the model never wrote
   reasoning_mode          [model] expect_reasoning = true: no prompt the template rendered with
-  reasoning closed,
-                          and at least one output really in reasoning mode (no vacuous pass);
-                          outputs are counted per mode (opened by the template, opened by the model
-                          itself, closed, unknown)
-  no_reasoning            expect_reasoning = false instead of the reasoning checks: outputs holding
-  a think token /
-                          ok <= max_reasoning_share
-  think_end_share         outputs holding the think-end id / ok outputs expected to reason >=
-  min_think_end_share stop_without_think_end  outputs finished by a stop token without a think-end /
-  those finished by a stop token
-                          <= max_stop_without_think_end_share (the seed's failure)
-  empty_reasoning         nothing but blanks before the think-end / outputs with a think-end <=
-  max_empty_reasoning_share empty_content           nothing but blanks between think-end and stop /
-  finished outputs with a think-end
-                          <= max_empty_content_share
+                          reasoning closed, and at least one output really in reasoning mode (no
+                          vacuous pass); outputs are counted per mode (opened by the template,
+                          opened by the model itself, closed, unknown)
+  no_reasoning            expect_reasoning = false instead of the reasoning checks: outputs
+                          holding a think token / ok <= max_reasoning_share
+  think_end_share         outputs holding the think-end id / ok outputs expected to reason
+                          >= min_think_end_share
+  stop_without_think_end  outputs finished by a stop token without a think-end / those finished
+                          by a stop token <= max_stop_without_think_end_share (the seed's failure)
+  empty_reasoning         nothing but blanks before the think-end / outputs with a think-end
+                          <= max_empty_reasoning_share
+  empty_content           nothing but blanks between think-end and stop / finished outputs with a
+                          think-end <= max_empty_content_share
   double_think_start      a think-start in the output although the prompt ends with one / such
-  prompts
-                          <= max_double_think_start_share
-  length_share            finished by length / ok, per dataset, <= max_length_share degenerate
-  outputs cut by max_new_tokens in a repetition loop (quality.record_loop: one span of ids
-                          repeated over most of the tail) / ok, per dataset, <= max_degenerate_share
+                          prompts <= max_double_think_start_share
+  length_share            finished by length / ok, per dataset, <= max_length_share
+  degenerate              outputs cut by max_new_tokens in a repetition loop (quality.record_loop:
+                          one span of ids repeated over most of the tail) / ok, per dataset,
+                          <= max_degenerate_share
   identical_samples       n > 1 at temperature > 0: samples whose output ids equal an earlier
-  sample's of the same
-                          prompt / samples compared, per dataset, <= max_identical_sample_share
+                          sample's of the same prompt / samples compared, per dataset,
+                          <= max_identical_sample_share
   stop_tokens, token_counts, reasoning_split, vocabulary, prompt_rerender: no exception at all (a
-  `stop` finish
-                          ends with its matched id; completion/prompt_tokens equal the ids;
-                          reasoning_end is the first think-end; every id inside the tokenizer;
-                          `reprompt_sample` prompts re-render identically)
+                          `stop` finish ends with its matched id; completion/prompt_tokens equal
+                          the ids; reasoning_end is the first think-end; every id inside the
+                          tokenizer; `reprompt_sample` prompts re-render identically)
 """
 
 from __future__ import annotations

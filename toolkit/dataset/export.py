@@ -24,36 +24,34 @@ record is accounted for once, in `ExportSummary` (exported + skipped + failed + 
 == planned), written beside the output as `<name>_summary.json`, with each record left out and why
 in `<name>_skipped.jsonl`. A run of the stub engine (`RunPlan.synthetic`) says so in the summary
 (`engine`, a warning), in the Parquet file's metadata and in the SpecForge registration file.
-`Selection.max_length` leaves out rows of more ids (prompt + output)
-with their own reason (`LONGER`): nothing is cut. The rows of a training format are measured
-(`trainer_config.RowLengths`: tokens per row, what the trainer's default length would cut), and a
-`tokens` export gets beside it the trainer's config that keeps every row whole
-(`trainer_config.write_config`).
+`Selection.max_length` leaves out rows of more ids (prompt + output) with their own reason
+(`LONGER`): nothing is cut. The rows of a training format are measured (`trainer_config.RowLengths`:
+tokens per row, what the trainer's default length would cut), and a `tokens` export gets beside it
+the trainer's config that keeps every row whole (`trainer_config.write_config`).
 
 Formats (every one carries dataset, sample, turn and segments):
   jsonl          id, dataset, sample, turn, segments, status, error, prompt_ids, output_ids,
-  reasoning_end, reasoning,
-                 content, finish_reason, matched_stop, matched_stop_str, prompt_tokens,
-                 completion_tokens, meta (the prompt line's other fields, e.g. a dataset's `source`
-                 and `category`: `_Meta`)
+                 reasoning_end, reasoning, content, finish_reason, matched_stop, matched_stop_str,
+                 prompt_tokens, completion_tokens, meta (the prompt line's other fields, e.g. a
+                 dataset's `source` and `category`: `_Meta`)
   parquet        the same columns with the same types (ids as list<uint32>, matched_stop as int64,
-  meta as JSON text) tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids":
-  prompt + output, "loss_mask"}: the
-                 default and recommended format, the model's exact ids that SpecForge's and
-                 speculators' loaders take as they are; the mask covers the assistant turn after its
-                 header for SpecForge, the output only for speculators (`loss_mask`,
-                 `trainers.TRAINERS`)
+                 meta as JSON text: `rows_schema`)
+  tokens         {"id", "dataset", "sample", "turn", "segments", "input_ids": prompt + output,
+                 "loss_mask"}: the default and recommended format, the model's exact ids that
+                 SpecForge's and speculators' loaders take as they are; the mask covers the
+                 assistant turn after its header for SpecForge, the output only for speculators
+                 (`loss_mask`, `trainers.TRAINERS`)
   conversations  {"id", "status": "success", "dataset", "sample", "turn", "segments",
-  "conversations": [source
-                 messages..., {"role": "assistant", "content", "reasoning_content"}], "tools"}
-                 (tools [] when the prompt had none): SpecForge's chat JSONL, with its round trip
-                 through the chat template as SpecForge renders it measured per row and the
-                 SpecForge registration of the template beside it; a tool-call section the model
-                 wrote is a structured "tool_calls" list of the answer (toolcalls.py), not markup in
-                 its content. A regenerated conversation is one row with every turn (plus "turns"),
-                 written only when every turn is training data; assistant messages of a source
-                 history (not regenerated) keep their content, not their reasoning, and the
-                 generated answer is the last message (the row trains with only its last turn)
+                 "conversations": [source messages..., {"role": "assistant", "content",
+                 "reasoning_content"}], "tools"} (tools [] when the prompt had none): SpecForge's
+                 chat JSONL, with its round trip through the chat template as SpecForge renders it
+                 measured per row and the SpecForge registration of the template beside it; a
+                 tool-call section the model wrote is a structured "tool_calls" list of the answer
+                 (toolcalls.py), not markup in its content. A regenerated conversation is one row
+                 with every turn (plus "turns"), written only when every turn is training data;
+                 assistant messages of a source history (not regenerated) keep their content, not
+                 their reasoning, and the generated answer is the last message (the row trains
+                 with only its last turn)
 """
 
 from __future__ import annotations

@@ -59,14 +59,13 @@ TRAINERS = {
 }
 
 # Message fields SpecForge's parsers keep (`specforge/data/parse.py`, standard_keys): the thinking
-# parser's, the
-# general parser's.
+# parser's, the general parser's.
 _KEPT = ("role", "content", "tool_calls", "reasoning_content", "name", "tool_call_id")
 _KEPT_GENERAL = ("role", "content", "tool_calls")
 
 # SpecForge 0.2.0's built-in registrations whose header a toolkit model may share
-# (`specforge/data/template.py`):
-# name -> (assistant header, end of turn, system prompt, parser type, enable_thinking).
+# (`specforge/data/template.py`): name -> (assistant header, end of turn, system prompt, parser
+# type, enable_thinking).
 BUILTINS: dict[str, tuple[str, str | None, str | None, str, bool]] = {
     "kimi-k2-thinking": (
         "<|im_assistant|>assistant<|im_middle|>",

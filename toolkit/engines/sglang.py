@@ -36,8 +36,7 @@ def substitute(template: list[str], **values: str) -> list[str]:
 
 
 # Run with the engine's own interpreter and environment, before the weights load: SGLang's parser
-# judges the
-# command line. A subprocess, so that the worker never imports sglang (and torch) itself.
+# judges the command line. A subprocess, so that the worker never imports sglang (and torch) itself.
 _ARGV_CHECK = """
 import argparse, importlib.util, sys
 if importlib.util.find_spec("sglang") is None:
@@ -167,8 +166,7 @@ class SGLangEngine(Engine):
     kind = "sglang"
     argv_checked = False
     # Ranks of a multi-node engine per node: 1 on a real cluster. More only to run every rank on one
-    # node of a
-    # cluster that has a single one, with a NodeAddr that is not loopback:
+    # node of a cluster that has a single one, with a NodeAddr that is not loopback:
     # $TOOLKIT_ENGINE_RANKS_PER_NODE.
     RANKS_PER_NODE_ENV = "TOOLKIT_ENGINE_RANKS_PER_NODE"
 
@@ -194,10 +192,8 @@ class SGLangEngine(Engine):
         return self.engine.nodes > 1
 
     # SGLang sleeps 5 s "before crash diagnostics" (py-spy dumps, CUDA core dumps) on every shutdown
-    # and every
-    # crash unless these are 0: a stop would take 5 s longer, and a crash be noticed 5 s late. Off
-    # by default;
-    # [engine] env (or the task's environment) turns them back on.
+    # and every crash unless these are 0: a stop would take 5 s longer, and a crash be noticed 5 s
+    # late. Off by default; [engine] env (or the task's environment) turns them back on.
     QUIET_CRASH_ENV = {
         "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
@@ -243,8 +239,8 @@ class SGLangEngine(Engine):
             "--port",
             str(self.port),
             # No --nccl-port: SGLang picks a free one below the ephemeral range itself, one per
-            # data-parallel
-            # replica (a pinned port is bound once per replica, so dp_size > 1 could not start).
+            # data-parallel replica (a pinned port is bound once per replica, so dp_size > 1 could
+            # not start).
         ]
         if m.trust_remote_code:
             argv.append("--trust-remote-code")

@@ -36,9 +36,8 @@ class DoneManifest(msgspec.Struct):
     superseded: int = 0
     # failures that may pass, final for this run after client.max_tries tries (counted in
     given_up: int = 0
-    # `failed`, not in `transient`): `toolkit retry` generates them
-    # again
-    # records stopped in a repetition loop ([client] loop_stop; finish "loop")
+    # `failed`, not in `transient`): `toolkit retry` generates them again records stopped in a
+    # repetition loop ([client] loop_stop; finish "loop")
     loops: int = 0
 
 

@@ -85,9 +85,7 @@ class Progress(msgspec.Struct, kw_only=True):
     group: str | None = None  # the workers sharing one pool of shards (a Slurm array job,
     # one `toolkit run`)
     engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the
-    # serving engine writes:
-    # the first its worker started it for (this shard, or one
-    # claimed before)
+    # serving engine writes: the first its worker started it for (this shard, or one claimed before)
     # its task hands the run's tail over (worker.policy.hands_over):
     leaving: bool = False
     # its requests are kept as partial outputs for a task with room

@@ -70,8 +70,7 @@ UNREACHABLE = "unreachable"  # the connection failed past the retries (transient
 BAD_RESPONSE = "bad_response"  # a 200 answer that breaks the protocol (transient)
 ABORTED = "aborted"  # the server aborted the request (finish_reason abort) (transient)
 NAN = "nan"  # SGLang's NaN stop: a token sampled from NaN logits was replaced by
-# a stop id
-# regenerated conversations: the turn before failed in a way that may pass
+# a stop id regenerated conversations: the turn before failed in a way that may pass
 PREVIOUS_TURN = "previous_turn"
 # PARTIAL (above) is also the failure kind of a PARTIAL record: transient, so the shard is not
 # complete with one

@@ -98,9 +98,7 @@ OPENED = "opened"  # the prompt ends with think-start: the template opened reaso
 CLOSED = "closed"  # the prompt ends with think-end: the template closed it (thinking
 # switched off)
 MODEL_OPENS = "model_opens"  # the prompt ends at the assistant header of a template that knows the
-# think tokens:
-# the model writes think-start itself (Qwen3, Kimi-K2-Thinking,
-# GLM-4.6)
+# think tokens: the model writes think-start itself (Qwen3, Kimi-K2-Thinking, GLM-4.6)
 UNKNOWN = "unknown"  # a template that never mentions the think tokens: cannot tell
 MODES = (OPENED, CLOSED, MODEL_OPENS, UNKNOWN)
 

@@ -220,8 +220,7 @@ class AuditSpec(_Config):
     max_failed_share: float = 0.01
     max_reasoning_share: float = 0.01  # expect_reasoning = false: outputs that hold a think token
     max_degenerate_share: float = 0.02  # outputs in a repetition loop (dataset.quality), per
-    # dataset
-    # n > 1, temperature > 0: samples token-identical to an earlier one
+    # dataset n > 1, temperature > 0: samples token-identical to an earlier one
     max_identical_sample_share: float = 0.01
     reprompt_sample: int = 64
 

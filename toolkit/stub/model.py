@@ -79,8 +79,8 @@ class StubModel:
         )
         tokenizer_eos = _ids(tok.eos_token_id)
         # SGLang's stop set: config.json and generation_config.json eos ids, plus the tokenizer's
-        # eos unless
-        # the tokenizer is not initialised (SGLang's tokenizer manager with --skip-tokenizer-init).
+        # eos unless the tokenizer is not initialised (SGLang's tokenizer manager with
+        # --skip-tokenizer-init).
         self.eos_ids = frozenset(
             config_eos + generation_eos + ([] if cfg.skip_tokenizer_init else tokenizer_eos)
         )

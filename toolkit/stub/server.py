@@ -279,8 +279,7 @@ class StubServer:
                 item.cached = self.prefix_cache.admit(item.prompt)
             segments = None
             # only a delayed request can be aborted mid-way, and so continued; with --output-scale,
-            # a request may
-            # also be the next segment of an output asked for in segments
+            # a request may also be the next segment of an output asked for in segments
             if cfg.token_delay > 0 or cfg.output_scale:
                 segments = plan_continuation(
                     model,

@@ -10,12 +10,14 @@ give the same files.
 Families, and the real chat templates (as the models ship them) each one renders with single-token
 specials:
 
-    kimi           Kimi-K2.5 (own template: templates/chat/kimi.jinja) kimi-thinking
-    Kimi-K2-Thinking (kimi's tokens plus the media tokens its template writes) qwen3          Qwen3
-    (own template: templates/chat/qwen3.jinja; also Qwen3's real template) deepseek
-    DeepSeek-R1 and its distills (own template: templates/chat/deepseek.jinja; also the real one)
-    deepseek-v3    DeepSeek-V3.1 (deepseek's tokens) glm            GLM-4.5 / GLM-4.6 minimax
-    MiniMax-M2
+    kimi           Kimi-K2.5 (own template: templates/chat/kimi.jinja)
+    kimi-thinking  Kimi-K2-Thinking (kimi's tokens plus the media tokens its template writes)
+    qwen3          Qwen3 (own template: templates/chat/qwen3.jinja; also Qwen3's real template)
+    deepseek       DeepSeek-R1 and its distills (own template: templates/chat/deepseek.jinja; also
+                   the real one)
+    deepseek-v3    DeepSeek-V3.1 (deepseek's tokens)
+    glm            GLM-4.5 / GLM-4.6
+    minimax        MiniMax-M2
 
 The families without an own template need `chat_template=` (the model's template source).
 `extra_special` adds more control tokens (special, one id each) for a template that writes tokens no

@@ -102,9 +102,8 @@ class Feed:
         self.closed = False  # stopping: hand out nothing more
         self.peak = 0  # most rendered prompts waiting at once
         # The readiness probe's input_ids (chat.probe_ids), set by the render thread before its
-        # first batch; `first`
-        # resolves to them once a prompt is rendered (there is something to send), or to None when
-        # none will be.
+        # first batch; `first` resolves to them once a prompt is rendered (there is something to
+        # send), or to None when none will be.
         self.probe: list[int] | None = None
         self.first = asyncio.get_running_loop().create_future()
         self._event = asyncio.Event()

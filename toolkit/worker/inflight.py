@@ -84,10 +84,9 @@ def continued_params(params: dict, done: int) -> dict | None:
 
 
 # Sampling params under which an output continued from prompt + output so far is not the output of
-# one request:
-# SGLang matches stop strings and regexes in the new output's text only, starts a grammar at the
-# output's start,
-# and counts the penalties' tokens and a custom logit processor's state over the new output only.
+# one request: SGLang matches stop strings and regexes in the new output's text only, starts a
+# grammar at the output's start, and counts the penalties' tokens and a custom logit processor's
+# state over the new output only.
 _UNSEGMENTED = (
     "stop",
     "stop_regex",
@@ -585,9 +584,8 @@ async def _poisoned(sh: Shard, engine, id: str, e: Unreachable) -> str:
 
 
 # A dying engine refuses connections before its process ends: a multi-node engine whose rank died is
-# ended by
-# srun (--kill-on-bad-exit), seconds after rank 0 closed its port. Waited for before calling it
-# unreachable.
+# ended by srun (--kill-on-bad-exit), seconds after rank 0 closed its port. Waited for before
+# calling it unreachable.
 DYING_S = 30.0
 
 

@@ -37,8 +37,8 @@ SAMPLING_EPS = 1e-6
 MAX_STOP_COUNT = 32
 
 # Every field 0.5.23's schema gate lets through, in its order, with the JSON type it wants. `choice`
-# passes the
-# gate but SamplingParams has no such argument: SGLang then fails with a TypeError (HTTP 500).
+# passes the gate but SamplingParams has no such argument: SGLang then fails with a TypeError (HTTP
+# 500).
 FIELDS: dict[str, str] = {
     "max_new_tokens": "int",
     "stop": "strs",
