@@ -1,5 +1,6 @@
 """Job specs: every mistake is caught at load time with the file and the key named."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -392,3 +393,17 @@ def test_stop_strings_need_the_servers_tokenizer(tmp_path):
         r"--skip-tokenizer-init",
     ):
         load_spec(write(tmp_path, text + '[engine]\nextra_args = ["--skip-tokenizer-init"]\n'))
+
+
+def test_a_missing_top_level_key_and_other_names_of_sampling_keys_are_said_in_toml_terms(tmp_path):
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, BASE.replace('name = "t"\n', "", 1)))
+    assert str(e.value).endswith(": the top level needs `name` (a string)")
+    for key, said in (
+        ("samples", "samples per prompt are `n`"),
+        ("max_tokens", "SGLang calls it `max_new_tokens`"),
+    ):
+        with pytest.raises(
+            SpecError, match=re.escape(f"unknown sampling key `{key}` in [sampling]; {said}")
+        ):
+            load_spec(write(tmp_path, BASE.replace("[sampling]\n", f"[sampling]\n{key} = 2\n", 1)))

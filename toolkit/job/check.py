@@ -101,8 +101,9 @@ class Preflight:
             total, ds = self.longest
             lines.append(
                 f"lengths: every prompt + max_new_tokens fits the context length {self.context:,} "
-                f"({self.context_source}); the longest at most {total:,} tokens (dataset {ds!r}; "
-                "prompts far from the limit are bounded by their UTF-8 length)"
+                f"({self.context_source}); the longest prompt + its max_new_tokens at most "
+                f"{total:,} tokens (dataset {ds!r}; prompts far from the limit are bounded by "
+                "their UTF-8 length)"
             )
         return lines + self.notes
 

@@ -369,6 +369,8 @@ def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
                     "; there is no `seed`: use `sampling_seed`, honoured only with "
                     "--enable-deterministic-inference"
                     if key == "seed"
+                    else f"; {SAMPLING_WORDS[key]}"
+                    if key in SAMPLING_WORDS
                     else specerrors.did_you_mean(key, SAMPLING_KEYS)
                     or "; SGLang's sampling_params takes: " + ", ".join(sorted(SAMPLING_KEYS))
                 )
@@ -379,6 +381,16 @@ def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
                     )
                 )
     return problems
+
+
+# Other names of sampling keys (other APIs', the glossary's), and what SGLang calls them
+SAMPLING_WORDS = {
+    "samples": "samples per prompt are `n` (each sample is its own request)",
+    "num_samples": "samples per prompt are `n` (each sample is its own request)",
+    "max_tokens": "SGLang calls it `max_new_tokens`",
+    "max_completion_tokens": "SGLang calls it `max_new_tokens`",
+    "stop_sequences": "SGLang calls it `stop` (strings) or `stop_token_ids` (ids)",
+}
 
 
 def _at(source: Path, text: str, path: tuple) -> str:

@@ -217,10 +217,8 @@ def _parse_path(text: str) -> KeyPath:
 def explain_validation(error: msgspec.ValidationError, data: Any, schema: type) -> KeyProblem:
     """msgspec's message of a value that does not fit the schema, said in TOML terms: which key, in
     which table, takes what, and what it got."""
-    m = _AT.match(str(error))
-    if m is None:
-        return KeyProblem((), str(error))
-    what, path = m.group("what"), _parse_path(m.group("path"))
+    m = _AT.match(str(error))  # none at the top level: msgspec names no path there
+    what, path = (m.group("what"), _parse_path(m.group("path"))) if m else (str(error), ())
     missing = re.match(r"Object missing required field `([^`]+)`", what)
     if missing:
         key = missing.group(1)
