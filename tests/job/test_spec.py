@@ -407,3 +407,15 @@ def test_a_missing_top_level_key_and_other_names_of_sampling_keys_are_said_in_to
             SpecError, match=re.escape(f"unknown sampling key `{key}` in [sampling]; {said}")
         ):
             load_spec(write(tmp_path, BASE.replace("[sampling]\n", f"[sampling]\n{key} = 2\n", 1)))
+
+
+def test_a_relative_prompt_path_that_does_not_exist_says_it_resolves_from_the_job_files_folder(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("DATA", "data")
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, BASE.replace('path = "a.jsonl"', 'path = "${DATA}/a.jsonl"', 1)))
+    assert str(e.value).endswith(
+        f"prompt file {tmp_path}/data/a.jsonl does not exist ('${{DATA}}/a.jsonl', i.e. 'data/a.jsonl' is "
+        f"relative: it resolves from the job file's folder {tmp_path}, not from here)"
+    )

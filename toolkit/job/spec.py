@@ -295,6 +295,16 @@ def _resolve(
     return str(q if q.is_absolute() else (base / q).resolve())
 
 
+def _relative(written: str, base: Path) -> str:
+    """How a path that was written relative was resolved (for a message that it does not exist):
+    from the job file's folder, not the current one."""
+    expanded = os.path.expandvars(os.path.expanduser(written))
+    if Path(expanded).is_absolute():
+        return ""
+    shown = f"{written!r}" + (f", i.e. {expanded!r}" if expanded != written else "")
+    return f" ({shown} is relative: it resolves from the job file's folder {base}, not from here)"
+
+
 def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     """Read, decode and validate a job spec. Relative paths are resolved against the spec's
     folder."""
@@ -427,9 +437,12 @@ def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
         check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
         if is_hub(d.path):  # hf://datasets/ORG/NAME[:SPLIT]: read from the hub cache
             continue
+        written = d.path
         d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
         if check_paths and not Path(d.path).exists():
-            raise SpecError(f"{source}: {where}: prompt file {d.path} does not exist")
+            raise SpecError(
+                f"{source}: {where}: prompt file {d.path} does not exist{_relative(written, base)}"
+            )
     for d in spec.datasets:
         params = spec.sampling_for(d.name)
         if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
