@@ -419,3 +419,14 @@ def test_a_relative_prompt_path_that_does_not_exist_says_it_resolves_from_the_jo
         f"prompt file {tmp_path}/data/a.jsonl does not exist ('${{DATA}}/a.jsonl', i.e. 'data/a.jsonl' is "
         f"relative: it resolves from the job file's folder {tmp_path}, not from here)"
     )
+
+
+def test_every_unset_environment_variable_of_the_paths_is_said_at_once(monkeypatch):
+    monkeypatch.delenv("DATA_ROOT", raising=False)
+    monkeypatch.delenv("MODEL_ROOT", raising=False)
+    with pytest.raises(SpecError) as e:
+        load_spec(Path(__file__).resolve().parents[2] / "jobs" / "kimi-k2.5.toml")
+    assert str(e.value).endswith(
+        "environment variables not set: DATA_ROOT (in output_dir, [[datasets]] path); MODEL_ROOT (in [model] "
+        "path); export them (e.g. `export DATA_ROOT=... MODEL_ROOT=...`), or write the paths out"
+    )

@@ -419,8 +419,34 @@ def _check_estimate(est: EstimateSpec, source: Path) -> None:
             )
 
 
+def _unset_variables(spec: JobSpec, source: Path) -> None:
+    """Every environment variable the job's paths name that is not set, said at once (one at a time
+    would take a user as many tries); one variable keeps the message of the key that names it."""
+    paths = [
+        ("output_dir", spec.output_dir),
+        ("[model] path", spec.model.path),
+        ("[model] tokenizer_path", spec.model.tokenizer_path),
+        ("[model] chat_template", spec.model.chat_template),
+    ]
+    paths += [("[[datasets]] path", d.path) for d in spec.datasets]
+    unset: dict[str, list[str]] = {}
+    for where, p in paths:
+        for m in _VAR.finditer(os.path.expanduser(p or "")):
+            name = m.group(1) or m.group(2)
+            if name not in os.environ and where not in unset.setdefault(name, []):
+                unset[name].append(where)
+    if len(unset) > 1:
+        said = "; ".join(f"{name} (in {', '.join(keys)})" for name, keys in unset.items())
+        raise SpecError(
+            f"{source}: environment variables not set: {said}; export them (e.g. `export "
+            f"{'=... '.join(unset)}=...`), or write the paths out"
+        )
+
+
 def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
     base = source.resolve().parent
+    if check_paths:
+        _unset_variables(spec, source)
     if not spec.name or "/" in spec.name:
         raise SpecError(f"{source}: `name` must be a non-empty name without '/', got {spec.name!r}")
     check_sampling(spec.sampling, "[sampling]", str(source), top_level=True)
