@@ -351,11 +351,12 @@ def scan_dataset(
         )
 
 
-def _open(path: str, dataset: str) -> Source:
-    """The source of a dataset's prompts; an InputError naming the path when it is not there or not
-    a source of prompts."""
+@contextlib.contextmanager
+def source_errors(path: str, dataset: str) -> Iterator[None]:
+    """Reading dataset `dataset`'s source at `path`: an InputError naming it when it is not there or
+    not a source of prompts."""
     try:
-        return open_source(path)
+        yield
     except FileNotFoundError:
         raise InputError(
             path,
@@ -365,6 +366,12 @@ def _open(path: str, dataset: str) -> Source:
         ) from None
     except SourceError as e:
         raise InputError(path, None, None, e.problem) from None
+
+
+def _open(path: str, dataset: str) -> Source:
+    """The source of a dataset's prompts (`source_errors`)."""
+    with source_errors(path, dataset):
+        return open_source(path)
 
 
 def scan_lines(

@@ -58,8 +58,8 @@ from toolkit.formats.run import (
 )
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
-from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset
-from toolkit.job.sources import SourceError, source_sha256
+from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset, source_errors
+from toolkit.job.sources import source_sha256
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.turns import turn_id, user_turns
 
@@ -112,19 +112,9 @@ def _digest(obj: Any) -> str:
 
 
 def _sha256(path: str, dataset: str) -> str:
-    """What a dataset's source holds, hashed; an InputError naming it when it is not there or not a
-    source of prompts."""
-    try:
+    """What a dataset's source holds, hashed (inputs.source_errors)."""
+    with source_errors(path, dataset):
         return source_sha256(path)
-    except FileNotFoundError:
-        raise InputError(
-            path,
-            None,
-            None,
-            f"prompt file of dataset {dataset!r} not found; check [[datasets]] path",
-        ) from None
-    except SourceError as e:
-        raise InputError(path, None, None, e.problem) from None
 
 
 def plan_job(
