@@ -146,7 +146,7 @@ def test_a_script_beside_a_clone_named_toolkit_imports_the_package(tmp_path):
     assert r.returncode == 0, r.stderr
     package, cli, names = r.stdout.splitlines()
     assert Path(package).resolve() == ROOT / "toolkit" / "__init__.py"
-    assert Path(cli).resolve() == ROOT / "toolkit" / "cli.py"
+    assert Path(cli).resolve() == ROOT / "toolkit" / "cli" / "__init__.py"
     assert names.split() == sorted(toolkit.__all__)
     # and `python -m toolkit` started in that folder, as the toolkit starts its own processes
     r = subprocess.run(

@@ -1,0 +1,25 @@
+"""What the command groups share: the help of a run argument, the refusal of a number flag below
+its least value, and `--allow-changed` (run, submit)."""
+
+from __future__ import annotations
+
+from toolkit.errors import BadInputError
+
+RUN_HELP_ARG = "run directory, or the job file (its newest run in output_dir)"
+
+
+def at_least(flag: str, values, least: int, what: str) -> None:
+    """Refuse (bad input) a number flag below `least`, before anything is read or written."""
+    for v in [values] if isinstance(values, int) else values or []:
+        if v < least:
+            raise BadInputError(f"{flag} {v}: give at least {least} ({what})")
+
+
+def add_allow_changed(s) -> None:
+    s.add_argument(
+        "--allow-changed",
+        action="store_true",
+        help="prompts of the job's run whose messages or tools changed in their files (same id) "
+        "are generated again, their new records replacing the old (without it they are named and "
+        "refused)",
+    )
