@@ -47,7 +47,8 @@ def cmd_check(args) -> int:
     skipped = sum(d.skipped_lines for d in plan.datasets)
     said = f" ({skipped} line{'s' * (skipped != 1)} skipped)" if skipped else ""
     print(
-        f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} datasets{said}, "
+        f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} "
+        f"dataset{'s' * (len(plan.datasets) != 1)}{said}, "
         f"{len(plan.shards)} shards, fingerprint {plan.fingerprint}"
     )
     info, m = pf.info, pf.spec.model
