@@ -49,7 +49,7 @@ def cmd_check(args) -> int:
     print(
         f"{args.job}: ok — {plan.counted()} in {len(plan.datasets)} "
         f"dataset{'s' * (len(plan.datasets) != 1)}{said}, "
-        f"{len(plan.shards)} shards, fingerprint {plan.fingerprint}"
+        f"{len(plan.shards)} shard{'s' * (len(plan.shards) != 1)}, fingerprint {plan.fingerprint}"
     )
     info, m = pf.info, pf.spec.model
     if info is not None:
