@@ -362,7 +362,7 @@ def test_a_damaged_finished_shard_file_is_told_a_command_that_finishes_it(
     rd.done_file(0).write_bytes(saved)
     # here, the advice: `toolkit retry RUN` keeps the intact frames, generates the rest, merges
     assert cli_main(["retry", str(rd.root)]) == EXIT_OK
-    assert "retrying in 1 shards: 0" in capsys.readouterr().out
+    assert "retrying in 1 shard: 0" in capsys.readouterr().out
     assert cli_main(["status", str(rd.root)]) == EXIT_OK
     # nothing left to retry: it says so, and which id list a retry by ids would take
     rd.missing_file.write_text("x\n")

@@ -85,7 +85,7 @@ def test_samples_are_counted_as_outputs_of_fewer_prompts(tmp_path, toy_tokenizer
     )
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
-    assert "60 outputs (30 prompts × 2 samples) in 1 datasets" in first, first
+    assert "60 outputs (30 prompts × 2 samples) in 1 dataset" in first, first
     assert "60 prompts" not in r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "toolkit", "submit", str(job), "--dry-run"],
@@ -93,7 +93,7 @@ def test_samples_are_counted_as_outputs_of_fewer_prompts(tmp_path, toy_tokenizer
         text=True,
         env={**os.environ, "SLURM_CONF": str(tmp_path / "none.conf")},
     )
-    assert "dry run: 60 outputs (30 prompts × 2 samples) in 1 datasets" in r.stdout, (
+    assert "dry run: 60 outputs (30 prompts × 2 samples) in 1 dataset" in r.stdout, (
         r.stdout + r.stderr
     )
 
@@ -104,4 +104,4 @@ def test_one_sample_per_prompt_is_counted_in_prompts(tmp_path, toy_tokenizer):
         [sys.executable, "-m", "toolkit", "check", str(job)], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
-    assert ": ok — 30 prompts in 1 datasets" in r.stdout.splitlines()[0]
+    assert ": ok — 30 prompts in 1 dataset" in r.stdout.splitlines()[0]

@@ -201,7 +201,7 @@ def test_over_long_prompts_are_skipped_and_named_with_on_too_long_skip(
     n = lengths(job)
     code, out, _ = check(job, capsys)
     assert code == 0, out
-    assert "ok — 9 prompts in 1 datasets (3 lines skipped), 1 shards" in out
+    assert "ok — 9 prompts in 1 dataset (3 lines skipped), 1 shard" in out
     assert (
         f"warning: skipped 3 lines of dataset 'd', 3 too long ([inputs] on_too_long = \"skip\"): {prompts}:4: too "
         f"long: {n[3]:,} tokens + max_new_tokens 100 do not fit the context length 1,024; {prompts}:8: "
@@ -227,9 +227,7 @@ def test_bad_lines_skipped_are_said_by_check_and_submit(
         "must be a string, got int"
     )
     assert (
-        code == 0
-        and "6 prompts in 1 datasets (1 line skipped)" in out
-        and f"warning: {said}" in out
+        code == 0 and "6 prompts in 1 dataset (1 line skipped)" in out and f"warning: {said}" in out
     )
     assert main(["submit", str(job), "--dry-run"]) == 0
     out, err = capsys.readouterr()

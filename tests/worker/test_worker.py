@@ -493,7 +493,7 @@ def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kim
     )  # generates them again here, then merges and audits
     m = load_manifest(rd)
     assert (m.ok, m.failed, m.missing) == (12, 0, 0)
-    assert "retrying in 1 shards: 0" in capsys.readouterr().out
+    assert "retrying in 1 shard: 0" in capsys.readouterr().out
 
     # --ids: exactly these ids again, even ok ones; the newest record counts.
     again = sorted(newest(rd.root))[:2]

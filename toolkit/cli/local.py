@@ -376,7 +376,9 @@ def cmd_retry(args) -> int:
             + (f"; {'; '.join(lists)}" if lists else "")
         )
         return EXIT_OK
-    print(f"retrying in {len(shards)} shards: {', '.join(map(str, shards))}")
+    print(
+        f"retrying in {len(shards)} shard{'s' * (len(shards) != 1)}: {', '.join(map(str, shards))}"
+    )
     if args.slurm:
         return resubmit_shards(args.run, resources_of(args))
     from toolkit.pipeline import local_group, run_shards

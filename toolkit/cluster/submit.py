@@ -215,8 +215,9 @@ def _cost_lines(plan: RunPlan, rd: RunDir, params: dict[str, Any], engines: int)
 def format_dry_run(d: DryRun) -> str:
     c = d.cluster
     lines = [
-        f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} datasets -> {d.shards} "
-        f"shards, fingerprint {d.fingerprint}",
+        f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} "
+        f"dataset{'s' * (d.datasets != 1)} -> {d.shards} shard{'s' * (d.shards != 1)}, "
+        f"fingerprint {d.fingerprint}",
         f"run directory would be: {d.run_dir}",
     ]
     if c.reachable and c.partition:
