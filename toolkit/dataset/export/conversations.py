@@ -1,7 +1,7 @@
 """The `conversations` export: SpecForge's chat JSONL, each row rendered again through the chat
 template as SpecForge renders it (`_Checks`, `trainers.RoundTrip`) and the per-row result written
-beside it; a regenerated conversation as one row with every turn (`_Chain`), written only when
-every turn is training data.
+beside it; a regenerated conversation as one row with every turn (`_Rows`, `_Chain`), written
+only when every turn is training data.
 """
 
 from __future__ import annotations
@@ -129,31 +129,104 @@ def _export_conversations(
 ) -> int:
     text, enc, n = _Text(plan, tokens), msgspec.json.Encoder(), 0
     reader = PromptReader()
-    chains: dict[tuple[int, int, int], _Chain] = {}
+    rows = _Rows(plan, acc, tokens, checks, reader)
+    with reader:
+        for recs in _batches(path, defects):
+            n += _write_lines(out, rows.of(recs, text.parts_and_tools(recs)), enc)
+    checks.flush()
+    rows.left_over()
+    return n
 
-    def base(r: Record, ref: PromptRef, prompt) -> dict[str, Any]:
-        return {
-            "id": r.id,
-            "status": "success",
-            "dataset": r.dataset,
-            "sample": ref.sample,
-            "turn": ref.turn,
-            "segments": r.segments,
-        }
 
-    def answer_of(r: Record, parts: tuple[str, str, str]) -> dict[str, Any] | None:
-        reasoning, content, section = parts
-        if r.status != OK:
-            return None
-        return answer_message(reasoning, content, parse_tool_calls(section) if section else None)
+def _base(r: Record, ref: PromptRef) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "status": "success",
+        "dataset": r.dataset,
+        "sample": ref.sample,
+        "turn": ref.turn,
+        "segments": r.segments,
+    }
 
-    def regenerated(r: Record, ref: PromptRef, prompt, why: str | None, answer) -> Iterator[dict]:
+
+def _answer_of(r: Record, parts: tuple[str, str, str]) -> dict[str, Any] | None:
+    reasoning, content, section = parts
+    if r.status != OK:
+        return None
+    return answer_message(reasoning, content, parse_tool_calls(section) if section else None)
+
+
+class _Rows:
+    """The rows of the records read, in order: one per record of a source history, one per
+    selected turn of a regenerated conversation (its turns held in `chains` until its last is
+    read); every selected record accounted for (`acc`), every row checked (`checks`)."""
+
+    def __init__(self, plan: RunPlan, acc: _Account, tokens: _Tokens, checks: _Checks, reader):
+        self.plan, self.acc, self.tokens = plan, acc, tokens
+        self.checks, self.reader = checks, reader
+        self.chains: dict[tuple[int, int, int], _Chain] = {}
+
+    def of(self, recs: list[Record], parts: list[tuple[str, str, str]]) -> Iterator[dict]:
+        acc = self.acc
+        for r, p in zip(recs, parts):
+            ref = acc.ref(r)
+            ds = self.plan.datasets[ref.dataset]
+            if not acc.selected(r, ref) and (
+                not ds.regenerate
+                or acc.sel.datasets is not None
+                and ds.name not in acc.sel.datasets
+            ):
+                # (a regenerated turn not selected may still be the history of one that is)
+                continue
+            prompt = self.reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+            why, answer = self._judged(r, p)
+            if ds.regenerate:
+                yield from self._regenerated(
+                    r, ref, prompt, why if r.status == OK or why is not None else "failed", answer
+                )
+                continue
+            if why is not None:
+                acc.left_out(r, ref, why)
+                continue
+            yield self._single(r, ref, prompt, answer)
+
+    def _judged(self, r: Record, parts: tuple[str, str, str]) -> tuple[str | None, Any]:
+        """(why the record is left out or None, its answer message or None)."""
+        why = self.acc.outcome(r)
+        answer = _answer_of(r, parts) if why is None else None
+        if answer is not None:
+            why = _text_problem(answer)
+            if why is not None and why in self.acc.include:
+                why = None
+            answer = answer if why is None else None
+        return why, answer
+
+    def _single(self, r: Record, ref: PromptRef, prompt, answer) -> dict:
+        """The row of a record whose history is the source's."""
+        self.acc.exported()
+        row = _base(r, ref)
+        if r.status != OK:  # --include-failed
+            row["status"] = "failed"
+            answer = answer_message("", "")
+        row["conversations"] = [*(_visible(m) for m in prompt.messages), answer]
+        row["tools"] = prompt.tools or []
+        if r.status == OK:
+            self.checks.row(row, r)
+            self.acc.measured(r, loss_mask(r.prompt_ids, r.n_output, self.tokens.info))
+        return row
+
+    def _regenerated(
+        self, r: Record, ref: PromptRef, prompt, why: str | None, answer
+    ) -> Iterator[dict]:
+        """The row of a regenerated conversation that ends at this turn, when it is selected and
+        every turn up to it is training data (else its turns are left out)."""
+        acc = self.acc
         key = (ref.dataset, ref.line, ref.sample)
-        chain = chains.setdefault(key, _Chain())
+        chain = self.chains.setdefault(key, _Chain())
         chain.turns.append((r, ref, answer, why))
         last = ref.turn + 1 >= user_turns(prompt.messages)
         if last:
-            del chains[key]
+            del self.chains[key]
         if not acc.selected(r, ref) or not (
             acc.sel.turns is None
             and last
@@ -174,62 +247,20 @@ def _export_conversations(
             return
         acc.exported(len(selected))
         answers = [t[2] for t in turns]
-        row = base(r, ref, prompt)
+        row = _base(r, ref)
         row["id"] = r.id.rsplit("/t", 1)[0]
         row["turns"] = len(turns)
         row["segments"] = sum(t[0].segments for t in turns)
         row["conversations"] = [*turn_messages(prompt.messages, ref.turn, answers), answers[-1]]
         row["tools"] = prompt.tools or []
-        checks.row(row, r)
-        acc.measured(r, loss_mask(r.prompt_ids, r.n_output, tokens.info))
+        self.checks.row(row, r)
+        acc.measured(r, loss_mask(r.prompt_ids, r.n_output, self.tokens.info))
         yield row
 
-    def rows(recs: list[Record], parts: list[tuple[str, str, str]]) -> Iterator[dict]:
-        for r, p in zip(recs, parts):
-            ref = acc.ref(r)
-            ds = plan.datasets[ref.dataset]
-            if not acc.selected(r, ref) and (
-                not ds.regenerate
-                or acc.sel.datasets is not None
-                and ds.name not in acc.sel.datasets
-            ):
-                # (a regenerated turn not selected may still be the history of one that is)
-                continue
-            prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-            why = acc.outcome(r)
-            answer = answer_of(r, p) if why is None else None
-            if answer is not None:
-                why = _text_problem(answer)
-                if why is not None and why in acc.include:
-                    why = None
-                answer = answer if why is None else None
-            if ds.regenerate:
-                yield from regenerated(
-                    r, ref, prompt, why if r.status == OK or why is not None else "failed", answer
-                )
-                continue
-            if why is not None:
-                acc.left_out(r, ref, why)
-                continue
-            acc.exported()
-            row = base(r, ref, prompt)
-            if r.status != OK:  # --include-failed
-                row["status"] = "failed"
-                answer = answer_message("", "")
-            row["conversations"] = [*(_visible(m) for m in prompt.messages), answer]
-            row["tools"] = prompt.tools or []
-            if r.status == OK:
-                checks.row(row, r)
-                acc.measured(r, loss_mask(r.prompt_ids, r.n_output, tokens.info))
-            yield row
-
-    with reader:
-        for recs in _batches(path, defects):
-            n += _write_lines(out, rows(recs, text.parts_and_tools(recs)), enc)
-    checks.flush()
-    # conversations whose later turns the merged dataset does not hold
-    for chain in chains.values():
-        for rec, ref, _, why in chain.turns[chain.done + 1 :]:
-            if acc.selected(rec, ref):
-                acc.left_out(rec, ref, why if why is not None else OTHER_TURN)
-    return n
+    def left_over(self) -> None:
+        """Account for the turns of conversations whose later turns the merged dataset does not
+        hold."""
+        for chain in self.chains.values():
+            for rec, ref, _, why in chain.turns[chain.done + 1 :]:
+                if self.acc.selected(rec, ref):
+                    self.acc.left_out(rec, ref, why if why is not None else OTHER_TURN)
