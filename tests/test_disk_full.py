@@ -80,7 +80,7 @@ def test_merge_audit_and_export_on_a_full_disk(merged, monkeypatch, capsys):
 
     assert cli_main(["merge", root]) == 0
     capsys.readouterr()
-    import toolkit.dataset.export as export
+    import toolkit.dataset.export.steps as export  # the module that opens the export's files
 
     out = s.root / "out.jsonl"
     with monkeypatch.context() as m:

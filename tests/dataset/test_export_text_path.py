@@ -12,8 +12,9 @@ import pytest
 
 import runs
 from toolkit.cli import main as cli_main
-from toolkit.dataset import export
+from toolkit.dataset.export import conversations as export_conversations
 from toolkit.dataset.export import export_run
+from toolkit.dataset.export import text as export_text
 from toolkit.dataset.finish import merge_and_audit
 from toolkit.dataset.trainers import sanitized
 
@@ -102,18 +103,19 @@ def test_the_round_trip_in_batches_writes_what_one_row_at_a_time_wrote(
     s = conversations_run(tmp_path / "run", toy_tokenizer, family)
     trips = []
 
-    class Kept(export.RoundTrip):
+    class Kept(export_conversations.RoundTrip):
         def __init__(self, *a):
             super().__init__(*a)
             trips.append(self)
 
-    monkeypatch.setattr(export, "RoundTrip", Kept)
-    monkeypatch.setattr(export, "CHECK_ROWS", 1)  # one row per tokenizer call, as before
+    monkeypatch.setattr(export_conversations, "RoundTrip", Kept)
+    # one row per tokenizer call, as before
+    monkeypatch.setattr(export_conversations, "CHECK_ROWS", 1)
     (tmp_path / "single").mkdir()
     single = export_run(s.root, "conversations", tmp_path / "single" / "conversations.jsonl")
-    monkeypatch.setattr(export, "CHECK_ROWS", 3)
+    monkeypatch.setattr(export_conversations, "CHECK_ROWS", 3)
     monkeypatch.setattr(
-        export, "CHECK_TOKENS", 400
+        export_conversations, "CHECK_TOKENS", 400
     )  # some batches closed by their ids, not their rows
     (tmp_path / "batched").mkdir()
     batched = export_run(s.root, "conversations", tmp_path / "batched" / "conversations.jsonl")
@@ -233,7 +235,7 @@ def test_the_byte_table_decodes_what_the_tokenizer_decodes(real_tokenizer, name)
     from transformers import AutoTokenizer
 
     backend = AutoTokenizer.from_pretrained(real_tokenizer(name))._tokenizer
-    decode = export._byte_table(backend)
+    decode = export_text._byte_table(backend)
     assert decode is not None
     rng = np.random.default_rng(7)
     size = backend.get_vocab_size(with_added_tokens=True)
@@ -248,10 +250,10 @@ def test_a_byte_table_that_would_decode_otherwise_is_not_used(real_tokenizer, mo
     from transformers import AutoTokenizer
 
     backend = AutoTokenizer.from_pretrained(real_tokenizer("qwen3"))._tokenizer
-    right = export._byte_values()
+    right = export_text._byte_values()
     wrong = {c: {ord("a"): ord("b"), ord("b"): ord("a")}.get(b, b) for c, b in right.items()}
-    monkeypatch.setattr(export, "_byte_values", lambda: wrong)
-    assert export._byte_table(backend) is None
+    monkeypatch.setattr(export_text, "_byte_values", lambda: wrong)
+    assert export_text._byte_table(backend) is None
 
 
 def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it(
@@ -261,10 +263,10 @@ def test_the_text_is_the_same_whether_the_byte_table_or_the_tokenizer_decodes_it
     are the same bytes either way."""
     s = conversations_run(tmp_path / "run", toy_tokenizer, "deepseek")
     for many in (False, True):
-        monkeypatch.setattr(export, "TABLE_CORES", 0 if many else 10_000)
+        monkeypatch.setattr(export_text, "TABLE_CORES", 0 if many else 10_000)
         d = tmp_path / str(many)
         d.mkdir()
-        decoder = export._batch_decoder(s.tok)
+        decoder = export_text._batch_decoder(s.tok)
         assert (
             getattr(decoder, "__name__", "") == "decode"
         ) is not many  # the table's own function, or not

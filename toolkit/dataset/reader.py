@@ -21,16 +21,9 @@ from typing import Any
 
 import msgspec
 
-from toolkit.dataset.export import (
-    JsonlRecord,
-    _jsonl_rows,
-    _Meta,
-    _Text,
-    _Tokens,
-    export_run,
-    rows_schema,
-    stale_merge,
-)
+from toolkit.dataset.export import JsonlRecord, export_run, rows_schema, stale_merge
+from toolkit.dataset.export.jsonl import _jsonl_rows
+from toolkit.dataset.export.text import _Meta, _Text, _Tokens
 from toolkit.dataset.merge import MERGED, MergeError, load_manifest
 from toolkit.dataset.trainers import TRAINERS
 from toolkit.errors import ToolkitError
