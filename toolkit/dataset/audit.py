@@ -229,6 +229,8 @@ class Auditor:
         n_prompt, n = len(pk) >> 2, len(out) >> 2
         st.prompt_tokens += n_prompt
         st.cached_tokens += rec.cached_tokens
+        st.continued_tokens += rec.continued_tokens
+        st.continued_cached += rec.continued_cached
         acc.prompt_len.append(n_prompt)
         if pos in self.sample_at and n_prompt:
             self.sampled[pos] = pk
@@ -529,6 +531,8 @@ def _finish_acc(acc: _Acc, tops: dict[str, int] | None = None) -> DatasetStats:
     st.errors = dict(acc.errors.most_common(20))
     st.error_examples = {k: acc.error_examples[k] for k in st.errors if k in acc.error_examples}
     st.length_share = acc.finish.get("length", 0) / st.ok if st.ok else 0.0
+    if st.continued_tokens:
+        st.continued_cache_hit = round(st.continued_cached / st.continued_tokens, 4)
     st.reasoning = acc.r
     tops = tops or {}
     st.histograms = {
@@ -550,6 +554,8 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
             "missing",
             "prompt_tokens",
             "cached_tokens",
+            "continued_tokens",
+            "continued_cached",
             "output_tokens",
             "degenerate",
             "identical_samples",

@@ -117,6 +117,13 @@ class DatasetStats(msgspec.Struct):
     samples_compared: int = 0
     reasoning: ReasoningCounts = msgspec.field(default_factory=ReasoningCounts)
     histograms: dict[str, Histogram] = {}
+    # requests that continued an output (its next loop-stop segment, its continuation after a stop
+    # or an abort; input_ids = prompt + output so far): their input tokens, those of them the server
+    # found in its prefix cache, and the hit rate (None: no continuation). Under data-parallel
+    # attention each rank has its own cache: a continuation sent to another rank misses.
+    continued_tokens: int = 0
+    continued_cached: int = 0
+    continued_cache_hit: float | None = None
 
 
 class ShardStats(msgspec.Struct):

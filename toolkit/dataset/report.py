@@ -121,6 +121,19 @@ def training_line(t: TrainingShare) -> str:
     return out
 
 
+def continued_line(d: DatasetStats) -> str:
+    """e.g. `prefix cache of continuations: 99.8% of 1.4M input tokens found (next segments,
+    continuations after a stop)`: what the data-parallel ranks' caches kept of the outputs
+    continued."""
+    if not d.continued_tokens:
+        return "prefix cache of continuations: no output was continued"
+    return (
+        f"prefix cache of continuations: {_pct(d.continued_cached / d.continued_tokens)} of "
+        f"{_num(d.continued_tokens)} input tokens found (next segments, continuations after a "
+        "stop)"
+    )
+
+
 def summary_table(report: AuditReport) -> str:
     """The audit as a few plain-text tables for a terminal or a job log."""
     verdict = "PASSED" if report.passed else "FAILED"
@@ -157,6 +170,7 @@ def summary_table(report: AuditReport) -> str:
         f"{report.overall.reasoning.in_reasoning} in reasoning mode"
     )
     lines.append(training_line(report.training))
+    lines.append(continued_line(report.overall))
     shards = report.shards
     shown = (
         shards

@@ -306,6 +306,9 @@ class MetaInfo(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int = 0
+    # the data-parallel rank that ran it (0.5.23; null without data parallelism, absent in 0.5.9;
+    # anything but an int is taken as not said)
+    dp_rank: Any = None
 
 
 class GenerateResponse(msgspec.Struct):
@@ -325,12 +328,14 @@ class GenerateResult(msgspec.Struct):
     attempts: int
     # the answer's output_ids as JSON text, exactly as the server sent them
     output_json: bytes | None = None
+    dp_rank: int | None = None  # meta_info.dp_rank: the rank whose prefix cache holds it now
 
 
 class _Request(msgspec.Struct, omit_defaults=True):
     input_ids: list[int] | msgspec.Raw  # Raw: the JSON text of the ids, sent as it is
     sampling_params: dict[str, Any]
     rid: str | None = None
+    routed_dp_rank: int | None = None  # pins the request to that data-parallel rank
 
 
 _req_encoder = msgspec.json.Encoder()
@@ -489,6 +494,7 @@ async def generate(
     expect: Expect | None = None,
     input_json: bytes | None = None,
     n_input: int | None = None,
+    routed_dp_rank: int | None = None,
 ) -> GenerateResult:
     """POST one prompt to /generate and return its result, checked against the request
     (`check_answer`).
@@ -501,10 +507,17 @@ async def generate(
     of a request the server may still hold (SGLang answers a duplicate in-flight rid with 400).
     `input_json`, when given, is `input_ids` as JSON text, sent as it is (a continuation's prompt +
     output so far is not encoded again), and `n_input` their count (input_ids is then not read).
+    `routed_dp_rank` sends it to that data-parallel rank (SGLang's `routed_dp_rank`; None: the
+    server's load balancer chooses).
     """
     n_in = n_input if input_json is not None else len(input_ids)
     sent_ids = msgspec.Raw(input_json) if input_json is not None else input_ids
-    fixed = None if callable(rid) else _req_encoder.encode(_Request(sent_ids, sampling_params, rid))
+    pin = routed_dp_rank
+    fixed = (
+        None
+        if callable(rid)
+        else _req_encoder.encode(_Request(sent_ids, sampling_params, rid, pin))
+    )
     loop = asyncio.get_running_loop()
     max_new = sampling_params.get("max_new_tokens")
     attempt = 0
@@ -515,7 +528,7 @@ async def generate(
         body = (
             fixed
             if fixed is not None
-            else _req_encoder.encode(_Request(sent_ids, sampling_params, sent))
+            else _req_encoder.encode(_Request(sent_ids, sampling_params, sent, pin))
         )
         t0 = loop.time()
         try:
@@ -535,6 +548,7 @@ async def generate(
                     latency_s=round(loop.time() - t0, 4),
                     attempts=attempt,
                     output_json=raw,
+                    dp_rank=m.dp_rank if type(m.dp_rank) is int else None,
                 )
             if status >= 500 or status == 429:
                 raise ServerError(status, data)
@@ -609,6 +623,9 @@ class ServerLimits(msgspec.Struct):
     """What /server_info says of the server's limits (0 and None: it does not say)."""
 
     capacity: int = 0  # requests it can run at once
+    # its data-parallel ranks (one internal state each; 0: not said): a rank to pin a request to
+    # is below it
+    ranks: int = 0
     # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
     max_req_len: int | None = None
 
@@ -629,6 +646,7 @@ async def server_limits(http: HttpClient, *, timeout: float = 30.0) -> ServerLim
         return ServerLimits()
     return ServerLimits(
         capacity=sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states),
+        ranks=len(info.internal_states),
         max_req_len=info.max_req_input_len + 5 if info.max_req_input_len else None,
     )
 

@@ -138,6 +138,14 @@ class Record(msgspec.Struct, array_like=True):
     # PARTIAL record across stops, requeues and tasks (worker.inflight.keep_unanswered), so that a
     # prompt never answered ends failed after its bound even when every stop cuts its try short.
     unanswered_s: float = 0.0
+    # The data-parallel rank whose prefix cache holds this output (meta_info.dp_rank of its last
+    # answer; None: not said, no data parallelism): what continues it (its next segment, its
+    # continuation after a stop, a regenerated conversation's next turn) is sent to that rank.
+    dp_rank: int | None = None
+    # Requests that continued this output (input_ids = prompt + output so far), across its runs:
+    # their input tokens, and of those the ones the server found in its prefix cache.
+    continued_tokens: int = 0
+    continued_cached: int = 0
 
     @property
     def n_output(self) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 
 class PrefixCache:
-    """SGLang's radix cache, as far as `meta_info.cached_tokens` shows it: a prompt's tokens already
-    computed for an earlier prompt with the same leading tokens. At most len(prompt) - 1 count (the
-    last one is always computed, for its logits). Prompts are cached when admitted, outputs are not
-    (a dataset's prompts share their template and system prompt, never another prompt's answer);
-    `/flush_cache` empties it, and past `capacity` prefixes it is emptied too (eviction, coarsely).
+    """SGLang's radix cache of one data-parallel rank, as far as `meta_info.cached_tokens` shows
+    it: a prompt's tokens already computed for an earlier request with the same leading tokens. At
+    most len(prompt) - 1 count (the last one is always computed, for its logits). Prompts are cached
+    when admitted, and a finished (or aborted) request's prompt + output once it ends, so that a
+    continuation (prompt + output so far) sent to the same rank finds all of it; `/flush_cache`
+    empties it, and past `capacity` prefixes it is emptied too (eviction, coarsely).
     """
 
     def __init__(self, capacity: int = 4_000_000):

@@ -308,8 +308,8 @@ def v1_model(srv: StubServer, name: str) -> Reply:
 def flush_cache(srv: StubServer) -> Reply:
     if srv.in_flight:
         return 400, b"Flush cache failed.\n", TEXT
-    if srv.prefix_cache is not None:
-        srv.prefix_cache.clear()
+    for cache in srv.prefix_caches or ():
+        cache.clear()
     return (
         200,
         (

@@ -68,14 +68,20 @@ class StubServer:
         self.stop = asyncio.Event()  # set when the process should exit (drained, or forced)
         self.generate_count = 0
         self.burst_t0: float | None = None  # when --fail-5xx-for's START-th request came
-        self.dispatched = 0  # sequences sent to a data-parallel rank, round robin
+        self.dispatched = 0  # sequences sent to a data-parallel rank by the round robin
         # sampled requests without a seed: another output each time (outputs.Draws)
         self.draws = Draws()
         self.served_name = cfg.served_model_name or cfg.model_path
         self.pool = cfg.max_total_tokens or 16 * cfg.context_length
         self.max_req_len = min(cfg.context_length - 1, self.pool - 1)
         self.max_req_input_len = self.max_req_len - 5
-        self.prefix_cache = None if cfg.other_args.get("disable_radix_cache") else PrefixCache()
+        # one prefix cache per data-parallel rank (SGLang's schedulers each keep their own tree)
+        self.ranks = max(1, cfg.dp_size)
+        self.prefix_caches = (
+            None
+            if cfg.other_args.get("disable_radix_cache")
+            else [PrefixCache() for _ in range(self.ranks)]
+        )
         self.stats = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "e2e_sum": 0.0}
         self.sched = Scheduler(
             (cfg.max_running_requests or DEFAULT_MAX_RUNNING) * max(1, cfg.dp_size), cfg.token_delay
@@ -232,6 +238,7 @@ class StubServer:
                 dups = sorted({r for r in rid if rid.count(r) > 1})
                 raise RequestError(f"Duplicate request IDs detected within the request: {dups}")
             rids = list(rid)
+        routed = self.routed_rank(obj.get("routed_dp_rank"))
         return_logprob = obj.get("return_logprob")
         start_len = obj.get("logprob_start_len")
         top_num = obj.get("top_logprobs_num")
@@ -272,11 +279,13 @@ class StubServer:
                     f"logprob_start_len ({item.logprob_start_len}) is superior to the number of "
                     f"input tokens ({len(item.prompt)})."
                 )
-            if cfg.dp_size > 1:  # round robin over the data-parallel ranks
-                item.dp_rank = self.dispatched % cfg.dp_size
+            if routed is not None:
+                item.dp_rank = routed
+            elif self.ranks > 1:  # round robin over the data-parallel ranks
+                item.dp_rank = self.dispatched % self.ranks
                 self.dispatched += 1
-            if self.prefix_cache is not None:
-                item.cached = self.prefix_cache.admit(item.prompt)
+            if self.prefix_caches is not None:
+                item.cached = self.prefix_caches[item.dp_rank or 0].admit(item.prompt)
             segments = None
             # only a delayed request can be aborted mid-way, and so continued; with --output-scale,
             # a request may also be the next segment of an output asked for in segments
@@ -298,6 +307,17 @@ class StubServer:
             item.planned = [t for _, ids in item.segments for t in ids]
             finish_item(model, item)
         return items, single
+
+    def routed_rank(self, rank) -> int | None:
+        """The data-parallel rank a request asks for (`routed_dp_rank`), as SGLang 0.5.23 takes it:
+        ignored when 0 without data parallelism, refused outside the ranks (its tokenizer manager's
+        ValueError, a 400); None: the round robin chooses (managers/data_parallel_controller.py,
+        round_robin, the default load_balance_method)."""
+        if rank is None or (self.ranks <= 1 and rank == 0):
+            return None
+        if rank < 0 or rank >= self.ranks:
+            raise RequestError(f"routed_dp_rank={rank} out of range [0, {self.ranks})")
+        return rank
 
     def check_lengths(self, item: Item) -> None:
         """The tokenizer manager's context checks, then the scheduler's silent clamp of
@@ -391,6 +411,11 @@ class StubServer:
         return out
 
     def account(self, item: Item, ids: list[int], e2e: float) -> None:
+        """A finished sequence: counted, and its tokens kept in its rank's prefix cache (SGLang
+        caches a finished or aborted request's prompt + output, all but the last output token,
+        whose KV was never computed), so that a continuation sent to that rank finds them."""
+        if self.prefix_caches is not None and ids:
+            self.prefix_caches[item.dp_rank or 0].admit(item.prompt + ids[:-1])
         s = self.stats
         s["requests"] += 1
         s["prompt_tokens"] += len(item.prompt)

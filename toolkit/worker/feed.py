@@ -38,6 +38,8 @@ class Rendered(NamedTuple):
     ref: PromptRef
     ids: list[int] | None
     error: tuple[str, str] | None = None
+    # the data-parallel rank holding what it continues (a regenerated turn: the turn before it)
+    dp_rank: int | None = None
 
 
 class LaterTurns(Protocol):

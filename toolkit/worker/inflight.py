@@ -1,8 +1,9 @@
 """One prompt's requests: fresh rids per attempt, continuations across aborts (input_ids = prompt +
-output so far, `segments` counting the requests that brought output), repetition loops stopped
-between segments, the partial outputs kept at a stop, and the records of what came back. `consume`
-is one request slot of a shard: it takes prompts from the shard's feed until the feed is empty or
-the shard stops; `save_in_flight` keeps the partial outputs of every open shard at a stop."""
+output so far, `segments` counting the requests that brought output) sent to the data-parallel rank
+that holds the output so far, repetition loops stopped between segments, the partial outputs kept
+at a stop, and the records of what came back. `consume` is one request slot of a shard: it takes
+prompts from the shard's feed until the feed is empty or the shard stops; `save_in_flight` keeps the
+partial outputs of every open shard at a stop."""
 
 from __future__ import annotations
 
@@ -163,14 +164,27 @@ class _SentIds:
         return b"".join(self.parts) + b"]"
 
 
+def pinned_rank(rank: int | None, ranks: int) -> int | None:
+    """The data-parallel rank to send a continuation to: the one whose prefix cache holds its
+    output so far, as SGLang said it (`rank`), while the engine has that rank (`ranks`, from
+    /server_info at the engine's start: a restart with fewer ranks drops the pins past them). None:
+    not pinned (a new output, an engine without data parallelism, a rank the engine lacks)."""
+    if rank is None or ranks <= 1 or not 0 <= rank < ranks:
+        return None
+    return rank
+
+
 class _Generated:
-    """The outcome of _generate: the (combined) result, how many requests it took, and whether it is
-    partial."""
+    """The outcome of _generate: the (combined) result, how many requests it took, whether it is
+    partial, and the continuation requests' input and cached tokens (`continued`)."""
 
-    __slots__ = ("res", "segments", "partial")
+    __slots__ = ("res", "segments", "partial", "continued")
 
-    def __init__(self, res: GenerateResult, segments: int, partial: bool):
+    def __init__(
+        self, res: GenerateResult, segments: int, partial: bool, continued: tuple[int, int] = (0, 0)
+    ):
         self.res, self.segments, self.partial = res, segments, partial
+        self.continued = continued
 
 
 async def _generate(
@@ -182,12 +196,15 @@ async def _generate(
     pos: int = 0,
     prior: Record | None = None,
     wait: _Unanswered | None = None,
+    rank: int | None = None,
 ):
     """One prompt's /generate, continued across aborts: an abort that leaves partial output (the
     server's own, or the worker's at a stop) goes on from where it stopped, with input_ids = prompt
     + output so far and max_new_tokens reduced by its length; the combined output is token for token
     what the server produced. An abort that brought nothing new is retried, up to client.retries.
-    `prior` is a PARTIAL record to continue.
+    `prior` is a PARTIAL record to continue. A continuation goes to the data-parallel rank of the
+    output so far (`prior`'s, then each answer's meta_info.dp_rank; `rank`: what a new output
+    continues, a regenerated turn's turn before it); a new output goes where the server sends it.
 
     While the worker stops (sh.stopping), the output so far comes back as partial; so it does when
     the aborts without progress run out and there is output to keep."""
@@ -198,6 +215,10 @@ async def _generate(
     attempts = prior.attempts if prior else 0
     latency = prior.latency_s if prior else 0.0
     cached = prior.cached_tokens if prior else None
+    if prior is not None:
+        rank = prior.dp_rank
+    # continuation requests: their input tokens, and those found in the prefix cache
+    cont = [prior.continued_tokens, prior.continued_cached] if prior else [0, 0]
     stalled = 0
     res = None
     seg = segment_tokens(c, params)
@@ -216,8 +237,9 @@ async def _generate(
                     cached_tokens=cached or 0,
                     latency_s=latency,
                     attempts=attempts,
+                    dp_rank=rank,
                 )
-                return _Generated(res, max(segments, 1), False)
+                return _Generated(res, max(segments, 1), False, tuple(cont))
             capped = seg is not None and sp.get("max_new_tokens", 0) > seg
             if capped:  # one segment: the loop check below, then on from prompt + output so far
                 sp = {**sp, "max_new_tokens": seg}
@@ -242,6 +264,7 @@ async def _generate(
                     expect=sh.expect,
                     input_json=sent.json() if len(out) else None,
                     n_input=len(ids) + len(out),
+                    routed_dp_rank=pinned_rank(rank, sh.dp_ranks),
                 )
             finally:
                 sh.in_flight -= 1
@@ -253,6 +276,11 @@ async def _generate(
             sh.tokens += len(new)
             if cached is None:
                 cached = res.cached_tokens
+            if len(out):
+                cont[0] += len(ids) + len(out)
+                cont[1] += res.cached_tokens
+            if res.dp_rank is not None:
+                rank = res.dp_rank
             if len(new):
                 if wait is not None:
                     wait.since, wait.answered = time.monotonic(), True
@@ -269,9 +297,10 @@ async def _generate(
                     cached_tokens=cached,
                     latency_s=round(latency, 4),
                     attempts=attempts,
+                    dp_rank=rank,
                 )
             else:
-                res.attempts = attempts
+                res.attempts, res.dp_rank = attempts, rank
             # a segment's end, not the output's
             if capped and res.finish == "length" and len(new) == seg:
                 stalled = 0
@@ -279,7 +308,7 @@ async def _generate(
                 if period is None:
                     # kept as a partial output, continued by the next run of the shard
                     if sh.stopping:
-                        return _Generated(res, segments, True)
+                        return _Generated(res, segments, True, tuple(cont))
                     continue
                 res.finish, res.matched = LOOP, None
                 sh.progress.loops_stopped += 1
@@ -291,15 +320,15 @@ async def _generate(
                     len(out),
                     params["max_new_tokens"] - len(out),
                 )
-                return _Generated(res, segments, False)
+                return _Generated(res, segments, False, tuple(cont))
             if res.finish != "abort":
-                return _Generated(res, max(segments, 1), False)
+                return _Generated(res, max(segments, 1), False, tuple(cont))
             if sh.stopping:
-                return _Generated(res, segments, True)
+                return _Generated(res, segments, True, tuple(cont))
             if not len(new):
                 stalled += 1
                 if stalled > c.retries:
-                    return _Generated(res, segments, len(out) > 0)
+                    return _Generated(res, segments, len(out) > 0, tuple(cont))
             log.warning(
                 "prompt %s aborted by the server (%s) after %d tokens; %s",
                 ref.id,
@@ -312,7 +341,7 @@ async def _generate(
         # sent again.
         if len(out) > (prior.n_output if prior else 0) and res is not None:
             sh.partial[ref.id] = _partial_record(
-                ref, ds, pos, ids, _Generated(res, segments, True), None
+                ref, ds, pos, ids, _Generated(res, segments, True, tuple(cont)), None
             )
         elif prior is not None:
             sh.partial[ref.id] = prior
@@ -348,6 +377,9 @@ def _partial_record(
         "the shard",
         failure=PARTIAL,
         segments=g.segments,
+        dp_rank=res.dp_rank,
+        continued_tokens=g.continued[0],
+        continued_cached=g.continued[1],
     )
 
 
@@ -393,7 +425,7 @@ async def _answer(sh: Shard, item, engine, info) -> Record | str | None:
     prior = _prior(sh, ref.id, ids)
     wait = _Unanswered()
     try:
-        res = await _generate(sh, ids, ds, ref, engine, pos, prior, wait)
+        res = await _generate(sh, ids, ds, ref, engine, pos, prior, wait, item.dp_rank)
     except asyncio.CancelledError:
         if _stopped(sh):  # a stop cut the try short: its time without an answer is kept
             keep_unanswered(sh, ref, ds, pos, ids, prior, wait)
@@ -418,7 +450,7 @@ async def _answer(sh: Shard, item, engine, info) -> Record | str | None:
         return failed_record(ref.id, ds, pos, ids, message, e.attempts, e.kind)
     # the server's aborts ran out without progress: a failed try (aborted)
     if res.partial and not sh.stopping:
-        return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
+        return _result_record(ref, ds, pos, ids, res.res, info, res.segments, res.continued)
     if res.partial:
         if res.res.completion_tokens > (prior.n_output if prior else 0):
             rec = _partial_record(ref, ds, pos, ids, res, info)
@@ -428,7 +460,7 @@ async def _answer(sh: Shard, item, engine, info) -> Record | str | None:
         else:  # aborted at the stop with nothing new: its time without an answer is kept
             keep_unanswered(sh, ref, ds, pos, ids, prior, wait)
         return None
-    return _result_record(ref, ds, pos, ids, res.res, info, res.segments)
+    return _result_record(ref, ds, pos, ids, res.res, info, res.segments, res.continued)
 
 
 def _stopped(sh: Shard) -> bool:
@@ -614,7 +646,14 @@ def _prior(sh: Shard, id: str, ids: list[int]) -> Record | None:
 
 
 def _result_record(
-    ref: PromptRef, ds: str, pos: int, ids: list[int], res, info, segments: int = 1
+    ref: PromptRef,
+    ds: str,
+    pos: int,
+    ids: list[int],
+    res,
+    info,
+    segments: int = 1,
+    continued: tuple[int, int] = (0, 0),
 ) -> Record:
     """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN
     stop."""
@@ -649,6 +688,9 @@ def _result_record(
         error=error,
         failure=failure,
         segments=segments,
+        dp_rank=res.dp_rank,
+        continued_tokens=continued[0],
+        continued_cached=continued[1],
     )
 
 

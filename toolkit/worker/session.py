@@ -421,6 +421,7 @@ class EngineSession:
             vocab_size=info.vocab_size if info is not None else None,
             max_req_len=lim.max_req_len if lim is not None else None,
         )
+        sh.dp_ranks = lim.ranks if lim is not None else 0
         if not sh.t_gen:
             sh.t_gen = time.monotonic()
         sh.save_progress("generating")

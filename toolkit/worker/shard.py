@@ -163,6 +163,9 @@ class Shard:
         self.http: HttpClient | None = None
         # what every answer is checked against (the vocabulary, SGLang's limit)
         self.expect: Expect | None = None
+        # the engine's data-parallel ranks (/server_info, each start; 0: not said): where a
+        # continuation may be pinned
+        self.dp_ranks = 0
         # session.EngineSession: the engine this worker keeps across its shards
         self.session = None
 

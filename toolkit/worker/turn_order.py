@@ -126,6 +126,7 @@ class Chains:
                 pos,
                 ref,
                 chat.render(self.tok, self.plan.spec.model, turn_prompt(prompt, ref.turn, answers)),
+                dp_rank=history[-1].dp_rank if history else None,
             )
         except chat.ChatError as e:
             return Rendered(pos, ref, None, (TEMPLATE, f"chat template: {e}"))
