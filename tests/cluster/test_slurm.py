@@ -429,7 +429,10 @@ def test_tasks_are_no_more_than_max_array_size(tmp_path, toy_tokenizer):
     "change, expected",
     [
         ({"args": ["--partition", "nope"]}, "unknown partition 'nope'; this cluster has: gpu"),
-        ({"args": ["--gpus-per-node", "8"]}, "have at most 4 GPUs"),
+        (  # an engine of 8 GPUs (the GPU rule passes), on nodes of 4
+            {"args": ["--gpus-per-node", "8"], "spec": ("[engine]", "[engine]\ntp_size = 8")},
+            "have at most 4 GPUs",
+        ),
         (
             {"args": ["--cpus-per-task", "64"]},
             "--cpus-per-task 64 but the nodes of partition 'gpu' have at most 8 CPUs",
