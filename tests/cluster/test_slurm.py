@@ -649,3 +649,43 @@ def test_the_engine_starts_in_the_environment_the_node_setup_activates(tmp_path,
     assert f"SGLang starts with {node}/bin/python3 (the first python3 on PATH, with sglang" in log
     script = next((run / "slurm").rglob("*_submission.sh")).read_text()
     assert f"source {node}/bin/activate" in script and f"{sys.executable} -u -m submitit" in script
+
+
+def _scontrol_job(job: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], capture_output=True, text=True
+    ).stdout
+    first = out.splitlines()[0] if out else ""
+    return dict(f.split("=", 1) for f in first.split() if "=" in f)
+
+
+def test_sbatch_options_on_the_command_line_reach_slurm_and_the_merge_job_its_own_partition(
+    tmp_path, toy_tokenizer
+):
+    """`submit` with sbatch's own flags: the tasks and the merge job carry them as Slurm records them, and the merge
+    job (no GPU) goes to the partition --merge-partition names."""
+    job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=4, shards=2, stub={"token_delay_s": 0.05})
+    run = tmp_path / "run"
+    r = toolkit(
+        "submit",
+        str(job),
+        "--array-parallelism",
+        "1",
+        "--comment",
+        "toolkit-flags",
+        "-x",
+        "host1",
+        "--mail-type",
+        "END",
+        "--merge-partition",
+        "hosts",
+    )
+    try:
+        array_id, merge_id = submitted_ids(r.stdout)[:2]
+        tasks, merge = _scontrol_job(array_id), _scontrol_job(merge_id)
+        assert tasks["Comment"] == "toolkit-flags" and tasks["ExcNodeList"] == "host1", tasks
+        assert tasks["MailType"] == "END" and tasks["Partition"] == "gpu", tasks
+        assert merge["Partition"] == "hosts" and merge["Comment"] == "toolkit-flags", merge
+        assert merge["ExcNodeList"] == "host1" and merge["MailType"] == "END", merge
+    finally:
+        toolkit("cancel", str(run))
