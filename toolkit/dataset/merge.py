@@ -336,7 +336,7 @@ def _merge_run(
         run=plan.name,
         fingerprint=plan.fingerprint,
         created=utc_now(),
-        engine="stub" if plan.synthetic else "model",
+        engine=plan.engine_class,
         allow_incomplete=allow_incomplete,
         complete=complete,
         planned=plan.total,

@@ -193,6 +193,12 @@ class RunPlan(msgspec.Struct, Generic[S]):
         return getattr(engine, "kind", None) == STUB
 
     @property
+    def engine_class(self) -> str:
+        """What made the records, in one word for manifests, summaries and file metadata: "stub"
+        (synthetic text) or "model" (`made_by` says it in words)."""
+        return STUB if self.synthetic else "model"
+
+    @property
     def made_by(self) -> str:
         """What generated the run's records, in words."""
         if self.synthetic:

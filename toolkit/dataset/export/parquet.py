@@ -58,7 +58,7 @@ def _export_parquet(
             "extra)"
         ) from None
     # what made the records, as the run pinned it: "stub" is synthetic text, not a model's
-    engine = b"stub" if plan.synthetic else b"model"
+    engine = plan.engine_class.encode()
     schema = rows_schema(pa).with_metadata({b"toolkit.engine": engine})
 
     def id_lists(packed: list[bytes]) -> pa.Array:

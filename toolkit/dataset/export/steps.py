@@ -247,8 +247,8 @@ def _warn(ex: _Export, manifest: MergeManifest, short: str | None) -> None:
     """The summary's warnings about what the export is made of: the stub engine's records, cut
     outputs kept as chat rows, a merge that is short, an audit that failed or was not run."""
     rd, summary = ex.run.rd, ex.summary
+    summary.engine = ex.run.plan.engine_class
     if ex.run.plan.synthetic:
-        summary.engine = "stub"
         summary.warnings.append(STUB_EXPORT)
     if ex.fmt == "conversations" and "truncated" in ex.include:
         summary.warnings.append(CUT_CHAT_ROWS)
