@@ -69,18 +69,19 @@ def cmd_check(args) -> int:
 
 def _cost(pf) -> list[str]:
     """`check`'s cost estimate (job.cost): as many engines at once as Slurm tasks would run."""
+    from toolkit.cluster.resources import time_to_minutes
     from toolkit.formats.rundir import RunDir
     from toolkit.job import cost
 
     spec, plan = pf.spec, pf.plan
-    rd = RunDir(spec.output_dir)
-    measured = cost.measured_mean(rd, plan) if rd.plan_file.exists() else None
-    engines = spec.slurm.array_parallelism or len(plan.shards)
-    c = cost.estimate(plan, engines=engines, measured=measured)
-    from toolkit.cluster.resources import time_to_minutes
-
-    warn = cost.time_warning(c, time_to_minutes(spec.slurm.time), spec.slurm.signal_delay_s)
-    return cost.describe(c, spec.engine.kind) + ([f"warning: {warn}"] if warn else [])
+    warn, lines = cost.said(
+        plan,
+        RunDir(spec.output_dir),
+        engines=spec.slurm.array_parallelism or len(plan.shards),
+        time_minutes=time_to_minutes(spec.slurm.time),
+        signal_delay_s=spec.slurm.signal_delay_s,
+    )
+    return lines + ([f"warning: {warn}"] if warn else [])
 
 
 def add_worker(sub) -> None:

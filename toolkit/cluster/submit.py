@@ -205,10 +205,13 @@ def _cost_lines(plan: RunPlan, rd: RunDir, params: dict[str, Any], engines: int)
     limit cannot hold a model load and one shard."""
     from toolkit.job import cost
 
-    measured = cost.measured_mean(rd, plan) if rd.plan_file.exists() else None
-    c = cost.estimate(plan, engines=engines, measured=measured)
-    lines = cost.describe(c, plan.spec.engine.kind)
-    warn = cost.time_warning(c, params["time"], params["signal_delay_s"])
+    warn, lines = cost.said(
+        plan,
+        rd,
+        engines=engines,
+        time_minutes=params["time"],
+        signal_delay_s=params["signal_delay_s"],
+    )
     return ([f"warning: {warn}"] if warn else []) + lines
 
 

@@ -18,7 +18,7 @@ from toolkit.formats.progress import read_progress
 from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 
-__all__ = ["Cost", "estimate", "measured_mean", "describe", "time_warning"]
+__all__ = ["Cost", "estimate", "measured_mean", "describe", "time_warning", "said"]
 
 MEASURED_AT_LEAST = 32  # outputs a run must have recorded before its mean output length is used
 
@@ -170,3 +170,13 @@ def time_warning(cost: Cost, time_minutes: int, signal_delay_s: int) -> str | No
         "before finishing a shard and be requeued to load again; give a longer --time or more "
         "[sharding] shards"
     )
+
+
+def said(
+    plan: RunPlan, rd: RunDir, *, engines: int, time_minutes: int, signal_delay_s: int
+) -> tuple[str | None, list[str]]:
+    """What `check` and `submit --dry-run` say of a run of `plan` in `rd` (its measured mean, once
+    it has one) with `engines` at once: (a warning on the tasks' time limit, or None; the estimate's
+    lines)."""
+    c = estimate(plan, engines=engines, measured=measured_mean(rd, plan))
+    return time_warning(c, time_minutes, signal_delay_s), describe(c, plan.spec.engine.kind)
