@@ -234,8 +234,9 @@ def cmd_run(args) -> int:
     from toolkit.cluster.livebar import LiveBar
 
     again = f"`{rd.finish_command()}`"  # the one command that resumes a run (status says it too)
-    if not _unfinished(rd, plan, shards):
-        return _nothing_to_generate(rd, plan, args)
+    left = _unfinished(rd, plan, range(len(plan.shards)))
+    if not set(shards) & set(left):
+        return _nothing_to_generate(rd, plan, args, left)
     with _running_here(
         rd.root, shards, "toolkit run", group=local_group(), merges=not args.no_merge
     ):
@@ -268,14 +269,14 @@ def _of_run(shards: list[int], plan) -> str:
     return f"{len(shards)} of the run's {len(plan.shards)} shards ({ranges(shards, sep=',')})"
 
 
-def _nothing_to_generate(rd, plan, args) -> int:
-    """`run` of shards that are all done: said in those words; the run is merged and audited only
-    when it is complete and its merged dataset is not the run as it is."""
+def _nothing_to_generate(rd, plan, args, others: list[int]) -> int:
+    """`run` of shards that are all done (`others`: the run's shards that are not): said in those
+    words; the run is merged and audited only when it is complete and its merged dataset is not the
+    run as it is."""
     from toolkit.cluster.status import run_status
     from toolkit.cluster.verdicts import verdict
 
     which = "every shard" if args.shards is None else f"shards {ranges(args.shards, sep=',')}"
-    others = _unfinished(rd, plan, range(len(plan.shards)))
     print(f"nothing to generate: {which} of {rd.shown} done")
     if others:
         print(
