@@ -274,6 +274,12 @@ CLEAR_KEY = (
 )
 
 
+def _unset(expanded: str) -> list[str]:
+    """The environment variables a path (expanded) still names that are not set."""
+    names = (m.group(1) or m.group(2) for m in _VAR.finditer(expanded))
+    return [name for name in names if name not in os.environ]
+
+
 def _resolve(
     base: Path, p: str | None, where: str | None = None, source: Path | None = None
 ) -> str | None:
@@ -284,13 +290,11 @@ def _resolve(
         return None
     expanded = os.path.expandvars(os.path.expanduser(p))
     if where is not None:
-        for m in _VAR.finditer(expanded):
-            name = m.group(1) or m.group(2)
-            if name not in os.environ:
-                raise SpecError(
-                    f"{source}: {where}: environment variable {name} is not set "
-                    "(export it, or write the path out)"
-                )
+        for name in _unset(expanded):
+            raise SpecError(
+                f"{source}: {where}: environment variable {name} is not set "
+                "(export it, or write the path out)"
+            )
     q = Path(expanded)
     return str(q if q.is_absolute() else (base / q).resolve())
 
@@ -431,9 +435,8 @@ def _unset_variables(spec: JobSpec, source: Path) -> None:
     paths += [("[[datasets]] path", d.path) for d in spec.datasets]
     unset: dict[str, list[str]] = {}
     for where, p in paths:
-        for m in _VAR.finditer(os.path.expanduser(p or "")):
-            name = m.group(1) or m.group(2)
-            if name not in os.environ and where not in unset.setdefault(name, []):
+        for name in _unset(os.path.expandvars(os.path.expanduser(p or ""))):
+            if where not in unset.setdefault(name, []):
                 unset[name].append(where)
     if len(unset) > 1:
         said = "; ".join(f"{name} (in {', '.join(keys)})" for name, keys in unset.items())
