@@ -42,7 +42,8 @@ from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.grow import grown_plan
 from toolkit.job.plan import find_run, load_run, plan_job
 from toolkit.job.render_pool import SCHEDULER_MARGIN, SHOWN, Outcome, Places
-from toolkit.job.spec import JobSpec, key_source_warnings, load_spec
+from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.specchecks import key_source_warnings
 from toolkit.job.specerrors import SpecError
 
 __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
