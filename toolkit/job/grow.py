@@ -2,7 +2,7 @@
 
 A prompt is known by its id (given on its line, or derived from its content: inputs.py) and its
 content digest. When a job whose model, tokenizer, template, sampling and shard count are the run's
-is planned again (`plan.may_grow`), its prompts are compared with the run's (`compare`):
+is planned again (`findrun.may_grow`), its prompts are compared with the run's (`compare`):
 
 - added (an id the run does not have, in a file it has or in a dataset the job gained): planned
   after the run's own, in new shards numbered after its last (`grow_run`), about as large as its

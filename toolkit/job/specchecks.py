@@ -17,7 +17,7 @@ from toolkit.job.specerrors import SpecError
 from toolkit.job.specpaths import check_unset_variables, relative, resolve, resolve_model_paths
 
 if TYPE_CHECKING:
-    from toolkit.job.spec import ClientSpec, EngineSpec, EstimateSpec, JobSpec, ShardingSpec
+    from toolkit.job.schema import ClientSpec, EngineSpec, EstimateSpec, JobSpec, ShardingSpec
 
 MAX_TRIES = 100  # [client] max_tries above this is a typo, not a bound
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from toolkit.job.specerrors import SpecError
 
 if TYPE_CHECKING:
-    from toolkit.job.spec import JobSpec, ModelSpec
+    from toolkit.job.schema import JobSpec, ModelSpec
 
 _VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 
