@@ -40,7 +40,7 @@ from toolkit.job.findings import Preflight, PreflightError, plural
 from toolkit.job.grow import grown_plan
 from toolkit.job.plan import find_run, load_run, plan_job
 from toolkit.job.promptcheck import check_prompts, context_length
-from toolkit.job.render_pool import SHOWN
+from toolkit.job.render_slice import SHOWN
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specchecks import key_source_warnings
 from toolkit.job.specerrors import SpecError

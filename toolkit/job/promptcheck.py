@@ -14,7 +14,7 @@ from toolkit.formats.rundir import RunDir
 from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.findings import Preflight, PreflightError, plural
 from toolkit.job.findrun import find_run
-from toolkit.job.render_pool import SCHEDULER_MARGIN, Outcome, Places
+from toolkit.job.render_slice import SCHEDULER_MARGIN, Outcome, Places
 from toolkit.job.spec import JobSpec
 from toolkit.job.specerrors import SpecError
 
