@@ -17,7 +17,7 @@ before any engine starts, in one function so that no command misses a check.
     run dir    output_dir a folder this user can create and write (not under a file, not on a
                read-only file system, not where no file can be made: /proc, /sys; tried with a
                hidden folder, removed); holding another job's run (run and submit refuse it; check
-               tells in advance), or runs of this job (the newest is resumed: plan.find_run)
+               tells in advance), or runs of this job (the newest is resumed: findrun.find_run)
 
 Problems are collected across all stages that can run and raised as one `PreflightError`; what is
 worth knowing but does not stop the run comes back as warnings. Rendered ids are not kept: the
