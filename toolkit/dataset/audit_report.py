@@ -17,6 +17,7 @@ __all__ = [
     "AUDIT_FORMAT",
     "AuditReport",
     "Check",
+    "check",
     "DatasetStats",
     "Histogram",
     "Integrity",
@@ -42,6 +43,13 @@ class Check(msgspec.Struct):
     limit: float | None  # the threshold it is held to
     message: str
     unit: str = "count"  # "share" (a fraction) or "count"
+
+
+def check(name: str, passed: bool, value, limit, message: str) -> Check:
+    """A check's result, its unit said by its limit: a float limit is a share, any other a count."""
+    return Check(
+        name, bool(passed), value, limit, message, "share" if isinstance(limit, float) else "count"
+    )
 
 
 class Lengths(msgspec.Struct):
