@@ -16,7 +16,6 @@ part is empty.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import Counter
@@ -29,7 +28,9 @@ from toolkit.dataset.audit_counts import (
     DatasetTotals,
     Examples,
     Output,
+    SampleRepeats,
     ShardTotals,
+    TurnTotals,
     combine,
     count_reasoning,
     dataset_stats,
@@ -45,7 +46,6 @@ from toolkit.dataset.audit_report import (
     SkippedInputs,
     TokenSummary,
     TrainingShare,
-    TurnStats,
 )
 from toolkit.dataset.examples import SampleCollector, last_user_text
 from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
@@ -102,22 +102,12 @@ class Auditor:
         self.examples = Examples()
         self.sample_at = sample_positions(plan.total, self.spec.reprompt_sample)
         self.sampled: dict[int, bytes] = {}
-        self.turns: dict[tuple[str, int], TurnStats] = {}
+        self.turns = TurnTotals()
         self.max_new = {
             d.name: plan.spec.sampling_for(d.name).get("max_new_tokens") for d in plan.datasets
         }
         self.samples = SampleCollector([d.name for d in plan.datasets], self.max_new)
-        # n > 1 at temperature > 0: the outputs of the samples of the prompt being read ((dataset,
-        # line); its samples are adjacent in planned order), by turn and hash of their ids -> the
-        # first sample's id
-        self.sampled_at = {
-            i
-            for i, d in enumerate(plan.datasets)
-            if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
-            and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0
-        }
-        self.prompt_at: tuple[int, int] | None = None
-        self.outputs_seen: dict[tuple[int, bytes], str] = {}
+        self.repeats = SampleRepeats(plan)
         # what the default training export holds of the decoded tokens (the export's own judge)
         self.judge = Judge(
             self.info.think_start_id,
@@ -134,39 +124,10 @@ class Auditor:
             note(self.integ, "id_mismatch", rec.id)
             return
         if not self.seen[pos] and self.plan.datasets[ref.dataset].regenerate:
-            self._add_turn(rec, ref.turn)
-        if not self.seen[pos] and rec.status == OK and ref.dataset in self.sampled_at:
-            self._compare_sample(rec, ref)
+            self.turns.add(rec, ref.turn)
+        if not self.seen[pos] and rec.status == OK and ref.dataset in self.repeats.datasets:
+            self.repeats.add(rec, ref, self.ds[rec.dataset].stats, self.examples)
         self._add(rec, pos)
-
-    def _compare_sample(self, rec: Record, ref) -> None:
-        """Count an ok sample whose output ids equal an earlier sample's of the same prompt (and
-        turn)."""
-        at = (ref.dataset, ref.line)
-        if at != self.prompt_at:
-            self.prompt_at, self.outputs_seen = at, {}
-        key = (ref.turn, hashlib.blake2b(rec.output_ids, digest_size=16).digest())
-        st = self.ds[rec.dataset].stats
-        if any(k[0] == ref.turn for k in self.outputs_seen):
-            st.samples_compared += 1
-        first = self.outputs_seen.setdefault(key, rec.id)
-        if first != rec.id:
-            st.identical_samples += 1
-            self.examples.add("identical_samples", f"{rec.id} = {first}")
-
-    def _add_turn(self, rec: Record, turn: int) -> None:
-        t = self.turns.get((rec.dataset, turn))
-        if t is None:
-            t = self.turns[(rec.dataset, turn)] = TurnStats(dataset=rec.dataset, turn=turn + 1)
-        t.records += 1
-        t.prompt_tokens += rec.n_prompt
-        if rec.status != OK:
-            t.failed += 1
-            return
-        t.ok += 1
-        t.output_tokens += rec.n_output
-        t.think_end += rec.reasoning_end is not None
-        t.length += rec.finish == "length"
 
     def _add(self, rec: Record, pos: int) -> None:
         if self.seen[pos]:
@@ -336,7 +297,7 @@ class Auditor:
             integrity=self.integ,
             reprompt=reprompt,
             files=files,
-            turns=[self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))],
+            turns=self.turns.stats(),
             samples=self._samples(trust_sources=problem is None),
             continued=manifest.continued,
             skipped_inputs=[

@@ -1,5 +1,6 @@
-"""The audit's per-record counters: running totals of a dataset and of a shard, the ids quoted per
-kind of problem, and the counts of reasoning capture; then the totals as the report's statistics.
+"""The audit's per-record counters: running totals of a dataset, of a shard and of a user turn, the
+ids quoted per kind of problem, samples repeated token for token, and the counts of reasoning
+capture; then the totals as the report's statistics.
 
 `dataset.audit.Auditor` feeds them one record at a time; each counter owns its own state. Memory
 stays a few bytes per record (lengths in compact arrays).
@@ -7,6 +8,7 @@ stays a few bytes per record (lengths in compact arrays).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from array import array
 from collections import Counter
@@ -20,8 +22,10 @@ from toolkit.dataset.audit_report import (
     Integrity,
     Lengths,
     ReasoningCounts,
+    TurnStats,
 )
-from toolkit.formats.records import Record, all_blank, id_positions
+from toolkit.formats.records import OK, Record, all_blank, id_positions
+from toolkit.formats.run import PromptRef, RunPlan
 from toolkit.job import chat
 
 __all__ = [
@@ -29,7 +33,9 @@ __all__ = [
     "DatasetTotals",
     "Examples",
     "Output",
+    "SampleRepeats",
     "ShardTotals",
+    "TurnTotals",
     "combine",
     "count_reasoning",
     "dataset_stats",
@@ -142,6 +148,61 @@ def _note(integ: Integrity, kind: str, rec_id: str) -> None:
     ex = integ.examples.setdefault(kind, [])
     if len(ex) < EXAMPLES:
         ex.append(rec_id)
+
+
+class TurnTotals:
+    """Per user turn of a regenerated dataset ([[datasets]] regenerate = true): its records, tokens,
+    think-ends and outputs cut by max_new_tokens."""
+
+    def __init__(self) -> None:
+        self.turns: dict[tuple[str, int], TurnStats] = {}
+
+    def add(self, rec: Record, turn: int) -> None:
+        t = self.turns.get((rec.dataset, turn))
+        if t is None:
+            t = self.turns[(rec.dataset, turn)] = TurnStats(dataset=rec.dataset, turn=turn + 1)
+        t.records += 1
+        t.prompt_tokens += rec.n_prompt
+        if rec.status != OK:
+            t.failed += 1
+            return
+        t.ok += 1
+        t.output_tokens += rec.n_output
+        t.think_end += rec.reasoning_end is not None
+        t.length += rec.finish == "length"
+
+    def stats(self) -> list[TurnStats]:
+        """Every turn's, by dataset and turn."""
+        return [self.turns[k] for k in sorted(self.turns, key=lambda k: (k[0], k[1]))]
+
+
+class SampleRepeats:
+    """n > 1 at temperature > 0: ok samples whose output ids equal an earlier sample's of the same
+    prompt (and turn). The samples of a prompt are adjacent in planned order, so only the prompt
+    being read is kept: its outputs by turn and hash of their ids -> the first sample's id."""
+
+    def __init__(self, plan: RunPlan):
+        # the datasets (by index) that sample a prompt more than once at a temperature above 0
+        self.datasets = {
+            i
+            for i, d in enumerate(plan.datasets)
+            if (plan.spec.sampling_for(d.name).get("n") or 1) > 1
+            and (plan.spec.sampling_for(d.name).get("temperature", 1.0) or 0) > 0
+        }
+        self.prompt_at: tuple[int, int] | None = None  # (dataset, line)
+        self.outputs_seen: dict[tuple[int, bytes], str] = {}
+
+    def add(self, rec: Record, ref: PromptRef, st: DatasetStats, example: Examples) -> None:
+        at = (ref.dataset, ref.line)
+        if at != self.prompt_at:
+            self.prompt_at, self.outputs_seen = at, {}
+        key = (ref.turn, hashlib.blake2b(rec.output_ids, digest_size=16).digest())
+        if any(k[0] == ref.turn for k in self.outputs_seen):
+            st.samples_compared += 1
+        first = self.outputs_seen.setdefault(key, rec.id)
+        if first != rec.id:
+            st.identical_samples += 1
+            example.add("identical_samples", f"{rec.id} = {first}")
 
 
 def note(integ: Integrity, kind: str, rec_id: str) -> None:
