@@ -1,11 +1,11 @@
-"""Audit: is a merged run complete and faithful? Coverage, reasoning capture, truncation,
-consistency, statistics.
+"""Audit: is a merged run complete and faithful (coverage, reasoning, truncation, consistency)?
 
 Everything is checked on token ids (the stored packed uint32 ids, never re-tokenized text); the
 run's tokenizer is loaded only for its think / eos ids and to re-render a sample of prompts with the
 chat template. `Auditor` accumulates over records in a single pass — the merge feeds it as it writes
-— with memory in a few bytes per record, then `finish` turns the totals into an `AuditReport`
-(schema: `dataset.audit_report`; the checks: `audit_checks`; re-rendering prompts: `rerender`) and
+— with memory in a few bytes per record (its counters: `audit_counts`), then `finish` turns the
+totals into an `AuditReport` (schema: `dataset.audit_report`; the checks: `audit_checks`;
+re-rendering prompts: `rerender`) and
 writes `failed_ids.txt`. Missing ids are the merge's (its manifest and `missing_ids.txt`).
 `audit_run` audits an existing merged dataset.
 

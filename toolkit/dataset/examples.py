@@ -1,9 +1,9 @@
 """Sample outputs for the audit report: a few decoded reasoning / content pairs per dataset, and one
 real message per kind of failure.
 
-The audit counts failures by kind (numbers and quoted names folded, see `audit._error_kind`); a
-person reading the report also wants to see one message as the server wrote it. And a table of token
-counts says nothing about whether the text looks right: a few outputs, decoded with the run's
+The audit counts failures by kind (numbers and quoted names folded, see `audit_counts.error_kind`);
+a person reading the report also wants to see one message as the server wrote it. And a table of
+token counts says nothing about whether the text looks right: a few outputs, decoded with the run's
 tokenizer from the merged records, split where the audit splits them (at the think-end id) with the
 think-end and the stop token shown, let a reader see it. The first ok records of each dataset in
 planned order (not in the order the shards wrote them) are shown, each beside its prompt (the last
