@@ -9,12 +9,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.dataset.merge_manifest import (
-    DatasetCounts,
-    FrameProblem,
-    MergeError,
-    ShardMerge,
-)
+from toolkit.dataset.merge_manifest import DatasetCounts, FrameProblem, MergeError, ShardMerge
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
 from toolkit.formats.manifests import DoneManifest
