@@ -41,13 +41,15 @@ from toolkit.dataset.audit_report import (
     AUDIT_FORMAT,
     AuditReport,
     Check,
+    DatasetStats,
     Integrity,
+    Reprompt,
     ShardStats,
-    SkippedInputs,
-    TokenSummary,
     TrainingShare,
+    skipped_inputs,
+    token_summary,
 )
-from toolkit.dataset.examples import SampleCollector, last_user_text
+from toolkit.dataset.examples import SampleCollector, source_prompt
 from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
 from toolkit.dataset.quality import KEPT_FOR_DRAFTERS, Judge, record_loop
 from toolkit.dataset.rerender import rerender, sample_positions
@@ -67,7 +69,7 @@ from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
-from toolkit.job.inputs import InputError, PromptReader
+from toolkit.job.inputs import PromptReader
 from toolkit.job.plan import load_run
 
 __all__ = ["Auditor", "audit_run"]
@@ -205,20 +207,10 @@ class Auditor:
     def _samples(self, *, trust_sources: bool) -> list:
         """The report's sample outputs, each beside its prompt read from its source line (not when
         the prompt files changed since the run was planned: a line would be another prompt)."""
-        plan = self.plan
+        if not trust_sources:
+            return self.samples.finish(self.tok, self.info.think_end_id)
         with PromptReader() as reader:
-
-            def prompt_of(rec) -> str | None:
-                ref = self.refs.at(rec.index) if trust_sources else None
-                if ref is None:
-                    return None
-                ds = plan.datasets[ref.dataset]
-                try:
-                    prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
-                except (OSError, InputError):
-                    return None
-                return last_user_text(prompt.messages, ref.turn if ds.regenerate else None)
-
+            prompt_of = source_prompt(self.plan, self.refs, reader)
             return self.samples.finish(self.tok, self.info.think_end_id, prompt_of)
 
     def problem(self, name: str, message: str) -> None:
@@ -233,17 +225,69 @@ class Auditor:
         rd.merged_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(rd.failed_file, "".join(i + "\n" for i in self.failed_ids).encode())
         files = {"missing_ids": str(rd.missing_file), "failed_ids": str(rd.failed_file)}
+        datasets, overall = self._dataset_stats(manifest)
+        shards = self._shard_stats(manifest)
+        reprompt, problem = rerender(self.tok, plan, self.refs, self.sampled)
+        if problem:
+            self.problem("source_files", problem)
+        checks = list(self.problems) + self._checks(manifest, overall, datasets, shards, reprompt)
+        report = AuditReport(
+            format=AUDIT_FORMAT,
+            run=plan.name,
+            fingerprint=plan.fingerprint,
+            # what made the records, as the run pinned it: not the [engine] kind taken since
+            engine="stub" if plan.synthetic else plan.spec.engine.kind,
+            training=self._training(),
+            created=utc_now(),
+            passed=all(c.passed for c in checks),
+            checks=checks,
+            planned=plan.total,
+            present=overall.records,
+            ok=overall.ok,
+            failed=overall.failed,
+            missing=manifest.missing,
+            duplicates=manifest.duplicates,
+            damaged_frames=len(manifest.corrupt),
+            tokens=token_summary(plan.spec.model, self.info),
+            overall=overall,
+            datasets=datasets,
+            shards=shards,
+            integrity=self.integ,
+            reprompt=reprompt,
+            files=files,
+            turns=self.turns.stats(),
+            samples=self._samples(trust_sources=problem is None),
+            continued=manifest.continued,
+            skipped_inputs=skipped_inputs(plan),
+        )
+        bad = [c.name for c in checks if not c.passed]
+        if bad:
+            log.error("audit of %s failed: %s", rd.root, ", ".join(bad))
+        else:
+            log.info("audit of %s passed", rd.root)
+        return report
+
+    def _dataset_stats(self, manifest: MergeManifest) -> tuple[list[DatasetStats], DatasetStats]:
+        """Each dataset's statistics (its missing records the merge's) and the run's, their
+        histograms sharing their bins."""
         for name, acc in self.ds.items():
             counts = manifest.datasets.get(name)
             acc.stats.missing = counts.missing if counts is not None else 0
         tops = hist_tops(list(self.ds.values()))
         datasets = [dataset_stats(a, tops) for a in self.ds.values()]
-        overall = dataset_stats(combine(list(self.ds.values()), "all", plan.total), tops)
-        shards = self._shard_stats(manifest)
-        reprompt, problem = rerender(self.tok, plan, self.refs, self.sampled)
-        if problem:
-            self.problem("source_files", problem)
-        checks = list(self.problems) + run_checks(
+        overall = dataset_stats(combine(list(self.ds.values()), "all", self.plan.total), tops)
+        return datasets, overall
+
+    def _checks(
+        self,
+        manifest: MergeManifest,
+        overall: DatasetStats,
+        datasets: list[DatasetStats],
+        shards: list[ShardStats],
+        reprompt: Reprompt,
+    ) -> list[Check]:
+        plan, rd = self.plan, self.rd
+        return run_checks(
             a=self.spec,
             model=plan.spec.model,
             info=self.info,
@@ -263,61 +307,6 @@ class Auditor:
             run=rd.root,
             finish=rd.finish_command(),
         )
-        info, model = self.info, plan.spec.model
-        report = AuditReport(
-            format=AUDIT_FORMAT,
-            run=plan.name,
-            fingerprint=plan.fingerprint,
-            # what made the records, as the run pinned it: not the [engine] kind taken since
-            engine="stub" if plan.synthetic else plan.spec.engine.kind,
-            training=self._training(),
-            created=utc_now(),
-            passed=all(c.passed for c in checks),
-            checks=checks,
-            planned=plan.total,
-            present=overall.records,
-            ok=overall.ok,
-            failed=overall.failed,
-            missing=manifest.missing,
-            duplicates=manifest.duplicates,
-            damaged_frames=len(manifest.corrupt),
-            tokens=TokenSummary(
-                tokenizer=model.tokenizer_path or model.path,
-                think_start=model.think_start,
-                think_start_id=info.think_start_id,
-                think_end=model.think_end,
-                think_end_id=info.think_end_id,
-                eos_ids=list(info.eos_ids),
-                vocab_size=info.vocab_size,
-                template_opens_reasoning=info.opens_reasoning,
-            ),
-            overall=overall,
-            datasets=datasets,
-            shards=shards,
-            integrity=self.integ,
-            reprompt=reprompt,
-            files=files,
-            turns=self.turns.stats(),
-            samples=self._samples(trust_sources=problem is None),
-            continued=manifest.continued,
-            skipped_inputs=[
-                SkippedInputs(
-                    d.name,
-                    d.path,
-                    d.bad_lines,
-                    d.too_long,
-                    [f"{d.path}:{x.line}: {x.reason}" for x in d.skipped],
-                )
-                for d in plan.datasets
-                if d.skipped_lines
-            ],
-        )
-        bad = [c.name for c in checks if not c.passed]
-        if bad:
-            log.error("audit of %s failed: %s", rd.root, ", ".join(bad))
-        else:
-            log.info("audit of %s passed", rd.root)
-        return report
 
     def _training(self) -> TrainingShare:
         t = self.training
