@@ -196,14 +196,14 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
         "submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not done (no done manifest): 1\n"
         "merge job: `toolkit merge run` exited 2 (the lines above say why); once that is fixed, ...\n"
     )
+    import toolkit.cluster.slurmview
     import toolkit.cluster.status
-    import toolkit.cluster.verdicts
 
-    J = toolkit.cluster.verdicts.SlurmJob
+    J = toolkit.cluster.slurmview.SlurmJob
     monkeypatch.setattr(
         toolkit.cluster.status,
         "slurm_view",
-        lambda ids: toolkit.cluster.verdicts.SlurmView(
+        lambda ids: toolkit.cluster.slurmview.SlurmView(
             jobs={"70_0": J("COMPLETED", "n1"), "70_1": J("FAILED", "n2"), "71": J("FAILED", "n1")}
         ),
     )

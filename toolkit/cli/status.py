@@ -26,7 +26,8 @@ the exit code means:
 
 
 def add_status(sub) -> None:
-    from toolkit.cluster.status import SUMMARY_OVER, UNKNOWN_LIMIT_S
+    from toolkit.cluster.status import UNKNOWN_LIMIT_S
+    from toolkit.cluster.table import SUMMARY_OVER
 
     s = sub.add_parser(
         "status",
