@@ -67,9 +67,9 @@ import pytest  # noqa: E402
 
 import runs  # noqa: E402
 from toolkit.cli import main as cli_main  # noqa: E402
+from toolkit.cluster.arrays import describe_array  # noqa: E402
 from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
 from toolkit.cluster.status import RunStatus  # noqa: E402
-from toolkit.cluster.submit import describe_array  # noqa: E402
 from toolkit.formats.progress import Progress, write_progress  # noqa: E402
 
 

@@ -34,7 +34,8 @@ def add_submit(sub) -> None:
 
 
 def cmd_submit(args) -> int:
-    from toolkit.cluster.submit import format_dry_run, format_submission, submit
+    from toolkit.cluster.dryrun import format_dry_run
+    from toolkit.cluster.submit import format_submission, submit
     from toolkit.formats.rundir import RunDir
 
     r = submit(
