@@ -37,17 +37,14 @@ class Jobs(msgspec.Struct):
     submissions: list[Submission] = []
 
 
-class DamagedJobs(BadInputError):
-    """jobs.json is not what the toolkit wrote: which Slurm jobs belong to the run is unknown."""
-
-
 def read_jobs(rd: RunDir) -> Jobs:
     try:
         return msgspec.json.decode(rd.jobs_file.read_bytes(), type=Jobs)
     except FileNotFoundError:
         return Jobs()
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise DamagedJobs(
+        # not what the toolkit wrote: which Slurm jobs belong to the run is unknown
+        raise BadInputError(
             f"{rd.jobs_file} is damaged ({e}): it is the record of which Slurm jobs this run "
             "submitted. Restore it (e.g. from a backup), or move it aside: the shard files and "
             "progress are unaffected, but the jobs it listed are then unknown to the toolkit "

@@ -79,7 +79,7 @@ def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5):
 SLURM_ASK_S = 5.0
 
 
-class ShardEnd:
+class EndedForGood:
     """Whether a followed shard has ended for good, as a callable: its end ("done", "failed (task
     12_0 failed)", ...) or None while more attempts may still write its log.
 
@@ -334,7 +334,7 @@ def logs_command(
     path = _server_log(rd, shard) if server else rd.log_file(shard)
     if follow:
         try:
-            end = follow_file(path, lines=lines, stop_when=ShardEnd(rd, shard))
+            end = follow_file(path, lines=lines, stop_when=EndedForGood(rd, shard))
         except KeyboardInterrupt:
             return 0
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
