@@ -28,11 +28,7 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import asked_again, shard_state
 from toolkit.job.plan import load_run
 
-__all__ = ["RetryError", "read_ids", "request_retry"]
-
-
-class RetryError(BadInputError):
-    """A retry that cannot be asked as given (unknown ids, unreadable file)."""
+__all__ = ["read_ids", "request_retry"]
 
 
 def read_ids(path: str | os.PathLike) -> list[str]:
@@ -40,7 +36,7 @@ def read_ids(path: str | os.PathLike) -> list[str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise RetryError(f"{path}: cannot read the ids to retry ({e.strerror})") from None
+        raise BadInputError(f"{path}: cannot read the ids to retry ({e.strerror})") from None
     return [s for line in lines if (s := line.strip()) and not s.startswith("#")]
 
 
@@ -53,7 +49,7 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
             wanted.discard(ref.id)
             by_shard.setdefault(bisect_right(firsts, pos) - 1, []).append(ref.id)
     if wanted:
-        raise RetryError(
+        raise BadInputError(
             f"{len(wanted)} ids are not planned in {rd.shown} (e.g. {sorted(wanted)[0]!r})"
         )
     return by_shard

@@ -1,5 +1,5 @@
 """Request validation of /generate: 0.5.23's schema gate over the whole body (serde-style texts),
-and the sampling checks of engines/sglang_sampling (shared with the job spec) as the stub's
+and the sampling checks of engines/sglang_contract/sampling (shared with the job spec) as the stub's
 errors."""
 
 from __future__ import annotations
