@@ -50,10 +50,11 @@ __all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"
 
 def sglang_missing(spec: JobSpec) -> str | None:
     """Why SGLang cannot be started here, when the toolkit launches it (`PYTHON -m
-    sglang.launch_server`, PYTHON as engines.sglang.engine_python chooses it in this environment)
-    and that Python has no `sglang`; None when it can (or the engine launches otherwise)."""
+    sglang.launch_server`, PYTHON as engines.sglang_python.engine_python chooses it in this
+    environment) and that Python has no `sglang`; None when it can (or the engine launches
+    otherwise)."""
     from toolkit.engines.base import EngineError
-    from toolkit.engines.sglang import engine_python, has_sglang
+    from toolkit.engines.sglang_python import engine_python, has_sglang
 
     e = spec.engine
     if e.kind != "sglang" or e.command:
