@@ -45,11 +45,12 @@ from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
 from toolkit.job.plan import load_run
 from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
 from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
-from toolkit.worker.session import EngineSession
+from toolkit.worker.session import EngineSession, Shards
 from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
 
 __all__ = [
     "ClaimResult",
+    "Claims",
     "claimable",
     "look",
     "run_claims",
@@ -216,152 +217,187 @@ def run_claims(
     the next); without, the first failure ends it (raised, once the other open shards have stopped).
     With `verify`, done manifests are first checked against their files (`untrusted`: read once, at
     the start)."""
-    return asyncio.run(
-        _claims(
-            run_dir,
+
+    async def claim() -> ClaimResult:
+        rd, plan = load_run(run_dir)
+        recheck = untrusted(rd, plan, pool) if verify else set()
+        session = EngineSession(plan.spec, task=task, group=group)
+        claims = Claims(
+            rd,
+            plan,
             pool,
-            worker=worker,
-            workers=workers,
-            task=task,
+            session,
+            start=start_of(worker, workers, pool),
             group=group,
             keep_going=keep_going,
-            verify=verify,
+            recheck=recheck,
         )
-    )
+        session.begin(claims.who)
+        return await claims.run()
+
+    return asyncio.run(claim())
 
 
-async def _claims(
-    run_dir,
-    pool: list[int],
-    *,
-    worker: int,
-    workers: int,
-    task: str | None,
-    group: str | None,
-    keep_going: bool,
-    verify: bool,
-) -> ClaimResult:
-    rd, plan = load_run(run_dir)
-    recheck = untrusted(rd, plan, pool) if verify else set()
-    session = EngineSession(plan.spec, task=task, group=group)
-    session.begin(task or "worker")
-    start = start_of(worker, workers, pool)
-    result = ClaimResult()
-    skip: set[int] = set()
-    races: dict[int, int] = {}
-    who = task or "worker"
+class Claims(Shards):
+    """One worker's claim loop: what it looks at (the run, its pool, where it starts in it), what it
+    has decided (shards it skips, races lost, until when it waits for shards being handed over) and
+    what it did (`result`). The engine session serves the shards it opens and calls it back at each
+    turn: `next_shard` (claim and open the next one), `shard_ended` (count its end), `hand_over` (at
+    the run's tail, whether this task leaves)."""
 
-    def ended(sh, out) -> None:
-        said(sh.shard, out)
+    more = True
 
-    def said(k: int, out) -> None:
+    def __init__(
+        self,
+        rd: RunDir,
+        plan: RunPlan,
+        pool: list[int],
+        session: EngineSession,
+        *,
+        start: int,
+        group: str | None,
+        keep_going: bool,
+        recheck: set[int],
+    ):
+        self.rd, self.plan, self.pool, self.session = rd, plan, pool, session
+        self.start, self.group, self.keep_going = start, group, keep_going
+        self.recheck = recheck  # done manifests not trusted: claimable again (see `untrusted`)
+        self.who = session.task or "worker"
+        self.result = ClaimResult()
+        self.skip: set[int] = set()  # never claimed again by this worker
+        self.races: dict[int, int] = {}  # shard -> times another worker took it the same moment
+        # how long a task with nothing open waits for shards being handed over
+        self.handed_until = time.monotonic() + HANDOVER_WAIT_S
+
+    async def run(self) -> ClaimResult:
+        """Claim, serve and count shards until none is left or the worker stops; the engine stopped
+        at the end."""
+        session, result = self.session, self.result
+        try:
+            while not session.stop.is_set():
+                first = await self.next_shard()
+                if first is None:
+                    break
+                await session.serve(first, self)
+            if session.halted is not None:
+                raise session.halted
+            self._finish()
+        finally:
+            result.engine_starts = session.starts
+            try:
+                await session.close()
+            finally:
+                session.end()
+                self._say_end()
+        return result
+
+    def shard_ended(self, sh, out) -> None:
+        self._count(sh.shard, out)
+
+    def _count(self, k: int, out) -> None:
+        """One shard's end, in the result: failed, handed over, stopped, or done here (this worker
+        has nothing more to give it: its failures that may pass are final)."""
+        session, result = self.session, self.result
         if isinstance(out, SHARD_ERRORS):
             result.failed.append(k)
-            if not keep_going:
+            if not self.keep_going:
                 session.halt(out)
         elif out.end == STOPPED and session.leaving and out.stop_signal is None:
             result.handed_over.append(k)
         elif out.end == STOPPED:
             result.stopped = result.stopped or out.stop_signal or session.stop_signal or "stop"
         else:
-            # done here: this worker has nothing more to give it (its failures that may
             result.done.append(k)
-            # pass are final)
 
-    async def claim_next():
+    async def next_shard(self):
         """The next shard claimed and opened, or None when none is left (or the worker stops)."""
+        session = self.session
         while not session.stop.is_set():
-            states = look(rd, pool, group=group, recheck=recheck)
-            k = pick(claimable(plan, states, skip), pool, start)
-            if (
-                k is None
-                and not session.batch.shards
-                and time.monotonic() < handed_until[0]
-                and _being_handed_over(states)
-            ):
+            states = look(self.rd, self.pool, group=self.group, recheck=self.recheck)
+            k = pick(claimable(self.plan, states, self.skip), self.pool, self.start)
+            if k is None and self._wait_for_handover(states):
                 # a task leaving releases its shards once its requests are back
                 await asyncio.sleep(0.5)
                 continue
             if k is None:
                 return None
-            with shard_lines(k):
-                log.info(
-                    "%s claims shard %d (its shard %d in this task; engine started %d time(s) so "
-                    "far)",
-                    who,
-                    k,
-                    len(session.served) + 1,
-                    session.starts,
-                )
-            recheck.discard(k)
-            try:
-                opened = open_shard(rd, plan, k, session)
-            except ShardBusy:  # another worker took it the moment before
-                races[k] = races.get(k, 0) + 1
-                if races[k] >= RACES:
-                    skip.add(k)
-                continue
-            except SHARD_ERRORS as e:
-                skip.add(k)
-                said(k, e)
-                if not keep_going:
-                    return None
-                continue
-            skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
-            if isinstance(opened, ShardEnd):
-                said(k, opened)
-                continue
-            return opened
+            opened = self._claim(k)
+            if opened is not None:
+                return opened
         return None
 
-    # how long a task with nothing open waits for shards being handed over
-    handed_until = [float("inf")]
+    def _wait_for_handover(self, states: list[ShardStatus]) -> bool:
+        """Nothing to claim and nothing open: whether shards are being handed over (and the wait
+        for them is not over)."""
+        return (
+            not self.session.batch.shards
+            and time.monotonic() < self.handed_until
+            and _being_handed_over(states)
+        )
 
-    def tail_check(batch) -> bool:
+    def _claim(self, k: int):
+        """Claim and open shard `k`: the shard to serve, or None (lost to another worker, failed,
+        or nothing left to do in it: counted)."""
+        session = self.session
+        with shard_lines(k):
+            log.info(
+                "%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
+                self.who,
+                k,
+                len(session.served) + 1,
+                session.starts,
+            )
+        self.recheck.discard(k)
+        try:
+            opened = open_shard(self.rd, self.plan, k, session)
+        except ShardBusy:  # another worker took it the moment before
+            self.races[k] = self.races.get(k, 0) + 1
+            if self.races[k] >= RACES:
+                self.skip.add(k)
+            return None
+        except SHARD_ERRORS as e:
+            self.skip.add(k)
+            self._count(k, e)
+            return None
+        self.skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
+        if isinstance(opened, ShardEnd):
+            self._count(k, opened)
+            return None
+        return opened
+
+    def hand_over(self, batch) -> bool:
+        """At the run's tail: whether this task leaves, its requests handed over (`hand_over`)."""
         # what is in flight would be generated again: not worth it
-        if not plan.spec.client.save_in_flight:
+        if not self.plan.spec.client.save_in_flight:
             return False
-        handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
-        return hand_over(rd, pool, who, batch)
+        self.handed_until = time.monotonic() + HANDOVER_WAIT_S
+        return hand_over(self.rd, self.pool, self.who, batch)
 
-    session.handover = tail_check
-    handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
-    try:
-        while not session.stop.is_set():
-            first = await claim_next()
-            if first is None:
-                break
-            await session.serve(first, claim_next, ended)
-        if session.halted is not None:
-            raise session.halted
+    def _finish(self) -> None:
+        """The result's last words: requests handed over, the stop, the shards others hold."""
+        session, result = self.session, self.result
         if session.leaving:
             result.requests_handed = session.handed[0]
             log.warning(
                 "%s handed over %d requests of shards %s at the run's tail (kept as partial "
-                "outputs, "
-                "continued by the task that claims them) and ends",
-                who,
+                "outputs, continued by the task that claims them) and ends",
+                self.who,
                 result.requests_handed,
                 result.handed_over,
             )
         if session.stop.is_set() and result.stopped is None and not session.leaving:
             result.stopped = session.stop_signal or "stop"
-        result.busy = _busy(rd, pool) if result.stopped is None else []
-    finally:
-        result.engine_starts = session.starts
-        try:
-            await session.close()
-        finally:
-            session.end()
-            log.info(
-                "%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d "
-                "shard(s) "
-                "open at once%s",
-                who,
-                len(result.done),
-                len(result.failed),
-                session.starts,
-                session.most_open,
-                f"; stopped by {result.stopped}" if result.stopped else "",
-            )
-    return result
+        result.busy = _busy(self.rd, self.pool) if result.stopped is None else []
+
+    def _say_end(self) -> None:
+        result, session = self.result, self.session
+        log.info(
+            "%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d shard(s) "
+            "open at once%s",
+            self.who,
+            len(result.done),
+            len(result.failed),
+            session.starts,
+            session.most_open,
+            f"; stopped by {result.stopped}" if result.stopped else "",
+        )

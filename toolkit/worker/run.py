@@ -57,7 +57,7 @@ from toolkit.job import chat
 from toolkit.job.inputs import check_plan_inputs
 from toolkit.job.plan import load_run
 from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread
-from toolkit.worker.session import EngineSession, _max_in_flight
+from toolkit.worker.session import EngineSession, Shards, _max_in_flight
 from toolkit.worker.shard import (
     SHARD,
     SHARD_ERRORS,
@@ -408,9 +408,9 @@ async def _run_one(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
             return opened
         if session.stop.is_set():  # a signal came while the shard was being opened: nothing started
             opened.progress.stop_signal = session.stop_signal
-        ends: list = []
-        await session.serve(opened, None, lambda sh, out: ends.append(out))
-        out = ends[0]
+        one = Shards()
+        await session.serve(opened, one)
+        out = one.ends[0]
         if isinstance(out, SHARD_ERRORS):
             raise out
         return out

@@ -2,15 +2,16 @@
 restarts, the tokenizer, the HTTP client, the stop signal, the bound on its end (exitguard) and ONE
 concurrency controller (a `Batch`) for the engine, shared by every shard it serves at once.
 
-`EngineSession.serve(first, opener)` generates the shard `first` and, while an `opener` gives more,
-the shards it opens: when the open shards have nothing left to send and the engine has room
-(worker.policy.opens_next), the next shard is claimed and its prompts go out while the previous
-shards' last requests finish. Each shard stays the unit of storage, resume and status (worker.run):
-its own requests, records, log lines and end. An engine that dies is restarted once for all open
-shards (up to [engine] max_restarts each); a stop signal stops and saves what is in flight for every
-open shard; the engine is stopped when the session closes, after the last shard is out. At the
-run's tail (nothing left to claim), a `handover` callback may decide that this task leaves: its open
-shards stop as at a stop signal (what is in flight kept) for a task with room to continue.
+`EngineSession.serve(first, shards)` generates the shard `first` and, while `shards` (its one
+collaborator, a `Shards`: a claim loop, worker.claims.Claims) opens more, those too: when the open
+shards have nothing left to send and the engine has room (worker.policy.opens_next), the next shard
+is claimed and its prompts go out while the previous shards' last requests finish. Each shard stays
+the unit of storage, resume and status (worker.run): its own requests, records, log lines and end.
+An engine that dies is restarted once for all open shards (up to [engine] max_restarts each); a stop
+signal stops and saves what is in flight for every open shard; the engine is stopped when the
+session closes, after the last shard is out. At the run's tail (nothing left to claim),
+`shards.hand_over` may decide that this task leaves: its open shards stop as at a stop signal (what
+is in flight kept) for a task with room to continue.
 
 How many shards are open at once: a shard is opened only when every open one has nothing left to
 send and fewer requests than the target are in flight, so every open shard but the newest holds at
@@ -23,7 +24,6 @@ import contextvars
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -41,7 +41,7 @@ from toolkit.worker.inflight import ABORT_GRACE_S, save_in_flight
 from toolkit.worker.policy import opens_next
 from toolkit.worker.shard import SHARD, Batch, Shard, ShardFailed, count, health_timeout
 
-__all__ = ["EngineSession", "MAX_OPEN", "exit_bound"]
+__all__ = ["EngineSession", "MAX_OPEN", "Shards", "exit_bound"]
 
 log = logging.getLogger("toolkit.worker")
 
@@ -54,6 +54,28 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 
 class _Stop(Exception):
     pass
+
+
+class Shards:
+    """What a session serves, and its one collaborator while it does: the shard it is given first,
+    then those `next_shard` opens (`more`: whether it may open any; worker.claims.Claims does); each
+    shard's end (its ShardEnd, or the ShardFailed it failed with) goes to `shard_ended`; at the
+    run's tail `hand_over` decides whether this task leaves. This one serves one shard and keeps its
+    end."""
+
+    more = False
+
+    def __init__(self):
+        self.ends: list = []
+
+    async def next_shard(self) -> Shard | None:
+        return None
+
+    def shard_ended(self, sh: Shard, out) -> None:
+        self.ends.append(out)
+
+    def hand_over(self, batch: Batch) -> bool:
+        return False
 
 
 def exit_bound(spec) -> float:
@@ -92,9 +114,7 @@ class EngineSession:
         self.check: EngineCheck | None = None
         self.guard: ExitGuard | None = None
         self.most_open = 0  # most shards open at once on the engine
-        # The run's tail (worker.policy.hands_over): `handover(batch)` decides and publishes that
-        # this task leaves, giving its requests away; set by a claiming worker.
-        self.handover: Callable[[Batch], bool] | None = None
+        self.shards: Shards = Shards()  # what it serves (serve): one shard, or a claim loop
         self.leaving = False  # it hands its requests over: its open shards stop, then it ends
         self.handed: tuple[int, list[int]] = (0, [])  # requests and shards it handed over
         self.at_tail = False  # the opener found nothing to claim
@@ -221,16 +241,11 @@ class EngineSession:
 
     # -- serving shards --------------------------------------------------------------------------
 
-    async def serve(
-        self,
-        first: Shard,
-        opener: Callable[[], Awaitable[Shard | None]] | None = None,
-        on_end: Callable[[Shard, Any], None] | None = None,
-    ) -> None:
-        """Generate the opened shard `first` and the shards `opener` opens while this runs (None: no
-        more). Each shard's end — its ShardEnd, or the ShardFailed it failed with — goes to
-        `on_end`."""
-        ended = on_end or (lambda sh, out: None)
+    async def serve(self, first: Shard, shards: Shards) -> None:
+        """Generate the opened shard `first` and the shards `shards` opens while this runs; each
+        shard's end goes to `shards.shard_ended`."""
+        self.shards = shards
+        ended = shards.shard_ended
         spec = self.spec
         if self.stop.is_set():  # a signal came while the shard was being opened: nothing started
             first.batch = self.batch
@@ -262,7 +277,6 @@ class EngineSession:
                 self._fail_all(ShardFailed(str(e)), ended)
                 return
         ready_once = running
-        more = [opener]  # the opener, until it has nothing more
         while self.batch.shards:
             http = HttpClient(
                 engine.url, api_key=engine.api_key, max_connections=_max_in_flight(spec)
@@ -277,7 +291,7 @@ class EngineSession:
                 ready_once = True
                 for sh in self.batch.shards:
                     sh.http = http
-                await self._generate(engine, http, hang, more, ended)
+                await self._generate(engine, http, hang, ended)
             except EngineUnreachable as e:
                 self._fail_all(ShardFailed(str(e)), ended)
                 await self._stop_engine(engine)
@@ -329,7 +343,7 @@ class EngineSession:
             engine.probe_ids = probe
             await engine.probe(http)
 
-    async def _generate(self, engine, http, hang, more: list, ended) -> None:
+    async def _generate(self, engine, http, hang, ended) -> None:
         """Run every open shard's requests, open the next shards while there is room, and end each
         shard as its own requests are over; returns when no shard is open and none is left to open.
         """
@@ -350,13 +364,13 @@ class EngineSession:
                         work[asyncio.ensure_future(self._shard_work(sh, engine))] = sh
                 now = time.monotonic()
                 if (
-                    more[0] is not None
+                    self.shards.more
                     and not stop.is_set()
                     and len(b.shards) < self.max_open()
                     and opens_next(b.unsent, b.in_flight, b.target)
                     and (not b.shards or now >= self.next_claim)
                 ):
-                    sh = await more[0]()
+                    sh = await self.shards.next_shard()
                     if sh is None:  # nothing to claim now: asked again in a while, while shards run
                         self.next_claim, self.at_tail = now + CLAIM_POLL_S, True
                         if not b.shards:
@@ -369,15 +383,9 @@ class EngineSession:
                         continue
                 if not work:
                     return
-                if (
-                    self.at_tail
-                    and self.handover is not None
-                    and not stop.is_set()
-                    and not b.unsent
-                    and now >= self.next_tail
-                ):
+                if self.at_tail and not stop.is_set() and not b.unsent and now >= self.next_tail:
                     self.next_tail = now + TAIL_POLL_S
-                    if self.handover(b):
+                    if self.shards.hand_over(b):
                         self._leave()
                 done, _ = await asyncio.wait(
                     [*work, *watchers, stopper], timeout=TICK_S, return_when=asyncio.FIRST_COMPLETED
@@ -395,7 +403,7 @@ class EngineSession:
                     if e is not None:
                         self._close(sh, ended, error=e)
                         continue
-                    if len(b.shards) == 1 and (more[0] is None or stop.is_set()):
+                    if len(b.shards) == 1 and (not self.shards.more or stop.is_set()):
                         last = sh  # the session's end: closed once its watchers are stopped
                         return
                     self._close(sh, ended, stopped=stop.is_set())
