@@ -31,28 +31,33 @@ after RACES such races), or stops; so a worker claims each shard of its pool at 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import time
 
 import msgspec
 
-from toolkit.formats.locks import try_flock
 from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
+from toolkit.formats.shardstate import ShardStatus
 from toolkit.job.plan import load_run
-from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
-from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
-from toolkit.worker.session import EngineSession, Shards
-from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
+from toolkit.worker.policy import pick, start_of
+from toolkit.worker.poolview import (
+    HANDOVER_WAIT_S,
+    being_handed_over,
+    busy,
+    claimable,
+    hand_over,
+    look,
+    untrusted,
+)
+from toolkit.worker.run import STOPPED, ShardEnd, open_shard
+from toolkit.worker.session import EngineSession
+from toolkit.worker.shard import SHARD_ERRORS, ShardBusy, Shards, shard_lines
 
 __all__ = [
     "ClaimResult",
     "Claims",
-    "claimable",
-    "look",
     "run_claims",
     "slurm_group",
     "slurm_task",
@@ -88,115 +93,6 @@ def slurm_group() -> str | None:
     """The group of workers sharing a pool under Slurm: the array job (or the job)."""
     env = os.environ
     return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
-
-
-def look(
-    rd: RunDir, pool: list[int], *, group: str | None = None, recheck: set[int] = frozenset()
-) -> list[ShardStatus]:
-    """Every shard of `pool` as a claiming task sees it, in one scan: done, held by a writer
-    elsewhere, failed in this group (`group`), untrusted (in `recheck`), or claimable; with the
-    progress of those not done (a done shard costs one file). One look serves the choice of the next
-    shard (`claimable`) and the wait for shards being handed over; `tails` takes its own."""
-    return [
-        shard_state(rd, k, recheck=k in recheck, held=True, group=group, progress="unfinished")
-        for k in pool
-    ]
-
-
-def claimable(plan: RunPlan, states: list[ShardStatus], skip: set[int]) -> list[Candidate]:
-    """The shards of a look a free worker may claim: unfinished (no done manifest, or failures that
-    may pass, or ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer
-    matches), not held by another worker right now, not failed in this group, not in `skip`; each
-    with the prompts it has left, as its progress file says."""
-    out = []
-    for st in states:
-        if st.shard in skip or st.state in (ShardState.DONE, ShardState.HELD, ShardState.FAILED):
-            continue
-        p = st.progress
-        total = plan.shards[st.shard].count
-        out.append(
-            Candidate(
-                st.shard, max(0, total - (p.done if p is not None and p.state != "done" else 0))
-            )
-        )
-    return out
-
-
-def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
-    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed
-    since (size, sha256). Running them again checks the file, salvages what is intact and generates
-    the rest (worker.run)."""
-    return {
-        k
-        for k in pool
-        if shard_state(rd, k, fingerprint=plan.fingerprint, verify=True).state
-        is ShardState.UNTRUSTED
-    }
-
-
-# a task with nothing open waits this long for shards another task hands over
-HANDOVER_WAIT_S = 90.0
-
-
-def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
-    """The other live tasks at the run's tail, as the progress files of the shards they hold say
-    (a fresh `look`): requests running, requests kept in flight, leaving or not (a task holding
-    several shards counts once)."""
-    out: dict[str, Tail] = {}
-    for st in look(rd, pool):
-        p = st.progress
-        if (
-            st.state is not ShardState.HELD
-            or p is None
-            or p.task in (None, me)
-            or p.state not in ("loading", "generating")
-        ):
-            continue
-        was = out.get(p.task)
-        out[p.task] = Tail(
-            p.task,
-            max(p.running or 0, was.running if was else 0),
-            max(p.in_flight_target or 0, was.target if was else 0),
-            p.leaving or (was.leaving if was else False),
-        )
-    return list(out.values())
-
-
-def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
-    """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
-    (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
-    leave for each other. False when another task holds the lock (the next look decides)."""
-    with open(rd.handover_lock, "a+b") as f:
-        # never waited for: this runs on the event loop; the next look comes a second later
-        taken = try_flock(f.fileno())
-        if taken is None:  # two tasks could leave for each other: each finishes its own shards
-            log.debug("%s: no flock on this file system: no handover", rd.handover_lock)
-        if not taken:
-            return False
-        try:
-            if not hands_over(
-                Tail(me, batch.in_flight, batch.target), tails(rd, pool, me), claimable=0
-            ):
-                return False
-            for sh in batch.shards:
-                sh.progress.leaving = True
-                sh.save_progress()
-            return True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _being_handed_over(states: list[ShardStatus]) -> bool:
-    """Some shard of a look is held by a task that is leaving: it is claimable once that task lets
-    go."""
-    return any(
-        st.state is ShardState.HELD and st.progress is not None and st.progress.leaving
-        for st in states
-    )
-
-
-def _busy(rd: RunDir, pool: list[int]) -> list[int]:
-    return [k for k in pool if shard_state(rd, k, held=True).busy]
 
 
 def run_claims(
@@ -279,8 +175,8 @@ class Claims(Shards):
                 if first is None:
                     break
                 await session.serve(first, self)
-            if session.halted is not None:
-                raise session.halted
+            if session.stop.halted is not None:
+                raise session.stop.halted
             self._finish()
         finally:
             result.engine_starts = session.starts
@@ -301,11 +197,11 @@ class Claims(Shards):
         if isinstance(out, SHARD_ERRORS):
             result.failed.append(k)
             if not self.keep_going:
-                session.halt(out)
-        elif out.end == STOPPED and session.leaving and out.stop_signal is None:
+                session.stop.halt(out)
+        elif out.end == STOPPED and session.stop.leaving and out.stop_signal is None:
             result.handed_over.append(k)
         elif out.end == STOPPED:
-            result.stopped = result.stopped or out.stop_signal or session.stop_signal or "stop"
+            result.stopped = result.stopped or out.stop_signal or session.stop.signal or "stop"
         else:
             result.done.append(k)
 
@@ -332,7 +228,7 @@ class Claims(Shards):
         return (
             not self.session.batch.shards
             and time.monotonic() < self.handed_until
-            and _being_handed_over(states)
+            and being_handed_over(states)
         )
 
     def _claim(self, k: int):
@@ -376,8 +272,8 @@ class Claims(Shards):
     def _finish(self) -> None:
         """The result's last words: requests handed over, the stop, the shards others hold."""
         session, result = self.session, self.result
-        if session.leaving:
-            result.requests_handed = session.handed[0]
+        if session.stop.leaving:
+            result.requests_handed = session.stop.handed[0]
             log.warning(
                 "%s handed over %d requests of shards %s at the run's tail (kept as partial "
                 "outputs, continued by the task that claims them) and ends",
@@ -385,9 +281,9 @@ class Claims(Shards):
                 result.requests_handed,
                 result.handed_over,
             )
-        if session.stop.is_set() and result.stopped is None and not session.leaving:
-            result.stopped = session.stop_signal or "stop"
-        result.busy = _busy(self.rd, self.pool) if result.stopped is None else []
+        if session.stop.is_set() and result.stopped is None and not session.stop.leaving:
+            result.stopped = session.stop.signal or "stop"
+        result.busy = busy(self.rd, self.pool) if result.stopped is None else []
 
     def _say_end(self) -> None:
         result, session = self.result, self.session
