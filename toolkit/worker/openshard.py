@@ -242,7 +242,7 @@ class Shard:
         return self.progress.engine_restarts
 
     def loaded(self, load, capacity: int, target: int) -> None:
-        """The server's load (engines.client.read_load; None: not said) and the batch's target."""
+        """The server's load (engines.endpoints.read_load: None if not said), the batch target."""
         p = self.progress
         if load is not None:
             p.running, p.queued = load.running, load.waiting

@@ -75,7 +75,7 @@ class EngineSession:
         self.batch = Batch(spec.client)
         self.stop = Stop(spec, self.batch)  # the worker's stop: signals, handover, failure
         self.tokenizer = KeptTokenizer()  # loaded for a shard, kept for the next ones
-        self.limits = None  # engines.client.ServerLimits of the engine's current start
+        self.limits = None  # engines.endpoints.ServerLimits of the engine's current start
         # its clients, one pair per engine start: the requests', and the probes' and aborts'
         self.http: HttpClient | None = None
         self.probes: HttpClient | None = None
