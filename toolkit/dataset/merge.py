@@ -206,6 +206,13 @@ def _open_merged(rd: RunDir, plan: RunPlan, tmp: Path, n: int) -> ShardWriter:
     return writer
 
 
+# what the manifest takes from the merge's counts (MergeCounts), under the same names
+_COUNTED = (
+    "records ok failed missing duplicates foreign prompt_tokens output_tokens datasets shards "
+    "corrupt torn missing_ids duplicate_ids foreign_ids continued"
+).split()
+
+
 def _manifest(
     rd: RunDir,
     plan: RunPlan,
@@ -225,25 +232,10 @@ def _manifest(
         allow_incomplete=allow_incomplete,
         complete=complete,
         planned=plan.total,
-        records=t.records,
-        ok=t.ok,
-        failed=t.failed,
-        missing=t.missing,
-        duplicates=t.duplicates,
-        foreign=t.foreign,
-        prompt_tokens=t.prompt_tokens,
-        output_tokens=t.output_tokens,
-        datasets=t.datasets,
-        shards=t.shards,
-        corrupt=t.corrupt,
-        torn=t.torn,
         file=rd.merged_file.name,
         bytes=size,
         sha256=sha,
-        missing_ids=t.missing_ids,
-        duplicate_ids=t.duplicate_ids,
-        foreign_ids=t.foreign_ids,
-        continued=t.continued,
+        **{name: getattr(t, name) for name in _COUNTED},
     )
 
 
