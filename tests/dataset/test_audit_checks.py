@@ -30,6 +30,11 @@ INFO = TokenInfo(
 MODEL = ModelSpec(path="m")
 
 
+def reasoning(**counts) -> checks.ReasoningChecks:
+    """The reasoning checks over these counts, with INFO's tokens and MODEL."""
+    return checks.ReasoningChecks(ReasoningCounts(**counts), INFO, MODEL)
+
+
 def stats(name="all", planned=10, records=10, ok=10, failed=0, **kw) -> DatasetStats:
     return DatasetStats(name=name, planned=planned, records=records, ok=ok, failed=failed, **kw)
 
@@ -115,61 +120,44 @@ def test_nan_stop():
 
 
 def test_reasoning_mode():
-    good = checks.reasoning_mode(ReasoningCounts(in_reasoning=5, mode_opened=5), 5, [], INFO, MODEL)
+    good = reasoning(in_reasoning=5, mode_opened=5).mode(5, [])
     assert (
         good.passed
         and "5 of 5 ok outputs are in reasoning mode (5 opened by the template)" in good.message
     )
-    closed = checks.reasoning_mode(
-        ReasoningCounts(in_reasoning=4, closed_by_template=1), 5, ["c"], INFO, MODEL
-    )
+    closed = reasoning(in_reasoning=4, closed_by_template=1).mode(5, ["c"])
     assert not closed.passed and "CLOSED reasoning" in closed.message and "e.g. c" in closed.message
     assert "chat_template_kwargs = { thinking = true }" in closed.message
-    none = checks.reasoning_mode(ReasoningCounts(mode_unknown=5), 5, [], INFO, MODEL)
+    none = reasoning(mode_unknown=5).mode(5, [])
     assert not none.passed and "No ok output is in reasoning mode" in none.message
 
 
 def test_think_end_share():
-    assert checks.think_end_share(
-        ReasoningCounts(expected=10, think_end=10), 0.9, INFO, MODEL
-    ).passed
-    bad = checks.think_end_share(
-        ReasoningCounts(
-            expected=10, think_end=5, length_without_think_end=3, stopped_without_think_end=2
-        ),
-        0.9,
-        INFO,
-        MODEL,
-    )
+    assert reasoning(expected=10, think_end=10).think_end_share(0.9).passed
+    bad = reasoning(
+        expected=10, think_end=5, length_without_think_end=3, stopped_without_think_end=2
+    ).think_end_share(0.9)
     assert not bad.passed and bad.value == 0.5 and "3 hit max_new_tokens" in bad.message
     assert "think-end id 11 ('</think>')" in bad.message
 
 
 def test_stop_without_think_end():
-    assert checks.stop_without_think_end(ReasoningCounts(stopped=10), 0.01, [], INFO, MODEL).passed
-    bad = checks.stop_without_think_end(
-        ReasoningCounts(stopped=10, stopped_without_think_end=10), 0.01, ["s"], INFO, MODEL
-    )
+    assert reasoning(stopped=10).stop_without_think_end(0.01, []).passed
+    bad = reasoning(stopped=10, stopped_without_think_end=10).stop_without_think_end(0.01, ["s"])
     assert (
         not bad.passed and bad.value == 1.0 and "the reasoning sits in the content" in bad.message
     )
 
 
 def test_empty_reasoning():
-    assert checks.empty_reasoning(ReasoningCounts(think_end=10), 0.05, [], MODEL).passed
-    bad = checks.empty_reasoning(
-        ReasoningCounts(think_end=10, empty_reasoning=5), 0.05, ["e"], MODEL
-    )
+    assert reasoning(think_end=10).empty_reasoning(0.05, []).passed
+    bad = reasoning(think_end=10, empty_reasoning=5).empty_reasoning(0.05, ["e"])
     assert not bad.passed and "closes reasoning at once" in bad.message and "e.g. e" in bad.message
 
 
 def test_empty_content():
-    assert checks.empty_content(
-        ReasoningCounts(stopped_with_think_end=10), 0.2, [], INFO, MODEL
-    ).passed
-    bad = checks.empty_content(
-        ReasoningCounts(stopped_with_think_end=10, empty_content=5), 0.2, ["e"], INFO, MODEL
-    )
+    assert reasoning(stopped_with_think_end=10).empty_content(0.2, []).passed
+    bad = reasoning(stopped_with_think_end=10, empty_content=5).empty_content(0.2, ["e"])
     assert (
         not bad.passed
         and bad.value == 0.5
@@ -178,12 +166,8 @@ def test_empty_content():
 
 
 def test_double_think_start():
-    assert checks.double_think_start(
-        ReasoningCounts(opened_by_template=10), 0.01, [], INFO, MODEL
-    ).passed
-    bad = checks.double_think_start(
-        ReasoningCounts(opened_by_template=10, double_think_start=2), 0.01, ["d"], INFO, MODEL
-    )
+    assert reasoning(opened_by_template=10).double_think_start(0.01, []).passed
+    bad = reasoning(opened_by_template=10, double_think_start=2).double_think_start(0.01, ["d"])
     assert (
         not bad.passed
         and "another think-start id 10" in bad.message
@@ -192,8 +176,8 @@ def test_double_think_start():
 
 
 def test_no_reasoning():
-    assert checks.no_reasoning(ReasoningCounts(), 10, 0.01, [], INFO, MODEL).passed
-    bad = checks.no_reasoning(ReasoningCounts(think_tokens=3), 10, 0.01, ["t"], INFO, MODEL)
+    assert reasoning().no_reasoning(10, 0.01, []).passed
+    bad = reasoning(think_tokens=3).no_reasoning(10, 0.01, ["t"])
     assert not bad.passed and bad.value == 0.3 and "the model reasoned" in bad.message
     assert "thinking = false" in bad.message
 

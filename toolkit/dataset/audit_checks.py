@@ -1,7 +1,8 @@
 """The audit's checks: one pure function per check, from the counts the auditor gathered to a
 `Check`. This module holds the checks of coverage and integrity of the merge and `run_checks`; the
-checks of reasoning capture are in `audit_checks_reasoning`, those of the outputs (truncation,
-loops, identical samples, consistency of the ids) in `audit_checks_outputs`.
+checks of reasoning capture are in `audit_checks_reasoning` (methods of `ReasoningChecks`, over one
+audit's reasoning counts), those of the outputs (truncation, loops, identical samples, consistency
+of the ids) in `audit_checks_outputs`.
 
 Every check says what was seen and, when it fails, what to check; thresholds come from the job's
 [audit] table. `run_checks` puts them together in the order the report shows them.
@@ -61,16 +62,7 @@ from toolkit.dataset.audit_checks_outputs import (
     token_counts,
     vocabulary,
 )
-from toolkit.dataset.audit_checks_reasoning import (
-    double_think_start,
-    empty_content,
-    empty_reasoning,
-    no_reasoning,
-    reasoning_mode,
-    reasoning_split,
-    stop_without_think_end,
-    think_end_share,
-)
+from toolkit.dataset.audit_checks_reasoning import ReasoningChecks, reasoning_split
 from toolkit.dataset.audit_report import (
     Check,
     DatasetStats,
@@ -86,25 +78,19 @@ from toolkit.job import chat
 from toolkit.job.spec import AuditSpec, ModelSpec
 
 __all__ = [
+    "ReasoningChecks",
     "coverage",
     "damaged_frames",
     "degenerate",
-    "double_think_start",
-    "empty_content",
-    "empty_reasoning",
     "failed_share",
     "identical_samples",
     "length_share",
     "nan_stop",
-    "no_reasoning",
     "prompt_rerender",
-    "reasoning_mode",
     "reasoning_split",
     "run_checks",
     "shard_checksums",
     "stop_tokens",
-    "stop_without_think_end",
-    "think_end_share",
     "token_counts",
     "vocabulary",
 ]
@@ -289,23 +275,20 @@ def run_checks(
         failed_share(overall, a.max_failed_share, failed_file, run, noun),
         nan_stop(r, ex("nan_stop"), run),
     ]
+    rc = ReasoningChecks(r, info, model)
     if model.expect_reasoning:
         checks += [
-            reasoning_mode(r, overall.ok, ex("closed_by_template"), info, model),
-            think_end_share(r, a.min_think_end_share, info, model),
-            stop_without_think_end(
-                r, a.max_stop_without_think_end_share, ex("stopped_without_think_end"), info, model
+            rc.mode(overall.ok, ex("closed_by_template")),
+            rc.think_end_share(a.min_think_end_share),
+            rc.stop_without_think_end(
+                a.max_stop_without_think_end_share, ex("stopped_without_think_end")
             ),
-            empty_reasoning(r, a.max_empty_reasoning_share, ex("empty_reasoning"), model),
-            empty_content(r, a.max_empty_content_share, ex("empty_content"), info, model),
-            double_think_start(
-                r, a.max_double_think_start_share, ex("double_think_start"), info, model
-            ),
+            rc.empty_reasoning(a.max_empty_reasoning_share, ex("empty_reasoning")),
+            rc.empty_content(a.max_empty_content_share, ex("empty_content")),
+            rc.double_think_start(a.max_double_think_start_share, ex("double_think_start")),
         ]
     else:
-        checks.append(
-            no_reasoning(r, overall.ok, a.max_reasoning_share, ex("think_tokens"), info, model)
-        )
+        checks.append(rc.no_reasoning(overall.ok, a.max_reasoning_share, ex("think_tokens")))
     return checks + [
         length_share(datasets, a.max_length_share),
         degenerate(datasets, a.max_degenerate_share, ex("degenerate")),
