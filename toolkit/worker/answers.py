@@ -40,49 +40,32 @@ class Generated:
 def result_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: Generated, info) -> Record:
     """The record of a 200 answer: ok, or failed when the server aborted it or hit SGLang's NaN
     stop."""
-    res = g.res
-    failure = error = None
+    res, rec = g.res, _record(ref, ds, pos, ids, g, info)
     if res.finish == "abort":
-        failure, error = ABORTED, "aborted by the server"
-    elif res.finish == "stop" and res.matched == NAN_MATCHED:
-        failure = NAN
+        return msgspec.structs.replace(
+            rec, status=FAILED, error="aborted by the server", failure=ABORTED
+        )
+    if res.finish == "stop" and res.matched == NAN_MATCHED:
         error = (
             f"SGLang's NaN stop (finish_reason matched {NAN_MATCHED!r}): a token sampled from NaN "
             f"logits was replaced by a stop id after {len(res.output_ids) - 1} tokens; the output "
             "is not the model's"
         )
-    return _record(
-        ref,
-        ds,
-        pos,
-        ids,
-        g,
-        info,
-        status=OK if failure is None else FAILED,
-        finish=res.finish,
-        matched=res.matched,
-        tokens=(res.prompt_tokens, res.completion_tokens),
-        latency_s=res.latency_s,
-        error=error,
-        failure=failure,
-    )
+        return msgspec.structs.replace(rec, status=FAILED, error=error, failure=NAN)
+    return rec
 
 
 def partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: Generated, info) -> Record:
     """A PARTIAL record: the output so far of a request stopped mid-way, continued by the next
     run."""
     n = len(g.res.output_ids)
-    return _record(
-        ref,
-        ds,
-        pos,
-        ids,
-        g,
-        info,
+    return msgspec.structs.replace(
+        _record(ref, ds, pos, ids, g, info),
         status=PARTIAL,
         finish="abort",
-        matched=None,
-        tokens=(len(ids), n),
+        matched_stop=None,
+        prompt_tokens=len(ids),
+        completion_tokens=n,
         latency_s=round(g.res.latency_s, 4),
         error=f"stopped after {n} generated tokens; continued from there on the next run of the "
         "shard",
@@ -90,24 +73,9 @@ def partial_record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: Generat
     )
 
 
-def _record(
-    ref: PromptRef,
-    ds: str,
-    pos: int,
-    ids: list[int],
-    g: Generated,
-    info,
-    *,
-    status: str,
-    finish: str,
-    matched,
-    tokens: tuple[int, int],
-    latency_s: float,
-    error: str | None,
-    failure: str | None,
-) -> Record:
-    """The record of an output (`g`); `tokens`: its prompt and completion tokens; `info`: the token
-    info that splits reasoning from content (None: not split)."""
+def _record(ref: PromptRef, ds: str, pos: int, ids: list[int], g: Generated, info) -> Record:
+    """The record of an output (`g`) as the server answered it (ok, with its finish, tokens and
+    latency); `info`: the token info that splits reasoning from content (None: not split)."""
     res, out = g.res, g.res.output_ids
     reasoning_end, tool_call_at = (
         split_output(out, info.think_end_id, info.tool_call_start_id) if info else (None, None)
@@ -116,20 +84,20 @@ def _record(
         id=ref.id,
         dataset=ds,
         index=pos,
-        status=status,
+        status=OK,
         prompt_ids=pack_ids(ids),
         output_ids=out.tobytes(),
         reasoning_end=reasoning_end,
         tool_call_at=tool_call_at,
-        finish=finish,
-        matched_stop=matched,
-        prompt_tokens=tokens[0],
-        completion_tokens=tokens[1],
+        finish=res.finish,
+        matched_stop=res.matched,
+        prompt_tokens=res.prompt_tokens,
+        completion_tokens=res.completion_tokens,
         cached_tokens=res.cached_tokens,
-        latency_s=latency_s,
+        latency_s=res.latency_s,
         attempts=res.attempts,
-        error=error,
-        failure=failure,
+        error=None,
+        failure=None,
         segments=g.segments,
         dp_rank=res.dp_rank,
         continued_tokens=g.continued[0],
