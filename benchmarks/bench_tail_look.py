@@ -26,9 +26,13 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.formats.manifests import write_done  # noqa: E402
 from toolkit.formats.progress import Progress, write_progress  # noqa: E402
+from toolkit.formats.run import Run
 from toolkit.formats.shardfile import ShardWriter  # noqa: E402
-from toolkit.job.plan import create_run, load_run, plan_job  # noqa: E402
-from toolkit.job.spec import load_spec  # noqa: E402
+from toolkit.job.plan import create_run, plan_job  # noqa: E402
+from toolkit.job.spec import (
+    JobSpec,
+    load_spec,  # noqa: E402
+)
 from toolkit.worker.claims import look, tails  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
@@ -62,7 +66,8 @@ def main() -> None:
         )
         plan, refs = plan_job(load_spec(root / "job.toml"))
         rd = create_run(plan, refs)
-        rd, plan = load_run(rd.root)
+        opened = Run.open(rd.root, JobSpec, finish=True)
+        rd, plan = opened.rd, opened.plan
         held = []
         for sp in plan.shards:
             k = sp.index

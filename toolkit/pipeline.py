@@ -24,9 +24,10 @@ import time
 from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
 from toolkit.errors import EXIT_INTERRUPTED, EXIT_STOPPED, BadInputError
 from toolkit.formats.logline import parse_relayed
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["local_group", "run_shards", "workers_here"]
 
@@ -75,7 +76,8 @@ def run_shards(
     failed). `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file
     another process holds is waited for once the others are done, and run here if that process ends
     without finishing it."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     require_engine_here(plan.spec)
     pool = list(dict.fromkeys(shards))
     slices = workers_here(plan.spec, parallel)

@@ -18,7 +18,6 @@ from toolkit.dataset.merge import merge_run
 from toolkit.formats.files import atomic_write
 from toolkit.formats.pending import PendingChange
 from toolkit.formats.run import PlanError, PromptIndex, RefSlice, Run, ShardRefs, plan_bytes
-from toolkit.job.plan import load_run
 from toolkit.job.spec import JobSpec
 
 
@@ -78,7 +77,7 @@ def test_status_logs_export_and_read_run_write_nothing_into_the_run(merged, tmp_
 
 def test_a_command_that_runs_the_run_finishes_the_interrupted_change(merged):
     s = merged
-    _, plan = load_run(s.root)
+    plan = Run.open(s.root, JobSpec, finish=True).plan
     assert plan.aliases == ["0123456789abcdef"]
     assert not s.rd.pending_file.exists() and "0123456789abcdef" in s.rd.plan_file.read_text()
 
@@ -87,7 +86,10 @@ def test_a_damaged_pending_change_is_refused_in_one_line_without_writing(merged)
     s = merged
     s.rd.pending_file.write_bytes(b"\x00garbage")
     before = snapshot(s.root)
-    for opener in (lambda: Run.open(s.root, JobSpec), lambda: load_run(s.root)):
+    for opener in (
+        lambda: Run.open(s.root, JobSpec),
+        lambda: Run.open(s.root, JobSpec, finish=True),
+    ):
         with pytest.raises(PlanError, match="pending.msgpack is damaged .*--new-run"):
             opener()
     assert snapshot(s.root) == before

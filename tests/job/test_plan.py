@@ -11,9 +11,8 @@ from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import ExportError, export_run
-from toolkit.formats.run import PlanError
-from toolkit.job.plan import load_run
-from toolkit.job.spec import load_spec
+from toolkit.formats.run import PlanError, Run
+from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
 
 
@@ -29,7 +28,7 @@ def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, ki
     with caplog.at_level(logging.INFO, logger="toolkit.job.plan"):
         rd2, plan2 = prepared_run(job)
     assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
-    _, pinned = load_run(rd.root)
+    pinned = Run.open(rd.root, JobSpec, finish=True).plan
     assert pinned.spec.engine.ready_timeout_s == 900 and pinned.spec.client.concurrency == 8
     assert "setting engine.ready_timeout_s changed from 60.0 to 900.0" in caplog.text
     assert "setting client.concurrency changed from 4 to 8" in caplog.text
@@ -47,7 +46,7 @@ def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, 
     job = make_job(tmp_path, kimi, n=4)
     rd, _ = prepared_run(job)
     with pytest.raises(PlanError, match="is a file, not a run directory; it looks like a job spec"):
-        load_run(job)
+        Run.open(job, JobSpec, finish=True)
     with pytest.raises(SpecError, match="is a run directory, not a job spec"):
         load_spec(rd.root)
     # status takes the job file too: it reads the job's newest run and says which (planned, but nothing runs it:
@@ -66,7 +65,7 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
         tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, plan = load_run(tmp_path / "run")
+    rd = Run.open(tmp_path / "run", JobSpec, finish=True).rd
     src = tmp_path / "prompts.jsonl"
     lines = src.read_text().splitlines()
     row = json.loads(lines[1])
@@ -103,13 +102,13 @@ def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, 
     assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(
         refs
     )  # the file every reader knows
-    for sp in load_run(rd.root)[1].shards:
+    for sp in Run.open(rd.root, JobSpec, finish=True).plan.shards:
         assert sp.refs_at > 0 and list(ShardRefs(rd, sp)) == refs[sp.first : sp.first + sp.count]
         assert (
             list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0)))
             == refs[sp.first : sp.first + sp.count]
         )
-    sp = load_run(rd.root)[1].shards[1]
+    sp = Run.open(rd.root, JobSpec, finish=True).plan.shards[1]
 
     def peak_of(make) -> float:
         tracemalloc.start()

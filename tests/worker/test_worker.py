@@ -22,9 +22,9 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
-from toolkit.formats.run import PlanError
+from toolkit.formats.run import PlanError, Run
 from toolkit.job.check import PreflightError
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 
@@ -691,7 +691,10 @@ def test_run_dir_with_another_fingerprint_is_refused(tmp_path, kimi):
     with pytest.raises(PlanError, match=r"differs in: sampling.*--new-run"):
         prepared_run(job)
     rd, plan = prepared_run(job, new_run=True)
-    assert rd.root != tmp_path / "run" and load_run(rd.root)[1].fingerprint == plan.fingerprint
+    assert (
+        rd.root != tmp_path / "run"
+        and Run.open(rd.root, JobSpec, finish=True).plan.fingerprint == plan.fingerprint
+    )
 
 
 def test_more_shards_than_prompts_is_refused(tmp_path, kimi):

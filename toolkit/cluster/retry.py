@@ -23,10 +23,10 @@ from toolkit.errors import BadInputError
 from toolkit.formats.manifests import write_retry
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import is_given_up
-from toolkit.formats.run import PromptIndex, RunPlan
+from toolkit.formats.run import PromptIndex, Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import asked_again, shard_state
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["RetryError", "read_ids", "request_retry"]
 
@@ -73,7 +73,8 @@ def request_retry(
     """Ask for records to be generated again, each with a fresh count of tries; return the shards to
     run. `ids` None: every failure that may pass (those given up after [client] max_tries tries
     included)."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     if ids is None:
         ids = []
         for s in plan.shards:

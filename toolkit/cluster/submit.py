@@ -39,11 +39,11 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
     again for its new shards and those left, once no job of it is pending or running."""
     if not RunDir.is_run(rd.root):
         return
-    _, pinned = load_run(rd.root)
+    pinned = Run.open(rd.root, JobSpec, finish=True).plan
     grows = plan.aliases != pinned.aliases
     if read_jobs(rd).submissions:
         if not grows:
@@ -357,7 +357,8 @@ def resubmit(
     """Submit one array over exactly the shards not finished (formats.shardstate: no done manifest,
     failures that may pass left, a retry asked, or a done manifest of another run or whose file
     changed since, which is removed), and a new merge job."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     live = live_jobs(rd)
     if live:
         shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
@@ -401,7 +402,7 @@ def why_unfinished(rd: RunDir, shards: list[int]) -> str:
 
 
 def cancel(run_dir: str | os.PathLike) -> list[str]:
-    rd, _ = load_run(run_dir)
+    rd = Run.open(run_dir, JobSpec, finish=True).rd
     ids = job_ids(rd)
     if ids:
         resources.slurm_output(["scancel", *ids])

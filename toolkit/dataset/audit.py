@@ -59,12 +59,12 @@ from toolkit.formats.records import (
     is_nan_stop,
     split_parts,
 )
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["Auditor", "audit_run"]
 
@@ -578,7 +578,8 @@ def _combine(accs: list[_Acc], name: str, planned: int) -> _Acc:
 # --------------------------------------------------------------------------------------------------
 def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     """Audit `RUN/merged/records.zst` against the plan (the merged dataset must exist)."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     manifest = load_manifest(rd)
     path = rd.merged_file
     if not path.exists():

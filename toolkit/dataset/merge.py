@@ -30,12 +30,12 @@ from toolkit.formats.locks import LockFile, ShardLocked, try_flock
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import PlanError, PromptIndex, PromptRef, RunPlan, ShardPlan
+from toolkit.formats.run import PlanError, PromptIndex, PromptRef, Run, RunPlan, ShardPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = [
     "MERGED",
@@ -219,7 +219,8 @@ def merge_run(
     system that fails it (full, read-only) is a FailedError (exit 1) in one line, nothing left
     behind.
     """
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     try:
         return _merge_run(rd, plan, allow_incomplete, on_record, cache_bytes)
     except OSError as e:

@@ -3,7 +3,8 @@ the resolved job, the fingerprint, the shard plan) and prompts.msgpack (one `Pro
 record: where its prompt lives), and `Run`, a run directory opened.
 
 `Run.open` opens a run read-only unless asked to finish a change a crash interrupted
-(formats.pending): the commands that plan or run a run finish it (`job.plan.load_run`); those that
+(formats.pending): the commands that plan or run a run finish it (`Run.open(path, JobSpec,
+finish=True)`); those that
 only read (status, logs, export, `toolkit.read_run`) write nothing and read the run as the change
 makes it.
 

@@ -36,11 +36,11 @@ from typing import Any
 
 from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
-from toolkit.formats.run import PlanError, PromptRef, RunPlan
+from toolkit.formats.run import PlanError, PromptRef, Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.grow import grown_plan
-from toolkit.job.plan import find_run, load_run, plan_job
+from toolkit.job.plan import find_run, plan_job
 from toolkit.job.render_pool import SCHEDULER_MARGIN, SHOWN, Outcome, Places
 from toolkit.job.spec import JobSpec, key_source_warnings, load_spec
 from toolkit.job.specerrors import SpecError
@@ -286,7 +286,7 @@ def _check_run_dir(pf: Preflight) -> None:
         return
     if not exists:
         return
-    _, run = load_run(root)
+    run = Run.open(root, JobSpec, finish=True).plan
     if run.same_job(pf.plan):
         pf.notes.append(
             f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` "

@@ -70,7 +70,6 @@ __all__ = [
     "plan_job",
     "create_run",
     "find_run",
-    "load_run",
     "run_of_job",
     "update_settings",
 ]
@@ -262,14 +261,6 @@ def plan_job(
         shards=shards,
     )
     return plan, refs
-
-
-def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan[JobSpec]]:
-    """The run in `run_dir` opened by a command that plans or runs it: a change a crash interrupted
-    is finished first (formats.pending). Commands that only read open it with `Run.open(run_dir,
-    JobSpec)`."""
-    run = Run.open(run_dir, JobSpec, finish=True)
-    return run.rd, run.plan
 
 
 # the suffix --new-run gives a run beside output_dir
@@ -488,7 +479,7 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
     root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
     if exists:
-        _, old = load_run(root)
+        old = Run.open(root, JobSpec, finish=True).plan
         if not old.same_job(plan):  # job.prepare grows the run first (grow.grow_run)
             raise PlanError(
                 f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's "

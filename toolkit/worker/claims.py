@@ -39,10 +39,10 @@ import time
 import msgspec
 
 from toolkit.formats.locks import try_flock
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run, RunPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
 from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
 from toolkit.worker.session import EngineSession
@@ -241,7 +241,8 @@ async def _claims(
     keep_going: bool,
     verify: bool,
 ) -> ClaimResult:
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     recheck = untrusted(rd, plan, pool) if verify else set()
     session = EngineSession(plan.spec, task=task, group=group)
     session.begin(task or "worker")

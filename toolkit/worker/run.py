@@ -49,13 +49,13 @@ from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.records import MAY_PASS, OK, Record
-from toolkit.formats.run import RefSlice, RunPlan, ShardRefs
+from toolkit.formats.run import RefSlice, Run, RunPlan, ShardRefs
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.formats.shardstate import ShardState, retry_request, shard_state
 from toolkit.job import chat
 from toolkit.job.inputs import check_plan_inputs
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread
 from toolkit.worker.session import EngineSession, _max_in_flight
 from toolkit.worker.shard import (
@@ -397,7 +397,8 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
 
 async def _run_one(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
     try:
-        rd, plan = load_run(run_dir)
+        run = Run.open(run_dir, JobSpec, finish=True)
+        rd, plan = run.rd, run.plan
     except OSError as e:  # before the shard's log is open, or it cannot be
         raise _failed(e, RunDir(run_dir), shard) from None
     session = EngineSession(plan.spec)
