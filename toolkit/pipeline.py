@@ -94,12 +94,12 @@ def run_shards(
         if len(slices) == 1:
             stopped, busy = _claim_here(rd, pool, group, failed, slices[0], log)
         else:
-            stopped, busy = _claim_in_workers(rd, pool, group, failed, slices, log)
+            stopped, busy = _claim_in_workers(run, pool, group, failed, slices, log)
         if stopped:
             return stopped, failed
         if not busy:
             return None, failed
-        freed = _wait_for(rd, busy, log)
+        freed = _wait_for(run, busy, log)
         pool = [k for k in freed if k not in failed]
         if not pool:
             return None, failed
@@ -127,7 +127,7 @@ def _claim_here(
 
 
 def _claim_in_workers(
-    rd: RunDir,
+    run: Run,
     pool: list[int],
     group: str,
     failed: list[int],
@@ -136,9 +136,10 @@ def _claim_in_workers(
 ) -> tuple[str | None, list[int]]:
     """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is
     passed on to them (each stops its shard cleanly)."""
-    from toolkit.formats.shardstate import ShardState, shard_state
+    from toolkit.formats.shardstate import BUSY, ShardState
 
-    done_before = sum(shard_state(rd, k).ended for k in pool)
+    rd = run.rd
+    done_before = sum(run.shard_state(k).ended for k in pool)
     procs = []
     for i, gpus in enumerate(slices):
         env = dict(os.environ)
@@ -195,14 +196,14 @@ def _claim_in_workers(
         for s, h in old.items():
             signal.signal(s, h)
     for k in pool:
-        st = shard_state(rd, k, group=group)
+        st = run.shard_state(k, group=group)
         if not st.ended and st.state is ShardState.FAILED and k not in failed:
             failed.append(k)
     if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
         if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
             return "SIGINT", []
         return signal.Signals(told[0]).name if told else "a signal", []
-    states = {k: shard_state(rd, k, held=True) for k in pool if k not in failed}
+    states = {k: run.shard_state(k, BUSY) for k in pool if k not in failed}
     busy = [k for k, st in states.items() if st.busy]
     for k in busy:
         _say_busy(rd, k, log)
@@ -212,7 +213,7 @@ def _claim_in_workers(
         for i, c in enumerate(codes)
         if c not in (0, 1)
     ]
-    progressed = sum(shard_state(rd, k).ended for k in pool) > done_before
+    progressed = sum(run.shard_state(k).ended for k in pool) > done_before
     # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
     if left and progressed:
         log.warning(
@@ -246,13 +247,13 @@ def _relay(stream, log: logging.Logger) -> None:
             logger.handle(got.record())
 
 
-def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
+def _wait_for(run: Run, busy: list[int], log: logging.Logger) -> list[int]:
     """Wait until the shards other processes hold are released: those left unfinished, to run
     here."""
-    from toolkit.formats.shardstate import ShardState, shard_state
+    from toolkit.formats.shardstate import BUSY, ShardState
 
     while True:
-        states = {b: shard_state(rd, b, held=True) for b in busy}
+        states = {b: run.shard_state(b, BUSY) for b in busy}
         free = [b for b, st in states.items() if st.state is not ShardState.HELD]
         if free:
             left = [k for k in free if not states[k].ended]
@@ -273,7 +274,7 @@ def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
 def _say_busy(rd: RunDir, k: int, log: logging.Logger) -> None:
     from toolkit.formats.progress import read_progress
 
-    p = read_progress(rd.progress_file(k))
+    p = read_progress(rd, k)
     who = (
         f"pid {p.pid} on {p.host}, {p.state}"
         if p is not None and p.pid and p.host

@@ -25,7 +25,7 @@ from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.records import is_given_up
 from toolkit.formats.run import PromptIndex, Run, RunPlan
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import asked_again, shard_state
+from toolkit.formats.shardstate import REPAIRED, asked_again
 from toolkit.job.spec import JobSpec
 
 __all__ = ["RetryError", "read_ids", "request_retry"]
@@ -78,7 +78,7 @@ def request_retry(
     if ids is None:
         ids = []
         for s in plan.shards:
-            m = shard_state(rd, s.index).done
+            m = run.shard_state(s.index).done
             if m is not None and m.given_up:
                 ids += given_up_ids(rd, plan, s.index)
         if not ids:
@@ -93,9 +93,5 @@ def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
     """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose
     file changed since it was written taken as not finished (and removed)."""
     return [
-        s.index
-        for s in plan.shards
-        if not shard_state(
-            rd, s.index, fingerprint=plan.fingerprint, verify=True, remove=True
-        ).finished
+        s.index for s in plan.shards if not Run(rd, plan).shard_state(s.index, REPAIRED).finished
     ]

@@ -41,7 +41,7 @@ from toolkit.cluster.resources import (
 from toolkit.cluster.tasks import ClaimTask, MergeTask
 from toolkit.formats.run import Run, RunPlan
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, shard_state
+from toolkit.formats.shardstate import REPAIRED, ShardState
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.spec import JobSpec
 
@@ -315,7 +315,7 @@ def submit(
 def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
     """The shards of a run no worker ended (no done manifest; all of them for a run not created
     yet)."""
-    return [k for k in range(len(plan.shards)) if not shard_state(rd, k).ended]
+    return [k for k in range(len(plan.shards)) if not Run(rd, plan).shard_state(k).ended]
 
 
 def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
@@ -367,11 +367,7 @@ def resubmit(
             f"or `toolkit cancel {rd.root}` first"
         )
     # (a shard file changed since its done manifest: not finished)
-    missing = [
-        k
-        for k in range(len(plan.shards))
-        if not shard_state(rd, k, fingerprint=plan.fingerprint, verify=True, remove=True).finished
-    ]
+    missing = [k for k in range(len(plan.shards)) if not run.shard_state(k, REPAIRED).finished]
     if not missing:
         return rd, None, []
     o = validate_resources(plan, resources or Resources())
@@ -383,8 +379,9 @@ def why_unfinished(rd: RunDir, shards: list[int]) -> str:
     `toolkit retry --ids` asked for; 5 with 3 failures that may pass` (a done manifest that counts
     transient failures: see formats.shardstate)."""
     missing, asked, transient = [], [], {}
+    run = Run.open(rd.root, JobSpec)
     for k in shards:
-        st = shard_state(rd, k)
+        st = run.shard_state(k)
         if st.done is not None:
             transient[k] = st.done.transient
         else:

@@ -458,7 +458,7 @@ class Auditor:
         out = []
         for sp, acc in zip(self.plan.shards, self.shards):
             sm = by_index.get(sp.index)
-            prog = read_progress(self.rd.progress_file(sp.index))
+            prog = read_progress(self.rd, sp.index)
             out.append(
                 ShardStats(
                     index=sp.index,

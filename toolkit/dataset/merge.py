@@ -33,7 +33,6 @@ from toolkit.formats.records import OK, Record
 from toolkit.formats.run import PlanError, PromptIndex, PromptRef, Run, RunPlan, ShardPlan
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ShardWriter
-from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.spec import JobSpec
 
@@ -187,7 +186,7 @@ def finished_shards(
     `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
-        m = shard_state(rd, s.index, fingerprint=plan.fingerprint).done
+        m = Run(rd, plan).shard_state(s.index).done
         if m is not None:
             done[s.index] = m
         else:

@@ -15,6 +15,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write
 from toolkit.formats.locks import flock_held, pid_alive, try_flock
+from toolkit.formats.rundir import RunDir
 
 __all__ = [
     "LocalRun",
@@ -125,9 +126,11 @@ def write_progress(path: Path, p: Progress) -> None:
     atomic_write(path, msgspec.json.encode(p), durable=False)
 
 
-def read_progress(path: Path) -> Progress | None:
+def read_progress(rd: RunDir, k: int) -> Progress | None:
+    """Shard `k`'s progress file (None: it has none yet, or it is being written): the one reader of
+    those files."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Progress)
+        return msgspec.json.decode(rd.progress_file(k).read_bytes(), type=Progress)
     except (FileNotFoundError, msgspec.DecodeError):
         return None
 

@@ -39,6 +39,7 @@ from toolkit.errors import BadInputError
 from toolkit.formats import pending
 from toolkit.formats.files import atomic_write, sha256_file
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.shardstate import MANIFEST, Checks, ShardStatus, shard_state
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,13 @@ class Run(Generic[S]):
         """The planned prompt refs by position (PlanError when prompts.msgpack does not hold the
         plan's)."""
         return PromptIndex(self.rd, self.plan, self._prompts)
+
+    def shard_state(
+        self, k: int, checks: Checks = MANIFEST, *, group: str | None = None, recheck: bool = False
+    ) -> ShardStatus:
+        """The state of shard `k` (formats.shardstate) with `checks`: a done manifest of another run
+        is never taken for this run's."""
+        return shard_state(self.rd, k, self.plan.fingerprint, checks, group=group, recheck=recheck)
 
     def write_plan(self) -> None:
         """Write run.json from `plan` (atomically)."""

@@ -65,7 +65,7 @@ def measured_mean(rd: RunDir, plan: RunPlan) -> tuple[float, int] | None:
     None when the run has recorded fewer than MEASURED_AT_LEAST outputs."""
     done = tokens = 0
     for s in plan.shards:
-        p = read_progress(rd.progress_file(s.index))
+        p = read_progress(rd, s.index)
         if p is not None and p.done:
             done += p.done - p.failed
             tokens += p.output_tokens

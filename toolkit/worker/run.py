@@ -52,7 +52,7 @@ from toolkit.formats.records import MAY_PASS, OK, Record
 from toolkit.formats.run import RefSlice, Run, RunPlan, ShardRefs
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
-from toolkit.formats.shardstate import ShardState, retry_request, shard_state
+from toolkit.formats.shardstate import VERIFIED, ShardState, retry_request
 from toolkit.job import chat
 from toolkit.job.inputs import check_plan_inputs
 from toolkit.job.spec import JobSpec
@@ -472,7 +472,7 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
     """Whether the shard's done manifest can be trusted to say there is nothing to do: its file
     unchanged (size and sha256), no transient failure left, no retry asked. An untrusted manifest is
     removed (merge and status must not take the shard as complete while it is being redone)."""
-    st = shard_state(rd, shard, fingerprint=plan.fingerprint, verify=True)
+    st = Run(rd, plan).shard_state(shard, VERIFIED)
     if st.foreign or st.state is not ShardState.UNTRUSTED and st.done is None:
         return False
     if st.state is ShardState.UNTRUSTED:
@@ -594,7 +594,7 @@ def _failed(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
 def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
     """Best effort: the shard's progress file says failed and why (it may itself be unwritable)."""
     try:
-        p = read_progress(rd.progress_file(shard)) or Progress(shard=shard, total=0)
+        p = read_progress(rd, shard) or Progress(shard=shard, total=0)
         p.state, p.error = "failed", msg
         write_progress(rd.progress_file(shard), p)
     except (OSError, ValueError):
