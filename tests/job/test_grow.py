@@ -16,7 +16,9 @@ from toolkit.dataset.merge import load_manifest
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import RetryRequest, read_done, write_retry
-from toolkit.formats.run import PlanError, Run, refs_bytes
+from toolkit.formats.prompts import refs_bytes
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
 from toolkit.job.plan import _digest
 from toolkit.job.spec import JobSpec
 

@@ -11,7 +11,8 @@ from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import ExportError, export_run
-from toolkit.formats.run import PlanError, Run
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
 from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
 
@@ -85,41 +86,52 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, kimi):
-    """A worker reads its shard's refs from prompts.msgpack as it goes (the shard's byte offset is in run.json;
-    a run planned before that is read from the start): what it holds does not grow with the shard."""
+    """A worker reads its shard's refs from prompts.msgpack a chunk at a time (where the shard
+    starts is in run.json; a run planned before that is read from the start): what it holds does
+    not grow with the shard."""
     import tracemalloc
 
     import msgspec
 
     from jobfiles import write_prompts
-    from toolkit.formats.run import RefSlice, ShardRefs
+    from toolkit.formats.prompts import CHUNK, PromptRef, ShardRefs
     from toolkit.job.plan import create_run, plan_job
     from toolkit.worker.feed import Todo
 
     job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)
     plan, refs = plan_job(load_spec(job))
     rd = create_run(plan, refs)
-    assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(
-        refs
-    )  # the file every reader knows
-    for sp in Run.open(rd.root, JobSpec, finish=True).plan.shards:
-        assert sp.refs_at > 0 and list(ShardRefs(rd, sp)) == refs[sp.first : sp.first + sp.count]
+    chunks = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[list[bytes]])
+    assert [
+        r
+        for shard in chunks
+        for c in shard
+        for r in msgspec.msgpack.decode(c, type=list[PromptRef])
+    ] == refs  # the file every reader knows: each shard's chunks, each an array of refs
+    assert max(len(c) for c in chunks) == -(-max(sp.count for sp in plan.shards) // CHUNK)
+    plan = Run.open(rd.root, JobSpec, finish=True).plan
+    for k, sp in enumerate(plan.shards):
         assert (
-            list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0)))
-            == refs[sp.first : sp.first + sp.count]
+            sp.refs_at > 0 and list(ShardRefs(rd, plan, k)) == refs[sp.first : sp.first + sp.count]
         )
-    sp = Run.open(rd.root, JobSpec, finish=True).plan.shards[1]
+        older = msgspec.structs.replace(
+            plan, shards=[msgspec.structs.replace(sp, refs_at=0) for sp in plan.shards]
+        )
+        assert list(ShardRefs(rd, older, k)) == refs[sp.first : sp.first + sp.count]
+    sp = plan.shards[1]
 
     def peak_of(make) -> float:
         tracemalloc.start()
         try:
-            todo = make()
-            assert sum(len(b) for b in todo.batches(64)) == sp.count
+            make()
             return tracemalloc.get_traced_memory()[1] / 1e6
         finally:
             tracemalloc.stop()
 
-    streamed = peak_of(lambda: Todo(ShardRefs(rd, sp)))
+    def generate() -> None:
+        assert sum(len(b) for b in Todo(ShardRefs(rd, plan, 1)).batches(64)) == sp.count
+
+    streamed = peak_of(generate)
     assert streamed < 1.0, f"{streamed:.2f} MB held to read {sp.count:,} refs"
-    held = peak_of(lambda: Todo(RefSlice(rd, sp.first, sp.count)))  # what a worker held before
+    held = peak_of(lambda: Run.open(rd.root, JobSpec).prompts().shard(1))  # the shard decoded
     assert held > 4 * streamed

@@ -22,7 +22,8 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
-from toolkit.formats.run import PlanError, Run
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
 from toolkit.job.check import PreflightError
 from toolkit.job.spec import JobSpec
 from toolkit.worker.run import DONE, ShardFailed, run_shard

@@ -18,8 +18,9 @@ from typing import TextIO
 import msgspec
 
 from toolkit.formats.progress import read_progress
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 
 __all__ = ["LiveBar", "Snapshot", "snapshot"]
 

@@ -22,9 +22,11 @@ from pathlib import Path
 from toolkit.errors import BadInputError
 from toolkit.formats.manifests import write_retry
 from toolkit.formats.newest import newest_records, scan_shard
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import is_given_up
-from toolkit.formats.run import PromptIndex, Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import REPAIRED, asked_again
 from toolkit.job.spec import JobSpec
 

@@ -49,7 +49,8 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
-from toolkit.formats.run import Run, prompts_problem
+from toolkit.formats.prompts import prompts_problem
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import STATUS, done_time
 from toolkit.formats.text import ranges

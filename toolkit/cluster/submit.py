@@ -39,8 +39,9 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import REPAIRED, ShardState
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.spec import JobSpec

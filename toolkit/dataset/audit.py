@@ -59,8 +59,9 @@ from toolkit.formats.records import (
     is_nan_stop,
     split_parts,
 )
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader

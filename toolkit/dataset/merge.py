@@ -29,9 +29,11 @@ from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_heade
 from toolkit.formats.locks import LockFile, ShardLocked, try_flock
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES, SAMPLE_IDS, newest_records, scan_shard
+from toolkit.formats.prompts import PromptIndex, PromptRef
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import PlanError, PromptIndex, PromptRef, Run, RunPlan, ShardPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan, ShardPlan
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.spec import JobSpec

@@ -36,8 +36,10 @@ from typing import Any
 
 from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
-from toolkit.formats.run import PlanError, PromptRef, Run, RunPlan
+from toolkit.formats.prompts import PromptRef
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.grow import grown_plan
 from toolkit.job.plan import find_run, plan_job

@@ -15,8 +15,8 @@ import math
 import msgspec
 
 from toolkit.formats.progress import read_progress
-from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 
 __all__ = ["Cost", "estimate", "measured_mean", "describe", "time_warning", "said"]
 

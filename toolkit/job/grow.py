@@ -36,17 +36,10 @@ import msgspec
 from toolkit.formats import pending
 from toolkit.formats.manifests import RetryRequest
 from toolkit.formats.pending import PendingChange
-from toolkit.formats.run import (
-    Growth,
-    PlanError,
-    PromptIndex,
-    PromptRef,
-    Run,
-    RunPlan,
-    ShardPlan,
-    refs_bytes,
-)
+from toolkit.formats.prompts import PromptIndex, PromptRef, refs_bytes
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import Growth, PlanError, RunPlan, ShardPlan
 from toolkit.formats.shardstate import BUSY, asked_again
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.plan import _digest

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError
-from toolkit.formats.run import RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job.sources import BOM, Source, SourceError, open_source, source_sha256
 
 __all__ = [

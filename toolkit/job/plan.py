@@ -17,8 +17,9 @@ among output_dir and those beside it (resumed, with or without --new-run: the sa
 generated twice), else output_dir when it holds no run, else a new `<output_dir>.<time>` with
 --new-run; without it, a job whose output_dir holds another job's run is refused.
 
-The run directory's layout is in `formats.rundir`; what run.json and prompts.msgpack hold, and their
-one reader, in `formats.run`: planning uses it for every read and write of them.
+The run directory's layout is in `formats.rundir`; what run.json holds in `formats.runplan`, what
+prompts.msgpack holds and its one reader in `formats.prompts`, and a run opened in `formats.run`:
+planning uses them for every read and write of those files.
 
 Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from
 the input order, so every shard gets a similar mix of datasets and prompt lengths.
@@ -38,25 +39,24 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import FailedError
+from toolkit.formats import pending
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
-from toolkit.formats.run import (
+from toolkit.formats.prompts import PromptRef, refs_bytes, refs_intact
+from toolkit.formats.run import Run
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import (
     ENGINE_PART,
     PLAN_FORMAT,
     REPLAN,
     STUB,
     DatasetPlan,
     PlanError,
-    PromptRef,
-    Run,
     RunPlan,
     ShardPlan,
     SkippedLine,
     fingerprint_of,
     plan_bytes,
-    refs_bytes,
-    refs_intact,
 )
-from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import file_stamp, utc_now
 from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset, source_errors
 from toolkit.job.sources import source_sha256
@@ -498,7 +498,12 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
                     "%s is damaged: written again from the job's prompt files (the same plan)",
                     rd.prompts_file,
                 )
-                atomic_write(rd.prompts_file, refs_bytes(old, refs))
+                # in the layout this toolkit writes, with run.json recording it: one change
+                prompts = refs_bytes(old, refs)
+                change = pending.PendingChange(
+                    "prompts.msgpack written again", plan_bytes(old), prompts
+                )
+                pending.apply(rd, change)
             update_settings(rd, old, plan.spec)
         except OSError as e:
             raise FailedError(io_problem(e, rd.plan_file, "run it again")) from None

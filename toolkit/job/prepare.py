@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.formats.run import PlanError, Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job import check_cache
 from toolkit.job.check import Preflight, preflight, require_engine_here
 from toolkit.job.grow import grow_run, grown_plan

@@ -39,8 +39,9 @@ import time
 import msgspec
 
 from toolkit.formats.locks import try_flock
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import BUSY, CLAIM, VERIFIED, ShardState, ShardStatus
 from toolkit.job.spec import JobSpec
 from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from toolkit.formats.prompts import PromptRef, ShardRefs
 from toolkit.formats.records import TEMPLATE
-from toolkit.formats.run import PromptRef, RunPlan, ShardRefs
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
 from toolkit.job.turns import turn_prompt
@@ -168,8 +169,9 @@ class Feed:
 
 class Todo:
     """The prompts of a shard to generate, in planned order, a batch at a time: the shard's refs
-    read as they are needed (plan.ShardRefs), and which to generate as one bit per prompt (None:
-    every one). Nothing else is kept per prompt: a worker's memory does not grow with its shard."""
+    read a chunk at a time as they are needed (formats.prompts.ShardRefs), and which to generate as
+    one bit per prompt (None: every one). Nothing else is kept per prompt: a worker's memory does
+    not grow with its shard."""
 
     def __init__(
         self, refs: ShardRefs, chosen: bytearray | None = None, count: int | None = None

@@ -29,6 +29,7 @@ from toolkit.engines.client import (
 )
 from toolkit.engines.rids import make_rid
 from toolkit.formats.loops import repetition_loop
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import (
     ABORTED,
     FAILED,
@@ -44,7 +45,6 @@ from toolkit.formats.records import (
     pack_ids,
     split_output,
 )
-from toolkit.formats.run import PromptRef
 from toolkit.worker.feed import Feed
 from toolkit.worker.shard import Batch, Shard, health_timeout
 

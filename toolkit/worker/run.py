@@ -48,9 +48,11 @@ from toolkit.formats.logline import text_formatter
 from toolkit.formats.manifests import write_done
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress, read_progress, write_progress
+from toolkit.formats.prompts import ShardRefs
 from toolkit.formats.records import MAY_PASS, OK, Record
-from toolkit.formats.run import RefSlice, Run, RunPlan, ShardRefs
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ForeignShard, ShardWriter
 from toolkit.formats.shardstate import VERIFIED, ShardState, retry_request
 from toolkit.job import chat
@@ -144,7 +146,7 @@ class ShardRun(Shard):
         with shard_lines(self.shard):
             if any(d.regenerate for d in self.plan.datasets):
                 self.chains = state.chains = Chains(
-                    self, feed, RefSlice(self.rd, self.sp.first, self.sp.count), self.history
+                    self, feed, ShardRefs(self.rd, self.plan, self.shard), self.history
                 )
             ctx = contextvars.copy_context()  # the render thread's lines are the shard's
         self.renderer = threading.Thread(
@@ -501,7 +503,7 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
 def _plan_todo(rd: RunDir, sh: Shard, done_ids: dict[str, int], redo: set[str]) -> Todo:
     """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of
     another shard."""
-    refs = ShardRefs(rd, sh.sp)
+    refs = ShardRefs(rd, sh.plan, sh.shard)
     if not done_ids and not sh.writer.foreign:  # a fresh shard: every prompt, without reading a ref
         return Todo(refs)
     chosen = bytearray((len(refs) + 7) // 8)

@@ -18,8 +18,8 @@ from toolkit.engines.client import Expect, HttpClient
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.progress import Progress, slurm_context, write_progress
 from toolkit.formats.records import OK, PARTIAL, Record
-from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.worker.turn_order import Chains
 

@@ -11,8 +11,9 @@ import msgspec
 from toolkit.dataset.export.selection import ExportError
 from toolkit.dataset.merge import MERGED, MergeManifest
 from toolkit.formats.frames import CorruptShard, read_header
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import ShardState
 from toolkit.formats.text import ranges
 
