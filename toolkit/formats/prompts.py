@@ -53,8 +53,8 @@ BY_SHARD = 2  # an array of each shard's array of refs
 
 
 class PromptRef(msgspec.Struct, array_like=True, omit_defaults=True):
-    id: str  # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1
-    # samples
+    # the record's id: the prompt's id, plus "#<sample>" when the dataset has n > 1 samples
+    id: str
     dataset: int  # index into RunPlan.datasets
     line: int
     offset: int

@@ -52,13 +52,11 @@ class ShardState(enum.Enum):
 class ShardStatus(msgspec.Struct):
     shard: int
     state: ShardState
-    done: DoneManifest | None = None  # its done manifest, when there is one and it passed the
-    # checks asked for
-    progress: Progress | None = None  # its progress file, when asked for (`group` or
-    # `progress`, see shard_state)
+    # its done manifest, when there is one and it passed the checks asked for
+    done: DoneManifest | None = None
+    progress: Progress | None = None  # its progress file, when asked for (`group`, `Checks`)
     why: str | None = None  # UNTRUSTED: why its done manifest cannot be trusted
-    foreign: bool = False  # UNTRUSTED: the manifest is another run's (not a changed
-    # file)
+    foreign: bool = False  # UNTRUSTED: the manifest is another run's (not a changed file)
 
     @property
     def finished(self) -> bool:
