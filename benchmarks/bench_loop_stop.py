@@ -8,7 +8,7 @@ output so far; the server's radix cache holds that prefix). This prints:
    the stub engine in its own process: loop stop off (one request per output, today's) and segments of 4,096,
    2,048 and 1,024 tokens, runs alternating. No loops here: the cost every output pays.
 2. Client CPU per token of a streaming client (SSE, an event per token, incremental output_ids: the cheapest a
-   stream gets), against the one-request client (engines/client.generate) in the same process and harness.
+   stream gets), against the one-request client (engines/endpoints.generate) in the same process and harness.
 3. Decoded tokens spent on looping outputs against running them to max_new_tokens: measured with the worker on the
    stub (its loops set in within the first 40 tokens), and computed with the detector itself on synthetic outputs
    for loops that set in later (at a point drawn uniformly, or like the mission's output lengths: lognormal,
@@ -181,7 +181,8 @@ async def _stream_one(host: str, port: int, body: bytes, check_every: int) -> in
 async def _requests(url: str, n: int, tokens: int, stream: bool) -> int:
     from urllib.parse import urlsplit
 
-    from toolkit.engines.client import HttpClient, generate
+    from toolkit.engines.client import HttpClient
+    from toolkit.engines.endpoints import generate
 
     u = urlsplit(url)
     sem = asyncio.Semaphore(16)

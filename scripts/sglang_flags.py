@@ -44,7 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_VERSIONS = ("0.5.23", "0.5.9")
-OUT = Path(__file__).resolve().parents[1] / "toolkit" / "engines" / "sglang_flags.json"
+OUT = (
+    Path(__file__).resolve().parents[1]
+    / "toolkit"
+    / "engines"
+    / "sglang_contract"
+    / "sglang_flags.json"
+)
 SERVER_ARGS = "sglang/srt/server_args.py"
 FIELDS_DIR = "sglang/srt/arg_groups/fields/"
 

@@ -67,9 +67,9 @@ import pytest  # noqa: E402
 
 import runs  # noqa: E402
 from toolkit.cli import main as cli_main  # noqa: E402
+from toolkit.cluster.arrays import describe_array  # noqa: E402
 from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
 from toolkit.cluster.status import RunStatus  # noqa: E402
-from toolkit.cluster.submit import describe_array  # noqa: E402
 from toolkit.formats.progress import Progress, write_progress  # noqa: E402
 
 
@@ -196,14 +196,14 @@ def test_logs_failed_shows_the_merge_job_log_and_the_failed_records(half_run, ca
         "submitit INFO - Starting\ntoolkit: error: run: 1 of 2 shards are not done (no done manifest): 1\n"
         "merge job: `toolkit merge run` exited 2 (the lines above say why); once that is fixed, ...\n"
     )
+    import toolkit.cluster.slurmview
     import toolkit.cluster.status
-    import toolkit.cluster.verdicts
 
-    J = toolkit.cluster.verdicts.SlurmJob
+    J = toolkit.cluster.slurmview.SlurmJob
     monkeypatch.setattr(
         toolkit.cluster.status,
         "slurm_view",
-        lambda ids: toolkit.cluster.verdicts.SlurmView(
+        lambda ids: toolkit.cluster.slurmview.SlurmView(
             jobs={"70_0": J("COMPLETED", "n1"), "70_1": J("FAILED", "n2"), "71": J("FAILED", "n1")}
         ),
     )

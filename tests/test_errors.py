@@ -1,4 +1,4 @@
-"""Errors by kind: every error class derives from the kind that is its exit code (toolkit.errors.KINDS), no raise
+"""Errors by kind: every error class derives from the kind that is its exit code (toolkit.errors.ERROR_CLASS_BY_CODE), no raise
 gives another code, and a failure is one line (`toolkit -v`: its traceback first)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import toolkit
 from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.errors import (
+    ERROR_CLASS_BY_CODE,
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_MEANINGS,
-    KINDS,
     BadInputError,
     FailedError,
     ToolkitError,
@@ -63,8 +63,8 @@ def test_every_error_class_is_one_kind_whose_code_it_keeps():
         "toolkit.worker.shard.ShardFailed",
         "toolkit.engines.client.ClientError",
     } <= classes.keys()
-    assert set(KINDS) <= set(EXIT_MEANINGS) and all(
-        k.exit_code == code for code, k in KINDS.items()
+    assert set(ERROR_CLASS_BY_CODE) <= set(EXIT_MEANINGS) and all(
+        k.exit_code == code for code, k in ERROR_CLASS_BY_CODE.items()
     )
     wrong = []
     for name, cls in sorted(classes.items()):
@@ -73,9 +73,9 @@ def test_every_error_class_is_one_kind_whose_code_it_keeps():
                 f"{name} is in the tree now: take it off OUTSIDE_THE_KINDS"
             )
             continue
-        if cls is ToolkitError or cls in KINDS.values():
+        if cls is ToolkitError or cls in ERROR_CLASS_BY_CODE.values():
             continue
-        kinds = [k for k in KINDS.values() if issubclass(cls, k)]
+        kinds = [k for k in ERROR_CLASS_BY_CODE.values() if issubclass(cls, k)]
         if len(kinds) != 1:
             wrong.append(
                 f"{name}: derives from {len(kinds)} kinds ({', '.join(k.__name__ for k in kinds)})"
@@ -83,7 +83,8 @@ def test_every_error_class_is_one_kind_whose_code_it_keeps():
         elif "exit_code" in vars(cls) or cls.exit_code != kinds[0].exit_code:
             wrong.append(f"{name}: a {kinds[0].__name__} with its own exit code {cls.exit_code}")
     assert not wrong, (
-        "error classes that are not one kind (toolkit.errors.KINDS):\n  " + "\n  ".join(wrong)
+        "error classes that are not one kind (toolkit.errors.ERROR_CLASS_BY_CODE):\n  "
+        + "\n  ".join(wrong)
     )
     assert not [n for n in OUTSIDE_THE_KINDS if n not in classes], (
         "a class listed outside the kinds is gone"

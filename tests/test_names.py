@@ -75,7 +75,7 @@ def test_resolves_can_fail():
     assert (
         resolves("formats.logline.parse_text")
         and resolves("worker.claims")
-        and resolves("errors.KINDS")
+        and resolves("errors.ERROR_CLASS_BY_CODE")
     )
     assert not resolves("job.plan.no_such_thing") and not resolves("formats.no_such_module")
     assert resolves("errors.py") and not resolves("mistakes.py") and not resolves("formats.gone.py")

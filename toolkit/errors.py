@@ -24,7 +24,7 @@ __all__ = [
     "EXIT_STUCK",
     "EXIT_UNKNOWN",
     "FailedError",
-    "KINDS",
+    "ERROR_CLASS_BY_CODE",
     "ToolkitError",
     "stopped_code",
 ]
@@ -60,8 +60,9 @@ def stopped_code(signal_name: str | None) -> int:
 
 
 class ToolkitError(Exception):
-    """A failure the toolkit explains in one message. Raise one of its kinds (`KINDS`), not this
-    root: the kind says the exit code (`exit_code`, the same for every instance of a class)."""
+    """A failure the toolkit explains in one message. Raise one of its kinds
+    (`ERROR_CLASS_BY_CODE`), not this root: the kind says the exit code (`exit_code`, the same for
+    every instance of a class)."""
 
     exit_code: ClassVar[int] = EXIT_FAILED
 
@@ -80,6 +81,9 @@ class BadInputError(ToolkitError):
     exit_code: ClassVar[int] = EXIT_BAD_INPUT
 
 
-# The kinds of error, by the exit code each is: every other error class derives from exactly one of
-# them.
-KINDS: dict[int, type[ToolkitError]] = {EXIT_FAILED: FailedError, EXIT_BAD_INPUT: BadInputError}
+# The kinds of error, by the exit code each is (exit code -> its error class): every other error
+# class derives from exactly one of them.
+ERROR_CLASS_BY_CODE: dict[int, type[ToolkitError]] = {
+    EXIT_FAILED: FailedError,
+    EXIT_BAD_INPUT: BadInputError,
+}

@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from jobfiles import make_job, prepared_run, process_running
-from toolkit.engines.sglang import parse_node_addrs
+from toolkit.engines.rendezvous import parse_node_addrs
 from toolkit.formats.frames import read_shard
 
 ROOT = Path(__file__).resolve().parents[2]

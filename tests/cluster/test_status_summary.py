@@ -11,7 +11,8 @@ import pytest
 
 import runs
 from toolkit.cli import main as cli_main
-from toolkit.cluster.status import SUMMARY_OVER, RunStatus
+from toolkit.cluster.status import RunStatus
+from toolkit.cluster.table import SUMMARY_OVER
 from toolkit.errors import EXIT_FAILED
 from toolkit.formats.progress import Progress, write_progress
 

@@ -17,8 +17,8 @@ import toolkit.cluster.logs
 import toolkit.cluster.status
 from toolkit.cli import main as cli_main
 from toolkit.cluster.jobs import ArrayJob, Jobs, Submission
+from toolkit.cluster.slurmview import SlurmJob, SlurmView
 from toolkit.cluster.status import RunStatus
-from toolkit.cluster.verdicts import SlurmJob, SlurmView
 from toolkit.dataset.finish import AuditFailed, merge_and_audit
 from toolkit.dataset.merge import merge_run
 from toolkit.formats.progress import Progress, write_progress

@@ -1,4 +1,4 @@
-"""The state of shards and of the merge job, from hand-built facts (toolkit.cluster.verdicts: no files, no Slurm)."""
+"""The state of shards and of the merge job, from hand-built facts (toolkit.cluster.slurmview, rows and verdicts: no files, no Slurm)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import datetime as dt
 import pytest
 
 from toolkit.cluster.commands import FAILED, TIMEOUT, SlurmAnswer
-from toolkit.cluster.jobs import ArrayJob, Submission
-from toolkit.cluster.verdicts import (
+from toolkit.cluster.jobs import ArrayJob, Submission, index_jobs
+from toolkit.cluster.rows import (
     ACTIVE,
     CHANGED,
     DEAD,
@@ -17,24 +17,21 @@ from toolkit.cluster.verdicts import (
     UNFINISHED,
     UNKNOWN,
     MergeStatus,
-    RunFacts,
     ShardFacts,
+    merge_status,
+    shard_row,
+)
+from toolkit.cluster.slurmview import (
     SlurmJob,
     SlurmView,
-    exit_code,
     expand,
-    index_jobs,
-    merge_status,
     needs_scontrol,
     parse_sacct,
     parse_scontrol,
     parse_squeue,
-    run_states,
-    shard_status,
-    totals,
-    verdict,
     view_of_answers,
 )
+from toolkit.cluster.verdicts import RunFacts, exit_code, run_states, totals, verdict
 from toolkit.errors import EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_OK, EXIT_UNKNOWN
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.progress import Progress
@@ -88,7 +85,7 @@ def generating(shard: int = 0, **kw) -> Progress:
 def state(
     facts: ShardFacts, view: SlurmView | None = None, job: str | None = None, submitted: str = ""
 ):
-    return shard_status(
+    return shard_row(
         facts,
         view or SlurmView(jobs={}),
         job=job,

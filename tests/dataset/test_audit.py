@@ -590,7 +590,9 @@ def test_audit_html_rounds_shares_as_the_terminal_does_and_says_the_engine_was_t
     the even digit), and so must the page (JavaScript's toFixed said 6.3 %). The page's rounding, run in the
     browser over shares with exact ties and without, matches Python's for every one; and a run of the stub says
     so on the page and in the terminal summary."""
-    from toolkit.dataset.report import _SCRIPT, _pct, summary_table
+    from importlib.resources import files
+
+    from toolkit.dataset.report import _pct, summary_table
 
     s = runs.plan_run(
         tmp_path / "a",
@@ -616,7 +618,8 @@ def test_audit_html_rounds_shares_as_the_terminal_does_and_says_the_engine_was_t
     assert engine and "STUB" in engine.group(1) and "NOT a model" in engine.group(1)
 
     # The same rounding function over many shares, ties (k/16, k/32, k/1000 ...) and not.
-    fixed1 = re.search(r"^const fixed1 = .*?^};$", _SCRIPT, re.S | re.M).group(0)
+    script = files("toolkit.dataset").joinpath("templates/audit.js").read_text()
+    fixed1 = re.search(r"^const fixed1 = .*?^};$", script, re.S | re.M).group(0)
     shares = sorted(
         {k / d for d in (8, 16, 32, 40, 64, 200, 400, 1000, 2000, 3, 7, 9) for k in range(d + 1)}
     )

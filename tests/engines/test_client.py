@@ -1,4 +1,4 @@
-"""toolkit.engines.client.parse_response: SGLang's /generate answers, read from the end or decoded in full, agree."""
+"""toolkit.engines.answer.parse_response: SGLang's /generate answers, read from the end or decoded in full, agree."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from toolkit.engines import client
-from toolkit.engines.client import BadResponse, parse_response
+from toolkit.engines import answer, client, endpoints
+from toolkit.engines.answer import parse_response
+from toolkit.engines.client import BadResponse
+from toolkit.formats.records import ids_from_json
 
 META = {
     "id": "3f0c",
@@ -37,16 +39,14 @@ def orjson_like(obj) -> bytes:
 
 
 def full_decode(body: bytes):
-    resp = client._resp_decoder.decode(body)
-    return client.ids_from_json(
-        resp.output_ids, resp.meta_info.completion_tokens
-    ).tolist(), resp.meta_info
+    resp = answer._resp_decoder.decode(body)
+    return ids_from_json(resp.output_ids, resp.meta_info.completion_tokens).tolist(), resp.meta_info
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_sglang_answers_take_the_fast_path_and_agree_with_a_full_decode(text):
     body = orjson_like({"text": text, "output_ids": [5, 6, 7], "meta_info": META})
-    assert client._split_body(body) is not None
+    assert answer._split_body(body) is not None
     ids, meta = parse_response(body)
     assert (ids.tolist(), meta) == full_decode(body) == ([5, 6, 7], meta)
     assert meta.finish_reason == {"type": "stop", "matched": 7} and meta.cached_tokens == 5
@@ -171,10 +171,10 @@ def test_the_errors_generate_raises_say_how_many_attempts_it_made():
         server, url = await _server([0, -1, -1])
         http = client.HttpClient(url)
         with pytest.raises(BadResponse) as bad:  # 200 "ok": not a /generate answer, not retried
-            await client.generate(http, [1, 2], {}, timeout=5, retries=2)
+            await endpoints.generate(http, [1, 2], {}, timeout=5, retries=2)
         assert bad.value.attempts == 1
         with pytest.raises(client.Unreachable) as gone:  # no answer, retried once
-            await client.generate(http, [1, 2], {}, timeout=0.3, retries=1, backoff_s=0.01)
+            await endpoints.generate(http, [1, 2], {}, timeout=0.3, retries=1, backoff_s=0.01)
         assert gone.value.attempts == 2
         http.close()
         server.close()
@@ -262,31 +262,31 @@ def test_a_length_finish_short_of_max_new_tokens_is_good_only_at_the_context_lim
     import numpy as np
 
     ids = np.arange(5, dtype="<u4")
-    meta = client.MetaInfo(
+    meta = answer.MetaInfo(
         id="r", finish_reason={"type": "length", "length": 5}, completion_tokens=5
     )
-    limits = client.Expect(vocab_size=100, max_req_len=20)
+    limits = answer.Expect(vocab_size=100, max_req_len=20)
     assert (
-        client.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=limits)[
+        answer.check_answer(ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=limits)[
             "type"
         ]
         == "length"
     )
     assert (
-        client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=5, expect=limits)["type"]
+        answer.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=5, expect=limits)["type"]
         == "length"
     )
     with pytest.raises(
         BadResponse, match=r"short of max_new_tokens = 64 and of the context limit \(3 prompt"
     ):
-        client.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=limits)
-    assert client.check_answer(
-        ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=client.Expect()
+        answer.check_answer(ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=limits)
+    assert answer.check_answer(
+        ids, meta, rid="r", n_input=3, max_new_tokens=64, expect=answer.Expect()
     )
     with pytest.raises(BadResponse, match=r"output id 4 outside the vocabulary \(4 ids\)"):
-        client.check_answer(
-            ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=client.Expect(vocab_size=4)
+        answer.check_answer(
+            ids, meta, rid="r", n_input=14, max_new_tokens=64, expect=answer.Expect(vocab_size=4)
         )
-    assert client.check_answer(
+    assert answer.check_answer(
         ids, meta, rid=None, n_input=3, max_new_tokens=5
     )  # no rid sent: any id

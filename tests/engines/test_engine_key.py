@@ -19,7 +19,8 @@ from toolkit.engines.base import EngineError
 from toolkit.engines.keys import PREFIX, LogPump, sweep
 from toolkit.engines.kinds import make_engine
 from toolkit.engines.stub import start_standalone
-from toolkit.job.spec import key_source_warnings, load_spec
+from toolkit.job.spec import load_spec
+from toolkit.job.specchecks import key_source_warnings
 from toolkit.job.specerrors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ from toolkit.engines.base import EngineError
 from toolkit.engines.client import HttpClient
 from toolkit.engines.keys import KEY_ENV, KeyFiles
 from toolkit.engines.kinds import make_engine
-from toolkit.engines.sglang import check_extra_args, substitute
+from toolkit.engines.sglang import substitute
+from toolkit.engines.sglang_contract.extra_args import check_extra_args
 from toolkit.job.spec import load_spec
 from toolkit.job.specerrors import SpecError
 
@@ -397,8 +398,8 @@ def test_a_step_wide_sigterm_leaves_the_engine_serving_until_the_worker_has_abor
 ):
     """Slurm's scancel, requeue and preemption send SIGTERM to every process of the job step at once: the engine
     must outlive it, so that the worker can abort what is in flight and record the partial outputs."""
-    from toolkit.engines.base import group_members
-    from toolkit.engines.client import abort_requests, read_load
+    from toolkit.engines.endpoints import abort_requests, read_load
+    from toolkit.engines.process_group import group_members
 
     spec = load_spec(make_job(tmp_path, toy_tokenizer("kimi"), stub={"token_delay_s": 0.02}))
     e = make_engine(spec, tmp_path / "server.log", probe_ids=[5, 6, 7])
@@ -621,7 +622,7 @@ def test_dist_init_port_is_below_the_ephemeral_range_and_free():
     import socket
 
     from toolkit.engines.base import ephemeral_low, tcp_free
-    from toolkit.engines.sglang import dist_init_port
+    from toolkit.engines.rendezvous import dist_init_port
 
     for _ in range(5):
         port = dist_init_port(4)
@@ -690,7 +691,7 @@ def test_an_engines_port_is_below_the_ephemeral_range_and_a_taken_one_is_passed_
 def test_the_rendezvous_is_the_first_nodes_address_as_slurm_knows_it(
     node_addr, resolved, routes, expected
 ):
-    from toolkit.engines.sglang import rendezvous_host
+    from toolkit.engines.rendezvous import rendezvous_host
 
     assert rendezvous_host("gpu-a01", node_addr, resolved, routes) == expected
 
@@ -713,7 +714,7 @@ def test_the_rendezvous_is_the_first_nodes_address_as_slurm_knows_it(
 def test_a_first_node_known_only_by_loopback_is_an_error_not_a_rendezvous(
     node_addr, resolved, routes, said
 ):
-    from toolkit.engines.sglang import rendezvous_host
+    from toolkit.engines.rendezvous import rendezvous_host
 
     with pytest.raises(EngineError) as err:
         rendezvous_host("gpu-a01", node_addr, resolved, routes)
@@ -783,7 +784,7 @@ def test_a_multi_node_engine_meets_at_the_first_nodes_nodeaddr_where_its_own_nam
 
 
 def test_node_addrs_are_read_from_scontrol_show_node():
-    from toolkit.engines.sglang import parse_node_addrs
+    from toolkit.engines.rendezvous import parse_node_addrs
 
     out = (
         "NodeName=host1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 Gres=gpu:2 NodeAddr=10.65.177.11 "
@@ -978,7 +979,7 @@ def test_the_fake_sglangs_rank0_is_not_ready_before_every_rank_has_joined(tmp_pa
     import time
 
     from toolkit.engines.base import free_port
-    from toolkit.engines.sglang import dist_init_port
+    from toolkit.engines.rendezvous import dist_init_port
 
     port, rendezvous = free_port(), dist_init_port()
     env = {
@@ -1061,7 +1062,7 @@ def activated(venv: Path) -> dict[str, str]:
 
 
 def test_sglang_starts_with_the_python_the_node_setup_activated_when_it_has_sglang(tmp_path):
-    from toolkit.engines.sglang import engine_python
+    from toolkit.engines.sglang_python import engine_python
 
     node = node_env(tmp_path / "sglang-env", with_sglang=True)
     python, why = engine_python(None, activated(node))
@@ -1077,7 +1078,7 @@ def test_sglang_starts_with_the_python_the_node_setup_activated_when_it_has_sgla
 def test_engine_python_names_the_interpreter_and_a_missing_one_is_said(
     tmp_path, toy_tokenizer, monkeypatch
 ):
-    from toolkit.engines.sglang import engine_python
+    from toolkit.engines.sglang_python import engine_python
 
     node = node_env(tmp_path / "sglang-env", with_sglang=True)
     named = str(node / "bin" / "python3")

@@ -18,13 +18,8 @@ import pytest
 import realsglang
 
 from jobfiles import make_job
-from toolkit.engines.sglang_contract.flags import (
-    DATA_FILE,
-    add_to_parser,
-    check_extra_args,
-    flag_set,
-    versions,
-)
+from toolkit.engines.sglang_contract.extra_args import check_extra_args
+from toolkit.engines.sglang_contract.flags import DATA_FILE, add_to_parser, flag_set, versions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import pytest
 from jobfiles import make_job, prepared_run, write_prompts
 from toolkit.cli import main
 from toolkit.formats.rundir import RunDir
-from toolkit.job import chat, render_pool
+from toolkit.job import chat, render_pool, render_slice
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def rendered(monkeypatch):
     """The prompts rendered (by dataset), and the tokenizers loaded, in this process (one render process)."""
     monkeypatch.setenv(render_pool.ENV_PROCESSES, "1")
     seen = {"prompts": {}, "loads": 0}
-    texts, load = render_pool._texts, chat.load_tokenizer
+    texts, load = render_slice._texts, chat.load_tokenizer
 
     def counting_texts(tok, model, prompts, *a, **kw):
         for p in prompts:
@@ -29,7 +29,7 @@ def rendered(monkeypatch):
         seen["loads"] += 1
         return load(model)
 
-    monkeypatch.setattr(render_pool, "_texts", counting_texts)
+    monkeypatch.setattr(render_slice, "_texts", counting_texts)
     monkeypatch.setattr(chat, "load_tokenizer", counting_load)
 
     def take():

@@ -26,7 +26,7 @@ def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, ki
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 60}, client={"concurrency": 4})
     rd, plan = prepared_run(job)
     job = make_job(tmp_path, kimi, n=4, engine={"ready_timeout_s": 900}, client={"concurrency": 8})
-    with caplog.at_level(logging.INFO, logger="toolkit.job.plan"):
+    with caplog.at_level(logging.INFO, logger="toolkit.job.runsettings"):
         rd2, plan2 = prepared_run(job)
     assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
     pinned = Run.open(rd.root, JobSpec, finish=True).plan

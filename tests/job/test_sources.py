@@ -294,11 +294,11 @@ def test_check_renders_a_table_in_slices_of_rows_on_several_processes(
     tmp_path, toy_tokenizer, monkeypatch, capsys
 ):
     pq = pytest.importorskip("pyarrow.parquet")
-    from toolkit.job import render_pool, sources
+    from toolkit.job import readers, render_pool
 
     rows = [json.loads(x) for x in write_prompts(tmp_path / "w.jsonl", 7).read_text().splitlines()]
     pq.write_table(table(rows), tmp_path / "p.parquet", row_group_size=2)
-    monkeypatch.setattr(sources, "ROWS_PER_CHUNK", 3)
+    monkeypatch.setattr(readers, "ROWS_PER_CHUNK", 3)
     monkeypatch.setattr(render_pool, "POOL_MIN_BYTES", 0)
     monkeypatch.setenv(render_pool.ENV_PROCESSES, "2")
     assert [piece[:4] for piece in render_pool.slices(str(tmp_path / "p.parquet"))] == [

@@ -23,7 +23,7 @@ from keyscan import files_holding, watch_run
 from realsglang import CPU_ENV, python, sglang_job, toolkit
 
 from jobfiles import write_prompts
-from toolkit.engines.base import group_members
+from toolkit.engines.process_group import group_members
 from toolkit.formats.frames import read_shard
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
@@ -315,7 +315,7 @@ def test_what_check_refuses_is_what_real_sglang_refuses(tmp_path, tiny_model, sg
     assert code == 400 and "context length" in out["error"]["message"]
     # A flag value SGLang's own parser refuses, judged by SGLang itself in its environment.
     from toolkit.engines.base import EngineError
-    from toolkit.engines.sglang import check_argv_with_sglang
+    from toolkit.engines.sglang_python import check_argv_with_sglang
 
     with pytest.raises(EngineError, match="invalid choice: 'nope'"):
         check_argv_with_sglang(

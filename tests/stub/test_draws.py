@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from toolkit.engines.rids import make_rid, rid_sample
 from toolkit.engines.sglang_contract.sampling import Sampling
 from toolkit.stub import parse_config
-from toolkit.stub.outputs import Draws, load_model, open_section, plan_continuation, plan_output
+from toolkit.stub.outputs import load_model
+from toolkit.stub.planning import Draws, open_section, plan_continuation, plan_output
 
 
 @pytest.fixture(scope="module", params=["kimi", "qwen3"])

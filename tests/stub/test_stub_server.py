@@ -1377,7 +1377,8 @@ LOADS_ROW = {
 def test_v1_loads_has_the_shape_of_each_release_and_the_client_reads_both(fleet, name, version):
     import asyncio
 
-    from toolkit.engines.client import HttpClient, read_load
+    from toolkit.engines.client import HttpClient
+    from toolkit.engines.endpoints import read_load
 
     stub = fleet[name].wait_ready()
     loads = _loads(stub)
@@ -1514,7 +1515,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(fleet):
 def test_sigterm_to_the_process_group_kills_without_draining(toy_tokenizer, tmp_path):
     """As SGLang: a group SIGTERM ends the scheduler child at once, and the watchdog kills the server (SIGKILL)
     within about a second, requests in flight unanswered; nothing of the group is left."""
-    from toolkit.engines.base import group_members
+    from toolkit.engines.process_group import group_members
 
     stub = Stub(
         "group",

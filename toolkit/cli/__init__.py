@@ -1,8 +1,8 @@
 """The `toolkit` command line: parses arguments and calls the modules that do the work.
 
 Exit codes: toolkit.errors.EXIT_MEANINGS, printed by `toolkit --help`; an error exits with the code
-of its kind (toolkit.errors.KINDS) after one line, `toolkit: error: ...` (`toolkit -v`: its
-traceback first). `status` exits 0 only for a run that is complete and healthy
+of its kind (toolkit.errors.ERROR_CLASS_BY_CODE) after one line, `toolkit: error: ...`
+(`toolkit -v`: its traceback first). `status` exits 0 only for a run that is complete and healthy
 (cluster.verdicts.verdict).
 
 One module per command group, each with its subcommands' flags beside the functions that run them:

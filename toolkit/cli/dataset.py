@@ -3,21 +3,21 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from toolkit.cli.shared import RUN_HELP_ARG, at_least
+from toolkit.cli.shared import RUN_HELP_ARG, add_command, at_least
 from toolkit.errors import EXIT_OK, FailedError
 from toolkit.formats.files import shown_path
 
 
 def add_merge(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "merge",
+        cmd_merge,
         help="merge a run's shard files into one dataset (in planned order, exactly once) and "
         "audit it",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Stream every shard file of RUN into RUN/merged/records.zst in planned prompt "
         "order, keeping each\nrecord exactly once, with RUN/merged/manifest.json (counts, "
         "checksums, problems). Then audit it\n(RUN/merged/audit.json, audit.html) unless "
@@ -31,7 +31,6 @@ def add_merge(sub) -> None:
         help="merge even if some shards are unfinished; missing ids go to merged/missing_ids.txt",
     )
     s.add_argument("--no-audit", action="store_true", help="only merge")
-    s.set_defaults(func=cmd_merge)
 
 
 def cmd_merge(args) -> int:
@@ -57,11 +56,12 @@ def cmd_merge(args) -> int:
 
 
 def add_audit(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "audit",
+        cmd_audit,
         help="check a merged run: coverage, reasoning capture, truncation, consistency; write "
         "reports",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Audit RUN/merged/records.zst: every planned id present once, reasoning split "
         "on the think-end id,\ntruncation, stop tokens, token counts, prompts re-rendered from "
         "the source. Thresholds come from the\njob's [audit] table. Writes RUN/merged/audit.json, "
@@ -69,7 +69,6 @@ def add_audit(sub) -> None:
         "1 a check failed, 2 no merged dataset or unreadable run",
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
-    s.set_defaults(func=cmd_audit)
 
 
 def cmd_audit(args) -> int:
@@ -115,11 +114,12 @@ EXPORT_HELP = (
 
 
 def add_export(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "export",
+        cmd_export,
         help="write a merged run as jsonl, parquet, tokens (input_ids + loss_mask) or "
         "conversations",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=EXPORT_HELP,
     )
     s.add_argument("run", help=RUN_HELP_ARG + ", merged with `toolkit merge`")
@@ -162,7 +162,6 @@ def add_export(sub) -> None:
         "vocabulary, finish, reasoning split) too, with a warning; without it such records refuse "
         "the export",
     )
-    s.set_defaults(func=cmd_export)
 
 
 def _add_export_reasons(s) -> None:

@@ -4,12 +4,11 @@ beside what it does."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
 
-from toolkit.cli.shared import RUN_HELP_ARG, add_allow_changed, at_least
+from toolkit.cli.shared import RUN_HELP_ARG, add_allow_changed, add_command, at_least
 from toolkit.cli.slurm import add_resource_flags, resources_of, resubmit_shards
 from toolkit.errors import EXIT_FAILED, EXIT_OK, BadInputError, stopped_code
 from toolkit.formats.files import shown_path
@@ -19,8 +18,10 @@ log = logging.getLogger("toolkit.cli")
 
 
 def add_check(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "check",
+        cmd_check,
         help="validate a job: spec, every prompt line, tokenizer, every prompt rendered with the "
         "chat template, reasoning mode, lengths against the context length, run directory",
     )
@@ -29,7 +30,6 @@ def add_check(sub) -> None:
         help="job spec (TOML) to check, e.g. jobs/demo.toml; it writes only what it learned "
         "(check.msgpack in output_dir), so that `submit` renders nothing again",
     )
-    s.set_defaults(func=cmd_check)
 
 
 def cmd_check(args) -> int:
@@ -85,8 +85,10 @@ def _cost(pf) -> list[str]:
 
 
 def add_worker(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "worker",
+        cmd_worker,
         help="generate one shard of a planned run, or claim shards one after another with "
         "one engine (--claim: what each Slurm array task runs)",
     )
@@ -106,7 +108,6 @@ def add_worker(sub) -> None:
         help="with --claim: the name of the workers sharing the shards (a shard failed in "
         "one of them is not claimed again by the others)",
     )
-    s.set_defaults(func=cmd_worker)
 
 
 def cmd_worker(args) -> int:
@@ -184,11 +185,12 @@ finishing it), and the run is merged once every shard is done."""
 
 
 def add_run(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "run",
+        cmd_run,
         help="run every shard of a job here (no Slurm), then merge and audit",
         description=RUN_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("job", help="job spec (TOML), e.g. jobs/demo.toml")
     s.add_argument("--shards", type=int, nargs="+", metavar="K", help="only these shard indices")
@@ -207,7 +209,6 @@ def add_run(sub) -> None:
         help="workers at once, each with its own engine of tp_size x dp_size GPUs (default: as "
         "many as the GPUs in CUDA_VISIBLE_DEVICES, or the machine's, hold; 1 without GPUs)",
     )
-    s.set_defaults(func=cmd_run)
 
 
 def cmd_run(args) -> int:
@@ -333,11 +334,12 @@ def _after_shards(
 def add_retry(sub) -> None:
     from toolkit.cluster import retry
 
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "retry",
+        cmd_retry,
         help="generate failed records again in the same run (default: failures that may pass), "
         "then merge",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=retry.__doc__.split("\n", 2)[2],
     )
     s.add_argument("run", help=RUN_HELP_ARG)
@@ -353,7 +355,6 @@ def add_retry(sub) -> None:
         help="submit the shards as a Slurm array (like `toolkit resubmit`)",
     )
     add_resource_flags(s)
-    s.set_defaults(func=cmd_retry)
 
 
 def cmd_retry(args) -> int:

@@ -199,7 +199,7 @@ def _run_arg(arg: str) -> str:
     """A run directory as given, or the newest run of a job file (said on stderr, so scripts can
     tell)."""
     from toolkit.formats.files import shown_path
-    from toolkit.job.plan import run_of_job
+    from toolkit.job.findrun import run_of_job
 
     p = Path(arg)
     if not (p.is_file() and p.suffix == ".toml"):

@@ -1,11 +1,22 @@
-"""What the command groups share: the help of a run argument, the refusal of a number flag below
-its least value, and `--allow-changed` (run, submit)."""
+"""What the command groups share: a subcommand's declaration, the help of a run argument, the
+refusal of a number flag below its least value, and `--allow-changed` (run, submit)."""
 
 from __future__ import annotations
+
+import argparse
 
 from toolkit.errors import BadInputError
 
 RUN_HELP_ARG = "run directory, or the job file (its newest run in output_dir)"
+
+
+def add_command(sub, name: str, func, *, help: str, description: str | None = None, wrap=False):
+    """The subcommand `name`, run by `func`: `help` is its line in `toolkit --help`, `description`
+    what its own --help says above the flags, as written (its line breaks kept) unless `wrap`."""
+    as_written = {} if wrap else {"formatter_class": argparse.RawDescriptionHelpFormatter}
+    s = sub.add_parser(name, help=help, description=description, **as_written)
+    s.set_defaults(func=func)
+    return s
 
 
 def at_least(flag: str, values, least: int, what: str) -> None:

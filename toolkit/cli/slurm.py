@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-from toolkit.cli.shared import RUN_HELP_ARG, add_allow_changed
+from toolkit.cli.shared import RUN_HELP_ARG, add_allow_changed, add_command
 from toolkit.errors import EXIT_OK
 
 
 def add_submit(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "submit",
+        cmd_submit,
         help="validate, plan and submit a job to Slurm (sbatch-style)",
         description="Validates the spec, every prompt line, the tokenizer and chat template here, "
         "plans the run directory, then submits a job array (as many tasks as may run at once, "
         "each starting its engine once and claiming the shards one after another) and a merge + "
         "audit job after it.",
+        wrap=True,
     )
     s.add_argument("job", help="job spec (TOML)")
     add_resource_flags(s)
@@ -30,11 +33,11 @@ def add_submit(sub) -> None:
         "--new-run`)",
     )
     add_allow_changed(s)
-    s.set_defaults(func=cmd_submit)
 
 
 def cmd_submit(args) -> int:
-    from toolkit.cluster.submit import format_dry_run, format_submission, submit
+    from toolkit.cluster.dryrun import format_dry_run
+    from toolkit.cluster.submit import format_submission, submit
     from toolkit.formats.rundir import RunDir
 
     r = submit(
@@ -126,14 +129,15 @@ def resources_of(args):
 
 
 def add_resubmit(sub) -> None:
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "resubmit",
+        cmd_resubmit,
         help="resubmit only the shards not finished (without a done manifest, or with "
         "failures that may pass), and a new merge job",
     )
     s.add_argument("run", help=RUN_HELP_ARG)
     add_resource_flags(s)
-    s.set_defaults(func=cmd_resubmit)
 
 
 def cmd_resubmit(args) -> int:
@@ -159,9 +163,8 @@ def resubmit_shards(run: str, resources) -> int:
 
 
 def add_cancel(sub) -> None:
-    s = sub.add_parser("cancel", help="cancel the run's array and merge jobs")
+    s = add_command(sub, "cancel", cmd_cancel, help="cancel the run's array and merge jobs")
     s.add_argument("run", help=RUN_HELP_ARG)
-    s.set_defaults(func=cmd_cancel)
 
 
 def cmd_cancel(args) -> int:

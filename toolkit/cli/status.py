@@ -3,9 +3,7 @@ logs (cluster.logs)."""
 
 from __future__ import annotations
 
-import argparse
-
-from toolkit.cli.shared import RUN_HELP_ARG, at_least
+from toolkit.cli.shared import RUN_HELP_ARG, add_command, at_least
 from toolkit.errors import EXIT_UNKNOWN
 
 STATUS_HELP = """\
@@ -26,14 +24,16 @@ the exit code means:
 
 
 def add_status(sub) -> None:
-    from toolkit.cluster.status import SUMMARY_OVER, UNKNOWN_LIMIT_S
+    from toolkit.cluster.status import UNKNOWN_LIMIT_S
+    from toolkit.cluster.table import SUMMARY_OVER
 
-    s = sub.add_parser(
+    s = add_command(
+        sub,
         "status",
+        cmd_status,
         help="one row per shard: Slurm state, prompts done, tokens, tok/s, ETA; exit 0 only "
         "when complete and healthy",
         description=STATUS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("-w", "--watch", action="store_true", help="refresh until the run ends")
@@ -59,7 +59,6 @@ def add_status(sub) -> None:
         help=f"with --watch: give up (exit {EXIT_UNKNOWN}) once Slurm has not told the state for S "
         f"seconds (default {UNKNOWN_LIMIT_S:.0f})",
     )
-    s.set_defaults(func=cmd_status)
 
 
 def cmd_status(args) -> int:
@@ -76,7 +75,9 @@ def cmd_status(args) -> int:
 
 
 def add_logs(sub) -> None:
-    s = sub.add_parser("logs", help="a shard's worker log (or its SGLang server log), -f to follow")
+    s = add_command(
+        sub, "logs", cmd_logs, help="a shard's worker log (or its SGLang server log), -f to follow"
+    )
     s.add_argument("run", help=RUN_HELP_ARG)
     s.add_argument("shard", type=int, nargs="?", help="shard index")
     s.add_argument(
@@ -98,7 +99,6 @@ def add_logs(sub) -> None:
     s.add_argument(
         "-n", "--lines", type=int, default=40, help="lines of tail to print (default 40)"
     )
-    s.set_defaults(func=cmd_logs)
 
 
 def cmd_logs(args) -> int:

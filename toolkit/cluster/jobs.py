@@ -37,17 +37,14 @@ class Jobs(msgspec.Struct):
     submissions: list[Submission] = []
 
 
-class DamagedJobs(BadInputError):
-    """jobs.json is not what the toolkit wrote: which Slurm jobs belong to the run is unknown."""
-
-
 def read_jobs(rd: RunDir) -> Jobs:
     try:
         return msgspec.json.decode(rd.jobs_file.read_bytes(), type=Jobs)
     except FileNotFoundError:
         return Jobs()
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise DamagedJobs(
+        # not what the toolkit wrote: which Slurm jobs belong to the run is unknown
+        raise BadInputError(
             f"{rd.jobs_file} is damaged ({e}): it is the record of which Slurm jobs this run "
             "submitted. Restore it (e.g. from a backup), or move it aside: the shard files and "
             "progress are unaffected, but the jobs it listed are then unknown to the toolkit "
@@ -76,8 +73,53 @@ def live_jobs(rd: RunDir) -> dict[str, str]:
     ids = job_ids(rd)
     if not ids:
         return {}
-    from toolkit.cluster.verdicts import parse_squeue
+    from toolkit.cluster.slurmview import parse_squeue
 
     # the rows status reads too
     out = resources.slurm_output(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%N|%r"])
     return {jid: job.state for jid, job in parse_squeue(out.splitlines()).items()}
+
+
+class JobsIndex(msgspec.Struct):
+    """jobs.json arranged for status (later submissions win): the task that runs each shard of an
+    array of one shard per task, the array whose tasks claim each shard of a claiming array (its
+    pool), and the merge job."""
+
+    task_of: dict[int, str]  # {shard: Slurm task id}
+    submitted_at: dict[str, str]  # {task or array job id: ISO time of its submission}
+    merge_job: str | None = None
+    merge_submitted: str = ""
+    pool_of: dict[int, str] = {}  # {shard: array job id whose tasks claim it}
+    pool_tasks: dict[str, list[str]] = {}  # {array job id: its task ids}
+
+    @property
+    def job_ids(self) -> list[str]:
+        """The jobs to ask Slurm about: each array once, and the merge job."""
+        return sorted(
+            {t.split("_")[0] for t in self.task_of.values()}
+            | set(self.pool_of.values())
+            | ({self.merge_job} if self.merge_job else set())
+        )
+
+
+def index_jobs(submissions) -> JobsIndex:
+    """`submissions`: slurm.Jobs.submissions, oldest first."""
+    idx = JobsIndex(task_of={}, submitted_at={}, pool_of={}, pool_tasks={})
+    for sub in submissions:
+        for a in sub.arrays:
+            if a.claims:
+                idx.pool_tasks[a.job_id] = list(a.tasks) or [a.job_id]
+                idx.submitted_at[a.job_id] = sub.submitted
+                for k in a.shards:
+                    idx.pool_of[k] = a.job_id
+                    idx.task_of.pop(k, None)
+                for t in idx.pool_tasks[a.job_id]:
+                    idx.submitted_at[t] = sub.submitted
+                continue
+            for i, k in enumerate(a.shards):
+                idx.task_of[k] = a.tasks[i] if a.tasks else f"{a.job_id}_{i}"
+                idx.submitted_at[idx.task_of[k]] = sub.submitted
+                idx.pool_of.pop(k, None)
+        if sub.merge_job_id:
+            idx.merge_job, idx.merge_submitted = sub.merge_job_id, sub.submitted
+    return idx

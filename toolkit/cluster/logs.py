@@ -12,17 +12,17 @@ from collections import deque
 from pathlib import Path
 
 from toolkit.cluster import status  # Slurm is asked through it: tests replace its calls
-from toolkit.cluster.status import unknown_note
-from toolkit.cluster.verdicts import (
+from toolkit.cluster.jobs import index_jobs, read_jobs
+from toolkit.cluster.rows import (
     ACTIVE,
     BAD_STATES,
     UNKNOWN,
     ShardFacts,
-    ShardStatus,
-    index_jobs,
+    ShardRow,
     pool_state,
-    shard_status,
+    shard_row,
 )
+from toolkit.cluster.table import unknown_note
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.files import shown_path
 from toolkit.formats.logline import ERROR_PREFIX, parse_text
@@ -79,7 +79,7 @@ def follow_file(path: Path, *, lines: int, stop_when=None, poll_s: float = 0.5):
 SLURM_ASK_S = 5.0
 
 
-class ShardEnd:
+class EndedForGood:
     """Whether a followed shard has ended for good, as a callable: its end ("done", "failed (task
     12_0 failed)", ...) or None while more attempts may still write its log.
 
@@ -90,8 +90,6 @@ class ShardEnd:
     answer, it goes on."""
 
     def __init__(self, run: Run, shard: int):
-        from toolkit.cluster.jobs import read_jobs
-
         self.run, self.rd, self.shard = run, run.rd, shard
         jobs = index_jobs(read_jobs(run.rd).submissions)
         self.task = jobs.task_of.get(shard)
@@ -131,7 +129,7 @@ class ShardEnd:
         elif time.monotonic() - self.asked >= SLURM_ASK_S:
             self.asked = time.monotonic()
             view = status.slurm_view([self.task.split("_")[0]])
-            st = shard_status(
+            st = shard_row(
                 ShardFacts(shard=k, total=p.total, done=None, progress=p),
                 view,
                 job=self.task,
@@ -252,7 +250,7 @@ def _print_failed(rd: RunDir, lines: int) -> int:
     return 1 if bad or merge_bad or audit_bad else 0
 
 
-def _print_failed_shards(rd: RunDir, bad: list[ShardStatus], lines: int) -> None:
+def _print_failed_shards(rd: RunDir, bad: list[ShardRow], lines: int) -> None:
     for r in bad:
         print(f"==> shard {r.shard}: {r.state} (job {r.job or '-'}, node {r.node or '-'}) <==")
         if r.error:
@@ -336,7 +334,7 @@ def logs_command(
     path = _server_log(rd, shard) if server else rd.log_file(shard)
     if follow:
         try:
-            end = follow_file(path, lines=lines, stop_when=ShardEnd(opened, shard))
+            end = follow_file(path, lines=lines, stop_when=EndedForGood(opened, shard))
         except KeyboardInterrupt:
             return 0
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)

@@ -30,11 +30,7 @@ from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import REPAIRED, asked_again
 from toolkit.job.spec import JobSpec
 
-__all__ = ["RetryError", "read_ids", "request_retry"]
-
-
-class RetryError(BadInputError):
-    """A retry that cannot be asked as given (unknown ids, unreadable file)."""
+__all__ = ["read_ids", "request_retry"]
 
 
 def read_ids(path: str | os.PathLike) -> list[str]:
@@ -42,7 +38,7 @@ def read_ids(path: str | os.PathLike) -> list[str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise RetryError(f"{path}: cannot read the ids to retry ({e.strerror})") from None
+        raise BadInputError(f"{path}: cannot read the ids to retry ({e.strerror})") from None
     return [s for line in lines if (s := line.strip()) and not s.startswith("#")]
 
 
@@ -55,7 +51,7 @@ def _shard_of_ids(rd: RunDir, plan: RunPlan, ids: list[str]) -> dict[int, list[s
             wanted.discard(ref.id)
             by_shard.setdefault(bisect_right(firsts, pos) - 1, []).append(ref.id)
     if wanted:
-        raise RetryError(
+        raise BadInputError(
             f"{len(wanted)} ids are not planned in {rd.shown} (e.g. {sorted(wanted)[0]!r})"
         )
     return by_shard

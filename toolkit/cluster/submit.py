@@ -1,6 +1,7 @@
 """Putting a run on the cluster: `submit` (a submitit array of as many tasks as may run at once,
 each claiming the run's unfinished shards one after another with one engine, and a merge-and-audit
-job with an `afterany` dependency on it), its dry run, `resubmit` and `cancel`, and what they print.
+job with an `afterany` dependency on it), `resubmit` and `cancel`, and what they print; its dry
+run is cluster.dryrun, the arrays themselves cluster.arrays.
 
 The run is validated and planned first (spec, every prompt line, tokenizer and template; sglang is
 never imported here). What was submitted is appended to `RUN/slurm/jobs.json` (cluster.jobs). Time
@@ -13,11 +14,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import msgspec
 
 from toolkit.cluster import resources  # Slurm is asked through the module: tests replace its calls
+from toolkit.cluster.arrays import (
+    describe_array,
+    executor,
+    one_shard_each,
+    pending_shards,
+    workers_for,
+)
+from toolkit.cluster.dryrun import DryRun, plan_dry_run
 from toolkit.cluster.jobs import (
     ArrayJob,
     Submission,
@@ -27,7 +35,6 @@ from toolkit.cluster.jobs import (
     read_jobs,
 )
 from toolkit.cluster.resources import (
-    PartitionInfo,
     Resources,
     SlurmError,
     SubmitRefused,
@@ -35,7 +42,6 @@ from toolkit.cluster.resources import (
     merge_params,
     refuse,
     shard_params,
-    validate_on_cluster,
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
@@ -47,35 +53,6 @@ from toolkit.formats.text import ranges, utc_now
 from toolkit.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
-
-
-def _executor(rd: RunDir, params: dict[str, Any], *, script_only: bool = False):
-    """submitit's executor for the run; `script_only`: one that only renders scripts (no Slurm
-    needed)."""
-    import submitit
-
-    cls = submitit.SlurmExecutor
-    if script_only:
-
-        class _ScriptOnly(cls):  # submitit refuses to build an executor where `srun` is missing
-            @classmethod
-            def affinity(cls) -> int:
-                return 1
-
-        cls = _ScriptOnly
-    ex = cls(folder=str(rd.job_folder()), max_num_timeout=20)
-    ex.update_parameters(**params)
-    return ex
-
-
-def sbatch_script(rd: RunDir, params: dict[str, Any], *, array: int | None = None) -> str:
-    """The sbatch script submitit writes for these parameters (an array of `array` tasks, or one
-    job), rendered by submitit itself (as `map_array` and `submit` do), so what a dry run shows is
-    what is submitted."""
-    ex = _executor(rd, params, script_only=True)
-    if array is not None:
-        ex.parameters["map_count"] = array
-    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
 def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -> Submission:
@@ -96,24 +73,18 @@ def _submit_arrays(rd: RunDir, plan: RunPlan, shards: list[int], o: Resources) -
         ) from None
 
 
-def workers_for(params: dict[str, Any], shards: list[int], max_array_size: int) -> int:
-    """Array tasks for a pool of `shards`: as many as may run at once (`array_parallelism`), no more
-    than there are shards, within the cluster's MaxArraySize."""
-    return max(1, min(int(params.get("array_parallelism") or 1), len(shards), max_array_size))
-
-
 def _submit_arrays_unguarded(
     rd: RunDir, plan: RunPlan, shards: list[int], o: Resources
 ) -> Submission:
     params = shard_params(plan, o)
     n = workers_for(params, shards, resources.max_array_size())
-    ex = _executor(rd, params)
+    ex = executor(rd, params)
     jobs = ex.map_array(ClaimTask(str(rd.root), shards, n), list(range(n)))
     arrays = [
         ArrayJob(jobs[0].job_id.split("_")[0], shards, [str(j.job_id) for j in jobs], claims=True)
     ]
     dep = "afterany:" + ":".join(a.job_id for a in arrays)
-    mex = _executor(rd, merge_params(plan, o, dep))
+    mex = executor(rd, merge_params(plan, o, dep))
     merge_job = mex.submit(MergeTask(str(rd.root)))
     sub = Submission(
         submitted=utc_now(),
@@ -123,145 +94,6 @@ def _submit_arrays_unguarded(
     )
     append_submission(rd, sub)
     return sub
-
-
-DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no cluster answers
-
-
-DEPENDENCY_PLACEHOLDER = "ARRAY_JOB_ID"
-
-
-PROBE_TIMEOUT_S = 20  # a dry run waits this long for a cluster to answer
-
-
-class ClusterCheck(msgspec.Struct):
-    reachable: bool
-    why: str = ""  # why not reachable
-    partition: PartitionInfo | None = None  # as validated
-    max_array_size: int = DEFAULT_MAX_ARRAY_SIZE
-
-
-class DryRun(msgspec.Struct):
-    run_dir: str
-    prompts: int
-    datasets: int
-    shards: int
-    fingerprint: str
-    cluster: ClusterCheck
-    arrays: list[list[int]]  # the pool of shards each array's tasks claim
-    array_scripts: list[str]  # the sbatch script of each array, as submitit writes it
-    merge_script: str
-    tasks: list[int] = []  # the tasks of each array (the run's parallelism)
-    # `prompts` in words: `60 outputs (30 prompts × 2 samples)` with samples
-    counted: str = ""
-    cost: list[str] = []  # job.cost's estimate, in lines; a warning on the time limit first
-
-
-def check_cluster(plan: RunPlan, options: Resources) -> tuple[Resources, ClusterCheck]:
-    """Validate against the cluster when one answers (a bad partition or size still raises
-    SlurmError)."""
-    try:  # (a SLURM_CONF that does not exist is said at once: cluster.commands.call)
-        config = resources.slurm_config(timeout=PROBE_TIMEOUT_S)
-    except SlurmError as e:
-        return options, ClusterCheck(reachable=False, why=str(e).splitlines()[0])
-    o, part = validate_on_cluster(plan, options)
-    return o, ClusterCheck(
-        reachable=True, partition=part, max_array_size=resources.max_array_size(config)
-    )
-
-
-def plan_dry_run(plan: RunPlan, options: Resources, rd: RunDir | None = None) -> DryRun:
-    """What `submit` would send, without submitting or writing anything: submitit's scripts for each
-    array and for the merge job (its dependency on the arrays shown as ARRAY_JOB_ID, known only once
-    they are submitted), for the shards submit would send (those without a done manifest of run
-    directory `rd`). An array of one task is a plain job, as submitit sends it."""
-    rd = rd or RunDir(plan.spec.output_dir)
-    check_resources(plan, options)
-    o, cluster = check_cluster(plan, options)
-    pool = _pending(rd, plan)
-    params = shard_params(plan, o)
-    arrays = [pool] if pool else []
-    tasks = [workers_for(params, a, cluster.max_array_size) for a in arrays]
-    scripts = [sbatch_script(rd, params, array=n if n > 1 else None) for n in tasks]
-    merge = sbatch_script(rd, merge_params(plan, o, "afterany:" + DEPENDENCY_PLACEHOLDER))
-    cost = _cost_lines(plan, rd, params, sum(tasks) or params["array_parallelism"])
-    return DryRun(
-        run_dir=rd.shown,
-        prompts=plan.total,
-        datasets=len(plan.datasets),
-        shards=len(plan.shards),
-        fingerprint=plan.fingerprint,
-        cluster=cluster,
-        arrays=arrays,
-        array_scripts=scripts,
-        merge_script=merge,
-        tasks=tasks,
-        counted=plan.counted(),
-        cost=cost,
-    )
-
-
-def _cost_lines(plan: RunPlan, rd: RunDir, params: dict[str, Any], engines: int) -> list[str]:
-    """job.cost's estimate for the tasks `params` describes, with a warning first when their time
-    limit cannot hold a model load and one shard."""
-    from toolkit.job import cost
-
-    warn, lines = cost.said(
-        plan,
-        rd,
-        engines=engines,
-        time_minutes=params["time"],
-        signal_delay_s=params["signal_delay_s"],
-    )
-    return ([f"warning: {warn}"] if warn else []) + lines
-
-
-def format_dry_run(d: DryRun) -> str:
-    c = d.cluster
-    lines = [
-        f"dry run: {d.counted or f'{d.prompts} prompts'} in {d.datasets} "
-        f"dataset{'s' * (d.datasets != 1)} -> {d.shards} shard{'s' * (d.shards != 1)}, "
-        f"fingerprint {d.fingerprint}",
-        f"run directory would be: {d.run_dir}",
-    ]
-    if c.reachable and c.partition:
-        p = c.partition
-        lines.append(
-            f"validated against the cluster: partition {p.name} (nodes with up to "
-            f"{p.gpus_per_node} GPUs, {p.cpus_per_node or '?'} CPUs), MaxArraySize "
-            f"{c.max_array_size}"
-        )
-    else:
-        lines.append(
-            f"Slurm not reachable: not validated against a cluster ({c.why}); MaxArraySize assumed "
-            f"{c.max_array_size}"
-        )
-    lines.append(
-        f"{len(d.arrays)} job array(s) (MaxArraySize {c.max_array_size}): "
-        + "; ".join(
-            f"{_tasks(n)} claiming shards {ranges(a, sep=',')}" for a, n in zip(d.arrays, d.tasks)
-        )
-    )
-    lines += [note for a, n in zip(d.arrays, d.tasks) if (note := one_shard_each(n, len(a)))]
-    lines += d.cost
-    lines.append("nothing submitted. The scripts submitit will write and sbatch:")
-    for i, (shards, script, n) in enumerate(zip(d.arrays, d.array_scripts, d.tasks)):
-        runs = (
-            "one job, sent as a plain job (not an array): it starts"
-            if n == 1
-            else f"{n} tasks at once: each task starts"
-        )
-        lines.append(
-            f"\n==> array {i + 1} of {len(d.arrays)}: shards {ranges(shards, sep=',')} ({runs} its "
-            "engine once and claims unfinished shards one after another until none is left) <=="
-        )
-        lines.append(script.rstrip("\n"))
-    lines.append(
-        f"\n==> merge + audit job, after the array(s); {DEPENDENCY_PLACEHOLDER} is the array's job "
-        "id, known once it is submitted <=="
-    )
-    lines.append(d.merge_script.rstrip("\n"))
-    return "\n".join(lines)
 
 
 class SubmitResult(msgspec.Struct):
@@ -306,17 +138,11 @@ def submit(
     if dry_run:
         return SubmitResult(str(prep.run_dir.root), prep.plan, dry_run=prep.validated)
     rd, plan, o = prep.run_dir, prep.plan, prep.validated
-    pending = _pending(rd, plan)
+    pending = pending_shards(rd, plan)
     # the job's prompt files changed, but neither new nor changed prompts: nothing to generate
     if not pending:
         raise _all_done(rd)
     return SubmitResult(str(rd.root), plan, submission=_submit_arrays(rd, plan, pending, o))
-
-
-def _pending(rd: RunDir, plan: RunPlan) -> list[int]:
-    """The shards of a run no worker ended (no done manifest; all of them for a run not created
-    yet)."""
-    return [k for k in range(len(plan.shards)) if not Run(rd, plan).shard_state(k).ended]
 
 
 def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
@@ -333,16 +159,22 @@ def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
                 f"{rd.root} was already submitted; use `toolkit resubmit {rd.root}` for what is "
                 "left"
             )
-        live = live_jobs(rd)
+        live, shown = _live(rd)
         if live:
-            shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
             raise refuse(
-                f"the job's prompt files gained prompts, but {len(live)} jobs of its run {rd.root} "
+                f"the job's prompt files gained prompts, but {live} jobs of its run {rd.root} "
                 f"are still pending or running ({shown}); wait for them or `toolkit cancel "
                 f"{rd.root}`, then submit again"
             )
-    if not grows and not _pending(rd, plan):
+    if not grows and not pending_shards(rd, plan):
         raise _all_done(rd)
+
+
+def _live(rd: RunDir) -> tuple[int, str]:
+    """How many jobs of the run are still pending or running, and the first 8 of them with their
+    state, for a refusal: (2, `7_0 running, 8 pending`)."""
+    live = live_jobs(rd)
+    return len(live), ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
 
 
 def _all_done(rd: RunDir) -> SubmitRefused:
@@ -360,11 +192,10 @@ def resubmit(
     changed since, which is removed), and a new merge job."""
     run = Run.open(run_dir, JobSpec, finish=True)
     rd, plan = run.rd, run.plan
-    live = live_jobs(rd)
+    live, shown = _live(rd)
     if live:
-        shown = ", ".join(f"{j} {s.lower()}" for j, s in sorted(live.items())[:8])
         raise SlurmError(
-            f"{len(live)} jobs of this run are still pending or running ({shown}); wait for them "
+            f"{live} jobs of this run are still pending or running ({shown}); wait for them "
             f"or `toolkit cancel {rd.root}` first"
         )
     # (a shard file changed since its done manifest: not finished)
@@ -405,43 +236,6 @@ def cancel(run_dir: str | os.PathLike) -> list[str]:
     if ids:
         resources.slurm_output(["scancel", *ids])
     return ids
-
-
-JOBS_FILE = RunDir(".").jobs_file.as_posix()  # as a run directory holds it: slurm/jobs.json
-
-
-def _tasks(n: int) -> str:
-    return f"{n} task" + ("" if n == 1 else "s")
-
-
-def describe_array(a: ArrayJob) -> str:
-    """What an array's tasks run, in words: `Submitted batch job 7 (array of 2 tasks 7_[0-1]
-    claiming shards 0-7: ...)`."""
-    n, shards = len(a.tasks) or 1, ranges(a.shards, sep=",")
-    claim = (
-        "each starts its engine once and claims unfinished shards one after another until "
-        "none is left"
-    )
-    if n == 1:  # submitit sends a single task as a plain job
-        return (
-            f"Submitted batch job {a.job_id} (1 task claiming shards {shards}: it starts its "
-            "engine once and runs them one after another)"
-        )
-    return (
-        f"Submitted batch job {a.job_id} (array of {n} tasks {a.job_id}_[0-{n - 1}] claiming "
-        f"shards {shards}: {claim})"
-    )
-
-
-def one_shard_each(tasks: int, shards: int) -> str:
-    """A note when an array has a task per shard: each task loads the model for a single shard."""
-    if tasks < 2 or tasks < shards:
-        return ""
-    return (
-        f"note: {tasks} tasks for {shards} shards: each loads the model for one shard. To load it "
-        "once per node, set --array-parallelism (or [slurm] array_parallelism) to the nodes the "
-        "run may hold at once"
-    )
 
 
 def format_submission(rd: RunDir, sub: Submission) -> str:

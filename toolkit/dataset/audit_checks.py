@@ -1,5 +1,7 @@
 """The audit's checks: one pure function per check, from the counts the auditor gathered to a
-`Check`.
+`Check`. This module holds the checks of coverage and integrity of the merge and `run_checks`; the
+checks of reasoning capture are in `audit_checks_reasoning`, those of the outputs (truncation,
+loops, identical samples, consistency of the ids) in `audit_checks_outputs`.
 
 Every check says what was seen and, when it fails, what to check; thresholds come from the job's
 [audit] table. `run_checks` puts them together in the order the report shows them.
@@ -50,6 +52,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from toolkit.dataset.audit_checks_outputs import (
+    degenerate,
+    identical_samples,
+    length_share,
+    prompt_rerender,
+    stop_tokens,
+    token_counts,
+    vocabulary,
+)
+from toolkit.dataset.audit_checks_reasoning import (
+    double_think_start,
+    empty_content,
+    empty_reasoning,
+    no_reasoning,
+    reasoning_mode,
+    reasoning_split,
+    stop_without_think_end,
+    think_end_share,
+)
 from toolkit.dataset.audit_report import (
     Check,
     DatasetStats,
@@ -57,8 +78,8 @@ from toolkit.dataset.audit_report import (
     ReasoningCounts,
     Reprompt,
     ShardStats,
-    modes_text,
 )
+from toolkit.dataset.audit_report import check as _check
 from toolkit.formats.records import MAY_PASS, NAN_MATCHED
 from toolkit.formats.text import ranges
 from toolkit.job import chat
@@ -89,36 +110,8 @@ __all__ = [
 ]
 
 
-def _check(name: str, passed: bool, value, limit, message: str) -> Check:
-    return Check(
-        name, bool(passed), value, limit, message, "share" if isinstance(limit, float) else "count"
-    )
-
-
 def _short(nums: Sequence[int]) -> str:
     return ranges(nums, limit=12) or "-"
-
-
-def _te(info: chat.TokenInfo, model: ModelSpec) -> str:
-    return f"think-end id {info.think_end_id} ({model.think_end!r})"
-
-
-def _where(info: chat.TokenInfo, model: ModelSpec) -> str:
-    return (
-        f"The chat template {'opens' if info.opens_reasoning else 'does not open'} reasoning "
-        f"(prompts {'end' if info.opens_reasoning else 'do not end'} with {model.think_start!r})."
-    )
-
-
-def _what_to_check(info: chat.TokenInfo, model: ModelSpec) -> str:
-    return (
-        "Check: [model] chat_template and chat_template_kwargs (e.g. thinking = true for Kimi, "
-        "enable_thinking = true for Qwen3) so the prompt puts the model in reasoning mode; "
-        f"[model] think_end is the token this model writes (here {_te(info, model)}); the server "
-        "flags (a chat template or reasoning parser overriding the model's, stop / stop_token_ids "
-        "that cut at the think-end). For a model that does not reason, set [audit] "
-        "min_think_end_share = 0 and max_stop_without_think_end_share = 1."
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,395 +236,6 @@ def nan_stop(r: ReasoningCounts, examples: Sequence[str], run: Path) -> Check:
         "ones again"
         if nan
         else "no output was stopped on NaN logits",
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# reasoning capture
-# --------------------------------------------------------------------------------------------------
-def reasoning_mode(
-    r: ReasoningCounts,
-    ok: int,
-    closed_examples: Sequence[str],
-    info: chat.TokenInfo,
-    model: ModelSpec,
-) -> Check:
-    """No prompt rendered with reasoning closed, and at least one ok output really in reasoning
-    mode."""
-    closed, modes = r.closed_by_template, modes_text(r)
-    if closed or not r.in_reasoning:
-        return _check(
-            "reasoning_mode",
-            False,
-            r.in_reasoning,
-            ok,
-            (
-                f"{closed} of {ok} ok outputs were generated from prompts whose template CLOSED "
-                f"reasoning (they end with {model.think_end!r}: thinking switched off, e.g. "
-                f"{', '.join(closed_examples)}), so they hold no reasoning; "
-                f"{chat.thinking_hint(info, True)}, or set [model] expect_reasoning = false for "
-                "non-thinking data. "
-                if closed
-                else ""
-            )
-            + (
-                f"No ok output is in reasoning mode ({modes}): the data holds no reasoning at all. "
-                f"{_where(info, model)} {_what_to_check(info, model)}"
-                if not r.in_reasoning
-                else f"({modes})"
-            ),
-        )
-    return _check(
-        "reasoning_mode",
-        True,
-        r.in_reasoning,
-        ok,
-        f"{r.in_reasoning} of {ok} ok outputs are in reasoning mode ({modes})",
-    )
-
-
-def _share_check(
-    name: str,
-    part: int,
-    whole: int,
-    limit: float,
-    counted: str,
-    when_failed: str,
-    *,
-    minimum: bool = False,
-) -> Check:
-    """`part` of `whole` against a limit (a maximum, or with `minimum` a minimum): the message says
-    "<part> of <whole> <counted> (share, limit)", and adds `when_failed` only when the check
-    fails."""
-    share = part / whole if whole else 0.0
-    passed = share >= limit if minimum else share <= limit
-    bound = f"minimum {limit:.0%}" if minimum else f"limit {limit:.1%}"
-    return _check(
-        name,
-        passed,
-        share,
-        limit,
-        f"{part} of {whole} {counted} ({share:.1%}, {bound})" + ("" if passed else when_failed),
-    )
-
-
-def think_end_share(
-    r: ReasoningCounts, limit: float, info: chat.TokenInfo, model: ModelSpec
-) -> Check:
-    """Outputs holding the think-end id / ok outputs expected to reason, at least [audit]
-    min_think_end_share."""
-    return _share_check(
-        "think_end_share",
-        r.think_end,
-        r.expected,
-        limit,
-        f"ok outputs in reasoning mode hold the {_te(info, model)}",
-        f"; of those without it, {r.length_without_think_end} hit max_new_tokens while reasoning "
-        f"(raise max_new_tokens for those) and {r.stopped_without_think_end} stopped normally (see "
-        "stop_without_think_end)",
-        minimum=True,
-    )
-
-
-def stop_without_think_end(
-    r: ReasoningCounts,
-    limit: float,
-    examples: Sequence[str],
-    info: chat.TokenInfo,
-    model: ModelSpec,
-) -> Check:
-    """Outputs finished by a stop token without a think-end (the seed's failure), at most the
-    limit."""
-    return _share_check(
-        "stop_without_think_end",
-        r.stopped_without_think_end,
-        r.stopped,
-        limit,
-        f"outputs that ended with a stop token have no {_te(info, model)}",
-        ": the model finished without ever writing the think-end, so reasoning and answer cannot "
-        "be told apart: the reasoning sits in the content, mixed with the answer, and a reasoning "
-        f"field split from it is empty (e.g. {', '.join(examples)}). {_where(info, model)} "
-        f"{_what_to_check(info, model)}",
-    )
-
-
-def empty_reasoning(
-    r: ReasoningCounts, limit: float, examples: Sequence[str], model: ModelSpec
-) -> Check:
-    """Outputs with nothing but blanks before the think-end, at most the limit of those with a
-    think-end."""
-    return _share_check(
-        "empty_reasoning",
-        r.empty_reasoning,
-        r.think_end,
-        limit,
-        "outputs with a think-end have empty reasoning",
-        f" (e.g. {', '.join(examples)}): the model closes reasoning at once. Check that thinking "
-        "is enabled in chat_template_kwargs and the template does not pre-fill "
-        f"{model.think_start!r}{model.think_end!r}.",
-    )
-
-
-def empty_content(
-    r: ReasoningCounts,
-    limit: float,
-    examples: Sequence[str],
-    info: chat.TokenInfo,
-    model: ModelSpec,
-) -> Check:
-    """Finished outputs with reasoning but nothing after the think-end, at most the limit."""
-    return _share_check(
-        "empty_content",
-        r.empty_content,
-        r.stopped_with_think_end,
-        limit,
-        "finished outputs with reasoning have empty content",
-        f" (e.g. {', '.join(examples)}): the answer after the {_te(info, model)} is missing. Check "
-        "stop / stop_token_ids (a stop at the think-end or right after it) and [model] think_end.",
-    )
-
-
-def double_think_start(
-    r: ReasoningCounts,
-    limit: float,
-    examples: Sequence[str],
-    info: chat.TokenInfo,
-    model: ModelSpec,
-) -> Check:
-    """Outputs that open reasoning again although their prompt opened it, at most the limit of such
-    prompts."""
-    return _share_check(
-        "double_think_start",
-        r.double_think_start,
-        r.opened_by_template,
-        limit,
-        "outputs whose prompt already opened reasoning contain another think-start id "
-        f"{info.think_start_id}",
-        f" (e.g. {', '.join(examples)}): the template opens {model.think_start!r} and the model "
-        "opens it again: the template does not match the model's training format. Check [model] "
-        "chat_template / chat_template_kwargs.",
-    )
-
-
-def no_reasoning(
-    r: ReasoningCounts,
-    ok: int,
-    limit: float,
-    examples: Sequence[str],
-    info: chat.TokenInfo,
-    model: ModelSpec,
-) -> Check:
-    """expect_reasoning = false: outputs holding a think token, at most [audit] max_reasoning_share
-    of ok ones."""
-    share = r.think_tokens / ok if ok else 0.0
-    return _check(
-        "no_reasoning",
-        share <= limit,
-        share,
-        limit,
-        f"{r.think_tokens} of {ok} ok outputs hold a think token ({model.think_start!r} or the "
-        f"{_te(info, model)}) although [model] expect_reasoning = false ({share:.1%}, limit "
-        f"{limit:.1%}; modes: {modes_text(r)})"
-        + (
-            ""
-            if share <= limit
-            else f" (e.g. {', '.join(examples)}): the model reasoned. "
-            f"{chat.thinking_hint(info, False)}, or set expect_reasoning = true to keep the "
-            "reasoning"
-        ),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# truncation and consistency
-# --------------------------------------------------------------------------------------------------
-def length_share(datasets: Sequence[DatasetStats], limit: float) -> Check:
-    """Outputs cut by max_new_tokens / ok outputs, per dataset, at most [audit] max_length_share."""
-    over = [d for d in datasets if d.ok and d.length_share > limit]
-    worst = max((d.length_share for d in datasets if d.ok), default=0.0)
-    return _check(
-        "length_share",
-        not over,
-        worst,
-        limit,
-        "; ".join(
-            f"dataset {d.name!r}: {d.finish.get('length', 0)} of {d.ok} outputs "
-            f"({d.length_share:.1%}) hit max_new_tokens"
-            for d in over
-        )
-        + (
-            f" (limit {limit:.0%}): raise max_new_tokens for those datasets ([[datasets]] "
-            "sampling) or accept truncated outputs by raising [audit] max_length_share"
-            if over
-            else f"at most {worst:.1%} of a dataset's outputs hit max_new_tokens (limit "
-            f"{limit:.0%})"
-        ),
-    )
-
-
-def degenerate(datasets: Sequence[DatasetStats], limit: float, examples: Sequence[str]) -> Check:
-    """Outputs in a repetition loop / ok outputs, per dataset, at most [audit]
-    max_degenerate_share."""
-    share = {d.name: d.degenerate / d.ok for d in datasets if d.ok}
-    over = [d for d in datasets if d.ok and share[d.name] > limit]
-    worst = max(share.values(), default=0.0)
-    counts = (
-        "; ".join(
-            f"dataset {d.name!r}: {d.degenerate} of {d.ok} outputs ({share[d.name]:.1%})"
-            for d in datasets
-            if d.degenerate
-        )
-        or "no output"
-    )
-    return _check(
-        "degenerate",
-        not over,
-        worst,
-        limit,
-        f"{counts} in a repetition loop (one span of ids repeated over most of the tail; limit "
-        f"{limit:.0%})"
-        + (
-            f" (e.g. {', '.join(examples)}): the model loops until max_new_tokens. Check the "
-            "sampling ([sampling] temperature, repetition_penalty as the model's card "
-            "recommends); the training exports leave them out"
-            if over
-            else (
-                f" (e.g. {', '.join(examples)}), left out of the training exports"
-                if examples
-                else ""
-            )
-        ),
-    )
-
-
-def identical_samples(
-    datasets: Sequence[DatasetStats], limit: float, examples: Sequence[str]
-) -> Check:
-    """n > 1 at temperature > 0: samples token-identical to an earlier sample of their prompt, at
-    most the limit of the samples compared, per dataset."""
-    share = {
-        d.name: d.identical_samples / d.samples_compared for d in datasets if d.samples_compared
-    }
-    over = [d for d in datasets if d.samples_compared and share[d.name] > limit]
-    worst = max(share.values(), default=0.0)
-    if not share:
-        return _check(
-            "identical_samples",
-            True,
-            0.0,
-            limit,
-            "no dataset samples a prompt more than once at a temperature above 0",
-        )
-    return _check(
-        "identical_samples",
-        not over,
-        worst,
-        limit,
-        "; ".join(
-            f"dataset {d.name!r}: {d.identical_samples} of {d.samples_compared} samples "
-            f"({share[d.name]:.1%}) repeat an earlier sample of their prompt token for token"
-            for d in datasets
-            if d.samples_compared
-        )
-        + f" (limit {limit:.0%})"
-        + (
-            f" (e.g. {', '.join(examples)}): the samples do not differ although the temperature is "
-            "above 0. Check that the server samples (a sampling_seed without "
-            "--enable-deterministic-inference, a server that ignores the temperature)"
-            if over
-            else ""
-        ),
-    )
-
-
-def stop_tokens(integ: Integrity) -> Check:
-    """Every `stop` finish ends with its matched id, and every ok record finished by a stop or by
-    length."""
-    ex = integ.examples
-    bad = integ.stop_mismatch + integ.bad_finish
-    return _check(
-        "stop_tokens",
-        not bad,
-        bad,
-        0,
-        f"{integ.stop_mismatch} `stop` finishes whose matched id is not the last output id, "
-        f"{integ.bad_finish} ok records without a stop/length finish (e.g. "
-        f"{', '.join(ex.get('stop_mismatch', []) + ex.get('bad_finish', []))}): the engine's "
-        "output_ids were cut or re-assembled; check the engine version and flags (no_stop_trim, "
-        "stream options)"
-        if bad
-        else f"every `stop` finish ends with its matched id ({integ.unexpected_stop} matched ids "
-        "outside eos and stop_token_ids)",
-    )
-
-
-def token_counts(integ: Integrity) -> Check:
-    """completion_tokens and prompt_tokens equal the stored ids everywhere, and no output is longer
-    than its dataset's max_new_tokens."""
-    ex = integ.examples
-    bad = integ.completion_mismatch + integ.prompt_mismatch + integ.over_max_new_tokens
-    kinds = ("completion_mismatch", "prompt_mismatch", "over_max_new_tokens")
-    return _check(
-        "token_counts",
-        not bad,
-        bad,
-        0,
-        f"{integ.completion_mismatch} records with completion_tokens != len(output_ids), "
-        f"{integ.prompt_mismatch} with prompt_tokens != len(prompt_ids) and "
-        f"{integ.over_max_new_tokens} with more output ids than max_new_tokens (e.g. "
-        f"{', '.join(i for k in kinds for i in ex.get(k, []))}): the server's counts disagree with "
-        "the ids it returned; check the engine version"
-        if bad
-        else "completion_tokens and prompt_tokens equal the stored ids everywhere, no output over "
-        "max_new_tokens",
-    )
-
-
-def reasoning_split(integ: Integrity, info: chat.TokenInfo, model: ModelSpec) -> Check:
-    """The stored reasoning_end is the first think-end id everywhere."""
-    n = integ.split_mismatch
-    return _check(
-        "reasoning_split",
-        not n,
-        n,
-        0,
-        f"{n} records whose reasoning_end is not the first {_te(info, model)} (e.g. "
-        f"{', '.join(integ.examples.get('split_mismatch', []))}): the run was generated with other "
-        "think tokens than [model] has now"
-        if n
-        else "reasoning_end is the first think-end id everywhere",
-    )
-
-
-def vocabulary(integ: Integrity, vocab_size: int) -> Check:
-    """Every stored id below the tokenizer's size."""
-    n = integ.out_of_vocab
-    return _check(
-        "vocabulary",
-        not n,
-        n,
-        0,
-        f"{n} records hold ids >= {vocab_size}, outside the tokenizer (e.g. "
-        f"{', '.join(integ.examples.get('out_of_vocab', []))}): the engine served another model or "
-        "tokenizer than [model] names"
-        if n
-        else f"every id below the tokenizer size {vocab_size}",
-    )
-
-
-def prompt_rerender(reprompt: Reprompt) -> Check:
-    """Sampled prompts, rendered again from their source lines, give exactly the stored ids."""
-    rp = reprompt
-    return _check(
-        "prompt_rerender",
-        not rp.mismatched,
-        rp.mismatched,
-        0,
-        f"{rp.mismatched} of {rp.sampled} sampled prompts render to other ids than those stored "
-        f"({'; '.join(rp.examples)}): the tokenizer, chat template or prompt files changed since "
-        f"generation; restore them, or the dataset does not match its sources"
-        if rp.mismatched
-        else f"{rp.sampled} sampled prompts render to exactly the stored ids",
     )
 
 

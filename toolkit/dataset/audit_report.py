@@ -8,15 +8,23 @@ changes the format.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from toolkit.dataset.examples import DatasetSamples
 from toolkit.formats.rundir import RunDir
 
+if TYPE_CHECKING:
+    from toolkit.formats.runplan import RunPlan
+    from toolkit.job.chat import TokenInfo
+    from toolkit.job.spec import ModelSpec
+
 __all__ = [
     "AUDIT_FORMAT",
     "AuditReport",
     "Check",
+    "check",
     "DatasetStats",
     "Histogram",
     "Integrity",
@@ -30,6 +38,8 @@ __all__ = [
     "TurnStats",
     "modes_text",
     "read_report",
+    "skipped_inputs",
+    "token_summary",
 ]
 
 AUDIT_FORMAT = 1
@@ -42,6 +52,13 @@ class Check(msgspec.Struct):
     limit: float | None  # the threshold it is held to
     message: str
     unit: str = "count"  # "share" (a fraction) or "count"
+
+
+def check(name: str, passed: bool, value, limit, message: str) -> Check:
+    """A check's result, its unit said by its limit: a float limit is a share, any other a count."""
+    return Check(
+        name, bool(passed), value, limit, message, "share" if isinstance(limit, float) else "count"
+    )
 
 
 class Lengths(msgspec.Struct):
@@ -268,6 +285,35 @@ class AuditReport(msgspec.Struct):
     engine: str = ""
     # the share of decoded output tokens the training export holds, and why the rest is left out
     training: TrainingShare = msgspec.field(default_factory=TrainingShare)
+
+
+def token_summary(model: ModelSpec, info: TokenInfo) -> TokenSummary:
+    """The model's think and eos tokens as the audit used them."""
+    return TokenSummary(
+        tokenizer=model.tokenizer_path or model.path,
+        think_start=model.think_start,
+        think_start_id=info.think_start_id,
+        think_end=model.think_end,
+        think_end_id=info.think_end_id,
+        eos_ids=list(info.eos_ids),
+        vocab_size=info.vocab_size,
+        template_opens_reasoning=info.opens_reasoning,
+    )
+
+
+def skipped_inputs(plan: RunPlan) -> list[SkippedInputs]:
+    """The prompt lines the plan left out, per dataset, with their first reasons."""
+    return [
+        SkippedInputs(
+            d.name,
+            d.path,
+            d.bad_lines,
+            d.too_long,
+            [f"{d.path}:{x.line}: {x.reason}" for x in d.skipped],
+        )
+        for d in plan.datasets
+        if d.skipped_lines
+    ]
 
 
 def read_report(rd: RunDir) -> AuditReport | None:

@@ -1,9 +1,9 @@
 """Sample outputs for the audit report: a few decoded reasoning / content pairs per dataset, and one
 real message per kind of failure.
 
-The audit counts failures by kind (numbers and quoted names folded, see `audit._error_kind`); a
-person reading the report also wants to see one message as the server wrote it. And a table of token
-counts says nothing about whether the text looks right: a few outputs, decoded with the run's
+The audit counts failures by kind (numbers and quoted names folded, see `audit_counts.error_kind`);
+a person reading the report also wants to see one message as the server wrote it. And a table of
+token counts says nothing about whether the text looks right: a few outputs, decoded with the run's
 tokenizer from the merged records, split where the audit splits them (at the think-end id) with the
 think-end and the stop token shown, let a reader see it. The first ok records of each dataset in
 planned order (not in the order the shards wrote them) are shown, each beside its prompt (the last
@@ -21,9 +21,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import Record
+from toolkit.formats.runplan import RunPlan
+from toolkit.job.inputs import InputError, PromptReader
 
-__all__ = ["DatasetSamples", "Sample", "SampleCollector", "last_user_text", "shorten"]
+__all__ = [
+    "DatasetSamples",
+    "Sample",
+    "SampleCollector",
+    "last_user_text",
+    "shorten",
+    "source_prompt",
+]
 
 SAMPLES = 3  # outputs shown per dataset
 HEAD, TAIL = 200, 80  # tokens kept of a long part: its head and its tail
@@ -177,6 +187,26 @@ def last_user_text(messages: list[dict[str, Any]], turn: int | None = None) -> s
     if isinstance(content, list):
         content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else None
+
+
+def source_prompt(
+    plan: RunPlan, refs: PromptIndex, reader: PromptReader
+) -> Callable[[Record], str | None]:
+    """The last user message of a record's prompt (of its turn, in a regenerated dataset), read
+    from its source line with `reader`; None when the line cannot be read."""
+
+    def prompt_of(rec: Record) -> str | None:
+        ref = refs.at(rec.index)
+        if ref is None:
+            return None
+        ds = plan.datasets[ref.dataset]
+        try:
+            prompt = reader.read(ds.path, ds.name, ref.line, ref.offset, ref.length)
+        except (OSError, InputError):
+            return None
+        return last_user_text(prompt.messages, ref.turn if ds.regenerate else None)
+
+    return prompt_of
 
 
 def _decode(tok: Any, ids: np.ndarray) -> str:

@@ -23,6 +23,7 @@ import msgspec
 
 from toolkit.dataset.export import JsonlRecord, export_run, rows_schema, stale_merge
 from toolkit.dataset.export.jsonl import _jsonl_rows
+from toolkit.dataset.export.parquet import tokens_schema
 from toolkit.dataset.export.text import _Meta, _Text, _Tokens
 from toolkit.dataset.merge import MERGED, MergeError, load_manifest
 from toolkit.dataset.trainers import TRAINERS
@@ -145,22 +146,6 @@ def _state(run_dir: str | os.PathLike) -> tuple:
             continue
         out.append((str(f), st.st_size, st.st_mtime_ns))
     return (plan.fingerprint, tuple(out))
-
-
-def tokens_schema(pa: Any) -> Any:
-    """The Arrow schema of the tokens export's rows as `to_dataset(view="tokens")` stores them:
-    `input_ids` as uint32 lists, `loss_mask` as uint8 lists (0 or 1). `pa`: pyarrow."""
-    return pa.schema(
-        [
-            ("id", pa.string()),
-            ("dataset", pa.string()),
-            ("sample", pa.int32()),
-            ("turn", pa.int32()),
-            ("segments", pa.int32()),
-            ("input_ids", pa.list_(pa.uint32())),
-            ("loss_mask", pa.list_(pa.uint8())),
-        ]
-    )
 
 
 def _token_dicts(run_dir: str, trainer: str, state: tuple, tmp: str | None) -> Iterator[dict]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from toolkit.job.chat import _encode_chats
+from toolkit.job.templating import _encode_chats
 
 __all__ = [
     "TRAINERS",

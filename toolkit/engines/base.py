@@ -25,14 +25,11 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.engines.client import (
-    BadResponse,
-    HttpClient,
-    Unreachable,
-    health_generate,
-    parse_response,
-)
+from toolkit.engines.answer import parse_response
+from toolkit.engines.client import BadResponse, HttpClient, Unreachable
+from toolkit.engines.endpoints import health_generate
 from toolkit.engines.keys import KEY_ENV, KeyFiles, LogPump, mask
+from toolkit.engines.process_group import die_with_parent, wait_group_gone
 from toolkit.errors import FailedError
 
 __all__ = [
@@ -103,54 +100,6 @@ def tcp_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`, from /proc (Linux)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def wait_group_gone(pgid: int, timeout_s: float = 5.0) -> list[int]:
-    """Wait until a SIGKILLed process group has no live process left (a SIGKILL takes effect when
-    the process next runs, which a busy node may delay): the pids still there after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while (left := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return left
-
-
-def _die_with_parent() -> None:
-    """In the engine's process, before exec: get SIGKILL when the worker dies, even by kill -9
-    (Linux); and ignore SIGUSR2 and SIGTERM, so that only the worker decides when the engine stops.
-
-    Slurm signals every process of the job step: `--signal=USR2@T` before the time limit, SIGTERM at
-    `scancel`, `scontrol requeue` and preemption. SGLang has no USR2 handler (the default action
-    kills it), and its scheduler processes have no SIGTERM handler: they would die at once, and the
-    server with them, before the worker had aborted the requests in flight and recorded their
-    partial outputs. Ignored signals stay ignored across exec and in every child, so SGLang's
-    schedulers ignore both, while its HTTP process installs its own SIGTERM handler once it serves:
-    a drain (it ends when no request is left in flight). The worker aborts what is in flight,
-    records it, then stops the engine (Engine.stop).
-    """
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -255,7 +204,7 @@ class Engine:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except BaseException:
             os.close(read_fd)
@@ -282,7 +231,7 @@ class Engine:
         SIGTERM. An engine that never became ready is killed at once: it is still loading, holds
         nothing, and ignores SIGTERM until it serves.
 
-        A ready SGLang drains on the SIGTERM (its schedulers ignore it, see _die_with_parent): its
+        A ready SGLang drains on the SIGTERM (its schedulers ignore it, see die_with_parent): its
         watchdog looks every 5 s, finds no request left (the worker aborted and recorded them
         first), shuts its schedulers down and exits 0, in about 3 to 7 s. Its crash diagnostics,
         which would add 5 s to every stop and crash, are off (SGLangEngine.command_env)."""

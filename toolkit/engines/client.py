@@ -1,24 +1,16 @@
-"""The async client of SGLang's native `/generate`: raw input_ids in, the exact output_ids out.
+"""The async HTTP client of SGLang's native API, and the errors of a request that gave no result.
 
 A small HTTP/1.1 client over asyncio streams with keep-alive connections: the server is on the same
 node, requests are large JSON arrays of ints, and per-token CPU is what limits a worker, so there is
 no proxy handling (loopback never goes through a proxy), no redirects and no cookies — only what
-SGLang's API needs. Responses are decoded with msgspec into typed Structs, reading `output_ids` and
-`meta_info` from the end of the body so the long `text` field is never walked; unknown `meta_info`
-keys are ignored. Retries with backoff cover connection errors, 5xx and 429 (too many requests: a
-router's rate limit) only; any other 4xx is the request's own fault and is returned to the caller as
-a `RequestRejected`, never retried. Every 200 answer is checked against its request
-(`check_answer`): one that breaks SGLang's contract (another rid, more ids than max_new_tokens, a
-length finish short of it, ids outside the vocabulary, a finish reason of the wrong shape) is a
-`BadResponse` saying what is wrong, never a result.
+SGLang's API needs. The calls of its endpoints (/generate with retries, the probes) are in
+`endpoints`; the check of an answer against its request in `answer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -30,27 +22,16 @@ from toolkit.formats.records import (
     SERVER_ERROR,
     TIMEOUT,
     UNREACHABLE,
-    ids_from_json,
 )
 
 __all__ = [
     "BadResponse",
     "ClientError",
-    "GenerateResult",
     "HttpClient",
     "RequestRejected",
     "ServerError",
     "TimedOut",
     "Unreachable",
-    "generate",
-    "Expect",
-    "check_answer",
-    "abort_requests",
-    "EngineLoad",
-    "ServerLimits",
-    "health_generate",
-    "read_load",
-    "server_limits",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,6 +77,12 @@ class RequestRejected(ClientError):
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
         super().__init__(f"HTTP {status}: {_message(body)}")
+
+
+class BadResponse(ClientError):
+    """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
+
+    kind = BAD_RESPONSE
 
 
 def _message(body: bytes) -> str:
@@ -295,390 +282,3 @@ async def _connect(
 def _close_connection(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
         task.result()[1].close()
-
-
-class MetaInfo(msgspec.Struct):
-    """The part of /generate's meta_info the worker keeps (the rest, e.g. e2e_latency, is skipped
-    unread)."""
-
-    id: Any = None  # the request's rid
-    finish_reason: Any = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int = 0
-    # the data-parallel rank that ran it (0.5.23; null without data parallelism, absent in 0.5.9;
-    # anything but an int is taken as not said)
-    dp_rank: Any = None
-
-
-class GenerateResponse(msgspec.Struct):
-    # parsed to packed ids by records.ids_from_json (no Python int per token)
-    output_ids: msgspec.Raw
-    meta_info: MetaInfo
-
-
-class GenerateResult(msgspec.Struct):
-    output_ids: Any  # numpy uint32 array: exactly the ids the server sent
-    finish: str | None
-    matched: int | str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    latency_s: float
-    attempts: int
-    # the answer's output_ids as JSON text, exactly as the server sent them
-    output_json: bytes | None = None
-    dp_rank: int | None = None  # meta_info.dp_rank: the rank whose prefix cache holds it now
-
-
-class _Request(msgspec.Struct, omit_defaults=True):
-    input_ids: list[int] | msgspec.Raw  # Raw: the JSON text of the ids, sent as it is
-    sampling_params: dict[str, Any]
-    rid: str | None = None
-    routed_dp_rank: int | None = None  # pins the request to that data-parallel rank
-
-
-_req_encoder = msgspec.json.Encoder()
-_resp_decoder = msgspec.json.Decoder(GenerateResponse)
-
-
-class BadResponse(ClientError):
-    """A 200 answer that breaks the protocol (e.g. output_ids and completion_tokens disagree)."""
-
-    kind = BAD_RESPONSE
-
-
-class _Tail(msgspec.Struct):
-    meta_info: MetaInfo
-
-
-_tail_decoder = msgspec.json.Decoder(_Tail)
-_IDS_KEY, _META_KEY = b'"output_ids":', b'"meta_info":'
-
-
-def _split_body(body: bytes) -> tuple[bytes, MetaInfo] | None:
-    """(output_ids' JSON text, meta_info) found without reading `text`, or None to decode the whole
-    body.
-
-    SGLang answers `{"text": ..., "output_ids": [...], "meta_info": {...}}`. Decoding it in full
-    means walking the text string, as long as the ids. Here the keys are found from the end instead:
-    the last `"meta_info":` is the top-level key (the bytes `s":` cannot occur inside a JSON string,
-    where every quote is escaped, and meta_info holds no key of that name); the array just before
-    it, with nothing but a comma between, must be `"output_ids":[...]`. Anything else — another key
-    order, whitespace, an added key — takes the full decode.
-    """
-    m = body.rfind(_META_KEY)
-    close = body.rfind(b"]", 0, m) if m > 0 else -1
-    start = body.rfind(b"[", 0, close) if close > 0 else -1
-    if (
-        start < len(_IDS_KEY)
-        or body[start - len(_IDS_KEY) : start] != _IDS_KEY
-        or body[close + 1 : m] != b","
-    ):
-        return None
-    try:
-        meta = _tail_decoder.decode(b"{" + body[m:]).meta_info
-    except msgspec.DecodeError:
-        return None
-    return body[start : close + 1], meta
-
-
-def parse_response(body: bytes):
-    """(output ids as a uint32 array, meta_info) of a /generate answer, checked: len(output_ids) ==
-    meta_info.completion_tokens (SGLang counts the stop token in both; an answer without it is
-    refused)."""
-    ids, meta, _ = _parse_response(body)
-    return ids, meta
-
-
-def _parse_response(body: bytes):
-    """parse_response's ids and meta_info, and the JSON text of the ids (what a continuation sends
-    on)."""
-    found = _split_body(body)
-    if found is not None:
-        raw, meta = found
-    else:
-        try:
-            resp = _resp_decoder.decode(body)
-        except msgspec.DecodeError as e:
-            raise BadResponse(f"unexpected /generate answer ({e}): {body[:200]!r}") from None
-        raw, meta = resp.output_ids, resp.meta_info
-    if not isinstance(meta.completion_tokens, int):
-        raise BadResponse(f"meta_info has no completion_tokens (got {meta.completion_tokens!r})")
-    try:
-        ids = ids_from_json(raw, meta.completion_tokens)
-    except ValueError as e:
-        raise BadResponse(f"output_ids do not match meta_info.completion_tokens: {e}") from None
-    return ids, meta, bytes(raw)
-
-
-class Expect(msgspec.Struct, frozen=True):
-    """What an answer is checked against besides its request: the tokenizer's size (every id below
-    it) and SGLang's max_req_len (a request's prompt + output + 1 never passes it: its scheduler
-    clamps max_new_tokens there, so a length finish short of max_new_tokens must reach it). None:
-    not checked."""
-
-    vocab_size: int | None = None
-    max_req_len: int | None = None
-
-
-FINISH_TYPES = ("stop", "length", "abort")
-
-
-def check_answer(
-    ids,
-    meta: MetaInfo,
-    *,
-    rid: str | None,
-    n_input: int,
-    max_new_tokens: int | None,
-    expect: Expect | None = None,
-) -> dict:
-    """The finish_reason of a 200 answer to the request (`rid`, `n_input` prompt ids,
-    `max_new_tokens`), once the answer is checked against it; BadResponse saying what breaks
-    SGLang's contract. An abort that carries an HTTP status code is that error, as SGLang's own HTTP
-    layer turns it into one: ServerError (5xx) or RequestRejected (4xx)."""
-    fr = meta.finish_reason
-    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
-        raise BadResponse(
-            f"finish_reason {_short(fr)} is not an object whose type is stop, length or abort"
-        )
-    if rid is not None and meta.id != rid:
-        raise BadResponse(
-            f"the answer of another request: meta_info.id {_short(meta.id)}, sent as rid {rid!r}"
-        )
-    n, kind = len(ids), fr["type"]
-    if max_new_tokens is not None and n > max_new_tokens:
-        raise BadResponse(f"{n} output ids, more than max_new_tokens = {max_new_tokens}")
-    limit = expect.max_req_len if expect else None
-    if (
-        kind == "length"
-        and max_new_tokens is not None
-        and limit
-        and n < max_new_tokens
-        and n_input + n + 1 < limit
-    ):
-        raise BadResponse(
-            f"finish_reason length after {n} output ids, short of max_new_tokens = "
-            f"{max_new_tokens} and of the context limit ({n_input} prompt + {n} output ids + 1 < "
-            f"{limit})"
-        )
-    vocab = expect.vocab_size if expect else None
-    if vocab is not None and n and int(ids.max()) >= vocab:
-        raise BadResponse(f"output id {int(ids.max())} outside the vocabulary ({vocab} ids)")
-    code = fr.get("status_code") if kind == "abort" else None
-    if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
-        body = msgspec.json.encode(
-            {"message": f"aborted with status_code {code}: {fr.get('message')}"}
-        )
-        raise (ServerError if code >= 500 else RequestRejected)(code, body)
-    return fr
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-async def generate(
-    http: HttpClient,
-    input_ids: list[int],
-    sampling_params: dict[str, Any],
-    *,
-    rid: str | Callable[[], str] | None = None,
-    timeout: float,
-    retries: int,
-    backoff_s: float = 1.0,
-    backoff_max_s: float = 60.0,
-    engine_alive=None,
-    expect: Expect | None = None,
-    input_json: bytes | None = None,
-    n_input: int | None = None,
-    routed_dp_rank: int | None = None,
-) -> GenerateResult:
-    """POST one prompt to /generate and return its result, checked against the request
-    (`check_answer`).
-
-    Retries connection errors, timeouts, 5xx and 429 up to `retries` times with jittered exponential
-    backoff; raises RequestRejected on another 4xx, BadResponse on an answer that breaks the
-    contract, and the last error when retries run out. `engine_alive`, when given, is called before
-    each retry: once the engine is gone, retrying is pointless and the error is raised at once.
-    `rid` may be a callable, called for each attempt: a retry after a timeout must not reuse the rid
-    of a request the server may still hold (SGLang answers a duplicate in-flight rid with 400).
-    `input_json`, when given, is `input_ids` as JSON text, sent as it is (a continuation's prompt +
-    output so far is not encoded again), and `n_input` their count (input_ids is then not read).
-    `routed_dp_rank` sends it to that data-parallel rank (SGLang's `routed_dp_rank`; None: the
-    server's load balancer chooses).
-    """
-    n_in = n_input if input_json is not None else len(input_ids)
-    sent_ids = msgspec.Raw(input_json) if input_json is not None else input_ids
-    pin = routed_dp_rank
-    fixed = (
-        None
-        if callable(rid)
-        else _req_encoder.encode(_Request(sent_ids, sampling_params, rid, pin))
-    )
-    loop = asyncio.get_running_loop()
-    max_new = sampling_params.get("max_new_tokens")
-    attempt = 0
-    began = loop.time()
-    while True:
-        attempt += 1
-        sent = rid() if callable(rid) else rid
-        body = (
-            fixed
-            if fixed is not None
-            else _req_encoder.encode(_Request(sent_ids, sampling_params, sent, pin))
-        )
-        t0 = loop.time()
-        try:
-            status, data = await http.request("POST", "/generate", body, timeout=timeout)
-            if status == 200:
-                ids, m, raw = _parse_response(data)
-                fr = check_answer(
-                    ids, m, rid=sent, n_input=n_in, max_new_tokens=max_new, expect=expect
-                )
-                return GenerateResult(
-                    output_ids=ids,
-                    finish=fr.get("type"),
-                    matched=fr.get("matched"),
-                    prompt_tokens=m.prompt_tokens if m.prompt_tokens is not None else n_in,
-                    completion_tokens=len(ids),
-                    cached_tokens=m.cached_tokens or 0,
-                    latency_s=round(loop.time() - t0, 4),
-                    attempts=attempt,
-                    output_json=raw,
-                    dp_rank=m.dp_rank if type(m.dp_rank) is int else None,
-                )
-            if status >= 500 or status == 429:
-                raise ServerError(status, data)
-            raise RequestRejected(status, data)
-        except (Unreachable, ServerError) as e:
-            if attempt > retries or (engine_alive is not None and not engine_alive()):
-                e.attempts = attempt
-                if attempt > 1:  # the time really waited, not one attempt's
-                    e.args = (f"{e}; {attempt} attempts in {loop.time() - began:.0f} s",)
-                raise
-            delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-            log.debug("retrying after %s (attempt %d, %.1f s)", e, attempt, delay)
-            await asyncio.sleep(delay)
-        except (RequestRejected, BadResponse) as e:
-            e.attempts = attempt
-            raise
-
-
-async def abort_requests(
-    http: HttpClient, rids: list[str] | None, *, timeout: float = 10.0
-) -> None:
-    """POST /abort_request: every request of the server (`rids` None: `abort_all`), or each rid
-    given.
-
-    SGLang answers 200 with an empty body whatever it found; the requests it aborts while running
-    end with their partial output and finish_reason {"type": "abort", "message": "Aborted",
-    "status_code": null, "err_type": null}, those still queued with "Abort in waiting queue" (and
-    usually no output: a request retracted back to the queue keeps what it had already sent on).
-    Over HTTP only an exact rid aborts: the tokenizer manager drops a rid that is not one in flight;
-    its scheduler then matches by prefix, so a rid must not be the prefix of another one in flight
-    (inflight.rid_maker). Raises Unreachable.
-    """
-    if rids is None:
-        await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)
-        return
-    for rid in rids:
-        await http.request(
-            "POST", "/abort_request", _req_encoder.encode({"rid": rid}), timeout=timeout
-        )
-
-
-class EngineLoad(msgspec.Struct):
-    """What the server says about its load, summed over its data-parallel ranks."""
-
-    running: int = 0  # requests generating
-    waiting: int = 0  # requests queued for a running slot
-    capacity: int = 0  # requests it can run at once (0: unknown)
-    token_usage: float = 0.0  # share of the KV pool in use (the fullest rank)
-
-
-class _RankLoad(msgspec.Struct):
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    max_running_requests: int | None = None
-    token_usage: float = 0.0
-
-
-class _Loads(msgspec.Struct):
-    loads: list[_RankLoad] = []
-
-
-class _InternalState(msgspec.Struct):
-    effective_max_running_requests_per_dp: int | None = None
-
-
-class _ServerInfo(msgspec.Struct):
-    internal_states: list[_InternalState] = []
-    max_req_input_len: int | None = None
-
-
-class ServerLimits(msgspec.Struct):
-    """What /server_info says of the server's limits (0 and None: it does not say)."""
-
-    capacity: int = 0  # requests it can run at once
-    # its data-parallel ranks (one internal state each; 0: not said): a rank to pin a request to
-    # is below it
-    ranks: int = 0
-    # SGLang's max_req_len (max_req_input_len + 5): prompt + output + 1 stay below
-    max_req_len: int | None = None
-
-
-_loads_decoder = msgspec.json.Decoder(_Loads | list[_RankLoad])
-_info_decoder = msgspec.json.Decoder(_ServerInfo)
-
-
-async def server_limits(http: HttpClient, *, timeout: float = 30.0) -> ServerLimits:
-    """/server_info's effective_max_running_requests_per_dp summed over the data-parallel ranks, and
-    its max_req_input_len (SGLang's scheduler keeps it 5 below max_req_len)."""
-    try:
-        status, body = await http.get("/server_info", timeout=timeout)
-        info = _info_decoder.decode(body) if status == 200 else None
-    except (Unreachable, msgspec.DecodeError, msgspec.ValidationError):
-        return ServerLimits()
-    if info is None:
-        return ServerLimits()
-    return ServerLimits(
-        capacity=sum(s.effective_max_running_requests_per_dp or 0 for s in info.internal_states),
-        ranks=len(info.internal_states),
-        max_req_len=info.max_req_input_len + 5 if info.max_req_input_len else None,
-    )
-
-
-async def health_generate(http: HttpClient, *, timeout: float) -> str | None:
-    """None when GET /health_generate answers 200 within `timeout` s (the server generates: SGLang
-    sends a 1-token request through its scheduler), else why not, in words (`answered 503`, or the
-    connection's error)."""
-    try:
-        status, _ = await http.get("/health_generate", timeout=timeout)
-    except Unreachable as e:
-        return str(e)
-    return None if status == 200 else f"answered {status}"
-
-
-async def read_load(http: HttpClient, *, timeout: float = 10.0) -> EngineLoad | None:
-    """GET /v1/loads (no --enable-metrics needed): {"loads": [per DP rank: num_running_reqs,
-    num_waiting_reqs, max_running_requests, token_usage, gen_throughput, ...], ...}. None when the
-    server has no such endpoint or does not answer."""
-    try:
-        status, body = await http.get("/v1/loads", timeout=timeout)
-        if status != 200:
-            return None
-        got = _loads_decoder.decode(body)
-    except (Unreachable, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    ranks = got.loads if isinstance(got, _Loads) else got
-    if not ranks:
-        return None
-    return EngineLoad(
-        running=sum(r.num_running_reqs for r in ranks),
-        waiting=sum(r.num_waiting_reqs for r in ranks),
-        capacity=sum(r.max_running_requests or 0 for r in ranks),
-        token_usage=max(r.token_usage for r in ranks),
-    )

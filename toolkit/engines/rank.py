@@ -29,8 +29,8 @@ import socket
 import subprocess
 import sys
 
-from toolkit.engines.base import _die_with_parent
 from toolkit.engines.keys import KEY_ENV, KeyFiles
+from toolkit.engines.process_group import die_with_parent
 
 __all__ = ["rank_argv", "main"]
 
@@ -121,7 +121,7 @@ def _serve(cmd: list[str], tag: str) -> int:
     exit code."""
     print(f"{tag}: {_redacted(cmd)}", flush=True)
     child = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+        cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
     )
     stopping = []
 

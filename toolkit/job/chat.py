@@ -1,9 +1,11 @@
 """Tokenizer and chat template: what the model sees.
 
-Owns loading a model's tokenizer the way the model itself is loaded, resolving the token ids that
-records are split on (think start/end, tool-call section, eos), and rendering prompts to the exact
-`input_ids` sent to the engine. transformers is imported inside the functions that need it, so
-importing this module stays cheap.
+Owns loading a model's tokenizer the way the model itself is loaded and resolving the token ids that
+records are split on (think start/end, tool-call section, eos: `token_info`). Rendering prompts to
+the exact `input_ids` sent to the engine is job/templating's, the reasoning mode the ids tell
+job/reasoning's; the rest of the package reads their names from here (`chat.render`,
+`chat.OPENED`). transformers is imported inside the functions that need it, so importing this
+module stays cheap.
 
 The functions take duck-typed arguments: `model` is anything with the attributes of the job's
 [model] table (path, tokenizer_path, trust_remote_code, chat_template, chat_template_kwargs,
@@ -13,20 +15,70 @@ tools.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import re
-from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from toolkit.errors import BadInputError
-from toolkit.formats import records
+from toolkit.job.reasoning import (
+    CLOSED,
+    MODEL_OPENS,
+    MODES,
+    OPENED,
+    UNKNOWN,
+    TokenInfo,
+    mentions,
+    opens_reasoning,
+    output_in_reasoning,
+    reasoning_mode,
+    thinking_hint,
+    thinking_variables,
+)
+from toolkit.job.templating import (
+    BATCH_SIZE,
+    ChatError,
+    _check_kwargs,
+    _render_one,
+    encode_texts,
+    render,
+    render_many,
+    render_texts,
+    text_renderer,
+)
 
 logger = logging.getLogger(__name__)
+
+# What the rest of the package reads from here: this module's own, and the rendering and reasoning
+# names it takes from job/templating and job/reasoning.
+__all__ = [
+    "BATCH_SIZE",
+    "CLOSED",
+    "MODEL_OPENS",
+    "MODES",
+    "OPENED",
+    "PROBE_MESSAGES",
+    "TOOL_SECTIONS",
+    "UNKNOWN",
+    "WORD_CACHE",
+    "ChatError",
+    "TokenInfo",
+    "check_model_vocab",
+    "encode_texts",
+    "load_tokenizer",
+    "model_vocab_size",
+    "opens_reasoning",
+    "output_in_reasoning",
+    "probe_ids",
+    "reasoning_mode",
+    "render",
+    "render_many",
+    "render_texts",
+    "text_renderer",
+    "thinking_hint",
+    "token_info",
+]
 
 # Tool-call section delimiters of known families: Kimi-K2, Qwen3 (and GLM), DeepSeek, MiniMax-M2.
 TOOL_SECTIONS: dict[str, str] = {
@@ -36,74 +88,8 @@ TOOL_SECTIONS: dict[str, str] = {
     "<minimax:tool_call>": "</minimax:tool_call>",
 }
 
-# Arguments of apply_chat_template that the toolkit sets itself; chat_template_kwargs must not
-# override them.
-RESERVED_KWARGS = frozenset(
-    {
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "sanitize_control_tokens",
-    }
-)
 
 PROBE_MESSAGES = [{"role": "user", "content": "Hello."}]
-BATCH_SIZE = 256
-
-
-class ChatError(BadInputError):
-    """A tokenizer, chat template or prompt cannot be used; the message says which and what to
-    do."""
-
-
-class TokenInfo(msgspec.Struct, frozen=True, dict=True):
-    """Token ids of one tokenizer that the toolkit relies on."""
-
-    think_start_id: int
-    think_end_id: int
-    # tokenizer eos, then config.json / generation_config.json eos_token_id, no duplicates
-    eos_ids: list[int]
-    tool_call_start_id: int | None
-    tool_call_end_id: int | None
-    vocab_size: int  # len(tokenizer): every id the tokenizer can produce, added tokens included
-    opens_reasoning: bool  # the generation prompt of a probe conversation ends inside reasoning
-    # ids that decode to whitespace only; skipped when looking at a prompt's last token
-    blank_ids: list[int] = []
-    template_knows_reasoning: bool = False  # the template's source writes or reads the think tokens
-    # template variables that switch reasoning on or off (e.g. enable_thinking)
-    thinking_kwargs: list[str] = []
-
-    @functools.cached_property
-    def blank(self) -> frozenset[int]:
-        """`blank_ids` as a set, for the look-ups of every record."""
-        return frozenset(self.blank_ids)
-
-
-# Reasoning mode, in one place: how a rendered prompt leaves the model, read from its last
-# meaningful token (`reasoning_mode`, `opens_reasoning`: the pre-flight, the worker's turns, the
-# audit and the export), and whether a generated output is reasoning (`output_in_reasoning`: the
-# audit and the export's --mode).
-OPENED = "opened"  # the prompt ends with think-start: the template opened reasoning
-CLOSED = "closed"  # the prompt ends with think-end: the template closed it (thinking
-# switched off)
-MODEL_OPENS = "model_opens"  # the prompt ends at the assistant header of a template that knows the
-# think tokens: the model writes think-start itself (Qwen3, Kimi-K2-Thinking, GLM-4.6)
-UNKNOWN = "unknown"  # a template that never mentions the think tokens: cannot tell
-MODES = (OPENED, CLOSED, MODEL_OPENS, UNKNOWN)
-
-# Template variables that switch reasoning, in the order a hint names them.
-THINKING_VARIABLES = ("thinking", "enable_thinking", "reasoning", "enable_reasoning", "think")
 
 
 def load_tokenizer(model: Any) -> Any:
@@ -206,8 +192,8 @@ def token_info(tok: Any, model: Any) -> TokenInfo:
         vocab_size=len(tok),
         opens_reasoning=False,  # the probe's reasoning mode, just below
         blank_ids=blank_ids,
-        template_knows_reasoning=_mentions(tok.chat_template, (model.think_start, model.think_end)),
-        thinking_kwargs=_thinking_variables(tok.chat_template),
+        template_knows_reasoning=mentions(tok.chat_template, (model.think_start, model.think_end)),
+        thinking_kwargs=thinking_variables(tok.chat_template),
     )
     info = msgspec.structs.replace(info, opens_reasoning=opens_reasoning(probe, info))
     logger.info(
@@ -268,288 +254,6 @@ def _token_name(tok: Any, token_id: int) -> str:
         return str(tok.convert_ids_to_tokens(token_id))
     except Exception:  # noqa: BLE001 - a name is only for the message
         return "?"
-
-
-def reasoning_mode(prompt_ids: bytes | Sequence[int], info: TokenInfo) -> str:
-    """OPENED, CLOSED, MODEL_OPENS or UNKNOWN: where a rendered prompt (ids, or packed as records
-    hold them) leaves the model, by its last token that is not whitespace only. Token ids decide,
-    never text."""
-    last = records.last_meaningful(prompt_ids, info.blank)
-    if last is not None and last == info.think_start_id:
-        return OPENED
-    if last is not None and last == info.think_end_id:
-        return CLOSED
-    return MODEL_OPENS if info.template_knows_reasoning else UNKNOWN
-
-
-def opens_reasoning(prompt_ids: bytes | Sequence[int], info: TokenInfo) -> bool:
-    """Whether a rendered prompt (ids, or packed) ends inside reasoning: with think-start, ignoring
-    trailing whitespace-only tokens (`reasoning_mode` OPENED)."""
-    return reasoning_mode(prompt_ids, info) == OPENED
-
-
-def output_in_reasoning(rec: records.Record, info: TokenInfo, opened: bool) -> bool:
-    """Whether a record's output was generated in reasoning mode: its prompt opened reasoning
-    (`opened`, from `opens_reasoning`), the model opened it (its first output id is think-start), or
-    its ids hold the think-end id."""
-    out = rec.output_ids
-    return (
-        opened
-        or (len(out) >= 4 and records.id_at(out, 0) == info.think_start_id)
-        or records.id_positions(out, info.think_end_id) is not None
-    )
-
-
-def thinking_hint(info: TokenInfo, on: bool) -> str:
-    """What to set so the template switches reasoning on (or off): names the kwarg the template
-    reads."""
-    value = "true" if on else "false"
-    if info.thinking_kwargs:
-        name = info.thinking_kwargs[0]
-        also = (
-            f" (the template also reads {', '.join(info.thinking_kwargs[1:])})"
-            if len(info.thinking_kwargs) > 1
-            else ""
-        )
-        return f"set [model] chat_template_kwargs = {{ {name} = {value} }}{also}"
-    return (
-        "this template reads no thinking switch: use a chat template that "
-        f"{'opens' if on else 'closes'} reasoning ([model] chat_template)"
-    )
-
-
-def _mentions(template: Any, texts: Sequence[str]) -> bool:
-    sources = template.values() if isinstance(template, Mapping) else [template]
-    return any(isinstance(src, str) and any(t and t in src for t in texts) for src in sources)
-
-
-def _thinking_variables(template: Any) -> list[str]:
-    """The variables among THINKING_VARIABLES that the template reads without defining them."""
-    sources = [
-        src
-        for src in (template.values() if isinstance(template, Mapping) else [template])
-        if isinstance(src, str)
-    ]
-    found: set[str] = set()
-    import jinja2
-    from jinja2 import meta
-
-    # transformers renders with loop controls ({% break %}, used by Kimi-K2-Thinking's template) and
-    # its own {% generation %} tag; a template this environment still cannot parse is searched for
-    # the names as words.
-    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-    for src in sources:
-        try:
-            found |= meta.find_undeclared_variables(env.parse(src))
-        except jinja2.TemplateError:
-            found |= {
-                v for v in THINKING_VARIABLES if re.search(rf"(?<![\w.'\"]){v}(?![\w'\"])", src)
-            }
-    return [v for v in THINKING_VARIABLES if v in found]
-
-
-def render(tok: Any, model: Any, prompt: Any) -> list[int]:
-    """The input_ids of one prompt: its messages and tools through the chat template, with the
-    generation prompt."""
-    try:
-        return _render_one(tok, model, prompt.messages, prompt.tools)
-    except Exception as exc:
-        raise _prompt_error(prompt, exc) from exc
-
-
-def render_many(
-    tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE
-) -> list[list[int]]:
-    """render() for many prompts: the same ids, in the same order, faster.
-
-    Prompts with equal tools are rendered together, `batch_size` per apply_chat_template call, so
-    their text is encoded in one parallel batch. When a batch fails, its prompts are rendered one by
-    one to name the failing one.
-    """
-    prompts = list(prompts)
-    groups: dict[Any, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        groups.setdefault(_tools_key(prompt.tools), []).append(index)
-    out: list[list[int]] = [[] for _ in prompts]
-    for indices in groups.values():
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            for index, ids in zip(chunk, _render_batch(tok, model, [prompts[i] for i in chunk])):
-                out[index] = ids
-    return out
-
-
-def render_texts(
-    tok: Any, model: Any, prompts: Iterable[Any], *, batch_size: int = BATCH_SIZE
-) -> list[str]:
-    """The rendered text of many prompts, the text render_many encodes (`encode_texts` gives the
-    same ids), in the same order; raises ChatError naming the first prompt the template fails on."""
-    prompts = list(prompts)
-    groups: dict[Any, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        groups.setdefault(_tools_key(prompt.tools), []).append(index)
-    out: list[str] = [""] * len(prompts)
-    for indices in groups.values():
-        for start in range(0, len(indices), batch_size):
-            chunk = [prompts[i] for i in indices[start : start + batch_size]]
-            try:
-                texts = _apply_text(tok, model, [p.messages for p in chunk], chunk[0].tools)
-                if isinstance(texts, str):
-                    texts = [texts]
-                if len(texts) != len(chunk):
-                    raise ValueError(f"{len(texts)} results for {len(chunk)} conversations")
-            except Exception:
-                texts = []
-                for p in chunk:
-                    try:
-                        texts.append(_apply_text(tok, model, p.messages, p.tools))
-                    except Exception as exc:
-                        raise _prompt_error(p, exc) from exc
-            for index, text in zip(indices[start : start + batch_size], texts):
-                out[index] = text
-    return out
-
-
-def text_renderer(tok: Any, model: Any) -> Any:
-    """A function (messages, tools) -> the text render_texts gives for a prompt read from a JSONL
-    line (plain JSON values), without apply_chat_template's work per call: the same compiled
-    template, called with what transformers passes it (its special tokens, the kwargs, messages
-    without None values and with reasoning fields aliased). None when this transformers lacks those
-    parts. The pre-flight compares its text with render_texts' on a prompt of every slice it
-    renders, and uses it only where they agree."""
-    try:
-        from transformers.utils.chat_template_utils import (
-            _alias_reasoning_fields,
-            _compile_jinja_template,
-        )
-    except ImportError:
-        return None
-    kwargs = {**tok.special_tokens_map, **model.chat_template_kwargs}
-    compiled: dict[bool, Any] = {}
-
-    def render(messages: list[dict], tools: list[dict] | None) -> str:
-        key = tools is not None
-        template = compiled.get(key)
-        if template is None:
-            template = compiled[key] = _compile_jinja_template(tok.get_chat_template(None, tools))
-        chat = _alias_reasoning_fields(
-            [{k: v for k, v in m.items() if v is not None} for m in messages]
-        )
-        return template.render(
-            messages=chat, tools=tools, documents=None, add_generation_prompt=True, **kwargs
-        )
-
-    return render
-
-
-def encode_texts(tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of texts from render_texts: the ids render() gives for their prompts."""
-    return _encode_chats(tok, texts) if texts else []
-
-
-def _apply_text(tok: Any, model: Any, conversations: Any, tools: Any) -> Any:
-    return tok.apply_chat_template(
-        conversations,
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=False,
-        **model.chat_template_kwargs,
-    )
-
-
-def _tools_key(tools: Any) -> Any:
-    if tools is None:
-        return None
-    try:
-        return msgspec.json.encode(tools)
-    except (TypeError, msgspec.EncodeError):
-        return ("unencodable", id(tools))
-
-
-def _render_batch(tok: Any, model: Any, batch: list[Any]) -> list[list[int]]:
-    if len(batch) == 1:
-        return [render(tok, model, batch[0])]
-    try:
-        texts = tok.apply_chat_template(
-            [p.messages for p in batch],
-            tools=batch[0].tools,
-            add_generation_prompt=True,
-            tokenize=False,
-            **model.chat_template_kwargs,
-        )
-        rows = _encode_chats(tok, texts)
-        if len(rows) != len(batch):
-            raise ValueError(f"{len(rows)} results for {len(batch)} conversations")
-    except Exception:
-        return [render(tok, model, p) for p in batch]  # raises for the first failing prompt
-    return rows
-
-
-def _encode_chats(tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of rendered chats, exactly as apply_chat_template(tokenize=True) makes them: the
-    tokenizer called on the text with add_special_tokens=False (the template writes its own special
-    tokens).
-
-    A fast tokenizer whose backend has no truncation, no padding and special tokens kept whole (what
-    that call sets up) encodes the batch directly, skipping the offsets and Python dicts the call
-    builds per text; any other tokenizer goes through the call itself.
-    """
-    backend = getattr(tok, "backend_tokenizer", None)
-    if (
-        backend is None
-        or backend.truncation is not None
-        or backend.padding is not None
-        or getattr(backend, "encode_special_tokens", False)
-        or getattr(tok, "split_special_tokens", False)
-    ):
-        return [_as_ids(row) for row in tok(texts, add_special_tokens=False)["input_ids"]]
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
-
-
-def _render_one(tok: Any, model: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    result = tok.apply_chat_template(
-        messages,
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-        **model.chat_template_kwargs,
-    )
-    return _as_ids(_unwrap(result))
-
-
-def _unwrap(result: Any) -> Any:
-    """input_ids of apply_chat_template output, which is a list, or a dict/BatchEncoding holding
-    input_ids."""
-    if isinstance(result, Mapping):
-        result = result["input_ids"]
-    return result.tolist() if hasattr(result, "tolist") else result
-
-
-def _as_ids(value: Any) -> list[int]:
-    """A plain list of ints (raises TypeError for anything that is not a flat sequence of
-    integers)."""
-    if type(value) is list and (not value or type(value[0]) is int):
-        return value
-    return [int(i) for i in value]
-
-
-def _prompt_error(prompt: Any, exc: Exception) -> ChatError:
-    return ChatError(
-        f"{prompt.dataset} line {prompt.line} (id {prompt.id!r}): the chat template failed: "
-        f"{type(exc).__name__}: {exc}; fix this prompt's messages/tools or the [model] chat "
-        "template"
-    )
-
-
-def _check_kwargs(model: Any) -> None:
-    clash = sorted(RESERVED_KWARGS.intersection(model.chat_template_kwargs))
-    if clash:
-        raise ChatError(
-            f"[model] chat_template_kwargs sets {', '.join(clash)}, which the toolkit sets itself; "
-            f"remove {'it' if len(clash) == 1 else 'them'} from chat_template_kwargs"
-        )
 
 
 def _single_id(tok: Any, text: str) -> tuple[int | None, list[int]]:

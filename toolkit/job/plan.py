@@ -11,11 +11,8 @@ planned never moves, new prompts get new shards. Run settings that do not change
 ([engine] but its kind's stub-or-model, [client], [slurm], [audit], flush intervals) are taken from
 the job when it is planned again.
 
-Several runs in one output_dir: `--new-run` puts a new run beside output_dir, as
-`<output_dir>.<time>`. `find_run` says where a job's run is: the newest run of the same fingerprint
-among output_dir and those beside it (resumed, with or without --new-run: the same job is never
-generated twice), else output_dir when it holds no run, else a new `<output_dir>.<time>` with
---new-run; without it, a job whose output_dir holds another job's run is refused.
+Where the run goes (output_dir, or a run beside it) is `findrun`'s to say; which settings a run
+takes from the job when it is planned again, `runsettings`'.
 
 The run directory's layout is in `formats.rundir`; what run.json holds in `formats.runplan`, what
 prompts.msgpack holds and its one reader in `formats.prompts`, and a run opened in `formats.run`:
@@ -27,11 +24,8 @@ the input order, so every shard gets a similar mix of datasets and prompt length
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
-import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -47,7 +41,6 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import (
     ENGINE_PART,
     PLAN_FORMAT,
-    REPLAN,
     STUB,
     DatasetPlan,
     PlanError,
@@ -57,10 +50,12 @@ from toolkit.formats.runplan import (
     fingerprint_of,
     plan_bytes,
 )
-from toolkit.formats.text import file_stamp, utc_now
+from toolkit.formats.text import utc_now
+from toolkit.job.findrun import find_run
 from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset, source_errors
+from toolkit.job.runsettings import update_settings
 from toolkit.job.sources import source_sha256
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.spec import DatasetSpec, JobSpec
 from toolkit.job.turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
@@ -70,8 +65,6 @@ __all__ = [
     "plan_job",
     "create_run",
     "find_run",
-    "run_of_job",
-    "update_settings",
 ]
 
 # skipped lines kept in run.json per dataset, with their reason; the rest are counted
@@ -125,7 +118,30 @@ def plan_job(
     on_bad_line = "skip", left out and counted in its DatasetPlan. `exclude` leaves out more lines,
     (dataset, line) -> why (the pre-flight's prompts too long for the context, with [inputs]
     on_too_long = "skip")."""
-    exclude = exclude or {}
+    prompts, n_turns, datasets = _read_prompts(spec, exclude or {})
+    refs, shards = _deal(spec.sharding.shards, prompts, n_turns, datasets)
+    parts = _parts(spec, datasets, refs)
+    plan = RunPlan(
+        format=PLAN_FORMAT,
+        name=spec.name,
+        fingerprint=fingerprint_of(parts),
+        parts=parts,
+        created=utc_now(),
+        total=len(refs),
+        spec=spec,
+        datasets=datasets,
+        shards=shards,
+    )
+    return plan, refs
+
+
+def _read_prompts(
+    spec: JobSpec, exclude: dict[tuple[str, int], str]
+) -> tuple[list[Prompt], list[int], list[DatasetPlan]]:
+    """Every usable prompt of every dataset, in input order (where each lives, not its messages:
+    memory stays small), its records per sample (1, or its user turns when regenerated), and each
+    dataset's plan. The bad lines and duplicate ids of every file are one InputError, said
+    together, unless [inputs] on_bad_line = "skip" leaves them out."""
     skip_bad = spec.inputs.on_bad_line == "skip"
     prompts: list[Prompt] = []
     datasets: list[DatasetPlan] = []
@@ -143,20 +159,9 @@ def plan_job(
         bad: list[InputError] = []
         for p in scan_dataset(d.path, d.name, bad):
             turns = user_turns(p.messages) if d.regenerate else 1
-            if not turns:
-                bad.append(
-                    InputError(
-                        d.path,
-                        p.line,
-                        "messages",
-                        "has no user message, so no turn to regenerate "
-                        "([[datasets]] regenerate = true); fix or remove the line, then run again",
-                    )
-                )
-                continue
-            prev = seen.setdefault(p.id, (d.name, p.line))
-            if prev != (d.name, p.line):
-                bad.append(duplicate_id(d.path, p.line, p.id, paths[prev[0]], prev[1]))
+            problem = _unusable(d, p, turns, seen, paths)
+            if problem is not None:
+                bad.append(problem)
                 continue
             why = exclude.get((d.name, p.line))
             if why is not None:
@@ -188,14 +193,45 @@ def plan_job(
         order = {d.path: i for i, d in enumerate(spec.datasets)}
         errors.sort(key=lambda e: (order.get(e.path, len(order)), e.line or 0))
         raise InputError.many(errors)
-    s = spec.sharding.shards
+    return prompts, n_turns, datasets
+
+
+def _unusable(
+    d: DatasetSpec,
+    p: Prompt,
+    turns: int,
+    seen: dict[str, tuple[str, int]],
+    paths: dict[str, str],
+) -> InputError | None:
+    """Why a prompt line cannot be planned (no user turn to regenerate, an id another line took
+    first), else None; its id is taken when it can."""
+    if not turns:
+        return InputError(
+            d.path,
+            p.line,
+            "messages",
+            "has no user message, so no turn to regenerate "
+            "([[datasets]] regenerate = true); fix or remove the line, then run again",
+        )
+    prev = seen.setdefault(p.id, (d.name, p.line))
+    if prev != (d.name, p.line):
+        return duplicate_id(d.path, p.line, p.id, paths[prev[0]], prev[1])
+    return None
+
+
+def _deal(
+    s: int, prompts: list[Prompt], n_turns: list[int], datasets: list[DatasetPlan]
+) -> tuple[list[PromptRef], list[ShardPlan]]:
+    """The shard layout: prompts dealt round-robin to `s` shards, each shard a contiguous range of
+    planned records (every sample and turn of a prompt). PlanError when two records would share an
+    id."""
     if s > len(prompts):
         raise PlanError(
             f"{s} shards for {len(prompts)} prompts: lower [sharding] shards to at most "
             f"{len(prompts)}"
         )
-    index = {d.name: i for i, d in enumerate(spec.datasets)}
     samples = [d.samples for d in datasets]
+    index = {d.name: i for i, d in enumerate(datasets)}
     refs: list[PromptRef] = []
     shards: list[ShardPlan] = []
     for k in range(s):
@@ -219,9 +255,8 @@ def plan_job(
                 for t in range(turns)
             )
         shards.append(ShardPlan(k, first, len(refs) - first))
-    n = len(refs)
     # e.g. a prompt id "a#1" beside a prompt "a" with n = 2 samples
-    if len({r.id for r in refs}) != n:
+    if len({r.id for r in refs}) != len(refs):
         seen: set[str] = set()
         dup = next(r for r in refs if r.id in seen or seen.add(r.id))
         raise PlanError(
@@ -229,6 +264,13 @@ def plan_job(
             "turn (/tk) id of another prompt; rename the prompt ids of dataset "
             f"{datasets[dup.dataset].name!r}"
         )
+    return refs, shards
+
+
+def _parts(spec: JobSpec, datasets: list[DatasetPlan], refs: list[PromptRef]) -> dict[str, str]:
+    """The fingerprint's parts: a digest of each thing that changes the output (model, tokenizer,
+    template, sampling, input files, shard map) and, for the stub, the engine that makes the
+    records."""
     m = spec.model
     parts = {
         "model": _digest([m.path, _hash_folder_meta(m.path)]),
@@ -244,232 +286,11 @@ def plan_job(
         ),
         "sampling": _digest([spec.sampling, {d.name: d.sampling for d in spec.datasets}]),
         "inputs": _digest([[d.name, d.sha256] for d in datasets]),
-        "shards": _digest([s, [r.id for r in refs]]),
+        "shards": _digest([spec.sharding.shards, [r.id for r in refs]]),
     }
     if spec.engine.kind == STUB:  # synthetic records: never a model's run (a model's has no part)
         parts[ENGINE_PART] = STUB
-    fingerprint = fingerprint_of(parts)
-    plan = RunPlan(
-        format=PLAN_FORMAT,
-        name=spec.name,
-        fingerprint=fingerprint,
-        parts=parts,
-        created=utc_now(),
-        total=n,
-        spec=spec,
-        datasets=datasets,
-        shards=shards,
-    )
-    return plan, refs
-
-
-# the suffix --new-run gives a run beside output_dir
-_STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")
-
-
-def runs_in(output_dir: str | os.PathLike) -> list[tuple[Path, RunPlan | None]]:
-    """The run directories of an output_dir, oldest first: output_dir itself and the
-    `<output_dir>.<time>` runs --new-run made beside it, each with its plan (None: unreadable)."""
-    root = Path(output_dir)
-    found = []
-    beside = sorted(root.parent.glob(f"{glob.escape(root.name)}.*")) if root.parent.is_dir() else []
-    for path in [root, *beside]:
-        if (path == root or _STAMPED.fullmatch(path.name[len(root.name) :])) and RunDir.is_run(
-            path
-        ):
-            try:
-                found.append((path, Run.open(path, JobSpec).plan))
-            except PlanError:
-                found.append((path, None))
-    return sorted(found, key=lambda x: (x[1].created if x[1] else "", x[0] != root, x[0].name))
-
-
-def run_of_job(job: str | os.PathLike) -> Path:
-    """The run directory a job file stands for where a command wants a run: the newest run of that
-    job (by name) in its output_dir (and the runs --new-run made beside it). PlanError when it has
-    none yet."""
-    spec = load_spec(job, check_paths=False)
-    runs = runs_in(spec.output_dir)
-    mine = [path for path, p in runs if p is not None and p.name == spec.name]
-    if not mine:
-        others = f" (it holds {len(runs)} run(s) of other jobs)" if runs else ""
-        raise PlanError(
-            f"{job}: job {spec.name!r} has no run in its output_dir {spec.output_dir} yet{others}; "
-            f"`toolkit run {job}` or `toolkit submit {job}` makes one"
-        )
-    return mine[-1]
-
-
-def find_run(plan: RunPlan, *, new_run: bool = False) -> tuple[Path, bool]:
-    """(where the run of `plan` is or goes, whether it exists already): see the module's docstring.
-    PlanError when output_dir holds another job's run and no new run is asked for."""
-    root = Path(plan.spec.output_dir)
-    runs = runs_in(root)
-    same = [path for path, p in runs if p is not None and p.same_job(plan)]
-    if same:
-        return same[-1], True
-    kin = [path for path, p in runs if p is not None and may_grow(p, plan)]
-    # the same job with other prompt files: planned again into its run (grow.py)
-    if kin and not new_run:
-        return kin[-1], True
-    if not RunDir.is_run(root):
-        return root, False
-    if _replannable(root, plan):
-        return root, False
-    if new_run:
-        path, n = root.with_name(f"{root.name}.{file_stamp()}"), 1
-        while path.exists():
-            n += 1
-            path = root.with_name(f"{root.name}.{file_stamp()}-{n}")
-        return path, False
-    try:
-        old = Run.open(root, JobSpec).plan
-    except PlanError as e:
-        why = str(e).split(f"; {REPLAN}")[0]
-        raise PlanError(
-            f"{root} holds a run directory that cannot be read ({why}), and its shard files are "
-            "not of "
-            f"this job ({plan.fingerprint}): planning it there again would not recover it; point "
-            "`output_dir` elsewhere, or pass --new-run to start a new run directory beside it"
-        ) from None
-    others = (
-        f" (and {len(runs) - 1} other run(s) beside it, none of this job)" if len(runs) > 1 else ""
-    )
-    if old.synthetic != plan.synthetic:
-        raise PlanError(_maker_refusal(root, old, plan) + others)
-    raise PlanError(
-        f"output_dir {root} holds another run, {old.fingerprint} of job {old.name!r}{others}, but "
-        f"this job gives {plan.fingerprint} (differs in: {differences(old, plan)}). Its records "
-        "would not match: restore the job as it was, point `output_dir` elsewhere, or pass "
-        "--new-run to start a new run directory beside it."
-    )
-
-
-def _maker_refusal(root: Path, old: RunPlan, plan: RunPlan) -> str:
-    """Why a job cannot go into a run whose records another kind of engine made (the stub, or a
-    model), and the command that starts its own run."""
-    kind = plan.spec.engine.kind
-    if old.synthetic:
-        why = (
-            "its records are the stub's synthetic text, and a model's run never takes or "
-            "continues them"
-        )
-    else:
-        why = "the stub's synthetic records never go into a model's run"
-    other = _differences(old, plan)[1:]  # the first says the engine
-    also = f"; the job also differs in: {', '.join(other)}" if other else ""
-    return (
-        f"output_dir {root} holds run {old.fingerprint} of job {old.name!r}, generated by "
-        f'{old.made_by}, but this job\'s [engine] kind = "{kind}" is '
-        f"{'the stub' if plan.synthetic else 'a model'}: {why}{also}. Pass --new-run to start "
-        "this job's own run in a new run directory beside it, or point `output_dir` elsewhere"
-    )
-
-
-# What a job may change and still be planned again into its run (grow.py): its prompt files (and
-# datasets, whose sampling is compared one by one), hence its shard map.
-GROWABLE_PARTS = ("inputs", "shards", "sampling")
-
-
-def may_grow(run: RunPlan, plan: RunPlan) -> bool:
-    """Whether `plan` is the job `run` holds with other prompt files only: same name, model,
-    tokenizer, template, shard count, sampling, and the same settings for each dataset the run has
-    (a dataset may be added). Whether the prompts it had are all still there, unchanged, is
-    grow.py's to say."""
-    old, new = run.spec, plan.spec
-    theirs = {d.name: d for d in new.datasets}
-    return (
-        run.name == plan.name
-        and run.synthetic == plan.synthetic
-        and old.sharding.shards == new.sharding.shards
-        and old.sampling == new.sampling
-        and all(
-            d.name in theirs
-            and (d.sampling, d.regenerate) == (theirs[d.name].sampling, theirs[d.name].regenerate)
-            for d in old.datasets
-        )
-        and all(
-            run.parts.get(k) == v
-            for k, v in plan.parts.items()
-            if k not in GROWABLE_PARTS and k != ENGINE_PART
-        )
-    )
-
-
-def _keys(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The keys whose values differ between two tables, `key: old -> new`."""
-    return [
-        f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
-    ]
-
-
-def differences(run: RunPlan, plan: RunPlan) -> str:
-    """What differs between a run's plan and a job's, part by part, down to the keys and files:
-    `sampling (max_new_tokens: 64 -> 65); inputs (data/math.jsonl: sha256 3f1a.. -> 9c2e..)`."""
-    return ", ".join(_differences(run, plan)) or "format"
-
-
-def _differences(run: RunPlan, plan: RunPlan) -> list[str]:
-    """`differences`, one item a part; the engine's first (the stub's run or a model's)."""
-    said = []
-    if run.synthetic != plan.synthetic:
-        said.append(
-            f"{ENGINE_PART} ([engine] kind: {run.spec.engine.kind!r} -> {plan.spec.engine.kind!r})"
-        )
-    differ = (k for k in plan.parts if k != ENGINE_PART and run.parts.get(k) != plan.parts[k])
-    for part in sorted(differ):
-        detail: list[str] = []
-        old, new = run.spec, plan.spec
-        if part == "sampling":
-            detail = _keys(old.sampling, new.sampling)
-            ds_old = {d.name: d.sampling for d in old.datasets}
-            for d in new.datasets:
-                detail += _keys(ds_old.get(d.name, {}), d.sampling, f"[[datasets]] {d.name!r} ")
-        elif part in ("model", "tokenizer", "template"):
-            detail = _keys(msgspec.to_builtins(old.model), msgspec.to_builtins(new.model))
-            if not detail:
-                detail = [f"the files of {old.model.tokenizer_path or old.model.path}"]
-        elif part == "inputs":
-            was = {d.name: d for d in run.datasets}
-            now = {d.name: d for d in plan.datasets}
-            detail = [f"dataset {n!r} removed" for n in was if n not in now]
-            detail += [f"dataset {n!r} added" for n in now if n not in was]
-            detail += [
-                f"{d.path}: sha256 {was[n].sha256[:12]} -> {d.sha256[:12]}"
-                for n, d in now.items()
-                if n in was and was[n].sha256 != d.sha256
-            ]
-        elif part == "shards" and old.sharding.shards != new.sharding.shards:
-            detail = [f"[sharding] shards: {old.sharding.shards} -> {new.sharding.shards}"]
-        said.append(part + (f" ({'; '.join(detail)})" if detail else ""))
-    return said
-
-
-def _replannable(root: Path, plan: RunPlan) -> bool:
-    """Whether `root` holds a run whose run.json cannot be read but whose shard files (headers) and
-    done manifests all carry `plan`'s fingerprint: the run of this very job, which planning it again
-    recovers."""
-    from toolkit.formats.frames import CorruptShard, read_header
-
-    rd = RunDir(root)
-    try:
-        Run.open(root, JobSpec)
-        return False
-    except PlanError:
-        pass
-    try:
-        for path in rd.shards_dir.glob("*.zst"):
-            head = read_header(path)
-            if head is not None and head[0] != plan.fingerprint:
-                return False
-        for path in rd.shards_dir.glob("*.done"):
-            if plan.fingerprint not in path.read_text(errors="replace"):
-                return False
-    except (OSError, CorruptShard):
-        return False
-    return True
+    return parts
 
 
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
@@ -546,51 +367,3 @@ def _unmake(rd: RunDir, fresh: bool) -> None:
             sub.rmdir()
         except OSError:
             pass
-
-
-# Tables of a job that say how to run it, not what it makes: a run takes new values from the job
-# when it is planned again (`toolkit run`, `toolkit submit` on the same job), and the change is
-# logged. Everything in the fingerprint (model, template, sampling, inputs, shards) stays pinned.
-SETTINGS_TABLES = ("engine", "client", "slurm", "audit", "estimate")
-SETTINGS_KEYS = {"sharding": ("flush_records", "flush_seconds")}
-# [engine] keys whose change may change how outputs are made (not only how the engine is run):
-# warned about.
-ENGINE_OUTPUT_KEYS = ("kind", "tp_size", "dp_size", "extra_args", "command", "url", "stub")
-
-
-def settings_changes(old: JobSpec, new: JobSpec) -> list[tuple[str, Any, Any]]:
-    """(table.key, old value, new value) of every run setting that differs between two specs."""
-    changes = []
-    keys = [(t, None) for t in SETTINGS_TABLES] + [
-        (t, k) for t, ks in SETTINGS_KEYS.items() for k in ks
-    ]
-    for table, only in keys:
-        a, b = msgspec.to_builtins(getattr(old, table)), msgspec.to_builtins(getattr(new, table))
-        for key in sorted(set(a) | set(b)):
-            if (only is None or key == only) and a.get(key) != b.get(key):
-                changes.append((f"{table}.{key}", a.get(key), b.get(key)))
-    return changes
-
-
-def update_settings(rd: RunDir, old: RunPlan, spec: JobSpec) -> list[tuple[str, Any, Any]]:
-    """Take the job's run settings into an existing run (same fingerprint), log each change, rewrite
-    run.json."""
-    changes = settings_changes(old.spec, spec)
-    if not changes:
-        return changes
-    for table in SETTINGS_TABLES:
-        setattr(old.spec, table, getattr(spec, table))
-    for table, ks in SETTINGS_KEYS.items():
-        for k in ks:
-            setattr(getattr(old.spec, table), k, getattr(getattr(spec, table), k))
-    atomic_write(rd.plan_file, plan_bytes(old))
-    for key, a, b in changes:
-        log.info("run %s: setting %s changed from %r to %r", rd.shown, key, a, b)
-        if key.split(".")[0] == "engine" and key.split(".")[1] in ENGINE_OUTPUT_KEYS:
-            log.warning(
-                "run %s: %s changed: records written before and after were made by differently "
-                "configured engines",
-                rd.shown,
-                key,
-            )
-    return changes

@@ -108,7 +108,7 @@ def check_engine_args(e: Any, source: Path) -> None:
     """`[engine] extra_args` as SGLang's own parser would take them (from its flag data: no sglang
     needed here), then against the flags the toolkit sets. The stub is judged by the release it
     imitates."""
-    from toolkit.engines.sglang_contract.flags import check_extra_args
+    from toolkit.engines.sglang_contract.extra_args import check_extra_args
 
     problems = check_extra_args(
         e.extra_args, version=_judged_release(e, source), dp_size=e.dp_size, kind=e.kind

@@ -1,312 +1,61 @@
 """Job specs: the TOML file a user writes, decoded into typed Structs and validated at load time.
 
 A job spec says which model to serve, how to start the engine, how to sample, which prompt files to
-generate for and how many shards to cut them into. Everything is checked here, before any GPU time
-is spent: unknown keys, wrong types, sampling keys SGLang would reject, missing paths."""
+generate for and how many shards to cut them into. `load_spec` reads it and refuses unknown keys,
+wrong types and sampling keys SGLang would reject, naming the line; then come the checks of its
+values (specchecks) and the resolution of its paths (specpaths), before any GPU time is spent."""
 
 from __future__ import annotations
 
 import os
-import re
-import stat
 from pathlib import Path
-from typing import Any, Literal
 
 import msgspec
 import tomllib
 
-from toolkit.engines.layout import check_engine_layout
 from toolkit.formats.rundir import RunDir
 from toolkit.job import specerrors
-from toolkit.job.sglang_checks import (
-    SAMPLING_KEYS,
-    check_engine_args,
-    check_requests,
-    check_sampling,
+from toolkit.job.schema import (
+    AuditSpec,
+    ClientSpec,
+    DatasetSpec,
+    EngineSpec,
+    EstimateSpec,
+    InputsSpec,
+    JobSpec,
+    ModelSpec,
+    ShardingSpec,
+    SlurmSpec,
+    StubSpec,
 )
-from toolkit.job.sources import is_hub
+from toolkit.job.sglang_checks import SAMPLING_KEYS
+from toolkit.job.specchecks import validate
 from toolkit.job.specerrors import SpecError
 
-
-class _Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Base of every config table: unknown keys are errors, not silently ignored."""
-
-
-class ModelSpec(_Config):
-    path: str
-    tokenizer_path: str | None = None
-    trust_remote_code: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] = {}
-    think_start: str = "<think>"
-    think_end: str = "</think>"
-    tool_call_start: str | None = None
-    # The data must hold reasoning: prompts the template renders with reasoning closed are refused
-    # before any engine starts, and the audit fails a run whose outputs hold none. False:
-    # non-thinking data (the audit then checks that outputs hold no think tokens).
-    expect_reasoning: bool = True
+# The schema's Structs are read from here, with the spec that decodes into them.
+__all__ = [
+    "AuditSpec",
+    "ClientSpec",
+    "DatasetSpec",
+    "EngineSpec",
+    "EstimateSpec",
+    "InputsSpec",
+    "JobSpec",
+    "ModelSpec",
+    "ShardingSpec",
+    "SlurmSpec",
+    "SpecError",
+    "StubSpec",
+    "load_spec",
+]
 
 
-class StubSpec(_Config):
-    """Options of the `stub` engine: a stand-in for SGLang's protocol, not a model (see
-    toolkit.stub)."""
-
-    load_delay_s: float = 0.0
-    warmup_delay_s: float = 0.0
-    token_delay_s: float = 0.0
-    fixed_output_tokens: int | None = None
-    # Output lengths drawn as shares of this many tokens rather than of each request's
-    # max_new_tokens. Unset: the largest max_new_tokens of the job when [client] loop_stop asks for
-    # some outputs in segments (so that those are the outputs of one request), else each request's
-    # max_new_tokens.
-    output_scale: int | None = None
-    context_length: int = 32768
-    crash_after: int | None = None
-    hang: bool = False
-    ignore_sigterm: bool = False
-    hang_after: int | None = None
-    fail_5xx: str | None = None
-    # every N-th /generate ends in SGLang's NaN stop (finish matched "NaN happened")
-    nan_every: int | None = None
-    exit_at_start: int | None = None
-    exit_at_start_if_exists: str | None = None
-    no_think_end: bool = False
-    double_think_start: bool = False
-    degenerate_fraction: float = 0.0  # share of outputs that fall into a repetition loop until
-    # max_new_tokens
-    identical_samples: bool = False  # samples of one prompt (n > 1) token-identical even with a
-    # sampling_seed
-    version: str = "0.5.23"
-    extra_args: list[str] = []
-
-
-class EngineSpec(_Config):
-    kind: Literal["sglang", "stub", "external"] = "sglang"
-    tp_size: int = 1
-    dp_size: int = 1
-    # Nodes of one engine (one array task): SGLang runs on each through `srun`, rank 0 serving HTTP
-    # on the first node beside the worker; tp_size then counts the GPUs of all nodes (see
-    # engine_gpus).
-    nodes: int = 1
-    extra_args: list[str] = []
-    env: dict[str, str] = {}
-    ready_timeout_s: float = 3600.0
-    max_restarts: int = 3
-    # No request answered for this long while some are in flight, and /health_generate fails: the
-    # engine is hung, and is restarted like one that died (counted against max_restarts); its
-    # requests in flight go back to the queue.
-    hang_timeout_s: float = 300.0
-    shutdown_timeout_s: float = 60.0
-    # Once the shard's work is over (every prompt answered, a stop signal, a failure), the worker
-    # ends within shutdown_timeout_s + exit_grace_s (after a stop signal, plus the in-flight
-    # saving's 30 s), whatever its tasks do: past that it logs what did not finish, kills the engine
-    # and ends the process with exit code 6.
-    exit_grace_s: float = 60.0
-    url: str | None = None
-    # kind = "external": where the worker reads the server's key when it starts, never the key
-    # itself (the job file and the run's run.json are read by others): an environment variable's
-    # name, or a file only the user can read.
-    api_key_env: str | None = None
-    api_key_file: str | None = None
-    # the key in clear: refused in a job file (read only from run.json of older runs)
-    api_key: str | None = None
-    # A custom launch argv: placeholders {host} {port} {model_path}, and for the key {api_key_file}
-    # or {config_file} (files only the user can read; $TOOLKIT_ENGINE_API_KEY holds it too), or
-    # {api_key} (on the command line: warned).
-    command: list[str] | None = None
-    # The Python that runs SGLang (kind = "sglang" without `command`): a path or a name looked up on
-    # the node's PATH. None: the first python3 on the task's PATH (as [slurm] setup left it) that
-    # has sglang, else the toolkit's own.
-    python: str | None = None
-    stub: StubSpec = msgspec.field(default_factory=StubSpec)
-
-
-MAX_TRIES = 100  # [client] max_tries above this is a typo, not a bound
-
-
-class ClientSpec(_Config):
-    # Requests in flight. "auto": sized from what the server says it can run (/server_info, then
-    # /v1/loads as it generates): its running capacity plus a small waiting queue, so the engine
-    # never waits for a request.
-    concurrency: int | Literal["auto"] = 64
-    max_concurrency: int = 1024  # "auto" never goes above this
-    # On a stop signal, abort the requests in flight and keep their partial outputs (continued on
-    # the next run) instead of throwing them away.
-    save_in_flight: bool = True
-    request_timeout_s: float = 3600.0
-    retries: int = 5
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
-    # Tries of a prompt within a run while it fails in a way that may pass (timeout, 5xx, reset, NaN
-    # stop, abort): each try is a request with its own `retries`; the next try waits backoff_s *
-    # 2^(tries-1) (at most backoff_max_s). Past the last one the failure is final for the run
-    # ("failed 3 times: nan") and the shard is done; `toolkit retry` starts a fresh count.
-    max_tries: int = 3
-    # Stop repetition loops while they are generated: a request asks for at most segment_tokens new
-    # tokens, and between segments the output so far is checked for a loop (formats/loops, with
-    # these thresholds); a loop is recorded as it stands (finish "loop", never training data, never
-    # generated again), anything else goes on from prompt + output so far, token for token the
-    # output one request would have given.
-    loop_stop: bool = True
-    segment_tokens: int = 4096
-    loop_window: int = 512  # tail ids looked at
-    loop_max_period: int = 128  # longest repeated span looked for
-    loop_match: float = 0.9  # share of the tail that must repeat the id one period
-    # before
-
-
-class DatasetSpec(_Config):
-    name: str
-    path: str
-    sampling: dict[str, Any] = {}
-    # Regenerate every assistant turn of each conversation, one record per user turn, feeding the
-    # model its own earlier answers (see turns.py); the source's assistant messages are never sent.
-    regenerate: bool = False
-
-
-class InputsSpec(_Config):
-    """What a prompt line that cannot be used does: "fail" stops the job before any GPU time (every
-    such line named), "skip" leaves it out of the run, each one reported (file:line: reason) by
-    `check`, `run`, `submit` and the audit."""
-
-    on_bad_line: Literal["fail", "skip"] = "fail"  # malformed JSON, a missing or wrong field, a
-    # duplicate id, ...
-    on_too_long: Literal["fail", "skip"] = "fail"  # its length + max_new_tokens does not fit the
-    # context length
-
-
-class ShardingSpec(_Config):
-    shards: int = 1
-    flush_records: int = 64
-    flush_seconds: float = 10.0
-
-
-class SlurmSpec(_Config):
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str = "24:00:00"
-    gpus_per_node: int = 8
-    cpus_per_task: int = 16
-    mem: str | None = None
-    array_parallelism: int | None = None
-    setup: list[str] = []
-    signal_delay_s: int = 300
-    merge_time: str = "02:00:00"
-    merge_cpus: int = 2
-    merge_mem: str | None = None
-    merge_partition: str | None = None  # the merge + audit job's (no GPU); default: `partition`
-    extra: dict[str, str | int | bool] = {}
-
-
-class EstimateSpec(_Config):
-    """What `check` and `submit --dry-run` estimate a run's cost from (job.cost); not part of the
-    fingerprint."""
-
-    tokens_per_s: float | None = None  # one engine's output tokens/s at full batch
-    load_minutes: float | None = None  # one model load: weights read, CUDA graphs captured
-    mean_output_tokens: int | None = None  # expected output length, until a run measures its own
-
-
-class AuditSpec(_Config):
-    """Thresholds the audit enforces; breaking one fails the run's final job."""
-
-    min_think_end_share: float = 0.9
-    max_stop_without_think_end_share: float = 0.01
-    max_empty_reasoning_share: float = 0.05
-    max_empty_content_share: float = 0.2
-    max_double_think_start_share: float = 0.01
-    max_length_share: float = 0.2
-    max_failed_share: float = 0.01
-    max_reasoning_share: float = 0.01  # expect_reasoning = false: outputs that hold a think token
-    max_degenerate_share: float = 0.02  # outputs in a repetition loop (dataset.quality), per
-    # dataset n > 1, temperature > 0: samples token-identical to an earlier one
-    max_identical_sample_share: float = 0.01
-    reprompt_sample: int = 64
-
-
-class JobSpec(_Config):
-    name: str
-    output_dir: str
-    model: ModelSpec
-    sampling: dict[str, Any]
-    datasets: list[DatasetSpec]
-    inputs: InputsSpec = msgspec.field(default_factory=InputsSpec)
-    engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
-    client: ClientSpec = msgspec.field(default_factory=ClientSpec)
-    sharding: ShardingSpec = msgspec.field(default_factory=ShardingSpec)
-    slurm: SlurmSpec = msgspec.field(default_factory=SlurmSpec)
-    audit: AuditSpec = msgspec.field(default_factory=AuditSpec)
-    estimate: EstimateSpec = msgspec.field(default_factory=EstimateSpec)
-
-    def sampling_for(self, dataset: str) -> dict[str, Any]:
-        """The sampling params sent for a prompt of `dataset`: job-wide keys, overridden per
-        dataset."""
-        for d in self.datasets:
-            if d.name == dataset:
-                return {**self.sampling, **d.sampling}
-        raise KeyError(dataset)
-
-    def samples_for(self, dataset: str) -> int:
-        """How many independent samples each prompt of `dataset` gets ([sampling] n)."""
-        return int(self.sampling_for(dataset).get("n", 1))
-
-    def request_sampling(self, dataset: str, sample: int) -> dict[str, Any]:
-        """The sampling_params of one request: sample `sample` of a prompt of `dataset`.
-
-        Each sample is its own request, so `n` is not sent; a `sampling_seed` is offset by the
-        sample index so that seeded samples differ (and stay reproducible).
-        """
-        params = self.sampling_for(dataset)
-        params.pop("n", None)
-        if sample and isinstance(params.get("sampling_seed"), int):
-            params["sampling_seed"] += sample
-        return params
-
-
-_VAR = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CLEAR_KEY = (
     "a key written here stays in clear in the job file and in the run's run.json, for whoever "
     "reads them "
     "(and travels with every copy of the run): put it in an environment variable and name it "
     '(`api_key_env = "NAME"`), or in a file only you can read (`api_key_file = "PATH"`)'
 )
-
-
-def _unset(expanded: str) -> list[str]:
-    """The environment variables a path (expanded) still names that are not set."""
-    names = (m.group(1) or m.group(2) for m in _VAR.finditer(expanded))
-    return [name for name in names if name not in os.environ]
-
-
-def _resolve(
-    base: Path, p: str | None, where: str | None = None, source: Path | None = None
-) -> str | None:
-    """`p` with ~ and environment variables expanded, relative to `base`. With `where`, a variable
-    that is not set is an error naming the key (os.path.expandvars would leave `${DATA_ROOT}` in the
-    path)."""
-    if p is None:
-        return None
-    expanded = os.path.expandvars(os.path.expanduser(p))
-    if where is not None:
-        for name in _unset(expanded):
-            raise SpecError(
-                f"{source}: {where}: environment variable {name} is not set "
-                "(export it, or write the path out)"
-            )
-    q = Path(expanded)
-    return str(q if q.is_absolute() else (base / q).resolve())
-
-
-def _relative(written: str, base: Path) -> str:
-    """How a path that was written relative was resolved (for a message that it does not exist):
-    from the job file's folder, not the current one."""
-    expanded = os.path.expandvars(os.path.expanduser(written))
-    if Path(expanded).is_absolute():
-        return ""
-    shown = f"{written!r}" + (f", i.e. {expanded!r}" if expanded != written else "")
-    return f" ({shown} is relative: it resolves from the job file's folder {base}, not from here)"
 
 
 def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
@@ -360,7 +109,7 @@ def load_spec(path: str | os.PathLike, *, check_paths: bool = True) -> JobSpec:
     except msgspec.ValidationError as e:
         problem = specerrors.explain_validation(e, data, JobSpec)
         raise SpecError(f"{_at(source, text, problem.path)}: {problem.message}") from None
-    return _validate(spec, source, check_paths=check_paths)
+    return validate(spec, source, check_paths=check_paths)
 
 
 def _unknown_sampling_keys(data: dict) -> list[specerrors.KeyProblem]:
@@ -412,248 +161,3 @@ def _at(source: Path, text: str, path: tuple) -> str:
     told)."""
     line = specerrors.key_line(text, path)
     return f"{source}:{line}" if line else str(source)
-
-
-def _check_estimate(est: EstimateSpec, source: Path) -> None:
-    for key in ("tokens_per_s", "load_minutes", "mean_output_tokens"):
-        value = getattr(est, key)
-        if value is not None and value <= 0:
-            raise SpecError(
-                f"{source}: [estimate] {key} = {value:g} must be positive (or left out: unknown)"
-            )
-
-
-def _unset_variables(spec: JobSpec, source: Path) -> None:
-    """Every environment variable the job's paths name that is not set, said at once (one at a time
-    would take a user as many tries); one variable keeps the message of the key that names it."""
-    paths = [
-        ("output_dir", spec.output_dir),
-        ("[model] path", spec.model.path),
-        ("[model] tokenizer_path", spec.model.tokenizer_path),
-        ("[model] chat_template", spec.model.chat_template),
-    ]
-    paths += [("[[datasets]] path", d.path) for d in spec.datasets]
-    unset: dict[str, list[str]] = {}
-    for where, p in paths:
-        for name in _unset(os.path.expandvars(os.path.expanduser(p or ""))):
-            if where not in unset.setdefault(name, []):
-                unset[name].append(where)
-    if len(unset) > 1:
-        said = "; ".join(f"{name} (in {', '.join(keys)})" for name, keys in unset.items())
-        raise SpecError(
-            f"{source}: environment variables not set: {said}; export them (e.g. `export "
-            f"{'=... '.join(unset)}=...`), or write the paths out"
-        )
-
-
-def _validate(spec: JobSpec, source: Path, *, check_paths: bool) -> JobSpec:
-    base = source.resolve().parent
-    if check_paths:
-        _unset_variables(spec, source)
-    if not spec.name or "/" in spec.name:
-        raise SpecError(f"{source}: `name` must be a non-empty name without '/', got {spec.name!r}")
-    check_sampling(spec.sampling, "[sampling]", str(source), top_level=True)
-    if not spec.datasets:
-        raise SpecError(f"{source}: no [[datasets]]: add at least one prompt file")
-    seen: set[str] = set()
-    for i, d in enumerate(spec.datasets):
-        where = f"[[datasets]] #{i + 1} ({d.name!r})"
-        if d.name in seen:
-            raise SpecError(
-                f"{source}: {where}: dataset name {d.name!r} is used twice; names must be unique"
-            )
-        seen.add(d.name)
-        check_sampling(d.sampling, f"{where} sampling", str(source), top_level=False)
-        if is_hub(d.path):  # hf://datasets/ORG/NAME[:SPLIT]: read from the hub cache
-            continue
-        written = d.path
-        d.path = _resolve(base, d.path, f"{where} path" if check_paths else None, source)
-        if check_paths and not Path(d.path).exists():
-            raise SpecError(
-                f"{source}: {where}: prompt file {d.path} does not exist{_relative(written, base)}"
-            )
-    for d in spec.datasets:
-        params = spec.sampling_for(d.name)
-        if params.get("n", 1) > 1 and params.get("temperature", 1.0) == 0:
-            raise SpecError(
-                f"{source}: dataset {d.name!r}: n = {params['n']} samples with temperature = 0 "
-                f"would be {params['n']} identical greedy outputs; set a temperature > 0 or n = 1"
-            )
-    if spec.sharding.shards < 1:
-        raise SpecError(f"{source}: [sharding] shards must be >= 1, got {spec.sharding.shards}")
-    if spec.sharding.flush_records < 1 or spec.sharding.flush_seconds <= 0:
-        raise SpecError(f"{source}: [sharding] flush_records must be >= 1 and flush_seconds > 0")
-    c = spec.client
-    if (
-        (c.concurrency != "auto" and c.concurrency < 1)
-        or c.max_concurrency < 1
-        or c.retries < 0
-        or c.request_timeout_s <= 0
-    ):
-        raise SpecError(
-            f'{source}: [client] needs concurrency >= 1 (or "auto"), max_concurrency >= 1, '
-            "retries >= 0, request_timeout_s > 0"
-        )
-    if c.max_tries < 1 or c.max_tries > MAX_TRIES:
-        raise SpecError(
-            f"{source}: [client] max_tries must be between 1 and {MAX_TRIES} (tries of a prompt "
-            f"whose failure may pass, within a run), got {c.max_tries}"
-        )
-    if (
-        c.segment_tokens < 256
-        or c.loop_max_period < 1
-        or c.loop_window < 4 * c.loop_max_period
-        or not 0.5 <= c.loop_match <= 1.0
-        or c.loop_window > c.segment_tokens
-    ):
-        raise SpecError(
-            f"{source}: [client] loop stop needs segment_tokens >= 256, loop_max_period >= 1, "
-            "loop_window between 4 * loop_max_period and segment_tokens, loop_match between 0.5 "
-            f"and 1; got segment_tokens = {c.segment_tokens}, loop_window = {c.loop_window}, "
-            f"loop_max_period = {c.loop_max_period}, loop_match = {c.loop_match:g}"
-        )
-    if c.backoff_s < 0 or c.backoff_max_s < 0:
-        raise SpecError(
-            f"{source}: [client] backoff_s and backoff_max_s must be >= 0, got {c.backoff_s:g} and "
-            f"{c.backoff_max_s:g}"
-        )
-    e = spec.engine
-    if e.tp_size < 1 or e.dp_size < 1 or e.max_restarts < 0:
-        raise SpecError(f"{source}: [engine] needs tp_size >= 1, dp_size >= 1, max_restarts >= 0")
-    if e.exit_grace_s <= 0 or e.shutdown_timeout_s < 0:
-        raise SpecError(
-            f"{source}: [engine] needs exit_grace_s > 0 and shutdown_timeout_s >= 0, got "
-            f"{e.exit_grace_s:g} and {e.shutdown_timeout_s:g}"
-        )
-    if e.nodes < 1:
-        raise SpecError(f"{source}: [engine] nodes must be >= 1, got {e.nodes}")
-    if e.nodes > 1:
-        if e.kind != "sglang" or e.command is not None:
-            raise SpecError(
-                f'{source}: [engine] nodes = {e.nodes} needs kind = "sglang" without `command`: '
-                "only "
-                "the toolkit's own SGLang launch starts one rank per node"
-            )
-        problem = check_engine_layout(e, spec.slurm.gpus_per_node)
-        if problem:
-            raise SpecError(f"{source}: {problem}")
-    if e.python is not None and (
-        e.kind != "sglang" or e.command is not None or not e.python.strip()
-    ):
-        raise SpecError(
-            f'{source}: [engine] python = {e.python!r}: only for kind = "sglang" without `command` '
-            "(the "
-            "Python the toolkit starts SGLang with), and not empty; remove it"
-        )
-    if e.kind == "external" and not e.url:
-        raise SpecError(
-            f'{source}: [engine] kind = "external" needs `url` (e.g. "http://127.0.0.1:30000")'
-        )
-    _check_key_source(e, source, base, check_paths)
-    if e.command is not None and (not e.command or not all(isinstance(a, str) for a in e.command)):
-        raise SpecError(
-            f"{source}: [engine] `command` must be a non-empty list of strings (an argv, not a "
-            "shell line)"
-        )
-    if e.kind in ("sglang", "stub") and e.command is None:
-        check_engine_args(e, source)
-    check_requests(spec, source)
-    _check_estimate(spec.estimate, source)
-    m = spec.model
-
-    # Hub ids ("org/name") stay as they are; local-looking paths are resolved.
-    def key(name: str) -> str | None:
-        return name if check_paths else None
-
-    m.path = (
-        _resolve(base, m.path, key("[model] path"), source)
-        if _looks_local(m.path, base)
-        else m.path
-    )
-    if m.tokenizer_path is not None:
-        m.tokenizer_path = (
-            _resolve(base, m.tokenizer_path, key("[model] tokenizer_path"), source)
-            if _looks_local(m.tokenizer_path, base)
-            else m.tokenizer_path
-        )
-    m.chat_template = _resolve(base, m.chat_template, key("[model] chat_template"), source)
-    if check_paths and m.chat_template and not Path(m.chat_template).is_file():
-        raise SpecError(f"{source}: [model] chat_template file {m.chat_template} does not exist")
-    tok = m.tokenizer_path or m.path
-    if check_paths and e.kind != "external" and _looks_local(tok, base) and not Path(tok).exists():
-        raise SpecError(
-            f"{source}: [model] tokenizer path {tok} does not exist "
-            f"(set `tokenizer_path` if the tokenizer lives apart from the weights)"
-        )
-    spec.output_dir = _resolve(base, spec.output_dir, key("output_dir"), source)
-    return spec
-
-
-def _check_key_source(e: EngineSpec, source: Path, base: Path, check_paths: bool) -> None:
-    """[engine] api_key_env / api_key_file: only for an external server (the toolkit draws the key
-    of an engine it starts), one of the two, a valid name, a file that exists (its path resolved
-    like every path of the job)."""
-    given = [k for k in ("api_key_env", "api_key_file") if getattr(e, k) is not None]
-    if not given:
-        return
-    if e.kind != "external":
-        raise SpecError(
-            f'{source}: [engine] {given[0]} is for kind = "external": an engine the toolkit starts '
-            "gets a fresh key at each start, in a file only you can read; remove it"
-        )
-    if len(given) > 1:
-        raise SpecError(
-            f"{source}: [engine] api_key_env and api_key_file are both set: keep the one the key "
-            "is in"
-        )
-    if e.api_key_env is not None and not _ENV_NAME.fullmatch(e.api_key_env):
-        raise SpecError(
-            f"{source}: [engine] api_key_env = {e.api_key_env!r} is not an environment variable's "
-            "name (letters, digits and _): name the variable that holds the key, not the key"
-        )
-    if e.api_key_file is not None:
-        e.api_key_file = _resolve(
-            base, e.api_key_file, "[engine] api_key_file" if check_paths else None, source
-        )
-        if check_paths and not Path(e.api_key_file).is_file():
-            raise SpecError(
-                f"{source}: [engine] api_key_file {e.api_key_file} does not exist (or is not a "
-                "file): write the server's key there, readable only by you (chmod 600)"
-            )
-
-
-def key_source_warnings(e: EngineSpec) -> list[str]:
-    """What may keep an engine's key from the worker, or open it to others, as seen from here: a
-    custom `command` that puts it on its command line, the variable `api_key_env` names unset, a key
-    file other users may read."""
-    if e.command and any("{api_key}" in a for a in e.command):
-        return [
-            "[engine] command: {api_key} puts the engine's key on its command line, where every "
-            "user of the node can read it (ps): use {api_key_file} or {config_file} (files only "
-            "you can read, removed when the engine stops), or $TOOLKIT_ENGINE_API_KEY"
-        ]
-    if e.kind != "external":
-        return []
-    if e.api_key_env is not None and not os.environ.get(e.api_key_env):
-        return [
-            f"[engine] api_key_env: the environment variable {e.api_key_env} is not set here; the "
-            "worker reads the server's key from it, so set it where the worker runs (export it "
-            "before `toolkit run` or `toolkit submit`, whose sbatch passes this environment on, "
-            "or in [slurm] setup)"
-        ]
-    if e.api_key_file is not None:
-        try:
-            mode = os.stat(e.api_key_file).st_mode
-        except OSError:
-            return []
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            return [
-                f"[engine] api_key_file {e.api_key_file} may be read by other users (mode "
-                f"{stat.filemode(mode)}): `chmod 600 {e.api_key_file}`"
-            ]
-    return []
-
-
-def _looks_local(p: str, base: Path) -> bool:
-    """False only for a Hugging Face hub id (`org/name`) that is not also a local folder."""
-    return (base / p).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", p) or p.startswith(".")

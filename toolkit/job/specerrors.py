@@ -188,20 +188,19 @@ def _toml(v: Any) -> str:
     return str(v)
 
 
+# A TOML value's type, as a message says it (bool before int: a boolean is an int in Python)
+_TOML_TYPES = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    (list, "a list"),
+    (dict, "a table"),
+)
+
+
 def _toml_type(v: Any) -> str:
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "a list"
-    if isinstance(v, dict):
-        return "a table"
-    return type(v).__name__
+    return next((said for t, said in _TOML_TYPES if isinstance(v, t)), type(v).__name__)
 
 
 _AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.S)

@@ -10,7 +10,7 @@ with SGLang's validation errors, response shape, stop-token and finish-reason ru
 batches and `n > 1`, `/abort_request`, auth, `/metrics` and graceful SIGTERM drain. Outputs are
 invented, reproducibly, from what the request asks for (a prompt sent again without a sampling_seed
 draws another output, as a sampling server does, unless its rid names the sample it asks for:
-`outputs.Draws`), from the job's own tokenizer: English text from Python's help topics as
+`planning.Draws`), from the job's own tokenizer: English text from Python's help topics as
 "reasoning", the think-end token, an answer, sometimes a tool-call section, then EOS (see
 `planning.plan_output`). Fault injection flags (`--crash-after`, `--fail-5xx`, `--hang-after`, ...;
 see `faults`) make it misbehave on purpose. For benchmarks, `--token-delay` gives it a GPU's pace
@@ -19,13 +19,16 @@ see `faults`) make it misbehave on purpose. For benchmarks, `--token-delay` give
 (time-weighted running / max running, from the first request to the last answer) in `/stub/counters`
 and in its log at shutdown. Every log line says it is the stub.
 
-Modules: `config` (command line), `contract` (request validation), `model` (token material of the
-tokenizer), `planning` (what the "model" writes and where it stops), `cache` (prefix cache),
-`scheduler` (running limit, queue, aborts, counters, batch occupancy), `faults` (fault injection),
-`engine` (state and /generate), `info` (the other endpoints and the route table), `app` (the FastAPI
-routes, served by uvicorn), and `__main__` (the process).
+Modules: `config` (StubConfig), `command_line` (SGLang's flags and a `--config` file parsed into it)
+with `own_flags` (the stub's own), `contract` (request validation), `model` (token material of the
+tokenizer), `planning` (what the "model" writes), `outputs` (where an output stops, its text),
+`cache` (prefix cache), `scheduler` (running limit, queue, aborts, counters, batch occupancy),
+`faults` (fault injection), `server` (state and /generate) with `normalise` (a body read into
+items) and `answers` (the bodies sent back), `info` (the other endpoints and the route table), `app`
+(the FastAPI routes, served by uvicorn), and `__main__` (the process).
 """
 
-from toolkit.stub.config import StubConfig, build_parser, parse_config
+from toolkit.stub.command_line import build_parser, parse_config
+from toolkit.stub.config import StubConfig
 
 __all__ = ["StubConfig", "build_parser", "parse_config"]

@@ -17,7 +17,8 @@ import uvicorn
 
 from toolkit.stub import faults
 from toolkit.stub.app import build_app
-from toolkit.stub.config import LOG_PREFIX, StubConfig, parse_config
+from toolkit.stub.command_line import parse_config
+from toolkit.stub.config import LOG_PREFIX, StubConfig
 from toolkit.stub.model import StubModel
 from toolkit.stub.outputs import load_model
 from toolkit.stub.server import StubServer

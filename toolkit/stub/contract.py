@@ -1,11 +1,11 @@
 """Request validation of /generate: 0.5.23's schema gate over the whole body (serde-style texts),
-and the sampling checks of engines/sglang_sampling (shared with the job spec) as the stub's
+and the sampling checks of engines/sglang_contract/sampling (shared with the job spec) as the stub's
 errors."""
 
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Callable
 
 from toolkit.engines.sglang_contract import sampling as sampling
 from toolkit.engines.sglang_contract.sampling import Sampling
@@ -156,19 +156,21 @@ def check_contract(obj: Any) -> None:
             else:
                 raise _invalid(x, "a value or an array of values for SamplingParamsOrList")
         elif key == "return_logprob" or key == "return_hidden_states":
-            if type(x) is list:
-                for e in x:
-                    _want_bool(e)
-            else:
-                _want_bool(x, "a value or an array of values for BoolOrList")
+            _value_or_list(x, _want_bool, "a value or an array of values for BoolOrList")
         elif key == "logprob_start_len" or key == "top_logprobs_num":
-            if type(x) is list:
-                for e in x:
-                    _want_int(e)
-            else:
-                _want_int(x, "a value or an array of values for Int64OrList")
+            _value_or_list(x, _want_int, "a value or an array of values for Int64OrList")
         elif key == "routed_dp_rank" or key == "disagg_prefill_dp_rank":
             _want_int(x)
+
+
+def _value_or_list(x: Any, want: Callable, what: str) -> None:
+    """A field that is one value or a list of them: each checked by `want` (`what`: the type named
+    when a lone value is wrong)."""
+    if type(x) is list:
+        for e in x:
+            want(e)
+    else:
+        want(x, what)
 
 
 def not_taken(obj: dict, version: str) -> str | None:

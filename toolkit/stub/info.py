@@ -150,98 +150,16 @@ def loads(srv: StubServer) -> Reply:
     (0.5.23) says it holds no weights, its KV pool's capacity.
     """
     dp = max(1, srv.cfg.dp_size)
-    used, pool, now = srv.sched.used_tokens(), srv.pool, time.time()
-    share = lambda total, i: total // dp + (i < total % dp)  # noqa: E731
-    rows = []
-    for i in range(dp):
-        running, waiting, rank_used = (
-            share(len(srv.sched.running), i),
-            share(len(srv.sched.waiting), i),
-            share(used, i),
-        )
-        limit = srv.sched.max_running // dp
-        core = {
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_used_tokens": rank_used,
-            "max_total_num_tokens": pool,
-            "token_usage": round(rank_used / pool, 4),
-            "gen_throughput": round(srv.sched.gen_throughput() / dp, 2),
-            "cache_hit_rate": 0.0,
-            "utilization": round(running / max(1, limit), 4),
-            "max_running_requests": limit,
-        }
-        queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
-        # no disaggregation; 0.5.23 renamed the first queue (prefill_prealloc -> prefill_bootstrap)
-        first_queue = "prefill_prealloc_queue_reqs" if srv.v9 else "prefill_bootstrap_queue_reqs"
-        disaggregation = {
-            "mode": "null",
-            first_queue: 0,
-            "prefill_inflight_queue_reqs": 0,
-            "decode_prealloc_queue_reqs": 0,
-            "decode_transfer_queue_reqs": 0,
-            "decode_retracted_queue_reqs": 0,
-            "kv_transfer_speed_gb_s": 0.0,
-            "kv_transfer_latency_ms": 0.0,
-        }
-        if srv.v9:
-            rows.append(
-                {
-                    "dp_rank": i,
-                    **core,
-                    "disaggregation": disaggregation,
-                    "queues": queues,
-                    "num_total_reqs": running + waiting,
-                }
-            )
-            continue
-        rows.append(
-            {
-                "timestamp": now,
-                "dp_rank": i,
-                "num_running_reqs": running,
-                "num_waiting_reqs": waiting,
-                "num_waiting_uncached_tokens": 0,
-                "num_used_tokens": rank_used,
-                "num_total_tokens": rank_used,
-                "num_active_tokens": rank_used,
-                "num_prealloc_ready_tokens": 0,
-                "max_total_num_tokens": pool,
-                "max_running_requests": limit,
-                "token_usage": core["token_usage"],
-                "gen_throughput": core["gen_throughput"],
-                "cache_hit_rate": 0.0,
-                "utilization": core["utilization"],
-                "total_prefill_uncached_tokens": 0,
-                "total_prefill_busy_us": 0,
-                "decode_moments": None,
-                "memory": {
-                    "weight_gb": 0.0,
-                    "kv_cache_gb": 0.0,
-                    "graph_gb": 0.0,
-                    "token_capacity": pool,
-                },
-                "disaggregation": disaggregation,
-                "queues": {**queues, "prealloc_ready": 0},
-            }
-        )
+    used, now = srv.sched.used_tokens(), time.time()
+    rows = [_rank_load(srv, i, dp, used, now) for i in range(dp)]
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
     if srv.v9:
-        n = len(rows)
-        aggregate = {
-            "total_running_reqs": sum(r["num_running_reqs"] for r in rows),
-            "total_waiting_reqs": sum(r["num_waiting_reqs"] for r in rows),
-            "total_reqs": sum(r["num_total_reqs"] for r in rows),
-            "avg_token_usage": round(sum(r["token_usage"] for r in rows) / n, 4),
-            "avg_throughput": round(sum(r["gen_throughput"] for r in rows) / n, 2),
-            "avg_utilization": round(sum(r["utilization"] for r in rows) / n, 4),
-        }
         body = {
             "timestamp": stamp,
             "version": srv.cfg.version,
-            "dp_rank_count": n,
+            "dp_rank_count": len(rows),
             "loads": rows,
-            "aggregate": aggregate,
+            "aggregate": _aggregate(rows),
         }
     else:
         body = {
@@ -252,6 +170,105 @@ def loads(srv: StubServer) -> Reply:
             "loads": rows,
         }
     return 200, _json_encode(body), JSON
+
+
+def _share(total: int, i: int, dp: int) -> int:
+    """Rank `i`'s share of `total` shared out over `dp` ranks (the first ranks take the rest)."""
+    return total // dp + (i < total % dp)
+
+
+def _rank_load(srv: StubServer, i: int, dp: int, used: int, now: float) -> dict:
+    """The /v1/loads row of data-parallel rank `i` of `dp`, in the release's shape."""
+    pool = srv.pool
+    running, waiting, rank_used = (
+        _share(len(srv.sched.running), i, dp),
+        _share(len(srv.sched.waiting), i, dp),
+        _share(used, i, dp),
+    )
+    limit = srv.sched.max_running // dp
+    core = {
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": rank_used,
+        "max_total_num_tokens": pool,
+        "token_usage": round(rank_used / pool, 4),
+        "gen_throughput": round(srv.sched.gen_throughput() / dp, 2),
+        "cache_hit_rate": 0.0,
+        "utilization": round(running / max(1, limit), 4),
+        "max_running_requests": limit,
+    }
+    queues = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
+    if srv.v9:
+        return {
+            "dp_rank": i,
+            **core,
+            "disaggregation": _disaggregation(srv.v9),
+            "queues": queues,
+            "num_total_reqs": running + waiting,
+        }
+    return _load_snapshot(i, now, core, queues)
+
+
+def _disaggregation(v9: bool) -> dict:
+    """A rank's disaggregation state: none."""
+    # 0.5.23 renamed the first queue (prefill_prealloc -> prefill_bootstrap)
+    first_queue = "prefill_prealloc_queue_reqs" if v9 else "prefill_bootstrap_queue_reqs"
+    return {
+        "mode": "null",
+        first_queue: 0,
+        "prefill_inflight_queue_reqs": 0,
+        "decode_prealloc_queue_reqs": 0,
+        "decode_transfer_queue_reqs": 0,
+        "decode_retracted_queue_reqs": 0,
+        "kv_transfer_speed_gb_s": 0.0,
+        "kv_transfer_latency_ms": 0.0,
+    }
+
+
+def _load_snapshot(i: int, now: float, core: dict, queues: dict) -> dict:
+    """0.5.23's row of rank `i` (LoadSnapshot.to_dict), from the counts 0.5.9's row holds."""
+    used, pool = core["num_used_tokens"], core["max_total_num_tokens"]
+    return {
+        "timestamp": now,
+        "dp_rank": i,
+        "num_running_reqs": core["num_running_reqs"],
+        "num_waiting_reqs": core["num_waiting_reqs"],
+        "num_waiting_uncached_tokens": 0,
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "num_active_tokens": used,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": pool,
+        "max_running_requests": core["max_running_requests"],
+        "token_usage": core["token_usage"],
+        "gen_throughput": core["gen_throughput"],
+        "cache_hit_rate": 0.0,
+        "utilization": core["utilization"],
+        "total_prefill_uncached_tokens": 0,
+        "total_prefill_busy_us": 0,
+        "decode_moments": None,
+        "memory": {
+            "weight_gb": 0.0,
+            "kv_cache_gb": 0.0,
+            "graph_gb": 0.0,
+            "token_capacity": pool,
+        },
+        "disaggregation": _disaggregation(False),
+        "queues": {**queues, "prealloc_ready": 0},
+    }
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    """0.5.9's `aggregate` of the ranks' rows."""
+    n = len(rows)
+    return {
+        "total_running_reqs": sum(r["num_running_reqs"] for r in rows),
+        "total_waiting_reqs": sum(r["num_waiting_reqs"] for r in rows),
+        "total_reqs": sum(r["num_total_reqs"] for r in rows),
+        "avg_token_usage": round(sum(r["token_usage"] for r in rows) / n, 4),
+        "avg_throughput": round(sum(r["gen_throughput"] for r in rows) / n, 2),
+        "avg_utilization": round(sum(r["utilization"] for r in rows) / n, 4),
+    }
 
 
 def stub_counters(srv: StubServer) -> Reply:

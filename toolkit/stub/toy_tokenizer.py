@@ -57,6 +57,15 @@ class Family(msgspec.Struct, frozen=True):
     template: str | None = None  # file of templates/chat/ used when no chat_template is given
 
 
+# Qwen3's reasoning and tool tags, plain tokens; GLM's are the same and more.
+_THINK_AND_TOOL_TAGS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 FAMILIES: dict[str, Family] = {
     # Kimi-K2.5: the template opens <think>; config.json names [EOS] although the turn ends with
     # <|im_end|>.
@@ -90,14 +99,7 @@ FAMILIES: dict[str, Family] = {
     # <|endoftext|>.
     "qwen3": Family(
         special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        plain=(
-            "<think>",
-            "</think>",
-            "<tool_call>",
-            "</tool_call>",
-            "<tool_response>",
-            "</tool_response>",
-        ),
+        plain=_THINK_AND_TOOL_TAGS,
         eos="<|im_end|>",
         bos=None,
         pad="<|endoftext|>",
@@ -158,12 +160,7 @@ FAMILIES["glm"] = Family(
         "<|observation|>",
     ),
     plain=(
-        "<think>",
-        "</think>",
-        "<tool_call>",
-        "</tool_call>",
-        "<tool_response>",
-        "</tool_response>",
+        *_THINK_AND_TOOL_TAGS,
         "<arg_key>",
         "</arg_key>",
         "<arg_value>",
@@ -225,7 +222,6 @@ def build_tokenizer(
     uses the family's own template in templates/chat/. `extra_special` adds control tokens (special,
     one id each) after the family's.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if family not in FAMILIES:
@@ -239,8 +235,33 @@ def build_tokenizer(
     extra = tuple(t for t in dict.fromkeys(extra_special) if t not in spec.special + spec.plain)
     if extra:
         spec = msgspec.structs.replace(spec, special=spec.special + extra)
-    n_control = len(spec.special) + len(spec.plain)
+    bpe = _train_bpe(spec, vocab_size)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
+        chat_template=template,
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # template inside tokenizer_config.json, readable by any version
+    tok.save_pretrained(out, save_jinja_files=False)
+    _portable_config(out / "tokenizer_config.json")
+    _compact(out / "tokenizer.json")
+    _write_model_configs(out, tok, spec)
+    logger.info("built %s tokenizer with %d ids in %s", family, len(tok), out)
+    return out
 
+
+def _train_bpe(spec: Family, vocab_size: int):
+    """A byte-level BPE trained on the corpus to `vocab_size` ids, the family's control tokens
+    included (added after the learned vocabulary)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    n_control = len(spec.special) + len(spec.plain)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -258,22 +279,11 @@ def build_tokenizer(
     # or split.
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.plain])
+    return bpe
 
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=spec.bos,
-        eos_token=spec.eos,
-        pad_token=spec.pad,
-        chat_template=template,
-        model_max_length=131072,
-        clean_up_tokenization_spaces=False,
-    )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # template inside tokenizer_config.json, readable by any version
-    tok.save_pretrained(out, save_jinja_files=False)
-    _portable_config(out / "tokenizer_config.json")
-    _compact(out / "tokenizer.json")
+
+def _write_model_configs(out: Path, tok, spec: Family) -> None:
+    """config.json and generation_config.json, with the family's BOS and EOS ids."""
 
     def ids(tokens: tuple[str, ...]) -> int | list[int]:
         found = [tok.convert_tokens_to_ids(t) for t in tokens]
@@ -286,8 +296,6 @@ def build_tokenizer(
         out / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": ids(spec.generation_eos)},
     )
-    logger.info("built %s tokenizer with %d ids in %s", family, len(tok), out)
-    return out
 
 
 def _portable_config(path: Path) -> None:

@@ -12,7 +12,8 @@ import logging
 import time
 
 from toolkit.engines.base import EngineDied, EngineHung
-from toolkit.engines.client import HttpClient, health_generate, read_load
+from toolkit.engines.client import HttpClient
+from toolkit.engines.endpoints import health_generate, read_load
 from toolkit.formats.progress import REFRESH_S
 from toolkit.worker.exitguard import cancel_and_wait
 from toolkit.worker.feed import Feed

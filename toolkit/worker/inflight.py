@@ -17,16 +17,13 @@ import numpy as np
 from toolkit.engines.base import EngineDied, EngineUnreachable
 from toolkit.engines.client import (
     ClientError,
-    GenerateResult,
     HttpClient,
     RequestRejected,
     ServerError,
     TimedOut,
     Unreachable,
-    abort_requests,
-    generate,
-    health_generate,
 )
+from toolkit.engines.endpoints import GenerateResult, abort_requests, generate, health_generate
 from toolkit.engines.rids import make_rid
 from toolkit.formats.loops import repetition_loop
 from toolkit.formats.prompts import PromptRef

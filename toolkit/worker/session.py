@@ -28,8 +28,10 @@ from typing import Any
 
 import msgspec
 
+from toolkit.engines.answer import Expect
 from toolkit.engines.base import EngineDied, EngineError, EngineHung, EngineUnreachable, log_tail
-from toolkit.engines.client import Expect, HttpClient, server_limits
+from toolkit.engines.client import HttpClient
+from toolkit.engines.endpoints import server_limits
 from toolkit.engines.kinds import make_engine
 from toolkit.errors import BadInputError
 from toolkit.formats.files import shown_path
@@ -87,7 +89,7 @@ class EngineSession:
         self.tokenizer: tuple[bytes, Any, Any] | None = (
             None  # (key, tokenizer, token info) once loaded
         )
-        self.limits = None  # engines.client.ServerLimits of the engine's current start
+        self.limits = None  # engines.endpoints.ServerLimits of the engine's current start
         # whose failure a failed request is, the engine's or its prompt's (one per engine start)
         self.check: EngineCheck | None = None
         self.guard: ExitGuard | None = None

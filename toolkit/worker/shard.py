@@ -14,7 +14,8 @@ import time
 
 import msgspec
 
-from toolkit.engines.client import Expect, HttpClient
+from toolkit.engines.answer import Expect
+from toolkit.engines.client import HttpClient
 from toolkit.errors import BadInputError, FailedError
 from toolkit.formats.progress import Progress, slurm_context, write_progress
 from toolkit.formats.records import OK, PARTIAL, Record

@@ -1,5 +1,7 @@
 """The `parquet` export: the jsonl export's columns with their types (`rows_schema`), in row
-groups of PARQUET_ROWS records; the file's metadata names the engine that made the records.
+groups of PARQUET_ROWS records; the file's metadata names the engine that made the records. The
+Arrow schema of the tokens view (`tokens_schema`, for `to_dataset`) is here too: both start with the
+same key columns.
 """
 
 from __future__ import annotations
@@ -19,17 +21,25 @@ from toolkit.formats.runplan import RunPlan
 PARQUET_ROWS = 1024  # records per Parquet row group
 
 
+def _key_columns(pa: Any) -> list[tuple[str, Any]]:
+    """The columns that name a row, first in every view: its id, dataset, sample, turn and
+    segments."""
+    return [
+        ("id", pa.string()),
+        ("dataset", pa.string()),
+        ("sample", pa.int32()),
+        ("turn", pa.int32()),
+        ("segments", pa.int32()),
+    ]
+
+
 def rows_schema(pa: Any) -> Any:
     """The Arrow schema of the jsonl export's rows, as the parquet export and `to_dataset` store
     them: token ids as uint32 lists, counts as int32/int64, `meta` as JSON text. `pa`: pyarrow."""
     ids_type = pa.list_(pa.uint32())
     return pa.schema(
         [
-            ("id", pa.string()),
-            ("dataset", pa.string()),
-            ("sample", pa.int32()),
-            ("turn", pa.int32()),
-            ("segments", pa.int32()),
+            *_key_columns(pa),
             ("status", pa.string()),
             ("error", pa.string()),
             ("prompt_ids", ids_type),
@@ -43,6 +53,18 @@ def rows_schema(pa: Any) -> Any:
             ("prompt_tokens", pa.int64()),
             ("completion_tokens", pa.int64()),
             ("meta", pa.string()),  # the jsonl export's object, as JSON
+        ]
+    )
+
+
+def tokens_schema(pa: Any) -> Any:
+    """The Arrow schema of the tokens export's rows as `to_dataset(view="tokens")` stores them:
+    `input_ids` as uint32 lists, `loss_mask` as uint8 lists (0 or 1). `pa`: pyarrow."""
+    return pa.schema(
+        [
+            *_key_columns(pa),
+            ("input_ids", pa.list_(pa.uint32())),
+            ("loss_mask", pa.list_(pa.uint8())),
         ]
     )
 

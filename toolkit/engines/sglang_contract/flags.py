@@ -19,7 +19,6 @@ import argparse
 import difflib
 import functools
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -29,16 +28,13 @@ __all__ = [
     "DATA_FILE",
     "Flag",
     "FlagSet",
-    "MANAGED",
     "Parsed",
     "VERSION_ENV",
     "add_to_parser",
-    "check_extra_args",
     "flag_set",
     "versions",
 ]
 
-log = logging.getLogger(__name__)
 
 DATA_FILE = Path(__file__).with_name("sglang_flags.json")
 # Which release's flags the login-side check uses for kind = "sglang" (default: the newest in the
@@ -234,41 +230,57 @@ class FlagSet:
                     f"{named} is retired in SGLang {self.version}, which refuses it "
                     f"({flag.deprecated})"
                 )
-            n = flag.nargs
-            if value is not None:
-                if n == 0:
-                    errors.append(
-                        f"{named} is a switch and takes no value, but was given `={value}`; "
-                        f"write {opt} alone (or leave it out)"
-                    )
-                    continue
-                if isinstance(n, int) and n > 1:
-                    errors.append(f"{named} takes {n} values, not one `=` value")
-                    continue
-                item.values = [value]
-            elif n == 0:
-                pass
-            else:
-                values = []
-                while i < len(argv) and not self._is_option_like(argv[i]) and argv[i] != "--":
-                    if n in (None, "?") and values or isinstance(n, int) and len(values) == n:
-                        break
-                    values.append(argv[i])
-                    i += 1
-                need = 1 if n in (None, "+") else n if isinstance(n, int) else 0
-                if len(values) < need:
-                    what = "a value" if need == 1 else f"{need} values"
-                    errors.append(
-                        f"{named} takes {what} and was given none; write {opt} VALUE (or "
-                        f"{opt}=VALUE)"
-                    )
-                    continue
-                item.values = values
+            values, i = self._take_values(argv, i, flag, opt, named, value, errors)
+            if values is None:
+                continue
+            item.values = values
             for v in item.values:
                 problem = self._check_value(flag, v)
                 if problem:
                     errors.append(f"{named}: {problem}")
         return Parsed(items, errors)
+
+    def _take_values(
+        self,
+        argv: list[str],
+        i: int,
+        flag: Flag,
+        opt: str,
+        named: str,
+        value: str | None,
+        errors: list[str],
+    ) -> tuple[list[str] | None, int]:
+        """(the values of `flag`, given as `named` (`value`: its `=VALUE`), taken from argv[i:] as
+        its nargs says; where argv goes on). None, the problem added to `errors`, when they do not
+        fit its nargs."""
+        n = flag.nargs
+        if value is not None:
+            if n == 0:
+                errors.append(
+                    f"{named} is a switch and takes no value, but was given `={value}`; "
+                    f"write {opt} alone (or leave it out)"
+                )
+                return None, i
+            if isinstance(n, int) and n > 1:
+                errors.append(f"{named} takes {n} values, not one `=` value")
+                return None, i
+            return [value], i
+        if n == 0:
+            return [], i
+        values = []
+        while i < len(argv) and not self._is_option_like(argv[i]) and argv[i] != "--":
+            if n in (None, "?") and values or isinstance(n, int) and len(values) == n:
+                break
+            values.append(argv[i])
+            i += 1
+        need = 1 if n in (None, "+") else n if isinstance(n, int) else 0
+        if len(values) < need:
+            what = "a value" if need == 1 else f"{need} values"
+            errors.append(
+                f"{named} takes {what} and was given none; write {opt} VALUE (or {opt}=VALUE)"
+            )
+            return None, i
+        return values, i
 
     def _skip_values(self, argv: list[str], i: int) -> int:
         """After an unknown flag, its likely values are not reported again as stray positionals."""
@@ -365,86 +377,3 @@ def add_to_parser(
         parser.add_argument(*f.options, **kwargs)
         added.append(f)
     return added
-
-
-# What the toolkit sets itself, by SGLang's destination (so aliases and abbreviations are covered
-# too:
-# `--model`, `--tensor-parallel-size`, `--tp`, `--tp-s`, `--api-k` ...), and where a job sets it
-# instead.
-MANAGED = {
-    "model_path": "[model] path",
-    "tokenizer_path": "[model] tokenizer_path",
-    "tp_size": "[engine] tp_size",
-    "dp_size": "[engine] dp_size",
-    "trust_remote_code": "[model] trust_remote_code",
-    "host": "nothing: the server listens on 127.0.0.1",
-    "port": "nothing: each start picks a free port",
-    "api_key": "nothing: each start draws a random key",
-    "nnodes": "[engine] nodes",
-    "node_rank": "nothing: each node's rank comes from Slurm (SLURM_PROCID)",
-    "dist_init_addr": "nothing: the first node's address and a free port are chosen at each start",
-    # 0.5.9 names the destinations after the long spellings
-    "tensor_parallel_size": "[engine] tp_size",
-    "data_parallel_size": "[engine] dp_size",
-}
-# The stub is told these from [engine.stub] as well.
-STUB_MANAGED = {"context_length": "[engine.stub] context_length"}
-REFUSED = {
-    "skip_server_warmup": "marks the server ready before warm-up: readiness would be a false "
-    "positive",
-    "help": "prints SGLang's help and exits: the server would never start",
-    "config": "reads more flags from a YAML file the toolkit cannot check (and that could set the "
-    "port, the API key or the model); put those flags in extra_args instead",
-}
-
-
-def check_extra_args(
-    extra: list[str], *, version: str | None = None, dp_size: int = 1, kind: str = "sglang"
-) -> list[str]:
-    """Problems with a job's extra server args (empty when fine), judged as SGLang `version`'s
-    parser would judge them (default: the newest release in sglang_flags.json), then against what
-    the toolkit manages."""
-    flags = flag_set(version)
-    parsed = flags.parse(list(extra))
-    problems = list(parsed.errors)
-    managed = {**MANAGED, **(STUB_MANAGED if kind == "stub" else {})}
-    for item in parsed.items:
-        given = item.token.split("=", 1)[0]
-        named = given + (f" (SGLang reads it as {item.option})" if item.abbreviated else "")
-        dest = item.flag.dest
-        if dest in managed:
-            problems.append(
-                f"{named} is set by the toolkit; remove it from extra_args and set {managed[dest]}"
-            )
-        elif dest in REFUSED:
-            problems.append(f"{named} {REFUSED[dest]}; remove it from extra_args")
-        elif dest == "nccl_port" and dp_size > 1:
-            problems.append(
-                f"{named} with dp_size = {dp_size}: every data-parallel replica of SGLang binds "
-                "this one port, so the second replica fails to start; remove it (SGLang picks a "
-                "free port for each replica)"
-            )
-        elif item.abbreviated:
-            log.warning(
-                "[engine] extra_args: %s abbreviates %s; SGLang accepts it today, but spell it "
-                "out: a new flag with the same prefix would make it ambiguous",
-                given,
-                item.option,
-            )
-        if item.flag.choices_unknown:
-            log.warning(
-                "[engine] extra_args: %s %s is not checked: SGLang %s computes its choices in a "
-                "way the flag data could not read (%s)",
-                given,
-                " ".join(item.values),
-                flags.version,
-                item.flag.choices_unknown,
-            )
-        if item.flag.deprecated and item.flag.action != "DeprecatedError":
-            log.warning(
-                "[engine] extra_args: %s is deprecated in SGLang %s (%s)",
-                given,
-                flags.version,
-                item.flag.deprecated,
-            )
-    return problems

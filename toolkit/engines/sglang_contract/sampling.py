@@ -278,19 +278,33 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
                 f"got {sp.min_new_tokens}."
             )
     if vocab_size is not None:
-        for token_id in sp.logit_bias:
-            try:
-                ok = 0 <= int(token_id) < vocab_size
-            except ValueError:
-                ok = False
-            if not ok:
-                raise SamplingError(
-                    f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}."
-                )
+        _verify_logit_bias(sp, vocab_size)
     if not old and sp.sampling_seed is not None and not -(2**63) <= sp.sampling_seed <= 2**63 - 1:
         raise SamplingError(
             f"sampling_seed must be in [-2**63, 2**63 - 1], got {sp.sampling_seed}."
         )
+    _verify_grammars(sp, old)
+    if not old and len(sp.stop) > MAX_STOP_COUNT:
+        raise SamplingError(
+            f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop)}"
+        )
+
+
+def _verify_logit_bias(sp: Sampling, vocab_size: int) -> None:
+    """Every logit_bias key a token id of the vocabulary."""
+    for token_id in sp.logit_bias:
+        try:
+            ok = 0 <= int(token_id) < vocab_size
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SamplingError(
+                f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}."
+            )
+
+
+def _verify_grammars(sp: Sampling, old: bool) -> None:
+    """At most one constrained-decoding grammar (`old`: 0.5.9's count)."""
     if old:  # structural_tag not counted; an empty grammar counts
         grammars = sum(k != "structural_tag" for k in sp.grammars)
     else:  # an empty grammar means none
@@ -300,8 +314,4 @@ def verify(sp: Sampling, vocab_size: int | None, version: str) -> None:
             "Only one of regex, json_schema, or ebnf can be set."
             if old
             else "Only one of json_schema, regex, ebnf, or structural_tag can be set."
-        )
-    if not old and len(sp.stop) > MAX_STOP_COUNT:
-        raise SamplingError(
-            f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop)}"
         )
