@@ -67,7 +67,7 @@ def write_file(path: Path, n: int, n_out: int) -> None:
 
 def recover(path: Path, n: int) -> int:
     w = ShardWriter(path, FINGERPRINT, 0)
-    done = w.open(range(n))
+    done = w.open(range(n)).done
     w.close()
     return len(done)
 

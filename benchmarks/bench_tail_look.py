@@ -30,7 +30,7 @@ from toolkit.formats.run import Run  # noqa: E402
 from toolkit.formats.shardfile import ShardWriter  # noqa: E402
 from toolkit.job.plan import create_run, plan_job  # noqa: E402
 from toolkit.job.spec import JobSpec, load_spec  # noqa: E402
-from toolkit.worker.claims import look, tails  # noqa: E402
+from toolkit.worker.poolview import look, tails  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
 opened = [0]

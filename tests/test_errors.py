@@ -36,7 +36,7 @@ OUTSIDE_THE_KINDS = {
     "toolkit.stub.contract.ContractError": "the stub's own program: an HTTP answer, not an exit code",
     "toolkit.stub.contract.RequestError": "the stub's own program: an HTTP answer, not an exit code",
     "toolkit.stub.contract.ParseError": "the stub's own program: an HTTP answer, not an exit code",
-    "toolkit.worker.session._Stop": "the worker's stop, inside one shard",
+    "toolkit.worker.stop.Stopped": "the worker's stop, inside one shard",
 }
 
 

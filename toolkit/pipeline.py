@@ -136,44 +136,66 @@ def _claim_in_workers(
 ) -> tuple[str | None, list[int]]:
     """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is
     passed on to them (each stops its shard cleanly)."""
-    from toolkit.formats.shardstate import BUSY, ShardState
+    from toolkit.formats.shardstate import ShardState
 
     rd = run.rd
     done_before = sum(run.shard_state(k).ended for k in pool)
-    procs = []
-    for i, gpus in enumerate(slices):
-        env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        argv = [
-            sys.executable,
-            "-m",
-            "toolkit",
-            "--log-relay",
-            "worker",
-            str(rd.root),
-            "--claim",
-            *map(str, pool),
-            "--worker",
-            str(i),
-            "--workers",
-            str(len(slices)),
-            "--group",
-            group,
-        ]
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-        )
-        threading.Thread(
-            target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log"
-        ).start()
-        procs.append(proc)
+    procs = [_start_worker(rd, pool, group, i, slices, log) for i in range(len(slices))]
+    codes, told = _wait_for_workers(procs)
+    for k in pool:
+        st = run.shard_state(k, group=group)
+        if not st.ended and st.state is ShardState.FAILED and k not in failed:
+            failed.append(k)
+    if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
+        if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
+            return "SIGINT", []
+        return signal.Signals(told[0]).name if told else "a signal", []
+    progressed = sum(run.shard_state(k).ended for k in pool) > done_before
+    return None, _left_by_workers(run, pool, failed, codes, progressed, log)
+
+
+def _start_worker(
+    rd: RunDir, pool: list[int], group: str, i: int, slices: list[list[str]], log: logging.Logger
+) -> subprocess.Popen:
+    """Worker `i`, on GPU slice `slices[i]`, its log lines relayed to `log`."""
+    gpus = slices[i]
+    env = dict(os.environ)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    argv = [
+        sys.executable,
+        "-m",
+        "toolkit",
+        "--log-relay",
+        "worker",
+        str(rd.root),
+        "--claim",
+        *map(str, pool),
+        "--worker",
+        str(i),
+        "--workers",
+        str(len(slices)),
+        "--group",
+        group,
+    ]
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+    threading.Thread(
+        target=_relay, args=(proc.stderr, log), daemon=True, name=f"worker-{i}-log"
+    ).start()
+    return proc
+
+
+def _wait_for_workers(procs: list[subprocess.Popen]) -> tuple[list[int], list[int]]:
+    """The workers' exit codes, once all have ended, and the signals this process passed on to
+    them meanwhile."""
     told: list[int] = []
 
     def forward(sig, _frame):
@@ -195,14 +217,23 @@ def _claim_in_workers(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    for k in pool:
-        st = run.shard_state(k, group=group)
-        if not st.ended and st.state is ShardState.FAILED and k not in failed:
-            failed.append(k)
-    if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
-        if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
-            return "SIGINT", []
-        return signal.Signals(told[0]).name if told else "a signal", []
+    return codes, told
+
+
+def _left_by_workers(
+    run: Run,
+    pool: list[int],
+    failed: list[int],
+    codes: list[int],
+    progressed: bool,
+    log: logging.Logger,
+) -> list[int]:
+    """After the workers ended without a stop: the shards other workers hold, and those left
+    unfinished — claimed again when some shard finished this round (a worker died: kill -9, OOM),
+    failed (added to `failed`) when none did."""
+    from toolkit.formats.shardstate import BUSY
+
+    rd = run.rd
     states = {k: run.shard_state(k, BUSY) for k in pool if k not in failed}
     busy = [k for k, st in states.items() if st.busy]
     for k in busy:
@@ -213,7 +244,6 @@ def _claim_in_workers(
         for i, c in enumerate(codes)
         if c not in (0, 1)
     ]
-    progressed = sum(run.shard_state(k).ended for k in pool) > done_before
     # a worker died (kill -9, OOM) and the others had ended: its shards are claimed again
     if left and progressed:
         log.warning(
@@ -229,7 +259,7 @@ def _claim_in_workers(
             "; ".join(died) or "the workers ended",
         )
         failed += left
-    return None, busy
+    return busy
 
 
 def _relay(stream, log: logging.Logger) -> None:

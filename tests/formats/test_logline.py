@@ -118,7 +118,7 @@ def test_log_relay_makes_every_record_of_a_command_one_json_line(tmp_path, toy_t
     records = [parse_relayed(line) for line in r.stderr.splitlines()]
     assert records and None not in records, r.stderr
     assert any(
-        x.name == "toolkit.dataset.merge_shard" and x.message.startswith("merging shard 0")
+        x.name == "toolkit.dataset.merge" and x.message.startswith("merging shard 0")
         for x in records
     )
     plain = subprocess.run(argv[:3] + argv[4:], capture_output=True, text=True, timeout=120)

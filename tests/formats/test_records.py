@@ -139,8 +139,10 @@ def test_records_written_before_tries_were_counted_decode_as_one_try_not_final(t
     w.close()
     assert is_given_up(again) and not is_transient(again)
     w = ShardWriter(path, "f" * 16, 0)
-    w.open(range(2))
-    assert w.transient == {"p2"} and w.tries == {"p2": 2}  # the newest record of each id counts
+    found = w.open(range(2))
+    assert found.transient == {"p2"} and found.tries == {
+        "p2": 2
+    }  # the newest record of each id counts
     w.close()
     m = write_done(tmp_path / "00000.done", path, 0, "f" * 16, positions=range(0, 2))
     assert (m.records, m.failed, m.transient, m.given_up, m.superseded) == (2, 2, 1, 1, 2)

@@ -66,7 +66,7 @@ PLANNED = range(64)  # the planned positions of the shard these tests write
 
 def write(path, records, batch=4, fp="f" * 16):
     w = ShardWriter(path, fp, 0, flush_records=batch)
-    done = w.open(PLANNED)
+    done = w.open(PLANNED).done
     for r in records:
         w.add(r)
     w.close()
@@ -110,7 +110,7 @@ def test_torn_tail_at_every_cut_is_dropped_and_nothing_else(tmp_path):
         path.write_bytes(full[:cut])
         complete = sum(1 for e in ends if e <= cut)
         w = ShardWriter(path, "f" * 16, 0)
-        done = w.open(PLANNED)
+        done = w.open(PLANNED).done
         assert len(done) == 4 * complete, cut
         w.close()
         assert path.stat().st_size == max(
@@ -137,14 +137,14 @@ def test_corrupt_middle_frame_is_loud_for_readers_and_salvaged_on_resume(tmp_pat
     )
 
     w = ShardWriter(path, "f" * 16, 0)
-    done = w.open(PLANNED)  # keeps frames 0 and 2, drops only frame 1's four records
-    assert set(done) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}
+    found = w.open(PLANNED)  # keeps frames 0 and 2, drops only frame 1's four records
+    assert set(found.done) == {f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)}
     for i in range(4, 8):
         w.add(rec(i))
     w.close()
     assert sorted(r.index for r in read_shard(path)) == list(range(12))  # the file is whole again
     kept = list(tmp_path.glob("s.zst.damaged-*"))
-    assert kept == [w.damaged] and kept[0].read_bytes() == bytes(
+    assert kept == [found.damaged] and kept[0].read_bytes() == bytes(
         data
     )  # the original, untouched, for inspection
     assert not list(tmp_path.glob(".*"))  # no temporary file left
@@ -210,7 +210,7 @@ def test_a_bit_flip_in_the_record_count_is_caught_by_every_reader(tmp_path):
     damage = [i for i in scan(path) if isinstance(i, Damage)]
     assert len(damage) == 1 and "descriptor" in damage[0].why
     w = ShardWriter(path, "f" * 16, 0)
-    assert set(w.open(PLANNED)) == {
+    assert set(w.open(PLANNED).done) == {
         f"p{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)
     }  # the frame's records are redone
     w.close()
@@ -247,16 +247,16 @@ def test_the_newest_record_of_an_id_counts(tmp_path):
     rejected = failed_record("p2", "d", 2, [1, 2], "HTTP 400: too long", 1, failure="rejected")
     write(path, [rec(0), timeout, rejected, rec(3)])
     w = ShardWriter(path, "f" * 16, 0)
-    done = w.open(PLANNED)
-    assert set(done) == {"p0", "p1", "p2", "p3"} and w.transient == {
+    found = w.open(PLANNED)
+    assert set(found.done) == {"p0", "p1", "p2", "p3"} and found.transient == {
         "p1"
     }  # only the transient one is redone
     w.add(rec(1))
     w.close()
     w = ShardWriter(path, "f" * 16, 0)
-    w.open(PLANNED)
+    found = w.open(PLANNED)
     w.close()
-    assert w.transient == set() and w.written == 5
+    assert found.transient == set() and w.written == 5
     m = write_done(tmp_path / "s.done", path, 0, "f" * 16, positions=range(0, 4))
     assert (m.records, m.ok, m.failed, m.transient, m.superseded) == (4, 3, 1, 0, 1)
     assert verify_done(read_done(tmp_path / "s.done"), path) is None
@@ -318,7 +318,7 @@ def test_a_writer_whose_write_failed_writes_nothing_more(tmp_path, monkeypatch):
     assert len(writes) == 1
     monkeypatch.setattr(sf.os, "write", real)
     again = ShardWriter(path, "f" * 16, 0)
-    assert sorted(again.open(range(0, 6))) == [rec(0).id, rec(1).id]  # the torn frame cut off
+    assert sorted(again.open(range(0, 6)).done) == [rec(0).id, rec(1).id]  # the torn frame cut off
     again.close()
 
 
@@ -502,20 +502,21 @@ def test_recovery_keeps_the_newest_record_of_each_position_like_every_reader(tmp
         if r.index in planned:
             newest[r.index] = r
     w = ShardWriter(path, "f" * 16, 0)
-    done = w.open(planned)
+    found = w.open(planned)
     w.close()
+    done = found.done
     assert set(done) == {r.id for r in newest.values()}
-    assert w.transient == {r.id for r in newest.values() if is_transient(r)}
-    assert w.tries == {r.id: r.tries for r in newest.values() if is_transient(r)}
-    assert w.partial == {r.id: r for r in newest.values() if r.status == PARTIAL}
+    assert found.transient == {r.id for r in newest.values() if is_transient(r)}
+    assert found.tries == {r.id: r.tries for r in newest.values() if is_transient(r)}
+    assert found.partial == {r.id: r for r in newest.values() if r.status == PARTIAL}
     if newest:
-        assert list(w.output_tokens_at) == [
+        assert list(found.output_tokens_at) == [
             newest[p].n_output if p in newest else 0 for p in planned
         ]
     else:
-        assert w.output_tokens_at is None
+        assert found.output_tokens_at is None
     assert w.written == len(kept)
-    assert w.foreign == sum(r.index not in planned for r in kept)
+    assert found.foreign == sum(r.index not in planned for r in kept)
     offsets = {
         f.offset for f in iter_frames(path)
     }  # the file as recovered: the offsets point at its frames

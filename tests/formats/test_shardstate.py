@@ -125,7 +125,7 @@ def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, mon
     """What a claiming task looks at every second at the run's tail (worker.claims.look): a done shard costs its
     done manifest and nothing more; the others come with their progress, whatever the group."""
     from toolkit.formats import shardstate
-    from toolkit.worker.claims import claimable, look
+    from toolkit.worker.poolview import claimable, look
 
     s = synth
     rd = s.rd

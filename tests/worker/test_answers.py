@@ -238,7 +238,7 @@ def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_
     from types import SimpleNamespace
 
     from toolkit.engines.base import EngineDied, EngineUnreachable
-    from toolkit.engines.client import Unreachable
+    from toolkit.engines.client import HttpClient, Unreachable
     from toolkit.worker import inflight
 
     with socket.socket() as s:
@@ -254,11 +254,16 @@ def test_an_engine_that_refuses_connections_while_its_process_ends_is_restarted_
             alive=lambda: ends_after is None or _time.monotonic() - t0 < ends_after,
         )
 
-    sh = SimpleNamespace(spec=SimpleNamespace(engine=SimpleNamespace(hang_timeout_s=5.0)))
+    def shard():
+        return SimpleNamespace(
+            spec=SimpleNamespace(engine=SimpleNamespace(hang_timeout_s=5.0)),
+            session=SimpleNamespace(probes=HttpClient(f"http://127.0.0.1:{port}")),
+        )
+
     refused = Unreachable("POST /generate: ConnectionRefusedError")
     refused.attempts = 4
     with pytest.raises(EngineDied):
-        asyncio.run(inflight._poisoned(sh, engine(ends_after=1.5), "p1", refused))
+        asyncio.run(inflight._poisoned(shard(), engine(ends_after=1.5), "p1", refused))
     monkeypatch.setattr(inflight, "DYING_S", 1.0)
     with pytest.raises(EngineUnreachable, match="prompt p1 got no answer"):
-        asyncio.run(inflight._poisoned(sh, engine(ends_after=None), "p1", refused))
+        asyncio.run(inflight._poisoned(shard(), engine(ends_after=None), "p1", refused))

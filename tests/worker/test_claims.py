@@ -269,7 +269,7 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
 
     from toolkit.formats.manifests import DoneManifest
     from toolkit.formats.progress import Progress, write_progress
-    from toolkit.worker.claims import claimable, look
+    from toolkit.worker.poolview import claimable, look
 
     def candidates(skip: set[int], group: str) -> list[Candidate]:  # what a claiming worker sees
         return claimable(plan, look(Run(rd, plan), pool, group=group), skip)

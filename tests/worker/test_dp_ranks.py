@@ -24,8 +24,8 @@ from toolkit.engines.stub import start_standalone
 from toolkit.formats.frames import read_shard
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import OK, PARTIAL, Record
-from toolkit.worker import inflight
-from toolkit.worker.inflight import pinned_rank
+from toolkit.worker import generate
+from toolkit.worker.generate import pinned_rank
 from toolkit.worker.run import DONE, run_shard
 
 RANKS = 4
@@ -201,7 +201,7 @@ def test_every_loop_stop_segment_goes_to_its_output_s_rank_and_finds_its_prefix(
     )  # new outputs are not pinned: every rank served some
     assert hit_rate(rd.root) >= 0.99
 
-    monkeypatch.setattr(inflight, "pinned_rank", lambda rank, ranks: None)
+    monkeypatch.setattr(generate, "pinned_rank", lambda rank, ranks: None)
     urllib.request.urlopen(
         urllib.request.Request(url + "/flush_cache", method="POST"), timeout=10
     ).read()
@@ -258,7 +258,7 @@ def test_a_request_handed_over_at_the_tail_is_continued_on_the_rank_that_holds_i
     records, its shard released; the tail's decision forced, as the policy would take it with the other task idle:
     on one shared engine both tasks see the same load). The receiver claims shard 0 and continues each partial output
     on its rank, finding the output so far in that rank's cache."""
-    from toolkit.worker import claims
+    from toolkit.worker import claims, poolview
 
     stub, url = start_standalone(
         str(kimi),
@@ -312,7 +312,7 @@ def test_a_request_handed_over_at_the_tail_is_continued_on_the_rank_that_holds_i
             )
             time.sleep(0.05)
         monkeypatch.setattr(
-            claims,
+            poolview,
             "hands_over",
             lambda me, others, claimable, share=0.25: (
                 me.running > 0 and any(not o.leaving for o in others)

@@ -289,6 +289,7 @@ def test_failures_at_once_share_one_check_of_the_engine(monkeypatch, statuses, u
     import asyncio
     from types import SimpleNamespace
 
+    from toolkit.engines.client import HttpClient
     from toolkit.worker import enginecheck
 
     monkeypatch.setattr(enginecheck, "FIRST_WAIT_S", 0.02)
@@ -305,11 +306,13 @@ def test_failures_at_once_share_one_check_of_the_engine(monkeypatch, statuses, u
             exit_code=lambda: None,
             engine=SimpleNamespace(ready_timeout_s=30),
         )
-        check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
+        http = HttpClient(engine.url)
+        check = enginecheck.EngineCheck(engine, asyncio.Event(), http, probe_timeout_s=5)
         try:
             return await asyncio.gather(*(check.unwell(f"prompt {i}: HTTP 503") for i in range(10)))
         finally:
             check.close()
+            http.close()
             server.close()
 
     assert asyncio.run(main()) == [unwell] * 10
@@ -321,6 +324,7 @@ def test_an_engine_unwell_past_its_ready_timeout_is_hung_for_every_request_waiti
     from types import SimpleNamespace
 
     from toolkit.engines.base import EngineHung
+    from toolkit.engines.client import HttpClient
     from toolkit.worker import enginecheck
 
     monkeypatch.setattr(enginecheck, "FIRST_WAIT_S", 0.02)
@@ -337,13 +341,15 @@ def test_an_engine_unwell_past_its_ready_timeout_is_hung_for_every_request_waiti
             exit_code=lambda: None,
             engine=SimpleNamespace(ready_timeout_s=0.5),
         )
-        check = enginecheck.EngineCheck(engine, asyncio.Event(), probe_timeout_s=5)
+        http = HttpClient(engine.url)
+        check = enginecheck.EngineCheck(engine, asyncio.Event(), http, probe_timeout_s=5)
         try:
             return await asyncio.gather(
                 *(check.unwell("HTTP 503") for _ in range(3)), return_exceptions=True
             )
         finally:
             check.close()
+            http.close()
             server.close()
 
     got = asyncio.run(main())

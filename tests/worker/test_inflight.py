@@ -23,7 +23,8 @@ from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import PARTIAL, Record
 from toolkit.worker.concurrency import auto_target
-from toolkit.worker.inflight import continued_params, rid_maker
+from toolkit.worker.generate import continued_params
+from toolkit.worker.requests import Requests
 from toolkit.worker.run import DONE, run_shard
 
 SAME = (
@@ -205,18 +206,15 @@ def test_server_side_aborts_are_continued_not_regenerated(tmp_path, kimi):
 
 
 def test_rids_are_fixed_width_and_never_prefixes_of_each_other():
-    class Sh:
-        rid_seq, rid_tag, rids = 0, "a1b2c3", set()
-
     made: list[str] = []
     for shard in (0, 7, 12345):
-        Sh.shard = shard
+        requests = Requests(shard, tag="a1b2c3")
         for pos in (0, 1, 10, 11, 100, 123456789):
             for sample in (0, 1, 12):
-                rid_maker(Sh, pos, sample, made)()
-    Sh.rid_seq = 10**8 - 2  # the counter wraps, the width stays
+                requests.rid_maker(pos, sample, made)()
+    requests.rid_seq = 10**8 - 2  # the counter wraps, the width stays
     for _ in range(4):
-        rid_maker(Sh, 5, 0, made)()
+        requests.rid_maker(5, 0, made)()
     assert len(set(made)) == len(made) and len({len(r) for r in made}) == 1
     ordered = sorted(made)
     assert not any(b.startswith(a) for a, b in zip(ordered, ordered[1:]))

@@ -22,7 +22,7 @@ from toolkit.formats.loops import repetition_loop
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import LOOP, OK, PARTIAL, Record, defects
 from toolkit.job.spec import ClientSpec, SpecError, load_spec
-from toolkit.worker.inflight import segment_tokens
+from toolkit.worker.generate import segment_tokens
 from toolkit.worker.run import DONE, run_shard
 
 SAME = (
@@ -234,7 +234,7 @@ def test_no_loop_is_seen_in_the_demo_outputs_at_any_segment_end(tmp_path):
 def test_a_continuation_sends_prompt_and_output_so_far_as_the_json_of_those_ids():
     import json
 
-    from toolkit.worker.inflight import _SentIds
+    from toolkit.worker.generate import _SentIds
 
     rng = np.random.default_rng(5)
     for prompt_len in (0, 1, 7):

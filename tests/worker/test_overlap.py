@@ -181,6 +181,10 @@ class _Open:
     def __init__(self, rd, k: int, p):
         self.rd, self.shard, self.progress = rd, k, p
 
+    def leave(self) -> None:
+        self.progress.leaving = True
+        self.save_progress()
+
     def save_progress(self) -> None:
         from toolkit.formats.progress import write_progress
 
@@ -210,7 +214,7 @@ def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
     request of eight, one leaves (its progress says `leaving`); the other, seeing it, stays."""
     import fcntl
 
-    from toolkit.worker.claims import hand_over, tails
+    from toolkit.worker.poolview import hand_over, tails
 
     rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
     run = Run.open(rd.root, JobSpec)
@@ -242,7 +246,7 @@ def test_without_flock_no_task_hands_over(tmp_path, kimi, no_flock):
     """Where the file system has no flock, the decide-and-publish cannot be one step: a task at the
     tail then finishes its own shards (it never raises from the event loop, never leaves)."""
 
-    from toolkit.worker.claims import hand_over
+    from toolkit.worker.poolview import hand_over
 
     rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
     run = Run.open(rd.root, JobSpec)

@@ -33,7 +33,7 @@ def kimi(toy_tokenizer):
 FULL_DISK_AT = {
     "add": ("shardfile.py", "add", (3, 1e6, 0.0)),
     "timed": ("concurrency.py", "watch", (1000, 0.3, 0.01)),
-    "finish": ("run.py", "_finish", (1000, 1e6, 0.0)),
+    "finish": ("openshard.py", "_end", (1000, 1e6, 0.0)),
 }
 
 

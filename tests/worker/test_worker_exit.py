@@ -177,7 +177,7 @@ def test_a_worker_whose_task_swallows_its_cancel_ends_with_exit_6_and_says_what_
         deaf = textwrap.dedent("""
             import asyncio, sys
             from toolkit.worker import run as worker, session
-            async def deaf_watch_load(batch, engine):
+            async def deaf_watch_load(batch, http):
                 while True:
                     try:
                         await asyncio.sleep(0.05)

@@ -26,7 +26,7 @@ __all__ = [
     "merged_file_problem",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("toolkit.dataset.merge")  # the merge stage logs under one name
 
 MERGED = 2**32 - 1  # shard number in the merged file's header
 MANIFEST_FORMAT = 1

@@ -21,7 +21,7 @@ from toolkit.formats.runplan import RunPlan, ShardPlan
 
 __all__ = ["MergeCounts", "merge_shard"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("toolkit.dataset.merge")  # the merge stage logs under one name
 
 
 class MergeCounts:

@@ -175,7 +175,7 @@ async def abort_requests(
     usually no output: a request retracted back to the queue keeps what it had already sent on).
     Over HTTP only an exact rid aborts: the tokenizer manager drops a rid that is not one in flight;
     its scheduler then matches by prefix, so a rid must not be the prefix of another one in flight
-    (inflight.rid_maker). Raises Unreachable.
+    (worker.requests.Requests.rid_maker). Raises Unreachable.
     """
     if rids is None:
         await http.request("POST", "/abort_request", b'{"abort_all":true}', timeout=timeout)

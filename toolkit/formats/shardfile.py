@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
@@ -44,14 +45,37 @@ class ForeignShard(BadInputError):
     was planned for another job. Nothing is written to it."""
 
 
+@dataclass
+class Recovered:
+    """What `ShardWriter.open` found in a shard file, for the caller to resume from: {id: byte
+    offset of the frame of its newest record} for every planned position already recorded (`done`);
+    the ids whose newest record is a transient failure (records.TRANSIENT), with the failed tries it
+    counts (`tries`); those whose newest record is PARTIAL, with it (continued, not redone); the
+    n_output of the newest record per planned position (`output_tokens_at`, None while the file
+    holds no record); the positions whose newest record was stopped in a repetition loop; the
+    records found outside the planned positions (another shard's) and their first ids; and where a
+    damaged original was kept aside (`damaged`)."""
+
+    done: dict[str, int] = field(default_factory=dict)
+    transient: set[str] = field(default_factory=set)
+    tries: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, Record] = field(default_factory=dict)
+    output_tokens_at: array | None = None
+    loops_at: list[int] = field(default_factory=list)
+    foreign: int = 0
+    foreign_ids: list[str] = field(default_factory=list)
+    damaged: Path | None = None
+
+
 class ShardWriter:
     """Appends batches of records to one shard file; resumes a file left by an earlier (killed)
     attempt.
 
-    Open it with `open(positions)`: it locks the file, checks the fingerprint, cuts off a torn last
-    frame, salvages a file damaged in the middle (see `open`) and returns the ids already written,
-    so the caller generates only the rest. A record written again later supersedes the earlier one
-    (the newest attempt counts: formats.newest, as every reader reads a shard).
+    Open it with `open(positions)`: it locks the file, checks the fingerprint, cuts off a torn
+    last frame, salvages a file damaged in the middle (see `open`) and returns what it found
+    (`Recovered`: the ids already written, those to redo, ...), so the caller generates only the
+    rest. A record written again later supersedes the earlier one (the newest attempt counts:
+    formats.newest, as every reader reads a shard).
     """
 
     def __init__(
@@ -75,28 +99,15 @@ class ShardWriter:
         self._fd: int | None = None
         self._lockfile: LockFile | None = None  # where flock is not available
         self.written = 0  # records in the file (before + this session), superseded ones included
-        # ids whose newest record is a transient failure (see records.TRANSIENT)
-        self.transient: set[str] = set()
-        # ids whose newest record is PARTIAL, with it: continued, not redone
-        self.partial: dict[str, Record] = {}
-        # ids of `transient`: the failed tries their newest record counts (.tries)
-        self.tries: dict[str, int] = {}
-        self.damaged: Path | None = None  # where a damaged original was kept aside by `open`
         # the error of a write that failed (a full disk): the file may end in a torn frame, so
         # nothing more is written to it; its records are generated again when it is reopened
         self.write_error: OSError | None = None
-        # n_output of the newest record per planned position (see `open`)
-        self.output_tokens_at: array | None = None
-        # the planned positions whose newest record was stopped in a repetition loop
-        self.loops_at: list[int] = []
-        # records found outside the planned positions (another shard's), and their first ids
-        self.foreign = 0
-        self.foreign_ids: list[str] = []
 
-    def open(self, positions: range) -> dict[str, int]:
-        """Lock and recover the file whose planned positions are `positions`; return {id: byte
-        offset of the frame of its newest record} for every planned position already recorded
-        (records not kept); `transient` names those whose newest record should be redone.
+    def open(self, positions: range) -> Recovered:
+        """Lock and recover the file whose planned positions are `positions`; return what it found
+        (`Recovered`): {id: byte offset of the frame of its newest record} for every planned
+        position already recorded (`done`; records not kept); `transient` names those whose newest
+        record should be redone.
 
         The file is read as every reader reads it (formats.newest: the newest record of each
         position wins); records outside `positions` are counted in `foreign` (their first ids in
@@ -125,15 +136,14 @@ class ShardWriter:
             self.close()  # the lock (and lock file) go with it
             raise
 
-    def _recover(self, positions: range) -> dict[str, int]:
+    def _recover(self, positions: range) -> Recovered:
         fd = self._fd
         assert fd is not None
         size = os.fstat(fd).st_size
-        self.output_tokens_at = None
         if size == 0:
             self._write(header_bytes(self.fingerprint, self.shard))
             fsync_dir(self.path.parent)
-            return {}
+            return Recovered()
         damage: list[Damage] = []
         try:
             head = read_header(self.path)
@@ -143,7 +153,7 @@ class ShardWriter:
         if head is None and not damage:  # killed while writing the header itself
             os.ftruncate(fd, 0)
             self._write(header_bytes(self.fingerprint, self.shard))
-            return {}
+            return Recovered()
         if head is not None and head != (self.fingerprint, self.shard):
             fp, shard = head
             if not damaged_fingerprint(fp, self.fingerprint):
@@ -158,10 +168,10 @@ class ShardWriter:
             )
         sc = scan_shard(self.path, positions.start, len(positions), header=not damage)
         damage += sc.damage
-        self.written, self.foreign, self.foreign_ids = sc.records, sc.foreign, sc.foreign_ids
-        done = self._adopt(sc)
+        self.written = sc.records
+        found = self._adopt(sc)
         if damage and not damage[-1].torn or len(damage) > 1:
-            done = self._salvage(list(zip(sc.offsets, sc.ends)), damage, done)
+            self._salvage(list(zip(sc.offsets, sc.ends)), damage, found)
         elif damage:
             off, why = damage[0].offset, damage[0].why
             log.warning(
@@ -173,44 +183,43 @@ class ShardWriter:
             )
             os.ftruncate(fd, off)
             os.fsync(fd)
-        return done
+        return found
 
-    def _adopt(self, sc: ShardScan) -> dict[str, int]:
-        """The writer's state from the newest record of each position (`scan_shard`'s pass 2, read
-        before any salvage moves frames): {id: offset of its frame}, the transient ones with their
-        tries, the partial ones, the output tokens per position."""
-        done: dict[str, int] = {}
+    def _adopt(self, sc: ShardScan) -> Recovered:
+        """What the newest record of each position says (`scan_shard`'s pass 2, read before any
+        salvage moves frames): {id: offset of its frame}, the transient ones with their tries, the
+        partial ones, the output tokens per position."""
+        found = Recovered(foreign=sc.foreign, foreign_ids=sc.foreign_ids)
         if sc.records == sc.foreign:  # nothing at the planned positions
-            return done
-        otok = self.output_tokens_at = array("I", bytes(4 * len(sc.frame_of)))
+            return found
+        done = found.done
+        otok = found.output_tokens_at = array("I", bytes(4 * len(sc.frame_of)))
         for pos, r in enumerate(newest_records(self.path, sc)):
             if r is None:
                 continue
             done[r.id] = sc.offsets[sc.frame_of[pos]]
             otok[pos] = r.n_output
             if r.finish == LOOP:
-                self.loops_at.append(pos)
+                found.loops_at.append(pos)
             if is_transient(r):
-                self.transient.add(r.id)
-                self.tries[r.id] = r.tries
+                found.transient.add(r.id)
+                found.tries[r.id] = r.tries
             if r.status == PARTIAL:
-                self.partial[r.id] = r
-        return done
+                found.partial[r.id] = r
+        return found
 
-    def _salvage(
-        self, good: list[tuple[int, int]], damage: list[Damage], done: dict[str, int]
-    ) -> dict[str, int]:
-        """Rewrite the file with its intact frames only (the original kept aside); offsets in `done`
-        follow."""
+    def _salvage(self, good: list[tuple[int, int]], damage: list[Damage], found: Recovered) -> None:
+        """Rewrite the file with its intact frames only (the original kept aside, `found.damaged`);
+        the offsets in `found.done` follow."""
         bad = ", ".join(f"byte {d.offset} ({d.why})" for d in damage)
-        self.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
+        damaged = found.damaged = self.path.with_name(f"{self.path.name}.damaged-{file_stamp()}")
         log.error(
             "%s: damaged frames at %s; keeping its %d intact frames, generating the records of "
             "the damaged ones again; the damaged file is kept as %s",
             self.path,
             bad,
             len(good),
-            self.damaged.name,
+            damaged.name,
         )
         tmp = self.path.with_name(f".{self.path.name}.salvage")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
@@ -227,12 +236,12 @@ class ShardWriter:
                 moved[start] = pos
                 pos += end - start
         os.fsync(fd)
-        os.link(self.path, self.damaged)
+        os.link(self.path, damaged)
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
         assert old is not None
         os.close(old)
-        return {k: moved[v] for k, v in done.items()}
+        found.done = {k: moved[v] for k, v in found.done.items()}
 
     def _write(self, data: bytes, *, sync: bool = True) -> None:
         assert self._fd is not None

@@ -31,28 +31,34 @@ after RACES such races), or stops; so a worker claims each shard of its pool at 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import time
 
 import msgspec
 
-from toolkit.formats.locks import try_flock
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan
-from toolkit.formats.shardstate import BUSY, CLAIM, VERIFIED, ShardState, ShardStatus
+from toolkit.formats.shardstate import ShardStatus
 from toolkit.job.spec import JobSpec
-from toolkit.worker.policy import Candidate, Tail, hands_over, pick, start_of
-from toolkit.worker.run import STOPPED, ShardEnd, open_shard, shard_lines
+from toolkit.worker.policy import pick, start_of
+from toolkit.worker.poolview import (
+    HANDOVER_WAIT_S,
+    being_handed_over,
+    busy,
+    claimable,
+    hand_over,
+    look,
+    untrusted,
+)
+from toolkit.worker.run import STOPPED, ShardEnd, open_shard
 from toolkit.worker.session import EngineSession
-from toolkit.worker.shard import SHARD_ERRORS, ShardBusy
+from toolkit.worker.shard import SHARD_ERRORS, ShardBusy, Shards, shard_lines
 
 __all__ = [
     "ClaimResult",
-    "claimable",
-    "look",
+    "Claims",
     "run_claims",
     "slurm_group",
     "slurm_task",
@@ -90,107 +96,6 @@ def slurm_group() -> str | None:
     return env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
 
 
-def look(
-    run: Run, pool: list[int], *, group: str | None = None, recheck: set[int] = frozenset()
-) -> list[ShardStatus]:
-    """Every shard of `pool` as a claiming task sees it, in one scan: done, held by a writer
-    elsewhere, failed in this group (`group`), untrusted (in `recheck`), or claimable; with the
-    progress of those not done (a done shard costs one file). One look serves the choice of the next
-    shard (`claimable`) and the wait for shards being handed over; `tails` takes its own."""
-    return [run.shard_state(k, CLAIM, group=group, recheck=k in recheck) for k in pool]
-
-
-def claimable(plan: RunPlan, states: list[ShardStatus], skip: set[int]) -> list[Candidate]:
-    """The shards of a look a free worker may claim: unfinished (no done manifest, or failures that
-    may pass, or ids `toolkit retry` asked for, or in `recheck`: a done manifest its file no longer
-    matches), not held by another worker right now, not failed in this group, not in `skip`; each
-    with the prompts it has left, as its progress file says."""
-    out = []
-    for st in states:
-        if st.shard in skip or st.state in (ShardState.DONE, ShardState.HELD, ShardState.FAILED):
-            continue
-        p = st.progress
-        total = plan.shards[st.shard].count
-        out.append(
-            Candidate(
-                st.shard, max(0, total - (p.done if p is not None and p.state != "done" else 0))
-            )
-        )
-    return out
-
-
-def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
-    """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed
-    since (size, sha256). Running them again checks the file, salvages what is intact and generates
-    the rest (worker.run)."""
-    return {k for k in pool if Run(rd, plan).shard_state(k, VERIFIED).state is ShardState.UNTRUSTED}
-
-
-# a task with nothing open waits this long for shards another task hands over
-HANDOVER_WAIT_S = 90.0
-
-
-def tails(run: Run, pool: list[int], me: str) -> list[Tail]:
-    """The other live tasks at the run's tail, as the progress files of the shards they hold say
-    (a fresh `look`): requests running, requests kept in flight, leaving or not (a task holding
-    several shards counts once)."""
-    out: dict[str, Tail] = {}
-    for st in look(run, pool):
-        p = st.progress
-        if (
-            st.state is not ShardState.HELD
-            or p is None
-            or p.task in (None, me)
-            or p.state not in ("loading", "generating")
-        ):
-            continue
-        was = out.get(p.task)
-        out[p.task] = Tail(
-            p.task,
-            max(p.running or 0, was.running if was else 0),
-            max(p.in_flight_target or 0, was.target if was else 0),
-            p.leaving or (was.leaving if was else False),
-        )
-    return list(out.values())
-
-
-def hand_over(run: Run, pool: list[int], me: str, batch) -> bool:
-    """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
-    (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
-    leave for each other. False when another task holds the lock (the next look decides)."""
-    with open(run.rd.handover_lock, "a+b") as f:
-        # never waited for: this runs on the event loop; the next look comes a second later
-        taken = try_flock(f.fileno())
-        if taken is None:  # two tasks could leave for each other: each finishes its own shards
-            log.debug("%s: no flock on this file system: no handover", run.rd.handover_lock)
-        if not taken:
-            return False
-        try:
-            if not hands_over(
-                Tail(me, batch.in_flight, batch.target), tails(run, pool, me), claimable=0
-            ):
-                return False
-            for sh in batch.shards:
-                sh.progress.leaving = True
-                sh.save_progress()
-            return True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _being_handed_over(states: list[ShardStatus]) -> bool:
-    """Some shard of a look is held by a task that is leaving: it is claimable once that task lets
-    go."""
-    return any(
-        st.state is ShardState.HELD and st.progress is not None and st.progress.leaving
-        for st in states
-    )
-
-
-def _busy(run: Run, pool: list[int]) -> list[int]:
-    return [k for k in pool if run.shard_state(k, BUSY).busy]
-
-
 def run_claims(
     run_dir: str | os.PathLike,
     pool: list[int],
@@ -209,153 +114,189 @@ def run_claims(
     the next); without, the first failure ends it (raised, once the other open shards have stopped).
     With `verify`, done manifests are first checked against their files (`untrusted`: read once, at
     the start)."""
-    return asyncio.run(
-        _claims(
-            run_dir,
+
+    async def claim() -> ClaimResult:
+        run = Run.open(run_dir, JobSpec, finish=True)
+        rd, plan = run.rd, run.plan
+        recheck = untrusted(rd, plan, pool) if verify else set()
+        session = EngineSession(plan.spec, task=task, group=group)
+        claims = Claims(
+            rd,
+            plan,
             pool,
-            worker=worker,
-            workers=workers,
-            task=task,
+            session,
+            start=start_of(worker, workers, pool),
             group=group,
             keep_going=keep_going,
-            verify=verify,
+            recheck=recheck,
         )
-    )
+        session.begin(claims.who)
+        return await claims.run()
+
+    return asyncio.run(claim())
 
 
-async def _claims(
-    run_dir,
-    pool: list[int],
-    *,
-    worker: int,
-    workers: int,
-    task: str | None,
-    group: str | None,
-    keep_going: bool,
-    verify: bool,
-) -> ClaimResult:
-    run = Run.open(run_dir, JobSpec, finish=True)
-    rd, plan = run.rd, run.plan
-    recheck = untrusted(rd, plan, pool) if verify else set()
-    session = EngineSession(plan.spec, task=task, group=group)
-    session.begin(task or "worker")
-    start = start_of(worker, workers, pool)
-    result = ClaimResult()
-    skip: set[int] = set()
-    races: dict[int, int] = {}
-    who = task or "worker"
+class Claims(Shards):
+    """One worker's claim loop: what it looks at (the run, its pool, where it starts in it), what it
+    has decided (shards it skips, races lost, until when it waits for shards being handed over) and
+    what it did (`result`). The engine session serves the shards it opens and calls it back at each
+    turn: `next_shard` (claim and open the next one), `shard_ended` (count its end), `hand_over` (at
+    the run's tail, whether this task leaves)."""
 
-    def ended(sh, out) -> None:
-        said(sh.shard, out)
+    more = True
 
-    def said(k: int, out) -> None:
+    def __init__(
+        self,
+        rd: RunDir,
+        plan: RunPlan,
+        pool: list[int],
+        session: EngineSession,
+        *,
+        start: int,
+        group: str | None,
+        keep_going: bool,
+        recheck: set[int],
+    ):
+        self.rd, self.plan, self.pool, self.session = rd, plan, pool, session
+        self.opened = Run(rd, plan)  # the run, for its shards' states
+        self.start, self.group, self.keep_going = start, group, keep_going
+        self.recheck = recheck  # done manifests not trusted: claimable again (see `untrusted`)
+        self.who = session.task or "worker"
+        self.result = ClaimResult()
+        self.skip: set[int] = set()  # never claimed again by this worker
+        self.races: dict[int, int] = {}  # shard -> times another worker took it the same moment
+        # how long a task with nothing open waits for shards being handed over
+        self.handed_until = time.monotonic() + HANDOVER_WAIT_S
+
+    async def run(self) -> ClaimResult:
+        """Claim, serve and count shards until none is left or the worker stops; the engine stopped
+        at the end."""
+        session, result = self.session, self.result
+        try:
+            while not session.stop.is_set():
+                first = await self.next_shard()
+                if first is None:
+                    break
+                await session.serve(first, self)
+            if session.stop.halted is not None:
+                raise session.stop.halted
+            self._finish()
+        finally:
+            result.engine_starts = session.starts
+            try:
+                await session.close()
+            finally:
+                session.end()
+                self._say_end()
+        return result
+
+    def shard_ended(self, sh, out) -> None:
+        self._count(sh.shard, out)
+
+    def _count(self, k: int, out) -> None:
+        """One shard's end, in the result: failed, handed over, stopped, or done here (this worker
+        has nothing more to give it: its failures that may pass are final)."""
+        session, result = self.session, self.result
         if isinstance(out, SHARD_ERRORS):
             result.failed.append(k)
-            if not keep_going:
-                session.halt(out)
-        elif out.end == STOPPED and session.leaving and out.stop_signal is None:
+            if not self.keep_going:
+                session.stop.halt(out)
+        elif out.end == STOPPED and session.stop.leaving and out.stop_signal is None:
             result.handed_over.append(k)
         elif out.end == STOPPED:
-            result.stopped = result.stopped or out.stop_signal or session.stop_signal or "stop"
+            result.stopped = result.stopped or out.stop_signal or session.stop.signal or "stop"
         else:
-            # done here: this worker has nothing more to give it (its failures that may
             result.done.append(k)
-            # pass are final)
 
-    async def claim_next():
+    async def next_shard(self):
         """The next shard claimed and opened, or None when none is left (or the worker stops)."""
+        session = self.session
         while not session.stop.is_set():
-            states = look(run, pool, group=group, recheck=recheck)
-            k = pick(claimable(plan, states, skip), pool, start)
-            if (
-                k is None
-                and not session.batch.shards
-                and time.monotonic() < handed_until[0]
-                and _being_handed_over(states)
-            ):
+            states = look(self.opened, self.pool, group=self.group, recheck=self.recheck)
+            k = pick(claimable(self.plan, states, self.skip), self.pool, self.start)
+            if k is None and self._wait_for_handover(states):
                 # a task leaving releases its shards once its requests are back
                 await asyncio.sleep(0.5)
                 continue
             if k is None:
                 return None
-            with shard_lines(k):
-                log.info(
-                    "%s claims shard %d (its shard %d in this task; engine started %d time(s) so "
-                    "far)",
-                    who,
-                    k,
-                    len(session.served) + 1,
-                    session.starts,
-                )
-            recheck.discard(k)
-            try:
-                opened = open_shard(rd, plan, k, session)
-            except ShardBusy:  # another worker took it the moment before
-                races[k] = races.get(k, 0) + 1
-                if races[k] >= RACES:
-                    skip.add(k)
-                continue
-            except SHARD_ERRORS as e:
-                skip.add(k)
-                said(k, e)
-                if not keep_going:
-                    return None
-                continue
-            skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
-            if isinstance(opened, ShardEnd):
-                said(k, opened)
-                continue
-            return opened
+            opened = self._claim(k)
+            if opened is not None:
+                return opened
         return None
 
-    # how long a task with nothing open waits for shards being handed over
-    handed_until = [float("inf")]
+    def _wait_for_handover(self, states: list[ShardStatus]) -> bool:
+        """Nothing to claim and nothing open: whether shards are being handed over (and the wait
+        for them is not over)."""
+        return (
+            not self.session.batch.shards
+            and time.monotonic() < self.handed_until
+            and being_handed_over(states)
+        )
 
-    def tail_check(batch) -> bool:
+    def _claim(self, k: int):
+        """Claim and open shard `k`: the shard to serve, or None (lost to another worker, failed,
+        or nothing left to do in it: counted)."""
+        session = self.session
+        with shard_lines(k):
+            log.info(
+                "%s claims shard %d (its shard %d in this task; engine started %d time(s) so far)",
+                self.who,
+                k,
+                len(session.served) + 1,
+                session.starts,
+            )
+        self.recheck.discard(k)
+        try:
+            opened = open_shard(self.rd, self.plan, k, session)
+        except ShardBusy:  # another worker took it the moment before
+            self.races[k] = self.races.get(k, 0) + 1
+            if self.races[k] >= RACES:
+                self.skip.add(k)
+            return None
+        except SHARD_ERRORS as e:
+            self.skip.add(k)
+            self._count(k, e)
+            return None
+        self.skip.add(k)  # claimed: held by this worker from now on, never claimed again by it
+        if isinstance(opened, ShardEnd):
+            self._count(k, opened)
+            return None
+        return opened
+
+    def hand_over(self, batch) -> bool:
+        """At the run's tail: whether this task leaves, its requests handed over (`hand_over`)."""
         # what is in flight would be generated again: not worth it
-        if not plan.spec.client.save_in_flight:
+        if not self.plan.spec.client.save_in_flight:
             return False
-        handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
-        return hand_over(run, pool, who, batch)
+        self.handed_until = time.monotonic() + HANDOVER_WAIT_S
+        return hand_over(self.opened, self.pool, self.who, batch)
 
-    session.handover = tail_check
-    handed_until[0] = time.monotonic() + HANDOVER_WAIT_S
-    try:
-        while not session.stop.is_set():
-            first = await claim_next()
-            if first is None:
-                break
-            await session.serve(first, claim_next, ended)
-        if session.halted is not None:
-            raise session.halted
-        if session.leaving:
-            result.requests_handed = session.handed[0]
+    def _finish(self) -> None:
+        """The result's last words: requests handed over, the stop, the shards others hold."""
+        session, result = self.session, self.result
+        if session.stop.leaving:
+            result.requests_handed = session.stop.handed[0]
             log.warning(
                 "%s handed over %d requests of shards %s at the run's tail (kept as partial "
-                "outputs, "
-                "continued by the task that claims them) and ends",
-                who,
+                "outputs, continued by the task that claims them) and ends",
+                self.who,
                 result.requests_handed,
                 result.handed_over,
             )
-        if session.stop.is_set() and result.stopped is None and not session.leaving:
-            result.stopped = session.stop_signal or "stop"
-        result.busy = _busy(run, pool) if result.stopped is None else []
-    finally:
-        result.engine_starts = session.starts
-        try:
-            await session.close()
-        finally:
-            session.end()
-            log.info(
-                "%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d "
-                "shard(s) "
-                "open at once%s",
-                who,
-                len(result.done),
-                len(result.failed),
-                session.starts,
-                session.most_open,
-                f"; stopped by {result.stopped}" if result.stopped else "",
-            )
-    return result
+        if session.stop.is_set() and result.stopped is None and not session.stop.leaving:
+            result.stopped = session.stop.signal or "stop"
+        result.busy = busy(self.opened, self.pool) if result.stopped is None else []
+
+    def _say_end(self) -> None:
+        result, session = self.result, self.session
+        log.info(
+            "%s ends: %d shard(s) done, %d failed, engine started %d time(s), at most %d shard(s) "
+            "open at once%s",
+            self.who,
+            len(result.done),
+            len(result.failed),
+            session.starts,
+            session.most_open,
+            f"; stopped by {result.stopped}" if result.stopped else "",
+        )

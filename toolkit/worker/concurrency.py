@@ -18,7 +18,8 @@ from toolkit.formats.progress import REFRESH_S
 from toolkit.worker.exitguard import cancel_and_wait
 from toolkit.worker.feed import Feed
 from toolkit.worker.inflight import consume
-from toolkit.worker.shard import AUTO_START, Batch, Shard, health_timeout
+from toolkit.worker.openshard import Shard
+from toolkit.worker.shard import AUTO_START, Batch, health_timeout
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -46,13 +47,12 @@ _TRIM = _malloc_trim()
 class HangWatch:
     """Notices an engine that is alive but answers nothing (wedged, SIGSTOPped): when no request was
     answered for `engine.hang_timeout_s` although some are in flight, `/health_generate` is asked,
-    with a bounded timeout, on a connection of its own; when it fails too, the engine is treated as
-    dead."""
+    with a bounded timeout, on the session's probe client (`http`); when it fails too, the engine is
+    treated as dead."""
 
-    def __init__(self, engine, hang_timeout_s: float):
-        self.engine, self.hang_timeout_s = engine, hang_timeout_s
+    def __init__(self, engine, http: HttpClient, hang_timeout_s: float):
+        self.engine, self.http, self.hang_timeout_s = engine, http, hang_timeout_s
         self.probe_timeout_s = health_timeout(hang_timeout_s)
-        self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         self.next_probe = 0.0
 
     async def check(self, batch: Batch) -> None:
@@ -76,9 +76,6 @@ class HangWatch:
             f"/health_generate {why} (limit engine.hang_timeout_s = "
             f"{self.hang_timeout_s:g})"
         )
-
-    def close(self) -> None:
-        self.http.close()
 
 
 async def watch(batch: Batch, engine, hang: HangWatch) -> None:
@@ -117,30 +114,21 @@ def auto_target(capacity: int, running: int, waiting: int, cap: int) -> int:
     return max(1, min(cap, base + max(2, capacity // 8)))
 
 
-async def watch_load(batch: Batch, engine) -> None:
-    """Read the server's load (/v1/loads) into the open shards' progress files; with concurrency
-    "auto", resize the requests in flight from it. Without /v1/loads (older servers), only
-    /server_info's capacity is used."""
+async def watch_load(batch: Batch, http: HttpClient) -> None:
+    """Read the server's load (/v1/loads, on the session's probe client) into the open shards'
+    progress files; with concurrency "auto", resize the requests in flight from it. Without
+    /v1/loads (older servers), only /server_info's capacity is used."""
     c = batch.client
     auto, cap = c.concurrency == "auto", c.max_concurrency
-    http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
-    try:
-        while True:
-            load = await read_load(http)
-            if load is not None:
-                batch.capacity = load.capacity or batch.capacity
-                if auto:
-                    resize(batch, auto_target(batch.capacity, load.running, load.waiting, cap))
-            for sh in batch.shards:
-                p = sh.progress
-                if load is not None:
-                    p.running, p.queued = load.running, load.waiting
-                    p.kv_usage = round(load.token_usage, 4)
-                    p.capacity = batch.capacity or None
-                p.in_flight_target = batch.target
-            await asyncio.sleep(LOAD_POLL_S)
-    finally:
-        http.close()
+    while True:
+        load = await read_load(http)
+        if load is not None:
+            batch.capacity = load.capacity or batch.capacity
+            if auto:
+                resize(batch, auto_target(batch.capacity, load.running, load.waiting, cap))
+        for sh in batch.shards:
+            sh.loaded(load, batch.capacity, batch.target)
+        await asyncio.sleep(LOAD_POLL_S)
 
 
 def resize(batch: Batch, target: int) -> None:

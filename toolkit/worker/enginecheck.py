@@ -34,11 +34,11 @@ MAX_WAIT_S = 10.0
 class EngineCheck:
     """The engine's health as the prompts' failures see it (see the module's docstring)."""
 
-    def __init__(self, engine, stop: asyncio.Event, *, probe_timeout_s: float):
-        self.engine, self.stop = engine, stop
+    def __init__(self, engine, stop, http: HttpClient, *, probe_timeout_s: float):
+        # stop: the session's (anything with is_set()); http: its probe client
+        self.engine, self.stop, self.http = engine, stop, http
         self.ready_timeout_s = engine.engine.ready_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        self.http = HttpClient(engine.url, api_key=engine.api_key, max_connections=1)
         self._current: asyncio.Future | None = None  # the check every failure joins meanwhile
         self.probes = self.waits = 0  # probes sent, waits for an unwell engine (said at the end)
 
@@ -133,4 +133,3 @@ class EngineCheck:
     def close(self) -> None:
         if self._current is not None:
             self._current.cancel()
-        self.http.close()

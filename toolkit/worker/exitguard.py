@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from toolkit.errors import EXIT_STUCK
 
-__all__ = ["EXIT_STUCK", "ExitGuard", "cancel_and_wait", "describe_tasks"]
+__all__ = ["EXIT_STUCK", "ExitGuard", "cancel_and_wait", "cancel_left", "describe_tasks"]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -188,3 +188,17 @@ async def cancel_and_wait(tasks, *, timeout_s: float = CANCEL_WAIT_S) -> None:
             timeout_s,
             describe_tasks(pending),
         )
+
+
+def cancel_left() -> None:
+    """Cancel every task of the event loop but the current one, saying which: at the end of the
+    shards a session served, nothing they started may still run."""
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if left:
+        log.error(
+            "%d task(s) still running at the end of the shard: %s; cancelling them",
+            len(left),
+            describe_tasks(left),
+        )
+        for t in left:
+            t.cancel()

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+import msgspec
+
 from toolkit.formats.prompts import PromptRef, ShardRefs
 from toolkit.formats.records import TEMPLATE
 from toolkit.formats.runplan import RunPlan
@@ -169,9 +171,8 @@ class Feed:
 
 class Todo:
     """The prompts of a shard to generate, in planned order, a batch at a time: the shard's refs
-    read a chunk at a time as they are needed (formats.prompts.ShardRefs), and which to generate as
-    one bit per prompt (None: every one). Nothing else is kept per prompt: a worker's memory does
-    not grow with its shard."""
+    read as they are needed (plan.ShardRefs), and which to generate as one bit per prompt (None:
+    every one). Nothing else is kept per prompt: a worker's memory does not grow with its shard."""
 
     def __init__(
         self, refs: ShardRefs, chosen: bytearray | None = None, count: int | None = None
@@ -263,3 +264,27 @@ def _render_all(loop, feed: Feed, plan: RunPlan, todo: Todo, state: RenderState)
                 Rendered(pos, ref, ids, err) for (pos, ref), (ids, err) in zip(batch, rendered)
             ]
             loop.call_soon_threadsafe(feed.put, items)  # one wake-up of the event loop per batch
+
+
+class KeptTokenizer:
+    """The tokenizer and its token info a render thread loaded, kept by the engine session for its
+    next shards with the same model, tokenizer and template (None, None: the render thread loads
+    them)."""
+
+    def __init__(self):
+        self._kept: tuple[bytes, Any, Any] | None = None  # (key, tokenizer, token info)
+
+    def get(self, plan: RunPlan) -> tuple[Any, Any]:
+        if self._kept is not None and self._kept[0] == _tokenizer_key(plan):
+            return self._kept[1], self._kept[2]
+        return None, None
+
+    def keep(self, plan: RunPlan, tok, info) -> None:
+        if tok is not None and info is not None:
+            self._kept = (_tokenizer_key(plan), tok, info)
+
+
+def _tokenizer_key(plan) -> bytes:
+    """What a loaded tokenizer and its token info depend on: the [model] table and the digests of
+    its folders."""
+    return msgspec.json.encode([plan.spec.model, plan.parts["tokenizer"], plan.parts["template"]])

@@ -1,28 +1,26 @@
-"""What the parts of one shard's run share: the `Shard` state (its writer, progress, requests in
-flight, partial outputs, its feed), and the `Batch` of the engine that serves it: the requests that
-engine keeps in flight across every open shard (one concurrency target per engine)."""
+"""What the parts of a shard's run share: how it ends (`ShardEnd`, or the errors it fails with, a
+file-system error said as what to do: `disk_failure`), the shard a log line is about (`SHARD`,
+`shard_lines`, and `TailLog`: the log of the shard closed last), the `Batch` of the engine that
+serves it (the requests that engine keeps in flight across every open shard: one concurrency target
+per engine), and what an engine session serves (`Shards`, its one collaborator). The open shard
+itself is worker.openshard.Shard."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
+import errno
 import logging
-import os
-import socket
 import time
 
 import msgspec
 
-from toolkit.engines.answer import Expect
-from toolkit.engines.client import HttpClient
 from toolkit.errors import BadInputError, FailedError
-from toolkit.formats.progress import Progress, slurm_context, write_progress
-from toolkit.formats.records import OK, PARTIAL, Record
+from toolkit.formats.files import FULL, READ_ONLY, shown_path
+from toolkit.formats.progress import Progress, read_progress, write_progress
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.runplan import RunPlan
-from toolkit.formats.shardfile import ShardWriter
-from toolkit.worker.turn_order import Chains
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 
@@ -67,6 +65,79 @@ class ShardBusy(ShardFailed):
     """Another worker holds the shard's file (its lock): the shard is being generated elsewhere."""
 
 
+@contextlib.contextmanager
+def shard_lines(shard: int):
+    """Log lines said inside are about `shard`: they go to its log only."""
+    token = SHARD.set(shard)
+    try:
+        yield
+    finally:
+        SHARD.reset(token)
+
+
+def disk_failure(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefused:
+    """The ShardFailed of a file-system error, saying what to do (ShardRefused, exit 2, for a run
+    directory this job cannot write), logged, and the shard's progress marked failed."""
+    where = (
+        shown_path(e.filename)
+        if e.filename
+        else f"the shard file {shown_path(rd.shard_file(shard))}"
+    )
+    what = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+    if e.errno in FULL:
+        failed = ShardFailed(
+            f"cannot write {where}: {what}; free space (or quota) on that file system, then "
+            f"`{rd.finish_command()}` resumes the shard: nothing written is lost"
+        )
+    elif e.errno in READ_ONLY:
+        failed = ShardRefused(
+            f"cannot write {where}: {what}; the run directory {rd.shown} must be writable by this "
+            "job (a read-only mount, or another user's folder): fix its permissions or move it"
+        )
+    else:
+        failed = ShardFailed(
+            f"{where}: {what}; check the file system, then `{rd.finish_command()}` resumes the "
+            "shard"
+        )
+    _mark_failed(rd, shard, str(failed))
+    log.error("shard %d failed: %s", shard, failed)
+    return failed
+
+
+def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
+    """Best effort: the shard's progress file says failed and why (it may itself be unwritable)."""
+    try:
+        p = read_progress(rd, shard) or Progress(shard=shard, total=0)
+        p.state, p.error = "failed", msg
+        write_progress(rd.progress_file(shard), p)
+    except (OSError, ValueError):
+        pass
+
+
+class TailLog:
+    """The log of the shard an engine session closed last: while no shard is open, the session's own
+    lines (the engine's stop) go there too, until a shard opens or the session ends."""
+
+    def __init__(self):
+        self.handler: logging.Handler | None = None
+
+    def keep(self, handler: logging.Handler | None) -> None:
+        """Keep `handler` (None: none), closing the one kept before."""
+        if self.handler is not None and self.handler is not handler:
+            logging.getLogger("toolkit").removeHandler(self.handler)
+            self.handler.close()
+        self.handler = handler
+
+    def closed(self, handler: logging.Handler | None, *, last: bool) -> None:
+        """A shard closed, its log `handler` handed over: kept when it was the `last` open, else
+        closed."""
+        if last and handler is not None:
+            self.keep(handler)
+        elif handler is not None:
+            logging.getLogger("toolkit").removeHandler(handler)
+            handler.close()
+
+
 def count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -81,7 +152,7 @@ class Batch:
         self.target = client.concurrency if client.concurrency != "auto" else AUTO_START
         self.live = 0  # consumers running, all shards together (see concurrency.pool)
         self.capacity = 0  # what the server says it can run (0: not said)
-        self.shards: list[Shard] = []  # the shards open on this engine, oldest first
+        self.shards: list = []  # openshard.Shard  # the shards open on this engine, oldest first
         self._waiters: list[asyncio.Future] = []
 
     @property
@@ -110,102 +181,28 @@ class Batch:
                 fut.set_result(None)
 
 
+class Shards:
+    """What a session serves, and its one collaborator while it does: the shard it is given first,
+    then those `next_shard` opens (`more`: whether it may open any; worker.claims.Claims does); each
+    shard's end (its ShardEnd, or the ShardFailed it failed with) goes to `shard_ended`; at the
+    run's tail `hand_over` decides whether this task leaves. This one serves one shard and keeps its
+    end."""
+
+    more = False
+
+    def __init__(self):
+        self.ends: list = []
+
+    async def next_shard(self):  # -> openshard.Shard | None
+        return None
+
+    def shard_ended(self, sh, out) -> None:
+        self.ends.append(out)
+
+    def hand_over(self, batch: Batch) -> bool:
+        return False
+
+
 def health_timeout(hang_timeout_s: float) -> float:
     """How long /health_generate may take to answer (SGLang answers 503 after 20 s when wedged)."""
     return min(30.0, max(2.0, hang_timeout_s))
-
-
-class Shard:
-    """State of one shard run inside one task."""
-
-    def __init__(self, rd: RunDir, plan: RunPlan, shard: int):
-        self.rd, self.plan, self.shard = rd, plan, shard
-        self.spec = plan.spec
-        self.sp = plan.shards[shard]
-        self.writer = ShardWriter(
-            rd.shard_file(shard),
-            plan.fingerprint,
-            shard,
-            flush_records=self.spec.sharding.flush_records,
-            flush_seconds=self.spec.sharding.flush_seconds,
-        )
-        self.progress = Progress(
-            shard=shard,
-            total=self.sp.count,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            engine=self.spec.engine.kind,
-            started=time.time(),
-            **slurm_context(),
-        )
-        self.tokens = 0
-        self.t_gen = 0.0
-        self.recorded = 0  # distinct ids recorded (resumed ones included)
-        self.transient = 0  # of those, transient failures left (see records.TRANSIENT)
-        self.in_flight = 0  # requests sent and not answered
-        self.last_answer = time.monotonic()
-        self.chains: Chains | None = None  # regenerated datasets: the conversations' answers so far
-        # regenerated datasets: turns recorded ok before this run
-        self.history: dict[str, Record] = {}
-        # PARTIAL records to continue, by id (see inflight._generate)
-        self.partial: dict[str, Record] = {}
-        # failed tries so far of ids redone in this budget (Record.tries)
-        self.tries: dict[str, int] = {}
-        # a stop signal came: nothing new is sent, what is in flight is saved
-        self.stopping = False
-        # rids in flight (aborted one by one on an engine the worker does not own)
-        self.rids: set[str] = set()
-        self.rid_seq = 0
-        self.rid_tag = os.urandom(3).hex()
-        # the requests in flight of the engine serving it (set by the session)
-        self.batch: Batch | None = None
-        self.feed = None  # feed.Feed of its rendered prompts, while it is open
-        # the requests' client, one per engine start (the session's)
-        self.http: HttpClient | None = None
-        # what every answer is checked against (the vocabulary, SGLang's limit)
-        self.expect: Expect | None = None
-        # the engine's data-parallel ranks (/server_info, each start; 0: not said): where a
-        # continuation may be pinned
-        self.dp_ranks = 0
-        # session.EngineSession: the engine this worker keeps across its shards
-        self.session = None
-
-    def save_progress(self, state: str | None = None) -> None:
-        p = self.progress
-        if state:
-            p.state = state
-        p.done = self.recorded
-        # the shard's total; the rate is this attempt's alone
-        p.output_tokens = p.resumed_tokens + self.tokens
-        p.tok_per_s = round(self.tokens / (time.monotonic() - self.t_gen), 1) if self.t_gen else 0.0
-        if self.session is not None:
-            p.task, p.group = self.session.task, self.session.group
-            p.task_engine_starts = self.session.starts
-            p.task_shards = len(self.session.served)
-            p.engine_shard = self.session.first_shard
-        write_progress(self.rd.progress_file(self.shard), p)
-
-    def add(self, record: Record, *, settled: bool = True) -> None:
-        """Write `record`. Not `settled`: a failed try that is tried again in this run
-        (inflight.consume), written so that its count survives a kill, but neither counted as done
-        nor told to the turns after it."""
-        if record.status not in (OK, PARTIAL) and settled:
-            self.progress.failed += 1
-            log.warning(
-                "prompt %s (%s) failed (%s): %s",
-                record.id,
-                record.dataset,
-                record.failure,
-                record.error,
-            )
-        # a partial record is continued, not done
-        self.recorded += record.status != PARTIAL and settled
-        self.writer.add(record)
-        # a partial turn is no answer yet
-        if (
-            settled
-            and self.chains is not None
-            and record.status != PARTIAL
-            and self.plan.datasets[self.chains.dataset_of(record)].regenerate
-        ):
-            self.chains.recorded(record)

@@ -26,7 +26,7 @@ from toolkit.worker.feed import Feed, Rendered, TodoItem
 
 
 class Recorder(Protocol):
-    """The shard the chains record into (worker.shard.Shard)."""
+    """The shard the chains record into (worker.openshard.Shard)."""
 
     plan: RunPlan
 
