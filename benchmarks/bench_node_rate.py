@@ -127,7 +127,7 @@ def main() -> None:
                 f"toolkit run exited {r.returncode}; the run's logs are in {tmp / 'run' / 'logs'}"
             )
         rd = RunDir(tmp / "run")
-        p = read_progress(rd.progress_file(0))
+        p = read_progress(rd, 0)
         ready = re.findall(
             r"engine ready after ([\d.]+) s", rd.log_file(0).read_text(errors="replace")
         )

@@ -1,13 +1,14 @@
-"""The readers of prompts.msgpack (formats/run.py), timed on one file: which is fastest, and what each holds.
+"""The readers of prompts.msgpack (formats/prompts.py), timed on one file: which is fastest, and what each holds.
 
 A run's prompt index of 100,000 refs over 1,000 shards (realistic ids, digests and offsets) is written with
 `refs_bytes`, then read every way the toolkit reads it:
 
-- `PromptIndex`: msgspec splits the whole array into raw items in one C pass, refs decoded a shard at a time
-  (merge, audit, export, `toolkit.read_run`, retry, grow); all refs, every shard, and 10,000 random positions.
-- `ShardRefs`: a worker's shard streamed in Python a chunk at a time (`_item_end`), nothing kept per ref; one
-  shard of 100 refs and one of 100,000.
-- `RefSlice`: a range of raw refs kept for look-ups by position (regenerated conversations).
+- `PromptIndex`: msgspec splits the whole file into its shards' chunks in one C pass, refs decoded a shard at
+  a time (merge, audit, export, `toolkit.read_run`, retry, grow); all refs, every shard, and 10,000 random
+  positions.
+- `ShardRefs`: a worker's shard read a chunk at a time (each chunk decoded by msgspec in one call), one chunk
+  kept; one shard of 100 refs and one of 100,000 (a plan of one shard); and the same shard looked up by
+  position (regenerated conversations: its chunks kept as bytes).
 
 Each figure is the median of --repeat runs, with the peak Python memory (tracemalloc) of one run.
 
@@ -27,16 +28,9 @@ sys.path.insert(0, str(REPO))
 
 from _common import median_and_peak  # noqa: E402
 
-from toolkit.formats.run import (  # noqa: E402
-    PromptIndex,
-    PromptRef,
-    RefSlice,
-    RunPlan,
-    ShardPlan,
-    ShardRefs,
-    refs_bytes,
-)
+from toolkit.formats.prompts import PromptIndex, PromptRef, ShardRefs, refs_bytes  # noqa: E402
 from toolkit.formats.rundir import RunDir  # noqa: E402
+from toolkit.formats.runplan import RunPlan, ShardPlan  # noqa: E402
 
 
 def main() -> None:
@@ -54,19 +48,26 @@ def main() -> None:
     ]
     per = n // s
     shards = [ShardPlan(k, k * per, per if k < s - 1 else n - k * per) for k in range(s)]
-    plan = RunPlan(
-        format=2,
-        name="bench",
-        fingerprint="0" * 16,
-        parts={},
-        created="",
-        total=n,
-        spec={},
-        datasets=[],
-        shards=shards,
-    )
+
+    def plan_of(shards: list[ShardPlan]) -> RunPlan:
+        return RunPlan(
+            format=2,
+            name="bench",
+            fingerprint="0" * 16,
+            parts={},
+            created="",
+            total=n,
+            spec={},
+            datasets=[],
+            shards=shards,
+        )
+
+    plan, one = plan_of(shards), plan_of([ShardPlan(0, 0, n)])
     with tempfile.TemporaryDirectory(prefix="bench-prompt-index-") as tmp:
-        rd = RunDir(tmp)
+        rd, whole = RunDir(Path(tmp) / "shards"), RunDir(Path(tmp) / "one")
+        whole.make_dirs()
+        whole.prompts_file.write_bytes(refs_bytes(one, refs))
+        rd.make_dirs()
         data = refs_bytes(plan, refs)
         rd.prompts_file.write_bytes(data)
         print(
@@ -87,8 +88,8 @@ def main() -> None:
             for p in positions:
                 ix.at(p)
 
-        whole = ShardPlan(0, 0, n, shards[0].refs_at)
-        window = RefSlice(rd, 0, n)
+        window = ShardRefs(whole, one, 0)
+        window[0]  # its chunks kept
         cases = [  # (what, refs it reads, how)
             ("PromptIndex: open (the C split into raw refs)", n, lambda: PromptIndex(rd, plan)),
             ("PromptIndex: every ref decoded (.refs())", n, lambda: PromptIndex(rd, plan).refs()),
@@ -101,16 +102,16 @@ def main() -> None:
             (
                 f"ShardRefs: one shard of {per:,} refs, streamed",
                 per,
-                lambda: list(ShardRefs(rd, shards[s // 2])),
+                lambda: list(ShardRefs(rd, plan, s // 2)),
             ),
             (
                 f"ShardRefs: one shard of {n:,} refs, streamed",
                 n,
-                lambda: sum(1 for _ in ShardRefs(rd, whole)),
+                lambda: sum(1 for _ in ShardRefs(whole, one, 0)),
             ),
-            (f"RefSlice: making one of {n:,} refs", n, lambda: RefSlice(rd, 0, n)),
+            (f"ShardRefs: {n:,} refs kept by position", n, lambda: ShardRefs(whole, one, 0)[0]),
             (
-                f"RefSlice: every one of {n:,} refs looked up",
+                f"ShardRefs: every one of {n:,} refs looked up",
                 n,
                 lambda: [window[i] for i in range(len(window))],
             ),

@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.formats.manifests import write_done  # noqa: E402
 from toolkit.formats.progress import Progress, write_progress  # noqa: E402
+from toolkit.formats.run import Run  # noqa: E402
 from toolkit.formats.shardfile import ShardWriter  # noqa: E402
-from toolkit.job.plan import create_run, load_run, plan_job  # noqa: E402
-from toolkit.job.spec import load_spec  # noqa: E402
+from toolkit.job.plan import create_run, plan_job  # noqa: E402
+from toolkit.job.spec import JobSpec, load_spec  # noqa: E402
 from toolkit.worker.poolview import look, tails  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"
@@ -62,7 +63,8 @@ def main() -> None:
         )
         plan, refs = plan_job(load_spec(root / "job.toml"))
         rd = create_run(plan, refs)
-        rd, plan = load_run(rd.root)
+        run = Run.open(rd.root, JobSpec, finish=True)
+        rd, plan = run.rd, run.plan
         held = []
         for sp in plan.shards:
             k = sp.index
@@ -99,8 +101,8 @@ def main() -> None:
         for _ in range(a.repeat):
             opened[0] = 0
             t0 = time.perf_counter()
-            states = look(rd, pool, group="9")
-            others = tails(rd, pool, "9_0")
+            states = look(run, pool, group="9")
+            others = tails(run, pool, "9_0")
             times.append(time.perf_counter() - t0)
             opens.append(opened[0])
         assert (

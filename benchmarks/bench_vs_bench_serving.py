@@ -71,6 +71,7 @@ def run_worker(
 ) -> dict:
     from toolkit.formats.frames import read_shard
     from toolkit.formats.progress import read_progress
+    from toolkit.formats.rundir import RunDir
     from toolkit.job.prepare import prepare_run
 
     run = work / f"run-{name}"
@@ -101,7 +102,7 @@ def run_worker(
     for r in recs:
         finishes[r.finish] = finishes.get(r.finish, 0) + 1
     # its own figure, like bench_serving's: tokens over the time from its first request (the progress file's rate)
-    own = read_progress(run / "progress" / "00000.json").tok_per_s
+    own = read_progress(RunDir(run), 0).tok_per_s
     return {"wall": wall, "cpu": cpu, "tokens": tokens, "own_tps": own, "finishes": finishes}
 
 

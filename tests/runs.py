@@ -20,9 +20,11 @@ import numpy as np
 
 from jobfiles import toml_value, write_prompts
 from toolkit.formats.manifests import write_done
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import OK, Record, failed_record, pack_ids
-from toolkit.formats.run import PromptRef, Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader

@@ -122,14 +122,14 @@ def test_ctrl_c_then_run_again_with_samples_and_no_seed_passes_the_audit(tmp_pat
         )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            p = read_progress(rd.progress_file(0))
+            p = read_progress(rd, 0)
             if p is not None and p.state == "generating" and p.done >= at_least:
                 break
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
-        p = read_progress(rd.progress_file(0))
+        p = read_progress(rd, 0)
         assert p.state == "stopped" and p.done < 20, p
         saved += p.partial_saved
     assert saved > 0, "the interruptions should leave partial outputs to continue"

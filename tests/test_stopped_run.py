@@ -271,7 +271,7 @@ def test_a_damaged_plan_file_is_one_line_and_planning_again_recovers_without_gen
 def test_a_damaged_run_json_among_another_jobs_shards_is_not_planned_over(complete_run):
     rd = complete_run
     rd.plan_file.write_bytes(b"")
-    from toolkit.formats.run import PlanError
+    from toolkit.formats.runplan import PlanError
     from toolkit.job.plan import find_run
     from toolkit.job.prepare import prepare_run
 

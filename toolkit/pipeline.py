@@ -24,9 +24,10 @@ import time
 from toolkit.engines.layout import engine_gpus, split_gpus, visible_gpus
 from toolkit.errors import EXIT_INTERRUPTED, EXIT_STOPPED, BadInputError
 from toolkit.formats.logline import parse_relayed
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["local_group", "run_shards", "workers_here"]
 
@@ -75,7 +76,8 @@ def run_shards(
     failed). `parallel`: workers at once (None: as many as the GPUs hold). A shard whose file
     another process holds is waited for once the others are done, and run here if that process ends
     without finishing it."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     require_engine_here(plan.spec)
     pool = list(dict.fromkeys(shards))
     slices = workers_here(plan.spec, parallel)
@@ -92,12 +94,12 @@ def run_shards(
         if len(slices) == 1:
             stopped, busy = _claim_here(rd, pool, group, failed, slices[0], log)
         else:
-            stopped, busy = _claim_in_workers(rd, pool, group, failed, slices, log)
+            stopped, busy = _claim_in_workers(run, pool, group, failed, slices, log)
         if stopped:
             return stopped, failed
         if not busy:
             return None, failed
-        freed = _wait_for(rd, busy, log)
+        freed = _wait_for(run, busy, log)
         pool = [k for k in freed if k not in failed]
         if not pool:
             return None, failed
@@ -125,7 +127,7 @@ def _claim_here(
 
 
 def _claim_in_workers(
-    rd: RunDir,
+    run: Run,
     pool: list[int],
     group: str,
     failed: list[int],
@@ -134,21 +136,22 @@ def _claim_in_workers(
 ) -> tuple[str | None, list[int]]:
     """`toolkit worker RUN --claim POOL` processes, one per GPU slice; a signal this process gets is
     passed on to them (each stops its shard cleanly)."""
-    from toolkit.formats.shardstate import ShardState, shard_state
+    from toolkit.formats.shardstate import ShardState
 
-    done_before = sum(shard_state(rd, k).ended for k in pool)
+    rd = run.rd
+    done_before = sum(run.shard_state(k).ended for k in pool)
     procs = [_start_worker(rd, pool, group, i, slices, log) for i in range(len(slices))]
     codes, told = _wait_for_workers(procs)
     for k in pool:
-        st = shard_state(rd, k, group=group)
+        st = run.shard_state(k, group=group)
         if not st.ended and st.state is ShardState.FAILED and k not in failed:
             failed.append(k)
     if told or EXIT_STOPPED in codes or EXIT_INTERRUPTED in codes:
         if signal.SIGINT in told or EXIT_INTERRUPTED in codes:
             return "SIGINT", []
         return signal.Signals(told[0]).name if told else "a signal", []
-    progressed = sum(shard_state(rd, k).ended for k in pool) > done_before
-    return None, _left_by_workers(rd, pool, failed, codes, progressed, log)
+    progressed = sum(run.shard_state(k).ended for k in pool) > done_before
+    return None, _left_by_workers(run, pool, failed, codes, progressed, log)
 
 
 def _start_worker(
@@ -218,7 +221,7 @@ def _wait_for_workers(procs: list[subprocess.Popen]) -> tuple[list[int], list[in
 
 
 def _left_by_workers(
-    rd: RunDir,
+    run: Run,
     pool: list[int],
     failed: list[int],
     codes: list[int],
@@ -228,9 +231,10 @@ def _left_by_workers(
     """After the workers ended without a stop: the shards other workers hold, and those left
     unfinished — claimed again when some shard finished this round (a worker died: kill -9, OOM),
     failed (added to `failed`) when none did."""
-    from toolkit.formats.shardstate import shard_state
+    from toolkit.formats.shardstate import BUSY
 
-    states = {k: shard_state(rd, k, held=True) for k in pool if k not in failed}
+    rd = run.rd
+    states = {k: run.shard_state(k, BUSY) for k in pool if k not in failed}
     busy = [k for k, st in states.items() if st.busy]
     for k in busy:
         _say_busy(rd, k, log)
@@ -273,13 +277,13 @@ def _relay(stream, log: logging.Logger) -> None:
             logger.handle(got.record())
 
 
-def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
+def _wait_for(run: Run, busy: list[int], log: logging.Logger) -> list[int]:
     """Wait until the shards other processes hold are released: those left unfinished, to run
     here."""
-    from toolkit.formats.shardstate import ShardState, shard_state
+    from toolkit.formats.shardstate import BUSY, ShardState
 
     while True:
-        states = {b: shard_state(rd, b, held=True) for b in busy}
+        states = {b: run.shard_state(b, BUSY) for b in busy}
         free = [b for b, st in states.items() if st.state is not ShardState.HELD]
         if free:
             left = [k for k in free if not states[k].ended]
@@ -300,7 +304,7 @@ def _wait_for(rd: RunDir, busy: list[int], log: logging.Logger) -> list[int]:
 def _say_busy(rd: RunDir, k: int, log: logging.Logger) -> None:
     from toolkit.formats.progress import read_progress
 
-    p = read_progress(rd.progress_file(k))
+    p = read_progress(rd, k)
     who = (
         f"pid {p.pid} on {p.host}, {p.state}"
         if p is not None and p.pid and p.host

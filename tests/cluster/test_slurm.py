@@ -332,7 +332,7 @@ def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses
     while victim is None:  # a task busy with its second shard or later, a few records in
         assert time.time() < deadline, "no task went on to a second shard"
         for k in range(8):
-            p = read_progress(rd.progress_file(k))
+            p = read_progress(rd, k)
             if p is not None and p.state == "generating" and p.task_shards >= 2 and p.done >= 1:
                 victim = p
         time.sleep(0.2)
@@ -348,7 +348,7 @@ def test_two_tasks_claim_eight_shards_with_two_engine_starts_and_a_requeue_loses
     assert 2 <= starts <= 3, (
         "one start per task, and one more for the requeued task if it found shards left"
     )
-    again = read_progress(rd.progress_file(victim.shard))
+    again = read_progress(rd, victim.shard)
     assert again.state == "done" and (again.task != victim.task or again.restart_count >= 1)
     merge_run(run)
     ids = [rec.id for rec in read_shard(rd.merged_file)]

@@ -302,14 +302,15 @@ def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenize
     import msgspec
 
     from toolkit.formats.manifests import DoneManifest
-    from toolkit.job.plan import load_run
+    from toolkit.formats.run import Run
+    from toolkit.job.spec import JobSpec
 
     job = make_job(
         tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE
     )
     assert cli_main(["submit", str(job)]) == 0
     rd = RunDir(tmp_path / "run")
-    fingerprint = load_run(rd.root)[1].fingerprint
+    fingerprint = Run.open(rd.root, JobSpec, finish=True).plan.fingerprint
     for k, transient in (
         (0, 2),
         (1, 0),

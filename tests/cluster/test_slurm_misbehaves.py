@@ -236,11 +236,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     assert run_shard(rd.root, 0).end == DONE
     full = {r.id: r for r in read_shard(rd.shard_file(0))}
     total = read_done(rd.done_file(0)).output_tokens
-    assert (
-        read_progress(rd.progress_file(0)).output_tokens
-        == total
-        == sum(r.n_output for r in full.values())
-    )
+    assert read_progress(rd, 0).output_tokens == total == sum(r.n_output for r in full.values())
 
     # Killed after 5 records: the next attempt resumes the file and generates the other 7.
     kept = sorted(full.values(), key=lambda r: r.index)[:5]
@@ -252,7 +248,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
         w.add(r)
     w.close()
     assert run_shard(rd.root, 0).end == DONE
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     assert p.resumed == 5 and p.resumed_tokens == sum(r.n_output for r in kept)
     assert p.output_tokens == read_done(rd.done_file(0)).output_tokens == total, (
         "the total does not drop on resume"
@@ -262,7 +258,7 @@ def test_a_resumed_shard_counts_the_tokens_already_recorded(tmp_path, toy_tokeni
     again = [kept[0].id, kept[1].id]
     request_retry(rd.root, again)
     assert run_shard(rd.root, 0).end == DONE
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     assert p.resumed_tokens == total - full[again[0]].n_output - full[again[1]].n_output
     assert p.output_tokens == read_done(rd.done_file(0)).output_tokens
 

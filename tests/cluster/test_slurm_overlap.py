@@ -78,7 +78,7 @@ def test_a_task_requeued_while_two_shards_are_open_loses_and_duplicates_nothing(
     both: list = []
     while len(both) < 2:  # one task generating two shards at once
         assert time.time() < deadline, "the task never had two shards open at once"
-        ps = [read_progress(rd.progress_file(k)) for k in range(shards)]
+        ps = [read_progress(rd, k) for k in range(shards)]
         gen = [p for p in ps if p is not None and p.state == "generating"]
         both = [p for p in gen if sum(q.task == p.task for q in gen) >= 2]
         time.sleep(0.05)
@@ -87,7 +87,7 @@ def test_a_task_requeued_while_two_shards_are_open_loses_and_duplicates_nothing(
     assert [x.state for x in rows] == ["completed"] * shards and merge.state == "completed"
     # the shards open at the requeue were stopped, then finished by the requeued task
     for p in both:
-        again = read_progress(rd.progress_file(p.shard))
+        again = read_progress(rd, p.shard)
         assert again.state == "done" and again.restart_count >= 1
     each_id_once(rd, shards, n)
     merge_run(run)
@@ -155,7 +155,7 @@ def test_the_run_tail_is_handed_over_exactly_once(tmp_path, toy_tokenizer, then)
     while receiver is None:
         assert time.time() < deadline, "no task handed its tail over"
         for k in _handed(rd, shards):
-            p = read_progress(rd.progress_file(k))
+            p = read_progress(rd, k)
             if p is not None and p.state == "generating" and not p.leaving:
                 receiver = p
         time.sleep(0.05)

@@ -59,16 +59,12 @@ def test_status_counts_the_outputs_stopped_in_a_loop_per_shard_and_in_all(tmp_pa
     assert run_shard(rd.root, 0).end == DONE
     loops0 = sum(r.finish == LOOP for r in read_shard(rd.shard_file(0)))
     assert loops0 >= 1  # the stub's draw: a fifth of the outputs loop
-    assert (
-        read_done(rd.done_file(0)).loops
-        == loops0
-        == read_progress(rd.progress_file(0)).loops_stopped
-    )
+    assert read_done(rd.done_file(0)).loops == loops0 == read_progress(rd, 0).loops_stopped
     # shard 1 stopped part-way in an earlier attempt: its progress file is all there is
     write_progress(
         rd.progress_file(1),
         msgspec.structs.replace(
-            read_progress(rd.progress_file(0)),
+            read_progress(rd, 0),
             shard=1,
             state="stopped",
             loops_stopped=3,
@@ -112,7 +108,7 @@ def test_a_resumed_shard_counts_the_loops_its_earlier_attempts_recorded(tmp_path
     (tmp_path / "ids.txt").write_text("\n".join(again) + "\n")
     assert cli_main(["retry", str(rd.root), "--ids", str(tmp_path / "ids.txt"), "--quiet"]) == 0
     capsys.readouterr()  # (its audit)
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     newest = {r.id: r for r in read_shard(rd.shard_file(0))}
     loops = sum(r.finish == LOOP for r in newest.values())
     assert p.resumed_loops == len(looped) - 1 and p.resumed_loops + p.loops_stopped == loops

@@ -13,7 +13,17 @@ from toolkit.cluster.retry import request_retry
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import Progress, write_progress
 from toolkit.formats.records import SERVER_ERROR
-from toolkit.formats.shardstate import ShardState, shard_state, shard_states
+from toolkit.formats.run import Run
+from toolkit.formats.shardstate import (
+    BUSY,
+    CHEAP,
+    REPAIRED,
+    VERIFIED,
+    WATCHED,
+    Checks,
+    ShardState,
+    shard_state,
+)
 
 
 @pytest.fixture
@@ -34,7 +44,7 @@ def _write(s, k: int, *, failed: bool = False, done: bool = True) -> None:
 
 def test_each_state_from_the_files_beside_a_shard(synth):
     s = synth
-    rd, fp = s.rd, s.plan.fingerprint
+    rd, run = s.rd, Run(s.rd, s.plan)
     _write(s, 0)  # 0: complete
     _write(s, 1, failed=True)  # 1: complete with failures that may pass (server errors)
     _write(s, 2)  # 2: complete, then `toolkit retry --ids` asks for one of its ids
@@ -50,10 +60,8 @@ def test_each_state_from_the_files_beside_a_shard(synth):
 
     with open(rd.shard_file(4), "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        got = [
-            st.state
-            for st in shard_states(rd, range(7), fingerprint=fp, verify=True, held=True, group="g")
-        ]
+        every = Checks(verify=True, held=True)
+        got = [run.shard_state(k, every, group="g").state for k in range(7)]
     assert got == [
         ShardState.DONE,
         ShardState.MAY_PASS,
@@ -65,7 +73,7 @@ def test_each_state_from_the_files_beside_a_shard(synth):
     ]
 
     # the cheap reading (no checks asked) takes the changed file's manifest at its word, sees no lock, no group
-    cheap = shard_states(rd, range(7))
+    cheap = [run.shard_state(k) for k in range(7)]
     assert [st.state for st in cheap] == [
         ShardState.DONE,
         ShardState.MAY_PASS,
@@ -86,31 +94,31 @@ def test_each_state_from_the_files_beside_a_shard(synth):
     ]  # retry removes the manifest
     assert cheap[1].done.transient == 2 and cheap[0].finished and not cheap[1].finished
     # a failed shard of another group is offered again; a lock no longer held is not HELD
-    assert shard_state(rd, 5, group="h").state is ShardState.MISSING
-    assert shard_state(rd, 4, held=True).state is ShardState.MISSING
+    assert run.shard_state(5, group="h").state is ShardState.MISSING
+    assert run.shard_state(4, BUSY).state is ShardState.MISSING
 
 
 def test_an_untrusted_manifest_says_why_and_is_removed_only_when_asked(synth):
     s = synth
-    rd = s.rd
+    rd, run = s.rd, Run(s.rd, s.plan)
     _write(s, 0)
     _write(s, 1)
     with open(rd.shard_file(1), "ab") as f:
         f.write(b"\0")
-    foreign = shard_state(rd, 0, fingerprint="another-run")
+    foreign = shard_state(rd, 0, "another-run")  # what a run of that fingerprint sees
     assert (
         foreign.state is ShardState.UNTRUSTED and foreign.foreign and "another-run" in foreign.why
     )
     assert foreign.done is None and read_done(rd.done_file(0)) is not None  # not removed: not asked
-    assert shard_state(rd, 0, fingerprint=s.plan.fingerprint, verify=True).state is ShardState.DONE
-    changed = shard_state(rd, 1, fingerprint=s.plan.fingerprint, verify=True, remove=True)
+    assert run.shard_state(0, VERIFIED).state is ShardState.DONE
+    changed = run.shard_state(1, REPAIRED)
     assert changed.state is ShardState.UNTRUSTED and not changed.foreign and "bytes" in changed.why
     assert (
         read_done(rd.done_file(1)) is None
     )  # removed: its next run checks the file and generates the rest
-    assert shard_state(rd, 1).state is ShardState.MISSING
+    assert run.shard_state(1).state is ShardState.MISSING
     # `recheck`: the caller found it untrusted already (a worker's claim loop checks once per pool)
-    assert shard_state(rd, 0, recheck=True).state is ShardState.UNTRUSTED
+    assert run.shard_state(0, recheck=True).state is ShardState.UNTRUSTED
 
 
 def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, monkeypatch):
@@ -130,11 +138,13 @@ def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, mon
     read = []
     real = shardstate.read_progress
     monkeypatch.setattr(
-        shardstate, "read_progress", lambda path: read.append(path.name) or real(path)
+        shardstate,
+        "read_progress",
+        lambda rd, k: read.append(rd.progress_file(k).name) or real(rd, k),
     )
     for group in (None, "g"):
         read.clear()
-        states = look(rd, list(range(7)), group=group)
+        states = look(Run(rd, s.plan), list(range(7)), group=group)
         assert [st.progress is not None for st in states] == [
             False,
             False,
@@ -147,7 +157,8 @@ def test_a_claiming_look_reads_the_progress_of_unfinished_shards_only(synth, mon
         assert sorted(read) == [f"{k:05d}.json" for k in range(2, 7)], group
         assert [c.shard for c in claimable(s.plan, states, skip={6})] == [2, 3, 4, 5]
     read.clear()
-    assert shard_state(rd, 0, progress=True).progress.state == "done" and read == ["00000.json"]
+    assert Run(rd, s.plan).shard_state(0, WATCHED).progress.state == "done"
+    assert read == ["00000.json"]
 
 
 def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_written_after_its_manifest(
@@ -172,8 +183,9 @@ def test_the_cheap_check_reads_the_size_always_and_the_sha256_only_of_a_file_wri
         os.utime(
             path, ns=(at, at + (1_000_000_000 if k == 1 else 0))
         )  # 1 written after its manifest; 2 not
-    st = [shard_state(rd, k, verify="cheap") for k in (0, 1, 2)]
+    run = Run(rd, s.plan)
+    st = [run.shard_state(k, CHEAP) for k in (0, 1, 2)]
     assert [x.state for x in st] == [ShardState.UNTRUSTED, ShardState.UNTRUSTED, ShardState.DONE]
     assert "bytes, its done manifest says" in st[0].why and "sha256" in st[1].why
     # the full check reads every file: the change in place that kept the mtime too
-    assert shard_state(rd, 2, verify=True).state is ShardState.UNTRUSTED
+    assert run.shard_state(2, VERIFIED).state is ShardState.UNTRUSTED

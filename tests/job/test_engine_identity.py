@@ -23,8 +23,8 @@ from toolkit.dataset.merge import load_manifest, merge_run
 from toolkit.dataset.report import summary_table
 from toolkit.engines.stub import start_standalone
 from toolkit.formats.frames import read_shard
-from toolkit.formats.run import ENGINE_PART, PlanError, fingerprint_of
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import ENGINE_PART, PlanError, fingerprint_of
 from toolkit.job.plan import find_run, plan_job
 from toolkit.job.spec import load_spec
 from toolkit.worker.run import DONE, ShardFailed, run_shard

@@ -16,8 +16,11 @@ from toolkit.dataset.merge import load_manifest
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import RetryRequest, read_done, write_retry
-from toolkit.formats.run import PlanError, refs_bytes
-from toolkit.job.plan import _digest, load_run
+from toolkit.formats.prompts import refs_bytes
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
+from toolkit.job.plan import _digest
+from toolkit.job.spec import JobSpec
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,8 @@ def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(
         tmp_path, kimi, n=12, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, plan = load_run(tmp_path / "run")
+    opened = Run.open(tmp_path / "run", JobSpec, finish=True)
+    rd, plan = opened.rd, opened.plan
     before = sha256_file(rd.shard_file(0))
     append(tmp_path / "prompts.jsonl", new_lines(3))
     capsys.readouterr()
@@ -66,7 +70,8 @@ def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(
         in capsys.readouterr().out
     )
     assert cli_main(["run", str(job)]) == 0
-    rd2, grown = load_run(tmp_path / "run")
+    opened = Run.open(tmp_path / "run", JobSpec, finish=True)
+    rd2, grown = opened.rd, opened.plan
     assert rd2.root == rd.root and grown.fingerprint == plan.fingerprint and len(grown.aliases) == 1
     assert [(s.index, s.first, s.count) for s in grown.shards] == [(0, 0, 12), (1, 12, 3)]
     assert grown.total == 15 and grown.datasets[0].prompts == 15 and grown.grown[0].shards == [1]
@@ -80,7 +85,7 @@ def test_appended_prompts_are_the_only_ones_generated_and_the_run_stays_whole(
     assert report.passed and report.planned == 15 and report.ok == 15
     # the same job again: resumed as it is (its fingerprint is now the run's alias), nothing generated
     assert cli_main(["run", str(job)]) == 0
-    assert load_run(rd.root)[1].shards == grown.shards
+    assert Run.open(rd.root, JobSpec, finish=True).plan.shards == grown.shards
 
 
 def test_changed_and_removed_prompts_are_named_and_refused(tmp_path, kimi):
@@ -161,7 +166,7 @@ def test_what_differs_is_said_down_to_keys_and_files(tmp_path, kimi):
 
 def legacy(rd) -> None:
     """Make a run as an older toolkit planned it: ids `<dataset>:<line>` for lines without one, no digests."""
-    _, plan = load_run(rd.root)
+    plan = Run.open(rd.root, JobSpec, finish=True).plan
     refs = [msgspec.structs.replace(r, id=f"d:{r.line}", digest="") for r in planned_refs(rd)]
     plan.format = 1
     plan.parts["shards"] = _digest([plan.spec.sharding.shards, [r.id for r in refs]])
@@ -183,7 +188,7 @@ def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kim
     )
     rd, _ = prepared_run(job)
     legacy(rd)
-    fingerprint = load_run(rd.root)[1].fingerprint
+    fingerprint = Run.open(rd.root, JobSpec, finish=True).plan.fingerprint
     capsys.readouterr()
     assert cli_main(["check", str(job)]) == 0
     assert (
@@ -191,7 +196,7 @@ def test_a_run_planned_with_line_number_ids_keeps_them_and_resumes(tmp_path, kim
         in capsys.readouterr().out
     )
     assert cli_main(["run", str(job)]) == 0  # resumed, not refused as another job's run
-    _, plan = load_run(rd.root)
+    plan = Run.open(rd.root, JobSpec, finish=True).plan
     assert plan.fingerprint == fingerprint and plan.format == 1 and len(plan.aliases) == 1
     assert {r.id for r in read_shard(rd.shard_file(0))} == {f"d:{i}" for i in range(1, 6)}
     assert read_report(rd).passed
@@ -227,7 +232,7 @@ def test_submit_sends_the_new_shards_of_a_submitted_run_once_its_jobs_are_over(
     append(tmp_path / "prompts.jsonl", new_lines(2))
     r = submit_mod.submit(str(job), dry_run=True)
     assert r.dry_run.arrays == [[0, 1]] and r.dry_run.shards == 2  # the new shard, and what is left
-    assert len(load_run(rd.root)[1].shards) == 1  # a dry run writes nothing
+    assert len(Run.open(rd.root, JobSpec, finish=True).plan.shards) == 1  # a dry run writes nothing
     monkeypatch.setattr(submit_mod, "live_jobs", lambda rd: {"8": "PENDING"})
     with pytest.raises(
         SubmitRefused,
@@ -262,7 +267,7 @@ def test_allow_changed_generates_the_changed_prompts_again(tmp_path, kimi, capsy
         tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, _ = load_run(tmp_path / "run")
+    rd = Run.open(tmp_path / "run", JobSpec, finish=True).rd
     old = {r.id: r for r in read_shard(rd.merged_file)}
     src = edit_second_prompt(tmp_path / "prompts.jsonl")
     capsys.readouterr()
@@ -288,7 +293,7 @@ def test_a_grown_or_changed_run_is_exported_only_after_it_is_merged_again(tmp_pa
         tmp_path, kimi, n=6, sampling={"max_new_tokens": 16}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, _ = load_run(tmp_path / "run")
+    rd = Run.open(tmp_path / "run", JobSpec, finish=True).rd
     out = tmp_path / "out.jsonl"
     assert cli_main(["export", str(rd.root), "--format", "jsonl", "-o", str(out)]) == 0
     append(tmp_path / "prompts.jsonl", new_lines(2))
@@ -327,7 +332,7 @@ def test_a_crash_while_a_run_grows_leaves_the_change_to_finish_never_half_made(
         tmp_path, kimi, n=6, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, _ = load_run(tmp_path / "run")
+    rd = Run.open(tmp_path / "run", JobSpec, finish=True).rd
     old = {r.id: r for r in read_shard(rd.merged_file)}
     src = edit_second_prompt(tmp_path / "prompts.jsonl")
     append(src, new_lines(2))
@@ -368,7 +373,7 @@ def test_a_damaged_pending_change_is_refused_in_one_line_not_guessed_at(tmp_path
     pinned = rd.plan_file.read_bytes(), rd.prompts_file.read_bytes()
     rd.pending_file.write_bytes(b"\x93not a change")
     with pytest.raises(PlanError) as e:
-        load_run(rd.root)
+        Run.open(rd.root, JobSpec, finish=True)
     assert f"{rd.pending_file} is damaged" in str(e.value) and "--new-run" in str(e.value)
     assert cli_main(["status", str(rd.root)]) == 2
     err = capsys.readouterr().err

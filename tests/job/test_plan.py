@@ -11,9 +11,9 @@ from jobfiles import make_job, prepared_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import ExportError, export_run
-from toolkit.formats.run import PlanError
-from toolkit.job.plan import load_run
-from toolkit.job.spec import load_spec
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
+from toolkit.job.spec import JobSpec, load_spec
 from toolkit.job.specerrors import SpecError
 
 
@@ -29,7 +29,7 @@ def test_run_settings_changed_in_the_job_take_effect_and_are_logged(tmp_path, ki
     with caplog.at_level(logging.INFO, logger="toolkit.job.runsettings"):
         rd2, plan2 = prepared_run(job)
     assert rd2.root == rd.root and plan2.fingerprint == plan.fingerprint
-    _, pinned = load_run(rd.root)
+    pinned = Run.open(rd.root, JobSpec, finish=True).plan
     assert pinned.spec.engine.ready_timeout_s == 900 and pinned.spec.client.concurrency == 8
     assert "setting engine.ready_timeout_s changed from 60.0 to 900.0" in caplog.text
     assert "setting client.concurrency changed from 4 to 8" in caplog.text
@@ -47,7 +47,7 @@ def test_a_job_file_where_a_run_directory_is_expected_and_the_reverse(tmp_path, 
     job = make_job(tmp_path, kimi, n=4)
     rd, _ = prepared_run(job)
     with pytest.raises(PlanError, match="is a file, not a run directory; it looks like a job spec"):
-        load_run(job)
+        Run.open(job, JobSpec, finish=True)
     with pytest.raises(SpecError, match="is a run directory, not a job spec"):
         load_spec(rd.root)
     # status takes the job file too: it reads the job's newest run and says which (planned, but nothing runs it:
@@ -66,7 +66,7 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
         tmp_path, kimi, n=4, sampling={"max_new_tokens": 64}, audit={"max_length_share": 1.0}
     )
     assert cli_main(["run", str(job)]) == 0
-    rd, plan = load_run(tmp_path / "run")
+    rd = Run.open(tmp_path / "run", JobSpec, finish=True).rd
     src = tmp_path / "prompts.jsonl"
     lines = src.read_text().splitlines()
     row = json.loads(lines[1])
@@ -86,41 +86,52 @@ def test_an_edited_prompt_file_is_never_paired_with_old_records(tmp_path, kimi):
 
 @pytest.mark.slow
 def test_a_shards_refs_are_read_in_order_with_nothing_kept_per_prompt(tmp_path, kimi):
-    """A worker reads its shard's refs from prompts.msgpack as it goes (the shard's byte offset is in run.json;
-    a run planned before that is read from the start): what it holds does not grow with the shard."""
+    """A worker reads its shard's refs from prompts.msgpack a chunk at a time (where the shard
+    starts is in run.json; a run planned before that is read from the start): what it holds does
+    not grow with the shard."""
     import tracemalloc
 
     import msgspec
 
     from jobfiles import write_prompts
-    from toolkit.formats.run import RefSlice, ShardRefs
+    from toolkit.formats.prompts import CHUNK, PromptRef, ShardRefs
     from toolkit.job.plan import create_run, plan_job
     from toolkit.worker.feed import Todo
 
     job = make_job(tmp_path, kimi, prompts=write_prompts(tmp_path / "p.jsonl", 100_000), shards=3)
     plan, refs = plan_job(load_spec(job))
     rd = create_run(plan, refs)
-    assert rd.prompts_file.read_bytes() == msgspec.msgpack.encode(
-        refs
-    )  # the file every reader knows
-    for sp in load_run(rd.root)[1].shards:
-        assert sp.refs_at > 0 and list(ShardRefs(rd, sp)) == refs[sp.first : sp.first + sp.count]
+    chunks = msgspec.msgpack.decode(rd.prompts_file.read_bytes(), type=list[list[bytes]])
+    assert [
+        r
+        for shard in chunks
+        for c in shard
+        for r in msgspec.msgpack.decode(c, type=list[PromptRef])
+    ] == refs  # the file every reader knows: each shard's chunks, each an array of refs
+    assert max(len(c) for c in chunks) == -(-max(sp.count for sp in plan.shards) // CHUNK)
+    plan = Run.open(rd.root, JobSpec, finish=True).plan
+    for k, sp in enumerate(plan.shards):
         assert (
-            list(ShardRefs(rd, msgspec.structs.replace(sp, refs_at=0)))
-            == refs[sp.first : sp.first + sp.count]
+            sp.refs_at > 0 and list(ShardRefs(rd, plan, k)) == refs[sp.first : sp.first + sp.count]
         )
-    sp = load_run(rd.root)[1].shards[1]
+        older = msgspec.structs.replace(
+            plan, shards=[msgspec.structs.replace(sp, refs_at=0) for sp in plan.shards]
+        )
+        assert list(ShardRefs(rd, older, k)) == refs[sp.first : sp.first + sp.count]
+    sp = plan.shards[1]
 
     def peak_of(make) -> float:
         tracemalloc.start()
         try:
-            todo = make()
-            assert sum(len(b) for b in todo.batches(64)) == sp.count
+            make()
             return tracemalloc.get_traced_memory()[1] / 1e6
         finally:
             tracemalloc.stop()
 
-    streamed = peak_of(lambda: Todo(ShardRefs(rd, sp)))
+    def generate() -> None:
+        assert sum(len(b) for b in Todo(ShardRefs(rd, plan, 1)).batches(64)) == sp.count
+
+    streamed = peak_of(generate)
     assert streamed < 1.0, f"{streamed:.2f} MB held to read {sp.count:,} refs"
-    held = peak_of(lambda: Todo(RefSlice(rd, sp.first, sp.count)))  # what a worker held before
+    held = peak_of(lambda: Run.open(rd.root, JobSpec).prompts().shard(1))  # the shard decoded
     assert held > 4 * streamed

@@ -66,14 +66,14 @@ def _run_in_background(job: Path) -> subprocess.Popen:
 
 
 def _generating(rd: RunDir, shard: int = 0, at_least: int = 0):
-    p = read_progress(rd.progress_file(shard))
+    p = read_progress(rd, shard)
     return p if p is not None and p.state == "generating" and p.done >= at_least else None
 
 
 def _running_here(rd: RunDir, pid: int | None = None, shard: int = 0):
     """The progress of the worker (`pid`, when given) once the server it reads (/v1/loads) runs requests of it: in
     flight, with the tokens of their prefill and more (SGLang makes the first output token with the prefill)."""
-    p = read_progress(rd.progress_file(shard))
+    p = read_progress(rd, shard)
     ok = (
         p is not None
         and pid in (None, p.pid)
@@ -185,7 +185,7 @@ def test_stops_by_usr2_and_by_a_step_wide_sigterm_save_what_is_in_flight_and_the
         for pid in [proc.pid, *group_members(engine)]:
             os.kill(pid, getattr(signal, how))
         assert proc.wait(120) == 3, f"{how}: the worker exits 3 (stopped)"
-        p = read_progress(rd.progress_file(0))
+        p = read_progress(rd, 0)
         assert p.state == "stopped" and p.stop_signal == how
         saved[how] = p.partial_saved
         assert not group_members(engine), f"{how}: the engine is gone"
@@ -232,19 +232,19 @@ def test_a_killed_scheduler_and_a_stopped_engine_are_restarted_and_the_shard_com
         os.kill(_scheduler(first), signal.SIGKILL)  # a crash
         t_kill = time.time()
         _wait(
-            lambda: read_progress(rd.progress_file(0)).engine_restarts >= 1,
+            lambda: read_progress(rd, 0).engine_restarts >= 1,
             60,
             "the crash noticed",
             proc,
         )
         noticed = time.time() - t_kill
-        done = read_progress(rd.progress_file(0)).done
+        done = read_progress(rd, 0).done
         _wait(lambda: _generating(rd, at_least=done + 1), 300, "generation after the restart", proc)
         second = _engine_pid(rd, 2)
         for pid in group_members(second):  # a hang: every process of the engine stopped
             os.kill(pid, signal.SIGSTOP)
         _wait(
-            lambda: read_progress(rd.progress_file(0)).engine_restarts >= 2,
+            lambda: read_progress(rd, 0).engine_restarts >= 2,
             120,
             "the hang noticed",
             proc,
@@ -354,7 +354,7 @@ def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in
     )
     seen = []
     while proc.poll() is None:
-        p = read_progress(rd.progress_file(0)) if rd.progress_file(0).exists() else None
+        p = read_progress(rd, 0) if rd.progress_file(0).exists() else None
         if p is not None and p.state == "generating" and p.running is not None:
             status = subprocess.run(
                 [sys.executable, "-m", "toolkit", "status", str(rd.root)],

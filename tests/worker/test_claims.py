@@ -17,6 +17,7 @@ from toolkit.dataset.merge import merge_run
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
+from toolkit.formats.run import Run
 from toolkit.worker.claims import run_claims
 from toolkit.worker.policy import Candidate, pick, start_of
 
@@ -73,7 +74,7 @@ def test_one_engine_start_serves_every_shard_the_worker_claims(tmp_path, kimi):
     r = run_claims(rd.root, [0, 1, 2, 3], task="w0", group="g")
     assert sorted(r.done) == [0, 1, 2, 3] and not r.failed and r.stopped is None
     assert r.engine_starts == 1 and all_engine_starts(rd) == 1
-    ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+    ps = [read_progress(rd, k) for k in range(4)]
     assert [(p.state, p.task, p.group, p.task_engine_starts) for p in ps] == [
         ("done", "w0", "g", 1)
     ] * 4
@@ -146,7 +147,7 @@ def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_
         deadline = time.time() + 90
         victim = None
         while time.time() < deadline and victim is None:  # worker 0 starts with shard 0
-            p = read_progress(rd.progress_file(0))
+            p = read_progress(rd, 0)
             if (
                 p is not None
                 and p.state == "generating"
@@ -165,13 +166,13 @@ def test_kill_9_of_a_claiming_worker_mid_shard_its_shard_is_claimed_again_every_
             if w.poll() is None:
                 w.kill()
     # the other worker took the dead one's shard up (its lock went with it), with its one engine
-    p0 = read_progress(rd.progress_file(0))
+    p0 = read_progress(rd, 0)
     assert p0.state == "done" and p0.pid == workers[1].pid and p0.resumed >= 1
     assert all(read_done(rd.done_file(k)) is not None for k in pool)
     assert {
-        read_progress(rd.progress_file(k)).task_engine_starts
+        read_progress(rd, k).task_engine_starts
         for k in pool
-        if read_progress(rd.progress_file(k)).pid == workers[1].pid
+        if read_progress(rd, k).pid == workers[1].pid
     } == {1}
     ids = merged_ids(rd)
     assert len(ids) == n and sorted(ids) == sorted(f"p{i:04d}" for i in range(n))
@@ -209,7 +210,7 @@ def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "audit of run" in r.stdout and "PASSED" in r.stdout
     rd, _ = prepared_run(job)
-    ps = [read_progress(rd.progress_file(k)) for k in range(8)]
+    ps = [read_progress(rd, k) for k in range(8)]
     tasks = {p.task for p in ps}
     assert len(tasks) <= len(expected) and {p.gpus for p in ps} <= set(expected)
     assert len({p.group for p in ps}) == 1
@@ -271,7 +272,7 @@ def test_a_free_worker_is_offered_unfinished_unheld_shards_not_failed_in_its_gro
     from toolkit.worker.poolview import claimable, look
 
     def candidates(skip: set[int], group: str) -> list[Candidate]:  # what a claiming worker sees
-        return claimable(plan, look(rd, pool, group=group), skip)
+        return claimable(plan, look(Run(rd, plan), pool, group=group), skip)
 
     rd, plan = prepared_run(make_job(tmp_path, kimi, n=10, shards=5))
     pool = list(range(5))
@@ -330,7 +331,7 @@ def parallel_run_generating(tmp_path, kimi, n: int, env: dict[str, str]):
     rd, _ = prepared_run(job)
     deadline = time.time() + 90
     while time.time() < deadline:
-        ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+        ps = [read_progress(rd, k) for k in range(4)]
         if sum(1 for p in ps if p is not None and p.state == "generating" and p.done >= 1) >= 2:
             return job, rd, proc
         time.sleep(0.1)
@@ -353,7 +354,7 @@ def test_sigterm_stops_a_parallel_run_cleanly_and_the_next_run_finishes_every_id
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out
     assert out.count("got SIGTERM: stopping") == 2, out
-    ps = [read_progress(rd.progress_file(k)) for k in range(4)]
+    ps = [read_progress(rd, k) for k in range(4)]
     stopped = [p for p in ps if p is not None and p.state == "stopped"]
     assert len(stopped) == 2 and all(p.stop_signal == "SIGTERM" for p in stopped)
     assert not any(p is not None and p.state in ("loading", "generating") for p in ps)

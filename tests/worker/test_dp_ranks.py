@@ -304,8 +304,7 @@ def test_a_request_handed_over_at_the_tail_is_continued_on_the_rank_that_holds_i
         )
         deadline = time.monotonic() + 120
         while not all(
-            read_progress(rd.progress_file(k)) is not None
-            and read_progress(rd.progress_file(k)).state == "generating"
+            read_progress(rd, k) is not None and read_progress(rd, k).state == "generating"
             for k in (1, 2)
         ):
             assert receiver.poll() is None and time.monotonic() < deadline, (

@@ -74,7 +74,7 @@ def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
 
 
 def generating(rd) -> bool:
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     return (
         p is not None
         and p.state == "generating"
@@ -117,15 +117,13 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
         wait_for(lambda: generating(rd) and len(records(rd.root)) >= before + 2, what="records")
         # requests in flight: the stub's /v1/loads, read into the progress file by this worker, says they run
         wait_for(
-            lambda: (lambda p: p.pid == proc.pid and (p.running or 0) > 0)(
-                read_progress(rd.progress_file(0))
-            ),
+            lambda: (lambda p: p.pid == proc.pid and (p.running or 0) > 0)(read_progress(rd, 0)),
             what="requests running on the engine",
         )
-        assert read_progress(rd.progress_file(0)).done < n, "work is left when the signal comes"
+        assert read_progress(rd, 0).done < n, "work is left when the signal comes"
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(60) == 3, proc.stderr.read()
-        p = read_progress(rd.progress_file(0))
+        p = read_progress(rd, 0)
         assert p.state == "stopped" and p.stop_signal == "SIGUSR2" and p.partial_saved > 0
         got = newest(rd.root)
         part = [r for r in got.values() if r.status == PARTIAL]
@@ -136,9 +134,7 @@ def test_stop_saves_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, k
             assert r.output_ids == expected[r.id]["output_ids"][: len(r.output_ids)]
         partial_seen += len(part)
         assert not rd.done_file(0).exists()
-        assert read_progress(rd.progress_file(0)).done == sum(
-            r.status != PARTIAL for r in got.values()
-        )
+        assert read_progress(rd, 0).done == sum(r.status != PARTIAL for r in got.values())
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)
     assert len(got) == n and not any(r.status == PARTIAL for r in got.values())
@@ -276,7 +272,7 @@ def test_auto_concurrency_follows_the_servers_running_limit_and_progress_shows_t
 
     def watch() -> None:
         while not stop.wait(0.1):
-            p = read_progress(rd.progress_file(0))
+            p = read_progress(rd, 0)
             if p is not None and p.running is not None:
                 seen.append((p.running, p.queued, p.kv_usage, p.capacity, p.in_flight_target))
 

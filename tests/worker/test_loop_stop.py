@@ -112,7 +112,7 @@ def test_loops_are_stopped_at_a_segment_end_and_every_other_output_is_the_one_re
     assert all(r.segments == 1 for r in expected.values())
     spent = sum(got[i].n_output for i in looping) / sum(expected[i].n_output for i in looping)
     assert spent <= SEGMENT / MAX_NEW
-    assert read_progress(rd.progress_file(0)).loops_stopped == len(looping)
+    assert read_progress(rd, 0).loops_stopped == len(looping)
 
     # the audit counts them as loops (degenerate), never as failures; the exports leave them out
     judge = Judge(think_start_id=0, think_end_id=1, blank_ids=(), expect_reasoning=True)
@@ -275,7 +275,7 @@ def test_a_stop_mid_segment_keeps_partial_outputs_and_the_resume_ends_as_an_unin
             time.sleep(0.05)
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(60) == 3
-        partial += read_progress(rd.progress_file(0)).partial_saved
+        partial += read_progress(rd, 0).partial_saved
     assert partial >= 2
     assert run_shard(rd.root, 0).end == DONE
     got = newest(rd.root)

@@ -152,7 +152,7 @@ def test_prompts_that_fail_the_same_way_every_time_end_the_run_failed_with_their
     assert all(m is not None for m in dones), out
     assert sum(m.given_up for m in dones) == 4 and sum(m.transient for m in dones) == 0
     assert sum(m.failed for m in dones) == 4
-    assert all(read_progress(rd.progress_file(k)).state == "done" for k in range(2))
+    assert all(read_progress(rd, k).state == "done" for k in range(2))
     logs = out + rd.log_file(0).read_text() + rd.log_file(1).read_text()
     assert "failed 3 times: nan" in logs and "final for this run: `toolkit retry" in logs
     assert rd.merged_file.exists(), out  # merged and audited: the run ended with its failures
@@ -255,7 +255,7 @@ def test_every_loop_of_a_claiming_worker_ends_when_its_fault_always_recurs(tmp_p
         assert all(read_done(rd.done_file(k)).given_up == 3 for k in range(2))
     else:
         assert r.returncode == 1, out
-        assert all(read_progress(rd.progress_file(k)).state == "failed" for k in range(2))
+        assert all(read_progress(rd, k).state == "failed" for k in range(2))
         assert "2 failed" in out
 
 

@@ -22,6 +22,8 @@ from toolkit.dataset.merge import merge_run
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
+from toolkit.formats.run import Run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.claims import run_claims
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +79,7 @@ def test_two_shards_in_flight_at_once_on_one_engine_each_its_own_log_and_status(
     most = int(re.search(r"at most (\d+) shard\(s\) open at once", caplog.text).group(1))
     assert 2 <= most <= 4 + 1, "overlap happened, bounded by the batch's room (concurrency 4, + 1)"
     logs = [rd.log_file(k).read_text() for k in range(shards)]
-    order = sorted(range(shards), key=lambda k: read_progress(rd.progress_file(k)).task_shards)
+    order = sorted(range(shards), key=lambda k: read_progress(rd, k).task_shards)
     overlapped = [
         (a, b)
         for a, b in zip(order, order[1:])
@@ -89,7 +91,7 @@ def test_two_shards_in_flight_at_once_on_one_engine_each_its_own_log_and_status(
     for k in range(shards):
         assert not foreign_shard_lines(logs[k], k), f"shard {k}'s log holds another shard's lines"
         assert f"shard {k} complete: {n // shards} records" in logs[k]
-        p = read_progress(rd.progress_file(k))
+        p = read_progress(rd, k)
         assert (p.state, p.done, p.total, p.task, p.task_engine_starts) == (
             "done",
             n // shards,
@@ -126,7 +128,7 @@ def wait_overlap(rd, shards: int, pid: int, timeout: float = 120) -> list[int]:
     two."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        ps = [read_progress(rd.progress_file(k)) for k in range(shards)]
+        ps = [read_progress(rd, k) for k in range(shards)]
         both = [
             k
             for k, p in enumerate(ps)
@@ -156,7 +158,7 @@ def test_a_worker_ended_mid_overlap_loses_and_duplicates_nothing(tmp_path, kimi,
             w.kill()
     if how == "SIGTERM":
         assert code == 3
-        ps = {k: read_progress(rd.progress_file(k)) for k in both}
+        ps = {k: read_progress(rd, k) for k in both}
         assert all(p.state == "stopped" and p.stop_signal == "SIGTERM" for p in ps.values()), ps
         assert all(read_done(rd.done_file(k)) is None for k in both)
     r = run_claims(rd.root, list(range(shards)), task="again", group="g2")
@@ -215,23 +217,26 @@ def test_two_tasks_at_the_tail_never_leave_for_each_other(tmp_path, kimi):
     from toolkit.worker.poolview import hand_over, tails
 
     rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
+    run = Run.open(rd.root, JobSpec)
     files = [open(rd.shard_file(k), "ab") for k in (0, 1)]
     try:
         for f in files:  # both shards held by their tasks
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert [t.task for t in tails(rd, [0, 1], "a")] == ["b"]
-        b_first = hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8))
-        a_then = hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
+        assert [t.task for t in tails(run, [0, 1], "a")] == ["b"]
+        b_first = hand_over(run, [0, 1], "b", _Batch([opened["b"]], 1, 8))
+        a_then = hand_over(run, [0, 1], "a", _Batch([opened["a"]], 1, 8))
         assert (b_first, a_then) == (False, True), "the first name leaves at a tie, the other stays"
-        assert read_progress(rd.progress_file(0)).leaving
-        assert not read_progress(rd.progress_file(1)).leaving
-        assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8)), "nobody left to receive"
+        assert read_progress(rd, 0).leaving
+        assert not read_progress(rd, 1).leaving
+        assert not hand_over(run, [0, 1], "b", _Batch([opened["b"]], 1, 8)), (
+            "nobody left to receive"
+        )
         # with the lock taken by another task's decision, none is made (the next look decides)
         with open(rd.handover_lock, "a+b") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             opened["a"].progress.leaving = False
             opened["a"].save_progress()
-            assert not hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
+            assert not hand_over(run, [0, 1], "a", _Batch([opened["a"]], 1, 8))
     finally:
         for f in files:
             f.close()
@@ -244,11 +249,9 @@ def test_without_flock_no_task_hands_over(tmp_path, kimi, no_flock):
     from toolkit.worker.poolview import hand_over
 
     rd, opened = _two_tasks_at_the_tail(tmp_path, kimi)
+    run = Run.open(rd.root, JobSpec)
     for k in (0, 1):  # both shards held by their tasks: their lock files, as without flock
         rd.shard_file(k).with_name(rd.shard_file(k).name + ".lock").write_text("{}")
-    assert not hand_over(rd, [0, 1], "b", _Batch([opened["b"]], 1, 8))
-    assert not hand_over(rd, [0, 1], "a", _Batch([opened["a"]], 1, 8))
-    assert (
-        not read_progress(rd.progress_file(0)).leaving
-        and not read_progress(rd.progress_file(1)).leaving
-    )
+    assert not hand_over(run, [0, 1], "b", _Batch([opened["b"]], 1, 8))
+    assert not hand_over(run, [0, 1], "a", _Batch([opened["a"]], 1, 8))
+    assert not read_progress(rd, 0).leaving and not read_progress(rd, 1).leaving

@@ -22,9 +22,10 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
-from toolkit.formats.run import PlanError
+from toolkit.formats.run import Run
+from toolkit.formats.runplan import PlanError
 from toolkit.job.check import PreflightError
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.run import DONE, ShardFailed, run_shard
 
 
@@ -88,7 +89,7 @@ def test_records_hold_exactly_what_the_server_sent(tmp_path, kimi):
         os.killpg(stub.pid, signal.SIGKILL)
     done = read_done(rd.done_file(0))
     assert done is not None and done.records == 10 and done.fingerprint == plan.fingerprint
-    progress = read_progress(rd.progress_file(0))
+    progress = read_progress(rd, 0)
     assert progress.state == "done" and progress.done == 10 and progress.engine == "stub"
     log = rd.log_file(0).read_text()
     assert "STUB" in log and "NOT a model" in log
@@ -290,7 +291,7 @@ def test_engine_crash_mid_shard_is_restarted_and_shard_finishes(tmp_path, kimi):
     got = records(rd.root)
     assert sorted(r.id for r in got) == [f"p{i:04d}" for i in range(24)]
     assert all(r.status == "ok" for r in got)
-    assert read_progress(rd.progress_file(0)).engine_restarts == 2
+    assert read_progress(rd, 0).engine_restarts == 2
     log = rd.log_file(0).read_text()
     assert "engine died mid-shard" in log
     # every task of the attempts the crashes cut short ended with them (none is found running at the shard's end)
@@ -305,7 +306,7 @@ def test_engine_crashing_past_the_bound_fails_with_log_tail(tmp_path, kimi):
         run_shard(rd.root, 0)
     assert "engine died 2 times" in str(e.value) and "max_restarts = 1" in str(e.value)
     assert "stub-engine" in str(e.value)  # the server log's tail
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     assert p.state == "failed" and "engine died" in p.error
     kept = records(rd.root)
     assert 2 <= len(kept) < 24 and len({r.id for r in kept}) == len(kept)
@@ -389,7 +390,7 @@ def test_a_wedged_engine_is_noticed_and_restarted_long_before_the_request_timeou
     assert time.monotonic() - t0 < 120
     got = records(rd.root)
     assert len(got) == 20 and len({r.id for r in got}) == 20 and {r.status for r in got} == {"ok"}
-    assert read_progress(rd.progress_file(0)).engine_restarts == 2
+    assert read_progress(rd, 0).engine_restarts == 2
     log = rd.log_file(0).read_text()
     assert "engine hung: no request answered for" in log and "/health_generate" in log
     assert "still running at the end of the shard" not in log and "did not end" not in log
@@ -432,7 +433,7 @@ def test_a_sigstopped_engine_is_noticed_and_restarted(tmp_path, kimi):
             proc.kill()
     got = records(rd.root)
     assert len(got) == 16 and len({r.id for r in got}) == 16 and {r.status for r in got} == {"ok"}
-    assert read_progress(rd.progress_file(0)).engine_restarts == 1
+    assert read_progress(rd, 0).engine_restarts == 1
     assert "engine hung" in rd.log_file(0).read_text()
     assert not process_running(int(engine[0]))
 
@@ -674,7 +675,7 @@ def test_sigterm_stops_cleanly_and_resumes(tmp_path, kimi):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 3, proc.stderr.read()
-    p = read_progress(rd.progress_file(0))
+    p = read_progress(rd, 0)
     assert p.state == "stopped" and 3 <= p.done < 30
     assert not rd.done_file(0).exists()
     assert run_shard(rd.root, 0).end == DONE
@@ -691,7 +692,10 @@ def test_run_dir_with_another_fingerprint_is_refused(tmp_path, kimi):
     with pytest.raises(PlanError, match=r"differs in: sampling.*--new-run"):
         prepared_run(job)
     rd, plan = prepared_run(job, new_run=True)
-    assert rd.root != tmp_path / "run" and load_run(rd.root)[1].fingerprint == plan.fingerprint
+    assert (
+        rd.root != tmp_path / "run"
+        and Run.open(rd.root, JobSpec, finish=True).plan.fingerprint == plan.fingerprint
+    )
 
 
 def test_more_shards_than_prompts_is_refused(tmp_path, kimi):

@@ -71,7 +71,7 @@ def test_a_full_disk_fails_the_shard_in_one_line_and_the_rerun_loses_nothing(
     assert e.value.exit_code == 1
     msg = str(e.value)
     assert "No space left on device (ENOSPC)" in msg and "free space" in msg and "\n" not in msg
-    assert read_progress(rd.progress_file(0)).state == "failed"
+    assert read_progress(rd, 0).state == "failed"
     assert read_done(rd.done_file(0)) is None
     monkeypatch.setattr(sf.os, "write", real)
     assert run_shard(rd.root, 0).end == DONE
@@ -115,7 +115,7 @@ def test_a_shard_locked_by_another_worker_is_a_clear_error(tmp_path, kimi, caplo
         "shard 0 failed: " in rd.log_file(0).read_text()
     )  # said in the shard's log too, where `logs` looks
     # the progress file belongs to the worker that holds the shard: the refused one leaves it alone
-    assert read_progress(rd.progress_file(0)) is None
+    assert read_progress(rd, 0) is None
 
 
 @pytest.mark.slow

@@ -257,13 +257,10 @@ def cmd_run(args) -> int:
 
 def _unfinished(rd, plan, shards) -> list[int]:
     """The shards among `shards` with something left to generate (formats.shardstate)."""
-    from toolkit.formats.shardstate import shard_state
+    from toolkit.formats.run import Run
+    from toolkit.formats.shardstate import CHEAP
 
-    return [
-        k
-        for k in shards
-        if not shard_state(rd, k, fingerprint=plan.fingerprint, verify="cheap").finished
-    ]
+    return [k for k in shards if not Run(rd, plan).shard_state(k, CHEAP).finished]
 
 
 def _of_run(shards: list[int], plan) -> str:

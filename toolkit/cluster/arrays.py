@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.cluster.jobs import ArrayJob
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import shard_state
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.text import ranges
 
 
@@ -51,7 +51,7 @@ def workers_for(params: dict[str, Any], shards: list[int], max_array_size: int) 
 def pending_shards(rd: RunDir, plan: RunPlan) -> list[int]:
     """The shards of a run no worker ended (no done manifest; all of them for a run not created
     yet)."""
-    return [k for k in range(len(plan.shards)) if not shard_state(rd, k).ended]
+    return [k for k in range(len(plan.shards)) if not Run(rd, plan).shard_state(k).ended]
 
 
 def tasks_in_words(n: int) -> str:

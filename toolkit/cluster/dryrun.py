@@ -25,8 +25,8 @@ from toolkit.cluster.resources import (
     shard_params,
     validate_on_cluster,
 )
-from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.text import ranges
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize, assumed when no cluster answers

@@ -18,9 +18,9 @@ from typing import TextIO
 import msgspec
 
 from toolkit.formats.progress import read_progress
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import shard_state
+from toolkit.formats.runplan import RunPlan
 
 __all__ = ["LiveBar", "Snapshot", "snapshot"]
 
@@ -47,14 +47,14 @@ def snapshot(
     for sp in plan.shards:
         k = sp.index
         if k not in finished:
-            m = shard_state(rd, k).done
+            m = Run(rd, plan).shard_state(k).done
             if m is not None:
                 finished[k] = (m.records, m.failed)
         if k in finished:
             done += finished[k][0]
             failed += finished[k][1]
             continue
-        p = read_progress(rd.progress_file(k))
+        p = read_progress(rd, k)
         if p is not None:
             done += p.done
             failed += p.failed

@@ -30,7 +30,7 @@ from toolkit.formats.progress import live_local_runs, read_progress, worker_gone
 from toolkit.formats.records import MAY_PASS
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import shard_state
+from toolkit.formats.shardstate import WATCHED
 from toolkit.job.spec import JobSpec
 
 # progress states after which an attempt's log grows no more
@@ -89,9 +89,9 @@ class EndedForGood:
     requeue` comes back as a new attempt), asked at most every SLURM_ASK_S; while Slurm does not
     answer, it goes on."""
 
-    def __init__(self, rd: RunDir, shard: int):
-        self.rd, self.shard = rd, shard
-        jobs = index_jobs(read_jobs(rd).submissions)
+    def __init__(self, run: Run, shard: int):
+        self.run, self.rd, self.shard = run, run.rd, shard
+        jobs = index_jobs(read_jobs(run.rd).submissions)
         self.task = jobs.task_of.get(shard)
         # a claiming array: any of its tasks may take the shard up again
         self.array = jobs.pool_of.get(shard)
@@ -101,7 +101,7 @@ class EndedForGood:
 
     def __call__(self) -> str | None:
         rd, k = self.rd, self.shard
-        st = shard_state(rd, k, progress=True)
+        st = self.run.shard_state(k, WATCHED)
         if st.ended:
             return "done"
         p = st.progress
@@ -270,7 +270,7 @@ def _retryable(rd: RunDir, plan) -> dict[int, int]:
     """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
     out = {}
     for s in plan.shards:
-        m = shard_state(rd, s.index).done
+        m = Run(rd, plan).shard_state(s.index).done
         # given up after [client] max_tries: retry starts afresh
         if m is not None and (m.transient or m.given_up):
             out[s.index] = m.transient + m.given_up
@@ -290,7 +290,7 @@ def _server_log(rd: RunDir, shard: int) -> Path:
     """The server log of the engine that served `shard` (or serves it): a worker keeps its engine
     from shard to shard, and the engine writes the log of the first shard it was started for
     (progress `engine_shard`)."""
-    p = read_progress(rd.progress_file(shard))
+    p = read_progress(rd, shard)
     if p is None or p.engine_shard is None or p.engine_shard == shard:
         return rd.server_log_file(shard)
     path = rd.server_log_file(p.engine_shard)
@@ -334,13 +334,13 @@ def logs_command(
     path = _server_log(rd, shard) if server else rd.log_file(shard)
     if follow:
         try:
-            end = follow_file(path, lines=lines, stop_when=EndedForGood(rd, shard))
+            end = follow_file(path, lines=lines, stop_when=EndedForGood(opened, shard))
         except KeyboardInterrupt:
             return 0
         print(f"(shard {shard} {end}: stopped following)", file=sys.stderr)
         return 0
     if not path.exists():
-        p = read_progress(rd.progress_file(shard))
+        p = read_progress(rd, shard)
         if p is None:
             raise FailedError(
                 f"{path} does not exist yet: shard {shard} has not started (`toolkit status "

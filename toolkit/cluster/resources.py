@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import BadInputError, FailedError
-from toolkit.formats.run import RunPlan
+from toolkit.formats.runplan import RunPlan
 
 log = logging.getLogger(__name__)
 

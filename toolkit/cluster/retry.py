@@ -22,11 +22,13 @@ from pathlib import Path
 from toolkit.errors import BadInputError
 from toolkit.formats.manifests import write_retry
 from toolkit.formats.newest import newest_records, scan_shard
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import is_given_up
-from toolkit.formats.run import PromptIndex, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import asked_again, shard_state
-from toolkit.job.plan import load_run
+from toolkit.formats.runplan import RunPlan
+from toolkit.formats.shardstate import REPAIRED, asked_again
+from toolkit.job.spec import JobSpec
 
 __all__ = ["read_ids", "request_retry"]
 
@@ -69,11 +71,12 @@ def request_retry(
     """Ask for records to be generated again, each with a fresh count of tries; return the shards to
     run. `ids` None: every failure that may pass (those given up after [client] max_tries tries
     included)."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     if ids is None:
         ids = []
         for s in plan.shards:
-            m = shard_state(rd, s.index).done
+            m = run.shard_state(s.index).done
             if m is not None and m.given_up:
                 ids += given_up_ids(rd, plan, s.index)
         if not ids:
@@ -88,9 +91,5 @@ def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
     """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose
     file changed since it was written taken as not finished (and removed)."""
     return [
-        s.index
-        for s in plan.shards
-        if not shard_state(
-            rd, s.index, fingerprint=plan.fingerprint, verify=True, remove=True
-        ).finished
+        s.index for s in plan.shards if not Run(rd, plan).shard_state(s.index, REPAIRED).finished
     ]

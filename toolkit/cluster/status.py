@@ -43,9 +43,10 @@ from toolkit.cluster.verdicts import (
 )
 from toolkit.errors import EXIT_UNKNOWN
 from toolkit.formats.progress import LocalRun, live_local_runs, worker_gone
-from toolkit.formats.run import Run, prompts_problem
+from toolkit.formats.prompts import prompts_problem
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import done_time, shard_state
+from toolkit.formats.shardstate import STATUS, done_time
 from toolkit.job.spec import JobSpec
 
 
@@ -111,7 +112,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     for s in plan.shards:
         # a done manifest whose file changed since (size; sha256 of a file written after it) is no
         # longer believed
-        st = shard_state(rd, s.index, progress=True, fingerprint=plan.fingerprint, verify="cheap")
+        st = run.shard_state(s.index, STATUS)
         p, done = st.progress, st.done
         if done is not None:
             last_done = max(last_done, done_time(rd, s.index) or 0.0)

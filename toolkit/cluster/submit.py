@@ -45,11 +45,12 @@ from toolkit.cluster.resources import (
     validate_resources,
 )
 from toolkit.cluster.tasks import ClaimTask, MergeTask
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, shard_state
+from toolkit.formats.runplan import RunPlan
+from toolkit.formats.shardstate import REPAIRED, ShardState
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def _check_submittable(rd: RunDir, plan: RunPlan) -> None:
     again for its new shards and those left, once no job of it is pending or running."""
     if not RunDir.is_run(rd.root):
         return
-    _, pinned = load_run(rd.root)
+    pinned = Run.open(rd.root, JobSpec, finish=True).plan
     grows = plan.aliases != pinned.aliases
     if read_jobs(rd).submissions:
         if not grows:
@@ -189,7 +190,8 @@ def resubmit(
     """Submit one array over exactly the shards not finished (formats.shardstate: no done manifest,
     failures that may pass left, a retry asked, or a done manifest of another run or whose file
     changed since, which is removed), and a new merge job."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     live, shown = _live(rd)
     if live:
         raise SlurmError(
@@ -197,11 +199,7 @@ def resubmit(
             f"or `toolkit cancel {rd.root}` first"
         )
     # (a shard file changed since its done manifest: not finished)
-    missing = [
-        k
-        for k in range(len(plan.shards))
-        if not shard_state(rd, k, fingerprint=plan.fingerprint, verify=True, remove=True).finished
-    ]
+    missing = [k for k in range(len(plan.shards)) if not run.shard_state(k, REPAIRED).finished]
     if not missing:
         return rd, None, []
     o = validate_resources(plan, resources or Resources())
@@ -213,8 +211,9 @@ def why_unfinished(rd: RunDir, shards: list[int]) -> str:
     `toolkit retry --ids` asked for; 5 with 3 failures that may pass` (a done manifest that counts
     transient failures: see formats.shardstate)."""
     missing, asked, transient = [], [], {}
+    run = Run.open(rd.root, JobSpec)
     for k in shards:
-        st = shard_state(rd, k)
+        st = run.shard_state(k)
         if st.done is not None:
             transient[k] = st.done.transient
         else:
@@ -232,7 +231,7 @@ def why_unfinished(rd: RunDir, shards: list[int]) -> str:
 
 
 def cancel(run_dir: str | os.PathLike) -> list[str]:
-    rd, _ = load_run(run_dir)
+    rd = Run.open(run_dir, JobSpec, finish=True).rd
     ids = job_ids(rd)
     if ids:
         resources.slurm_output(["scancel", *ids])

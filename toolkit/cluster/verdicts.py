@@ -76,7 +76,7 @@ class RunFacts(msgspec.Struct):
     # a live `toolkit run` (or retry) that merges the run once its shards are done
     merging: str | None = None
     merged_damaged: str | None = None  # what is wrong with the merged dataset against its manifest
-    prompts_damaged: str | None = None  # what is wrong with prompts.msgpack (formats.run)
+    prompts_damaged: str | None = None  # what is wrong with prompts.msgpack (formats.prompts)
     # what a planned record is: a prompt, or an output with samples (RunPlan.noun)
     noun: str = "prompt"
 

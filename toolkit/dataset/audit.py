@@ -65,12 +65,13 @@ from toolkit.formats.records import (
     is_nan_stop,
     split_parts,
 )
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["Auditor", "audit_run"]
 
@@ -320,7 +321,7 @@ class Auditor:
         out = []
         for sp, acc in zip(self.plan.shards, self.shards):
             sm = by_index.get(sp.index)
-            prog = read_progress(self.rd.progress_file(sp.index))
+            prog = read_progress(self.rd, sp.index)
             out.append(
                 ShardStats(
                     index=sp.index,
@@ -349,7 +350,8 @@ class Auditor:
 # --------------------------------------------------------------------------------------------------
 def audit_run(run_dir: str | os.PathLike) -> AuditReport:
     """Audit `RUN/merged/records.zst` against the plan (the merged dataset must exist)."""
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     manifest = load_manifest(rd)
     path = rd.merged_file
     if not path.exists():

@@ -24,8 +24,9 @@ from toolkit.dataset.audit_report import (
     ReasoningCounts,
     TurnStats,
 )
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import OK, Record, all_blank, id_positions
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 
 __all__ = [

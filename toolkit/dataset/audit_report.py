@@ -16,7 +16,7 @@ from toolkit.dataset.examples import DatasetSamples
 from toolkit.formats.rundir import RunDir
 
 if TYPE_CHECKING:
-    from toolkit.formats.run import RunPlan
+    from toolkit.formats.runplan import RunPlan
     from toolkit.job.chat import TokenInfo
     from toolkit.job.spec import ModelSpec
 

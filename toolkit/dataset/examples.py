@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import Record
-from toolkit.formats.run import PromptIndex, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job.inputs import InputError, PromptReader
 
 __all__ = [

@@ -15,8 +15,9 @@ from toolkit.dataset.merge import finished_shards, io_error, merge_run
 from toolkit.errors import FailedError
 from toolkit.formats.files import shown_path
 from toolkit.formats.locks import try_flock
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = ["AuditFailed", "audit_and_report", "merge_and_audit"]
 
@@ -46,7 +47,8 @@ def merge_and_audit(
     what to do).
     """
     out = out or sys.stdout
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     # refuse before loading the tokenizer
     finished_shards(rd, plan, allow_incomplete=allow_incomplete)
     with _merge_lock(rd):
@@ -93,7 +95,7 @@ def audit_and_report(run_dir: str | os.PathLike, *, out=None) -> AuditReport:
 
     Raises AuditFailed when it did not, MergeError when the run has no readable merged dataset.
     """
-    rd, _ = load_run(run_dir)
+    rd = Run.open(run_dir, JobSpec, finish=True).rd
     try:
         result = audit.audit_run(rd.root)
         report.write_reports(rd, result)

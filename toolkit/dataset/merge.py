@@ -39,13 +39,14 @@ from toolkit.formats.files import atomic_write, fsync_dir, io_problem, sha256_fi
 from toolkit.formats.locks import LockFile, ShardLocked, try_flock
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import CACHE_BYTES
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import Record
-from toolkit.formats.run import PlanError, PromptIndex, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.formats.shardfile import ShardWriter
-from toolkit.formats.shardstate import shard_state
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 
 __all__ = [
     "MERGED",
@@ -82,7 +83,7 @@ def finished_shards(
     `allow_incomplete`."""
     not_done, done = [], {}
     for s in plan.shards:
-        m = shard_state(rd, s.index, fingerprint=plan.fingerprint).done
+        m = Run(rd, plan).shard_state(s.index).done
         if m is not None:
             done[s.index] = m
         else:
@@ -114,7 +115,8 @@ def merge_run(
     system that fails it (full, read-only) is a FailedError (exit 1) in one line, nothing left
     behind.
     """
-    rd, plan = load_run(run_dir)
+    run = Run.open(run_dir, JobSpec, finish=True)
+    rd, plan = run.rd, run.plan
     try:
         return _merge_run(rd, plan, allow_incomplete, on_record, cache_bytes)
     except OSError as e:

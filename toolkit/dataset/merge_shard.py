@@ -14,9 +14,10 @@ from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import CorruptShard, damaged_fingerprint, read_header
 from toolkit.formats.manifests import DoneManifest
 from toolkit.formats.newest import SAMPLE_IDS, newest_records, scan_shard
+from toolkit.formats.prompts import PromptIndex, PromptRef
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import PromptIndex, PromptRef, RunPlan, ShardPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan, ShardPlan
 
 __all__ = ["MergeCounts", "merge_shard"]
 

@@ -30,9 +30,11 @@ from toolkit.dataset.trainers import TRAINERS
 from toolkit.errors import ToolkitError
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
 from toolkit.formats.newest import newest_records, scan_shard
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import PromptIndex, Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.job.spec import JobSpec
 
 __all__ = ["read_rows", "read_run", "to_dataset"]

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from toolkit.dataset.audit_report import Reprompt
+from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import pack_ids
-from toolkit.formats.run import PromptIndex, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import InputError, PromptReader, check_plan_inputs
 from toolkit.job.turns import turn_prompt

@@ -35,9 +35,9 @@ class DoneManifest(msgspec.Struct):
     # older records of ids written again (kept in the file, not counted above)
     superseded: int = 0
     # failures that may pass, final for this run after client.max_tries tries (counted in
+    # `failed`, not in `transient`): `toolkit retry` generates them again
     given_up: int = 0
-    # `failed`, not in `transient`): `toolkit retry` generates them again records stopped in a
-    # repetition loop ([client] loop_stop; finish "loop")
+    # records stopped in a repetition loop ([client] loop_stop; finish "loop")
     loops: int = 0
 
 

@@ -28,7 +28,8 @@ SAMPLE_IDS = 100  # ids listed per kind of problem (all are counted)
 
 
 class Planned(Protocol):
-    """A planned prompt of a shard, as the scan needs it: its id (formats.run.PromptRef is one)."""
+    """A planned prompt of a shard, as the scan needs it: its id (formats.prompts.PromptRef is
+    one)."""
 
     @property
     def id(self) -> str: ...

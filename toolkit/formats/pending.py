@@ -24,8 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class PendingChange(msgspec.Struct):
-    what: str  # the change in words, for the log of a command that finishes
-    # it
+    what: str  # the change in words, for the log of a command that finishes it
     plan: bytes  # run.json as it becomes
     prompts: bytes | None = None  # prompts.msgpack as it becomes (None: unchanged)
     # shard -> its retry request; the shard's done manifest is removed

@@ -15,6 +15,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write
 from toolkit.formats.locks import flock_held, pid_alive, try_flock
+from toolkit.formats.rundir import RunDir
 
 __all__ = [
     "LocalRun",
@@ -33,8 +34,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0  # a generating worker rewrites its progress file this often
-STALE_S = 30.0  # a generating worker's progress file older than this (15 refreshes missed) is
-# stale
+# a generating worker's progress file older than this (15 refreshes missed) is stale
+STALE_S = 30.0
 
 
 class Progress(msgspec.Struct, kw_only=True):
@@ -45,8 +46,8 @@ class Progress(msgspec.Struct, kw_only=True):
     resumed: int = 0  # records already in the file when this attempt started
     failed: int = 0
     output_tokens: int = 0  # recorded in the shard file: this attempt's and those resumed
-    resumed_tokens: int = 0  # of those, already recorded when this attempt started
-    # (tok_per_s excludes them)
+    # of those, already recorded when this attempt started (tok_per_s excludes them)
+    resumed_tokens: int = 0
     tok_per_s: float = 0.0
     engine: str = ""
     engine_restarts: int = 0
@@ -70,25 +71,25 @@ class Progress(msgspec.Struct, kw_only=True):
     capacity: int | None = None  # requests it can run at once
     # requests the worker keeps in flight ([client] concurrency, or "auto")
     in_flight_target: int | None = None
-    partial_saved: int = 0  # partial outputs kept when this attempt stopped (continued
-    # next time)
-    loops_stopped: int = 0  # outputs stopped in a repetition loop by this attempt
-    # ([client] loop_stop)
+    partial_saved: int = 0  # partial outputs kept when this attempt stopped (continued next time)
+    # outputs stopped in a repetition loop by this attempt ([client] loop_stop)
+    loops_stopped: int = 0
     resumed_loops: int = 0  # such outputs already recorded when this attempt started
     # the worker that runs this attempt, which claims shards one after another with one engine
     # (worker.claims)
-    task: str | None = None  # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of
-    # `toolkit run`
-    task_engine_starts: int = 0  # engine starts of that worker so far (this attempt of it: a
-    # requeue restarts it)
+    # its name: the Slurm task (`12_3`) or `worker 2 (pid 4242)` of `toolkit run`
+    task: str | None = None
+    # engine starts of that worker so far (this attempt of it: a requeue restarts it)
+    task_engine_starts: int = 0
     task_shards: int = 0  # shards that worker has taken so far, this one included
-    group: str | None = None  # the workers sharing one pool of shards (a Slurm array job,
-    # one `toolkit run`)
-    engine_shard: int | None = None  # the shard whose server log (logs/NNNNN.server.log) the
-    # serving engine writes: the first its worker started it for (this shard, or one claimed before)
-    # its task hands the run's tail over (worker.policy.hands_over):
+    # the workers sharing one pool of shards (a Slurm array job, one `toolkit run`)
+    group: str | None = None
+    # the shard whose server log (logs/NNNNN.server.log) the serving engine writes: the first its
+    # worker started it for (this shard, or one claimed before)
+    engine_shard: int | None = None
+    # its task hands the run's tail over (worker.policy.hands_over): its requests are kept as
+    # partial outputs for a task with room
     leaving: bool = False
-    # its requests are kept as partial outputs for a task with room
 
     def per_s(self) -> float | None:
         """Records per second of this attempt, from its start (None before it has a pace): the
@@ -125,9 +126,11 @@ def write_progress(path: Path, p: Progress) -> None:
     atomic_write(path, msgspec.json.encode(p), durable=False)
 
 
-def read_progress(path: Path) -> Progress | None:
+def read_progress(rd: RunDir, k: int) -> Progress | None:
+    """Shard `k`'s progress file (None: it has none yet, or it is being written): the one reader of
+    those files."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Progress)
+        return msgspec.json.decode(rd.progress_file(k).read_bytes(), type=Progress)
     except (FileNotFoundError, msgspec.DecodeError):
         return None
 
@@ -197,8 +200,8 @@ class LocalRun(msgspec.Struct, kw_only=True):
     started: float
     shards: list[int]
     command: str  # `toolkit run`, `toolkit retry`, `toolkit worker`
-    group: str | None = None  # the claiming group of its workers (a shard failed in it is not
-    # claimed again)
+    # the claiming group of its workers (a shard failed in it is not claimed again)
+    group: str | None = None
     merges: bool = False  # it merges and audits the run once its shards are done
 
 

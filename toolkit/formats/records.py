@@ -123,10 +123,9 @@ class Record(msgspec.Struct, array_like=True):
     latency_s: float  # wall time of the successful attempt
     attempts: int
     error: str | None = None
-    failure: str | None = None  # why a failed record failed: a key of FAILURES (None: ok, or
-    # written before kinds)
-    segments: int = 1  # requests the output took: > 1 when continued after an abort or
-    # a stop
+    # why a failed record failed: a key of FAILURES (None: ok, or written before kinds)
+    failure: str | None = None
+    segments: int = 1  # requests the output took: > 1 when continued after an abort or a stop
     # Failed generations of this id in the current budget (since the run began, or since `toolkit
     # retry` asked for it), this one included when it failed; what bounds a failure that may pass
     # (client.max_tries) across requeues, tasks and resubmits. A PARTIAL record carries the count of

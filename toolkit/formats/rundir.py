@@ -31,7 +31,8 @@
                                  tokens.jsonl, conversations.jsonl (by format)
 
 No other module builds a path inside a run directory; each file has one writer, named above. What
-run.json and prompts.msgpack hold, and how they are read, is in `formats.run`.
+run.json holds is in `formats.runplan`, what prompts.msgpack holds and how it is read in
+`formats.prompts`, and a run opened in `formats.run`.
 """
 
 from __future__ import annotations

@@ -7,17 +7,18 @@ command asks this module rather than reading those files itself.
                 again
     RETRY       `toolkit retry` (or a grown job) asked for ids to be generated again
                 (RUN/shards/NNNNN.retry)
-    UNTRUSTED   a done manifest of another run, or its file changed since (only when asked to check)
+    UNTRUSTED   a done manifest of another run, or (when asked to check) its file changed since
     HELD        unfinished, its file locked by a writer elsewhere right now (only when asked)
     FAILED      unfinished, failed in this group of workers, which do not claim it again (only when
                 asked)
     MISSING     unfinished: not started, or stopped part way
 
-A state is derived with only the checks its caller asks for, as they differ in cost: the fingerprint
-is a string compare, `verify` reads the whole file (sha256; "cheap": its size, and its sha256 only
-when the file was written after its manifest or the manifest later than the time it records, what
-`status` affords on every refresh), `held` tries
-the lock, `group` reads the progress file (of a shard not DONE).
+A run asks through `Run.shard_state(k, checks)`, which passes the run's fingerprint: a done
+manifest of another run is never taken for this run's. The other checks differ in cost, so a caller
+names the set it needs (`Checks`, one of the sets below): `verify` reads the whole file (sha256;
+"cheap": its size, and its sha256 only when the file was written after its manifest or the manifest
+later than the time it records, what `status` affords on every refresh), `held` tries the lock,
+`group` reads the progress file (of a shard not DONE).
 """
 
 from __future__ import annotations
@@ -51,13 +52,11 @@ class ShardState(enum.Enum):
 class ShardStatus(msgspec.Struct):
     shard: int
     state: ShardState
-    done: DoneManifest | None = None  # its done manifest, when there is one and it passed the
-    # checks asked for
-    progress: Progress | None = None  # its progress file, when asked for (`group` or
-    # `progress`, see shard_state)
+    # its done manifest, when there is one and it passed the checks asked for
+    done: DoneManifest | None = None
+    progress: Progress | None = None  # its progress file, when asked for (`group`, `Checks`)
     why: str | None = None  # UNTRUSTED: why its done manifest cannot be trusted
-    foreign: bool = False  # UNTRUSTED: the manifest is another run's (not a changed
-    # file)
+    foreign: bool = False  # UNTRUSTED: the manifest is another run's (not a changed file)
 
     @property
     def finished(self) -> bool:
@@ -75,41 +74,59 @@ class ShardStatus(msgspec.Struct):
         return self.done is not None
 
 
+class Checks(msgspec.Struct, frozen=True):
+    """What `shard_state` checks besides the done manifest's fingerprint (always checked).
+
+    `verify`: a done manifest whose file changed since (size, sha256; "cheap": the sha256 only of
+    a file written after it) is UNTRUSTED; `remove`: an untrusted manifest is removed, said in one
+    line (the shard's next run checks its file, salvages the intact frames and generates the rest);
+    `held`: an unfinished shard whose file another writer holds is HELD; `progress`: its progress
+    file is read ("unfinished": only when the shard is not DONE, all a claiming task needs: a done
+    shard costs it one file)."""
+
+    verify: bool | Literal["cheap"] = False
+    remove: bool = False
+    held: bool = False
+    progress: bool | Literal["unfinished"] = False
+
+
+# The sets callers ask for.
+MANIFEST = Checks()  # its done manifest and retry request: what most callers need
+BUSY = Checks(held=True)  # and whether a writer elsewhere holds an unfinished shard's file
+VERIFIED = Checks(verify=True)  # and whether its file is still what the manifest says
+REPAIRED = Checks(verify=True, remove=True)  # VERIFIED, an untrusted manifest removed
+CHEAP = Checks(verify="cheap")  # VERIFIED as far as a refresh of `status` affords
+STATUS = Checks(verify="cheap", progress=True)  # CHEAP, with its progress (`status`)
+WATCHED = Checks(progress=True)  # with its progress (`logs`)
+CLAIM = Checks(held=True, progress="unfinished")  # what a claiming task looks at
+
+
 def shard_state(
     rd: RunDir,
     k: int,
+    fingerprint: str,
+    checks: Checks = MANIFEST,
     *,
-    fingerprint: str | None = None,
-    verify: bool | Literal["cheap"] = False,
-    remove: bool = False,
-    recheck: bool = False,
-    held: bool = False,
     group: str | None = None,
-    progress: bool | Literal["unfinished"] = False,
+    recheck: bool = False,
 ) -> ShardStatus:
-    """The state of shard `k` of the run in `rd`, with the checks asked for:
-
-    `fingerprint`: a done manifest of another run is UNTRUSTED; `verify`: so is one whose file
-    changed since (size, sha256; "cheap": the sha256 only of a file written after it); `recheck`:
-    the caller already found it untrusted; `remove`: an
-    untrusted manifest is removed, said in one line (the shard's next run checks its file, salvages
-    the intact frames and generates the rest); `held`: an unfinished shard whose file another writer
-    holds is HELD; `group`: one whose progress says it failed in this group of workers is FAILED
-    (reads the progress of a shard not DONE); `progress`: its progress file is read ("unfinished":
-    only when the shard is not DONE, all a claiming task needs: a done shard costs it one file).
+    """The state of shard `k` of the run in `rd` whose fingerprint is `fingerprint`, with `checks`
+    (`Run.shard_state` passes the run's). `group`: an unfinished shard whose progress says it failed
+    in this group of workers is FAILED (reads the progress of a shard not DONE); `recheck`: the
+    caller already found its manifest untrusted.
     """
     m = read_done(rd.done_file(k))
     why, foreign = None, False
     if m is not None:
-        if fingerprint is not None and m.fingerprint != fingerprint:
+        if m.fingerprint != fingerprint:
             why, foreign = f"of run {m.fingerprint}, not of this run {fingerprint}", True
-        elif verify:
-            since = _unedited_since(rd, k, m) if verify == "cheap" else None
+        elif checks.verify:
+            since = _unedited_since(rd, k, m) if checks.verify == "cheap" else None
             why = verify_done(m, rd.shard_file(k), since=since)
         if why is None and recheck:
             why = "its file changed since it was written"
         if why is not None:
-            if remove:
+            if checks.remove:
                 log.warning(
                     "%s: %s: the done manifest is removed; the shard's next run checks its file, "
                     "keeps what is intact and generates the rest",
@@ -120,11 +137,12 @@ def shard_state(
             m = None
     retry = rd.retry_file(k).exists()
     done = m is not None and not m.transient and not retry
+    progress = checks.progress
     wanted = progress is True or (not done and (progress == "unfinished" or group is not None))
-    p = read_progress(rd.progress_file(k)) if wanted else None
+    p = read_progress(rd, k) if wanted else None
     if done:
         state = ShardState.DONE
-    elif held and held_elsewhere(rd.shard_file(k)):
+    elif checks.held and held_elsewhere(rd.shard_file(k)):
         state = ShardState.HELD
     elif group is not None and p is not None and p.state == "failed" and p.group == group:
         state = ShardState.FAILED
@@ -154,11 +172,6 @@ def _unedited_since(rd: RunDir, k: int, m: DoneManifest) -> float | None:
     except ValueError:
         return None
     return at if at is not None and at <= finished + EDITED_S else None
-
-
-def shard_states(rd: RunDir, shards, **checks) -> list[ShardStatus]:
-    """`shard_state` of each of `shards` (indices), with the same checks."""
-    return [shard_state(rd, k, **checks) for k in shards]
 
 
 def done_time(rd: RunDir, k: int) -> float | None:

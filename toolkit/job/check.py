@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.formats.files import shown_path
-from toolkit.formats.run import PlanError, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job.findings import Preflight, PreflightError, plural
 from toolkit.job.grow import grown_plan
-from toolkit.job.plan import find_run, load_run, plan_job
+from toolkit.job.plan import find_run, plan_job
 from toolkit.job.promptcheck import check_prompts, context_length
 from toolkit.job.render_slice import SHOWN
 from toolkit.job.spec import JobSpec, load_spec
@@ -223,7 +224,7 @@ def _check_run_dir(pf: Preflight) -> None:
         return
     if not exists:
         return
-    _, run = load_run(root)
+    run = Run.open(root, JobSpec, finish=True).plan
     if run.same_job(pf.plan):
         pf.notes.append(
             f"run directory: {shown_path(root)} holds this run already; `toolkit run`/`submit` "

@@ -15,8 +15,8 @@ import math
 import msgspec
 
 from toolkit.formats.progress import read_progress
-from toolkit.formats.run import RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 
 __all__ = ["Cost", "estimate", "measured_mean", "describe", "time_warning", "said"]
 
@@ -65,7 +65,7 @@ def measured_mean(rd: RunDir, plan: RunPlan) -> tuple[float, int] | None:
     None when the run has recorded fewer than MEASURED_AT_LEAST outputs."""
     done = tokens = 0
     for s in plan.shards:
-        p = read_progress(rd.progress_file(s.index))
+        p = read_progress(rd, s.index)
         if p is not None and p.done:
             done += p.done - p.failed
             tokens += p.output_tokens

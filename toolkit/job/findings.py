@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass, field
 
 from toolkit.errors import BadInputError
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.prompts import PromptRef
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat, check_cache
 from toolkit.job.spec import JobSpec
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import msgspec
 
-from toolkit.formats.run import ENGINE_PART, REPLAN, PlanError, Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import ENGINE_PART, REPLAN, PlanError, RunPlan
 from toolkit.formats.text import file_stamp
 from toolkit.job.spec import JobSpec, load_spec
 

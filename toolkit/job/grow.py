@@ -36,17 +36,11 @@ import msgspec
 from toolkit.formats import pending
 from toolkit.formats.manifests import RetryRequest
 from toolkit.formats.pending import PendingChange
-from toolkit.formats.run import (
-    Growth,
-    PlanError,
-    PromptIndex,
-    PromptRef,
-    RunPlan,
-    ShardPlan,
-    refs_bytes,
-)
+from toolkit.formats.prompts import PromptIndex, PromptRef, refs_bytes
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import asked_again, shard_state
+from toolkit.formats.runplan import Growth, PlanError, RunPlan, ShardPlan
+from toolkit.formats.shardstate import BUSY, asked_again
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.inputsdiff import InputsDiff, base_id, compare, prompts_of
 from toolkit.job.plan import _digest
@@ -194,7 +188,7 @@ def grow_run(
     plan as pinned. PlanError (nothing written) for changed (unless `allow_changed`) or removed
     prompts, or a shard being generated. `computed`: what `grown_plan` gave for these arguments."""
     grown, out, diff = computed or grown_plan(rd, run, plan, refs, allow_changed=allow_changed)
-    busy = [s.index for s in run.shards if shard_state(rd, s.index, held=True).busy]
+    busy = [s.index for s in run.shards if Run(rd, run).shard_state(s.index, BUSY).busy]
     if busy and not diff.legacy:
         raise PlanError(
             f"{rd.root}: the job's prompt files changed and shard{'s' * (len(busy) != 1)} "

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from toolkit.formats.run import RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job.promptline import InputError, Prompt, content_digest, parse_line
 from toolkit.job.sources import BOM, Source, SourceError, open_source, source_sha256
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.prompts import PromptRef
+from toolkit.formats.runplan import RunPlan
 
 SHOWN = 10  # prompts named per kind of change; the rest are counted
 

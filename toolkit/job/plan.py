@@ -14,8 +14,9 @@ the job when it is planned again.
 Where the run goes (output_dir, or a run beside it) is `findrun`'s to say; which settings a run
 takes from the job when it is planned again, `runsettings`'.
 
-The run directory's layout is in `formats.rundir`; what run.json and prompts.msgpack hold, and their
-one reader, in `formats.run`: planning uses it for every read and write of them.
+The run directory's layout is in `formats.rundir`; what run.json holds in `formats.runplan`, what
+prompts.msgpack holds and its one reader in `formats.prompts`, and a run opened in `formats.run`:
+planning uses them for every read and write of those files.
 
 Shard k owns a contiguous range of planned positions; planned positions are dealt round-robin from
 the input order, so every shard gets a similar mix of datasets and prompt lengths.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,24 +33,23 @@ from typing import Any
 import msgspec
 
 from toolkit.errors import FailedError
+from toolkit.formats import pending
 from toolkit.formats.files import FULL, atomic_write, io_problem, sha256_file
-from toolkit.formats.run import (
+from toolkit.formats.prompts import PromptRef, refs_bytes, refs_intact
+from toolkit.formats.run import Run
+from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import (
     ENGINE_PART,
     PLAN_FORMAT,
     STUB,
     DatasetPlan,
     PlanError,
-    PromptRef,
-    Run,
     RunPlan,
     ShardPlan,
     SkippedLine,
     fingerprint_of,
     plan_bytes,
-    refs_bytes,
-    refs_intact,
 )
-from toolkit.formats.rundir import RunDir
 from toolkit.formats.text import utc_now
 from toolkit.job.findrun import find_run
 from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset, source_errors
@@ -66,7 +65,6 @@ __all__ = [
     "plan_job",
     "create_run",
     "find_run",
-    "load_run",
 ]
 
 # skipped lines kept in run.json per dataset, with their reason; the rest are counted
@@ -295,14 +293,6 @@ def _parts(spec: JobSpec, datasets: list[DatasetPlan], refs: list[PromptRef]) ->
     return parts
 
 
-def load_run(run_dir: str | os.PathLike) -> tuple[RunDir, RunPlan[JobSpec]]:
-    """The run in `run_dir` opened by a command that plans or runs it: a change a crash interrupted
-    is finished first (formats.pending). Commands that only read open it with `Run.open(run_dir,
-    JobSpec)`."""
-    run = Run.open(run_dir, JobSpec, finish=True)
-    return run.rd, run.plan
-
-
 def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -> RunDir:
     """Pin `plan` into its run directory (`find_run`): resume the newest run of the same fingerprint
     in output_dir, else create one. A file system that refuses the folder, or is full, is a
@@ -310,7 +300,7 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
     root, exists = find_run(plan, new_run=new_run)
     rd = RunDir(root)
     if exists:
-        _, old = load_run(root)
+        old = Run.open(root, JobSpec, finish=True).plan
         if not old.same_job(plan):  # job.prepare grows the run first (grow.grow_run)
             raise PlanError(
                 f"{root} holds this job's run {old.fingerprint} with other prompt files: the job's "
@@ -329,7 +319,12 @@ def create_run(plan: RunPlan, refs: list[PromptRef], *, new_run: bool = False) -
                     "%s is damaged: written again from the job's prompt files (the same plan)",
                     rd.prompts_file,
                 )
-                atomic_write(rd.prompts_file, refs_bytes(old, refs))
+                # in the layout this toolkit writes, with run.json recording it: one change
+                prompts = refs_bytes(old, refs)
+                change = pending.PendingChange(
+                    "prompts.msgpack written again", plan_bytes(old), prompts
+                )
+                pending.apply(rd, change)
             update_settings(rd, old, plan.spec)
         except OSError as e:
             raise FailedError(io_problem(e, rd.plan_file, "run it again")) from None

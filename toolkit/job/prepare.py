@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.formats.run import PlanError, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job import check_cache
 from toolkit.job.check import Preflight, preflight, require_engine_here
 from toolkit.job.grow import grow_run, grown_plan
-from toolkit.job.plan import create_run, find_run, load_run
+from toolkit.job.plan import create_run, find_run
 from toolkit.job.spec import JobSpec
 
 __all__ = ["PreparedRun", "prepare_run"]
@@ -84,7 +85,7 @@ def prepare_run(
     run, ours = None, True
     try:
         root, exists = find_run(pf.plan, new_run=new_run)
-        run = load_run(root)[1] if exists else None
+        run = Run.open(root, JobSpec, finish=True).plan if exists else None
         grows = run is not None and not run.same_job(pf.plan)
         grown = (
             grown_plan(RunDir(root), run, pf.plan, pf.refs, allow_changed=allow_changed)
@@ -112,4 +113,10 @@ def prepare_run(
     rd = create_run(pf.plan, pf.refs, new_run=new_run)
     if pf.learned is not None:
         check_cache.save(rd.check_file, pf.learned)
-    return PreparedRun(pf, rd, created=True, validated=validated, run_plan=load_run(rd.root)[1])
+    return PreparedRun(
+        pf,
+        rd,
+        created=True,
+        validated=validated,
+        run_plan=Run.open(rd.root, JobSpec, finish=True).plan,
+    )

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from toolkit.formats.run import PlanError, RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job import chat, check_cache, render_pool
 from toolkit.job.findings import Preflight, PreflightError, plural
 from toolkit.job.findrun import find_run

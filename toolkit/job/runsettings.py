@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 
 from toolkit.formats.files import atomic_write
-from toolkit.formats.run import RunPlan, plan_bytes
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan, plan_bytes
 from toolkit.job.spec import JobSpec
 
 log = logging.getLogger(__name__)

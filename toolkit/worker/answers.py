@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from toolkit.engines.endpoints import GenerateResult
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import (
     ABORTED,
     FAILED,
@@ -19,7 +20,6 @@ from toolkit.formats.records import (
     pack_ids,
     split_output,
 )
-from toolkit.formats.run import PromptRef
 
 __all__ = ["Generated", "empty_partial", "partial_record", "result_record"]
 

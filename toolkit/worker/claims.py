@@ -37,10 +37,11 @@ import time
 
 import msgspec
 
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import ShardStatus
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.policy import pick, start_of
 from toolkit.worker.poolview import (
     HANDOVER_WAIT_S,
@@ -115,7 +116,8 @@ def run_claims(
     the start)."""
 
     async def claim() -> ClaimResult:
-        rd, plan = load_run(run_dir)
+        run = Run.open(run_dir, JobSpec, finish=True)
+        rd, plan = run.rd, run.plan
         recheck = untrusted(rd, plan, pool) if verify else set()
         session = EngineSession(plan.spec, task=task, group=group)
         claims = Claims(
@@ -156,6 +158,7 @@ class Claims(Shards):
         recheck: set[int],
     ):
         self.rd, self.plan, self.pool, self.session = rd, plan, pool, session
+        self.opened = Run(rd, plan)  # the run, for its shards' states
         self.start, self.group, self.keep_going = start, group, keep_going
         self.recheck = recheck  # done manifests not trusted: claimable again (see `untrusted`)
         self.who = session.task or "worker"
@@ -209,7 +212,7 @@ class Claims(Shards):
         """The next shard claimed and opened, or None when none is left (or the worker stops)."""
         session = self.session
         while not session.stop.is_set():
-            states = look(self.rd, self.pool, group=self.group, recheck=self.recheck)
+            states = look(self.opened, self.pool, group=self.group, recheck=self.recheck)
             k = pick(claimable(self.plan, states, self.skip), self.pool, self.start)
             if k is None and self._wait_for_handover(states):
                 # a task leaving releases its shards once its requests are back
@@ -267,7 +270,7 @@ class Claims(Shards):
         if not self.plan.spec.client.save_in_flight:
             return False
         self.handed_until = time.monotonic() + HANDOVER_WAIT_S
-        return hand_over(self.rd, self.pool, self.who, batch)
+        return hand_over(self.opened, self.pool, self.who, batch)
 
     def _finish(self) -> None:
         """The result's last words: requests handed over, the stop, the shards others hold."""
@@ -283,7 +286,7 @@ class Claims(Shards):
             )
         if session.stop.is_set() and result.stopped is None and not session.stop.leaving:
             result.stopped = session.stop.signal or "stop"
-        result.busy = busy(self.rd, self.pool) if result.stopped is None else []
+        result.busy = busy(self.opened, self.pool) if result.stopped is None else []
 
     def _say_end(self) -> None:
         result, session = self.result, self.session

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from toolkit.formats.prompts import PromptRef, ShardRefs
 from toolkit.formats.records import TEMPLATE
-from toolkit.formats.run import PromptRef, RunPlan, ShardRefs
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
 from toolkit.job.turns import turn_prompt

@@ -23,9 +23,10 @@ from toolkit.engines.answer import Expect
 from toolkit.errors import BadInputError
 from toolkit.formats.manifests import write_done
 from toolkit.formats.progress import Progress, slurm_context, write_progress
+from toolkit.formats.prompts import ShardRefs
 from toolkit.formats.records import MAY_PASS, OK, PARTIAL, Record
-from toolkit.formats.run import RefSlice, RunPlan
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.job import chat
 from toolkit.worker.feed import Budget, Feed, RenderState, Todo, render_thread
@@ -146,7 +147,7 @@ class Shard:
         with shard_lines(self.shard):
             if any(d.regenerate for d in self.plan.datasets):
                 self.chains = state.chains = Chains(
-                    self, feed, RefSlice(self.rd, self.sp.first, self.sp.count), self.history
+                    self, feed, ShardRefs(self.rd, self.plan, self.shard), self.history
                 )
             ctx = contextvars.copy_context()  # the render thread's lines are the shard's
         self.renderer = threading.Thread(

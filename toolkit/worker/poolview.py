@@ -9,9 +9,10 @@ import fcntl
 import logging
 
 from toolkit.formats.locks import try_flock
-from toolkit.formats.run import RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, ShardStatus, shard_state
+from toolkit.formats.runplan import RunPlan
+from toolkit.formats.shardstate import BUSY, CLAIM, VERIFIED, ShardState, ShardStatus
 from toolkit.worker.policy import Candidate, Tail, hands_over
 
 __all__ = [
@@ -29,16 +30,13 @@ log = logging.getLogger("toolkit.worker.claims")
 
 
 def look(
-    rd: RunDir, pool: list[int], *, group: str | None = None, recheck: set[int] = frozenset()
+    run: Run, pool: list[int], *, group: str | None = None, recheck: set[int] = frozenset()
 ) -> list[ShardStatus]:
     """Every shard of `pool` as a claiming task sees it, in one scan: done, held by a writer
     elsewhere, failed in this group (`group`), untrusted (in `recheck`), or claimable; with the
     progress of those not done (a done shard costs one file). One look serves the choice of the next
     shard (`claimable`) and the wait for shards being handed over; `tails` takes its own."""
-    return [
-        shard_state(rd, k, recheck=k in recheck, held=True, group=group, progress="unfinished")
-        for k in pool
-    ]
+    return [run.shard_state(k, CLAIM, group=group, recheck=k in recheck) for k in pool]
 
 
 def claimable(plan: RunPlan, states: list[ShardStatus], skip: set[int]) -> list[Candidate]:
@@ -64,24 +62,19 @@ def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
     """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed
     since (size, sha256). Running them again checks the file, salvages what is intact and generates
     the rest (worker.run)."""
-    return {
-        k
-        for k in pool
-        if shard_state(rd, k, fingerprint=plan.fingerprint, verify=True).state
-        is ShardState.UNTRUSTED
-    }
+    return {k for k in pool if Run(rd, plan).shard_state(k, VERIFIED).state is ShardState.UNTRUSTED}
 
 
 # a task with nothing open waits this long for shards another task hands over
 HANDOVER_WAIT_S = 90.0
 
 
-def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
+def tails(run: Run, pool: list[int], me: str) -> list[Tail]:
     """The other live tasks at the run's tail, as the progress files of the shards they hold say
     (a fresh `look`): requests running, requests kept in flight, leaving or not (a task holding
     several shards counts once)."""
     out: dict[str, Tail] = {}
-    for st in look(rd, pool):
+    for st in look(run, pool):
         p = st.progress
         if (
             st.state is not ShardState.HELD
@@ -100,20 +93,20 @@ def tails(rd: RunDir, pool: list[int], me: str) -> list[Tail]:
     return list(out.values())
 
 
-def hand_over(rd: RunDir, pool: list[int], me: str, batch) -> bool:
+def hand_over(run: Run, pool: list[int], me: str, batch) -> bool:
     """Whether this task leaves at the run's tail (worker.policy.hands_over), decided and published
     (its shards' progress says `leaving`) under the run's handover lock, so that two tasks never
     leave for each other. False when another task holds the lock (the next look decides)."""
-    with open(rd.handover_lock, "a+b") as f:
+    with open(run.rd.handover_lock, "a+b") as f:
         # never waited for: this runs on the event loop; the next look comes a second later
         taken = try_flock(f.fileno())
         if taken is None:  # two tasks could leave for each other: each finishes its own shards
-            log.debug("%s: no flock on this file system: no handover", rd.handover_lock)
+            log.debug("%s: no flock on this file system: no handover", run.rd.handover_lock)
         if not taken:
             return False
         try:
             if not hands_over(
-                Tail(me, batch.in_flight, batch.target), tails(rd, pool, me), claimable=0
+                Tail(me, batch.in_flight, batch.target), tails(run, pool, me), claimable=0
             ):
                 return False
             for sh in batch.shards:
@@ -132,5 +125,5 @@ def being_handed_over(states: list[ShardStatus]) -> bool:
     )
 
 
-def busy(rd: RunDir, pool: list[int]) -> list[int]:
-    return [k for k in pool if shard_state(rd, k, held=True).busy]
+def busy(run: Run, pool: list[int]) -> list[int]:
+    return [k for k in pool if run.shard_state(k, BUSY).busy]

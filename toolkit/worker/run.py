@@ -43,13 +43,15 @@ from toolkit.formats.locks import ShardLocked
 from toolkit.formats.logline import text_formatter
 from toolkit.formats.newest import newest_records, scan_shard
 from toolkit.formats.progress import Progress
+from toolkit.formats.prompts import ShardRefs
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import RunPlan, ShardRefs
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
+from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ForeignShard, Recovered
-from toolkit.formats.shardstate import ShardState, retry_request, shard_state
+from toolkit.formats.shardstate import VERIFIED, ShardState, retry_request
 from toolkit.job.inputs import check_plan_inputs
-from toolkit.job.plan import load_run
+from toolkit.job.spec import JobSpec
 from toolkit.worker.feed import Todo
 from toolkit.worker.openshard import Resumed, Shard
 from toolkit.worker.session import EngineSession
@@ -208,7 +210,8 @@ def run_shard(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
 
 async def _run_one(run_dir: str | os.PathLike, shard: int) -> ShardEnd:
     try:
-        rd, plan = load_run(run_dir)
+        run = Run.open(run_dir, JobSpec, finish=True)
+        rd, plan = run.rd, run.plan
     except OSError as e:  # before the shard's log is open, or it cannot be
         raise disk_failure(e, RunDir(run_dir), shard) from None
     session = EngineSession(plan.spec)
@@ -282,7 +285,7 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
     """Whether the shard's done manifest can be trusted to say there is nothing to do: its file
     unchanged (size and sha256), no transient failure left, no retry asked. An untrusted manifest is
     removed (merge and status must not take the shard as complete while it is being redone)."""
-    st = shard_state(rd, shard, fingerprint=plan.fingerprint, verify=True)
+    st = Run(rd, plan).shard_state(shard, VERIFIED)
     if st.foreign or st.state is not ShardState.UNTRUSTED and st.done is None:
         return False
     if st.state is ShardState.UNTRUSTED:
@@ -311,7 +314,7 @@ def _already_complete(rd: RunDir, plan: RunPlan, shard: int) -> bool:
 def _plan_todo(rd: RunDir, sh: Shard, found: Recovered, redo: set[str]) -> Todo:
     """The shard's prompts not recorded yet, or to redo; ShardFailed when the file holds ids of
     another shard."""
-    refs = ShardRefs(rd, sh.sp)
+    refs = ShardRefs(rd, sh.plan, sh.shard)
     done_ids = found.done
     if not done_ids and not found.foreign:  # a fresh shard: every prompt, without reading a ref
         return Todo(refs)

@@ -107,7 +107,7 @@ def disk_failure(e: OSError, rd: RunDir, shard: int) -> ShardFailed | ShardRefus
 def _mark_failed(rd: RunDir, shard: int, msg: str) -> None:
     """Best effort: the shard's progress file says failed and why (it may itself be unwritable)."""
     try:
-        p = read_progress(rd.progress_file(shard)) or Progress(shard=shard, total=0)
+        p = read_progress(rd, shard) or Progress(shard=shard, total=0)
         p.state, p.error = "failed", msg
         write_progress(rd.progress_file(shard), p)
     except (OSError, ValueError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from toolkit.formats.prompts import PromptRef, ShardRefs
 from toolkit.formats.records import (
     FAILURES,
     OK,
@@ -17,7 +18,7 @@ from toolkit.formats.records import (
     Record,
     failed_record,
 )
-from toolkit.formats.run import PromptRef, RefSlice, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
 from toolkit.job.turns import answer_of, turn_prompt
@@ -38,7 +39,7 @@ class Chains:
     loop's thread; the renders of waiting turns run on an executor thread with their own prompt
     reader."""
 
-    def __init__(self, sh: Recorder, feed: Feed, refs: RefSlice, done: dict[str, Record]):
+    def __init__(self, sh: Recorder, feed: Feed, refs: ShardRefs, done: dict[str, Record]):
         self.sh, self.feed, self.refs = sh, feed, refs
         self.plan = sh.plan
         self.tok = self.info = None

@@ -17,8 +17,9 @@ from toolkit.dataset.export.selection import OTHER_TURN, _Account, _batches, _De
 from toolkit.dataset.export.text import _ids, _Text, _Tokens
 from toolkit.dataset.export.tokens import loss_mask
 from toolkit.dataset.trainers import RoundTrip, trainer_json
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import OK, Record
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job.inputs import PromptReader
 from toolkit.job.toolcalls import parse_tool_calls
 from toolkit.job.turns import answer_message, turn_messages, user_turns

@@ -12,8 +12,9 @@ import msgspec
 
 from toolkit.dataset.export.selection import _Account, _Defects, _kept
 from toolkit.dataset.export.text import _ids, _Meta, _Text, _Tokens, stop_columns
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import Record
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 
 
 class JsonlRecord(msgspec.Struct):

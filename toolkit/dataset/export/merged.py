@@ -11,9 +11,10 @@ import msgspec
 from toolkit.dataset.export.selection import ExportError
 from toolkit.dataset.merge import MERGED, MergeManifest
 from toolkit.formats.frames import CorruptShard, read_header
-from toolkit.formats.run import Run, RunPlan
+from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.formats.shardstate import ShardState, shard_state
+from toolkit.formats.runplan import RunPlan
+from toolkit.formats.shardstate import ShardState
 from toolkit.formats.text import ranges
 
 
@@ -62,7 +63,7 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
     for m in manifest.shards:
         path = rd.shard_file(m.index)
         size = path.stat().st_size if path.exists() else 0
-        if size != m.bytes or shard_state(rd, m.index).state is ShardState.RETRY:
+        if size != m.bytes or Run(rd, plan).shard_state(m.index).state is ShardState.RETRY:
             changed.append(m.index)
     if changed:
         return (

@@ -14,8 +14,9 @@ import numpy as np
 
 from toolkit.dataset.export.selection import ExportError, _Account, _Defects, _kept
 from toolkit.dataset.export.text import _Meta, _Text, _Tokens, stop_columns
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import Record
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 
 PARQUET_ROWS = 1024  # records per Parquet row group
 

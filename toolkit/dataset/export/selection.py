@@ -34,8 +34,9 @@ from toolkit.dataset.quality import KEPT_FOR_DRAFTERS, SKIP_REASONS, Judge
 from toolkit.dataset.trainer_config import LengthFigures, RowLengths
 from toolkit.errors import BadInputError
 from toolkit.formats.frames import CorruptShard, decode_batch, iter_frames
+from toolkit.formats.prompts import PromptIndex, PromptRef
 from toolkit.formats.records import OK, RECORD_CHECKS, Record, defects, id_positions
-from toolkit.formats.run import PromptIndex, PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.formats.prompts import PromptRef
 from toolkit.formats.records import Record, split_parts
-from toolkit.formats.run import PromptRef, RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import ExtraReader
 from toolkit.job.sources import SourceError, source_sha256

@@ -12,7 +12,7 @@ from toolkit.dataset.export.jsonl import _write_lines
 from toolkit.dataset.export.selection import _Account, _Defects, _kept
 from toolkit.dataset.export.text import _ids, _Tokens
 from toolkit.formats.records import id_at
-from toolkit.formats.run import RunPlan
+from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 
 
