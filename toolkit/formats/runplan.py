@@ -118,7 +118,7 @@ class RunPlan(msgspec.Struct, Generic[S]):
     # prompts.msgpack as refs_bytes wrote it (0 and "": planned by an older toolkit)
     prompts_bytes: int = 0
     prompts_sha256: str = ""
-    prompts_layout: int = 1  # how prompts.msgpack is laid out (formats.prompts.LAYOUTS)
+    prompts_layout: int = 1  # how prompts.msgpack is laid out (formats.prompts.FLAT, BY_SHARD)
 
     @property
     def noun(self) -> str:
