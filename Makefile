@@ -8,6 +8,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
+# make test: the suite in this many processes side by side (the tiers of the cluster, real SGLang and the trainers
+# each in one of them, one test after another: tests/conftest.py); 1 runs it in one process
+TEST_PROCESSES ?= 4
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo install install-test test bench venv
@@ -29,7 +32,7 @@ install-test: venv
 	PYTHON=$(PYTHON) bash tests/trainers/install.sh
 
 test: install-test
-	env=$$(bash slurm/start.sh) && eval "$$env" && $(VPY) -m pytest -q; rc=$$?; bash slurm/stop.sh; exit $$rc
+	env=$$(bash slurm/start.sh) && eval "$$env" && $(VPY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup; rc=$$?; bash slurm/stop.sh; exit $$rc
 
 bench: install
 	$(VPY) benchmarks/bench_worker.py
