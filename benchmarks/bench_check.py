@@ -198,16 +198,16 @@ def timed(
 # loaded and the plan made before the clock starts). Prints its CPU seconds.
 STAGE = """
 import sys, time
-from toolkit.job import chat, render_pool
+from toolkit.job import chat, render_pool, render_slice
 from toolkit.job.check import context_length
 from toolkit.job.plan import plan_job
 from toolkit.job.spec import load_spec
 spec = load_spec(sys.argv[1]); m = spec.model
 plan, _ = plan_job(spec)
 tok = chat.load_tokenizer(m); info = chat.token_info(tok, m)
-setting = render_pool.Setting(m, info, context_length(spec)[0], *render_pool.bound_kind(tok, m))
+setting = render_slice.Setting(m, info, context_length(spec)[0], *render_slice.bound_kind(tok, m))
 mnt = spec.sampling["max_new_tokens"]
-work = [render_pool.Slice(i, d.path, d.name, d.regenerate, mnt, o, n, line)
+work = [render_slice.Slice(i, d.path, d.name, d.regenerate, mnt, o, n, line)
         for i, d in enumerate(spec.datasets) for o, n, line in render_pool.slices(d.path)]
 t = time.process_time()
 done = sum(o.prompts for o in render_pool.measure(tok, setting, work, total=plan.total, workers=1))

@@ -29,7 +29,8 @@ from toolkit.formats.progress import Progress, write_progress  # noqa: E402
 from toolkit.formats.run import Run  # noqa: E402
 from toolkit.formats.shardfile import ShardWriter  # noqa: E402
 from toolkit.job.plan import create_run, plan_job  # noqa: E402
-from toolkit.job.spec import JobSpec, load_spec  # noqa: E402
+from toolkit.job.schema import JobSpec
+from toolkit.job.spec import load_spec
 from toolkit.worker.poolview import look, tails  # noqa: E402
 
 TOKENIZER = REPO / "jobs" / "demo" / "tokenizer"

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-
 # The tiers that run one test at a time, each beside the rest of the suite when it runs in processes side by side
 # (`pytest -n N --dist loadgroup`, as `make test` does): the tests of one local cluster, of one real SGLang server
 # (and its tiny model), of the trainers' torch. A test of two tiers belongs to the first named here.

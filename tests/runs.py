@@ -29,7 +29,8 @@ from toolkit.formats.shardfile import ShardWriter
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
 from toolkit.job.plan import create_run, plan_job
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.schema import JobSpec
+from toolkit.job.spec import load_spec
 
 THINKING_KWARGS = {"kimi": {"thinking": True}, "qwen3": {"enable_thinking": True}, "deepseek": {}}
 

@@ -272,7 +272,7 @@ def test_a_damaged_run_json_among_another_jobs_shards_is_not_planned_over(comple
     rd = complete_run
     rd.plan_file.write_bytes(b"")
     from toolkit.formats.runplan import PlanError
-    from toolkit.job.plan import find_run
+    from toolkit.job.findrun import find_run
     from toolkit.job.prepare import prepare_run
 
     plan = prepare_run(rd.root.parent / "job.toml", dry_run=True, keep_learned=False).preflight.plan
@@ -402,7 +402,7 @@ def test_a_shard_file_of_another_run_is_told_to_be_moved_aside_and_that_works(
 def test_a_damaged_header_merge_keeps_what_the_workers_salvage_keeps(
     complete_run, capsys, caplog, at
 ):
-    from toolkit.dataset.merge import load_manifest
+    from toolkit.dataset.merge_manifest import load_manifest
 
     rd = complete_run
     _flip(rd.shard_file(0), at)

@@ -27,7 +27,7 @@ from toolkit.formats.logline import parse_relayed
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.job.check import require_engine_here
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = ["local_group", "run_shards", "workers_here"]
 

@@ -155,7 +155,7 @@ def test_a_finished_shard_file_damaged_after_the_run_is_resubmitted_and_the_run_
 
 def test_a_grown_job_submitted_again_sends_only_its_new_shard(tmp_path, toy_tokenizer):
     from toolkit.dataset.audit_report import read_report
-    from toolkit.dataset.merge import load_manifest
+    from toolkit.dataset.merge_manifest import load_manifest
 
     job = slurm_job(tmp_path, toy_tokenizer("kimi"), n=8, shards=2)
     toolkit("submit", str(job))

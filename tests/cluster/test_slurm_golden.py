@@ -303,7 +303,7 @@ def test_retry_slurm_says_why_each_shard_goes_again(fake, tmp_path, toy_tokenize
 
     from toolkit.formats.manifests import DoneManifest
     from toolkit.formats.run import Run
-    from toolkit.job.spec import JobSpec
+    from toolkit.job.schema import JobSpec
 
     job = make_job(
         tmp_path, toy_tokenizer("kimi"), n=6, shards=3, name="golden", slurm=SLURM, engine=ENGINE

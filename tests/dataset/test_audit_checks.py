@@ -12,9 +12,9 @@ from toolkit.dataset.audit_report import (
     Reprompt,
     ShardStats,
 )
-from toolkit.dataset.merge import FrameProblem
+from toolkit.dataset.merge_manifest import FrameProblem
 from toolkit.job.chat import TokenInfo
-from toolkit.job.spec import AuditSpec, ModelSpec
+from toolkit.job.schema import AuditSpec, ModelSpec
 
 RUN = Path("runs/r")
 INFO = TokenInfo(

@@ -16,7 +16,8 @@ import runs
 from toolkit import read_run
 from toolkit.cli import main as cli_main
 from toolkit.dataset.finish import AuditFailed, merge_and_audit
-from toolkit.dataset.merge import MERGED, MergeError, load_manifest, merge_run
+from toolkit.dataset.merge import merge_run
+from toolkit.dataset.merge_manifest import MERGED, MergeError, load_manifest
 from toolkit.formats.frames import iter_frames, read_header, read_shard
 from toolkit.formats.records import OK
 

@@ -16,7 +16,7 @@ from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import Selection, export_run
 from toolkit.dataset.finish import audit_and_report
 from toolkit.dataset.merge import merge_run
-from toolkit.dataset.quality import LOOP_MIN_TOKENS, LOOP_WINDOW, repetition_loop
+from toolkit.formats.loops import LOOP_MIN_TOKENS, LOOP_WINDOW, repetition_loop
 
 
 def lines(path) -> list[dict]:
@@ -26,7 +26,7 @@ def lines(path) -> list[dict]:
 @pytest.fixture(scope="module")
 def pool(toy_tokenizer):
     from toolkit.job import chat
-    from toolkit.job.spec import ModelSpec
+    from toolkit.job.schema import ModelSpec
 
     tok = chat.load_tokenizer(ModelSpec(path=str(toy_tokenizer("kimi"))))
     return runs.text_pool(tok, "quality-kimi", 400_000)

@@ -28,7 +28,7 @@ from toolkit.formats.prompts import (
 )
 from toolkit.formats.run import Run
 from toolkit.formats.runplan import PlanError, plan_bytes
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 
 def snapshot(root: Path) -> dict[str, tuple]:

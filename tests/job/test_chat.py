@@ -13,7 +13,7 @@ import pytest
 
 from toolkit.job import chat
 from toolkit.job.chat import ChatError
-from toolkit.job.spec import ModelSpec as Model
+from toolkit.job.schema import ModelSpec as Model
 from toolkit.stub.toy_tokenizer import build_tokenizer
 from toolkit.stub.toy_tokenizer import main as toy_tokenizer_cli
 

@@ -13,7 +13,9 @@ import pytest
 from jobfiles import make_job, prepared_run, write_prompts
 from toolkit.cli import main
 from toolkit.job import chat
-from toolkit.job.check import PreflightError, context_length, preflight
+from toolkit.job.check import preflight
+from toolkit.job.findings import PreflightError
+from toolkit.job.promptcheck import context_length
 from toolkit.job.spec import load_spec
 
 

@@ -114,7 +114,7 @@ def test_a_run_of_the_job_gives_its_measured_mean(tmp_path, toy_tokenizer):
     from toolkit.formats.records import OK
     from toolkit.formats.run import Run
     from toolkit.job import cost
-    from toolkit.job.spec import JobSpec
+    from toolkit.job.schema import JobSpec
 
     job = make_job(
         tmp_path,

@@ -19,15 +19,18 @@ import pytest
 from jobfiles import make_job, prepared_run
 from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import export_run, side_file
-from toolkit.dataset.merge import load_manifest, merge_run
+from toolkit.dataset.merge import merge_run
+from toolkit.dataset.merge_manifest import load_manifest
 from toolkit.dataset.report import summary_table
 from toolkit.engines.stub import start_standalone
 from toolkit.formats.frames import read_shard
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import ENGINE_PART, PlanError, fingerprint_of
-from toolkit.job.plan import find_run, plan_job
+from toolkit.job.findrun import find_run
+from toolkit.job.plan import plan_job
 from toolkit.job.spec import load_spec
-from toolkit.worker.run import DONE, ShardFailed, run_shard
+from toolkit.worker.run import DONE, run_shard
+from toolkit.worker.shard import ShardFailed
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from jobfiles import make_job, prepared_run, write_prompts
 from runs import planned_refs
 from toolkit.cli import main as cli_main
 from toolkit.dataset.audit_report import read_report
-from toolkit.dataset.merge import load_manifest
+from toolkit.dataset.merge_manifest import load_manifest
 from toolkit.formats.files import sha256_file
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import RetryRequest, read_done, write_retry
@@ -20,7 +20,7 @@ from toolkit.formats.prompts import refs_bytes
 from toolkit.formats.run import Run
 from toolkit.formats.runplan import PlanError
 from toolkit.job.plan import _digest
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 
 @pytest.fixture(scope="module")

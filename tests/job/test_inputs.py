@@ -2,14 +2,8 @@
 
 import pytest
 
-from toolkit.job.inputs import (
-    InputError,
-    check_unique_ids,
-    content_digest,
-    prompt_id,
-    read_prompt_at,
-    scan_dataset,
-)
+from toolkit.job.inputs import check_unique_ids, prompt_id, read_prompt_at, scan_dataset
+from toolkit.job.promptline import InputError, content_digest
 
 
 def scan(tmp_path, data: bytes, name="ds"):

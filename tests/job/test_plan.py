@@ -13,7 +13,8 @@ from toolkit.dataset.audit import audit_run
 from toolkit.dataset.export import ExportError, export_run
 from toolkit.formats.run import Run
 from toolkit.formats.runplan import PlanError
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.schema import JobSpec
+from toolkit.job.spec import load_spec
 from toolkit.job.specerrors import SpecError
 
 

@@ -11,8 +11,9 @@ import pytest
 
 from jobfiles import make_job, write_prompts
 from toolkit.errors import BadInputError
-from toolkit.job import render_pool
-from toolkit.job.check import PreflightError, preflight
+from toolkit.job import render_pool, render_slice
+from toolkit.job.check import preflight
+from toolkit.job.findings import PreflightError
 
 
 def two_datasets(tmp_path, tok, n=60, **tables):
@@ -160,17 +161,17 @@ def test_a_quick_job_draws_nothing(monkeypatch):
 
 def test_a_slice_whose_file_changed_since_planning_is_an_error_naming_it(tmp_path, toy_tokenizer):
     from toolkit.job import chat
-    from toolkit.job.spec import ModelSpec
+    from toolkit.job.schema import ModelSpec
 
     model = ModelSpec(path=str(toy_tokenizer("kimi")))
     tok = chat.load_tokenizer(model)
-    setting = render_pool.Setting(
-        model, chat.token_info(tok, model), 4096, *render_pool.bound_kind(tok, model)
+    setting = render_slice.Setting(
+        model, chat.token_info(tok, model), 4096, *render_slice.bound_kind(tok, model)
     )
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
     work = [
-        render_pool.Slice(0, str(path), "d", False, 64, offset, size, line)
+        render_slice.Slice(0, str(path), "d", False, 64, offset, size, line)
         for offset, size, line, *_ in render_pool.slices(str(path), size=8)
     ]
     assert len(work) == 2

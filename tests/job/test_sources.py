@@ -18,8 +18,9 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.records import unpack_ids
 from toolkit.formats.rundir import RunDir
 from toolkit.job import chat
-from toolkit.job.inputs import InputError, PromptReader, content_digest, scan_dataset
+from toolkit.job.inputs import PromptReader, scan_dataset
 from toolkit.job.plan import plan_job
+from toolkit.job.promptline import InputError, content_digest
 from toolkit.job.spec import load_spec
 
 ROWS = [
@@ -247,7 +248,7 @@ def test_a_datasets_folder_and_a_hub_dataset_in_the_local_cache(tmp_path, plain,
     [
         (
             "ds.jsonl",
-            gzip.compress(b'{"prompt": "x"}\n'),
+            gzip.compress(b'{"prompt": "x"}\n', mtime=0),
             "gzip-compressed but named .jsonl: name it with .jsonl.gz",
         ),
         (

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from jobfiles import make_job, prepared_run
-from toolkit.job.inputs import InputError
 from toolkit.job.plan import plan_job
+from toolkit.job.promptline import InputError
 from toolkit.job.spec import load_spec
 from toolkit.job.turns import answer_message, turn_messages, user_turns
 
@@ -88,7 +88,8 @@ from toolkit.formats.records import unpack_ids  # noqa: E402
 from toolkit.job import chat  # noqa: E402
 from toolkit.job.inputs import scan_dataset  # noqa: E402
 from toolkit.job.turns import answer_of, turn_prompt  # noqa: E402
-from toolkit.worker.run import ShardFailed, run_shard  # noqa: E402
+from toolkit.worker.run import run_shard
+from toolkit.worker.shard import ShardFailed
 
 
 def chats(k: int) -> list[list[dict]]:

@@ -1612,7 +1612,7 @@ def test_sigterm_handler_drains_unless_ignored():
 def test_loops_and_identical_samples_on_request(fleet, tokenizers):
     """--degenerate-fraction: that share of outputs repeat one short span until max_new_tokens, the others are the
     outputs of a stub without it; --identical-samples: the samples of a prompt are the same even when seeded."""
-    from toolkit.dataset.quality import repetition_loop
+    from toolkit.formats.loops import repetition_loop
 
     tok, plain, loops = tokenizers["kimi"], fleet["kimi"].wait_ready(), fleet["loops"].wait_ready()
     looped = 0

@@ -13,7 +13,8 @@ from jobfiles import make_job, prepared_run, write_prompts
 from toolkit.cluster.retry import request_retry
 from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
-from toolkit.worker.run import DONE, ShardFailed, run_shard
+from toolkit.worker.run import DONE, run_shard
+from toolkit.worker.shard import ShardFailed
 
 MARK = "POISONED"
 

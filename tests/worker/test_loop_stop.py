@@ -21,7 +21,9 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.loops import repetition_loop
 from toolkit.formats.progress import read_progress
 from toolkit.formats.records import LOOP, OK, PARTIAL, Record, defects
-from toolkit.job.spec import ClientSpec, SpecError, load_spec
+from toolkit.job.schema import ClientSpec
+from toolkit.job.spec import load_spec
+from toolkit.job.specerrors import SpecError
 from toolkit.worker.generate import segment_tokens
 from toolkit.worker.run import DONE, run_shard
 

@@ -23,7 +23,7 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.run import Run
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 from toolkit.worker.claims import run_claims
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,9 +24,10 @@ from toolkit.formats.progress import read_progress
 from toolkit.formats.records import unpack_ids
 from toolkit.formats.run import Run
 from toolkit.formats.runplan import PlanError
-from toolkit.job.check import PreflightError
-from toolkit.job.spec import JobSpec
-from toolkit.worker.run import DONE, ShardFailed, run_shard
+from toolkit.job.findings import PreflightError
+from toolkit.job.schema import JobSpec
+from toolkit.worker.run import DONE, run_shard
+from toolkit.worker.shard import ShardFailed
 
 
 def records(run: Path, shard: int = 0):
@@ -463,7 +464,7 @@ def test_5xx_bursts_are_retried(tmp_path, kimi):
 @pytest.mark.slow
 def test_5xx_past_the_retries_are_generated_again_by_toolkit_retry(tmp_path, kimi, capsys):
     from toolkit.cli import main as cli_main
-    from toolkit.dataset.merge import load_manifest
+    from toolkit.dataset.merge_manifest import load_manifest
 
     # a 503 on every request of the prompts holding "equivalent" (5 of 12); the engine's probe passes
     job = make_job(

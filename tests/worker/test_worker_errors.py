@@ -20,7 +20,8 @@ from toolkit.formats.frames import read_shard
 from toolkit.formats.manifests import read_done
 from toolkit.formats.progress import read_progress
 from toolkit.formats.shardfile import ShardWriter
-from toolkit.worker.run import DONE, ShardFailed, ShardRefused, run_shard
+from toolkit.worker.run import DONE, ShardRefused, run_shard
+from toolkit.worker.shard import ShardFailed
 
 
 @pytest.fixture(scope="module")

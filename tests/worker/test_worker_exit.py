@@ -15,9 +15,10 @@ import pytest
 
 from jobfiles import make_job, prepared_run
 from toolkit.engines.stub import start_standalone
+from toolkit.errors import EXIT_STUCK
 from toolkit.formats.manifests import read_done
 from toolkit.formats.rundir import RunDir
-from toolkit.worker.exitguard import EXIT_STUCK, ExitGuard
+from toolkit.worker.exitguard import ExitGuard
 
 RUNS = 100
 

@@ -112,7 +112,7 @@ def add_worker(sub) -> None:
 
 def cmd_worker(args) -> int:
     from toolkit.formats.run import Run
-    from toolkit.job.spec import JobSpec
+    from toolkit.job.schema import JobSpec
 
     at_least("--workers", args.workers, 1, "workers that share the shards")
     if not 0 <= args.worker < args.workers:

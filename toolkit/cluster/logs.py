@@ -31,7 +31,7 @@ from toolkit.formats.records import MAY_PASS
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import WATCHED
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 # progress states after which an attempt's log grows no more
 FINISHED = ("done", "failed", "stopped")

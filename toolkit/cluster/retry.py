@@ -28,7 +28,7 @@ from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import REPAIRED, asked_again
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = ["read_ids", "request_retry"]
 

@@ -47,7 +47,7 @@ from toolkit.formats.prompts import prompts_problem
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.shardstate import STATUS, done_time
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 
 class RunStatus(msgspec.Struct):
@@ -143,7 +143,7 @@ def read_facts(run_dir: str | os.PathLike) -> tuple[RunDir, RunFacts]:
     damaged = None
     # its sha256 is read only when the rest says complete: exit 0 vouches for it
     if merged_at is not None:
-        from toolkit.dataset.merge import merged_file_problem
+        from toolkit.dataset.merge_manifest import merged_file_problem
 
         whole = current and audit == "passed" and all(f.done is not None for f in shards)
         damaged = merged_file_problem(rd, checksum=whole)

@@ -50,7 +50,7 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import REPAIRED, ShardState
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,8 @@ from toolkit.dataset.audit_report import (
     token_summary,
 )
 from toolkit.dataset.examples import SampleCollector, source_prompt
-from toolkit.dataset.merge import MERGED, MergeError, MergeManifest, load_manifest, planned_refs
+from toolkit.dataset.merge import planned_refs
+from toolkit.dataset.merge_manifest import MERGED, MergeError, MergeManifest, load_manifest
 from toolkit.dataset.quality import KEPT_FOR_DRAFTERS, Judge, record_loop
 from toolkit.dataset.rerender import rerender, sample_positions
 from toolkit.formats.files import atomic_write, sha256_file
@@ -71,7 +72,7 @@ from toolkit.formats.runplan import RunPlan
 from toolkit.formats.text import utc_now
 from toolkit.job import chat
 from toolkit.job.inputs import PromptReader
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = ["Auditor", "audit_run"]
 

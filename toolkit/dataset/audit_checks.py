@@ -75,24 +75,15 @@ from toolkit.dataset.audit_report import check as _check
 from toolkit.formats.records import MAY_PASS, NAN_MATCHED
 from toolkit.formats.text import ranges
 from toolkit.job import chat
-from toolkit.job.spec import AuditSpec, ModelSpec
+from toolkit.job.schema import AuditSpec, ModelSpec
 
 __all__ = [
-    "ReasoningChecks",
     "coverage",
     "damaged_frames",
-    "degenerate",
     "failed_share",
-    "identical_samples",
-    "length_share",
     "nan_stop",
-    "prompt_rerender",
-    "reasoning_split",
     "run_checks",
     "shard_checksums",
-    "stop_tokens",
-    "token_counts",
-    "vocabulary",
 ]
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from toolkit.dataset.audit_report import Check, Integrity, ReasoningCounts, modes_text
 from toolkit.dataset.audit_report import check as _check
 from toolkit.job import chat
-from toolkit.job.spec import ModelSpec
+from toolkit.job.schema import ModelSpec
 
 __all__ = ["ReasoningChecks", "reasoning_split"]
 

@@ -18,7 +18,7 @@ from toolkit.formats.rundir import RunDir
 if TYPE_CHECKING:
     from toolkit.formats.runplan import RunPlan
     from toolkit.job.chat import TokenInfo
-    from toolkit.job.spec import ModelSpec
+    from toolkit.job.schema import ModelSpec
 
 __all__ = [
     "AUDIT_FORMAT",

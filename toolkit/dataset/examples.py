@@ -24,7 +24,8 @@ import numpy as np
 from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import Record
 from toolkit.formats.runplan import RunPlan
-from toolkit.job.inputs import InputError, PromptReader
+from toolkit.job.inputs import PromptReader
+from toolkit.job.promptline import InputError
 
 __all__ = [
     "DatasetSamples",

@@ -17,7 +17,7 @@ from toolkit.formats.files import shown_path
 from toolkit.formats.locks import try_flock
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = ["AuditFailed", "audit_and_report", "merge_and_audit"]
 

@@ -26,10 +26,8 @@ import msgspec
 from toolkit.dataset.merge_manifest import (
     MANIFEST_FORMAT,
     MERGED,
-    FrameProblem,
     MergeError,
     MergeManifest,
-    load_manifest,
     log_problems,
     merged_file_problem,
 )
@@ -46,17 +44,11 @@ from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.formats.shardfile import ShardWriter
 from toolkit.formats.text import ranges, utc_now
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = [
-    "MERGED",
-    "FrameProblem",
-    "MergeError",
-    "MergeManifest",
     "finished_shards",
-    "load_manifest",
     "merge_run",
-    "merged_file_problem",
     "planned_refs",
 ]
 

@@ -23,10 +23,6 @@ from collections.abc import Collection
 import numpy as np
 
 from toolkit.formats.loops import (
-    LOOP_MATCH,
-    LOOP_MAX_PERIOD,
-    LOOP_MIN_TOKENS,
-    LOOP_WINDOW,
     best_period,
     repetition_loop,
 )
@@ -42,15 +38,10 @@ from toolkit.formats.records import (
 )
 
 __all__ = [
-    "LOOP_MATCH",
-    "LOOP_MAX_PERIOD",
-    "LOOP_MIN_TOKENS",
-    "LOOP_WINDOW",
     "KEPT_FOR_DRAFTERS",
     "SKIP_REASONS",
     "Judge",
     "record_loop",
-    "repetition_loop",
 ]
 
 # Why an ok record is not training data, in the order they are decided (the first that holds is the

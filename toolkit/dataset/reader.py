@@ -25,7 +25,7 @@ from toolkit.dataset.export import JsonlRecord, export_run, rows_schema, stale_m
 from toolkit.dataset.export.jsonl import _jsonl_rows
 from toolkit.dataset.export.parquet import tokens_schema
 from toolkit.dataset.export.text import _Meta, _Text, _Tokens
-from toolkit.dataset.merge import MERGED, MergeError, load_manifest
+from toolkit.dataset.merge_manifest import MERGED, MergeError, load_manifest
 from toolkit.dataset.trainers import TRAINERS
 from toolkit.errors import ToolkitError
 from toolkit.formats.frames import CorruptShard, read_header, read_shard
@@ -35,7 +35,7 @@ from toolkit.formats.records import OK, Record
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 __all__ = ["read_rows", "read_run", "to_dataset"]
 

@@ -18,7 +18,8 @@ from toolkit.formats.prompts import PromptIndex
 from toolkit.formats.records import pack_ids
 from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
-from toolkit.job.inputs import InputError, PromptReader, check_plan_inputs
+from toolkit.job.inputs import PromptReader, check_plan_inputs
+from toolkit.job.promptline import InputError
 from toolkit.job.turns import turn_prompt
 
 __all__ = ["EXAMPLES", "rerender", "sample_positions"]

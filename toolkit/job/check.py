@@ -38,15 +38,17 @@ from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job.findings import Preflight, PreflightError, plural
+from toolkit.job.findrun import find_run
 from toolkit.job.grow import grown_plan
-from toolkit.job.plan import find_run, plan_job
-from toolkit.job.promptcheck import check_prompts, context_length
+from toolkit.job.plan import plan_job
+from toolkit.job.promptcheck import check_prompts
 from toolkit.job.render_slice import SHOWN
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.schema import JobSpec
+from toolkit.job.spec import load_spec
 from toolkit.job.specchecks import key_source_warnings
 from toolkit.job.specerrors import SpecError
 
-__all__ = ["PreflightError", "Preflight", "preflight", "context_length", "SHOWN"]
+__all__ = ["preflight"]
 
 
 def sglang_missing(spec: JobSpec) -> str | None:

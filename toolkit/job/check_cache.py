@@ -23,7 +23,7 @@ import msgspec
 
 from toolkit.formats.files import atomic_write
 from toolkit.job.chat import TokenInfo
-from toolkit.job.render_pool import Outcome
+from toolkit.job.render_slice import Outcome
 
 __all__ = ["FORMAT", "CheckCache", "dataset_key", "load", "render_key", "save"]
 

@@ -11,7 +11,7 @@ from toolkit.errors import BadInputError
 from toolkit.formats.prompts import PromptRef
 from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat, check_cache
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 MODE_WORDS = {
     chat.OPENED: "opened by the template",

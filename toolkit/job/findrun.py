@@ -22,7 +22,8 @@ from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import ENGINE_PART, REPLAN, PlanError, RunPlan
 from toolkit.formats.text import file_stamp
-from toolkit.job.spec import JobSpec, load_spec
+from toolkit.job.schema import JobSpec
+from toolkit.job.spec import load_spec
 
 # the suffix --new-run gives a run beside output_dir
 _STAMPED = re.compile(r"\.\d{8}-\d{6}(?:-\d+)?")

@@ -44,11 +44,11 @@ from toolkit.formats.shardstate import BUSY, asked_again
 from toolkit.formats.text import ranges, utc_now
 from toolkit.job.inputsdiff import InputsDiff, base_id, compare, prompts_of
 from toolkit.job.plan import _digest
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InputsDiff", "compare", "grow_run", "grown_plan"]
+__all__ = ["grow_run", "grown_plan"]
 
 _ALLOW = (
     "pass --allow-changed to generate the changed prompts again (their new records replace "

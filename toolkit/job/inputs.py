@@ -13,15 +13,13 @@ import msgspec
 
 from toolkit.formats.runplan import RunPlan
 from toolkit.job.promptline import InputError, Prompt, content_digest, parse_line
-from toolkit.job.sources import BOM, Source, SourceError, open_source, source_sha256
+from toolkit.job.readers import Source, SourceError
+from toolkit.job.sources import BOM, open_source, source_sha256
 
 __all__ = [
     "ExtraReader",
     "check_plan_inputs",
-    "InputError",
-    "Prompt",
     "PromptReader",
-    "content_digest",
     "duplicate_id",
     "extra_fields",
     "prompt_id",

@@ -52,10 +52,11 @@ from toolkit.formats.runplan import (
 )
 from toolkit.formats.text import utc_now
 from toolkit.job.findrun import find_run
-from toolkit.job.inputs import InputError, Prompt, duplicate_id, scan_dataset, source_errors
+from toolkit.job.inputs import duplicate_id, scan_dataset, source_errors
+from toolkit.job.promptline import InputError, Prompt
 from toolkit.job.runsettings import update_settings
+from toolkit.job.schema import DatasetSpec, JobSpec
 from toolkit.job.sources import source_sha256
-from toolkit.job.spec import DatasetSpec, JobSpec
 from toolkit.job.turns import turn_id, user_turns
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ __all__ = [
     "sample_id",
     "plan_job",
     "create_run",
-    "find_run",
 ]
 
 # skipped lines kept in run.json per dataset, with their reason; the rest are counted

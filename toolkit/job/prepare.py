@@ -14,10 +14,12 @@ from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import PlanError, RunPlan
 from toolkit.job import check_cache
-from toolkit.job.check import Preflight, preflight, require_engine_here
+from toolkit.job.check import preflight, require_engine_here
+from toolkit.job.findings import Preflight
+from toolkit.job.findrun import find_run
 from toolkit.job.grow import grow_run, grown_plan
-from toolkit.job.plan import create_run, find_run
-from toolkit.job.spec import JobSpec
+from toolkit.job.plan import create_run
+from toolkit.job.schema import JobSpec
 
 __all__ = ["PreparedRun", "prepare_run"]
 

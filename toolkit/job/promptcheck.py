@@ -11,11 +11,11 @@ from typing import Any
 
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import PlanError, RunPlan
-from toolkit.job import chat, check_cache, render_pool
+from toolkit.job import chat, check_cache, render_pool, render_slice
 from toolkit.job.findings import Preflight, PreflightError, plural
 from toolkit.job.findrun import find_run
 from toolkit.job.render_slice import SCHEDULER_MARGIN, Outcome, Places
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 from toolkit.job.specerrors import SpecError
 
 # tokenizer_config model_max_length of a tokenizer without a limit (transformers' 1e30 sentinel)
@@ -71,8 +71,8 @@ def _measure_datasets(
     """Render and measure every prompt of the datasets `todo` (positions in the job), on all
     cores."""
     spec, m = pf.spec, pf.spec.model
-    bounded, anchored = (None, False) if exact else render_pool.bound_kind(tok, m)
-    setting = render_pool.Setting(
+    bounded, anchored = (None, False) if exact else render_slice.bound_kind(tok, m)
+    setting = render_slice.Setting(
         m,
         pf.info,
         pf.context,
@@ -82,7 +82,7 @@ def _measure_datasets(
         skip_long=spec.inputs.on_too_long == "skip",
     )
     work = [
-        render_pool.Slice(i, d.path, d.name, d.regenerate, mnts[i], *piece)
+        render_slice.Slice(i, d.path, d.name, d.regenerate, mnts[i], *piece)
         for i in todo
         for d in [spec.datasets[i]]
         for piece in render_pool.slices(d.path)

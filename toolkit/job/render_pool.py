@@ -33,20 +33,13 @@ from toolkit.job.render_slice import (
     Failure,
     Memo,
     Outcome,
-    Places,
     Setting,
     Slice,
-    bound_kind,
     measure_slice,
 )
 
 __all__ = [
     "ENV_PROCESSES",
-    "Outcome",
-    "Places",
-    "Setting",
-    "Slice",
-    "bound_kind",
     "measure",
     "processes",
     "slices",

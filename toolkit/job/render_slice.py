@@ -15,7 +15,7 @@ import msgspec
 from toolkit.errors import BadInputError
 from toolkit.job import chat, sources
 from toolkit.job.inputs import prompt_id, scan_lines
-from toolkit.job.spec import ModelSpec
+from toolkit.job.schema import ModelSpec
 from toolkit.job.turns import turn_prompt
 
 SHOWN = 5  # places listed per problem and dataset; the rest are counted

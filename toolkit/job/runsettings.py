@@ -12,7 +12,7 @@ import msgspec
 from toolkit.formats.files import atomic_write
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan, plan_bytes
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from toolkit.formats.files import sha256_file
 from toolkit.job.readers import (
-    HUB_PREFIX,
     ParquetSource,
     Source,
     SourceError,
@@ -44,10 +43,6 @@ from toolkit.job.readers import (
 )
 
 __all__ = [
-    "HUB_PREFIX",
-    "Source",
-    "SourceError",
-    "is_hub",
     "open_source",
     "source_exists",
     "source_sha256",

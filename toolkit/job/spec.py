@@ -16,17 +16,7 @@ import tomllib
 from toolkit.formats.rundir import RunDir
 from toolkit.job import specerrors
 from toolkit.job.schema import (
-    AuditSpec,
-    ClientSpec,
-    DatasetSpec,
-    EngineSpec,
-    EstimateSpec,
-    InputsSpec,
     JobSpec,
-    ModelSpec,
-    ShardingSpec,
-    SlurmSpec,
-    StubSpec,
 )
 from toolkit.job.sglang_checks import SAMPLING_KEYS
 from toolkit.job.specchecks import validate
@@ -34,18 +24,6 @@ from toolkit.job.specerrors import SpecError
 
 # The schema's Structs are read from here, with the spec that decodes into them.
 __all__ = [
-    "AuditSpec",
-    "ClientSpec",
-    "DatasetSpec",
-    "EngineSpec",
-    "EstimateSpec",
-    "InputsSpec",
-    "JobSpec",
-    "ModelSpec",
-    "ShardingSpec",
-    "SlurmSpec",
-    "SpecError",
-    "StubSpec",
     "load_spec",
 ]
 

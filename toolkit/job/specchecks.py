@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.engines.layout import check_engine_layout
+from toolkit.job.readers import is_hub
 from toolkit.job.sglang_checks import check_engine_args, check_requests, check_sampling
-from toolkit.job.sources import is_hub
 from toolkit.job.specerrors import SpecError
 from toolkit.job.specpaths import check_unset_variables, relative, resolve, resolve_model_paths
 

@@ -41,7 +41,7 @@ from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir
 from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardstate import ShardStatus
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 from toolkit.worker.policy import pick, start_of
 from toolkit.worker.poolview import (
     HANDOVER_WAIT_S,
@@ -52,9 +52,9 @@ from toolkit.worker.poolview import (
     look,
     untrusted,
 )
-from toolkit.worker.run import STOPPED, ShardEnd, open_shard
+from toolkit.worker.run import STOPPED, open_shard
 from toolkit.worker.session import EngineSession
-from toolkit.worker.shard import SHARD_ERRORS, ShardBusy, Shards, shard_lines
+from toolkit.worker.shard import SHARD_ERRORS, ShardBusy, ShardEnd, Shards, shard_lines
 
 __all__ = [
     "ClaimResult",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from toolkit.errors import EXIT_STUCK
 
-__all__ = ["EXIT_STUCK", "ExitGuard", "cancel_and_wait", "cancel_left", "describe_tasks"]
+__all__ = ["ExitGuard", "cancel_and_wait", "cancel_left", "describe_tasks"]
 
 log = logging.getLogger("toolkit.worker")  # the shard's log names one logger
 

@@ -51,7 +51,7 @@ from toolkit.formats.runplan import RunPlan
 from toolkit.formats.shardfile import ForeignShard, Recovered
 from toolkit.formats.shardstate import VERIFIED, ShardState, retry_request
 from toolkit.job.inputs import check_plan_inputs
-from toolkit.job.spec import JobSpec
+from toolkit.job.schema import JobSpec
 from toolkit.worker.feed import Todo
 from toolkit.worker.openshard import Resumed, Shard
 from toolkit.worker.session import EngineSession
@@ -72,11 +72,6 @@ from toolkit.worker.shard import (
 __all__ = [
     "run_shard",
     "open_shard",
-    "Shard",
-    "ShardEnd",
-    "End",
-    "ShardBusy",
-    "ShardFailed",
     "DONE",
     "STOPPED",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from toolkit.dataset.export.selection import ExportError
-from toolkit.dataset.merge import MERGED, MergeManifest
+from toolkit.dataset.merge_manifest import MERGED, MergeManifest
 from toolkit.formats.frames import CorruptShard, read_header
 from toolkit.formats.run import Run
 from toolkit.formats.rundir import RunDir

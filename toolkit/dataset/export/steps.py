@@ -38,7 +38,7 @@ from toolkit.dataset.export.selection import (
 )
 from toolkit.dataset.export.text import _Tokens
 from toolkit.dataset.export.tokens import _export_tokens
-from toolkit.dataset.merge import MergeManifest, load_manifest
+from toolkit.dataset.merge_manifest import MergeManifest, load_manifest
 from toolkit.dataset.trainer_config import config_name, write_config
 from toolkit.dataset.trainers import (
     TRAINERS,
@@ -49,8 +49,9 @@ from toolkit.dataset.trainers import (
 )
 from toolkit.errors import FailedError
 from toolkit.formats.run import Run
-from toolkit.job.inputs import InputError, check_plan_inputs
-from toolkit.job.spec import JobSpec
+from toolkit.job.inputs import check_plan_inputs
+from toolkit.job.promptline import InputError
+from toolkit.job.schema import JobSpec
 
 log = logging.getLogger(__name__)
 

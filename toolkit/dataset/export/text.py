@@ -21,7 +21,8 @@ from toolkit.formats.records import Record, split_parts
 from toolkit.formats.runplan import RunPlan
 from toolkit.job import chat
 from toolkit.job.inputs import ExtraReader
-from toolkit.job.sources import SourceError, source_sha256
+from toolkit.job.readers import SourceError
+from toolkit.job.sources import source_sha256
 
 log = logging.getLogger(__name__)
 
