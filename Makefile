@@ -8,9 +8,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# make test: the suite in this many processes side by side (the tiers of the cluster, real SGLang and the trainers
-# each in one of them, one test after another: tests/conftest.py); 1 runs it in one process
-TEST_PROCESSES ?= 4
+# make test: the suite's tiers side by side (tests/tiers.py): the cluster's tests and real SGLang's, each one after
+# another in a pytest of its own, and the rest in TEST_PROCESSES processes
+TEST_PROCESSES ?= 2
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo install install-test test bench venv
@@ -32,7 +32,7 @@ install-test: venv
 	PYTHON=$(PYTHON) bash tests/trainers/install.sh
 
 test: install-test
-	env=$$(bash slurm/start.sh) && eval "$$env" && $(VPY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup; rc=$$?; bash slurm/stop.sh; exit $$rc
+	env=$$(bash slurm/start.sh) && eval "$$env" && TEST_PROCESSES=$(TEST_PROCESSES) $(VPY) tests/tiers.py; rc=$$?; bash slurm/stop.sh; exit $$rc
 
 bench: install
 	$(VPY) benchmarks/bench_worker.py

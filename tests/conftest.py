@@ -14,28 +14,17 @@ from pathlib import Path
 
 import pytest
 
-# The tiers that run one test at a time, each beside the rest of the suite when it runs in processes side by side
-# (`pytest -n N --dist loadgroup`, as `make test` does): the tests of one local cluster, of one real SGLang server
-# (and its tiny model), of the trainers' torch. A test of two tiers belongs to the first named here.
-TIERS = ("slurm", "sglang", "trainers")
 
-
-def tier(item: pytest.Item) -> str | None:
-    return next((name for name in TIERS if item.get_closest_marker(name)), None)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items) -> None:
     """A test that needs the local cluster, real SGLang or the trainers is slow by nature: `-m "not slow"` leaves it
-    out. Each tier is one group of `--dist loadgroup` (it runs in one process, its tests one after another), and the
-    tiers come first: they are the longest units, so they start while the other tests fill the other processes
-    (pytest keeps the order of the rest)."""
+    out."""
     for item in items:
-        name = tier(item)
-        if name:
+        if (
+            item.get_closest_marker("slurm")
+            or item.get_closest_marker("sglang")
+            or item.get_closest_marker("trainers")
+        ):
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group(name))
-    items.sort(key=lambda item: TIERS.index(tier(item)) if tier(item) else len(TIERS))
 
 
 @pytest.fixture

@@ -242,7 +242,7 @@ def test_both_commands_run_everything_through_the_venv():
                 "bash tests/install-browser.sh",
                 "PYTHON=python3 bash tests/real_sglang/install.sh",
                 "bash slurm/start.sh",
-                ".venv/bin/python -m pytest -q",
+                "TEST_PROCESSES=2 .venv/bin/python tests/tiers.py",
                 "bash slurm/stop.sh",
             ):
                 assert needed in text, f"make test lacks {needed!r}:\n{text}"
