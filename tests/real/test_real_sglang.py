@@ -332,7 +332,9 @@ def test_an_external_server_with_a_key_sized_by_auto_concurrency_and_its_load_in
         tmp_path,
         tiny_model,
         n=16,
-        sampling={"max_new_tokens": 120},
+        # Work that outlasts a few progress refreshes (2 s) and `toolkit status` calls however fast the server:
+        # 480 tokens each, no early end, 2 at a time.
+        sampling={"max_new_tokens": 480, "min_new_tokens": 480},
         engine={
             "kind": "external",
             "url": sglang_server.url,

@@ -214,8 +214,10 @@ def test_run_on_one_box_uses_every_gpu_with_a_worker_per_engine(
     tasks = {p.task for p in ps}
     assert len(tasks) <= len(expected) and {p.gpus for p in ps} <= set(expected)
     assert len({p.group for p in ps}) == 1
-    # one engine start per worker that took a shard, never one per shard
-    assert all_engine_starts(rd) == len(tasks) and all(p.task_engine_starts == 1 for p in ps)
+    # one engine start per worker, never one per shard (under load a worker whose engine is ready last may find
+    # every shard taken: it started its engine and took none)
+    assert len(tasks) <= all_engine_starts(rd) <= len(expected)
+    assert all(p.task_engine_starts == 1 for p in ps)
     assert sorted(merged_ids(rd)) == sorted(f"p{i:04d}" for i in range(24))
 
 
