@@ -260,7 +260,8 @@ def _unfinished(rd, plan, shards) -> list[int]:
     from toolkit.formats.run import Run
     from toolkit.formats.shardstate import CHEAP
 
-    return [k for k in shards if not Run(rd, plan).shard_state(k, CHEAP).finished]
+    run = Run(rd, plan)
+    return [k for k in shards if not run.shard_state(k, CHEAP).finished]
 
 
 def _of_run(shards: list[int], plan) -> str:

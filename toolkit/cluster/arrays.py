@@ -51,7 +51,8 @@ def workers_for(params: dict[str, Any], shards: list[int], max_array_size: int) 
 def pending_shards(rd: RunDir, plan: RunPlan) -> list[int]:
     """The shards of a run no worker ended (no done manifest; all of them for a run not created
     yet)."""
-    return [k for k in range(len(plan.shards)) if not Run(rd, plan).shard_state(k).ended]
+    run = Run(rd, plan)
+    return [k for k in range(len(plan.shards)) if not run.shard_state(k).ended]
 
 
 def tasks_in_words(n: int) -> str:

@@ -44,10 +44,11 @@ def snapshot(
     finished = {} if finished is None else finished
     done = failed = 0
     rate = 0.0
+    run = Run(rd, plan)
     for sp in plan.shards:
         k = sp.index
         if k not in finished:
-            m = Run(rd, plan).shard_state(k).done
+            m = run.shard_state(k).done
             if m is not None:
                 finished[k] = (m.records, m.failed)
         if k in finished:

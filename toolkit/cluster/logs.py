@@ -268,9 +268,9 @@ def _print_failed_shards(rd: RunDir, bad: list[ShardRow], lines: int) -> None:
 
 def _retryable(rd: RunDir, plan) -> dict[int, int]:
     """{shard: transient failures} from the done manifests (see records.TRANSIENT)."""
-    out = {}
+    out, run = {}, Run(rd, plan)
     for s in plan.shards:
-        m = Run(rd, plan).shard_state(s.index).done
+        m = run.shard_state(s.index).done
         # given up after [client] max_tries: retry starts afresh
         if m is not None and (m.transient or m.given_up):
             out[s.index] = m.transient + m.given_up

@@ -90,6 +90,5 @@ def request_retry(
 def _unfinished(rd: RunDir, plan: RunPlan) -> list[int]:
     """Shards to run: not finished (formats.shardstate), a done manifest of another run or whose
     file changed since it was written taken as not finished (and removed)."""
-    return [
-        s.index for s in plan.shards if not Run(rd, plan).shard_state(s.index, REPAIRED).finished
-    ]
+    run = Run(rd, plan)
+    return [s.index for s in plan.shards if not run.shard_state(s.index, REPAIRED).finished]

@@ -73,9 +73,9 @@ def finished_shards(
 ) -> dict[int, DoneManifest]:
     """The done manifests of this run's shards; MergeError naming the unfinished ones unless
     `allow_incomplete`."""
-    not_done, done = [], {}
+    not_done, done, run = [], {}, Run(rd, plan)
     for s in plan.shards:
-        m = Run(rd, plan).shard_state(s.index).done
+        m = run.shard_state(s.index).done
         if m is not None:
             done[s.index] = m
         else:

@@ -62,7 +62,8 @@ def untrusted(rd: RunDir, plan: RunPlan, pool: list[int]) -> set[int]:
     """Shards of `pool` whose done manifest cannot be trusted: another run's, or its file changed
     since (size, sha256). Running them again checks the file, salvages what is intact and generates
     the rest (worker.run)."""
-    return {k for k in pool if Run(rd, plan).shard_state(k, VERIFIED).state is ShardState.UNTRUSTED}
+    run = Run(rd, plan)
+    return {k for k in pool if run.shard_state(k, VERIFIED).state is ShardState.UNTRUSTED}
 
 
 # a task with nothing open waits this long for shards another task hands over

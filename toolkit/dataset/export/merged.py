@@ -59,11 +59,11 @@ def stale_merge(rd: RunDir, plan: RunPlan, manifest: MergeManifest) -> str | Non
             f"the run plans {plan.total} records in {len(plan.shards)} shards, the merge had "
             f"{manifest.planned} in {len(manifest.shards)} (the job grew)"
         )
-    changed = []
+    changed, run = [], Run(rd, plan)
     for m in manifest.shards:
         path = rd.shard_file(m.index)
         size = path.stat().st_size if path.exists() else 0
-        if size != m.bytes or Run(rd, plan).shard_state(m.index).state is ShardState.RETRY:
+        if size != m.bytes or run.shard_state(m.index).state is ShardState.RETRY:
             changed.append(m.index)
     if changed:
         return (
