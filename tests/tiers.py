@@ -61,6 +61,8 @@ def main(args: list[str]) -> int:
     except KeyboardInterrupt:
         for proc, _ in running.values():
             proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
         return 130
     failed = [name for name, code in codes.items() if code]
     total = (time.monotonic() - started) / 60
